@@ -1,0 +1,248 @@
+"""Hugging Face checkpoint folders <-> jaxspec params.
+
+A folder holds `config.json`, one `model.safetensors` or several shards with
+`model.safetensors.index.json`, and optionally `tokenizer.json`. Tensors are read one at a time
+and each is placed straight into its target sharding, so no host ever holds a full copy of the
+model nor one copy per device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding, param_axes
+from jaxspec.models.transformer import Params
+
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _np_dtype(dtype) -> np.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        return np.dtype(_DTYPES[dtype])
+    return np.dtype(jnp.dtype(dtype))
+
+
+def _dtype_name(dtype) -> str:
+    dtype = np.dtype(dtype)
+    for name, np_type in _DTYPES.items():
+        if np.dtype(np_type) == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+class _Converter:
+    """One HF tensor <-> one jaxspec leaf: expected HF shape and the two layout transforms."""
+
+    def __init__(self, hf_shape: tuple[int, ...], to_ours: Callable, to_hf: Callable):
+        self.hf_shape, self.to_ours, self.to_hf = hf_shape, to_ours, to_hf
+
+
+def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
+    """Maps HF tensor name -> (path into params, converter)."""
+    h, f, d, nq, nk, v = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads,
+                          cfg.num_kv_heads, cfg.vocab_size)
+    ident = _Converter
+
+    def proj(n):  # [n*D, H] <-> [H, n, D]
+        return _Converter((n * d, h), lambda w: w.T.reshape(h, n, d), lambda p: p.reshape(h, n * d).T)
+
+    def bias(n):
+        return _Converter((n * d,), lambda w: w.reshape(n, d), lambda p: p.reshape(n * d))
+
+    def linear(out_dim, in_dim):  # HF [out, in] <-> ours [in, out]
+        return _Converter((out_dim, in_dim), lambda w: w.T, lambda p: p.T)
+
+    table = {
+        "model.embed_tokens.weight": (("embed",), ident((v, h), lambda w: w, lambda p: p)),
+        "model.norm.weight": (("final_norm",), ident((h,), lambda w: w, lambda p: p)),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), linear(v, h))
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": ("attn_norm", ident((h,), lambda w: w, lambda p: p)),
+            "post_attention_layernorm.weight": ("mlp_norm", ident((h,), lambda w: w, lambda p: p)),
+            "self_attn.q_proj.weight": ("q", proj(nq)),
+            "self_attn.k_proj.weight": ("k", proj(nk)),
+            "self_attn.v_proj.weight": ("v", proj(nk)),
+            "self_attn.o_proj.weight": ("o", _Converter((h, nq * d), lambda w: w.T.reshape(nq, d, h),
+                                                        lambda p: p.reshape(nq * d, h).T)),
+            "mlp.gate_proj.weight": ("gate", linear(f, h)),
+            "mlp.up_proj.weight": ("up", linear(f, h)),
+            "mlp.down_proj.weight": ("down", linear(h, f)),
+        }
+        if cfg.attention_bias:
+            layer |= {"self_attn.q_proj.bias": ("q_bias", bias(nq)),
+                      "self_attn.k_proj.bias": ("k_bias", bias(nk)),
+                      "self_attn.v_proj.bias": ("v_bias", bias(nk))}
+        if cfg.qk_norm:
+            layer |= {"self_attn.q_norm.weight": ("q_norm", ident((d,), lambda w: w, lambda p: p)),
+                      "self_attn.k_norm.weight": ("k_norm", ident((d,), lambda w: w, lambda p: p))}
+        for name, (leaf, conv) in layer.items():
+            table[pre + name] = (("layers", i, leaf), conv)
+    return table
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: missing 'weight_map'")
+        files = {name: path / fname for name, fname in weight_map.items()}
+        for file in set(files.values()):
+            if not file.exists():
+                raise FileNotFoundError(f"{index} names {file.name}, which does not exist in {path}")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    files = {}
+    for shard in shards:
+        with safe_open(shard, "np") as f:
+            files.update({name: shard for name in f.keys()})
+    return files
+
+
+def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[ModelConfig, Params]:
+    """Loads an HF folder. dtype: "float32" | "bfloat16" | "float16" (or a numpy/jax dtype).
+
+    With `sharding`, each param is built directly in its NamedSharding from the host copy of that
+    one tensor (jax.make_array_from_callback); otherwise it lands on the default device.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"config.json not found in {path}")
+    cfg = ModelConfig.from_json(path / "config.json")
+    target = _np_dtype(dtype)
+    table = _converters(cfg)
+    files = _tensor_files(path)
+    missing = sorted(set(table) - set(files))
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(n for n in set(files) - set(table)
+                        if not _IGNORED.match(n) and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensors {unexpected[:5]} for a {cfg.family} model "
+                         f"with {cfg.num_layers} layers")
+
+    params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
+    by_file: dict[Path, list[str]] = {}
+    for name in table:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, "np") as f:
+            for name in names:
+                tree_path, conv = table[name]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != conv.hf_shape:
+                    raise ValueError(f"{file.name}: tensor {name} has shape {shape}, expected {conv.hf_shape}")
+                host = np.ascontiguousarray(conv.to_ours(f.get_tensor(name)).astype(target))
+                _set(params, tree_path, _place(host, tree_path, sharding))
+    return cfg, params
+
+
+def _place(host: np.ndarray, tree_path: tuple, sharding: Sharding | None) -> jax.Array:
+    if sharding is None:
+        return jax.device_put(host)
+    keys = tuple(jax.tree_util.SequenceKey(p) if isinstance(p, int) else jax.tree_util.DictKey(p)
+                 for p in tree_path)
+    named = sharding.named(param_axes(keys), host.shape)
+    return jax.make_array_from_callback(host.shape, named, lambda idx: host[idx])
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def _get(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=None,
+            max_shard_bytes: int = 4 << 30) -> None:
+    """Writes an HF folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    dtype defaults to the params' dtype. Shards above `max_shard_bytes` get an index json. The
+    folder is written next to `path` and renamed into place, so a crash never leaves half a folder.
+    """
+    path = Path(path)
+    np_dtype = _np_dtype(dtype) if dtype is not None else np.dtype(params["embed"].dtype)
+    dtype_name = _dtype_name(np_dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for name, (tree_path, conv) in _converters(cfg).items():
+            arr = np.asarray(jax.device_get(_get(params, tree_path))).astype(np_dtype)
+            hf = np.ascontiguousarray(conv.to_hf(arr))
+            if size + hf.nbytes > max_shard_bytes and shards[-1]:
+                shards.append({})
+                size = 0
+            shards[-1][name] = hf
+            size += hf.nbytes
+        if len(shards) == 1:
+            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / fname, metadata={"format": "pt"})
+                weight_map.update({n: fname for n in shard})
+                total += sum(a.nbytes for a in shard.values())
+            with open(tmp / "model.safetensors.index.json", "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(tmp / "config.json", "w") as f:
+            json.dump(cfg.to_hf(dtype_name), f, indent=2)
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def load_tokenizer(path):
+    """HF `tokenizers.Tokenizer` from a folder's tokenizer.json (or the file itself)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.exists():
+        raise FileNotFoundError(f"tokenizer.json not found: {file}")
+    return Tokenizer.from_file(str(file))

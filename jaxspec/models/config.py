@@ -1,0 +1,192 @@
+"""Decoder configuration: one frozen dataclass for Qwen2/2.5, Qwen3 (dense) and Llama 3.x.
+
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dict (transformers 4.x `rope_scaling` /
+`rope_theta` or 5.x `rope_parameters`), `to_hf` writes one back that `transformers` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+_MODEL_TYPES = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static shape and numerics of a decoder-only policy.
+
+    family: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm over head_dim) or "llama".
+    rope_scaling: HF rope parameters minus theta, as sorted (key, value) pairs so the config stays
+        hashable (jit static argument); `rope_type` is one of SUPPORTED_ROPE_TYPES.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = (("rope_type", "default"),)
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.family not in _MODEL_TYPES:
+            raise ValueError(f"unsupported model family {self.family!r}; expected one of {sorted(_MODEL_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        rope_type = self.rope.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; expected one of {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_params(self) -> int:
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * f + 2 * h
+        if self.attention_bias:
+            layer += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            layer += 2 * d
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    # ---------------------------------------------------------------- HF config.json
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        family = None
+        for arch in archs:
+            if arch in SUPPORTED_ARCHITECTURES:
+                family = SUPPORTED_ARCHITECTURES[arch]
+        if family is None and model_type in _MODEL_TYPES and not archs:
+            family = model_type
+        if family is None:
+            raise ValueError(
+                f"{source}: unsupported architecture {archs or model_type!r}; "
+                f"jaxspec supports {sorted(SUPPORTED_ARCHITECTURES)}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"{source}: missing required key {key!r}")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy = hf.get("rope_scaling") or {}
+        rope.update(legacy)
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.pop("type", None)
+        rope.setdefault("rope_type", "default")
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = tuple(eos)
+        return cls(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted((k, _freeze(v)) for k, v in rope.items())),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_hf(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        rope = {k: _thaw(v) for k, v in self.rope_scaling}
+        out: dict[str, Any] = {
+            "architectures": [_MODEL_TYPES[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if rope.get("rope_type") == "default" else rope,
+            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.family == "llama":
+            out["attention_bias"] = self.attention_bias
+            out["mlp_bias"] = False
+        if self.family == "qwen3":
+            out["attention_bias"] = False
+        if self.family in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+            out["max_window_layers"] = self.num_layers
+        return out
+
+    @classmethod
+    def from_json(cls, path) -> "ModelConfig":
+        with open(path) as f:
+            return cls.from_hf(json.load(f), source=str(path))
+
+
+def _freeze(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _thaw(v):
+    return list(v) if isinstance(v, tuple) else v

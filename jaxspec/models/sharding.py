@@ -1,0 +1,127 @@
+"""Device mesh (data, fsdp, tensor) and logical-axis sharding rules for params and activations.
+
+Every param dimension has a logical name (`PARAM_AXES`); `rules` map logical names to mesh axes.
+A mapping is dropped for a dimension the mesh axes do not divide, so any device count works: the
+dimension is then replicated instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("q_heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("head_dim", ()),
+    ("norm", ()),
+    ("seq", ()),
+    ("act_embed", ()),
+    ("cache_seq", ()),
+)
+
+# Logical axes of each param leaf, keyed by the leaf's name in the params pytree.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("norm",),
+    "attn_norm": ("norm",),
+    "mlp_norm": ("norm",),
+    "q": ("embed", "q_heads", "head_dim"),
+    "k": ("embed", "kv_heads", "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"),
+    "o": ("q_heads", "head_dim", "embed"),
+    "q_bias": ("q_heads", "head_dim"),
+    "k_bias": ("kv_heads", "head_dim"),
+    "v_bias": ("kv_heads", "head_dim"),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "gate": ("embed", "mlp"),
+    "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
+
+KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor); one size may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices are not divisible by the fixed mesh axes ({known})")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} devices, "
+            f"have {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """A mesh plus logical-axis rules; resolves logical axes to PartitionSpecs for given shapes."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_RULES
+
+    def spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+        if len(axes) != len(shape):
+            raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+        rules = dict(self.rules)
+        used: set[str] = set()
+        parts = []
+        for name, size in zip(axes, shape):
+            mesh_axes = []
+            for ax in rules.get(name, ()) if name else ():
+                ax_size = self.mesh.shape[ax]
+                if ax in used or ax_size == 1:
+                    continue
+                if size % (math.prod(self.mesh.shape[a] for a in mesh_axes) * ax_size) == 0:
+                    mesh_axes.append(ax)
+            used.update(mesh_axes)
+            parts.append(tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+        return PartitionSpec(*parts)
+
+    def named(self, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes, shape))
+
+    def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.named(axes, x.shape))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def param_axes(path: tuple) -> tuple[str, ...]:
+    """Logical axes for the param at a pytree key path (the last dict key names the leaf)."""
+    leaf = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), None)
+    if leaf not in PARAM_AXES:
+        raise ValueError(f"no sharding rule for param {jax.tree_util.keystr(path)}")
+    return PARAM_AXES[leaf]
+
+
+def param_shardings(sharding: Sharding, params_shapes) -> object:
+    """Pytree of NamedShardings matching a params pytree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: sharding.named(param_axes(path), leaf.shape), params_shapes)
+
+
+def shard_params(sharding: Sharding, params):
+    """Places an existing params pytree onto the mesh."""
+    return jax.device_put(params, param_shardings(sharding, params))

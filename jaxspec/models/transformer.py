@@ -1,0 +1,275 @@
+"""Functional decoder for Qwen2/2.5, Qwen3 (dense) and Llama 3.x.
+
+Params are a plain pytree:
+
+    {"embed": [V, H],
+     "layers": [ {"attn_norm": [H], "q": [H, Nq, D], "k": [H, Nk, D], "v": [H, Nk, D],
+                  "o": [Nq, D, H], ("q_bias": [Nq, D], "k_bias"/"v_bias": [Nk, D]),
+                  ("q_norm": [D], "k_norm": [D]), "mlp_norm": [H],
+                  "gate": [H, F], "up": [H, F], "down": [F, H]}, ... L ],
+     "final_norm": [H],
+     ("lm_head": [H, V])}            # absent when embeddings are tied
+
+Two entry points share one layer implementation:
+  * `forward` / `forward_hidden`: full sequences (training, log-prob recomputation), with a padding
+    mask and optional segment ids for packed sequences.
+  * `extend`: append T new tokens per row to a static-shape `KVCache` at per-row offsets and attend
+    to the cached prefix plus the new tokens (T=1 is a decode step; a tree mask makes it the
+    speculative verification forward; an empty cache makes it prefill).
+Softmax, norms and logits are float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.rope import apply_rope, rope_tables
+from jaxspec.models.sharding import Sharding
+
+Params = dict
+
+
+class KVCache(NamedTuple):
+    """Per-layer key/value buffers, each [B, S, Nk, D]; slot s of row b holds position s."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> int:
+    """Bytes of a KVCache of this shape."""
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return batch * max_len * per_slot
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random params (normal(0, std) matrices, unit norms, zero biases)."""
+    h, f, d, nq, nk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    keys = iter(jax.random.split(key, 2 + 7 * cfg.num_layers))
+
+    def normal(shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        layer = {
+            "attn_norm": jnp.ones((h,), dtype),
+            "q": normal((h, nq, d)), "k": normal((h, nk, d)), "v": normal((h, nk, d)),
+            "o": normal((nq, d, h)),
+            "mlp_norm": jnp.ones((h,), dtype),
+            "gate": normal((h, f)), "up": normal((h, f)), "down": normal((f, h)),
+        }
+        if cfg.attention_bias:
+            layer |= {"q_bias": jnp.zeros((nq, d), dtype), "k_bias": jnp.zeros((nk, d), dtype),
+                      "v_bias": jnp.zeros((nk, d), dtype)}
+        if cfg.qk_norm:
+            layer |= {"q_norm": jnp.ones((d,), dtype), "k_norm": jnp.ones((d,), dtype)}
+        layers.append(layer)
+    params = {"embed": normal((cfg.vocab_size, h)), "layers": layers, "final_norm": jnp.ones((h,), dtype)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = normal((h, cfg.vocab_size))
+    return params
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x.dtype before the weight (as transformers does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q [B, T, Nq, D], k/v [B, S, Nk, D], mask bool [B, T, S] (True = may attend) -> [B, T, Nq, D].
+    Scores and softmax in float32.
+    """
+    b, t, nq, d = q.shape
+    nk = k.shape[2]
+    qg = q.reshape(b, t, nk, nq // nk, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, nq, d).astype(q.dtype)
+
+
+def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("bth,hnd->btnd", h, layer["q"])
+    k = jnp.einsum("bth,hnd->btnd", h, layer["k"])
+    v = jnp.einsum("bth,hnd->btnd", h, layer["v"])
+    if cfg.attention_bias:
+        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array) -> jax.Array:
+    x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
+    up = jnp.einsum("bth,hf->btf", h, layer["up"])
+    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"])
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    """Final norm and LM head: x [B, T, H] -> float32 logits [B, T, V]."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- full sequences
+
+
+def _default_positions(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Index of each token within its sequence (or segment) [B, T]."""
+    b, t = mask.shape
+    if segment_ids is None:
+        return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    idx = jnp.arange(t, dtype=jnp.int32)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - start_idx
+
+
+def forward_hidden(
+    cfg: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    hidden_layers: tuple[int, ...] = (),
+    *,
+    mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    sharding: Sharding | None = None,
+    remat: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Full-sequence forward returning logits and chosen layers' outputs.
+
+    tokens int32 [B, T]; mask bool [B, T] (False = padding); segment_ids int32 [B, T] (packed
+    sequences attend only within their segment); positions int32 [B, T] (default: index within
+    sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
+    Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
+    """
+    for i in hidden_layers:
+        if not 0 <= i < cfg.num_layers:
+            raise ValueError(f"hidden layer id {i} outside [0, {cfg.num_layers})")
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
+    if positions is None:
+        positions = _default_positions(mask, segment_ids)
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    attn_mask = causal & mask[:, None, :]
+    if segment_ids is not None:
+        attn_mask = attn_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    cos, sin = rope_tables(cfg, positions)
+
+    def layer_fn(layer, x):
+        q, k, v = _qkv(cfg, layer, x, cos, sin)
+        x = _attn_out_and_mlp(cfg, layer, x, attention(q, k, v, attn_mask))
+        return _constrain(sharding, x, ("batch", "seq", "act_embed"))
+
+    if remat:
+        layer_fn = jax.checkpoint(layer_fn)
+    x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
+    hidden = []
+    for i, layer in enumerate(params["layers"]):
+        x = layer_fn(layer, x)
+        if i in hidden_layers:
+            hidden.append(x)
+    logits = _constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
+    stacked = jnp.stack([hidden[sorted(hidden_layers).index(i)] for i in hidden_layers]) if hidden_layers else (
+        jnp.zeros((0, b, t, cfg.hidden_size), x.dtype))
+    return logits, stacked
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, **kwargs) -> jax.Array:
+    """int32 tokens [B, T] -> float32 logits [B, T, V]. Keyword args as `forward_hidden`."""
+    return forward_hidden(cfg, params, tokens, (), **kwargs)[0]
+
+
+# ----------------------------------------------------------------------------- cached extension
+
+
+def extend(
+    cfg: ModelConfig,
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache_len: jax.Array,
+    *,
+    tree_mask: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
+    sharding: Sharding | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Append T new tokens per row to the cache and run them through the model.
+
+    tokens int32 [B, T]; positions int32 [B, T] (rope positions); cache_len int32 [B]: row b's
+    valid prefix occupies slots [0, cache_len[b]) and the new tokens are written to slots
+    cache_len[b] + t. tree_mask bool [B, T, T] says which new tokens each new token sees
+    (default causal); every new token sees the whole valid prefix.
+    Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H], updated cache).
+    Slots past cache_len[b] + T are neither read nor written.
+    """
+    b, t = tokens.shape
+    s = cache.max_len
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    rel = jnp.arange(s, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
+    in_new = (rel >= 0) & (rel < t)
+    new_visible = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
+    attn_mask = (rel < 0)[:, None, :] | (in_new[:, None, :] & new_visible)  # [B, T, S]
+    slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    rows = jnp.arange(b)[:, None]
+    cos, sin = rope_tables(cfg, positions)
+
+    x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
+    new_k, new_v, hidden = [], [], []
+    for i, layer in enumerate(params["layers"]):
+        q, k, v = _qkv(cfg, layer, x, cos, sin)
+        ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
+        cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
+        x = _attn_out_and_mlp(cfg, layer, x, attention(q, ck.astype(q.dtype), cv.astype(q.dtype), attn_mask))
+        x = _constrain(sharding, x, ("batch", "seq", "act_embed"))
+        new_k.append(ck)
+        new_v.append(cv)
+        if i in hidden_layers:
+            hidden.append(x)
+    logits = logits_from_hidden(cfg, params, x)
+    stacked = jnp.stack([hidden[sorted(hidden_layers).index(i)] for i in hidden_layers]) if hidden_layers else (
+        jnp.zeros((0, b, t, cfg.hidden_size), x.dtype))
+    return logits, stacked, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def _constrain(sharding: Sharding | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return x if sharding is None else sharding.constrain(x, axes)
