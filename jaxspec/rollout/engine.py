@@ -1,0 +1,221 @@
+"""Autoregressive rollouts: shared prefill of distinct prompts, then one compiled decode loop.
+
+`generate` prefills each distinct prompt once (GRPO repeats every prompt n times), copies its KV
+rows to all the batch rows that carry it, and runs a `jax.lax.while_loop` that appends one token
+per row per iteration, with no host round trip, until every row has emitted an eos or
+`max_new_tokens` tokens. The batch KV cache is donated into the loop and updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logits_from_hidden
+from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
+from jaxspec.rollout.prompts import group_prompts, validate_prompts
+from jaxspec.rollout.sampling import Sampling, choose_tokens
+
+
+class RolloutOutput(NamedTuple):
+    """Generated continuations of a batch of B prompts, N = max_new_tokens.
+
+    tokens: int32 [B, N]; after a row's first eos the pad id (cfg.pad_token_id, or 0).
+    lengths: int32 [B] tokens emitted per row, the eos included.
+    logprobs: float32 [B, N] log p of each emitted token under the processed distribution
+        (`processed_logprobs`); 0 past the row's length.
+    stats: "steps" (decode-loop iterations; the first token comes from the prefill logits),
+        "acceptance_length" (tokens per step per row: 1.0 without speculation),
+        "acceptance_rate_per_position" (float32 [k], empty without speculation),
+        "generated_tokens" (sum of lengths).
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    logprobs: jax.Array
+    stats: dict
+
+
+def generate(
+    cfg: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    key: jax.Array,
+    sampling: Sampling = Sampling(),
+    spec=None,
+    *,
+    cache_dtype=None,
+    sharding: Sharding | None = None,
+) -> RolloutOutput:
+    """Samples a continuation of every prompt from the policy.
+
+    prompts: B token-id lists, lengths may differ. key: PRNG key; all randomness derives from it.
+    cache_dtype: KV cache dtype (default: the params' dtype). sharding: when given, the cache is
+    laid out by `KV_CACHE_AXES` and the batch is sharded over the mesh's batch axes.
+    Compiled programs are reused across calls with the same batch size, prompt-length bucket,
+    distinct-prompt bucket and `sampling`.
+    Raises ValueError for an empty prompt list or prompt, a token or eos id outside the
+    vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
+    not fit the device's free memory, or `spec` (not available in this build).
+    """
+    if spec is not None:
+        raise ValueError("spec: speculative decoding is not available in this build; pass spec=None")
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a jaxspec.rollout.Sampling, got {type(sampling).__name__}")
+    eos_ids = sampling.eos_ids(cfg.eos_token_id)
+    for eos in eos_ids:
+        if not 0 <= eos < cfg.vocab_size:
+            raise ValueError(f"eos_id {eos} is outside the vocabulary [0, {cfg.vocab_size})")
+    sampling = dataclasses.replace(sampling, eos_id=eos_ids)
+    batch = group_prompts(validate_prompts(cfg, prompts, sampling.max_new_tokens))
+    cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
+    num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
+    max_len = prompt_width + sampling.max_new_tokens
+
+    longest = int(batch.row_lengths.max())
+    needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct)
+    check_fits(needed // _cache_shards(cfg, sharding, num_rows, max_len), jax.devices()[0].memory_stats(),
+               batch=num_rows, prompt_len=longest, max_new_tokens=sampling.max_new_tokens)
+
+    def put(x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
+        return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
+
+    cache, logits = _prefill(
+        cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
+        put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding)
+    tokens, logprobs, lengths, steps, _ = _decode(
+        cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key, sharding=sharding)
+    stats = {
+        "steps": int(steps),
+        "acceptance_length": 1.0,
+        "acceptance_rate_per_position": np.zeros((0,), np.float32),
+        "generated_tokens": int(np.asarray(lengths).sum()),
+    }
+    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats)
+
+
+def _cache_shards(cfg: ModelConfig, sharding: Sharding | None, batch: int, max_len: int) -> int:
+    """Number of devices the batch KV cache is split over."""
+    if sharding is None:
+        return 1
+    spec = sharding.spec(KV_CACHE_AXES, (batch, max_len, cfg.num_kv_heads, cfg.head_dim))
+    shards = 1
+    for part in spec:
+        for axis in (part if isinstance(part, tuple) else (part,)):
+            if axis is not None:
+                shards *= sharding.mesh.shape[axis]
+    return shards
+
+
+def _constrain(sharding: Sharding | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return x if sharding is None else sharding.constrain(x, axes)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "cache_dtype", "sharding"))
+def _prefill(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+             row_prompt: jax.Array, *, max_len: int, cache_dtype, sharding: Sharding | None
+             ) -> tuple[KVCache, jax.Array]:
+    """Runs the distinct prompts and lays their KV out per batch row.
+
+    prompt_tokens int32 [U, P] right-padded; prompt_lengths int32 [U]; row_prompt int32 [B].
+    Returns (cache with B rows of max_len slots, slots [0, P) filled; float32 next-token logits
+    [B, V] at each row's last prompt token). Padding never influences real tokens (causal mask),
+    and slots past a row's prompt length are overwritten before they are ever attended to.
+    """
+    num_prompts, width = prompt_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
+    cache = init_cache(cfg, num_prompts, width, cache_dtype)
+    # Only the last layer's output is used: the full [U, P, V] logits are dead code under jit.
+    _, hidden, cache = extend(cfg, params, cache, prompt_tokens, positions, jnp.zeros((num_prompts,), jnp.int32),
+                              hidden_layers=(cfg.num_layers - 1,), sharding=sharding)
+    last = jnp.take_along_axis(hidden[0], (prompt_lengths - 1)[:, None, None], axis=1)  # [U, 1, H]
+    logits = logits_from_hidden(cfg, params, last)[:, 0]
+
+    def to_rows(buf: jax.Array) -> jax.Array:  # [U, P, Nk, D] -> [B, max_len, Nk, D]
+        rows = jnp.take(buf, row_prompt, axis=0)
+        rows = jnp.pad(rows, ((0, 0), (0, max_len - width), (0, 0), (0, 0)))
+        return _constrain(sharding, rows, KV_CACHE_AXES)
+
+    cache = KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v)))
+    return cache, _constrain(sharding, jnp.take(logits, row_prompt, axis=0), ("batch", "vocab"))
+
+
+class _LoopState(NamedTuple):
+    emitted: jax.Array  # int32 scalar: tokens emitted so far by rows still running
+    last_token: jax.Array  # int32 [B]
+    cache: KVCache
+    cache_len: jax.Array  # int32 [B]: filled slots = position of last_token
+    tokens: jax.Array  # int32 [B, N]
+    logprobs: jax.Array  # float32 [B, N]
+    lengths: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B]
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "sharding"), donate_argnames=("cache",))
+def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache, logits: jax.Array,
+            cache_len: jax.Array, key: jax.Array, *, sharding: Sharding | None):
+    """Samples up to N = sampling.max_new_tokens tokens per row.
+
+    cache: B rows, slots [0, cache_len[b]) hold row b's prompt (donated, updated in place);
+    logits float32 [B, V] for the first new token; sampling.eos_id: the resolved tuple of eos ids.
+    Returns (tokens int32 [B, N], logprobs float32 [B, N], lengths int32 [B], loop iterations
+    int32 scalar, final cache).
+    """
+    num_rows, max_new = logits.shape[0], sampling.max_new_tokens
+    pad_id = cfg.pad_token_id or 0
+
+    def is_eos(tokens: jax.Array) -> jax.Array:
+        hit = jnp.zeros(tokens.shape, bool)
+        for eos in sampling.eos_id:
+            hit = hit | (tokens == eos)
+        return hit
+
+    def emit(state: _LoopState, logits: jax.Array, key: jax.Array) -> _LoopState:
+        token, logprob = choose_tokens(key, logits, sampling)
+        active = ~state.done
+        column = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=state.emitted, axis=1)
+        return state._replace(
+            emitted=state.emitted + 1,
+            last_token=jnp.where(active, token, state.last_token),
+            tokens=column(state.tokens, jnp.where(active, token, pad_id)[:, None]),
+            logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)[:, None]),
+            lengths=state.lengths + active,
+            done=state.done | (active & is_eos(token)) | (state.emitted + 1 >= max_new),
+        )
+
+    def keep_going(state: _LoopState) -> jax.Array:
+        return ~jnp.all(state.done)
+
+    def step(state: _LoopState) -> _LoopState:
+        step_logits, _, new_cache = extend(cfg, params, state.cache, state.last_token[:, None],
+                                           state.cache_len[:, None], state.cache_len, sharding=sharding)
+        new_cache = jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES), new_cache)
+        key, step_key = jax.random.split(state.key)
+        state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done, key=key)
+        return emit(state, step_logits[:, 0], step_key)
+
+    key, first_key = jax.random.split(key)
+    state = _LoopState(
+        emitted=jnp.zeros((), jnp.int32),
+        last_token=jnp.zeros((num_rows,), jnp.int32),
+        cache=cache,
+        cache_len=cache_len.astype(jnp.int32),
+        tokens=jnp.full((num_rows, max_new), pad_id, jnp.int32),
+        logprobs=jnp.zeros((num_rows, max_new), jnp.float32),
+        lengths=jnp.zeros((num_rows,), jnp.int32),
+        done=jnp.zeros((num_rows,), bool),
+        key=key,
+    )
+    state = emit(state, logits, first_key)
+    state = jax.lax.while_loop(keep_going, step, state)
+    batch_axes = ("batch", None)
+    return (_constrain(sharding, state.tokens, batch_axes), _constrain(sharding, state.logprobs, batch_axes),
+            state.lengths, state.emitted - 1, state.cache)

@@ -1,0 +1,58 @@
+"""Device memory a rollout needs, checked before anything is allocated."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.transformer import cache_bytes
+from jaxspec.rollout.prompts import count_bucket, prompt_bucket
+
+_F32 = 4
+
+
+def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int,
+                         cache_dtype=jnp.float32, num_distinct: int | None = None) -> int:
+    """Bytes of device memory a rollout allocates beyond the params (after shape bucketing).
+
+    batch: rows B; prompt_len: longest prompt (padded to its bucket P); max_new_tokens: N;
+    num_distinct: distinct prompts prefilled (None = batch, the worst case).
+    The peak is the larger of
+      * prefill: the distinct-prompt cache [U, P], the batch cache [B, P + N], and the prefill's
+        float32 activations (attention scores and probabilities [U, Nq, P, P], MLP [U, P, 2F],
+        residual stream [U, P, H]);
+      * decode: the batch cache [B, P + N] plus per-step float32 buffers: four [B, V] (logits,
+        processed log-probs, sort and sampling temporaries), attention scores and probabilities
+        [B, Nq, P + N], MLP [B, 2F], and the outputs tokens/log-probs [B, N].
+    """
+    if batch < 1 or prompt_len < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"batch={batch}, prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must all be >= 1")
+    p = prompt_bucket(prompt_len)
+    s = p + max_new_tokens
+    u = count_bucket(batch if num_distinct is None else num_distinct, batch)
+    batch_cache = cache_bytes(cfg, batch, s, cache_dtype)
+    prefill = (cache_bytes(cfg, u, p, cache_dtype) + batch_cache
+               + _F32 * u * p * (2 * cfg.num_heads * p + 2 * cfg.intermediate_size + cfg.hidden_size))
+    decode = (batch_cache
+              + _F32 * batch * (4 * cfg.vocab_size + 2 * cfg.num_heads * s + 2 * cfg.intermediate_size)
+              + 2 * _F32 * batch * max_new_tokens)
+    return max(prefill, decode)
+
+
+def check_fits(needed: int, memory_stats: dict | None, *, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+    """Raises ValueError when `needed` bytes exceed what a device reports free.
+
+    memory_stats: a device's `memory_stats()` dict; no check when it is None or has no
+    "bytes_limit" (CPU backends).
+    """
+    if not memory_stats or "bytes_limit" not in memory_stats:
+        return
+    limit = int(memory_stats["bytes_limit"])
+    free = limit - int(memory_stats.get("bytes_in_use", 0))
+    if needed > free:
+        raise ValueError(
+            f"rollout with batch={batch}, prompt length={prompt_len} (bucket {prompt_bucket(prompt_len)}), "
+            f"max_new_tokens={max_new_tokens} needs {needed} bytes per device, but the device has only "
+            f"{free} bytes free (bytes_limit {limit}); lower the batch, prompt length or max_new_tokens")
+

@@ -1,0 +1,109 @@
+"""The rollout samples exactly the processed policy distribution: exact enumeration + chi-square."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec.rollout import Sampling, generate
+from tests.rollout.reference import full_forward, padded, reference_probs
+
+PROMPT = (1, 2, 3)
+MAX_NEW = 3
+NUM_SAMPLES = 8192
+EOS = 5
+
+T1 = dict(temperature=1.0, top_k=0, top_p=1.0)
+NUCLEUS = dict(temperature=0.7, top_k=0, top_p=0.9)
+TOP_K = dict(temperature=1.3, top_k=3, top_p=1.0)
+
+
+def exact_continuations(cfg, params, setting) -> dict[tuple[int, ...], float]:
+    """Probability of every continuation of PROMPT (up to MAX_NEW tokens, ending at the first eos).
+
+    Conditionals come from teacher-forced full forwards over every 2-token extension and the numpy
+    processed distribution.
+    """
+    vocab, p = cfg.vocab_size, len(PROMPT)
+    pairs = list(itertools.product(range(vocab), repeat=2))
+    logits = np.asarray(full_forward(cfg, params, padded([PROMPT + pair for pair in pairs], p + 2)))
+    row = {pair: i for i, pair in enumerate(pairs)}
+    out = {}
+    first = reference_probs(logits[0, p - 1], **setting)
+    for a in range(vocab):
+        if a == EOS:
+            out[(a,)] = first[a]
+            continue
+        second = reference_probs(logits[row[(a, 0)], p], **setting)
+        for b in range(vocab):
+            if b == EOS:
+                out[(a, b)] = first[a] * second[b]
+                continue
+            third = reference_probs(logits[row[(a, b)], p + 1], **setting)
+            for c in range(vocab):
+                out[(a, b, c)] = first[a] * second[b] * third[c]
+    assert abs(sum(out.values()) - 1) < 1e-9
+    return out
+
+
+@pytest.fixture(scope="module")
+def draw(tiny_vocab_policy):
+    """draw(setting) -> (continuations, tokens, lengths, logprobs) of one generate call over
+    NUM_SAMPLES copies of PROMPT; cached per setting."""
+    cfg, params = tiny_vocab_policy
+    cache = {}
+
+    def draw(setting):
+        key = tuple(sorted(setting.items()))
+        if key not in cache:
+            out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
+                           Sampling(max_new_tokens=MAX_NEW, **setting))
+            tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
+            seqs = [tuple(int(t) for t in tokens[i, :lengths[i]]) for i in range(NUM_SAMPLES)]
+            cache[key] = seqs, tokens, lengths, logprobs
+        return cache[key]
+
+    return draw
+
+
+def chi_square_pvalue(seqs, probs) -> float:
+    """Goodness of fit of the sampled continuations; bins with expected count < 5 are pooled."""
+    support = sorted(s for s, q in probs.items() if q > 0)
+    expected = np.array([probs[s] for s in support])
+    expected = expected / expected.sum() * len(seqs)
+    counts = {}
+    for s in seqs:
+        counts[s] = counts.get(s, 0) + 1
+    observed = np.array([counts.get(s, 0) for s in support], np.float64)
+    small = expected < 5
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return stats.chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("setting", [T1, NUCLEUS, TOP_K], ids=["T1", "T0.7-top_p0.9", "T1.3-top_k3"])
+def test_samples_follow_exact_distribution(tiny_vocab_policy, draw, setting):
+    cfg, params = tiny_vocab_policy
+    probs = exact_continuations(cfg, params, setting)
+    seqs, tokens, lengths, logprobs = draw(setting)
+    if setting is not T1:
+        assert any(q == 0 for q in probs.values()), "filtering should exclude some continuations"
+    assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
+    assert sum(len(s) < MAX_NEW for s in seqs) > 100, "eos-terminated continuations should be exercised"
+    assert chi_square_pvalue(seqs, probs) > 1e-3
+    # Reported log-probs sum to the exact log-probability of each continuation; 0 and pad past length.
+    total = np.array([np.log(probs[s]) for s in seqs])
+    np.testing.assert_allclose(logprobs.sum(axis=1), total, rtol=1e-4, atol=1e-4)
+    past = np.arange(MAX_NEW)[None, :] >= lengths[:, None]
+    assert np.all(logprobs[past] == 0) and np.all(tokens[past] == 0)
+
+
+def test_chi_square_rejects_wrong_temperature(tiny_vocab_policy, draw):
+    cfg, params = tiny_vocab_policy
+    seqs = draw(T1)[0]
+    wrong = exact_continuations(cfg, params, dict(temperature=0.7, top_k=0, top_p=1.0))
+    assert chi_square_pvalue(seqs, wrong) < 1e-6
