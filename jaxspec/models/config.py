@@ -26,6 +26,10 @@ class ModelConfig:
     family: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm over head_dim) or "llama".
     rope_scaling: HF rope parameters minus theta, as sorted (key, value) pairs so the config stays
         hashable (jit static argument); `rope_type` is one of SUPPORTED_ROPE_TYPES.
+    attention_bias, qk_norm: fixed by the family (None = the family's value): only qwen2 has
+        q/k/v biases (llama/qwen3 with attention_bias would also bias o_proj, which jaxspec does
+        not implement) and only qwen3 has q/k norms. A contradicting value raises ValueError, so
+        every config maps to exactly one transformers architecture.
     """
 
     family: str
@@ -40,8 +44,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] = (("rope_type", "default"),)
     rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
-    qk_norm: bool = False
+    attention_bias: bool | None = None
+    qk_norm: bool | None = None
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -50,6 +54,12 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in _MODEL_TYPES:
             raise ValueError(f"unsupported model family {self.family!r}; expected one of {sorted(_MODEL_TYPES)}")
+        for name, value in (("attention_bias", self.family == "qwen2"), ("qk_norm", self.family == "qwen3")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+            elif bool(getattr(self, name)) != value:
+                raise ValueError(f"{name}={getattr(self, name)} is not supported for family {self.family!r} "
+                                 f"(it is always {value} there)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -107,8 +117,13 @@ class ModelConfig:
             raise ValueError(f"{source}: use_sliding_window=true is not supported")
         if hf.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
+        if family != "qwen2" and hf.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias=true is not supported for {family} "
+                             "(it adds biases to q/k/v and o_proj)")
         num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        # Defaults of the transformers config classes for keys a config.json may omit.
+        head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // num_heads)
+        default_max_positions = 2048 if family == "llama" else 32768
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling") or {}
         rope.update(legacy)
@@ -129,12 +144,10 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            max_position_embeddings=hf.get("max_position_embeddings", default_max_positions),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted((k, _freeze(v)) for k, v in rope.items())),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
@@ -167,11 +180,10 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.family == "llama":
-            out["attention_bias"] = self.attention_bias
-            out["mlp_bias"] = False
-        if self.family == "qwen3":
+        if self.family in ("llama", "qwen3"):
             out["attention_bias"] = False
+        if self.family == "llama":
+            out["mlp_bias"] = False
         if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None

@@ -47,13 +47,14 @@ def _llama3(inv_freq: np.ndarray, rope: dict) -> np.ndarray:
 
 
 def _yarn(cfg: ModelConfig, rope: dict) -> tuple[np.ndarray, float]:
+    # transformers 5 semantics: `factor` is used as given (4.x replaced it by
+    # max_position_embeddings / original_max_position_embeddings whenever the latter was set);
+    # the ratio is only the fallback when no factor is given.
     dim, base = cfg.head_dim, cfg.rope_theta
-    factor = rope["factor"]
-    if rope.get("original_max_position_embeddings"):
-        original = rope["original_max_position_embeddings"]
+    original = rope.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    factor = rope.get("factor")
+    if factor is None:
         factor = cfg.max_position_embeddings / original
-    else:
-        original = cfg.max_position_embeddings
 
     def get_mscale(scale, mscale=1.0):
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -98,8 +99,12 @@ def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, 
 
 
 def _dynamic_inv_freq(cfg: ModelConfig, inv: jnp.ndarray, seq_len: jnp.ndarray) -> jnp.ndarray:
-    """Dynamic NTK scaling: grows the base once the sequence exceeds the trained context."""
-    original = cfg.rope.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    """Dynamic NTK scaling: grows the base once the sequence exceeds max_position_embeddings.
+
+    As in transformers, the trained context is max_position_embeddings even when the rope
+    parameters also carry an original_max_position_embeddings.
+    """
+    original = cfg.max_position_embeddings
     factor = cfg.rope["factor"]
     dim = cfg.head_dim
     seq = jnp.maximum(seq_len.astype(jnp.float32), original)

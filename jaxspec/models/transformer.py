@@ -172,17 +172,19 @@ def forward_hidden(
     positions: jax.Array | None = None,
     sharding: Sharding | None = None,
     remat: bool = False,
+    attention_impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward returning logits and chosen layers' outputs.
 
-    tokens int32 [B, T]; mask bool [B, T] (False = padding); segment_ids int32 [B, T] (packed
+    tokens int32 [B, T]; mask bool [B, T] (False = right padding: each row's valid tokens come
+    first); segment_ids int32 [B, T] (packed
     sequences attend only within their segment); positions int32 [B, T] (default: index within
     sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
+    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU, no segment ids) or
+        "auto" (cudnn on GPU for 16-bit params without segment ids, else xla).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
     """
-    for i in hidden_layers:
-        if not 0 <= i < cfg.num_layers:
-            raise ValueError(f"hidden layer id {i} outside [0, {cfg.num_layers})")
+    _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
     mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
     if positions is None:
@@ -193,23 +195,29 @@ def forward_hidden(
         attn_mask = attn_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     cos, sin = rope_tables(cfg, positions)
 
+    use_cudnn = _use_cudnn(attention_impl, params["embed"].dtype, segment_ids, cfg.head_dim, t)
+    lengths = mask.sum(axis=-1).astype(jnp.int32)
+
     def layer_fn(layer, x):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
-        x = _attn_out_and_mlp(cfg, layer, x, attention(q, k, v, attn_mask))
+        if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
+            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                                implementation="cudnn")
+        else:
+            attn = attention(q, k, v, attn_mask)
+        x = _attn_out_and_mlp(cfg, layer, x, attn)
         return _constrain(sharding, x, ("batch", "seq", "act_embed"))
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
     x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
-    hidden = []
+    hidden = {}
     for i, layer in enumerate(params["layers"]):
         x = layer_fn(layer, x)
         if i in hidden_layers:
-            hidden.append(x)
+            hidden[i] = x
     logits = _constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
-    stacked = jnp.stack([hidden[sorted(hidden_layers).index(i)] for i in hidden_layers]) if hidden_layers else (
-        jnp.zeros((0, b, t, cfg.hidden_size), x.dtype))
-    return logits, stacked
+    return logits, _stack_hidden(hidden, hidden_layers, x)
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, **kwargs) -> jax.Array:
@@ -241,20 +249,15 @@ def extend(
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H], updated cache).
     Slots past cache_len[b] + T are neither read nor written.
     """
+    _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
-    s = cache.max_len
-    if tree_mask is None:
-        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    rel = jnp.arange(s, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
-    in_new = (rel >= 0) & (rel < t)
-    new_visible = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
-    attn_mask = (rel < 0)[:, None, :] | (in_new[:, None, :] & new_visible)  # [B, T, S]
+    attn_mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     rows = jnp.arange(b)[:, None]
     cos, sin = rope_tables(cfg, positions)
 
     x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
-    new_k, new_v, hidden = [], [], []
+    new_k, new_v, hidden = [], [], {}
     for i, layer in enumerate(params["layers"]):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
@@ -264,11 +267,49 @@ def extend(
         new_k.append(ck)
         new_v.append(cv)
         if i in hidden_layers:
-            hidden.append(x)
+            hidden[i] = x
     logits = logits_from_hidden(cfg, params, x)
-    stacked = jnp.stack([hidden[sorted(hidden_layers).index(i)] for i in hidden_layers]) if hidden_layers else (
-        jnp.zeros((0, b, t, cfg.hidden_size), x.dtype))
-    return logits, stacked, KVCache(k=tuple(new_k), v=tuple(new_v))
+    return logits, _stack_hidden(hidden, hidden_layers, x), KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
+                         tree_mask: jax.Array | None = None) -> jax.Array:
+    """Which cache slots each of `num_new` tokens written at slots cache_len[b] + t may attend to.
+
+    cache_len int32 [B]; tree_mask bool [B, T, T] among the new tokens (default causal). Returns
+    bool [B, T, max_len]: every slot < cache_len[b], plus the new tokens' slots per tree_mask.
+    """
+    b, t = cache_len.shape[0], num_new
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
+    in_new = (rel >= 0) & (rel < t)
+    new_visible = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
+    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_visible)
+
+
+def _check_hidden_layers(cfg: ModelConfig, hidden_layers: tuple[int, ...]) -> None:
+    for i in hidden_layers:
+        if not 0 <= i < cfg.num_layers:
+            raise ValueError(f"hidden layer id {i} outside [0, {cfg.num_layers})")
+
+
+def _stack_hidden(hidden: dict[int, jax.Array], hidden_layers: tuple[int, ...], x: jax.Array) -> jax.Array:
+    """Layer outputs in the requested order (ids may repeat) -> [len(hidden_layers), B, T, H]."""
+    if not hidden_layers:
+        return jnp.zeros((0, *x.shape), x.dtype)
+    return jnp.stack([hidden[i] for i in hidden_layers])
+
+
+def _use_cudnn(impl: str, dtype, segment_ids, head_dim: int, seq_len: int) -> bool:
+    if impl not in ("auto", "xla", "cudnn"):
+        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
+    if impl == "auto":
+        return (jax.default_backend() == "gpu" and segment_ids is None and head_dim % 8 == 0
+                and seq_len % 64 == 0 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+    if impl == "cudnn" and segment_ids is not None:
+        raise ValueError("attention_impl='cudnn' does not support segment_ids")
+    return impl == "cudnn"
 
 
 def _constrain(sharding: Sharding | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:

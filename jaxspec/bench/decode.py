@@ -1,0 +1,119 @@
+"""`jaxspec bench decode`: autoregressive rollout decode vs the HBM roofline and HF transformers.
+
+Random bf16 weights of a checkpoint's shape; B random prompts of `--prompt` tokens; sampling at
+temperature 1 with no eos, so every row decodes exactly `--new` tokens. The decode step time is
+(time of the full rollout - time of a one-token rollout) / (new - 1), so prefill is excluded.
+Bytes a step must read: all weights except the embedding table (an untied model reads only B of
+its rows) + the KV cache of the filled slots, averaged over the decode. Roofline fraction =
+(bytes / step time) / the device copy bandwidth (bytes read + written per second) measured in
+the same run.
+The peer runs the same shapes through `transformers` `generate` (static cache, PyTorch, same
+card) in a subprocess started before JAX touches the GPU; weights are the same when it saves
+them with `--share-weights`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.timing import copy_bytes_per_second, median_seconds, print_table, write_results
+from jaxspec.models import ModelConfig, init_params, load_hf
+from jaxspec.rollout import Sampling, generate
+
+
+def weight_read_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes of weights one decode step reads (embedding table: only when tied as the LM head)."""
+    embed = cfg.vocab_size * cfg.hidden_size
+    return (cfg.num_params() - (0 if cfg.tie_word_embeddings else embed)) * itemsize
+
+
+def kv_read_bytes(cfg: ModelConfig, batch: int, prompt: int, new: int, itemsize: int) -> float:
+    """Mean bytes of filled KV slots one decode step reads."""
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return batch * (prompt + new / 2) * per_token
+
+
+def run_jaxspec(cfg: ModelConfig, params, batch: int, prompt: int, new: int, iters: int) -> dict:
+    rng = np.random.default_rng(batch)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
+    full = Sampling(temperature=1.0, max_new_tokens=new, eos_id=())
+    one = Sampling(temperature=1.0, max_new_tokens=1, eos_id=())
+    key = jax.random.key(0)
+    t_full = median_seconds(lambda: generate(cfg, params, prompts, key, full).tokens, warmup=1, iters=iters)
+    t_one = median_seconds(lambda: generate(cfg, params, prompts, key, one).tokens, warmup=1, iters=iters)
+    return {"step_ms": 1e3 * (t_full - t_one) / (new - 1), "prefill_ms": 1e3 * t_one, "total_s": t_full}
+
+
+def run_peer(args, out_json: Path, weights_dir: str | None) -> dict:
+    cmd = [sys.executable, "-m", "jaxspec.bench.decode_transformers", "--model", args.model,
+           "--batch", *map(str, args.batch), "--prompt", str(args.prompt), "--new", str(args.peer_new),
+           "--device", args.peer_device, "--out", str(out_json)]
+    if weights_dir:
+        cmd += ["--save-weights", weights_dir]
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
+    subprocess.run(cmd, check=True, env=env)
+    return {r["batch"]: r for r in json.loads(out_json.read_text())["rows"]}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench decode", description=__doc__)
+    p.add_argument("--model", default="configs/models/qwen3-8b.json")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    p.add_argument("--peer-new", type=int, default=128, help="tokens per row the peer decodes")
+    p.add_argument("--peer-device", default="cuda")
+    p.add_argument("--copy-bytes", type=int, default=2 << 30)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    cfg = ModelConfig.from_json(args.model)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        peer, weights = {}, None
+        if args.peer == "transformers":  # before JAX allocates GPU memory
+            peer = run_peer(args, Path(tmp) / "peer.json", str(Path(tmp) / "weights"))
+            weights = Path(tmp) / "weights"
+        if weights is not None and weights.exists():
+            _, params = load_hf(weights, dtype="bfloat16")
+        else:
+            params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+        copy_bw = copy_bytes_per_second(args.copy_bytes)
+        rows = []
+        for batch in args.batch:
+            try:
+                r = run_jaxspec(cfg, params, batch, args.prompt, args.new, args.iters)
+            except ValueError as err:  # the rollout's own memory check: record it and go on
+                rows.append({"batch": batch, "error": str(err)})
+                print(f"batch {batch}: {err}")
+                continue
+            step_bytes = weight_read_bytes(cfg, 2) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)
+            row = {"batch": batch, "prompt": args.prompt, "new": args.new, **r,
+                   "tokens_per_s": batch / (r["step_ms"] / 1e3),
+                   "bytes_per_step_gb": step_bytes / 1e9,
+                   "achieved_tb_s": step_bytes / (r["step_ms"] / 1e3) / 1e12,
+                   "roofline_frac": step_bytes / (r["step_ms"] / 1e3) / copy_bw}
+            if batch in peer:
+                row["hf_step_ms"] = peer[batch].get("step_ms")
+                row["speedup_vs_hf"] = (row["hf_step_ms"] / row["step_ms"]) if row["hf_step_ms"] else None
+            rows.append(row)
+            print_table([row], list(row))
+    baseline = {"copy_tb_s": copy_bw / 1e12, "model": args.model, "params": cfg.num_params(),
+                "peer": args.peer, "peer_new_tokens": args.peer_new,
+                "roofline": "bytes per step / (copy bandwidth: bytes read + written per second)"}
+    print(f"\n{args.model}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)")
+    print_table(rows, ["batch", "step_ms", "tokens_per_s", "bytes_per_step_gb", "achieved_tb_s", "roofline_frac",
+                       "hf_step_ms", "speedup_vs_hf"])
+    write_results(args.out, "decode", rows, baseline)
+    return 0
