@@ -1,0 +1,184 @@
+"""Strict YAML -> nested frozen dataclass loading, shared by every command.
+
+    cfg = load_config(PretrainConfig, "configs/tiny.yaml", overrides=["train.steps=100"])
+
+Rules: every key in the file must be a field of the dataclass (unknown keys are errors, with the
+dotted key and the file named); values must match the field's annotation (int, float (an int is
+accepted), bool, str, None, Optional/Union, Literal, tuple[X, ...], tuple[X, Y], list[X],
+dict[str, X], nested dataclasses; a float field also takes "1e-3", which PyYAML reads as a
+string); fields without a default must be given. Overrides are
+"dotted.key=value" strings whose value is parsed with `yaml.safe_load` ("3" -> 3, "[1, 2]" ->
+list, "null" -> None) and applied before validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+# PyYAML reads "1e-3" (no dot) as a string; float fields accept that spelling.
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def load_config(cls: type[T], path, overrides: Sequence[str] = ()) -> T:
+    """Reads YAML file `path` into dataclass `cls`, after applying `overrides`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    for override in overrides:
+        apply_override(data, override)
+    return from_dict(cls, data, source=str(path))
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Sets data[a][b] = yaml value for "a.b=value" (intermediate mappings are created)."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"override {override!r} is not of the form dotted.key=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {override!r}: invalid YAML value: {e}") from None
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {override!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "") -> T:
+    """Builds dataclass `cls` from nested mappings, checking keys and types (see module doc)."""
+    where = f"key {prefix[:-1]!r}" if prefix else "top level"
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: {where}: expected a mapping for {cls.__name__}, got {_type_name(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ValueError(f"{source}: unknown key {prefix + str(unknown[0])!r}; "
+                         f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {sorted(fields)}")
+    kwargs = {}
+    for name, field in fields.items():
+        key = prefix + name
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], source, key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{source}: missing required key {key!r}")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain YAML-safe data (dicts, lists, scalars) of a dataclass config; tuples become lists."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    return obj
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is None:
+        return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+    return str(tp).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
+    def fail() -> typing.NoReturn:
+        raise ValueError(f"{source}: key {key!r}: expected {_describe(tp)}, got {_type_name(value)} ({value!r})")
+
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, source, key)
+            except ValueError:
+                continue
+        fail()
+    if origin is typing.Literal:
+        if any(type(value) is type(a) and value == a for a in args):
+            return value
+        raise ValueError(f"{source}: key {key!r}: expected one of {list(args)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source, key + ".")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            fail()
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ValueError(f"{source}: key {key!r}: expected {len(args)} items ({_describe(tp)}), "
+                                 f"got {len(value)}")
+            items = [_convert(a, v, source, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+        else:
+            item_type = args[0] if args else Any
+            items = [_convert(item_type, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            fail()
+        key_type, value_type = args if args else (Any, Any)
+        return {_convert(key_type, k, source, f"{key}.{k}"): _convert(value_type, v, source, f"{key}.{k}")
+                for k, v in value.items()}
+    if tp is type(None):
+        if value is not None:
+            fail()
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            fail()
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail()
+        return value
+    if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail()
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            fail()
+        return value
+    if tp in (Path, os.PathLike):
+        if not isinstance(value, str):
+            fail()
+        return Path(value)
+    raise TypeError(f"{source}: key {key!r}: config_io does not support annotation {tp!r}")

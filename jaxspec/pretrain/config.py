@@ -1,0 +1,140 @@
+"""Configuration of a pretraining run (one YAML file; see configs/tiny.yaml)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from jaxspec.tasks.generator import KINDS, MAX_LEVEL
+from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The generated corpus and its tokenizer.
+
+    num_train / num_eval: problems in the training set / the held-out set (held-out questions never
+    occur in the training set). levels: difficulty levels 1..5. max_len: width of a packed training
+    row in tokens (the model's input length); examples (prompt + solution + eos) longer than that
+    are dropped. tokenizer: an existing tokenizer.json to use instead of training a byte-level BPE
+    of `vocab_size` on the training corpus; eos/pad/bos_token and prompt_template then name that
+    tokenizer's special tokens and chat layout (the defaults are those of the trained BPE).
+    """
+
+    num_train: int
+    num_eval: int = 256
+    seed: int = 0
+    levels: tuple[int, ...] = (1, 2)
+    kinds: tuple[str, ...] = KINDS
+    vocab_size: int = 512
+    max_len: int = 128
+    tokenizer: str | None = None
+    eos_token: str = EOS
+    pad_token: str = PAD
+    bos_token: str | None = BOS
+    prompt_template: str = PROMPT_TEMPLATE
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """Qwen3-architecture decoder shape (the vocabulary size comes from the tokenizer)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup to `learning_rate`, cosine decay to learning_rate * min_lr_ratio."""
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop, precision, evaluation, checkpointing and export.
+
+    batch_size: packed rows (of data.max_len tokens, several examples each) per optimizer step.
+
+    compute_dtype: dtype of the forward/backward (params stay float32 master copies).
+    eval_every: steps between greedy-accuracy evaluations on the held-out set (0: only at the end).
+    checkpoint_every: steps between checkpoints (the last step is always saved).
+    export_dir: where the HF folder goes (default: <run_dir>/policy); relative to the working dir.
+    """
+
+    steps: int
+    batch_size: int
+    seed: int = 0
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False
+    log_every: int = 10
+    eval_every: int = 0
+    eval_max_new_tokens: int = 128
+    eval_batch_size: int = 256
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    export_dir: str | None = None
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    data: DataConfig
+    model: ModelShape
+    optim: OptimConfig
+    train: TrainConfig
+
+
+def validate(cfg: PretrainConfig, source: str) -> None:
+    """Range checks that the type-checked loader cannot express (ValueError naming the key)."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"{source}: {key}: {msg}")
+
+    d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
+    need(d.num_train > 0, "data.num_train", f"must be > 0, got {d.num_train}")
+    need(d.num_eval >= 0, "data.num_eval", f"must be >= 0, got {d.num_eval}")
+    need(bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels), "data.levels",
+         f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
+    need(bool(d.kinds) and all(k in KINDS for k in d.kinds), "data.kinds",
+         f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+    if d.tokenizer is not None and not Path(d.tokenizer).is_file():
+        raise FileNotFoundError(f"{source}: data.tokenizer: file not found: {d.tokenizer}")
+    need("{question}" in d.prompt_template, "data.prompt_template", "must contain '{question}'")
+    need(d.max_len >= 16, "data.max_len", f"must be >= 16, got {d.max_len}")
+    need(d.max_len <= m.max_position_embeddings, "data.max_len",
+         f"{d.max_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        need(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
+    need(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
+         f"{m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}")
+    need(m.head_dim % 2 == 0, "model.head_dim", f"must be even (rotary embedding), got {m.head_dim}")
+    need(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
+    need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    need(0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
+         f"must be in [0, train.steps={t.steps}), got {o.warmup_steps}")
+    need(o.grad_clip > 0, "optim.grad_clip", f"must be > 0, got {o.grad_clip}")
+    need(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
+    need(t.batch_size > 0, "train.batch_size", f"must be > 0, got {t.batch_size}")
+    need(t.log_every > 0, "train.log_every", f"must be > 0, got {t.log_every}")
+    need(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+    need(t.eval_max_new_tokens > 0, "train.eval_max_new_tokens", f"must be > 0, got {t.eval_max_new_tokens}")
+    need(t.eval_batch_size > 0, "train.eval_batch_size", f"must be > 0, got {t.eval_batch_size}")
+    need(t.checkpoint_every > 0, "train.checkpoint_every", f"must be > 0, got {t.checkpoint_every}")
+    need(t.keep_checkpoints > 0, "train.keep_checkpoints", f"must be > 0, got {t.keep_checkpoints}")

@@ -1,0 +1,160 @@
+"""One pretraining run: data and tokenizer -> Qwen3 policy -> checkpoints, metrics -> HF export.
+
+Run directory layout:
+    config.yaml          the resolved config (a resumed run must keep its data and model sections)
+    data/train.jsonl     generated training problems;  data/eval.jsonl: held-out problems
+    tokenizer.json       trained (or copied) tokenizer
+    checkpoints/<step>/  orbax checkpoints of the training state
+    metrics.jsonl        one JSON object per log line / evaluation
+    policy/              the exported HF folder (unless train.export_dir says otherwise)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import yaml
+from tqdm import tqdm
+
+from jaxspec.config_io import to_dict
+from jaxspec.models.checkpoint import save_hf
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.transformer import init_params
+from jaxspec.pretrain.config import ModelShape, PretrainConfig
+from jaxspec.pretrain.data import Batcher, encode_examples, pack, prepare_problems, prepare_tokenizer
+from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
+from jaxspec.pretrain.train import Checkpointer, make_optimizer, make_train_step
+from jaxspec.tasks.tokenizer import ChatTokenizer
+
+
+def model_config(shape: ModelShape, tok: ChatTokenizer) -> ModelConfig:
+    """Qwen3 config of `shape` over the tokenizer's vocabulary and special-token ids."""
+    return ModelConfig(
+        family="qwen3", vocab_size=tok.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings, rope_theta=shape.rope_theta, qk_norm=True,
+        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id)
+
+
+def check_run_dir(cfg: PretrainConfig, run_dir: Path, resume: bool) -> None:
+    """Refuses to overwrite a run without --resume, or to resume with other data/model settings."""
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    if has_checkpoints and not resume:
+        raise ValueError(f"{run_dir} already holds checkpoints; pass --resume or choose a new --run-dir")
+    saved_file = run_dir / "config.yaml"
+    if resume and saved_file.exists():
+        saved = yaml.safe_load(saved_file.read_text())
+        current = to_dict(cfg)
+        for section in ("data", "model"):
+            if saved.get(section) != current[section]:
+                raise ValueError(f"--resume: the {section} section differs from the run's {saved_file}; "
+                                 f"resume with the same {section} settings")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drops records logged after `step` (by a run that died after its last checkpoint)."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def _log(file, record: dict) -> None:
+    file.write(json.dumps(record) + "\n")
+    file.flush()
+
+
+def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
+    """Trains (or resumes) a run and exports the policy. Returns {"eval_accuracy", "export_dir", ...}."""
+    run_dir = Path(run_dir)
+    check_run_dir(cfg, run_dir, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_cfg = cfg.train
+    train_problems, eval_problems = prepare_problems(cfg.data, run_dir / "data", reuse=resume)
+    tok = prepare_tokenizer(cfg.data, train_problems, run_dir / "tokenizer.json", reuse=resume)
+    data = pack(encode_examples(train_problems, tok), cfg.data.max_len, tok.pad_id, cfg.data.seed)
+    mcfg = model_config(cfg.model, tok)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    print(f"policy: {mcfg.num_params() / 1e6:.2f}M params, vocab {mcfg.vocab_size}; "
+          f"{data.num_examples} training examples in {len(data)} packed rows ({data.dropped} over max_len dropped), "
+          f"{len(eval_problems)} held out")
+
+    optimizer, schedule = make_optimizer(cfg.optim, t_cfg.steps)
+
+    def initial_state(seed_key: jax.Array) -> dict:
+        key, init_key = jax.random.split(seed_key)
+        params = init_params(mcfg, init_key, jnp.float32)
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
+                "position": jnp.int32(0), "key": key}
+
+    seed_key = jax.random.PRNGKey(t_cfg.seed)
+    checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
+    if resume and checkpointer.latest_step() is not None:
+        state = checkpointer.restore(jax.eval_shape(initial_state, seed_key))
+        print(f"resumed from step {int(state['step'])} (data position {int(state['position'])})")
+    else:
+        state = jax.jit(initial_state)(seed_key)
+    params, opt_state, key = state["params"], state["opt_state"], state["key"]
+    step, position = int(state["step"]), int(state["position"])
+
+    compute_dtype = jnp.dtype(t_cfg.compute_dtype)
+    train_step = make_train_step(mcfg, optimizer, compute_dtype, t_cfg.remat)
+    batcher = Batcher(data, t_cfg.batch_size, cfg.data.seed)
+    result: dict = {"export_dir": None, "eval_accuracy": None}
+
+    def evaluate(at_step: int) -> float:
+        nonlocal key
+        key, sub = jax.random.split(key)
+        accuracy, _ = greedy_accuracy(mcfg, cast_params(params, compute_dtype), tok, eval_problems,
+                                      t_cfg.eval_max_new_tokens, sub, t_cfg.eval_batch_size)
+        _log(metrics, {"step": at_step, "eval_accuracy": accuracy, "eval_problems": len(eval_problems)})
+        tqdm.write(f"step {at_step}: greedy accuracy {accuracy:.3f} on {len(eval_problems)} held-out problems")
+        return accuracy
+
+    def save() -> None:
+        checkpointer.save({"params": params, "opt_state": opt_state, "step": jnp.int32(step),
+                           "position": jnp.int32(position), "key": key})
+
+    start = time.perf_counter()
+    _truncate_metrics(run_dir / "metrics.jsonl", step)
+    with open(run_dir / "metrics.jsonl", "a") as metrics, tqdm(
+            total=t_cfg.steps, initial=step, disable=not t_cfg.progress, desc="pretrain") as bar:
+        window_start, window_tokens = time.perf_counter(), 0
+        while step < t_cfg.steps:
+            batch = batcher.batch(position)
+            params, opt_state, out = train_step(params, opt_state, batch)
+            step += 1
+            position += t_cfg.batch_size
+            window_tokens += int((batch["segment_ids"][:, :-1] > 0).sum())
+            bar.update(1)
+            if step % t_cfg.log_every == 0 or step == t_cfg.steps:
+                loss = float(out["loss"])
+                elapsed = time.perf_counter() - window_start
+                record = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]),
+                          "lr": float(schedule(step - 1)), "tokens_per_s": window_tokens / elapsed,
+                          "elapsed_s": time.perf_counter() - start}
+                _log(metrics, record)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                window_start, window_tokens = time.perf_counter(), 0
+            if t_cfg.eval_every and step % t_cfg.eval_every == 0 and step < t_cfg.steps and eval_problems:
+                evaluate(step)
+                window_start, window_tokens = time.perf_counter(), 0
+            # after the evaluation, so the saved key is the one the uninterrupted run goes on with
+            if step % t_cfg.checkpoint_every == 0 or step == t_cfg.steps:
+                save()
+        if eval_problems:
+            result["eval_accuracy"] = evaluate(step)
+    checkpointer.close()
+
+    export_dir = Path(t_cfg.export_dir) if t_cfg.export_dir else run_dir / "policy"
+    save_hf(mcfg, params, export_dir, dtype=t_cfg.export_dtype, tokenizer_file=run_dir / "tokenizer.json")
+    print(f"exported policy to {export_dir}")
+    result.update(export_dir=str(export_dir), step=step, position=position,
+                  train_seconds=time.perf_counter() - start, num_params=mcfg.num_params())
+    return result
+

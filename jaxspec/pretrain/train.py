@@ -1,0 +1,107 @@
+"""Loss, optimizer, jitted train step and orbax checkpointing of the training state.
+
+The training state is a pytree {"params", "opt_state", "step", "position", "key"}: float32 master
+params, the optax state, the number of optimizer steps taken, the data position (packed rows
+consumed) and the run's PRNG key (raw uint32 [2]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.transformer import Params, forward
+from jaxspec.pretrain.config import OptimConfig
+
+TrainState = dict
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """(grad-clipped AdamW, learning-rate schedule). Norm weights and biases are not decayed."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=total_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    def decay_mask(params):
+        return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optimizer, schedule
+
+
+def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,
+                  compute_dtype=jnp.float32, remat: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token cross-entropy over response tokens of packed rows.
+
+    tokens / segment_ids int32 [B, L+1] (segment 0 = padding; examples attend only within their
+    segment and their positions restart at 0); weights float32 [B, L] selects the targets
+    tokens[:, 1:] that count (see `data.PackedSet`). Params are cast to `compute_dtype` for the
+    forward (gradients flow back to the float32 master copy).
+    Returns (loss float32 scalar, number of counted target tokens).
+    """
+    inputs, targets, segments = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
+    compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
+    logits = forward(cfg, compute_params, inputs, mask=segments > 0, segment_ids=segments, remat=remat)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    count = weights.sum()
+    loss = ((logz - target_logits) * weights).sum() / jnp.maximum(count, 1.0)
+    return loss, count
+
+
+def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype,
+                    remat: bool) -> Callable:
+    """Jitted (params, opt_state, batch) -> (params, opt_state, metrics); donates params/opt_state."""
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            return response_loss(cfg, p, batch["tokens"], batch["segment_ids"], batch["weights"],
+                                 compute_dtype, remat)
+
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "target_tokens": count}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+class Checkpointer:
+    """Atomic orbax checkpoints of the training state under `directory`, keeping the last `keep`."""
+
+    def __init__(self, directory: Path, keep: int):
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state: TrainState) -> None:
+        self.manager.save(int(state["step"]), args=ocp.args.StandardSave(state))
+
+    def restore(self, like: TrainState) -> TrainState:
+        """The latest checkpoint, in the structure, dtypes and shardings of `like`.
+
+        `like` holds arrays or ShapeDtypeStructs (e.g. from `jax.eval_shape`); leaves without a
+        sharding are restored onto the default device.
+        """
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+        def target(leaf):
+            sharding = getattr(leaf, "sharding", None)
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device if sharding is None else sharding)
+
+        abstract = jax.tree.map(target, like)
+        return self.manager.restore(self.manager.latest_step(), args=ocp.args.StandardRestore(abstract))
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

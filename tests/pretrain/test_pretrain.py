@@ -1,0 +1,174 @@
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxspec.models import ModelConfig, forward, init_params, load_hf
+from jaxspec.pretrain import main
+from jaxspec.pretrain.data import Batcher, PackedSet, pack
+from jaxspec.pretrain.train import response_loss
+
+CONFIG = """
+data: {num_train: 600, num_eval: 6, seed: 3, levels: [1], vocab_size: 512, max_len: 64}
+model: {hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1, head_dim: 16,
+        max_position_embeddings: 128}
+optim: {learning_rate: 1.0e-2, warmup_steps: 4}
+train: {steps: 24, batch_size: 16, log_every: 4, eval_every: 12, eval_max_new_tokens: 12,
+        checkpoint_every: 12, keep_checkpoints: 3, progress: false}
+"""
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrain")
+    config = root / "tiny.yaml"
+    config.write_text(CONFIG)
+    run_dir = root / "run"
+    assert main(["--config", str(config), "--run-dir", str(run_dir)]) == 0
+    return config, run_dir
+
+
+def test_loss_falls_and_metrics_are_logged(first_run):
+    _, run_dir = first_run
+    records = _metrics(run_dir)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == [4, 8, 12, 16, 20, 24]
+    assert losses[-1] < 0.6 * losses[0]
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in records if "loss" in r)
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [12, 24]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_problems"] == 6 for r in evals)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "24"]
+    held_out = {json.loads(line)["question"] for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines()}
+    train = {json.loads(line)["question"] for line in (run_dir / "data" / "train.jsonl").read_text().splitlines()}
+    assert len(held_out) == 6 and not held_out & train
+
+
+def test_resume_continues_from_checkpoint_exactly(first_run, tmp_path, capsys):
+    config, run_dir = first_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "24")  # as if the run had died after step 12's checkpoint
+    shutil.rmtree(resumed / "policy")
+    capsys.readouterr()
+    assert main(["--config", str(config), "--run-dir", str(resumed), "--resume"]) == 0
+    assert "resumed from step 12 (data position 192)" in capsys.readouterr().out
+    ours = load_file(resumed / "policy" / "model.safetensors")
+    reference = load_file(run_dir / "policy" / "model.safetensors")
+    assert ours.keys() == reference.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], reference[name], err_msg=name)
+    assert [r["step"] for r in _metrics(resumed)] == [r["step"] for r in _metrics(run_dir)]  # none twice
+    evals = [r["eval_accuracy"] for r in _metrics(resumed) if "eval_accuracy" in r]
+    assert evals == [r["eval_accuracy"] for r in _metrics(run_dir) if "eval_accuracy" in r]
+    losses = [(r["step"], r["loss"]) for r in _metrics(resumed) if "loss" in r]
+    assert losses == [(r["step"], r["loss"]) for r in _metrics(run_dir) if "loss" in r]
+
+
+def test_export_matches_transformers(first_run):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, run_dir = first_run
+    export = run_dir / "policy"
+    assert {p.name for p in export.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    cfg, params = load_hf(export, dtype="float32")
+    assert cfg.family == "qwen3" and cfg.eos_token_id == 2 and cfg.pad_token_id == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    ours = np.asarray(forward(cfg, params, jnp.asarray(tokens)))
+    rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    assert rel < 1e-5, rel
+
+
+def test_bad_config_fails_fast_with_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(CONFIG.replace("num_layers: 2", "num_layer: 2"))
+    run_dir = tmp_path / "run"
+    assert main(["--config", str(bad), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown key 'model.num_layer'" in err[0] and "bad.yaml" in err[0]
+    assert not run_dir.exists()
+    good = tmp_path / "good.yaml"
+    good.write_text(CONFIG)
+    assert main(["--config", str(good), "--run-dir", str(run_dir), "optim.warmup_steps=50"]) == 2
+    assert "optim.warmup_steps" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "none.yaml"), "--run-dir", str(run_dir)]) == 2
+    assert "none.yaml" in capsys.readouterr().err
+    assert main(["--config", str(good), "--run-dir", str(run_dir), "data.tokenizer=absent/tokenizer.json"]) == 2
+    assert "data.tokenizer: file not found: absent/tokenizer.json" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_existing_run_needs_resume_and_same_data(first_run, capsys):
+    config, run_dir = first_run
+    assert main(["--config", str(config), "--run-dir", str(run_dir)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main(["--config", str(config), "--run-dir", str(run_dir), "--resume", "data.seed=4"]) == 2
+    assert "data section differs" in capsys.readouterr().err
+
+
+def test_packed_loss_equals_per_example_loss_on_response_tokens():
+    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32, qk_norm=True)
+    rng = np.random.default_rng(0)
+    # random values of every param (host RNG: no per-shape compilation of jax.random)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
+                          jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)))
+    examples = [(rng.integers(5, 40, n).tolist(), p) for n, p in [(9, 3), (11, 5), (4, 1), (7, 6), (12, 2)]]
+    packed = pack(examples, max_len=20, pad_id=0, seed=1)
+    assert packed.num_examples == 5 and packed.dropped == 0 and len(packed) >= 3
+    loss, count = jax.jit(response_loss, static_argnums=0)(
+        cfg, params, jnp.asarray(packed.tokens), jnp.asarray(packed.segment_ids), jnp.asarray(packed.weights))
+    # reference: one example per row, right-padded (causal attention never sees the padding)
+    width = max(len(ids) for ids, _ in examples)
+    rows = np.array([ids + [0] * (width - len(ids)) for ids, _ in examples], np.int32)
+    logp = np.asarray(jax.nn.log_softmax(jax.jit(forward, static_argnums=0)(cfg, params, jnp.asarray(rows))))
+    expected, n = 0.0, 0
+    for b, (ids, prompt_len) in enumerate(examples):
+        for t in range(prompt_len, len(ids)):  # every response token, predicted from t - 1
+            expected -= logp[b, t - 1, ids[t]]
+            n += 1
+    assert int(count) == n == 6 + 6 + 3 + 1 + 10
+    np.testing.assert_allclose(float(loss), expected / n, rtol=1e-5)
+
+
+def test_pack_layout():
+    examples = [([1, 2, 3, 4], 2), ([5, 6, 7], 1), ([8] * 12, 3), ([9, 9], 1)]
+    packed = pack(examples, max_len=7, pad_id=0, seed=0)
+    assert packed.dropped == 1 and packed.num_examples == 3  # the 12-token example does not fit
+    assert packed.tokens.shape[1] == 8 and packed.weights.shape[1] == 7
+    rows = []
+    for tokens, segments, weights in zip(packed.tokens, packed.segment_ids, packed.weights):
+        for seg in range(1, segments.max() + 1):
+            where = np.flatnonzero(segments == seg)
+            assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # contiguous
+            ids = tokens[where].tolist()
+            rows.append(ids)
+            prompt_len = dict((tuple(e), p) for e, p in examples)[tuple(ids)]
+            counted = np.flatnonzero(weights[where[0]:where[-1]]) + where[0] + 1  # target positions
+            assert counted.tolist() == list(range(where[0] + prompt_len, where[-1] + 1))
+        assert not tokens[segments == 0].any()
+        assert weights[segments[:-1] == 0].sum() == 0
+    assert sorted(rows) == sorted(e for e, _ in examples if len(e) <= 7)
+
+
+def test_batches_are_addressed_by_position():
+    n, width = 10, 5
+    data = PackedSet(tokens=np.arange(n * width, dtype=np.int32).reshape(n, width),
+                     segment_ids=np.ones((n, width), np.int32), weights=np.ones((n, width - 1), np.float32),
+                     num_examples=n, dropped=0)
+    batcher = Batcher(data, batch_size=4, seed=0)
+    seen = np.concatenate([batcher.indices(p) for p in (0, 4, 8)])  # 12 rows span two epochs
+    assert sorted(seen[:10]) == list(range(10))
+    np.testing.assert_array_equal(Batcher(data, 4, 0).batch(8)["tokens"], batcher.batch(8)["tokens"])
+    assert not np.array_equal(Batcher(data, 4, 1).indices(0), batcher.indices(0))
