@@ -1,0 +1,101 @@
+"""`jaxspec bench verify`: the tree-verification kernel vs its jnp reference.
+
+Random f32 logits [batch, nodes, vocab] and a random tree per row (each node's parent drawn below
+it, random draft tokens), deterministic drafts. Each step reads the logits once, so the achieved
+rate is logits bytes / median time, compared with the device copy bandwidth (bytes read + written
+per second) measured in the same run. `agree` is the fraction of rows where both implementations
+return the same path, count and next token from the same key (they share the noise; float
+summation order can flip a decision that lands within rounding of a boundary).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.timing import copy_bytes_per_second, median_seconds, print_table, write_results
+from kernels.tree_verify_pallas import verify_pallas
+from kernels.tree_verify_reference import verify_reference
+
+
+def random_trees(batch: int, nodes: int, vocab: int, seed: int):
+    """(parents int32 [B, N], draft_tokens int32 [B, N], num_nodes int32 [B]) of full random trees."""
+    rng = np.random.default_rng(seed)
+    parents = np.full((batch, nodes), -1, np.int32)
+    for n in range(1, nodes):
+        parents[:, n] = rng.integers(0, n, size=batch)
+    tokens = rng.integers(0, vocab, size=(batch, nodes), dtype=np.int32)
+    return jnp.asarray(parents), jnp.asarray(tokens), jnp.full((batch,), nodes, jnp.int32)
+
+
+def _timed(fn, iters: int) -> float | None:
+    """Median seconds, or None when the device runs out of memory."""
+    try:
+        return median_seconds(fn, iters=iters)
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return None
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench verify", description=__doc__)
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tile", type=int, default=2048, help="vocabulary tile of the kernel (a power of 2)")
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--copy-bytes", type=int, default=None, help="buffer size of the copy-bandwidth baseline")
+    p.add_argument("--out", default=None, help="write JSON results here")
+    args = p.parse_args(argv)
+    if args.tile < 1 or args.tile & (args.tile - 1):
+        raise ValueError(f"--tile must be a power of 2, got {args.tile}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+
+    gpu = jax.default_backend() == "gpu"
+    copy_bytes = args.copy_bytes or (1 << 30 if gpu else 1 << 24)
+    copy_rate = copy_bytes_per_second(copy_bytes, iters=args.iters)
+    key = jax.random.key(0)
+    rows = []
+    for batch in args.batch:
+        for nodes in args.nodes:
+            logits = jax.random.normal(jax.random.key(batch * 1000 + nodes), (batch, nodes, args.vocab), jnp.float32)
+            parents, tokens, num_nodes = random_trees(batch, nodes, args.vocab, seed=nodes)
+            kernel = lambda: verify_pallas(logits, parents, tokens, num_nodes, key, temperature=args.temperature,
+                                           interpret=not gpu, tile=args.tile, num_warps=args.num_warps,
+                                           num_stages=args.num_stages)
+            reference = lambda: verify_reference(logits, parents, tokens, num_nodes, key,
+                                                 temperature=args.temperature, tile=args.tile)
+            t_kernel, t_reference = _timed(kernel, args.iters), _timed(reference, args.iters)
+            agree = None
+            if t_kernel is not None and t_reference is not None:
+                a, b = kernel(), reference()
+                same = [np.all(np.asarray(x) == np.asarray(y), axis=tuple(range(1, np.ndim(x))))
+                        for x, y in zip(a[:3], b[:3])]
+                agree = float(np.mean(np.logical_and.reduce(same)))
+            nbytes = logits.size * logits.dtype.itemsize
+            scaled = lambda t, unit: None if t is None else unit(t)
+            rows.append({"batch": batch, "nodes": nodes, "vocab": args.vocab,
+                         "kernel_ms": scaled(t_kernel, lambda t: 1e3 * t),
+                         "reference_ms": scaled(t_reference, lambda t: 1e3 * t),
+                         "speedup": None if None in (t_kernel, t_reference) else t_reference / t_kernel,
+                         "kernel_GBps": scaled(t_kernel, lambda t: nbytes / t / 1e9),
+                         "reference_GBps": scaled(t_reference, lambda t: nbytes / t / 1e9),
+                         "kernel_vs_copy": scaled(t_kernel, lambda t: nbytes / t / copy_rate),
+                         "agree": agree})
+            del logits
+    baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
+                "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
+                "kernel": "pallas" if gpu else "pallas-interpret"}
+    print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
+    print_table(rows, ["batch", "nodes", "vocab", "kernel_ms", "reference_ms", "speedup", "kernel_GBps",
+                       "reference_GBps", "kernel_vs_copy", "agree"])
+    write_results(args.out, "verify", rows, baseline)
+    return 0

@@ -1,0 +1,75 @@
+"""`kernels.tree_verify`: input validation, implementation dispatch, use under jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernels import tree_verify
+
+B, N, V = 2, 4, 16
+
+
+def valid_args():
+    logits = jax.random.normal(jax.random.key(0), (B, N, V))
+    parents = jnp.array([[-1, 0, 1, 1], [-1, 0, 0, 2]], jnp.int32)
+    tokens = jnp.array([[0, 3, 4, 5], [0, 6, 7, 8]], jnp.int32)
+    return logits, parents, tokens, jnp.array([4, 3], jnp.int32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: (a[0][0],) + a[1:], "logits must be a float array"),
+    (lambda a: (a[0].astype(jnp.int32),) + a[1:], "logits must be a float array"),
+    (lambda a: (a[0], a[1][:, :3]) + a[2:], "parents must have shape"),
+    (lambda a: a[:2] + (a[2][:1],) + a[3:], "draft_tokens must have shape"),
+    (lambda a: a[:3] + (jnp.array([4, 3, 1]),), "num_nodes must have shape"),
+    (lambda a: (a[0], a[1].astype(jnp.float32)) + a[2:], "parents must be an integer array"),
+    (lambda a: a[:3] + (jnp.array([4, 5]),), r"num_nodes must be in \[1, 4\]"),
+    (lambda a: a[:3] + (jnp.array([0, 3]),), r"num_nodes must be in \[1, 4\]"),
+    (lambda a: (a[0], a[1].at[1, 0].set(0)) + a[2:], r"parents\[:, 0\] must be -1"),
+    (lambda a: (a[0], a[1].at[0, 2].set(2)) + a[2:], r"parents\[0, 2\] = 2 must be in \[0, 2\)"),
+    (lambda a: (a[0], a[1].at[1, 1].set(-1)) + a[2:], r"parents\[1, 1\] = -1"),
+    (lambda a: a[:2] + (a[2].at[0, 3].set(V),) + a[3:], r"draft_tokens\[0, 3\] = 16 is outside the vocabulary"),
+])
+def test_invalid_inputs_name_the_argument(change, message):
+    with pytest.raises(ValueError, match=message):
+        tree_verify(*change(valid_args()), jax.random.key(0), temperature=1.0)
+
+
+def test_padding_values_are_not_checked():
+    """Nodes past num_nodes may hold anything (row 1 has 3 valid nodes)."""
+    logits, parents, tokens, num = valid_args()
+    tree_verify(logits, parents.at[1, 3].set(7), tokens.at[1, 3].set(-5), num, jax.random.key(0), temperature=1.0)
+
+
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), True, "1.0"])
+def test_invalid_temperature(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        tree_verify(*valid_args(), jax.random.key(0), temperature=temperature)
+
+
+def test_invalid_draft_probs_and_impl(monkeypatch):
+    logits, *rest = valid_args()
+    with pytest.raises(ValueError, match="draft_probs must have the shape of logits"):
+        tree_verify(logits, *rest, jax.random.key(0), temperature=1.0, draft_probs=logits[:, :2])
+    with pytest.raises(ValueError, match="impl must be one of"):
+        tree_verify(logits, *rest, jax.random.key(0), temperature=1.0, impl="cuda")
+    monkeypatch.setenv(kernels.IMPL_ENV, "fast")
+    with pytest.raises(ValueError, match="JAXSPEC_TREE_VERIFY_IMPL must be one of"):
+        tree_verify(logits, *rest, jax.random.key(0), temperature=1.0)
+
+
+def test_dispatch_env_override_and_jit(monkeypatch):
+    """On CPU "auto" is the reference; the environment can force the interpreted kernel; both give
+    the same result, also when called inside jit with traced arguments (shape checks only)."""
+    args = valid_args()
+    auto = tree_verify(*args, jax.random.key(3), temperature=1.0)
+    monkeypatch.setenv(kernels.IMPL_ENV, "interpret")
+    forced = tree_verify(*args, jax.random.key(3), temperature=1.0)
+    jitted = jax.jit(lambda *a: tree_verify(*a, temperature=1.0))(*args, jax.random.key(3))
+    for x, y, z in zip(auto, forced, jitted):
+        np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(z, x, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="parents must have shape"):
+        jax.jit(lambda l, p: tree_verify(l, p, *args[2:], jax.random.key(0), temperature=1.0))(args[0], args[1][:, :2])
