@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
 
     cfg = ModelConfig.from_json(args.model)
     dtype = jnp.dtype(args.dtype)
-    params = init_params(cfg, jax.random.key(0), dtype)
+    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
     peak = matmul_flops_per_second(args.matmul_size)
 
     @jax.jit

@@ -1,9 +1,10 @@
 """Autoregressive rollouts: shared prefill of distinct prompts, then one compiled decode loop.
 
-`generate` prefills each distinct prompt once (GRPO repeats every prompt n times), copies its KV
-rows to all the batch rows that carry it, and runs a `jax.lax.while_loop` that appends one token
-per row per iteration, with no host round trip, until every row has emitted an eos or
-`max_new_tokens` tokens. The batch KV cache is donated into the loop and updated in place.
+`generate` prefills each distinct prompt once (GRPO repeats every prompt n times), at most
+`PREFILL_CHUNK` prompts at a time, copies its KV rows to all the batch rows that carry it, and
+runs a `jax.lax.while_loop` that appends one token per row per iteration, with no host round
+trip, until every row has emitted an eos or `max_new_tokens` tokens. The batch KV cache is
+donated into the loop and updated in place.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logits_from_hidden
-from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
+from jaxspec.rollout.memory import check_fits, prefill_chunks, rollout_memory_bytes
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
 
@@ -34,7 +35,8 @@ class RolloutOutput(NamedTuple):
     stats: "steps" (decode-loop iterations; the first token comes from the prefill logits),
         "acceptance_length" (tokens per step per row: 1.0 without speculation),
         "acceptance_rate_per_position" (float32 [k], empty without speculation),
-        "generated_tokens" (sum of lengths).
+        "generated_tokens" (sum of lengths); speculative rollouts add "drafted_tokens" and
+        "accepted_tokens" (definitions in `jaxspec.rollout.speculative.stats.summarize`).
     """
 
     tokens: jax.Array
@@ -61,12 +63,12 @@ def generate(
     laid out by `KV_CACHE_AXES` and the batch is sharded over the mesh's batch axes.
     Compiled programs are reused across calls with the same batch size, prompt-length bucket,
     distinct-prompt bucket and `sampling`.
+    spec: None for autoregressive decoding, or a `jaxspec.rollout.Spec` for speculative decoding
+        (the same distribution; `stats` then reports acceptance, see `speculative.stats.summarize`).
     Raises ValueError for an empty prompt list or prompt, a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
-    not fit the device's free memory, or `spec` (not available in this build).
+    not fit the device's free memory, or a draft that does not fit the policy.
     """
-    if spec is not None:
-        raise ValueError("spec: speculative decoding is not available in this build; pass spec=None")
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a jaxspec.rollout.Sampling, got {type(sampling).__name__}")
     eos_ids = sampling.eos_ids(cfg.eos_token_id)
@@ -78,6 +80,11 @@ def generate(
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = prompt_width + sampling.max_new_tokens
+    if spec is not None:
+        from jaxspec.rollout.speculative.generate import speculative_generate  # it imports this module
+
+        return speculative_generate(cfg, params, batch, key, sampling, spec, cache_dtype=cache_dtype,
+                                    sharding=sharding)
 
     longest = int(batch.row_lengths.max())
     needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct)
@@ -87,7 +94,7 @@ def generate(
     def put(x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
 
-    cache, logits = _prefill(
+    cache, logits, _ = _prefill(
         cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
         put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding)
     tokens, logprobs, lengths, steps, _ = _decode(
@@ -118,33 +125,52 @@ def _constrain(sharding: Sharding | None, x: jax.Array, axes: tuple[str, ...]) -
     return x if sharding is None else sharding.constrain(x, axes)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "cache_dtype", "sharding"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "cache_dtype", "sharding", "hidden_layers"))
 def _prefill(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-             row_prompt: jax.Array, *, max_len: int, cache_dtype, sharding: Sharding | None
-             ) -> tuple[KVCache, jax.Array]:
+             row_prompt: jax.Array, *, max_len: int, cache_dtype, sharding: Sharding | None,
+             hidden_layers: tuple[int, ...] = ()) -> tuple[KVCache, jax.Array, jax.Array]:
     """Runs the distinct prompts and lays their KV out per batch row.
 
     prompt_tokens int32 [U, P] right-padded; prompt_lengths int32 [U]; row_prompt int32 [B].
     Returns (cache with B rows of max_len slots, slots [0, P) filled; float32 next-token logits
-    [B, V] at each row's last prompt token). Padding never influences real tokens (causal mask),
+    [B, V] at each row's last prompt token; the outputs of `hidden_layers` over the distinct
+    prompts [len(hidden_layers), U, P, H]). Padding never influences real tokens (causal mask),
     and slots past a row's prompt length are overwritten before they are ever attended to.
+    The prompts go through the model in chunks (`prefill_chunks`) one after another, so only one
+    chunk's activations are live at a time.
     """
     num_prompts, width = prompt_tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
-    cache = init_cache(cfg, num_prompts, width, cache_dtype)
-    # Only the last layer's output is used: the full [U, P, V] logits are dead code under jit.
-    _, hidden, cache = extend(cfg, params, cache, prompt_tokens, positions, jnp.zeros((num_prompts,), jnp.int32),
-                              hidden_layers=(cfg.num_layers - 1,), sharding=sharding)
-    last = jnp.take_along_axis(hidden[0], (prompt_lengths - 1)[:, None, None], axis=1)  # [U, 1, H]
-    logits = logits_from_hidden(cfg, params, last)[:, 0]
+    chunk, num_chunks = prefill_chunks(num_prompts)
+    filler = chunk * num_chunks - num_prompts  # prompts of one token 0 that no row reads
+    tokens = jnp.pad(prompt_tokens, ((0, filler), (0, 0)))
+    lengths = jnp.pad(prompt_lengths, (0, filler), constant_values=1)
+    # Chunk j holds prompts j, j + num_chunks, j + 2 * num_chunks, ...: a batch-sharded [U] then
+    # splits into chunks spread over the same devices, with no data moved between them.
+    chunks = (jnp.moveaxis(tokens.reshape(chunk, num_chunks, width), 1, 0), lengths.reshape(chunk, num_chunks).T)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (chunk, width))
 
-    def to_rows(buf: jax.Array) -> jax.Array:  # [U, P, Nk, D] -> [B, max_len, Nk, D]
-        rows = jnp.take(buf, row_prompt, axis=0)
+    def run_chunk(inputs: tuple[jax.Array, jax.Array]) -> tuple[KVCache, jax.Array, jax.Array]:
+        chunk_tokens, chunk_lengths = inputs  # [C, P], [C]
+        cache = init_cache(cfg, chunk, width, cache_dtype)
+        # Only the last layer's output is used: the full [C, P, V] logits are dead code under jit.
+        _, hidden, cache = extend(cfg, params, cache, chunk_tokens, positions, jnp.zeros((chunk,), jnp.int32),
+                                  hidden_layers=(*hidden_layers, cfg.num_layers - 1), sharding=sharding)
+        last = jnp.take_along_axis(hidden[-1], (chunk_lengths - 1)[:, None, None], axis=1)  # [C, 1, H]
+        return cache, logits_from_hidden(cfg, params, last)[:, 0], hidden[:-1]
+
+    # cache leaves [num_chunks, C, P, Nk, D], logits [num_chunks, C, V], hidden [num_chunks, n, C, P, H]
+    cache, logits, hidden = jax.lax.map(run_chunk, chunks)
+    row_chunk, row_slot = row_prompt % num_chunks, row_prompt // num_chunks
+
+    def to_rows(buf: jax.Array) -> jax.Array:  # [num_chunks, C, P, Nk, D] -> [B, max_len, Nk, D]
+        rows = buf[row_chunk, row_slot]
         rows = jnp.pad(rows, ((0, 0), (0, max_len - width), (0, 0), (0, 0)))
         return _constrain(sharding, rows, KV_CACHE_AXES)
 
     cache = KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v)))
-    return cache, _constrain(sharding, jnp.take(logits, row_prompt, axis=0), ("batch", "vocab"))
+    hidden = jnp.moveaxis(hidden, 0, 2).reshape(len(hidden_layers), chunk * num_chunks, width, cfg.hidden_size)
+    return (cache, _constrain(sharding, logits[row_chunk, row_slot], ("batch", "vocab")),
+            hidden[:, :num_prompts])
 
 
 class _LoopState(NamedTuple):

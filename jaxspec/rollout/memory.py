@@ -10,17 +10,31 @@ from jaxspec.rollout.prompts import count_bucket, prompt_bucket
 
 _F32 = 4
 
+# Most distinct prompts the prefill runs through the model at once; bounds its activations.
+PREFILL_CHUNK = 32
+
+
+def prefill_chunks(num_prompts: int) -> tuple[int, int]:
+    """(prompts per chunk, number of chunks) for prefilling `num_prompts` distinct prompts.
+
+    One chunk of all the prompts when they fit in `PREFILL_CHUNK`; otherwise chunks of
+    `PREFILL_CHUNK`, the last one completed with filler prompts.
+    """
+    chunk = min(PREFILL_CHUNK, num_prompts)
+    return chunk, -(-num_prompts // chunk)
+
 
 def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int,
                          cache_dtype=jnp.float32, num_distinct: int | None = None) -> int:
     """Bytes of device memory a rollout allocates beyond the params (after shape bucketing).
 
     batch: rows B; prompt_len: longest prompt (padded to its bucket P); max_new_tokens: N;
-    num_distinct: distinct prompts prefilled (None = batch, the worst case).
+    num_distinct: distinct prompts prefilled (None = batch, the worst case), bucketed to U and
+    prefilled in chunks of C = min(U, PREFILL_CHUNK) prompts, U padded to a multiple of C.
     The peak is the larger of
-      * prefill: the distinct-prompt cache [U, P], the batch cache [B, P + N], and the prefill's
-        float32 activations (attention scores and probabilities [U, Nq, P, P], MLP [U, P, 2F],
-        residual stream [U, P, H]);
+      * prefill: the distinct-prompt cache [U, P], the batch cache [B, P + N], and one chunk's
+        float32 activations (attention scores and probabilities [C, Nq, P, P], MLP [C, P, 2F],
+        residual stream [C, P, H]);
       * decode: the batch cache [B, P + N] plus per-step float32 buffers: four [B, V] (logits,
         processed log-probs, sort and sampling temporaries), attention scores and probabilities
         [B, Nq, P + N], MLP [B, 2F], and the outputs tokens/log-probs [B, N].
@@ -30,10 +44,10 @@ def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_
             f"batch={batch}, prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must all be >= 1")
     p = prompt_bucket(prompt_len)
     s = p + max_new_tokens
-    u = count_bucket(batch if num_distinct is None else num_distinct, batch)
+    chunk, num_chunks = prefill_chunks(count_bucket(batch if num_distinct is None else num_distinct, batch))
     batch_cache = cache_bytes(cfg, batch, s, cache_dtype)
-    prefill = (cache_bytes(cfg, u, p, cache_dtype) + batch_cache
-               + _F32 * u * p * (2 * cfg.num_heads * p + 2 * cfg.intermediate_size + cfg.hidden_size))
+    prefill = (cache_bytes(cfg, chunk * num_chunks, p, cache_dtype) + batch_cache
+               + _F32 * chunk * p * (2 * cfg.num_heads * p + 2 * cfg.intermediate_size + cfg.hidden_size))
     decode = (batch_cache
               + _F32 * batch * (4 * cfg.vocab_size + 2 * cfg.num_heads * s + 2 * cfg.intermediate_size)
               + 2 * _F32 * batch * max_new_tokens)

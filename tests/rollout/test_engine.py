@@ -1,8 +1,11 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.models import extend, forward_hidden, init_cache
 from jaxspec.rollout import Sampling, engine, generate, processed_logprobs
+from jaxspec.rollout.memory import PREFILL_CHUNK
 from tests.rollout.reference import full_forward, greedy_reference, padded
 
 # Lengths 3, 7 and 20 (prompt buckets 16, 16 and 32); the batch repeats two of them.
@@ -124,6 +127,47 @@ def test_no_recompilation_within_buckets(policy):
     assert sizes() == (warm[0] + 1, warm[1])
     generate(cfg, params, [[4] * 17, [1], [2], [3]], key, GREEDY)  # length bucket 32: both compile
     assert sizes() == (warm[0] + 2, warm[1] + 1)
+
+
+def _distinct_prompts(count: int, seed: int) -> list[list[int]]:
+    """`count` distinct prompts (the first token is the index) of 1 to 16 tokens (one length bucket)."""
+    rng = np.random.default_rng(seed)
+    return [[i] + rng.integers(0, 61, rng.integers(0, 16)).tolist() for i in range(count)]
+
+
+def test_chunked_prefill_matches_one_pass_over_all_prompts(policy):
+    cfg, params = policy
+    prompts = _distinct_prompts(PREFILL_CHUNK + 8, seed=4)  # two chunks, the second completed with filler
+    tokens, lengths = padded(prompts, 16), jnp.asarray([len(p) for p in prompts], jnp.int32)
+    row_prompt = jnp.asarray(np.random.default_rng(5).integers(0, len(prompts), 50), jnp.int32)
+    cache, logits, hidden = engine._prefill(cfg, params, tokens, lengths, row_prompt, max_len=24,
+                                            cache_dtype=jnp.float32, sharding=None, hidden_layers=(1, 0))
+
+    num = len(prompts)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (num, 16))
+    _, _, want_cache = jax.jit(extend, static_argnums=0)(
+        cfg, params, init_cache(cfg, num, 24), tokens, positions, jnp.zeros((num,), jnp.int32))
+    want_logits, want_hidden = jax.jit(forward_hidden, static_argnums=(0, 3))(cfg, params, tokens, (1, 0))
+    last = np.asarray(lengths) - 1
+    np.testing.assert_allclose(logits, np.asarray(want_logits)[np.asarray(row_prompt), last[row_prompt]],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    assert hidden.shape == (2, num, 16, cfg.hidden_size)
+    for got, want in zip((*cache.k, *cache.v), (*want_cache.k, *want_cache.v)):
+        assert got.shape == (50, 24, cfg.num_kv_heads, cfg.head_dim)
+        np.testing.assert_allclose(got, np.asarray(want)[np.asarray(row_prompt)], rtol=1e-5, atol=1e-5)
+
+
+def test_more_distinct_prompts_than_a_chunk_equal_two_halves(policy):
+    cfg, params = policy
+    distinct = _distinct_prompts(PREFILL_CHUNK + 8, seed=6)
+    half = len(distinct) // 2
+    # Each half repeats four of its own prompts: same shapes for both halves, fewer than a chunk.
+    first, second = distinct[:half] + distinct[:4], distinct[half:] + distinct[half:half + 4]
+    whole = generate(cfg, params, first + second, jax.random.key(0), GREEDY)
+    parts = [generate(cfg, params, rows, jax.random.key(0), GREEDY) for rows in (first, second)]
+    np.testing.assert_array_equal(whole.tokens, np.concatenate([p.tokens for p in parts]))
+    np.testing.assert_allclose(whole.logprobs, np.concatenate([p.logprobs for p in parts]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("prompts, kwargs, match", [

@@ -1,0 +1,102 @@
+"""`jaxspec bench spec`: speculative vs autoregressive rollout generation on a trained policy.
+
+The policy (an HF folder, e.g. the `small` workload policy) answers held-out task problems at
+temperature 1 in RL-shaped batches; every configuration generates the same prompts with the same
+sampling, so the autoregressive run of the same invocation is the baseline. Reported per
+configuration: generation time, speedup over AR, acceptance length (tokens emitted per
+verification step and row, the accepted drafts + 1) and speculation efficiency = speedup /
+acceptance length (1.0 would mean a verification step costs no more than one decode step and
+drafting is free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from jaxspec.bench.timing import print_table, write_results
+from jaxspec.draft import load_eagle3
+from jaxspec.models import load_hf
+from jaxspec.rollout import Sampling, Spec, generate
+from jaxspec.tasks import ChatTokenizer, generate_problems
+
+
+def _configs(args) -> list[tuple[str, dict]]:
+    """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
+    runs = [("ar", {})]
+    heads = [("eagle3", args.draft)] + ([("eagle3-ood", args.draft_ood)] if args.draft_ood else [])
+    for label, _ in heads:
+        for k in args.k:
+            runs.append((f"{label} chain k={k}", {"method": label, "num_draft_tokens": k}))
+    for width, depth, budget in args.trees:
+        runs.append((f"eagle3 tree w={width} d={depth} n={budget}",
+                     {"method": "eagle3", "num_draft_tokens": depth, "tree_width": width, "tree_budget": budget}))
+    if args.stochastic:
+        runs.append(("eagle3 chain k=3 stochastic", {"method": "eagle3", "num_draft_tokens": 3,
+                                                      "draft_sampling": "stochastic"}))
+    runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench spec", description=__doc__)
+    p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
+    p.add_argument("--draft", required=True, help="EAGLE-3 head trained in-domain (public layout)")
+    p.add_argument("--draft-ood", default=None, help="EAGLE-3 head trained out of domain")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--new", type=int, default=1024, help="max_new_tokens")
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 7])
+    p.add_argument("--trees", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
+                   default=[(2, 4, 8), (3, 5, 16)], help="width,depth,budget triples")
+    p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    cfg, params = load_hf(args.policy, dtype=args.dtype)
+    tok = ChatTokenizer.from_file(args.policy)
+    heads = {"eagle3": load_eagle3(args.draft, dtype=args.dtype, policy=cfg)}
+    if args.draft_ood:
+        heads["eagle3-ood"] = load_eagle3(args.draft_ood, dtype=args.dtype, policy=cfg)
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
+    rows = []
+    for batch in args.batch:
+        problems = generate_problems(batch, seed=args.seed + batch, levels=args.levels)
+        prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
+        ar_seconds = None
+        for label, kwargs in _configs(args):
+            spec = None
+            if kwargs:
+                method = kwargs.pop("method")
+                draft = heads[method] if method.startswith("eagle3") else None
+                spec = Spec(method="eagle3" if draft is not None else method, draft=draft, **kwargs)
+            key = jax.random.key(0)
+            run = lambda: generate(cfg, params, prompts, key, sampling, spec=spec)  # noqa: E731
+            jax.block_until_ready(run().tokens)  # compile + warm up
+            start = time.perf_counter()
+            out = run()
+            jax.block_until_ready(out.tokens)
+            seconds = time.perf_counter() - start
+            tokens = int(np.asarray(out.lengths).sum())
+            acc = float(out.stats.get("acceptance_length", 1.0))
+            if spec is None:
+                ar_seconds = seconds
+            speedup = ar_seconds / seconds
+            row = {"batch": batch, "config": label, "seconds": seconds, "tokens": tokens,
+                   "tokens_per_s": tokens / seconds, "speedup": speedup, "acceptance_length": acc,
+                   "efficiency": speedup / acc,
+                   "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist()}
+            rows.append(row)
+            print_table([row], ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length",
+                                "efficiency"])
+    baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood, "params": cfg.num_params(),
+                "temperature": 1.0, "max_new_tokens": args.new, "baseline": "autoregressive generate, same run"}
+    print()
+    print_table(rows, ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length", "efficiency"])
+    write_results(args.out, "spec", rows, baseline)
+    return 0

@@ -1,0 +1,72 @@
+"""The drafter interface: pure functions over a pytree state, driven by the speculative loop.
+
+A drafter is a frozen (hashable) dataclass holding only static settings, so it can be a
+`jax.jit` static argument; its weights travel separately as `dparams` (None when it has none).
+
+    state = drafter.init(dparams, prefill)                    # once, after the policy's prefill
+    state, tree = drafter.propose(dparams, state, root, cache_len, key)
+    state = drafter.update(dparams, state, verified)          # after each verification
+
+`drafter.policy_layers` lists the policy layers whose outputs `update` receives in
+`verified.hidden` (empty when the drafter does not read the policy's hidden states).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import jax
+
+from jaxspec.models.sharding import Sharding
+from jaxspec.rollout.speculative.tree import DraftTree
+
+
+class Prefill(NamedTuple):
+    """What drafters start from (B rows, U distinct prompts padded to P tokens).
+
+    prompt_tokens int32 [U, P]; prompt_lengths int32 [U]; row_prompt int32 [B];
+    row_lengths int32 [B]; first_token int32 [B]: the token sampled from the prefill logits,
+    the root of the first tree; policy_hidden [len(policy_layers), U, P, H]: the policy's layer
+    outputs over each distinct prompt (empty when the drafter reads none); max_len: cache slots
+    a drafter's KV cache needs; cache_dtype; sharding.
+    """
+
+    prompt_tokens: jax.Array
+    prompt_lengths: jax.Array
+    row_prompt: jax.Array
+    row_lengths: jax.Array
+    first_token: jax.Array
+    policy_hidden: jax.Array
+    max_len: int
+    cache_dtype: object
+    sharding: Sharding | None
+
+
+class Verified(NamedTuple):
+    """The outcome of one verification step (E = longest accepted path + 1).
+
+    committed int32 [B, E]: [root, accepted drafts...] now in the policy's KV cache at slots
+        cache_len .. cache_len + num_accepted; entries past num_accepted are padding.
+    next_root int32 [B]: the token sampled after the accepted run, the next tree's root.
+    num_accepted int32 [B]; cache_len int32 [B]: the policy cache length before this step.
+    hidden [len(policy_layers), B, E, H]: the policy's layer outputs at the committed tokens.
+    active bool [B]: rows that were still generating (others must be left as they are).
+    """
+
+    committed: jax.Array
+    next_root: jax.Array
+    num_accepted: jax.Array
+    cache_len: jax.Array
+    hidden: jax.Array
+    active: jax.Array
+
+
+class Drafter(Protocol):
+    policy_layers: tuple[int, ...]
+
+    def init(self, dparams, prefill: Prefill): ...
+
+    def propose(self, dparams, state, root: jax.Array, cache_len: jax.Array, key: jax.Array
+                ) -> tuple[object, DraftTree]: ...
+
+    def update(self, dparams, state, verified: Verified): ...

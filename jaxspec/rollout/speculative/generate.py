@@ -1,0 +1,116 @@
+"""Speculative rollouts: build the drafter from a `Spec`, prefill, run the compiled loop, report."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding
+from jaxspec.models.transformer import Params, cache_bytes
+from jaxspec.rollout.engine import RolloutOutput, _cache_shards, _prefill
+from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
+from jaxspec.rollout.prompts import PromptBatch
+from jaxspec.rollout.sampling import Sampling
+from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
+from jaxspec.rollout.speculative.drafter import Drafter
+from jaxspec.rollout.speculative.loop import speculative_decode
+from jaxspec.rollout.speculative.ngram import NgramDrafter
+from jaxspec.rollout.speculative.spec import Spec
+from jaxspec.rollout.speculative.stats import summarize
+
+_F32 = 4
+
+
+def make_drafter(cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spec,
+                 sharding: Sharding | None = None) -> tuple[Drafter, object]:
+    """(drafter, the pytree its methods take as dparams) for policy `cfg`; ValueError when the
+    draft does not fit the policy (naming the mismatched dimension)."""
+    if not isinstance(spec, Spec):
+        raise ValueError(f"spec must be a jaxspec.rollout.Spec or None, got {type(spec).__name__}")
+    shape = dict(depth=spec.num_draft_tokens, width=spec.tree_width, num_nodes=spec.num_tree_nodes)
+    if spec.method == "ngram":
+        return NgramDrafter(sizes=spec.ngram_sizes, **shape), None
+    dcfg, dparams = spec.draft
+    if spec.method == "draft_model":
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise ValueError(f"Spec.draft: the draft model's vocab_size {dcfg.vocab_size} differs from the "
+                             f"policy's {cfg.vocab_size}; draft_model needs the same vocabulary")
+        _check_width(spec, dcfg.vocab_size)
+        return DraftModelDrafter(cfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding,
+                                 **shape), dparams
+    from jaxspec.draft import DraftConfig, check_compatible
+    from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter
+
+    if not isinstance(dcfg, DraftConfig):
+        raise ValueError(f"Spec.draft[0] must be a jaxspec.draft.DraftConfig for method='eagle3', "
+                         f"got {type(dcfg).__name__}")
+    try:
+        check_compatible(cfg, dcfg)
+    except ValueError as err:
+        raise ValueError(f"Spec.draft: the EAGLE-3 head does not fit the policy: {err}") from None
+    if dparams["lm_head"].shape != (dcfg.hidden_size, dcfg.draft_vocab_size):
+        raise ValueError(f"Spec.draft: lm_head has shape {dparams['lm_head'].shape}, the head's config says "
+                         f"(hidden_size, draft_vocab_size) = ({dcfg.hidden_size}, {dcfg.draft_vocab_size})")
+    _check_width(spec, dcfg.draft_vocab_size)
+    return (Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape),
+            {"head": dparams, "embed": params["embed"]})
+
+
+def _check_width(spec: Spec, draft_vocab: int) -> None:
+    if spec.tree_width > draft_vocab:
+        raise ValueError(f"Spec.tree_width={spec.tree_width} exceeds the draft vocabulary ({draft_vocab} tokens)")
+
+
+def speculative_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int, spec: Spec,
+                             cache_dtype, num_distinct: int) -> int:
+    """Device bytes a speculative rollout allocates beyond the params (an estimate).
+
+    The autoregressive estimate (`rollout_memory_bytes`) with the cache grown by the tree's spare
+    slots, plus the verification forward's float32 buffers for the other tree nodes (logits,
+    processed log-probs, attention over the cache, MLP), draft distributions for stochastic
+    drafts, and the draft model's or EAGLE-3 head's own cache.
+    """
+    nodes = 1 + spec.num_tree_nodes
+    extra = nodes + spec.num_draft_tokens * spec.tree_width
+    needed = rollout_memory_bytes(cfg, batch, prompt_len, max_new_tokens + extra, cache_dtype, num_distinct)
+    slots = prompt_len + max_new_tokens + extra
+    per_node = 4 * cfg.vocab_size + 2 * cfg.num_heads * slots + 2 * cfg.intermediate_size
+    needed += _F32 * batch * (nodes - 1) * per_node
+    if spec.stochastic:
+        needed += 2 * _F32 * batch * (1 + spec.num_draft_tokens * spec.tree_width) * cfg.vocab_size
+    if spec.method == "draft_model":
+        needed += cache_bytes(spec.draft[0], batch, slots, cache_dtype)
+    if spec.method == "eagle3":
+        needed += cache_bytes(spec.draft[0].layer_config, batch, slots, cache_dtype)
+    return needed
+
+
+def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, key: jax.Array, sampling: Sampling,
+                         spec: Spec, *, cache_dtype, sharding: Sharding | None) -> RolloutOutput:
+    """`jaxspec.rollout.generate` with `spec`: prompts already validated and grouped into `batch`,
+    `sampling.eos_id` resolved to a tuple."""
+    drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
+    num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
+    max_new = sampling.max_new_tokens
+    policy_len = prompt_width + max_new + 1 + spec.num_tree_nodes  # the verify forward writes N slots
+    draft_len = prompt_width + max_new + 1 + spec.num_draft_tokens * spec.tree_width  # the drafter's tree
+    longest = int(batch.row_lengths.max())
+    needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct)
+    check_fits(needed // _cache_shards(cfg, sharding, num_rows, policy_len), jax.devices()[0].memory_stats(),
+               batch=num_rows, prompt_len=longest, max_new_tokens=max_new)
+
+    def put(x, axes: tuple[str, ...]) -> jax.Array:
+        return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
+
+    prompt_tokens, prompt_lengths = put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",))
+    row_prompt, row_lengths = put(batch.row_prompt, ("batch",)), put(batch.row_lengths, ("batch",))
+    cache, logits, policy_hidden = _prefill(cfg, params, prompt_tokens, prompt_lengths, row_prompt, max_len=policy_len,
+                                            cache_dtype=cache_dtype, sharding=sharding,
+                                            hidden_layers=drafter.policy_layers)
+    tokens, logprobs, lengths, counts, _ = speculative_decode(
+        cfg, sampling, drafter, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
+        row_prompt, row_lengths, key, max_depth=spec.max_accepted, draft_len=draft_len, cache_dtype=cache_dtype,
+        sharding=sharding)
+    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
+                         stats=summarize(counts, lengths, spec.max_accepted))

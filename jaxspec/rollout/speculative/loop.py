@@ -1,0 +1,154 @@
+"""The compiled speculative decode loop: draft -> verify -> commit, in one `lax.while_loop`.
+
+Each iteration, for every row at once:
+  1. the drafter proposes a tree rooted at the row's last committed token;
+  2. one policy forward (`extend`) runs all tree nodes with a tree attention mask (a node sees
+     the prefix and its ancestors) at positions cache_len + depth, writing their KV at slots
+     cache_len .. cache_len + N - 1;
+  3. `kernels.tree_verify` accepts a path and samples the next token exactly from p;
+  4. the accepted nodes' KV moves to consecutive slots, the accepted tokens and the next token
+     are written to the outputs with their log-probs (an eos or max_new_tokens ends the row
+     exactly there), and the drafter is updated.
+Rows accept different numbers of tokens; finished rows keep computing with frozen state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import kernels
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
+from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
+from jaxspec.rollout.speculative.stats import Counts, count_step
+from jaxspec.rollout.speculative.tree import ancestor_mask
+
+
+class _LoopState(NamedTuple):
+    root: jax.Array  # int32 [B]: last committed token, not yet in the cache
+    cache: KVCache
+    cache_len: jax.Array  # int32 [B]: filled slots = position of root
+    draft: object  # the drafter's state
+    tokens: jax.Array  # int32 [B, max_new]
+    logprobs: jax.Array  # float32 [B, max_new]
+    lengths: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B]
+    key: jax.Array
+    counts: Counts
+
+
+def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCache:
+    """Moves the KV of accepted tree nodes to consecutive slots.
+
+    The verification forward wrote node n of row b at slot cache_len[b] + n; path int32 [B, E]
+    lists accepted node ids from the root (-1 after). Afterwards slot cache_len[b] + i holds
+    node path[b, i]. Entries past the path are left as they are (they lie past the new length).
+    """
+    rows = jnp.arange(path.shape[0])[:, None]
+    offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
+    src = cache_len[:, None] + jnp.where(path >= 0, path, offsets)
+    dst = cache_len[:, None] + offsets
+
+    def move(buf: jax.Array) -> jax.Array:
+        return buf.at[rows, dst].set(buf[rows, src], mode="drop")
+
+    return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "drafter", "max_depth", "draft_len", "cache_dtype",
+                                             "sharding"), donate_argnames=("cache",))
+def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, params: Params, dparams,
+                       cache: KVCache, logits: jax.Array, policy_hidden: jax.Array, prompt_tokens: jax.Array,
+                       prompt_lengths: jax.Array, row_prompt: jax.Array, row_lengths: jax.Array, key: jax.Array, *,
+                       max_depth: int, draft_len: int, cache_dtype, sharding: Sharding | None):
+    """Samples up to sampling.max_new_tokens tokens per row with speculative steps.
+
+    cache: the policy's prefilled cache (B rows; donated), with at least N spare slots past the
+    longest rollout; logits float32 [B, V] for the first new token; policy_hidden: the policy's
+    `drafter.policy_layers` outputs over the distinct prompts [n, U, P, H]; prompt_tokens int32
+    [U, P], prompt_lengths int32 [U], row_prompt int32 [B], row_lengths int32 [B] as in
+    `PromptBatch`. max_depth: the deepest tree level (longest acceptable run); draft_len: cache
+    slots of the drafter's own cache.
+    Returns (tokens int32 [B, max_new_tokens], logprobs float32 [B, max_new_tokens], lengths int32 [B],
+    Counts, final cache).
+    """
+    num_rows, max_new = logits.shape[0], sampling.max_new_tokens
+    pad_id = cfg.pad_token_id or 0
+    eos_ids = jnp.asarray(sampling.eos_id, jnp.int32)
+    width = max_depth + 1  # most tokens one step emits
+    steps = jnp.arange(width, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(num_rows)[:, None]
+
+    def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        return x if sharding is None else sharding.constrain(x, axes)
+
+    def keep_going(state: _LoopState) -> jax.Array:
+        return ~jnp.all(state.done)
+
+    def step(state: _LoopState) -> _LoopState:
+        key, draft_key, verify_key = jax.random.split(state.key, 3)
+        draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, draft_key)
+        logits, hidden, cache = extend(
+            cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
+            tree_mask=ancestor_mask(tree.parents, max_depth), hidden_layers=drafter.policy_layers, sharding=sharding)
+        if sampling.greedy:
+            verify_logits, temperature = logits, 0.0
+        else:
+            verify_logits, temperature = processed_logprobs(logits, sampling), 1.0
+        result = kernels.tree_verify(verify_logits, tree.parents, tree.tokens, tree.num_nodes, verify_key,
+                                     temperature=temperature, draft_probs=tree.draft_probs)
+        path, accepted, next_token = result.path[:, :width], result.num_accepted, result.next_token
+        committed = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [root, drafts...]
+        emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((num_rows, 1), jnp.int32)], axis=1)
+        emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
+        eos = jnp.isin(emitted, eos_ids) & (steps <= accepted[:, None])
+        first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
+        active = ~state.done
+        count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
+        slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
+        node_hidden = hidden[:, :, :width] if hidden.shape[0] == 0 else (
+            jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
+        draft = drafter.update(dparams, draft, Verified(committed=committed, next_root=next_token,
+                                                        num_accepted=accepted, cache_len=state.cache_len,
+                                                        hidden=node_hidden, active=active))
+        cache = commit_path(cache, state.cache_len, path)
+        return _LoopState(
+            root=jnp.where(active, next_token, state.root),
+            cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), cache),
+            cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
+            draft=draft,
+            tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
+            logprobs=state.logprobs.at[rows, slots].set(result.logprobs[:, :width], mode="drop"),
+            lengths=state.lengths + count,
+            done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
+            key=key,
+            counts=count_step(state.counts, tree.parents, tree.num_nodes, path, accepted, active),
+        )
+
+    key, first_key = jax.random.split(key)
+    first, first_logprob = choose_tokens(first_key, logits, sampling)
+    prefill = Prefill(prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths, row_prompt=row_prompt,
+                      row_lengths=row_lengths, first_token=first, policy_hidden=policy_hidden, max_len=draft_len,
+                      cache_dtype=cache_dtype, sharding=sharding)
+    state = _LoopState(
+        root=first,
+        cache=cache,
+        cache_len=row_lengths.astype(jnp.int32),
+        draft=drafter.init(dparams, prefill),
+        tokens=jnp.full((num_rows, max_new), pad_id, jnp.int32).at[:, 0].set(first),
+        logprobs=jnp.zeros((num_rows, max_new), jnp.float32).at[:, 0].set(first_logprob),
+        lengths=jnp.ones((num_rows,), jnp.int32),
+        done=jnp.isin(first, eos_ids) | (max_new == 1),
+        key=key,
+        counts=Counts.zeros(max_depth),
+    )
+    state = jax.lax.while_loop(keep_going, step, state)
+    batch_axes = ("batch", None)
+    return (constrain(state.tokens, batch_axes), constrain(state.logprobs, batch_axes), state.lengths, state.counts,
+            state.cache)

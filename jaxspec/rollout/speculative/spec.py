@@ -1,0 +1,97 @@
+"""`Spec`: how speculative rollouts draft and verify (method, draft, tree shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+
+METHODS = ("eagle3", "draft_model", "ngram")
+DRAFT_SAMPLINGS = ("greedy", "stochastic")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Spec:
+    """Speculative decoding settings for `jaxspec.rollout.generate(..., spec=Spec(...))`.
+
+    method: "eagle3" (an EAGLE-3 head over the policy's hidden states), "draft_model" (a smaller
+        policy with the same vocabulary) or "ngram" (continuations of earlier matches of the last
+        n tokens in prompt + response; no draft weights).
+    draft: eagle3: (dcfg, dparams) from `jaxspec.draft`; draft_model: (ModelConfig, params);
+        ngram: None.
+    num_draft_tokens: draft depth k (>= 1): the longest run of draft tokens one step can accept.
+    tree_width: children expanded per node and nodes kept per depth (1 = a chain).
+    tree_budget: most draft nodes verified per step (>= tree_width); None keeps the whole
+        k * tree_width tree. Every verification step runs 1 + min(tree_budget, k * tree_width)
+        tree nodes through the policy.
+    draft_sampling: "greedy": children are the draft's top-`tree_width` tokens (deterministic);
+        "stochastic": children are drawn from the draft distribution without replacement
+        (Gumbel-top-k). Both are exact; they differ only in how often drafts are accepted.
+        ngram drafts are deterministic, so ngram takes only "greedy".
+    ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
+
+    Equality is identity (the draft holds arrays).
+    """
+
+    method: str
+    draft: Any = None
+    num_draft_tokens: int = 3
+    tree_width: int = 1
+    tree_budget: int | None = None
+    draft_sampling: str = "greedy"
+    ngram_sizes: tuple[int, ...] = (3, 2, 1)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"Spec.method must be one of {METHODS}, got {self.method!r}")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise ValueError(f"Spec.draft_sampling must be one of {DRAFT_SAMPLINGS}, got {self.draft_sampling!r}")
+        if not _is_int(self.num_draft_tokens) or self.num_draft_tokens < 1:
+            raise ValueError(f"Spec.num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}")
+        if not _is_int(self.tree_width) or self.tree_width < 1:
+            raise ValueError(f"Spec.tree_width must be an integer >= 1, got {self.tree_width!r}")
+        if self.tree_budget is not None and (not _is_int(self.tree_budget) or self.tree_budget < self.tree_width):
+            raise ValueError(f"Spec.tree_budget must be None or an integer >= tree_width={self.tree_width}, "
+                             f"got {self.tree_budget!r}")
+        sizes = tuple(self.ngram_sizes) if isinstance(self.ngram_sizes, (list, tuple)) else None
+        if not sizes or not all(_is_int(n) and n >= 1 for n in sizes):
+            raise ValueError(f"Spec.ngram_sizes must be a non-empty tuple of integers >= 1, got {self.ngram_sizes!r}")
+        object.__setattr__(self, "ngram_sizes", tuple(int(n) for n in sizes))
+        object.__setattr__(self, "num_draft_tokens", int(self.num_draft_tokens))
+        object.__setattr__(self, "tree_width", int(self.tree_width))
+        if self.tree_budget is not None:
+            object.__setattr__(self, "tree_budget", int(self.tree_budget))
+        if self.method == "ngram":
+            if self.draft is not None:
+                raise ValueError("Spec.draft must be None for method='ngram' (it drafts from the token history)")
+            if self.draft_sampling != "greedy":
+                raise ValueError("Spec.draft_sampling must be 'greedy' for method='ngram' (its drafts have no "
+                                 "distribution to sample from)")
+        elif not (isinstance(self.draft, tuple) and len(self.draft) == 2):
+            raise ValueError(f"Spec.draft must be a (config, params) pair for method={self.method!r}, "
+                             f"got {type(self.draft).__name__}")
+        elif self.method == "draft_model" and not isinstance(self.draft[0], ModelConfig):
+            raise ValueError(f"Spec.draft[0] must be a jaxspec.models.ModelConfig for method='draft_model', "
+                             f"got {type(self.draft[0]).__name__}")
+
+    @property
+    def num_tree_nodes(self) -> int:
+        """Draft nodes verified per step (the tree's root excluded)."""
+        full = self.num_draft_tokens * self.tree_width
+        return full if self.tree_budget is None else min(self.tree_budget, full)
+
+    @property
+    def max_accepted(self) -> int:
+        """Most draft tokens one step can accept: the deepest path of a tree of this shape."""
+        return min(self.num_draft_tokens, self.num_tree_nodes)
+
+    @property
+    def stochastic(self) -> bool:
+        return self.draft_sampling == "stochastic"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

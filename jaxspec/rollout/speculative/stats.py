@@ -1,0 +1,84 @@
+"""Acceptance statistics of speculative rollouts, accumulated inside the compiled loop."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Counts(NamedTuple):
+    """Running totals over verification steps, counting only rows that were still generating.
+
+    steps: int32 scalar loop iterations (verification steps of the whole batch).
+    row_steps: int32 scalar (row, step) pairs verified.
+    drafted: int32 scalar draft nodes verified (tree nodes minus the root).
+    accepted: int32 scalar draft tokens accepted.
+    reached: int32 [K]: steps whose accepted path got to depth i (i = 0 is the root) at a node
+        that has at least one draft child, i.e. a depth-(i + 1) draft was tested.
+    accepted_at: int32 [K]: steps that accepted a depth-(i + 1) draft.
+    """
+
+    steps: jax.Array
+    row_steps: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    reached: jax.Array
+    accepted_at: jax.Array
+
+    @classmethod
+    def zeros(cls, max_depth: int) -> "Counts":
+        scalar = jnp.zeros((), jnp.int32)
+        return cls(scalar, scalar, scalar, scalar, jnp.zeros((max_depth,), jnp.int32),
+                   jnp.zeros((max_depth,), jnp.int32))
+
+
+def count_step(counts: Counts, parents: jax.Array, num_nodes: jax.Array, path: jax.Array, num_accepted: jax.Array,
+               active: jax.Array) -> Counts:
+    """Adds one verification step. parents int32 [B, N]; num_nodes int32 [B]; path int32 [B, K + 1]
+    (accepted node ids from the root, -1 after); num_accepted int32 [B]; active bool [B]."""
+    num = parents.shape[1]
+    idx = jnp.arange(num, dtype=jnp.int32)
+    valid_child = (idx[None, :] > 0) & (idx[None, :] < num_nodes[:, None])
+    has_child = jnp.any(valid_child[:, None, :] & (parents[:, None, :] == idx[None, :, None]), axis=-1)  # [B, N]
+    on_path = path[:, :-1] >= 0
+    reached = on_path & jnp.take_along_axis(has_child, jnp.maximum(path[:, :-1], 0), axis=1)  # [B, K]
+    accepted_at = path[:, 1:] >= 0
+    act = active.astype(jnp.int32)
+    return Counts(
+        steps=counts.steps + 1,
+        row_steps=counts.row_steps + act.sum(),
+        drafted=counts.drafted + jnp.sum(act * (num_nodes - 1)),
+        accepted=counts.accepted + jnp.sum(act * num_accepted),
+        reached=counts.reached + jnp.sum(act[:, None] * reached, axis=0),
+        accepted_at=counts.accepted_at + jnp.sum(act[:, None] * accepted_at, axis=0),
+    )
+
+
+def summarize(counts: Counts, lengths: jax.Array, depth: int) -> dict:
+    """The `RolloutOutput.stats` dict of a speculative rollout (K = depth, the tree's deepest level).
+
+    steps: verification steps (the first token of every row comes from the prefill logits).
+    acceptance_length: mean tokens a verification step yields per row, accepted drafts + 1 (the
+        residual or bonus token), before eos/max_new_tokens truncation; 1.0 when no step ran.
+    acceptance_rate_per_position: float32 [K]; entry i is the fraction of the steps that tested a
+        depth-(i + 1) draft (the path reached depth i at a node with draft children) in which
+        one of those drafts was accepted; NaN where no step tested that depth.
+    drafted_tokens, accepted_tokens: draft nodes verified and draft tokens accepted.
+    generated_tokens: sum of lengths.
+    """
+    counts = jax.device_get(counts)
+    row_steps = int(counts.row_steps)
+    reached = np.asarray(counts.reached, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rates = np.where(reached > 0, np.asarray(counts.accepted_at) / reached, np.nan).astype(np.float32)
+    return {
+        "steps": int(counts.steps),
+        "acceptance_length": (int(counts.accepted) + row_steps) / row_steps if row_steps else 1.0,
+        "acceptance_rate_per_position": rates[:depth],
+        "drafted_tokens": int(counts.drafted),
+        "accepted_tokens": int(counts.accepted),
+        "generated_tokens": int(np.asarray(lengths).sum()),
+    }

@@ -1,0 +1,152 @@
+"""Speculative rollouts sample exactly the policy's processed distribution.
+
+Every 3-token continuation of a prompt over a 6-token vocabulary is enumerated with its exact
+probability (teacher-forced forwards, numpy processed distribution); the sampled continuations
+must pass a chi-square goodness-of-fit test, and every reported log-prob must equal the
+trainer's recomputation. Drafts are weak (random draft model and head, n-gram continuations of a
+prompt whose tokens are followed by varying tokens), so rejections, residual samples, bonus
+tokens and max_new_tokens truncation all occur.
+
+Every case compiles its own decode loop, so the cases form a pairwise design rather than the
+full product: the draft-model and EAGLE-3 cases together are the four runs of an orthogonal
+array over {chain, tree} x {greedy, stochastic drafts} x {T=1, T=0.7 with top_p=0.9} (every pair
+of levels of two factors occurs; the tree building, verification and commit code is shared by
+all methods), each model-based method drafts chains and trees, greedily and stochastically, and
+the n-gram drafter (deterministic drafts only) runs a tree under nucleus sampling.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.draft import init_eagle3
+from jaxspec.models import ModelConfig
+from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs
+from tests.rollout.conftest import random_params
+from tests.rollout.reference import full_forward, padded, reference_probs
+from tests.rollout.test_distribution import chi_square_pvalue
+
+PROMPT = (2, 1, 3, 1, 4, 2, 3, 2, 1)
+MAX_NEW = 3
+NUM_SAMPLES = 6144
+EOS = 5
+
+T1 = dict(temperature=1.0, top_k=0, top_p=1.0)
+NUCLEUS = dict(temperature=0.7, top_k=0, top_p=0.9)
+SHAPES = {"chain": dict(num_draft_tokens=2, tree_width=1),
+          "tree": dict(num_draft_tokens=2, tree_width=2, tree_budget=3)}
+CASES = [
+    ("ngram", "tree", "greedy", NUCLEUS),
+    ("draft_model", "chain", "greedy", T1),
+    ("draft_model", "tree", "stochastic", T1),
+    ("eagle3", "chain", "stochastic", NUCLEUS),
+    ("eagle3", "tree", "greedy", NUCLEUS),
+]
+
+
+def case_id(case) -> str:
+    method, shape, drafts, setting = case
+    return f"{method}-{shape}-{drafts}-T{setting['temperature']}-p{setting['top_p']}"
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_vocab_policy):
+    """Weak drafts for the tiny policy: a 1-layer random model and a random EAGLE-3 head whose
+    reduced vocabulary (4 of 6 tokens) leaves out the eos and token 0."""
+    cfg, _ = tiny_vocab_policy
+    draft_cfg = ModelConfig(family="qwen3", vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    head = init_eagle3(cfg, jax.random.key(11), draft_vocab_size=4, token_counts=np.array([0, 9, 9, 9, 9, 1]),
+                       std=0.3)
+    return {"draft_model": (draft_cfg, random_params(draft_cfg, seed=3, std=0.5)), "eagle3": head, "ngram": None}
+
+
+@pytest.fixture(scope="module")
+def teacher_forced(tiny_vocab_policy):
+    """Policy logits [36, len(PROMPT) + 2, V] over PROMPT + every 2-token extension, by row (a, b)."""
+    cfg, params = tiny_vocab_policy
+    pairs = list(itertools.product(range(cfg.vocab_size), repeat=2))
+    logits = np.asarray(full_forward(cfg, params, padded([PROMPT + pair for pair in pairs], len(PROMPT) + 2)))
+    return logits, {pair: i for i, pair in enumerate(pairs)}
+
+
+def exact_continuations(teacher_forced, setting) -> dict[tuple[int, ...], float]:
+    """Probability of every continuation of PROMPT (MAX_NEW tokens or up to the first eos)."""
+    logits, row = teacher_forced
+    vocab, p = logits.shape[-1], len(PROMPT)
+    out = {}
+    first = reference_probs(logits[0, p - 1], **setting)
+    for a in range(vocab):
+        if a == EOS:
+            out[(a,)] = first[a]
+            continue
+        second = reference_probs(logits[row[(a, 0)], p], **setting)
+        for b in range(vocab):
+            if b == EOS:
+                out[(a, b)] = first[a] * second[b]
+                continue
+            third = reference_probs(logits[row[(a, b)], p + 1], **setting)
+            for c in range(vocab):
+                out[(a, b, c)] = first[a] * second[b] * third[c]
+    assert abs(sum(out.values()) - 1) < 1e-9
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_vocab_policy, drafts):
+    """sampled(case) -> (continuations, RolloutOutput) of one speculative generate call over
+    NUM_SAMPLES copies of PROMPT; cached per case."""
+    cfg, params = tiny_vocab_policy
+    cache = {}
+
+    def run(case):
+        key = case_id(case)
+        if key not in cache:
+            method, shape, draft_sampling, setting = case
+            spec = Spec(method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **SHAPES[shape])
+            out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
+                           Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
+            tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+            cache[key] = [tuple(int(t) for t in tokens[i, :lengths[i]]) for i in range(NUM_SAMPLES)], out
+        return cache[key]
+
+    return run
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teacher_forced, sampled, case):
+    cfg, _ = tiny_vocab_policy
+    setting = case[3]
+    probs = exact_continuations(teacher_forced, setting)
+    seqs, out = sampled(case)
+    tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
+    assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
+    assert sum(len(s) < MAX_NEW for s in seqs) > 100, "eos-terminated continuations should be exercised"
+    assert chi_square_pvalue(seqs, probs) > 1e-3
+
+    # Log-probs are the trainer's recomputation: processed_logprobs of the teacher-forced logits.
+    logits, row = teacher_forced
+    recomputed = np.asarray(processed_logprobs(jnp.asarray(logits), Sampling(max_new_tokens=MAX_NEW, **setting)))
+    p = len(PROMPT)
+    for i, seq in enumerate(seqs):
+        r = row[(seq + (0, 0))[:2]]
+        want = [recomputed[r, p - 1 + j, t] for j, t in enumerate(seq)]
+        np.testing.assert_allclose(logprobs[i, :len(seq)], want, rtol=1e-5, atol=1e-5)
+    past = np.arange(MAX_NEW)[None, :] >= lengths[:, None]
+    assert np.all(logprobs[past] == 0) and np.all(tokens[past] == (cfg.pad_token_id or 0))
+
+    # Weak drafts: both acceptances and rejections happen.
+    stats = out.stats
+    assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+    assert 1.0 < stats["acceptance_length"] < 1 + SHAPES[case[1]]["num_draft_tokens"]
+    assert stats["acceptance_rate_per_position"].shape == (SHAPES[case[1]]["num_draft_tokens"],)
+
+
+def test_chi_square_rejects_a_wrong_distribution(teacher_forced, sampled):
+    """Negative control: the same samples against the exact distribution at another temperature."""
+    seqs, _ = sampled(CASES[2])
+    wrong = exact_continuations(teacher_forced, dict(temperature=0.85, top_k=0, top_p=1.0))
+    assert chi_square_pvalue(seqs, wrong) < 1e-6

@@ -1,0 +1,117 @@
+"""Smoke tests of the `jaxspec` command line, run in-process through `jaxspec.cli.main`."""
+
+import contextlib
+import io
+import json
+import re
+
+import pytest
+
+from jaxspec.bench.forward import forward_flops_per_token
+from jaxspec.cli import BENCHMARKS, COMMANDS, main
+from jaxspec.models import ModelConfig
+
+TINY_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "max_position_embeddings": 64, "tie_word_embeddings": False,
+}
+# Greedy, so a speculative run must print exactly the same responses.
+GENERATE = ["generate", "--num-problems", "3", "--max-new-tokens", "24", "--temperature", "0", "--show", "3"]
+SUMMARY = re.compile(r"^3 responses, mean reward (\d\.\d{3}), (\d+) tokens in [\d.]+ s \(incl\. compilation\), "
+                     r"acceptance length (\d+\.\d\d)$")
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    for name in COMMANDS:
+        assert re.search(rf"^  {name} ", usage, re.M), name
+    for name in BENCHMARKS:
+        assert re.search(rf"^  bench {name} ", usage, re.M), name
+    assert main([]) == 2  # no command: usage, but a failure
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0 and "--spec-method" in capsys.readouterr().out
+
+
+def test_unknown_command_returns_2(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert main(["bench", "frobnicate"]) == 2
+    assert "jaxspec bench: expected one of" in capsys.readouterr().err
+
+
+def test_bench_forward_writes_json(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "results" / "forward.json"
+    argv = ["bench", "forward", "--model", str(config), "--batch", "1", "--seq", "16", "--iters", "1",
+            "--matmul-size", "64", "--out", str(out)]
+    assert main(argv) == 0
+    assert "measured bf16 matmul rate" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "forward" and result["device"].startswith("cpu")
+    assert {"jax", "python"} <= result.keys()
+    baseline = result["baseline"]
+    assert baseline["model"] == str(config) and baseline["dtype"] == "bfloat16"
+    assert baseline["params"] == ModelConfig.from_json(config).num_params() and baseline["matmul_tflops"] > 0
+    assert [row["pass"] for row in result["rows"]] == ["forward", "fwd+bwd"]
+    flops = forward_flops_per_token(ModelConfig.from_json(config), 16) * 16
+    for row, passes in zip(result["rows"], (1, 3)):  # fwd+bwd counts 3 forwards
+        assert row["batch"] == 1 and row["seq"] == 16 and row["ms"] > 0
+        assert row["tokens_per_s"] == pytest.approx(16 / (row["ms"] / 1e3))
+        assert row["mfu"] == pytest.approx(passes * flops / (row["ms"] / 1e3) / (baseline["matmul_tflops"] * 1e12))
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    """(return code, stdout, stderr) of `jaxspec <argv>`."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _run_generate(extra: list[str]) -> tuple[str, re.Match]:
+    """stdout of `jaxspec generate` before its summary line, and the parsed summary."""
+    code, out, err = _run(GENERATE + extra)
+    assert code == 0, err
+    *responses, summary = out.rstrip("\n").split("\n")
+    match = SUMMARY.match(summary)
+    assert match, summary
+    return "\n".join(responses), match
+
+
+@pytest.fixture(scope="module")
+def autoregressive() -> tuple[str, re.Match]:
+    """`jaxspec generate` on the embedded tiny policy without speculation."""
+    return _run_generate([])
+
+
+def test_generate_prints_responses_and_mean_reward(autoregressive):
+    responses, summary = autoregressive
+    rewards = [float(r) for r in re.findall(r"^reward (\S+) \(answer ", responses, re.M)]
+    assert len(rewards) == 3 and set(rewards) <= {0.0, 1.0}
+    assert float(summary.group(1)) == pytest.approx(sum(rewards) / 3, abs=5e-4)
+    assert summary.group(3) == "1.00"
+    assert responses.count("Q: ") == 3 and responses.count("A: ") == 3
+
+
+def test_generate_with_ngram_speculation_prints_the_same_responses(autoregressive):
+    responses, summary = _run_generate(["--spec-method", "ngram"])
+    assert responses == autoregressive[0]  # greedy speculative decoding is lossless
+    assert summary.group(1, 2) == autoregressive[1].group(1, 2)
+    assert float(summary.group(3)) >= 1.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--policy", "{tmp}/missing"], r"checkpoint folder not found: .*missing"),
+    (["--spec-method", "eagle3"], r"--draft is required with --spec-method eagle3"),
+    (["--num-problems", "0"], r"--num-problems must be >= 1, got 0"),
+])
+def test_generate_bad_argument_is_a_one_line_error(tmp_path, extra, message):
+    code, out, err = _run(["generate"] + [a.format(tmp=tmp_path) for a in extra])
+    assert code == 1 and out == ""
+    lines = err.strip().split("\n")
+    assert len(lines) == 1 and re.fullmatch(rf"jaxspec generate: error: {message}", lines[0]), err
