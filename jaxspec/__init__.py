@@ -1,6 +1,6 @@
 """jaxspec: RL post-training of language models in JAX with lossless speculative-decoding rollouts."""
 
-from jaxspec import models, rollout
+from jaxspec import draft, models, rollout
 
 __version__ = "0.1.0"
-__all__ = ["models", "rollout"]
+__all__ = ["draft", "models", "rollout"]

@@ -1,0 +1,52 @@
+"""`jaxspec draft train --config PATH --run-dir DIR [--resume] [dotted.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from jaxspec.config_io import load_config
+from jaxspec.draft.train import check_run_dir, train_draft
+from jaxspec.draft.train_config import DraftTrainConfig, validate
+
+VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxspec draft train",
+        description="Train an EAGLE-3 draft head against a frozen policy that generates its own training "
+                    "data, and export it in the public EAGLE-3 layout.")
+    parser.add_argument("--config", required=True, help="YAML config (see configs/draft_tiny.yaml)")
+    parser.add_argument("--run-dir", required=True, help="directory for checkpoints, metrics and the export")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
+    return parser
+
+
+def _usage() -> str:
+    return "usage: jaxspec draft <verb> [args]\n\nverbs:\n" + "\n".join(
+        f"  {verb:<8}{doc}" for verb, doc in VERBS.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] not in VERBS:
+        print(f"jaxspec draft: unknown verb {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    args = _train_parser().parse_args(argv[1:])
+    try:
+        cfg = load_config(DraftTrainConfig, args.config, args.overrides)
+        validate(cfg, args.config)
+        cfg.policy_path()
+        check_run_dir(cfg, Path(args.run_dir), args.resume)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"jaxspec draft train: error: {err}", file=sys.stderr)
+        return 2
+    train_draft(cfg, args.run_dir, resume=args.resume)
+    return 0

@@ -1,0 +1,108 @@
+"""Cached drafting with an EAGLE-3 head, for the speculative rollout loop.
+
+Conventions (index j of the policy sequence: token x_j, policy aux features a_j after seeing
+x_0..x_j). The head's entry at rope position j pairs a hidden input with token x_{j+1} and
+predicts x_{j+2}:
+
+* After the policy has verified/extended its sequence, the head's KV of the newly accepted
+  entries is (re)computed from the policy's own features:
+      draft_extend(..., tokens=x_{j+1}, hidden_in=fuse(dcfg, dparams, aux_j), positions=j, ...)
+  over all new j at once (cache_len = entries already valid). The last entry's logits draft the
+  first speculative token.
+* Each further drafting step feeds the sampled draft token (mapped to a policy id with
+  `to_target_ids`) with the previous step's `hidden_out` at the next position:
+      draft_extend(..., tokens=drafted token, hidden_in=previous hidden_out, positions=j + 1, ...)
+  Speculative entries are written past the accepted ones and are simply overwritten once the
+  verification decides what was accepted (pass the accepted length as cache_len).
+
+All functions are pure and jit-friendly: shapes are static, per-row offsets are data.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.draft.config import DraftConfig
+from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
+                                 target_ids, to_target_ids)
+from jaxspec.models.rope import rope_tables
+from jaxspec.models.transformer import KVCache, attention, cache_attention_mask
+
+__all__ = ["draft_extend", "draft_logprobs_on_target_vocab", "fuse", "init_draft_cache", "to_target_ids"]
+
+
+def init_draft_cache(dcfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """Empty one-layer cache: k/v tuples of one [batch, max_len, Nk, D] buffer each."""
+    shape = (batch, max_len, dcfg.num_kv_heads, dcfg.head_dim)
+    return KVCache(k=(jnp.zeros(shape, dtype),), v=(jnp.zeros(shape, dtype),))
+
+
+def draft_extend(
+    dcfg: DraftConfig,
+    dparams: DraftParams,
+    embed: jax.Array,
+    cache: KVCache,
+    tokens: jax.Array,
+    hidden_in: jax.Array,
+    positions: jax.Array,
+    cache_len: jax.Array,
+    tree_mask: jax.Array | None = None,
+    prefix_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Appends T entries per row to the head's cache and runs them through the head.
+
+    embed: the policy's token embedding [V, H] (frozen). tokens: int32 [B, T] policy token ids.
+    hidden_in: [B, T, H], `fuse(...)` of the policy's aux features or a previous `hidden_out`.
+    positions: int32 [B, T] rope positions. cache_len: int32 [B]; entries go to slots
+    cache_len[b] + t. tree_mask: bool [B, T, T], which new entries each new entry sees (default
+    causal). prefix_mask: bool [B, T, S], optional restriction of which slots < cache_len[b] each
+    new entry sees (default all: for tree drafting, hide the siblings' branches in the cache).
+    Returns (float32 logits [B, T, Vd] over the draft vocabulary, hidden_out [B, T, H] (layer
+    output before the final norm, the next step's hidden input), updated cache).
+    """
+    _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask)
+    b, t = tokens.shape
+    mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
+    if prefix_mask is not None:
+        in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
+        mask = mask & (prefix_mask | ~in_prefix)
+    cos, sin = rope_tables(dcfg.layer_config, positions)
+    q, k, v = attention_inputs(dcfg, dparams, embed, tokens, hidden_in, cos, sin)
+    rows = jnp.arange(b)[:, None]
+    slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    ck = cache.k[0].at[rows, slots].set(k.astype(cache.k[0].dtype), mode="drop")
+    cv = cache.v[0].at[rows, slots].set(v.astype(cache.v[0].dtype), mode="drop")
+    out = layer_output(dcfg, dparams, hidden_in, attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask))
+    return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))
+
+
+def draft_logprobs_on_target_vocab(dparams: DraftParams, logits: jax.Array) -> jax.Array:
+    """The head's distribution over the policy vocabulary: float32 logits [..., Vd] ->
+    log-probabilities [..., V], -inf on tokens outside the draft vocabulary."""
+    vocab = dparams["t2d"].shape[0]
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    full = jnp.full((*logits.shape[:-1], vocab), -jnp.inf, jnp.float32)
+    return full.at[..., target_ids(dparams)].set(logprobs)
+
+
+def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask) -> None:
+    check_embed(dcfg, embed)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    b, t = tokens.shape
+    expected = {
+        "hidden_in": (hidden_in.shape, (b, t, dcfg.hidden_size)),
+        "positions": (positions.shape, (b, t)),
+        "cache_len": (cache_len.shape, (b,)),
+        "cache": ((len(cache.k), *cache.k[0].shape[:1], *cache.k[0].shape[2:]),
+                  (1, b, dcfg.num_kv_heads, dcfg.head_dim)),
+    }
+    if tree_mask is not None:
+        expected["tree_mask"] = (tree_mask.shape, (b, t, t))
+    if prefix_mask is not None:
+        expected["prefix_mask"] = (prefix_mask.shape, (b, t, cache.max_len))
+    for name, (got, want) in expected.items():
+        if tuple(got) != tuple(want):
+            what = "(layers, batch, kv heads, head dim)" if name == "cache" else "shape"
+            raise ValueError(f"{name}: {what} {tuple(got)}, expected {tuple(want)}")

@@ -1,0 +1,126 @@
+"""EAGLE-3 training-time test (TTT): the head unrolled on its own outputs, as in drafting.
+
+Policy sequence x_0..x_{T-1}, fused policy features f_t = fc(aux_t). Step 0 pairs f_t with token
+x_{t+1} (rope position t) and predicts x_{t+2}. Step i >= 1 keeps the position index t but feeds
+token x_{t+1+i} (rope position t + i) with the head's own step i-1 output at t as hidden input,
+and predicts x_{t+2+i}. Query t of step i attends to the step-0 keys at positions <= t and to
+the keys of steps 1..i at position t: exactly the cache a drafting chain of depth i from context
+x_0..x_{t+1} would hold, so TTT logits equal teacher-forced `draft_extend` calls.
+
+Loss of step i: soft cross-entropy of the head against softmax(policy logits at t+1+i restricted
+to the draft vocabulary), averaged over positions whose target token x_{t+2+i} has loss_mask on
+and whose policy argmax lies in the draft vocabulary; steps are weighted step_decay**i.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.draft.config import DraftConfig
+from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
+                                 target_ids, to_target_ids)
+from jaxspec.models.rope import rope_tables
+from jaxspec.models.transformer import attention
+
+
+def ttt_attention_mask(step: int, seq_len: int) -> np.ndarray:
+    """bool [T, (step + 1) * T]: which keys query t of TTT step `step` sees.
+
+    Keys are laid out step by step ([step-0 keys of positions 0..T-1, step-1 keys, ...]); query t
+    sees step-0 keys s <= t and, for each step 1..step, the key at its own position t.
+    """
+    causal = np.tril(np.ones((seq_len, seq_len), bool))
+    same_position = np.eye(seq_len, dtype=bool)
+    return np.concatenate([causal] + [same_position] * step, axis=1)
+
+
+def _shift(x: jax.Array, n: int) -> jax.Array:
+    """x[:, n:] right-padded with zeros (False) back to length T along axis 1."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, min(n, x.shape[1]))
+    return jnp.pad(x[:, n:], pad)
+
+
+def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array, tokens: jax.Array,
+               num_steps: int) -> Iterator[tuple[jax.Array, jax.Array]]:
+    """Yields (float32 logits [B, T, Vd], layer output [B, T, H]) of each unrolled step in turn."""
+    b, t = tokens.shape
+    keys, values = [], []
+    hidden = fused
+    for step in range(num_steps):
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + step, (b, t))
+        cos, sin = rope_tables(dcfg.layer_config, positions)
+        q, k, v = attention_inputs(dcfg, dparams, embed, _shift(tokens, 1 + step), hidden, cos, sin)
+        keys.append(k)
+        values.append(v)
+        mask = jnp.broadcast_to(jnp.asarray(ttt_attention_mask(step, t)), (b, t, (step + 1) * t))
+        attn = attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1), mask)
+        hidden = layer_output(dcfg, dparams, hidden, attn)
+        yield draft_logits(dcfg, dparams, hidden), hidden
+
+
+def ttt_forward(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array,
+                tokens: jax.Array, num_steps: int) -> tuple[jax.Array, jax.Array]:
+    """The unrolled head: fused features [B, T, H], int32 tokens [B, T] -> (float32 logits
+    [num_steps, B, T, Vd], layer outputs [num_steps, B, T, H]); entry [i, b, t] predicts
+    x_{t+2+i} (see the module doc). Token inputs past the sequence end are id 0."""
+    logits, outs = zip(*_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps))
+    return jnp.stack(logits), jnp.stack(outs)
+
+
+def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_hidden: jax.Array,
+                target_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, num_steps: int = 7,
+                step_decay: float = 0.8) -> tuple[jax.Array, dict]:
+    """TTT loss of the head on one batch of policy sequences.
+
+    embed: the policy's token embedding [V, H]. aux_hidden: [3, B, T, H] policy outputs of layers
+    dcfg.aux_layer_ids. target_logits: float [B, T, V] policy logits (position t predicts x_{t+1}).
+    tokens: int32 [B, T]. loss_mask: bool [B, T], whether token j is a prediction target (e.g. a
+    response token, not prompt or padding). Policy inputs are detached (no gradient flows back).
+    Returns (float32 scalar loss, metrics): "step_loss" [S], "top1_agreement" [S] (draft argmax
+    mapped to a policy id == policy argmax, over positions whose target has loss_mask on),
+    "positions" [S] (those positions), "counted" [S] (positions in the loss), all float32.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    check_embed(dcfg, embed)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    b, t = tokens.shape
+    for name, arr, want in (("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)),
+                            ("target_logits", target_logits, (b, t, dcfg.vocab_size)),
+                            ("loss_mask", loss_mask, (b, t))):
+        if tuple(arr.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {want}")
+    embed, aux_hidden, target_logits = map(jax.lax.stop_gradient, (embed, aux_hidden, target_logits))
+
+    fused = fuse(dcfg, dparams, aux_hidden)
+    target_logits = target_logits.astype(jnp.float32)
+    soft_target = jax.nn.softmax(jnp.take(target_logits, target_ids(dparams), axis=-1), axis=-1)  # [B, T, Vd]
+    policy_top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    in_vocab = jnp.take(dparams["t2d"], policy_top)
+    loss_mask = loss_mask.astype(bool)
+
+    step_losses, agreements, positions, counted_sizes = [], [], [], []
+    # One step's logits at a time: the loss never holds all num_steps x [B, T, Vd] logits at once.
+    for step, (logits, _) in enumerate(_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps)):
+        target_on = _shift(loss_mask, 2 + step)
+        counted = (target_on & _shift(in_vocab, 1 + step)).astype(jnp.float32)
+        log_q = jax.nn.log_softmax(logits, axis=-1)
+        cross_entropy = -jnp.sum(_shift(soft_target, 1 + step) * log_q, axis=-1)
+        n_counted = counted.sum()
+        step_losses.append((cross_entropy * counted).sum() / jnp.maximum(n_counted, 1.0))
+        agree = to_target_ids(dparams, jnp.argmax(logits, axis=-1)) == _shift(policy_top, 1 + step)
+        n_positions = target_on.sum().astype(jnp.float32)
+        agreements.append((agree & target_on).sum() / jnp.maximum(n_positions, 1.0))
+        positions.append(n_positions)
+        counted_sizes.append(n_counted)
+    step_loss = jnp.stack(step_losses)
+    loss = jnp.sum(step_loss * step_decay ** jnp.arange(num_steps, dtype=jnp.float32))
+    metrics = {"step_loss": step_loss, "top1_agreement": jnp.stack(agreements).astype(jnp.float32),
+               "positions": jnp.stack(positions), "counted": jnp.stack(counted_sizes)}
+    return loss, metrics

@@ -1,0 +1,168 @@
+"""Configuration of an offline EAGLE-3 training run (one YAML file; see configs/draft_tiny.yaml)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from jaxspec.tasks.generator import KINDS, MAX_LEVEL
+
+# The policy used when a config names none (present once the embedded tiny policy is trained).
+EMBEDDED_POLICY = Path(__file__).resolve().parent.parent / "assets" / "tiny-policy"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptData:
+    """Where training prompts come from: generated math problems, or a prompt file.
+
+    num_prompts / seed / levels / kinds: the generated pool (`jaxspec.tasks.generate_problems`).
+    prompts_file: a .jsonl/.json/.parquet file read with `jaxspec.tasks.load_prompts` instead
+        (prompt_field / answer_field name its columns). Prompts are chat-formatted with the
+        policy's tokenizer; those over max_prompt_len tokens are dropped.
+    """
+
+    num_prompts: int = 4096
+    seed: int = 0
+    levels: tuple[int, ...] = (1,)
+    kinds: tuple[str, ...] = KINDS
+    prompts_file: str | None = None
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    max_prompt_len: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How the frozen policy samples the responses the head learns from."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """draft_vocab_size: default min(V, 32000), chosen as the most frequent tokens of the first
+    `vocab_count_batches` generated batches. aux_layer_ids: default (1, L/2-1, L-4), clamped.
+    init: an EAGLE-3 folder to start from instead of a random head (its maps are kept)."""
+
+    draft_vocab_size: int | None = None
+    aux_layer_ids: tuple[int, int, int] | None = None
+    vocab_count_batches: int = 8
+    init: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    num_steps: int = 7
+    step_decay: float = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup to `learning_rate`, cosine decay to learning_rate * min_lr_ratio."""
+
+    learning_rate: float = 1e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop, checkpoints and export.
+
+    batch_size: rollouts per step (one response per prompt). policy_dtype: dtype of the frozen
+    policy for generation and the feature forward (the head trains in float32).
+    export_dir: where the public-layout head goes (default <run_dir>/draft).
+    """
+
+    steps: int
+    batch_size: int = 32
+    seed: int = 0
+    policy_dtype: Literal["float32", "bfloat16"] = "float32"
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    export_dir: str | None = None
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Top-1 agreement per unrolled position on `batches` fresh generated batches after training.
+
+    data: the evaluation prompts (default: the training prompt section with another seed). A head
+    trained out of domain is compared with an in-domain one by evaluating both on the same data.
+    """
+
+    batches: int = 2
+    data: PromptData | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTrainConfig:
+    """policy: HF folder of the frozen policy, with its tokenizer.json (default: the embedded
+    tiny policy)."""
+
+    train: TrainConfig
+    policy: str | None = None
+    data: PromptData = PromptData()
+    generation: GenerationConfig = GenerationConfig()
+    head: HeadConfig = HeadConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    eval: EvalConfig = EvalConfig()
+
+    def policy_path(self) -> Path:
+        """The policy folder; FileNotFoundError when it does not exist."""
+        path = Path(self.policy) if self.policy else EMBEDDED_POLICY
+        if not path.is_dir():
+            hint = "" if self.policy else " (no `policy` given and the embedded tiny policy is not built)"
+            raise FileNotFoundError(f"policy folder not found: {path}{hint}")
+        return path
+
+
+def validate(cfg: DraftTrainConfig, source: str) -> None:
+    """Range checks the type-checked loader cannot express (ValueError naming the key)."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"{source}: {key}: {msg}")
+
+    for prefix, d in (("data", cfg.data), ("eval.data", cfg.eval.data)):
+        if d is None:
+            continue
+        need(d.num_prompts > 0, f"{prefix}.num_prompts", f"must be > 0, got {d.num_prompts}")
+        need(bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels), f"{prefix}.levels",
+             f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
+        need(bool(d.kinds) and all(k in KINDS for k in d.kinds), f"{prefix}.kinds",
+             f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+        need(d.max_prompt_len > 0, f"{prefix}.max_prompt_len", f"must be > 0, got {d.max_prompt_len}")
+    g, h, lo, o, t = cfg.generation, cfg.head, cfg.loss, cfg.optim, cfg.train
+    need(g.temperature > 0, "generation.temperature", f"must be > 0 (sampled training data), got {g.temperature}")
+    need(0 < g.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {g.top_p}")
+    need(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
+    need(g.max_new_tokens > 0, "generation.max_new_tokens", f"must be > 0, got {g.max_new_tokens}")
+    need(h.draft_vocab_size is None or h.draft_vocab_size > 0, "head.draft_vocab_size",
+         f"must be > 0, got {h.draft_vocab_size}")
+    need(h.vocab_count_batches > 0, "head.vocab_count_batches", f"must be > 0, got {h.vocab_count_batches}")
+    need(lo.num_steps > 0, "loss.num_steps", f"must be > 0, got {lo.num_steps}")
+    need(0 < lo.step_decay <= 1, "loss.step_decay", f"must be in (0, 1], got {lo.step_decay}")
+    need(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
+    need(0 <= o.warmup_steps < t.steps, "optim.warmup_steps", f"must be in [0, train.steps={t.steps}), "
+                                                              f"got {o.warmup_steps}")
+    need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    need(o.grad_clip > 0, "optim.grad_clip", f"must be > 0, got {o.grad_clip}")
+    need(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
+    need(t.batch_size > 0, "train.batch_size", f"must be > 0, got {t.batch_size}")
+    need(t.log_every > 0, "train.log_every", f"must be > 0, got {t.log_every}")
+    need(t.checkpoint_every > 0, "train.checkpoint_every", f"must be > 0, got {t.checkpoint_every}")
+    need(t.keep_checkpoints > 0, "train.keep_checkpoints", f"must be > 0, got {t.keep_checkpoints}")
+    need(cfg.eval.batches >= 0, "eval.batches", f"must be >= 0, got {cfg.eval.batches}")

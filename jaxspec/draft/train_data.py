@@ -1,0 +1,89 @@
+"""Training data for the head: prompts, and the policy's own sampled responses to them.
+
+A batch is B prompts (drawn per step from a seeded generator, so a step number alone fixes its
+prompts and its sampling key), the policy's responses from `jaxspec.rollout.generate`, laid out
+as fixed-width rows prompt || response || padding of width max_prompt_len + max_new_tokens, so
+the training step compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxspec.draft.train_config import GenerationConfig, PromptData
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.transformer import Params
+from jaxspec.rollout import Sampling, generate
+from jaxspec.tasks.generator import generate_problems
+from jaxspec.tasks.loader import load_prompts
+from jaxspec.tasks.tokenizer import ChatTokenizer
+
+
+def prompt_pool(data: PromptData, tok: ChatTokenizer) -> list[list[int]]:
+    """Token ids of every usable prompt (chat-formatted, at most data.max_prompt_len tokens)."""
+    if data.prompts_file is not None:
+        questions = [r["prompt"] for r in load_prompts(data.prompts_file, data.prompt_field, data.answer_field)]
+    else:
+        questions = [p["question"] for p in generate_problems(data.num_prompts, data.seed, data.levels, data.kinds)]
+    pool = [ids for ids in (tok.encode_prompt(q) for q in questions) if len(ids) <= data.max_prompt_len]
+    if not pool:
+        raise ValueError(f"every prompt is longer than max_prompt_len={data.max_prompt_len} tokens; raise it")
+    return pool
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """Right-padded prompt || response rows of width W = max_prompt_len + max_new_tokens.
+
+    tokens: int32 [B, W] (pad id past `lengths`); loss_mask: bool [B, W], on at response tokens
+    (the eos included); attn_mask: bool [B, W], on at prompt and response tokens.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    attn_mask: np.ndarray
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+class RolloutSource:
+    """Batches of policy rollouts addressed by step number (deterministic given the seed)."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, tok: ChatTokenizer, pool: list[list[int]],
+                 generation: GenerationConfig, max_prompt_len: int, batch_size: int, seed: int):
+        self.cfg, self.params, self.tok, self.pool = cfg, params, tok, pool
+        self.sampling = Sampling(temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,
+                                 max_new_tokens=generation.max_new_tokens, eos_id=tok.eos_id)
+        self.width = max_prompt_len + generation.max_new_tokens
+        self.batch_size, self.seed = batch_size, seed
+
+    def batch(self, step: int) -> RolloutBatch:
+        rng = np.random.default_rng([self.seed, step])
+        rows = rng.choice(len(self.pool), self.batch_size, replace=len(self.pool) < self.batch_size)
+        prompts = [self.pool[i] for i in rows]
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        out = generate(self.cfg, self.params, prompts, key, sampling=self.sampling)
+        responses, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        tokens = np.full((self.batch_size, self.width), self.tok.pad_id, np.int32)
+        loss_mask = np.zeros((self.batch_size, self.width), bool)
+        attn_mask = np.zeros((self.batch_size, self.width), bool)
+        for b, (prompt, n) in enumerate(zip(prompts, lengths)):
+            p = len(prompt)
+            tokens[b, :p] = prompt
+            tokens[b, p:p + n] = responses[b, :n]
+            loss_mask[b, p:p + n] = True
+            attn_mask[b, :p + n] = True
+        return RolloutBatch(tokens=tokens, loss_mask=loss_mask, attn_mask=attn_mask)
+
+
+def count_tokens(batches: list[RolloutBatch], vocab_size: int) -> np.ndarray:
+    """int64 [V]: occurrences of each token in the batches' prompts and responses."""
+    counts = np.zeros(vocab_size, np.int64)
+    for batch in batches:
+        np.add.at(counts, batch.tokens[batch.attn_mask], 1)
+    return counts

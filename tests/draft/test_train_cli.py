@@ -1,0 +1,95 @@
+"""`jaxspec draft train` end to end on a tiny random policy folder: rollouts, training, metrics,
+checkpoints, export in the public layout, refusal to overwrite, and resume."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.cli import main as jaxspec_main
+from jaxspec.config_io import load_config
+from jaxspec.draft import build_vocab_maps, load_eagle3
+from jaxspec.draft.train_config import DraftTrainConfig, validate
+from jaxspec.models import ModelConfig, save_hf
+from jaxspec.tasks import generate_problems, train_tokenizer
+from jaxspec.tasks.tokenizer import ChatTokenizer
+from tests.models.hf_reference import random_params
+
+CONFIG = "configs/draft_tiny.yaml"
+
+
+@pytest.mark.parametrize("path", ["configs/draft_tiny.yaml", "configs/draft_tiny_ood.yaml",
+                                  "configs/draft_small.yaml"])
+def test_shipped_configs_are_valid(path):
+    validate(load_config(DraftTrainConfig, path), path)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """HF folder of a random 2-layer Qwen3 over a BPE trained on generated problems."""
+    folder = tmp_path_factory.mktemp("policy")
+    problems = generate_problems(200, seed=0, levels=(1,))
+    train_tokenizer((t for p in problems for t in (p["question"], p["solution"])), 300, folder / "tokenizer.json")
+    tok = ChatTokenizer.from_file(folder / "tokenizer.json")
+    cfg = ModelConfig(family="qwen3", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                      eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    save_hf(cfg, random_params(cfg, jax.random.key(0)), folder / "policy", tokenizer_file=folder / "tokenizer.json")
+    return folder / "policy", cfg
+
+
+def _args(run_dir, policy, *extra):
+    return ["draft", "train", "--config", CONFIG, "--run-dir", str(run_dir), f"policy={policy}",
+            "train.batch_size=8", "train.log_every=2", "train.checkpoint_every=2", "train.progress=false",
+            "generation.max_new_tokens=12", "data.num_prompts=64", "head.vocab_count_batches=2",
+            "head.draft_vocab_size=100", "loss.num_steps=2", "optim.warmup_steps=1", "eval.batches=1",
+            "data.max_prompt_len=48", "eval.data.num_prompts=16", "eval.data.max_prompt_len=48", *extra]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
+    policy, cfg = policy_dir
+    run_dir = tmp_path / "run"
+    assert jaxspec_main(_args(run_dir, policy, "train.steps=6")) == 0
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == [2, 4, 6, 6]
+    assert len(records[0]["top1_agreement"]) == 2 and len(records[0]["step_loss"]) == 2
+    assert len(records[-1]["eval_top1_agreement"]) == 2 and records[-1]["eval_positions"] > 0
+    dcfg, first = load_eagle3(run_dir / "draft", policy=cfg)
+    assert dcfg.draft_vocab_size == 100 and dcfg.aux_layer_ids == (1, 0, 0)
+    d2t, t2d = build_vocab_maps(np.load(run_dir / "token_counts.npy"), 100)  # the generated data's top tokens
+    np.testing.assert_array_equal(first["d2t"], d2t)
+    np.testing.assert_array_equal(first["t2d"], t2d)
+
+    assert jaxspec_main(_args(run_dir, policy, "train.steps=6")) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "head.draft_vocab_size=90", "--resume")) == 2
+    assert "head section differs" in capsys.readouterr().err
+
+    # Drop the final checkpoint: resuming from step 4 regenerates the same rollouts and ends in
+    # bit-identical weights.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4", "6"]
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "--resume")) == 0
+    assert "resumed from step 4" in capsys.readouterr().out
+    assert [r["step"] for r in _metrics(run_dir)][4:] == [6, 6]
+    _, resumed = load_eagle3(run_dir / "draft", policy=cfg)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(first)):
+        np.testing.assert_array_equal(a, b)
+
+    # Fine-tuning an exported head keeps its vocabulary and moves its weights.
+    tuned_dir = tmp_path / "tuned"
+    assert jaxspec_main(_args(tuned_dir, policy, "train.steps=6", f"head.init={run_dir / 'draft'}")) == 0
+    _, tuned = load_eagle3(tuned_dir / "draft", policy=cfg)
+    np.testing.assert_array_equal(tuned["d2t"], first["d2t"])
+    assert not np.array_equal(tuned["lm_head"], first["lm_head"])
+
+
+def test_missing_policy_is_a_clear_error(tmp_path, capsys):
+    assert jaxspec_main(_args(tmp_path / "run", tmp_path / "nowhere", "train.steps=2")) == 2
+    assert "policy folder not found" in capsys.readouterr().err
