@@ -8,10 +8,14 @@ import sys
 COMMANDS = {
     "pretrain": ("jaxspec.pretrain", "train a small policy from scratch on the math task; export an HF folder"),
     "generate": ("jaxspec.generate_cli", "sample rollouts from a policy and score them with a reward"),
+    "draft": ("jaxspec.draft.cli", "draft heads: `jaxspec draft train` trains an EAGLE-3 head on policy rollouts"),
+    "train": ("jaxspec.rl", "GRPO post-training with (speculative) rollouts, checkpoints and exact resume"),
 }
 BENCHMARKS = {
     "forward": ("jaxspec.bench.forward", "training-shaped forward/backward throughput and MFU"),
     "decode": ("jaxspec.bench.decode", "autoregressive decode vs the memory roofline and transformers"),
+    "spec": ("jaxspec.bench.spec", "speculative vs autoregressive rollouts on a trained policy and draft"),
+    "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
 }
 
 

@@ -1,0 +1,280 @@
+"""Configuration of a GRPO run (one YAML file; see configs/grpo_tiny.yaml).
+
+Paths in the file are relative to the working directory. `policy.path: null` means the tiny
+policy embedded in the package (`jaxspec/assets/tiny-policy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxspec.tasks.generator import KINDS, MAX_LEVEL
+from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """The policy to train: an HF folder and the chat convention of its tokenizer.
+
+    path: HF folder (config.json + safetensors); null = the embedded tiny policy.
+    tokenizer: tokenizer.json file or folder holding one; null = the policy folder.
+    eos_token / pad_token / bos_token: special-token strings of that tokenizer.
+    prompt_template: chat template with a `{question}` slot; the response follows it directly.
+    """
+
+    path: str | None = None
+    tokenizer: str | None = None
+    eos_token: str = EOS
+    pad_token: str = PAD
+    bos_token: str | None = BOS
+    prompt_template: str = PROMPT_TEMPLATE
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training and held-out prompts.
+
+    train / eval: .jsonl/.json/.parquet files read with `jaxspec.tasks.load_prompts`
+    (`prompt_field` / `answer_field` name the columns). When null, `num_train` / `num_eval`
+    problems of the built-in math task (`levels`, `kinds`, generated from `seed`) are written to
+    <run-dir>/data/ once and read back from there; held-out questions never occur in the
+    training set.
+    seed: also seeds the epoch-wise shuffling of the training prompts.
+    """
+
+    train: str | None = None
+    eval: str | None = None
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    num_train: int = 2000
+    num_eval: int = 64
+    levels: tuple[int, ...] = (1,)
+    kinds: tuple[str, ...] = KINDS
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of the rollouts: prompts_per_step groups of samples_per_prompt responses each.
+
+    dtype: dtype of the params copy the rollout reads ("sync" casts the float32 master params
+    to it each step; with float32 it is the master params themselves, no copy).
+    """
+
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """GRPO / DAPO objective.
+
+    advantage: "std" = (r - mean) / (std + advantage_eps) within each group (unbiased std),
+        "mean" = r - mean (no scaling).
+    eps_low / eps_high: ratio clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher when
+        eps_high > eps_low).
+    aggregation: "token" = sum of token losses / number of tokens in the minibatch (DAPO);
+        "sequence" = mean over sequences of each sequence's token mean (original GRPO).
+    kl_beta: coefficient of the k3 KL estimate to the frozen initial policy (0 = no reference).
+    filter_groups: drop groups whose rewards are all equal (zero advantage) from the loss
+        (DAPO dynamic sampling, without over-sampling).
+    ppo_epochs / minibatches: optimizer updates per rollout batch = ppo_epochs * minibatches.
+    recompute_logprobs: old log-probs from the trainer's forward before the first update instead
+        of the rollout's; logs the measured rollout/trainer mismatch.
+    """
+
+    advantage: Literal["std", "mean"] = "std"
+    advantage_eps: float = 1e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    aggregation: Literal["token", "sequence"] = "token"
+    kl_beta: float = 0.0
+    filter_groups: bool = False
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    recompute_logprobs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm gradient clipping; the learning rate warms up linearly over the
+    first `warmup_steps` optimizer updates (ppo_epochs * minibatches per RL step), then stays."""
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0
+
+
+RANDOM_DRAFT = "random"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative rollouts (`jaxspec.rollout.Spec`); method "none" samples autoregressively.
+
+    draft: EAGLE-3 folder (method eagle3) or HF folder of a smaller model (draft_model). With
+        eagle3, null = the embedded tiny policy's head (`jaxspec/assets/tiny-eagle3`) and "random" =
+        a freshly initialised head (seeded by train.seed), e.g. to train online from scratch.
+    ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
+    """
+
+    method: Literal["none", "eagle3", "draft_model", "ngram"] = "none"
+    draft: str | None = None
+    num_draft_tokens: int = 3
+    tree_width: int = 1
+    tree_budget: int | None = None
+    draft_sampling: Literal["greedy", "stochastic"] = "greedy"
+    ngram_sizes: tuple[int, ...] = (3, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Online adaptation of the EAGLE-3 draft during RL (spec.method eagle3 only).
+
+    online: false keeps the draft frozen. loss_weight is λ in L = L_policy + λ·L_draft; L_draft
+    (`jaxspec.draft.eagle3_loss`: `ttt_steps` unrolled steps weighted `step_decay`**i) uses the
+    policy's detached hidden states and logits of the training forward and has its own AdamW
+    optimizer and gradient clipping.
+    """
+
+    online: bool = False
+    loss_weight: float = 1.0
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    learning_rate: float = 1e-4
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Validation accuracy on the held-out prompts: before training and every `every` steps.
+
+    every: 0 disables validation. temperature 0 is greedy decoding. max_new_tokens: null = the
+    rollout's. batch_size: prompts decoded per generate call.
+    """
+
+    every: int = 0
+    temperature: float = 0.0
+    max_new_tokens: int | None = None
+    batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop, numerics, checkpoints and logging.
+
+    compute_dtype: dtype of the training forward/backward (master params stay float32).
+    checkpoint_every: steps between checkpoints (the last step is always saved).
+    tensorboard: also write TensorBoard scalars to <run-dir>/tensorboard (needs tensorboardX).
+    """
+
+    steps: int
+    seed: int = 0
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    progress: bool = True
+    tensorboard: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    train: TrainConfig
+    policy: PolicyConfig = PolicyConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: str = "math"
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    spec: SpecConfig = SpecConfig()
+    draft: DraftConfig = DraftConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+# Keys a resumed run may change: they steer the loop's length and bookkeeping, not the training.
+RESUMABLE_KEYS = frozenset({
+    "train.steps", "train.progress", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
+})
+
+
+def validate(cfg: GRPOConfig, source: str) -> None:
+    """Range checks the type-checked loader cannot express (ValueError naming the key)."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"{source}: {key}: {msg}")
+
+    def positive(section, name: str, prefix: str, allow_zero: bool = False) -> None:
+        value = getattr(section, name)
+        ok = value >= 0 if allow_zero else value > 0
+        need(ok, f"{prefix}.{name}", f"must be {'>=' if allow_zero else '>'} 0, got {value}")
+
+    d, r, lo, o, s, dr, e, t = cfg.data, cfg.rollout, cfg.loss, cfg.optim, cfg.spec, cfg.draft, cfg.eval, cfg.train
+    if d.train is None:
+        positive(d, "num_train", "data")
+    positive(d, "num_eval", "data", allow_zero=True)
+    need(bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels), "data.levels",
+         f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
+    need(bool(d.kinds) and all(k in KINDS for k in d.kinds), "data.kinds",
+         f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+    positive(r, "prompts_per_step", "rollout")
+    need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+         f"must be >= 2 (advantages are normalised within each group), got {r.samples_per_prompt}")
+    positive(r, "max_new_tokens", "rollout")
+    need(r.temperature > 0, "rollout.temperature",
+         f"must be > 0 (the policy gradient needs a sampling distribution), got {r.temperature}")
+    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    positive(r, "top_k", "rollout", allow_zero=True)
+    need(lo.advantage_eps > 0, "loss.advantage_eps", f"must be > 0, got {lo.advantage_eps}")
+    positive(lo, "eps_low", "loss", allow_zero=True)
+    positive(lo, "eps_high", "loss", allow_zero=True)
+    need(lo.eps_low < 1, "loss.eps_low", f"must be < 1, got {lo.eps_low}")
+    positive(lo, "kl_beta", "loss", allow_zero=True)
+    positive(lo, "ppo_epochs", "loss")
+    positive(lo, "minibatches", "loss")
+    rows = r.prompts_per_step * r.samples_per_prompt
+    need(rows % lo.minibatches == 0, "loss.minibatches",
+         f"{lo.minibatches} does not divide the {rows} rollouts per step "
+         f"(rollout.prompts_per_step * rollout.samples_per_prompt)")
+    need(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
+    positive(o, "warmup_steps", "optim", allow_zero=True)
+    positive(o, "weight_decay", "optim", allow_zero=True)
+    positive(o, "grad_clip", "optim")
+    positive(s, "num_draft_tokens", "spec")
+    positive(s, "tree_width", "spec")
+    need(s.tree_budget is None or s.tree_budget >= s.tree_width, "spec.tree_budget",
+         f"must be null or >= spec.tree_width={s.tree_width}, got {s.tree_budget}")
+    need(bool(s.ngram_sizes) and all(n > 0 for n in s.ngram_sizes), "spec.ngram_sizes",
+         f"must be a non-empty list of sizes > 0, got {list(s.ngram_sizes)}")
+    need(s.method != "draft_model" or s.draft is not None, "spec.draft",
+         "method draft_model needs the HF folder of the draft model")
+    need(not dr.online or s.method == "eagle3", "draft.online",
+         f"online draft adaptation trains an EAGLE-3 head; spec.method is {s.method!r}")
+    positive(dr, "loss_weight", "draft", allow_zero=True)
+    positive(dr, "ttt_steps", "draft")
+    need(0 < dr.step_decay <= 1, "draft.step_decay", f"must be in (0, 1], got {dr.step_decay}")
+    need(dr.learning_rate > 0, "draft.learning_rate", f"must be > 0, got {dr.learning_rate}")
+    positive(dr, "grad_clip", "draft")
+    positive(e, "every", "eval", allow_zero=True)
+    positive(e, "temperature", "eval", allow_zero=True)
+    need(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens",
+         f"must be > 0 or null, got {e.max_new_tokens}")
+    positive(e, "batch_size", "eval")
+    need(e.every == 0 or d.eval is not None or d.num_eval > 0, "eval.every",
+         "validation needs held-out prompts: set data.eval or data.num_eval > 0")
+    positive(t, "steps", "train")
+    positive(t, "checkpoint_every", "train")
+    positive(t, "keep_checkpoints", "train")

@@ -1,0 +1,76 @@
+"""Prompts for a GRPO run: loading (or generating) the prompt files, tokenising, and batches by position.
+
+Training prompts are addressed by *data position* (prompts consumed so far): epoch e visits them in
+a permutation seeded by (data.seed, e), so the saved position alone pins down every later batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from jaxspec.pretrain.data import Batcher
+from jaxspec.rl.config import DataConfig
+from jaxspec.tasks.generator import generate_problems, write_problems
+from jaxspec.tasks.loader import load_prompts
+from jaxspec.tasks.tokenizer import ChatTokenizer
+
+# Held-out problems come from a separate stream so they never share a prefix of the train stream.
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """Prompt records ({"prompt", "answer"}, as `load_prompts` returns them) and their token ids."""
+
+    records: list[dict]
+    token_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def prompt_files(cfg: DataConfig, run_dir: Path) -> tuple[Path, Path | None]:
+    """(training file, held-out file or None); generated into run_dir/data/ when not configured.
+
+    Generated files are written once, so a resumed run reads exactly the same prompts.
+    """
+    train = Path(cfg.train) if cfg.train is not None else run_dir / "data" / "train.jsonl"
+    held_out = Path(cfg.eval) if cfg.eval is not None else (run_dir / "data" / "eval.jsonl" if cfg.num_eval else None)
+    if cfg.train is None and not train.exists():
+        problems = generate_problems(cfg.num_train, cfg.seed, cfg.levels, cfg.kinds)
+        write_problems(train, problems)
+    if cfg.eval is None and held_out is not None and not held_out.exists():
+        seen = {r["prompt"] for r in load_prompts(train, cfg.prompt_field, cfg.answer_field)}
+        write_problems(held_out, generate_problems(cfg.num_eval, cfg.seed + _EVAL_SEED_OFFSET, cfg.levels,
+                                                   cfg.kinds, exclude_questions=seen))
+    return train, held_out
+
+
+def load_prompt_set(path: Path, cfg: DataConfig, tok: ChatTokenizer) -> PromptSet:
+    """Reads a prompt file and chat-formats + tokenises every prompt."""
+    records = load_prompts(path, cfg.prompt_field, cfg.answer_field)
+    texts = [tok.prompt_template.format(question=r["prompt"]) for r in records]
+    ids = [enc.ids for enc in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return PromptSet(records=records, token_ids=ids)
+
+
+def check_prompt_lengths(prompts: PromptSet, source: Path, max_new_tokens: int, max_positions: int) -> None:
+    """ValueError when the longest prompt plus max_new_tokens exceeds the policy's context."""
+    longest = max(len(ids) for ids in prompts.token_ids)
+    if longest + max_new_tokens > max_positions:
+        raise ValueError(f"{source}: the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} "
+                         f"that exceeds the policy's max_position_embeddings={max_positions}")
+
+
+class PromptSampler:
+    """Batches of prompt ids by data position (epoch-wise seeded permutations)."""
+
+    def __init__(self, prompts: PromptSet, batch_size: int, seed: int):
+        self._batcher = Batcher(prompts.records, batch_size, seed)
+
+    def indices(self, position: int) -> np.ndarray:
+        """Prompt ids of the batch starting at data position `position`."""
+        return self._batcher.indices(position)

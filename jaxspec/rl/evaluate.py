@@ -1,0 +1,37 @@
+"""Validation accuracy of the policy on held-out prompts (greedy or sampled decoding)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.transformer import Params
+from jaxspec.rewards.registry import RewardFn
+from jaxspec.rl.data import PromptSet
+from jaxspec.rollout import Sampling, generate
+from jaxspec.tasks.tokenizer import ChatTokenizer
+
+
+def decode_responses(tok: ChatTokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """Text of each row's emitted tokens (eos and special tokens removed)."""
+    return [tok.decode(tokens[i, :lengths[i]]) for i in range(tokens.shape[0])]
+
+
+def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prompts: PromptSet, reward: RewardFn,
+                      sampling: Sampling, key: jax.Array, batch_size: int, spec=None) -> dict[str, float]:
+    """{"eval_accuracy": fraction of prompts whose response earns reward >= 1, "eval_reward_mean"}.
+
+    Prompts are decoded in batches of `batch_size`; the last batch is filled up with copies of its
+    first prompt so every call has the same shape (one compilation).
+    """
+    size = min(batch_size, len(prompts))
+    rewards: list[float] = []
+    for start in range(0, len(prompts), size):
+        chunk = prompts.token_ids[start:start + size]
+        key, sub = jax.random.split(key)
+        out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec)
+        texts = decode_responses(tok, np.asarray(out.tokens), np.asarray(out.lengths))[:len(chunk)]
+        rewards += [reward(text, record) for text, record in zip(texts, prompts.records[start:start + size])]
+    scores = np.asarray(rewards, np.float64)
+    return {"eval_accuracy": float(np.mean(scores >= 1.0)), "eval_reward_mean": float(np.mean(scores))}

@@ -1,0 +1,328 @@
+"""The synchronous GRPO loop: rollouts -> rewards -> advantages -> policy (and draft) updates.
+
+Run directory layout:
+    config.yaml          the resolved config (a resumed run must keep everything but RESUMABLE_KEYS)
+    data/                generated prompt files (when data.train / data.eval are not given)
+    checkpoints/<step>/  orbax checkpoints of the training state (see `checkpointing`)
+    metrics.jsonl        one JSON object per step (and one for the validation before training)
+    tensorboard/         TensorBoard scalars (train.tensorboard)
+    policy/              the trained policy as an HF folder, with its tokenizer
+    draft/               the adapted EAGLE-3 head (draft.online), public EAGLE-3 layout
+
+The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
+float32 and a cast with rollout.dtype bfloat16. All randomness of step s comes from
+fold_in(key, s), and prompts from the saved data position, so a resumed run repeats an
+uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) makes the loop checkpoint at the next
+step boundary and return.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxspec.models.checkpoint import load_hf, save_hf
+from jaxspec.rewards.registry import get_reward
+from jaxspec.rl.advantages import group_advantages
+from jaxspec.rl.batch import minibatch_indices, row_width, take_rows, training_rows
+from jaxspec.rl.checkpointing import Checkpointer, check_run_dir, save_config
+from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
+from jaxspec.rl.evaluate import decode_responses, validation_scores
+from jaxspec.rl.metrics import MetricsLog, StageTimer, block, rollout_stats, truncate_after
+from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
+from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
+from jaxspec.rollout import RolloutOutput, Sampling, generate
+
+_POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", "grad_norm")
+
+
+class _Preemption:
+    """Sets a flag on SIGTERM while installed (main thread only; elsewhere it never fires)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _mean_metrics(updates: list[dict]) -> dict:
+    """Host means of the per-update metrics; the policy part over updates that had policy tokens."""
+    out: dict = {}
+    active = [m for m in updates if float(m["tokens"]) > 0]
+    for key in _POLICY_METRICS:
+        if active:
+            out[key] = float(np.mean([float(m[key]) for m in active]))
+    draft = [m for m in updates if "draft_loss" in m]
+    if draft:
+        out["draft_loss"] = float(np.mean([float(m["draft_loss"]) for m in draft]))
+        out["draft_grad_norm"] = float(np.mean([float(m["draft_grad_norm"]) for m in draft]))
+        for key in ("draft_step_loss", "draft_top1_agreement"):
+            out[key] = np.mean([np.asarray(m[key]) for m in draft], axis=0).round(6).tolist()
+    return out
+
+
+def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, out: RolloutOutput, group: int,
+                     max_new_tokens: int, eos_id: int) -> dict:
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(np.mean(rewards >= 1.0)),
+        "groups_all_correct": float(np.mean(rewards.reshape(-1, group).min(axis=1) >= 1.0)),
+        "groups_zero_variance": float(np.mean(~informative)),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": int(lengths.max()),
+        "truncated_frac": float(np.mean((lengths == max_new_tokens) & (tokens[:, -1] != eos_id))),
+        **rollout_stats(out.stats),
+    }
+
+
+class GRPORun:
+    """One run: prompts, policy and draft, the compiled trainer functions and the training state.
+
+    `state` is the checkpointed pytree (see `checkpointing`); step / position / updates mirror its
+    counters on the host.
+    """
+
+    def __init__(self, cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs):
+        self.cfg, self.run_dir, self.inputs = cfg, run_dir, inputs
+        self.tok = inputs.tokenizer
+        r_cfg, t_cfg = cfg.rollout, cfg.train
+        self.train_set, self.eval_set = self._load_prompts()
+        save_config(cfg, run_dir)
+        self.reward_fn = get_reward(cfg.reward)
+
+        self.mcfg, params = load_hf(inputs.policy_dir, "float32")
+        run_key, draft_key = jax.random.split(jax.random.PRNGKey(t_cfg.seed))
+        self.draft = load_draft(cfg.spec, inputs.draft_dir, self.mcfg, draft_key)
+        self.online = OnlineDraft(dcfg=self.draft[0], train=cfg.draft) if cfg.draft.online else None
+        state = {"params": params, "opt_state": policy_optimizer(cfg.optim).init(params),
+                 "step": jnp.int32(0), "position": jnp.int32(0), "updates": jnp.int32(0), "key": run_key}
+        if self.draft is not None:
+            state["draft_params"] = self.draft[1]
+        if self.online is not None:
+            from jaxspec.draft import split_buffers
+
+            state["draft_opt_state"] = draft_optimizer(cfg.draft).init(split_buffers(self.draft[1])[0])
+        if cfg.loss.kl_beta > 0:
+            state["ref_params"] = jax.tree.map(jnp.copy, params)
+        # Committed to the device like restored checkpoints are, so a resumed run in the same process
+        # hits the compilation caches of a fresh one.
+        self.state = jax.device_put(state, jax.devices()[0])
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
+        if resume and self.checkpointer.latest_step() is not None:
+            self.state = self.checkpointer.restore(self.state)
+            print(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
+            truncate_after(run_dir / "metrics.jsonl", int(self.state["step"]))
+        else:  # records of an earlier attempt that never reached a checkpoint
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
+
+        self.sampling = Sampling(temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
+                                 max_new_tokens=r_cfg.max_new_tokens, eos_id=self.tok.eos_id)
+        self.eval_sampling = Sampling(temperature=cfg.eval.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
+                                      max_new_tokens=cfg.eval.max_new_tokens or r_cfg.max_new_tokens,
+                                      eos_id=self.tok.eos_id)
+        self.update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat,
+                                self.online)
+        self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat)
+        self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
+        self.width = row_width(max(len(ids) for ids in self.train_set.token_ids), r_cfg.max_new_tokens)
+
+    def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
+        cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings
+        train_file, eval_file = prompt_files(cfg.data, self.run_dir)
+        train_set = load_prompt_set(train_file, cfg.data, self.tok)
+        check_prompt_lengths(train_set, train_file, cfg.rollout.max_new_tokens, max_positions)
+        if eval_file is None or not cfg.eval.every:
+            return train_set, None
+        eval_set = load_prompt_set(eval_file, cfg.data, self.tok)
+        check_prompt_lengths(eval_set, eval_file, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                             max_positions)
+        return train_set, eval_set
+
+    def rollout_view(self):
+        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
+        policy = self.state["params"]
+        dtype = jnp.dtype(self.cfg.rollout.dtype)
+        if dtype != jnp.float32:
+            policy = jax.tree.map(lambda x: x.astype(dtype), policy)
+        draft_now = (self.draft[0], self.state["draft_params"]) if self.draft is not None else None
+        return block(policy), make_spec(self.cfg.spec, draft_now)
+
+    def evaluate(self) -> dict:
+        """Validation scores of the current policy on the held-out prompts."""
+        policy, spec = self.rollout_view()
+        key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 1)
+        return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward_fn, self.eval_sampling, key,
+                                 self.cfg.eval.batch_size, spec=spec)
+
+    def save(self) -> None:
+        self.state.update(step=jnp.int32(self.step), position=jnp.int32(self.position),
+                          updates=jnp.int32(self.updates))
+        self.checkpointer.save(self.state)
+
+    def run_step(self) -> dict:
+        """One RL step: rollouts, rewards, advantages, updates, then validation / checkpoint when due.
+        Returns the step's metrics record."""
+        cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
+        start, timer = time.perf_counter(), StageTimer()
+        ids = self.sampler.indices(self.position)
+        prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
+        records = [self.train_set.records[i] for i in ids for _ in range(group)]
+        with timer.stage("sync"):
+            policy, spec = self.rollout_view()
+        with timer.stage("generation"):
+            key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
+            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec))
+        del policy
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        with timer.stage("reward"):
+            texts = decode_responses(self.tok, tokens, lengths)
+            rewards = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
+        advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
+        batch = training_rows(prompts, tokens, lengths, self.tok.pad_id, self.width)
+        keep = np.repeat(informative, group) if cfg.loss.filter_groups else np.ones(len(prompts), bool)
+        batch.update(advantages=advantages, old_logp=np.asarray(out.logprobs, np.float32),
+                     loss_mask=batch["resp_mask"] & keep[:, None])
+        if self.online is None:
+            del batch["seq_resp_mask"]
+
+        record = {"step": self.step + 1, "data_position": self.position + len(ids)}
+        if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
+            with timer.stage("logprob"):
+                record.update(self._score(batch))
+        del batch["resp_mask"]
+        with timer.stage("train"):
+            update_metrics = self._optimize(batch)
+        self.step += 1
+        self.position += len(ids)
+        record.update(_rollout_metrics(rewards, informative, out, group, cfg.rollout.max_new_tokens, self.tok.eos_id))
+        record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
+                      **_mean_metrics(update_metrics))
+        if self.eval_set is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
+            with timer.stage("eval"):
+                record.update(self.evaluate())
+        if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
+            with timer.stage("checkpoint"):
+                self.save()
+        record.update(timer.record(), time_step_s=round(time.perf_counter() - start, 6),
+                      tokens_per_s=round(float(lengths.sum()) / max(timer.seconds["generation"], 1e-9), 3))
+        return record
+
+    def _score(self, batch: dict) -> dict:
+        """Old log-probs recomputed by the trainer (replacing the rollout's) and reference log-probs,
+        as configured; returns the measured rollout/trainer mismatch."""
+        args = (batch["tokens"], batch["attn_mask"], batch["resp_index"], batch["resp_tokens"])
+        measured = {}
+        if self.cfg.loss.recompute_logprobs:
+            recomputed = np.asarray(block(self.score(self.state["params"], *args)))
+            diff = np.abs(recomputed - batch["old_logp"])[batch["resp_mask"]]
+            measured = {"logprob_mismatch_max": float(diff.max(initial=0.0)),
+                        "logprob_mismatch_mean": float(diff.mean()) if diff.size else 0.0}
+            batch["old_logp"] = recomputed
+        if self.cfg.loss.kl_beta > 0:
+            batch["ref_logp"] = np.asarray(block(self.score(self.state["ref_params"], *args)))
+        return measured
+
+    def _optimize(self, batch: dict) -> list[dict]:
+        """ppo_epochs passes of minibatch updates over the batch; per-update metrics (host)."""
+        if self.online is None and not batch["loss_mask"].any():
+            return []  # every group filtered out and no draft to train
+        cfg, state = self.cfg, self.state
+        if self.online is not None:
+            from jaxspec.draft import merge_buffers, split_buffers
+
+            d_weights, d_buffers = split_buffers(state["draft_params"])
+        else:
+            d_weights = d_buffers = None
+        d_opt = state.get("draft_opt_state")
+        metrics = []
+        num_rows = batch["tokens"].shape[0]
+        for epoch in range(cfg.loss.ppo_epochs):
+            rng = np.random.default_rng([cfg.train.seed, self.step, epoch])
+            for rows in minibatch_indices(num_rows, cfg.loss.minibatches, rng):
+                minibatch = take_rows(batch, rows)
+                if self.online is None and not minibatch["loss_mask"].any():
+                    continue
+                state["params"], state["opt_state"], d_weights, d_opt, m = self.update(
+                    state["params"], state["opt_state"], d_weights, d_buffers, d_opt, minibatch)
+                m = jax.device_get(m)
+                metrics.append(m)
+                self.updates += int(m["tokens"] > 0)
+        if self.online is not None:
+            state["draft_params"] = merge_buffers(d_weights, d_buffers)
+            state["draft_opt_state"] = d_opt
+        block(state["params"])
+        return metrics
+
+    def export(self) -> None:
+        """Writes the trained policy (and the adapted head) into the run directory."""
+        save_hf(self.mcfg, self.state["params"], self.run_dir / "policy", tokenizer_file=self.inputs.tokenizer_file)
+        print(f"trained policy written to {self.run_dir / 'policy'}")
+        if self.online is not None:
+            from jaxspec.draft import save_eagle3
+
+            save_eagle3(self.draft[0], self.state["draft_params"], self.run_dir / "draft")
+            print(f"adapted EAGLE-3 draft written to {self.run_dir / 'draft'}")
+
+
+def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | None = None) -> dict:
+    """Runs (or resumes) GRPO for cfg.train.steps steps.
+
+    inputs: the result of `check_inputs(cfg)` when the caller already checked the config.
+    Returns {"step", "preempted", "last": the last step's metrics record, "run_dir"}.
+    """
+    run_dir = Path(run_dir)
+    inputs = check_inputs(cfg) if inputs is None else inputs
+    check_run_dir(cfg, run_dir, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = GRPORun(cfg, run_dir, resume, inputs)
+    log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None)
+    last: dict = {}
+    preempted = False
+    try:
+        with _Preemption() as preemption, tqdm(total=cfg.train.steps, initial=run.step, desc="grpo",
+                                               disable=not cfg.train.progress, dynamic_ncols=True) as bar:
+            if run.eval_set is not None and run.step == 0:
+                last = {"step": 0, **run.evaluate()}
+                log.write(last)
+                tqdm.write(f"step 0: validation accuracy {last['eval_accuracy']:.3f}")
+            while run.step < cfg.train.steps and not preemption.requested:
+                last = run.run_step()
+                log.write(last)
+                bar.update(1)
+                bar.set_postfix(reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
+                                accept=f"{last['acceptance_length']:.2f}", step_s=f"{last['time_step_s']:.1f}")
+                if "eval_accuracy" in last:
+                    tqdm.write(f"step {run.step}: validation accuracy {last['eval_accuracy']:.3f}")
+            if run.step < cfg.train.steps:
+                preempted = True
+                if run.checkpointer.latest_step() != run.step:
+                    run.save()
+                print(f"SIGTERM: checkpointed step {run.step} in {run_dir / 'checkpoints'}; resume with --resume")
+    finally:
+        log.close()
+        run.checkpointer.close()
+    if not preempted:
+        run.export()
+    return {"step": run.step, "preempted": preempted, "last": last, "run_dir": str(run_dir)}

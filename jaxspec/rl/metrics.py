@@ -1,0 +1,110 @@
+"""Per-step metrics: JSON lines (and optionally TensorBoard scalars), stage timers, rollout statistics.
+
+A step record (metrics.jsonl) holds
+  rollouts: reward_mean/std, accuracy (responses with reward >= 1), groups_all_correct,
+    groups_zero_variance, response_length_mean/max, truncated_frac (no eos within the budget),
+    acceptance_length, acceptance_rate_per_position, decode_steps, drafted/accepted_tokens;
+  trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, ratio_mean, entropy, grad_norm, lr,
+    updates, logprob_mismatch_max/mean (loss.recompute_logprobs); draft_loss, draft_grad_norm,
+    draft_step_loss, draft_top1_agreement (draft.online);
+  validation: eval_accuracy, eval_reward_mean (when due);
+  wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
+    with draft.online, the draft update that shares its forward), eval, checkpoint; time_step_s;
+    tokens_per_s (generated tokens per second of generation).
+Keys starting with "time_" and "tokens_per_s" are wall-clock measurements; everything else is a
+deterministic function of the config, the data and the keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+TIMING_PREFIXES = ("time_", "tokens_per_s")
+
+
+def is_timing(key: str) -> bool:
+    return key.startswith(TIMING_PREFIXES)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `path`; mirrors numeric scalars to TensorBoard if asked."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+        self.path = Path(path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._writer = None
+        if tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(tensorboard_dir))
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            step = int(record["step"])
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._writer.add_scalar(key, value, step)
+                elif isinstance(value, list):
+                    for i, item in enumerate(value):
+                        if item is not None:
+                            self._writer.add_scalar(f"{key}/{i}", item, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drops the records of steps after `step` (those a resumed run will redo)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+class StageTimer:
+    """Accumulates wall-clock seconds per named stage (block on device results inside a stage)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def record(self) -> dict[str, float]:
+        return {f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()}
+
+
+def block(tree):
+    """Waits for every array in `tree` (so a stage's time includes its device work)."""
+    return jax.block_until_ready(tree)
+
+
+def rollout_stats(stats: dict) -> dict:
+    """JSON-safe speculative-decoding statistics of a `RolloutOutput.stats` dict.
+
+    acceptance_rate_per_position: a list with null where no step tested that depth.
+    drafted_tokens / accepted_tokens: present for speculative rollouts.
+    """
+    out = {"acceptance_length": float(stats.get("acceptance_length", 1.0)),
+           "decode_steps": int(stats.get("steps", 0))}
+    per_position = np.asarray(stats.get("acceptance_rate_per_position", ()), np.float64).reshape(-1)
+    out["acceptance_rate_per_position"] = [round(float(x), 6) if np.isfinite(x) else None for x in per_position]
+    for key in ("drafted_tokens", "accepted_tokens"):
+        if key in stats:
+            out[key] = int(stats[key])
+    return out

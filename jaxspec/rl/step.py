@@ -1,0 +1,129 @@
+"""Optimizers and the compiled trainer functions: log-prob scoring and one minibatch update.
+
+The compiled functions are built once per (model config, sampling, loss/optimizer settings) and
+cached, so repeated runs in one process (and every step of a run) reuse their compilations.
+
+Minibatch arrays (b rows, W = padded width, N = max_new_tokens), as built by
+`jaxspec.rl.batch.training_rows` plus:
+    advantages float32 [b]; old_logp float32 [b, N]; loss_mask bool [b, N] (response tokens of
+    groups that count); ref_logp float32 [b, N] (only with loss.kl_beta > 0).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.rl.config import DraftConfig as DraftTrainConfig
+from jaxspec.rl.config import LossConfig, OptimConfig
+from jaxspec.rl.loss import aggregate, policy_loss, response_logprobs, sequence_forward
+from jaxspec.rollout.sampling import Sampling
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda x: x.ndim >= 2, params)  # norm weights and biases are not decayed
+
+
+@functools.lru_cache(maxsize=None)
+def policy_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; lr warms up linearly over `warmup_steps` updates."""
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                                   mask=_decay_mask))
+
+
+def learning_rate(cfg: OptimConfig) -> Callable:
+    if cfg.warmup_steps == 0:
+        return optax.constant_schedule(cfg.learning_rate)
+    return optax.linear_schedule(cfg.learning_rate / cfg.warmup_steps, cfg.learning_rate, cfg.warmup_steps - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def draft_optimizer(cfg: DraftTrainConfig) -> optax.GradientTransformation:
+    """The draft head's own clipping and AdamW (constant learning rate)."""
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                                   mask=_decay_mask))
+
+
+class OnlineDraft(NamedTuple):
+    """Static description of the EAGLE-3 head trained next to the policy (hashable)."""
+
+    dcfg: object  # jaxspec.draft.DraftConfig
+    train: DraftTrainConfig
+
+
+@functools.lru_cache(maxsize=None)
+def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool) -> Callable:
+    """Compiled (params, tokens, attn_mask, resp_index, resp_tokens) -> log p of the response
+    tokens float32 [B, N] (no gradient)."""
+
+    def score(params, tokens, attn_mask, resp_index, resp_tokens):
+        logits, _ = sequence_forward(cfg, params, tokens, attn_mask, (), jnp.dtype(compute_dtype), remat)
+        return response_logprobs(logits, resp_index, resp_tokens, sampling)[0]
+
+    return jax.jit(score)
+
+
+@functools.lru_cache(maxsize=None)
+def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_cfg: OptimConfig,
+              compute_dtype: str, remat: bool, draft: OnlineDraft | None) -> Callable:
+    """Compiled minibatch update (the policy does not step on a minibatch without loss tokens).
+
+    (params, opt_state, draft_weights, draft_buffers, draft_opt_state, minibatch) ->
+    (params, opt_state, draft_weights, draft_opt_state, metrics). With `draft` None the draft
+    arguments are None and pass through. With a draft, one policy forward also returns the aux
+    hidden states; the draft loss reads them and the logits detached, so
+    L = L_policy + λ·L_draft gives the policy exactly the policy-loss gradient and the head λ times
+    the draft-loss gradient; each is clipped and applied by its own optimizer.
+    params / opt_state / draft weights / draft opt_state are donated.
+    """
+    p_opt = policy_optimizer(optim_cfg)
+    d_opt = draft_optimizer(draft.train) if draft is not None else None
+    hidden_layers = tuple(draft.dcfg.aux_layer_ids) if draft is not None else ()
+
+    def loss_fn(params, draft_weights, draft_buffers, mb):
+        logits, hidden = sequence_forward(cfg, params, mb["tokens"], mb["attn_mask"], hidden_layers,
+                                          jnp.dtype(compute_dtype), remat)
+        logp, entropy = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
+        loss, metrics = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], loss_cfg,
+                                    mb.get("ref_logp"))
+        metrics["loss"] = loss
+        metrics["entropy"] = aggregate(entropy, mb["loss_mask"], "token")
+        total = loss
+        if draft is not None:
+            from jaxspec.draft import eagle3_loss, merge_buffers
+
+            dparams = merge_buffers(draft_weights, draft_buffers)
+            draft_loss, draft_metrics = eagle3_loss(
+                draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
+                jax.lax.stop_gradient(logits), mb["tokens"], mb["seq_resp_mask"], num_steps=draft.train.ttt_steps,
+                step_decay=draft.train.step_decay)
+            metrics["draft_loss"] = draft_loss
+            metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})
+            total = loss + draft.train.loss_weight * draft_loss
+        return total, metrics
+
+    def update(params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb):
+        grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
+        (grads, draft_grads), metrics = grad_fn(params, draft_weights, draft_buffers, mb)
+        updates, new_opt_state = p_opt.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        if draft is None:  # the caller skips minibatches without policy tokens
+            params, opt_state = new_params, new_opt_state
+        else:  # the draft trains on every minibatch; the policy steps only when it has tokens to learn from
+            active = metrics["tokens"] > 0
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(active, new, old),
+                                             (new_params, new_opt_state), (params, opt_state))
+            updates, draft_opt_state = d_opt.update(draft_grads, draft_opt_state, draft_weights)
+            draft_weights = optax.apply_updates(draft_weights, updates)
+            metrics["draft_grad_norm"] = optax.tree.norm(draft_grads)
+        return params, opt_state, draft_weights, draft_opt_state, metrics
+
+    return jax.jit(update, donate_argnums=(0, 1, 2, 4))

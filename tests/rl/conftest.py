@@ -1,0 +1,35 @@
+"""A tiny random Qwen3 policy in an HF folder with the math task's tokenizer, shared by the RL tests."""
+
+import jax
+import pytest
+
+from jaxspec.models import init_params, save_hf
+from jaxspec.pretrain.config import ModelShape
+from jaxspec.pretrain.run import model_config
+from jaxspec.rewards.registry import register_reward, registered_rewards
+from jaxspec.tasks import ChatTokenizer, generate_problems, train_tokenizer
+
+SHAPE = ModelShape(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                   max_position_embeddings=256)
+
+
+def digit_fraction(response: str, example: dict) -> float:
+    """Share of the response's characters that are digits: easy to learn from a random policy."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+if "digit_fraction" not in registered_rewards():
+    register_reward("digit_fraction")(digit_fraction)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory):
+    """(HF folder of a random 2-layer policy with tokenizer.json, its ModelConfig, params)."""
+    root = tmp_path_factory.mktemp("rl_policy")
+    problems = generate_problems(300, 0, (1,))
+    train_tokenizer((text for p in problems for text in (p["question"], p["solution"])), 300, root / "tok.json")
+    tok = ChatTokenizer.from_file(root / "tok.json")
+    cfg = model_config(SHAPE, tok)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    save_hf(cfg, params, root / "policy", tokenizer_file=root / "tok.json")
+    return root / "policy", cfg, params

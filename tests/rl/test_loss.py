@@ -1,0 +1,115 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.rl.advantages import group_advantages
+from jaxspec.rl.batch import minibatch_indices, training_rows
+from jaxspec.rl.config import LossConfig
+from jaxspec.rl.loss import policy_loss, response_logprobs, sequence_forward
+from jaxspec.rollout import Sampling, generate
+
+
+def test_group_advantages_by_hand():
+    rewards = [1, 0, 0, 1, 1, 1, 1, 1, 0, 0.5, 1, 0.5]
+    adv, informative = group_advantages(rewards, 4, "std", eps=0.0)
+    a, b = 0.5 / math.sqrt(1 / 3), 0.5 / math.sqrt(1 / 6)  # unbiased std of each group
+    np.testing.assert_allclose(adv, [a, -a, -a, a, 0, 0, 0, 0, -b, 0, b, 0], rtol=1e-6)
+    assert informative.tolist() == [True, False, True]
+    assert (adv[4:8] == 0).all()  # zero-variance group: exactly zero, no nan
+    adv, _ = group_advantages(rewards, 4, "mean")
+    np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -0.5, 0, 0.5, 0], rtol=1e-7)
+    adv, _ = group_advantages([0.3, 0.3, 0.3], 3, "std", eps=1e-6)
+    assert (adv == 0).all()
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages([1, 0, 1], 4)
+
+
+def _case():
+    """Row 0: A=+1, ratios 1.5 (clipped high), 1.1, 0.5; row 1: A=-1, ratios 0.5 (clipped low), 1.5, pad;
+    row 2: a filtered group's row (A=0)."""
+    ratios = np.array([[1.5, 1.1, 0.5], [0.5, 1.5, 1.0], [1.2, 0.9, 1.0]])
+    logp = jnp.asarray(np.log(ratios) - 1.0, jnp.float32)
+    old = jnp.full((3, 3), -1.0, jnp.float32)
+    adv = jnp.asarray([1.0, -1.0, 0.0])
+    mask = jnp.asarray([[1, 1, 1], [1, 1, 0], [0, 0, 0]], bool)
+    return logp, old, adv, mask
+
+
+def test_clipped_loss_token_and_sequence_aggregation():
+    logp, old, adv, mask = _case()
+    cfg = LossConfig(eps_low=0.2, eps_high=0.28, aggregation="token")
+    loss, m = policy_loss(logp, old, adv, mask, cfg)
+    # pg per token: row 0 [-1.28, -1.1, -0.5], row 1 [0.8, 1.5]
+    assert float(loss) == pytest.approx(-0.58 / 5, abs=1e-6)
+    assert float(m["pg_loss"]) == pytest.approx(-0.58 / 5, abs=1e-6)
+    assert float(m["clip_high_frac"]) == pytest.approx(0.2) and float(m["clip_low_frac"]) == pytest.approx(0.2)
+    assert float(m["tokens"]) == 5 and float(m["kl"]) == 0
+    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, cfg)[0])(logp)
+    # clipped tokens get no gradient; the others -A * r / (number of tokens)
+    np.testing.assert_allclose(grad, [[0, -1.1 / 5, -0.5 / 5], [0, 1.5 / 5, 0], [0, 0, 0]], atol=1e-6)
+
+    seq = LossConfig(eps_low=0.2, eps_high=0.28, aggregation="sequence")
+    assert float(policy_loss(logp, old, adv, mask, seq)[0]) == pytest.approx((-2.88 / 3 + 2.3 / 2) / 2, abs=1e-6)
+    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, seq)[0])(logp)
+    np.testing.assert_allclose(grad, [[0, -1.1 / 6, -0.5 / 6], [0, 1.5 / 4, 0], [0, 0, 0]], atol=1e-6)
+
+    # Without filtering the zero-advantage row counts in the token denominator: -0.58 / 8.
+    unfiltered = mask.at[2].set(True)
+    assert float(policy_loss(logp, old, adv, unfiltered, cfg)[0]) == pytest.approx(-0.58 / 8, abs=1e-6)
+    # Symmetric clipping (GRPO/PPO): ratio 1.5 with A=-1 stays unclipped, 1.1 with eps 0.05 clips.
+    sym = LossConfig(eps_low=0.05, eps_high=0.05)
+    loss = policy_loss(logp, old, adv, mask, sym)[0]
+    assert float(loss) == pytest.approx((-1.05 - 1.05 - 0.5 + 0.95 + 1.5) / 5, abs=1e-6)
+
+
+def test_k3_kl_penalty():
+    logp, old, adv, mask = _case()
+    cfg = LossConfig(kl_beta=0.1)
+    ref = logp + math.log(2.0)  # ref/pi = 2 on every token: k3 = 2 - ln 2 - 1
+    loss, m = policy_loss(logp, old, adv, mask, cfg, ref_logp=ref)
+    assert float(m["kl"]) == pytest.approx(1 - math.log(2), abs=1e-6)
+    assert float(loss) == pytest.approx(-0.58 / 5 + 0.1 * (1 - math.log(2)), abs=1e-6)
+    _, m = policy_loss(logp, old, adv, mask, cfg, ref_logp=logp - math.log(2.0))  # ref/pi = 1/2
+    assert float(m["kl"]) == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+    # d k3 / d logp = 1 - ref/pi = -1 per token, times beta / tokens
+    grad = jax.grad(lambda lp: policy_loss(lp, old, jnp.zeros(3), mask, cfg, ref_logp=lp + math.log(2.0))[0])
+    np.testing.assert_allclose(grad(logp), 0.0, atol=1e-7)  # ref moves with logp: constant ratio
+    grad = jax.grad(lambda lp: policy_loss(lp, old, jnp.zeros(3), mask, cfg, ref_logp=ref)[0])(logp)
+    np.testing.assert_allclose(grad, np.where(mask, -0.1 / 5, 0.0), atol=1e-7)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old, adv, mask, cfg)
+
+
+def test_training_rows_layout():
+    prompts = [[5, 6, 7], [8]]
+    tokens = np.array([[9, 2, 0, 0], [10, 11, 12, 13]])
+    rows = training_rows(prompts, tokens, np.array([2, 4]), pad_id=0)
+    assert rows["tokens"].shape == (2, 16 + 4)
+    assert rows["tokens"][0, :6].tolist() == [5, 6, 7, 9, 2, 0]
+    assert rows["tokens"][1, :6].tolist() == [8, 10, 11, 12, 13, 0]
+    assert rows["attn_mask"].sum(axis=1).tolist() == [5, 5]
+    assert rows["resp_index"].tolist() == [[2, 3, 4, 5], [0, 1, 2, 3]]
+    assert rows["resp_mask"].tolist() == [[True, True, False, False], [True] * 4]
+    assert np.flatnonzero(rows["seq_resp_mask"][0]).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="width 6"):
+        training_rows(prompts, tokens, np.array([2, 4]), pad_id=0, width=6)
+    chunks = list(minibatch_indices(8, 2, np.random.default_rng(0)))
+    assert sorted(np.concatenate(chunks).tolist()) == list(range(8)) and all(len(c) == 4 for c in chunks)
+
+
+def test_trainer_logprobs_match_the_rollout(tiny_policy):
+    """One full-sequence forward reproduces the log-probs `generate` reports, for a filtered p."""
+    _, cfg, params = tiny_policy
+    sampling = Sampling(temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=10, eos_id=cfg.eos_token_id)
+    prompts = [[1, 3, 50, 60, 4], [1, 3, 70, 4], [1, 3, 50, 60, 4]]
+    out = generate(cfg, params, prompts, jax.random.PRNGKey(3), sampling=sampling)
+    rows = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
+    logits, _ = sequence_forward(cfg, params, rows["tokens"], rows["attn_mask"])
+    logp, entropy = response_logprobs(logits, rows["resp_index"], rows["resp_tokens"], sampling)
+    valid = rows["resp_mask"]
+    assert np.isfinite(np.asarray(logp)[valid]).all()
+    np.testing.assert_allclose(np.asarray(logp)[valid], np.asarray(out.logprobs)[valid], atol=2e-6)
+    assert (np.asarray(entropy)[valid] > 0).all()

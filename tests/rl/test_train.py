@@ -1,0 +1,210 @@
+"""`jaxspec train` end to end on a tiny random policy: learning, exact resume, SIGTERM, config errors."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from safetensors.numpy import load_file
+
+from jaxspec.cli import main as jaxspec_main
+from jaxspec.rl.metrics import is_timing
+
+CONFIG = """
+policy: {{path: {policy}}}
+data: {{num_train: 40, num_eval: 8, kinds: [arithmetic]}}
+reward: {reward}
+rollout: {{prompts_per_step: 4, samples_per_prompt: 8, max_new_tokens: 8}}
+loss: {{minibatches: 2, ppo_epochs: 2, kl_beta: 0.001, recompute_logprobs: true, filter_groups: true}}
+optim: {{learning_rate: 2.0e-2}}
+spec: {{method: eagle3, draft: random, num_draft_tokens: 2}}
+draft: {{online: true, ttt_steps: 1, learning_rate: 1.0e-2}}
+eval: {{every: {eval_every}, batch_size: 8}}
+train: {{steps: {steps}, checkpoint_every: {checkpoint_every}, progress: false}}
+"""
+
+
+def _config(path, policy, reward="digit_fraction", steps=12, eval_every=6, checkpoint_every=6):
+    path.write_text(CONFIG.format(policy=policy, reward=reward, steps=steps, eval_every=eval_every,
+                                  checkpoint_every=checkpoint_every))
+    return str(path)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_timings(records):
+    return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
+
+
+def _train(*args) -> int:
+    return jaxspec_main(["train", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_policy, tmp_path_factory):
+    """12 uninterrupted GRPO steps rewarding digits, checkpoints at 6 and 12."""
+    root = tmp_path_factory.mktemp("grpo")
+    config = _config(root / "run.yaml", tiny_policy[0])
+    assert _train("--config", config, "--run-dir", root / "full") == 0
+    return config, root / "full"
+
+
+def test_grpo_raises_reward_and_adapts_the_draft(full_run):
+    _, run_dir = full_run
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(13))  # validation before training, then 12 steps
+    steps = records[1:]
+    first, last = steps[0]["reward_mean"], np.mean([r["reward_mean"] for r in steps[-3:]])
+    assert last > max(0.5, 3 * first), [r["reward_mean"] for r in steps]
+    # The random head learns online to predict the policy: acceptance and draft loss follow.
+    acceptance = [r["acceptance_length"] for r in steps]
+    assert acceptance[0] < 1.05 and acceptance[-1] > 1.2, acceptance
+    assert steps[-1]["draft_loss"] < 0.7 * steps[0]["draft_loss"]
+    for r in steps:
+        assert r["updates"] <= 4 * r["step"]
+        assert r["data_position"] == 4 * r["step"]
+        assert len(r["acceptance_rate_per_position"]) == 2 and len(r["draft_top1_agreement"]) == 1
+        assert r["accepted_tokens"] <= r["drafted_tokens"]
+        assert 0 <= r["logprob_mismatch_max"] < 1e-4  # trainer and rollout compute the same p
+        assert r["response_length_mean"] <= 8 and r["tokens_per_s"] > 0
+        assert {"time_generation_s", "time_logprob_s", "time_train_s", "time_sync_s"} <= set(r)
+    assert {"eval_accuracy", "eval_reward_mean"} <= set(records[0]) | set(records[6]) | set(records[12])
+    assert "eval_accuracy" in records[6] and "eval_accuracy" not in records[5]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
+    assert (run_dir / "policy" / "model.safetensors").exists() and (run_dir / "policy" / "tokenizer.json").exists()
+    assert (run_dir / "draft" / "model.safetensors").exists()
+
+
+def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
+    config, full = full_run
+    # 6 steps, then --resume to 12: identical metrics (timings aside) and identical final weights.
+    assert _train("--config", config, "--run-dir", tmp_path / "split", "train.steps=6") == 0
+    assert _train("--config", config, "--run-dir", tmp_path / "split", "--resume") == 0
+    assert _without_timings(_metrics(tmp_path / "split")) == _without_timings(_metrics(full))
+    for folder in ("policy", "draft"):
+        expected = load_file(full / folder / "model.safetensors")
+        got = load_file(tmp_path / "split" / folder / "model.safetensors")
+        assert all(np.array_equal(expected[k], got[k]) for k in expected)
+
+    # A run killed after step 9 (last checkpoint 6) loses steps 7-9 and redoes them identically.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "12")
+    shutil.rmtree(crashed / "policy")
+    shutil.rmtree(crashed / "draft")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("\n".join(lines[:10]) + "\n")
+    assert _train("--config", config, "--run-dir", crashed, "--resume") == 0
+    assert _without_timings(_metrics(crashed)) == _without_timings(_metrics(full))
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path):
+    config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
+                     checkpoint_every=1000)
+    run_dir = tmp_path / "run"
+    # Autoregressive rollouts and a plain loss keep the subprocess's compilations short.
+    light = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "train", "--config", config, "--run-dir",
+                             str(run_dir), *light], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM: checkpointed step" in stdout
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")
+    assert manager.latest_step() == len(steps)
+    state = manager.restore(manager.latest_step())
+    assert int(state["step"]) == len(steps) and int(state["position"]) == 4 * len(steps)
+    assert state["params"]["embed"].shape == (300, 32)
+    assert {"ref_params", "opt_state", "key", "updates"} <= set(state) and "draft_params" not in state
+    assert not (run_dir / "policy").exists()  # a preempted run is not finished
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("jaxspec train: error: ")
+    return err[0]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loss.eps_hi=0.3", "unknown key 'loss.eps_hi'"),
+    ("rollout.max_new_tokens=many", "key 'rollout.max_new_tokens': expected int"),
+    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt: must be >= 2"),
+    ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
+    ("loss.aggregation=mean", "key 'loss.aggregation': expected one of ['token', 'sequence']"),
+    ("policy.path=/nonexistent/policy", "policy.path: policy folder not found: /nonexistent/policy"),
+    ("data.train=/nonexistent/train.jsonl", "data.train: file not found: /nonexistent/train.jsonl"),
+    ("reward=nope", "unknown reward 'nope'"),
+    ("spec.method=none", "draft.online: online draft adaptation trains an EAGLE-3 head; spec.method is 'none'"),
+    ("spec.draft=/nonexistent/head", "spec.draft: draft folder not found: /nonexistent/head"),
+    ("spec.tree_budget=0", "spec.tree_budget: must be null or >= spec.tree_width=1"),
+])
+def test_bad_config_fails_before_compute_with_one_line(tiny_policy, tmp_path, capsys, override, message):
+    config = _config(tmp_path / "run.yaml", tiny_policy[0])
+    assert _train("--config", config, "--run-dir", tmp_path / "run", override) == 2
+    assert message in _error_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_draft_that_does_not_fit_the_policy(tiny_policy, tmp_path, capsys):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 300, "draft_vocab_size": 100}))
+    config = _config(tmp_path / "run.yaml", tiny_policy[0])
+    assert _train("--config", config, "--run-dir", tmp_path / "run", "spec.method=eagle3", f"spec.draft={draft}") == 2
+    assert "spec.draft" in (line := _error_line(capsys)) and "hidden_size is 64 in the draft, 32 in the policy" in line
+
+
+def test_run_dir_errors(full_run, tmp_path, capsys):
+    config, full = full_run
+    assert _train("--config", config, "--run-dir", full) == 2
+    assert "already holds checkpoints; pass --resume" in _error_line(capsys)
+    assert _train("--config", config, "--run-dir", full, "--resume", "optim.learning_rate=0.1") == 2
+    assert "--resume: optim.learning_rate is 0.1 but the run" in _error_line(capsys)
+    missing = tmp_path / "missing.yaml"
+    assert _train("--config", missing, "--run-dir", tmp_path / "run") == 2
+    assert f"config file not found: {missing}" in _error_line(capsys)
+
+
+def test_console_command_exits_nonzero_with_one_line(tmp_path):
+    (tmp_path / "bad.yaml").write_text("train: {steps: 2}\nroll_out: {}\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "train", "--config", str(tmp_path / "bad.yaml"),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        f"jaxspec train: error: {tmp_path / 'bad.yaml'}: unknown key 'roll_out'; valid keys: "
+        "['data', 'draft', 'eval', 'loss', 'optim', 'policy', 'reward', 'rollout', 'spec', 'train']"]
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny.yaml", "grpo_small.yaml"])
+def test_shipped_configs_are_valid(name):
+    from pathlib import Path
+
+    from jaxspec.config_io import load_config
+    from jaxspec.rl.config import GRPOConfig, validate
+    from jaxspec.rl.resources import check_inputs
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(GRPOConfig, path)
+    validate(cfg, str(path))
+    if name == "grpo_tiny.yaml":  # the embedded policy and its tokenizer load (the head is checked separately)
+        inputs = check_inputs(load_config(GRPOConfig, path, ["spec.draft=random"]))
+        assert inputs.model.vocab_size == inputs.tokenizer.vocab_size == 512
