@@ -23,9 +23,6 @@ engines use (2, L/2, L-3) as inputs, which equals jaxspec's default (1, L/2-1, L
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -34,6 +31,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxspec.atomic import atomic_folder
 from jaxspec.draft.config import DraftConfig, check_compatible, default_aux_layer_ids
 from jaxspec.draft.model import DraftParams
 from jaxspec.models.config import ModelConfig
@@ -146,21 +144,9 @@ def save_eagle3(dcfg: DraftConfig, dparams: DraftParams, path, dtype=None) -> No
     tensors["d2t"] = np.asarray(jax.device_get(dparams["d2t"])).astype(np.int64)
     tensors["t2d"] = np.asarray(jax.device_get(dparams["t2d"])).astype(bool)
     _check_maps(dcfg, tensors["d2t"], tensors["t2d"], "params")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_folder(path) as tmp:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(_hf_config(dcfg, jnp.dtype(np_dtype).name), indent=2))
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def load_eagle3(path, dtype="float32", policy: ModelConfig | None = None) -> tuple[DraftConfig, DraftParams]:

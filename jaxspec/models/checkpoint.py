@@ -9,10 +9,8 @@ model nor one copy per device.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxspec.atomic import atomic_folder
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, param_axes
 from jaxspec.models.transformer import Params
@@ -197,9 +196,7 @@ def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=N
     path = Path(path)
     np_dtype = _np_dtype(dtype) if dtype is not None else np.dtype(params["embed"].dtype)
     dtype_name = _dtype_name(np_dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_folder(path) as tmp:
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
         for name, (tree_path, conv) in _converters(cfg).items():
@@ -225,16 +222,6 @@ def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=N
             json.dump(cfg.to_hf(dtype_name), f, indent=2)
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def load_tokenizer(path):
