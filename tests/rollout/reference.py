@@ -78,3 +78,28 @@ def greedy_reference(cfg, params, prompts, max_new_tokens: int, eos_ids=()):
             seq.append(token)
             running[r] = token not in eos_ids
     return outs
+
+
+def continuation_probs(logits, row: dict, prompt_len: int, eos: int, setting: dict) -> dict[tuple[int, ...], float]:
+    """Exact probability of every continuation of up to 3 tokens (shorter when it ends in eos).
+
+    logits [R, prompt_len + 2, V] from teacher-forced forwards of prompt + (a, b) for every pair;
+    row[(a, b)] is the row of that pair. setting: reference_probs keyword arguments.
+    """
+    vocab, p = logits.shape[-1], prompt_len
+    out = {}
+    first = reference_probs(logits[0, p - 1], **setting)
+    for a in range(vocab):
+        if a == eos:
+            out[(a,)] = first[a]
+            continue
+        second = reference_probs(logits[row[(a, 0)], p], **setting)
+        for b in range(vocab):
+            if b == eos:
+                out[(a, b)] = first[a] * second[b]
+                continue
+            third = reference_probs(logits[row[(a, b)], p + 1], **setting)
+            for c in range(vocab):
+                out[(a, b, c)] = first[a] * second[b] * third[c]
+    assert abs(sum(out.values()) - 1) < 1e-9
+    return out

@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from jaxspec.rollout import Sampling, generate
-from tests.rollout.reference import full_forward, padded, reference_probs
+from tests.rollout.reference import continuation_probs, full_forward, padded
 
 PROMPT = (1, 2, 3)
 MAX_NEW = 3
@@ -30,22 +30,7 @@ def exact_continuations(cfg, params, setting) -> dict[tuple[int, ...], float]:
     pairs = list(itertools.product(range(vocab), repeat=2))
     logits = np.asarray(full_forward(cfg, params, padded([PROMPT + pair for pair in pairs], p + 2)))
     row = {pair: i for i, pair in enumerate(pairs)}
-    out = {}
-    first = reference_probs(logits[0, p - 1], **setting)
-    for a in range(vocab):
-        if a == EOS:
-            out[(a,)] = first[a]
-            continue
-        second = reference_probs(logits[row[(a, 0)], p], **setting)
-        for b in range(vocab):
-            if b == EOS:
-                out[(a, b)] = first[a] * second[b]
-                continue
-            third = reference_probs(logits[row[(a, b)], p + 1], **setting)
-            for c in range(vocab):
-                out[(a, b, c)] = first[a] * second[b] * third[c]
-    assert abs(sum(out.values()) - 1) < 1e-9
-    return out
+    return continuation_probs(logits, row, p, EOS, setting)
 
 
 @pytest.fixture(scope="module")

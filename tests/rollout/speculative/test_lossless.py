@@ -26,7 +26,7 @@ from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs
 from tests.rollout.conftest import random_params
-from tests.rollout.reference import full_forward, padded, reference_probs
+from tests.rollout.reference import continuation_probs, full_forward, padded
 from tests.rollout.test_distribution import chi_square_pvalue
 
 PROMPT = (2, 1, 3, 1, 4, 2, 3, 2, 1)
@@ -76,23 +76,7 @@ def teacher_forced(tiny_vocab_policy):
 def exact_continuations(teacher_forced, setting) -> dict[tuple[int, ...], float]:
     """Probability of every continuation of PROMPT (MAX_NEW tokens or up to the first eos)."""
     logits, row = teacher_forced
-    vocab, p = logits.shape[-1], len(PROMPT)
-    out = {}
-    first = reference_probs(logits[0, p - 1], **setting)
-    for a in range(vocab):
-        if a == EOS:
-            out[(a,)] = first[a]
-            continue
-        second = reference_probs(logits[row[(a, 0)], p], **setting)
-        for b in range(vocab):
-            if b == EOS:
-                out[(a, b)] = first[a] * second[b]
-                continue
-            third = reference_probs(logits[row[(a, b)], p + 1], **setting)
-            for c in range(vocab):
-                out[(a, b, c)] = first[a] * second[b] * third[c]
-    assert abs(sum(out.values()) - 1) < 1e-9
-    return out
+    return continuation_probs(logits, row, len(PROMPT), EOS, setting)
 
 
 @pytest.fixture(scope="module")
