@@ -15,6 +15,7 @@ BENCHMARKS = {
     "forward": ("jaxspec.bench.forward", "training-shaped forward/backward throughput and MFU"),
     "decode": ("jaxspec.bench.decode", "autoregressive decode vs the memory roofline and transformers"),
     "spec": ("jaxspec.bench.spec", "speculative vs autoregressive rollouts on a trained policy and draft"),
+    "spec-cost": ("jaxspec.bench.spec_cost", "costs of the pieces of a speculative step; projected speedup"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
 }
 

@@ -1,15 +1,18 @@
 """Drafting with a smaller policy that shares the policy's vocabulary.
 
 The draft keeps its own KV cache with the same layout as the policy's: slots [0, cache_len)
-hold the committed tokens before the root. Each depth of the EAGLE-2 tree runs the draft over
-the tree built so far (root at slot cache_len, nodes after it, tree attention mask), so the
-draft sees exactly the prefix and each node's ancestors; after verification the committed
-tokens are written at their final slots.
+hold the committed tokens before the root. `update` only records the tokens a verification
+step committed (`Pending`: the accepted drafts, then the new root); the first pass of the next
+`propose` writes them at their final slots and reads the root's logits at the last one. Each
+further depth of the EAGLE-2 tree runs the draft over the tree built so far (root at slot
+cache_len, nodes after it, tree attention mask), so the draft sees exactly the prefix and each
+node's ancestors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +22,17 @@ from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from jaxspec.models.transformer import KVCache, extend, logits_from_hidden
 from jaxspec.rollout.engine import _prefill
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
-from jaxspec.rollout.speculative.drafter import Prefill, Verified
+from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens
 from jaxspec.rollout.speculative.tree import DraftTree, dynamic_tree
+
+
+class Pending(NamedTuple):
+    """cache: the draft's KV (slots before the pending tokens valid); tokens int32 [B, E]: the
+    tokens not yet in it, `count` int32 [B] of them valid, the last valid one the root."""
+
+    cache: KVCache
+    tokens: jax.Array
+    count: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,31 +50,45 @@ class DraftModelDrafter:
     sharding: Sharding | None = None
     policy_layers: tuple[int, ...] = ()
 
-    def init(self, dparams, prefill: Prefill) -> KVCache:
+    @property
+    def chunk(self) -> int:
+        """Pending tokens kept: the longest accepted run + 1."""
+        return min(self.depth, self.num_nodes) + 1
+
+    def init(self, dparams, prefill: Prefill) -> Pending:
         cache, _, _ = _prefill(self.cfg, dparams, prefill.prompt_tokens, prefill.prompt_lengths, prefill.row_prompt,
                             max_len=prefill.max_len, cache_dtype=prefill.cache_dtype, sharding=self.sharding)
-        return cache
+        batch = prefill.first_token.shape[0]
+        return Pending(cache=cache, tokens=jnp.zeros((batch, self.chunk), jnp.int32).at[:, 0].set(prefill.first_token),
+                       count=jnp.ones((batch,), jnp.int32))
 
-    def propose(self, dparams, cache: KVCache, root: jax.Array, cache_len: jax.Array, key: jax.Array
-                ) -> tuple[KVCache, DraftTree]:
+    def propose(self, dparams, state: Pending, root: jax.Array, cache_len: jax.Array, key: jax.Array
+                ) -> tuple[Pending, DraftTree]:
         last_layer = (self.cfg.num_layers - 1,)
 
-        def draft_pass(cache, tokens, parents, depth, mask, frontier):
-            _, hidden, cache = extend(self.cfg, dparams, cache, tokens, cache_len[:, None] + depth, cache_len,
-                                      tree_mask=mask, hidden_layers=last_layer, sharding=self.sharding)
-            logits = logits_from_hidden(self.cfg, dparams, hidden[0][:, frontier])
-            return self._constrain(cache), processed_logprobs(logits, self.sampling)
+        def draft_pass(first, tokens, parents, depth, mask, frontier):
+            cache, is_first = first
+            if is_first:  # the pending tokens, the last valid one the root at slot cache_len
+                start = cache_len - (state.count - 1)
+                tokens, positions, mask = state.tokens, start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32), None
+            else:
+                start, positions = cache_len, cache_len[:, None] + depth
+            _, hidden, cache = extend(self.cfg, dparams, cache, tokens, positions, start, tree_mask=mask,
+                                      hidden_layers=last_layer, sharding=self.sharding)
+            hidden = hidden[0]
+            hidden = (jnp.take_along_axis(hidden, (state.count - 1)[:, None, None], axis=1) if is_first
+                      else hidden[:, frontier])
+            logits = logits_from_hidden(self.cfg, dparams, hidden)
+            return (self._constrain(cache), False), processed_logprobs(logits, self.sampling)
 
-        return dynamic_tree(draft_pass, cache, root, key, depth=self.depth, width=self.width,
-                            num_nodes=self.num_nodes, stochastic=self.stochastic)
+        (cache, _), tree = dynamic_tree(draft_pass, (state.cache, True), root, key, depth=self.depth,
+                                        width=self.width, num_nodes=self.num_nodes, stochastic=self.stochastic)
+        return state._replace(cache=cache), tree
 
-    def update(self, dparams, cache: KVCache, verified: Verified) -> KVCache:
-        width = verified.committed.shape[1]
-        positions = verified.cache_len[:, None] + jnp.arange(width, dtype=jnp.int32)
-        # Only the cache is used: the logits are dead code under jit.
-        _, _, cache = extend(self.cfg, dparams, cache, verified.committed, positions, verified.cache_len,
-                             sharding=self.sharding)
-        return self._constrain(cache)
+    def update(self, dparams, state: Pending, verified: Verified) -> Pending:
+        active = verified.active
+        return Pending(cache=state.cache, tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
+                       count=jnp.where(active, verified.num_accepted + 1, state.count))
 
     def _constrain(self, cache: KVCache) -> KVCache:
         if self.sharding is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.models.sharding import Sharding
 from jaxspec.rollout.speculative.tree import DraftTree
@@ -61,8 +62,18 @@ class Verified(NamedTuple):
     active: jax.Array
 
 
+def new_tokens(verified: Verified) -> jax.Array:
+    """int32 [B, E]: the tokens one step appends after the old root, i.e. the accepted drafts then
+    the next root (entry num_accepted); entries past it are 0."""
+    batch, width = verified.committed.shape
+    steps = jnp.arange(width, dtype=jnp.int32)[None, :]
+    shifted = jnp.concatenate([verified.committed[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    return jnp.where(steps == verified.num_accepted[:, None], verified.next_root[:, None], shifted)
+
+
 class Drafter(Protocol):
     policy_layers: tuple[int, ...]
+    width: int  # children per tree node (1: chains)
 
     def init(self, dparams, prefill: Prefill): ...
 

@@ -1,12 +1,14 @@
 """Drafting with an EAGLE-3 head over the policy's hidden states (`jaxspec.draft`).
 
 Head entry j (rope position j) pairs the fused policy features of token x_j with token x_{j+1}
-and predicts x_{j+2}. With the root x_{L-1} at policy slot cache_len = L - 1, the head's cache
-holds entries 0 .. L - 3 (head length cache_len - 1) and the state keeps the fused features of
-x_{L-2}, the root's hidden input. Each tree level runs the head over the tree built so far:
-the root with those features, every other node with its parent's head output (before the
-final norm). After verification the committed tokens' entries are recomputed from the policy's
-own features at the accepted nodes.
+and predicts x_{j+2}. With the root x_{L-1} at policy slot cache_len = L - 1, the root's entry
+is L - 2 (head length cache_len - 1). After a verification step the entries of the newly
+committed tokens must be recomputed from the policy's own features at the accepted nodes; the
+root's entry needs them too. Both are one chunk: `update` only records the chunk (the n
+entries ending with the new root's), and the first drafting pass of the next `propose` runs it
+and reads the root's logits at its last valid entry. Each further tree level runs the head over
+the tree built so far: the root with its features, every other node with its parent's head
+output (before the final norm).
 """
 
 from __future__ import annotations
@@ -21,16 +23,24 @@ from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, tar
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from jaxspec.models.transformer import KVCache
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
-from jaxspec.rollout.speculative.drafter import Prefill, Verified
+from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens
 from jaxspec.rollout.speculative.tree import DraftTree, dynamic_tree
 
 
 class HeadState(NamedTuple):
-    """cache: the head's KV (slots [0, cache_len - 1) valid); root_hidden [B, H]: fused policy
-    features of the token before the root."""
+    """cache: the head's KV (entries before the pending chunk valid). The pending chunk (E =
+    longest accepted path + 1 entries, `count` of them valid, the last valid one the root's):
+    tokens int32 [B, E], hidden [B, E, H] the fused policy features each entry pairs with its
+    token, count int32 [B] in [1, E]."""
 
     cache: KVCache
-    root_hidden: jax.Array
+    tokens: jax.Array
+    hidden: jax.Array
+    count: jax.Array
+
+    def root_hidden(self) -> jax.Array:
+        """[B, H]: fused policy features of the token before the root."""
+        return jnp.take_along_axis(self.hidden, (self.count - 1)[:, None, None], axis=1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,24 +76,40 @@ class Eagle3Drafter:
             return self._constrain(jnp.pad(rows, ((0, 0), (0, prefill.max_len - width), (0, 0), (0, 0))))
 
         root_hidden = fused[prefill.row_prompt, prefill.row_lengths - 1]
+        batch, chunk = root_hidden.shape[0], self.chunk
         return HeadState(cache=KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v))),
-                         root_hidden=root_hidden)
+                         tokens=jnp.zeros((batch, chunk), jnp.int32).at[:, 0].set(prefill.first_token),
+                         hidden=jnp.zeros((batch, chunk, root_hidden.shape[-1]), root_hidden.dtype).at[:, 0].set(
+                             root_hidden),
+                         count=jnp.ones((batch,), jnp.int32))
+
+    @property
+    def chunk(self) -> int:
+        """Entries of the pending chunk: the longest accepted run + 1."""
+        return min(self.depth, self.num_nodes) + 1
 
     def propose(self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, key: jax.Array
                 ) -> tuple[HeadState, DraftTree]:
         head, embed = dparams["head"], dparams["embed"]
-        head_len = cache_len - 1
+        head_len = cache_len - 1  # the root's entry
+        root_hidden = state.root_hidden()
 
         def draft_pass(carry, tokens, parents, depth, mask, frontier):
             cache, previous_out = carry
-            if previous_out is None:
-                hidden_in = state.root_hidden[:, None]
+            if previous_out is None:  # the pending chunk, its last valid entry the root's
+                start = head_len - (state.count - 1)
+                positions = start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32)
+                logits, out, cache = draft_extend(self.dcfg, head, embed, cache, state.tokens, state.hidden,
+                                                  positions, start)
+                last = (state.count - 1)[:, None, None]
+                logits, out = jnp.take_along_axis(logits, last, axis=1), jnp.take_along_axis(out, last, axis=1)
             else:
                 parent_out = jnp.take_along_axis(previous_out, jnp.maximum(parents, 0)[:, :, None], axis=1)
-                hidden_in = jnp.where((parents < 0)[:, :, None], state.root_hidden[:, None], parent_out)
-            logits, out, cache = draft_extend(self.dcfg, head, embed, cache, tokens, hidden_in,
-                                              head_len[:, None] + depth, head_len, tree_mask=mask)
-            return (self._constrain_cache(cache), out), processed_logprobs(logits[:, frontier], self.sampling)
+                hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden[:, None], parent_out)
+                logits, out, cache = draft_extend(self.dcfg, head, embed, cache, tokens, hidden_in,
+                                                  head_len[:, None] + depth, head_len, tree_mask=mask)
+                logits = logits[:, frontier]
+            return (self._constrain_cache(cache), out), processed_logprobs(logits, self.sampling)
 
         ids = target_ids(head)
         (cache, _), tree = dynamic_tree(
@@ -94,17 +120,12 @@ class Eagle3Drafter:
         return state._replace(cache=cache), tree
 
     def update(self, dparams, state: HeadState, verified: Verified) -> HeadState:
-        head, embed = dparams["head"], dparams["embed"]
-        batch, width = verified.committed.shape
-        fused = fuse(self.dcfg, head, verified.hidden)  # [B, E, H]: features of the committed tokens
-        hidden_in = jnp.concatenate([state.root_hidden[:, None], fused[:, :-1]], axis=1)
-        head_len = verified.cache_len - 1
-        positions = head_len[:, None] + jnp.arange(width, dtype=jnp.int32)
-        _, _, cache = draft_extend(self.dcfg, head, embed, state.cache, verified.committed, hidden_in, positions,
-                                   head_len)
-        last = fused[jnp.arange(batch), verified.num_accepted]
-        return HeadState(cache=self._constrain_cache(cache),
-                         root_hidden=jnp.where(verified.active[:, None], last, state.root_hidden))
+        fused = fuse(self.dcfg, dparams["head"], verified.hidden)  # [B, E, H]: features of the committed tokens
+        active = verified.active
+        return HeadState(cache=state.cache,
+                         tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
+                         hidden=jnp.where(active[:, None, None], fused.astype(state.hidden.dtype), state.hidden),
+                         count=jnp.where(active, verified.num_accepted + 1, state.count))
 
     def _constrain(self, buf: jax.Array) -> jax.Array:
         return buf if self.sharding is None else self.sharding.constrain(buf, KV_CACHE_AXES)

@@ -83,6 +83,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     eos_ids = jnp.asarray(sampling.eos_id, jnp.int32)
     width = max_depth + 1  # most tokens one step emits
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
+    chain = drafter.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
     rows = jnp.arange(num_rows)[:, None]
 
     def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -96,7 +97,8 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, draft_key)
         logits, hidden, cache = extend(
             cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
-            tree_mask=ancestor_mask(tree.parents, max_depth), hidden_layers=drafter.policy_layers, sharding=sharding)
+            tree_mask=None if chain else ancestor_mask(tree.parents, max_depth), hidden_layers=drafter.policy_layers,
+            sharding=sharding)
         if sampling.greedy:
             verify_logits, temperature = logits, 0.0
         else:
@@ -104,7 +106,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         result = kernels.tree_verify(verify_logits, tree.parents, tree.tokens, tree.num_nodes, verify_key,
                                      temperature=temperature, draft_probs=tree.draft_probs)
         path, accepted, next_token = result.path[:, :width], result.num_accepted, result.next_token
-        committed = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [root, drafts...]
+        committed = tree.tokens[:, :width] if chain else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
         emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((num_rows, 1), jnp.int32)], axis=1)
         emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
         eos = jnp.isin(emitted, eos_ids) & (steps <= accepted[:, None])
@@ -112,12 +114,13 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         active = ~state.done
         count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
-        node_hidden = hidden[:, :, :width] if hidden.shape[0] == 0 else (
+        node_hidden = hidden[:, :, :width] if chain or hidden.shape[0] == 0 else (
             jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
         draft = drafter.update(dparams, draft, Verified(committed=committed, next_root=next_token,
                                                         num_accepted=accepted, cache_len=state.cache_len,
                                                         hidden=node_hidden, active=active))
-        cache = commit_path(cache, state.cache_len, path)
+        if not chain:  # a chain's accepted nodes already sit at consecutive slots
+            cache = commit_path(cache, state.cache_len, path)
         return _LoopState(
             root=jnp.where(active, next_token, state.root),
             cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), cache),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.rollout.speculative.drafter import Prefill, Verified
+from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens
 from jaxspec.rollout.speculative.tree import DraftTree, select_nodes
 
 
@@ -95,9 +95,7 @@ class NgramDrafter:
         rows = jnp.arange(batch)[:, None]
         steps = jnp.arange(width, dtype=jnp.int32)[None, :]
         accepted = verified.num_accepted[:, None]
-        # New tokens: the accepted drafts (committed[1:]), then the next root.
-        new = jnp.concatenate([verified.committed[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
-        new = jnp.where(steps == accepted, verified.next_root[:, None], new)
+        new = new_tokens(verified)
         write = verified.active[:, None] & (steps <= accepted)
         slots = jnp.where(write, history.length[:, None] + steps, history.tokens.shape[1])
         return History(tokens=history.tokens.at[rows, slots].set(new, mode="drop"),

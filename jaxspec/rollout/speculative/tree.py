@@ -180,5 +180,8 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
         q = jnp.concatenate(node_probs, axis=1)
         q = jnp.concatenate([q, jnp.zeros((batch, width, q.shape[-1]), q.dtype)], axis=1)
         draft_probs = probs_to_target(q)
+    if num_nodes == depth * width:  # nothing to prune: the tree is already packed in level order
+        return carry, DraftTree(tokens=tokens, parents=parents, depth=node_depth,
+                                num_nodes=jnp.full((batch,), total, jnp.int32), draft_probs=draft_probs)
     keep = best_nodes(scores, num_nodes)
     return carry, select_nodes(keep, tokens, parents, node_depth, 1 + num_nodes, draft_probs)

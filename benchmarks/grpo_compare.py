@@ -1,0 +1,94 @@
+"""Side-by-side summary of GRPO runs that differ only in how rollouts are generated.
+
+    python3 benchmarks/grpo_compare.py --out benchmarks/grpo_small.json \
+        --plot benchmarks/grpo_small.png ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
+
+Reads each run's metrics.jsonl. Step times are medians over steps after the first two (compile
+and warm-up), excluding the stages that only some steps run (eval, checkpoint): generation,
+log-prob recompute, train and the whole step. Speedups are against the first run named (the
+autoregressive baseline of the same invocation). The plot (needs matplotlib) shows validation
+accuracy and per-step reward against step for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+STAGES = ("generation", "logprob", "train")
+WARMUP_STEPS = 2
+
+
+def load(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics (did the run start?)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def summarize(records: list[dict]) -> dict:
+    steps = [r for r in records if r.get("step", 0) > WARMUP_STEPS and "time_step_s" in r]
+    if not steps:
+        raise ValueError("no training steps past warm-up in metrics.jsonl")
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steps if key in r]
+        return statistics.median(values) if values else None
+
+    step_core = [r["time_step_s"] - r.get("time_eval_s", 0.0) - r.get("time_checkpoint_s", 0.0) for r in steps]
+    out = {f"{stage}_s": median(f"time_{stage}_s") for stage in STAGES}
+    out.update(step_s=statistics.median(step_core), steps=len(steps),
+               acceptance_length=median("acceptance_length"), response_length=median("response_length_mean"),
+               reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
+               reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]))
+    out["eval_accuracy"] = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    out["reward"] = [(r["step"], r["reward_mean"]) for r in records if "reward_mean" in r]
+    return out
+
+
+def plot(runs: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, summary in runs.items():
+        left.plot(*zip(*summary["eval_accuracy"]), marker="o", label=name)
+        right.plot(*zip(*summary["reward"]), label=name, alpha=0.8)
+    left.set(xlabel="GRPO step", ylabel="validation accuracy (greedy)", title="held-out accuracy")
+    right.set(xlabel="GRPO step", ylabel="mean reward of the step's rollouts", title="training reward")
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="name=run_dir; the first is the baseline")
+    p.add_argument("--out", required=True, help="JSON summary")
+    p.add_argument("--plot", default=None, help="PNG of accuracy and reward curves")
+    args = p.parse_args()
+    runs = {}
+    for spec in args.runs:
+        name, _, run_dir = spec.partition("=")
+        runs[name] = summarize(load(Path(run_dir)))
+    base = next(iter(runs.values()))
+    print(f"{'run':<10}{'step_s':>9}{'gen_s':>9}{'train_s':>9}{'step x':>8}{'gen x':>8}{'accept':>8}{'resp':>7}"
+          f"{'reward':>14}  validation accuracy")
+    for name, s in runs.items():
+        s["step_speedup"] = base["step_s"] / s["step_s"]
+        s["generation_speedup"] = base["generation_s"] / s["generation_s"]
+        curve = " ".join(f"{acc:.3f}" for _, acc in s["eval_accuracy"])
+        print(f"{name:<10}{s['step_s']:>9.3f}{s['generation_s']:>9.3f}{s['train_s'] or 0:>9.3f}"
+              f"{s['step_speedup']:>8.2f}{s['generation_speedup']:>8.2f}{s['acceptance_length'] or 1:>8.2f}"
+              f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}  {curve}")
+    Path(args.out).write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
