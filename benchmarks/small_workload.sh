@@ -1,36 +1,64 @@
 #!/usr/bin/env bash
 # The `small` workload on one GPU, end to end: pretrain the policy, train in-domain and
-# out-of-domain EAGLE-3 heads on its own rollouts, then time speculative vs autoregressive
-# rollouts and the tree-verification kernel. Results (JSON + logs) go to $RESULTS.
+# out-of-domain EAGLE-3 heads on its own rollouts, time speculative vs autoregressive rollouts,
+# the speculative cost model on Qwen3 shapes, and GRPO with and without speculation.
 #   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
-# Stages: pretrain draft draft_ood verify spec (default: all, in that order). Intermediate
-# checkpoints live under runs/ (not committed).
+# Stages (default: all, in this order): pretrain draft draft_ood verify spec cost grpo decode8b.
+# Intermediate checkpoints live under runs/ (not committed). Environment knobs: DRAFT_STEPS,
+# OOD_STEPS, GRPO_STEPS, SPEC_LEVELS (the long-answer levels of the speculative benchmark).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks}
-DRAFT_STEPS=${DRAFT_STEPS:-400}
+DRAFT_STEPS=${DRAFT_STEPS:-1000}
+OOD_STEPS=${OOD_STEPS:-$DRAFT_STEPS}
+GRPO_STEPS=${GRPO_STEPS:-200}
+SPEC_LEVELS=${SPEC_LEVELS:-6 7}
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(pretrain draft draft_ood verify spec)
+[ ${#stages[@]} -gt 0 ] || stages=(pretrain draft draft_ood verify spec cost grpo decode8b)
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    pretrain)
-      jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false 2>&1 \
+    pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
+      attention=(); python3 benchmarks/check_cudnn_segments.py || attention=(train.attention=xla train.remat=true)
+      jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" 2>&1 \
         | tee "$RESULTS/pretrain_small.log" ;;
     draft)
       jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small \
         train.steps="$DRAFT_STEPS" 2>&1 | tee "$RESULTS/draft_small.log" ;;
-    draft_ood)
+    draft_ood)  # short level-1 arithmetic only; evaluated on the full in-domain mix
       jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small-ood \
-        train.steps="$DRAFT_STEPS" 'data.levels=[1]' 'data.kinds=[arithmetic]' 2>&1 \
+        train.steps="$OOD_STEPS" 'data.levels=[1]' 'data.kinds=[arithmetic]' 2>&1 \
         | tee "$RESULTS/draft_small_ood.log" ;;
     verify)
       jaxspec bench verify --out "$RESULTS/verify.json" 2>&1 | tee "$RESULTS/verify.log" ;;
     spec)
       ood=(); [ -d runs/draft-small-ood/draft ] && ood=(--draft-ood runs/draft-small-ood/draft)
+      # shellcheck disable=SC2086
       jaxspec bench spec --policy runs/small/policy --draft runs/draft-small/draft "${ood[@]}" \
-        --out "$RESULTS/spec_small.json" 2>&1 | tee "$RESULTS/spec_small.log" ;;
+        --levels $SPEC_LEVELS --new 1024 --batch 64 --k 1 2 3 4 5 7 --stochastic \
+        --out "$RESULTS/spec_small.json" 2>&1 | tee "$RESULTS/spec_small.log"
+      # shellcheck disable=SC2086
+      jaxspec bench spec --policy runs/small/policy --draft runs/draft-small/draft \
+        --levels $SPEC_LEVELS --new 1024 --batch 256 --k 3 5 --trees 2,4,8 \
+        --out "$RESULTS/spec_small_256.json" 2>&1 | tee "$RESULTS/spec_small_256.log" ;;
+    cost)
+      accept=(); [ -f "$RESULTS/spec_small.json" ] && accept=(--acceptance "$RESULTS/spec_small.json")
+      jaxspec bench spec-cost --model configs/models/qwen3-1.7b.json configs/models/qwen3-8b.json \
+        "${accept[@]}" --out "$RESULTS/spec_cost.json" 2>&1 | tee "$RESULTS/spec_cost.log" ;;
+    grpo)  # the same run three times: autoregressive, EAGLE-3 with online adaptation, frozen head
+      common=(train.steps="$GRPO_STEPS" train.checkpoint_every=1000 train.progress=false)
+      jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-ar "${common[@]}" spec.method=none \
+        draft.online=false 2>&1 | tee "$RESULTS/grpo_small_ar.log"
+      jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-spec "${common[@]}" 2>&1 \
+        | tee "$RESULTS/grpo_small_spec.log"
+      jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-frozen "${common[@]}" draft.online=false \
+        2>&1 | tee "$RESULTS/grpo_small_frozen.log"
+      python3 benchmarks/grpo_compare.py --out "$RESULTS/grpo_small.json" --plot "$RESULTS/grpo_small.png" \
+        ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen 2>&1 | tee "$RESULTS/grpo_small.log" ;;
+    decode8b)
+      jaxspec bench decode --model configs/models/qwen3-8b.json --batch 128 256 --peer none \
+        --out "$RESULTS/decode_qwen3-8b_256.json" 2>&1 | tee "$RESULTS/decode_qwen3-8b_256.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

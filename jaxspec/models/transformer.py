@@ -180,8 +180,8 @@ def forward_hidden(
     first); segment_ids int32 [B, T] (packed
     sequences attend only within their segment); positions int32 [B, T] (default: index within
     sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
-    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU, no segment ids) or
-        "auto" (cudnn on GPU for 16-bit params without segment ids, else xla).
+    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; segment ids become a
+        mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
     """
     _check_hidden_layers(cfg, hidden_layers)
@@ -197,12 +197,14 @@ def forward_hidden(
 
     use_cudnn = _use_cudnn(attention_impl, params["embed"].dtype, segment_ids, cfg.head_dim, t)
     lengths = mask.sum(axis=-1).astype(jnp.int32)
+    # Flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
+    same_segment = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
 
     def layer_fn(layer, x):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
-            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-                                                implementation="cudnn")
+            attn = jax.nn.dot_product_attention(q, k, v, mask=same_segment, is_causal=True,
+                                                key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
         x = _attn_out_and_mlp(cfg, layer, x, attn)
@@ -305,10 +307,8 @@ def _use_cudnn(impl: str, dtype, segment_ids, head_dim: int, seq_len: int) -> bo
     if impl not in ("auto", "xla", "cudnn"):
         raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
     if impl == "auto":
-        return (jax.default_backend() == "gpu" and segment_ids is None and head_dim % 8 == 0
-                and seq_len % 64 == 0 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
-    if impl == "cudnn" and segment_ids is not None:
-        raise ValueError("attention_impl='cudnn' does not support segment_ids")
+        return (jax.default_backend() == "gpu" and head_dim % 8 == 0 and seq_len % 64 == 0
+                and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
     return impl == "cudnn"
 
 

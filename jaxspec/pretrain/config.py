@@ -15,10 +15,11 @@ class DataConfig:
     """The generated corpus and its tokenizer.
 
     num_train / num_eval: problems in the training set / the held-out set (held-out questions never
-    occur in the training set). levels: difficulty levels 1..5. max_len: width of a packed training
-    row in tokens (the model's input length); examples (prompt + solution + eos) longer than that
-    are dropped. tokenizer: an existing tokenizer.json to use instead of training a byte-level BPE
-    of `vocab_size` on the training corpus; eos/pad/bos_token and prompt_template then name that
+    occur in the training set). levels: difficulty levels 1..7 (`jaxspec.tasks.MAX_LEVEL`; 6 and 7
+    have responses of up to ~1600 tokens). max_len: width of a packed training row in tokens (the
+    model's input length); examples (prompt + solution + eos) longer than that are dropped.
+    tokenizer: an existing tokenizer.json to use instead of training a byte-level BPE of
+    `vocab_size` on the training corpus; eos/pad/bos_token and prompt_template then name that
     tokenizer's special tokens and chat layout (the defaults are those of the trained BPE).
     """
 
@@ -71,6 +72,7 @@ class TrainConfig:
     batch_size: packed rows (of data.max_len tokens, several examples each) per optimizer step.
 
     compute_dtype: dtype of the forward/backward (params stay float32 master copies).
+    attention: "auto" (cuDNN flash attention on GPU, packed segments as a mask), "xla" or "cudnn".
     eval_every: steps between greedy-accuracy evaluations on the held-out set (0: only at the end).
     checkpoint_every: steps between checkpoints (the last step is always saved).
     export_dir: where the HF folder goes (default: <run_dir>/policy); relative to the working dir.
@@ -81,6 +83,7 @@ class TrainConfig:
     seed: int = 0
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
     log_every: int = 10
     eval_every: int = 0
     eval_max_new_tokens: int = 128

@@ -10,6 +10,11 @@ parentheses are respected):
     = 3 + 12
     = 15
     The answer is \\boxed{15}.
+
+Since every step rewrites the remaining expression, a solution of k operations has ~k^2 / 2 terms.
+Levels 1..5 grow the operands and the operators; levels 6 and 7 keep small operands and no
+division but use many operations, so their solutions are long like reasoning traces (~300-700 and
+~900-1600 tokens of the task tokenizer; the question stays near 60 and 90 tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ LEVELS = {
     3: ArithmeticLevel(2, 3, 30, "+-*/", parens=True, negatives=False, max_abs_value=1000),
     4: ArithmeticLevel(3, 4, 60, "+-*/", parens=True, negatives=True, max_abs_value=5000),
     5: ArithmeticLevel(4, 5, 200, "+-*/", parens=True, negatives=True, max_abs_value=50000),
+    # No "/" at the long levels: a divisor is a whole subtree that must come out small and nonzero,
+    # which a subtree of many operations rarely does (most draws would be rejected).
+    6: ArithmeticLevel(12, 16, 20, "+-*", parens=True, negatives=True, max_abs_value=10000),
+    7: ArithmeticLevel(22, 25, 20, "+-*", parens=True, negatives=True, max_abs_value=10000),
 }
 
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
@@ -61,17 +70,21 @@ class Op:
 Expr = Num | Op
 
 
+def _apply(op: str, a: Fraction | int, b: Fraction | int) -> Fraction | int:
+    """a op b, exact (an int for + - * on ints: cheaper than Fraction)."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    return Fraction(a) / b
+
+
 def evaluate(expr: Expr) -> Fraction:
     if isinstance(expr, Num):
         return Fraction(expr.value)
-    a, b = evaluate(expr.left), evaluate(expr.right)
-    if expr.op == "+":
-        return a + b
-    if expr.op == "-":
-        return a - b
-    if expr.op == "*":
-        return a * b
-    return a / b
+    return _apply(expr.op, evaluate(expr.left), evaluate(expr.right))
 
 
 def render(expr: Expr, top: bool = True) -> str:
@@ -128,20 +141,26 @@ def _build(rng: random.Random, level: ArithmeticLevel, num_ops: int) -> Expr | N
 
 
 def _within_bounds(expr: Expr, level: ArithmeticLevel) -> bool:
-    """Every number in every step is within max_abs_value (and >= 0 unless negatives are on)."""
+    """Every number in every step is within max_abs_value (and >= 0 unless negatives are on).
+
+    Each step replaces one operation by its value, so the numbers of all steps are the leaves and
+    the values of all operations: one bottom-up pass checks them (linear, not quadratic, in size).
+    """
     low = -level.max_abs_value if level.negatives else 0
-    while True:
-        if not _values_between(expr, low, level.max_abs_value):
-            return False
-        if isinstance(expr, Num):
-            return True
-        expr = reduce_once(expr)
+    return _bounded_value(expr, low, level.max_abs_value) is not None
 
 
-def _values_between(expr: Expr, low: int, high: int) -> bool:
+def _bounded_value(expr: Expr, low: int, high: int) -> Fraction | int | None:
+    """Value of `expr`, or None if it or any leaf or operation value inside is outside [low, high]."""
     if isinstance(expr, Num):
-        return low <= expr.value <= high
-    return _values_between(expr.left, low, high) and _values_between(expr.right, low, high)
+        value = expr.value
+    else:
+        left = _bounded_value(expr.left, low, high)
+        right = None if left is None else _bounded_value(expr.right, low, high)
+        if right is None:
+            return None
+        value = _apply(expr.op, left, right)
+    return value if low <= value <= high else None
 
 
 def random_expression(rng: random.Random, level: int) -> Expr:

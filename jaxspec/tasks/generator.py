@@ -4,6 +4,10 @@ A problem is a dict {"question", "solution", "answer", "level", "kind"}: the sol
 step-by-step text ending in `\\boxed{answer}`, the answer a canonical integer or fraction string
 ("42", "-7", "3/4"). The same (n, seed, levels, kinds) always gives the same problems, in the same
 order, on every platform (only `random.Random(seed)` drives the choices).
+
+Levels are 1..MAX_LEVEL (7). Levels 1..5 have short solutions (up to ~160 tokens of the task
+tokenizer); levels 6 and 7 have long ones (~300-700 and ~900-1600 tokens) for rollouts of
+reasoning length. Adding levels never changes the problems drawn for the existing ones.
 """
 
 from __future__ import annotations

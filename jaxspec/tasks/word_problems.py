@@ -5,6 +5,11 @@ Higher levels use larger numbers and more steps. Fractional answers appear from 
 (splitting) and level 4 (rates, percentages); negative answers from level 2 (temperatures).
 Every quantity is built so that the answer is an exact integer or fraction; the solution shows
 one arithmetic step per line.
+
+Levels 6 and 7 are day-by-day processes instead (a savings jar, a shop's stock, the temperature):
+a fixed change every day plus a second one every few days, asked after many days. The question
+stays short (~50 tokens) while the solution has one line per day, ~300-700 tokens at level 6 and
+~900-1600 at level 7, like the long arithmetic levels. Their answers are integers.
 """
 
 from __future__ import annotations
@@ -179,10 +184,71 @@ TEMPLATES: dict[str, Template] = {
     "percentages": percentages, "temperatures": temperatures,
 }
 
+# Range of days (hours) simulated by the long levels; the solution has one line per day.
+_DAYS = {6: (24, 40), 7: (72, 86)}
+
+
+def _simulate(label: str, start: int, steps: int, every: int, daily: int, extra: int) -> tuple[list[str], int]:
+    """Lines "{label} i: v + daily [+ extra] = v'." for i = 1..steps, extra on every `every`-th one.
+
+    A negative change is written as a subtraction. Returns (lines, final value).
+    """
+
+    def term(x: int) -> str:
+        return f"+ {x}" if x >= 0 else f"- {-x}"
+
+    lines, value = [], start
+    for i in range(1, steps + 1):
+        new = value + daily
+        text = f"{value} {term(daily)}"
+        if i % every == 0:
+            new += extra
+            text += f" {term(extra)}"
+        lines.append(f"{label} {i}: {text} = {new}.")
+        value = new
+    return lines, value
+
+
+def savings(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
+    name, pron, poss = rng.choice(_NAMES)
+    start, earn, every = rng.randint(10, 100), rng.randint(2, 20), rng.randint(2, 5)
+    spend = rng.randint(earn + 1, earn * every)  # at most what a period earns: never below `start`
+    days = rng.randint(*_DAYS[level])
+    lines, end = _simulate("Day", start, days, every, earn, -spend)
+    return (f"{name} has {start} dollars in {poss} jar. Each day {pron.lower()} puts in {earn} dollars, and every "
+            f"{every} days {pron.lower()} also takes out {spend} dollars. How many dollars are in the jar after "
+            f"{days} days?", lines, Fraction(end))
+
+
+def stock(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
+    (_, items) = rng.choice(_ITEMS)
+    sold, every = rng.randint(2, 20), rng.randint(2, 5)
+    start = rng.randint(sold * every, 200)  # enough to last until the first delivery
+    delivered = rng.randint(sold * every, sold * every + 50)
+    days = rng.randint(*_DAYS[level])
+    lines, end = _simulate("Day", start, days, every, -sold, delivered)
+    return (f"A shop has {start} {items}. It sells {sold} {items} each day, and every {every} days a delivery "
+            f"brings {delivered} more. How many {items} does the shop have after {days} days?",
+            lines, Fraction(end))
+
+
+def weather(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
+    start, drop, every = rng.randint(-20, 30), rng.randint(1, 9), rng.randint(2, 5)
+    rise = rng.randint(max(1, drop * every - 5), drop * every + 5)  # the net drift per period stays small
+    hours = rng.randint(*_DAYS[level])
+    lines, end = _simulate("Hour", start, hours, every, -drop, rise)
+    return (f"At midnight the temperature is {start} degrees. Each hour it drops by {drop} degrees, and every "
+            f"{every} hours a warm wind raises it by {rise} degrees. What is the temperature after {hours} "
+            f"hours?", lines, Fraction(end))
+
+
+LONG_TEMPLATES: dict[str, Template] = {"savings": savings, "stock": stock, "weather": weather}
+
 
 def word_problem(rng: random.Random, level: int) -> tuple[str, str, str]:
     """(question, step-by-step solution ending in \\boxed{answer}, answer) for `level`."""
-    template = TEMPLATES[rng.choice(sorted(TEMPLATES))]
+    templates = LONG_TEMPLATES if level in _DAYS else TEMPLATES
+    template = templates[rng.choice(sorted(templates))]
     question, lines, answer = template(rng, level)
     text = format_number(answer)
     return question, "\n".join(lines + [f"The answer is \\boxed{{{text}}}."]), text

@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -7,10 +8,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from jaxspec.config_io import load_config
 from jaxspec.models import ModelConfig, forward, init_params, load_hf
 from jaxspec.pretrain import main
+from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.data import Batcher, PackedSet, pack
 from jaxspec.pretrain.train import response_loss
+from jaxspec.tasks import MAX_LEVEL
 
 CONFIG = """
 data: {num_train: 600, num_eval: 6, seed: 3, levels: [1], vocab_size: 512, max_len: 64}
@@ -107,6 +111,16 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, capsys):
     assert main(["--config", str(good), "--run-dir", str(run_dir), "data.tokenizer=absent/tokenizer.json"]) == 2
     assert "data.tokenizer: file not found: absent/tokenizer.json" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "small.yaml"])
+def test_shipped_configs_are_valid(name):
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(PretrainConfig, path)
+    validate(cfg, str(path))
+    if name == "small.yaml":  # the long levels' examples (up to ~1700 tokens) fit a row; ~32k tokens a step
+        assert cfg.data.levels == tuple(range(1, MAX_LEVEL + 1))
+        assert cfg.data.max_len == 2048 and cfg.data.max_len * cfg.train.batch_size == 32768
 
 
 def test_existing_run_needs_resume_and_same_data(first_run, capsys):

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import re
 from fractions import Fraction
@@ -5,8 +6,24 @@ from fractions import Fraction
 import pytest
 
 from jaxspec.rewards import math_reward, parse_number
-from jaxspec.tasks import MAX_LEVEL, generate_problems, write_dataset
+from jaxspec.tasks import MAX_LEVEL, generate_problems, train_tokenizer, write_dataset
 from jaxspec.tasks.arithmetic import LEVELS
+from jaxspec.tasks.tokenizer import ChatTokenizer
+
+LONG_LEVELS = (6, 7)
+
+
+def _digest(problems: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()
+
+
+def test_levels_1_to_5_output_is_pinned():
+    # Pins the generator output of levels 1..5 (both kinds): the committed tiny policy and every
+    # dataset built so far depend on it, so new levels or templates must not change these draws.
+    assert _digest(generate_problems(200, seed=0, levels=[1, 2, 3, 4, 5])) == (
+        "39ebbdfec4d99ad6019db9369aa89ca18709ff82f84eb6105a3dc30e6700446b")
+    assert _digest(generate_problems(2000, seed=5, levels=[1, 2, 3, 4, 5])) == (
+        "440e632b89487501c38e0fb544ab6bc74a1537e2420f548df1dd4299bfdacb9d")
 
 
 def test_same_seed_same_bytes_different_seed_differs(tmp_path):
@@ -43,6 +60,8 @@ def test_every_solution_verifies_and_is_arithmetically_right(level):
         assert parse_number(p["answer"]) is not None
         if p["kind"] == "arithmetic":
             _check_arithmetic(p)
+        elif level in LONG_LEVELS:
+            _check_day_by_day(p)
 
 
 def _check_arithmetic(problem):
@@ -55,6 +74,24 @@ def _check_arithmetic(problem):
         assert line.startswith("= ")
         assert _exact_eval(line[2:]) == truth
     assert Fraction(problem["answer"]) == truth
+
+
+def _check_day_by_day(problem):
+    """Line i of a long word problem is "Day i: ... = v." (or Hour), right, and starts from line i-1's v."""
+    lines = problem["solution"].splitlines()[:-1]
+    steps = int(re.search(r"after (\d+) (?:days|hours)\?$", problem["question"]).group(1))
+    assert len(lines) == steps
+    value = None
+    for i, line in enumerate(lines, start=1):
+        m = re.fullmatch(r"(?:Day|Hour) (\d+): ((-?\d+) .*) = (-?\d+)\.", line)
+        assert m and int(m.group(1)) == i, line
+        if value is None:
+            assert f" {m.group(3)} " in problem["question"]
+        else:
+            assert int(m.group(3)) == value
+        value = int(m.group(4))
+        assert _exact_eval(m.group(2)) == value
+    assert Fraction(problem["answer"]) == value
 
 
 def _exact_eval(expr: str) -> Fraction:
@@ -104,3 +141,32 @@ def test_exclusion_and_bad_arguments(tmp_path):
     everything = {p["question"] for p in generate_problems(5000, seed=9, levels=(1,), kinds=("arithmetic",))}
     with pytest.raises(ValueError, match="problem space"):
         generate_problems(300, seed=0, levels=(1,), kinds=("arithmetic",), exclude_questions=everything)
+
+
+def test_long_levels_are_deterministic_and_mix_both_kinds():
+    problems = generate_problems(40, seed=1, levels=LONG_LEVELS)
+    assert problems == generate_problems(40, seed=1, levels=LONG_LEVELS)
+    assert problems != generate_problems(40, seed=2, levels=LONG_LEVELS)
+    assert {(p["level"], p["kind"]) for p in problems} == {
+        (level, kind) for level in LONG_LEVELS for kind in ("arithmetic", "word")}
+
+
+@pytest.fixture(scope="module")
+def mix_tokenizer(tmp_path_factory):
+    """The BPE `jaxspec pretrain` trains for the small preset (vocab cap 2048), on a sample of its mix."""
+    problems = generate_problems(3000, seed=0, levels=range(1, MAX_LEVEL + 1))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer((t for p in problems for t in (p["question"], p["solution"])), 2048, path)
+    return ChatTokenizer.from_file(path)
+
+
+@pytest.mark.parametrize("level, low, high, min_median", [(6, 250, 750, 350), (7, 800, 1700, 1024)])
+def test_long_levels_have_reasoning_length_responses(mix_tokenizer, level, low, high, min_median):
+    """Response tokens (solution + eos) per problem in [low, high]; the whole example fits 2048."""
+    lengths = []
+    for p in generate_problems(200, seed=11, levels=(level,)):
+        prompt, response = mix_tokenizer.encode_prompt(p["question"]), mix_tokenizer.encode_response(p["solution"])
+        assert low <= len(response) <= high, (p["kind"], len(response))
+        assert len(prompt) + len(response) < 2048
+        lengths.append(len(response))
+    assert sorted(lengths)[len(lengths) // 2] >= min_median
