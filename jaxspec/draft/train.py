@@ -19,7 +19,6 @@ import functools
 import json
 import time
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +37,8 @@ from jaxspec.draft.train_data import RolloutBatch, RolloutSource, count_tokens, 
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import Params, forward_hidden
-from jaxspec.pretrain.config import OptimConfig as ScheduleConfig
-from jaxspec.pretrain.train import Checkpointer, make_optimizer as make_schedule_optimizer
+from jaxspec.optim import make_optimizer
+from jaxspec.pretrain.train import Checkpointer
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 _FIXED_SECTIONS = ("policy", "data", "generation", "head")
@@ -64,12 +63,6 @@ def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict):
     """Policy logits [B, W, V] and aux hidden states [3, B, W, H] of a batch (no gradient)."""
     logits, aux = forward_hidden(cfg, policy, batch["tokens"], dcfg.aux_layer_ids, mask=batch["attn_mask"])
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(aux)
-
-
-def make_optimizer(optim: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """(grad-clipped AdamW, learning-rate schedule) of the pretraining recipe, with the head's
-    settings (norm weights are not decayed)."""
-    return make_schedule_optimizer(ScheduleConfig(**dataclasses.asdict(optim)), total_steps)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(5, 6))

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from jaxspec.optim import OptimConfig as ScheduleConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 
 # The policy used when a config names none (present once the embedded tiny policy is trained).
@@ -61,15 +62,13 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with linear warmup to `learning_rate`, cosine decay to learning_rate * min_lr_ratio."""
+class OptimConfig(ScheduleConfig):
+    """`jaxspec.optim.OptimConfig` with the head's defaults (public EAGLE-3 recipes: lr ~1e-4, no
+    weight decay, clip 0.5)."""
 
     learning_rate: float = 1e-4
     warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
     grad_clip: float = 0.5
 
 

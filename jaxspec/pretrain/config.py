@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from jaxspec.optim import OptimConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
 
@@ -50,19 +51,6 @@ class ModelShape:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 2048
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with linear warmup to `learning_rate`, cosine decay to learning_rate * min_lr_ratio."""
-
-    learning_rate: float = 1e-3
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

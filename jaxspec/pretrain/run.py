@@ -27,7 +27,8 @@ from jaxspec.models.transformer import init_params
 from jaxspec.pretrain.config import ModelShape, PretrainConfig
 from jaxspec.pretrain.data import Batcher, encode_examples, pack, prepare_problems, prepare_tokenizer
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
-from jaxspec.pretrain.train import Checkpointer, make_optimizer, make_train_step
+from jaxspec.optim import make_optimizer
+from jaxspec.pretrain.train import Checkpointer, make_train_step
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 

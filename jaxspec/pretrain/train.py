@@ -17,23 +17,8 @@ import orbax.checkpoint as ocp
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import Params, forward
-from jaxspec.pretrain.config import OptimConfig
 
 TrainState = dict
-
-
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """(grad-clipped AdamW, learning-rate schedule). Norm weights and biases are not decayed."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=total_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
-    def decay_mask(params):
-        return jax.tree.map(lambda x: x.ndim >= 2, params)
-
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
-    return optimizer, schedule
 
 
 def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention_mask, ttt_forward
-from jaxspec.draft.train import eval_step, make_optimizer, train_step
+from jaxspec.draft.train import eval_step, train_step
+from jaxspec.optim import make_optimizer
 from jaxspec.draft.train_config import LossConfig, OptimConfig
 from jaxspec.models import forward_hidden
 from jaxspec.rollout import Sampling, generate
