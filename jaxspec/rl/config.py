@@ -172,6 +172,17 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (data, fsdp, tensor) that the policy, its optimizer state and the rollouts
+    are sharded over, built from the first data * fsdp * tensor devices. All 1: one device. A
+    resumed run may use another mesh (checkpoints are restored onto it)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Loop, numerics, checkpoints and logging.
 
@@ -202,11 +213,13 @@ class GRPOConfig:
     spec: SpecConfig = SpecConfig()
     draft: DraftConfig = DraftConfig()
     eval: EvalConfig = EvalConfig()
+    mesh: MeshConfig = MeshConfig()
 
 
 # Keys a resumed run may change: they steer the loop's length and bookkeeping, not the training.
 RESUMABLE_KEYS = frozenset({
     "train.steps", "train.progress", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
+    "mesh.data", "mesh.fsdp", "mesh.tensor",
 })
 
 
@@ -275,6 +288,8 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     positive(e, "batch_size", "eval")
     need(e.every == 0 or d.eval is not None or d.num_eval > 0, "eval.every",
          "validation needs held-out prompts: set data.eval or data.num_eval > 0")
+    for axis in ("data", "fsdp", "tensor"):
+        positive(cfg.mesh, axis, "mesh")
     positive(t, "steps", "train")
     positive(t, "checkpoint_every", "train")
     positive(t, "keep_checkpoints", "train")

@@ -19,18 +19,21 @@ def decode_responses(tok: ChatTokenizer, tokens: np.ndarray, lengths: np.ndarray
 
 
 def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prompts: PromptSet, reward: RewardFn,
-                      sampling: Sampling, key: jax.Array, batch_size: int, spec=None) -> dict[str, float]:
+                      sampling: Sampling, key: jax.Array, batch_size: int, spec=None, sharding=None
+                      ) -> dict[str, float]:
     """{"eval_accuracy": fraction of prompts whose response earns reward >= 1, "eval_reward_mean"}.
 
     Prompts are decoded in batches of `batch_size`; the last batch is filled up with copies of its
-    first prompt so every call has the same shape (one compilation).
+    first prompt so every call has the same shape (one compilation). sharding: the policy's mesh
+    (`jaxspec.models.Sharding`) or None.
     """
     size = min(batch_size, len(prompts))
     rewards: list[float] = []
     for start in range(0, len(prompts), size):
         chunk = prompts.token_ids[start:start + size]
         key, sub = jax.random.split(key)
-        out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec)
+        out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec,
+                       sharding=sharding)
         texts = decode_responses(tok, np.asarray(out.tokens), np.asarray(out.lengths))[:len(chunk)]
         rewards += [reward(text, record) for text, record in zip(texts, prompts.records[start:start + size])]
     scores = np.asarray(rewards, np.float64)

@@ -37,6 +37,7 @@ from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.metrics import MetricsLog, StageTimer, block, rollout_stats, truncate_after
+from jaxspec.rl.placement import Placement
 from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import RolloutOutput, Sampling, generate
@@ -111,7 +112,13 @@ class GRPORun:
         save_config(cfg, run_dir)
         self.reward_fn = get_reward(cfg.reward)
 
+        self.placement = Placement(cfg.mesh)
         self.mcfg, params = load_hf(inputs.policy_dir, "float32")
+        params = self.placement.params(params)
+        if self.placement.sharding is not None:
+            mesh = self.placement.sharding.mesh
+            print(f"policy, optimizer state and rollouts on the mesh {dict(mesh.shape)} "
+                  f"(embed sharded as {params['embed'].sharding.spec})")
         run_key, draft_key = jax.random.split(jax.random.PRNGKey(t_cfg.seed))
         self.draft = load_draft(cfg.spec, inputs.draft_dir, self.mcfg, draft_key)
         self.online = OnlineDraft(dcfg=self.draft[0], train=cfg.draft) if cfg.draft.online else None
@@ -125,9 +132,9 @@ class GRPORun:
             state["draft_opt_state"] = draft_optimizer(cfg.draft).init(split_buffers(self.draft[1])[0])
         if cfg.loss.kl_beta > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, params)
-        # Committed to the device like restored checkpoints are, so a resumed run in the same process
+        # Committed to the devices like restored checkpoints are, so a resumed run in the same process
         # hits the compilation caches of a fresh one.
-        self.state = jax.device_put(state, jax.devices()[0])
+        self.state = self.placement.state(state)
         self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
         if resume and self.checkpointer.latest_step() is not None:
             self.state = self.checkpointer.restore(self.state)
@@ -174,7 +181,7 @@ class GRPORun:
         policy, spec = self.rollout_view()
         key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 1)
         return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward_fn, self.eval_sampling, key,
-                                 self.cfg.eval.batch_size, spec=spec)
+                                 self.cfg.eval.batch_size, spec=spec, sharding=self.placement.sharding)
 
     def save(self) -> None:
         self.state.update(step=jnp.int32(self.step), position=jnp.int32(self.position),
@@ -193,7 +200,8 @@ class GRPORun:
             policy, spec = self.rollout_view()
         with timer.stage("generation"):
             key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
-            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec))
+            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
+                                 sharding=self.placement.sharding))
         del policy
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         with timer.stage("reward"):
@@ -232,7 +240,8 @@ class GRPORun:
     def _score(self, batch: dict) -> dict:
         """Old log-probs recomputed by the trainer (replacing the rollout's) and reference log-probs,
         as configured; returns the measured rollout/trainer mismatch."""
-        args = (batch["tokens"], batch["attn_mask"], batch["resp_index"], batch["resp_tokens"])
+        rows = self.placement.rows({k: batch[k] for k in ("tokens", "attn_mask", "resp_index", "resp_tokens")})
+        args = (rows["tokens"], rows["attn_mask"], rows["resp_index"], rows["resp_tokens"])
         measured = {}
         if self.cfg.loss.recompute_logprobs:
             recomputed = np.asarray(block(self.score(self.state["params"], *args)))
@@ -264,8 +273,10 @@ class GRPORun:
                 minibatch = take_rows(batch, rows)
                 if self.online is None and not minibatch["loss_mask"].any():
                     continue
-                state["params"], state["opt_state"], d_weights, d_opt, m = self.update(
-                    state["params"], state["opt_state"], d_weights, d_buffers, d_opt, minibatch)
+                before = (state["params"], state["opt_state"], d_weights, d_opt)
+                *after, m = self.update(state["params"], state["opt_state"], d_weights, d_buffers, d_opt,
+                                        self.placement.rows(minibatch))
+                state["params"], state["opt_state"], d_weights, d_opt = self.placement.pin(tuple(after), before)
                 m = jax.device_get(m)
                 metrics.append(m)
                 self.updates += int(m["tokens"] > 0)

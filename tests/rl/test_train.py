@@ -106,6 +106,28 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
     assert _without_timings(_metrics(crashed)) == _without_timings(_metrics(full))
 
 
+def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
+    """The step-6 checkpoint restored onto a data x fsdp x tensor = 2 x 2 x 2 mesh: steps 7-9 (the
+    policy, its optimizer state and the rollouts sharded) follow the single-device run."""
+    config, full = full_run
+    run = tmp_path / "mesh"
+    shutil.copytree(full, run)
+    for folder in ("checkpoints/12", "policy", "draft"):
+        shutil.rmtree(run / folder)
+    (run / "metrics.jsonl").write_text("\n".join((full / "metrics.jsonl").read_text().splitlines()[:7]) + "\n")
+    assert _train("--config", config, "--run-dir", run, "--resume", "train.steps=9",
+                  "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2") == 0
+    assert "on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
+    want, got = _without_timings(_metrics(full))[7:10], _without_timings(_metrics(run))[7:10]
+    for w, g in zip(want, got, strict=True):
+        assert g["step"] == w["step"] and g["data_position"] == w["data_position"]
+        # Sharded reductions change float rounding, not the sampled rollouts of these steps.
+        assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
+        for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
+    assert (run / "policy" / "model.safetensors").is_file()
+
+
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path):
     config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
                      checkpoint_every=1000)
@@ -156,6 +178,8 @@ def _error_line(capsys) -> str:
     ("spec.method=none", "draft.online: online draft adaptation trains an EAGLE-3 head; spec.method is 'none'"),
     ("spec.draft=/nonexistent/head", "spec.draft: draft folder not found: /nonexistent/head"),
     ("spec.tree_budget=0", "spec.tree_budget: must be null or >= spec.tree_width=1"),
+    ("mesh.tensor=0", "mesh.tensor: must be > 0"),
+    ("mesh.data=16", "mesh: data=16 x fsdp=1 x tensor=1 needs 16 devices, this process sees 8"),
 ])
 def test_bad_config_fails_before_compute_with_one_line(tiny_policy, tmp_path, capsys, override, message):
     config = _config(tmp_path / "run.yaml", tiny_policy[0])
@@ -191,7 +215,7 @@ def test_console_command_exits_nonzero_with_one_line(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         f"jaxspec train: error: {tmp_path / 'bad.yaml'}: unknown key 'roll_out'; valid keys: "
-        "['data', 'draft', 'eval', 'loss', 'optim', 'policy', 'reward', 'rollout', 'spec', 'train']"]
+        "['data', 'draft', 'eval', 'loss', 'mesh', 'optim', 'policy', 'reward', 'rollout', 'spec', 'train']"]
 
 
 @pytest.mark.parametrize("name", ["grpo_tiny.yaml", "grpo_small.yaml"])

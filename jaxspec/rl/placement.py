@@ -1,0 +1,54 @@
+"""Where a GRPO run's arrays live: one device, or a (data, fsdp, tensor) mesh.
+
+On a mesh the policy (and the frozen reference) is sharded by the model's logical-axis rules,
+its optimizer moments follow it, the draft head and every scalar are replicated, and training
+rows are split over the batch axes; rollouts read the same sharded arrays (`generate(...,
+sharding=)`), so syncing the policy to the generator is at most a cast.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxspec.models.sharding import Sharding, make_mesh, shard_params
+from jaxspec.rl.config import MeshConfig
+
+
+class Placement:
+    def __init__(self, cfg: MeshConfig):
+        devices = cfg.data * cfg.fsdp * cfg.tensor
+        self.sharding = None if devices == 1 else Sharding(
+            make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=jax.devices()[:devices]))
+
+    def params(self, params):
+        """A policy params pytree placed by the sharding rules (unchanged on one device)."""
+        return params if self.sharding is None else shard_params(self.sharding, params)
+
+    def state(self, state: dict) -> dict:
+        """The training state committed to its devices: leaves already on the mesh stay as they
+        are (the policy, its moments), all others are replicated (on one device: device 0)."""
+        if self.sharding is None:
+            return jax.device_put(state, jax.devices()[0])
+        mesh, replicated = self.sharding.mesh, self.sharding.replicated()
+
+        def place(leaf):
+            on_mesh = isinstance(getattr(leaf, "sharding", None), NamedSharding) and leaf.sharding.mesh == mesh
+            return leaf if on_mesh else jax.device_put(leaf, replicated)
+
+        return jax.tree.map(place, state)
+
+    def pin(self, tree, like):
+        """`tree` placed like `like` (a pytree of the same structure): keeps a compiled update's
+        outputs on the input layout, so the next call reuses its compilation."""
+        if self.sharding is None:
+            return tree
+        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
+
+    def rows(self, batch: dict) -> dict:
+        """Host arrays [B, ...] with their rows split over the mesh's batch axes."""
+        if self.sharding is None:
+            return batch
+        return {k: jax.device_put(v, self.sharding.named(("batch",) + (None,) * (np.ndim(v) - 1), np.shape(v)))
+                for k, v in batch.items()}
