@@ -6,7 +6,8 @@ sampling, so the autoregressive run of the same invocation is the baseline. Repo
 configuration: generation time, speedup over AR, acceptance length (tokens emitted per
 verification step and row, the accepted drafts + 1) and speculation efficiency = speedup /
 acceptance length (1.0 would mean a verification step costs no more than one decode step and
-drafting is free).
+drafting is free), and the wall time of one loop iteration (decode step or verification step,
+prefill included) against the autoregressive one.
 """
 
 from __future__ import annotations
@@ -84,19 +85,21 @@ def main(argv: list[str]) -> int:
             seconds = time.perf_counter() - start
             tokens = int(np.asarray(out.lengths).sum())
             acc = float(out.stats.get("acceptance_length", 1.0))
+            step_ms = 1e3 * seconds / max(int(out.stats.get("steps", 0)), 1)
             if spec is None:
-                ar_seconds = seconds
+                ar_seconds, ar_step_ms = seconds, step_ms
             speedup = ar_seconds / seconds
             row = {"batch": batch, "config": label, "seconds": seconds, "tokens": tokens,
                    "tokens_per_s": tokens / seconds, "speedup": speedup, "acceptance_length": acc,
-                   "efficiency": speedup / acc,
+                   "efficiency": speedup / acc, "step_ms": step_ms, "step_over_ar": step_ms / ar_step_ms,
                    "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist()}
             rows.append(row)
             print_table([row], ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length",
-                                "efficiency"])
+                                "efficiency", "step_ms", "step_over_ar"])
     baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood, "params": cfg.num_params(),
                 "temperature": 1.0, "max_new_tokens": args.new, "baseline": "autoregressive generate, same run"}
     print()
-    print_table(rows, ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length", "efficiency"])
+    print_table(rows, ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length", "efficiency",
+                       "step_ms", "step_over_ar"])
     write_results(args.out, "spec", rows, baseline)
     return 0
