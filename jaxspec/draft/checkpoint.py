@@ -25,12 +25,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxspec.distributed import is_main, to_host
 from jaxspec.atomic import atomic_folder
 from jaxspec.draft.config import DraftConfig, check_compatible, default_aux_layer_ids
 from jaxspec.draft.model import DraftParams
@@ -140,10 +140,12 @@ def save_eagle3(dcfg: DraftConfig, dparams: DraftParams, path, dtype=None) -> No
         leaf = dparams
         for key in tree_path:
             leaf = leaf[key]
-        tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(leaf)).astype(np_dtype)))
-    tensors["d2t"] = np.asarray(jax.device_get(dparams["d2t"])).astype(np.int64)
-    tensors["t2d"] = np.asarray(jax.device_get(dparams["t2d"])).astype(bool)
+        tensors[name] = np.ascontiguousarray(to_hf(to_host(leaf).astype(np_dtype)))
+    tensors["d2t"] = to_host(dparams["d2t"]).astype(np.int64)
+    tensors["t2d"] = to_host(dparams["t2d"]).astype(bool)
     _check_maps(dcfg, tensors["d2t"], tensors["t2d"], "params")
+    if not is_main():  # multi-process: process 0 writes
+        return
     with atomic_folder(path) as tmp:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(_hf_config(dcfg, jnp.dtype(np_dtype).name), indent=2))

@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxspec.distributed import is_main, to_host
 from jaxspec.atomic import atomic_folder
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, param_axes
@@ -192,16 +193,19 @@ def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=N
 
     dtype defaults to the params' dtype. Shards above `max_shard_bytes` get an index json. The
     folder is written next to `path` and renamed into place, so a crash never leaves half a folder.
+    In a multi-process job every process must call it (params are gathered); process 0 writes.
     """
     path = Path(path)
     np_dtype = _np_dtype(dtype) if dtype is not None else np.dtype(params["embed"].dtype)
     dtype_name = _dtype_name(np_dtype)
+    tensors = {name: np.ascontiguousarray(conv.to_hf(to_host(_get(params, tree_path)).astype(np_dtype)))
+               for name, (tree_path, conv) in _converters(cfg).items()}
+    if not is_main():
+        return
     with atomic_folder(path) as tmp:
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
-        for name, (tree_path, conv) in _converters(cfg).items():
-            arr = np.asarray(jax.device_get(_get(params, tree_path))).astype(np_dtype)
-            hf = np.ascontiguousarray(conv.to_hf(arr))
+        for name, hf in tensors.items():
             if size + hf.nbytes > max_shard_bytes and shards[-1]:
                 shards.append({})
                 size = 0

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_config
+from jaxspec.distributed import initialize_from_env
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig, validate
 from jaxspec.rl.loop import train
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     `jaxspec train: error: ...` and returns 2 before any compute; SIGTERM checkpoints and returns 0."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        initialize_from_env()  # several processes (SLURM tasks, JAX_COORDINATOR_ADDRESS): one job
         cfg = load_config(GRPOConfig, args.config, args.overrides)
         validate(cfg, args.config)
         inputs = check_inputs(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import Params
 from jaxspec.rewards.registry import RewardFn
@@ -34,7 +35,7 @@ def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prom
         key, sub = jax.random.split(key)
         out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec,
                        sharding=sharding)
-        texts = decode_responses(tok, np.asarray(out.tokens), np.asarray(out.lengths))[:len(chunk)]
+        texts = decode_responses(tok, to_host(out.tokens), to_host(out.lengths))[:len(chunk)]
         rewards += [reward(text, record) for text, record in zip(texts, prompts.records[start:start + size])]
     scores = np.asarray(rewards, np.float64)
     return {"eval_accuracy": float(np.mean(scores >= 1.0)), "eval_reward_mean": float(np.mean(scores))}

@@ -13,7 +13,8 @@ The policy that generates and the policy that trains are the same arrays: "sync"
 float32 and a cast with rollout.dtype bfloat16. All randomness of step s comes from
 fold_in(key, s), and prompts from the saved data position, so a resumed run repeats an
 uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) makes the loop checkpoint at the next
-step boundary and return.
+step boundary and return. Launched as several processes (see `jaxspec.distributed`), every
+process runs this loop on the same host data over one mesh; process 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxspec.distributed import any_process, barrier, is_main, say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
@@ -83,7 +85,7 @@ def _mean_metrics(updates: list[dict]) -> dict:
 
 def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, out: RolloutOutput, group: int,
                      max_new_tokens: int, eos_id: int) -> dict:
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    tokens, lengths = to_host(out.tokens), to_host(out.lengths)
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
@@ -109,16 +111,16 @@ class GRPORun:
         self.tok = inputs.tokenizer
         r_cfg, t_cfg = cfg.rollout, cfg.train
         self.train_set, self.eval_set = self._load_prompts()
-        save_config(cfg, run_dir)
+        if is_main():
+            save_config(cfg, run_dir)
         self.reward_fn = get_reward(cfg.reward)
 
         self.placement = Placement(cfg.mesh)
-        self.mcfg, params = load_hf(inputs.policy_dir, "float32")
-        params = self.placement.params(params)
+        self.mcfg, params = load_hf(inputs.policy_dir, "float32", sharding=self.placement.sharding)
         if self.placement.sharding is not None:
             mesh = self.placement.sharding.mesh
-            print(f"policy, optimizer state and rollouts on the mesh {dict(mesh.shape)} "
-                  f"(embed sharded as {params['embed'].sharding.spec})")
+            say(f"policy, optimizer state and rollouts on the mesh {dict(mesh.shape)} "
+                f"(embed sharded as {params['embed'].sharding.spec})")
         run_key, draft_key = jax.random.split(jax.random.PRNGKey(t_cfg.seed))
         self.draft = load_draft(cfg.spec, inputs.draft_dir, self.mcfg, draft_key)
         self.online = OnlineDraft(dcfg=self.draft[0], train=cfg.draft) if cfg.draft.online else None
@@ -138,9 +140,10 @@ class GRPORun:
         self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
         if resume and self.checkpointer.latest_step() is not None:
             self.state = self.checkpointer.restore(self.state)
-            print(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
-            truncate_after(run_dir / "metrics.jsonl", int(self.state["step"]))
-        else:  # records of an earlier attempt that never reached a checkpoint
+            say(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
+            if is_main():
+                truncate_after(run_dir / "metrics.jsonl", int(self.state["step"]))
+        elif is_main():  # records of an earlier attempt that never reached a checkpoint
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
 
@@ -157,6 +160,9 @@ class GRPORun:
 
     def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
         cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings
+        if is_main():  # generates the prompt files once; the other processes read them
+            prompt_files(cfg.data, self.run_dir)
+        barrier("prompt files")
         train_file, eval_file = prompt_files(cfg.data, self.run_dir)
         train_set = load_prompt_set(train_file, cfg.data, self.tok)
         check_prompt_lengths(train_set, train_file, cfg.rollout.max_new_tokens, max_positions)
@@ -184,8 +190,8 @@ class GRPORun:
                                  self.cfg.eval.batch_size, spec=spec, sharding=self.placement.sharding)
 
     def save(self) -> None:
-        self.state.update(step=jnp.int32(self.step), position=jnp.int32(self.position),
-                          updates=jnp.int32(self.updates))
+        self.state.update(self.placement.state({"step": np.int32(self.step), "position": np.int32(self.position),
+                                                "updates": np.int32(self.updates)}))
         self.checkpointer.save(self.state)
 
     def run_step(self) -> dict:
@@ -203,14 +209,14 @@ class GRPORun:
             out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
                                  sharding=self.placement.sharding))
         del policy
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        tokens, lengths = to_host(out.tokens), to_host(out.lengths)
         with timer.stage("reward"):
             texts = decode_responses(self.tok, tokens, lengths)
             rewards = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
         batch = training_rows(prompts, tokens, lengths, self.tok.pad_id, self.width)
         keep = np.repeat(informative, group) if cfg.loss.filter_groups else np.ones(len(prompts), bool)
-        batch.update(advantages=advantages, old_logp=np.asarray(out.logprobs, np.float32),
+        batch.update(advantages=advantages, old_logp=to_host(out.logprobs).astype(np.float32),
                      loss_mask=batch["resp_mask"] & keep[:, None])
         if self.online is None:
             del batch["seq_resp_mask"]
@@ -244,13 +250,13 @@ class GRPORun:
         args = (rows["tokens"], rows["attn_mask"], rows["resp_index"], rows["resp_tokens"])
         measured = {}
         if self.cfg.loss.recompute_logprobs:
-            recomputed = np.asarray(block(self.score(self.state["params"], *args)))
+            recomputed = to_host(block(self.score(self.state["params"], *args)))
             diff = np.abs(recomputed - batch["old_logp"])[batch["resp_mask"]]
             measured = {"logprob_mismatch_max": float(diff.max(initial=0.0)),
                         "logprob_mismatch_mean": float(diff.mean()) if diff.size else 0.0}
             batch["old_logp"] = recomputed
         if self.cfg.loss.kl_beta > 0:
-            batch["ref_logp"] = np.asarray(block(self.score(self.state["ref_params"], *args)))
+            batch["ref_logp"] = to_host(block(self.score(self.state["ref_params"], *args)))
         return measured
 
     def _optimize(self, batch: dict) -> list[dict]:
@@ -277,7 +283,7 @@ class GRPORun:
                 *after, m = self.update(state["params"], state["opt_state"], d_weights, d_buffers, d_opt,
                                         self.placement.rows(minibatch))
                 state["params"], state["opt_state"], d_weights, d_opt = self.placement.pin(tuple(after), before)
-                m = jax.device_get(m)
+                m = jax.tree.map(to_host, m)
                 metrics.append(m)
                 self.updates += int(m["tokens"] > 0)
         if self.online is not None:
@@ -289,12 +295,12 @@ class GRPORun:
     def export(self) -> None:
         """Writes the trained policy (and the adapted head) into the run directory."""
         save_hf(self.mcfg, self.state["params"], self.run_dir / "policy", tokenizer_file=self.inputs.tokenizer_file)
-        print(f"trained policy written to {self.run_dir / 'policy'}")
+        say(f"trained policy written to {self.run_dir / 'policy'}")
         if self.online is not None:
             from jaxspec.draft import save_eagle3
 
             save_eagle3(self.draft[0], self.state["draft_params"], self.run_dir / "draft")
-            print(f"adapted EAGLE-3 draft written to {self.run_dir / 'draft'}")
+            say(f"adapted EAGLE-3 draft written to {self.run_dir / 'draft'}")
 
 
 def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | None = None) -> dict:
@@ -308,29 +314,31 @@ def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | No
     check_run_dir(cfg, run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     run = GRPORun(cfg, run_dir, resume, inputs)
-    log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None)
+    log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None,
+                     enabled=is_main())
     last: dict = {}
     preempted = False
     try:
         with _Preemption() as preemption, tqdm(total=cfg.train.steps, initial=run.step, desc="grpo",
-                                               disable=not cfg.train.progress, dynamic_ncols=True) as bar:
+                                               disable=not (cfg.train.progress and is_main()),
+                                               dynamic_ncols=True) as bar:
             if run.eval_set is not None and run.step == 0:
                 last = {"step": 0, **run.evaluate()}
                 log.write(last)
-                tqdm.write(f"step 0: validation accuracy {last['eval_accuracy']:.3f}")
-            while run.step < cfg.train.steps and not preemption.requested:
+                say(f"step 0: validation accuracy {last['eval_accuracy']:.3f}")
+            while run.step < cfg.train.steps and not any_process(preemption.requested):
                 last = run.run_step()
                 log.write(last)
                 bar.update(1)
                 bar.set_postfix(reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
                                 accept=f"{last['acceptance_length']:.2f}", step_s=f"{last['time_step_s']:.1f}")
                 if "eval_accuracy" in last:
-                    tqdm.write(f"step {run.step}: validation accuracy {last['eval_accuracy']:.3f}")
+                    say(f"step {run.step}: validation accuracy {last['eval_accuracy']:.3f}")
             if run.step < cfg.train.steps:
                 preempted = True
                 if run.checkpointer.latest_step() != run.step:
                     run.save()
-                print(f"SIGTERM: checkpointed step {run.step} in {run_dir / 'checkpoints'}; resume with --resume")
+                say(f"SIGTERM: checkpointed step {run.step} in {run_dir / 'checkpoints'}; resume with --resume")
     finally:
         log.close()
         run.checkpointer.close()

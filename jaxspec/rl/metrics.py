@@ -33,18 +33,21 @@ def is_timing(key: str) -> bool:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `path`; mirrors numeric scalars to TensorBoard if asked."""
+    """Appends one JSON object per line to `path`; mirrors numeric scalars to TensorBoard if asked.
+    With enabled=False (the other processes of a multi-process job) it writes nothing."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, enabled: bool = True):
         self.path = Path(path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._writer = None
-        if tensorboard_dir is not None:
+        if enabled and tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(str(tensorboard_dir))
 
     def write(self, record: dict) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._writer is not None:
@@ -59,7 +62,8 @@ class MetricsLog:
             self._writer.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._writer is not None:
             self._writer.close()
 

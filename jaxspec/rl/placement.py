@@ -1,4 +1,5 @@
-"""Where a GRPO run's arrays live: one device, or a (data, fsdp, tensor) mesh.
+"""Where a GRPO run's arrays live: one device, or a (data, fsdp, tensor) mesh (which may span
+several processes: see `jaxspec.distributed`).
 
 On a mesh the policy (and the frozen reference) is sharded by the model's logical-axis rules,
 its optimizer moments follow it, the draft head and every scalar are replicated, and training
@@ -12,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxspec.models.sharding import Sharding, make_mesh, shard_params
+from jaxspec.models.sharding import Sharding, make_mesh
 from jaxspec.rl.config import MeshConfig
 
 
@@ -21,10 +22,6 @@ class Placement:
         devices = cfg.data * cfg.fsdp * cfg.tensor
         self.sharding = None if devices == 1 else Sharding(
             make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=jax.devices()[:devices]))
-
-    def params(self, params):
-        """A policy params pytree placed by the sharding rules (unchanged on one device)."""
-        return params if self.sharding is None else shard_params(self.sharding, params)
 
     def state(self, state: dict) -> dict:
         """The training state committed to its devices: leaves already on the mesh stay as they
@@ -35,7 +32,8 @@ class Placement:
 
         def place(leaf):
             on_mesh = isinstance(getattr(leaf, "sharding", None), NamedSharding) and leaf.sharding.mesh == mesh
-            return leaf if on_mesh else jax.device_put(leaf, replicated)
+            # Host copies, so that every process places its own replicas (a multi-process mesh).
+            return leaf if on_mesh else jax.device_put(np.asarray(leaf), replicated)
 
         return jax.tree.map(place, state)
 

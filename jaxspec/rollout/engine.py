@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logits_from_hidden
@@ -88,7 +89,7 @@ def generate(
 
     longest = int(batch.row_lengths.max())
     needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct)
-    check_fits(needed // _cache_shards(cfg, sharding, num_rows, max_len), jax.devices()[0].memory_stats(),
+    check_fits(needed // _cache_shards(cfg, sharding, num_rows, max_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=sampling.max_new_tokens)
 
     def put(x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
@@ -103,7 +104,7 @@ def generate(
         "steps": int(steps),
         "acceptance_length": 1.0,
         "acceptance_rate_per_position": np.zeros((0,), np.float32),
-        "generated_tokens": int(np.asarray(lengths).sum()),
+        "generated_tokens": int(to_host(lengths).sum()),
     }
     return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats)
 

@@ -4,9 +4,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -28,6 +30,11 @@ draft: {{online: true, ttt_steps: 1, learning_rate: 1.0e-2}}
 eval: {{every: {eval_every}, batch_size: 8}}
 train: {{steps: {steps}, checkpoint_every: {checkpoint_every}, progress: false}}
 """
+
+
+REPO = str(Path(__file__).resolve().parents[2])
+# `jaxspec` in a subprocess, with the test rewards (tests/rl/conftest.py) registered.
+RUN_WITH_TEST_REWARDS = "import sys, tests.rl.conftest; from jaxspec.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _config(path, policy, reward="digit_fraction", steps=12, eval_every=6, checkpoint_every=6):
@@ -126,6 +133,34 @@ def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
         for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
             np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
     assert (run / "policy" / "model.safetensors").is_file()
+
+
+def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
+    """Two processes of 4 CPU devices each form the 2 x 2 x 2 mesh (as two SLURM tasks would):
+    the same rollouts and rewards as the single-device run, one metrics file, one exported policy."""
+    config, full = full_run
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "mp"
+    procs = []
+    for pid in range(2):
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+               "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", "--config", config, "--run-dir", str(run),
+             "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], env=env, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
+    want, got = _without_timings(_metrics(full))[1:3], _without_timings(_metrics(run))[1:3]
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
+    for w, g in zip(want, got, strict=True):
+        assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
+        for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
+    assert (run / "policy" / "model.safetensors").is_file() and (run / "checkpoints" / "2").is_dir()
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path):

@@ -97,7 +97,7 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     draft_len = prompt_width + max_new + 1 + spec.num_draft_tokens * spec.tree_width  # the drafter's tree
     longest = int(batch.row_lengths.max())
     needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct)
-    check_fits(needed // _cache_shards(cfg, sharding, num_rows, policy_len), jax.devices()[0].memory_stats(),
+    check_fits(needed // _cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=max_new)
 
     def put(x, axes: tuple[str, ...]) -> jax.Array:

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.distributed import to_host
+
 
 class Counts(NamedTuple):
     """Running totals over verification steps, counting only rows that were still generating.
@@ -80,5 +82,5 @@ def summarize(counts: Counts, lengths: jax.Array, depth: int) -> dict:
         "acceptance_rate_per_position": rates[:depth],
         "drafted_tokens": int(counts.drafted),
         "accepted_tokens": int(counts.accepted),
-        "generated_tokens": int(np.asarray(lengths).sum()),
+        "generated_tokens": int(to_host(lengths).sum()),
     }
