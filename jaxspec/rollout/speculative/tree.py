@@ -166,7 +166,10 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
         else:
             top, ids = jax.lax.top_k(logq, width)
             child_logq = child_score = parent_logq + top
-        pick = jnp.argsort(-flat(child_score), axis=1, stable=True)[:, :width]
+        if width == 1:  # a chain: one candidate per level, no sort
+            pick = jnp.zeros((batch, 1), jnp.int32)
+        else:
+            pick = jnp.argsort(-flat(child_score), axis=1, stable=True)[:, :width]
         new = slice(t, t + width)
         new_parents = start + pick // width
         tokens = tokens.at[:, new].set(to_target(jnp.take_along_axis(flat(ids), pick, axis=1)))
