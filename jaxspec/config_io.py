@@ -182,3 +182,17 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
             fail()
         return Path(value)
     raise TypeError(f"{source}: key {key!r}: config_io does not support annotation {tp!r}")
+
+
+def run_parser(prog: str, description: str, example_config: str, run_dir_holds: str):
+    """The argument parser every training command shares: `--config PATH --run-dir DIR [--resume]
+    [dotted.key=value ...]`. example_config: a shipped config to point at; run_dir_holds: what the
+    run directory receives (for the help text)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True, help=f"YAML config (see {example_config})")
+    parser.add_argument("--run-dir", required=True, help=f"directory for {run_dir_holds}")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
+    return parser

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config
+from jaxspec.config_io import load_config, run_parser
 from jaxspec.draft.train import check_run_dir, train_draft
 from jaxspec.draft.train_config import DraftTrainConfig, validate
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
 
-def _train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxspec draft train",
-        description="Train an EAGLE-3 draft head against a frozen policy that generates its own training "
-                    "data, and export it in the public EAGLE-3 layout.")
-    parser.add_argument("--config", required=True, help="YAML config (see configs/draft_tiny.yaml)")
-    parser.add_argument("--run-dir", required=True, help="directory for checkpoints, metrics and the export")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
-    return parser
+def _train_parser():
+    return run_parser("jaxspec draft train", "Train an EAGLE-3 draft head against a frozen policy that generates "
+                      "its own training data, and export it in the public EAGLE-3 layout.",
+                      "configs/draft_tiny.yaml", "checkpoints, metrics and the export")
 
 
 def _usage() -> str:

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config
+from jaxspec.config_io import load_config, run_parser
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.run import check_run_dir, pretrain
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxspec pretrain",
-        description="Generate the math corpus, train a tokenizer and a Qwen3 policy from scratch, "
-                    "and export it as an HF folder.")
-    parser.add_argument("--config", required=True, help="YAML config (see configs/tiny.yaml)")
-    parser.add_argument("--run-dir", required=True, help="directory for data, checkpoints, metrics, export")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
-    return parser
+def _parser():
+    return run_parser("jaxspec pretrain", "Generate the math corpus, train a tokenizer and a Qwen3 policy from "
+                      "scratch, and export it as an HF folder.", "configs/tiny.yaml",
+                      "data, checkpoints, metrics, export")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config
+from jaxspec.config_io import load_config, run_parser
 from jaxspec.distributed import initialize_from_env
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig, validate
@@ -14,15 +13,9 @@ from jaxspec.rl.loop import train
 from jaxspec.rl.resources import check_inputs
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxspec train",
-        description="GRPO post-training of a policy with (optionally speculative) rollouts, in one JAX program.")
-    parser.add_argument("--config", required=True, help="YAML run config (see configs/grpo_tiny.yaml)")
-    parser.add_argument("--run-dir", required=True, help="directory for checkpoints, metrics and the trained policy")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=20")
-    return parser
+def _parser():
+    return run_parser("jaxspec train", "GRPO post-training of a policy with (optionally speculative) rollouts, "
+                      "in one JAX program.", "configs/grpo_tiny.yaml", "checkpoints, metrics and the trained policy")
 
 
 def main(argv: list[str] | None = None) -> int:
