@@ -5,13 +5,16 @@
 #   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
 # Stages (default: all, in this order): pretrain draft draft_ood verify spec cost grpo decode8b.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs: DRAFT_STEPS,
-# OOD_STEPS, GRPO_STEPS, SPEC_LEVELS (the long-answer levels of the speculative benchmark).
+# OOD_STEPS, GRPO_STEPS, SPEC_LEVELS (the long-answer levels of the speculative benchmark),
+# PRETRAIN_ARGS and GRPO_ARGS (extra dotted.key=value overrides).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks}
 DRAFT_STEPS=${DRAFT_STEPS:-1000}
 OOD_STEPS=${OOD_STEPS:-$DRAFT_STEPS}
 GRPO_STEPS=${GRPO_STEPS:-200}
 SPEC_LEVELS=${SPEC_LEVELS:-6 7}
+read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
+read -r -a grpo_args <<< "${GRPO_ARGS:-}"
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 stages=("$@")
@@ -21,7 +24,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
       attention=(); python3 benchmarks/check_cudnn_segments.py || attention=(train.attention=xla train.remat=true)
-      jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" 2>&1 \
+      jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" "${pretrain_args[@]}" 2>&1 \
         | tee "$RESULTS/pretrain_small.log" ;;
     draft)
       jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small \
@@ -47,7 +50,7 @@ for stage in "${stages[@]}"; do
       jaxspec bench spec-cost --model configs/models/qwen3-1.7b.json configs/models/qwen3-8b.json \
         "${accept[@]}" --out "$RESULTS/spec_cost.json" 2>&1 | tee "$RESULTS/spec_cost.log" ;;
     grpo)  # the same run three times: autoregressive, EAGLE-3 with online adaptation, frozen head
-      common=(train.steps="$GRPO_STEPS" train.checkpoint_every=1000 train.progress=false)
+      common=(train.steps="$GRPO_STEPS" train.checkpoint_every=1000 train.progress=false "${grpo_args[@]}")
       jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-ar "${common[@]}" spec.method=none \
         draft.online=false 2>&1 | tee "$RESULTS/grpo_small_ar.log"
       jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-spec "${common[@]}" 2>&1 \

@@ -5,7 +5,9 @@ x_{t+1} (rope position t) and predicts x_{t+2}. Step i >= 1 keeps the position i
 token x_{t+1+i} (rope position t + i) with the head's own step i-1 output at t as hidden input,
 and predicts x_{t+2+i}. Query t of step i attends to the step-0 keys at positions <= t and to
 the keys of steps 1..i at position t: exactly the cache a drafting chain of depth i from context
-x_0..x_{t+1} would hold, so TTT logits equal teacher-forced `draft_extend` calls.
+x_0..x_{t+1} would hold, so TTT logits equal teacher-forced `draft_extend` calls. Those
+extra keys are one per step at the query's own position, so `ttt_attention` scores them
+separately from the causal step-0 keys: the scores grow by T per step, not by T x T.
 
 Loss of step i: soft cross-entropy of the head against softmax(policy logits at t+1+i restricted
 to the draft vocabulary), averaged over positions whose target token x_{t+2+i} has loss_mask on
@@ -18,24 +20,35 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.draft.config import DraftConfig
 from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
                                  target_ids, to_target_ids)
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.transformer import attention
 
 
-def ttt_attention_mask(step: int, seq_len: int) -> np.ndarray:
-    """bool [T, (step + 1) * T]: which keys query t of TTT step `step` sees.
+@jax.checkpoint
+def ttt_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, own_k: jax.Array,
+                  own_v: jax.Array) -> jax.Array:
+    """Attention of one TTT step, without materialising the (step + 1) * T keys it could see.
 
-    Keys are laid out step by step ([step-0 keys of positions 0..T-1, step-1 keys, ...]); query t
-    sees step-0 keys s <= t and, for each step 1..step, the key at its own position t.
+    q [B, T, Nq, D]; prefix_k/v [B, T, Nk, D], the step-0 keys, seen causally (s <= t);
+    own_k/v [B, T, S, Nk, D], the keys of steps 1..S at each query's own position t (S may be 0).
+    Returns [B, T, Nq, D]. Scores are [B, Nq, T, T + S] instead of [B, Nq, T, (S + 1) T], and the
+    backward pass recomputes them rather than keeping one such array per step.
     """
-    causal = np.tril(np.ones((seq_len, seq_len), bool))
-    same_position = np.eye(seq_len, dtype=bool)
-    return np.concatenate([causal] + [same_position] * step, axis=1)
+    b, t, nq, d = q.shape
+    nk = prefix_k.shape[2]
+    qg = q.reshape(b, t, nk, nq // nk, d)
+    scale = d ** -0.5
+    prefix = jnp.einsum("btkgd,bskd->bkgts", qg, prefix_k, preferred_element_type=jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    prefix = jnp.where(causal, prefix, jnp.finfo(jnp.float32).min)
+    own = jnp.einsum("btkgd,btskd->bkgts", qg, own_k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([prefix, own], axis=-1), axis=-1).astype(prefix_v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], prefix_v, preferred_element_type=jnp.float32)
+    out += jnp.einsum("bkgts,btskd->btkgd", probs[..., t:], own_v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, nq, d).astype(q.dtype)
 
 
 def _shift(x: jax.Array, n: int) -> jax.Array:
@@ -49,16 +62,20 @@ def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused:
                num_steps: int) -> Iterator[tuple[jax.Array, jax.Array]]:
     """Yields (float32 logits [B, T, Vd], layer output [B, T, H]) of each unrolled step in turn."""
     b, t = tokens.shape
-    keys, values = [], []
+    own_keys, own_values = [], []
     hidden = fused
     for step in range(num_steps):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + step, (b, t))
         cos, sin = rope_tables(dcfg.layer_config, positions)
         q, k, v = attention_inputs(dcfg, dparams, embed, _shift(tokens, 1 + step), hidden, cos, sin)
-        keys.append(k)
-        values.append(v)
-        mask = jnp.broadcast_to(jnp.asarray(ttt_attention_mask(step, t)), (b, t, (step + 1) * t))
-        attn = attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1), mask)
+        if step == 0:
+            prefix_k, prefix_v = k, v
+        else:
+            own_keys.append(k)
+            own_values.append(v)
+        own_k = jnp.stack(own_keys, axis=2) if own_keys else jnp.zeros((b, t, 0) + k.shape[2:], k.dtype)
+        own_v = jnp.stack(own_values, axis=2) if own_values else jnp.zeros((b, t, 0) + v.shape[2:], v.dtype)
+        attn = ttt_attention(q, prefix_k, prefix_v, own_k, own_v)
         hidden = layer_output(dcfg, dparams, hidden, attn)
         yield draft_logits(dcfg, dparams, hidden), hidden
 

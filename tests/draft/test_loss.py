@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention_mask, ttt_forward
+from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention, ttt_forward
 from jaxspec.draft.train import eval_step, train_step
 from jaxspec.optim import make_optimizer
 from jaxspec.draft.train_config import LossConfig, OptimConfig
 from jaxspec.models import forward_hidden
+from jaxspec.models.transformer import attention
 from jaxspec.rollout import Sampling, generate
 from tests.models.hf_reference import random_tokens
 
@@ -20,16 +21,32 @@ loss_jit = jax.jit(eagle3_loss, static_argnums=(0, 7, 8))
 forward_jit = jax.jit(forward_hidden, static_argnums=(0, 3))
 
 
-def test_ttt_attention_mask_matches_definition():
-    """Query t of step i sees step-0 keys s <= t and the position-t key of each step 1..i."""
-    seq = 5
-    for step in range(4):
-        mask = ttt_attention_mask(step, seq)
-        assert mask.shape == (seq, (step + 1) * seq) and mask.dtype == bool
-        for t in range(seq):
-            for j in range(step + 1):
-                for s in range(seq):
-                    assert mask[t, j * seq + s] == (s <= t if j == 0 else s == t), (step, t, j, s)
+def _ttt_mask(step: int, seq: int) -> np.ndarray:
+    """bool [T, (step + 1) * T] by definition, keys laid out step by step: query t sees the
+    step-0 keys s <= t and, of each step 1..step, the key at its own position t."""
+    mask = np.zeros((seq, (step + 1) * seq), bool)
+    for t in range(seq):
+        for j in range(step + 1):
+            for s in range(seq):
+                mask[t, j * seq + s] = s <= t if j == 0 else s == t
+    return mask
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_ttt_attention_equals_dense_attention_under_the_ttt_mask(step):
+    """The factored attention equals grouped-query attention over all (step + 1) * T keys."""
+    b, t, nq, nk, d = 2, 6, 4, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(step), 5)
+    q = jax.random.normal(keys[0], (b, t, nq, d))
+    ks = [jax.random.normal(keys[1], (b, t, nk, d))] + [
+        jax.random.normal(jax.random.fold_in(keys[2], j), (b, t, nk, d)) for j in range(step)]
+    vs = [jax.random.normal(keys[3], (b, t, nk, d))] + [
+        jax.random.normal(jax.random.fold_in(keys[4], j), (b, t, nk, d)) for j in range(step)]
+    dense = attention(q, jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1),
+                      jnp.broadcast_to(jnp.asarray(_ttt_mask(step, t)), (b, t, (step + 1) * t)))
+    stack = lambda xs: jnp.stack(xs, axis=2) if xs else jnp.zeros((b, t, 0, nk, d))
+    factored = ttt_attention(q, ks[0], vs[0], stack(ks[1:]), stack(vs[1:]))
+    np.testing.assert_allclose(factored, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_and_metrics_match_a_loop_over_positions(policy, head):
