@@ -25,15 +25,17 @@ from jaxspec.draft.config import DraftConfig
 from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
                                  target_ids, to_target_ids)
 from jaxspec.models.rope import rope_tables
+from jaxspec.models.transformer import segment_positions
 
 
 @jax.checkpoint
 def ttt_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, own_k: jax.Array,
-                  own_v: jax.Array) -> jax.Array:
+                  own_v: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Attention of one TTT step, without materialising the (step + 1) * T keys it could see.
 
-    q [B, T, Nq, D]; prefix_k/v [B, T, Nk, D], the step-0 keys, seen causally (s <= t);
-    own_k/v [B, T, S, Nk, D], the keys of steps 1..S at each query's own position t (S may be 0).
+    q [B, T, Nq, D]; prefix_k/v [B, T, Nk, D], the step-0 keys, seen causally (s <= t) within
+    the query's segment (segment_ids int32 [B, T]: packed sequences); own_k/v [B, T, S, Nk, D],
+    the keys of steps 1..S at each query's own position t (S may be 0).
     Returns [B, T, Nq, D]. Scores are [B, Nq, T, T + S] instead of [B, Nq, T, (S + 1) T], and the
     backward pass recomputes them rather than keeping one such array per step.
     """
@@ -42,8 +44,8 @@ def ttt_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, own_k:
     qg = q.reshape(b, t, nk, nq // nk, d)
     scale = d ** -0.5
     prefix = jnp.einsum("btkgd,bskd->bkgts", qg, prefix_k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    prefix = jnp.where(causal, prefix, jnp.finfo(jnp.float32).min)
+    visible = jnp.tril(jnp.ones((t, t), bool)) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    prefix = jnp.where(visible[:, None, None], prefix, jnp.finfo(jnp.float32).min)
     own = jnp.einsum("btkgd,btskd->bkgts", qg, own_k, preferred_element_type=jnp.float32) * scale
     probs = jax.nn.softmax(jnp.concatenate([prefix, own], axis=-1), axis=-1).astype(prefix_v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], prefix_v, preferred_element_type=jnp.float32)
@@ -59,13 +61,14 @@ def _shift(x: jax.Array, n: int) -> jax.Array:
 
 
 def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array, tokens: jax.Array,
-               num_steps: int) -> Iterator[tuple[jax.Array, jax.Array]]:
+               num_steps: int, segment_ids: jax.Array) -> Iterator[tuple[jax.Array, jax.Array]]:
     """Yields (float32 logits [B, T, Vd], layer output [B, T, H]) of each unrolled step in turn."""
     b, t = tokens.shape
     own_keys, own_values = [], []
     hidden = fused
+    base_positions = segment_positions(segment_ids)
     for step in range(num_steps):
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + step, (b, t))
+        positions = base_positions + step
         cos, sin = rope_tables(dcfg.layer_config, positions)
         q, k, v = attention_inputs(dcfg, dparams, embed, _shift(tokens, 1 + step), hidden, cos, sin)
         if step == 0:
@@ -75,7 +78,7 @@ def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused:
             own_values.append(v)
         own_k = jnp.stack(own_keys, axis=2) if own_keys else jnp.zeros((b, t, 0) + k.shape[2:], k.dtype)
         own_v = jnp.stack(own_values, axis=2) if own_values else jnp.zeros((b, t, 0) + v.shape[2:], v.dtype)
-        attn = ttt_attention(q, prefix_k, prefix_v, own_k, own_v)
+        attn = ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids)
         hidden = layer_output(dcfg, dparams, hidden, attn)
         yield draft_logits(dcfg, dparams, hidden), hidden
 
@@ -85,19 +88,23 @@ def ttt_forward(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused
     """The unrolled head: fused features [B, T, H], int32 tokens [B, T] -> (float32 logits
     [num_steps, B, T, Vd], layer outputs [num_steps, B, T, H]); entry [i, b, t] predicts
     x_{t+2+i} (see the module doc). Token inputs past the sequence end are id 0."""
-    logits, outs = zip(*_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps))
+    segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    logits, outs = zip(*_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps, segment_ids))
     return jnp.stack(logits), jnp.stack(outs)
 
 
 def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_hidden: jax.Array,
                 target_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, num_steps: int = 7,
-                step_decay: float = 0.8) -> tuple[jax.Array, dict]:
+                step_decay: float = 0.8, segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """TTT loss of the head on one batch of policy sequences.
 
     embed: the policy's token embedding [V, H]. aux_hidden: [3, B, T, H] policy outputs of layers
     dcfg.aux_layer_ids. target_logits: float [B, T, V] policy logits (position t predicts x_{t+1}).
     tokens: int32 [B, T]. loss_mask: bool [B, T], whether token j is a prediction target (e.g. a
-    response token, not prompt or padding). Policy inputs are detached (no gradient flows back).
+    response token, not prompt or padding). segment_ids: int32 [B, T] when rows pack several
+    sequences (`jaxspec.rl.batch.pack_rows`): the head attends and predicts within a sequence
+    only, with rope positions restarting per sequence (default: one sequence per row).
+    Policy inputs are detached (no gradient flows back).
     Returns (float32 scalar loss, metrics): "step_loss" [S], "top1_agreement" [S] (draft argmax
     mapped to a policy id == policy argmax, over positions whose target has loss_mask on),
     "positions" [S] (those positions), "counted" [S] (positions in the loss), all float32.
@@ -110,7 +117,10 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     b, t = tokens.shape
     for name, arr, want in (("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)),
                             ("target_logits", target_logits, (b, t, dcfg.vocab_size)),
-                            ("loss_mask", loss_mask, (b, t))):
+                            ("loss_mask", loss_mask, (b, t)),
+                            ("segment_ids", segment_ids, (b, t))):
+        if arr is None:
+            continue
         if tuple(arr.shape) != want:
             raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {want}")
     embed, aux_hidden, target_logits = map(jax.lax.stop_gradient, (embed, aux_hidden, target_logits))
@@ -121,11 +131,13 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     policy_top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
     in_vocab = jnp.take(dparams["t2d"], policy_top)
     loss_mask = loss_mask.astype(bool)
+    segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
 
     step_losses, agreements, positions, counted_sizes = [], [], [], []
     # One step's logits at a time: the loss never holds all num_steps x [B, T, Vd] logits at once.
-    for step, (logits, _) in enumerate(_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps)):
-        target_on = _shift(loss_mask, 2 + step)
+    steps = _ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps, segment_ids)
+    for step, (logits, _) in enumerate(steps):
+        target_on = _shift(loss_mask, 2 + step) & (_shift(segment_ids, 2 + step) == segment_ids)
         counted = (target_on & _shift(in_vocab, 1 + step)).astype(jnp.float32)
         log_q = jax.nn.log_softmax(logits, axis=-1)
         cross_entropy = -jnp.sum(_shift(soft_target, 1 + step) * log_q, axis=-1)

@@ -155,6 +155,12 @@ def _default_positions(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Ar
     b, t = mask.shape
     if segment_ids is None:
         return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return segment_positions(segment_ids)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """int32 [B, T]: index of each token within its run of equal segment ids [B, T] (packed rows)."""
+    b, t = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     idx = jnp.arange(t, dtype=jnp.int32)
     start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)

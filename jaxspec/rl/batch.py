@@ -1,4 +1,5 @@
-"""Host-side assembly of a rollout batch into right-padded training rows, and minibatch splits."""
+"""Host-side assembly of a rollout batch: right-padded training rows, minibatch splits, and the
+packing of a minibatch's rows into few full-width rows for the trainer's forward."""
 
 from __future__ import annotations
 
@@ -70,3 +71,50 @@ def minibatch_indices(num_rows: int, num_minibatches: int, rng: np.random.Genera
 
 def take_rows(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
     return {name: value[rows] for name, value in batch.items()}
+
+
+SEQUENCE_FIELDS = ("resp_tokens", "resp_mask", "advantages", "old_logp", "loss_mask", "ref_logp")
+
+
+def pack_rows(rows: dict[str, np.ndarray], multiple_of: int = 1) -> dict[str, np.ndarray]:
+    """The trainer's input for a set of S training rows (`training_rows` fields plus per-sequence
+    ones): the sequences packed first-fit-decreasing into R rows of the same width W.
+
+    RL responses are mostly far shorter than max_new_tokens, so right-padded rows are mostly
+    padding; packed, the forward costs what the tokens cost. R is the smallest power of two (times
+    `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run compiles the
+    trainer for a few row counts only.
+    Returns
+      tokens int32 [R, W]; segment_ids int32 [R, W]: 1, 2, ... per sequence within a row, 0 = padding;
+      seq_resp_mask bool [R, W] (when given): positions holding response tokens;
+      resp_index int32 [S, N]: flat position (row * W + column) of the logits that predict
+          response token j of sequence s;
+    and the per-sequence fields ([S] or [S, N]: resp_tokens, advantages, ...) unchanged.
+    """
+    tokens = rows["tokens"]
+    num_seqs, width = tokens.shape
+    lengths = rows["attn_mask"].sum(axis=1)
+    free, placed = [], np.zeros((num_seqs, 2), np.int64)  # free columns per packed row; (row, start)
+    for s in sorted(range(num_seqs), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, room in enumerate(free) if room >= lengths[s]), len(free))
+        if row == len(free):
+            free.append(width)
+        placed[s] = row, width - free[row]
+        free[row] -= lengths[s]
+    groups = -(-max(len(free), 1) // multiple_of)
+    num_rows = multiple_of * (1 << (groups - 1).bit_length())
+    packed = {"tokens": np.zeros((num_rows, width), np.int32), "segment_ids": np.zeros((num_rows, width), np.int32)}
+    if "seq_resp_mask" in rows:
+        packed["seq_resp_mask"] = np.zeros((num_rows, width), bool)
+    segment = np.zeros(num_rows, np.int32)
+    for s in range(num_seqs):
+        (row, start), n = placed[s], lengths[s]
+        segment[row] += 1
+        packed["tokens"][row, start:start + n] = tokens[s, :n]
+        packed["segment_ids"][row, start:start + n] = segment[row]
+        if "seq_resp_mask" in rows:
+            packed["seq_resp_mask"][row, start:start + n] = rows["seq_resp_mask"][s, :n]
+    columns = np.minimum(placed[:, 1:] + rows["resp_index"], width - 1)  # past-the-end tokens stay in the row
+    packed["resp_index"] = (placed[:, :1] * width + columns).astype(np.int32)
+    packed.update({k: rows[k] for k in SEQUENCE_FIELDS if k in rows})
+    return packed

@@ -33,7 +33,7 @@ from jaxspec.distributed import any_process, barrier, is_main, say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
-from jaxspec.rl.batch import minibatch_indices, row_width, take_rows, training_rows
+from jaxspec.rl.batch import minibatch_indices, pack_rows, row_width, take_rows, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, check_run_dir, save_config
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
@@ -246,8 +246,9 @@ class GRPORun:
     def _score(self, batch: dict) -> dict:
         """Old log-probs recomputed by the trainer (replacing the rollout's) and reference log-probs,
         as configured; returns the measured rollout/trainer mismatch."""
-        rows = self.placement.rows({k: batch[k] for k in ("tokens", "attn_mask", "resp_index", "resp_tokens")})
-        args = (rows["tokens"], rows["attn_mask"], rows["resp_index"], rows["resp_tokens"])
+        fields = ("tokens", "attn_mask", "resp_index", "resp_tokens")
+        rows = self.placement.rows(pack_rows({k: batch[k] for k in fields}, self.placement.row_shards))
+        args = (rows["tokens"], rows["segment_ids"], rows["resp_index"], rows["resp_tokens"])
         measured = {}
         if self.cfg.loss.recompute_logprobs:
             recomputed = to_host(block(self.score(self.state["params"], *args)))
@@ -279,6 +280,7 @@ class GRPORun:
                 minibatch = take_rows(batch, rows)
                 if self.online is None and not minibatch["loss_mask"].any():
                     continue
+                minibatch = pack_rows(minibatch, self.placement.row_shards)
                 before = (state["params"], state["opt_state"], d_weights, d_opt)
                 *after, m = self.update(state["params"], state["opt_state"], d_weights, d_buffers, d_opt,
                                         self.placement.rows(minibatch))

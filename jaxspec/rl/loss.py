@@ -1,8 +1,8 @@
 """Trainer-side log-probabilities of rollout tokens and the GRPO / DAPO policy loss.
 
-Shapes: B rollouts, W = padded prompt+response width, N = max_new_tokens, V = vocabulary.
-Response token j of row b sits at sequence position prompt_len[b] + j and is predicted by the
-logits at position prompt_len[b] + j - 1 (`resp_index`).
+Shapes: S rollouts, packed into R rows of width W (`jaxspec.rl.batch.pack_rows`), N =
+max_new_tokens, V = vocabulary. Response token j of rollout s is predicted by the logits at flat
+position resp_index[s, j] of the packed [R * W] positions.
 """
 
 from __future__ import annotations
@@ -16,29 +16,30 @@ from jaxspec.rl.config import LossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 
 
-def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, attn_mask: jax.Array,
+def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array,
                      hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False
                      ) -> tuple[jax.Array, jax.Array]:
-    """One policy forward over prompt+response rows.
+    """One policy forward over packed prompt+response rows.
 
-    tokens int32 [B, W] right-padded; attn_mask bool [B, W]. Params are cast to `compute_dtype`
-    (gradients reach the float32 master). Returns (float32 logits [B, W, V],
-    hidden [len(hidden_layers), B, W, H]: outputs of the given 0-based layers).
+    tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
+    positions restart per sequence). Params are cast to `compute_dtype` (gradients reach the
+    float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
+    outputs of the given 0-based layers).
     """
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    return forward_hidden(cfg, compute_params, tokens, hidden_layers, mask=attn_mask, remat=remat)
+    return forward_hidden(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat)
 
 
 def response_logprobs(logits: jax.Array, resp_index: jax.Array, resp_tokens: jax.Array, sampling: Sampling
                       ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of each response token under the processed distribution p.
 
-    logits float32 [B, W, V]; resp_index int32 [B, N] (position of the logits predicting response
-    token j); resp_tokens int32 [B, N]. p is `processed_logprobs(logits, sampling)`, the same
-    distribution the rollout sampled from (temperature, top-k, top-p).
-    Returns (float32 log p [B, N], float32 entropy of p [B, N], not differentiated).
+    logits float32 [R, W, V]; resp_index int32 [S, N] (flat position in [R * W] of the logits
+    predicting response token j); resp_tokens int32 [S, N]. p is `processed_logprobs(logits,
+    sampling)`, the same distribution the rollout sampled from (temperature, top-k, top-p).
+    Returns (float32 log p [S, N], float32 entropy of p [S, N], not differentiated).
     """
-    step_logits = jnp.take_along_axis(logits, resp_index[:, :, None], axis=1)  # [B, N, V]
+    step_logits = jnp.take(logits.reshape(-1, logits.shape[-1]), resp_index, axis=0)  # [S, N, V]
     logp_all = processed_logprobs(step_logits, sampling)
     logp = jnp.take_along_axis(logp_all, resp_tokens[:, :, None], axis=2)[:, :, 0]
     logp_all = jax.lax.stop_gradient(logp_all)

@@ -20,6 +20,7 @@ from jaxspec.rl.config import MeshConfig
 class Placement:
     def __init__(self, cfg: MeshConfig):
         devices = cfg.data * cfg.fsdp * cfg.tensor
+        self.row_shards = cfg.data * cfg.fsdp  # training rows are split over these devices
         self.sharding = None if devices == 1 else Sharding(
             make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=jax.devices()[:devices]))
 

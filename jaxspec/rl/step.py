@@ -3,10 +3,12 @@
 The compiled functions are built once per (model config, sampling, loss/optimizer settings) and
 cached, so repeated runs in one process (and every step of a run) reuse their compilations.
 
-Minibatch arrays (b rows, W = padded width, N = max_new_tokens), as built by
-`jaxspec.rl.batch.training_rows` plus:
-    advantages float32 [b]; old_logp float32 [b, N]; loss_mask bool [b, N] (response tokens of
-    groups that count); ref_logp float32 [b, N] (only with loss.kl_beta > 0).
+Minibatch arrays, as built by `jaxspec.rl.batch.pack_rows` from S rollouts packed into R rows of
+width W (N = max_new_tokens):
+    tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W] (online draft only);
+    resp_index, resp_tokens int32 [S, N]; advantages float32 [S]; old_logp float32 [S, N];
+    loss_mask bool [S, N] (response tokens of groups that count); ref_logp float32 [S, N] (only
+    with loss.kl_beta > 0).
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ class OnlineDraft(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool) -> Callable:
-    """Compiled (params, tokens, attn_mask, resp_index, resp_tokens) -> log p of the response
-    tokens float32 [B, N] (no gradient)."""
+    """Compiled (params, tokens, segment_ids, resp_index, resp_tokens) of packed rows -> log p of the
+    response tokens float32 [S, N] (no gradient)."""
 
-    def score(params, tokens, attn_mask, resp_index, resp_tokens):
-        logits, _ = sequence_forward(cfg, params, tokens, attn_mask, (), jnp.dtype(compute_dtype), remat)
+    def score(params, tokens, segment_ids, resp_index, resp_tokens):
+        logits, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat)
         return response_logprobs(logits, resp_index, resp_tokens, sampling)[0]
 
     return jax.jit(score)
@@ -88,7 +90,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
     hidden_layers = tuple(draft.dcfg.aux_layer_ids) if draft is not None else ()
 
     def loss_fn(params, draft_weights, draft_buffers, mb):
-        logits, hidden = sequence_forward(cfg, params, mb["tokens"], mb["attn_mask"], hidden_layers,
+        logits, hidden = sequence_forward(cfg, params, mb["tokens"], mb["segment_ids"], hidden_layers,
                                           jnp.dtype(compute_dtype), remat)
         logp, entropy = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
         loss, metrics = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], loss_cfg,
@@ -103,7 +105,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
             draft_loss, draft_metrics = eagle3_loss(
                 draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
                 jax.lax.stop_gradient(logits), mb["tokens"], mb["seq_resp_mask"], num_steps=draft.train.ttt_steps,
-                step_decay=draft.train.step_decay)
+                step_decay=draft.train.step_decay, segment_ids=mb["segment_ids"])
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})
             total = loss + draft.train.loss_weight * draft_loss

@@ -45,7 +45,7 @@ def test_ttt_attention_equals_dense_attention_under_the_ttt_mask(step):
     dense = attention(q, jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1),
                       jnp.broadcast_to(jnp.asarray(_ttt_mask(step, t)), (b, t, (step + 1) * t)))
     stack = lambda xs: jnp.stack(xs, axis=2) if xs else jnp.zeros((b, t, 0, nk, d))
-    factored = ttt_attention(q, ks[0], vs[0], stack(ks[1:]), stack(vs[1:]))
+    factored = ttt_attention(q, ks[0], vs[0], stack(ks[1:]), stack(vs[1:]), jnp.ones((b, t), jnp.int32))
     np.testing.assert_allclose(factored, dense, rtol=1e-5, atol=1e-5)
 
 
@@ -153,3 +153,37 @@ def test_training_lowers_the_loss_and_beats_a_random_head(peaked_policy, rollout
     assert np.all(after > before + 0.1), (before, after)
     # The agreement is the mapped draft argmax against the policy argmax, both in policy ids.
     assert to_target_ids(dparams, jnp.arange(48)).max() < cfg.vocab_size
+
+
+def test_packed_sequences_give_the_loss_of_separate_rows(policy, head):
+    """Sequences packed into one row (segment ids) score exactly as one sequence per row."""
+    cfg, params = policy
+    dcfg, dparams = head
+    lengths = [9, 6, 7]
+    seqs = [np.asarray(random_tokens(10 + i, (1, n), cfg.vocab_size))[0] for i, n in enumerate(lengths)]
+    masks = [np.arange(n) >= 3 for n in lengths]  # the first 3 tokens are the prompt
+    t = max(lengths)
+    tokens = np.zeros((3, t), np.int32)
+    loss_mask = np.zeros((3, t), bool)
+    for i, (seq, mask) in enumerate(zip(seqs, masks)):
+        tokens[i, :len(seq)], loss_mask[i, :len(seq)] = seq, mask
+    attn = jnp.asarray(np.arange(t)[None, :] < np.array(lengths)[:, None])
+    logits, aux = forward_jit(cfg, params, jnp.asarray(tokens), dcfg.aux_layer_ids, mask=attn)
+    separate = loss_jit(dcfg, dparams, params["embed"], aux, logits, jnp.asarray(tokens), jnp.asarray(loss_mask),
+                        STEPS, 0.8)
+
+    width = sum(lengths) + 2  # two padding slots at the end
+    packed_tokens = np.zeros((1, width), np.int32)
+    packed_mask = np.zeros((1, width), bool)
+    segment_ids = np.zeros((1, width), np.int32)
+    packed_tokens[0, :sum(lengths)] = np.concatenate(seqs)
+    packed_mask[0, :sum(lengths)] = np.concatenate(masks)
+    segment_ids[0, :sum(lengths)] = np.repeat([1, 2, 3], lengths)
+    logits, aux = jax.jit(forward_hidden, static_argnums=(0, 3))(cfg, params, jnp.asarray(packed_tokens),
+                                                                 dcfg.aux_layer_ids, segment_ids=jnp.asarray(segment_ids))
+    packed = jax.jit(eagle3_loss, static_argnums=(0, 7, 8))(
+        dcfg, dparams, params["embed"], aux, logits, jnp.asarray(packed_tokens), jnp.asarray(packed_mask), STEPS, 0.8,
+        jnp.asarray(segment_ids))
+    np.testing.assert_allclose(packed[0], separate[0], rtol=2e-5)
+    for key in ("step_loss", "top1_agreement", "positions", "counted"):
+        np.testing.assert_allclose(packed[1][key], separate[1][key], rtol=2e-5, err_msg=key)

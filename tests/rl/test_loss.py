@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxspec.rl.advantages import group_advantages
-from jaxspec.rl.batch import minibatch_indices, training_rows
+from jaxspec.rl.batch import minibatch_indices, pack_rows, training_rows
 from jaxspec.rl.config import LossConfig
 from jaxspec.rl.loss import policy_loss, response_logprobs, sequence_forward
 from jaxspec.rollout import Sampling, generate
@@ -100,15 +100,38 @@ def test_training_rows_layout():
     assert sorted(np.concatenate(chunks).tolist()) == list(range(8)) and all(len(c) == 4 for c in chunks)
 
 
+def test_pack_rows_layout():
+    """First-fit-decreasing packing: every sequence's tokens, segment and response positions."""
+    prompts = [[5, 6, 7], [8], [9, 9, 9, 9]]
+    tokens = np.array([[9, 2, 0, 0], [10, 11, 12, 13], [14, 0, 0, 0]])
+    rows = training_rows(prompts, tokens, np.array([2, 4, 1]), pad_id=0, width=10)
+    rows["advantages"] = np.array([1.0, 2.0, 3.0], np.float32)
+    packed = pack_rows(rows)
+    # Lengths 5, 5, 5 in width 10: sequences 0 and 1 share row 0 (by length, then id), 2 takes row 1.
+    assert packed["tokens"].tolist() == [[5, 6, 7, 9, 2, 8, 10, 11, 12, 13], [9, 9, 9, 9, 14, 0, 0, 0, 0, 0]]
+    assert packed["segment_ids"].tolist() == [[1] * 5 + [2] * 5, [1] * 5 + [0] * 5]
+    assert packed["seq_resp_mask"][0].tolist() == [False] * 3 + [True] * 2 + [False] + [True] * 4
+    flat = packed["tokens"].reshape(-1)
+    for s in range(3):  # the logits at resp_index predict the response token that follows them
+        for j in range(rows["resp_mask"][s].sum()):
+            assert flat[packed["resp_index"][s, j] + 1] == rows["resp_tokens"][s, j]
+    assert packed["resp_index"].max() < packed["tokens"].size  # past-the-end entries stay in range
+    np.testing.assert_array_equal(packed["advantages"], rows["advantages"])
+    assert pack_rows(rows, multiple_of=4)["tokens"].shape == (4, 10)
+    assert pack_rows(rows, multiple_of=3)["tokens"].shape == (3, 10)
+
+
 def test_trainer_logprobs_match_the_rollout(tiny_policy):
     """One full-sequence forward reproduces the log-probs `generate` reports, for a filtered p."""
     _, cfg, params = tiny_policy
     sampling = Sampling(temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=10, eos_id=cfg.eos_token_id)
     prompts = [[1, 3, 50, 60, 4], [1, 3, 70, 4], [1, 3, 50, 60, 4]]
     out = generate(cfg, params, prompts, jax.random.PRNGKey(3), sampling=sampling)
-    rows = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
-    logits, _ = sequence_forward(cfg, params, rows["tokens"], rows["attn_mask"])
-    logp, entropy = response_logprobs(logits, rows["resp_index"], rows["resp_tokens"], sampling)
+    rows = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0, width=48)
+    packed = pack_rows(rows)
+    assert packed["tokens"].shape[0] == 1  # all three rollouts share one row
+    logits, _ = sequence_forward(cfg, params, packed["tokens"], packed["segment_ids"])
+    logp, entropy = response_logprobs(logits, packed["resp_index"], packed["resp_tokens"], sampling)
     valid = rows["resp_mask"]
     assert np.isfinite(np.asarray(logp)[valid]).all()
     np.testing.assert_allclose(np.asarray(logp)[valid], np.asarray(out.logprobs)[valid], atol=2e-6)

@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
-from jaxspec.rl.batch import training_rows
+from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import DraftConfig, LossConfig, OptimConfig
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, update_fn
 from jaxspec.rollout import Sampling, generate
@@ -25,6 +25,7 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     batch = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
     batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
                  old_logp=np.asarray(out.logprobs), loss_mask=batch.pop("resp_mask"))
+    batch = pack_rows(batch)
     loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-2)
     dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
     weights, buffers = split_buffers(dparams)

@@ -114,24 +114,27 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
 
 
 def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
-    """The step-6 checkpoint restored onto a data x fsdp x tensor = 2 x 2 x 2 mesh: steps 7-9 (the
-    policy, its optimizer state and the rollouts sharded) follow the single-device run."""
+    """The step-6 checkpoint restored onto a data x fsdp x tensor = 2 x 2 x 2 mesh: steps 7-8 (the
+    policy, its optimizer state and the rollouts sharded) follow the single-device run. Sharded
+    reductions round differently, and at this test's learning rate (2e-2) Adam turns rounding in
+    near-zero gradient entries into whole steps, so the runs drift apart after a few updates (the
+    loss of step 9 differs by ~1e-2 relative); two steps stay within 1e-5 here."""
     config, full = full_run
     run = tmp_path / "mesh"
     shutil.copytree(full, run)
     for folder in ("checkpoints/12", "policy", "draft"):
         shutil.rmtree(run / folder)
     (run / "metrics.jsonl").write_text("\n".join((full / "metrics.jsonl").read_text().splitlines()[:7]) + "\n")
-    assert _train("--config", config, "--run-dir", run, "--resume", "train.steps=9",
+    assert _train("--config", config, "--run-dir", run, "--resume", "train.steps=8",
                   "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2") == 0
     assert "on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
-    want, got = _without_timings(_metrics(full))[7:10], _without_timings(_metrics(run))[7:10]
+    want, got = _without_timings(_metrics(full))[7:9], _without_timings(_metrics(run))[7:9]
     for w, g in zip(want, got, strict=True):
         assert g["step"] == w["step"] and g["data_position"] == w["data_position"]
         # Sharded reductions change float rounding, not the sampled rollouts of these steps.
         assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
         for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
-            np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert (run / "policy" / "model.safetensors").is_file()
 
 
