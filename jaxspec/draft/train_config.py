@@ -35,12 +35,15 @@ class PromptData:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """How the frozen policy samples the responses the head learns from."""
+    """How the frozen policy samples the responses the head learns from. batches_per_call: one
+    generate call samples this many training batches at once (its rows serve that many steps):
+    decoding a small batch leaves a GPU mostly idle, so fewer, larger calls cost less."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
+    batches_per_call: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +152,7 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
     need(0 < g.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {g.top_p}")
     need(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
     need(g.max_new_tokens > 0, "generation.max_new_tokens", f"must be > 0, got {g.max_new_tokens}")
+    need(g.batches_per_call > 0, "generation.batches_per_call", f"must be > 0, got {g.batches_per_call}")
     need(h.draft_vocab_size is None or h.draft_vocab_size > 0, "head.draft_vocab_size",
          f"must be > 0, got {h.draft_vocab_size}")
     need(h.vocab_count_batches > 0, "head.vocab_count_batches", f"must be > 0, got {h.vocab_count_batches}")

@@ -1,9 +1,10 @@
 """Training data for the head: prompts, and the policy's own sampled responses to them.
 
-A batch is B prompts (drawn per step from a seeded generator, so a step number alone fixes its
-prompts and its sampling key), the policy's responses from `jaxspec.rollout.generate`, laid out
-as fixed-width rows prompt || response || padding of width max_prompt_len + max_new_tokens, so
-the training step compiles once.
+A batch is B prompts and the policy's responses from `jaxspec.rollout.generate`, laid out as
+fixed-width rows prompt || response || padding of width max_prompt_len + max_new_tokens, so the
+training step compiles once. Steps are served in groups of `batches_per_call`: one generate call
+samples the group's G * B prompts (drawn from a generator seeded by the group number, so a step
+number alone fixes its rows and sampling key) and step s takes rows (s % G) * B onwards.
 """
 
 from __future__ import annotations
@@ -60,25 +61,35 @@ class RolloutSource:
         self.sampling = Sampling(temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,
                                  max_new_tokens=generation.max_new_tokens, eos_id=tok.eos_id)
         self.width = max_prompt_len + generation.max_new_tokens
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.per_call = batch_size, seed, generation.batches_per_call
+        self._group: tuple[int, dict[str, np.ndarray]] | None = None  # the last group generated
 
     def batch(self, step: int) -> RolloutBatch:
-        rng = np.random.default_rng([self.seed, step])
-        rows = rng.choice(len(self.pool), self.batch_size, replace=len(self.pool) < self.batch_size)
+        group, index = divmod(step, self.per_call)
+        if self._group is None or self._group[0] != group:
+            self._group = (group, self._generate(group))
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return RolloutBatch(**{name: value[rows] for name, value in self._group[1].items()})
+
+    def _generate(self, group: int) -> dict[str, np.ndarray]:
+        """Rows of the `per_call` batches of one group: tokens, loss_mask, attn_mask [G * B, W]."""
+        num_rows = self.per_call * self.batch_size
+        rng = np.random.default_rng([self.seed, group])
+        rows = rng.choice(len(self.pool), num_rows, replace=len(self.pool) < num_rows)
         prompts = [self.pool[i] for i in rows]
-        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        key = jax.random.fold_in(jax.random.key(self.seed), group)
         out = generate(self.cfg, self.params, prompts, key, sampling=self.sampling)
         responses, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-        tokens = np.full((self.batch_size, self.width), self.tok.pad_id, np.int32)
-        loss_mask = np.zeros((self.batch_size, self.width), bool)
-        attn_mask = np.zeros((self.batch_size, self.width), bool)
+        tokens = np.full((num_rows, self.width), self.tok.pad_id, np.int32)
+        loss_mask = np.zeros((num_rows, self.width), bool)
+        attn_mask = np.zeros((num_rows, self.width), bool)
         for b, (prompt, n) in enumerate(zip(prompts, lengths)):
             p = len(prompt)
             tokens[b, :p] = prompt
             tokens[b, p:p + n] = responses[b, :n]
             loss_mask[b, p:p + n] = True
             attn_mask[b, :p + n] = True
-        return RolloutBatch(tokens=tokens, loss_mask=loss_mask, attn_mask=attn_mask)
+        return {"tokens": tokens, "loss_mask": loss_mask, "attn_mask": attn_mask}
 
 
 def count_tokens(batches: list[RolloutBatch], vocab_size: int) -> np.ndarray:

@@ -12,7 +12,8 @@ from jaxspec.cli import main as jaxspec_main
 from jaxspec.config_io import load_config
 from jaxspec.draft import build_vocab_maps, load_eagle3
 from jaxspec.draft.train_config import DraftTrainConfig, validate
-from jaxspec.models import ModelConfig, save_hf
+from jaxspec.draft.train_data import RolloutSource, prompt_pool
+from jaxspec.models import ModelConfig, load_hf, save_hf
 from jaxspec.tasks import generate_problems, train_tokenizer
 from jaxspec.tasks.tokenizer import ChatTokenizer
 from tests.models.hf_reference import random_params
@@ -45,11 +46,39 @@ def _args(run_dir, policy, *extra):
             "train.batch_size=8", "train.log_every=2", "train.checkpoint_every=2", "train.progress=false",
             "generation.max_new_tokens=12", "data.num_prompts=64", "head.vocab_count_batches=2",
             "head.draft_vocab_size=100", "loss.num_steps=2", "optim.warmup_steps=1", "eval.batches=1",
-            "data.max_prompt_len=48", "eval.data.num_prompts=16", "eval.data.max_prompt_len=48", *extra]
+            "data.max_prompt_len=48", "eval.data.num_prompts=16", "eval.data.max_prompt_len=48",
+            "generation.batches_per_call=3", *extra]
 
 
 def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rollouts_are_sampled_a_group_of_batches_per_call(policy_dir):
+    """With batches_per_call=3, steps 3..5 are the three slices of one generate call, and any step
+    comes out the same whether or not the steps before it were drawn (resume needs that)."""
+    policy, cfg = policy_dir
+    run = load_config(DraftTrainConfig, CONFIG, [f"policy={policy}", "generation.max_new_tokens=12",
+                                                 "generation.batches_per_call=3", "data.max_prompt_len=48"])
+    tok = ChatTokenizer.from_file(policy)
+    params = load_hf(policy)[1]
+    pool = prompt_pool(run.data, tok)
+    calls = []
+
+    def source():
+        src = RolloutSource(cfg, params, tok, pool, run.generation, run.data.max_prompt_len, 4, seed=7)
+        generate_group = src._generate
+        src._generate = lambda group: calls.append(group) or generate_group(group)
+        return src
+
+    walked = source()
+    batches = [walked.batch(s) for s in range(6)]
+    assert calls == [0, 1]
+    assert all(b.tokens.shape == (4, 48 + 12) for b in batches)
+    assert not np.array_equal(batches[3].tokens, batches[4].tokens)
+    fresh = source().batch(4)
+    for name in ("tokens", "loss_mask", "attn_mask"):
+        np.testing.assert_array_equal(getattr(fresh, name), getattr(batches[4], name))
 
 
 def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
@@ -71,8 +100,8 @@ def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
     assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "head.draft_vocab_size=90", "--resume")) == 2
     assert "head section differs" in capsys.readouterr().err
 
-    # Drop the final checkpoint: resuming from step 4 regenerates the same rollouts and ends in
-    # bit-identical weights.
+    # Drop the final checkpoint: resuming from step 4 (the middle of the rollout group of steps
+    # 3..5) regenerates the same rollouts and ends in bit-identical weights.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4", "6"]
     shutil.rmtree(run_dir / "checkpoints" / "6")
     assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "--resume")) == 0
