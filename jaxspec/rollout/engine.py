@@ -4,7 +4,8 @@
 `PREFILL_CHUNK` prompts at a time, copies its KV rows to all the batch rows that carry it, and
 runs a `jax.lax.while_loop` that appends one token per row per iteration, with no host round
 trip, until every row has emitted an eos or `max_new_tokens` tokens. The batch KV cache is
-donated into the loop and updated in place.
+donated into the loop and updated in place. At RL batch sizes the loop runs in stages: once at
+most half the rows still run, they move into a batch half the size (`jaxspec.rollout.stages`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logi
 from jaxspec.rollout.memory import check_fits, prefill_chunks, rollout_memory_bytes
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
+from jaxspec.rollout.stages import batch_stages, put_rows, running_first, take_rows
 
 
 class RolloutOutput(NamedTuple):
@@ -88,7 +90,9 @@ def generate(
                                     sharding=sharding)
 
     longest = int(batch.row_lengths.max())
-    needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct)
+    stages = batch_stages(num_rows, sharding)
+    needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct,
+                                  stage_rows=sum(stages[1:]))
     check_fits(needed // _cache_shards(cfg, sharding, num_rows, max_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=sampling.max_new_tokens)
 
@@ -99,7 +103,8 @@ def generate(
         cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
         put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding)
     tokens, logprobs, lengths, steps, _ = _decode(
-        cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key, sharding=sharding)
+        cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key, sharding=sharding,
+        stages=stages)
     stats = {
         "steps": int(steps),
         "acceptance_length": 1.0,
@@ -186,15 +191,17 @@ class _LoopState(NamedTuple):
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "sharding"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "sharding", "stages"), donate_argnames=("cache",))
 def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache, logits: jax.Array,
-            cache_len: jax.Array, key: jax.Array, *, sharding: Sharding | None):
+            cache_len: jax.Array, key: jax.Array, *, sharding: Sharding | None, stages: tuple[int, ...]):
     """Samples up to N = sampling.max_new_tokens tokens per row.
 
     cache: B rows, slots [0, cache_len[b]) hold row b's prompt (donated, updated in place);
     logits float32 [B, V] for the first new token; sampling.eos_id: the resolved tuple of eos ids.
+    stages: the loop's batch sizes as rows finish (`jaxspec.rollout.stages`), stages[0] = B.
     Returns (tokens int32 [B, N], logprobs float32 [B, N], lengths int32 [B], loop iterations
-    int32 scalar, final cache).
+    int32 scalar, the B-row cache after the first stage: returned so that it updates the
+    donated one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
     pad_id = cfg.pad_token_id or 0
@@ -218,9 +225,6 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
             done=state.done | (active & is_eos(token)) | (state.emitted + 1 >= max_new),
         )
 
-    def keep_going(state: _LoopState) -> jax.Array:
-        return ~jnp.all(state.done)
-
     def step(state: _LoopState) -> _LoopState:
         step_logits, _, new_cache = extend(cfg, params, state.cache, state.last_token[:, None],
                                            state.cache_len[:, None], state.cache_len, sharding=sharding)
@@ -242,7 +246,21 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
         key=key,
     )
     state = emit(state, logits, first_key)
-    state = jax.lax.while_loop(keep_going, step, state)
+    tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
+    origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
+    full_cache = None
+    for size, next_size in zip(stages, stages[1:] + (0,)):
+        if full_cache is not None:  # the running rows move into a batch of `size`
+            rows = running_first(state.done, size)
+            origin = origin[rows]
+            batch_fields = ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done")
+            state = state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows))
+            state = state._replace(cache=jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES),
+                                                      state.cache))
+        state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
+        full_cache = state.cache if full_cache is None else full_cache
+        tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
+                                     ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
     batch_axes = ("batch", None)
-    return (_constrain(sharding, state.tokens, batch_axes), _constrain(sharding, state.logprobs, batch_axes),
-            state.lengths, state.emitted - 1, state.cache)
+    return (_constrain(sharding, tokens, batch_axes), _constrain(sharding, logprobs, batch_axes), lengths,
+            state.emitted - 1, full_cache)

@@ -25,7 +25,7 @@ def prefill_chunks(num_prompts: int) -> tuple[int, int]:
 
 
 def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int,
-                         cache_dtype=jnp.float32, num_distinct: int | None = None) -> int:
+                         cache_dtype=jnp.float32, num_distinct: int | None = None, stage_rows: int = 0) -> int:
     """Bytes of device memory a rollout allocates beyond the params (after shape bucketing).
 
     batch: rows B; prompt_len: longest prompt (padded to its bucket P); max_new_tokens: N;
@@ -35,7 +35,9 @@ def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_
       * prefill: the distinct-prompt cache [U, P], the batch cache [B, P + N], and one chunk's
         float32 activations (attention scores and probabilities [C, Nq, P, P], MLP [C, P, 2F],
         residual stream [C, P, H]);
-      * decode: the batch cache [B, P + N] plus per-step float32 buffers: four [B, V] (logits,
+      * decode: the batch cache [B, P + N] and the caches of the smaller batches the loop moves
+        into as rows finish (`stage_rows` rows in all, `jaxspec.rollout.stages`), plus per-step
+        float32 buffers: four [B, V] (logits,
         processed log-probs, sort and sampling temporaries), attention scores and probabilities
         [B, Nq, P + N], MLP [B, 2F], and the outputs tokens/log-probs [B, N].
     """
@@ -48,7 +50,7 @@ def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_
     batch_cache = cache_bytes(cfg, batch, s, cache_dtype)
     prefill = (cache_bytes(cfg, chunk * num_chunks, p, cache_dtype) + batch_cache
                + _F32 * chunk * p * (2 * cfg.num_heads * p + 2 * cfg.intermediate_size + cfg.hidden_size))
-    decode = (batch_cache
+    decode = (batch_cache + cache_bytes(cfg, stage_rows, s, cache_dtype)
               + _F32 * batch * (4 * cfg.vocab_size + 2 * cfg.num_heads * s + 2 * cfg.intermediate_size)
               + 2 * _F32 * batch * max_new_tokens)
     return max(prefill, decode)

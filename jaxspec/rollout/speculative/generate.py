@@ -15,6 +15,7 @@ from jaxspec.rollout.sampling import Sampling
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
 from jaxspec.rollout.speculative.drafter import Drafter
 from jaxspec.rollout.speculative.loop import speculative_decode
+from jaxspec.rollout.stages import batch_stages
 from jaxspec.rollout.speculative.ngram import NgramDrafter
 from jaxspec.rollout.speculative.spec import Spec
 from jaxspec.rollout.speculative.stats import summarize
@@ -63,26 +64,28 @@ def _check_width(spec: Spec, draft_vocab: int) -> None:
 
 
 def speculative_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int, spec: Spec,
-                             cache_dtype, num_distinct: int) -> int:
+                             cache_dtype, num_distinct: int, stage_rows: int = 0) -> int:
     """Device bytes a speculative rollout allocates beyond the params (an estimate).
 
     The autoregressive estimate (`rollout_memory_bytes`) with the cache grown by the tree's spare
     slots, plus the verification forward's float32 buffers for the other tree nodes (logits,
     processed log-probs, attention over the cache, MLP), draft distributions for stochastic
-    drafts, and the draft model's or EAGLE-3 head's own cache.
+    drafts, and the draft model's or EAGLE-3 head's own cache; caches also for the `stage_rows`
+    rows of the smaller batches the loop moves into (`jaxspec.rollout.stages`).
     """
     nodes = 1 + spec.num_tree_nodes
     extra = nodes + spec.num_draft_tokens * spec.tree_width
-    needed = rollout_memory_bytes(cfg, batch, prompt_len, max_new_tokens + extra, cache_dtype, num_distinct)
+    needed = rollout_memory_bytes(cfg, batch, prompt_len, max_new_tokens + extra, cache_dtype, num_distinct,
+                                  stage_rows)
     slots = prompt_len + max_new_tokens + extra
     per_node = 4 * cfg.vocab_size + 2 * cfg.num_heads * slots + 2 * cfg.intermediate_size
     needed += _F32 * batch * (nodes - 1) * per_node
     if spec.stochastic:
         needed += 2 * _F32 * batch * (1 + spec.num_draft_tokens * spec.tree_width) * cfg.vocab_size
     if spec.method == "draft_model":
-        needed += cache_bytes(spec.draft[0], batch, slots, cache_dtype)
+        needed += cache_bytes(spec.draft[0], batch + stage_rows, slots, cache_dtype)
     if spec.method == "eagle3":
-        needed += cache_bytes(spec.draft[0].layer_config, batch, slots, cache_dtype)
+        needed += cache_bytes(spec.draft[0].layer_config, batch + stage_rows, slots, cache_dtype)
     return needed
 
 
@@ -96,7 +99,9 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     policy_len = prompt_width + max_new + 1 + spec.num_tree_nodes  # the verify forward writes N slots
     draft_len = prompt_width + max_new + 1 + spec.num_draft_tokens * spec.tree_width  # the drafter's tree
     longest = int(batch.row_lengths.max())
-    needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct)
+    stages = batch_stages(num_rows, sharding)
+    needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct,
+                                      sum(stages[1:]))
     check_fits(needed // _cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=max_new)
 
@@ -111,6 +116,6 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     tokens, logprobs, lengths, counts, _ = speculative_decode(
         cfg, sampling, drafter, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
         row_prompt, row_lengths, key, max_depth=spec.max_accepted, draft_len=draft_len, cache_dtype=cache_dtype,
-        sharding=sharding)
+        sharding=sharding, stages=stages)
     return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
                          stats=summarize(counts, lengths, spec.max_accepted))

@@ -9,7 +9,8 @@ Each iteration, for every row at once:
   4. the accepted nodes' KV moves to consecutive slots, the accepted tokens and the next token
      are written to the outputs with their log-probs (an eos or max_new_tokens ends the row
      exactly there), and the drafter is updated.
-Rows accept different numbers of tokens; finished rows keep computing with frozen state.
+Rows accept different numbers of tokens; finished rows keep computing with frozen state until
+the loop moves the running rows into a smaller batch (`jaxspec.rollout.stages`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
 from jaxspec.rollout.speculative.stats import Counts, count_step
 from jaxspec.rollout.speculative.tree import ancestor_mask
+from jaxspec.rollout.stages import put_rows, running_first, take_rows
 
 
 class _LoopState(NamedTuple):
@@ -62,11 +64,12 @@ def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCach
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "drafter", "max_depth", "draft_len", "cache_dtype",
-                                             "sharding"), donate_argnames=("cache",))
+                                             "sharding", "stages"), donate_argnames=("cache",))
 def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, params: Params, dparams,
                        cache: KVCache, logits: jax.Array, policy_hidden: jax.Array, prompt_tokens: jax.Array,
                        prompt_lengths: jax.Array, row_prompt: jax.Array, row_lengths: jax.Array, key: jax.Array, *,
-                       max_depth: int, draft_len: int, cache_dtype, sharding: Sharding | None):
+                       max_depth: int, draft_len: int, cache_dtype, sharding: Sharding | None,
+                       stages: tuple[int, ...]):
     """Samples up to sampling.max_new_tokens tokens per row with speculative steps.
 
     cache: the policy's prefilled cache (B rows; donated), with at least N spare slots past the
@@ -74,9 +77,11 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     `drafter.policy_layers` outputs over the distinct prompts [n, U, P, H]; prompt_tokens int32
     [U, P], prompt_lengths int32 [U], row_prompt int32 [B], row_lengths int32 [B] as in
     `PromptBatch`. max_depth: the deepest tree level (longest acceptable run); draft_len: cache
-    slots of the drafter's own cache.
+    slots of the drafter's own cache. stages: the loop's batch sizes as rows finish
+    (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
     Returns (tokens int32 [B, max_new_tokens], logprobs float32 [B, max_new_tokens], lengths int32 [B],
-    Counts, final cache).
+    Counts, the B-row cache after the first stage: returned so that it updates the donated one in
+    place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
     pad_id = cfg.pad_token_id or 0
@@ -84,15 +89,13 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     width = max_depth + 1  # most tokens one step emits
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
     chain = drafter.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
-    rows = jnp.arange(num_rows)[:, None]
 
     def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         return x if sharding is None else sharding.constrain(x, axes)
 
-    def keep_going(state: _LoopState) -> jax.Array:
-        return ~jnp.all(state.done)
-
     def step(state: _LoopState) -> _LoopState:
+        loop_rows = state.root.shape[0]
+        rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
         draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, draft_key)
         logits, hidden, cache = extend(
@@ -107,7 +110,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
                                      temperature=temperature, draft_probs=tree.draft_probs)
         path, accepted, next_token = result.path[:, :width], result.num_accepted, result.next_token
         committed = tree.tokens[:, :width] if chain else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
-        emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((num_rows, 1), jnp.int32)], axis=1)
+        emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((loop_rows, 1), jnp.int32)], axis=1)
         emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
         eos = jnp.isin(emitted, eos_ids) & (steps <= accepted[:, None])
         first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
@@ -151,7 +154,19 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         key=key,
         counts=Counts.zeros(max_depth),
     )
-    state = jax.lax.while_loop(keep_going, step, state)
+    tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
+    origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
+    full_cache = None
+    for size, next_size in zip(stages, stages[1:] + (0,)):
+        if full_cache is not None:  # the running rows (and their drafter state) move into a batch of `size`
+            rows = running_first(state.done, size)
+            origin = origin[rows]
+            batch_fields = ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done")
+            state = state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows))
+            state = state._replace(cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), state.cache))
+        state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
+        full_cache = state.cache if full_cache is None else full_cache
+        tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
+                                     ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
     batch_axes = ("batch", None)
-    return (constrain(state.tokens, batch_axes), constrain(state.logprobs, batch_axes), state.lengths, state.counts,
-            state.cache)
+    return (constrain(tokens, batch_axes), constrain(logprobs, batch_axes), lengths, state.counts, full_cache)

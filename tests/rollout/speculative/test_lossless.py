@@ -21,13 +21,16 @@ import pytest
 
 from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig
-from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs
+from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs, stages
 from tests.rollout.conftest import random_params
 from tests.rollout.reference import continuation_probs, full_forward, padded
 from tests.rollout.test_distribution import chi_square_pvalue
 
 PROMPT = (2, 1, 3, 1, 4, 2, 3, 2, 1)
 MAX_NEW = 3
+# One batch: fewer than half the rows end within 3 tokens, so a staged loop would never leave its
+# first stage; the tests turn staging off rather than compile loops that do not run (staged loops
+# are tested in tests/rollout/test_stages.py).
 NUM_SAMPLES = 6144
 EOS = 5
 
@@ -85,8 +88,10 @@ def sampled(tiny_vocab_policy, drafts):
         if key not in cache:
             method, shape, draft_sampling, setting = case
             spec = Spec(method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **SHAPES[shape])
-            out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
-                           Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
+                out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
+                               Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
             tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
             cache[key] = [tuple(int(t) for t in tokens[i, :lengths[i]]) for i in range(NUM_SAMPLES)], out
         return cache[key]

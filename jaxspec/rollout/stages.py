@@ -1,0 +1,49 @@
+"""Shrinking the decode batch as rows finish.
+
+RL rollouts end at very different lengths: most rows stop long before the longest one, yet a
+decode loop over B rows costs about the same per step however few of them still run. The
+compiled loops therefore run in stages of B, B/2, B/4 rows (`batch_stages`). A stage runs while
+more rows are running than the next stage holds; then the running rows, topped up with finished
+ones, move into the smaller batch (`running_first`, `take_rows`) and the loop goes on there.
+Finished rows keep their outputs, which are written back to their original rows.
+
+Every row is still sampled from the policy's distribution; only which random draws a row gets
+changes with the batch it sits in.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.sharding import Sharding
+
+MIN_STAGE_ROWS = 32  # below this a decode step is launch-bound: a smaller batch would not be cheaper
+MAX_STAGES = 3  # each stage is one more compiled loop
+
+
+def batch_stages(num_rows: int, sharding: Sharding | None = None, min_rows: int | None = None) -> tuple[int, ...]:
+    """Batch sizes of the loop's stages: num_rows, then halvings of at least `min_rows` (default
+    MIN_STAGE_ROWS) rows that still split evenly over the mesh's batch axes."""
+    min_rows = MIN_STAGE_ROWS if min_rows is None else min_rows
+    shards = 1 if sharding is None else sharding.mesh.shape["data"] * sharding.mesh.shape["fsdp"]
+    sizes = [num_rows]
+    while len(sizes) < MAX_STAGES and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= min_rows \
+            and (sizes[-1] // 2) % shards == 0:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+def running_first(done: jax.Array, size: int) -> jax.Array:
+    """int32 [size]: rows to keep from bool done [B] (running rows first, in order; then finished ones)."""
+    return jnp.argsort(done, stable=True)[:size].astype(jnp.int32)
+
+
+def take_rows(tree, rows: jax.Array):
+    """Every leaf of `tree` (all batch-major) restricted to `rows` int32 [b] along axis 0."""
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), tree)
+
+
+def put_rows(full: jax.Array, rows: jax.Array, part: jax.Array) -> jax.Array:
+    """`full` [B, ...] with rows `rows` int32 [b] (distinct) replaced by `part` [b, ...]."""
+    return full.at[rows].set(part)
