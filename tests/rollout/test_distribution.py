@@ -8,10 +8,13 @@ import pytest
 from scipy import stats
 
 from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout import stages as rollout_stages
 from tests.rollout.reference import continuation_probs, full_forward, padded
 
 PROMPT = (1, 2, 3)
 MAX_NEW = 3
+# One batch: fewer than half the rows end within 3 tokens, so a staged loop would never leave its
+# first stage; staging is off rather than compiling loops that do not run (tests/rollout/test_stages.py).
 NUM_SAMPLES = 8192
 EOS = 5
 
@@ -43,8 +46,10 @@ def draw(tiny_vocab_policy):
     def draw(setting):
         key = tuple(sorted(setting.items()))
         if key not in cache:
-            out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
-                           Sampling(max_new_tokens=MAX_NEW, **setting))
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(rollout_stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
+                out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
+                               Sampling(max_new_tokens=MAX_NEW, **setting))
             tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
             seqs = [tuple(int(t) for t in tokens[i, :lengths[i]]) for i in range(NUM_SAMPLES)]
             cache[key] = seqs, tokens, lengths, logprobs
