@@ -25,7 +25,7 @@ from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logi
 from jaxspec.rollout.memory import check_fits, prefill_chunks, rollout_memory_bytes
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
-from jaxspec.rollout.stages import batch_stages, put_rows, running_first, take_rows
+from jaxspec.rollout.stages import batch_stages, run_in_stages
 
 
 class RolloutOutput(NamedTuple):
@@ -246,21 +246,10 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
         key=key,
     )
     state = emit(state, logits, first_key)
-    tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
-    origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
-    full_cache = None
-    for size, next_size in zip(stages, stages[1:] + (0,)):
-        if full_cache is not None:  # the running rows move into a batch of `size`
-            rows = running_first(state.done, size)
-            origin = origin[rows]
-            batch_fields = ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done")
-            state = state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows))
-            state = state._replace(cache=jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES),
-                                                      state.cache))
-        state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
-        full_cache = state.cache if full_cache is None else full_cache
-        tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
-                                     ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
+    state, tokens, logprobs, lengths, full_cache = run_in_stages(
+        step, state, stages, ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done"),
+        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES),
+                                                        moved.cache)))
     batch_axes = ("batch", None)
     return (_constrain(sharding, tokens, batch_axes), _constrain(sharding, logprobs, batch_axes), lengths,
             state.emitted - 1, full_cache)

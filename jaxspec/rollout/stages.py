@@ -47,3 +47,29 @@ def take_rows(tree, rows: jax.Array):
 def put_rows(full: jax.Array, rows: jax.Array, part: jax.Array) -> jax.Array:
     """`full` [B, ...] with rows `rows` int32 [b] (distinct) replaced by `part` [b, ...]."""
     return full.at[rows].set(part)
+
+
+def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str, ...], place=lambda state: state):
+    """`jax.lax.while_loop(step)` over `state` stage by stage until every row is done.
+
+    state: a NamedTuple of the loop whose `batch_fields` are batch-major (among them done [B],
+    tokens / logprobs [B, N], lengths [B] and cache); stages: batch sizes, stages[0] = B. Between
+    stages the running rows move into the smaller batch and `place` re-lays the moved state out.
+    Returns (final state, tokens, logprobs, lengths of all B rows, the B-row cache after the
+    first stage).
+    """
+    num_rows = state.done.shape[0]
+    tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
+    origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
+    for i, size in enumerate(stages):
+        if i:  # the running rows move into a batch of `size`
+            rows = running_first(state.done, size)
+            origin = origin[rows]
+            state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
+        next_size = stages[i + 1] if i + 1 < len(stages) else 0
+        state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
+        if not i:
+            full_cache = state.cache
+        tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
+                                     ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
+    return state, tokens, logprobs, lengths, full_cache

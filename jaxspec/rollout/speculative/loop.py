@@ -29,7 +29,7 @@ from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
 from jaxspec.rollout.speculative.stats import Counts, count_step
 from jaxspec.rollout.speculative.tree import ancestor_mask
-from jaxspec.rollout.stages import put_rows, running_first, take_rows
+from jaxspec.rollout.stages import run_in_stages
 
 
 class _LoopState(NamedTuple):
@@ -154,19 +154,9 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         key=key,
         counts=Counts.zeros(max_depth),
     )
-    tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
-    origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
-    full_cache = None
-    for size, next_size in zip(stages, stages[1:] + (0,)):
-        if full_cache is not None:  # the running rows (and their drafter state) move into a batch of `size`
-            rows = running_first(state.done, size)
-            origin = origin[rows]
-            batch_fields = ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done")
-            state = state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows))
-            state = state._replace(cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), state.cache))
-        state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
-        full_cache = state.cache if full_cache is None else full_cache
-        tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
-                                     ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
+    # Between stages the running rows move with their drafter state.
+    state, tokens, logprobs, lengths, full_cache = run_in_stages(
+        step, state, stages, ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done"),
+        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), moved.cache)))
     batch_axes = ("batch", None)
     return (constrain(tokens, batch_axes), constrain(logprobs, batch_axes), lengths, state.counts, full_cache)
