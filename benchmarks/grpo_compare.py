@@ -4,8 +4,9 @@
         --plot benchmarks/grpo_small.png ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
 
 Reads each run's metrics.jsonl. Step times are medians over steps after the first two (compile
-and warm-up), excluding the stages that only some steps run (eval, checkpoint): generation,
-log-prob recompute, train and the whole step. Speedups are against the first run named (the
+and warm-up) that compiled nothing (where metrics record `compiles`; a new packed row count
+compiles the update once), excluding the stages that only some steps run (eval, checkpoint):
+generation, log-prob recompute, train and the whole step. Speedups are against the first run named (the
 autoregressive baseline of the same invocation). The plot (needs matplotlib) shows validation
 accuracy and per-step reward against step for every run.
 """
@@ -32,15 +33,18 @@ def summarize(records: list[dict]) -> dict:
     steps = [r for r in records if r.get("step", 0) > WARMUP_STEPS and "time_step_s" in r]
     if not steps:
         raise ValueError("no training steps past warm-up in metrics.jsonl")
+    timed = [r for r in steps if not r.get("compiles", 0)] or steps
 
-    def median(key: str) -> float | None:
-        values = [r[key] for r in steps if key in r]
+    def median(key: str, rows: list[dict] = timed) -> float | None:
+        values = [r[key] for r in rows if key in r]
         return statistics.median(values) if values else None
 
-    step_core = [r["time_step_s"] - r.get("time_eval_s", 0.0) - r.get("time_checkpoint_s", 0.0) for r in steps]
+    step_core = [r["time_step_s"] - r.get("time_eval_s", 0.0) - r.get("time_checkpoint_s", 0.0) for r in timed]
     out = {f"{stage}_s": median(f"time_{stage}_s") for stage in STAGES}
-    out.update(step_s=statistics.median(step_core), steps=len(steps),
-               acceptance_length=median("acceptance_length"), response_length=median("response_length_mean"),
+    out.update(step_s=statistics.median(step_core), steps=len(steps), timed_steps=len(timed),
+               compiling_steps=sum(1 for r in steps if r.get("compiles", 0)),
+               acceptance_length=median("acceptance_length", steps),
+               response_length=median("response_length_mean", steps),
                reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
                reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]))
     out["eval_accuracy"] = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "spec": ("jaxspec.bench.spec", "speculative vs autoregressive rollouts on a trained policy and draft"),
     "spec-cost": ("jaxspec.bench.spec_cost", "costs of the pieces of a speculative step; projected speedup"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
+    "profile": ("jaxspec.bench.profile", "device time of a decode-loop iteration by phase (AR vs speculative)"),
 }
 
 

@@ -24,6 +24,9 @@ from jaxspec.models import load_hf
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import ChatTokenizer, generate_problems
 
+COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length", "efficiency", "step_ms",
+           "step_over_ar"]
+
 
 def _configs(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
@@ -38,7 +41,8 @@ def _configs(args) -> list[tuple[str, dict]]:
     if args.stochastic:
         runs.append(("eagle3 chain k=3 stochastic", {"method": "eagle3", "num_draft_tokens": 3,
                                                       "draft_sampling": "stochastic"}))
-    runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
+    if not args.no_ngram:
+        runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
     return runs
 
 
@@ -53,6 +57,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trees", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                    default=[(2, 4, 8), (3, 5, 16)], help="width,depth,budget triples")
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
+    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
@@ -94,12 +99,10 @@ def main(argv: list[str]) -> int:
                    "efficiency": speedup / acc, "step_ms": step_ms, "step_over_ar": step_ms / ar_step_ms,
                    "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist()}
             rows.append(row)
-            print_table([row], ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length",
-                                "efficiency", "step_ms", "step_over_ar"])
+            print_table([row], COLUMNS)
     baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood, "params": cfg.num_params(),
                 "temperature": 1.0, "max_new_tokens": args.new, "baseline": "autoregressive generate, same run"}
     print()
-    print_table(rows, ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length", "efficiency",
-                       "step_ms", "step_over_ar"])
+    print_table(rows, COLUMNS)
     write_results(args.out, "spec", rows, baseline)
     return 0

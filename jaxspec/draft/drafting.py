@@ -71,8 +71,9 @@ def draft_extend(
     q, k, v = attention_inputs(dcfg, dparams, embed, tokens, hidden_in, cos, sin)
     rows = jnp.arange(b)[:, None]
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    ck = cache.k[0].at[rows, slots].set(k.astype(cache.k[0].dtype), mode="drop")
-    cv = cache.v[0].at[rows, slots].set(v.astype(cache.v[0].dtype), mode="drop")
+    with jax.named_scope("kv_write"):
+        ck = cache.k[0].at[rows, slots].set(k.astype(cache.k[0].dtype), mode="drop")
+        cv = cache.v[0].at[rows, slots].set(v.astype(cache.v[0].dtype), mode="drop")
     out = layer_output(dcfg, dparams, hidden_in, attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask))
     return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))
 

@@ -166,5 +166,6 @@ def layer_output(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, att
 
 def draft_logits(dcfg: DraftConfig, dparams: DraftParams, out: jax.Array) -> jax.Array:
     """Final norm and lm_head: layer output [B, T, H] -> float32 logits over the draft vocabulary."""
-    normed = rms_norm(out, dparams["norm"], dcfg.rms_norm_eps)
-    return jnp.einsum("bth,hv->btv", normed, dparams["lm_head"], preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        normed = rms_norm(out, dparams["norm"], dcfg.rms_norm_eps)
+        return jnp.einsum("bth,hv->btv", normed, dparams["lm_head"], preferred_element_type=jnp.float32)

@@ -107,12 +107,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     """
     b, t, nq, d = q.shape
     nk = k.shape[2]
-    qg = q.reshape(b, t, nk, nq // nk, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, nq, d).astype(q.dtype)
+    with jax.named_scope("attention"):
+        qg = q.reshape(b, t, nk, nq // nk, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+        return out.reshape(b, t, nq, d).astype(q.dtype)
 
 
 def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
@@ -142,9 +143,10 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and LM head: x [B, T, H] -> float32 logits [B, T, V]."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+        return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- full sequences
@@ -268,8 +270,9 @@ def extend(
     new_k, new_v, hidden = [], [], {}
     for i, layer in enumerate(params["layers"]):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
-        ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
-        cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
+        with jax.named_scope("kv_write"):
+            ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
+            cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
         x = _attn_out_and_mlp(cfg, layer, x, attention(q, ck.astype(q.dtype), cv.astype(q.dtype), attn_mask))
         x = _constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)

@@ -10,9 +10,11 @@ A step record (metrics.jsonl) holds
   validation: eval_accuracy, eval_reward_mean (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), eval, checkpoint; time_step_s;
-    tokens_per_s (generated tokens per second of generation).
-Keys starting with "time_" and "tokens_per_s" are wall-clock measurements; everything else is a
-deterministic function of the config, the data and the keys.
+    tokens_per_s (generated tokens per second of generation); compiles and time_compile_s (XLA
+    compilations during the step and their seconds, included in the stages' times: a new shape,
+    e.g. a new packed row count, compiles once).
+Keys starting with "time_", "tokens_per_s" and "compiles" depend on the machine and the process's
+history; everything else is a deterministic function of the config, the data and the keys.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-TIMING_PREFIXES = ("time_", "tokens_per_s")
+TIMING_PREFIXES = ("time_", "tokens_per_s", "compiles")
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
 
 
 def is_timing(key: str) -> bool:
@@ -78,10 +81,18 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 class StageTimer:
-    """Accumulates wall-clock seconds per named stage (block on device results inside a stage)."""
+    """Accumulates wall-clock seconds per named stage (block on device results inside a stage), and
+    counts the XLA compilations that happen until `record`."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.compiles, self.compile_seconds = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
+        if event == _COMPILE_EVENT:
+            self.compiles += 1
+            self.compile_seconds += duration_secs
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -90,7 +101,10 @@ class StageTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def record(self) -> dict[str, float]:
-        return {f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()}
+        """{"time_<stage>_s": seconds, "compiles": n, "time_compile_s": seconds}; stops counting."""
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+        return {**{f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()},
+                "compiles": self.compiles, "time_compile_s": round(self.compile_seconds, 6)}
 
 
 def block(tree):

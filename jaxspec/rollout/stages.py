@@ -63,9 +63,10 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
     origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
     for i, size in enumerate(stages):
         if i:  # the running rows move into a batch of `size`
-            rows = running_first(state.done, size)
-            origin = origin[rows]
-            state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
+            with jax.named_scope("stage_move"):
+                rows = running_first(state.done, size)
+                origin = origin[rows]
+                state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
         state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
         if not i:

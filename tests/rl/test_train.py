@@ -146,16 +146,27 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run = tmp_path / "mp"
-    procs = []
+    procs, logs = [], [tmp_path / f"process{pid}.log" for pid in range(2)]
     for pid in range(2):
+        # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-               "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", "--config", config, "--run-dir", str(run),
-             "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], env=env, cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+               "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
+               "PYTHONFAULTHANDLER": "1"}
+        with open(logs[pid], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", "--config", config, "--run-dir", str(run),
+                 "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], env=env, cwd=REPO,
+                stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + 480
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(1)
+    hung = [p for p in procs if p.poll() is None]
+    for p in hung:  # report where each process waits instead of hanging the suite
+        p.send_signal(signal.SIGABRT)
+    for p in procs:
+        p.wait(timeout=60)
+    outputs = [log.read_text() for log in logs]
+    assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
     assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
     want, got = _without_timings(_metrics(full))[1:3], _without_timings(_metrics(run))[1:3]
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2]

@@ -97,17 +97,20 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
-        draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, draft_key)
-        logits, hidden, cache = extend(
-            cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
-            tree_mask=None if chain else ancestor_mask(tree.parents, max_depth), hidden_layers=drafter.policy_layers,
-            sharding=sharding)
-        if sampling.greedy:
-            verify_logits, temperature = logits, 0.0
-        else:
-            verify_logits, temperature = processed_logprobs(logits, sampling), 1.0
-        result = kernels.tree_verify(verify_logits, tree.parents, tree.tokens, tree.num_nodes, verify_key,
-                                     temperature=temperature, draft_probs=tree.draft_probs)
+        with jax.named_scope("propose"):
+            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, draft_key)
+        with jax.named_scope("verify_forward"):
+            logits, hidden, cache = extend(
+                cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
+                tree_mask=None if chain else ancestor_mask(tree.parents, max_depth),
+                hidden_layers=drafter.policy_layers, sharding=sharding)
+        with jax.named_scope("verify"):
+            if sampling.greedy:
+                verify_logits, temperature = logits, 0.0
+            else:
+                verify_logits, temperature = processed_logprobs(logits, sampling), 1.0
+            result = kernels.tree_verify(verify_logits, tree.parents, tree.tokens, tree.num_nodes, verify_key,
+                                         temperature=temperature, draft_probs=tree.draft_probs)
         path, accepted, next_token = result.path[:, :width], result.num_accepted, result.next_token
         committed = tree.tokens[:, :width] if chain else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
         emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((loop_rows, 1), jnp.int32)], axis=1)
@@ -119,11 +122,13 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
         node_hidden = hidden[:, :, :width] if chain or hidden.shape[0] == 0 else (
             jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
-        draft = drafter.update(dparams, draft, Verified(committed=committed, next_root=next_token,
-                                                        num_accepted=accepted, cache_len=state.cache_len,
-                                                        hidden=node_hidden, active=active))
+        with jax.named_scope("draft_update"):
+            draft = drafter.update(dparams, draft, Verified(committed=committed, next_root=next_token,
+                                                            num_accepted=accepted, cache_len=state.cache_len,
+                                                            hidden=node_hidden, active=active))
         if not chain:  # a chain's accepted nodes already sit at consecutive slots
-            cache = commit_path(cache, state.cache_len, path)
+            with jax.named_scope("commit"):
+                cache = commit_path(cache, state.cache_len, path)
         return _LoopState(
             root=jnp.where(active, next_token, state.root),
             cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), cache),

@@ -1,0 +1,208 @@
+"""`jaxspec bench profile`: where the device time of a decode-loop iteration goes.
+
+Generates the same prompts autoregressively and with each given speculative configuration,
+once to compile and once under `jax.profiler.trace`. XLA dumps its optimized HLO, whose
+metadata names the jax scope every fused kernel came from, so each traced kernel is charged to
+a phase of the loop:
+
+    autoregressive: forward (the one-token policy step), sample
+    speculative:    propose (the drafter), verify_forward (the policy over the drafted nodes),
+                    verify (the acceptance test), commit (moving a tree path's KV),
+                    draft_update, and the loop's own bookkeeping
+    both:           stage_move (rows moving into a smaller batch), prefill (its own program)
+
+and, inside a phase, to a part: attention (scores over the KV cache), kv_write, lm_head, or
+layers (the other matmuls and norms). Reported in device milliseconds per loop iteration,
+against the autoregressive decode step of the same run.
+
+The dump flags must reach XLA before its backend starts, so this command sets XLA_FLAGS itself
+and refuses to run in a process that has already used JAX. On GPU it also turns XLA's command
+buffers (CUDA graphs) off: a graph is traced as one event, which hides the kernels inside it.
+Kernel times are unchanged by that; the loop's wall time may grow by the launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import tempfile
+from pathlib import Path
+
+PHASES = ("propose", "verify_forward", "verify", "commit", "draft_update", "forward", "sample", "stage_move")
+PARTS = ("attention", "kv_write", "lm_head")
+LOOP_MODULES = {"jit__decode": "ar", "jit_speculative_decode": "spec", "jit__prefill": "prefill"}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+TOP_KERNELS = 25
+_CONTROL = re.compile(r"^(while|conditional|call)(\.\d+)?$")
+
+
+def op_scopes(dump_dir: Path) -> dict[tuple[int, str], str]:
+    """{(program id, instruction name): jax op_name} from the optimized HLO in an XLA dump (files
+    module_<program id>.<name>...after_optimizations.txt). A fusion that XLA gave no metadata
+    of its own gets the scopes its fused instructions share."""
+    scopes = {}
+    for path in Path(dump_dir).glob("module_*after_optimizations.txt"):
+        program = int(path.name.split(".")[0].removeprefix("module_"))
+        computation, names, calls = None, collections.defaultdict(list), {}
+        for line in path.read_text().splitlines():
+            header = _COMPUTATION.match(line)
+            if header:
+                computation = header.group(1)
+                continue
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            meta, called = _OP_NAME.search(line), _CALLS.search(line)
+            if meta:
+                scopes[(program, m.group(1))] = meta.group(1)
+                names[computation].append(meta.group(1).split("/"))
+            elif called:
+                calls[m.group(1)] = called.group(1)
+        for instruction, computation in calls.items():
+            paths = names.get(computation)
+            if paths:
+                shared = [parts[0] for parts in zip(*paths) if len(set(parts)) == 1]
+                scopes[(program, instruction)] = "/".join(shared)
+    return scopes
+
+
+def classify(op_name: str) -> tuple[str, str]:
+    """(phase, part) of a kernel from its jax op_name (scopes separated by '/'); kernels XLA
+    created without one (layout copies, converts) are "unattributed"."""
+    if not op_name:
+        return "unattributed", "layers"
+    parts = op_name.split("/")
+    phase = next((p for p in parts if p in PHASES), "bookkeeping")
+    part = next((p for p in parts if p in PARTS), "layers")
+    return phase, part
+
+
+def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]
+                 ) -> tuple[dict[str, dict[tuple[str, str], float]], list[tuple[float, str, str, str]]]:
+    """Device nanoseconds per (phase, part) for each loop program ("ar", "spec", "prefill"), and
+    every kernel's total [(ns, program, hlo op, op_name)], longest first.
+
+    Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, whose
+    while/conditional thunks enclose their bodies and are skipped)."""
+    from jax.profiler import ProfileData
+
+    totals: dict[str, dict[tuple[str, str], float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    per_op: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    for path in Path(trace_dir).rglob("*.xplane.pb"):
+        data = ProfileData.from_file(str(path))
+        planes = [p for p in data.planes if p.name.startswith("/device:")] or \
+            [p for p in data.planes if p.name == "/host:CPU"]
+        for plane in planes:
+            for line in plane.lines:
+                for event in line.events:
+                    stats = dict(event.stats)
+                    program = LOOP_MODULES.get(str(stats.get("hlo_module")))
+                    op = stats.get("hlo_op")
+                    if program is None or op is None or "program_id" not in stats or _CONTROL.match(str(op)):
+                        continue
+                    op_name = scopes.get((int(stats["program_id"]), str(op)), "")
+                    phase, part = classify(op_name)
+                    totals[program][("prefill" if program == "prefill" else phase, part)] += event.duration_ns
+                    per_op[(program, str(op), op_name)] += event.duration_ns
+    return totals, sorted(((ns, *key) for key, ns in per_op.items()), reverse=True)
+
+
+def _set_dump_flags(dump_dir: Path) -> None:
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise ValueError("jaxspec bench profile must start before anything in this process has used JAX "
+                         "(it sets XLA_FLAGS to dump the optimized HLO)")
+    flags = os.environ.get("XLA_FLAGS", "")
+    # Without command buffers (CUDA graphs) every kernel is traced under its own HLO name.
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
+                               "--xla_dump_hlo_module_re=.*(_decode|_prefill).* "
+                               "--xla_gpu_enable_command_buffer=").strip()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 head (public layout); without it only n-gram runs")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new", type=int, default=256, help="max_new_tokens (a short run keeps the trace small)")
+    p.add_argument("--k", type=int, nargs="+", default=[3])
+    p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--trace-dir", default=None, help="keep the traces and HLO dumps here (default: a temp dir)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    work = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-"))
+    _set_dump_flags(work / "hlo")
+    return _profile(args, work)
+
+
+def _profile(args, work: Path) -> int:
+    import jax
+
+    from jaxspec.bench.timing import print_table, write_results
+    from jaxspec.draft import load_eagle3
+    from jaxspec.models import load_hf
+    from jaxspec.rollout import Sampling, Spec, generate
+    from jaxspec.tasks import ChatTokenizer, generate_problems
+
+    cfg, params = load_hf(args.policy, dtype=args.dtype)
+    tok = ChatTokenizer.from_file(args.policy)
+    head = load_eagle3(args.draft, dtype=args.dtype, policy=cfg) if args.draft else None
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
+    problems = generate_problems(args.batch, seed=args.seed, levels=args.levels)
+    prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
+    configs = [("ar", None)]
+    configs += [(f"eagle3 chain k={k}", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k if head]
+    configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
+
+    rows, ar_step_ms = [], None
+    for i, (label, spec) in enumerate(configs):
+        run = lambda: generate(cfg, params, prompts, jax.random.key(0), sampling, spec=spec)  # noqa: E731
+        jax.block_until_ready(run().tokens)  # compile
+        trace = work / f"trace{i}"
+        with jax.profiler.trace(str(trace)):
+            out = run()
+            jax.block_until_ready(out.tokens)
+        steps = max(int(out.stats["steps"]), 1)
+        times, kernels = kernel_times(trace, op_scopes(work / "hlo"))
+        loop = times["spec" if spec is not None else "ar"]
+        total_ms = sum(loop.values()) / 1e6 / steps
+        top = [{"ms": ns / 1e6 / steps, "op": op, "op_name": name}
+               for ns, program, op, name in kernels if program != "prefill"][:TOP_KERNELS]
+        ar_step_ms = total_ms if spec is None else ar_step_ms
+        row = {"config": label, "batch": args.batch, "steps": steps,
+               "acceptance_length": float(out.stats["acceptance_length"]),
+               "step_ms": total_ms, "step_over_ar": total_ms / ar_step_ms,
+               "prefill_ms": sum(times["prefill"].values()) / 1e6,
+               "phases_ms": _by(loop, 0, steps), "parts_ms": _by(loop, 1, steps),
+               "phase_parts_ms": {f"{ph}/{pa}": ns / 1e6 / steps for (ph, pa), ns in sorted(loop.items())},
+               "top_kernels": top}
+        rows.append(row)
+        print(f"\n{label}: {total_ms:.3f} device ms per iteration ({row['step_over_ar']:.2f}x the AR step), "
+              f"{steps} iterations, acceptance {row['acceptance_length']:.2f}")
+        print_table([{"phase/part": k, "ms": v, "share": v / total_ms} for k, v in row["phase_parts_ms"].items()],
+                    ["phase/part", "ms", "share"])
+        for k in top[:8]:
+            print(f"  {k['ms']:8.4f} ms  {k['op']:<32} {k['op_name'][-90:]}")
+    baseline = {"policy": args.policy, "draft": args.draft, "max_new_tokens": args.new, "levels": args.levels,
+                "unit": "device ms per loop iteration",
+                "baseline": "the autoregressive decode step of the same run"}
+    print()
+    print_table(rows, ["config", "step_ms", "step_over_ar", "acceptance_length", "steps"])
+    write_results(args.out, "profile", rows, baseline)
+    return 0
+
+
+def _by(loop: dict[tuple[str, str], float], index: int, steps: int) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for key, ns in loop.items():
+        out[key[index]] += ns / 1e6 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,64 @@
+"""`jaxspec bench profile` charges every traced kernel of the decode loops to its phase (CPU, tiny assets)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from jaxspec.bench import profile
+
+ASSETS = Path(profile.__file__).resolve().parents[1] / "assets"
+REPO = ASSETS.parents[1]
+
+
+def test_classify_reads_the_loop_scopes():
+    assert profile.classify("jit(speculative_decode)/while/body/propose/lm_head/dot_general") == ("propose", "lm_head")
+    assert profile.classify("jit(_decode)/while/body/forward/attention/exp") == ("forward", "attention")
+    assert profile.classify("jit(speculative_decode)/while/body/add") == ("bookkeeping", "layers")
+    assert profile.classify("") == ("unattributed", "layers")
+
+
+def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
+    (tmp_path / "module_0007.jit__decode.cpu_after_optimizations.txt").write_text(
+        "%fused_computation.1 (p: f32[2]) -> f32[2] {\n"
+        '  %a = f32[2] negate(%p), metadata={op_name="jit(_decode)/while/body/forward/attention/neg"}\n'
+        '  ROOT %b = f32[2] exp(%a), metadata={op_name="jit(_decode)/while/body/forward/attention/exp"}\n'
+        "}\n"
+        "ENTRY %main (x: f32[2]) -> f32[2] {\n"
+        "  %x = f32[2] parameter(0)\n"
+        '  %y = f32[2] add(%x, %x), metadata={op_name="jit(_decode)/while/body/sample/add"}\n'
+        "  ROOT %fusion.3 = f32[2] fusion(%y), kind=kLoop, calls=%fused_computation.1\n"
+        "}\n")
+    scopes = profile.op_scopes(tmp_path)
+    assert scopes[(7, "y")] == "jit(_decode)/while/body/sample/add"
+    assert profile.classify(scopes[(7, "fusion.3")]) == ("forward", "attention")
+
+
+def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.cli", "bench", "profile", "--policy", str(ASSETS / "tiny-policy"),
+         "--draft", str(ASSETS / "tiny-eagle3"), "--batch", "4", "--new", "8", "--levels", "1", "--k", "2",
+         "--trace-dir", str(tmp_path / "trace"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ar", "eagle3 chain k=2", "ngram chain k=3"}
+    ar, spec = rows["ar"], rows["eagle3 chain k=2"]
+    assert {"forward", "sample"} <= set(ar["phases_ms"]) and "propose" not in ar["phases_ms"]
+    assert {"propose", "verify_forward", "verify", "draft_update"} <= set(spec["phases_ms"])
+    assert spec["parts_ms"]["attention"] > 0 and ar["parts_ms"]["attention"] > 0
+    for row in rows.values():
+        assert row["step_ms"] == pytest.approx(sum(row["phases_ms"].values()))
+        assert row["steps"] >= 1 and row["prefill_ms"] > 0 and row["top_kernels"]
+    assert ar["step_over_ar"] == 1.0
+
+
+def test_profile_refuses_a_process_that_already_used_jax():
+    jnp.zeros(1).block_until_ready()
+    with pytest.raises(ValueError, match="before anything in this process has used JAX"):
+        profile.main(["--policy", str(ASSETS / "tiny-policy")])
