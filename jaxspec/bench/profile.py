@@ -163,16 +163,20 @@ def _profile(args, work: Path) -> int:
     configs += [(f"eagle3 chain k={k}", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k if head]
     configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
 
-    rows, ar_step_ms = [], None
-    for i, (label, spec) in enumerate(configs):
+    outputs = []
+    for i, (_, spec) in enumerate(configs):
         run = lambda: generate(cfg, params, prompts, jax.random.key(0), sampling, spec=spec)  # noqa: E731
         jax.block_until_ready(run().tokens)  # compile
-        trace = work / f"trace{i}"
-        with jax.profiler.trace(str(trace)):
+        with jax.profiler.trace(str(work / f"trace{i}")):
             out = run()
             jax.block_until_ready(out.tokens)
+        outputs.append(out)
+
+    scopes = op_scopes(work / "hlo")  # every program has been compiled (and dumped) by now
+    rows, ar_step_ms = [], None
+    for i, ((label, spec), out) in enumerate(zip(configs, outputs)):
         steps = max(int(out.stats["steps"]), 1)
-        times, kernels = kernel_times(trace, op_scopes(work / "hlo"))
+        times, kernels = kernel_times(work / f"trace{i}", scopes)
         loop = times["spec" if spec is not None else "ar"]
         total_ms = sum(loop.values()) / 1e6 / steps
         top = [{"ms": ns / 1e6 / steps, "op": op, "op_name": name}

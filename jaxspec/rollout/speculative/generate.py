@@ -15,10 +15,10 @@ from jaxspec.rollout.sampling import Sampling
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
 from jaxspec.rollout.speculative.drafter import Drafter
 from jaxspec.rollout.speculative.loop import speculative_decode
-from jaxspec.rollout.stages import batch_stages
 from jaxspec.rollout.speculative.ngram import NgramDrafter
 from jaxspec.rollout.speculative.spec import Spec
 from jaxspec.rollout.speculative.stats import summarize
+from jaxspec.rollout.stages import batch_stages
 
 _F32 = 4
 
