@@ -16,6 +16,7 @@ BENCHMARKS = {
     "decode": ("jaxspec.bench.decode", "autoregressive decode vs the memory roofline and transformers"),
     "spec": ("jaxspec.bench.spec", "speculative vs autoregressive rollouts on a trained policy and draft"),
     "spec-cost": ("jaxspec.bench.spec_cost", "costs of the pieces of a speculative step; projected speedup"),
+    "attention": ("jaxspec.bench.attention", "ragged cache-attention kernel vs dense attention, by cache fill"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
     "profile": ("jaxspec.bench.profile", "device time of a decode-loop iteration by phase (AR vs speculative)"),
 }

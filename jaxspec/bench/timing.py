@@ -41,6 +41,13 @@ def copy_bytes_per_second(num_bytes: int = 2 << 30, iters: int = 10) -> float:
     return 2 * num_bytes / median_seconds(lambda: copy(x), iters=iters)
 
 
+def read_bytes_per_second(num_bytes: int = 2 << 30, iters: int = 10) -> float:
+    """Measured device read bandwidth (bytes read per second by a sum over a large array)."""
+    x = jax.random.normal(jax.random.key(2), (num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return num_bytes / median_seconds(lambda: total(x), iters=iters)
+
+
 def device_description() -> str:
     dev = jax.devices()[0]
     return f"{dev.platform}:{getattr(dev, 'device_kind', 'unknown')} x{jax.device_count()}"

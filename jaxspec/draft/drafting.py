@@ -27,7 +27,9 @@ from jaxspec.draft.config import DraftConfig
 from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
                                  target_ids, to_target_ids)
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.transformer import KVCache, attention, cache_attention_mask
+from jaxspec.models.attention import attention, cache_attention, cache_attention_mask
+from jaxspec.models.sharding import Sharding
+from jaxspec.models.transformer import KVCache
 
 __all__ = ["draft_extend", "draft_logprobs_on_target_vocab", "fuse", "init_draft_cache", "to_target_ids"]
 
@@ -49,6 +51,7 @@ def draft_extend(
     cache_len: jax.Array,
     tree_mask: jax.Array | None = None,
     prefix_mask: jax.Array | None = None,
+    sharding: Sharding | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Appends T entries per row to the head's cache and runs them through the head.
 
@@ -58,15 +61,12 @@ def draft_extend(
     cache_len[b] + t. tree_mask: bool [B, T, T], which new entries each new entry sees (default
     causal). prefix_mask: bool [B, T, S], optional restriction of which slots < cache_len[b] each
     new entry sees (default all: for tree drafting, hide the siblings' branches in the cache).
+    sharding: the mesh the cache is laid out on (`KV_CACHE_AXES`), if any.
     Returns (float32 logits [B, T, Vd] over the draft vocabulary, hidden_out [B, T, H] (layer
     output before the final norm, the next step's hidden input), updated cache).
     """
     _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask)
     b, t = tokens.shape
-    mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
-    if prefix_mask is not None:
-        in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
-        mask = mask & (prefix_mask | ~in_prefix)
     cos, sin = rope_tables(dcfg.layer_config, positions)
     q, k, v = attention_inputs(dcfg, dparams, embed, tokens, hidden_in, cos, sin)
     rows = jnp.arange(b)[:, None]
@@ -74,7 +74,13 @@ def draft_extend(
     with jax.named_scope("kv_write"):
         ck = cache.k[0].at[rows, slots].set(k.astype(cache.k[0].dtype), mode="drop")
         cv = cache.v[0].at[rows, slots].set(v.astype(cache.v[0].dtype), mode="drop")
-    out = layer_output(dcfg, dparams, hidden_in, attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask))
+    if prefix_mask is None:
+        attn = cache_attention(q, ck, cv, cache_len, tree_mask, sharding=sharding)
+    else:
+        mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
+        in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
+        attn = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask & (prefix_mask | ~in_prefix))
+    out = layer_output(dcfg, dparams, hidden_in, attn)
     return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))
 
 

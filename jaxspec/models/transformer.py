@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.attention import attention, cache_attention
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.rope import apply_rope, rope_tables
 from jaxspec.models.sharding import Sharding
@@ -97,23 +98,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention.
-
-    q [B, T, Nq, D], k/v [B, S, Nk, D], mask bool [B, T, S] (True = may attend) -> [B, T, Nq, D].
-    Scores and softmax in float32.
-    """
-    b, t, nq, d = q.shape
-    nk = k.shape[2]
-    with jax.named_scope("attention"):
-        qg = q.reshape(b, t, nk, nq // nk, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-        return out.reshape(b, t, nq, d).astype(q.dtype)
 
 
 def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
@@ -261,7 +245,6 @@ def extend(
     """
     _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
-    attn_mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     rows = jnp.arange(b)[:, None]
     cos, sin = rope_tables(cfg, positions)
@@ -273,7 +256,7 @@ def extend(
         with jax.named_scope("kv_write"):
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
-        x = _attn_out_and_mlp(cfg, layer, x, attention(q, ck.astype(q.dtype), cv.astype(q.dtype), attn_mask))
+        x = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, sharding=sharding))
         x = _constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)
         new_v.append(cv)
@@ -281,22 +264,6 @@ def extend(
             hidden[i] = x
     logits = logits_from_hidden(cfg, params, x)
     return logits, _stack_hidden(hidden, hidden_layers, x), KVCache(k=tuple(new_k), v=tuple(new_v))
-
-
-def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
-                         tree_mask: jax.Array | None = None) -> jax.Array:
-    """Which cache slots each of `num_new` tokens written at slots cache_len[b] + t may attend to.
-
-    cache_len int32 [B]; tree_mask bool [B, T, T] among the new tokens (default causal). Returns
-    bool [B, T, max_len]: every slot < cache_len[b], plus the new tokens' slots per tree_mask.
-    """
-    b, t = cache_len.shape[0], num_new
-    if tree_mask is None:
-        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
-    in_new = (rel >= 0) & (rel < t)
-    new_visible = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
-    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_visible)
 
 
 def _check_hidden_layers(cfg: ModelConfig, hidden_layers: tuple[int, ...]) -> None:

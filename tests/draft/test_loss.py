@@ -10,7 +10,7 @@ from jaxspec.draft.train import eval_step, train_step
 from jaxspec.optim import make_optimizer
 from jaxspec.draft.train_config import LossConfig, OptimConfig
 from jaxspec.models import forward_hidden
-from jaxspec.models.transformer import attention
+from jaxspec.models.attention import attention
 from jaxspec.rollout import Sampling, generate
 from tests.models.hf_reference import random_tokens
 

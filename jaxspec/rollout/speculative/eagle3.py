@@ -100,14 +100,15 @@ class Eagle3Drafter:
                 start = head_len - (state.count - 1)
                 positions = start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32)
                 logits, out, cache = draft_extend(self.dcfg, head, embed, cache, state.tokens, state.hidden,
-                                                  positions, start)
+                                                  positions, start, sharding=self.sharding)
                 last = (state.count - 1)[:, None, None]
                 logits, out = jnp.take_along_axis(logits, last, axis=1), jnp.take_along_axis(out, last, axis=1)
             else:
                 parent_out = jnp.take_along_axis(previous_out, jnp.maximum(parents, 0)[:, :, None], axis=1)
                 hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden[:, None], parent_out)
                 logits, out, cache = draft_extend(self.dcfg, head, embed, cache, tokens, hidden_in,
-                                                  head_len[:, None] + depth, head_len, tree_mask=mask)
+                                                  head_len[:, None] + depth, head_len, tree_mask=mask,
+                                                  sharding=self.sharding)
                 logits = logits[:, frontier]
             return (self._constrain_cache(cache), out), processed_logprobs(logits, self.sampling)
 

@@ -1,0 +1,103 @@
+"""`jaxspec bench attention`: cache attention of a decode / verification step, ragged kernel vs dense.
+
+One layer's `cache_attention` for T new tokens per row over a bf16 KV cache of max_len slots,
+whose rows are filled to a fraction of it (each row's length drawn uniformly in
+[0.5, 1.5] x fill x max_len, capped). The dense XLA path reads every slot; the Pallas kernel
+reads KV blocks up to each row's length. `roofline` is the time to read the filled KV once at
+the device read bandwidth (a sum over --read-bytes, measured in the same run), over the kernel's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.timing import median_seconds, print_table, read_bytes_per_second, write_results
+from jaxspec.models.attention import cache_attention
+from jaxspec.models.config import ModelConfig
+from kernels.ragged_attention import prefix_attention_pallas
+
+
+def attention_inputs(batch: int, t: int, heads: int, kv_heads: int, head_dim: int, max_len: int, fill: float,
+                     seed: int = 0):
+    """(q [B, T, Nq, D], k and v caches [B, S, Nk, D] in bf16, cache_len int32 [B])."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (batch, t, heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (batch, max_len, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (batch, max_len, kv_heads, head_dim), jnp.bfloat16)
+    rng = np.random.default_rng(seed)
+    lengths = rng.uniform(0.5, 1.5, size=batch) * fill * max_len
+    return q, k, v, jnp.asarray(np.clip(lengths, 1, max_len - t).astype(np.int32))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench attention", description=__doc__)
+    p.add_argument("--model", nargs="+", default=["configs/models/qwen3-8b.json"],
+                   help="model config JSON(s) (HF config.json layout) giving the head shapes")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4], help="new tokens per row (T)")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--fill", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kernel-impl", choices=["pallas", "interpret"], default="pallas",
+                   help="interpret runs the kernel in Pallas interpret mode (any backend, slow)")
+    p.add_argument("--tune", action="store_true",
+                   help="also time the kernel alone over block sizes, warps and stages at the last shape")
+    p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    read_rate = read_bytes_per_second(args.read_bytes)
+    rows = []
+    for model in args.model:
+        cfg = ModelConfig.from_json(model)
+        for batch in args.batch:
+            for t in args.tokens:
+                for fill in args.fill:
+                    q, k, v, cache_len = attention_inputs(batch, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                          args.max_len, fill)
+                    times, outs = {}, {}
+                    for impl in ("xla", args.kernel_impl):
+                        fn = jax.jit(functools.partial(cache_attention, impl=impl))
+                        outs[impl] = fn(q, k, v, cache_len).astype(jnp.float32)
+                        times[impl] = median_seconds(lambda: fn(q, k, v, cache_len), iters=args.iters)
+                    err = float(jnp.max(jnp.abs(outs["xla"] - outs[args.kernel_impl])))
+                    filled = int(jnp.sum(cache_len + t)) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+                    rows.append({
+                        "model": Path(model).stem, "batch": batch, "tokens": t, "fill": fill,
+                        "xla_ms": times["xla"] * 1e3, "kernel_ms": times[args.kernel_impl] * 1e3,
+                        "speedup": times["xla"] / times[args.kernel_impl],
+                        "roofline": filled / read_rate / times[args.kernel_impl], "max_abs_diff": err,
+                    })
+                    print_table(rows[-1:], list(rows[-1]))
+    print()
+    print_table(rows, list(rows[0]))
+    tuning = []
+    if args.tune:
+        tuning = tune_kernel(q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.iters,
+                             args.kernel_impl == "interpret")
+    write_results(args.out, "attention", rows + tuning,
+                  {"read_bytes_per_second": read_rate, "max_len": args.max_len})
+    return 0
+
+
+def tune_kernel(q, k, v, cache_len, group: int, iters: int, interpret: bool = False) -> list[dict]:
+    """Times `prefix_attention_pallas` alone over its GPU parameters for these inputs."""
+    b, t, nq, d = q.shape
+    rows = max(16, 1 << (t * group - 1).bit_length())
+    q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
+    results = []
+    for block_k, num_warps, num_stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3)):
+        fn = functools.partial(prefix_attention_pallas, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                               interpret=interpret)
+        seconds = median_seconds(lambda: fn(q_rows, k, v, cache_len), iters=iters)
+        results.append({"kernel": "prefix", "batch": b, "tokens": t, "block_k": block_k, "num_warps": num_warps,
+                        "num_stages": num_stages, "ms": seconds * 1e3})
+    print_table(results, list(results[0]))
+    return results

@@ -1,0 +1,156 @@
+"""Grouped-query attention: dense over full sequences, and over a KV cache for a few new tokens.
+
+`cache_attention` is the attention of `extend` (decode steps, speculative verification, the
+draft head's passes): T new tokens per row attend to their row's valid cache prefix and, through a
+tree mask, to each other. Two implementations with the same semantics:
+
+* "xla": dense scores over every cache slot, masked (`attention` + `cache_attention_mask`);
+* "pallas": the prefix through `kernels.ragged_attention` (KV blocks read only up to each row's
+  length), the new tokens densely, merged by their softmax partials. On GPU for 16-bit caches;
+  it reads a fraction length / max_len of the cache that the dense path reads in full.
+
+"auto" picks "pallas" on GPU where the kernel applies, else "xla"; the JAXSPEC_CACHE_ATTENTION
+environment variable (auto, xla, pallas, interpret) overrides "auto" at trace time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from kernels.ragged_attention import Partials, merge, prefix_attention_pallas
+
+IMPLS = ("auto", "xla", "pallas", "interpret")
+IMPL_ENV = "JAXSPEC_CACHE_ATTENTION"
+MAX_KERNEL_ROWS = 128  # query rows (new tokens x query heads per kv head) the kernel holds at once
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q [B, T, Nq, D], k/v [B, S, Nk, D], mask bool [B, T, S] (True = may attend) -> [B, T, Nq, D].
+    Scores and softmax in float32.
+    """
+    b, t, nq, d = q.shape
+    nk = k.shape[2]
+    with jax.named_scope("attention"):
+        qg = q.reshape(b, t, nk, nq // nk, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+        return out.reshape(b, t, nq, d).astype(q.dtype)
+
+
+def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
+                         tree_mask: jax.Array | None = None) -> jax.Array:
+    """Which cache slots each of `num_new` tokens written at slots cache_len[b] + t may attend to.
+
+    cache_len int32 [B]; tree_mask bool [B, T, T] among the new tokens (default causal). Returns
+    bool [B, T, max_len]: every slot < cache_len[b], plus the new tokens' slots per tree_mask.
+    """
+    b, t = cache_len.shape[0], num_new
+    tree_mask = _tree_mask(b, t, tree_mask)
+    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
+    in_new = (rel >= 0) & (rel < t)
+    new_visible = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
+    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_visible)
+
+
+def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_len: jax.Array,
+                    tree_mask: jax.Array | None = None, *, sharding: Sharding | None = None,
+                    impl: str = "auto") -> jax.Array:
+    """Attention of T new tokens over a cache that already holds their keys and values.
+
+    q [B, T, Nq, D]; k/v_cache [B, S, Nk, D] with row b's prefix in slots [0, cache_len[b]) and
+    the new tokens in slots cache_len[b] + t; cache_len int32 [B]; tree_mask bool [B, T, T], which
+    new tokens each new token sees (default causal). sharding: the mesh the cache is laid out on
+    (by `KV_CACHE_AXES`), for the kernel's per-shard call. Returns [B, T, Nq, D] in q's dtype.
+    """
+    impl = _resolve_impl(impl, q, k_cache, sharding)
+    if impl == "xla":
+        mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask)
+        return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"cache attention impl {impl!r} needs one dtype for q and the cache, got q {q.dtype}, "
+                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    b, t, nq, d = q.shape
+    nk = k_cache.shape[2]
+    with jax.named_scope("attention"):
+        rows = _pow2(max(16, t * (nq // nk)))
+        q_rows = q.reshape(b, t, nk, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * (nq // nk), d)
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * (nq // nk)), (0, 0)))
+        prefix = _sharded_prefix(q_rows, k_cache, v_cache, cache_len, sharding, impl == "interpret")
+        slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        new_k = jnp.take_along_axis(k_cache, slots[:, :, None, None], axis=1)
+        new_v = jnp.take_along_axis(v_cache, slots[:, :, None, None], axis=1)
+        new = _new_token_partials(q_rows, new_k, new_v, _tree_mask(b, t, tree_mask), nq // nk)
+        parts = Partials(*(jnp.concatenate([p, n], axis=2) for p, n in zip(prefix, new)))
+        out = merge(parts)[:, :, :t * (nq // nk)]  # [B, Nk, T*G, D]
+        return out.reshape(b, nk, t, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)
+
+
+def _new_token_partials(q_rows: jax.Array, new_k: jax.Array, new_v: jax.Array, tree_mask: jax.Array,
+                        group: int) -> Partials:
+    """Partials (one part) of q_rows [B, Nk, R, D] (row r = token r // group) over the new tokens'
+    k/v [B, T, Nk, D] under tree_mask [B, T, T]."""
+    b, nk, rows, d = q_rows.shape
+    t = new_k.shape[1]
+    scores = jnp.einsum("bkrd,btkd->bkrt", q_rows, new_k, preferred_element_type=jnp.float32) * d ** -0.5
+    visible = jnp.repeat(tree_mask, group, axis=1)  # [B, T*G, T]
+    visible = jnp.pad(visible, ((0, 0), (0, rows - t * group), (0, 0)))
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    m = scores.max(axis=-1)
+    p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
+    o = jnp.einsum("bkrt,btkd->bkrd", p.astype(new_v.dtype), new_v, preferred_element_type=jnp.float32)
+    return Partials(o[:, :, None], m[:, :, None], p.sum(axis=-1)[:, :, None])
+
+
+def _sharded_prefix(q_rows, k_cache, v_cache, cache_len, sharding: Sharding | None, interpret: bool) -> Partials:
+    """The kernel per device shard of the batch and kv-head axes of the cache."""
+    kernel = lambda q, k, v, n: prefix_attention_pallas(q, k, v, n, interpret=interpret)  # noqa: E731
+    if sharding is None or sharding.mesh.size == 1:
+        return kernel(q_rows, k_cache, v_cache, cache_len)
+    batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
+    P = jax.sharding.PartitionSpec
+    cache_spec, rows_spec = P(batch_axes, None, head_axes, None), P(batch_axes, head_axes)
+    return jax.shard_map(kernel, mesh=sharding.mesh,
+                         in_specs=(rows_spec, cache_spec, cache_spec, P(batch_axes)),
+                         out_specs=Partials(rows_spec, rows_spec, rows_spec), check_vma=False,
+                         )(q_rows, k_cache, v_cache, cache_len)
+
+
+def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"cache attention impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = os.environ.get(IMPL_ENV, "") or "auto"
+        if impl not in IMPLS:
+            raise ValueError(f"{IMPL_ENV} must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if _kernel_applies(q, k_cache, sharding) else "xla"
+    return impl
+
+
+def _kernel_applies(q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> bool:
+    """GPU, one 16-bit dtype, a power-of-two head dim, few query rows, the sequence unsharded."""
+    b, t, nq, d = q.shape
+    nk = k_cache.shape[2]
+    if sharding is not None and sharding.spec(KV_CACHE_AXES, k_cache.shape)[1] is not None:
+        return False
+    return (jax.default_backend() == "gpu" and q.dtype == k_cache.dtype
+            and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16) and d >= 16 and d == _pow2(d)
+            and t * (nq // nk) <= MAX_KERNEL_ROWS)
+
+
+def _tree_mask(b: int, t: int, tree_mask: jax.Array | None) -> jax.Array:
+    if tree_mask is None:
+        return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    return tree_mask
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,101 @@
+"""`cache_attention`: the ragged kernel path (Pallas in interpret mode) equals the dense masked
+path for decode steps, chains and trees of new tokens, per-row prefix lengths, bf16 caches, and
+a cache sharded over batch and kv heads; stale slots past the new tokens are never read."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import ModelConfig, extend, init_cache, make_mesh
+from jaxspec.models.attention import cache_attention
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from tests.models.hf_reference import random_params
+
+BATCH, MAX_LEN, HEADS, KV_HEADS, HEAD_DIM = 4, 150, 4, 2, 16
+CACHE_LEN = np.array([0, 17, 64, 140], np.int32)  # the new tokens end at slot 140 + T - 1 < 150
+
+
+def new_tokens(t: int, dtype=jnp.float32, seed: int = 0):
+    """q [B, T, Nq, D] and a cache whose slots past cache_len + T hold large garbage, which would
+    dominate any softmax that read them."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (BATCH, t, HEADS, HEAD_DIM), dtype)
+    k = 2.0 * jax.random.normal(ks[1], (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM), dtype)
+    v = jax.random.normal(ks[2], (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM), dtype)
+    stale = jnp.arange(MAX_LEN)[None, :] >= (CACHE_LEN + t)[:, None]
+    garbage = jnp.asarray(300.0, dtype)
+    return q, jnp.where(stale[:, :, None, None], garbage, k), jnp.where(stale[:, :, None, None], garbage, v)
+
+
+def random_tree_mask(t: int, seed: int) -> jnp.ndarray:
+    """Ancestor-or-self masks of random trees over the T new tokens (node 0 the root)."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((BATCH, t, t), bool)
+    for b in range(BATCH):
+        mask[b, 0, 0] = True
+        for n in range(1, t):
+            mask[b, n] = mask[b, rng.integers(0, n)]
+            mask[b, n, n] = True
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("t,tree", [(1, False), (4, False), (6, True)])
+def test_kernel_path_equals_dense_path(t, tree):
+    q, k, v = new_tokens(t)
+    mask = random_tree_mask(t, seed=t) if tree else None
+    cache_len = jnp.asarray(CACHE_LEN)
+    want = cache_attention(q, k, v, cache_len, mask, impl="xla")
+    got = cache_attention(q, k, v, cache_len, mask, impl="interpret")
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_path_bf16():
+    q, k, v = new_tokens(3, jnp.bfloat16, seed=1)
+    cache_len = jnp.asarray(CACHE_LEN)
+    want = cache_attention(q, k, v, cache_len, impl="xla").astype(jnp.float32)
+    got = cache_attention(q, k, v, cache_len, impl="interpret").astype(jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)  # bf16 probabilities before the value matmul
+
+
+def test_kernel_path_on_a_sharded_cache():
+    sharding = Sharding(make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4]))
+    q, k, v = new_tokens(4, seed=2)
+    cache_spec = sharding.named(KV_CACHE_AXES, k.shape)
+    assert cache_spec.spec[0] is not None and cache_spec.spec[2] is not None  # both axes really split
+    k, v = jax.device_put(k, cache_spec), jax.device_put(v, cache_spec)
+    cache_len = jnp.asarray(CACHE_LEN)
+    attend = jax.jit(lambda *a: cache_attention(*a, sharding=sharding, impl="interpret"))
+    want = cache_attention(q, k, v, cache_len, impl="xla")
+    np.testing.assert_allclose(attend(q, k, v, cache_len), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_mismatch_is_refused():
+    q, k, v = new_tokens(1)
+    with pytest.raises(ValueError, match="one dtype"):
+        cache_attention(q.astype(jnp.bfloat16), k, v, jnp.asarray(CACHE_LEN), impl="interpret")
+
+
+def test_extend_uses_the_implementation_from_the_environment(monkeypatch):
+    """A verification-shaped extend (4 new tokens after a prefill) gives the same logits with
+    JAXSPEC_CACHE_ATTENTION=interpret as with xla."""
+    cfg = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=64)
+    params = random_params(cfg, jax.random.key(3))
+    tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size)
+    prefix = jnp.asarray([5, 8], jnp.int32)
+
+    def run():
+        _, _, cache = extend(cfg, params, init_cache(cfg, 2, 32), tokens[:, :8],
+                             jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.zeros((2,), jnp.int32))
+        logits, _, _ = extend(cfg, params, cache, tokens[:, 8:], prefix[:, None] + jnp.arange(4), prefix)
+        return logits
+
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
+    want = run()
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "interpret")
+    np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="JAXSPEC_CACHE_ATTENTION"):
+        run()
