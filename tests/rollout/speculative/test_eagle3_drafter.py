@@ -11,14 +11,25 @@ from jaxspec.models.transformer import forward_hidden
 from jaxspec.rollout import Sampling
 from jaxspec.rollout.speculative.drafter import Prefill, Verified
 from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter
+from tests.rollout.conftest import quick_compile
 
 DEPTH = 3  # chunks of up to DEPTH + 1 entries
 PROMPT_LENGTHS = [3, 7, 5]
 TOTAL = 24
 
+# Jitted (as in the decode loop, where the drafter always runs under jit) and compiled with
+# `quick_compile`: eager op-by-op dispatch of the head and the policy compiles every primitive at
+# every shape and takes far longer.
+forward_hidden = jax.jit(forward_hidden, static_argnums=(0, 3))
+ttt_forward = jax.jit(ttt_forward, static_argnums=(0, 5))
+
 
 def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
-    cfg, params = policy
+    with quick_compile():
+        check_first_draft_after_any_acceptance(*policy)
+
+
+def check_first_draft_after_any_acceptance(cfg, params):
     dcfg, head = init_eagle3(cfg, jax.random.key(5), std=0.3)
     rng = np.random.default_rng(0)
     seqs = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(PROMPT_LENGTHS), TOTAL)), jnp.int32)
@@ -35,22 +46,23 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
     prompts = jnp.where(jnp.arange(prompt_width)[None] < lengths[:, None], seqs[:, :prompt_width], 0)
     _, prompt_aux = forward_hidden(cfg, params, prompts, dcfg.aux_layer_ids)
     rows = np.arange(len(lengths))
-    state = drafter.init(dparams, Prefill(
-        prompt_tokens=prompts, prompt_lengths=jnp.asarray(lengths), row_prompt=jnp.asarray(rows),
-        row_lengths=jnp.asarray(lengths), first_token=seqs[rows, lengths], policy_hidden=prompt_aux,
-        max_len=TOTAL + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None))
+    prefill = dict(prompt_tokens=prompts, prompt_lengths=jnp.asarray(lengths), row_prompt=jnp.asarray(rows),
+                   row_lengths=jnp.asarray(lengths), first_token=seqs[rows, lengths], policy_hidden=prompt_aux)
+    init = jax.jit(lambda dparams, arrays: drafter.init(dparams, Prefill(
+        **arrays, max_len=TOTAL + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None)))
+    state = init(dparams, prefill)
+    propose, update = jax.jit(drafter.propose), jax.jit(drafter.update)
 
     root_index = lengths.copy()  # the root x_p sits at index p (= the policy's cache length)
     for accepted in ([0, 2, 3], [3, 0, 1], [1, 1, 0]):
-        state, tree = drafter.propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index),
-                                      jax.random.key(0))
+        state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), jax.random.key(0))
         np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
         accepted = np.asarray(accepted)
         window = root_index[:, None] + np.arange(DEPTH + 1)  # [root, the next DEPTH tokens]
-        state = drafter.update(dparams, state, Verified(
+        state = update(dparams, state, Verified(
             committed=seqs[rows[:, None], window], next_root=seqs[rows, root_index + accepted + 1],
             num_accepted=jnp.asarray(accepted), cache_len=jnp.asarray(root_index),
             hidden=aux[:, rows[:, None], window], active=jnp.ones(len(rows), bool)))
         root_index = root_index + accepted + 1
-    state, tree = drafter.propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), jax.random.key(0))
+    state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])

@@ -9,7 +9,9 @@ tokens and max_new_tokens truncation all occur.
 
 Every method x {chain, tree} x {greedy, stochastic drafts} x {T=1, T=0.7 with top_p=0.9} runs
 (the n-gram drafter has no draft distribution, so it drafts greedily only): 20 cases, each its
-own compiled decode loop.
+own compiled decode loop (every one differs in a static argument: method, tree shape, draft
+sampling or `Sampling`). Compiling dominates, so the loops compile with most XLA optimizations off
+(`quick_compile`); the exact distribution and the trainer's log-probs are computed once per setting.
 """
 
 import itertools
@@ -22,7 +24,7 @@ import pytest
 from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs, stages
-from tests.rollout.conftest import random_params
+from tests.rollout.conftest import quick_compile, random_params
 from tests.rollout.reference import continuation_probs, full_forward, padded
 from tests.rollout.test_distribution import chi_square_pvalue
 
@@ -77,6 +79,22 @@ def exact_continuations(teacher_forced, setting) -> dict[tuple[int, ...], float]
 
 
 @pytest.fixture(scope="module")
+def reference(teacher_forced):
+    """reference(setting) -> (exact continuation probabilities, the trainer's log-probs
+    processed_logprobs [36, len(PROMPT) + 2, V] of the teacher-forced logits); cached per setting."""
+    cache = {}
+
+    def get(setting):
+        key = tuple(sorted(setting.items()))
+        if key not in cache:
+            recomputed = processed_logprobs(jnp.asarray(teacher_forced[0]), Sampling(max_new_tokens=MAX_NEW, **setting))
+            cache[key] = exact_continuations(teacher_forced, setting), np.asarray(recomputed)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def sampled(tiny_vocab_policy, drafts):
     """sampled(case) -> (continuations, RolloutOutput) of one speculative generate call over
     NUM_SAMPLES copies of PROMPT; cached per case."""
@@ -88,37 +106,39 @@ def sampled(tiny_vocab_policy, drafts):
         if key not in cache:
             method, shape, draft_sampling, setting = case
             spec = Spec(method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **SHAPES[shape])
-            with pytest.MonkeyPatch.context() as patch:
+            with pytest.MonkeyPatch.context() as patch, quick_compile():
                 patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
                 out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
                                Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
-            tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-            cache[key] = [tuple(int(t) for t in tokens[i, :lengths[i]]) for i in range(NUM_SAMPLES)], out
+            tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
+            cache[key] = [tuple(row[:n]) for row, n in zip(tokens, lengths)], out
         return cache[key]
 
     return run
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teacher_forced, sampled, case):
+def test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teacher_forced, reference, sampled, case):
     cfg, _ = tiny_vocab_policy
-    setting = case[3]
-    probs = exact_continuations(teacher_forced, setting)
+    probs, recomputed = reference(case[3])
     seqs, out = sampled(case)
     tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
     assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
     assert sum(len(s) < MAX_NEW for s in seqs) > 100, "eos-terminated continuations should be exercised"
     assert chi_square_pvalue(seqs, probs) > 1e-3
 
-    # Log-probs are the trainer's recomputation: processed_logprobs of the teacher-forced logits.
-    logits, row = teacher_forced
-    recomputed = np.asarray(processed_logprobs(jnp.asarray(logits), Sampling(max_new_tokens=MAX_NEW, **setting)))
-    p = len(PROMPT)
-    for i, seq in enumerate(seqs):
-        r = row[(seq + (0, 0))[:2]]
-        want = [recomputed[r, p - 1 + j, t] for j, t in enumerate(seq)]
-        np.testing.assert_allclose(logprobs[i, :len(seq)], want, rtol=1e-5, atol=1e-5)
-    past = np.arange(MAX_NEW)[None, :] >= lengths[:, None]
+    # Log-probs are the trainer's recomputation: processed_logprobs of the teacher-forced logits,
+    # read for every row at the teacher-forced row of its first two tokens (0 past its end).
+    _, row = teacher_forced
+    row_of = np.zeros((cfg.vocab_size, cfg.vocab_size), np.int64)
+    for (a, b), r in row.items():
+        row_of[a, b] = r
+    valid = np.arange(MAX_NEW)[None, :] < lengths[:, None]
+    prefix = np.where(valid[:, :2], tokens[:, :2], 0)
+    r = row_of[prefix[:, 0], prefix[:, 1]]
+    want = recomputed[r[:, None], len(PROMPT) - 1 + np.arange(MAX_NEW)[None, :], tokens]
+    np.testing.assert_allclose(logprobs[valid], want[valid], rtol=1e-5, atol=1e-5)
+    past = ~valid
     assert np.all(logprobs[past] == 0) and np.all(tokens[past] == (cfg.pad_token_id or 0))
 
     # Weak drafts: both acceptances and rejections happen.
@@ -128,8 +148,8 @@ def test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teache
     assert stats["acceptance_rate_per_position"].shape == (SHAPES[case[1]]["num_draft_tokens"],)
 
 
-def test_chi_square_rejects_a_wrong_distribution(teacher_forced, sampled):
+def test_chi_square_rejects_a_wrong_distribution(reference, sampled):
     """Negative control: the same samples against the exact distribution at another temperature."""
     seqs, _ = sampled(("draft_model", "tree", "stochastic", T1))
-    wrong = exact_continuations(teacher_forced, dict(temperature=0.85, top_k=0, top_p=1.0))
+    wrong, _ = reference(dict(temperature=0.85, top_k=0, top_p=1.0))
     assert chi_square_pvalue(seqs, wrong) < 1e-6
