@@ -76,6 +76,21 @@ def take_rows(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.nd
 SEQUENCE_FIELDS = ("resp_tokens", "resp_mask", "advantages", "old_logp", "loss_mask", "ref_logp")
 
 
+def packed_row_count(filled: int, multiple_of: int = 1) -> int:
+    """R for `filled` occupied rows: the smallest power of two times `multiple_of` that holds them."""
+    groups = -(-max(filled, 1) // multiple_of)
+    return multiple_of * (1 << (groups - 1).bit_length())
+
+
+def packed_row_counts(num_seqs: int, width: int, shortest: int, multiple_of: int = 1) -> list[int]:
+    """Every R (ascending) that `pack_rows` can give S = num_seqs sequences of at least `shortest`
+    tokens in rows of width W: from the rows their tokens fill at the least (S * shortest / W) to
+    one row per sequence."""
+    low = packed_row_count(-(-num_seqs * shortest // width), multiple_of)
+    high = packed_row_count(num_seqs, multiple_of)
+    return [low << k for k in range((high // low).bit_length())]
+
+
 def pack_rows(rows: dict[str, np.ndarray], multiple_of: int = 1) -> dict[str, np.ndarray]:
     """The trainer's input for a set of S training rows (`training_rows` fields plus per-sequence
     ones): the sequences packed first-fit-decreasing into R rows of the same width W.
@@ -83,7 +98,7 @@ def pack_rows(rows: dict[str, np.ndarray], multiple_of: int = 1) -> dict[str, np
     RL responses are mostly far shorter than max_new_tokens, so right-padded rows are mostly
     padding; packed, the forward costs what the tokens cost. R is the smallest power of two (times
     `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run compiles the
-    trainer for a few row counts only.
+    trainer for the few row counts of `packed_row_counts` only.
     Returns
       tokens int32 [R, W]; segment_ids int32 [R, W]: 1, 2, ... per sequence within a row, 0 = padding;
       seq_resp_mask bool [R, W] (when given): positions holding response tokens;
@@ -101,8 +116,7 @@ def pack_rows(rows: dict[str, np.ndarray], multiple_of: int = 1) -> dict[str, np
             free.append(width)
         placed[s] = row, width - free[row]
         free[row] -= lengths[s]
-    groups = -(-max(len(free), 1) // multiple_of)
-    num_rows = multiple_of * (1 << (groups - 1).bit_length())
+    num_rows = packed_row_count(len(free), multiple_of)
     packed = {"tokens": np.zeros((num_rows, width), np.int32), "segment_ids": np.zeros((num_rows, width), np.int32)}
     if "seq_resp_mask" in rows:
         packed["seq_resp_mask"] = np.zeros((num_rows, width), bool)

@@ -8,6 +8,7 @@ Run directory layout:
     tensorboard/         TensorBoard scalars (train.tensorboard)
     policy/              the trained policy as an HF folder, with its tokenizer
     draft/               the adapted EAGLE-3 head (draft.online), public EAGLE-3 layout
+    xla_cache/           the persistent compilation cache (train.compilation_cache: true)
 
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
 float32 and a cast with rollout.dtype bfloat16. All randomness of step s comes from
@@ -35,6 +36,7 @@ from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import minibatch_indices, pack_rows, row_width, take_rows, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, check_run_dir, save_config
+from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
@@ -157,6 +159,7 @@ class GRPORun:
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat)
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.width = row_width(max(len(ids) for ids in self.train_set.token_ids), r_cfg.max_new_tokens)
+        self.precompiling = precompile(trainer_programs(self)) if precompile_enabled(t_cfg.precompile) else None
 
     def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
         cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings
@@ -228,6 +231,10 @@ class GRPORun:
         del batch["resp_mask"]
         with timer.stage("train"):
             update_metrics = self._optimize(batch)
+        if self.precompiling is not None:
+            with timer.stage("precompile"):
+                self.precompiling.result()
+            self.precompiling = None
         self.step += 1
         self.position += len(ids)
         record.update(_rollout_metrics(rewards, informative, out, group, cfg.rollout.max_new_tokens, self.tok.eos_id))
@@ -315,6 +322,11 @@ def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | No
     inputs = check_inputs(cfg) if inputs is None else inputs
     check_run_dir(cfg, run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with compilation_cache(cache_dir(cfg.train.compilation_cache, run_dir), cfg.train.compilation_cache_min_compile_s):
+        return _train(cfg, run_dir, resume, inputs)
+
+
+def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs) -> dict:
     run = GRPORun(cfg, run_dir, resume, inputs)
     log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None,
                      enabled=is_main())

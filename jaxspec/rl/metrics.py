@@ -9,10 +9,12 @@ A step record (metrics.jsonl) holds
     draft_step_loss, draft_top1_agreement (draft.online);
   validation: eval_accuracy, eval_reward_mean (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
-    with draft.online, the draft update that shares its forward), eval, checkpoint; time_step_s;
+    with draft.online, the draft update that shares its forward), precompile (step 1 with
+    train.precompile: waiting for the trainer's background compilation), eval, checkpoint; time_step_s;
     tokens_per_s (generated tokens per second of generation); compiles and time_compile_s (XLA
     compilations during the step and their seconds, included in the stages' times: a new shape,
-    e.g. a new packed row count, compiles once).
+    e.g. a new packed row count, compiles once); compiles_cached (programs read from the persistent
+    compilation cache instead, their seconds also in time_compile_s).
 Keys starting with "time_", "tokens_per_s" and "compiles" depend on the machine and the process's
 history; everything else is a deterministic function of the config, the data and the keys.
 """
@@ -28,7 +30,8 @@ import jax
 import numpy as np
 
 TIMING_PREFIXES = ("time_", "tokens_per_s", "compiles")
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
 
 
 def is_timing(key: str) -> bool:
@@ -82,17 +85,22 @@ def truncate_after(path: Path, step: int) -> None:
 
 class StageTimer:
     """Accumulates wall-clock seconds per named stage (block on device results inside a stage), and
-    counts the XLA compilations that happen until `record`."""
+    counts the XLA compilations (and persistent-cache reads) that happen until `record`."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
-        self.compiles, self.compile_seconds = 0, 0.0
+        self.compiles, self.cache_hits, self.compile_seconds = 0, 0, 0.0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        jax.monitoring.register_event_listener(self._on_cache_hit)
 
     def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
         if event == _COMPILE_EVENT:
             self.compiles += 1
             self.compile_seconds += duration_secs
+
+    def _on_cache_hit(self, event: str, **kwargs) -> None:
+        if event == _CACHE_HIT_EVENT:
+            self.cache_hits += 1
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -101,10 +109,13 @@ class StageTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def record(self) -> dict[str, float]:
-        """{"time_<stage>_s": seconds, "compiles": n, "time_compile_s": seconds}; stops counting."""
+        """{"time_<stage>_s": seconds, "compiles": n, "compiles_cached": n, "time_compile_s": seconds};
+        stops counting."""
         jax.monitoring.unregister_event_duration_listener(self._on_event)
+        jax.monitoring.unregister_event_listener(self._on_cache_hit)
         return {**{f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()},
-                "compiles": self.compiles, "time_compile_s": round(self.compile_seconds, 6)}
+                "compiles": self.compiles - self.cache_hits, "compiles_cached": self.cache_hits,
+                "time_compile_s": round(self.compile_seconds, 6)}
 
 
 def block(tree):

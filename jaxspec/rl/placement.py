@@ -45,9 +45,15 @@ class Placement:
             return tree
         return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
 
+    def row_sharding(self, shape: tuple[int, ...]) -> NamedSharding | None:
+        """Sharding of an array [B, ...] whose rows are split over the mesh's batch axes (None on one
+        device, where training rows stay host arrays)."""
+        if self.sharding is None:
+            return None
+        return self.sharding.named(("batch",) + (None,) * (len(shape) - 1), shape)
+
     def rows(self, batch: dict) -> dict:
         """Host arrays [B, ...] with their rows split over the mesh's batch axes."""
         if self.sharding is None:
             return batch
-        return {k: jax.device_put(v, self.sharding.named(("batch",) + (None,) * (np.ndim(v) - 1), np.shape(v)))
-                for k, v in batch.items()}
+        return {k: jax.device_put(v, self.row_sharding(np.shape(v))) for k, v in batch.items()}

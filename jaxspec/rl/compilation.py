@@ -1,0 +1,134 @@
+"""Compiling the trainer before its first use, and the persistent XLA compilation cache.
+
+`pack_rows` packs the sequences of a minibatch into R rows, and each R is a new input shape of
+the programs that read packed rows: the minibatch update (the online draft's update is part of
+it) and, with loss.recompute_logprobs or loss.kl_beta > 0, the log-prob scoring of the whole
+batch. `precompile` compiles both for every R the run can produce (`packed_row_counts`) in a
+background thread. The executables land in JAX's jit caches, so the loop's ordinary calls find
+them; a call whose program is still compiling waits for that compilation instead of starting
+its own.
+
+`compilation_cache` points JAX's persistent cache at a directory for the length of a run, so a
+resumed or repeated run reads its programs back instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.experimental.compilation_cache import compilation_cache as cache
+
+from jaxspec.rl.batch import packed_row_counts
+from jaxspec.rl.placement import Placement
+
+if TYPE_CHECKING:
+    from jaxspec.rl.loop import GRPORun
+
+Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
+SCORE_FIELDS = ("tokens", "segment_ids", "resp_index", "resp_tokens")
+
+
+def abstract(tree):
+    """ShapeDtypeStructs of the arrays in `tree`, with their shardings and weak types."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=x.aval.weak_type), tree)
+
+
+def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int,
+                  fields: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The named `fields` of `pack_rows`' output for S = seqs sequences in R = rows rows of width W
+    (N = max_new), placed as `Placement.rows` places them:
+    tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W]; resp_index, resp_tokens int32 [S, N];
+    advantages float32 [S]; old_logp, ref_logp float32 [S, N]; loss_mask bool [S, N]."""
+    types = {"tokens": ((rows, width), np.int32), "segment_ids": ((rows, width), np.int32),
+             "seq_resp_mask": ((rows, width), np.bool_), "resp_index": ((seqs, max_new), np.int32),
+             "resp_tokens": ((seqs, max_new), np.int32), "advantages": ((seqs,), np.float32),
+             "old_logp": ((seqs, max_new), np.float32), "ref_logp": ((seqs, max_new), np.float32),
+             "loss_mask": ((seqs, max_new), np.bool_)}
+    return {name: jax.ShapeDtypeStruct(types[name][0], types[name][1], sharding=placement.row_sharding(types[name][0]))
+            for name in fields}
+
+
+def trainer_programs(run: GRPORun) -> list[Program]:
+    """Every call of the run's packed-row programs, one per R: the log-prob scoring of the whole
+    batch (when the run scores) and the minibatch update, each in ascending R."""
+    cfg, state = run.cfg, abstract(run.state)
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    shortest = min(map(len, run.train_set.token_ids)) + 1  # every rollout emits at least one token
+
+    def calls(seqs: int, fields: Sequence[str]) -> Iterator[dict]:
+        for rows in packed_row_counts(seqs, run.width, shortest, run.placement.row_shards):
+            yield packed_inputs(run.placement, rows, seqs, run.width, cfg.rollout.max_new_tokens, fields)
+
+    programs = []
+    if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
+        programs += [(run.score, (state["params"], *(rows[k] for k in SCORE_FIELDS)))
+                     for rows in calls(batch, SCORE_FIELDS)]
+    fields = [*SCORE_FIELDS, "advantages", "old_logp", "loss_mask"]
+    fields += ["seq_resp_mask"] * (run.online is not None) + ["ref_logp"] * (cfg.loss.kl_beta > 0)
+    draft = (None, None, None)
+    if run.online is not None:
+        from jaxspec.draft import split_buffers
+
+        draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
+    programs += [(run.update, (state["params"], state["opt_state"], *draft, rows))
+                 for rows in calls(batch // cfg.loss.minibatches, fields)]
+    return programs
+
+
+def precompile_enabled(setting: bool | None) -> bool:
+    """train.precompile; null = on when the devices are accelerators, whose host cores compile
+    beside the rollouts, off on the CPU, where compiling takes the rollouts' cores."""
+    return jax.default_backend() != "cpu" if setting is None else setting
+
+
+def precompile(programs: Sequence[Program]) -> Future:
+    """Compiles `programs` one after another in a background thread; the future completes (or
+    raises the compilation's error) when all are compiled."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
+    future = pool.submit(_compile, programs)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _compile(programs: Sequence[Program]) -> None:
+    for fn, args in programs:
+        fn.lower(*args).compile()
+
+
+def cache_dir(setting: bool | str, run_dir: Path) -> Path | None:
+    """train.compilation_cache as a directory: true = <run-dir>/xla_cache, false = None (off)."""
+    if isinstance(setting, str):
+        return Path(setting)
+    return run_dir / "xla_cache" if setting else None
+
+
+@contextlib.contextmanager
+def compilation_cache(path: Path | None, min_compile_s: float) -> Iterator[None]:
+    """JAX's persistent compilation cache in `path` inside the block (None: JAX's settings are left
+    as they are). Programs that took at least `min_compile_s` seconds to compile are written there,
+    whatever their size, and read back by later compilations of the same program; the previous
+    settings return after the block."""
+    if path is None:
+        yield
+        return
+    settings = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": min_compile_s,
+                "jax_persistent_cache_min_entry_size_bytes": -1}
+    previous = {name: getattr(jax.config, name) for name in settings}
+    _configure(settings)
+    try:
+        yield
+    finally:
+        _configure(previous)
+
+
+def _configure(settings: dict) -> None:
+    """Applies cache settings; the cache reopens at its (new) directory on the next compilation."""
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    cache.reset_cache()

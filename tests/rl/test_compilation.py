@@ -1,0 +1,130 @@
+"""Compiling the trainer ahead of time and the persistent compilation cache: no stalls after step 1,
+fewer compilations in a second run."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec.rl.loop as loop
+from jaxspec.rl.batch import pack_rows, packed_row_counts
+from jaxspec.rl.compilation import compilation_cache
+from jaxspec.rl.data import PromptSampler, PromptSet
+from jaxspec.rl.metrics import StageTimer
+from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
+from tests.rl.test_train import _config, _metrics, _train
+
+STEPS = 3
+
+
+def test_packed_row_counts_hold_every_packing():
+    rng = np.random.default_rng(0)
+    width, shortest = 40, 9
+    for multiple_of in (1, 2, 4):
+        counts = packed_row_counts(16, width, shortest, multiple_of)
+        assert counts == sorted(counts) and all(r % multiple_of == 0 for r in counts)
+        seen = set()
+        for low, high in ((shortest, shortest), (shortest, 20), (15, 30), (width // 2 + 1, width), (width, width)):
+            for _ in range(20):
+                lengths = rng.integers(low, high + 1, size=16)
+                rows = {"tokens": np.ones((16, width), np.int32), "resp_index": np.zeros((16, 2), np.int32),
+                        "attn_mask": np.arange(width)[None, :] < lengths[:, None]}
+                seen.add(pack_rows(rows, multiple_of)["tokens"].shape[0])
+        assert seen <= set(counts) and {counts[0], counts[-1]} <= seen, (multiple_of, seen, counts)
+
+
+def test_cached_programs_are_read_back_not_compiled(tmp_path):
+    f = jax.jit(lambda x: jnp.cos(x) * 5)
+    with compilation_cache(tmp_path, min_compile_s=0.0):
+        f(np.ones(6, np.float32)).block_until_ready()
+        assert any(path.name.startswith("jit_") for path in tmp_path.iterdir())
+        jax.clear_caches()
+        timer = StageTimer()
+        f(np.ones(6, np.float32)).block_until_ready()
+        record = timer.record()
+    assert record["compiles"] == 0 and record["compiles_cached"] == 1
+    assert jax.config.jax_compilation_cache_dir is None  # the settings end with the block
+
+
+@contextlib.contextmanager
+def _quick_compile():
+    """Most XLA optimizations off inside the block: the tests count compilations, which then take
+    about half the time."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+def _prompt_file(path, tokenizer_dir) -> str:
+    """8 prompts whose rollouts pack into 16 rows at step 1 and 32 at step 2: 3 short arithmetic
+    problems (<= 16 tokens with the template: 3 sequences share a row of W = 64 + 8 tokens), all in
+    step 1, and 5 long word problems (57-64 tokens: a row each). Every step holds a long prompt, so
+    the rollouts keep one prompt bucket and their compilations."""
+    tok = ChatTokenizer.from_file(tokenizer_dir)
+    problems = generate_problems(200, 0, (1,))
+    short = [p for p in problems if len(tok.encode_prompt(p["question"])) <= 16][:3]
+    long = [p for p in problems if 57 <= len(tok.encode_prompt(p["question"])) <= 64][:5]
+    order = PromptSampler(PromptSet(records=[{}] * 8, token_ids=[[]] * 8), 4, seed=0).indices(0)
+    problems = long[:]
+    for i in sorted(order[:3]):
+        problems.insert(i, short.pop())
+    return str(write_problems(path, problems))
+
+
+@pytest.fixture(scope="module")
+def precompiled_run(tiny_policy, tmp_path_factory):
+    """STEPS steps of test_train's run (online draft, log-prob recomputation, KL) from cleared jit
+    caches, one minibatch per step, the trainer precompiled and every program written to a
+    persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
+    of each step's packings)."""
+    root = tmp_path_factory.mktemp("precompiled")
+    config = _config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
+    overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
+                 "train.precompile=true", f"train.compilation_cache={root / 'cache'}",
+                 "train.compilation_cache_min_compile_s=0"]
+    rows_per_step = []
+    run_step, pack = loop.GRPORun.run_step, loop.pack_rows
+
+    def counting_step(run):
+        rows_per_step.append(set())
+        return run_step(run)
+
+    def counting_pack(rows, multiple_of=1):
+        packed = pack(rows, multiple_of)
+        rows_per_step[-1].add(packed["resp_index"].shape[:1] + packed["tokens"].shape[:1])  # (S, R)
+        return packed
+
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as patch, _quick_compile():
+        patch.setattr(loop.GRPORun, "run_step", counting_step)
+        patch.setattr(loop, "pack_rows", counting_pack)
+        assert _train("--config", config, "--run-dir", root / "run", *overrides) == 0
+    return config, overrides, root / "run", root / "cache", rows_per_step
+
+
+def test_no_step_after_the_first_compiles(precompiled_run):
+    _, _, run_dir, _, rows_per_step = precompiled_run
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[0]["compiles"] > 0 and [r["compiles"] for r in records[1:]] == [0] * (STEPS - 1)
+    assert records[0]["time_precompile_s"] >= 0 and all("time_precompile_s" not in r for r in records[1:])
+    # Step 2 packed 32 rollouts into 32 rows instead of 16 and still compiled nothing.
+    assert rows_per_step[:2] == [{(32, 16)}, {(32, 32)}], rows_per_step
+
+
+def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
+    config, overrides, first_dir, cache, _ = precompiled_run
+    assert any(path.name.startswith("jit_update-") for path in cache.iterdir())
+    jax.clear_caches()  # as in a new process
+    with _quick_compile():
+        assert _train("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
+                      "train.precompile=false") == 0
+    first, second = _metrics(first_dir)[0], _metrics(tmp_path / "second")[0]
+    assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
+    assert second["time_compile_s"] < first["time_compile_s"] / 4
+    assert jax.config.jax_compilation_cache_dir is None  # the run's cache settings end with it
