@@ -4,7 +4,7 @@
 # the speculative cost model on Qwen3 shapes, and GRPO with and without speculation.
 #   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
 # Stages (default: all, in this order): pretrain draft draft_ood verify spec cost grpo decode8b;
-# cost_small (needs pretrain) and profile (needs pretrain and draft) only when named.
+# cost_small (needs pretrain), profile (needs pretrain and draft) and attention only when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs: DRAFT_STEPS,
 # OOD_STEPS, GRPO_STEPS, SPEC_LEVELS (the long-answer levels of the speculative benchmark),
 # PRETRAIN_ARGS and GRPO_ARGS (extra dotted.key=value overrides).
@@ -52,6 +52,10 @@ for stage in "${stages[@]}"; do
     profile)  # device time of a loop iteration by phase, autoregressive vs speculative, at GRPO's batch
       jaxspec bench profile --policy runs/small/policy --draft runs/draft-small/draft --batch 256 --new 512 --k 3 \
         --out "$RESULTS/profile_small.json" 2>&1 | tee "$RESULTS/profile_small.log" ;;
+    attention)  # the ragged cache-attention kernel vs dense attention, by cache fill (random weights)
+      jaxspec bench attention --model configs/models/small-policy.json configs/models/qwen3-8b.json --batch 64 256 \
+        --tokens 1 4 --max-len 2048 --fill 0.25 0.5 1.0 --out "$RESULTS/attention_h100.json" 2>&1 \
+        | tee "$RESULTS/attention_h100.log" ;;
     cost)
       accept=(); [ -f "$RESULTS/spec_small.json" ] && accept=(--acceptance "$RESULTS/spec_small.json")
       jaxspec bench spec-cost --model configs/models/qwen3-1.7b.json configs/models/qwen3-8b.json \
