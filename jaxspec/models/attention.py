@@ -66,8 +66,9 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
     """Attention of T new tokens over a cache that already holds their keys and values.
 
     q [B, T, Nq, D]; k/v_cache [B, S, Nk, D] with row b's prefix in slots [0, cache_len[b]) and
-    the new tokens in slots cache_len[b] + t; cache_len int32 [B]; tree_mask bool [B, T, T], which
-    new tokens each new token sees (default causal). sharding: the mesh the cache is laid out on
+    the new tokens in slots cache_len[b] + t (those past the last slot were dropped and are seen by
+    no one); cache_len int32 [B]; tree_mask bool [B, T, T], which new tokens each new token sees
+    (default causal). sharding: the mesh the cache is laid out on
     (by `KV_CACHE_AXES`), for the kernel's per-shard call. Returns [B, T, Nq, D] in q's dtype.
     """
     impl = _resolve_impl(impl, q, k_cache, sharding)
@@ -85,9 +86,11 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * (nq // nk)), (0, 0)))
         prefix = _sharded_prefix(q_rows, k_cache, v_cache, cache_len, sharding, impl == "interpret")
         slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        new_k = jnp.take_along_axis(k_cache, slots[:, :, None, None], axis=1)
-        new_v = jnp.take_along_axis(v_cache, slots[:, :, None, None], axis=1)
-        new = _new_token_partials(q_rows, new_k, new_v, _tree_mask(b, t, tree_mask), nq // nk)
+        new_k = jnp.take_along_axis(k_cache, slots[:, :, None, None], axis=1, mode="clip")
+        new_v = jnp.take_along_axis(v_cache, slots[:, :, None, None], axis=1, mode="clip")
+        in_cache = slots < k_cache.shape[1]  # tokens past the last slot were not written: unseen
+        visible = _tree_mask(b, t, tree_mask) & in_cache[:, None, :]
+        new = _new_token_partials(q_rows, new_k, new_v, visible, nq // nk)
         parts = Partials(*(jnp.concatenate([p, n], axis=2) for p, n in zip(prefix, new)))
         out = merge(parts)[:, :, :t * (nq // nk)]  # [B, Nk, T*G, D]
         return out.reshape(b, nk, t, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)

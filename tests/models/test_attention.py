@@ -51,6 +51,17 @@ def test_kernel_path_equals_dense_path(t, tree):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_new_tokens_past_the_last_slot_are_unseen():
+    """Row 3's chain of 6 runs 2 tokens past the cache (dropped by `extend`'s write); both paths
+    let no one attend to them."""
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (BATCH, 6, HEADS, HEAD_DIM))
+    k, v = (jax.random.normal(key, (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)) for key in ks[1:])
+    cache_len = jnp.asarray(CACHE_LEN.tolist()[:3] + [MAX_LEN - 4], jnp.int32)
+    want = cache_attention(q, k, v, cache_len, impl="xla")
+    np.testing.assert_allclose(cache_attention(q, k, v, cache_len, impl="interpret"), want, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_path_bf16():
     q, k, v = new_tokens(3, jnp.bfloat16, seed=1)
     cache_len = jnp.asarray(CACHE_LEN)
