@@ -1,7 +1,6 @@
 """Compiling the trainer ahead of time and the persistent compilation cache: no stalls after step 1,
 fewer compilations in a second run."""
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -48,18 +47,6 @@ def test_cached_programs_are_read_back_not_compiled(tmp_path):
     assert jax.config.jax_compilation_cache_dir is None  # the settings end with the block
 
 
-@contextlib.contextmanager
-def _quick_compile():
-    """Most XLA optimizations off inside the block: the tests count compilations, which then take
-    about half the time."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-
-
 def _prompt_file(path, tokenizer_dir) -> str:
     """8 prompts whose rollouts pack into 16 rows at step 1 and 32 at step 2: 3 short arithmetic
     problems (<= 16 tokens with the template: 3 sequences share a row of W = 64 + 8 tokens), all in
@@ -100,7 +87,7 @@ def precompiled_run(tiny_policy, tmp_path_factory):
         return packed
 
     jax.clear_caches()
-    with pytest.MonkeyPatch.context() as patch, _quick_compile():
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop.GRPORun, "run_step", counting_step)
         patch.setattr(loop, "pack_rows", counting_pack)
         assert _train("--config", config, "--run-dir", root / "run", *overrides) == 0
@@ -121,9 +108,8 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     config, overrides, first_dir, cache, _ = precompiled_run
     assert any(path.name.startswith("jit_update-") for path in cache.iterdir())
     jax.clear_caches()  # as in a new process
-    with _quick_compile():
-        assert _train("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
-                      "train.precompile=false") == 0
+    assert _train("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
+                  "train.precompile=false") == 0
     first, second = _metrics(first_dir)[0], _metrics(tmp_path / "second")[0]
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4

@@ -1,7 +1,5 @@
 """Tiny random policies shared by the rollout tests (fixed shapes, so compiled programs are reused)."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,22 +20,6 @@ def random_params(cfg: ModelConfig, seed: int, std: float):
         return jnp.asarray(values, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
-
-
-@contextlib.contextmanager
-def quick_compile():
-    """Compiles with most XLA optimizations off (`jax_disable_most_optimizations`) inside the block.
-
-    For tests whose time is spent compiling decode loops that then run a few steps on tiny shapes:
-    on CPU this about halves the compile time and at most doubles the (sub-second) run time. The
-    traced program, and so what is sampled and checked, is unchanged.
-    """
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

@@ -11,25 +11,19 @@ from jaxspec.models.transformer import forward_hidden
 from jaxspec.rollout import Sampling
 from jaxspec.rollout.speculative.drafter import Prefill, Verified
 from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter
-from tests.rollout.conftest import quick_compile
 
 DEPTH = 3  # chunks of up to DEPTH + 1 entries
 PROMPT_LENGTHS = [3, 7, 5]
 TOTAL = 24
 
-# Jitted (as in the decode loop, where the drafter always runs under jit) and compiled with
-# `quick_compile`: eager op-by-op dispatch of the head and the policy compiles every primitive at
-# every shape and takes far longer.
+# Jitted, as in the decode loop, where the drafter always runs under jit: eager op-by-op dispatch
+# of the head and the policy compiles every primitive at every shape and takes far longer.
 forward_hidden = jax.jit(forward_hidden, static_argnums=(0, 3))
 ttt_forward = jax.jit(ttt_forward, static_argnums=(0, 5))
 
 
 def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
-    with quick_compile():
-        check_first_draft_after_any_acceptance(*policy)
-
-
-def check_first_draft_after_any_acceptance(cfg, params):
+    cfg, params = policy
     dcfg, head = init_eagle3(cfg, jax.random.key(5), std=0.3)
     rng = np.random.default_rng(0)
     seqs = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(PROMPT_LENGTHS), TOTAL)), jnp.int32)

@@ -9,7 +9,6 @@ from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig, init_params
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.rollout.speculative import loop
-from tests.rollout.conftest import quick_compile
 from tests.rollout.reference import greedy_reference
 
 # Lengths 3, 7 and 20 (prompt buckets 16, 16 and 32); the batch repeats two of them.
@@ -25,8 +24,7 @@ def eos_and_reference(policy):
     """An eos id that first appears in the middle of row 0's greedy output, not at the end of a
     k + 1 token run, and the greedy continuations (full forwards, no cache) of every prompt."""
     cfg, params = policy
-    with quick_compile():
-        reference = greedy_reference(cfg, params, PROMPTS, MAX_NEW)
+    reference = greedy_reference(cfg, params, PROMPTS, MAX_NEW)
     tokens = reference[0][0]
     eos = next(tokens[i] for i in range(6, MAX_NEW - 4)
                if tokens[i] not in tokens[:i] and (i - 1) % (K + 1) not in (K,))
@@ -41,8 +39,7 @@ def greedy_sampling(eos_and_reference):
 @pytest.fixture(scope="module")
 def autoregressive(policy, greedy_sampling):
     cfg, params = policy
-    with quick_compile():
-        return generate(cfg, params, BATCH, jax.random.key(0), greedy_sampling)
+    return generate(cfg, params, BATCH, jax.random.key(0), greedy_sampling)
 
 
 def specs(policy):
@@ -59,9 +56,8 @@ def specs(policy):
 @pytest.fixture(scope="module")
 def speculative(policy, greedy_sampling):
     cfg, params = policy
-    with quick_compile():
-        return {name: generate(cfg, params, BATCH, jax.random.key(1), greedy_sampling, spec=spec)
-                for name, spec in specs(policy).items()}
+    return {name: generate(cfg, params, BATCH, jax.random.key(1), greedy_sampling, spec=spec)
+            for name, spec in specs(policy).items()}
 
 
 @pytest.mark.parametrize("name", ["draft_model-self-chain", "eagle3-chain", "ngram-tree"])

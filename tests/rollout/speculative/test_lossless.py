@@ -10,8 +10,8 @@ tokens and max_new_tokens truncation all occur.
 Every method x {chain, tree} x {greedy, stochastic drafts} x {T=1, T=0.7 with top_p=0.9} runs
 (the n-gram drafter has no draft distribution, so it drafts greedily only): 20 cases, each its
 own compiled decode loop (every one differs in a static argument: method, tree shape, draft
-sampling or `Sampling`). Compiling dominates, so the loops compile with most XLA optimizations off
-(`quick_compile`); the exact distribution and the trainer's log-probs are computed once per setting.
+sampling or `Sampling`); the exact distribution and the trainer's log-probs are computed once per
+setting.
 """
 
 import itertools
@@ -24,7 +24,7 @@ import pytest
 from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs, stages
-from tests.rollout.conftest import quick_compile, random_params
+from tests.rollout.conftest import random_params
 from tests.rollout.reference import continuation_probs, full_forward, padded
 from tests.rollout.test_distribution import chi_square_pvalue
 
@@ -106,7 +106,7 @@ def sampled(tiny_vocab_policy, drafts):
         if key not in cache:
             method, shape, draft_sampling, setting = case
             spec = Spec(method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **SHAPES[shape])
-            with pytest.MonkeyPatch.context() as patch, quick_compile():
+            with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
                 out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
                                Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
