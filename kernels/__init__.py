@@ -8,12 +8,12 @@ CPU (override with `impl=` or the JAXSPEC_TREE_VERIFY_IMPL environment variable)
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.dispatch import requested_impl
 from kernels.tree_verify_pallas import verify_pallas
 from kernels.tree_verify_reference import VerifyResult, verify_reference
 
@@ -60,12 +60,7 @@ def tree_verify(logits, parents, draft_tokens, num_nodes, key, *, temperature: f
 
 
 def _resolve_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"tree_verify impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = os.environ.get(IMPL_ENV, "") or "auto"
-        if impl not in IMPLS:
-            raise ValueError(f"{IMPL_ENV} must be one of {IMPLS}, got {impl!r}")
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify")
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
     return impl

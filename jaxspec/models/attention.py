@@ -15,12 +15,11 @@ environment variable (auto, xla, pallas, interpret) overrides "auto" at trace ti
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from kernels.dispatch import requested_impl
 from kernels.ragged_attention import Partials, merge, prefix_attention_pallas
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -127,12 +126,7 @@ def _sharded_prefix(q_rows, k_cache, v_cache, cache_len, sharding: Sharding | No
 
 
 def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"cache attention impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = os.environ.get(IMPL_ENV, "") or "auto"
-        if impl not in IMPLS:
-            raise ValueError(f"{IMPL_ENV} must be one of {IMPLS}, got {impl!r}")
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "cache attention")
     if impl == "auto":
         return "pallas" if _kernel_applies(q, k_cache, sharding) else "xla"
     return impl
