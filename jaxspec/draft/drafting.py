@@ -51,6 +51,7 @@ def draft_extend(
     cache_len: jax.Array,
     tree_mask: jax.Array | None = None,
     prefix_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
     sharding: Sharding | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Appends T entries per row to the head's cache and runs them through the head.
@@ -61,11 +62,13 @@ def draft_extend(
     cache_len[b] + t. tree_mask: bool [B, T, T], which new entries each new entry sees (default
     causal). prefix_mask: bool [B, T, S], optional restriction of which slots < cache_len[b] each
     new entry sees (default all: for tree drafting, hide the siblings' branches in the cache).
+    active: bool [B], rows still drafting (default all); the others see none of their prefix and
+    their outputs are meaningless (`cache_attention`).
     sharding: the mesh the cache is laid out on (`KV_CACHE_AXES`), if any.
     Returns (float32 logits [B, T, Vd] over the draft vocabulary, hidden_out [B, T, H] (layer
     output before the final norm, the next step's hidden input), updated cache).
     """
-    _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask)
+    _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask, active)
     b, t = tokens.shape
     cos, sin = rope_tables(dcfg.layer_config, positions)
     q, k, v = attention_inputs(dcfg, dparams, embed, tokens, hidden_in, cos, sin)
@@ -75,10 +78,12 @@ def draft_extend(
         ck = cache.k[0].at[rows, slots].set(k.astype(cache.k[0].dtype), mode="drop")
         cv = cache.v[0].at[rows, slots].set(v.astype(cache.v[0].dtype), mode="drop")
     if prefix_mask is None:
-        attn = cache_attention(q, ck, cv, cache_len, tree_mask, sharding=sharding)
+        attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
     else:
         mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
         in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
+        if active is not None:
+            prefix_mask = prefix_mask & active[:, None, None]
         attn = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask & (prefix_mask | ~in_prefix))
     out = layer_output(dcfg, dparams, hidden_in, attn)
     return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))
@@ -93,7 +98,7 @@ def draft_logprobs_on_target_vocab(dparams: DraftParams, logits: jax.Array) -> j
     return full.at[..., target_ids(dparams)].set(logprobs)
 
 
-def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask) -> None:
+def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask, active) -> None:
     check_embed(dcfg, embed)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
@@ -107,6 +112,8 @@ def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, t
     }
     if tree_mask is not None:
         expected["tree_mask"] = (tree_mask.shape, (b, t, t))
+    if active is not None:
+        expected["active"] = (active.shape, (b,))
     if prefix_mask is not None:
         expected["prefix_mask"] = (prefix_mask.shape, (b, t, cache.max_len))
     for name, (got, want) in expected.items():

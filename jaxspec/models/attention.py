@@ -60,19 +60,26 @@ def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_len: jax.Array,
-                    tree_mask: jax.Array | None = None, *, sharding: Sharding | None = None,
-                    impl: str = "auto") -> jax.Array:
+                    tree_mask: jax.Array | None = None, *, active: jax.Array | None = None,
+                    sharding: Sharding | None = None, impl: str = "auto") -> jax.Array:
     """Attention of T new tokens over a cache that already holds their keys and values.
 
     q [B, T, Nq, D]; k/v_cache [B, S, Nk, D] with row b's prefix in slots [0, cache_len[b]) and
     the new tokens in slots cache_len[b] + t (those past the last slot were dropped and are seen by
     no one); cache_len int32 [B]; tree_mask bool [B, T, T], which new tokens each new token sees
-    (default causal). sharding: the mesh the cache is laid out on
-    (by `KV_CACHE_AXES`), for the kernel's per-shard call. Returns [B, T, Nq, D] in q's dtype.
+    (default causal). active bool [B] (default all True): a row that is not active sees only its
+    new tokens, not its prefix, so the kernel reads none of its cache: decode loops pass the rows
+    still generating, and the outputs of the others are discarded. sharding: the mesh the cache is
+    laid out on (by `KV_CACHE_AXES`), for the kernel's per-shard call. Returns [B, T, Nq, D] in
+    q's dtype.
     """
     impl = _resolve_impl(impl, q, k_cache, sharding)
+    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     if impl == "xla":
         mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask)
+        if active is not None:
+            in_prefix = jnp.arange(k_cache.shape[1])[None, None, :] < cache_len[:, None, None]
+            mask = mask & (active[:, None, None] | ~in_prefix)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"cache attention impl {impl!r} needs one dtype for q and the cache, got q {q.dtype}, "
@@ -83,7 +90,7 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
         rows = _pow2(max(16, t * (nq // nk)))
         q_rows = q.reshape(b, t, nk, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * (nq // nk), d)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * (nq // nk)), (0, 0)))
-        prefix = _sharded_prefix(q_rows, k_cache, v_cache, cache_len, sharding, impl == "interpret")
+        prefix = _sharded_prefix(q_rows, k_cache, v_cache, prefix_len, sharding, impl == "interpret")
         slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         new_k = jnp.take_along_axis(k_cache, slots[:, :, None, None], axis=1, mode="clip")
         new_v = jnp.take_along_axis(v_cache, slots[:, :, None, None], axis=1, mode="clip")

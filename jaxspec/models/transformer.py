@@ -231,6 +231,7 @@ def extend(
     cache_len: jax.Array,
     *,
     tree_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
     hidden_layers: tuple[int, ...] = (),
     sharding: Sharding | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -239,7 +240,9 @@ def extend(
     tokens int32 [B, T]; positions int32 [B, T] (rope positions); cache_len int32 [B]: row b's
     valid prefix occupies slots [0, cache_len[b]) and the new tokens are written to slots
     cache_len[b] + t. tree_mask bool [B, T, T] says which new tokens each new token sees
-    (default causal); every new token sees the whole valid prefix.
+    (default causal); every new token sees the whole valid prefix. active bool [B]: rows still
+    generating (default all); the others see only their new tokens and their outputs are
+    meaningless, but their cache is not read (`cache_attention`).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H], updated cache).
     Slots past cache_len[b] + T are neither read nor written.
     """
@@ -256,7 +259,8 @@ def extend(
         with jax.named_scope("kv_write"):
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
-        x = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, sharding=sharding))
+        x = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, active=active,
+                                                                      sharding=sharding))
         x = _constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)
         new_v.append(cv)

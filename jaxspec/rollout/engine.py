@@ -228,7 +228,8 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
     def step(state: _LoopState) -> _LoopState:
         with jax.named_scope("forward"):
             step_logits, _, new_cache = extend(cfg, params, state.cache, state.last_token[:, None],
-                                               state.cache_len[:, None], state.cache_len, sharding=sharding)
+                                               state.cache_len[:, None], state.cache_len, active=~state.done,
+                                               sharding=sharding)
         new_cache = jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES), new_cache)
         key, step_key = jax.random.split(state.key)
         state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done, key=key)

@@ -51,6 +51,33 @@ def test_kernel_path_equals_dense_path(t, tree):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_inactive_rows_read_no_prefix(impl):
+    """Rows marked inactive attend to their new tokens alone: their output equals the same tokens
+    at slot 0 of an empty cache, and active rows are as if no row were inactive. The kernel does
+    not read an inactive row's prefix: NaN there changes nothing (the dense path multiplies every
+    slot, so it only masks)."""
+    t = 3
+    q, k, v = new_tokens(t, seed=5)
+    mask = random_tree_mask(t, seed=5)
+    cache_len = jnp.asarray(CACHE_LEN)
+    active = jnp.asarray([True, False, True, False])
+    prefix = (jnp.arange(MAX_LEN)[None, :] < cache_len[:, None]) & ~active[:, None]
+    poison = jnp.nan if impl == "interpret" else 300.0
+    poisoned_k, poisoned_v = (jnp.where(prefix[:, :, None, None], poison, x) for x in (k, v))
+    got = cache_attention(q, poisoned_k, poisoned_v, cache_len, mask, active=active, impl=impl)
+    assert np.isfinite(np.asarray(got)).all()
+    want_active = cache_attention(q, k, v, cache_len, mask, impl="xla")
+    np.testing.assert_allclose(got[np.asarray(active)], want_active[np.asarray(active)], rtol=1e-5, atol=1e-5)
+    slots = cache_len[:, None] + jnp.arange(t)[None, :]
+    moved_k, moved_v = (jnp.zeros_like(x).at[:, :t].set(jnp.take_along_axis(x, slots[:, :, None, None], axis=1))
+                        for x in (k, v))
+    want_inactive = cache_attention(q, moved_k, moved_v, jnp.zeros_like(cache_len), mask, impl="xla")
+    inactive = ~np.asarray(active)
+    np.testing.assert_allclose(got[inactive], want_inactive[inactive], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got[inactive], want_active[inactive], atol=1e-3)  # the prefix really was dropped
+
+
 def test_new_tokens_past_the_last_slot_are_unseen():
     """Row 3's chain of 6 runs 2 tokens past the cache (dropped by `extend`'s write); both paths
     let no one attend to them."""

@@ -62,8 +62,8 @@ class DraftModelDrafter:
         return Pending(cache=cache, tokens=jnp.zeros((batch, self.chunk), jnp.int32).at[:, 0].set(prefill.first_token),
                        count=jnp.ones((batch,), jnp.int32))
 
-    def propose(self, dparams, state: Pending, root: jax.Array, cache_len: jax.Array, key: jax.Array
-                ) -> tuple[Pending, DraftTree]:
+    def propose(self, dparams, state: Pending, root: jax.Array, cache_len: jax.Array, active: jax.Array,
+                key: jax.Array) -> tuple[Pending, DraftTree]:
         last_layer = (self.cfg.num_layers - 1,)
 
         def draft_pass(first, tokens, parents, depth, mask, frontier):
@@ -73,7 +73,7 @@ class DraftModelDrafter:
                 tokens, positions, mask = state.tokens, start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32), None
             else:
                 start, positions = cache_len, cache_len[:, None] + depth
-            _, hidden, cache = extend(self.cfg, dparams, cache, tokens, positions, start, tree_mask=mask,
+            _, hidden, cache = extend(self.cfg, dparams, cache, tokens, positions, start, tree_mask=mask, active=active,
                                       hidden_layers=last_layer, sharding=self.sharding)
             hidden = hidden[0]
             hidden = (jnp.take_along_axis(hidden, (state.count - 1)[:, None, None], axis=1) if is_first

@@ -4,7 +4,7 @@ A drafter is a frozen (hashable) dataclass holding only static settings, so it c
 `jax.jit` static argument; its weights travel separately as `dparams` (None when it has none).
 
     state = drafter.init(dparams, prefill)                    # once, after the policy's prefill
-    state, tree = drafter.propose(dparams, state, root, cache_len, key)
+    state, tree = drafter.propose(dparams, state, root, cache_len, active, key)
     state = drafter.update(dparams, state, verified)          # after each verification
 
 `drafter.policy_layers` lists the policy layers whose outputs `update` receives in
@@ -77,7 +77,10 @@ class Drafter(Protocol):
 
     def init(self, dparams, prefill: Prefill): ...
 
-    def propose(self, dparams, state, root: jax.Array, cache_len: jax.Array, key: jax.Array
-                ) -> tuple[object, DraftTree]: ...
+    def propose(self, dparams, state, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
+                ) -> tuple[object, DraftTree]:
+        """A tree for every row from its root int32 [B] at policy slot cache_len int32 [B]. Rows
+        that are not active bool [B] have finished: their trees are discarded, so a drafter need
+        not read their caches."""
 
     def update(self, dparams, state, verified: Verified): ...

@@ -88,8 +88,8 @@ class Eagle3Drafter:
         """Entries of the pending chunk: the longest accepted run + 1."""
         return min(self.depth, self.num_nodes) + 1
 
-    def propose(self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, key: jax.Array
-                ) -> tuple[HeadState, DraftTree]:
+    def propose(self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, active: jax.Array,
+                key: jax.Array) -> tuple[HeadState, DraftTree]:
         head, embed = dparams["head"], dparams["embed"]
         head_len = cache_len - 1  # the root's entry
         root_hidden = state.root_hidden()
@@ -100,7 +100,7 @@ class Eagle3Drafter:
                 start = head_len - (state.count - 1)
                 positions = start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32)
                 logits, out, cache = draft_extend(self.dcfg, head, embed, cache, state.tokens, state.hidden,
-                                                  positions, start, sharding=self.sharding)
+                                                  positions, start, active=active, sharding=self.sharding)
                 last = (state.count - 1)[:, None, None]
                 logits, out = jnp.take_along_axis(logits, last, axis=1), jnp.take_along_axis(out, last, axis=1)
             else:
@@ -108,7 +108,7 @@ class Eagle3Drafter:
                 hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden[:, None], parent_out)
                 logits, out, cache = draft_extend(self.dcfg, head, embed, cache, tokens, hidden_in,
                                                   head_len[:, None] + depth, head_len, tree_mask=mask,
-                                                  sharding=self.sharding)
+                                                  active=active, sharding=self.sharding)
                 logits = logits[:, frontier]
             return (self._constrain_cache(cache), out), processed_logprobs(logits, self.sampling)
 

@@ -98,12 +98,13 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
         with jax.named_scope("propose"):
-            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, draft_key)
+            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, ~state.done,
+                                          draft_key)
         with jax.named_scope("verify_forward"):
             logits, hidden, cache = extend(
                 cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
                 tree_mask=None if chain else ancestor_mask(tree.parents, max_depth),
-                hidden_layers=drafter.policy_layers, sharding=sharding)
+                active=~state.done, hidden_layers=drafter.policy_layers, sharding=sharding)
         with jax.named_scope("verify"):
             if sampling.greedy:
                 verify_logits, temperature = logits, 0.0

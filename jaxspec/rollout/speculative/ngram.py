@@ -44,8 +44,8 @@ class NgramDrafter:
         tokens = tokens.at[rows, prefill.row_lengths].set(prefill.first_token)
         return History(tokens=tokens, length=prefill.row_lengths + 1)
 
-    def propose(self, dparams, history: History, root: jax.Array, cache_len: jax.Array, key: jax.Array
-                ) -> tuple[History, DraftTree]:
+    def propose(self, dparams, history: History, root: jax.Array, cache_len: jax.Array, active: jax.Array,
+                key: jax.Array) -> tuple[History, DraftTree]:
         h, length = history.tokens, history.length
         batch, slots = h.shape
         ends = jnp.arange(slots, dtype=jnp.int32)[None, :]  # a match's last position j

@@ -46,10 +46,12 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
         **arrays, max_len=TOTAL + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None)))
     state = init(dparams, prefill)
     propose, update = jax.jit(drafter.propose), jax.jit(drafter.update)
+    all_rows = jnp.ones(len(rows), bool)
 
     root_index = lengths.copy()  # the root x_p sits at index p (= the policy's cache length)
     for accepted in ([0, 2, 3], [3, 0, 1], [1, 1, 0]):
-        state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), jax.random.key(0))
+        state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows,
+                              jax.random.key(0))
         np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
         accepted = np.asarray(accepted)
         window = root_index[:, None] + np.arange(DEPTH + 1)  # [root, the next DEPTH tokens]
@@ -58,5 +60,6 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
             num_accepted=jnp.asarray(accepted), cache_len=jnp.asarray(root_index),
             hidden=aux[:, rows[:, None], window], active=jnp.ones(len(rows), bool)))
         root_index = root_index + accepted + 1
-    state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), jax.random.key(0))
+    state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows,
+                          jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])

@@ -154,7 +154,7 @@ def test_ngram_proposals_match_python_lookup(sizes, depth, width, budget):
     lengths = jnp.asarray([len(h) for h in histories], jnp.int32)
     drafter = NgramDrafter(sizes=sizes, depth=depth, width=width, num_nodes=budget)
     roots = jnp.asarray([h[-1] for h in histories], jnp.int32)
-    propose = jax.jit(lambda h, r: drafter.propose(None, h, r, r, None)[1])
+    propose = jax.jit(lambda h, r: drafter.propose(None, h, r, r, r >= 0, None)[1])
     tree = propose(History(jnp.asarray(tokens), lengths), roots)
     for b, h in enumerate(histories):
         want_tokens, want_parents = reference_ngram([int(t) for t in h], sizes, depth, width, budget)
