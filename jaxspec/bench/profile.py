@@ -83,15 +83,18 @@ def classify(op_name: str) -> tuple[str, str]:
 
 
 def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]
-                 ) -> tuple[dict[str, dict[tuple[str, str], float]], list[tuple[float, str, str, str]]]:
-    """Device nanoseconds per (phase, part) for each loop program ("ar", "spec", "prefill"), and
-    every kernel's total [(ns, program, hlo op, op_name)], longest first.
+                 ) -> tuple[dict[str, dict[tuple[str, str], float]], dict[str, dict[str, int]],
+                            list[tuple[float, str, str, str]]]:
+    """Device nanoseconds per (phase, part) for each loop program ("ar", "spec", "prefill"), the
+    number of kernels launched per phase, and every kernel's total [(ns, program, hlo op,
+    op_name)], longest first.
 
     Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, whose
     while/conditional thunks enclose their bodies and are skipped)."""
     from jax.profiler import ProfileData
 
     totals: dict[str, dict[tuple[str, str], float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    launches: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
     per_op: dict[tuple[str, str, str], float] = collections.defaultdict(float)
     for path in Path(trace_dir).rglob("*.xplane.pb"):
         data = ProfileData.from_file(str(path))
@@ -107,9 +110,11 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]
                         continue
                     op_name = scopes.get((int(stats["program_id"]), str(op)), "")
                     phase, part = classify(op_name)
-                    totals[program][("prefill" if program == "prefill" else phase, part)] += event.duration_ns
+                    phase = "prefill" if program == "prefill" else phase
+                    totals[program][(phase, part)] += event.duration_ns
+                    launches[program][phase] += 1
                     per_op[(program, str(op), op_name)] += event.duration_ns
-    return totals, sorted(((ns, *key) for key, ns in per_op.items()), reverse=True)
+    return totals, launches, sorted(((ns, *key) for key, ns in per_op.items()), reverse=True)
 
 
 def _set_dump_flags(dump_dir: Path) -> None:
@@ -176,8 +181,9 @@ def _profile(args, work: Path) -> int:
     rows, ar_step_ms = [], None
     for i, ((label, spec), out) in enumerate(zip(configs, outputs)):
         steps = max(int(out.stats["steps"]), 1)
-        times, kernels = kernel_times(work / f"trace{i}", scopes)
-        loop = times["spec" if spec is not None else "ar"]
+        times, launches, kernels = kernel_times(work / f"trace{i}", scopes)
+        program = "spec" if spec is not None else "ar"
+        loop = times[program]
         total_ms = sum(loop.values()) / 1e6 / steps
         top = [{"ms": ns / 1e6 / steps, "op": op, "op_name": name}
                for ns, program, op, name in kernels if program != "prefill"][:TOP_KERNELS]
@@ -186,12 +192,15 @@ def _profile(args, work: Path) -> int:
                "acceptance_length": float(out.stats["acceptance_length"]),
                "step_ms": total_ms, "step_over_ar": total_ms / ar_step_ms,
                "prefill_ms": sum(times["prefill"].values()) / 1e6,
+               "kernels_per_step": sum(launches[program].values()) / steps,
+               "phase_kernels_per_step": {ph: n / steps for ph, n in sorted(launches[program].items())},
                "phases_ms": _by(loop, 0, steps), "parts_ms": _by(loop, 1, steps),
                "phase_parts_ms": {f"{ph}/{pa}": ns / 1e6 / steps for (ph, pa), ns in sorted(loop.items())},
                "top_kernels": top}
         rows.append(row)
         print(f"\n{label}: {total_ms:.3f} device ms per iteration ({row['step_over_ar']:.2f}x the AR step), "
-              f"{steps} iterations, acceptance {row['acceptance_length']:.2f}")
+              f"{row['kernels_per_step']:.0f} kernels per iteration, {steps} iterations, "
+              f"acceptance {row['acceptance_length']:.2f}")
         print_table([{"phase/part": k, "ms": v, "share": v / total_ms} for k, v in row["phase_parts_ms"].items()],
                     ["phase/part", "ms", "share"])
         for k in top[:8]:
@@ -200,7 +209,7 @@ def _profile(args, work: Path) -> int:
                 "unit": "device ms per loop iteration",
                 "baseline": "the autoregressive decode step of the same run"}
     print()
-    print_table(rows, ["config", "step_ms", "step_over_ar", "acceptance_length", "steps"])
+    print_table(rows, ["config", "step_ms", "step_over_ar", "kernels_per_step", "acceptance_length", "steps"])
     write_results(args.out, "profile", rows, baseline)
     return 0
 

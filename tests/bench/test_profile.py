@@ -55,6 +55,9 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
     for row in rows.values():
         assert row["step_ms"] == pytest.approx(sum(row["phases_ms"].values()))
         assert row["steps"] >= 1 and row["prefill_ms"] > 0 and row["top_kernels"]
+        assert row["kernels_per_step"] == pytest.approx(sum(row["phase_kernels_per_step"].values()))
+        assert set(row["phase_kernels_per_step"]) == set(row["phases_ms"])
+    assert spec["kernels_per_step"] > ar["kernels_per_step"] > 0
     assert ar["step_over_ar"] == 1.0
 
 
