@@ -13,7 +13,9 @@ a phase of the loop:
 
 and, inside a phase, to a part: attention (scores over the KV cache), kv_write, lm_head, or
 layers (the other matmuls and norms). Reported in device milliseconds per loop iteration,
-against the autoregressive decode step of the same run.
+against the autoregressive decode step of the same run, with the kernels launched per iteration
+by phase and by jax op_name: at small batches a decode step is a few hundred kernels of a few
+microseconds each, so the launch count, not the bytes read, sets its time.
 
 The dump flags must reach XLA before its backend starts, so this command sets XLA_FLAGS itself
 and refuses to run in a process that has already used JAX. On GPU it also turns XLA's command
@@ -29,6 +31,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 PHASES = ("propose", "verify_forward", "verify", "commit", "draft_update", "forward", "sample", "stage_move")
 PARTS = ("attention", "kv_write", "lm_head")
@@ -38,6 +41,7 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 TOP_KERNELS = 25
+TOP_OP_NAMES = 60
 _CONTROL = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 
 
@@ -82,20 +86,25 @@ def classify(op_name: str) -> tuple[str, str]:
     return phase, part
 
 
-def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]
-                 ) -> tuple[dict[str, dict[tuple[str, str], float]], dict[str, dict[str, int]],
-                            list[tuple[float, str, str, str]]]:
-    """Device nanoseconds per (phase, part) for each loop program ("ar", "spec", "prefill"), the
-    number of kernels launched per phase, and every kernel's total [(ns, program, hlo op,
-    op_name)], longest first.
+class Kernel(NamedTuple):
+    """One HLO kernel of a traced program, summed over its launches."""
+
+    program: str  # "ar", "spec" or "prefill"
+    op: str  # HLO instruction
+    op_name: str  # jax scopes and primitive
+    ns: float  # device time
+    launches: int
+
+
+def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]) -> list[Kernel]:
+    """Every kernel of the loop programs ("ar", "spec", "prefill") in a trace, longest first.
 
     Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, whose
     while/conditional thunks enclose their bodies and are skipped)."""
     from jax.profiler import ProfileData
 
-    totals: dict[str, dict[tuple[str, str], float]] = collections.defaultdict(lambda: collections.defaultdict(float))
-    launches: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
-    per_op: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    ns: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    launches: dict[tuple[str, str, str], int] = collections.defaultdict(int)
     for path in Path(trace_dir).rglob("*.xplane.pb"):
         data = ProfileData.from_file(str(path))
         planes = [p for p in data.planes if p.name.startswith("/device:")] or \
@@ -108,13 +117,27 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]
                     op = stats.get("hlo_op")
                     if program is None or op is None or "program_id" not in stats or _CONTROL.match(str(op)):
                         continue
-                    op_name = scopes.get((int(stats["program_id"]), str(op)), "")
-                    phase, part = classify(op_name)
-                    phase = "prefill" if program == "prefill" else phase
-                    totals[program][(phase, part)] += event.duration_ns
-                    launches[program][phase] += 1
-                    per_op[(program, str(op), op_name)] += event.duration_ns
-    return totals, launches, sorted(((ns, *key) for key, ns in per_op.items()), reverse=True)
+                    key = (program, str(op), scopes.get((int(stats["program_id"]), str(op)), ""))
+                    ns[key] += event.duration_ns
+                    launches[key] += 1
+    return sorted((Kernel(*key, ns[key], launches[key]) for key in ns), key=lambda k: -k.ns)
+
+
+def phase_part(kernel: Kernel) -> tuple[str, str]:
+    phase, part = classify(kernel.op_name)
+    return ("prefill" if kernel.program == "prefill" else phase), part
+
+
+def by_op_name(kernels: list[Kernel], steps: int) -> list[dict]:
+    """Kernels grouped by jax op_name (one name per source line: a layer's kernel appears once
+    per layer), most launches per loop iteration first."""
+    groups: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        name = re.sub(r"^jit\([^)]*\)/while/body/", "", k.op_name)
+        groups[name][0] += k.ns
+        groups[name][1] += k.launches
+    return [{"op_name": name, "launches": n / steps, "ms": t / 1e6 / steps}
+            for name, (t, n) in sorted(groups.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))]
 
 
 def _set_dump_flags(dump_dir: Path) -> None:
@@ -181,22 +204,25 @@ def _profile(args, work: Path) -> int:
     rows, ar_step_ms = [], None
     for i, ((label, spec), out) in enumerate(zip(configs, outputs)):
         steps = max(int(out.stats["steps"]), 1)
-        times, launches, kernels = kernel_times(work / f"trace{i}", scopes)
         program = "spec" if spec is not None else "ar"
-        loop = times[program]
+        kernels = kernel_times(work / f"trace{i}", scopes)
+        loop_kernels = [k for k in kernels if k.program == program]
+        loop, launches = collections.defaultdict(float), collections.defaultdict(int)
+        for k in loop_kernels:
+            loop[phase_part(k)] += k.ns
+            launches[phase_part(k)[0]] += k.launches
         total_ms = sum(loop.values()) / 1e6 / steps
-        top = [{"ms": ns / 1e6 / steps, "op": op, "op_name": name}
-               for ns, program, op, name in kernels if program != "prefill"][:TOP_KERNELS]
+        top = [{"ms": k.ns / 1e6 / steps, "op": k.op, "op_name": k.op_name} for k in loop_kernels][:TOP_KERNELS]
         ar_step_ms = total_ms if spec is None else ar_step_ms
         row = {"config": label, "batch": args.batch, "steps": steps,
                "acceptance_length": float(out.stats["acceptance_length"]),
                "step_ms": total_ms, "step_over_ar": total_ms / ar_step_ms,
-               "prefill_ms": sum(times["prefill"].values()) / 1e6,
-               "kernels_per_step": sum(launches[program].values()) / steps,
-               "phase_kernels_per_step": {ph: n / steps for ph, n in sorted(launches[program].items())},
+               "prefill_ms": sum(k.ns for k in kernels if k.program == "prefill") / 1e6,
+               "kernels_per_step": sum(launches.values()) / steps,
+               "phase_kernels_per_step": {ph: n / steps for ph, n in sorted(launches.items())},
                "phases_ms": _by(loop, 0, steps), "parts_ms": _by(loop, 1, steps),
                "phase_parts_ms": {f"{ph}/{pa}": ns / 1e6 / steps for (ph, pa), ns in sorted(loop.items())},
-               "top_kernels": top}
+               "top_kernels": top, "kernels_by_op_name": by_op_name(loop_kernels, steps)[:TOP_OP_NAMES]}
         rows.append(row)
         print(f"\n{label}: {total_ms:.3f} device ms per iteration ({row['step_over_ar']:.2f}x the AR step), "
               f"{row['kernels_per_step']:.0f} kernels per iteration, {steps} iterations, "
@@ -205,6 +231,9 @@ def _profile(args, work: Path) -> int:
                     ["phase/part", "ms", "share"])
         for k in top[:8]:
             print(f"  {k['ms']:8.4f} ms  {k['op']:<32} {k['op_name'][-90:]}")
+        print("  most launched (per iteration):")
+        for g in row["kernels_by_op_name"][:10]:
+            print(f"  {g['launches']:6.1f} x {g['ms']:8.4f} ms  {g['op_name'][-90:]}")
     baseline = {"policy": args.policy, "draft": args.draft, "max_new_tokens": args.new, "levels": args.levels,
                 "unit": "device ms per loop iteration",
                 "baseline": "the autoregressive decode step of the same run"}

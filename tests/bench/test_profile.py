@@ -57,6 +57,8 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
         assert row["steps"] >= 1 and row["prefill_ms"] > 0 and row["top_kernels"]
         assert row["kernels_per_step"] == pytest.approx(sum(row["phase_kernels_per_step"].values()))
         assert set(row["phase_kernels_per_step"]) == set(row["phases_ms"])
+        grouped = sum(g["launches"] for g in row["kernels_by_op_name"])
+        assert 0 < grouped <= row["kernels_per_step"] + 1e-9
     assert spec["kernels_per_step"] > ar["kernels_per_step"] > 0
     assert ar["step_over_ar"] == 1.0
 
