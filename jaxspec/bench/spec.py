@@ -97,7 +97,8 @@ def main(argv: list[str]) -> int:
             row = {"batch": batch, "config": label, "seconds": seconds, "tokens": tokens,
                    "tokens_per_s": tokens / seconds, "speedup": speedup, "acceptance_length": acc,
                    "efficiency": speedup / acc, "step_ms": step_ms, "step_over_ar": step_ms / ar_step_ms,
-                   "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist()}
+                   "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
+                   "stage_rows": out.stats["stage_rows"], "stage_steps": out.stats["stage_steps"]}
             rows.append(row)
             print_table([row], COLUMNS)
     baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood, "params": cfg.num_params(),

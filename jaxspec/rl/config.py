@@ -84,6 +84,9 @@ class LossConfig:
     kl_beta: coefficient of the k3 KL estimate to the frozen initial policy (0 = no reference).
     filter_groups: drop groups whose rewards are all equal (zero advantage) from the loss
         (DAPO dynamic sampling, without over-sampling).
+    mask_truncated: rollouts cut at rollout.max_new_tokens without an eos add no tokens to the
+        loss (DAPO's overlong filtering: a cut answer is not a wrong one); they still count in
+        their group's advantages.
     ppo_epochs / minibatches: optimizer updates per rollout batch = ppo_epochs * minibatches.
     recompute_logprobs: old log-probs from the trainer's forward before the first update instead
         of the rollout's; logs the measured rollout/trainer mismatch.
@@ -96,6 +99,7 @@ class LossConfig:
     aggregation: Literal["token", "sequence"] = "token"
     kl_beta: float = 0.0
     filter_groups: bool = False
+    mask_truncated: bool = False
     ppo_epochs: int = 1
     minibatches: int = 1
     recompute_logprobs: bool = False

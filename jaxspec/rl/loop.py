@@ -37,7 +37,7 @@ from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import minibatch_indices, pack_rows, row_width, take_rows, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, check_run_dir, save_config
 from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile, precompile_enabled, trainer_programs
-from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.config import GRPOConfig, LossConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.metrics import MetricsLog, StageTimer, block, rollout_stats, truncate_after
@@ -85,6 +85,23 @@ def _mean_metrics(updates: list[dict]) -> dict:
     return out
 
 
+def truncated_rollouts(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
+    """bool [B]: rollouts cut at max_new_tokens without an eos (tokens int32 [B, N], lengths [B])."""
+    return (lengths == max_new_tokens) & (tokens[:, -1] != eos_id)
+
+
+def trained_rollouts(informative: np.ndarray, truncated: np.ndarray, group: int, loss: LossConfig) -> np.ndarray:
+    """bool [B]: rollouts whose tokens enter the policy loss. informative bool [B / group] (groups
+    with unequal rewards), truncated bool [B]; `loss.filter_groups` drops uninformative groups and
+    `loss.mask_truncated` drops truncated rollouts."""
+    keep = np.ones(truncated.shape, bool)
+    if loss.filter_groups:
+        keep &= np.repeat(informative, group)
+    if loss.mask_truncated:
+        keep &= ~truncated
+    return keep
+
+
 def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, out: RolloutOutput, group: int,
                      max_new_tokens: int, eos_id: int) -> dict:
     tokens, lengths = to_host(out.tokens), to_host(out.lengths)
@@ -96,7 +113,7 @@ def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, out: RolloutO
         "groups_zero_variance": float(np.mean(~informative)),
         "response_length_mean": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
-        "truncated_frac": float(np.mean((lengths == max_new_tokens) & (tokens[:, -1] != eos_id))),
+        "truncated_frac": float(np.mean(truncated_rollouts(tokens, lengths, max_new_tokens, eos_id))),
         **rollout_stats(out.stats),
     }
 
@@ -218,7 +235,8 @@ class GRPORun:
             rewards = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
         batch = training_rows(prompts, tokens, lengths, self.tok.pad_id, self.width)
-        keep = np.repeat(informative, group) if cfg.loss.filter_groups else np.ones(len(prompts), bool)
+        truncated = truncated_rollouts(tokens, lengths, cfg.rollout.max_new_tokens, self.tok.eos_id)
+        keep = trained_rollouts(informative, truncated, group, cfg.loss)
         batch.update(advantages=advantages, old_logp=to_host(out.logprobs).astype(np.float32),
                      loss_mask=batch["resp_mask"] & keep[:, None])
         if self.online is None:

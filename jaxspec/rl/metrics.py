@@ -3,7 +3,8 @@
 A step record (metrics.jsonl) holds
   rollouts: reward_mean/std, accuracy (responses with reward >= 1), groups_all_correct,
     groups_zero_variance, response_length_mean/max, truncated_frac (no eos within the budget),
-    acceptance_length, acceptance_rate_per_position, decode_steps, drafted/accepted_tokens;
+    acceptance_length, acceptance_rate_per_position, decode_steps, decode_steps_per_stage,
+    drafted/accepted_tokens;
   trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, ratio_mean, entropy, grad_norm, lr,
     updates, logprob_mismatch_max/mean (loss.recompute_logprobs); draft_loss, draft_grad_norm,
     draft_step_loss, draft_top1_agreement (draft.online);
@@ -127,10 +128,12 @@ def rollout_stats(stats: dict) -> dict:
     """JSON-safe speculative-decoding statistics of a `RolloutOutput.stats` dict.
 
     acceptance_rate_per_position: a list with null where no step tested that depth.
+    decode_steps_per_stage: loop iterations at each of the loop's batch sizes (`stage_rows`).
     drafted_tokens / accepted_tokens: present for speculative rollouts.
     """
     out = {"acceptance_length": float(stats.get("acceptance_length", 1.0)),
-           "decode_steps": int(stats.get("steps", 0))}
+           "decode_steps": int(stats.get("steps", 0)),
+           "decode_steps_per_stage": [int(n) for n in stats.get("stage_steps", ())]}
     per_position = np.asarray(stats.get("acceptance_rate_per_position", ()), np.float64).reshape(-1)
     out["acceptance_rate_per_position"] = [round(float(x), 6) if np.isfinite(x) else None for x in per_position]
     for key in ("drafted_tokens", "accepted_tokens"):

@@ -36,6 +36,8 @@ class RolloutOutput(NamedTuple):
     logprobs: float32 [B, N] log p of each emitted token under the processed distribution
         (`processed_logprobs`); 0 past the row's length.
     stats: "steps" (decode-loop iterations; the first token comes from the prefill logits),
+        "stage_rows" (the loop's batch sizes, `jaxspec.rollout.stages`) and "stage_steps" (the
+        iterations run at each of them),
         "acceptance_length" (tokens per step per row: 1.0 without speculation),
         "acceptance_rate_per_position" (float32 [k], empty without speculation),
         "generated_tokens" (sum of lengths); speculative rollouts add "drafted_tokens" and
@@ -102,11 +104,14 @@ def generate(
     cache, logits, _ = _prefill(
         cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
         put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding)
-    tokens, logprobs, lengths, steps, _ = _decode(
+    tokens, logprobs, lengths, stage_steps, _ = _decode(
         cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key, sharding=sharding,
         stages=stages)
+    stage_steps = [int(n) for n in to_host(stage_steps)]
     stats = {
-        "steps": int(steps),
+        "steps": sum(stage_steps),
+        "stage_rows": list(stages),
+        "stage_steps": stage_steps,
         "acceptance_length": 1.0,
         "acceptance_rate_per_position": np.zeros((0,), np.float32),
         "generated_tokens": int(to_host(lengths).sum()),
@@ -200,8 +205,8 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
     logits float32 [B, V] for the first new token; sampling.eos_id: the resolved tuple of eos ids.
     stages: the loop's batch sizes as rows finish (`jaxspec.rollout.stages`), stages[0] = B.
     Returns (tokens int32 [B, N], logprobs float32 [B, N], lengths int32 [B], loop iterations
-    int32 scalar, the B-row cache after the first stage: returned so that it updates the
-    donated one in place).
+    per stage int32 [len(stages)], the B-row cache after the first stage: returned so that it
+    updates the donated one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
     pad_id = cfg.pad_token_id or 0
@@ -249,10 +254,10 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
         key=key,
     )
     state = emit(state, logits, first_key)
-    state, tokens, logprobs, lengths, full_cache = run_in_stages(
+    state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
         step, state, stages, ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done"),
         lambda moved: moved._replace(cache=jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES),
                                                         moved.cache)))
     batch_axes = ("batch", None)
     return (_constrain(sharding, tokens, batch_axes), _constrain(sharding, logprobs, batch_axes), lengths,
-            state.emitted - 1, full_cache)
+            stage_steps, full_cache)

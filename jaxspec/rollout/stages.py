@@ -56,11 +56,12 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
     tokens / logprobs [B, N], lengths [B] and cache); stages: batch sizes, stages[0] = B. Between
     stages the running rows move into the smaller batch and `place` re-lays the moved state out.
     Returns (final state, tokens, logprobs, lengths of all B rows, the B-row cache after the
-    first stage).
+    first stage, int32 [len(stages)] iterations run in each stage).
     """
     num_rows = state.done.shape[0]
     tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
     origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
+    stage_steps = []
     for i, size in enumerate(stages):
         if i:  # the running rows move into a batch of `size`
             with jax.named_scope("stage_move"):
@@ -68,9 +69,11 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
                 origin = origin[rows]
                 state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
-        state = jax.lax.while_loop(lambda s, n=next_size: jnp.sum(~s.done) > n, step, state)
+        state, steps = jax.lax.while_loop(lambda c, n=next_size: jnp.sum(~c[0].done) > n,
+                                          lambda c: (step(c[0]), c[1] + 1), (state, jnp.zeros((), jnp.int32)))
+        stage_steps.append(steps)
         if not i:
             full_cache = state.cache
         tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
                                      ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
-    return state, tokens, logprobs, lengths, full_cache
+    return state, tokens, logprobs, lengths, full_cache, jnp.stack(stage_steps)

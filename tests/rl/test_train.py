@@ -16,6 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxspec.cli import main as jaxspec_main
+from jaxspec.rl.config import LossConfig
+from jaxspec.rl.loop import trained_rollouts, truncated_rollouts
 from jaxspec.rl.metrics import is_timing
 
 CONFIG = """
@@ -281,3 +283,22 @@ def test_shipped_configs_are_valid(name):
     if name == "grpo_tiny.yaml":  # the embedded policy and its tokenizer load (the head is checked separately)
         inputs = check_inputs(load_config(GRPOConfig, path, ["spec.draft=random"]))
         assert inputs.model.vocab_size == inputs.tokenizer.vocab_size == 512
+
+
+def test_truncated_rollouts_are_masked_on_request():
+    """Rollouts cut at max_new_tokens without an eos (not those whose last token is the eos)
+    leave the loss with loss.mask_truncated; filter_groups drops whole uninformative groups."""
+    eos, max_new = 2, 4
+    tokens = np.array([[5, 6, 7, 8], [5, 6, 7, eos], [5, eos, 0, 0], [5, 6, 7, 9]])
+    lengths = np.array([4, 4, 2, 4])
+    truncated = truncated_rollouts(tokens, lengths, max_new, eos)
+    assert truncated.tolist() == [True, False, False, True]
+    informative = np.array([True, False])  # groups of 2: rows 0-1 and rows 2-3
+
+    def kept(**loss):
+        return trained_rollouts(informative, truncated, 2, LossConfig(**loss)).tolist()
+
+    assert kept() == [True, True, True, True]
+    assert kept(filter_groups=True) == [True, True, False, False]
+    assert kept(mask_truncated=True) == [False, True, True, False]
+    assert kept(filter_groups=True, mask_truncated=True) == [False, True, False, False]

@@ -58,8 +58,13 @@ def test_staged_greedy_rollouts_equal_the_reference(policy, reference_and_eos, s
     finish = sorted(set(lengths.tolist()))
     assert (lengths < MAX_NEW).sum() == 6 and len(finish) == 3, "both stage changes are exercised"
     assert out.stats["generated_tokens"] == lengths.sum()
-    if spec is None:
-        assert out.stats["steps"] == MAX_NEW - 1  # the loop counts its iterations across stages
+    assert out.stats["stage_rows"] == [8, 4, 2]
+    assert sum(out.stats["stage_steps"]) == out.stats["steps"]
+    if spec is None:  # the loop counts its iterations across stages
+        assert out.stats["steps"] == MAX_NEW - 1
+        # 8 rows until the second group finishes (2 left), then straight past the 4-row stage
+        last_early = int(lengths[lengths < MAX_NEW].max())
+        assert out.stats["stage_steps"] == [last_early - 1, 0, MAX_NEW - last_early]
 
 
 def test_stages_halve_down_to_the_floor():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, cache_bytes
@@ -113,9 +114,10 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     cache, logits, policy_hidden = _prefill(cfg, params, prompt_tokens, prompt_lengths, row_prompt, max_len=policy_len,
                                             cache_dtype=cache_dtype, sharding=sharding,
                                             hidden_layers=drafter.policy_layers)
-    tokens, logprobs, lengths, counts, _ = speculative_decode(
+    tokens, logprobs, lengths, counts, stage_steps, _ = speculative_decode(
         cfg, sampling, drafter, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
         row_prompt, row_lengths, key, max_depth=spec.max_accepted, draft_len=draft_len, cache_dtype=cache_dtype,
         sharding=sharding, stages=stages)
-    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
-                         stats=summarize(counts, lengths, spec.max_accepted))
+    stats = summarize(counts, lengths, spec.max_accepted)
+    stats.update(stage_rows=list(stages), stage_steps=[int(n) for n in to_host(stage_steps)])
+    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats)

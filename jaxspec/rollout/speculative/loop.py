@@ -80,8 +80,8 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     slots of the drafter's own cache. stages: the loop's batch sizes as rows finish
     (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
     Returns (tokens int32 [B, max_new_tokens], logprobs float32 [B, max_new_tokens], lengths int32 [B],
-    Counts, the B-row cache after the first stage: returned so that it updates the donated one in
-    place).
+    Counts, loop iterations per stage int32 [len(stages)], the B-row cache after the first stage:
+    returned so that it updates the donated one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
     pad_id = cfg.pad_token_id or 0
@@ -161,8 +161,9 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         counts=Counts.zeros(max_depth),
     )
     # Between stages the running rows move with their drafter state.
-    state, tokens, logprobs, lengths, full_cache = run_in_stages(
+    state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
         step, state, stages, ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done"),
         lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), moved.cache)))
     batch_axes = ("batch", None)
-    return (constrain(tokens, batch_axes), constrain(logprobs, batch_axes), lengths, state.counts, full_cache)
+    return (constrain(tokens, batch_axes), constrain(logprobs, batch_axes), lengths, state.counts, stage_steps,
+            full_cache)
