@@ -7,13 +7,15 @@
 # cost_small (needs pretrain), profile (needs pretrain and draft) and attention only when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs: DRAFT_STEPS,
 # OOD_STEPS, GRPO_STEPS, SPEC_LEVELS (the long-answer levels of the speculative benchmark),
-# PRETRAIN_ARGS and GRPO_ARGS (extra dotted.key=value overrides).
+# PROFILE_BATCH (64: where a decode step is launch-bound; 256: GRPO's first stage), PRETRAIN_ARGS
+# and GRPO_ARGS (extra dotted.key=value overrides).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks}
 DRAFT_STEPS=${DRAFT_STEPS:-1000}
 OOD_STEPS=${OOD_STEPS:-$DRAFT_STEPS}
 GRPO_STEPS=${GRPO_STEPS:-200}
 SPEC_LEVELS=${SPEC_LEVELS:-6 7}
+PROFILE_BATCH=${PROFILE_BATCH:-64}
 read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
 read -r -a grpo_args <<< "${GRPO_ARGS:-}"
 mkdir -p "$RESULTS" runs
@@ -49,9 +51,10 @@ for stage in "${stages[@]}"; do
     cost_small)  # the pieces of one speculative step on the small policy's shapes (vs its in-loop step time)
       jaxspec bench spec-cost --model runs/small/policy/config.json --batch 64 256 --nodes 4 --draft-vocab 512 \
         --out "$RESULTS/spec_cost_small.json" 2>&1 | tee "$RESULTS/spec_cost_small.log" ;;
-    profile)  # device time of a loop iteration by phase, autoregressive vs speculative, at GRPO's batch
-      jaxspec bench profile --policy runs/small/policy --draft runs/draft-small/draft --batch 256 --new 512 --k 3 \
-        --out "$RESULTS/profile_small.json" 2>&1 | tee "$RESULTS/profile_small.log" ;;
+    profile)  # device time and kernel launches of a loop iteration by phase, autoregressive vs speculative
+      jaxspec bench profile --policy runs/small/policy --draft runs/draft-small/draft --batch "$PROFILE_BATCH" \
+        --new 512 --k 3 --out "$RESULTS/profile_small_$PROFILE_BATCH.json" 2>&1 \
+        | tee "$RESULTS/profile_small_$PROFILE_BATCH.log" ;;
     attention)  # the ragged cache-attention kernel vs dense attention, by cache fill (random weights)
       jaxspec bench attention --model configs/models/small-policy.json configs/models/qwen3-8b.json --batch 64 256 \
         --tokens 1 4 --max-len 2048 --fill 0.25 0.5 1.0 --out "$RESULTS/attention_h100.json" 2>&1 \
