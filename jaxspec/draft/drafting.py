@@ -80,10 +80,8 @@ def draft_extend(
     if prefix_mask is None:
         attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
     else:
-        mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask)
+        mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask, active)
         in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
-        if active is not None:
-            prefix_mask = prefix_mask & active[:, None, None]
         attn = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask & (prefix_mask | ~in_prefix))
     out = layer_output(dcfg, dparams, hidden_in, attn)
     return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))

@@ -45,18 +45,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
-                         tree_mask: jax.Array | None = None) -> jax.Array:
+                         tree_mask: jax.Array | None = None, active: jax.Array | None = None) -> jax.Array:
     """Which cache slots each of `num_new` tokens written at slots cache_len[b] + t may attend to.
 
-    cache_len int32 [B]; tree_mask bool [B, T, T] among the new tokens (default causal). Returns
-    bool [B, T, max_len]: every slot < cache_len[b], plus the new tokens' slots per tree_mask.
+    cache_len int32 [B]; tree_mask bool [B, T, T] among the new tokens (default causal); active
+    bool [B] (default all): rows that see their prefix. Returns bool [B, T, max_len]: every slot
+    < cache_len[b] of an active row, plus the new tokens' slots per tree_mask.
     """
     b, t = cache_len.shape[0], num_new
     tree_mask = _tree_mask(b, t, tree_mask)
     rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
+    in_prefix = rel < 0 if active is None else (rel < 0) & active[:, None]
     in_new = (rel >= 0) & (rel < t)
     new_visible = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
-    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_visible)
+    return in_prefix[:, None, :] | (in_new[:, None, :] & new_visible)
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_len: jax.Array,
@@ -76,10 +78,7 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
     impl = _resolve_impl(impl, q, k_cache, sharding)
     prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     if impl == "xla":
-        mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask)
-        if active is not None:
-            in_prefix = jnp.arange(k_cache.shape[1])[None, None, :] < cache_len[:, None, None]
-            mask = mask & (active[:, None, None] | ~in_prefix)
+        mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask, active)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"cache attention impl {impl!r} needs one dtype for q and the cache, got q {q.dtype}, "
