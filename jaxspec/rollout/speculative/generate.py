@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, cache_bytes
@@ -118,6 +117,5 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
         cfg, sampling, drafter, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
         row_prompt, row_lengths, key, max_depth=spec.max_accepted, draft_len=draft_len, cache_dtype=cache_dtype,
         sharding=sharding, stages=stages)
-    stats = summarize(counts, lengths, spec.max_accepted)
-    stats.update(stage_rows=list(stages), stage_steps=[int(n) for n in to_host(stage_steps)])
-    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats)
+    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
+                         stats=summarize(counts, lengths, spec.max_accepted, stages, stage_steps))

@@ -14,7 +14,6 @@ from jaxspec.distributed import to_host
 class Counts(NamedTuple):
     """Running totals over verification steps, counting only rows that were still generating.
 
-    steps: int32 scalar loop iterations (verification steps of the whole batch).
     row_steps: int32 scalar (row, step) pairs verified.
     drafted: int32 scalar draft nodes verified (tree nodes minus the root).
     accepted: int32 scalar draft tokens accepted.
@@ -23,7 +22,6 @@ class Counts(NamedTuple):
     accepted_at: int32 [K]: steps that accepted a depth-(i + 1) draft.
     """
 
-    steps: jax.Array
     row_steps: jax.Array
     drafted: jax.Array
     accepted: jax.Array
@@ -33,7 +31,7 @@ class Counts(NamedTuple):
     @classmethod
     def zeros(cls, max_depth: int) -> "Counts":
         scalar = jnp.zeros((), jnp.int32)
-        return cls(scalar, scalar, scalar, scalar, jnp.zeros((max_depth,), jnp.int32),
+        return cls(scalar, scalar, scalar, jnp.zeros((max_depth,), jnp.int32),
                    jnp.zeros((max_depth,), jnp.int32))
 
 
@@ -50,7 +48,6 @@ def count_step(counts: Counts, parents: jax.Array, num_nodes: jax.Array, path: j
     accepted_at = path[:, 1:] >= 0
     act = active.astype(jnp.int32)
     return Counts(
-        steps=counts.steps + 1,
         row_steps=counts.row_steps + act.sum(),
         drafted=counts.drafted + jnp.sum(act * (num_nodes - 1)),
         accepted=counts.accepted + jnp.sum(act * num_accepted),
@@ -59,10 +56,13 @@ def count_step(counts: Counts, parents: jax.Array, num_nodes: jax.Array, path: j
     )
 
 
-def summarize(counts: Counts, lengths: jax.Array, depth: int) -> dict:
-    """The `RolloutOutput.stats` dict of a speculative rollout (K = depth, the tree's deepest level).
+def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int, ...], stage_steps: jax.Array
+              ) -> dict:
+    """The `RolloutOutput.stats` dict of a speculative rollout (K = depth, the tree's deepest level)
+    whose loop ran stage_steps int32 [len(stages)] iterations at each batch size in `stages`.
 
     steps: verification steps (the first token of every row comes from the prefill logits).
+    stage_rows, stage_steps: the loop's batch sizes and the steps run at each.
     acceptance_length: mean tokens a verification step yields per row, accepted drafts + 1 (the
         residual or bonus token), before eos/max_new_tokens truncation; 1.0 when no step ran.
     acceptance_rate_per_position: float32 [K]; entry i is the fraction of the steps that tested a
@@ -76,8 +76,11 @@ def summarize(counts: Counts, lengths: jax.Array, depth: int) -> dict:
     reached = np.asarray(counts.reached, np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         rates = np.where(reached > 0, np.asarray(counts.accepted_at) / reached, np.nan).astype(np.float32)
+    stage_steps = [int(n) for n in to_host(stage_steps)]
     return {
-        "steps": int(counts.steps),
+        "steps": sum(stage_steps),
+        "stage_rows": list(stages),
+        "stage_steps": stage_steps,
         "acceptance_length": (int(counts.accepted) + row_steps) / row_steps if row_steps else 1.0,
         "acceptance_rate_per_position": rates[:depth],
         "drafted_tokens": int(counts.drafted),
