@@ -44,7 +44,7 @@ from jaxspec.rl.metrics import MetricsLog, StageTimer, block, rollout_stats, tru
 from jaxspec.rl.placement import Placement
 from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
-from jaxspec.rollout import RolloutOutput, Sampling, generate
+from jaxspec.rollout import Sampling, generate
 
 _POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", "grad_norm")
 
@@ -102,9 +102,8 @@ def trained_rollouts(informative: np.ndarray, truncated: np.ndarray, group: int,
     return keep
 
 
-def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, out: RolloutOutput, group: int,
-                     max_new_tokens: int, eos_id: int) -> dict:
-    tokens, lengths = to_host(out.tokens), to_host(out.lengths)
+def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, lengths: np.ndarray, truncated: np.ndarray,
+                     stats: dict, group: int) -> dict:
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
@@ -113,8 +112,8 @@ def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, out: RolloutO
         "groups_zero_variance": float(np.mean(~informative)),
         "response_length_mean": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
-        "truncated_frac": float(np.mean(truncated_rollouts(tokens, lengths, max_new_tokens, eos_id))),
-        **rollout_stats(out.stats),
+        "truncated_frac": float(np.mean(truncated)),
+        **rollout_stats(stats),
     }
 
 
@@ -255,7 +254,7 @@ class GRPORun:
             self.precompiling = None
         self.step += 1
         self.position += len(ids)
-        record.update(_rollout_metrics(rewards, informative, out, group, cfg.rollout.max_new_tokens, self.tok.eos_id))
+        record.update(_rollout_metrics(rewards, informative, lengths, truncated, out.stats, group))
         record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
                       **_mean_metrics(update_metrics))
         if self.eval_set is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
