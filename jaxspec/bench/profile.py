@@ -209,8 +209,9 @@ def _profile(args, work: Path) -> int:
         loop_kernels = [k for k in kernels if k.program == program]
         loop, launches = collections.defaultdict(float), collections.defaultdict(int)
         for k in loop_kernels:
-            loop[phase_part(k)] += k.ns
-            launches[phase_part(k)[0]] += k.launches
+            phase, part = phase_part(k)
+            loop[(phase, part)] += k.ns
+            launches[phase] += k.launches
         total_ms = sum(loop.values()) / 1e6 / steps
         top = [{"ms": k.ns / 1e6 / steps, "op": k.op, "op_name": k.op_name} for k in loop_kernels][:TOP_KERNELS]
         ar_step_ms = total_ms if spec is None else ar_step_ms
