@@ -21,7 +21,7 @@ import numpy as np
 from jaxspec.bench.timing import median_seconds, print_table, read_bytes_per_second, write_results
 from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
-from kernels.ragged_attention import prefix_attention_pallas
+from kernels.ragged_attention import cache_attention_pallas, new_token_bits
 
 
 def attention_inputs(batch: int, t: int, heads: int, kv_heads: int, head_dim: int, max_len: int, fill: float,
@@ -88,16 +88,17 @@ def main(argv: list[str]) -> int:
 
 
 def tune_kernel(q, k, v, cache_len, group: int, iters: int, interpret: bool = False) -> list[dict]:
-    """Times `prefix_attention_pallas` alone over its GPU parameters for these inputs."""
+    """Times `cache_attention_pallas` alone over its GPU parameters for these inputs (causal new tokens)."""
     b, t, nq, d = q.shape
     rows = max(16, 1 << (t * group - 1).bit_length())
     q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
+    bits = new_token_bits(jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)), group, rows)
     results = []
     for block_k, num_warps, num_stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3)):
-        fn = functools.partial(prefix_attention_pallas, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                               interpret=interpret)
-        seconds = median_seconds(lambda: fn(q_rows, k, v, cache_len), iters=iters)
-        results.append({"kernel": "prefix", "batch": b, "tokens": t, "block_k": block_k, "num_warps": num_warps,
+        fn = functools.partial(cache_attention_pallas, num_new=t, block_k=block_k, num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+        seconds = median_seconds(lambda: fn(q_rows, k, v, cache_len, cache_len, bits), iters=iters)
+        results.append({"kernel": "cache", "batch": b, "tokens": t, "block_k": block_k, "num_warps": num_warps,
                         "num_stages": num_stages, "ms": seconds * 1e3})
     print_table(results, list(results[0]))
     return results

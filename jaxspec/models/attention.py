@@ -5,9 +5,10 @@ draft head's passes): T new tokens per row attend to their row's valid cache pre
 tree mask, to each other. Two implementations with the same semantics:
 
 * "xla": dense scores over every cache slot, masked (`attention` + `cache_attention_mask`);
-* "pallas": the prefix through `kernels.ragged_attention` (KV blocks read only up to each row's
-  length), the new tokens densely, merged by their softmax partials. On GPU for 16-bit caches;
-  it reads a fraction length / max_len of the cache that the dense path reads in full.
+* "pallas": one `kernels.ragged_attention` kernel over the prefix and the new tokens (KV blocks
+  read only up to each row's last new token, the tree mask applied inside), then a merge of its
+  partials across cache splits. On GPU for 16-bit caches; it reads a fraction length / max_len of
+  the cache that the dense path reads in full.
 
 "auto" picks "pallas" on GPU where the kernel applies, else "xla"; the JAXSPEC_CACHE_ATTENTION
 environment variable (auto, xla, pallas, interpret) overrides "auto" at trace time.
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from kernels.dispatch import requested_impl
-from kernels.ragged_attention import Partials, merge, prefix_attention_pallas
+from kernels.ragged_attention import Partials, cache_attention_pallas, merge, new_token_bits
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 IMPL_ENV = "JAXSPEC_CACHE_ATTENTION"
@@ -85,50 +86,33 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
                          f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     b, t, nq, d = q.shape
     nk = k_cache.shape[2]
+    group = nq // nk
     with jax.named_scope("attention"):
-        rows = _pow2(max(16, t * (nq // nk)))
-        q_rows = q.reshape(b, t, nk, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * (nq // nk), d)
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * (nq // nk)), (0, 0)))
-        prefix = _sharded_prefix(q_rows, k_cache, v_cache, prefix_len, sharding, impl == "interpret")
-        slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        new_k = jnp.take_along_axis(k_cache, slots[:, :, None, None], axis=1, mode="clip")
-        new_v = jnp.take_along_axis(v_cache, slots[:, :, None, None], axis=1, mode="clip")
-        in_cache = slots < k_cache.shape[1]  # tokens past the last slot were not written: unseen
-        visible = _tree_mask(b, t, tree_mask) & in_cache[:, None, :]
-        new = _new_token_partials(q_rows, new_k, new_v, visible, nq // nk)
-        parts = Partials(*(jnp.concatenate([p, n], axis=2) for p, n in zip(prefix, new)))
-        out = merge(parts)[:, :, :t * (nq // nk)]  # [B, Nk, T*G, D]
-        return out.reshape(b, nk, t, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)
+        rows = _pow2(max(16, t * group))
+        q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
+        bits = new_token_bits(_tree_mask(b, t, tree_mask), group, rows)
+        parts = _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, cache_len, bits, t, sharding,
+                                impl == "interpret")
+        out = merge(parts)[:, :, :t * group]  # [B, Nk, T*G, D]
+        return out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)
 
 
-def _new_token_partials(q_rows: jax.Array, new_k: jax.Array, new_v: jax.Array, tree_mask: jax.Array,
-                        group: int) -> Partials:
-    """Partials (one part) of q_rows [B, Nk, R, D] (row r = token r // group) over the new tokens'
-    k/v [B, T, Nk, D] under tree_mask [B, T, T]."""
-    b, nk, rows, d = q_rows.shape
-    t = new_k.shape[1]
-    scores = jnp.einsum("bkrd,btkd->bkrt", q_rows, new_k, preferred_element_type=jnp.float32) * d ** -0.5
-    visible = jnp.repeat(tree_mask, group, axis=1)  # [B, T*G, T]
-    visible = jnp.pad(visible, ((0, 0), (0, rows - t * group), (0, 0)))
-    scores = jnp.where(visible[:, None], scores, -jnp.inf)
-    m = scores.max(axis=-1)
-    p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
-    o = jnp.einsum("bkrt,btkd->bkrd", p.astype(new_v.dtype), new_v, preferred_element_type=jnp.float32)
-    return Partials(o[:, :, None], m[:, :, None], p.sum(axis=-1)[:, :, None])
-
-
-def _sharded_prefix(q_rows, k_cache, v_cache, cache_len, sharding: Sharding | None, interpret: bool) -> Partials:
+def _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, new_start, bits, num_new: int,
+                    sharding: Sharding | None, interpret: bool) -> Partials:
     """The kernel per device shard of the batch and kv-head axes of the cache."""
-    kernel = lambda q, k, v, n: prefix_attention_pallas(q, k, v, n, interpret=interpret)  # noqa: E731
+    def kernel(q, k, v, n, s, w):
+        return cache_attention_pallas(q, k, v, n, s, w, num_new=num_new, interpret=interpret)
+
     if sharding is None or sharding.mesh.size == 1:
-        return kernel(q_rows, k_cache, v_cache, cache_len)
+        return kernel(q_rows, k_cache, v_cache, prefix_len, new_start, bits)
     batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
     P = jax.sharding.PartitionSpec
     cache_spec, rows_spec = P(batch_axes, None, head_axes, None), P(batch_axes, head_axes)
     return jax.shard_map(kernel, mesh=sharding.mesh,
-                         in_specs=(rows_spec, cache_spec, cache_spec, P(batch_axes)),
+                         in_specs=(rows_spec, cache_spec, cache_spec, P(batch_axes), P(batch_axes), P(batch_axes)),
                          out_specs=Partials(rows_spec, rows_spec, rows_spec), check_vma=False,
-                         )(q_rows, k_cache, v_cache, cache_len)
+                         )(q_rows, k_cache, v_cache, prefix_len, new_start, bits)
 
 
 def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> str:

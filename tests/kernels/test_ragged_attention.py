@@ -1,12 +1,14 @@
-"""The ragged prefix-attention kernel (interpret mode) computes the reference's partials, and the
-merged partials equal a softmax over exactly the slots below each row's length."""
+"""The ragged cache-attention kernel (interpret mode) computes the reference's partials, and the
+merged partials equal a softmax over exactly the slots each query row may see: its row's prefix
+and the new tokens its tree mask names."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.ragged_attention import merge, prefix_attention_pallas, prefix_attention_reference, split_plan
+from kernels.ragged_attention import (cache_attention_pallas, cache_attention_reference, merge, new_token_bits,
+                                      split_plan)
 
 KV_HEADS, HEAD_DIM = 2, 32
 
@@ -19,19 +21,52 @@ def inputs(batch: int, max_len: int, rows: int, seed: int = 0):
     return q, k, v
 
 
-@pytest.mark.parametrize("splits,block_k", [
-    (None, 64),   # the default plan: one block per split at this batch
-    (1, 32),      # one program per row and head loops over all blocks (the online softmax rescales)
-    (3, 16),      # several blocks per split, the last split short
+def random_tree_masks(batch: int, t: int, seed: int) -> np.ndarray:
+    """bool [B, T, T]: each node sees itself and a random subset of the earlier nodes."""
+    rng = np.random.default_rng(seed)
+    return np.tril(rng.random((batch, t, t)) < 0.5) | np.eye(t, dtype=bool)[None]
+
+
+def visible_slots(prefix_len, new_start, tree, group, rows, max_len) -> np.ndarray:
+    """bool [B, rows, max_len] from first principles."""
+    b, t, _ = tree.shape
+    out = np.zeros((b, rows, max_len), bool)
+    for i in range(b):
+        out[i, :, :prefix_len[i]] = True
+        for r in range(t * group):
+            for j in range(t):
+                if tree[i, r // group, j] and new_start[i] + j < max_len:
+                    out[i, r, new_start[i] + j] = True
+    return out
+
+
+def test_new_token_bits():
+    tree = random_tree_masks(3, 40, seed=1)  # two words per row
+    bits = np.asarray(new_token_bits(jnp.asarray(tree), group=2, rows=128))
+    assert bits.shape == (3, 2, 128)
+    unpacked = (bits.view(np.uint32)[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [B, W, R, 32]
+    unpacked = unpacked.transpose(0, 2, 1, 3).reshape(3, 128, 64)[:, :, :40].astype(bool)
+    np.testing.assert_array_equal(unpacked[:, :80], np.repeat(tree, 2, axis=1))
+    assert not unpacked[:, 80:].any()
+
+
+@pytest.mark.parametrize("splits,block_k,t", [
+    (None, 64, 1),   # the default plan: one block per split at this batch; decode steps
+    (1, 32, 4),      # one program per row and head loops over all blocks (the online softmax rescales)
+    (3, 16, 5),      # several blocks per split, the last split short; new tokens across a block edge
 ])
-def test_kernel_partials_equal_reference(splits, block_k):
-    max_len = 200
-    q, k, v = inputs(7, max_len, rows=16)
-    # empty, one slot, block boundaries +- 1, the whole (ragged-ended) cache
-    lengths = jnp.asarray([0, 1, 63, 64, 65, 129, max_len], jnp.int32)
-    got = prefix_attention_pallas(q, k, v, lengths, interpret=True, block_k=block_k, splits=splits)
-    want = prefix_attention_reference(q, k, v, lengths, block_k=block_k, splits=splits)
-    assert got.o.shape[2] == split_plan(7, KV_HEADS, max_len, block_k, splits)[0]
+def test_kernel_partials_equal_reference(splits, block_k, t):
+    max_len, group = 200, 2
+    rows = max(16, 1 << (t * group - 1).bit_length())
+    q, k, v = inputs(8, max_len, rows=rows)
+    # an empty prefix, one slot, block boundaries +- 1, new tokens running past the last slot
+    new_start = jnp.asarray([0, 1, 63, 64, 65, 129, max_len - 2, 140], jnp.int32)
+    prefix_len = new_start.at[7].set(0)  # a finished row sees only its new tokens
+    bits = new_token_bits(jnp.asarray(random_tree_masks(8, t, seed=t)), group, rows)
+    kw = dict(num_new=t, block_k=block_k, splits=splits)
+    got = cache_attention_pallas(q, k, v, prefix_len, new_start, bits, interpret=True, **kw)
+    want = cache_attention_reference(q, k, v, prefix_len, new_start, bits, **kw)
+    assert got.o.shape[2] == split_plan(8, KV_HEADS, max_len, block_k, splits)[0]
     np.testing.assert_array_equal(np.isinf(got.m), np.isinf(want.m))
     for name in ("o", "m", "l"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-5, atol=2e-5, err_msg=name)
@@ -44,24 +79,36 @@ def test_split_plan():
     assert split_plan(16, 8, 4096, splits=100) == (64, 1)
 
 
-def test_merged_partials_are_attention_over_the_prefix():
-    batch, max_len = 3, 150
-    q, k, v = inputs(batch, max_len, rows=16, seed=3)
-    lengths = np.array([5, 150, 77])
-    out = np.asarray(merge(prefix_attention_pallas(q, k, v, jnp.asarray(lengths), interpret=True, splits=2)))
-    for b, n in enumerate(lengths):
+def test_merged_partials_are_attention_over_the_visible_slots():
+    batch, max_len, t, group, rows = 3, 150, 3, 2, 16
+    q, k, v = inputs(batch, max_len, rows=rows, seed=3)
+    new_start, prefix_len = np.array([5, 147, 77]), np.array([5, 147, 0])
+    tree = random_tree_masks(batch, t, seed=4)
+    bits = new_token_bits(jnp.asarray(tree), group, rows)
+    out = np.asarray(merge(cache_attention_pallas(q, k, v, jnp.asarray(prefix_len), jnp.asarray(new_start), bits,
+                                                  num_new=t, interpret=True, splits=2)))
+    visible = visible_slots(prefix_len, new_start, tree, group, rows, max_len)
+    for b in range(batch):
         for h in range(KV_HEADS):
-            scores = np.asarray(q[b, h]) @ np.asarray(k[b, :n, h]).T / np.sqrt(HEAD_DIM)
-            p = np.exp(scores - scores.max(axis=1, keepdims=True))
-            want = (p / p.sum(axis=1, keepdims=True)) @ np.asarray(v[b, :n, h])
-            np.testing.assert_allclose(out[b, h], want, rtol=1e-5, atol=1e-5)
+            for r in range(rows):
+                seen = visible[b, r]
+                if not seen.any():
+                    np.testing.assert_array_equal(out[b, h, r], 0.0)
+                    continue
+                scores = np.asarray(k[b, seen, h]) @ np.asarray(q[b, h, r]) / np.sqrt(HEAD_DIM)
+                p = np.exp(scores - scores.max())
+                np.testing.assert_allclose(out[b, h, r], p / p.sum() @ np.asarray(v[b, seen, h]), rtol=1e-5,
+                                           atol=1e-5)
 
 
-def test_slots_past_the_length_are_not_read():
+def test_slots_no_row_sees_are_not_read():
     q, k, v = inputs(2, 128, rows=16, seed=5)
-    lengths = jnp.asarray([40, 100], jnp.int32)
-    poisoned_k = k.at[0, 40:].set(jnp.nan).at[1, 100:].set(jnp.nan)
-    poisoned_v = v.at[0, 40:].set(jnp.inf).at[1, 100:].set(jnp.inf)
-    got = merge(prefix_attention_pallas(q, poisoned_k, poisoned_v, lengths, interpret=True))
-    want = merge(prefix_attention_pallas(q, k, v, lengths, interpret=True))
-    np.testing.assert_array_equal(got, want)
+    t = 2
+    new_start, prefix_len = jnp.asarray([40, 100], jnp.int32), jnp.asarray([40, 0], jnp.int32)
+    bits = new_token_bits(jnp.asarray(random_tree_masks(2, t, seed=6)), 2, 16)
+    # row 0: past its new tokens; row 1 (finished): its prefix and past its new tokens
+    poisoned_k = k.at[0, 42:].set(jnp.nan).at[1, :100].set(jnp.nan).at[1, 102:].set(jnp.nan)
+    poisoned_v = v.at[0, 42:].set(jnp.inf).at[1, :100].set(jnp.inf).at[1, 102:].set(jnp.inf)
+    attend = lambda k, v: merge(cache_attention_pallas(q, k, v, prefix_len, new_start, bits, num_new=t,  # noqa: E731
+                                                       interpret=True))
+    np.testing.assert_array_equal(attend(poisoned_k, poisoned_v), attend(k, v))
