@@ -6,8 +6,9 @@ token x_{t+1+i} (rope position t + i) with the head's own step i-1 output at t a
 and predicts x_{t+2+i}. Query t of step i attends to the step-0 keys at positions <= t and to
 the keys of steps 1..i at position t: exactly the cache a drafting chain of depth i from context
 x_0..x_{t+1} would hold, so TTT logits equal teacher-forced `draft_extend` calls. Those
-extra keys are one per step at the query's own position, so `ttt_attention` scores them
-separately from the causal step-0 keys: the scores grow by T per step, not by T x T.
+extra keys are one per step at the query's own position: on GPU `ttt_attention` is flash
+attention over all of them under that mask; elsewhere it scores them apart from the causal step-0
+keys, so the scores grow by T per step, not by T x T.
 
 Loss of step i: soft cross-entropy of the head against softmax(policy logits at t+1+i restricted
 to the draft vocabulary), averaged over positions whose target token x_{t+2+i} has loss_mask on
@@ -16,6 +17,7 @@ and whose policy argmax lies in the draft vocabulary; steps are weighted step_de
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import jax
@@ -25,32 +27,61 @@ from jaxspec.draft.config import DraftConfig
 from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
                                  target_ids, to_target_ids)
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.transformer import segment_positions
+from jaxspec.models.transformer import segment_positions, use_cudnn_attention
 
 
-@jax.checkpoint
 def ttt_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, own_k: jax.Array,
-                  own_v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Attention of one TTT step, without materialising the (step + 1) * T keys it could see.
+                  own_v: jax.Array, segment_ids: jax.Array, impl: str = "auto") -> jax.Array:
+    """Attention of one TTT step over the step-0 keys and the query's own later-step keys.
 
     q [B, T, Nq, D]; prefix_k/v [B, T, Nk, D], the step-0 keys, seen causally (s <= t) within
     the query's segment (segment_ids int32 [B, T]: packed sequences); own_k/v [B, T, S, Nk, D],
-    the keys of steps 1..S at each query's own position t (S may be 0).
-    Returns [B, T, Nq, D]. Scores are [B, Nq, T, T + S] instead of [B, Nq, T, (S + 1) T], and the
-    backward pass recomputes them rather than keeping one such array per step.
+    the keys of steps 1..S at each query's own position t (S may be 0). Returns [B, T, Nq, D].
+    impl "cudnn": flash attention over the (S + 1) T keys under that mask, no scores kept (GPU);
+    "xla": float32 scores [B, Nq, T, T + S], the own keys scored apart from the prefix instead of
+    as (S + 1) T keys; "auto": cudnn where `use_cudnn_attention` allows. The backward pass
+    recomputes rather than keeping anything per step.
     """
+    b, t, nq, d = q.shape
+    if use_cudnn_attention(impl, q.dtype, d, t):
+        return _flash_ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids, "cudnn")
+    return _factored_ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids)
+
+
+@jax.checkpoint
+def _factored_ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids) -> jax.Array:
+    """`ttt_attention` with the own keys scored apart from the prefix."""
     b, t, nq, d = q.shape
     nk = prefix_k.shape[2]
     qg = q.reshape(b, t, nk, nq // nk, d)
     scale = d ** -0.5
     prefix = jnp.einsum("btkgd,bskd->bkgts", qg, prefix_k, preferred_element_type=jnp.float32) * scale
-    visible = jnp.tril(jnp.ones((t, t), bool)) & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    prefix = jnp.where(visible[:, None, None], prefix, jnp.finfo(jnp.float32).min)
+    prefix = jnp.where(_causal_in_segment(segment_ids)[:, None, None], prefix, jnp.finfo(jnp.float32).min)
     own = jnp.einsum("btkgd,btskd->bkgts", qg, own_k, preferred_element_type=jnp.float32) * scale
     probs = jax.nn.softmax(jnp.concatenate([prefix, own], axis=-1), axis=-1).astype(prefix_v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], prefix_v, preferred_element_type=jnp.float32)
     out += jnp.einsum("bkgts,btskd->btkgd", probs[..., t:], own_v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, nq, d).astype(q.dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(6,))
+def _flash_ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids, implementation: str) -> jax.Array:
+    """`ttt_attention` as one `jax.nn.dot_product_attention` over keys [prefix | step 1 | ... | step S]
+    ([B, (S + 1) T, Nk, D]) under the mask: causal within the segment on the prefix, the diagonal
+    (the query's own position) on each later step."""
+    b, t, s = own_k.shape[:3]
+    by_step = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(b, s * t, *x.shape[3:])  # noqa: E731
+    keys = jnp.concatenate([prefix_k, by_step(own_k)], axis=1)
+    values = jnp.concatenate([prefix_v, by_step(own_v)], axis=1)
+    own_position = jnp.broadcast_to(jnp.tile(jnp.eye(t, dtype=bool), (1, s)), (b, t, s * t))
+    mask = jnp.concatenate([_causal_in_segment(segment_ids), own_position], axis=-1)
+    return jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation=implementation)
+
+
+def _causal_in_segment(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, T, T]: query t sees key s <= t of its own segment (segment_ids int32 [B, T])."""
+    t = segment_ids.shape[1]
+    return jnp.tril(jnp.ones((t, t), bool)) & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
 
 def _shift(x: jax.Array, n: int) -> jax.Array:

@@ -187,7 +187,7 @@ def forward_hidden(
         attn_mask = attn_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     cos, sin = rope_tables(cfg, positions)
 
-    use_cudnn = _use_cudnn(attention_impl, params["embed"].dtype, segment_ids, cfg.head_dim, t)
+    use_cudnn = use_cudnn_attention(attention_impl, params["embed"].dtype, cfg.head_dim, t)
     lengths = mask.sum(axis=-1).astype(jnp.int32)
     # Flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
@@ -283,7 +283,10 @@ def _stack_hidden(hidden: dict[int, jax.Array], hidden_layers: tuple[int, ...], 
     return jnp.stack([hidden[i] for i in hidden_layers])
 
 
-def _use_cudnn(impl: str, dtype, segment_ids, head_dim: int, seq_len: int) -> bool:
+def use_cudnn_attention(impl: str, dtype, head_dim: int, seq_len: int) -> bool:
+    """Whether a full-sequence attention of `seq_len` queries runs as cuDNN flash attention: impl
+    "cudnn", or "auto" on GPU for 16-bit inputs with head_dim % 8 == 0 and seq_len % 64 == 0
+    ("xla": masked scores)."""
     if impl not in ("auto", "xla", "cudnn"):
         raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
     if impl == "auto":

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.draft.loss import _flash_ttt_attention
 from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention, ttt_forward
 from jaxspec.draft.train import eval_step, train_step
 from jaxspec.optim import make_optimizer
@@ -34,7 +35,9 @@ def _ttt_mask(step: int, seq: int) -> np.ndarray:
 
 @pytest.mark.parametrize("step", [0, 1, 3])
 def test_ttt_attention_equals_dense_attention_under_the_ttt_mask(step):
-    """The factored attention equals grouped-query attention over all (step + 1) * T keys."""
+    """Both forms of TTT attention (the factored scores, and one attention call over all (step + 1)
+    * T keys as cuDNN runs it) equal grouped-query attention under the TTT mask; with packed
+    sequences, each sees only its own segment."""
     b, t, nq, nk, d = 2, 6, 4, 2, 8
     keys = jax.random.split(jax.random.PRNGKey(step), 5)
     q = jax.random.normal(keys[0], (b, t, nq, d))
@@ -42,11 +45,15 @@ def test_ttt_attention_equals_dense_attention_under_the_ttt_mask(step):
         jax.random.normal(jax.random.fold_in(keys[2], j), (b, t, nk, d)) for j in range(step)]
     vs = [jax.random.normal(keys[3], (b, t, nk, d))] + [
         jax.random.normal(jax.random.fold_in(keys[4], j), (b, t, nk, d)) for j in range(step)]
-    dense = attention(q, jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1),
-                      jnp.broadcast_to(jnp.asarray(_ttt_mask(step, t)), (b, t, (step + 1) * t)))
-    stack = lambda xs: jnp.stack(xs, axis=2) if xs else jnp.zeros((b, t, 0, nk, d))
-    factored = ttt_attention(q, ks[0], vs[0], stack(ks[1:]), stack(vs[1:]), jnp.ones((b, t), jnp.int32))
-    np.testing.assert_allclose(factored, dense, rtol=1e-5, atol=1e-5)
+    segments = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 3]], jnp.int32)
+    mask = np.broadcast_to(_ttt_mask(step, t), (b, t, (step + 1) * t)).copy()
+    same = np.asarray(segments)[:, :, None] == np.asarray(segments)[:, None, :]
+    mask[:, :, :t] &= same
+    dense = attention(q, jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1), jnp.asarray(mask))
+    stack = lambda xs: jnp.stack(xs, axis=2) if xs else jnp.zeros((b, t, 0, nk, d))  # noqa: E731
+    args = (q, ks[0], vs[0], stack(ks[1:]), stack(vs[1:]), segments)
+    np.testing.assert_allclose(ttt_attention(*args, "xla"), dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_flash_ttt_attention(*args, "xla"), dense, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_and_metrics_match_a_loop_over_positions(policy, head):
