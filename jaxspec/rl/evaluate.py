@@ -25,16 +25,18 @@ def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prom
     """{"eval_accuracy": fraction of prompts whose response earns reward >= 1, "eval_reward_mean"}.
 
     Prompts are decoded in batches of `batch_size`; the last batch is filled up with copies of its
-    first prompt so every call has the same shape (one compilation). sharding: the policy's mesh
+    first prompt and padded to the longest prompt's bucket, so every call has the same shape (one
+    compilation). sharding: the policy's mesh
     (`jaxspec.models.Sharding`) or None.
     """
     size = min(batch_size, len(prompts))
+    longest = max(len(ids) for ids in prompts.token_ids)  # every batch in one prompt-length bucket
     rewards: list[float] = []
     for start in range(0, len(prompts), size):
         chunk = prompts.token_ids[start:start + size]
         key, sub = jax.random.split(key)
         out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec,
-                       sharding=sharding)
+                       sharding=sharding, prompt_width=longest)
         texts = decode_responses(tok, to_host(out.tokens), to_host(out.lengths))[:len(chunk)]
         rewards += [reward(text, record) for text, record in zip(texts, prompts.records[start:start + size])]
     scores = np.asarray(rewards, np.float64)

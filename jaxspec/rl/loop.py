@@ -174,7 +174,8 @@ class GRPORun:
                                 self.online)
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat)
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
-        self.width = row_width(max(len(ids) for ids in self.train_set.token_ids), r_cfg.max_new_tokens)
+        self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
+        self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
         self.precompiling = precompile(trainer_programs(self)) if precompile_enabled(t_cfg.precompile) else None
 
     def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
@@ -226,7 +227,7 @@ class GRPORun:
         with timer.stage("generation"):
             key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
             out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
-                                 sharding=self.placement.sharding))
+                                 sharding=self.placement.sharding, prompt_width=self.longest_prompt))
         del policy
         tokens, lengths = to_host(out.tokens), to_host(out.lengths)
         with timer.stage("reward"):

@@ -60,6 +60,7 @@ def generate(
     *,
     cache_dtype=None,
     sharding: Sharding | None = None,
+    prompt_width: int = 1,
 ) -> RolloutOutput:
     """Samples a continuation of every prompt from the policy.
 
@@ -67,7 +68,9 @@ def generate(
     cache_dtype: KV cache dtype (default: the params' dtype). sharding: when given, the cache is
     laid out by `KV_CACHE_AXES` and the batch is sharded over the mesh's batch axes.
     Compiled programs are reused across calls with the same batch size, prompt-length bucket,
-    distinct-prompt bucket and `sampling`.
+    distinct-prompt bucket and `sampling`. prompt_width: pad prompts as if the longest had this
+    many tokens; a caller that knows its longest prompt passes it, so that every call shares one
+    prompt-length bucket (one compilation).
     spec: None for autoregressive decoding, or a `jaxspec.rollout.Spec` for speculative decoding
         (the same distribution; `stats` then reports acceptance, see `speculative.stats.summarize`).
     Raises ValueError for an empty prompt list or prompt, a token or eos id outside the
@@ -81,7 +84,7 @@ def generate(
         if not 0 <= eos < cfg.vocab_size:
             raise ValueError(f"eos_id {eos} is outside the vocabulary [0, {cfg.vocab_size})")
     sampling = dataclasses.replace(sampling, eos_id=eos_ids)
-    batch = group_prompts(validate_prompts(cfg, prompts, sampling.max_new_tokens))
+    batch = group_prompts(validate_prompts(cfg, prompts, sampling.max_new_tokens), prompt_width)
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = prompt_width + sampling.max_new_tokens

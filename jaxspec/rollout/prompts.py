@@ -74,13 +74,14 @@ def validate_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new
     return checked
 
 
-def group_prompts(prompts: Sequence[tuple[int, ...]]) -> PromptBatch:
-    """Groups identical prompts so each distinct prompt is prefilled once (in first-seen order)."""
+def group_prompts(prompts: Sequence[tuple[int, ...]], min_width: int = 1) -> PromptBatch:
+    """Groups identical prompts so each distinct prompt is prefilled once (in first-seen order).
+    The padded width is the bucket of the longest prompt, or of `min_width` tokens if longer."""
     index: dict[tuple[int, ...], int] = {}
     row_prompt = np.array([index.setdefault(p, len(index)) for p in prompts], np.int32)
     distinct = list(index)
     num_rows = count_bucket(len(distinct), len(prompts))
-    width = prompt_bucket(max(len(p) for p in distinct))
+    width = prompt_bucket(max(min_width, *(len(p) for p in distinct)))
     tokens = np.zeros((num_rows, width), np.int32)
     lengths = np.ones((num_rows,), np.int32)
     for u, p in enumerate(distinct):

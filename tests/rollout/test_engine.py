@@ -129,6 +129,21 @@ def test_no_recompilation_within_buckets(policy):
     assert sizes() == (warm[0] + 2, warm[1] + 1)
 
 
+def test_prompt_width_pads_to_one_bucket_without_changing_samples(policy):
+    """A caller that passes its longest prompt length gets one program for all its batches, and
+    the same tokens and log-probs as without the extra padding."""
+    cfg, params = policy
+    key = jax.random.key(3)
+    sampling = Sampling(temperature=1.0, max_new_tokens=MAX_NEW)
+    short = generate(cfg, params, BATCH, key, sampling)
+    padded_out = generate(cfg, params, BATCH, key, sampling, prompt_width=40)  # bucket 64 instead of 16
+    np.testing.assert_array_equal(padded_out.tokens, short.tokens)
+    np.testing.assert_allclose(padded_out.logprobs, short.logprobs, rtol=1e-5, atol=1e-6)
+    warm = engine._decode._cache_size()
+    generate(cfg, params, [[5] * 40, [6], [7]] * 2, key, sampling, prompt_width=40)  # a 40-token prompt: same bucket
+    assert engine._decode._cache_size() == warm
+
+
 def _distinct_prompts(count: int, seed: int) -> list[list[int]]:
     """`count` distinct prompts (the first token is the index) of 1 to 16 tokens (one length bucket)."""
     rng = np.random.default_rng(seed)

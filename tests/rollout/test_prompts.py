@@ -26,3 +26,8 @@ def test_identical_prompts_are_prefilled_once():
     for u, prompt in enumerate((a, b, c)):
         assert batch.tokens[u, :len(prompt)].tolist() == list(prompt)
         assert not batch.tokens[u, len(prompt):].any()
+
+
+def test_min_width_sets_the_bucket():
+    assert group_prompts([(1, 2, 3)], min_width=40).tokens.shape == (1, 64)
+    assert group_prompts([tuple(range(70))], min_width=40).tokens.shape == (1, 128)
