@@ -4,7 +4,8 @@
 # the speculative cost model on Qwen3 shapes, and GRPO with and without speculation.
 #   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
 # Stages (default: all, in this order): pretrain draft draft_ood verify spec cost grpo decode8b;
-# cost_small (needs pretrain), profile (needs pretrain and draft) and attention only when named.
+# check (the GPU-only attention paths against the CPU-tested ones), cost_small (needs pretrain),
+# profile (needs pretrain and draft) and attention only when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs: DRAFT_STEPS,
 # OOD_STEPS, GRPO_STEPS, SPEC_LEVELS (the long-answer levels of the speculative benchmark),
 # PROFILE_BATCH (64: where a decode step is launch-bound; 256: GRPO's first stage), PRETRAIN_ARGS
@@ -36,6 +37,8 @@ for stage in "${stages[@]}"; do
       jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small-ood \
         train.steps="$OOD_STEPS" 'data.levels=[1]' 'data.kinds=[arithmetic]' 2>&1 \
         | tee "$RESULTS/draft_small_ood.log" ;;
+    check)
+      python3 benchmarks/check_gpu_attention.py 2>&1 | tee "$RESULTS/gpu_attention_check.log" ;;
     verify)
       jaxspec bench verify --out "$RESULTS/verify.json" 2>&1 | tee "$RESULTS/verify.log" ;;
     spec)
