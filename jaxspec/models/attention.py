@@ -77,7 +77,6 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
     q's dtype.
     """
     impl = _resolve_impl(impl, q, k_cache, sharding)
-    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     if impl == "xla":
         mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask, active)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
@@ -87,6 +86,7 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
     b, t, nq, d = q.shape
     nk = k_cache.shape[2]
     group = nq // nk
+    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     with jax.named_scope("attention"):
         rows = _pow2(max(16, t * group))
         q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)

@@ -26,8 +26,7 @@ def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prom
 
     Prompts are decoded in batches of `batch_size`; the last batch is filled up with copies of its
     first prompt and padded to the longest prompt's bucket, so every call has the same shape (one
-    compilation). sharding: the policy's mesh
-    (`jaxspec.models.Sharding`) or None.
+    compilation). sharding: the policy's mesh (`jaxspec.models.Sharding`) or None.
     """
     size = min(batch_size, len(prompts))
     longest = max(len(ids) for ids in prompts.token_ids)  # every batch in one prompt-length bucket

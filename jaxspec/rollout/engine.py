@@ -86,8 +86,8 @@ def generate(
     sampling = dataclasses.replace(sampling, eos_id=eos_ids)
     batch = group_prompts(validate_prompts(cfg, prompts, sampling.max_new_tokens), prompt_width)
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
-    num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
-    max_len = prompt_width + sampling.max_new_tokens
+    num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
+    max_len = padded_width + sampling.max_new_tokens
     if spec is not None:
         from jaxspec.rollout.speculative.generate import speculative_generate  # it imports this module
 
