@@ -43,6 +43,7 @@ _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 TOP_KERNELS = 25
 TOP_OP_NAMES = 60
 _CONTROL = re.compile(r"^(while|conditional|call)(\.\d+)?$")
+_STAGE = re.compile(r"(?:^|/)stage(\d+)/while/")
 
 
 def op_scopes(dump_dir: Path) -> dict[tuple[int, str], str]:
@@ -133,11 +134,26 @@ def by_op_name(kernels: list[Kernel], steps: int) -> list[dict]:
     per layer), most launches per loop iteration first."""
     groups: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for k in kernels:
-        name = re.sub(r"^jit\([^)]*\)/while/body/", "", k.op_name)
+        name = re.sub(r"^jit\([^)]*\)/(stage\d+/)?while/body/", "", k.op_name)
         groups[name][0] += k.ns
         groups[name][1] += k.launches
     return [{"op_name": name, "launches": n / steps, "ms": t / 1e6 / steps}
             for name, (t, n) in sorted(groups.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))]
+
+
+def by_stage(kernels: list[Kernel], stage_rows: list[int], stage_steps: list[int]) -> list[dict]:
+    """Device ms and kernels per loop iteration in each stage of the loop (`jaxspec.rollout.stages`
+    names its loops stage0, stage1, ...); a stage that ran no iteration reports zeros."""
+    ns, launches = collections.defaultdict(float), collections.defaultdict(int)
+    for k in kernels:
+        m = _STAGE.search(k.op_name)
+        if m:
+            ns[int(m.group(1))] += k.ns
+            launches[int(m.group(1))] += k.launches
+    return [{"rows": rows, "iterations": steps, "ms": ns[i] / 1e6,
+             "ms_per_iteration": ns[i] / 1e6 / steps if steps else 0.0,
+             "kernels_per_iteration": launches[i] / steps if steps else 0.0}
+            for i, (rows, steps) in enumerate(zip(stage_rows, stage_steps))]
 
 
 def _set_dump_flags(dump_dir: Path) -> None:
@@ -158,7 +174,9 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
     p.add_argument("--draft", default=None, help="EAGLE-3 head (public layout); without it only n-gram runs")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="rollouts (rows) per batch")
+    p.add_argument("--samples", type=int, default=1,
+                   help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
     p.add_argument("--new", type=int, default=256, help="max_new_tokens (a short run keeps the trace small)")
     p.add_argument("--k", type=int, nargs="+", default=[3])
     p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
@@ -175,18 +193,18 @@ def main(argv: list[str]) -> int:
 def _profile(args, work: Path) -> int:
     import jax
 
+    from jaxspec.bench.spec import bench_prompts
     from jaxspec.bench.timing import print_table, write_results
     from jaxspec.draft import load_eagle3
     from jaxspec.models import load_hf
     from jaxspec.rollout import Sampling, Spec, generate
-    from jaxspec.tasks import ChatTokenizer, generate_problems
+    from jaxspec.tasks import ChatTokenizer
 
     cfg, params = load_hf(args.policy, dtype=args.dtype)
     tok = ChatTokenizer.from_file(args.policy)
     head = load_eagle3(args.draft, dtype=args.dtype, policy=cfg) if args.draft else None
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
-    problems = generate_problems(args.batch, seed=args.seed, levels=args.levels)
-    prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
+    prompts = bench_prompts(tok, args.batch, args.samples, args.seed, args.levels)
     configs = [("ar", None)]
     configs += [(f"eagle3 chain k={k}", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k if head]
     configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
@@ -223,19 +241,22 @@ def _profile(args, work: Path) -> int:
                "phase_kernels_per_step": {ph: n / steps for ph, n in sorted(launches.items())},
                "phases_ms": _by(loop, 0, steps), "parts_ms": _by(loop, 1, steps),
                "phase_parts_ms": {f"{ph}/{pa}": ns / 1e6 / steps for (ph, pa), ns in sorted(loop.items())},
-               "top_kernels": top, "kernels_by_op_name": by_op_name(loop_kernels, steps)[:TOP_OP_NAMES]}
+               "top_kernels": top, "kernels_by_op_name": by_op_name(loop_kernels, steps)[:TOP_OP_NAMES],
+               "stages": by_stage(loop_kernels, out.stats["stage_rows"], out.stats["stage_steps"])}
         rows.append(row)
         print(f"\n{label}: {total_ms:.3f} device ms per iteration ({row['step_over_ar']:.2f}x the AR step), "
               f"{row['kernels_per_step']:.0f} kernels per iteration, {steps} iterations, "
               f"acceptance {row['acceptance_length']:.2f}")
         print_table([{"phase/part": k, "ms": v, "share": v / total_ms} for k, v in row["phase_parts_ms"].items()],
                     ["phase/part", "ms", "share"])
+        print_table(row["stages"], ["rows", "iterations", "ms", "ms_per_iteration", "kernels_per_iteration"])
         for k in top[:8]:
             print(f"  {k['ms']:8.4f} ms  {k['op']:<32} {k['op_name'][-90:]}")
         print("  most launched (per iteration):")
         for g in row["kernels_by_op_name"][:10]:
             print(f"  {g['launches']:6.1f} x {g['ms']:8.4f} ms  {g['op_name'][-90:]}")
     baseline = {"policy": args.policy, "draft": args.draft, "max_new_tokens": args.new, "levels": args.levels,
+                "samples_per_prompt": args.samples,
                 "unit": "device ms per loop iteration",
                 "baseline": "the autoregressive decode step of the same run"}
     print()

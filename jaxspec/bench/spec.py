@@ -28,6 +28,15 @@ COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_
            "step_over_ar"]
 
 
+def bench_prompts(tok: ChatTokenizer, rows: int, samples: int, seed: int, levels) -> list[list[int]]:
+    """Token ids of `rows` chat prompts: rows / samples held-out problems of the given levels, each
+    repeated `samples` times in a row, as a GRPO batch of groups is."""
+    if samples < 1 or rows % samples:
+        raise ValueError(f"--batch {rows} is not a positive multiple of --samples {samples}")
+    problems = generate_problems(rows // samples, seed=seed, levels=levels)
+    return [tok.encode_prompt(pr["question"]) for pr in problems for _ in range(samples)]
+
+
 def _configs(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
@@ -51,7 +60,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
     p.add_argument("--draft", required=True, help="EAGLE-3 head trained in-domain (public layout)")
     p.add_argument("--draft-ood", default=None, help="EAGLE-3 head trained out of domain")
-    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="rollouts (rows) per batch")
+    p.add_argument("--samples", type=int, default=1,
+                   help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
     p.add_argument("--new", type=int, default=1024, help="max_new_tokens")
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 7])
     p.add_argument("--trees", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
@@ -72,8 +83,7 @@ def main(argv: list[str]) -> int:
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
-        problems = generate_problems(batch, seed=args.seed + batch, levels=args.levels)
-        prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
+        prompts = bench_prompts(tok, batch, args.samples, args.seed + batch, args.levels)
         ar_seconds = None
         for label, kwargs in _configs(args):
             spec = None
@@ -102,6 +112,7 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print_table([row], COLUMNS)
     baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood, "params": cfg.num_params(),
+                "levels": args.levels, "samples_per_prompt": args.samples,
                 "temperature": 1.0, "max_new_tokens": args.new, "baseline": "autoregressive generate, same run"}
     print()
     print_table(rows, COLUMNS)

@@ -69,8 +69,9 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
                 origin = origin[rows]
                 state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
-        state, steps = jax.lax.while_loop(lambda c, n=next_size: jnp.sum(~c[0].done) > n,
-                                          lambda c: (step(c[0]), c[1] + 1), (state, jnp.zeros((), jnp.int32)))
+        with jax.named_scope(f"stage{i}"):  # lets a profile charge kernels to their stage
+            state, steps = jax.lax.while_loop(lambda c, n=next_size: jnp.sum(~c[0].done) > n,
+                                              lambda c: (step(c[0]), c[1] + 1), (state, jnp.zeros((), jnp.int32)))
         stage_steps.append(steps)
         if not i:
             full_cache = state.cache

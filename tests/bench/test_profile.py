@@ -22,6 +22,20 @@ def test_classify_reads_the_loop_scopes():
     assert profile.classify("") == ("unattributed", "layers")
 
 
+def test_stages_collect_the_kernels_of_their_loops():
+    def kernel(op_name, ns, launches):
+        return profile.Kernel("spec", "fusion", op_name, ns, launches)
+
+    kernels = [kernel("jit(speculative_decode)/stage0/while/body/propose/dot_general", 4e6, 20),
+               kernel("jit(speculative_decode)/stage1/while/body/verify_forward/add", 3e6, 30),
+               kernel("jit(speculative_decode)/stage1/while/body/verify/exp", 1e6, 10),
+               kernel("jit(speculative_decode)/stage_move/gather", 5e6, 1)]
+    first, second, third = profile.by_stage(kernels, [8, 4, 2], [2, 4, 0])
+    assert (first["rows"], first["ms"], first["ms_per_iteration"], first["kernels_per_iteration"]) == (8, 4, 2, 10)
+    assert (second["rows"], second["ms"], second["ms_per_iteration"], second["kernels_per_iteration"]) == (4, 4, 1, 10)
+    assert third == {"rows": 2, "iterations": 0, "ms": 0.0, "ms_per_iteration": 0.0, "kernels_per_iteration": 0.0}
+
+
 def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
     (tmp_path / "module_0007.jit__decode.cpu_after_optimizations.txt").write_text(
         "%fused_computation.1 (p: f32[2]) -> f32[2] {\n"
@@ -42,7 +56,8 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run(
         [sys.executable, "-m", "jaxspec.cli", "bench", "profile", "--policy", str(ASSETS / "tiny-policy"),
-         "--draft", str(ASSETS / "tiny-eagle3"), "--batch", "4", "--new", "8", "--levels", "1", "--k", "2",
+         "--draft", str(ASSETS / "tiny-eagle3"), "--batch", "4", "--samples", "2", "--new", "8", "--levels", "1",
+         "--k", "2",
          "--trace-dir", str(tmp_path / "trace"), "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr
@@ -58,6 +73,9 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
         assert row["kernels_per_step"] == pytest.approx(sum(row["phase_kernels_per_step"].values()))
         assert set(row["phase_kernels_per_step"]) == set(row["phases_ms"])
         grouped = sum(g["launches"] for g in row["kernels_by_op_name"])
+        (stage,) = row["stages"]  # 4 rows run in one stage
+        assert stage["rows"] == 4 and stage["iterations"] == row["steps"]
+        assert 0 < stage["ms_per_iteration"] <= row["step_ms"] + 1e-9 and stage["kernels_per_iteration"] > 0
         assert 0 < grouped <= row["kernels_per_step"] + 1e-9
     assert spec["kernels_per_step"] > ar["kernels_per_step"] > 0
     assert ar["step_over_ar"] == 1.0

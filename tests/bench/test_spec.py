@@ -27,3 +27,16 @@ def test_bench_spec_smoke(tmp_path):
         assert row["step_ms"] == pytest.approx(1e3 * row["seconds"] / max(sum(row["stage_steps"]), 1))
     assert len(rows["eagle3 chain k=2"]["acceptance_per_position"]) == 2
     assert rows["eagle3 chain k=2"]["acceptance_length"] >= 1.0
+
+
+def test_bench_prompts_repeat_each_problem_as_a_group():
+    from jaxspec.bench.spec import bench_prompts
+    from jaxspec.tasks import ChatTokenizer
+
+    tok = ChatTokenizer.from_file(ASSETS / "tiny-policy")
+    prompts = bench_prompts(tok, 6, 3, seed=0, levels=[1])
+    assert len(prompts) == 6 and prompts[0] == prompts[1] == prompts[2]
+    assert prompts[3] == prompts[4] == prompts[5] != prompts[0]
+    assert bench_prompts(tok, 2, 1, seed=0, levels=[1]) == [prompts[0], prompts[3]]
+    with pytest.raises(ValueError, match="--batch 6 is not a positive multiple of --samples 4"):
+        bench_prompts(tok, 6, 4, seed=0, levels=[1])
