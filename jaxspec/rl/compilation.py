@@ -2,7 +2,7 @@
 
 `pack_rows` packs the sequences of a minibatch into R rows, and each R is a new input shape of
 the programs that read packed rows: the minibatch update (the online draft's update is part of
-it) and, with loss.recompute_logprobs or loss.kl_beta > 0, the log-prob scoring of the whole
+it, and with draft.train_every > 1 the policy-only update of the other minibatches too) and, with loss.recompute_logprobs or loss.kl_beta > 0, the log-prob scoring of the whole
 batch. `precompile` compiles both for every R the run can produce (`packed_row_counts`) in a
 background thread. The executables land in JAX's jit caches, so the loop's ordinary calls find
 them; a call whose program is still compiling waits for that compilation instead of starting
@@ -69,15 +69,20 @@ def trainer_programs(run: GRPORun) -> list[Program]:
     if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
         programs += [(run.score, (state["params"], *(rows[k] for k in SCORE_FIELDS)))
                      for rows in calls(batch, SCORE_FIELDS)]
-    fields = [*SCORE_FIELDS, "advantages", "old_logp", "loss_mask"]
-    fields += ["seq_resp_mask"] * (run.online is not None) + ["ref_logp"] * (cfg.loss.kl_beta > 0)
-    draft = (None, None, None)
-    if run.online is not None:
-        from jaxspec.draft import split_buffers
+    fields = [*SCORE_FIELDS, "advantages", "old_logp", "loss_mask"] + ["ref_logp"] * (cfg.loss.kl_beta > 0)
+    seqs = batch // cfg.loss.minibatches
+    no_draft = (None, None, None)
+    if run.online is None:
+        return programs + [(run.update, (state["params"], state["opt_state"], *no_draft, rows))
+                           for rows in calls(seqs, fields)]
+    from jaxspec.draft import split_buffers
 
-        draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
+    draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
     programs += [(run.update, (state["params"], state["opt_state"], *draft, rows))
-                 for rows in calls(batch // cfg.loss.minibatches, fields)]
+                 for rows in calls(seqs, fields + ["seq_resp_mask"])]
+    if run.policy_update is not None:  # the minibatches the head skips
+        programs += [(run.policy_update, (state["params"], state["opt_state"], *no_draft, rows))
+                     for rows in calls(seqs, fields)]
     return programs
 
 

@@ -147,11 +147,14 @@ class DraftConfig:
     online: false keeps the draft frozen. loss_weight is λ in L = L_policy + λ·L_draft; L_draft
     (`jaxspec.draft.eagle3_loss`: `ttt_steps` unrolled steps weighted `step_decay`**i) uses the
     policy's detached hidden states and logits of the training forward and has its own AdamW
-    optimizer and gradient clipping.
+    optimizer and gradient clipping. train_every: the head trains on every n-th minibatch update of
+    a step (the first, the (n+1)-th, ...); the others update the policy alone and skip the draft
+    loss's unrolled steps. 1 trains it on every minibatch.
     """
 
     online: bool = False
     loss_weight: float = 1.0
+    train_every: int = 1
     ttt_steps: int = 7
     step_decay: float = 0.8
     learning_rate: float = 1e-4
@@ -296,6 +299,7 @@ def validate(cfg: GRPOConfig, source: str) -> None:
          f"online draft adaptation trains an EAGLE-3 head; spec.method is {s.method!r}")
     positive(dr, "loss_weight", "draft", allow_zero=True)
     positive(dr, "ttt_steps", "draft")
+    positive(dr, "train_every", "draft")
     need(0 < dr.step_decay <= 1, "draft.step_decay", f"must be in (0, 1], got {dr.step_decay}")
     need(dr.learning_rate > 0, "draft.learning_rate", f"must be > 0, got {dr.learning_rate}")
     positive(dr, "grad_clip", "draft")

@@ -172,6 +172,9 @@ class GRPORun:
                                       eos_id=self.tok.eos_id)
         self.update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat,
                                 self.online)
+        # The update of the minibatches the online head skips (draft.train_every > 1).
+        self.policy_update = None if self.online is None or cfg.draft.train_every == 1 else update_fn(
+            self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat, None)
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat)
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
@@ -301,15 +304,22 @@ class GRPORun:
         num_rows = batch["tokens"].shape[0]
         for epoch in range(cfg.loss.ppo_epochs):
             rng = np.random.default_rng([cfg.train.seed, self.step, epoch])
-            for rows in minibatch_indices(num_rows, cfg.loss.minibatches, rng):
+            for i, rows in enumerate(minibatch_indices(num_rows, cfg.loss.minibatches, rng)):
                 minibatch = take_rows(batch, rows)
-                if self.online is None and not minibatch["loss_mask"].any():
-                    continue
-                minibatch = pack_rows(minibatch, self.placement.row_shards)
-                before = (state["params"], state["opt_state"], d_weights, d_opt)
-                *after, m = self.update(state["params"], state["opt_state"], d_weights, d_buffers, d_opt,
-                                        self.placement.rows(minibatch))
-                state["params"], state["opt_state"], d_weights, d_opt = self.placement.pin(tuple(after), before)
+                trains_draft = self.online is not None and \
+                    (epoch * cfg.loss.minibatches + i) % cfg.draft.train_every == 0
+                if not trains_draft:
+                    if not minibatch["loss_mask"].any():
+                        continue
+                    minibatch.pop("seq_resp_mask", None)
+                update = self.update if trains_draft or self.online is None else self.policy_update
+                draft = (d_weights, d_opt) if trains_draft else (None, None)
+                before = (state["params"], state["opt_state"], *draft)
+                *after, m = update(state["params"], state["opt_state"], draft[0], d_buffers if trains_draft else None,
+                                   draft[1], self.placement.rows(pack_rows(minibatch, self.placement.row_shards)))
+                state["params"], state["opt_state"], *draft = self.placement.pin(tuple(after), before)
+                if trains_draft:
+                    d_weights, d_opt = draft
                 m = jax.tree.map(to_host, m)
                 metrics.append(m)
                 self.updates += int(m["tokens"] > 0)

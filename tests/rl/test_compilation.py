@@ -66,13 +66,14 @@ def _prompt_file(path, tokenizer_dir) -> str:
 @pytest.fixture(scope="module")
 def precompiled_run(tiny_policy, tmp_path_factory):
     """STEPS steps of test_train's run (online draft, log-prob recomputation, KL) from cleared jit
-    caches, one minibatch per step, the trainer precompiled and every program written to a
+    caches, one minibatch per epoch (the head trains on the first epoch's; the second runs the
+    policy-only update: both programs are precompiled), the trainer precompiled and every program written to a
     persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
     of each step's packings)."""
     root = tmp_path_factory.mktemp("precompiled")
     config = _config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
     overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
-                 "train.precompile=true", f"train.compilation_cache={root / 'cache'}",
+                 "draft.train_every=2", "train.precompile=true", f"train.compilation_cache={root / 'cache'}",
                  "train.compilation_cache_min_compile_s=0"]
     rows_per_step = []
     run_step, pack = loop.GRPORun.run_step, loop.pack_rows

@@ -179,6 +179,30 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
     assert (run / "policy" / "model.safetensors").is_file() and (run / "checkpoints" / "2").is_dir()
 
 
+def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypatch):
+    """draft.train_every=2 with 2 minibatches x 2 epochs: the head's update runs on minibatches 0 and 2
+    of each step, the policy-only update on the others (unless they hold no loss tokens)."""
+    import jaxspec.rl.loop as loop
+
+    calls, update_fn = [], loop.update_fn
+
+    def counting_update_fn(*args):
+        fn, with_draft = update_fn(*args), args[-1] is not None
+
+        def update(*inputs):
+            calls.append((with_draft, inputs[2] is not None))
+            return fn(*inputs)
+        return update
+
+    monkeypatch.setattr(loop, "update_fn", counting_update_fn)
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=2)
+    assert _train("--config", config, "--run-dir", tmp_path / "run", "draft.train_every=2") == 0
+    assert all(with_draft == has_head for with_draft, has_head in calls)
+    assert sum(with_draft for with_draft, _ in calls) == 4 and len(calls) <= 8, calls
+    records = _metrics(tmp_path / "run")
+    assert all(r["draft_loss"] > 0 and len(r["draft_top1_agreement"]) == 1 for r in records)
+
+
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path):
     config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
                      checkpoint_every=1000)
@@ -229,6 +253,7 @@ def _error_line(capsys) -> str:
     ("spec.method=none", "draft.online: online draft adaptation trains an EAGLE-3 head; spec.method is 'none'"),
     ("spec.draft=/nonexistent/head", "spec.draft: draft folder not found: /nonexistent/head"),
     ("spec.tree_budget=0", "spec.tree_budget: must be null or >= spec.tree_width=1"),
+    ("draft.train_every=0", "draft.train_every: must be > 0"),
     ("mesh.tensor=0", "mesh.tensor: must be > 0"),
     ("mesh.data=16", "mesh: data=16 x fsdp=1 x tensor=1 needs 16 devices, this process sees 8"),
 ])
