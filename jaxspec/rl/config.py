@@ -58,8 +58,9 @@ class DataConfig:
 class RolloutConfig:
     """Sampling of the rollouts: prompts_per_step groups of samples_per_prompt responses each.
 
-    dtype: dtype of the params copy the rollout reads ("sync" casts the float32 master params
-    to it each step; with float32 it is the master params themselves, no copy).
+    dtype: dtype of the params copy the rollout reads ("sync" casts the float32 master params of
+    the policy and the draft to it each step; with float32 it is the master params themselves,
+    no copy).
     """
 
     prompts_per_step: int = 8

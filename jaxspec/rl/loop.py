@@ -11,7 +11,7 @@ Run directory layout:
     xla_cache/           the persistent compilation cache (train.compilation_cache: true)
 
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
-float32 and a cast with rollout.dtype bfloat16. All randomness of step s comes from
+float32 and a cast (of the policy and the draft) with rollout.dtype bfloat16. All randomness of step s comes from
 fold_in(key, s), and prompts from the saved data position, so a resumed run repeats an
 uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) makes the loop checkpoint at the next
 step boundary and return. Launched as several processes (see `jaxspec.distributed`), every
@@ -197,13 +197,19 @@ class GRPORun:
         return train_set, eval_set
 
     def rollout_view(self):
-        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
-        policy = self.state["params"]
+        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage.
+        The draft's float weights are cast to rollout.dtype with the policy's (its integer and
+        boolean vocabulary maps stay as they are)."""
         dtype = jnp.dtype(self.cfg.rollout.dtype)
-        if dtype != jnp.float32:
-            policy = jax.tree.map(lambda x: x.astype(dtype), policy)
-        draft_now = (self.draft[0], self.state["draft_params"]) if self.draft is not None else None
-        return block(policy), make_spec(self.cfg.spec, draft_now)
+
+        def cast(tree):
+            if dtype == jnp.float32:
+                return tree
+            return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+        policy = cast(self.state["params"])
+        draft = None if self.draft is None else (self.draft[0], cast(self.state["draft_params"]))
+        return block(policy), make_spec(self.cfg.spec, block(draft))
 
     def evaluate(self) -> dict:
         """Validation scores of the current policy on the held-out prompts."""

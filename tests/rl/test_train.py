@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -177,6 +178,30 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
         for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
             np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
     assert (run / "policy" / "model.safetensors").is_file() and (run / "checkpoints" / "2").is_dir()
+
+
+def test_rollouts_read_the_policy_and_the_draft_in_the_rollout_dtype(tiny_policy, tmp_path):
+    """rollout.dtype bfloat16: "sync" casts the float32 master weights of both the policy and the
+    head (a float32 head would draft at float32 speed); the head's vocabulary maps keep their types."""
+    import jax.numpy as jnp
+
+    from jaxspec.config_io import load_config
+    from jaxspec.rl.config import GRPOConfig
+    from jaxspec.rl.loop import GRPORun
+    from jaxspec.rl.resources import check_inputs
+
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=1)
+    cfg = load_config(GRPOConfig, config, ["rollout.dtype=bfloat16", "draft.online=false"])
+    run = GRPORun(cfg, tmp_path / "run", False, check_inputs(cfg))
+    policy, spec = run.rollout_view()
+    master = run.state["draft_params"]
+    assert {x.dtype for x in jax.tree.leaves(policy)} == {jnp.dtype(jnp.bfloat16)}
+    assert spec.draft[0] == run.draft[0]
+    for (path, got), want in zip(jax.tree.leaves_with_path(spec.draft[1]), jax.tree.leaves(master)):
+        expected = jnp.bfloat16 if jnp.issubdtype(want.dtype, jnp.floating) else want.dtype
+        assert got.dtype == expected, path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(expected)))
+    assert {x.dtype for x in jax.tree.leaves(master)} >= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
 
 
 def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypatch):
