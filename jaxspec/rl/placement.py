@@ -9,6 +9,8 @@ sharding=)`), so syncing the policy to the generator is at most a cast.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -33,17 +35,30 @@ class Placement:
 
         def place(leaf):
             on_mesh = isinstance(getattr(leaf, "sharding", None), NamedSharding) and leaf.sharding.mesh == mesh
-            # Host copies, so that every process places its own replicas (a multi-process mesh).
-            return leaf if on_mesh else jax.device_put(np.asarray(leaf), replicated)
+            return leaf if on_mesh else from_host(leaf, replicated)
 
         return jax.tree.map(place, state)
 
     def pin(self, tree, like):
         """`tree` placed like `like` (a pytree of the same structure): keeps a compiled update's
-        outputs on the input layout, so the next call reuses its compilation."""
+        outputs on the input layout, so the next call reuses its compilation.
+
+        The leaves whose sharding differs move in one program. `jax.device_put` runs one per leaf
+        (dozens per minibatch: the update returns the norms of the policy and its moments sharded
+        otherwise), all dispatched without waiting: on a CPU mesh they pass the runtime's limit of
+        computations in flight per device (32), and the launches that wait for a slot hold the
+        worker threads (as many as local devices) that the collective program before them needs,
+        so that process deadlocks and the others wait on it in their next collective."""
         if self.sharding is None:
             return tree
-        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
+        leaves, treedef = jax.tree.flatten(tree)
+        targets = [x.sharding for x in treedef.flatten_up_to(like)]
+        moved = [i for i, (x, s) in enumerate(zip(leaves, targets)) if x.sharding != s]
+        if moved:
+            placed = _placer(tuple(targets[i] for i in moved))([leaves[i] for i in moved])
+            for i, x in zip(moved, placed):
+                leaves[i] = x
+        return treedef.unflatten(leaves)
 
     def row_sharding(self, shape: tuple[int, ...]) -> NamedSharding | None:
         """Sharding of an array [B, ...] whose rows are split over the mesh's batch axes (None on one
@@ -56,4 +71,22 @@ class Placement:
         """Host arrays [B, ...] with their rows split over the mesh's batch axes."""
         if self.sharding is None:
             return batch
-        return {k: jax.device_put(v, self.row_sharding(np.shape(v))) for k, v in batch.items()}
+        return {k: from_host(v, self.row_sharding(np.shape(v))) for k, v in batch.items()}
+
+
+def from_host(value, sharding: NamedSharding) -> jax.Array:
+    """`value`, a host value that every process holds in full (every process of a run computes the
+    same host data), placed with `sharding`: each process copies the slices of its own devices.
+
+    Not `jax.device_put`, which onto a mesh that spans processes first checks that all processes
+    passed the same value, with a collective program per array (`multihost_utils.assert_equal`): a
+    gather of every minibatch across hosts, and one more place where processes wait on each other.
+    """
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+@functools.cache
+def _placer(shardings: tuple[NamedSharding, ...]):
+    """A compiled copy of a list of arrays onto `shardings` (one per array)."""
+    return jax.jit(lambda xs: xs, out_shardings=list(shardings))
