@@ -20,6 +20,7 @@ process runs this loop on the same host data over one mesh; process 0 alone writ
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -67,6 +68,14 @@ class _Preemption:
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _cast_floats(tree, dtype):
+    """`tree` with its floating leaves cast to `dtype`, as one program: leaf-by-leaf casts would be
+    one dispatch each, and on a CPU mesh a burst of them can exhaust the runtime's programs in
+    flight (see `Placement.pin`)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def _mean_metrics(updates: list[dict]) -> dict:
@@ -203,9 +212,7 @@ class GRPORun:
         dtype = jnp.dtype(self.cfg.rollout.dtype)
 
         def cast(tree):
-            if dtype == jnp.float32:
-                return tree
-            return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+            return tree if dtype == jnp.float32 else _cast_floats(tree, dtype)
 
         policy = cast(self.state["params"])
         draft = None if self.draft is None else (self.draft[0], cast(self.state["draft_params"]))
