@@ -2,8 +2,9 @@
 
 `pack_rows` packs the sequences of a minibatch into R rows, and each R is a new input shape of
 the programs that read packed rows: the minibatch update (the online draft's update is part of
-it, and with draft.train_every > 1 the policy-only update of the other minibatches too) and, with loss.recompute_logprobs or loss.kl_beta > 0, the log-prob scoring of the whole
-batch. `precompile` compiles both for every R the run can produce (`packed_row_counts`) in a
+it; with draft.train_every > 1 also the policy-only update of the minibatches the head skips)
+and, with loss.recompute_logprobs or loss.kl_beta > 0, the log-prob scoring of the whole
+batch. `precompile` compiles them for every R the run can produce (`packed_row_counts`) in a
 background thread. The executables land in JAX's jit caches, so the loop's ordinary calls find
 them; a call whose program is still compiling waits for that compilation instead of starting
 its own.

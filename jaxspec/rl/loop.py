@@ -11,11 +11,12 @@ Run directory layout:
     xla_cache/           the persistent compilation cache (train.compilation_cache: true)
 
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
-float32 and a cast (of the policy and the draft) with rollout.dtype bfloat16. All randomness of step s comes from
-fold_in(key, s), and prompts from the saved data position, so a resumed run repeats an
-uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) makes the loop checkpoint at the next
-step boundary and return. Launched as several processes (see `jaxspec.distributed`), every
-process runs this loop on the same host data over one mesh; process 0 alone writes files.
+float32 and a cast of the policy and the draft with rollout.dtype bfloat16. All randomness of
+step s comes from fold_in(key, s), and prompts from the saved data position, so a resumed run
+repeats an uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) makes the loop checkpoint
+at the next step boundary and return. Launched as several processes (see
+`jaxspec.distributed`), every process runs this loop on the same host data over one mesh;
+process 0 alone writes files.
 """
 
 from __future__ import annotations
