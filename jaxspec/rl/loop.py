@@ -42,14 +42,12 @@ from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile, pre
 from jaxspec.rl.config import GRPOConfig, LossConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
-from jaxspec.rl.metrics import MetricsLog, StageTimer, block, rollout_stats, truncate_after
+from jaxspec.rl.metrics import (MetricsLog, StageTimer, block, mean_update_metrics, rollout_step_metrics,
+                                truncate_after)
 from jaxspec.rl.placement import Placement
 from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
-
-_POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", "grad_norm")
-
 
 class _Preemption:
     """Sets a flag on SIGTERM while installed (main thread only; elsewhere it never fires)."""
@@ -79,22 +77,6 @@ def _cast_floats(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _mean_metrics(updates: list[dict]) -> dict:
-    """Host means of the per-update metrics; the policy part over updates that had policy tokens."""
-    out: dict = {}
-    active = [m for m in updates if float(m["tokens"]) > 0]
-    for key in _POLICY_METRICS:
-        if active:
-            out[key] = float(np.mean([float(m[key]) for m in active]))
-    draft = [m for m in updates if "draft_loss" in m]
-    if draft:
-        out["draft_loss"] = float(np.mean([float(m["draft_loss"]) for m in draft]))
-        out["draft_grad_norm"] = float(np.mean([float(m["draft_grad_norm"]) for m in draft]))
-        for key in ("draft_step_loss", "draft_top1_agreement"):
-            out[key] = np.mean([np.asarray(m[key]) for m in draft], axis=0).round(6).tolist()
-    return out
-
-
 def truncated_rollouts(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
     """bool [B]: rollouts cut at max_new_tokens without an eos (tokens int32 [B, N], lengths [B])."""
     return (lengths == max_new_tokens) & (tokens[:, -1] != eos_id)
@@ -110,21 +92,6 @@ def trained_rollouts(informative: np.ndarray, truncated: np.ndarray, group: int,
     if loss.mask_truncated:
         keep &= ~truncated
     return keep
-
-
-def _rollout_metrics(rewards: np.ndarray, informative: np.ndarray, lengths: np.ndarray, truncated: np.ndarray,
-                     stats: dict, group: int) -> dict:
-    return {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "accuracy": float(np.mean(rewards >= 1.0)),
-        "groups_all_correct": float(np.mean(rewards.reshape(-1, group).min(axis=1) >= 1.0)),
-        "groups_zero_variance": float(np.mean(~informative)),
-        "response_length_mean": float(lengths.mean()),
-        "response_length_max": int(lengths.max()),
-        "truncated_frac": float(np.mean(truncated)),
-        **rollout_stats(stats),
-    }
 
 
 class GRPORun:
@@ -272,9 +239,9 @@ class GRPORun:
             self.precompiling = None
         self.step += 1
         self.position += len(ids)
-        record.update(_rollout_metrics(rewards, informative, lengths, truncated, out.stats, group))
+        record.update(rollout_step_metrics(rewards, informative, lengths, truncated, out.stats, group))
         record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
-                      **_mean_metrics(update_metrics))
+                      **mean_update_metrics(update_metrics))
         if self.eval_set is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
             with timer.stage("eval"):
                 record.update(self.evaluate())

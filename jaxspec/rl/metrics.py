@@ -33,6 +33,7 @@ import numpy as np
 TIMING_PREFIXES = ("time_", "tokens_per_s", "compiles")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
+POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", "grad_norm")
 
 
 def is_timing(key: str) -> bool:
@@ -140,3 +141,36 @@ def rollout_stats(stats: dict) -> dict:
         if key in stats:
             out[key] = int(stats[key])
     return out
+
+
+def mean_update_metrics(updates: list[dict]) -> dict:
+    """Host means of the per-update metrics; the policy part over updates that had policy tokens."""
+    out: dict = {}
+    active = [m for m in updates if float(m["tokens"]) > 0]
+    for key in POLICY_METRICS:
+        if active:
+            out[key] = float(np.mean([float(m[key]) for m in active]))
+    draft = [m for m in updates if "draft_loss" in m]
+    if draft:
+        out["draft_loss"] = float(np.mean([float(m["draft_loss"]) for m in draft]))
+        out["draft_grad_norm"] = float(np.mean([float(m["draft_grad_norm"]) for m in draft]))
+        for key in ("draft_step_loss", "draft_top1_agreement"):
+            out[key] = np.mean([np.asarray(m[key]) for m in draft], axis=0).round(6).tolist()
+    return out
+
+
+def rollout_step_metrics(rewards: np.ndarray, informative: np.ndarray, lengths: np.ndarray, truncated: np.ndarray,
+                         stats: dict, group: int) -> dict:
+    """The rollout part of a step record: rewards float [B], informative bool [B / group] (groups
+    with unequal rewards), lengths int [B], truncated bool [B], the rollout's `stats`."""
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(np.mean(rewards >= 1.0)),
+        "groups_all_correct": float(np.mean(rewards.reshape(-1, group).min(axis=1) >= 1.0)),
+        "groups_zero_variance": float(np.mean(~informative)),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": int(lengths.max()),
+        "truncated_frac": float(np.mean(truncated)),
+        **rollout_stats(stats),
+    }
