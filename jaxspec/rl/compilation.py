@@ -72,17 +72,14 @@ def trainer_programs(run: GRPORun) -> list[Program]:
                      for rows in calls(batch, SCORE_FIELDS)]
     fields = [*SCORE_FIELDS, "advantages", "old_logp", "loss_mask"] + ["ref_logp"] * (cfg.loss.kl_beta > 0)
     seqs = batch // cfg.loss.minibatches
-    no_draft = (None, None, None)
-    if run.online is None:
-        return programs + [(run.update, (state["params"], state["opt_state"], *no_draft, rows))
-                           for rows in calls(seqs, fields)]
-    from jaxspec.draft import split_buffers
+    if run.online is not None:
+        from jaxspec.draft import split_buffers
 
-    draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
-    programs += [(run.update, (state["params"], state["opt_state"], *draft, rows))
-                 for rows in calls(seqs, fields + ["seq_resp_mask"])]
-    if run.policy_update is not None:  # the minibatches the head skips
-        programs += [(run.policy_update, (state["params"], state["opt_state"], *no_draft, rows))
+        draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
+        programs += [(run.update, (state["params"], state["opt_state"], *draft, rows))
+                     for rows in calls(seqs, fields + ["seq_resp_mask"])]
+    if run.policy_update is not None:
+        programs += [(run.policy_update, (state["params"], state["opt_state"], None, None, None, rows))
                      for rows in calls(seqs, fields)]
     return programs
 

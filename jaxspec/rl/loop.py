@@ -149,9 +149,12 @@ class GRPORun:
                                       eos_id=self.tok.eos_id)
         self.update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat,
                                 self.online)
-        # The update of the minibatches the online head skips (draft.train_every > 1).
-        self.policy_update = None if self.online is None or cfg.draft.train_every == 1 else update_fn(
-            self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat, None)
+        # The update of minibatches that do not train the head: all of them without an online head,
+        # those it skips with draft.train_every > 1; None when it trains on every minibatch.
+        self.policy_update = self.update if self.online is None else None
+        if self.online is not None and cfg.draft.train_every > 1:
+            self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
+                                           t_cfg.remat, None)
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat)
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
@@ -293,7 +296,7 @@ class GRPORun:
                     if not minibatch["loss_mask"].any():
                         continue
                     minibatch.pop("seq_resp_mask", None)
-                update = self.update if trains_draft or self.online is None else self.policy_update
+                update = self.update if trains_draft else self.policy_update
                 draft = (d_weights, d_opt) if trains_draft else (None, None)
                 before = (state["params"], state["opt_state"], *draft)
                 *after, m = update(state["params"], state["opt_state"], draft[0], d_buffers if trains_draft else None,
