@@ -77,18 +77,24 @@ SEQUENCE_FIELDS = ("resp_tokens", "resp_mask", "advantages", "old_logp", "loss_m
 
 
 def packed_row_count(filled: int, multiple_of: int = 1) -> int:
-    """R for `filled` occupied rows: the smallest power of two times `multiple_of` that holds them."""
+    """R for `filled` occupied rows: the smallest 2^k or 3 * 2^k (1, 2, 3, 4, 6, 8, 12, ...) times
+    `multiple_of` that holds them, so at most a third of the rows are padding (powers of two alone
+    waste up to half, and a trainer over packed rows costs what its rows cost)."""
     groups = -(-max(filled, 1) // multiple_of)
-    return multiple_of * (1 << (groups - 1).bit_length())
+    size = 1 << (groups - 1).bit_length()
+    if size >= 4 and size // 4 * 3 >= groups:
+        size = size // 4 * 3
+    return multiple_of * size
 
 
 def packed_row_counts(num_seqs: int, width: int, shortest: int, multiple_of: int = 1) -> list[int]:
     """Every R (ascending) that `pack_rows` can give S = num_seqs sequences of at least `shortest`
     tokens in rows of width W: from the rows their tokens fill at the least (S * shortest / W) to
     one row per sequence."""
-    low = packed_row_count(-(-num_seqs * shortest // width), multiple_of)
-    high = packed_row_count(num_seqs, multiple_of)
-    return [low << k for k in range((high // low).bit_length())]
+    counts = [packed_row_count(-(-num_seqs * shortest // width), multiple_of)]
+    while counts[-1] < packed_row_count(num_seqs, multiple_of):
+        counts.append(packed_row_count(counts[-1] + 1, multiple_of))
+    return counts
 
 
 def pack_rows(rows: dict[str, np.ndarray], multiple_of: int = 1) -> dict[str, np.ndarray]:
@@ -96,9 +102,9 @@ def pack_rows(rows: dict[str, np.ndarray], multiple_of: int = 1) -> dict[str, np
     ones): the sequences packed first-fit-decreasing into R rows of the same width W.
 
     RL responses are mostly far shorter than max_new_tokens, so right-padded rows are mostly
-    padding; packed, the forward costs what the tokens cost. R is the smallest power of two (times
-    `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run compiles the
-    trainer for the few row counts of `packed_row_counts` only.
+    padding; packed, the forward costs what the tokens cost. R is the smallest `packed_row_count`
+    (a multiple of `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run
+    compiles the trainer for the few row counts of `packed_row_counts` only.
     Returns
       tokens int32 [R, W]; segment_ids int32 [R, W]: 1, 2, ... per sequence within a row, 0 = padding;
       seq_resp_mask bool [R, W] (when given): positions holding response tokens;

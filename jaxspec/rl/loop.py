@@ -284,7 +284,7 @@ class GRPORun:
         else:
             d_weights = d_buffers = None
         d_opt = state.get("draft_opt_state")
-        metrics = []
+        metrics, in_flight = [], None  # the last update's metrics, fetched once the next one is dispatched
         num_rows = batch["tokens"].shape[0]
         for epoch in range(cfg.loss.ppo_epochs):
             rng = np.random.default_rng([cfg.train.seed, self.step, epoch])
@@ -304,9 +304,14 @@ class GRPORun:
                 state["params"], state["opt_state"], *draft = self.placement.pin(tuple(after), before)
                 if trains_draft:
                     d_weights, d_opt = draft
-                m = jax.tree.map(to_host, m)
-                metrics.append(m)
-                self.updates += int(m["tokens"] > 0)
+                # Waiting for the update before this one (not this one) lets the host pack the next
+                # minibatch while the device runs this update, with at most two updates in flight.
+                if in_flight is not None:
+                    metrics.append(jax.tree.map(to_host, in_flight))
+                in_flight = m
+        if in_flight is not None:
+            metrics.append(jax.tree.map(to_host, in_flight))
+        self.updates += sum(int(m["tokens"] > 0) for m in metrics)
         if self.online is not None:
             state["draft_params"] = merge_buffers(d_weights, d_buffers)
             state["draft_opt_state"] = d_opt
