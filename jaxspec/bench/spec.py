@@ -44,6 +44,9 @@ def _configs(args) -> list[tuple[str, dict]]:
     for label, _ in heads:
         for k in args.k:
             runs.append((f"{label} chain k={k}", {"method": label, "num_draft_tokens": k}))
+    for depths in args.stage_k:
+        runs.append((f"eagle3 chain k={'/'.join(map(str, depths))} by stage",
+                     {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths}))
     for width, depth, budget in args.trees:
         runs.append((f"eagle3 tree w={width} d={depth} n={budget}",
                      {"method": "eagle3", "num_draft_tokens": depth, "tree_width": width, "tree_budget": budget}))
@@ -67,6 +70,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 7])
     p.add_argument("--trees", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                    default=[(2, 4, 8), (3, 5, 16)], help="width,depth,budget triples")
+    p.add_argument("--stage-k", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*", default=[],
+                   metavar="K1,K2,...", help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)")
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])

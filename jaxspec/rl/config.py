@@ -130,6 +130,9 @@ class SpecConfig:
         eagle3, null = the embedded tiny policy's head (`jaxspec/assets/tiny-eagle3`) and "random" =
         a freshly initialised head (seeded by train.seed), e.g. to train online from scratch.
     ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
+    stage_draft_tokens: null, or the draft depth of each stage of the rollout loop (the full
+        batch, then each halving as rows finish; the last entry holds for the stages past it),
+        each at most num_draft_tokens, e.g. [3, 5, 7] with num_draft_tokens 7.
     """
 
     method: Literal["none", "eagle3", "draft_model", "ngram"] = "none"
@@ -139,6 +142,7 @@ class SpecConfig:
     tree_budget: int | None = None
     draft_sampling: Literal["greedy", "stochastic"] = "greedy"
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
+    stage_draft_tokens: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +298,10 @@ def validate(cfg: GRPOConfig, source: str) -> None:
          f"must be null or >= spec.tree_width={s.tree_width}, got {s.tree_budget}")
     need(bool(s.ngram_sizes) and all(n > 0 for n in s.ngram_sizes), "spec.ngram_sizes",
          f"must be a non-empty list of sizes > 0, got {list(s.ngram_sizes)}")
+    need(s.stage_draft_tokens is None or (bool(s.stage_draft_tokens) and all(
+        1 <= k <= s.num_draft_tokens for k in s.stage_draft_tokens)), "spec.stage_draft_tokens",
+         f"must be null or a non-empty list of depths in 1..spec.num_draft_tokens={s.num_draft_tokens}, "
+         f"got {list(s.stage_draft_tokens or ())}")
     need(s.method != "draft_model" or s.draft is not None, "spec.draft",
          "method draft_model needs the HF folder of the draft model")
     need(not dr.online or s.method == "eagle3", "draft.online",

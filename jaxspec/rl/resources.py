@@ -148,4 +148,5 @@ def make_spec(spec: SpecConfig, draft) -> Spec | None:
     if spec.method == "none":
         return None
     return Spec(method=spec.method, draft=draft, num_draft_tokens=spec.num_draft_tokens, tree_width=spec.tree_width,
-                tree_budget=spec.tree_budget, draft_sampling=spec.draft_sampling, ngram_sizes=spec.ngram_sizes)
+                tree_budget=spec.tree_budget, draft_sampling=spec.draft_sampling, ngram_sizes=spec.ngram_sizes,
+                stage_draft_tokens=spec.stage_draft_tokens)

@@ -52,15 +52,17 @@ def put_rows(full: jax.Array, rows: jax.Array, part: jax.Array) -> jax.Array:
 def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str, ...], place=lambda state: state):
     """`jax.lax.while_loop(step)` over `state` stage by stage until every row is done.
 
-    state: a NamedTuple of the loop whose `batch_fields` are batch-major (among them done [B],
-    tokens / logprobs [B, N], lengths [B] and cache); stages: batch sizes, stages[0] = B. Between
-    stages the running rows move into the smaller batch and `place` re-lays the moved state out.
+    step: the loop body, or a sequence of one body per stage; state: a NamedTuple of the loop whose
+    `batch_fields` are batch-major (among them done [B], tokens / logprobs [B, N], lengths [B] and
+    cache); stages: batch sizes, stages[0] = B. Between stages the running rows move into the
+    smaller batch and `place` re-lays the moved state out.
     Returns (final state, tokens, logprobs, lengths of all B rows, the B-row cache after the
     first stage, int32 [len(stages)] iterations run in each stage).
     """
     num_rows = state.done.shape[0]
     tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
     origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
+    bodies = tuple(step) if isinstance(step, (list, tuple)) else (step,) * len(stages)
     stage_steps = []
     for i, size in enumerate(stages):
         if i:  # the running rows move into a batch of `size`
@@ -71,7 +73,8 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
         with jax.named_scope(f"stage{i}"):  # lets a profile charge kernels to their stage
             state, steps = jax.lax.while_loop(lambda c, n=next_size: jnp.sum(~c[0].done) > n,
-                                              lambda c: (step(c[0]), c[1] + 1), (state, jnp.zeros((), jnp.int32)))
+                                              lambda c, body=bodies[i]: (body(c[0]), c[1] + 1),
+                                              (state, jnp.zeros((), jnp.int32)))
         stage_steps.append(steps)
         if not i:
             full_cache = state.cache

@@ -15,17 +15,19 @@ ASSETS = Path(jaxspec.__file__).parent / "assets"
 def test_bench_spec_smoke(tmp_path):
     out = tmp_path / "spec.json"
     assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
-                 "--batch", "4", "--new", "16", "--k", "2", "--trees", "--levels", "1", "--out", str(out)]) == 0
+                 "--batch", "4", "--new", "16", "--k", "2", "--trees", "--stage-k", "2,3", "--levels", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "spec" and result["baseline"]["max_new_tokens"] == 16
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) == {"ar", "eagle3 chain k=2", "ngram chain k=3"}
+    assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=2/3 by stage", "ngram chain k=3"}
     assert rows["ar"]["speedup"] == 1.0 and rows["ar"]["acceptance_length"] == 1.0
     for row in rows.values():
         assert row["batch"] == 4 and 4 <= row["tokens"] <= 4 * 16
         assert len(row["stage_rows"]) == len(row["stage_steps"]) >= 1 and row["stage_rows"][0] == 4
         assert row["step_ms"] == pytest.approx(1e3 * row["seconds"] / max(sum(row["stage_steps"]), 1))
     assert len(rows["eagle3 chain k=2"]["acceptance_per_position"]) == 2
+    # A batch of 4 runs in one stage, which drafts the first depth only.
+    assert len(rows["eagle3 chain k=2/3 by stage"]["acceptance_per_position"]) == 2
     assert rows["eagle3 chain k=2"]["acceptance_length"] >= 1.0
 
 

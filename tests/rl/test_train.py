@@ -278,6 +278,8 @@ def _error_line(capsys) -> str:
     ("spec.method=none", "draft.online: online draft adaptation trains an EAGLE-3 head; spec.method is 'none'"),
     ("spec.draft=/nonexistent/head", "spec.draft: draft folder not found: /nonexistent/head"),
     ("spec.tree_budget=0", "spec.tree_budget: must be null or >= spec.tree_width=1"),
+    ("spec.stage_draft_tokens=[2,5]", "spec.stage_draft_tokens: must be null or a non-empty list of depths in "
+                                      "1..spec.num_draft_tokens=2, got [2, 5]"),
     ("draft.train_every=0", "draft.train_every: must be > 0"),
     ("mesh.tensor=0", "mesh.tensor: must be > 0"),
     ("mesh.data=16", "mesh: data=16 x fsdp=1 x tensor=1 needs 16 devices, this process sees 8"),

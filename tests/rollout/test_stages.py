@@ -37,14 +37,24 @@ def small_stages(monkeypatch):
     assert stages.batch_stages(len(BATCH)) == (8, 4, 2)
 
 
-@pytest.mark.parametrize("method", ["ar", "eagle3-chain", "ngram-tree", "draft_model-chain"])
+METHODS = ["ar", "eagle3-chain", "ngram-tree", "draft_model-chain",
+           # a draft depth per stage: shallower and deeper than the first stage's
+           "eagle3-chain-depth-per-stage", "ngram-tree-depth-per-stage", "draft_model-chain-depth-per-stage"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_staged_greedy_rollouts_equal_the_reference(policy, reference_and_eos, small_stages, method):
     cfg, params = policy
     reference, eos = reference_and_eos
+    head = init_eagle3(cfg, jax.random.key(5), std=0.3)
     spec = {"ar": None,
-            "eagle3-chain": Spec("eagle3", init_eagle3(cfg, jax.random.key(5), std=0.3), num_draft_tokens=3),
+            "eagle3-chain": Spec("eagle3", head, num_draft_tokens=3),
             "ngram-tree": Spec("ngram", num_draft_tokens=3, tree_width=2),
-            "draft_model-chain": Spec("draft_model", (cfg, params), num_draft_tokens=3)}[method]
+            "draft_model-chain": Spec("draft_model", (cfg, params), num_draft_tokens=3),
+            "eagle3-chain-depth-per-stage": Spec("eagle3", head, num_draft_tokens=4, stage_draft_tokens=(2, 4, 1)),
+            "ngram-tree-depth-per-stage": Spec("ngram", num_draft_tokens=3, tree_width=2, stage_draft_tokens=(1, 3)),
+            "draft_model-chain-depth-per-stage": Spec("draft_model", (cfg, params), num_draft_tokens=5,
+                                                      stage_draft_tokens=(5, 2))}[method]
     out = generate(cfg, params, BATCH, jax.random.key(0), Sampling(temperature=0.0, max_new_tokens=MAX_NEW,
                                                                   eos_id=eos), spec=spec)
     tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
@@ -60,6 +70,12 @@ def test_staged_greedy_rollouts_equal_the_reference(policy, reference_and_eos, s
     assert out.stats["generated_tokens"] == lengths.sum()
     assert out.stats["stage_rows"] == [8, 4, 2]
     assert sum(out.stats["stage_steps"]) == out.stats["steps"]
+    if spec is not None:
+        depths = spec.stage_depths(3)
+        assert out.stats["acceptance_rate_per_position"].shape == (max(depths),)
+        # A draft identical to the policy accepts every draft: each stage's steps emit its depth + 1.
+        if method.startswith("draft_model"):
+            assert out.stats["acceptance_length"] > min(depths) + 0.5
     if spec is None:  # the loop counts its iterations across stages
         assert out.stats["steps"] == MAX_NEW - 1
         # 8 rows until the second group finishes (2 left), then straight past the 4-row stage

@@ -52,7 +52,8 @@ class DraftModelDrafter:
 
     @property
     def chunk(self) -> int:
-        """Pending tokens kept: the longest accepted run + 1."""
+        """Pending tokens `init` keeps: the longest accepted run + 1. `propose` takes any width, so
+        loop stages that draft to different depths share the state of the deepest."""
         return min(self.depth, self.num_nodes) + 1
 
     def init(self, dparams, prefill: Prefill) -> Pending:
@@ -70,7 +71,7 @@ class DraftModelDrafter:
             cache, is_first = first
             if is_first:  # the pending tokens, the last valid one the root at slot cache_len
                 start = cache_len - (state.count - 1)
-                tokens, positions, mask = state.tokens, start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32), None
+                tokens, positions, mask = state.tokens, start[:, None] + jnp.arange(state.tokens.shape[1], dtype=jnp.int32), None
             else:
                 start, positions = cache_len, cache_len[:, None] + depth
             _, hidden, cache = extend(self.cfg, dparams, cache, tokens, positions, start, tree_mask=mask, active=active,

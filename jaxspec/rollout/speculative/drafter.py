@@ -73,6 +73,7 @@ def new_tokens(verified: Verified) -> jax.Array:
 
 class Drafter(Protocol):
     policy_layers: tuple[int, ...]
+    depth: int  # tree levels below the root
     width: int  # children per tree node (1: chains)
 
     def init(self, dparams, prefill: Prefill): ...

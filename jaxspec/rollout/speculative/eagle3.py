@@ -85,7 +85,8 @@ class Eagle3Drafter:
 
     @property
     def chunk(self) -> int:
-        """Entries of the pending chunk: the longest accepted run + 1."""
+        """Entries of the pending chunk `init` makes: the longest accepted run + 1. `propose` takes
+        any width, so loop stages that draft to different depths share the state of the deepest."""
         return min(self.depth, self.num_nodes) + 1
 
     def propose(self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, active: jax.Array,
@@ -98,7 +99,7 @@ class Eagle3Drafter:
             cache, previous_out = carry
             if previous_out is None:  # the pending chunk, its last valid entry the root's
                 start = head_len - (state.count - 1)
-                positions = start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32)
+                positions = start[:, None] + jnp.arange(state.tokens.shape[1], dtype=jnp.int32)
                 logits, out, cache = draft_extend(self.dcfg, head, embed, cache, state.tokens, state.hidden,
                                                   positions, start, active=active, sharding=self.sharding)
                 last = (state.count - 1)[:, None, None]

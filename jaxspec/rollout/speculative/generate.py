@@ -24,12 +24,14 @@ _F32 = 4
 
 
 def make_drafter(cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spec,
-                 sharding: Sharding | None = None) -> tuple[Drafter, object]:
-    """(drafter, the pytree its methods take as dparams) for policy `cfg`; ValueError when the
-    draft does not fit the policy (naming the mismatched dimension)."""
+                 sharding: Sharding | None = None, depth: int | None = None) -> tuple[Drafter, object]:
+    """(drafter, the pytree its methods take as dparams) for policy `cfg`, drafting `depth` levels
+    (default spec.num_draft_tokens); ValueError when the draft does not fit the policy (naming
+    the mismatched dimension)."""
     if not isinstance(spec, Spec):
         raise ValueError(f"spec must be a jaxspec.rollout.Spec or None, got {type(spec).__name__}")
-    shape = dict(depth=spec.num_draft_tokens, width=spec.tree_width, num_nodes=spec.num_tree_nodes)
+    depth = spec.num_draft_tokens if depth is None else depth
+    shape = dict(depth=depth, width=spec.tree_width, num_nodes=spec.tree_nodes(depth))
     if spec.method == "ngram":
         return NgramDrafter(sizes=spec.ngram_sizes, **shape), None
     dcfg, dparams = spec.draft
@@ -95,11 +97,15 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
+    stages = batch_stages(num_rows, sharding)
+    depths = spec.stage_depths(len(stages))
+    drafters = tuple(drafter if depth == drafter.depth else make_drafter(cfg, params, sampling, spec, sharding, depth)[0]
+                     for depth in depths)
+    max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any stage can accept
     max_new = sampling.max_new_tokens
     policy_len = prompt_width + max_new + 1 + spec.num_tree_nodes  # the verify forward writes N slots
     draft_len = prompt_width + max_new + 1 + spec.num_draft_tokens * spec.tree_width  # the drafter's tree
     longest = int(batch.row_lengths.max())
-    stages = batch_stages(num_rows, sharding)
     needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct,
                                       sum(stages[1:]))
     check_fits(needed // _cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
@@ -114,8 +120,8 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
                                             cache_dtype=cache_dtype, sharding=sharding,
                                             hidden_layers=drafter.policy_layers)
     tokens, logprobs, lengths, counts, stage_steps, _ = speculative_decode(
-        cfg, sampling, drafter, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
-        row_prompt, row_lengths, key, max_depth=spec.max_accepted, draft_len=draft_len, cache_dtype=cache_dtype,
+        cfg, sampling, drafters, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
+        row_prompt, row_lengths, key, max_depth=max_depth, draft_len=draft_len, cache_dtype=cache_dtype,
         sharding=sharding, stages=stages)
     return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
-                         stats=summarize(counts, lengths, spec.max_accepted, stages, stage_steps))
+                         stats=summarize(counts, lengths, max_depth, stages, stage_steps))

@@ -63,9 +63,16 @@ def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCach
     return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "drafter", "max_depth", "draft_len", "cache_dtype",
+def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
+    """`x` padded with `value` to `size` entries along `axis` (a shallower stage's tree)."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "drafters", "max_depth", "draft_len", "cache_dtype",
                                              "sharding", "stages"), donate_argnames=("cache",))
-def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, params: Params, dparams,
+def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Drafter, ...], params: Params, dparams,
                        cache: KVCache, logits: jax.Array, policy_hidden: jax.Array, prompt_tokens: jax.Array,
                        prompt_lengths: jax.Array, row_prompt: jax.Array, row_lengths: jax.Array, key: jax.Array, *,
                        max_depth: int, draft_len: int, cache_dtype, sharding: Sharding | None,
@@ -76,9 +83,10 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     longest rollout; logits float32 [B, V] for the first new token; policy_hidden: the policy's
     `drafter.policy_layers` outputs over the distinct prompts [n, U, P, H]; prompt_tokens int32
     [U, P], prompt_lengths int32 [U], row_prompt int32 [B], row_lengths int32 [B] as in
-    `PromptBatch`. max_depth: the deepest tree level (longest acceptable run); draft_len: cache
-    slots of the drafter's own cache. stages: the loop's batch sizes as rows finish
-    (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
+    `PromptBatch`. drafters: one per stage, alike but for their tree depth; their state is made by
+    the deepest. max_depth: the deepest tree level of any stage (longest acceptable run);
+    draft_len: cache slots of the drafter's own cache. stages: the loop's batch sizes as rows
+    finish (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
     Returns (tokens int32 [B, max_new_tokens], logprobs float32 [B, max_new_tokens], lengths int32 [B],
     Counts, loop iterations per stage int32 [len(stages)], the B-row cache after the first stage:
     returned so that it updates the donated one in place).
@@ -88,12 +96,13 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     eos_ids = jnp.asarray(sampling.eos_id, jnp.int32)
     width = max_depth + 1  # most tokens one step emits
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
-    chain = drafter.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
+    deepest = max(drafters, key=lambda d: d.depth)
+    chain = deepest.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
 
     def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         return x if sharding is None else sharding.constrain(x, axes)
 
-    def step(state: _LoopState) -> _LoopState:
+    def step(drafter: Drafter, state: _LoopState) -> _LoopState:
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
@@ -112,8 +121,11 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
                 verify_logits, temperature = processed_logprobs(logits, sampling), 1.0
             result = kernels.tree_verify(verify_logits, tree.parents, tree.tokens, tree.num_nodes, verify_key,
                                          temperature=temperature, draft_probs=tree.draft_probs)
-        path, accepted, next_token = result.path[:, :width], result.num_accepted, result.next_token
-        committed = tree.tokens[:, :width] if chain else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+        # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
+        path = _pad_to(result.path[:, :width], width, 1, -1)
+        accepted, next_token = result.num_accepted, result.next_token
+        committed = _pad_to(tree.tokens[:, :width], width, 1, 0) if chain else \
+            jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
         emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((loop_rows, 1), jnp.int32)], axis=1)
         emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
         eos = jnp.isin(emitted, eos_ids) & (steps <= accepted[:, None])
@@ -121,7 +133,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         active = ~state.done
         count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
-        node_hidden = hidden[:, :, :width] if chain or hidden.shape[0] == 0 else (
+        node_hidden = _pad_to(hidden[:, :, :width], width, 2, 0) if chain or hidden.shape[0] == 0 else (
             jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
         with jax.named_scope("draft_update"):
             draft = drafter.update(dparams, draft, Verified(committed=committed, next_root=next_token,
@@ -136,7 +148,8 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
             tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
-            logprobs=state.logprobs.at[rows, slots].set(result.logprobs[:, :width], mode="drop"),
+            logprobs=state.logprobs.at[rows, slots].set(_pad_to(result.logprobs[:, :width], width, 1, 0.0),
+                                                         mode="drop"),
             lengths=state.lengths + count,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
@@ -152,7 +165,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
         root=first,
         cache=cache,
         cache_len=row_lengths.astype(jnp.int32),
-        draft=drafter.init(dparams, prefill),
+        draft=deepest.init(dparams, prefill),
         tokens=jnp.full((num_rows, max_new), pad_id, jnp.int32).at[:, 0].set(first),
         logprobs=jnp.zeros((num_rows, max_new), jnp.float32).at[:, 0].set(first_logprob),
         lengths=jnp.ones((num_rows,), jnp.int32),
@@ -162,7 +175,8 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafter: Drafter, p
     )
     # Between stages the running rows move with their drafter state.
     state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
-        step, state, stages, ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done"),
+        [functools.partial(step, drafter) for drafter in drafters], state, stages,
+        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done"),
         lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), moved.cache)))
     batch_axes = ("batch", None)
     return (constrain(tokens, batch_axes), constrain(logprobs, batch_axes), lengths, state.counts, stage_steps,

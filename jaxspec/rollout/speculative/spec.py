@@ -32,6 +32,12 @@ class Spec:
         (Gumbel-top-k). Both are exact; they differ only in how often drafts are accepted.
         ngram drafts are deterministic, so ngram takes only "greedy".
     ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
+    stage_draft_tokens: None, or the draft depth of each stage of the decode loop
+        (`jaxspec.rollout.stages`: the full batch, then each smaller batch; the last entry holds for
+        the stages past it), each in 1..num_draft_tokens. A verification step's policy forward
+        costs more per draft token the more rows it runs, so large batches favour short drafts and
+        the small batches of the long-answer tail favour long ones (e.g. (3, 5, 7) with
+        num_draft_tokens=7). None drafts num_draft_tokens at every stage.
 
     Equality is identity (the draft holds arrays).
     """
@@ -43,6 +49,7 @@ class Spec:
     tree_budget: int | None = None
     draft_sampling: str = "greedy"
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
+    stage_draft_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -60,6 +67,12 @@ class Spec:
         if not sizes or not all(_is_int(n) and n >= 1 for n in sizes):
             raise ValueError(f"Spec.ngram_sizes must be a non-empty tuple of integers >= 1, got {self.ngram_sizes!r}")
         object.__setattr__(self, "ngram_sizes", tuple(int(n) for n in sizes))
+        if self.stage_draft_tokens is not None:
+            depths = tuple(self.stage_draft_tokens) if isinstance(self.stage_draft_tokens, (list, tuple)) else None
+            if not depths or not all(_is_int(k) and 1 <= k <= self.num_draft_tokens for k in depths):
+                raise ValueError(f"Spec.stage_draft_tokens must be None or a non-empty tuple of integers in "
+                                 f"1..num_draft_tokens={self.num_draft_tokens}, got {self.stage_draft_tokens!r}")
+            object.__setattr__(self, "stage_draft_tokens", tuple(int(k) for k in depths))
         object.__setattr__(self, "num_draft_tokens", int(self.num_draft_tokens))
         object.__setattr__(self, "tree_width", int(self.tree_width))
         if self.tree_budget is not None:
@@ -79,9 +92,18 @@ class Spec:
 
     @property
     def num_tree_nodes(self) -> int:
-        """Draft nodes verified per step (the tree's root excluded)."""
-        full = self.num_draft_tokens * self.tree_width
+        """Draft nodes verified per step (the tree's root excluded), at the longest draft."""
+        return self.tree_nodes(self.num_draft_tokens)
+
+    def tree_nodes(self, depth: int) -> int:
+        """Draft nodes of this spec's tree drafted `depth` levels deep."""
+        full = depth * self.tree_width
         return full if self.tree_budget is None else min(self.tree_budget, full)
+
+    def stage_depths(self, num_stages: int) -> tuple[int, ...]:
+        """The draft depth of each of `num_stages` loop stages."""
+        depths = self.stage_draft_tokens or (self.num_draft_tokens,)
+        return tuple(depths[min(i, len(depths) - 1)] for i in range(num_stages))
 
     @property
     def max_accepted(self) -> int:
