@@ -3,8 +3,9 @@
     python3 benchmarks/grpo_compare.py --out benchmarks/grpo_small.json \
         --plot benchmarks/grpo_small.png ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
 
-Reads each run's metrics.jsonl. Step times are medians over steps after the first two (compile
-and warm-up) that compiled nothing (where metrics record `compiles`; a new packed row count
+Reads each run's metrics.jsonl. Step times are medians over the steps that every run reached
+(runs of different lengths compare the same prompts), after the first two (compile and warm-up),
+that compiled nothing (where metrics record `compiles`; a new packed row count
 compiles the update once), excluding the stages that only some steps run (eval, checkpoint):
 generation, log-prob recompute, train and the whole step. Speedups are against the first run named (the
 autoregressive baseline of the same invocation). The plot (needs matplotlib) shows validation
@@ -29,8 +30,9 @@ def load(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def summarize(records: list[dict]) -> dict:
-    steps = [r for r in records if r.get("step", 0) > WARMUP_STEPS and "time_step_s" in r]
+def summarize(records: list[dict], last_step: int | None = None) -> dict:
+    """Timing medians and curves of one run; timings over steps WARMUP_STEPS + 1 .. last_step."""
+    steps = [r for r in records if WARMUP_STEPS < r.get("step", 0) <= (last_step or r["step"]) and "time_step_s" in r]
     if not steps:
         raise ValueError("no training steps past warm-up in metrics.jsonl")
     timed = [r for r in steps if not r.get("compiles", 0)] or steps
@@ -60,7 +62,8 @@ def plot(runs: dict[str, dict], path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for name, summary in runs.items():
-        left.plot(*zip(*summary["eval_accuracy"]), marker="o", label=name)
+        if summary["eval_accuracy"]:  # a run may skip validation (eval.every=0)
+            left.plot(*zip(*summary["eval_accuracy"]), marker="o", label=name)
         right.plot(*zip(*summary["reward"]), label=name, alpha=0.8)
     left.set(xlabel="GRPO step", ylabel="validation accuracy (greedy)", title="held-out accuracy")
     right.set(xlabel="GRPO step", ylabel="mean reward of the step's rollouts", title="training reward")
@@ -75,10 +78,13 @@ def main() -> None:
     p.add_argument("--out", required=True, help="JSON summary")
     p.add_argument("--plot", default=None, help="PNG of accuracy and reward curves")
     args = p.parse_args()
-    runs = {}
+    records = {}
     for spec in args.runs:
         name, _, run_dir = spec.partition("=")
-        runs[name] = summarize(load(Path(run_dir)))
+        records[name] = load(Path(run_dir))
+    last_step = min(max(r.get("step", 0) for r in rows) for rows in records.values())
+    runs = {name: summarize(rows, last_step) for name, rows in records.items()}
+    print(f"timings over steps {WARMUP_STEPS + 1}-{last_step}")
     base = next(iter(runs.values()))
     print(f"{'run':<10}{'step_s':>9}{'gen_s':>9}{'train_s':>9}{'step x':>8}{'gen x':>8}{'accept':>8}{'resp':>7}"
           f"{'reward':>14}  validation accuracy")
