@@ -66,7 +66,8 @@ for stage in "${stages[@]}"; do
       accept=(); [ -f "$RESULTS/spec_small.json" ] && accept=(--acceptance "$RESULTS/spec_small.json")
       jaxspec bench spec-cost --model configs/models/qwen3-1.7b.json configs/models/qwen3-8b.json \
         "${accept[@]}" --out "$RESULTS/spec_cost.json" 2>&1 | tee "$RESULTS/spec_cost.log" ;;
-    grpo)  # the same run three times: autoregressive, EAGLE-3 with online adaptation, frozen head
+    grpo)  # the same run four times: autoregressive, EAGLE-3 with online adaptation, frozen head (k=3),
+           # frozen head drafting 3 / 5 / 7 tokens at 256 / 128 / 64 rows
       common=(train.steps="$GRPO_STEPS" train.checkpoint_every=1000 train.progress=false "${grpo_args[@]}")
       jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-ar "${common[@]}" spec.method=none \
         draft.online=false 2>&1 | tee "$RESULTS/grpo_small_ar.log"
@@ -74,8 +75,11 @@ for stage in "${stages[@]}"; do
         | tee "$RESULTS/grpo_small_spec.log"
       jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-frozen "${common[@]}" draft.online=false \
         2>&1 | tee "$RESULTS/grpo_small_frozen.log"
+      jaxspec train --config configs/grpo_small.yaml --run-dir runs/grpo-frozen-stages "${common[@]}" draft.online=false \
+        spec.num_draft_tokens=7 'spec.stage_draft_tokens=[3,5,7]' 2>&1 | tee "$RESULTS/grpo_small_frozen_stages.log"
       python3 benchmarks/grpo_compare.py --out "$RESULTS/grpo_small.json" --plot "$RESULTS/grpo_small.png" \
-        ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen 2>&1 | tee "$RESULTS/grpo_small.log" ;;
+        ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen frozen_stages=runs/grpo-frozen-stages 2>&1 \
+        | tee "$RESULTS/grpo_small.log" ;;
     decode8b)
       jaxspec bench decode --model configs/models/qwen3-8b.json --batch 128 256 --peer none \
         --out "$RESULTS/decode_qwen3-8b_256.json" 2>&1 | tee "$RESULTS/decode_qwen3-8b_256.log" ;;

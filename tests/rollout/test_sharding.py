@@ -39,3 +39,26 @@ def test_sharded_speculative_rollout_matches_unsharded(policy):
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
     assert got.stats["accepted_tokens"] == want.stats["accepted_tokens"]
     assert got.tokens.sharding.spec[0] == ("data", "fsdp")
+
+
+def test_sharded_staged_rollout_with_a_draft_depth_per_stage_matches_unsharded(policy, monkeypatch):
+    """EAGLE-3 chains drafting 1 then 3 tokens as the loop moves from 8 to 4 rows, on a mesh: the
+    same tokens, log-probs and acceptance as on one device. Token 3 ends five of the eight greedy
+    rows after 4-5 tokens, so the loop moves into its 4-row stage."""
+    from jaxspec.draft import init_eagle3
+    from jaxspec.rollout import Spec, stages
+
+    cfg, params = policy
+    monkeypatch.setattr(stages, "MIN_STAGE_ROWS", 4)
+    sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2))
+    assert stages.batch_stages(len(PROMPTS), sharding) == stages.batch_stages(len(PROMPTS)) == (8, 4)
+    spec = Spec("eagle3", init_eagle3(cfg, jax.random.key(5), std=0.3), num_draft_tokens=3, stage_draft_tokens=(1, 3))
+    sampling = Sampling(temperature=0.0, max_new_tokens=12, eos_id=(3,))
+    want = generate(cfg, params, PROMPTS, jax.random.key(0), sampling, spec=spec)
+    got = generate(cfg, shard_params(sharding, params), PROMPTS, jax.random.key(0), sampling, spec=spec,
+                   sharding=sharding)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
+    assert got.stats["accepted_tokens"] == want.stats["accepted_tokens"]
+    assert got.stats["stage_steps"] == want.stats["stage_steps"] and min(want.stats["stage_steps"]) > 0
