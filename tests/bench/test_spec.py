@@ -15,7 +15,8 @@ ASSETS = Path(jaxspec.__file__).parent / "assets"
 def test_bench_spec_smoke(tmp_path):
     out = tmp_path / "spec.json"
     assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
-                 "--batch", "4", "--new", "16", "--k", "2", "--trees", "--stage-k", "2,3", "--levels", "1", "--out", str(out)]) == 0
+                 "--batch", "4", "--new", "16", "--k", "2", "--trees", "--stage-k", "2,3", "--levels", "1",
+                 "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "spec" and result["baseline"]["max_new_tokens"] == 16
     rows = {r["config"]: r for r in result["rows"]}

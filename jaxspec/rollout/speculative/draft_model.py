@@ -71,7 +71,8 @@ class DraftModelDrafter:
             cache, is_first = first
             if is_first:  # the pending tokens, the last valid one the root at slot cache_len
                 start = cache_len - (state.count - 1)
-                tokens, positions, mask = state.tokens, start[:, None] + jnp.arange(state.tokens.shape[1], dtype=jnp.int32), None
+                tokens, mask = state.tokens, None
+                positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
             else:
                 start, positions = cache_len, cache_len[:, None] + depth
             _, hidden, cache = extend(self.cfg, dparams, cache, tokens, positions, start, tree_mask=mask, active=active,

@@ -99,8 +99,8 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     stages = batch_stages(num_rows, sharding)
     depths = spec.stage_depths(len(stages))
-    drafters = tuple(drafter if depth == drafter.depth else make_drafter(cfg, params, sampling, spec, sharding, depth)[0]
-                     for depth in depths)
+    drafters = tuple(drafter if depth == drafter.depth else
+                     make_drafter(cfg, params, sampling, spec, sharding, depth)[0] for depth in depths)
     max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any stage can accept
     max_new = sampling.max_new_tokens
     policy_len = prompt_width + max_new + 1 + spec.num_tree_nodes  # the verify forward writes N slots
