@@ -20,17 +20,12 @@ def test_sharded_rollout_matches_unsharded(policy):
     assert got.tokens.sharding.spec[0] == ("data", "fsdp")  # rows stay split over the batch axes
 
 
-def test_sharded_speculative_rollout_matches_unsharded(policy):
-    """EAGLE-3 tree drafting on a (data, fsdp, tensor) mesh: the same tokens, log-probs and
-    acceptance as on one device."""
-    from jaxspec.draft import init_eagle3
-    from jaxspec.rollout import Spec
-
+def _speculative_on_one_device_and_on_a_mesh(policy, spec, sampling):
+    """(sharded, unsharded) greedy speculative rollouts of PROMPTS with `spec`, after checking that
+    they agree: tokens, lengths, log-probs, accepted drafts and stage steps; rows stay split over
+    the mesh's batch axes."""
     cfg, params = policy
-    spec = Spec("eagle3", init_eagle3(cfg, jax.random.key(5), std=0.3), num_draft_tokens=3, tree_width=2,
-                tree_budget=4)
     sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2))
-    sampling = Sampling(temperature=0.0, max_new_tokens=6, eos_id=(13,))
     want = generate(cfg, params, PROMPTS, jax.random.key(0), sampling, spec=spec)
     got = generate(cfg, shard_params(sharding, params), PROMPTS, jax.random.key(0), sampling, spec=spec,
                    sharding=sharding)
@@ -38,7 +33,20 @@ def test_sharded_speculative_rollout_matches_unsharded(policy):
     np.testing.assert_array_equal(got.lengths, want.lengths)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
     assert got.stats["accepted_tokens"] == want.stats["accepted_tokens"]
+    assert got.stats["stage_steps"] == want.stats["stage_steps"]
     assert got.tokens.sharding.spec[0] == ("data", "fsdp")
+    return got, want
+
+
+def test_sharded_speculative_rollout_matches_unsharded(policy):
+    """EAGLE-3 tree drafting on a (data, fsdp, tensor) mesh: the same tokens, log-probs and
+    acceptance as on one device."""
+    from jaxspec.draft import init_eagle3
+    from jaxspec.rollout import Spec
+
+    spec = Spec("eagle3", init_eagle3(policy[0], jax.random.key(5), std=0.3), num_draft_tokens=3, tree_width=2,
+                tree_budget=4)
+    _speculative_on_one_device_and_on_a_mesh(policy, spec, Sampling(temperature=0.0, max_new_tokens=6, eos_id=(13,)))
 
 
 def test_sharded_staged_rollout_with_a_draft_depth_per_stage_matches_unsharded(policy, monkeypatch):
@@ -48,17 +56,11 @@ def test_sharded_staged_rollout_with_a_draft_depth_per_stage_matches_unsharded(p
     from jaxspec.draft import init_eagle3
     from jaxspec.rollout import Spec, stages
 
-    cfg, params = policy
     monkeypatch.setattr(stages, "MIN_STAGE_ROWS", 4)
-    sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2))
-    assert stages.batch_stages(len(PROMPTS), sharding) == stages.batch_stages(len(PROMPTS)) == (8, 4)
-    spec = Spec("eagle3", init_eagle3(cfg, jax.random.key(5), std=0.3), num_draft_tokens=3, stage_draft_tokens=(1, 3))
-    sampling = Sampling(temperature=0.0, max_new_tokens=12, eos_id=(3,))
-    want = generate(cfg, params, PROMPTS, jax.random.key(0), sampling, spec=spec)
-    got = generate(cfg, shard_params(sharding, params), PROMPTS, jax.random.key(0), sampling, spec=spec,
-                   sharding=sharding)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_array_equal(got.lengths, want.lengths)
-    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
-    assert got.stats["accepted_tokens"] == want.stats["accepted_tokens"]
-    assert got.stats["stage_steps"] == want.stats["stage_steps"] and min(want.stats["stage_steps"]) > 0
+    assert stages.batch_stages(len(PROMPTS), Sharding(make_mesh(data=2, fsdp=2, tensor=2))) == (8, 4)
+    assert stages.batch_stages(len(PROMPTS)) == (8, 4)
+    spec = Spec("eagle3", init_eagle3(policy[0], jax.random.key(5), std=0.3), num_draft_tokens=3,
+                stage_draft_tokens=(1, 3))
+    _, want = _speculative_on_one_device_and_on_a_mesh(
+        policy, spec, Sampling(temperature=0.0, max_new_tokens=12, eos_id=(3,)))
+    assert min(want.stats["stage_steps"]) > 0
