@@ -33,8 +33,9 @@ class Spec:
         ngram drafts are deterministic, so ngram takes only "greedy".
     ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
     stage_draft_tokens: None, or the draft depth of each stage of the decode loop
-        (`jaxspec.rollout.stages`: the full batch, then each smaller batch; the last entry holds for
-        the stages past it), each in 1..num_draft_tokens. A verification step's policy forward
+        (`jaxspec.rollout.stages.batch_stages`: the full batch B, then B/2 and B/4 while they hold
+        at least 32 rows; the last entry holds for the stages past it, entries past the last stage
+        go unused), each in 1..num_draft_tokens. A verification step's policy forward
         costs more per draft token the more rows it runs, so large batches favour short drafts and
         the small batches of the long-answer tail favour long ones (e.g. (3, 5, 7) with
         num_draft_tokens=7). None drafts num_draft_tokens at every stage.
