@@ -179,6 +179,8 @@ def main(argv: list[str]) -> int:
                    help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
     p.add_argument("--new", type=int, default=256, help="max_new_tokens (a short run keeps the trace small)")
     p.add_argument("--k", type=int, nargs="+", default=[3])
+    p.add_argument("--stage-k", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*", default=[],
+                   metavar="K1,K2,...", help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)")
     p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16")
@@ -193,7 +195,7 @@ def main(argv: list[str]) -> int:
 def _profile(args, work: Path) -> int:
     import jax
 
-    from jaxspec.bench.spec import bench_prompts
+    from jaxspec.bench.spec import bench_prompts, stage_label
     from jaxspec.bench.timing import print_table, write_results
     from jaxspec.draft import load_eagle3
     from jaxspec.models import load_hf
@@ -207,6 +209,8 @@ def _profile(args, work: Path) -> int:
     prompts = bench_prompts(tok, args.batch, args.samples, args.seed, args.levels)
     configs = [("ar", None)]
     configs += [(f"eagle3 chain k={k}", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k if head]
+    configs += [(stage_label(d), Spec(method="eagle3", draft=head, num_draft_tokens=max(d), stage_draft_tokens=d))
+                for d in args.stage_k if head]
     configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
 
     outputs = []

@@ -37,6 +37,10 @@ def bench_prompts(tok: ChatTokenizer, rows: int, samples: int, seed: int, levels
     return [tok.encode_prompt(pr["question"]) for pr in problems for _ in range(samples)]
 
 
+def stage_label(depths: tuple[int, ...]) -> str:
+    return f"eagle3 chain k={'/'.join(map(str, depths))} by stage"
+
+
 def _configs(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
@@ -45,7 +49,7 @@ def _configs(args) -> list[tuple[str, dict]]:
         for k in args.k:
             runs.append((f"{label} chain k={k}", {"method": label, "num_draft_tokens": k}))
     for depths in args.stage_k:
-        runs.append((f"eagle3 chain k={'/'.join(map(str, depths))} by stage",
+        runs.append((stage_label(depths),
                      {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths}))
     for width, depth, budget in args.trees:
         runs.append((f"eagle3 tree w={width} d={depth} n={budget}",

@@ -57,12 +57,12 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxspec.cli", "bench", "profile", "--policy", str(ASSETS / "tiny-policy"),
          "--draft", str(ASSETS / "tiny-eagle3"), "--batch", "4", "--samples", "2", "--new", "8", "--levels", "1",
-         "--k", "2",
+         "--k", "2", "--stage-k", "1,2",
          "--trace-dir", str(tmp_path / "trace"), "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"ar", "eagle3 chain k=2", "ngram chain k=3"}
+    assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=1/2 by stage", "ngram chain k=3"}
     ar, spec = rows["ar"], rows["eagle3 chain k=2"]
     assert {"forward", "sample"} <= set(ar["phases_ms"]) and "propose" not in ar["phases_ms"]
     assert {"propose", "verify_forward", "verify", "draft_update"} <= set(spec["phases_ms"])
