@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -24,14 +26,12 @@ _F32 = 4
 
 
 def make_drafter(cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spec,
-                 sharding: Sharding | None = None, depth: int | None = None) -> tuple[Drafter, object]:
-    """(drafter, the pytree its methods take as dparams) for policy `cfg`, drafting `depth` levels
-    (default spec.num_draft_tokens); ValueError when the draft does not fit the policy (naming
-    the mismatched dimension)."""
+                 sharding: Sharding | None = None) -> tuple[Drafter, object]:
+    """(drafter, the pytree its methods take as dparams) for policy `cfg`; ValueError when the
+    draft does not fit the policy (naming the mismatched dimension)."""
     if not isinstance(spec, Spec):
         raise ValueError(f"spec must be a jaxspec.rollout.Spec or None, got {type(spec).__name__}")
-    depth = spec.num_draft_tokens if depth is None else depth
-    shape = dict(depth=depth, width=spec.tree_width, num_nodes=spec.tree_nodes(depth))
+    shape = dict(depth=spec.num_draft_tokens, width=spec.tree_width, num_nodes=spec.num_tree_nodes)
     if spec.method == "ngram":
         return NgramDrafter(sizes=spec.ngram_sizes, **shape), None
     dcfg, dparams = spec.draft
@@ -99,8 +99,7 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     stages = batch_stages(num_rows, sharding)
     depths = spec.stage_depths(len(stages))
-    drafters = tuple(drafter if depth == drafter.depth else
-                     make_drafter(cfg, params, sampling, spec, sharding, depth)[0] for depth in depths)
+    drafters = tuple(dataclasses.replace(drafter, depth=depth, num_nodes=spec.tree_nodes(depth)) for depth in depths)
     max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any stage can accept
     max_new = sampling.max_new_tokens
     policy_len = prompt_width + max_new + 1 + spec.num_tree_nodes  # the verify forward writes N slots
