@@ -167,16 +167,19 @@ def chosen_children(stats: NodeStats, child_logp, parents, draft_tokens, num_nod
 
 
 def walk(chosen: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Follows chosen children from the root: (path int32 [B, N], num_accepted int32 [B])."""
+    """Follows chosen children from the root: (path int32 [B, N], num_accepted int32 [B]).
+
+    path[:, i] = chosen applied i times to the root, by pointer doubling: ceil(log2 N) gathers
+    instead of a loop of N - 1 dependent steps (a nested loop inside the rollout's while_loop).
+    """
     batch, n = chosen.shape
-
-    def step(i, carry):
-        path, cur = carry
-        nxt = jnp.where(cur >= 0, jnp.take_along_axis(chosen, jnp.maximum(cur, 0)[:, None], axis=1)[:, 0], -1)
-        return path.at[:, i].set(nxt), nxt
-
-    path = jnp.full((batch, n), -1, jnp.int32).at[:, 0].set(0)
-    path, _ = lax.fori_loop(1, n, step, (path, jnp.zeros((batch,), jnp.int32)))
+    sink = n  # the end of the path; maps to itself
+    jump = jnp.concatenate([jnp.where(chosen >= 0, chosen, sink), jnp.full((batch, 1), sink, jnp.int32)], axis=1)
+    path = jnp.zeros((batch, 1), jnp.int32)  # the first `width` nodes of the path; jump = chosen^width
+    while path.shape[1] < n:
+        path = jnp.concatenate([path, jnp.take_along_axis(jump, path, axis=1)], axis=1)
+        jump = jnp.take_along_axis(jump, jump, axis=1)
+    path = jnp.where(path[:, :n] == sink, -1, path[:, :n]).astype(jnp.int32)
     return path, jnp.sum(path[:, 1:] >= 0, axis=1).astype(jnp.int32)
 
 
