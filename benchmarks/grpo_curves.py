@@ -1,0 +1,171 @@
+"""The GRPO experiment with one run per GPU: accuracy curves of AR and speculative rollouts.
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 python3 benchmarks/grpo_curves.py --steps 200 --eval-every 10 \
+        --results benchmarks --prefix grpo_curves
+
+Jobs, each on one GPU of this host (CUDA_VISIBLE_DEVICES), started in order as soon as a GPU is
+free and what they need exists:
+
+- `pretrain` (`small_workload.sh pretrain`; skipped when runs/small/policy exists), then `draft`
+  (the in-domain EAGLE-3 head, `small_workload.sh draft`; skipped when runs/draft-small/draft exists);
+- GRPO with `configs/grpo_small.yaml`: `ar` and `ar_seed1` (autoregressive, train.seed 0 and 1:
+  the seed-to-seed spread) as soon as the policy exists, `frozen` (EAGLE-3 k=3, frozen head) and
+  `online` (the head adapted online) as soon as the head exists;
+- `--extra NAME='key=value ...'` runs after those (e.g. shorter timing-only runs).
+
+Each run's metrics are copied to RESULTS/PREFIX_NAME.jsonl every few seconds (so a run cut short
+still leaves its curve), logs to RESULTS/PREFIX_NAME.log, and at the end `grpo_compare.py` writes
+RESULTS/PREFIX.{json,png,log} for the four main runs. With one GPU the jobs run one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POLICY, HEAD = Path("runs/small/policy"), Path("runs/draft-small/draft")
+MAIN_RUNS = {"ar": "spec.method=none draft.online=false",
+             "ar_seed1": "spec.method=none draft.online=false train.seed=1",
+             "frozen": "draft.online=false",
+             "online": ""}
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    needs: Path | None          # a path that must exist before the job starts
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    metrics: Path | None = None  # a run's metrics.jsonl, mirrored to `copy`
+    copy: Path | None = None
+    process: subprocess.Popen | None = None
+    gpu: str | None = None
+    started: float = 0.0
+
+
+def gpu_ids(requested: str | None) -> list[str]:
+    if requested:
+        return requested.split(",")
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ["0"]
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")] or ["0"]
+
+
+def jobs_for(args) -> list[Job]:
+    results, python = Path(args.results), sys.executable
+    jobs = []
+    stage_env = {"RESULTS": str(results), "DRAFT_STEPS": str(args.draft_steps)}
+    if not POLICY.is_dir():
+        jobs.append(Job("pretrain", None, ["bash", "benchmarks/small_workload.sh", "pretrain"], stage_env,
+                        results / f"{args.prefix}_pretrain.log"))
+    if not HEAD.is_dir():
+        jobs.append(Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], stage_env,
+                        results / f"{args.prefix}_draft.log"))
+    common = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", "train.progress=false",
+              f"train.checkpoint_every={args.checkpoint_every}"]
+    runs = dict(MAIN_RUNS)
+    for extra in args.extra:
+        name, sep, overrides = extra.partition("=")
+        if not sep or not name.isidentifier() or name in runs:
+            raise SystemExit(f"--extra must be NAME='key=value ...' with a new NAME, got {extra!r}")
+        runs[name] = overrides
+    for name, overrides in runs.items():
+        run_dir = Path("runs") / f"grpo-{name}"
+        needs = POLICY if "spec.method=none" in overrides else HEAD
+        argv = [python, "-m", "jaxspec.cli", "train", "--config", "configs/grpo_small.yaml", "--run-dir",
+                str(run_dir), *common, *shlex.split(overrides)]
+        jobs.append(Job(name, needs, argv, {}, results / f"{args.prefix}_{name}.log", run_dir / "metrics.jsonl",
+                        results / f"{args.prefix}_{name}.jsonl"))
+    return jobs
+
+
+def mirror(job: Job) -> None:
+    if job.metrics is not None and job.metrics.is_file():
+        shutil.copyfile(job.metrics, job.copy)
+
+
+def stamp() -> str:
+    return time.strftime("%H:%M:%S", time.gmtime())
+
+
+def run_all(jobs: list[Job], gpus: list[str], poll_s: float) -> int:
+    """Runs every job; returns the number that failed. A job whose input never appears is skipped."""
+    pending, running, failed = list(jobs), [], 0
+    while pending or running:
+        for job in list(running):
+            mirror(job)
+            if job.process.poll() is None:
+                continue
+            running.remove(job)
+            rc = job.process.returncode
+            failed += rc != 0
+            print(f"{stamp()} {job.name} on GPU {job.gpu}: rc={rc} after {time.time() - job.started:.0f} s",
+                  flush=True)
+        busy = {job.gpu for job in running}
+        for job in list(pending):
+            free = [g for g in gpus if g not in busy]
+            if not free:
+                break
+            if job.needs is not None and not job.needs.exists():
+                if not running:  # nothing left that could make it
+                    print(f"{stamp()} {job.name}: skipped, {job.needs} does not exist", flush=True)
+                    pending.remove(job)
+                    failed += 1
+                continue
+            job.gpu, job.started = free[0], time.time()
+            env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": job.gpu}
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            with job.log.open("w", encoding="utf-8") as log:
+                job.process = subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            print(f"{stamp()} {job.name} on GPU {job.gpu}: {shlex.join(job.argv)}", flush=True)
+            pending.remove(job)
+            running.append(job)
+            busy.add(job.gpu)
+        time.sleep(poll_s)
+    return failed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--draft-steps", type=int, default=1000)
+    p.add_argument("--gpus", default=None, help="comma-separated GPU ids (default: every GPU nvidia-smi lists)")
+    p.add_argument("--extra", action="append", default=[], help="NAME='key=value ...': another GRPO run")
+    p.add_argument("--results", default="benchmarks")
+    p.add_argument("--prefix", default="grpo_curves")
+    p.add_argument("--poll", type=float, default=5.0, help="seconds between checks")
+    args = p.parse_args()
+    for flag in ("steps", "draft_steps", "checkpoint_every"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
+    jobs, gpus = jobs_for(args), gpu_ids(args.gpus)
+    print(f"{stamp()} {len(jobs)} jobs on GPUs {','.join(gpus)}", flush=True)
+    failed = run_all(jobs, gpus, args.poll)
+    results = Path(args.results)
+    runs = [f"{name}=runs/grpo-{name}" for name in MAIN_RUNS if (Path("runs") / f"grpo-{name}" / "metrics.jsonl").is_file()]
+    if len(runs) > 1:
+        with (results / f"{args.prefix}.log").open("w", encoding="utf-8") as log:
+            compare = subprocess.run([sys.executable, "benchmarks/grpo_compare.py", "--out",
+                                      str(results / f"{args.prefix}.json"), "--plot",
+                                      str(results / f"{args.prefix}.png"), *runs],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            log.write(compare.stdout)
+        print(compare.stdout, end="")
+        failed += compare.returncode != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
