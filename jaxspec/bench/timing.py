@@ -25,6 +25,22 @@ def median_seconds(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -
     return statistics.median(times)
 
 
+def pipelined_seconds(fn: Callable[[], object], calls: int = 20, repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds per call of fn() dispatched `calls` times back to back and blocked on once (median
+    over `repeats`): the device time of a call wherever dispatch keeps ahead of the device, as
+    inside a compiled loop; `median_seconds` also counts each call's dispatch and host round trip."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [fn() for _ in range(calls)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / calls)
+        del outs
+    return statistics.median(times)
+
+
 def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, iters: int = 10) -> float:
     """Measured dense matmul rate (FLOP/s) of an n x n x n product on random data."""
     ka, kb = jax.random.split(jax.random.key(0))

@@ -13,4 +13,5 @@ def test_bench_verify_smoke(tmp_path):
     [row] = result["rows"]
     assert (row["batch"], row["nodes"], row["vocab"]) == (2, 4, 512)
     assert row["kernel_ms"] > 0 and row["reference_ms"] > 0 and row["agree"] == 1.0
+    assert row["kernel_latency_ms"] > 0 and row["latency_speedup"] > 0
     assert result["baseline"]["copy_GBps"] > 0 and result["baseline"]["kernel"] == "pallas-interpret"
