@@ -9,7 +9,8 @@ that compiled nothing (where metrics record `compiles`; a new packed row count
 compiles the update once), excluding the stages that only some steps run (eval, checkpoint):
 generation, log-prob recompute, train and the whole step. Speedups are against the first run named (the
 autoregressive baseline of the same invocation). The plot (needs matplotlib) shows validation
-accuracy and per-step reward against step for every run.
+accuracy, the reward (10-step moving mean) and the acceptance length against step for
+every run.
 """
 
 from __future__ import annotations
@@ -51,23 +52,38 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
                reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]))
     out["eval_accuracy"] = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     out["reward"] = [(r["step"], r["reward_mean"]) for r in records if "reward_mean" in r]
+    out["acceptance"] = [(r["step"], r["acceptance_length"]) for r in records
+                         if r.get("acceptance_length", 1.0) > 1.0 and "time_step_s" in r]
     return out
 
 
-def plot(runs: dict[str, dict], path: str) -> None:
+def moving_mean(points: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
+    """(step, mean of the last `window` values) for every step from the window's end."""
+    values = [v for _, v in points]
+    return [(points[i][0], statistics.mean(values[i + 1 - window:i + 1])) for i in range(window - 1, len(points))]
+
+
+def plot(runs: dict[str, dict], path: str, window: int = 10) -> None:
+    """Validation accuracy, the reward (moving mean over `window` steps) and the acceptance length
+    (speculative runs) against step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (acc, reward, accept) = plt.subplots(1, 3, figsize=(15, 4))
     for name, summary in runs.items():
+        color = acc.plot([], [])[0].get_color()
         if summary["eval_accuracy"]:  # a run may skip validation (eval.every=0)
-            left.plot(*zip(*summary["eval_accuracy"]), marker="o", label=name)
-        right.plot(*zip(*summary["reward"]), label=name, alpha=0.8)
-    left.set(xlabel="GRPO step", ylabel="validation accuracy (greedy)", title="held-out accuracy")
-    right.set(xlabel="GRPO step", ylabel="mean reward of the step's rollouts", title="training reward")
-    left.legend()
+            acc.plot(*zip(*summary["eval_accuracy"]), marker="o", markersize=3, color=color, label=name)
+        smooth = moving_mean(summary["reward"], min(window, len(summary["reward"])))
+        reward.plot(*zip(*smooth), color=color, label=name)
+        if summary["acceptance"]:
+            accept.plot(*zip(*summary["acceptance"]), color=color, alpha=0.8, label=name)
+    acc.set(xlabel="GRPO step", ylabel="validation accuracy (greedy)", title="held-out accuracy")
+    reward.set(xlabel="GRPO step", ylabel=f"mean reward, {window}-step moving mean", title="training reward")
+    accept.set(xlabel="GRPO step", ylabel="tokens per verification step", title="acceptance length")
+    acc.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
