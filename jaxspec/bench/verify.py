@@ -72,10 +72,10 @@ def main(argv: list[str]) -> int:
         for nodes in args.nodes:
             logits = jax.random.normal(jax.random.key(batch * 1000 + nodes), (batch, nodes, args.vocab), jnp.float32)
             parents, tokens, num_nodes = random_trees(batch, nodes, args.vocab, seed=nodes)
-            kernel = lambda: verify_pallas(logits, parents, tokens, num_nodes, key, temperature=args.temperature,
+            kernel = lambda logits=logits: verify_pallas(logits, parents, tokens, num_nodes, key, temperature=args.temperature,
                                            interpret=not gpu, tile=args.tile, num_warps=args.num_warps,
                                            num_stages=args.num_stages)
-            reference = lambda: verify_reference(logits, parents, tokens, num_nodes, key,
+            reference = lambda logits=logits: verify_reference(logits, parents, tokens, num_nodes, key,
                                                  temperature=args.temperature, tile=args.tile)
             t_kernel, t_reference = _timed(kernel, args.iters, True), _timed(reference, args.iters, True)
             lat_kernel, lat_reference = _timed(kernel, args.iters, False), _timed(reference, args.iters, False)
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
                          "reference_GBps": scaled(t_reference, lambda t: nbytes / t / 1e9),
                          "kernel_vs_copy": scaled(t_kernel, lambda t: nbytes / t / copy_rate),
                          "agree": agree})
-            del logits
+            del logits, kernel, reference  # frees the logits before the next shape's
     baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
                 "kernel": "pallas" if gpu else "pallas-interpret"}
