@@ -72,11 +72,11 @@ def main(argv: list[str]) -> int:
         for nodes in args.nodes:
             logits = jax.random.normal(jax.random.key(batch * 1000 + nodes), (batch, nodes, args.vocab), jnp.float32)
             parents, tokens, num_nodes = random_trees(batch, nodes, args.vocab, seed=nodes)
-            kernel = lambda logits=logits: verify_pallas(logits, parents, tokens, num_nodes, key, temperature=args.temperature,
-                                           interpret=not gpu, tile=args.tile, num_warps=args.num_warps,
-                                           num_stages=args.num_stages)
-            reference = lambda logits=logits: verify_reference(logits, parents, tokens, num_nodes, key,
-                                                 temperature=args.temperature, tile=args.tile)
+            kernel = lambda logits=logits: verify_pallas(
+                logits, parents, tokens, num_nodes, key, temperature=args.temperature, interpret=not gpu,
+                tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages)
+            reference = lambda logits=logits: verify_reference(
+                logits, parents, tokens, num_nodes, key, temperature=args.temperature, tile=args.tile)
             t_kernel, t_reference = _timed(kernel, args.iters, True), _timed(reference, args.iters, True)
             lat_kernel, lat_reference = _timed(kernel, args.iters, False), _timed(reference, args.iters, False)
             agree = None
