@@ -154,7 +154,8 @@ def main() -> int:
     print(f"{stamp()} {len(jobs)} jobs on GPUs {','.join(gpus)}", flush=True)
     failed = run_all(jobs, gpus, args.poll)
     results = Path(args.results)
-    runs = [f"{name}=runs/grpo-{name}" for name in MAIN_RUNS if (Path("runs") / f"grpo-{name}" / "metrics.jsonl").is_file()]
+    runs = [f"{name}=runs/grpo-{name}" for name in MAIN_RUNS
+            if (Path("runs") / f"grpo-{name}" / "metrics.jsonl").is_file()]
     if len(runs) > 1:
         with (results / f"{args.prefix}.log").open("w", encoding="utf-8") as log:
             compare = subprocess.run([sys.executable, "benchmarks/grpo_compare.py", "--out",
