@@ -27,7 +27,12 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
-      attention=(); python3 benchmarks/check_cudnn_segments.py || attention=(train.attention=xla train.remat=true)
+      check=0; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/check_cudnn_segments.py || check=$?
+      case $check in
+        0) attention=() ;;
+        3) attention=(train.attention=xla train.remat=true) ;;
+        *) echo "benchmarks/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
+      esac
       jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" "${pretrain_args[@]}" 2>&1 \
         | tee "$RESULTS/pretrain_small.log" ;;
     draft)
