@@ -6,8 +6,9 @@
 Jobs, each on one GPU of this host (CUDA_VISIBLE_DEVICES), started in order as soon as a GPU is
 free and what they need exists:
 
-- `pretrain` (`small_workload.sh pretrain`; skipped when runs/small/policy exists), then `draft`
-  (the in-domain EAGLE-3 head, `small_workload.sh draft`; skipped when runs/draft-small/draft exists);
+- `pretrain` (`small_workload.sh pretrain` on every GPU, `mesh.data` = the largest power of two
+  up to the GPU count; skipped when runs/small/policy exists), then `draft` (the in-domain EAGLE-3
+  head, `small_workload.sh draft`; skipped when runs/draft-small/draft exists);
 - GRPO with `configs/grpo_small.yaml`: `ar` and `ar_seed1` (autoregressive, train.seed 0 and 1:
   the seed-to-seed spread) as soon as the policy exists, `frozen` (EAGLE-3 k=3, frozen head) and
   `online` (the head adapted online) as soon as the head exists;
@@ -42,12 +43,13 @@ class Job:
     name: str
     needs: Path | None          # a path that must exist before the job starts
     argv: list[str]
+    width: int                  # GPUs it takes
     env: dict[str, str]
     log: Path
     metrics: Path | None = None  # a run's metrics.jsonl, mirrored to `copy`
     copy: Path | None = None
     process: subprocess.Popen | None = None
-    gpu: str | None = None
+    gpus: str | None = None     # CUDA_VISIBLE_DEVICES of the running job
     started: float = 0.0
 
 
@@ -61,15 +63,17 @@ def gpu_ids(requested: str | None) -> list[str]:
     return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")] or ["0"]
 
 
-def jobs_for(args) -> list[Job]:
+def jobs_for(args, num_gpus: int) -> list[Job]:
     results, python = Path(args.results), sys.executable
     jobs = []
     stage_env = {"RESULTS": str(results), "DRAFT_STEPS": str(args.draft_steps)}
     if not POLICY.is_dir():
-        jobs.append(Job("pretrain", None, ["bash", "benchmarks/small_workload.sh", "pretrain"], stage_env,
-                        results / f"{args.prefix}_pretrain.log"))
+        width = 1 << (num_gpus.bit_length() - 1)  # divides the 16 rows of a pretraining step
+        pretrain_args = f"{os.environ.get('PRETRAIN_ARGS', '')} mesh.data={width}".strip()
+        jobs.append(Job("pretrain", None, ["bash", "benchmarks/small_workload.sh", "pretrain"], width,
+                        {**stage_env, "PRETRAIN_ARGS": pretrain_args}, results / f"{args.prefix}_pretrain.log"))
     if not HEAD.is_dir():
-        jobs.append(Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], stage_env,
+        jobs.append(Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], 1, stage_env,
                         results / f"{args.prefix}_draft.log"))
     common = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", "train.progress=false",
               f"train.checkpoint_every={args.checkpoint_every}"]
@@ -84,7 +88,7 @@ def jobs_for(args) -> list[Job]:
         needs = POLICY if "spec.method=none" in overrides else HEAD
         argv = [python, "-m", "jaxspec.cli", "train", "--config", "configs/grpo_small.yaml", "--run-dir",
                 str(run_dir), *common, *shlex.split(overrides)]
-        jobs.append(Job(name, needs, argv, {}, results / f"{args.prefix}_{name}.log", run_dir / "metrics.jsonl",
+        jobs.append(Job(name, needs, argv, 1, {}, results / f"{args.prefix}_{name}.log", run_dir / "metrics.jsonl",
                         results / f"{args.prefix}_{name}.jsonl"))
     return jobs
 
@@ -109,12 +113,12 @@ def run_all(jobs: list[Job], gpus: list[str], poll_s: float) -> int:
             running.remove(job)
             rc = job.process.returncode
             failed += rc != 0
-            print(f"{stamp()} {job.name} on GPU {job.gpu}: rc={rc} after {time.time() - job.started:.0f} s",
+            print(f"{stamp()} {job.name} on GPU {job.gpus}: rc={rc} after {time.time() - job.started:.0f} s",
                   flush=True)
-        busy = {job.gpu for job in running}
+        busy = {g for job in running for g in job.gpus.split(",")}
         for job in list(pending):
             free = [g for g in gpus if g not in busy]
-            if not free:
+            if len(free) < job.width:
                 break
             if job.needs is not None and not job.needs.exists():
                 if not running:  # nothing left that could make it
@@ -122,15 +126,15 @@ def run_all(jobs: list[Job], gpus: list[str], poll_s: float) -> int:
                     pending.remove(job)
                     failed += 1
                 continue
-            job.gpu, job.started = free[0], time.time()
-            env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": job.gpu}
+            job.gpus, job.started = ",".join(free[:job.width]), time.time()
+            env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": job.gpus}
             job.log.parent.mkdir(parents=True, exist_ok=True)
             with job.log.open("w", encoding="utf-8") as log:
                 job.process = subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-            print(f"{stamp()} {job.name} on GPU {job.gpu}: {shlex.join(job.argv)}", flush=True)
+            print(f"{stamp()} {job.name} on GPU {job.gpus}: {shlex.join(job.argv)}", flush=True)
             pending.remove(job)
             running.append(job)
-            busy.add(job.gpu)
+            busy.update(free[:job.width])
         time.sleep(poll_s)
     return failed
 
@@ -150,7 +154,8 @@ def main() -> int:
     for flag in ("steps", "draft_steps", "checkpoint_every"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
-    jobs, gpus = jobs_for(args), gpu_ids(args.gpus)
+    gpus = gpu_ids(args.gpus)
+    jobs = jobs_for(args, len(gpus))
     print(f"{stamp()} {len(jobs)} jobs on GPUs {','.join(gpus)}", flush=True)
     failed = run_all(jobs, gpus, args.poll)
     results = Path(args.results)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from jaxspec.optim import OptimConfig
+from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
 
@@ -57,7 +58,8 @@ class ModelShape:
 class TrainConfig:
     """Loop, precision, evaluation, checkpointing and export.
 
-    batch_size: packed rows (of data.max_len tokens, several examples each) per optimizer step.
+    batch_size: packed rows (of data.max_len tokens, several examples each) per optimizer step; on
+        a mesh they are split over its data x fsdp devices (a multiple of that product).
 
     compute_dtype: dtype of the forward/backward (params stay float32 master copies).
     attention: "auto" (cuDNN flash attention on GPU, packed segments as a mask), "xla" or "cudnn".
@@ -85,10 +87,15 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
+    """mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`); e.g. data: 4
+    splits every step's rows over 4 GPUs with the params replicated, fsdp: 4 shards them too. The
+    same steps on any mesh (up to float summation order); a resumed run may change it."""
+
     data: DataConfig
     model: ModelShape
     optim: OptimConfig
     train: TrainConfig
+    mesh: MeshConfig = MeshConfig()
 
 
 def validate(cfg: PretrainConfig, source: str) -> None:
@@ -129,3 +136,8 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     need(t.eval_batch_size > 0, "train.eval_batch_size", f"must be > 0, got {t.eval_batch_size}")
     need(t.checkpoint_every > 0, "train.checkpoint_every", f"must be > 0, got {t.checkpoint_every}")
     need(t.keep_checkpoints > 0, "train.keep_checkpoints", f"must be > 0, got {t.keep_checkpoints}")
+    for axis in ("data", "fsdp", "tensor"):
+        need(getattr(cfg.mesh, axis) > 0, f"mesh.{axis}", f"must be > 0, got {getattr(cfg.mesh, axis)}")
+    row_shards = cfg.mesh.data * cfg.mesh.fsdp
+    need(t.batch_size % row_shards == 0, "train.batch_size",
+         f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices")

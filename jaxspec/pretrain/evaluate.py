@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params
 from jaxspec.rewards.math_verifier import math_reward
 from jaxspec.rollout import Sampling, generate
@@ -14,11 +15,13 @@ from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
 def greedy_accuracy(cfg: ModelConfig, params: Params, tok: ChatTokenizer, problems: list[dict],
-                    max_new_tokens: int, key: jax.Array, batch_size: int = 256) -> tuple[float, list[str]]:
+                    max_new_tokens: int, key: jax.Array, batch_size: int = 256,
+                    sharding: Sharding | None = None) -> tuple[float, list[str]]:
     """(fraction of problems whose greedy response earns math_reward 1, the decoded responses).
 
     Problems are decoded in batches of `batch_size`; the last batch is filled up with copies of its
-    first prompt so every call has the same shape (one compilation).
+    first prompt so every call has the same shape (one compilation). sharding: the mesh the params
+    live on (`generate(..., sharding=)`), None for one device.
     """
     if not problems:
         raise ValueError("greedy_accuracy needs at least one problem")
@@ -30,7 +33,7 @@ def greedy_accuracy(cfg: ModelConfig, params: Params, tok: ChatTokenizer, proble
         chunk = prompts[start:start + size]
         filled = chunk + [chunk[0]] * (size - len(chunk))
         key, sub = jax.random.split(key)
-        out = generate(cfg, params, filled, sub, sampling=sampling)
+        out = generate(cfg, params, filled, sub, sampling=sampling, sharding=sharding)
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         responses += [tok.decode(tokens[i, :lengths[i]]) for i in range(len(chunk))]
     scores = [math_reward(r, p["answer"]) for r, p in zip(responses, problems)]

@@ -23,12 +23,14 @@ from tqdm import tqdm
 from jaxspec.config_io import to_dict
 from jaxspec.models.checkpoint import save_hf
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import shard_params
 from jaxspec.models.transformer import init_params
 from jaxspec.pretrain.config import ModelShape, PretrainConfig
 from jaxspec.pretrain.data import Batcher, encode_examples, pack, prepare_problems, prepare_tokenizer
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
 from jaxspec.optim import make_optimizer
 from jaxspec.pretrain.train import Checkpointer, make_train_step
+from jaxspec.placement import Placement
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
@@ -86,20 +88,27 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
           f"{len(eval_problems)} held out")
 
     optimizer, schedule = make_optimizer(cfg.optim, t_cfg.steps)
+    placement = Placement(cfg.mesh)
+    if placement.sharding is not None:
+        print(f"training on the mesh {dict(placement.sharding.mesh.shape)}")
 
-    def initial_state(seed_key: jax.Array) -> dict:
+    def initial_params(seed_key: jax.Array) -> tuple[dict, jax.Array]:
         key, init_key = jax.random.split(seed_key)
-        params = init_params(mcfg, init_key, jnp.float32)
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
-                "position": jnp.int32(0), "key": key}
+        return init_params(mcfg, init_key, jnp.float32), key
 
-    seed_key = jax.random.PRNGKey(t_cfg.seed)
+    # The policy by the sharding rules and its optimizer moments like it (optimizer.init keeps the
+    # layout), everything else replicated; a checkpoint is restored onto the same layout.
+    params, key = jax.jit(initial_params)(jax.random.PRNGKey(t_cfg.seed))
+    if placement.sharding is not None:
+        params = shard_params(placement.sharding, params)
+    state = placement.state({"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
+                             "position": jnp.int32(0), "key": key})
+    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          (state["params"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
     if resume and checkpointer.latest_step() is not None:
-        state = checkpointer.restore(jax.eval_shape(initial_state, seed_key))
+        state = checkpointer.restore(state)
         print(f"resumed from step {int(state['step'])} (data position {int(state['position'])})")
-    else:
-        state = jax.jit(initial_state)(seed_key)
     params, opt_state, key = state["params"], state["opt_state"], state["key"]
     step, position = int(state["step"]), int(state["position"])
 
@@ -112,7 +121,7 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
         nonlocal key
         key, sub = jax.random.split(key)
         accuracy, _ = greedy_accuracy(mcfg, cast_params(params, compute_dtype), tok, eval_problems,
-                                      t_cfg.eval_max_new_tokens, sub, t_cfg.eval_batch_size)
+                                      t_cfg.eval_max_new_tokens, sub, t_cfg.eval_batch_size, placement.sharding)
         _log(metrics, {"step": at_step, "eval_accuracy": accuracy, "eval_problems": len(eval_problems)})
         tqdm.write(f"step {at_step}: greedy accuracy {accuracy:.3f} on {len(eval_problems)} held-out problems")
         return accuracy
@@ -128,7 +137,8 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
         window_start, window_tokens = time.perf_counter(), 0
         while step < t_cfg.steps:
             batch = batcher.batch(position)
-            params, opt_state, out = train_step(params, opt_state, batch)
+            params, opt_state, out = train_step(params, opt_state, placement.rows(batch))
+            params, opt_state = placement.pin((params, opt_state), layout)
             step += 1
             position += t_cfg.batch_size
             window_tokens += int((batch["segment_ids"][:, :-1] > 0).sum())

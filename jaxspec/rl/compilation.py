@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as cache
 
 from jaxspec.rl.batch import packed_row_counts
-from jaxspec.rl.placement import Placement
+from jaxspec.placement import Placement
 
 if TYPE_CHECKING:
     from jaxspec.rl.loop import GRPORun

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
 
@@ -181,17 +182,6 @@ class EvalConfig:
     temperature: float = 0.0
     max_new_tokens: int | None = None
     batch_size: int = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """The device mesh (data, fsdp, tensor) that the policy, its optimizer state and the rollouts
-    are sharded over, built from the first data * fsdp * tensor devices. All 1: one device. A
-    resumed run may use another mesh (checkpoints are restored onto it)."""
-
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

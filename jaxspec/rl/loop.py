@@ -44,7 +44,7 @@ from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.metrics import (MetricsLog, StageTimer, block, mean_update_metrics, rollout_step_metrics,
                                 truncate_after)
-from jaxspec.rl.placement import Placement
+from jaxspec.placement import Placement
 from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate

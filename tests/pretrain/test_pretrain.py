@@ -77,6 +77,37 @@ def test_resume_continues_from_checkpoint_exactly(first_run, tmp_path, capsys):
     assert losses == [(r["step"], r["loss"]) for r in _metrics(run_dir) if "loss" in r]
 
 
+def _losses(run_dir):
+    return [(r["step"], r["loss"]) for r in _metrics(run_dir) if "loss" in r]
+
+
+def test_a_mesh_trains_the_same_steps(first_run, tmp_path, capsys):
+    """Rows split over 2 data x 2 fsdp devices (params sharded too) give the one-device run's losses
+    and weights up to float summation order; a mesh run resumes onto one device and vice versa."""
+    config, run_dir = first_run
+    mesh_run = tmp_path / "mesh"
+    assert main(["--config", str(config), "--run-dir", str(mesh_run), "mesh.data=2", "mesh.fsdp=2"]) == 0
+    assert "training on the mesh {'data': 2, 'fsdp': 2, 'tensor': 1}" in capsys.readouterr().out
+    (steps, ours), (_, reference) = (zip(*_losses(r)) for r in (mesh_run, run_dir))
+    assert steps == (4, 8, 12, 16, 20, 24)
+    np.testing.assert_allclose(ours, reference, rtol=2e-4)
+    weights = [load_file(r / "policy" / "model.safetensors") for r in (mesh_run, run_dir)]
+    for name in weights[1]:
+        np.testing.assert_allclose(weights[0][name], weights[1][name], atol=2e-4, err_msg=name)
+
+    shutil.rmtree(mesh_run / "checkpoints" / "24")
+    shutil.rmtree(mesh_run / "policy")
+    assert main(["--config", str(config), "--run-dir", str(mesh_run), "--resume"]) == 0
+    assert "resumed from step 12" in capsys.readouterr().out
+    np.testing.assert_allclose([loss for _, loss in _losses(mesh_run)], reference, rtol=2e-4)
+
+
+def test_mesh_must_split_the_batch(first_run, capsys):
+    config, run_dir = first_run
+    assert main(["--config", str(config), "--run-dir", str(run_dir) + "-odd", "mesh.data=3"]) == 2
+    assert "train.batch_size: 16 rows do not split over mesh.data x mesh.fsdp = 3 devices" in capsys.readouterr().err
+
+
 def test_export_matches_transformers(first_run):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

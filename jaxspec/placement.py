@@ -1,7 +1,7 @@
-"""Where a GRPO run's arrays live: one device, or a (data, fsdp, tensor) mesh (which may span
+"""Where a training run's arrays live: one device, or a (data, fsdp, tensor) mesh (which may span
 several processes: see `jaxspec.distributed`).
 
-On a mesh the policy (and the frozen reference) is sharded by the model's logical-axis rules,
+On a mesh the policy (and GRPO's frozen reference) is sharded by the model's logical-axis rules,
 its optimizer moments follow it, the draft head and every scalar are replicated, and training
 rows are split over the batch axes; rollouts read the same sharded arrays (`generate(...,
 sharding=)`), so syncing the policy to the generator is at most a cast.
@@ -9,6 +9,7 @@ sharding=)`), so syncing the policy to the generator is at most a cast.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxspec.models.sharding import Sharding, make_mesh
-from jaxspec.rl.config import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (data, fsdp, tensor) that the policy, its optimizer state and the rollouts
+    are sharded over, built from the first data * fsdp * tensor devices. All 1: one device. A
+    resumed run may use another mesh (checkpoints are restored onto it)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
 
 
 class Placement:
