@@ -4,8 +4,8 @@
 the programs that read packed rows: the minibatch update (the online draft's update is part of
 it; with draft.train_every > 1 also the policy-only update of the minibatches the head skips)
 and, with loss.recompute_logprobs or loss.kl_beta > 0, the log-prob scoring of the whole
-batch. `precompile` compiles them for every R the run can produce (`packed_row_counts`) in a
-background thread. The executables land in JAX's jit caches, so the loop's ordinary calls find
+batch. `precompile` compiles them for every R the run can produce (`packed_row_counts`) in
+background threads. The executables land in JAX's jit caches, so the loop's ordinary calls find
 them; a call whose program is still compiling waits for that compilation instead of starting
 its own.
 
@@ -90,18 +90,20 @@ def precompile_enabled(setting: bool | None) -> bool:
     return jax.default_backend() != "cpu" if setting is None else setting
 
 
-def precompile(programs: Sequence[Program]) -> Future:
-    """Compiles `programs` one after another in a background thread; the future completes (or
-    raises the compilation's error) when all are compiled."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
-    future = pool.submit(_compile, programs)
-    pool.shutdown(wait=False)
+def precompile(programs: Sequence[Program], threads: int) -> Future:
+    """Compiles `programs` in the background, up to `threads` at once; the future completes (or
+    raises the first compilation error) when all are compiled."""
+    driver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
+    future = driver.submit(_compile, programs, threads)
+    driver.shutdown(wait=False)
     return future
 
 
-def _compile(programs: Sequence[Program]) -> None:
-    for fn, args in programs:
-        fn.lower(*args).compile()
+def _compile(programs: Sequence[Program], threads: int) -> None:
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="precompile-program") as pool:
+        compiled = [pool.submit(lambda fn, args: fn.lower(*args).compile(), fn, args) for fn, args in programs]
+        for done in compiled:
+            done.result()
 
 
 def cache_dir(setting: bool | str, run_dir: Path) -> Path | None:

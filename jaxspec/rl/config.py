@@ -191,11 +191,13 @@ class TrainConfig:
     compute_dtype: dtype of the training forward/backward (master params stay float32).
     checkpoint_every: steps between checkpoints (the last step is always saved).
     tensorboard: also write TensorBoard scalars to <run-dir>/tensorboard (needs tensorboardX).
-    precompile: compile the trainer for every packed row count the run can produce in a background
-        thread from start-up, while the first rollouts run (`jaxspec.rl.compilation`); step 1
+    precompile: compile the trainer for every packed row count the run can produce in background
+        threads from start-up, while the first rollouts run (`jaxspec.rl.compilation`); step 1
         waits for the rest (time_precompile_s), and no later step compiles the trainer. null = on
         with accelerators, off on the CPU (no device to overlap with, and it compiles row counts
         the run may never reach).
+    precompile_threads: programs compiled at once (each compilation is single-threaded for the
+        most part; the host's other cores idle while the rollouts run on the device).
     compilation_cache: JAX's persistent compilation cache: true = <run-dir>/xla_cache, a path = that
         directory (e.g. shared by runs of one config), false = off. A resumed or repeated run reads
         the programs back instead of compiling them. Only trusted users may write to it.
@@ -212,6 +214,7 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = False
     precompile: bool | None = None
+    precompile_threads: int = 4
     compilation_cache: bool | str = True
     compilation_cache_min_compile_s: float = 0.0
 
@@ -234,7 +237,7 @@ class GRPOConfig:
 # Keys a resumed run may change: they steer the loop's length and bookkeeping, not the training.
 RESUMABLE_KEYS = frozenset({
     "train.steps", "train.progress", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
-    "train.precompile", "train.compilation_cache", "train.compilation_cache_min_compile_s",
+    "train.precompile", "train.precompile_threads", "train.compilation_cache", "train.compilation_cache_min_compile_s",
     "mesh.data", "mesh.fsdp", "mesh.tensor",
 })
 
@@ -312,6 +315,7 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     for axis in ("data", "fsdp", "tensor"):
         positive(cfg.mesh, axis, "mesh")
     positive(t, "steps", "train")
+    positive(t, "precompile_threads", "train")
     positive(t, "checkpoint_every", "train")
     positive(t, "keep_checkpoints", "train")
     positive(t, "compilation_cache_min_compile_s", "train", allow_zero=True)

@@ -159,7 +159,8 @@ class GRPORun:
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
-        self.precompiling = precompile(trainer_programs(self)) if precompile_enabled(t_cfg.precompile) else None
+        self.precompiling = (precompile(trainer_programs(self), t_cfg.precompile_threads)
+                             if precompile_enabled(t_cfg.precompile) else None)
 
     def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
         cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings

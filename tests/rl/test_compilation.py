@@ -73,7 +73,7 @@ def precompiled_run(tiny_policy, tmp_path_factory):
     root = tmp_path_factory.mktemp("precompiled")
     config = _config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
     overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
-                 "draft.train_every=2", "train.precompile=true", f"train.compilation_cache={root / 'cache'}",
+                 "draft.train_every=2", "train.precompile=true", "train.precompile_threads=2", f"train.compilation_cache={root / 'cache'}",
                  "train.compilation_cache_min_compile_s=0"]
     rows_per_step = []
     run_step, pack = loop.GRPORun.run_step, loop.pack_rows
