@@ -7,7 +7,7 @@ Jobs, each on one GPU of this host (CUDA_VISIBLE_DEVICES), started in order as s
 free and what they need exists:
 
 - `pretrain` (`small_workload.sh pretrain` on every GPU, `mesh.data` = the largest power of two
-  up to the GPU count; skipped when runs/small/policy exists), then `draft` (the in-domain EAGLE-3
+  up to the GPU count, or on one GPU should that fail; skipped when runs/small/policy exists), then `draft` (the in-domain EAGLE-3
   head, `small_workload.sh draft`; skipped when runs/draft-small/draft exists);
 - GRPO with `configs/grpo_small.yaml`: `ar` and `ar_seed1` (autoregressive, train.seed 0 and 1:
   the seed-to-seed spread) as soon as the policy exists, `frozen` (EAGLE-3 k=3, frozen head) and
@@ -69,9 +69,15 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
     stage_env = {"RESULTS": str(results), "DRAFT_STEPS": str(args.draft_steps)}
     if not POLICY.is_dir():
         width = 1 << (num_gpus.bit_length() - 1)  # divides the 16 rows of a pretraining step
-        pretrain_args = f"{os.environ.get('PRETRAIN_ARGS', '')} mesh.data={width}".strip()
-        jobs.append(Job("pretrain", None, ["bash", "benchmarks/small_workload.sh", "pretrain"], width,
-                        {**stage_env, "PRETRAIN_ARGS": pretrain_args}, results / f"{args.prefix}_pretrain.log"))
+        base_args = os.environ.get("PRETRAIN_ARGS", "")
+        # Should the mesh run fail, the same pretraining on one GPU (from scratch: a failed run may
+        # have left checkpoints that the stage would refuse to overwrite).
+        script = (f"PRETRAIN_ARGS={shlex.quote(f'{base_args} mesh.data={width}')} "
+                  f"bash benchmarks/small_workload.sh pretrain") if width > 1 else ""
+        fallback = f"PRETRAIN_ARGS={shlex.quote(base_args)} bash benchmarks/small_workload.sh pretrain"
+        script = f"{script} || {{ rm -rf runs/small; {fallback}; }}" if script else fallback
+        jobs.append(Job("pretrain", None, ["bash", "-c", script], width, stage_env,
+                        results / f"{args.prefix}_pretrain.log"))
     if not HEAD.is_dir():
         jobs.append(Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], 1, stage_env,
                         results / f"{args.prefix}_draft.log"))
