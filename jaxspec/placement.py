@@ -30,6 +30,14 @@ class MeshConfig:
     tensor: int = 1
 
 
+def check_devices(cfg: MeshConfig) -> None:
+    """ValueError naming the mesh when this process sees fewer devices than it needs."""
+    devices = cfg.data * cfg.fsdp * cfg.tensor
+    if devices > jax.device_count():
+        raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor} needs {devices} devices, "
+                         f"this process sees {jax.device_count()}")
+
+
 class Placement:
     def __init__(self, cfg: MeshConfig):
         devices = cfg.data * cfg.fsdp * cfg.tensor

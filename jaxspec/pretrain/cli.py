@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_config, run_parser
+from jaxspec.placement import check_devices
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.run import check_run_dir, pretrain
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
         validate(cfg, args.config)
+        check_devices(cfg.mesh)
         check_run_dir(cfg, Path(args.run_dir), args.resume)
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxspec pretrain: error: {err}", file=sys.stderr)

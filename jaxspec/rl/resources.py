@@ -16,6 +16,7 @@ import jax
 
 from jaxspec.assets import TINY_POLICY
 from jaxspec.models.config import ModelConfig
+from jaxspec.placement import check_devices
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig, SpecConfig
 from jaxspec.rollout import Spec
@@ -77,10 +78,7 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     draft_dir = check_spec(cfg.spec, model)
-    devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
-    if devices > jax.device_count():
-        raise ValueError(f"mesh: data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp} x tensor={cfg.mesh.tensor} needs "
-                         f"{devices} devices, this process sees {jax.device_count()}")
+    check_devices(cfg.mesh)
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
 

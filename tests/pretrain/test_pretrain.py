@@ -102,10 +102,13 @@ def test_a_mesh_trains_the_same_steps(first_run, tmp_path, capsys):
     np.testing.assert_allclose([loss for _, loss in _losses(mesh_run)], reference, rtol=2e-4)
 
 
-def test_mesh_must_split_the_batch(first_run, capsys):
+def test_mesh_must_split_the_batch_and_fit_the_devices(first_run, capsys):
     config, run_dir = first_run
     assert main(["--config", str(config), "--run-dir", str(run_dir) + "-odd", "mesh.data=3"]) == 2
     assert "train.batch_size: 16 rows do not split over mesh.data x mesh.fsdp = 3 devices" in capsys.readouterr().err
+    assert main(["--config", str(config), "--run-dir", str(run_dir) + "-big", "mesh.data=16"]) == 2
+    assert "mesh: data=16 x fsdp=1 x tensor=1 needs 16 devices, this process sees 8" in capsys.readouterr().err
+    assert not Path(str(run_dir) + "-big").exists()
 
 
 def test_export_matches_transformers(first_run):
