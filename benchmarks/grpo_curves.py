@@ -7,8 +7,9 @@ Jobs, each on one GPU of this host (CUDA_VISIBLE_DEVICES), started in order as s
 free and what they need exists:
 
 - `pretrain` (`small_workload.sh pretrain` on every GPU, `mesh.data` = the largest power of two
-  up to the GPU count, or on one GPU should that fail; skipped when runs/small/policy exists), then `draft` (the in-domain EAGLE-3
-  head, `small_workload.sh draft`; skipped when runs/draft-small/draft exists);
+  up to the GPU count, or on one GPU should that fail; skipped when runs/small/policy exists),
+  then `draft` (the in-domain EAGLE-3 head, `small_workload.sh draft`; skipped when
+  runs/draft-small/draft exists);
 - GRPO with `configs/grpo_small.yaml`: `ar` and `ar_seed1` (autoregressive, train.seed 0 and 1:
   the seed-to-seed spread) as soon as the policy exists, `frozen` (EAGLE-3 k=3, frozen head) and
   `online` (the head adapted online) as soon as the head exists;
@@ -72,10 +73,10 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
         base_args = os.environ.get("PRETRAIN_ARGS", "")
         # Should the mesh run fail, the same pretraining on one GPU (from scratch: a failed run may
         # have left checkpoints that the stage would refuse to overwrite).
-        script = (f"PRETRAIN_ARGS={shlex.quote(f'{base_args} mesh.data={width}')} "
-                  f"bash benchmarks/small_workload.sh pretrain") if width > 1 else ""
-        fallback = f"PRETRAIN_ARGS={shlex.quote(base_args)} bash benchmarks/small_workload.sh pretrain"
-        script = f"{script} || {{ rm -rf runs/small; {fallback}; }}" if script else fallback
+        stage = "bash benchmarks/small_workload.sh pretrain"
+        one_gpu = f"PRETRAIN_ARGS={shlex.quote(base_args)} {stage}"
+        mesh = f"PRETRAIN_ARGS={shlex.quote(f'{base_args} mesh.data={width}')} {stage}"
+        script = one_gpu if width == 1 else f"{mesh} || {{ rm -rf runs/small; {one_gpu}; }}"
         jobs.append(Job("pretrain", None, ["bash", "-c", script], width, stage_env,
                         results / f"{args.prefix}_pretrain.log"))
     if not HEAD.is_dir():
