@@ -8,7 +8,9 @@ Reads each run's metrics.jsonl. Step times are medians over the steps that every
 that compiled nothing (where metrics record `compiles`; a new packed row count
 compiles the update once), excluding the stages that only some steps run (eval, checkpoint):
 generation, log-prob recompute, train and the whole step. Speedups are against the first run named (the
-autoregressive baseline of the same invocation). The plot (needs matplotlib) shows validation
+autoregressive baseline of the same invocation). Validation curves are compared at the eval steps
+after step 0 that every run reached: the mean and largest |accuracy - baseline accuracy|, so that an
+autoregressive run at another seed gives the seed-to-seed spread the others are read against. The plot (needs matplotlib) shows validation
 accuracy, the reward (10-step moving mean) and the acceptance length against step for
 every run.
 """
@@ -57,6 +59,17 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
     return out
 
 
+def accuracy_gap(curve: list[tuple[int, float]], base: list[tuple[int, float]], steps: set[int]) -> dict:
+    """Mean and largest |accuracy - base accuracy| over `steps`, and the mean of the last 5 of them."""
+    mine, theirs = dict(curve), dict(base)
+    shared = sorted(steps)
+    if not shared:
+        return {"accuracy_gap_mean": None, "accuracy_gap_max": None, "accuracy_last5": None}
+    gaps = [abs(mine[s] - theirs[s]) for s in shared]
+    return {"accuracy_gap_mean": statistics.mean(gaps), "accuracy_gap_max": max(gaps),
+            "accuracy_last5": statistics.mean(mine[s] for s in shared[-5:])}
+
+
 def moving_mean(points: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
     """(step, mean of the last `window` values) for every step from the window's end."""
     values = [v for _, v in points]
@@ -102,15 +115,19 @@ def main() -> None:
     runs = {name: summarize(rows, last_step) for name, rows in records.items()}
     print(f"timings over steps {WARMUP_STEPS + 1}-{last_step}")
     base = next(iter(runs.values()))
-    print(f"{'run':<10}{'step_s':>9}{'gen_s':>9}{'train_s':>9}{'step x':>8}{'gen x':>8}{'accept':>8}{'resp':>7}"
-          f"{'reward':>14}  validation accuracy")
+    eval_steps = set.intersection(*({step for step, _ in s["eval_accuracy"] if step > 0} for s in runs.values()))
+    print(f"{'run':<14}{'step_s':>9}{'gen_s':>9}{'train_s':>9}{'step x':>8}{'gen x':>8}{'accept':>8}{'resp':>7}"
+          f"{'reward':>14}{'acc last5':>10}{'|gap| mean':>11}{'max':>7}  validation accuracy")
     for name, s in runs.items():
         s["step_speedup"] = base["step_s"] / s["step_s"]
         s["generation_speedup"] = base["generation_s"] / s["generation_s"]
+        s.update(accuracy_gap(s["eval_accuracy"], base["eval_accuracy"], eval_steps))
         curve = " ".join(f"{acc:.3f}" for _, acc in s["eval_accuracy"])
-        print(f"{name:<10}{s['step_s']:>9.3f}{s['generation_s']:>9.3f}{s['train_s'] or 0:>9.3f}"
+        gaps = "".join(f"{s[k]:>{w}.3f}" if s[k] is not None else f"{'-':>{w}}"
+                       for k, w in (("accuracy_last5", 10), ("accuracy_gap_mean", 11), ("accuracy_gap_max", 7)))
+        print(f"{name:<14}{s['step_s']:>9.3f}{s['generation_s']:>9.3f}{s['train_s'] or 0:>9.3f}"
               f"{s['step_speedup']:>8.2f}{s['generation_speedup']:>8.2f}{s['acceptance_length'] or 1:>8.2f}"
-              f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}  {curve}")
+              f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}{gaps}  {curve}")
     Path(args.out).write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(runs, args.plot)
