@@ -1,0 +1,70 @@
+"""benchmarks/grpo_compare.py: step-time medians, speedups and validation-curve gaps of GRPO runs."""
+
+import json
+import sys
+
+import pytest
+
+from tests.benchmarks.scripts import load_script
+
+grpo_compare = load_script("grpo_compare")
+
+
+def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0):
+    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval."""
+    rows = []
+    for i, acc in enumerate(accuracy):
+        rows.append({"step": 10 * i, "eval_accuracy": acc})
+        if i == len(accuracy) - 1:
+            break
+        for step in range(10 * i + 1, 10 * i + 11):
+            compiles = 1 if step in compiles_at else 0
+            rows.append({"step": step, "time_step_s": step_s + 100.0 * compiles, "time_generation_s": generation_s,
+                         "time_logprob_s": 0.1, "time_train_s": 0.3, "compiles": compiles, "reward_mean": 0.5,
+                         "acceptance_length": acceptance, "response_length_mean": 200.0})
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_accuracy_gap_over_shared_steps():
+    base = [(0, 0.5), (10, 0.52), (20, 0.54), (30, 0.50)]
+    run = [(0, 0.5), (10, 0.50), (20, 0.58), (30, 0.60)]
+    gap = grpo_compare.accuracy_gap(run, base, {10, 20})
+    assert gap["accuracy_gap_mean"] == pytest.approx(0.03)
+    assert gap["accuracy_gap_max"] == pytest.approx(0.04)
+    assert gap["accuracy_last5"] == pytest.approx(0.54)
+    assert grpo_compare.accuracy_gap(run, base, set()) == {"accuracy_gap_mean": None, "accuracy_gap_max": None,
+                                                           "accuracy_last5": None}
+
+
+def test_summary_skips_warmup_and_compiling_steps(tmp_path):
+    run = write_run(tmp_path / "a", step_s=1.5, generation_s=1.0, accuracy=[0.5, 0.5, 0.5], compiles_at=(7,))
+    summary = grpo_compare.summarize(grpo_compare.load(run))
+    assert summary["step_s"] == pytest.approx(1.5)  # step 7's 100 s compile is not a step time
+    assert (summary["steps"], summary["timed_steps"], summary["compiling_steps"]) == (18, 17, 1)
+
+
+def test_main_compares_against_the_first_run(tmp_path, monkeypatch, capsys):
+    ar = write_run(tmp_path / "ar", 1.5, 1.0, [0.50, 0.52, 0.54, 0.56])
+    spec = write_run(tmp_path / "spec", 1.0, 0.5, [0.50, 0.53, 0.52, 0.58], acceptance=3.5)
+    short = write_run(tmp_path / "short", 1.2, 0.8, [0.50, 0.52, 0.50])  # two evaluations after step 0
+    out = tmp_path / "summary.json"
+    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--out", str(out), f"ar={ar}", f"spec={spec}",
+                                      f"short={short}"])
+    grpo_compare.main()
+    result = json.loads(out.read_text())
+    assert result["spec"]["step_speedup"] == pytest.approx(1.5)
+    assert result["spec"]["generation_speedup"] == pytest.approx(2.0)
+    assert result["spec"]["acceptance_length"] == pytest.approx(3.5)
+    # gaps over steps 10 and 20, the evaluations after step 0 that every run reached
+    assert result["spec"]["accuracy_gap_mean"] == pytest.approx(0.015)
+    assert result["spec"]["accuracy_gap_max"] == pytest.approx(0.02)
+    assert result["short"]["accuracy_gap_max"] == pytest.approx(0.04)
+    assert result["ar"]["accuracy_gap_max"] == 0.0
+    assert "timings over steps 3-20" in capsys.readouterr().out
+
+
+def test_missing_metrics_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        grpo_compare.load(tmp_path / "nothing")
