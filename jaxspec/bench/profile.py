@@ -97,8 +97,10 @@ class Kernel(NamedTuple):
     launches: int
 
 
-def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]) -> list[Kernel]:
-    """Every kernel of the loop programs ("ar", "spec", "prefill") in a trace, longest first.
+def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str],
+                 modules: dict[str, str] = LOOP_MODULES) -> list[Kernel]:
+    """Every kernel of the programs named in `modules` ({HLO module: program label}; default the
+    loop programs "ar", "spec", "prefill") in a trace, longest first.
 
     Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, whose
     while/conditional thunks enclose their bodies and are skipped)."""
@@ -114,7 +116,7 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str]) -> list[Ke
             for line in plane.lines:
                 for event in line.events:
                     stats = dict(event.stats)
-                    program = LOOP_MODULES.get(str(stats.get("hlo_module")))
+                    program = modules.get(str(stats.get("hlo_module")))
                     op = stats.get("hlo_op")
                     if program is None or op is None or "program_id" not in stats or _CONTROL.match(str(op)):
                         continue
@@ -156,17 +158,18 @@ def by_stage(kernels: list[Kernel], stage_rows: list[int], stage_steps: list[int
             for i, (rows, steps) in enumerate(zip(stage_rows, stage_steps))]
 
 
-def _set_dump_flags(dump_dir: Path) -> None:
+def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|_prefill).*", command: str = "bench profile") -> None:
+    """Makes XLA dump the optimized HLO of the programs matching `module_re` to `dump_dir` (for
+    `op_scopes`) and turns its command buffers off; raises if this process has already used JAX."""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        raise ValueError("jaxspec bench profile must start before anything in this process has used JAX "
+        raise ValueError(f"jaxspec {command} must start before anything in this process has used JAX "
                          "(it sets XLA_FLAGS to dump the optimized HLO)")
     flags = os.environ.get("XLA_FLAGS", "")
     # Without command buffers (CUDA graphs) every kernel is traced under its own HLO name.
     os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
-                               "--xla_dump_hlo_module_re=.*(_decode|_prefill).* "
-                               "--xla_gpu_enable_command_buffer=").strip()
+                               f"--xla_dump_hlo_module_re={module_re} --xla_gpu_enable_command_buffer=").strip()
 
 
 def main(argv: list[str]) -> int:
@@ -188,7 +191,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     work = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-"))
-    _set_dump_flags(work / "hlo")
+    set_dump_flags(work / "hlo")
     return _profile(args, work)
 
 

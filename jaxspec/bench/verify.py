@@ -8,16 +8,24 @@ logits once, so the achieved rate is logits bytes / time, compared with the devi
 (bytes read + written per second) measured in the same run. `agree` is the fraction of rows where both implementations
 return the same path, count and next token from the same key (they share the noise; float
 summation order can flip a decision that lands within rounding of a boundary).
+
+`--profile` also traces 10 calls of each implementation per shape and reports the device time of
+the kernels they launch: all of them, and the kernel path's Pallas node-statistics kernel alone.
+As in `jaxspec bench profile`, XLA's command buffers are off for the whole run, so the timing
+columns then include launch gaps that command buffers would hide.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
 from jaxspec.bench.timing import (copy_bytes_per_second, median_seconds, pipelined_seconds, print_table,
                                   write_results)
 from kernels.tree_verify_pallas import verify_pallas
@@ -45,6 +53,29 @@ def _timed(fn, iters: int, pipelined: bool) -> float | None:
         return None
 
 
+VERIFY_MODULES = {"jit_verify_pallas": "kernel", "jit_verify_reference": "reference"}
+PROFILE_CALLS = 10
+
+
+def traced_kernels(fn, program: str, trace_dir: Path, hlo_dir: Path) -> dict:
+    """Device time per call of the kernels that `fn` (program "kernel" or "reference") launches,
+    from a trace of PROFILE_CALLS calls: the total, the launches, the Pallas node-statistics kernel
+    (kernel path) and the longest kernels."""
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(PROFILE_CALLS):
+            out = fn()
+        jax.block_until_ready(out)
+    kernels = [k for k in kernel_times(trace_dir, op_scopes(hlo_dir), VERIFY_MODULES) if k.program == program]
+    per_call = lambda ns: ns / 1e6 / PROFILE_CALLS  # noqa: E731
+    traced = {"traced_ms": per_call(sum(k.ns for k in kernels)),
+              "launches": sum(k.launches for k in kernels) / PROFILE_CALLS,
+              "top": [{"ms": per_call(k.ns), "op": k.op, "op_name": k.op_name} for k in kernels[:8]]}
+    if program == "kernel":
+        traced["node_stats_ms"] = per_call(sum(k.ns for k in kernels if "tree_verify_node_stats" in k.op_name))
+    return traced
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="jaxspec bench verify", description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
@@ -56,12 +87,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--copy-bytes", type=int, default=None, help="buffer size of the copy-bandwidth baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="trace each implementation and report device time by kernel (command buffers off)")
     p.add_argument("--out", default=None, help="write JSON results here")
     args = p.parse_args(argv)
     if args.tile < 1 or args.tile & (args.tile - 1):
         raise ValueError(f"--tile must be a power of 2, got {args.tile}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    work = Path(tempfile.mkdtemp(prefix="jaxspec-verify-")) if args.profile else None
+    if work is not None:
+        set_dump_flags(work / "hlo", ".*verify_(pallas|reference).*", "bench verify --profile")
 
     gpu = jax.default_backend() == "gpu"
     copy_bytes = args.copy_bytes or (1 << 30 if gpu else 1 << 24)
@@ -98,6 +134,10 @@ def main(argv: list[str]) -> int:
                          "reference_GBps": scaled(t_reference, lambda t: nbytes / t / 1e9),
                          "kernel_vs_copy": scaled(t_kernel, lambda t: nbytes / t / copy_rate),
                          "agree": agree})
+            if work is not None:
+                for name, fn in (("kernel", kernel), ("reference", reference)):
+                    traced = traced_kernels(fn, name, work / f"trace_{batch}_{nodes}_{name}", work / "hlo")
+                    rows[-1].update({f"{name}_{k}": v for k, v in traced.items()})
             del logits, kernel, reference  # frees the logits before the next shape's
     baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
@@ -105,5 +145,10 @@ def main(argv: list[str]) -> int:
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
     print_table(rows, ["batch", "nodes", "vocab", "kernel_ms", "reference_ms", "speedup", "kernel_latency_ms",
                        "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy", "agree"])
+    if work is not None:
+        print(f"device time per call by kernel ({PROFILE_CALLS} traced calls, command buffers off):")
+        print_table(rows, ["batch", "nodes", "kernel_ms", "kernel_traced_ms", "kernel_node_stats_ms",
+                           "kernel_launches", "reference_ms", "reference_traced_ms", "reference_launches"])
+        baseline["command_buffers"] = False
     write_results(args.out, "verify", rows, baseline)
     return 0

@@ -1,6 +1,9 @@
 """`jaxspec bench verify` runs end to end on CPU at tiny sizes and writes its JSON."""
 
 import json
+import os
+import subprocess
+import sys
 
 from jaxspec.cli import main
 
@@ -15,3 +18,22 @@ def test_bench_verify_smoke(tmp_path):
     assert row["kernel_ms"] > 0 and row["reference_ms"] > 0 and row["agree"] == 1.0
     assert row["kernel_latency_ms"] > 0 and row["latency_speedup"] > 0
     assert result["baseline"]["copy_GBps"] > 0 and result["baseline"]["kernel"] == "pallas-interpret"
+
+
+def test_bench_verify_profile_charges_the_traced_kernels(tmp_path):
+    # --profile sets XLA flags before JAX starts, hence its own process
+    out = tmp_path / "verify.json"
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "bench", "verify", "--vocab", "512", "--batch", "2",
+                           "--nodes", "4", "--iters", "1", "--tile", "128", "--profile", "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert result["baseline"]["command_buffers"] is False
+    for impl in ("kernel", "reference"):
+        assert row[f"{impl}_launches"] > 0 and row[f"{impl}_traced_ms"] > 0
+        assert row[f"{impl}_top"] and all(k["op_name"].startswith(f"jit(verify_{'pallas' if impl == 'kernel' else 'reference'})")
+                                          for k in row[f"{impl}_top"] if k["op_name"])
+    # the interpreted Pallas kernel's ops carry its name; they are part of the kernel path's total
+    assert 0 < row["kernel_node_stats_ms"] <= row["kernel_traced_ms"]
+    assert "device time per call by kernel" in proc.stdout
