@@ -85,21 +85,22 @@ def _stats_kernel(logits_ref, seed_ref, children_ref, count_ref,
     best_tile_ref[...] = best_tile
 
 
-def _split_plan(batch: int, nodes: int, vocab: int, tile: int) -> tuple[int, int]:
-    """(splits, tiles per split) for a [batch, nodes, vocab] problem."""
+def _split_plan(batch: int, nodes: int, vocab: int, tile: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """(splits, tiles per split) for a [batch, nodes, vocab] problem: about `programs` (row, node,
+    split) programs in all, at least one split and at most one per vocabulary tile."""
     num_tiles = pl.cdiv(vocab, tile)
-    splits = max(1, min(num_tiles, pl.cdiv(TARGET_PROGRAMS, batch * nodes)))
+    splits = max(1, min(num_tiles, pl.cdiv(programs, batch * nodes)))
     per_split = pl.cdiv(num_tiles, splits)
     return pl.cdiv(num_tiles, per_split), per_split
 
 
 def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float, *,
                       interpret: bool = False, tile: int = RACE_TILE, num_warps: int = 4,
-                      num_stages: int = 3) -> NodeStats:
+                      num_stages: int = 3, programs: int = TARGET_PROGRAMS) -> NodeStats:
     """`NodeStats` with the kernel's reductions; logits float [B, N, V] (read in their own dtype)."""
     batch, n, vocab = logits.shape
     tile = race_tile(vocab, tile)
-    splits, per_split = _split_plan(batch, n, vocab, tile)
+    splits, per_split = _split_plan(batch, n, vocab, tile, programs)
     children, count = children_lists(parents, draft_tokens, num_nodes)
     kernel = functools.partial(_stats_kernel, temperature=temperature, tile=tile, tiles_per_split=per_split,
                                vocab=vocab)
@@ -123,14 +124,18 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
                          temperature, tile)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "interpret", "tile", "num_warps", "num_stages"))
+@functools.partial(jax.jit,
+                   static_argnames=("temperature", "interpret", "tile", "num_warps", "num_stages", "programs"))
 def verify_pallas(logits, parents, draft_tokens, num_nodes, key, *, temperature: float, interpret: bool = False,
-                  tile: int = RACE_TILE, num_warps: int = 4, num_stages: int = 3) -> VerifyResult:
+                  tile: int = RACE_TILE, num_warps: int = 4, num_stages: int = 3,
+                  programs: int = TARGET_PROGRAMS) -> VerifyResult:
     """Deterministic-draft or greedy tree verification with the Pallas node reductions
-    (arguments as `kernels.tree_verify`, already validated; no draft_probs). tile, num_warps and
-    num_stages tune the GPU kernel; tile also selects the sample a key gives (see `verify_reference`)."""
+    (arguments as `kernels.tree_verify`, already validated; no draft_probs). tile, num_warps,
+    num_stages and programs (about how many (row, node, vocabulary split) programs the kernel runs)
+    tune the GPU kernel; tile also selects the sample a key gives (see `verify_reference`), programs
+    does not."""
     batch, n, _ = logits.shape
     noise = verification_noise(key, batch, n)
     stats = node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise, temperature, interpret=interpret,
-                              tile=tile, num_warps=num_warps, num_stages=num_stages)
+                              tile=tile, num_warps=num_warps, num_stages=num_stages, programs=programs)
     return verify_from_stats(stats, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature)

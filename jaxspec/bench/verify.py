@@ -28,7 +28,7 @@ import numpy as np
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
 from jaxspec.bench.timing import (copy_bytes_per_second, median_seconds, pipelined_seconds, print_table,
                                   write_results)
-from kernels.tree_verify_pallas import verify_pallas
+from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
 
 
@@ -86,6 +86,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tile", type=int, default=2048, help="vocabulary tile of the kernel (a power of 2)")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--programs", type=int, default=TARGET_PROGRAMS,
+                   help="about how many (row, node, vocabulary split) programs the kernel runs")
     p.add_argument("--copy-bytes", type=int, default=None, help="buffer size of the copy-bandwidth baseline")
     p.add_argument("--profile", action="store_true",
                    help="trace each implementation and report device time by kernel (command buffers off)")
@@ -93,6 +95,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.tile < 1 or args.tile & (args.tile - 1):
         raise ValueError(f"--tile must be a power of 2, got {args.tile}")
+    if args.programs < 1:
+        raise ValueError(f"--programs must be >= 1, got {args.programs}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     work = Path(tempfile.mkdtemp(prefix="jaxspec-verify-")) if args.profile else None
@@ -110,7 +114,7 @@ def main(argv: list[str]) -> int:
             parents, tokens, num_nodes = random_trees(batch, nodes, args.vocab, seed=nodes)
             kernel = lambda logits=logits: verify_pallas(
                 logits, parents, tokens, num_nodes, key, temperature=args.temperature, interpret=not gpu,
-                tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages)
+                tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages, programs=args.programs)
             reference = lambda logits=logits: verify_reference(
                 logits, parents, tokens, num_nodes, key, temperature=args.temperature, tile=args.tile)
             t_kernel, t_reference = _timed(kernel, args.iters, True), _timed(reference, args.iters, True)
@@ -141,7 +145,7 @@ def main(argv: list[str]) -> int:
             del logits, kernel, reference  # frees the logits before the next shape's
     baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
-                "kernel": "pallas" if gpu else "pallas-interpret"}
+                "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret"}
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
     print_table(rows, ["batch", "nodes", "vocab", "kernel_ms", "reference_ms", "speedup", "kernel_latency_ms",
                        "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy", "agree"])

@@ -53,6 +53,20 @@ def test_kernel_stats_equal_reference(temperature):
                 assert np.isfinite(np.asarray(logits)[b, node, s[b, node]])
 
 
+@pytest.mark.parametrize("programs", [1, 2 * BATCH * NODES])
+def test_vocabulary_splits_do_not_change_the_stats(programs):
+    """One split per node (all 5 tiles in one program) or two uneven ones (3 + 2 tiles): the same
+    normalisers up to summation order, the same samples."""
+    logits, parents, tokens, num_nodes = random_forest(3)
+    noise = verification_noise(jax.random.key(5), BATCH, NODES)
+    want = node_stats_reference(logits, parents, tokens, num_nodes, noise, 1.0, tile=TILE)
+    got = node_stats_pallas(logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE,
+                            programs=programs)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got.residual_mass, want.residual_mass, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(got.sample, want.sample)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_kernel_verification_equals_reference(temperature):
     """Same key -> identical paths, counts, next tokens, log-probs, over many keys."""
