@@ -12,7 +12,8 @@ A step record (metrics.jsonl) holds
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
     train.precompile: waiting for the trainer's background compilation), eval, checkpoint; time_step_s;
-    tokens_per_s (generated tokens per second of generation); compiles and time_compile_s (XLA
+    tokens_per_s (generated tokens per second of generation); time_unix_s (when the record was
+    written, seconds since the epoch: lines up runs that share a host); compiles and time_compile_s (XLA
     compilations during the step and their seconds, included in the stages' times: a new shape,
     e.g. a new packed row count, compiles once); compiles_cached (programs read from the persistent
     compilation cache instead, their seconds also in time_compile_s).
@@ -54,9 +55,10 @@ class MetricsLog:
             self._writer = SummaryWriter(str(tensorboard_dir))
 
     def write(self, record: dict) -> None:
+        """Appends `record` with its time_unix_s (not mirrored: TensorBoard keeps its own wall time)."""
         if self._file is None:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps({**record, "time_unix_s": round(time.time(), 3)}) + "\n")
         self._file.flush()
         if self._writer is not None:
             step = int(record["step"])

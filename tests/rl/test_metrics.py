@@ -1,10 +1,13 @@
-"""Step metrics: the stage timer's compilation count."""
+"""Step metrics: the stage timer's compilation count, the records' wall-clock stamp."""
+
+import json
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.rl.metrics import StageTimer, is_timing
+from jaxspec.rl.metrics import MetricsLog, StageTimer, is_timing
 
 
 def test_stage_timer_counts_the_compilations_of_its_step():
@@ -20,3 +23,15 @@ def test_stage_timer_counts_the_compilations_of_its_step():
     f(np.ones(7, np.float32)).block_until_ready()  # after record(): not counted
     assert timer.compiles == 2
     assert all(is_timing(k) for k in record)
+
+
+def test_records_carry_the_time_they_were_written(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    before = time.time()
+    log.write({"step": 1, "reward_mean": 0.5})
+    after = time.time()
+    log.write({"step": 2, "reward_mean": 0.75})
+    log.close()
+    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert {k: v for k, v in first.items() if not is_timing(k)} == {"step": 1, "reward_mean": 0.5}
+    assert before - 1e-3 <= first["time_unix_s"] <= after + 1e-3 <= second["time_unix_s"] + 1e-3
