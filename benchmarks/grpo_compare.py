@@ -10,9 +10,9 @@ compiles the update once), excluding the stages that only some steps run (eval, 
 generation, log-prob recompute, train and the whole step. Speedups are against the first run named (the
 autoregressive baseline of the same invocation). Validation curves are compared at the eval steps
 after step 0 that every run reached: the mean and largest |accuracy - baseline accuracy|, so that an
-autoregressive run at another seed gives the seed-to-seed spread the others are read against. The plot (needs matplotlib) shows validation
-accuracy, the reward (10-step moving mean) and the acceptance length against step for
-every run.
+autoregressive run at another seed gives the seed-to-seed spread the others are read against. The
+plot (needs matplotlib) shows validation accuracy, the reward (10-step moving mean) and the
+acceptance length against step for every run.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ from jaxspec.bench.timing import (copy_bytes_per_second, median_seconds, pipelin
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
 
+VERIFY_MODULES = {"jit_verify_pallas": "kernel", "jit_verify_reference": "reference"}  # HLO module: program
+PROFILE_CALLS = 10
+
 
 def random_trees(batch: int, nodes: int, vocab: int, seed: int):
     """(parents int32 [B, N], draft_tokens int32 [B, N], num_nodes int32 [B]) of full random trees."""
@@ -53,20 +56,20 @@ def _timed(fn, iters: int, pipelined: bool) -> float | None:
         return None
 
 
-VERIFY_MODULES = {"jit_verify_pallas": "kernel", "jit_verify_reference": "reference"}
-PROFILE_CALLS = 10
-
-
-def traced_kernels(fn, program: str, trace_dir: Path, hlo_dir: Path) -> dict:
-    """Device time per call of the kernels that `fn` (program "kernel" or "reference") launches,
-    from a trace of PROFILE_CALLS calls: the total, the launches, the Pallas node-statistics kernel
-    (kernel path) and the longest kernels."""
+def trace_calls(fn, trace_dir: Path) -> None:
+    """Writes a profiler trace of PROFILE_CALLS calls of fn (compiled first) to `trace_dir`."""
     jax.block_until_ready(fn())
     with jax.profiler.trace(str(trace_dir)):
         for _ in range(PROFILE_CALLS):
             out = fn()
         jax.block_until_ready(out)
-    kernels = [k for k in kernel_times(trace_dir, op_scopes(hlo_dir), VERIFY_MODULES) if k.program == program]
+
+
+def traced_kernels(trace_dir: Path, scopes: dict[tuple[int, str], str], program: str) -> dict:
+    """Device time per call of the kernels of `program` ("kernel" or "reference") in a
+    `trace_calls` trace: the total, the launches, the Pallas node-statistics kernel (kernel path)
+    and the longest kernels."""
+    kernels = [k for k in kernel_times(trace_dir, scopes, VERIFY_MODULES) if k.program == program]
     per_call = lambda ns: ns / 1e6 / PROFILE_CALLS  # noqa: E731
     traced = {"traced_ms": per_call(sum(k.ns for k in kernels)),
               "launches": sum(k.launches for k in kernels) / PROFILE_CALLS,
@@ -139,10 +142,15 @@ def main(argv: list[str]) -> int:
                          "kernel_vs_copy": scaled(t_kernel, lambda t: nbytes / t / copy_rate),
                          "agree": agree})
             if work is not None:
-                for name, fn in (("kernel", kernel), ("reference", reference)):
-                    traced = traced_kernels(fn, name, work / f"trace_{batch}_{nodes}_{name}", work / "hlo")
-                    rows[-1].update({f"{name}_{k}": v for k, v in traced.items()})
+                trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")
+                trace_calls(reference, work / f"trace_{batch}_{nodes}_reference")
             del logits, kernel, reference  # frees the logits before the next shape's
+    if work is not None:
+        scopes = op_scopes(work / "hlo")  # every program has been compiled (and dumped) by now
+        for row in rows:
+            for name in ("kernel", "reference"):
+                traced = traced_kernels(work / f"trace_{row['batch']}_{row['nodes']}_{name}", scopes, name)
+                row.update({f"{name}_{k}": v for k, v in traced.items()})
     baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
                 "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret"}
