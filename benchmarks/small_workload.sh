@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The `small` workload on one GPU, end to end: pretrain the policy, train in-domain and
-# out-of-domain EAGLE-3 heads on its own rollouts, time speculative vs autoregressive rollouts,
+# The `small` workload on one GPU, end to end: pretrain the policy and a 4-layer draft model with
+# its tokenizer, train in-domain and out-of-domain EAGLE-3 heads on its own rollouts, time speculative vs autoregressive rollouts,
 # the speculative cost model on Qwen3 shapes, and GRPO with and without speculation.
 #   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
-# Stages (default: all, in this order): pretrain draft draft_ood verify spec cost grpo decode8b;
+# Stages (default: all, in this order): pretrain draft_model draft draft_ood verify spec cost grpo decode8b;
 # check (the GPU-only attention paths against the CPU-tested ones), cost_small (needs pretrain),
 # profile (needs pretrain and draft) and attention only when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs: DRAFT_STEPS,
@@ -22,7 +22,7 @@ read -r -a grpo_args <<< "${GRPO_ARGS:-}"
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(pretrain draft draft_ood verify spec cost grpo decode8b)
+[ ${#stages[@]} -gt 0 ] || stages=(pretrain draft_model draft draft_ood verify spec cost grpo decode8b)
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
@@ -35,6 +35,9 @@ for stage in "${stages[@]}"; do
       esac
       jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" "${pretrain_args[@]}" 2>&1 \
         | tee "$RESULTS/pretrain_small.log" ;;
+    draft_model)  # the same problems with the policy's tokenizer (written when its pretraining starts)
+      jaxspec pretrain --config configs/draft_model_small.yaml --run-dir runs/draft-model-small train.progress=false \
+        2>&1 | tee "$RESULTS/pretrain_draft_model_small.log" ;;
     draft)
       jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small \
         train.steps="$DRAFT_STEPS" 2>&1 | tee "$RESULTS/draft_small.log" ;;
@@ -47,9 +50,10 @@ for stage in "${stages[@]}"; do
     verify)
       jaxspec bench verify --out "$RESULTS/verify.json" 2>&1 | tee "$RESULTS/verify.log" ;;
     spec)
-      ood=(); [ -d runs/draft-small-ood/draft ] && ood=(--draft-ood runs/draft-small-ood/draft)
+      drafts=(); [ -d runs/draft-small-ood/draft ] && drafts=(--draft-ood runs/draft-small-ood/draft)
+      [ -d runs/draft-model-small/policy ] && drafts+=(--draft-model runs/draft-model-small/policy --draft-model-k 2 3)
       # shellcheck disable=SC2086
-      jaxspec bench spec --policy runs/small/policy --draft runs/draft-small/draft "${ood[@]}" \
+      jaxspec bench spec --policy runs/small/policy --draft runs/draft-small/draft "${drafts[@]}" \
         --levels $SPEC_LEVELS --new 1024 --batch 64 --k 1 2 3 4 5 7 --stochastic \
         --out "$RESULTS/spec_small.json" 2>&1 | tee "$RESULTS/spec_small.log"
       # shellcheck disable=SC2086

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxspec.bench.timing import print_table, write_results
 from jaxspec.draft import load_eagle3
-from jaxspec.models import load_hf
+from jaxspec.models import ModelConfig, load_hf
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import ChatTokenizer, generate_problems
 
@@ -41,6 +41,15 @@ def stage_label(depths: tuple[int, ...]) -> str:
     return f"eagle3 chain k={'/'.join(map(str, depths))} by stage"
 
 
+def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelConfig, dict]:
+    """(config, params) of a draft model folder; ValueError unless it shares the policy's vocabulary."""
+    cfg, params = load_hf(path, dtype=dtype)
+    if cfg.vocab_size != policy.vocab_size:
+        raise ValueError(f"--draft-model {path}: vocabulary of {cfg.vocab_size} tokens, the policy's has "
+                         f"{policy.vocab_size} (a draft model needs the policy's tokenizer)")
+    return cfg, params
+
+
 def _configs(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
@@ -54,6 +63,9 @@ def _configs(args) -> list[tuple[str, dict]]:
     for width, depth, budget in args.trees:
         runs.append((f"eagle3 tree w={width} d={depth} n={budget}",
                      {"method": "eagle3", "num_draft_tokens": depth, "tree_width": width, "tree_budget": budget}))
+    if args.draft_model:
+        for k in args.draft_model_k:
+            runs.append((f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}))
     if args.stochastic:
         runs.append(("eagle3 chain k=3 stochastic", {"method": "eagle3", "num_draft_tokens": 3,
                                                       "draft_sampling": "stochastic"}))
@@ -67,11 +79,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
     p.add_argument("--draft", required=True, help="EAGLE-3 head trained in-domain (public layout)")
     p.add_argument("--draft-ood", default=None, help="EAGLE-3 head trained out of domain")
+    p.add_argument("--draft-model", default=None,
+                   help="HF folder of a smaller policy with the policy's tokenizer (method draft_model)")
+    p.add_argument("--draft-model-k", type=int, nargs="+", default=[3], help="draft depths of the draft model")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="rollouts (rows) per batch")
     p.add_argument("--samples", type=int, default=1,
                    help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
     p.add_argument("--new", type=int, default=1024, help="max_new_tokens")
-    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 7])
+    p.add_argument("--k", type=int, nargs="*", default=[1, 2, 3, 4, 5, 7],
+                   help="EAGLE-3 chain depths (none: no chains)")
     p.add_argument("--trees", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                    default=[(2, 4, 8), (3, 5, 16)], help="width,depth,budget triples")
     p.add_argument("--stage-k", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*", default=[],
@@ -86,9 +102,11 @@ def main(argv: list[str]) -> int:
 
     cfg, params = load_hf(args.policy, dtype=args.dtype)
     tok = ChatTokenizer.from_file(args.policy)
-    heads = {"eagle3": load_eagle3(args.draft, dtype=args.dtype, policy=cfg)}
+    drafts = {"eagle3": load_eagle3(args.draft, dtype=args.dtype, policy=cfg)}
     if args.draft_ood:
-        heads["eagle3-ood"] = load_eagle3(args.draft_ood, dtype=args.dtype, policy=cfg)
+        drafts["eagle3-ood"] = load_eagle3(args.draft_ood, dtype=args.dtype, policy=cfg)
+    if args.draft_model:
+        drafts["draft_model"] = load_draft_model(args.draft_model, cfg, args.dtype)
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
@@ -98,8 +116,8 @@ def main(argv: list[str]) -> int:
             spec = None
             if kwargs:
                 method = kwargs.pop("method")
-                draft = heads[method] if method.startswith("eagle3") else None
-                spec = Spec(method="eagle3" if draft is not None else method, draft=draft, **kwargs)
+                spec = Spec(method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method),
+                            **kwargs)
             key = jax.random.key(0)
             run = lambda: generate(cfg, params, prompts, key, sampling, spec=spec)  # noqa: E731
             jax.block_until_ready(run().tokens)  # compile + warm up
@@ -120,9 +138,10 @@ def main(argv: list[str]) -> int:
                    "stage_rows": out.stats["stage_rows"], "stage_steps": out.stats["stage_steps"]}
             rows.append(row)
             print_table([row], COLUMNS)
-    baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood, "params": cfg.num_params(),
-                "levels": args.levels, "samples_per_prompt": args.samples,
-                "temperature": 1.0, "max_new_tokens": args.new, "baseline": "autoregressive generate, same run"}
+    baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood,
+                "draft_model": args.draft_model, "params": cfg.num_params(), "levels": args.levels,
+                "samples_per_prompt": args.samples, "temperature": 1.0, "max_new_tokens": args.new,
+                "baseline": "autoregressive generate, same run"}
     print()
     print_table(rows, COLUMNS)
     write_results(args.out, "spec", rows, baseline)

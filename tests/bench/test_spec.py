@@ -4,6 +4,7 @@ configuration generates the same prompts, and each row reports its loop's stages
 import json
 from pathlib import Path
 
+import jax
 import pytest
 
 import jaxspec
@@ -43,3 +44,33 @@ def test_bench_prompts_repeat_each_problem_as_a_group():
     assert bench_prompts(tok, 2, 1, seed=0, levels=[1]) == [prompts[0], prompts[3]]
     with pytest.raises(ValueError, match="--batch 6 is not a positive multiple of --samples 4"):
         bench_prompts(tok, 6, 4, seed=0, levels=[1])
+
+
+def test_bench_spec_draft_model_rows(tmp_path):
+    """`--draft-model` adds a draft_model chain per `--draft-model-k`; the tiny policy drafts for
+    itself here, so (drafts greedy, verification at T=1) most of its drafts are accepted."""
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
+                 "--draft-model", str(ASSETS / "tiny-policy"), "--draft-model-k", "2", "--batch", "4", "--new", "16",
+                 "--k", "--trees", "--no-ngram", "--levels", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["baseline"]["draft_model"] == str(ASSETS / "tiny-policy")
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"ar", "draft_model chain k=2"}
+    assert len(rows["draft_model chain k=2"]["acceptance_per_position"]) == 2
+    assert rows["draft_model chain k=2"]["acceptance_length"] > 1.5
+
+
+def test_bench_spec_rejects_a_draft_model_with_another_vocabulary(tmp_path, capsys):
+    from jaxspec.models import ModelConfig, load_hf, save_hf
+    from tests.models.hf_reference import random_params
+
+    cfg, _ = load_hf(ASSETS / "tiny-policy")
+    other = ModelConfig(family="qwen3", vocab_size=cfg.vocab_size + 1, hidden_size=16, intermediate_size=32,
+                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    save_hf(other, random_params(other, jax.random.key(0)), tmp_path / "other")
+    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
+                 "--draft-model", str(tmp_path / "other"), "--batch", "4", "--new", "4", "--levels", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"--draft-model {tmp_path / 'other'}: vocabulary of {cfg.vocab_size + 1} tokens" in err
+    assert f"the policy's has {cfg.vocab_size}" in err

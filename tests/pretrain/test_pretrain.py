@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -7,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
+import jaxspec
 
 from jaxspec.config_io import load_config
 from jaxspec.models import ModelConfig, forward, init_params, load_hf
@@ -155,6 +158,23 @@ def test_shipped_configs_are_valid(name):
     if name == "small.yaml":  # the long levels' examples (up to ~1700 tokens) fit a row; ~32k tokens a step
         assert cfg.data.levels == tuple(range(1, MAX_LEVEL + 1))
         assert cfg.data.max_len == 2048 and cfg.data.max_len * cfg.train.batch_size == 32768
+
+
+def test_draft_model_config_trains_on_the_policy_data_with_its_tokenizer():
+    """configs/draft_model_small.yaml: the small policy's problems, packing and tokenizer, a
+    smaller model (valid once the policy's run has written its tokenizer)."""
+    root = Path(__file__).resolve().parents[2] / "configs"
+    policy = load_config(PretrainConfig, root / "small.yaml")
+    draft = load_config(PretrainConfig, root / "draft_model_small.yaml")
+    assert draft.data.tokenizer == "runs/small/tokenizer.json"
+    same = ("num_train", "num_eval", "seed", "levels", "kinds", "max_len")
+    assert [getattr(draft.data, f) for f in same] == [getattr(policy.data, f) for f in same]
+    assert (draft.train.steps, draft.train.batch_size) == (policy.train.steps, policy.train.batch_size)
+    assert draft.model.num_layers < policy.model.num_layers and draft.model.hidden_size < policy.model.hidden_size
+    with pytest.raises(FileNotFoundError, match="data.tokenizer: file not found: runs/small/tokenizer.json"):
+        validate(draft, "draft_model_small.yaml")
+    tokenizer = Path(jaxspec.__file__).parent / "assets" / "tiny-policy" / "tokenizer.json"
+    validate(dataclasses.replace(draft, data=dataclasses.replace(draft.data, tokenizer=str(tokenizer))), "x")
 
 
 def test_existing_run_needs_resume_and_same_data(first_run, capsys):
