@@ -3,12 +3,14 @@
 The kernel streams each node's logits once, in vocabulary tiles, computing per tile its maximum,
 its sum of exp(x - max) over all tokens and over the candidate tokens (not children of the node),
 and the tile's race score of the two-level residual race (`kernels.tree_race`); it folds these
-online into per-(row, node, split) partials. The grid is (rows, nodes, vocabulary splits): splits
-keep the GPU busy when rows x nodes is small, and jnp combines them (`combine_tiles`), draws the
-token race inside each node's winning tile (one tile re-read per node), and runs the reference's
-sibling decisions and walk down the tree. Per token the kernel does one exp2 and a compare per
-child of the node, so it streams at memory speed; the per-token hash and logs of a flat Gumbel
-race are only spent on one tile per node.
+online into per-(row, node, split) partials. Whenever a tile takes the lead of its split's tile
+race, the token race inside it runs on the tile already in registers, so each split also returns
+the sample its best tile gives and no tile is read twice. The grid is (rows, nodes, vocabulary
+splits): splits keep the GPU busy when rows x nodes is small, and jnp combines them
+(`combine_blocks`: the winning split's sample is the node's) and runs the reference's sibling
+decisions and walk down the tree. Per token the kernel does one exp2 and a compare per child of
+the node, so it streams at memory speed; the per-token hash and logs of a flat Gumbel race are
+only spent on the tiles that take the lead (about ln of the tiles per split).
 
 In interpret mode the arithmetic is the reference's, so the two return identical results for the
 same key and tile (normalisers up to float summation order). Compiled, library and XLA
@@ -30,59 +32,67 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.tree_noise import LOG2E
-from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, tile_scores
+from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, tile_scores, token_scores
 from kernels.tree_structure import children_lists
-from kernels.tree_verify_reference import (NodeStats, VerifyNoise, VerifyResult, combine_tiles,
-                                           verification_noise, verify_from_stats)
+from kernels.tree_verify_reference import (NodeStats, VerifyNoise, VerifyResult, combine_blocks, verification_noise,
+                                           verify_from_stats)
 
 TARGET_PROGRAMS = 2048  # enough (row, node, split) programs to fill a GPU when rows x nodes is small
 
 
-def _stats_kernel(logits_ref, seed_ref, children_ref, count_ref,
-                  peak_ref, total_ref, candidates_ref, best_ref, best_tile_ref,
+def _stats_kernel(logits_ref, tile_seed_ref, token_seed_ref, children_ref, count_ref,
+                  peak_ref, total_ref, candidates_ref, best_ref, sample_ref,
                   *, temperature: float, tile: int, tiles_per_split: int, vocab: int):
     """One (row, node, split) program over `tiles_per_split` vocabulary tiles; scalar outputs:
     peak = max of x = logits * inv_t; total / candidates = sum of exp(x - peak) over all /
-    candidate tokens; best = the best tile race score; best_tile = its tile index."""
+    candidate tokens; best = the best tile race score (first on ties); sample = the token race
+    winner inside that tile (token 0 while no tile of the split scores above -inf; when no tile of
+    the node does, split 0 wins, and the reference's race inside tile 0, with no candidate, also
+    gives token 0)."""
     split = pl.program_id(2)
     inv_t = inverse_temperature(temperature)
     race = temperature > 0
-    seed = seed_ref[...]
+    tile_seed, token_seed = tile_seed_ref[...], token_seed_ref[...]
     count = count_ref[...] if race else 0
     lanes = jnp.arange(tile, dtype=jnp.int32)
 
     def body(i, carry):
-        peak, total, candidates, best, best_tile = carry
+        peak, total, candidates, best, sample = carry
         t = split * tiles_per_split + i
         token = t * tile + lanes
         x = plgpu.load(logits_ref.at[token], mask=token < vocab, other=-jnp.inf).astype(jnp.float32) * inv_t
         tile_max = jnp.max(x)
         weight = jnp.exp2((x - jnp.where(tile_max == -jnp.inf, 0.0, tile_max)) * LOG2E)
         tile_total = jnp.sum(weight)
+        child = None
         if race:
             child = lax.fori_loop(0, count, lambda j, hit: hit | (token == children_ref[j]),
                                   jnp.zeros((tile,), jnp.bool_))
             tile_candidates = jnp.sum(jnp.where(child, 0.0, weight))
         else:
             tile_candidates = tile_total
-        score = tile_scores(tile_max, tile_candidates, t, seed, temperature)
+        score = tile_scores(tile_max, tile_candidates, t, tile_seed, temperature)
+        leads = score > best
+        sample = lax.cond(
+            leads,
+            lambda: t * tile + jnp.argmax(token_scores(x, token, child, token_seed, temperature, vocab)).astype(
+                jnp.int32),
+            lambda: sample)
         new_peak = jnp.maximum(peak, tile_max)
         shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)
         old_scale = jnp.exp2((peak - shift) * LOG2E)
         tile_scale = jnp.exp2((tile_max - shift) * LOG2E)
-        better = score > best
         return (new_peak, total * old_scale + tile_total * tile_scale,
-                candidates * old_scale + tile_candidates * tile_scale,
-                jnp.where(better, score, best), jnp.where(better, t, best_tile))
+                candidates * old_scale + tile_candidates * tile_scale, jnp.where(leads, score, best), sample)
 
     neg_inf, zero = jnp.float32(-jnp.inf), jnp.float32(0.0)
-    peak, total, candidates, best, best_tile = lax.fori_loop(
-        0, tiles_per_split, body, (neg_inf, zero, zero, neg_inf, split * tiles_per_split))
+    peak, total, candidates, best, sample = lax.fori_loop(
+        0, tiles_per_split, body, (neg_inf, zero, zero, neg_inf, jnp.int32(0)))
     peak_ref[...] = peak
     total_ref[...] = total
     candidates_ref[...] = candidates
     best_ref[...] = best
-    best_tile_ref[...] = best_tile
+    sample_ref[...] = sample
 
 
 def _split_plan(batch: int, nodes: int, vocab: int, tile: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
@@ -107,10 +117,11 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
     per_node = lambda b, i, s: (b, i)
     scalar_out = pl.BlockSpec((None, None, None), lambda b, i, s: (b, i, s))
     f32 = jax.ShapeDtypeStruct((batch, n, splits), jnp.float32)
-    peak, total, candidates, best, best_tile = pl.pallas_call(
+    peak, total, candidates, best, sample = pl.pallas_call(
         kernel,
         grid=(batch, n, splits),
         in_specs=[pl.BlockSpec((None, None, vocab), lambda b, i, s: (b, i, 0)),
+                  pl.BlockSpec((None, None), per_node),
                   pl.BlockSpec((None, None), per_node),
                   pl.BlockSpec((None, None, n), lambda b, i, s: (b, i, 0)),
                   pl.BlockSpec((None, None), per_node)],
@@ -119,9 +130,9 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_verify_node_stats",
-    )(logits, noise.tile_seeds, children, count)
-    return combine_tiles(peak, total, candidates, best, best_tile, logits, parents, draft_tokens, num_nodes, noise,
-                         temperature, tile)
+    )(logits, noise.tile_seeds, noise.token_seeds, children, count)
+    sample_split = lambda winner: jnp.take_along_axis(sample, winner[..., None], axis=-1)[..., 0]  # noqa: E731
+    return combine_blocks(peak, total, candidates, best, sample_split, temperature)
 
 
 @functools.partial(jax.jit,

@@ -85,23 +85,23 @@ class NodeStats(NamedTuple):
     sample: jax.Array
 
 
-def combine_tiles(tile_max, tile_total, tile_candidates, tile_score, tile_id, logits, parents, draft_tokens,
-                  num_nodes, noise: VerifyNoise, temperature: float, tile: int) -> NodeStats:
+def combine_blocks(block_max, block_total, block_candidates, block_score, sample_block,
+                   temperature: float) -> NodeStats:
     """`NodeStats` from per-block reductions [B, N, K] (vocabulary tiles, or a kernel's splits).
 
-    tile_max: max of x = logits * inv_t in the block; tile_total / tile_candidates: sum of
-    exp(x - tile_max) over all / candidate tokens; tile_score: the block's best tile race score;
-    tile_id: that tile's index.
+    block_max: max of x = logits * inv_t in the block; block_total / block_candidates: sum of
+    exp(x - block_max) over all / candidate tokens; block_score: the block's best tile race score.
+    sample_block(winner int32 [B, N]) -> int32 [B, N]: the sample of each node's winning block
+    (the first with the highest score).
     """
-    top = jnp.max(tile_max, axis=-1, keepdims=True)
-    scale = jnp.exp2((tile_max - jnp.where(top == -jnp.inf, 0.0, top)) * LOG2E)
-    total = jnp.sum(tile_total * scale, axis=-1)
+    top = jnp.max(block_max, axis=-1, keepdims=True)
+    scale = jnp.exp2((block_max - jnp.where(top == -jnp.inf, 0.0, top)) * LOG2E)
+    total = jnp.sum(block_total * scale, axis=-1)
     lse = top[..., 0] + jnp.log(total)
-    winner = jnp.take_along_axis(tile_id, jnp.argmax(tile_score, axis=-1)[..., None], axis=-1)[..., 0]
-    sample = sample_in_tile(logits, winner, parents, draft_tokens, num_nodes, noise.token_seeds, temperature, tile)
+    sample = sample_block(jnp.argmax(block_score, axis=-1).astype(jnp.int32))
     if temperature == 0:
         return NodeStats(lse, jnp.ones_like(lse), sample)
-    return NodeStats(lse, jnp.sum(tile_candidates * scale, axis=-1) / total, sample)
+    return NodeStats(lse, jnp.sum(block_candidates * scale, axis=-1) / total, sample)
 
 
 def node_stats_reference(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float,
@@ -117,15 +117,16 @@ def node_stats_reference(logits, parents, draft_tokens, num_nodes, noise: Verify
     tile_max = jnp.max(x, axis=-1)
     weights = jnp.exp2((x - jnp.where(tile_max == -jnp.inf, 0.0, tile_max)[..., None]) * LOG2E)
     tile_total = jnp.sum(weights, axis=-1)
-    tile_id = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), tile_max.shape)
+    tile_id = jnp.arange(num_tiles, dtype=jnp.int32)
     if temperature == 0:
         tile_candidates = tile_total
     else:
         child = jnp.pad(child_token_mask(parents, draft_tokens, num_nodes, vocab), pad).reshape(x.shape)
         tile_candidates = jnp.sum(jnp.where(child, 0.0, weights), axis=-1)
     score = tile_scores(tile_max, tile_candidates, tile_id, noise.tile_seeds[..., None], temperature)
-    return combine_tiles(tile_max, tile_total, tile_candidates, score, tile_id, logits, parents, draft_tokens,
-                         num_nodes, noise, temperature, tile)
+    sample_tile = lambda winner: sample_in_tile(logits, winner, parents, draft_tokens, num_nodes,  # noqa: E731
+                                                noise.token_seeds, temperature, tile)
+    return combine_blocks(tile_max, tile_total, tile_candidates, score, sample_tile, temperature)
 
 
 def _child_logprobs(logits, lse, parent, draft_tokens, is_child, inv_t) -> jax.Array:

@@ -67,6 +67,24 @@ def test_vocabulary_splits_do_not_change_the_stats(programs):
     np.testing.assert_array_equal(got.sample, want.sample)
 
 
+@pytest.mark.parametrize("programs", [1, 2 * BATCH * NODES])
+def test_node_without_residual_mass_samples_like_the_reference(programs):
+    """Node 0 of row 0 puts all its mass on its children: no tile scores above -inf, and the
+    kernel's (unused) sample is still the reference's, the race inside tile 0 (token 0)."""
+    logits, parents, tokens, num_nodes = random_forest(6)
+    kids = np.flatnonzero(np.asarray(parents)[0, :8] == 0)
+    assert kids.size
+    row = np.full(VOCAB, -np.inf, np.float32)
+    row[np.asarray(tokens)[0, kids]] = 1.0
+    logits = logits.at[0, 0].set(row)
+    noise = verification_noise(jax.random.key(7), BATCH, NODES)
+    want = node_stats_reference(logits, parents, tokens, num_nodes, noise, 1.0, tile=TILE)
+    got = node_stats_pallas(logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE,
+                            programs=programs)
+    assert want.residual_mass[0, 0] == 0.0 and got.residual_mass[0, 0] == 0.0 and want.sample[0, 0] == 0
+    np.testing.assert_array_equal(got.sample, want.sample)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_kernel_verification_equals_reference(temperature):
     """Same key -> identical paths, counts, next tokens, log-probs, over many keys."""
