@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 
 def median_seconds(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -> float:
-    """Median wall time of fn() in seconds, blocking on its outputs; warm-up calls excluded."""
+    """Median wall time of fn() in seconds, blocking on its outputs (each call's dispatch and host
+    round trip included); warm-up calls excluded."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times = []
@@ -25,20 +26,42 @@ def median_seconds(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -
     return statistics.median(times)
 
 
-def pipelined_seconds(fn: Callable[[], object], calls: int = 20, repeats: int = 5, warmup: int = 2) -> float:
-    """Seconds per call of fn() dispatched `calls` times back to back and blocked on once (median
-    over `repeats`): the device time of a call wherever dispatch keeps ahead of the device, as
-    inside a compiled loop; `median_seconds` also counts each call's dispatch and host round trip."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
+def in_program(fn: Callable[..., object], calls: int) -> Callable[..., tuple[list, jax.Array]]:
+    """A jitted program(x, *rest) -> (outputs, x') that runs y_i = fn(x_i, *rest, i) for
+    i = 0 .. calls - 1 (i an int32 scalar, e.g. for `jax.random.fold_in`). x_{i+1} is x_i with its
+    first element plus 0 * (the first element of y_i's first leaf): every call depends on the one
+    before, so XLA neither merges calls nor overlaps them, and hoists none of their work, even work
+    that does not depend on i. x is donated (the update is in place) and x' is the last x_i."""
+
+    def program(x, *rest):
+        outs = []
+        for i in range(calls):
+            out = fn(x, *rest, jnp.int32(i))
+            first = jnp.ravel(jax.tree.leaves(out)[0])[0].astype(x.dtype)
+            corner = (0,) * x.ndim
+            x = jax.lax.dynamic_update_slice(x, x[corner].reshape((1,) * x.ndim) + 0 * first, corner)
+            outs.append(out)
+        return outs, x
+
+    return jax.jit(program, donate_argnums=0)
+
+
+def in_program_seconds(fn: Callable[..., object], x: jax.Array, rest: tuple = (), calls: int = 20,
+                       repeats: int = 5) -> tuple[float, jax.Array]:
+    """(seconds per call of `in_program(fn, calls)`, blocked on once per program (median over
+    `repeats`), and x' to use in place of the donated x): the device time of a call as inside a
+    compiled loop, with no host dispatch between calls (jitted calls dispatched back to back from
+    Python can fall behind a device that takes ~0.1 ms per call). Each call also pays one
+    one-element update of x."""
+    program = in_program(fn, calls)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats + 1):  # the first compiles
         start = time.perf_counter()
-        outs = [fn() for _ in range(calls)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - start) / calls)
+        outs, x = program(x, *rest)
+        jax.block_until_ready((outs, x))
+        times.append(time.perf_counter() - start)
         del outs
-    return statistics.median(times)
+    return statistics.median(times[1:]) / calls, x
 
 
 def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, iters: int = 10) -> float:

@@ -1,13 +1,15 @@
 """`jaxspec bench verify`: the tree-verification kernel vs its jnp reference.
 
 Random f32 logits [batch, nodes, vocab] and a random tree per row (each node's parent drawn below
-it, random draft tokens), deterministic drafts. Times are per call with calls dispatched back to
-back (`pipelined_seconds`: device time, as inside the compiled rollout loop); the `latency`
-columns time single blocking calls, dispatch and host round trip included. Each call reads the
-logits once, so the achieved rate is logits bytes / time, compared with the device copy bandwidth
-(bytes read + written per second) measured in the same run. `agree` is the fraction of rows where both implementations
-return the same path, count and next token from the same key (they share the noise; float
-summation order can flip a decision that lands within rounding of a boundary).
+it, random draft tokens), deterministic drafts. Times are per call with `--iters` calls inside one
+compiled program (`in_program_seconds`: device time, as inside the compiled rollout loop; each
+call has its own key and depends on the one before through a one-element update of the logits,
+so XLA can neither merge calls nor hoist the work they share). The `latency` columns time single
+blocking calls, dispatch and host round trip included. Each call reads the logits once, so the
+achieved rate is logits bytes / time, compared with the device copy bandwidth (bytes read +
+written per second) measured in the same run. `agree` is the fraction of rows where both
+implementations return the same path, count and next token from the same key (they share the
+noise; float summation order can flip a decision that lands within rounding of a boundary).
 
 `--profile` also traces 10 calls of each implementation per shape and reports the device time of
 the kernels they launch: all of them, and the kernel path's Pallas node-statistics kernel alone.
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
-from jaxspec.bench.timing import (copy_bytes_per_second, median_seconds, pipelined_seconds, print_table,
+from jaxspec.bench.timing import (copy_bytes_per_second, in_program_seconds, median_seconds, print_table,
                                   write_results)
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
@@ -45,11 +47,21 @@ def random_trees(batch: int, nodes: int, vocab: int, seed: int):
     return jnp.asarray(parents), jnp.asarray(tokens), jnp.full((batch,), nodes, jnp.int32)
 
 
-def _timed(fn, iters: int, pipelined: bool) -> float | None:
-    """Seconds per call (`pipelined_seconds` or `median_seconds`), or None when the device runs out
-    of memory."""
+def _in_program(call, logits, tree: tuple, calls: int, make_logits) -> tuple[float | None, jax.Array]:
+    """(`in_program_seconds` of call(logits, *tree, i), or None when the device runs out of memory;
+    the logits to use next: the program donates them, so they are made again after a failure)."""
     try:
-        return pipelined_seconds(fn, calls=iters) if pipelined else median_seconds(fn, iters=iters)
+        return in_program_seconds(call, logits, tree, calls=calls)
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return None, make_logits()
+
+
+def _timed(measure) -> float | None:
+    """measure() (seconds per call), or None when the device runs out of memory."""
+    try:
+        return measure()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -85,7 +97,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--iters", type=int, default=20, help="calls per timing")
+    p.add_argument("--iters", type=int, default=20, help="calls per timing (in one program, or blocking)")
     p.add_argument("--tile", type=int, default=2048, help="vocabulary tile of the kernel (a power of 2)")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
@@ -113,15 +125,23 @@ def main(argv: list[str]) -> int:
     rows = []
     for batch in args.batch:
         for nodes in args.nodes:
-            logits = jax.random.normal(jax.random.key(batch * 1000 + nodes), (batch, nodes, args.vocab), jnp.float32)
-            parents, tokens, num_nodes = random_trees(batch, nodes, args.vocab, seed=nodes)
-            kernel = lambda logits=logits: verify_pallas(
-                logits, parents, tokens, num_nodes, key, temperature=args.temperature, interpret=not gpu,
-                tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages, programs=args.programs)
-            reference = lambda logits=logits: verify_reference(
-                logits, parents, tokens, num_nodes, key, temperature=args.temperature, tile=args.tile)
-            t_kernel, t_reference = _timed(kernel, args.iters, True), _timed(reference, args.iters, True)
-            lat_kernel, lat_reference = _timed(kernel, args.iters, False), _timed(reference, args.iters, False)
+            shape, seed = (batch, nodes, args.vocab), jax.random.key(batch * 1000 + nodes)
+            make_logits = lambda shape=shape, seed=seed: jax.random.normal(seed, shape, jnp.float32)  # noqa: E731
+            logits = make_logits()
+            tree = (*random_trees(batch, nodes, args.vocab, seed=nodes), key)  # arguments, not compile-time constants
+            kernel_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_pallas(  # noqa: E731
+                logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
+                interpret=not gpu, tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages,
+                programs=args.programs)
+            reference_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_reference(  # noqa: E731
+                logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
+                tile=args.tile)
+            t_kernel, logits = _in_program(kernel_call, logits, tree, args.iters, make_logits)
+            t_reference, logits = _in_program(reference_call, logits, tree, args.iters, make_logits)
+            kernel = lambda a=(logits, *tree): kernel_call(*a)  # noqa: E731
+            reference = lambda a=(logits, *tree): reference_call(*a)  # noqa: E731
+            lat_kernel, lat_reference = (_timed(lambda f=f: median_seconds(f, iters=args.iters))
+                                         for f in (kernel, reference))
             agree = None
             if t_kernel is not None and t_reference is not None:
                 a, b = kernel(), reference()
@@ -153,7 +173,8 @@ def main(argv: list[str]) -> int:
                 row.update({f"{name}_{k}": v for k, v in traced.items()})
     baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
-                "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret"}
+                "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret",
+                "timing": "in_program_seconds"}
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
     print_table(rows, ["batch", "nodes", "vocab", "kernel_ms", "reference_ms", "speedup", "kernel_latency_ms",
                        "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy", "agree"])
