@@ -6,11 +6,12 @@ and the tile's race score of the two-level residual race (`kernels.tree_race`); 
 online into per-(row, node, split) partials. Whenever a tile takes the lead of its split's tile
 race, the token race inside it runs on the tile already in registers, so each split also returns
 the sample its best tile gives and no tile is read twice. The grid is (rows, nodes, vocabulary
-splits): splits keep the GPU busy when rows x nodes is small, and jnp combines them
-(`combine_blocks`: the winning split's sample is the node's) and runs the reference's sibling
-decisions and walk down the tree. Per token the kernel does one exp2 and a compare per child of
-the node, so it streams at memory speed; the per-token hash and logs of a flat Gumbel race are
-only spent on the tiles that take the lead (about ln of the tiles per split).
+splits): splits keep the GPU busy when rows x nodes is small. A second kernel, one program per
+row (`kernels.tree_decide_pallas`), combines the splits (the winning split's sample is the
+node's), makes the reference's sibling decisions and walks down the tree. Per token the first
+kernel does one exp2 and a compare per child of the node, so it streams at memory speed; the
+per-token hash and logs of a flat Gumbel race are only spent on the tiles that take the lead
+(about ln of the tiles per split).
 
 In interpret mode the arithmetic is the reference's, so the two return identical results for the
 same key and tile (normalisers up to float summation order). Compiled, library and XLA
@@ -34,8 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 from kernels.tree_noise import LOG2E
 from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, tile_scores, token_scores
 from kernels.tree_structure import children_lists
-from kernels.tree_verify_reference import (NodeStats, VerifyNoise, VerifyResult, combine_blocks, verification_noise,
-                                           verify_from_stats)
+from kernels.tree_decide_pallas import decide_pallas
+from kernels.tree_verify_reference import NodeStats, VerifyNoise, VerifyResult, combine_blocks, verification_noise
 
 TARGET_PROGRAMS = 2048  # enough (row, node, split) programs to fill a GPU when rows x nodes is small
 
@@ -104,10 +105,11 @@ def _split_plan(batch: int, nodes: int, vocab: int, tile: int, programs: int = T
     return pl.cdiv(num_tiles, per_split), per_split
 
 
-def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float, *,
-                      interpret: bool = False, tile: int = RACE_TILE, num_warps: int = 4,
-                      num_stages: int = 3, programs: int = TARGET_PROGRAMS) -> NodeStats:
-    """`NodeStats` with the kernel's reductions; logits float [B, N, V] (read in their own dtype)."""
+def split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float, *,
+                          interpret: bool = False, tile: int = RACE_TILE, num_warps: int = 4, num_stages: int = 3,
+                          programs: int = TARGET_PROGRAMS) -> tuple[jax.Array, ...]:
+    """The kernel's per-(row, node, split) partials [B, N, S] (peak, total, candidates, best, sample;
+    see `_stats_kernel`); logits float [B, N, V] (read in their own dtype)."""
     batch, n, vocab = logits.shape
     tile = race_tile(vocab, tile)
     splits, per_split = _split_plan(batch, n, vocab, tile, programs)
@@ -117,7 +119,7 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
     per_node = lambda b, i, s: (b, i)
     scalar_out = pl.BlockSpec((None, None, None), lambda b, i, s: (b, i, s))
     f32 = jax.ShapeDtypeStruct((batch, n, splits), jnp.float32)
-    peak, total, candidates, best, sample = pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         grid=(batch, n, splits),
         in_specs=[pl.BlockSpec((None, None, vocab), lambda b, i, s: (b, i, 0)),
@@ -130,7 +132,15 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_verify_node_stats",
-    )(logits, noise.tile_seeds, noise.token_seeds, children, count)
+    )(logits, noise.tile_seeds, noise.token_seeds, children, count))
+
+
+def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float,
+                      **kernel_options) -> NodeStats:
+    """`NodeStats` from the kernel's partials, combined in jnp (`combine_blocks`); options as
+    `split_partials_pallas`."""
+    peak, total, candidates, best, sample = split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise,
+                                                                  temperature, **kernel_options)
     sample_split = lambda winner: jnp.take_along_axis(sample, winner[..., None], axis=-1)[..., 0]  # noqa: E731
     return combine_blocks(peak, total, candidates, best, sample_split, temperature)
 
@@ -140,13 +150,16 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
 def verify_pallas(logits, parents, draft_tokens, num_nodes, key, *, temperature: float, interpret: bool = False,
                   tile: int = RACE_TILE, num_warps: int = 4, num_stages: int = 3,
                   programs: int = TARGET_PROGRAMS) -> VerifyResult:
-    """Deterministic-draft or greedy tree verification with the Pallas node reductions
-    (arguments as `kernels.tree_verify`, already validated; no draft_probs). tile, num_warps,
-    num_stages and programs (about how many (row, node, vocabulary split) programs the kernel runs)
-    tune the GPU kernel; tile also selects the sample a key gives (see `verify_reference`), programs
-    does not."""
+    """Deterministic-draft or greedy tree verification in two Pallas kernels: the vocabulary pass
+    (`split_partials_pallas`) and the decisions and walk per row (`kernels.tree_decide_pallas`);
+    arguments as `kernels.tree_verify`, already validated; no draft_probs. tile, num_warps,
+    num_stages and programs (about how many (row, node, vocabulary split) programs the vocabulary
+    pass runs) tune the GPU kernel; tile also selects the sample a key gives (see
+    `verify_reference`), programs does not."""
     batch, n, _ = logits.shape
     noise = verification_noise(key, batch, n)
-    stats = node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise, temperature, interpret=interpret,
-                              tile=tile, num_warps=num_warps, num_stages=num_stages, programs=programs)
-    return verify_from_stats(stats, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature)
+    partials = split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise, temperature,
+                                     interpret=interpret, tile=tile, num_warps=num_warps, num_stages=num_stages,
+                                     programs=programs)
+    return decide_pallas(*partials, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature,
+                         interpret=interpret)

@@ -1,0 +1,152 @@
+"""The verification decisions after the vocabulary pass, one Pallas program per row (Triton on GPU).
+
+Given the node-statistics kernel's per-(node, split) partials, one program per row does what
+`combine_blocks` and `verify_from_stats` do in jnp: it combines the splits into each node's
+normaliser, residual mass and sample, decides each node's accepted child from its uniform (the
+rule of `chosen_children`), walks down the tree from the root (one step per level, a short
+serial loop) and writes the path, the count, the next token and the log-probs. It reads the
+logits only at 2 positions per node (each draft token at its parent, the emitted token at the
+path's end). At small batches this replaces about ten small XLA kernels, whose launches cost more
+than their work.
+
+Nodes and splits are padded to powers of 2 inside the program (Triton's block shapes); every
+gather from a vector is a one-hot sum over the padded nodes, which is exact (one term is not 0).
+In interpret mode the arithmetic is the jnp reference's; compiled, only float summation order and
+library transcendentals can differ, which can only change a decision within rounding of a
+boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels.tree_noise import LOG2E
+from kernels.tree_race import inverse_temperature
+from kernels.tree_verify_reference import VerifyResult
+
+_NONE = 1 << 30  # "no index" for min-reductions over node indices
+
+
+def _at(values, index, lanes):
+    """values[index] for a padded vector [P] and an index vector [P]: a one-hot sum."""
+    return jnp.sum(jnp.where(lanes[None, :] == index[:, None], values[None, :], 0), axis=1)
+
+
+def _decide_kernel(peak_ref, total_ref, candidates_ref, best_ref, sample_ref, logits_ref, parents_ref, tokens_ref,
+                   num_nodes_ref, uniforms_ref, path_ref, accepted_ref, next_ref, logprobs_ref,
+                   *, temperature: float, nodes: int, splits: int, vocab: int, padded: int):
+    lanes = jnp.arange(padded, dtype=jnp.int32)
+    valid = lanes < nodes
+    node = jnp.minimum(lanes, nodes - 1)  # a safe load index for the padding lanes
+    inv_t = inverse_temperature(temperature)
+
+    def load(ref, index, fill):
+        return jnp.where(valid, plgpu.load(ref.at[index]), fill)
+
+    # Combine the vocabulary splits as `combine_blocks` does: the top, then the rescaled sums.
+    top = lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, load(peak_ref, node * splits + s, -jnp.inf)),
+                        jnp.full((padded,), -jnp.inf, jnp.float32))
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+
+    def fold(s, carry):
+        total, candidates, best, sample = carry
+        at = node * splits + s
+        scale = jnp.exp2((load(peak_ref, at, -jnp.inf) - shift) * LOG2E)
+        score = load(best_ref, at, -jnp.inf)
+        better = score > best  # the first split with the highest score wins
+        return (total + load(total_ref, at, 0.0) * scale, candidates + load(candidates_ref, at, 0.0) * scale,
+                jnp.where(better, score, best), jnp.where(better, load(sample_ref, at, 0), sample))
+
+    zeros = jnp.zeros((padded,), jnp.float32)
+    total, candidates, _, sample = lax.fori_loop(
+        0, splits, fold, (zeros, zeros, jnp.full((padded,), -jnp.inf, jnp.float32), jnp.zeros((padded,), jnp.int32)))
+    # With every split at -inf nothing is better: sample 0, which is then split 0's (the
+    # node-statistics kernel's rule), as combine_blocks' argmax picks.
+    lse = top + jnp.log(total)
+    residual = jnp.ones_like(total) if temperature == 0 else candidates / total
+
+    # The tree (`tree_structure`): child_of[n, m] = node m is a valid child of node n.
+    count = num_nodes_ref[...]
+    is_child = (lanes > 0) & (lanes < count)
+    parent = jnp.where(is_child, load(parents_ref, node, 0), 0)
+    token = jnp.where(is_child, load(tokens_ref, node, 0), 0)
+    child_of = is_child[None, :] & (parent[None, :] == lanes[:, None])
+    # log p of each draft token at its parent (`_child_logprobs`)
+    logit = plgpu.load(logits_ref.at[parent * vocab + token]).astype(jnp.float32)
+    child_logp = jnp.where(is_child, logit * inv_t - _at(lse, parent, lanes), 0.0)
+
+    # The accepted child of every node (`chosen_children`), -1 for none.
+    later = lanes[None, :] > lanes[:, None]  # [n, m]: m after n
+    if temperature == 0:
+        hit = is_child & (token == _at(sample, parent, lanes))
+        first = jnp.min(jnp.where(child_of & hit[None, :], lanes[None, :], _NONE), axis=1)
+        chosen = jnp.where(first < _NONE, first, -1)
+    else:
+        sibling = is_child[:, None] & is_child[None, :] & (parent[:, None] == parent[None, :])  # [m, j]
+        repeated = jnp.max(jnp.where(sibling & ~later & (lanes[None, :] != lanes[:, None])
+                                     & (token[None, :] == token[:, None]), 1, 0), axis=1) > 0
+        prob = jnp.where(is_child & ~repeated, jnp.exp(child_logp), 0.0)
+        running = jnp.sum(jnp.where(sibling & ~later, prob[None, :], 0.0), axis=1)  # over j <= m
+        children_mass = jnp.sum(jnp.where(child_of, prob[None, :], 0.0), axis=1)
+        threshold = load(uniforms_ref, node, 0.0) * (residual + children_mass)
+        hit = is_child & (_at(threshold, parent, lanes) < running)
+        first = jnp.min(jnp.where(child_of & hit[None, :], lanes[None, :], _NONE), axis=1)
+        # no residual mass: all-rejected has probability 0; take the last child with mass instead
+        last = jnp.max(jnp.where(child_of & (prob > 0)[None, :], lanes[None, :], -1), axis=1)
+        chosen = jnp.where(first < _NONE, first, jnp.where((residual <= 0) & (last >= 0), last, -1))
+
+    # Walk down the tree (`walk`, `assemble`): step d follows the chosen child of the node at d - 1.
+    def step(d, carry):
+        current, path, logprobs = carry
+        nxt = jnp.where(current >= 0, jnp.sum(jnp.where(lanes == current, chosen, 0)), -1)
+        path = jnp.where((lanes == d) & (nxt >= 0), nxt, path)
+        logprobs = jnp.where((lanes == d - 1) & (nxt >= 0), jnp.sum(jnp.where(lanes == nxt, child_logp, 0.0)),
+                             logprobs)
+        return jnp.where(nxt >= 0, nxt, -1), path, logprobs
+
+    path = jnp.where(lanes == 0, 0, -1)
+    _, path, logprobs = lax.fori_loop(1, nodes, step, (jnp.int32(0), path, zeros))
+    accepted = jnp.sum(jnp.where((lanes > 0) & (path >= 0), 1, 0))
+    end = jnp.sum(jnp.where(lanes == accepted, path, 0))
+    next_token = jnp.sum(jnp.where(lanes == end, sample, 0))
+    end_logit = plgpu.load(logits_ref.at[end * vocab + next_token]).astype(jnp.float32)
+    end_logp = end_logit * inv_t - jnp.sum(jnp.where(lanes == end, lse, 0.0))
+    logprobs = jnp.where(lanes == accepted, end_logp, jnp.where(lanes < accepted, logprobs, 0.0))
+    path_ref[...] = path
+    logprobs_ref[...] = logprobs
+    accepted_ref[...] = accepted
+    next_ref[...] = next_token
+
+
+def decide_pallas(peak, total, candidates, best, sample, logits, parents, draft_tokens, num_nodes, uniforms,
+                  temperature: float, *, interpret: bool = False, num_warps: int = 4) -> VerifyResult:
+    """`VerifyResult` from the node-statistics kernel's partials (float32 / int32 [B, N, S]: per
+    split, max of x = logits * inv_t, sums of exp(x - max) over all / candidate tokens, best tile
+    race score, its sample), logits [B, N, V], the tree (parents, draft_tokens int32 [B, N],
+    num_nodes int32 [B]) and uniforms float32 [B, N]."""
+    batch, n, vocab = logits.shape
+    splits, padded = peak.shape[-1], pl.next_power_of_2(n)
+    flat = lambda x: x.reshape(batch, n * splits)  # noqa: E731
+    kernel = functools.partial(_decide_kernel, temperature=temperature, nodes=n, splits=splits, vocab=vocab,
+                               padded=padded)
+    row = lambda size: pl.BlockSpec((None, size), lambda b: (b, 0))  # noqa: E731
+    scalar = pl.BlockSpec((None,), lambda b: (b,))
+    path, accepted, next_token, logprobs = pl.pallas_call(
+        kernel,
+        grid=(batch,),
+        in_specs=[row(n * splits)] * 5 + [row(n * vocab), row(n), row(n), scalar, row(n)],
+        out_specs=[row(padded), scalar, scalar, row(padded)],  # the padded nodes, sliced off below
+        out_shape=[jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+                   jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, padded), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="tree_verify_decide",
+    )(flat(peak), flat(total), flat(candidates), flat(best), flat(sample), logits.reshape(batch, n * vocab),
+      parents, draft_tokens, num_nodes, uniforms)
+    return VerifyResult(path[:, :n], accepted, next_token, logprobs[:, :n])

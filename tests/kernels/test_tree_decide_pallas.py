@@ -1,0 +1,54 @@
+"""The per-row decision kernel (interpret mode) equals the jnp path it replaces: `combine_blocks`
+then `verify_from_stats`, on the node-statistics kernel's partials, with ties between splits and a
+node whose every split scores -inf, on trees whose node count is not a power of 2."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.tree_decide_pallas import decide_pallas
+from kernels.tree_verify_pallas import split_partials_pallas
+from kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
+
+BATCH, NODES, VOCAB, TILE = 5, 6, 200, 32
+
+
+def _forest(seed: int):
+    rng = np.random.default_rng(seed)
+    parents = np.full((BATCH, NODES), -1, np.int32)
+    for n in range(1, NODES):
+        parents[:, n] = rng.integers(0, n, size=BATCH)
+    tokens = rng.integers(0, VOCAB, size=(BATCH, NODES)).astype(np.int32)
+    logits = 1.5 * rng.standard_normal((BATCH, NODES, VOCAB)).astype(np.float32)
+    for b in range(BATCH):  # some drafts are the likeliest tokens, so paths of every length occur
+        for n in range(1, NODES):
+            if rng.random() < 0.6:
+                logits[b, parents[b, n], tokens[b, n]] = 6.0
+    num_nodes = np.array([6, 6, 4, 1, 5], np.int32)
+    return tuple(jnp.asarray(x) for x in (logits, parents, tokens, num_nodes))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_decide_kernel_equals_the_jnp_decisions(temperature):
+    logits, parents, tokens, num_nodes = _forest(0)
+    for seed in range(5):
+        noise = verification_noise(jax.random.key(seed), BATCH, NODES)
+        peak, total, candidates, best, sample = split_partials_pallas(
+            logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE,
+            programs=4 * BATCH * NODES)
+        assert best.shape[-1] >= 3
+        best = best.at[0, :, 1].set(best[0, :, 0])  # ties between splits: the first one wins
+        best = best.at[1, 2].set(-jnp.inf)  # no split of this node leads: split 0's sample
+        sample_split = lambda w: jnp.take_along_axis(sample, w[..., None], axis=-1)[..., 0]  # noqa: E731
+        stats = combine_blocks(peak, total, candidates, best, sample_split, temperature)
+        want = verify_from_stats(stats, logits, parents, tokens, num_nodes, noise.uniforms, temperature)
+        got = decide_pallas(peak, total, candidates, best, sample, logits, parents, tokens, num_nodes,
+                            noise.uniforms, temperature, interpret=True)
+        for name, w, g in zip(want._fields, want, got):
+            assert g.shape == w.shape, name
+            if name == "logprobs":
+                np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(g, w, err_msg=name)
+    assert int(jnp.max(want.num_accepted)) >= 2
