@@ -26,42 +26,46 @@ def median_seconds(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -
     return statistics.median(times)
 
 
-def in_program(fn: Callable[..., object], calls: int) -> Callable[..., tuple[list, jax.Array]]:
-    """A jitted program(x, *rest) -> (outputs, x') that runs y_i = fn(x_i, *rest, i) for
-    i = 0 .. calls - 1 (i an int32 scalar, e.g. for `jax.random.fold_in`). x_{i+1} is x_i with its
-    first element plus 0 * (the first element of y_i's first leaf): every call depends on the one
-    before, so XLA neither merges calls nor overlaps them, and hoists none of their work, even work
-    that does not depend on i. x is donated (the update is in place) and x' is the last x_i."""
+def in_loop(fn: Callable[..., object], calls: int) -> Callable[..., tuple]:
+    """A jitted program(args) -> args' that runs fn(*args, i) for i = 0 .. calls - 1 in a
+    `lax.fori_loop` (i an int32 scalar, e.g. for `jax.random.fold_in`), as a compiled rollout loop
+    runs it. After each call every numeric array argument gets 0 * (the sum of the call's outputs)
+    added to its first element, in place: each call depends on the one before and no argument is
+    loop-invariant, so XLA neither hoists work out of the loop (e.g. what depends on the logits or
+    the tree alone) nor drops the calls. args (a tuple) is donated; args' replaces it."""
 
-    def program(x, *rest):
-        outs = []
-        for i in range(calls):
-            out = fn(x, *rest, jnp.int32(i))
-            first = jnp.ravel(jax.tree.leaves(out)[0])[0].astype(x.dtype)
-            corner = (0,) * x.ndim
-            x = jax.lax.dynamic_update_slice(x, x[corner].reshape((1,) * x.ndim) + 0 * first, corner)
-            outs.append(out)
-        return outs, x
+    def touch(x: jax.Array, zero: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.number):
+            return x  # e.g. a PRNG key: the calls differ by i
+        corner = (0,) * x.ndim
+        first = jax.lax.dynamic_slice(x, corner, (1,) * x.ndim)
+        return jax.lax.dynamic_update_slice(x, (first + zero).astype(x.dtype), corner)
+
+    def program(args: tuple) -> tuple:
+        def body(i, args):
+            out = fn(*args, i)
+            zero = 0.0 * sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(out))
+            return tuple(touch(x, zero) for x in args)
+
+        return jax.lax.fori_loop(0, calls, body, args)
 
     return jax.jit(program, donate_argnums=0)
 
 
-def in_program_seconds(fn: Callable[..., object], x: jax.Array, rest: tuple = (), calls: int = 20,
-                       repeats: int = 5) -> tuple[float, jax.Array]:
-    """(seconds per call of `in_program(fn, calls)`, blocked on once per program (median over
-    `repeats`), and x' to use in place of the donated x): the device time of a call as inside a
-    compiled loop, with no host dispatch between calls (jitted calls dispatched back to back from
-    Python can fall behind a device that takes ~0.1 ms per call). Each call also pays one
-    one-element update of x."""
-    program = in_program(fn, calls)
+def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20,
+                    repeats: int = 5) -> tuple[float, tuple]:
+    """(seconds per iteration of `in_loop(fn, calls)` (median over `repeats` runs, each blocked on
+    once), args' to use in place of the donated args): the device time of a call inside a compiled
+    loop, plus the loop's own cost per iteration (time an `fn` that does nothing to subtract it).
+    No host dispatch between calls: jitted calls dispatched back to back from Python can fall
+    behind a device that takes ~0.1 ms per call."""
+    program = in_loop(fn, calls)
     times = []
-    for i in range(repeats + 1):  # the first compiles
+    for _ in range(repeats + 1):  # the first compiles
         start = time.perf_counter()
-        outs, x = program(x, *rest)
-        jax.block_until_ready((outs, x))
+        args = jax.block_until_ready(program(tuple(args)))
         times.append(time.perf_counter() - start)
-        del outs
-    return statistics.median(times[1:]) / calls, x
+    return statistics.median(times[1:]) / calls, args
 
 
 def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, iters: int = 10) -> float:

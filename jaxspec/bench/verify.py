@@ -2,14 +2,15 @@
 
 Random f32 logits [batch, nodes, vocab] and a random tree per row (each node's parent drawn below
 it, random draft tokens), deterministic drafts. Times are per call with `--iters` calls inside one
-compiled program (`in_program_seconds`: device time, as inside the compiled rollout loop; each
-call has its own key and depends on the one before through a one-element update of the logits,
-so XLA can neither merge calls nor hoist the work they share). The `latency` columns time single
-blocking calls, dispatch and host round trip included. Each call reads the logits once, so the
-achieved rate is logits bytes / time, compared with the device copy bandwidth (bytes read +
-written per second) measured in the same run. `agree` is the fraction of rows where both
-implementations return the same path, count and next token from the same key (they share the
-noise; float summation order can flip a decision that lands within rounding of a boundary).
+compiled `fori_loop` (`in_loop_seconds`: device time, as inside the compiled rollout loop; each
+call has its own key, and depends on the one before through in-place zero updates of the logits
+and the tree, so XLA hoists none of the work out of the loop), less `loop_ms`, the same loop's
+time per iteration with a call that does nothing. The `latency` columns time single blocking
+calls, dispatch and host round trip included. Each call reads the logits once, so the achieved
+rate is logits bytes / time, compared with the device copy bandwidth (bytes read + written per
+second) measured in the same run. `agree` is the fraction of rows where both implementations
+return the same path, count and next token from the same key (they share the noise; float
+summation order can flip a decision that lands within rounding of a boundary).
 
 `--profile` also traces 10 calls of each implementation per shape and reports the device time of
 the kernels they launch: all of them, and the kernel path's Pallas node-statistics kernel alone.
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
-from jaxspec.bench.timing import (copy_bytes_per_second, in_program_seconds, median_seconds, print_table,
+from jaxspec.bench.timing import (copy_bytes_per_second, in_loop_seconds, median_seconds, print_table,
                                   write_results)
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
@@ -47,15 +48,15 @@ def random_trees(batch: int, nodes: int, vocab: int, seed: int):
     return jnp.asarray(parents), jnp.asarray(tokens), jnp.full((batch,), nodes, jnp.int32)
 
 
-def _in_program(call, logits, tree: tuple, calls: int, make_logits) -> tuple[float | None, jax.Array]:
-    """(`in_program_seconds` of call(logits, *tree, i), or None when the device runs out of memory;
-    the logits to use next: the program donates them, so they are made again after a failure)."""
+def _in_loop(call, inputs: tuple, calls: int, make_inputs) -> tuple[float | None, tuple]:
+    """(`in_loop_seconds` of call(*inputs, i), or None when the device runs out of memory; the
+    inputs to use next: the loop donates them, so they are made again after a failure)."""
     try:
-        return in_program_seconds(call, logits, tree, calls=calls)
+        return in_loop_seconds(call, inputs, calls=calls)
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        return None, make_logits()
+        return None, make_inputs()
 
 
 def _timed(measure) -> float | None:
@@ -126,9 +127,8 @@ def main(argv: list[str]) -> int:
     for batch in args.batch:
         for nodes in args.nodes:
             shape, seed = (batch, nodes, args.vocab), jax.random.key(batch * 1000 + nodes)
-            make_logits = lambda shape=shape, seed=seed: jax.random.normal(seed, shape, jnp.float32)  # noqa: E731
-            logits = make_logits()
-            tree = (*random_trees(batch, nodes, args.vocab, seed=nodes), key)  # arguments, not compile-time constants
+            make_inputs = lambda shape=shape, seed=seed: (  # noqa: E731  (arguments, never compile-time constants)
+                jax.random.normal(seed, shape, jnp.float32), *random_trees(*shape, seed=shape[1]), key)
             kernel_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_pallas(  # noqa: E731
                 logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
                 interpret=not gpu, tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages,
@@ -136,10 +136,16 @@ def main(argv: list[str]) -> int:
             reference_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_reference(  # noqa: E731
                 logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
                 tile=args.tile)
-            t_kernel, logits = _in_program(kernel_call, logits, tree, args.iters, make_logits)
-            t_reference, logits = _in_program(reference_call, logits, tree, args.iters, make_logits)
-            kernel = lambda a=(logits, *tree): kernel_call(*a)  # noqa: E731
-            reference = lambda a=(logits, *tree): reference_call(*a)  # noqa: E731
+            loop_call = lambda logits, parents, tokens, num_nodes, key, i: jax.random.key_data(  # noqa: E731
+                jax.random.fold_in(key, i))
+            inputs = make_inputs()
+            t_loop, inputs = _in_loop(loop_call, inputs, args.iters, make_inputs)  # the loop's own cost
+            t_kernel, inputs = _in_loop(kernel_call, inputs, args.iters, make_inputs)
+            t_reference, inputs = _in_loop(reference_call, inputs, args.iters, make_inputs)
+            t_kernel, t_reference = (None if None in (t, t_loop) else t - t_loop for t in (t_kernel, t_reference))
+            logits = inputs[0]
+            kernel = lambda a=inputs: kernel_call(*a)  # noqa: E731
+            reference = lambda a=inputs: reference_call(*a)  # noqa: E731
             lat_kernel, lat_reference = (_timed(lambda f=f: median_seconds(f, iters=args.iters))
                                          for f in (kernel, reference))
             agree = None
@@ -152,7 +158,7 @@ def main(argv: list[str]) -> int:
             scaled = lambda t, unit: None if t is None else unit(t)
             ratio = lambda num, den: None if None in (num, den) else num / den
             ms = lambda t: 1e3 * t
-            rows.append({"batch": batch, "nodes": nodes, "vocab": args.vocab,
+            rows.append({"batch": batch, "nodes": nodes, "vocab": args.vocab, "loop_ms": scaled(t_loop, ms),
                          "kernel_ms": scaled(t_kernel, ms), "reference_ms": scaled(t_reference, ms),
                          "speedup": ratio(t_reference, t_kernel),
                          "kernel_latency_ms": scaled(lat_kernel, ms), "reference_latency_ms": scaled(lat_reference, ms),
@@ -164,7 +170,7 @@ def main(argv: list[str]) -> int:
             if work is not None:
                 trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")
                 trace_calls(reference, work / f"trace_{batch}_{nodes}_reference")
-            del logits, kernel, reference  # frees the logits before the next shape's
+            del logits, inputs, kernel, reference  # frees the logits before the next shape's
     if work is not None:
         scopes = op_scopes(work / "hlo")  # every program has been compiled (and dumped) by now
         for row in rows:
@@ -174,9 +180,9 @@ def main(argv: list[str]) -> int:
     baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
                 "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret",
-                "timing": "in_program_seconds"}
+                "timing": "in_loop_seconds, minus loop_ms"}
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
-    print_table(rows, ["batch", "nodes", "vocab", "kernel_ms", "reference_ms", "speedup", "kernel_latency_ms",
+    print_table(rows, ["batch", "nodes", "vocab", "loop_ms", "kernel_ms", "reference_ms", "speedup", "kernel_latency_ms",
                        "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy", "agree"])
     if work is not None:
         print(f"device time per call by kernel ({PROFILE_CALLS} traced calls, command buffers off):")

@@ -1,31 +1,33 @@
-"""The in-program timing runs every call: XLA may neither merge nor hoist calls whose work does not
-depend on the call index."""
+"""The in-loop timing keeps every call inside the loop: XLA may neither hoist a call's work out of
+it (work that depends only on loop-invariant arguments) nor drop the calls."""
 
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import in_program, in_program_seconds
+from jaxspec.bench.timing import in_loop, in_loop_seconds
 
 
-def _sines(fn, x) -> int:
-    return len(re.findall(r"\bsine\(", fn.lower(x).compile().as_text()))
+def _carried(program, args) -> str:
+    """The types of the while loop's carried tuple in the compiled program."""
+    [line] = [ln for ln in program.lower(args).compile().as_text().splitlines() if " while(" in ln]
+    return re.search(r"= \((.*?)\) while\(", line)[1]
 
 
-def test_in_program_keeps_every_call():
-    x = jnp.linspace(0.0, 1.0, 1024)
-    same_work = lambda v, i: jnp.sum(jnp.sin(v))  # noqa: E731
-    assert _sines(in_program(same_work, calls=3), x) == 3
-    outs, x_after = in_program(same_work, calls=3)(jnp.linspace(0.0, 1.0, 1024))
-    np.testing.assert_array_equal(x_after, x)  # the chained update adds 0
-    assert len(outs) == 3 and len({float(o) for o in outs}) == 1
-    assert _sines(jax.jit(lambda v: [same_work(v, 0) for _ in range(3)]), x) == 1  # what the chain prevents
+def test_in_loop_keeps_every_call_in_the_loop():
+    x, y = jnp.linspace(0.0, 1.0, 1024), jnp.arange(4, dtype=jnp.int32)
+    same_work = lambda v, w, i: (jnp.sum(jnp.sin(v)), w[0])  # noqa: E731  (the same work every call)
+    # only the counter and the two arguments are carried: sin(x) and its sum stay in the body
+    assert _carried(in_loop(same_work, calls=3), (x, y)) == "s32[], f32[1024]{0}, s32[4]{0}"
+    x_after, y_after = in_loop(same_work, calls=3)((x, y))
+    np.testing.assert_array_equal(x_after, jnp.linspace(0.0, 1.0, 1024))  # each call adds 0
+    np.testing.assert_array_equal(y_after, [0, 1, 2, 3])
 
 
-def test_in_program_passes_each_call_its_index():
-    outs, _ = in_program(lambda v, w, i: v + w + i, calls=4)(jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32))
-    assert [o.tolist() for o in outs] == [[1, 1], [2, 2], [3, 3], [4, 4]]
-    seconds, x = in_program_seconds(lambda v, i: v * 2.0 + i, jnp.ones(8), calls=2, repeats=1)
-    assert seconds > 0 and x.shape == (8,)
+def test_in_loop_traces_fn_once_with_an_int32_index():
+    seen = []
+    in_loop(lambda v, i: seen.append(i) or (v + i,), calls=3)((jnp.zeros(2),))
+    assert len(seen) == 1 and seen[0].shape == () and seen[0].dtype == jnp.int32  # one loop body
+    seconds, (v,) = in_loop_seconds(lambda v, i: (v * 2.0 + i,), (jnp.ones(8),), calls=2, repeats=1)
+    assert seconds > 0 and v.shape == (8,)
