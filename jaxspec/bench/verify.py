@@ -122,13 +122,12 @@ def main(argv: list[str]) -> int:
     gpu = jax.default_backend() == "gpu"
     copy_bytes = args.copy_bytes or (1 << 30 if gpu else 1 << 24)
     copy_rate = copy_bytes_per_second(copy_bytes, iters=args.iters)
-    key = jax.random.key(0)
     rows = []
     for batch in args.batch:
         for nodes in args.nodes:
             shape, seed = (batch, nodes, args.vocab), jax.random.key(batch * 1000 + nodes)
             make_inputs = lambda shape=shape, seed=seed: (  # noqa: E731  (arguments, never compile-time constants)
-                jax.random.normal(seed, shape, jnp.float32), *random_trees(*shape, seed=shape[1]), key)
+                jax.random.normal(seed, shape, jnp.float32), *random_trees(*shape, seed=shape[1]), jax.random.key(0))
             kernel_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_pallas(  # noqa: E731
                 logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
                 interpret=not gpu, tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages,
@@ -182,8 +181,9 @@ def main(argv: list[str]) -> int:
                 "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret",
                 "timing": "in_loop_seconds, minus loop_ms"}
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
-    print_table(rows, ["batch", "nodes", "vocab", "loop_ms", "kernel_ms", "reference_ms", "speedup", "kernel_latency_ms",
-                       "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy", "agree"])
+    print_table(rows, ["batch", "nodes", "vocab", "loop_ms", "kernel_ms", "reference_ms", "speedup",
+                       "kernel_latency_ms", "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy",
+                       "agree"])
     if work is not None:
         print(f"device time per call by kernel ({PROFILE_CALLS} traced calls, command buffers off):")
         print_table(rows, ["batch", "nodes", "kernel_ms", "kernel_traced_ms", "kernel_node_stats_ms",

@@ -36,3 +36,13 @@ def test_bench_verify_profile_charges_the_traced_kernels(tmp_path):
     # the interpreted Pallas kernel's ops carry its name; they are part of the kernel path's total
     assert 0 < row["kernel_node_stats_ms"] <= row["kernel_traced_ms"]
     assert "device time per call by kernel" in proc.stdout
+
+
+def test_bench_verify_times_several_shapes(tmp_path):
+    """Each shape's loop donates its inputs (the key too): the next shape makes its own."""
+    out = tmp_path / "verify.json"
+    assert main(["bench", "verify", "--vocab", "256", "--batch", "2", "3", "--nodes", "2", "--iters", "2",
+                 "--tile", "128", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["nodes"]) for r in rows] == [(2, 2), (3, 2)]
+    assert all(r["kernel_ms"] is not None and r["loop_ms"] > 0 and r["agree"] == 1.0 for r in rows)
