@@ -3,15 +3,14 @@
 The kernel streams each node's logits once, in vocabulary tiles, computing per tile its maximum,
 its sum of exp(x - max) over all tokens and over the candidate tokens (not children of the node),
 and the tile's race score of the two-level residual race (`kernels.tree_race`); it folds these
-online into per-(row, node, split) partials. Whenever a tile takes the lead of its split's tile
-race, the token race inside it runs on the tile already in registers, so each split also returns
-the sample its best tile gives and no tile is read twice. The grid is (rows, nodes, vocabulary
+online into per-(row, node, split) partials. The loop keeps the leading tile of its split's tile
+race in registers, and the token race inside it runs once after the loop, so each split also
+returns the sample its best tile gives and no tile is read twice. The grid is (rows, nodes, vocabulary
 splits): splits keep the GPU busy when rows x nodes is small. A second kernel, one program per
 row (`kernels.tree_decide_pallas`), combines the splits (the winning split's sample is the
 node's), makes the reference's sibling decisions and walks down the tree. Per token the first
 kernel does one exp2 and a compare per child of the node, so it streams at memory speed; the
-per-token hash and logs of a flat Gumbel race are only spent on the tiles that take the lead
-(about ln of the tiles per split).
+per-token hash and logs of a flat Gumbel race are only spent on one tile per split.
 
 In interpret mode the arithmetic is the reference's, so the two return identical results for the
 same key and tile (normalisers up to float summation order). Compiled, library and XLA
@@ -47,9 +46,10 @@ def _stats_kernel(logits_ref, tile_seed_ref, token_seed_ref, children_ref, count
     """One (row, node, split) program over `tiles_per_split` vocabulary tiles; scalar outputs:
     peak = max of x = logits * inv_t; total / candidates = sum of exp(x - peak) over all /
     candidate tokens; best = the best tile race score (first on ties); sample = the token race
-    winner inside that tile (token 0 while no tile of the split scores above -inf; when no tile of
-    the node does, split 0 wins, and the reference's race inside tile 0, with no candidate, also
-    gives token 0)."""
+    winner inside that tile, drawn once after the loop from the leading tile's x, which the loop
+    keeps in registers (token 0 while no tile of the split scores above -inf; when no tile of the
+    node does, split 0 wins, and the reference's race inside tile 0, with no candidate, also gives
+    token 0)."""
     split = pl.program_id(2)
     inv_t = inverse_temperature(temperature)
     race = temperature > 0
@@ -57,43 +57,39 @@ def _stats_kernel(logits_ref, tile_seed_ref, token_seed_ref, children_ref, count
     count = count_ref[...] if race else 0
     lanes = jnp.arange(tile, dtype=jnp.int32)
 
+    def children_of(token):
+        return lax.fori_loop(0, count, lambda j, hit: hit | (token == children_ref[j]), jnp.zeros((tile,), jnp.bool_))
+
     def body(i, carry):
-        peak, total, candidates, best, sample = carry
+        peak, total, candidates, best, lead_tile, lead_x = carry
         t = split * tiles_per_split + i
         token = t * tile + lanes
         x = plgpu.load(logits_ref.at[token], mask=token < vocab, other=-jnp.inf).astype(jnp.float32) * inv_t
         tile_max = jnp.max(x)
         weight = jnp.exp2((x - jnp.where(tile_max == -jnp.inf, 0.0, tile_max)) * LOG2E)
         tile_total = jnp.sum(weight)
-        child = None
-        if race:
-            child = lax.fori_loop(0, count, lambda j, hit: hit | (token == children_ref[j]),
-                                  jnp.zeros((tile,), jnp.bool_))
-            tile_candidates = jnp.sum(jnp.where(child, 0.0, weight))
-        else:
-            tile_candidates = tile_total
+        tile_candidates = jnp.sum(jnp.where(children_of(token), 0.0, weight)) if race else tile_total
         score = tile_scores(tile_max, tile_candidates, t, tile_seed, temperature)
         leads = score > best
-        sample = lax.cond(
-            leads,
-            lambda: t * tile + jnp.argmax(token_scores(x, token, child, token_seed, temperature, vocab)).astype(
-                jnp.int32),
-            lambda: sample)
         new_peak = jnp.maximum(peak, tile_max)
         shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)
         old_scale = jnp.exp2((peak - shift) * LOG2E)
         tile_scale = jnp.exp2((tile_max - shift) * LOG2E)
         return (new_peak, total * old_scale + tile_total * tile_scale,
-                candidates * old_scale + tile_candidates * tile_scale, jnp.where(leads, score, best), sample)
+                candidates * old_scale + tile_candidates * tile_scale, jnp.where(leads, score, best),
+                jnp.where(leads, t, lead_tile), jnp.where(leads, x, lead_x))
 
     neg_inf, zero = jnp.float32(-jnp.inf), jnp.float32(0.0)
-    peak, total, candidates, best, sample = lax.fori_loop(
-        0, tiles_per_split, body, (neg_inf, zero, zero, neg_inf, jnp.int32(0)))
+    no_tile = jnp.full((tile,), -jnp.inf, jnp.float32)
+    peak, total, candidates, best, lead_tile, lead_x = lax.fori_loop(
+        0, tiles_per_split, body, (neg_inf, zero, zero, neg_inf, jnp.int32(0), no_tile))
+    token = lead_tile * tile + lanes
+    scores = token_scores(lead_x, token, children_of(token) if race else None, token_seed, temperature, vocab)
     peak_ref[...] = peak
     total_ref[...] = total
     candidates_ref[...] = candidates
     best_ref[...] = best
-    sample_ref[...] = sample
+    sample_ref[...] = lead_tile * tile + jnp.argmax(scores).astype(jnp.int32)
 
 
 def _split_plan(batch: int, nodes: int, vocab: int, tile: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
