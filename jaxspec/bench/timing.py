@@ -29,23 +29,25 @@ def median_seconds(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -
 def in_loop(fn: Callable[..., object], calls: int) -> Callable[..., tuple]:
     """A jitted program(args) -> args' that runs fn(*args, i) for i = 0 .. calls - 1 in a
     `lax.fori_loop` (i an int32 scalar, e.g. for `jax.random.fold_in`), as a compiled rollout loop
-    runs it. After each call every numeric array argument gets 0 * (the sum of the call's outputs)
-    added to its first element, in place: each call depends on the one before and no argument is
-    loop-invariant, so XLA neither hoists work out of the loop (e.g. what depends on the logits or
-    the tree alone) nor drops the calls. args (a tuple) is donated; args' replaces it."""
+    runs it. After each call the first element of every numeric array argument is written again,
+    in place, as its value before the loop + 0 * (the sum of the call's outputs): each call
+    depends on the one before and no argument is loop-invariant, so XLA neither hoists work out of
+    the loop (e.g. what depends on the logits or the tree alone) nor drops the calls. The written
+    value does not read the array, so the update needs no copy of it. args (a tuple) is donated;
+    args' replaces it."""
 
-    def touch(x: jax.Array, zero: jax.Array) -> jax.Array:
-        if not jnp.issubdtype(x.dtype, jnp.number):
-            return x  # e.g. a PRNG key: the calls differ by i
-        corner = (0,) * x.ndim
-        first = jax.lax.dynamic_slice(x, corner, (1,) * x.ndim)
-        return jax.lax.dynamic_update_slice(x, (first + zero).astype(x.dtype), corner)
+    def numeric(x: jax.Array) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.number)  # not e.g. a PRNG key: the calls differ by i
 
     def program(args: tuple) -> tuple:
+        corners = [jnp.ravel(x)[:1] if numeric(x) else None for x in args]
+
         def body(i, args):
             out = fn(*args, i)
             zero = 0.0 * sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(out))
-            return tuple(touch(x, zero) for x in args)
+            return tuple(x if corner is None else jax.lax.dynamic_update_slice(
+                x, (corner + zero).astype(x.dtype).reshape((1,) * x.ndim), (0,) * x.ndim)
+                for x, corner in zip(args, corners))
 
         return jax.lax.fori_loop(0, calls, body, args)
 
