@@ -1,19 +1,18 @@
 """The verification decisions after the vocabulary pass, one Pallas program per row (Triton on GPU).
 
-Given the node-statistics kernel's per-(node, split) partials, one program per row does what
-`combine_blocks` and `verify_from_stats` do in jnp: it combines the splits into each node's
-normaliser, residual mass and sample, decides each node's accepted child from its uniform (the
-rule of `chosen_children`), walks down the tree from the root (one step per level, a short
+Given the node-statistics kernel's per-(node, split) partials and each node's sample, one program
+per row does what `combine_blocks` and `verify_from_stats` do in jnp: it combines the splits into
+each node's normaliser and residual mass, decides each node's accepted child from its uniform
+(the rule of `chosen_children`), walks down the tree from the root (one step per level, a short
 serial loop) and writes the path, the count, the next token and the log-probs. It reads the
 logits only at 2 positions per node (each draft token at its parent, the emitted token at the
 path's end). At small batches this replaces about ten small XLA kernels, whose launches cost more
 than their work.
 
-Nodes and splits are padded to powers of 2 inside the program (Triton's block shapes); every
-gather from a vector is a one-hot sum over the padded nodes, which is exact (one term is not 0).
-In interpret mode the arithmetic is the jnp reference's; compiled, only float summation order and
-library transcendentals can differ, which can only change a decision within rounding of a
-boundary.
+Nodes are padded to a power of 2 inside the program (Triton's block shapes); every gather from a
+vector is a one-hot sum over the padded nodes, which is exact (one term is not 0). In interpret
+mode the arithmetic is the jnp reference's; compiled, only float summation order and library
+transcendentals can differ, which can only change a decision within rounding of a boundary.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ def _at(values, index, lanes):
     return jnp.sum(jnp.where(lanes[None, :] == index[:, None], values[None, :], 0), axis=1)
 
 
-def _decide_kernel(peak_ref, total_ref, candidates_ref, best_ref, sample_ref, logits_ref, parents_ref, tokens_ref,
+def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, parents_ref, tokens_ref,
                    num_nodes_ref, uniforms_ref, path_ref, accepted_ref, next_ref, logprobs_ref,
                    *, temperature: float, nodes: int, splits: int, vocab: int, padded: int):
     lanes = jnp.arange(padded, dtype=jnp.int32)
@@ -55,19 +54,14 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, best_ref, sample_ref, lo
     shift = jnp.where(top == -jnp.inf, 0.0, top)
 
     def fold(s, carry):
-        total, candidates, best, sample = carry
+        total, candidates = carry
         at = node * splits + s
         scale = jnp.exp2((load(peak_ref, at, -jnp.inf) - shift) * LOG2E)
-        score = load(best_ref, at, -jnp.inf)
-        better = score > best  # the first split with the highest score wins
-        return (total + load(total_ref, at, 0.0) * scale, candidates + load(candidates_ref, at, 0.0) * scale,
-                jnp.where(better, score, best), jnp.where(better, load(sample_ref, at, 0), sample))
+        return total + load(total_ref, at, 0.0) * scale, candidates + load(candidates_ref, at, 0.0) * scale
 
     zeros = jnp.zeros((padded,), jnp.float32)
-    total, candidates, _, sample = lax.fori_loop(
-        0, splits, fold, (zeros, zeros, jnp.full((padded,), -jnp.inf, jnp.float32), jnp.zeros((padded,), jnp.int32)))
-    # With every split at -inf nothing is better: sample 0, which is then split 0's (the
-    # node-statistics kernel's rule), as combine_blocks' argmax picks.
+    total, candidates = lax.fori_loop(0, splits, fold, (zeros, zeros))
+    sample = load(sample_ref, node, 0)
     lse = top + jnp.log(total)
     residual = jnp.ones_like(total) if temperature == 0 else candidates / total
 
@@ -124,12 +118,12 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, best_ref, sample_ref, lo
     next_ref[...] = next_token
 
 
-def decide_pallas(peak, total, candidates, best, sample, logits, parents, draft_tokens, num_nodes, uniforms,
+def decide_pallas(peak, total, candidates, sample, logits, parents, draft_tokens, num_nodes, uniforms,
                   temperature: float, *, interpret: bool = False, num_warps: int = 4) -> VerifyResult:
-    """`VerifyResult` from the node-statistics kernel's partials (float32 / int32 [B, N, S]: per
-    split, max of x = logits * inv_t, sums of exp(x - max) over all / candidate tokens, best tile
-    race score, its sample), logits [B, N, V], the tree (parents, draft_tokens int32 [B, N],
-    num_nodes int32 [B]) and uniforms float32 [B, N]."""
+    """`VerifyResult` from the node-statistics kernel's partials (float32 [B, N, S]: per split, max
+    of x = logits * inv_t and the sums of exp(x - max) over all / candidate tokens), each node's
+    sample (int32 [B, N], `NodeStats.sample`), logits [B, N, V], the tree (parents, draft_tokens
+    int32 [B, N], num_nodes int32 [B]) and uniforms float32 [B, N]."""
     batch, n, vocab = logits.shape
     splits, padded = peak.shape[-1], pl.next_power_of_2(n)
     flat = lambda x: x.reshape(batch, n * splits)  # noqa: E731
@@ -140,13 +134,13 @@ def decide_pallas(peak, total, candidates, best, sample, logits, parents, draft_
     path, accepted, next_token, logprobs = pl.pallas_call(
         kernel,
         grid=(batch,),
-        in_specs=[row(n * splits)] * 5 + [row(n * vocab), row(n), row(n), scalar, row(n)],
+        in_specs=[row(n * splits)] * 3 + [row(n), row(n * vocab), row(n), row(n), scalar, row(n)],
         out_specs=[row(padded), scalar, scalar, row(padded)],  # the padded nodes, sliced off below
         out_shape=[jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
                    jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, padded), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="tree_verify_decide",
-    )(flat(peak), flat(total), flat(candidates), flat(best), flat(sample), logits.reshape(batch, n * vocab),
-      parents, draft_tokens, num_nodes, uniforms)
+    )(flat(peak), flat(total), flat(candidates), sample, logits.reshape(batch, n * vocab), parents, draft_tokens,
+      num_nodes, uniforms)
     return VerifyResult(path[:, :n], accepted, next_token, logprobs[:, :n])

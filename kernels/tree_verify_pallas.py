@@ -3,14 +3,15 @@
 The kernel streams each node's logits once, in vocabulary tiles, computing per tile its maximum,
 its sum of exp(x - max) over all tokens and over the candidate tokens (not children of the node),
 and the tile's race score of the two-level residual race (`kernels.tree_race`); it folds these
-online into per-(row, node, split) partials. The loop keeps the leading tile of its split's tile
-race in registers, and the token race inside it runs once after the loop, so each split also
-returns the sample its best tile gives and no tile is read twice. The grid is (rows, nodes, vocabulary
-splits): splits keep the GPU busy when rows x nodes is small. A second kernel, one program per
-row (`kernels.tree_decide_pallas`), combines the splits (the winning split's sample is the
-node's), makes the reference's sibling decisions and walks down the tree. Per token the first
-kernel does one exp2 and a compare per child of the node, so it streams at memory speed; the
-per-token hash and logs of a flat Gumbel race are only spent on one tile per split.
+online into per-(row, node, split) partials. The grid is (rows, nodes, vocabulary splits): splits
+keep the GPU busy when rows x nodes is small. jnp then draws the token race inside each node's
+winning tile (one tile re-read per node), and a second kernel, one program per row
+(`kernels.tree_decide_pallas`), combines the splits' normalisers, makes the reference's sibling
+decisions and walks down the tree. Per token the first kernel does one exp2 and a compare per
+child of the node, so it streams at memory speed; the per-token hash and logs of a flat Gumbel
+race are only spent on one tile per node. (Drawing that race inside the streaming loop instead,
+on the leading tile kept in registers or behind a branch, slowed the kernel on an H100:
+BENCHMARKS.md.)
 
 In interpret mode the arithmetic is the reference's, so the two return identical results for the
 same key and tile (normalisers up to float summation order). Compiled, library and XLA
@@ -32,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.tree_noise import LOG2E
-from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, tile_scores, token_scores
+from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, sample_in_tile, tile_scores
 from kernels.tree_structure import children_lists
 from kernels.tree_decide_pallas import decide_pallas
 from kernels.tree_verify_reference import NodeStats, VerifyNoise, VerifyResult, combine_blocks, verification_noise
@@ -40,56 +41,52 @@ from kernels.tree_verify_reference import NodeStats, VerifyNoise, VerifyResult, 
 TARGET_PROGRAMS = 2048  # enough (row, node, split) programs to fill a GPU when rows x nodes is small
 
 
-def _stats_kernel(logits_ref, tile_seed_ref, token_seed_ref, children_ref, count_ref,
-                  peak_ref, total_ref, candidates_ref, best_ref, sample_ref,
+def _stats_kernel(logits_ref, seed_ref, children_ref, count_ref,
+                  peak_ref, total_ref, candidates_ref, best_ref, best_tile_ref,
                   *, temperature: float, tile: int, tiles_per_split: int, vocab: int):
     """One (row, node, split) program over `tiles_per_split` vocabulary tiles; scalar outputs:
     peak = max of x = logits * inv_t; total / candidates = sum of exp(x - peak) over all /
-    candidate tokens; best = the best tile race score (first on ties); sample = the token race
-    winner inside that tile, drawn once after the loop from the leading tile's x, which the loop
-    keeps in registers (token 0 while no tile of the split scores above -inf; when no tile of the
-    node does, split 0 wins, and the reference's race inside tile 0, with no candidate, also gives
-    token 0)."""
+    candidate tokens; best = the best tile race score; best_tile = its tile index (the first on
+    ties; the split's first tile while none scores above -inf)."""
     split = pl.program_id(2)
     inv_t = inverse_temperature(temperature)
     race = temperature > 0
-    tile_seed, token_seed = tile_seed_ref[...], token_seed_ref[...]
+    seed = seed_ref[...]
     count = count_ref[...] if race else 0
     lanes = jnp.arange(tile, dtype=jnp.int32)
 
-    def children_of(token):
-        return lax.fori_loop(0, count, lambda j, hit: hit | (token == children_ref[j]), jnp.zeros((tile,), jnp.bool_))
-
     def body(i, carry):
-        peak, total, candidates, best, lead_tile, lead_x = carry
+        peak, total, candidates, best, best_tile = carry
         t = split * tiles_per_split + i
         token = t * tile + lanes
         x = plgpu.load(logits_ref.at[token], mask=token < vocab, other=-jnp.inf).astype(jnp.float32) * inv_t
         tile_max = jnp.max(x)
         weight = jnp.exp2((x - jnp.where(tile_max == -jnp.inf, 0.0, tile_max)) * LOG2E)
         tile_total = jnp.sum(weight)
-        tile_candidates = jnp.sum(jnp.where(children_of(token), 0.0, weight)) if race else tile_total
-        score = tile_scores(tile_max, tile_candidates, t, tile_seed, temperature)
-        leads = score > best
+        if race:
+            child = lax.fori_loop(0, count, lambda j, hit: hit | (token == children_ref[j]),
+                                  jnp.zeros((tile,), jnp.bool_))
+            tile_candidates = jnp.sum(jnp.where(child, 0.0, weight))
+        else:
+            tile_candidates = tile_total
+        score = tile_scores(tile_max, tile_candidates, t, seed, temperature)
         new_peak = jnp.maximum(peak, tile_max)
         shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)
         old_scale = jnp.exp2((peak - shift) * LOG2E)
         tile_scale = jnp.exp2((tile_max - shift) * LOG2E)
+        better = score > best
         return (new_peak, total * old_scale + tile_total * tile_scale,
-                candidates * old_scale + tile_candidates * tile_scale, jnp.where(leads, score, best),
-                jnp.where(leads, t, lead_tile), jnp.where(leads, x, lead_x))
+                candidates * old_scale + tile_candidates * tile_scale,
+                jnp.where(better, score, best), jnp.where(better, t, best_tile))
 
     neg_inf, zero = jnp.float32(-jnp.inf), jnp.float32(0.0)
-    no_tile = jnp.full((tile,), -jnp.inf, jnp.float32)
-    peak, total, candidates, best, lead_tile, lead_x = lax.fori_loop(
-        0, tiles_per_split, body, (neg_inf, zero, zero, neg_inf, jnp.int32(0), no_tile))
-    token = lead_tile * tile + lanes
-    scores = token_scores(lead_x, token, children_of(token) if race else None, token_seed, temperature, vocab)
+    peak, total, candidates, best, best_tile = lax.fori_loop(
+        0, tiles_per_split, body, (neg_inf, zero, zero, neg_inf, split * tiles_per_split))
     peak_ref[...] = peak
     total_ref[...] = total
     candidates_ref[...] = candidates
     best_ref[...] = best
-    sample_ref[...] = lead_tile * tile + jnp.argmax(scores).astype(jnp.int32)
+    best_tile_ref[...] = best_tile
 
 
 def _split_plan(batch: int, nodes: int, vocab: int, tile: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
@@ -104,8 +101,8 @@ def _split_plan(batch: int, nodes: int, vocab: int, tile: int, programs: int = T
 def split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float, *,
                           interpret: bool = False, tile: int = RACE_TILE, num_warps: int = 4, num_stages: int = 3,
                           programs: int = TARGET_PROGRAMS) -> tuple[jax.Array, ...]:
-    """The kernel's per-(row, node, split) partials [B, N, S] (peak, total, candidates, best, sample;
-    see `_stats_kernel`); logits float [B, N, V] (read in their own dtype)."""
+    """The kernel's per-(row, node, split) partials [B, N, S] (peak, total, candidates, best,
+    best_tile; see `_stats_kernel`); logits float [B, N, V] (read in their own dtype)."""
     batch, n, vocab = logits.shape
     tile = race_tile(vocab, tile)
     splits, per_split = _split_plan(batch, n, vocab, tile, programs)
@@ -120,7 +117,6 @@ def split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise: Verif
         grid=(batch, n, splits),
         in_specs=[pl.BlockSpec((None, None, vocab), lambda b, i, s: (b, i, 0)),
                   pl.BlockSpec((None, None), per_node),
-                  pl.BlockSpec((None, None), per_node),
                   pl.BlockSpec((None, None, n), lambda b, i, s: (b, i, 0)),
                   pl.BlockSpec((None, None), per_node)],
         out_specs=[scalar_out] * 5,
@@ -128,17 +124,29 @@ def split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise: Verif
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_verify_node_stats",
-    )(logits, noise.tile_seeds, noise.token_seeds, children, count))
+    )(logits, noise.tile_seeds, children, count))
 
 
-def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float,
-                      **kernel_options) -> NodeStats:
+def _sample_split(best_tile, logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float,
+                  tile: int):
+    """sample_block for `combine_blocks` (winner int32 [B, N] -> int32 [B, N]): the token race
+    inside the winning split's best tile."""
+    def sample(winner: jax.Array) -> jax.Array:
+        winner_tile = jnp.take_along_axis(best_tile, winner[..., None], axis=-1)[..., 0]
+        return sample_in_tile(logits, winner_tile, parents, draft_tokens, num_nodes, noise.token_seeds, temperature,
+                              tile)
+    return sample
+
+
+def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float, *,
+                      tile: int = RACE_TILE, **kernel_options) -> NodeStats:
     """`NodeStats` from the kernel's partials, combined in jnp (`combine_blocks`); options as
     `split_partials_pallas`."""
-    peak, total, candidates, best, sample = split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise,
-                                                                  temperature, **kernel_options)
-    sample_split = lambda winner: jnp.take_along_axis(sample, winner[..., None], axis=-1)[..., 0]  # noqa: E731
-    return combine_blocks(peak, total, candidates, best, sample_split, temperature)
+    tile = race_tile(logits.shape[-1], tile)
+    peak, total, candidates, best, best_tile = split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise,
+                                                                     temperature, tile=tile, **kernel_options)
+    sample = _sample_split(best_tile, logits, parents, draft_tokens, num_nodes, noise, temperature, tile)
+    return combine_blocks(peak, total, candidates, best, sample, temperature)
 
 
 @functools.partial(jax.jit,
@@ -146,16 +154,19 @@ def node_stats_pallas(logits, parents, draft_tokens, num_nodes, noise: VerifyNoi
 def verify_pallas(logits, parents, draft_tokens, num_nodes, key, *, temperature: float, interpret: bool = False,
                   tile: int = RACE_TILE, num_warps: int = 4, num_stages: int = 3,
                   programs: int = TARGET_PROGRAMS) -> VerifyResult:
-    """Deterministic-draft or greedy tree verification in two Pallas kernels: the vocabulary pass
-    (`split_partials_pallas`) and the decisions and walk per row (`kernels.tree_decide_pallas`);
+    """Deterministic-draft or greedy tree verification: the vocabulary pass in a Pallas kernel
+    (`split_partials_pallas`), the token race inside each node's winning tile in jnp, and the
+    decisions and walk in a second Pallas kernel, one program per row (`kernels.tree_decide_pallas`);
     arguments as `kernels.tree_verify`, already validated; no draft_probs. tile, num_warps,
     num_stages and programs (about how many (row, node, vocabulary split) programs the vocabulary
     pass runs) tune the GPU kernel; tile also selects the sample a key gives (see
     `verify_reference`), programs does not."""
-    batch, n, _ = logits.shape
+    batch, n, vocab = logits.shape
+    tile = race_tile(vocab, tile)
     noise = verification_noise(key, batch, n)
-    partials = split_partials_pallas(logits, parents, draft_tokens, num_nodes, noise, temperature,
-                                     interpret=interpret, tile=tile, num_warps=num_warps, num_stages=num_stages,
-                                     programs=programs)
-    return decide_pallas(*partials, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature,
-                         interpret=interpret)
+    peak, total, candidates, best, best_tile = split_partials_pallas(
+        logits, parents, draft_tokens, num_nodes, noise, temperature, interpret=interpret, tile=tile,
+        num_warps=num_warps, num_stages=num_stages, programs=programs)
+    sample = _sample_split(best_tile, logits, parents, draft_tokens, num_nodes, noise, temperature, tile)
+    return decide_pallas(peak, total, candidates, sample(jnp.argmax(best, axis=-1).astype(jnp.int32)), logits,
+                         parents, draft_tokens, num_nodes, noise.uniforms, temperature, interpret=interpret)

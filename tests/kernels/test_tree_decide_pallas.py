@@ -1,6 +1,6 @@
 """The per-row decision kernel (interpret mode) equals the jnp path it replaces: `combine_blocks`
-then `verify_from_stats`, on the node-statistics kernel's partials, with ties between splits and a
-node whose every split scores -inf, on trees whose node count is not a power of 2."""
+then `verify_from_stats`, on the node-statistics kernel's partials, with several vocabulary splits
+and trees whose node count is not a power of 2."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels.tree_decide_pallas import decide_pallas
-from kernels.tree_verify_pallas import split_partials_pallas
+from kernels.tree_verify_pallas import node_stats_pallas, split_partials_pallas
 from kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
 
 BATCH, NODES, VOCAB, TILE = 5, 6, 200, 32
@@ -34,17 +34,16 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
     logits, parents, tokens, num_nodes = _forest(0)
     for seed in range(5):
         noise = verification_noise(jax.random.key(seed), BATCH, NODES)
-        peak, total, candidates, best, sample = split_partials_pallas(
+        peak, total, candidates, best, best_tile = split_partials_pallas(
             logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE,
             programs=4 * BATCH * NODES)
         assert best.shape[-1] >= 3
-        best = best.at[0, :, 1].set(best[0, :, 0])  # ties between splits: the first one wins
-        best = best.at[1, 2].set(-jnp.inf)  # no split of this node leads: split 0's sample
-        sample_split = lambda w: jnp.take_along_axis(sample, w[..., None], axis=-1)[..., 0]  # noqa: E731
-        stats = combine_blocks(peak, total, candidates, best, sample_split, temperature)
+        sample = node_stats_pallas(logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE,
+                                   programs=4 * BATCH * NODES).sample
+        stats = combine_blocks(peak, total, candidates, best, lambda winner: sample, temperature)
         want = verify_from_stats(stats, logits, parents, tokens, num_nodes, noise.uniforms, temperature)
-        got = decide_pallas(peak, total, candidates, best, sample, logits, parents, tokens, num_nodes,
-                            noise.uniforms, temperature, interpret=True)
+        got = decide_pallas(peak, total, candidates, sample, logits, parents, tokens, num_nodes, noise.uniforms,
+                            temperature, interpret=True)
         for name, w, g in zip(want._fields, want, got):
             assert g.shape == w.shape, name
             if name == "logprobs":
