@@ -10,16 +10,14 @@ import pytest
 from kernels.tree_decide_pallas import decide_pallas
 from kernels.tree_verify_pallas import node_stats_pallas, split_partials_pallas
 from kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
+from tests.kernels.trees import random_parents_and_tokens
 
 BATCH, NODES, VOCAB, TILE = 5, 6, 200, 32
 
 
 def _forest(seed: int):
     rng = np.random.default_rng(seed)
-    parents = np.full((BATCH, NODES), -1, np.int32)
-    for n in range(1, NODES):
-        parents[:, n] = rng.integers(0, n, size=BATCH)
-    tokens = rng.integers(0, VOCAB, size=(BATCH, NODES)).astype(np.int32)
+    parents, tokens = random_parents_and_tokens(rng, BATCH, NODES, VOCAB)
     logits = 1.5 * rng.standard_normal((BATCH, NODES, VOCAB)).astype(np.float32)
     for b in range(BATCH):  # some drafts are the likeliest tokens, so paths of every length occur
         for n in range(1, NODES):

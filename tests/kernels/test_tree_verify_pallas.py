@@ -9,6 +9,7 @@ import pytest
 from kernels import tree_verify
 from kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
 from kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
+from tests.kernels.trees import random_parents_and_tokens
 
 BATCH, NODES, VOCAB = 6, 8, 300
 TILE = 64  # several tiles and vocabulary splits per node, with a ragged last tile
@@ -18,10 +19,7 @@ def random_forest(seed: int):
     """Random trees (each node's parent below it), random tokens, num_nodes 8, 8, 5, 3, 1, 2; logits
     with ~30% -inf entries, and one node whose children are its top tokens (likely accepted)."""
     rng = np.random.default_rng(seed)
-    parents = np.full((BATCH, NODES), -1, np.int32)
-    for n in range(1, NODES):
-        parents[:, n] = rng.integers(0, n, size=BATCH)
-    tokens = rng.integers(0, VOCAB, size=(BATCH, NODES)).astype(np.int32)
+    parents, tokens = random_parents_and_tokens(rng, BATCH, NODES, VOCAB)
     logits = 2.0 * rng.standard_normal((BATCH, NODES, VOCAB)).astype(np.float32)
     logits[rng.random(logits.shape) < 0.3] = -np.inf
     logits[:, :, 7] = 1.0  # keep every node's support non-empty

@@ -224,3 +224,11 @@ def chi_square_pvalue(seqs, probs: dict[tuple, float]) -> float:
         expected = np.append(expected[~small], expected[small].sum())
         observed = np.append(observed[~small], observed[small].sum())
     return float(stats.chisquare(observed, expected).pvalue)
+
+
+def random_parents_and_tokens(rng: np.random.Generator, batch: int, nodes: int, vocab: int):
+    """(parents int32 [B, N], tokens int32 [B, N]): random trees, each node's parent drawn below it."""
+    parents = np.full((batch, nodes), -1, np.int32)
+    for n in range(1, nodes):
+        parents[:, n] = rng.integers(0, n, size=batch)
+    return parents, rng.integers(0, vocab, size=(batch, nodes)).astype(np.int32)
