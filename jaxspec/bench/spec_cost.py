@@ -181,7 +181,8 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
             rows.append({**base, "kind": "skipped", "reason": str(err)})
     if not fits:
         return rows
-    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), DTYPE)
+    # tensor by tensor: one jit of the whole initialiser took minutes to compile on Qwen3 shapes
+    params = init_params(cfg, jax.random.key(0), DTYPE)
     dcfg, dparams = init_eagle3(cfg, jax.random.key(1), vd, dtype=DTYPE)
     for batch in fits:
         base = {"model": name, "batch": batch, "context": args.context}
