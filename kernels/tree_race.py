@@ -55,24 +55,18 @@ def inverse_temperature(temperature: float) -> np.float32:
     return np.float32(1.0 if temperature == 0 else 1.0 / temperature)
 
 
-def token_scores(x, token, excluded, token_seeds, temperature: float, vocab: int) -> jax.Array:
-    """float32 token race scores inside a tile (any broadcastable shapes): x = logits * inv_t at
-    token ids `token` (int32), excluded: bool, the node's children; -inf for those and for ids past
-    the vocabulary, never the winner unless every entry is. Greedy: x itself (the argmax)."""
-    outside = token >= vocab
-    if temperature == 0:
-        return jnp.where(outside, -jnp.inf, x)
-    return jnp.where(excluded | outside, -jnp.inf, x * LOG2E + race_noise(token_seeds, token))
-
-
 def sample_in_tile(logits, winner_tile, parents, draft_tokens, num_nodes, token_seeds, temperature: float,
                    tile: int) -> jax.Array:
     """int32 [B, N]: the token race inside each node's winning tile (int32 [B, N]); logits [B, N, V]."""
     vocab = logits.shape[-1]
     start = winner_tile * tile
     token = start[..., None] + jnp.arange(tile, dtype=jnp.int32)
+    inside = token < vocab
     x = jnp.take_along_axis(logits, jnp.minimum(token, vocab - 1), axis=-1).astype(jnp.float32)
     x = x * inverse_temperature(temperature)
-    child = None if temperature == 0 else child_tile_mask(parents, draft_tokens, num_nodes, start, tile)
-    score = token_scores(x, token, child, token_seeds[..., None], temperature, vocab)
+    if temperature == 0:
+        score = jnp.where(inside, x, -jnp.inf)
+    else:
+        child = child_tile_mask(parents, draft_tokens, num_nodes, start, tile)
+        score = jnp.where(child | ~inside, -jnp.inf, x * LOG2E + race_noise(token_seeds[..., None], token))
     return start + jnp.argmax(score, axis=-1).astype(jnp.int32)
