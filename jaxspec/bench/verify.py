@@ -51,12 +51,8 @@ def random_trees(batch: int, nodes: int, vocab: int, seed: int):
 def _in_loop(call, inputs: tuple, calls: int, make_inputs) -> tuple[float | None, tuple]:
     """(`in_loop_seconds` of call(*inputs, i), or None when the device runs out of memory; the
     inputs to use next: the loop donates them, so they are made again after a failure)."""
-    try:
-        return in_loop_seconds(call, inputs, calls=calls)
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        return None, make_inputs()
+    timed = _timed(lambda: in_loop_seconds(call, inputs, calls=calls))
+    return (None, make_inputs()) if timed is None else timed
 
 
 def _timed(measure) -> float | None:
@@ -98,7 +94,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--iters", type=int, default=20, help="calls per timing (in one program, or blocking)")
+    p.add_argument("--iters", type=int, default=20, help="calls per timing (in one loop, or blocking)")
     p.add_argument("--tile", type=int, default=2048, help="vocabulary tile of the kernel (a power of 2)")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
