@@ -3,11 +3,12 @@
 The policy (an HF folder, e.g. the `small` workload policy) answers held-out task problems at
 temperature 1 in RL-shaped batches; every configuration generates the same prompts with the same
 sampling, so the autoregressive run of the same invocation is the baseline. Reported per
-configuration: generation time, speedup over AR, acceptance length (tokens emitted per
-verification step and row, the accepted drafts + 1) and speculation efficiency = speedup /
-acceptance length (1.0 would mean a verification step costs no more than one decode step and
-drafting is free), and the wall time of one loop iteration (decode step or verification step,
-prefill included) against the autoregressive one.
+configuration: generation time, speedup over AR (the ratio of generation times; rows sample
+their own lengths, so the ratio of tokens per second, `throughput_speedup`, is given too),
+acceptance length (tokens emitted per verification step and row, the accepted drafts + 1) and
+speculation efficiency = speedup / acceptance length (1.0 would mean a verification step costs no
+more than one decode step and drafting is free), and the wall time of one loop iteration (decode
+step or verification step, prefill included) against the autoregressive one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from jaxspec.models import ModelConfig, load_hf
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import ChatTokenizer, generate_problems
 
-COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "acceptance_length", "efficiency", "step_ms",
+COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "throughput_speedup", "acceptance_length",
+           "efficiency", "step_ms",
            "step_over_ar"]
 
 
@@ -129,10 +131,11 @@ def main(argv: list[str]) -> int:
             acc = float(out.stats.get("acceptance_length", 1.0))
             step_ms = 1e3 * seconds / max(int(out.stats.get("steps", 0)), 1)
             if spec is None:
-                ar_seconds, ar_step_ms = seconds, step_ms
+                ar_seconds, ar_step_ms, ar_rate = seconds, step_ms, tokens / seconds
             speedup = ar_seconds / seconds
             row = {"batch": batch, "config": label, "seconds": seconds, "tokens": tokens,
-                   "tokens_per_s": tokens / seconds, "speedup": speedup, "acceptance_length": acc,
+                   "tokens_per_s": tokens / seconds, "speedup": speedup,
+                   "throughput_speedup": tokens / seconds / ar_rate, "acceptance_length": acc,
                    "efficiency": speedup / acc, "step_ms": step_ms, "step_over_ar": step_ms / ar_step_ms,
                    "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
                    "stage_rows": out.stats["stage_rows"], "stage_steps": out.stats["stage_steps"]}

@@ -23,10 +23,12 @@ def test_bench_spec_smoke(tmp_path):
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=2/3 by stage", "ngram chain k=3"}
     assert rows["ar"]["speedup"] == 1.0 and rows["ar"]["acceptance_length"] == 1.0
+    assert rows["ar"]["throughput_speedup"] == 1.0
     for row in rows.values():
         assert row["batch"] == 4 and 4 <= row["tokens"] <= 4 * 16
         assert len(row["stage_rows"]) == len(row["stage_steps"]) >= 1 and row["stage_rows"][0] == 4
         assert row["step_ms"] == pytest.approx(1e3 * row["seconds"] / max(sum(row["stage_steps"]), 1))
+        assert row["throughput_speedup"] == pytest.approx(row["tokens_per_s"] / rows["ar"]["tokens_per_s"])
     assert len(rows["eagle3 chain k=2"]["acceptance_per_position"]) == 2
     # A batch of 4 runs in one stage, which drafts the first depth only.
     assert len(rows["eagle3 chain k=2/3 by stage"]["acceptance_per_position"]) == 2
