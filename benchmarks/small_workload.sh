@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The `small` workload on one GPU, end to end: pretrain the policy and a 4-layer draft model with
-# its tokenizer, train in-domain and out-of-domain EAGLE-3 heads on its own rollouts, time speculative vs autoregressive rollouts,
-# the speculative cost model on Qwen3 shapes, and GRPO with and without speculation.
+# its tokenizer, train in-domain and out-of-domain EAGLE-3 heads on its own rollouts, time
+# speculative vs autoregressive rollouts, the speculative cost model on Qwen3 shapes, and GRPO with
+# and without speculation.
 #   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
 # Stages (default: all, in this order): pretrain draft_model draft draft_ood verify spec cost grpo decode8b;
 # check (the GPU-only attention paths against the CPU-tested ones), cost_small (needs pretrain),

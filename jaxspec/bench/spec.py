@@ -26,8 +26,7 @@ from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import ChatTokenizer, generate_problems
 
 COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "throughput_speedup", "acceptance_length",
-           "efficiency", "step_ms",
-           "step_over_ar"]
+           "efficiency", "step_ms", "step_over_ar"]
 
 
 def bench_prompts(tok: ChatTokenizer, rows: int, samples: int, seed: int, levels) -> list[list[int]]:
