@@ -9,8 +9,11 @@ logits only at 2 positions per node (each draft token at its parent, the emitted
 path's end). At small batches this replaces about ten small XLA kernels, whose launches cost more
 than their work.
 
-Nodes are padded to a power of 2 inside the program (Triton's block shapes); every gather from a
-vector is a one-hot sum over the padded nodes, which is exact (one term is not 0). In interpret
+Nodes are padded to a power of 2 of at least `MIN_LANES` inside the program (Triton's block
+shapes); every gather from a vector is a one-hot sum over the padded nodes, which is exact (one
+term is not 0). The floor matters: compiled for an H200, the program of a 2-node tree (a k=1
+chain, padded to 2 lanes) reported no accepted token while its path held one, so every k=1
+rollout accepted nothing (`benchmarks/check_gpu_spec.py` is the guard). In interpret
 mode the arithmetic is the jnp reference's; compiled, only float summation order and library
 transcendentals can differ, which can only change a decision within rounding of a boundary.
 """
@@ -30,6 +33,7 @@ from kernels.tree_race import inverse_temperature
 from kernels.tree_verify_reference import VerifyResult
 
 _NONE = 1 << 30  # "no index" for min-reductions over node indices
+MIN_LANES = 16  # the fewest padded node lanes a program runs with (see the module docstring)
 
 
 def _at(values, index, lanes):
@@ -125,7 +129,7 @@ def decide_pallas(peak, total, candidates, sample, logits, parents, draft_tokens
     sample (int32 [B, N], `NodeStats.sample`), logits [B, N, V], the tree (parents, draft_tokens
     int32 [B, N], num_nodes int32 [B]) and uniforms float32 [B, N]."""
     batch, n, vocab = logits.shape
-    splits, padded = peak.shape[-1], pl.next_power_of_2(n)
+    splits, padded = peak.shape[-1], max(pl.next_power_of_2(n), MIN_LANES)
     flat = lambda x: x.reshape(batch, n * splits)  # noqa: E731
     kernel = functools.partial(_decide_kernel, temperature=temperature, nodes=n, splits=splits, vocab=vocab,
                                padded=padded)

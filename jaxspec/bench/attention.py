@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import median_seconds, print_table, read_bytes_per_second, write_results
+from jaxspec.bench.timing import add_fraction, median_seconds, print_table, read_bytes_per_second, write_results
 from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
 from kernels.ragged_attention import cache_attention_pallas, new_token_bits
@@ -73,8 +73,10 @@ def main(argv: list[str]) -> int:
                         "model": Path(model).stem, "batch": batch, "tokens": t, "fill": fill,
                         "xla_ms": times["xla"] * 1e3, "kernel_ms": times[args.kernel_impl] * 1e3,
                         "speedup": times["xla"] / times[args.kernel_impl],
-                        "roofline": filled / read_rate / times[args.kernel_impl], "max_abs_diff": err,
+                        "max_abs_diff": err,
                     })
+                    add_fraction(rows[-1], "roofline", filled / times[args.kernel_impl], read_rate,
+                                 f"attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate")
                     print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))

@@ -70,27 +70,102 @@ def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20,
     return statistics.median(times[1:]) / calls, args
 
 
-def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, iters: int = 10) -> float:
-    """Measured dense matmul rate (FLOP/s) of an n x n x n product on random data."""
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), dtype)
-    b = jax.random.normal(kb, (n, n), dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / median_seconds(lambda: mm(a, b), iters=iters)
+# Datasheet ceilings by device kind (dense bf16 tensor-core FLOP/s; HBM bytes per second, reads
+# and writes together), the first matching substring of `jax.Device.device_kind` wins.
+DATASHEET: tuple[tuple[str, dict], ...] = (
+    ("H100 PCIe", {"bf16_flops": 756e12, "hbm_bytes_per_s": 2.0e12}),
+    ("H100", {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12}),   # SXM5 80 GB (HBM3)
+    ("H200", {"bf16_flops": 989e12, "hbm_bytes_per_s": 4.8e12}),    # SXM 141 GB (HBM3e)
+)
 
 
-def copy_bytes_per_second(num_bytes: int = 2 << 30, iters: int = 10) -> float:
-    """Measured device copy bandwidth (bytes read + bytes written per second)."""
-    x = jax.random.normal(jax.random.key(1), (num_bytes // 4,), jnp.float32)
-    copy = jax.jit(lambda v: v + 1.0)  # one read and one write of every element
-    return 2 * num_bytes / median_seconds(lambda: copy(x), iters=iters)
+def datasheet(device_kind: str | None = None) -> dict | None:
+    """The datasheet ceilings of a device kind (default: device 0's), None if not listed."""
+    kind = device_kind or getattr(jax.devices()[0], "device_kind", "")
+    return next((dict(figures) for name, figures in DATASHEET if name in kind), None)
 
 
-def read_bytes_per_second(num_bytes: int = 2 << 30, iters: int = 10) -> float:
-    """Measured device read bandwidth (bytes read per second by a sum over a large array)."""
+def looped(body: Callable[[jax.Array], jax.Array], calls: int) -> Callable[[jax.Array], jax.Array]:
+    """A jitted program x -> x after `x = body(x)` ran `calls` times in one fori_loop (x donated:
+    the loop updates it in place). The barrier keeps XLA from fusing iterations should it unroll
+    the loop."""
+    step = lambda i, u: jax.lax.optimization_barrier(body(u))  # noqa: E731
+    return jax.jit(lambda v: jax.lax.fori_loop(0, calls, step, v), donate_argnums=0)
+
+
+def _looped(body: Callable[[jax.Array], jax.Array], x: jax.Array, calls: int, repeats: int) -> float:
+    """Median seconds per iteration of `looped(body, calls)` over `repeats` runs after a compiling
+    one, each run blocked on once."""
+    program = looped(body, calls)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        x = jax.block_until_ready(program(x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / calls
+
+
+def copy_bytes_per_second(num_bytes: int = 2 << 30, calls: int = 20, repeats: int = 5) -> float:
+    """Device copy bandwidth (bytes read + bytes written per second): `x + 1` over a float32 array
+    of `num_bytes`, `calls` times back to back inside one compiled loop (one host sync per run), so
+    no launch or dispatch gap between copies lowers it. The memory-roofline denominator."""
+    x = jnp.zeros((num_bytes // 4,), jnp.float32)
+    return 2 * num_bytes / _looped(lambda v: v + 1.0, x, calls, repeats)
+
+
+def read_bytes_per_second(num_bytes: int = 2 << 30, calls: int = 20, repeats: int = 5) -> float:
+    """Device read bandwidth (bytes read per second): a sum over a float32 array of `num_bytes`
+    inside one compiled loop (`in_loop` keeps the array loop-variant without copying it)."""
     x = jax.random.normal(jax.random.key(2), (num_bytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return num_bytes / median_seconds(lambda: total(x), iters=iters)
+    seconds, _ = in_loop_seconds(lambda v, i: jnp.sum(v), (x,), calls=calls, repeats=repeats)
+    return num_bytes / seconds
+
+
+def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, repeats: int = 5) -> float:
+    """Dense matmul rate (FLOP/s): x = x @ w for n x n matrices, `calls` times inside one compiled
+    loop (w scaled by 1/sqrt(n), so x keeps its scale). The compute-roofline denominator."""
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (n, n), dtype)
+    w = (jax.random.normal(kw, (n, n), jnp.float32) / n**0.5).astype(dtype)
+    return 2 * n**3 / _looped(lambda v: v @ w, x, calls, repeats)
+
+
+def roofline_fraction(achieved: float, ceiling: float, what: str) -> float:
+    """achieved / ceiling; ValueError when above 1.0: a rate above the measured ceiling means the
+    work or the ceiling was counted wrong, never a result."""
+    frac = achieved / ceiling
+    if not frac <= 1.0:
+        raise ValueError(f"{what}: {frac:.3f} of the measured ceiling ({achieved:.4g} of {ceiling:.4g} per s) "
+                         f"is above 1.0: a measurement bug")
+    return frac
+
+
+def add_fraction(row: dict, key: str, achieved: float | None, ceiling: float, what: str) -> None:
+    """row[key] = `roofline_fraction`, or row["error"] naming the problem when it is above 1.0
+    (the row stays in the results, marked, instead of reporting an impossible figure)."""
+    if achieved is None:
+        row[key] = None
+        return
+    try:
+        row[key] = roofline_fraction(achieved, ceiling, what)
+    except ValueError as err:
+        row[key] = None
+        row["error"] = str(err)
+
+
+def ceilings(copy_rate: float | None = None, matmul_rate: float | None = None) -> dict:
+    """The measured ceilings beside the card's datasheet figures, for a result file's baseline."""
+    sheet = datasheet() or {}
+    out = {"device_kind": getattr(jax.devices()[0], "device_kind", "unknown")}
+    if copy_rate is not None:
+        out["copy_TBps_in_loop"] = copy_rate / 1e12
+        if "hbm_bytes_per_s" in sheet:
+            out["copy_vs_datasheet"] = copy_rate / sheet["hbm_bytes_per_s"]
+    if matmul_rate is not None:
+        out["matmul_TFLOPs_in_loop"] = matmul_rate / 1e12
+        if "bf16_flops" in sheet:
+            out["matmul_vs_datasheet"] = matmul_rate / sheet["bf16_flops"]
+    return out
 
 
 def device_description() -> str:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
-from jaxspec.bench.timing import (copy_bytes_per_second, in_loop_seconds, median_seconds, print_table,
+from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, in_loop_seconds, median_seconds, print_table,
                                   write_results)
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
 
     gpu = jax.default_backend() == "gpu"
     copy_bytes = args.copy_bytes or (1 << 30 if gpu else 1 << 24)
-    copy_rate = copy_bytes_per_second(copy_bytes, iters=args.iters)
+    copy_rate = copy_bytes_per_second(copy_bytes)
     rows = []
     for batch in args.batch:
         for nodes in args.nodes:
@@ -160,8 +160,9 @@ def main(argv: list[str]) -> int:
                          "latency_speedup": ratio(lat_reference, lat_kernel),
                          "kernel_GBps": scaled(t_kernel, lambda t: nbytes / t / 1e9),
                          "reference_GBps": scaled(t_reference, lambda t: nbytes / t / 1e9),
-                         "kernel_vs_copy": scaled(t_kernel, lambda t: nbytes / t / copy_rate),
                          "agree": agree})
+            add_fraction(rows[-1], "kernel_vs_copy", scaled(t_kernel, lambda t: nbytes / t), copy_rate,
+                         f"verify batch {batch} nodes {nodes}: logits bytes per second / copy bandwidth")
             if work is not None:
                 trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")
                 trace_calls(reference, work / f"trace_{batch}_{nodes}_reference")
@@ -172,7 +173,7 @@ def main(argv: list[str]) -> int:
             for name in ("kernel", "reference"):
                 traced = traced_kernels(work / f"trace_{row['batch']}_{row['nodes']}_{name}", scopes, name)
                 row.update({f"{name}_{k}": v for k, v in traced.items()})
-    baseline = {"copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
+    baseline = {**ceilings(copy_rate=copy_rate), "copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
                 "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
                 "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret",
                 "timing": "in_loop_seconds, minus loop_ms"}

@@ -16,26 +16,28 @@ import optax
 import orbax.checkpoint as ocp
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, forward
 
 TrainState = dict
 
 
 def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,
-                  compute_dtype=jnp.float32, remat: bool = False, attention_impl: str = "auto"
-                  ) -> tuple[jax.Array, jax.Array]:
+                  compute_dtype=jnp.float32, remat: bool = False, attention_impl: str = "auto",
+                  sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
     """Mean next-token cross-entropy over response tokens of packed rows.
 
     tokens / segment_ids int32 [B, L+1] (segment 0 = padding; examples attend only within their
     segment and their positions restart at 0); weights float32 [B, L] selects the targets
     tokens[:, 1:] that count (see `data.PackedSet`). Params are cast to `compute_dtype` for the
     forward (gradients flow back to the float32 master copy). attention_impl: as `forward_hidden`.
+    sharding: the run's mesh; activations are split over its batch axes (`jaxspec.rl.loss.sequence_forward`).
     Returns (loss float32 scalar, number of counted target tokens).
     """
     inputs, targets, segments = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     logits = forward(cfg, compute_params, inputs, mask=segments > 0, segment_ids=segments, remat=remat,
-                     attention_impl=attention_impl)
+                     attention_impl=attention_impl, sharding=sharding)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     count = weights.sum()
@@ -44,13 +46,13 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype,
-                    remat: bool, attention_impl: str = "auto") -> Callable:
+                    remat: bool, attention_impl: str = "auto", sharding: Sharding | None = None) -> Callable:
     """Jitted (params, opt_state, batch) -> (params, opt_state, metrics); donates params/opt_state."""
 
     def step(params, opt_state, batch):
         def loss_fn(p):
             return response_loss(cfg, p, batch["tokens"], batch["segment_ids"], batch["weights"],
-                                 compute_dtype, remat, attention_impl)
+                                 compute_dtype, remat, attention_impl, sharding)
 
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -147,15 +147,16 @@ class GRPORun:
         self.eval_sampling = Sampling(temperature=cfg.eval.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
                                       max_new_tokens=cfg.eval.max_new_tokens or r_cfg.max_new_tokens,
                                       eos_id=self.tok.eos_id)
+        mesh = self.placement.sharding
         self.update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat,
-                                self.online)
+                                self.online, mesh)
         # The update of minibatches that do not train the head: all of them without an online head,
         # those it skips with draft.train_every > 1; None when it trains on every minibatch.
         self.policy_update = self.update if self.online is None else None
         if self.online is not None and cfg.draft.train_every > 1:
             self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
-                                           t_cfg.remat, None)
-        self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat)
+                                           t_cfg.remat, None, mesh)
+        self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh)
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)

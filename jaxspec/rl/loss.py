@@ -11,23 +11,28 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.rl.config import LossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 
 
 def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array,
-                     hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False
-                     ) -> tuple[jax.Array, jax.Array]:
+                     hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False,
+                     sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
     """One policy forward over packed prompt+response rows.
 
     tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
     positions restart per sequence). Params are cast to `compute_dtype` (gradients reach the
     float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
-    outputs of the given 0-based layers).
+    outputs of the given 0-based layers). With a `sharding`, every layer's activations are split
+    over the batch axes (rows), whatever the params' layout: without the constraint the rows of an
+    fsdp-sharded embedding table come out split along the hidden dimension, a layout cuDNN's
+    flash attention cannot partition.
     """
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    return forward_hidden(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat)
+    return forward_hidden(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
+                          sharding=sharding)
 
 
 def response_logprobs(logits: jax.Array, resp_index: jax.Array, resp_tokens: jax.Array, sampling: Sampling

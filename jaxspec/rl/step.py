@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding
 from jaxspec.rl.config import DraftConfig as DraftTrainConfig
 from jaxspec.rl.config import LossConfig, OptimConfig
 from jaxspec.rl.loss import aggregate, policy_loss, response_logprobs, sequence_forward
@@ -61,12 +62,15 @@ class OnlineDraft(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool) -> Callable:
+def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool,
+             sharding: Sharding | None = None) -> Callable:
     """Compiled (params, tokens, segment_ids, resp_index, resp_tokens) of packed rows -> log p of the
-    response tokens float32 [S, N] (no gradient)."""
+    response tokens float32 [S, N] (no gradient). sharding: the run's mesh (activations split over
+    its batch axes, `sequence_forward`), None on one device."""
 
     def score(params, tokens, segment_ids, resp_index, resp_tokens):
-        logits, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat)
+        logits, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat,
+                                     sharding)
         return response_logprobs(logits, resp_index, resp_tokens, sampling)[0]
 
     return jax.jit(score)
@@ -74,7 +78,8 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
 
 @functools.lru_cache(maxsize=None)
 def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_cfg: OptimConfig,
-              compute_dtype: str, remat: bool, draft: OnlineDraft | None) -> Callable:
+              compute_dtype: str, remat: bool, draft: OnlineDraft | None,
+              sharding: Sharding | None = None) -> Callable:
     """Compiled minibatch update (the policy does not step on a minibatch without loss tokens).
 
     (params, opt_state, draft_weights, draft_buffers, draft_opt_state, minibatch) ->
@@ -91,7 +96,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
 
     def loss_fn(params, draft_weights, draft_buffers, mb):
         logits, hidden = sequence_forward(cfg, params, mb["tokens"], mb["segment_ids"], hidden_layers,
-                                          jnp.dtype(compute_dtype), remat)
+                                          jnp.dtype(compute_dtype), remat, sharding)
         logp, entropy = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
         loss, metrics = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], loss_cfg,
                                     mb.get("ref_logp"))

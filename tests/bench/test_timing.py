@@ -34,3 +34,34 @@ def test_in_loop_traces_fn_once_with_an_int32_index():
     assert len(seen) == 1 and seen[0].shape == () and seen[0].dtype == jnp.int32  # one loop body
     seconds, (v,) = in_loop_seconds(lambda v, i: (v * 2.0 + i,), (jnp.ones(8),), calls=2, repeats=1)
     assert seconds > 0 and v.shape == (8,)
+
+
+def test_ceilings_are_timed_inside_one_compiled_loop():
+    """copy / matmul rates come from one program whose while loop runs the work `calls` times
+    (one dispatch and one host sync for all calls), iterations kept apart by a barrier."""
+    from jaxspec.bench.timing import copy_bytes_per_second, looped, matmul_flops_per_second
+
+    program = looped(lambda v: v + 1.0, calls=4)
+    text = program.lower(jnp.zeros((8,), jnp.float32)).as_text()
+    assert text.count("stablehlo.while") == 1 and "optimization_barrier" in text
+    np.testing.assert_array_equal(program(jnp.zeros((8,), jnp.float32)), np.full(8, 4.0))
+    assert copy_bytes_per_second(1 << 20, calls=4, repeats=1) > 0
+    assert matmul_flops_per_second(64, calls=2, repeats=1) > 0
+
+
+def test_a_roofline_fraction_above_one_is_an_error_row():
+    from jaxspec.bench.timing import add_fraction, datasheet, roofline_fraction
+
+    assert roofline_fraction(3.0, 4.0, "copy") == 0.75
+    with np.testing.assert_raises_regex(ValueError, "decode batch 1: 1.087 of the measured ceiling"):
+        roofline_fraction(1.087, 1.0, "decode batch 1")
+    row = {"batch": 1}
+    add_fraction(row, "roofline_frac", 3.09e12, 2.84e12, "decode batch 1")
+    assert row["roofline_frac"] is None and "above 1.0" in row["error"]
+    row = {"batch": 1}
+    add_fraction(row, "roofline_frac", 3.09e12, 4.19e12, "decode batch 1")
+    assert abs(row["roofline_frac"] - 3.09 / 4.19) < 1e-12 and "error" not in row
+    assert datasheet("NVIDIA H200")["hbm_bytes_per_s"] == 4.8e12
+    assert datasheet("NVIDIA H100 80GB HBM3")["hbm_bytes_per_s"] == 3.35e12
+    assert datasheet("NVIDIA H100 PCIe")["hbm_bytes_per_s"] == 2.0e12
+    assert datasheet("cpu") is None

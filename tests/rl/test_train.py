@@ -212,7 +212,7 @@ def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypat
     calls, update_fn = [], loop.update_fn
 
     def counting_update_fn(*args):
-        fn, with_draft = update_fn(*args), args[-1] is not None
+        fn, with_draft = update_fn(*args), args[6] is not None  # (..., remat, draft, sharding)
 
         def update(*inputs):
             calls.append((with_draft, inputs[2] is not None))
