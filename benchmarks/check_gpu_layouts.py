@@ -15,7 +15,8 @@ when it runs and its first-step metrics are within `REL_TOL` (relative) of the o
 
 --make-policy DIR writes a policy in the shape of configs/models/small-policy.json with random
 weights and the embedded tokenizer (its vocabulary) to DIR first, for machines that hold no
-trained `small` policy; --policy (default: the config's) then defaults to it. With random weights
+trained `small` policy; --policy (default: the config's) then defaults to it, and the online head
+starts from random weights (`spec.draft=random`) unless an override names one. With random weights
 every reward is 0, so the policy loss is 0 on every layout and the draft loss and the log-prob
 mismatch carry the comparison.
 """
@@ -118,6 +119,8 @@ def main(argv: list[str]) -> int:
     if args.make_policy:
         make_policy(Path(args.make_policy))
         args.policy = args.policy or args.make_policy
+        if not any(o.startswith("spec.draft=") for o in args.overrides):
+            args.overrides.append("spec.draft=random")  # a fresh head in the public layout for it
     rows = []
     work = Path(tempfile.mkdtemp(prefix="jaxspec-layouts-"))
     try:
