@@ -218,9 +218,16 @@ def run_parser(prog: str, description: str, example_config: str, run_dir_holds: 
     run directory receives (for the help text)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    from jaxspec.run import EXIT_CHECKPOINTED
+
+    epilog = (f"exit status: 0 finished; {EXIT_CHECKPOINTED} stopped by SIGTERM or Ctrl-C after checkpointing "
+              f"(continue with --resume; a second Ctrl-C aborts at once); 2 a bad config or run directory; "
+              f"1 another error")
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     parser.add_argument("--config", required=True, help=f"YAML config (see {example_config})")
     parser.add_argument("--run-dir", required=True, help=f"directory for {run_dir_holds}")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run's newest checkpoint that restores (damaged newer ones are "
+                             "moved aside); without a checkpoint, say so and start a new run")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
     return parser

@@ -8,6 +8,7 @@ from pathlib import Path
 from jaxspec.config_io import load_config, run_parser
 from jaxspec.draft.train import check_run_dir, train_draft
 from jaxspec.draft.train_config import DraftTrainConfig, validate
+from jaxspec.run import EXIT_CHECKPOINTED
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
@@ -24,7 +25,8 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2."""
+    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2.
+    SIGTERM or Ctrl-C checkpoints at the next step and returns EXIT_CHECKPOINTED (75)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -41,5 +43,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxspec draft train: error: {err}", file=sys.stderr)
         return 2
-    train_draft(cfg, args.run_dir, resume=args.resume)
-    return 0
+    result = train_draft(cfg, args.run_dir, resume=args.resume)
+    return EXIT_CHECKPOINTED if result["preempted"] else 0

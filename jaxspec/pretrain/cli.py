@@ -9,6 +9,7 @@ from jaxspec.config_io import load_config, run_parser
 from jaxspec.placement import check_devices
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.run import check_run_dir, pretrain
+from jaxspec.run import EXIT_CHECKPOINTED
 
 
 def _parser():
@@ -18,7 +19,8 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command; a bad config or run directory prints one error line and returns 2."""
+    """Runs the command; a bad config or run directory prints one error line and returns 2.
+    SIGTERM or Ctrl-C checkpoints at the next step and returns EXIT_CHECKPOINTED (75)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
@@ -28,5 +30,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxspec pretrain: error: {err}", file=sys.stderr)
         return 2
-    pretrain(cfg, args.run_dir, resume=args.resume)
-    return 0
+    result = pretrain(cfg, args.run_dir, resume=args.resume)
+    return EXIT_CHECKPOINTED if result["preempted"] else 0

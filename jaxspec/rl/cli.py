@@ -11,6 +11,7 @@ from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig, validate
 from jaxspec.rl.loop import train
 from jaxspec.rl.resources import check_inputs
+from jaxspec.run import EXIT_CHECKPOINTED
 
 
 def _parser():
@@ -20,7 +21,8 @@ def _parser():
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command. A bad config, input file or run directory prints one line
-    `jaxspec train: error: ...` and returns 2 before any compute; SIGTERM checkpoints and returns 0."""
+    `jaxspec train: error: ...` and returns 2 before any compute. SIGTERM or Ctrl-C checkpoints at the
+    next step boundary and returns EXIT_CHECKPOINTED (75: not finished, continue with --resume)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         initialize_from_env()  # several processes (SLURM tasks, JAX_COORDINATOR_ADDRESS): one job
@@ -31,5 +33,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxspec train: error: {err}", file=sys.stderr)
         return 2
-    train(cfg, args.run_dir, resume=args.resume, inputs=inputs)
-    return 0
+    result = train(cfg, args.run_dir, resume=args.resume, inputs=inputs)
+    return EXIT_CHECKPOINTED if result["preempted"] else 0

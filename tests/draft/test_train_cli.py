@@ -2,7 +2,6 @@
 checkpoints, export in the public layout, refusal to overwrite, and resume."""
 
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -17,6 +16,7 @@ from jaxspec.models import ModelConfig, load_hf, save_hf
 from jaxspec.tasks import generate_problems, train_tokenizer
 from jaxspec.tasks.tokenizer import ChatTokenizer
 from tests.models.hf_reference import random_params
+from tests.run.damage import empty_metadata
 
 CONFIG = "configs/draft_tiny.yaml"
 
@@ -100,13 +100,19 @@ def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
     assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "head.draft_vocab_size=90", "--resume")) == 2
     assert "head section differs" in capsys.readouterr().err
 
-    # Drop the final checkpoint: resuming from step 4 (the middle of the rollout group of steps
-    # 3..5) regenerates the same rollouts and ends in bit-identical weights.
+    # Damage the final checkpoint: resume reports it, moves it aside and restores step 4 (the
+    # middle of the rollout group of steps 3..5), which regenerates the same rollouts and ends in
+    # bit-identical weights; the metrics of steps 5..6 are written once, as in the first run.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4", "6"]
-    shutil.rmtree(run_dir / "checkpoints" / "6")
+    empty_metadata(run_dir / "checkpoints" / "6")
     assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "--resume")) == 0
-    assert "resumed from step 4" in capsys.readouterr().out
-    assert [r["step"] for r in _metrics(run_dir)][4:] == [6, 6]
+    out = capsys.readouterr().out
+    assert f"checkpoint {run_dir / 'checkpoints' / '6'} is damaged (JSONDecodeError" in out
+    assert "resumed from step 4" in out
+    assert [p.name.split(".")[0] for p in (run_dir / "checkpoints").iterdir()].count("6") == 2  # new and aside
+    resumed_records = _metrics(run_dir)
+    assert [r["step"] for r in resumed_records] == [2, 4, 6, 6]
+    assert [r.get("loss") for r in resumed_records] == [r.get("loss") for r in records]
     _, resumed = load_eagle3(run_dir / "draft", policy=cfg)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(first)):
         np.testing.assert_array_equal(a, b)

@@ -18,6 +18,7 @@ from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.data import Batcher, PackedSet, pack
 from jaxspec.pretrain.train import response_loss
 from jaxspec.tasks import MAX_LEVEL
+from tests.run.damage import truncate_largest_data_file
 
 CONFIG = """
 data: {num_train: 600, num_eval: 6, seed: 3, levels: [1], vocab_size: 512, max_len: 64}
@@ -63,11 +64,15 @@ def test_resume_continues_from_checkpoint_exactly(first_run, tmp_path, capsys):
     config, run_dir = first_run
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "24")  # as if the run had died after step 12's checkpoint
+    # A damaged step-24 checkpoint (a truncated data file) is moved aside and the run resumes from 12.
+    truncate_largest_data_file(resumed / "checkpoints" / "24")
     shutil.rmtree(resumed / "policy")
     capsys.readouterr()
     assert main(["--config", str(config), "--run-dir", str(resumed), "--resume"]) == 0
-    assert "resumed from step 12 (data position 192)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"checkpoint {resumed / 'checkpoints' / '24'} is damaged (ValueError: OUT_OF_RANGE" in out
+    assert "resumed from step 12 (data position 192)" in out
+    assert len(list((resumed / "checkpoints").glob("24.damaged-*"))) == 1
     ours = load_file(resumed / "policy" / "model.safetensors")
     reference = load_file(run_dir / "policy" / "model.safetensors")
     assert ours.keys() == reference.keys()
