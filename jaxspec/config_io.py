@@ -15,13 +15,14 @@ any other names the file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
 import yaml
 
@@ -44,13 +45,36 @@ def load_config(cls: type[T], path, overrides: Sequence[str] = ()) -> T:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    overridden = {}
     for override in overrides:
         apply_override(data, override)
+    return from_dict(cls, data, source=_Source(str(path), _overridden(overrides)))
+
+
+def _overridden(overrides: Sequence[str]) -> dict[str, str]:
+    """{dotted key: the override that set it last}; an override of a mapping hides earlier ones of
+    the keys inside it."""
+    overridden: dict[str, str] = {}
+    for override in overrides:
         key = override.partition("=")[0].strip()
         overridden = {k: v for k, v in overridden.items() if not k.startswith((f"{key}.", f"{key}["))}
         overridden[key] = override
-    return from_dict(cls, data, source=_Source(str(path), overridden))
+    return overridden
+
+
+@contextlib.contextmanager
+def naming_overrides(path, overrides: Sequence[str]) -> Iterator[None]:
+    """Around a config's range checks (`validate(cfg, path)`, whose errors read "PATH: key: ..."):
+    re-raises an error about a key an override set as "command-line override 'key=value': key: ..."."""
+    try:
+        yield
+    except ValueError as err:
+        prefix, message = f"{path}: ", str(err)
+        if message.startswith(prefix):
+            key = message[len(prefix):].split(":", 1)[0]
+            where = _Source(str(path), _overridden(overrides)).of(key)
+            if where != str(path):
+                raise ValueError(f"{where}: {message[len(prefix):]}") from None
+        raise
 
 
 def apply_override(data: dict, override: str) -> None:

@@ -4,7 +4,7 @@ from typing import Literal, Optional, Union
 
 import pytest
 
-from jaxspec.config_io import apply_override, from_dict, load_config, to_dict
+from jaxspec.config_io import apply_override, from_dict, load_config, naming_overrides, to_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,16 @@ def test_override_errors_name_the_override_not_the_file(tmp_path, override, mess
     with pytest.raises(ValueError) as err:
         load_config(Outer, path, ["inner.rate=2", override])
     assert str(err.value).startswith(message) and "c.yaml" not in str(err.value)
+
+
+def test_range_check_errors_name_the_override_that_set_the_key():
+    overrides = ["inner.size=0", "mode=slow"]
+    with pytest.raises(ValueError, match=r"^command-line override 'inner\.size=0': inner\.size: must be > 0$"):
+        with naming_overrides("c.yaml", overrides):
+            raise ValueError("c.yaml: inner.size: must be > 0")
+    with pytest.raises(ValueError, match=r"^c\.yaml: inner\.rate: must be > 0$"):
+        with naming_overrides("c.yaml", overrides):
+            raise ValueError("c.yaml: inner.rate: must be > 0")
 
 
 def test_file_errors_next_to_overrides_name_the_file(tmp_path):

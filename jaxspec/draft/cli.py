@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config, run_parser
+from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.draft.train import check_run_dir, train_draft
 from jaxspec.draft.train_config import DraftTrainConfig, validate
 from jaxspec.run import EXIT_CHECKPOINTED
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _train_parser().parse_args(argv[1:])
     try:
         cfg = load_config(DraftTrainConfig, args.config, args.overrides)
-        validate(cfg, args.config)
+        with naming_overrides(args.config, args.overrides):
+            validate(cfg, args.config)
         cfg.policy_path()
         check_run_dir(cfg, Path(args.run_dir), args.resume)
     except (ValueError, FileNotFoundError) as err:

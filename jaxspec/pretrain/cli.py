@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config, run_parser
+from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.placement import check_devices
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.run import check_run_dir, pretrain
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
-        validate(cfg, args.config)
+        with naming_overrides(args.config, args.overrides):
+            validate(cfg, args.config)
         check_devices(cfg.mesh)
         check_run_dir(cfg, Path(args.run_dir), args.resume)
     except (ValueError, FileNotFoundError) as err:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config, run_parser
+from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.distributed import initialize_from_env
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig, validate
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initialize_from_env()  # several processes (SLURM tasks, JAX_COORDINATOR_ADDRESS): one job
         cfg = load_config(GRPOConfig, args.config, args.overrides)
-        validate(cfg, args.config)
+        with naming_overrides(args.config, args.overrides):
+            validate(cfg, args.config)
         inputs = check_inputs(cfg)
         check_run_dir(cfg, Path(args.run_dir), args.resume)
     except (ValueError, FileNotFoundError) as err:

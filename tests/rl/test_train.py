@@ -320,9 +320,12 @@ def _error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("loss.eps_hi=0.3", "unknown key 'loss.eps_hi'"),
+    ("loss.eps_hi=0.3", "error: command-line override 'loss.eps_hi=0.3': unknown key 'loss.eps_hi'"),
+    ("train.steps=abc", "error: command-line override 'train.steps=abc': key 'train.steps': expected int, "
+                        "got str ('abc')"),
     ("rollout.max_new_tokens=many", "key 'rollout.max_new_tokens': expected int"),
-    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt: must be >= 2"),
+    ("rollout.samples_per_prompt=1", "error: command-line override 'rollout.samples_per_prompt=1': "
+                                     "rollout.samples_per_prompt: must be >= 2"),
     ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
     ("loss.aggregation=mean", "key 'loss.aggregation': expected one of ['token', 'sequence']"),
     ("policy.path=/nonexistent/policy", "policy.path: policy folder not found: /nonexistent/policy"),
