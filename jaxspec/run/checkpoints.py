@@ -86,7 +86,9 @@ class Checkpointer:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         for step, reason in damaged:
             folder = self.directory / str(step)
-            aside = folder.with_name(f"{step}.damaged-{stamp}")
+            aside, copies = folder.with_name(f"{step}.damaged-{stamp}"), 1
+            while aside.exists():  # the same step damaged again within the second
+                aside, copies = folder.with_name(f"{step}.damaged-{stamp}-{copies}"), copies + 1
             if is_main():
                 os.replace(folder, aside)
             report(f"checkpoint {folder} is damaged ({reason}); moved it to {aside.name}, resuming from step "

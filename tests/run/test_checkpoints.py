@@ -43,6 +43,10 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_resumes(tm
     assert int(again.resume(_state(0), report=lines.append)["step"]) == 20 and len(lines) == 1
     again.close()
     assert (checkpoints / aside[0]).is_dir()
+    damage(checkpoints / "20")  # damaged again: a second copy is kept beside the first
+    third = Checkpointer(checkpoints, keep=5)
+    assert int(third.resume(_state(0), report=lines.append)["step"]) == 10 and len(lines) == 2
+    assert len(list(checkpoints.glob("20.damaged-*"))) == 2 and sorted(third.manager.all_steps()) == [10]
 
 
 def test_when_no_checkpoint_restores_the_error_lists_them_and_nothing_moves(tmp_path):
