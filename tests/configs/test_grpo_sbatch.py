@@ -47,7 +47,7 @@ def test_a_checkpointed_run_requeues_and_the_finished_one_does_not(slurm, tmp_pa
     assert calls["scontrol"] == ["requeue 4242"]
     assert "checkpointed before the end; requeueing" in first.stdout
     # Both starts resume the same run directory on 2 nodes x 4 GPUs = an 8-way fsdp mesh.
-    want = (f"--kill-on-bad-exit=1 jaxspec train --config configs/grpo_small.yaml --run-dir {tmp_path / 'run'} "
+    want = (f"--kill-on-bad-exit=0 jaxspec train --config configs/grpo_small.yaml --run-dir {tmp_path / 'run'} "
             f"--resume mesh.data=1 mesh.fsdp=8 mesh.tensor=1 train.steps=500")
     assert calls["srun"] == [want]
     second, calls = slurm([EXIT_CHECKPOINTED, 0], restart_count=1)
