@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxspec {name}: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (those checkpoint and return)
+        print(f"jaxspec {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,18 +8,21 @@ accepted), bool, str, None, Optional/Union, Literal, tuple[X, ...], tuple[X, Y],
 dict[str, X], nested dataclasses; a float field also takes "1e-3", which PyYAML reads as a
 string); fields without a default must be given. Overrides are
 "dotted.key=value" strings whose value is parsed with `yaml.safe_load` ("3" -> 3, "[1, 2]" ->
-list, "null" -> None) and applied before validation.
+list, "null" -> None) and applied before validation; an error in a value an override set names
+the override ("command-line override 'train.steps=abc': key 'train.steps': expected int ..."),
+any other names the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
 import yaml
 
@@ -44,7 +47,34 @@ def load_config(cls: type[T], path, overrides: Sequence[str] = ()) -> T:
         raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     for override in overrides:
         apply_override(data, override)
-    return from_dict(cls, data, source=str(path))
+    return from_dict(cls, data, source=_Source(str(path), _overridden(overrides)))
+
+
+def _overridden(overrides: Sequence[str]) -> dict[str, str]:
+    """{dotted key: the override that set it last}; an override of a mapping hides earlier ones of
+    the keys inside it."""
+    overridden: dict[str, str] = {}
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        overridden = {k: v for k, v in overridden.items() if not k.startswith((f"{key}.", f"{key}["))}
+        overridden[key] = override
+    return overridden
+
+
+@contextlib.contextmanager
+def naming_overrides(path, overrides: Sequence[str]) -> Iterator[None]:
+    """Around a config's range checks (`validate(cfg, path)`, whose errors read "PATH: key: ..."):
+    re-raises an error about a key an override set as "command-line override 'key=value': key: ..."."""
+    try:
+        yield
+    except ValueError as err:
+        prefix, message = f"{path}: ", str(err)
+        if message.startswith(prefix):
+            key = message[len(prefix):].split(":", 1)[0]
+            where = _Source(str(path), _overridden(overrides)).of(key)
+            if where != str(path):
+                raise ValueError(f"{where}: {message[len(prefix):]}") from None
+        raise
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -67,16 +97,37 @@ def apply_override(data: dict, override: str) -> None:
     node[parts[-1]] = value
 
 
-def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "") -> T:
-    """Builds dataclass `cls` from nested mappings, checking keys and types (see module doc)."""
+class _Source:
+    """Where config values come from: a file, and command-line overrides by dotted key."""
+
+    def __init__(self, file: str, overrides: dict[str, str] | None = None):
+        self.file, self.overrides = file, overrides or {}
+
+    def of(self, key: str) -> str:
+        """The override that set `key` (or a mapping or list above it), else the file."""
+        while key:
+            if key in self.overrides:
+                return f"command-line override {self.overrides[key]!r}"
+            parent = re.sub(r"(\[\d+\]|\.?[^.\[]*)$", "", key, count=1)
+            if parent == key:
+                break
+            key = parent
+        return self.file
+
+
+def from_dict(cls: type[T], data: Any, source: "str | _Source" = "<dict>", prefix: str = "") -> T:
+    """Builds dataclass `cls` from nested mappings, checking keys and types (see module doc).
+    source: the file name errors start with."""
+    source = source if isinstance(source, _Source) else _Source(source)
     where = f"key {prefix[:-1]!r}" if prefix else "top level"
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: {where}: expected a mapping for {cls.__name__}, got {_type_name(data)}")
+        raise ValueError(f"{source.of(prefix[:-1])}: {where}: expected a mapping for {cls.__name__}, "
+                         f"got {_type_name(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ValueError(f"{source}: unknown key {prefix + str(unknown[0])!r}; "
+        raise ValueError(f"{source.of(prefix + str(unknown[0]))}: unknown key {prefix + str(unknown[0])!r}; "
                          f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {sorted(fields)}")
     kwargs = {}
     for name, field in fields.items():
@@ -84,7 +135,7 @@ def from_dict(cls: type[T], data: Any, source: str = "<dict>", prefix: str = "")
         if name in data:
             kwargs[name] = _convert(hints[name], data[name], source, key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{source}: missing required key {key!r}")
+            raise ValueError(f"{source.file}: missing required key {key!r}")
     return cls(**kwargs)
 
 
@@ -112,9 +163,10 @@ def _describe(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
+def _convert(tp: Any, value: Any, source: _Source, key: str) -> Any:
     def fail() -> typing.NoReturn:
-        raise ValueError(f"{source}: key {key!r}: expected {_describe(tp)}, got {_type_name(value)} ({value!r})")
+        raise ValueError(f"{source.of(key)}: key {key!r}: expected {_describe(tp)}, "
+                         f"got {_type_name(value)} ({value!r})")
 
     if tp is Any:
         return value
@@ -134,7 +186,7 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     if origin is typing.Literal:
         if any(type(value) is type(a) and value == a for a in args):
             return value
-        raise ValueError(f"{source}: key {key!r}: expected one of {list(args)}, got {value!r}")
+        raise ValueError(f"{source.of(key)}: key {key!r}: expected one of {list(args)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, source, key + ".")
     if origin in (tuple, list):
@@ -142,7 +194,7 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
             fail()
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
-                raise ValueError(f"{source}: key {key!r}: expected {len(args)} items ({_describe(tp)}), "
+                raise ValueError(f"{source.of(key)}: key {key!r}: expected {len(args)} items ({_describe(tp)}), "
                                  f"got {len(value)}")
             items = [_convert(a, v, source, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
         else:
@@ -181,7 +233,7 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
         if not isinstance(value, str):
             fail()
         return Path(value)
-    raise TypeError(f"{source}: key {key!r}: config_io does not support annotation {tp!r}")
+    raise TypeError(f"{source.of(key)}: key {key!r}: config_io does not support annotation {tp!r}")
 
 
 def run_parser(prog: str, description: str, example_config: str, run_dir_holds: str):
@@ -190,9 +242,16 @@ def run_parser(prog: str, description: str, example_config: str, run_dir_holds: 
     run directory receives (for the help text)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    from jaxspec.run import EXIT_CHECKPOINTED
+
+    epilog = (f"exit status: 0 finished; {EXIT_CHECKPOINTED} stopped by SIGTERM or Ctrl-C after checkpointing "
+              f"(continue with --resume; a second Ctrl-C aborts at once); 2 a bad config or run directory; "
+              f"1 another error")
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     parser.add_argument("--config", required=True, help=f"YAML config (see {example_config})")
     parser.add_argument("--run-dir", required=True, help=f"directory for {run_dir_holds}")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run's newest checkpoint that restores (damaged newer ones are "
+                             "moved aside); without a checkpoint, say so and start a new run")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
     return parser

@@ -4,11 +4,18 @@
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID) joins one JAX job: every process
 runs the same loop on the same host data, the mesh spans all processes' devices, and only the
 main process writes files and prints. One process is a no-op everywhere here.
+
+Start-up waits at most JAXSPEC_PEER_TIMEOUT_S seconds (default 300) for every process to join;
+then a process whose peers never arrived exits with status 1 and one line naming the coordinator
+address, the expected number of processes and its own id (JAX cannot tell a waiting process which
+peers are missing).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -27,15 +34,65 @@ def initialize_from_env() -> bool:
         missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if k not in os.environ]
         if missing:
             raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not")
-        _cpu_collectives()
-        jax.distributed.initialize(address, num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                                   process_id=int(os.environ["JAX_PROCESS_ID"]))
+        count, index = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+        _join(address, count, index, "start every process with the same JAX_COORDINATOR_ADDRESS and "
+              "JAX_NUM_PROCESSES", coordinator_address=address, num_processes=count, process_id=index)
         return True
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ:
-        _cpu_collectives()
-        jax.distributed.initialize()
+        # JAX reads the address (the first node of the step), the count and the id from SLURM.
+        _join(f"the first node of {os.environ.get('SLURM_STEP_NODELIST', 'the SLURM step')}",
+              int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_PROCID", "0")),
+              "check that every task of the step started (srun's output)")
         return True
     return False
+
+
+PEER_TIMEOUT_ENV = "JAXSPEC_PEER_TIMEOUT_S"
+
+
+def peer_timeout_s() -> float:
+    """Seconds start-up waits for the job's processes: JAXSPEC_PEER_TIMEOUT_S, default 300."""
+    raw = os.environ.get(PEER_TIMEOUT_ENV, "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def _join(address: str, count: int, index: int, hint: str, **kwargs) -> None:
+    """jax.distributed.initialize under a watchdog: when the job has not formed after
+    `peer_timeout_s()`, prints what is missing and exits 1. (JAX's own timeout, set later than the
+    watchdog's, aborts the process with a C++ stack trace that names no process.)"""
+    timeout = peer_timeout_s()
+    _cpu_collectives()
+    if index == 0:
+        missing = ("process 1 did not arrive" if count == 2 else
+                   f"not all of processes {_ids(range(1, count))} arrived (JAX does not say which)")
+    else:
+        missing = ("the coordinator (process 0) did not arrive" if count == 2 else
+                   f"the coordinator (process 0) or some of processes "
+                   f"{_ids(i for i in range(1, count) if i != index)} did not arrive (JAX does not say which)")
+
+    def give_up() -> None:
+        print(f"jaxspec: error: process {index} of {count} waited {timeout:g} s for the job at the coordinator "
+              f"{address}: {missing}; {hint}, or wait longer with {PEER_TIMEOUT_ENV}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + 60)
+    finally:
+        watchdog.cancel()
+
+
+def _ids(ids) -> str:
+    ids = list(ids)
+    return ", ".join(map(str, ids)) if len(ids) <= 8 else f"{ids[0]}..{ids[-1]}"
 
 
 def _cpu_collectives() -> None:

@@ -4,7 +4,7 @@ from typing import Literal, Optional, Union
 
 import pytest
 
-from jaxspec.config_io import apply_override, from_dict, load_config, to_dict
+from jaxspec.config_io import apply_override, from_dict, load_config, naming_overrides, to_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +60,44 @@ def test_overrides(tmp_path):
                                     "mode=slow", "inner.rate=2"])
     assert cfg.inner == Inner(7, 2.0, None)
     assert cfg.levels == (5,) and cfg.maybe == Inner(2) and cfg.mode == "slow"
-    with pytest.raises(ValueError, match=r"c\.yaml: unknown key 'inner\.sise'"):
+    with pytest.raises(ValueError, match=r"^command-line override 'inner\.sise=4': unknown key 'inner\.sise'"):
         load_config(Outer, path, ["inner.sise=4"])
     with pytest.raises(ValueError, match="dotted.key=value"):
         load_config(Outer, path, ["inner.size"])
     with pytest.raises(ValueError, match="inner.size is not a mapping"):
         apply_override({"inner": {"size": 3}}, "inner.size.x=1")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("inner.size=abc", "command-line override 'inner.size=abc': key 'inner.size': expected int, got str ('abc')"),
+    ("levels=[1, x]", "command-line override 'levels=[1, x]': key 'levels[1]': expected int, got str"),
+    ("inner={size: 3, rate: fast}", "command-line override 'inner={size: 3, rate: fast}': key 'inner.rate': "
+                                    "expected float"),
+    ("mode=medium", "command-line override 'mode=medium': key 'mode': expected one of ['fast', 'slow']"),
+    ("inner=5", "command-line override 'inner=5': key 'inner': expected a mapping for Inner, got int"),
+    ("weights.a=x", "command-line override 'weights.a=x': key 'weights.a': expected float"),
+])
+def test_override_errors_name_the_override_not_the_file(tmp_path, override, message):
+    path = _write(tmp_path, "inner: {size: 3}\nweights: {b: 1.0}\n")
+    with pytest.raises(ValueError) as err:
+        load_config(Outer, path, ["inner.rate=2", override])
+    assert str(err.value).startswith(message) and "c.yaml" not in str(err.value)
+
+
+def test_range_check_errors_name_the_override_that_set_the_key():
+    overrides = ["inner.size=0", "mode=slow"]
+    with pytest.raises(ValueError, match=r"^command-line override 'inner\.size=0': inner\.size: must be > 0$"):
+        with naming_overrides("c.yaml", overrides):
+            raise ValueError("c.yaml: inner.size: must be > 0")
+    with pytest.raises(ValueError, match=r"^c\.yaml: inner\.rate: must be > 0$"):
+        with naming_overrides("c.yaml", overrides):
+            raise ValueError("c.yaml: inner.rate: must be > 0")
+
+
+def test_file_errors_next_to_overrides_name_the_file(tmp_path):
+    path = _write(tmp_path, "inner: {size: 3, rate: fast}\n")
+    with pytest.raises(ValueError, match=r"c\.yaml: key 'inner\.rate': expected float"):
+        load_config(Outer, path, ["inner.size=4", "levels=[1]"])
 
 
 @pytest.mark.parametrize("text, message", [

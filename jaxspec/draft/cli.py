@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config, run_parser
+from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.draft.train import check_run_dir, train_draft
 from jaxspec.draft.train_config import DraftTrainConfig, validate
+from jaxspec.run import EXIT_CHECKPOINTED
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
@@ -24,7 +25,8 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2."""
+    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2.
+    SIGTERM or Ctrl-C checkpoints at the next step and returns EXIT_CHECKPOINTED (75)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -35,11 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _train_parser().parse_args(argv[1:])
     try:
         cfg = load_config(DraftTrainConfig, args.config, args.overrides)
-        validate(cfg, args.config)
+        with naming_overrides(args.config, args.overrides):
+            validate(cfg, args.config)
         cfg.policy_path()
         check_run_dir(cfg, Path(args.run_dir), args.resume)
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxspec draft train: error: {err}", file=sys.stderr)
         return 2
-    train_draft(cfg, args.run_dir, resume=args.resume)
-    return 0
+    result = train_draft(cfg, args.run_dir, resume=args.resume)
+    return EXIT_CHECKPOINTED if result["preempted"] else 0

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
-from tqdm import tqdm
 
 from jaxspec.config_io import to_dict
 from jaxspec.draft.checkpoint import load_eagle3, save_eagle3
@@ -38,7 +37,7 @@ from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
-from jaxspec.pretrain.train import Checkpointer
+from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 _FIXED_SECTIONS = ("policy", "data", "generation", "head")
@@ -146,7 +145,9 @@ def evaluate(cfg: ModelConfig, dcfg: DraftConfig, dparams: dict, policy: Params,
 
 
 def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
-    """Trains (or resumes) a head and exports it. Returns {"export_dir", "step", "eval_*", ...}."""
+    """Trains (or resumes) a head and exports it. Returns {"export_dir", "step", "preempted",
+    "eval_*", ...}. SIGTERM or Ctrl-C checkpoints at the next step and returns with preempted
+    True, without evaluating or exporting."""
     run_dir = Path(run_dir)
     check_run_dir(run, run_dir, resume)
     policy_dir = run.policy_path()
@@ -170,18 +171,21 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
     optimizer, schedule = make_optimizer(run.optim, t.steps)
     state = {"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights), "step": jnp.int32(0)}
     checkpointer = Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
-    if resume and checkpointer.latest_step() is not None:
-        state = checkpointer.restore(state)
+    restored = checkpointer.resume(state) if resume else None
+    if restored is not None:
+        state = restored
         print(f"resumed from step {int(state['step'])}")
     weights, buffers, opt_state, step = state["weights"], state["buffers"], state["opt_state"], int(state["step"])
     print(f"draft head: vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size}, aux layers "
           f"{list(dcfg.aux_layer_ids)}; {len(source.pool)} prompts")
 
     start = time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "a") as metrics_file, tqdm(
-            total=t.steps, initial=step, disable=not t.progress, desc="draft") as bar:
+    truncate_metrics(run_dir / "metrics.jsonl", step)
+    result: dict = {"preempted": False}
+    with open(run_dir / "metrics.jsonl", "a") as metrics_file, StopSignals() as stop, Progress(
+            "draft", t.steps, step, t.progress) as bar:
         window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
-        while step < t.steps:
+        while step < t.steps and not stop.requested:
             gen_start = time.perf_counter()
             batch = pregenerated.pop(step, None) or source.batch(step)
             window["generate_s"] += time.perf_counter() - gen_start
@@ -190,7 +194,7 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
             jax.block_until_ready(out)  # so that the next batch's time is generation alone
             step += 1
             window["tokens"] += batch.response_tokens
-            bar.update(1)
+            record = None
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - window["start"]
                 record = {"step": step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
@@ -200,20 +204,28 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
                           "generate_fraction": window["generate_s"] / elapsed,
                           "elapsed_s": time.perf_counter() - start}
                 _log(metrics_file, record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1_agreement'][0]:.2f}")
+                result["loss"] = record["loss"]
                 window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
-            if step % t.checkpoint_every == 0 or step == t.steps:
+            bar.update(1, **({} if record is None else {"loss": f"{record['loss']:.3f}",
+                                                        "top1": f"{record['top1_agreement'][0]:.2f}"}))
+            if step % t.checkpoint_every == 0 or step == t.steps or (stop.requested and step < t.steps):
                 checkpointer.save({"weights": weights, "buffers": buffers, "opt_state": opt_state,
                                    "step": jnp.int32(step)})
         dparams = merge_buffers(weights, buffers)
-        result: dict = {"step": step, "train_seconds": time.perf_counter() - start}
-        if run.eval.batches:
+        result |= {"step": step, "train_seconds": time.perf_counter() - start, "preempted": step < t.steps}
+        if result["preempted"]:
+            print(f"{stop.name}: checkpointed step {step} in {run_dir / 'checkpoints'}; continue with --resume")
+        elif run.eval.batches:
             result |= evaluate(cfg, dcfg, dparams, policy, tok, run)
             _log(metrics_file, {"step": step, **{k: v for k, v in result.items() if k.startswith("eval_")}})
-            tqdm.write(f"step {step}: eval top-1 agreement per position {result['eval_top1_agreement']}")
+            print(f"step {step}: eval top-1 agreement per position {result['eval_top1_agreement']}")
     checkpointer.close()
+    if result["preempted"]:
+        return result
     export_dir = Path(t.export_dir) if t.export_dir else run_dir / "draft"
     save_eagle3(dcfg, dparams, export_dir, dtype=t.export_dtype)
-    print(f"exported draft head to {export_dir}")
     result["export_dir"] = str(export_dir)
+    agreement = f", eval top-1 agreement {result['eval_top1_agreement'][0]:.3f}" if run.eval.batches else ""
+    print(f"draft train done: {step} steps in {result['train_seconds']:.1f} s, final loss "
+          f"{result.get('loss', float('nan')):.4f}{agreement}; exported draft head to {export_dir}")
     return result

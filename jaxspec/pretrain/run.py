@@ -18,7 +18,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import yaml
-from tqdm import tqdm
 
 from jaxspec.config_io import to_dict
 from jaxspec.models.checkpoint import save_hf
@@ -29,8 +28,9 @@ from jaxspec.pretrain.config import ModelShape, PretrainConfig
 from jaxspec.pretrain.data import Batcher, encode_examples, pack, prepare_problems, prepare_tokenizer
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
 from jaxspec.optim import make_optimizer
-from jaxspec.pretrain.train import Checkpointer, make_train_step
+from jaxspec.pretrain.train import make_train_step
 from jaxspec.placement import Placement
+from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
@@ -60,20 +60,15 @@ def check_run_dir(cfg: PretrainConfig, run_dir: Path, resume: bool) -> None:
                                  f"resume with the same {section} settings")
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drops records logged after `step` (by a run that died after its last checkpoint)."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
-
-
 def _log(file, record: dict) -> None:
     file.write(json.dumps(record) + "\n")
     file.flush()
 
 
 def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
-    """Trains (or resumes) a run and exports the policy. Returns {"eval_accuracy", "export_dir", ...}."""
+    """Trains (or resumes) a run and exports the policy. Returns {"eval_accuracy", "export_dir",
+    "preempted", ...}. SIGTERM or Ctrl-C checkpoints at the next step and returns with preempted
+    True, without evaluating or exporting."""
     run_dir = Path(run_dir)
     check_run_dir(cfg, run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,8 +101,9 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
     layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           (state["params"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
-    if resume and checkpointer.latest_step() is not None:
-        state = checkpointer.restore(state)
+    restored = checkpointer.resume(state) if resume else None
+    if restored is not None:
+        state = restored
         print(f"resumed from step {int(state['step'])} (data position {int(state['position'])})")
     params, opt_state, key = state["params"], state["opt_state"], state["key"]
     step, position = int(state["step"]), int(state["position"])
@@ -123,7 +119,7 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
         accuracy, _ = greedy_accuracy(mcfg, cast_params(params, compute_dtype), tok, eval_problems,
                                       t_cfg.eval_max_new_tokens, sub, t_cfg.eval_batch_size, placement.sharding)
         _log(metrics, {"step": at_step, "eval_accuracy": accuracy, "eval_problems": len(eval_problems)})
-        tqdm.write(f"step {at_step}: greedy accuracy {accuracy:.3f} on {len(eval_problems)} held-out problems")
+        print(f"step {at_step}: greedy accuracy {accuracy:.3f} on {len(eval_problems)} held-out problems")
         return accuracy
 
     def save() -> None:
@@ -131,18 +127,18 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
                            "position": jnp.int32(position), "key": key})
 
     start = time.perf_counter()
-    _truncate_metrics(run_dir / "metrics.jsonl", step)
-    with open(run_dir / "metrics.jsonl", "a") as metrics, tqdm(
-            total=t_cfg.steps, initial=step, disable=not t_cfg.progress, desc="pretrain") as bar:
+    truncate_metrics(run_dir / "metrics.jsonl", step)
+    with open(run_dir / "metrics.jsonl", "a") as metrics, StopSignals() as stop, Progress(
+            "pretrain", t_cfg.steps, step, t_cfg.progress) as bar:
         window_start, window_tokens = time.perf_counter(), 0
-        while step < t_cfg.steps:
+        while step < t_cfg.steps and not stop.requested:
             batch = batcher.batch(position)
             params, opt_state, out = train_step(params, opt_state, placement.rows(batch))
             params, opt_state = placement.pin((params, opt_state), layout)
             step += 1
             position += t_cfg.batch_size
             window_tokens += int((batch["segment_ids"][:, :-1] > 0).sum())
-            bar.update(1)
+            loss = None
             if step % t_cfg.log_every == 0 or step == t_cfg.steps:
                 loss = float(out["loss"])
                 elapsed = time.perf_counter() - window_start
@@ -150,22 +146,33 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
                           "lr": float(schedule(step - 1)), "tokens_per_s": window_tokens / elapsed,
                           "elapsed_s": time.perf_counter() - start}
                 _log(metrics, record)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 window_start, window_tokens = time.perf_counter(), 0
+                result["loss"] = loss
+            bar.update(1, **({} if loss is None else {"loss": f"{loss:.4f}"}))
             if t_cfg.eval_every and step % t_cfg.eval_every == 0 and step < t_cfg.steps and eval_problems:
                 evaluate(step)
                 window_start, window_tokens = time.perf_counter(), 0
             # after the evaluation, so the saved key is the one the uninterrupted run goes on with
             if step % t_cfg.checkpoint_every == 0 or step == t_cfg.steps:
                 save()
-        if eval_problems:
+        if step < t_cfg.steps:
+            if checkpointer.latest_step() != step:
+                save()
+        elif eval_problems:
             result["eval_accuracy"] = evaluate(step)
     checkpointer.close()
+    seconds = time.perf_counter() - start
+    result.update(step=step, position=position, train_seconds=seconds, num_params=mcfg.num_params(),
+                  preempted=step < t_cfg.steps)
+    if result["preempted"]:
+        print(f"{stop.name}: checkpointed step {step} in {run_dir / 'checkpoints'}; continue with --resume")
+        return result
 
     export_dir = Path(t_cfg.export_dir) if t_cfg.export_dir else run_dir / "policy"
     save_hf(mcfg, params, export_dir, dtype=t_cfg.export_dtype, tokenizer_file=run_dir / "tokenizer.json")
-    print(f"exported policy to {export_dir}")
-    result.update(export_dir=str(export_dir), step=step, position=position,
-                  train_seconds=time.perf_counter() - start, num_params=mcfg.num_params())
+    result["export_dir"] = str(export_dir)
+    accuracy = "" if result["eval_accuracy"] is None else f", greedy accuracy {result['eval_accuracy']:.3f}"
+    print(f"pretrain done: {step} steps in {seconds:.1f} s, final loss {result.get('loss', float('nan')):.4f}"
+          f"{accuracy}; exported policy to {export_dir}")
     return result
 

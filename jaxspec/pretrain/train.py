@@ -1,4 +1,4 @@
-"""Loss, optimizer, jitted train step and orbax checkpointing of the training state.
+"""Loss and jitted train step of pretraining (checkpoints: `jaxspec.run.Checkpointer`).
 
 The training state is a pytree {"params", "opt_state", "step", "position", "key"}: float32 master
 params, the optax state, the number of optimizer steps taken, the data position (packed rows
@@ -7,19 +7,15 @@ consumed) and the run's PRNG key (raw uint32 [2]).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-import orbax.checkpoint as ocp
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, forward
-
-TrainState = dict
 
 
 def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,
@@ -61,36 +57,3 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, c
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "target_tokens": count}
 
     return jax.jit(step, donate_argnums=(0, 1))
-
-
-class Checkpointer:
-    """Atomic orbax checkpoints of the training state under `directory`, keeping the last `keep`."""
-
-    def __init__(self, directory: Path, keep: int):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def save(self, state: TrainState) -> None:
-        self.manager.save(int(state["step"]), args=ocp.args.StandardSave(state))
-
-    def restore(self, like: TrainState) -> TrainState:
-        """The latest checkpoint, in the structure, dtypes and shardings of `like`.
-
-        `like` holds arrays or ShapeDtypeStructs (e.g. from `jax.eval_shape`); leaves without a
-        sharding are restored onto the default device.
-        """
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-        def target(leaf):
-            sharding = getattr(leaf, "sharding", None)
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device if sharding is None else sharding)
-
-        abstract = jax.tree.map(target, like)
-        return self.manager.restore(self.manager.latest_step(), args=ocp.args.StandardRestore(abstract))
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()

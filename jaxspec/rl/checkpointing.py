@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from jaxspec.config_io import to_dict
-from jaxspec.pretrain.train import Checkpointer
+from jaxspec.run import Checkpointer
 from jaxspec.rl.config import RESUMABLE_KEYS, GRPOConfig
 
 __all__ = ["Checkpointer", "check_run_dir", "save_config"]

@@ -13,24 +13,22 @@ Run directory layout:
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
 float32 and a cast of the policy and the draft with rollout.dtype bfloat16. All randomness of
 step s comes from fold_in(key, s), and prompts from the saved data position, so a resumed run
-repeats an uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) makes the loop checkpoint
-at the next step boundary and return. Launched as several processes (see
-`jaxspec.distributed`), every process runs this loop on the same host data over one mesh;
-process 0 alone writes files.
+repeats an uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) or Ctrl-C makes the loop
+checkpoint at the next step boundary and return (`jaxspec.run.StopSignals`); --resume restores the
+newest checkpoint that restores completely (`jaxspec.run.Checkpointer.resume`). Launched as
+several processes (see `jaxspec.distributed`), every process runs this loop on the same host data
+over one mesh; process 0 alone writes files.
 """
 
 from __future__ import annotations
 
 import functools
-import signal
-import threading
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from jaxspec.distributed import any_process, barrier, is_main, say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
@@ -42,32 +40,12 @@ from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile, pre
 from jaxspec.rl.config import GRPOConfig, LossConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
-from jaxspec.rl.metrics import (MetricsLog, StageTimer, block, mean_update_metrics, rollout_step_metrics,
-                                truncate_after)
+from jaxspec.rl.metrics import MetricsLog, StageTimer, block, mean_update_metrics, rollout_step_metrics
 from jaxspec.placement import Placement
+from jaxspec.run import Progress, StopSignals, truncate_metrics
 from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
-
-class _Preemption:
-    """Sets a flag on SIGTERM while installed (main thread only; elsewhere it never fires)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
 
 @functools.partial(jax.jit, static_argnames="dtype")
 def _cast_floats(tree, dtype):
@@ -133,13 +111,13 @@ class GRPORun:
         # hits the compilation caches of a fresh one.
         self.state = self.placement.state(state)
         self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
-        if resume and self.checkpointer.latest_step() is not None:
-            self.state = self.checkpointer.restore(self.state)
+        restored = self.checkpointer.resume(self.state) if resume else None
+        if restored is not None:
+            self.state = restored
             say(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
-            if is_main():
-                truncate_after(run_dir / "metrics.jsonl", int(self.state["step"]))
-        elif is_main():  # records of an earlier attempt that never reached a checkpoint
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        if is_main():  # records after the restored step; a fresh start drops all (an attempt that never
+            # reached a checkpoint, its step-0 validation included)
+            truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None else -1)
         self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
 
         self.sampling = Sampling(temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
@@ -350,31 +328,43 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs) -> d
     log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None,
                      enabled=is_main())
     last: dict = {}
-    preempted = False
+    preempted, start, first_step = False, time.perf_counter(), run.step
     try:
-        with _Preemption() as preemption, tqdm(total=cfg.train.steps, initial=run.step, desc="grpo",
-                                               disable=not (cfg.train.progress and is_main()),
-                                               dynamic_ncols=True) as bar:
+        with StopSignals(announce=is_main()) as stop, Progress("grpo", cfg.train.steps, run.step,
+                                                              cfg.train.progress and is_main()) as bar:
             if run.eval_set is not None and run.step == 0:
                 last = {"step": 0, **run.evaluate()}
                 log.write(last)
                 say(f"step 0: validation accuracy {last['eval_accuracy']:.3f}")
-            while run.step < cfg.train.steps and not any_process(preemption.requested):
+            while run.step < cfg.train.steps and not any_process(stop.requested):
                 last = run.run_step()
                 log.write(last)
-                bar.update(1)
-                bar.set_postfix(reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
-                                accept=f"{last['acceptance_length']:.2f}", step_s=f"{last['time_step_s']:.1f}")
+                bar.update(1, reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
+                           accept=f"{last['acceptance_length']:.2f}", step_s=f"{last['time_step_s']:.1f}")
                 if "eval_accuracy" in last:
                     say(f"step {run.step}: validation accuracy {last['eval_accuracy']:.3f}")
             if run.step < cfg.train.steps:
                 preempted = True
                 if run.checkpointer.latest_step() != run.step:
                     run.save()
-                say(f"SIGTERM: checkpointed step {run.step} in {run_dir / 'checkpoints'}; resume with --resume")
+                say(f"{stop.name or 'SIGTERM'}: checkpointed step {run.step} in {run_dir / 'checkpoints'}; "
+                    f"continue with --resume")
     finally:
         log.close()
         run.checkpointer.close()
     if not preempted:
         run.export()
+        say(_summary(run, last, time.perf_counter() - start, first_step))
     return {"step": run.step, "preempted": preempted, "last": last, "run_dir": str(run_dir)}
+
+
+def _summary(run: GRPORun, last: dict, seconds: float, first_step: int) -> str:
+    """The end-of-run line: steps, wall time, the last step's reward and acceptance, the outputs."""
+    parts = [f"grpo done: {run.step} steps ({run.step - first_step} in this process) in {seconds:.1f} s"]
+    if "reward_mean" in last:
+        parts.append(f"final reward {last['reward_mean']:.3f}, accuracy {last['accuracy']:.2f}, "
+                     f"acceptance length {last['acceptance_length']:.2f}")
+    outputs = f"policy in {run.run_dir / 'policy'}"
+    if run.online is not None:
+        outputs += f", draft in {run.run_dir / 'draft'}"
+    return "; ".join(parts + [outputs])

@@ -78,15 +78,6 @@ class MetricsLog:
             self._writer.close()
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Drops the records of steps after `step` (those a resumed run will redo)."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-
-
 class StageTimer:
     """Accumulates wall-clock seconds per named stage (block on device results inside a stage), and
     counts the XLA compilations (and persistent-cache reads) that happen until `record`."""

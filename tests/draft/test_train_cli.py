@@ -2,7 +2,8 @@
 checkpoints, export in the public layout, refusal to overwrite, and resume."""
 
 import json
-import shutil
+import os
+import signal
 
 import jax
 import numpy as np
@@ -14,9 +15,11 @@ from jaxspec.draft import build_vocab_maps, load_eagle3
 from jaxspec.draft.train_config import DraftTrainConfig, validate
 from jaxspec.draft.train_data import RolloutSource, prompt_pool
 from jaxspec.models import ModelConfig, load_hf, save_hf
+from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import generate_problems, train_tokenizer
 from jaxspec.tasks.tokenizer import ChatTokenizer
 from tests.models.hf_reference import random_params
+from tests.run.damage import empty_metadata
 
 CONFIG = "configs/draft_tiny.yaml"
 
@@ -100,13 +103,19 @@ def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
     assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "head.draft_vocab_size=90", "--resume")) == 2
     assert "head section differs" in capsys.readouterr().err
 
-    # Drop the final checkpoint: resuming from step 4 (the middle of the rollout group of steps
-    # 3..5) regenerates the same rollouts and ends in bit-identical weights.
+    # Damage the final checkpoint: resume reports it, moves it aside and restores step 4 (the
+    # middle of the rollout group of steps 3..5), which regenerates the same rollouts and ends in
+    # bit-identical weights; the metrics of steps 5..6 are written once, as in the first run.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4", "6"]
-    shutil.rmtree(run_dir / "checkpoints" / "6")
+    empty_metadata(run_dir / "checkpoints" / "6")
     assert jaxspec_main(_args(run_dir, policy, "train.steps=6", "--resume")) == 0
-    assert "resumed from step 4" in capsys.readouterr().out
-    assert [r["step"] for r in _metrics(run_dir)][4:] == [6, 6]
+    out = capsys.readouterr().out
+    assert f"checkpoint {run_dir / 'checkpoints' / '6'} is damaged (JSONDecodeError" in out
+    assert "resumed from step 4" in out
+    assert [p.name.split(".")[0] for p in (run_dir / "checkpoints").iterdir()].count("6") == 2  # new and aside
+    resumed_records = _metrics(run_dir)
+    assert [r["step"] for r in resumed_records] == [2, 4, 6, 6]
+    assert [r.get("loss") for r in resumed_records] == [r.get("loss") for r in records]
     _, resumed = load_eagle3(run_dir / "draft", policy=cfg)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(first)):
         np.testing.assert_array_equal(a, b)
@@ -117,6 +126,28 @@ def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
     _, tuned = load_eagle3(tuned_dir / "draft", policy=cfg)
     np.testing.assert_array_equal(tuned["d2t"], first["d2t"])
     assert not np.array_equal(tuned["lm_head"], first["lm_head"])
+
+
+def test_sigterm_checkpoints_and_resume_writes_each_step_once(tmp_path, policy_dir, monkeypatch, capsys):
+    import jaxspec.draft.train as train_module
+
+    class SigtermAtStep3(train_module.Progress):
+        def update(self, steps=1, **fields):
+            super().update(steps, **fields)
+            if self.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    policy, _ = policy_dir
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, policy, "train.steps=4", "train.log_every=1", "train.checkpoint_every=4", "eval.batches=0")
+    monkeypatch.setattr(train_module, "Progress", SigtermAtStep3)
+    assert jaxspec_main(args) == EXIT_CHECKPOINTED
+    assert f"SIGTERM: checkpointed step 3 in {run_dir / 'checkpoints'}" in capsys.readouterr().out
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["3"] and not (run_dir / "draft").exists()
+    monkeypatch.undo()
+    assert jaxspec_main(args + ["--resume"]) == 0
+    assert "draft train done: 4 steps in " in capsys.readouterr().out
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4] and (run_dir / "draft").is_dir()
 
 
 def test_missing_policy_is_a_clear_error(tmp_path, capsys):

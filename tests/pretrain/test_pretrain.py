@@ -1,6 +1,8 @@
 import dataclasses
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import jax
@@ -17,7 +19,9 @@ from jaxspec.pretrain import main
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.data import Batcher, PackedSet, pack
 from jaxspec.pretrain.train import response_loss
+from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import MAX_LEVEL
+from tests.run.damage import truncate_largest_data_file
 
 CONFIG = """
 data: {num_train: 600, num_eval: 6, seed: 3, levels: [1], vocab_size: 512, max_len: 64}
@@ -63,11 +67,15 @@ def test_resume_continues_from_checkpoint_exactly(first_run, tmp_path, capsys):
     config, run_dir = first_run
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "24")  # as if the run had died after step 12's checkpoint
+    # A damaged step-24 checkpoint (a truncated data file) is moved aside and the run resumes from 12.
+    truncate_largest_data_file(resumed / "checkpoints" / "24")
     shutil.rmtree(resumed / "policy")
     capsys.readouterr()
     assert main(["--config", str(config), "--run-dir", str(resumed), "--resume"]) == 0
-    assert "resumed from step 12 (data position 192)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"checkpoint {resumed / 'checkpoints' / '24'} is damaged (ValueError: OUT_OF_RANGE" in out
+    assert "resumed from step 12 (data position 192)" in out
+    assert len(list((resumed / "checkpoints").glob("24.damaged-*"))) == 1
     ours = load_file(resumed / "policy" / "model.safetensors")
     reference = load_file(run_dir / "policy" / "model.safetensors")
     assert ours.keys() == reference.keys()
@@ -78,6 +86,33 @@ def test_resume_continues_from_checkpoint_exactly(first_run, tmp_path, capsys):
     assert evals == [r["eval_accuracy"] for r in _metrics(run_dir) if "eval_accuracy" in r]
     losses = [(r["step"], r["loss"]) for r in _metrics(resumed) if "loss" in r]
     assert losses == [(r["step"], r["loss"]) for r in _metrics(run_dir) if "loss" in r]
+
+
+def test_sigterm_checkpoints_and_resume_finishes_the_same_run(first_run, tmp_path, monkeypatch, capsys):
+    """SIGTERM during step 5: the run checkpoints step 5 and exits 75 without exporting; --resume
+    ends in the uninterrupted run's weights and metrics."""
+    import jaxspec.pretrain.run as run_module
+
+    class SigtermAtStep5(run_module.Progress):
+        def update(self, steps=1, **fields):
+            super().update(steps, **fields)
+            if self.step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    config, run_dir = first_run
+    stopped = tmp_path / "stopped"
+    monkeypatch.setattr(run_module, "Progress", SigtermAtStep5)
+    assert main(["--config", str(config), "--run-dir", str(stopped)]) == EXIT_CHECKPOINTED
+    assert f"SIGTERM: checkpointed step 5 in {stopped / 'checkpoints'}" in capsys.readouterr().out
+    assert [p.name for p in (stopped / "checkpoints").iterdir()] == ["5"] and not (stopped / "policy").exists()
+    monkeypatch.undo()
+    assert main(["--config", str(config), "--run-dir", str(stopped), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 5 (data position 80)" in out and "pretrain done: 24 steps in " in out
+    assert _losses(stopped) == _losses(run_dir)
+    ours, reference = (load_file(d / "policy" / "model.safetensors") for d in (stopped, run_dir))
+    for name in reference:
+        np.testing.assert_array_equal(ours[name], reference[name], err_msg=name)
 
 
 def _losses(run_dir):

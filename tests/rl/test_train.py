@@ -1,4 +1,5 @@
-"""`jaxspec train` end to end on a tiny random policy: learning, exact resume, SIGTERM, config errors."""
+"""`jaxspec train` end to end on a tiny random policy: learning, exact resume, SIGTERM and Ctrl-C,
+config errors."""
 
 import json
 import os
@@ -20,6 +21,8 @@ from jaxspec.cli import main as jaxspec_main
 from jaxspec.rl.config import LossConfig
 from jaxspec.rl.loop import trained_rollouts, truncated_rollouts
 from jaxspec.rl.metrics import is_timing
+from jaxspec.run import EXIT_CHECKPOINTED
+from tests.run.damage import truncate_largest_data_file
 
 CONFIG = """
 policy: {{path: {policy}}}
@@ -93,7 +96,7 @@ def test_grpo_raises_reward_and_adapts_the_draft(full_run):
     assert (run_dir / "draft" / "model.safetensors").exists()
 
 
-def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
+def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
     config, full = full_run
     # 6 steps, then --resume to 12: identical metrics (timings aside) and identical final weights.
     assert _train("--config", config, "--run-dir", tmp_path / "split", "train.steps=6") == 0
@@ -104,16 +107,22 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
         got = load_file(tmp_path / "split" / folder / "model.safetensors")
         assert all(np.array_equal(expected[k], got[k]) for k in expected)
 
-    # A run killed after step 9 (last checkpoint 6) loses steps 7-9 and redoes them identically.
+    # A run killed after step 9 whose step-12 checkpoint is damaged (a truncated data file): resume
+    # reports it and moves it aside, and steps 7-9 are redone from checkpoint 6, identically.
     crashed = tmp_path / "crashed"
     shutil.copytree(full, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "12")
+    truncate_largest_data_file(crashed / "checkpoints" / "12")
     shutil.rmtree(crashed / "policy")
     shutil.rmtree(crashed / "draft")
     lines = (crashed / "metrics.jsonl").read_text().splitlines()
     (crashed / "metrics.jsonl").write_text("\n".join(lines[:10]) + "\n")
+    capsys.readouterr()
     assert _train("--config", config, "--run-dir", crashed, "--resume") == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {crashed / 'checkpoints' / '12'} is damaged (ValueError: OUT_OF_RANGE" in out
+    assert "resumed from step 6" in out
     assert _without_timings(_metrics(crashed)) == _without_timings(_metrics(full))
+    assert len(list((crashed / "checkpoints").glob("12.damaged-*"))) == 1
 
 
 def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
@@ -228,15 +237,17 @@ def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypat
     assert all(r["draft_loss"] > 0 and len(r["draft_top1_agreement"]) == 1 for r in records)
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path):
-    config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
-                     checkpoint_every=1000)
-    run_dir = tmp_path / "run"
-    # Autoregressive rollouts and a plain loss keep the subprocess's compilations short.
-    light = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
+# Autoregressive rollouts and a plain loss keep a subprocess's compilations short.
+LIGHT = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
+
+
+def _signal_mid_run(config, run_dir, signum):
+    """Starts `jaxspec train` in a subprocess (stdout not a terminal), sends `signum` once two steps
+    are logged; returns (exit status, stdout, stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "train", "--config", config, "--run-dir",
-                             str(run_dir), *light], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                             str(run_dir), *LIGHT, "train.progress=true"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_PROGRESS_INTERVAL_S": "0"})
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -244,10 +255,19 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path)
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
+    return proc.returncode, stdout, stderr
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_exits_75(tiny_policy, tmp_path):
+    config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
+                     checkpoint_every=1000)
+    run_dir = tmp_path / "run"
+    returncode, stdout, stderr = _signal_mid_run(config, run_dir, signal.SIGTERM)
+    assert returncode == EXIT_CHECKPOINTED == 75, stderr
     assert "SIGTERM: checkpointed step" in stdout
+    metrics = run_dir / "metrics.jsonl"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
     manager = ocp.CheckpointManager(run_dir / "checkpoints")
@@ -259,6 +279,39 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path)
     assert not (run_dir / "policy").exists()  # a preempted run is not finished
 
 
+def test_ctrl_c_checkpoints_and_resume_continues_the_metrics(tiny_policy, tmp_path, capsys):
+    config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=1000, eval_every=0,
+                     checkpoint_every=1000)
+    run_dir = tmp_path / "run"
+    returncode, stdout, stderr = _signal_mid_run(config, run_dir, signal.SIGINT)
+    assert returncode == EXIT_CHECKPOINTED, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "Ctrl-C: checkpointing at the end of this step" in stderr
+    assert "SIGINT: checkpointed step" in stdout
+    done = len(_metrics(run_dir))
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [done] and done >= 2
+    # stdout is a pipe: progress comes as plain lines, one per step with a 0 s interval
+    assert [line.split("/")[0] for line in stdout.splitlines() if line.startswith("grpo: step ")] == \
+        [f"grpo: step {s}" for s in range(1, done + 1)]
+    assert _train("--config", config, "--run-dir", run_dir, "--resume", f"train.steps={done + 2}", *LIGHT) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from step {done}" in out
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, done + 3))
+    summary = [line for line in out.splitlines() if line.startswith("grpo done: ")]
+    assert len(summary) == 1 and f"grpo done: {done + 2} steps (2 in this process)" in summary[0]
+    assert f"final reward {_metrics(run_dir)[-1]['reward_mean']:.3f}" in summary[0]
+    assert f"policy in {run_dir / 'policy'}" in summary[0] and (run_dir / "policy" / "model.safetensors").is_file()
+
+
+def test_resume_on_a_new_run_dir_says_so_and_starts_fresh(tiny_policy, tmp_path, capsys):
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    run_dir = tmp_path / "new"
+    assert _train("--config", config, "--run-dir", run_dir, "--resume", *LIGHT) == 0
+    out = capsys.readouterr().out
+    assert f"--resume: no checkpoint in {run_dir / 'checkpoints'}; starting a new run" in out
+    assert [r["step"] for r in _metrics(run_dir)] == [1]
+
+
 def _error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -267,9 +320,12 @@ def _error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("loss.eps_hi=0.3", "unknown key 'loss.eps_hi'"),
+    ("loss.eps_hi=0.3", "error: command-line override 'loss.eps_hi=0.3': unknown key 'loss.eps_hi'"),
+    ("train.steps=abc", "error: command-line override 'train.steps=abc': key 'train.steps': expected int, "
+                        "got str ('abc')"),
     ("rollout.max_new_tokens=many", "key 'rollout.max_new_tokens': expected int"),
-    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt: must be >= 2"),
+    ("rollout.samples_per_prompt=1", "error: command-line override 'rollout.samples_per_prompt=1': "
+                                     "rollout.samples_per_prompt: must be >= 2"),
     ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
     ("loss.aggregation=mean", "key 'loss.aggregation': expected one of ['token', 'sequence']"),
     ("policy.path=/nonexistent/policy", "policy.path: policy folder not found: /nonexistent/policy"),
