@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
@@ -16,8 +17,8 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
-    _, cfg, _ = tiny_policy
+def _draft_case(cfg):
+    """(params, sampling, a packed minibatch with seq_resp_mask) of 8 rollouts of a peaked policy."""
     params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)  # peaked next-token distributions to imitate
     sampling = Sampling(temperature=1.0, max_new_tokens=8, eos_id=cfg.eos_token_id)
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
@@ -25,11 +26,16 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     batch = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
     batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
                  old_logp=np.asarray(out.logprobs), loss_mask=batch.pop("resp_mask"))
-    batch = pack_rows(batch)
+    return params, sampling, pack_rows(batch)
+
+
+def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
+    _, cfg, _ = tiny_policy
+    params, sampling, batch = _draft_case(cfg)
     loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-2)
     dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
     weights, buffers = split_buffers(dparams)
-    online = OnlineDraft(dcfg=dcfg, train=DraftConfig(online=True, loss_weight=0.5, learning_rate=1e-2, ttt_steps=1))
+    online = OnlineDraft(dcfg=dcfg, train=DraftConfig(online=True, loss_weight=1.0, learning_rate=1e-2, ttt_steps=1))
 
     plain = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     with_draft = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, online)
@@ -57,3 +63,28 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     assert float(m["tokens"]) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before, p3)
     assert not np.array_equal(np.asarray(w3["fc"]), np.asarray(w_before["fc"]))
+
+
+def test_draft_loss_weight_scales_the_head_update(tiny_policy):
+    """λ = draft.loss_weight multiplies the head's clipped AdamW step: λ = 10 moves the head 10 times
+    as far as λ = 1 (clipping and Adam would cancel a weight on the loss), λ = 0 not at all."""
+    _, cfg, _ = tiny_policy
+    params, sampling, batch = _draft_case(cfg)
+    loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-3)
+    dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
+    weights, buffers = split_buffers(dparams)
+    opt_state = policy_optimizer(optim).init(params)
+    deltas = {}
+    for weight in (0.0, 1.0, 10.0):
+        train = DraftConfig(online=True, loss_weight=weight, learning_rate=1e-3, ttt_steps=1)
+        update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, OnlineDraft(dcfg=dcfg, train=train))
+        d_opt = draft_optimizer(train).init(weights)
+        _, _, new, _, m = update(_copy(params), _copy(opt_state), _copy(weights), buffers, d_opt, batch)
+        assert float(m["draft_grad_norm"]) > 0
+        deltas[weight] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, weights)
+    for leaf in jax.tree.leaves(deltas[0.0]):
+        assert not leaf.any()
+    norm = {w: float(np.sqrt(sum((leaf ** 2).sum() for leaf in jax.tree.leaves(d)))) for w, d in deltas.items()}
+    assert norm[1.0] > 0
+    assert norm[10.0] == pytest.approx(10 * norm[1.0], rel=1e-3)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 10 * b, rtol=1e-3, atol=1e-9), deltas[10.0], deltas[1.0])

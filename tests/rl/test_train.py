@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.rl.config import LossConfig
-from jaxspec.rl.loop import trained_rollouts, truncated_rollouts
+from jaxspec.rl.shaping import trained_rollouts, truncated_rollouts
 from jaxspec.rl.metrics import is_timing
 
 CONFIG = """
