@@ -249,6 +249,10 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
+    """A run. reward: a name of `jaxspec.rewards.registered_rewards()`: "math" (math-verify, for
+    external math data: GSM8K / MATH / DAPO-style answers, LaTeX; timed per response) or
+    "arithmetic" (exact rationals, for the built-in task's integer and fraction answers: faster)."""
+
     train: TrainConfig
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()
