@@ -181,7 +181,9 @@ class DraftConfig:
     online: false keeps the draft frozen. loss_weight is λ in L = L_policy + λ·L_draft; L_draft
     (`jaxspec.draft.eagle3_loss`: `ttt_steps` unrolled steps weighted `step_decay`**i) uses the
     policy's detached hidden states and logits of the training forward and has its own AdamW
-    optimizer and gradient clipping. train_every: the head trains on every n-th minibatch update of
+    optimizer and gradient clipping (grad_clip). λ multiplies the head's step after the clipping
+    and AdamW (which would cancel a weight on the loss): the head learns at λ·learning_rate, and
+    λ = 0 freezes it while the rollouts still use it. train_every: the head trains on every n-th minibatch update of
     a step (the first, the (n+1)-th, ...); the others update the policy alone and skip the draft
     loss's unrolled steps. 1 trains it on every minibatch.
     """

@@ -1,4 +1,4 @@
-"""Trainer-side log-probabilities of rollout tokens and the GRPO / DAPO policy loss.
+"""Trainer-side log-probabilities of rollout tokens and the GRPO / DAPO / Dr.GRPO policy loss.
 
 Shapes: S rollouts, packed into R rows of width W (`jaxspec.rl.batch.pack_rows`), N =
 max_new_tokens, V = vocabulary. Response token j of rollout s is predicted by the logits at flat

@@ -10,9 +10,8 @@ A step record (metrics.jsonl) holds
     (loss tokens dropped for a non-finite current, old, rollout or reference log-prob, per update),
     entropy, grad_norm, lr, updates, logprob_mismatch_max/mean (loss.recompute_logprobs);
     generation_rounds (loss.filter_groups_max_rounds), shaped_reward_mean (the rewards with
-    loss.overlong_buffer's penalty; reward_mean and accuracy are the reward function's); draft_loss,
-    draft_grad_norm,
-    draft_step_loss, draft_top1_agreement (draft.online);
+    loss.overlong_buffer's penalty; reward_mean and accuracy are the reward function's);
+    draft_loss, draft_grad_norm, draft_step_loss, draft_top1_agreement (draft.online);
   validation: eval_accuracy, eval_reward_mean (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
