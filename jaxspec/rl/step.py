@@ -8,9 +8,10 @@ width W (N = max_new_tokens):
     tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W] (online draft only);
     resp_index, resp_tokens int32 [S, N]; advantages float32 [S]; old_logp float32 [S, N];
     loss_mask bool [S, N] (response tokens of groups that count); loss_denominator float32 [S] (the
-    step-level count `jaxspec.rl.loss.loss_denominator`, repeated; absent = the minibatch's own); ref_logp float32 [S, N] (only
-    with loss.kl_beta > 0: the reference's temperature-only log-probs); rollout_logp float32 [S, N]
-    (only with loss.tis_cap > 0: the rollout's log-probs, old_logp being the trainer's).
+    step-level count `jaxspec.rl.loss.loss_denominator`, repeated; absent = the minibatch's own);
+    ref_logp float32 [S, N] (only with loss.kl_beta > 0: the reference's temperature-only
+    log-probs); rollout_logp float32 [S, N] (only with loss.tis_cap > 0: the rollout's log-probs,
+    old_logp being the trainer's).
 """
 
 from __future__ import annotations
