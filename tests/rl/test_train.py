@@ -251,6 +251,16 @@ def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
     assert any(r["generation_rounds"] > 1 for r in records), records
 
 
+def test_soft_overlong_penalty_shapes_the_rewards(tiny_policy, tmp_path):
+    """overlong_buffer = max_new_tokens: every response of L tokens loses L / 8 before the
+    advantages; reward_mean stays the reward function's."""
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    options = ["spec.method=none", "draft.online=false", "loss.overlong_buffer=8", "loss.overlong_penalty=1.0"]
+    assert _train("--config", config, "--run-dir", tmp_path / "run", *options) == 0
+    (record,) = _metrics(tmp_path / "run")
+    assert record["shaped_reward_mean"] == pytest.approx(record["reward_mean"] - record["response_length_mean"] / 8)
+
+
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_policy, tmp_path):
     config = _config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
                      checkpoint_every=1000)
