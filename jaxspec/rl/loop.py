@@ -216,7 +216,8 @@ class GRPORun:
         loss.filter_groups_max_rounds > 1 (DAPO dynamic sampling) further batches of prompts are
         generated until prompts_per_step informative groups are found or the rounds run out, and
         prompts_per_step groups are kept (`select_groups`). Returns (rollouts, prompts consumed,
-        generation rounds); the statistics are those of the first round."""
+        generation rounds); the statistics are those of the first round, "generated_tokens" counts
+        every round's."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         with timer.stage("sync"):
             policy, spec = self.rollout_view()
@@ -234,11 +235,12 @@ class GRPORun:
             rounds.append(self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer))
             consumed += len(ids)
         del policy
+        generated = int(sum(r["lengths"].sum() for r in rounds))
         if len(rounds) == 1:
-            return rounds[0], consumed, 1
+            return {**rounds[0], "generated_tokens": generated}, consumed, 1
         groups = select_groups(informative(), cfg.rollout.prompts_per_step)
         rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
-        merged = {"stats": rounds[0]["stats"]}
+        merged = {"stats": rounds[0]["stats"], "generated_tokens": generated}
         for name in ("prompts", "records"):
             flat = [item for r in rounds for item in r[name]]
             merged[name] = [flat[i] for i in rows]
@@ -289,7 +291,7 @@ class GRPORun:
             with timer.stage("checkpoint"):
                 self.save()
         record.update(timer.record(), time_step_s=round(time.perf_counter() - start, 6),
-                      tokens_per_s=round(float(lengths.sum()) / max(timer.seconds["generation"], 1e-9), 3))
+                      tokens_per_s=round(out["generated_tokens"] / max(timer.seconds["generation"], 1e-9), 3))
         return record
 
     def _score(self, batch: dict) -> dict:
