@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     out = generate(cfg, params, prompts, jax.random.key(args.seed), sampling, spec=spec)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     seconds = time.perf_counter() - start
-    reward = get_reward("math")
+    reward = get_reward("arithmetic")  # the built-in task's integer and fraction answers
     texts = [tok.decode(t[:n]) for t, n in zip(tokens, lengths)]
     scores = [reward(text, example) for text, example in zip(texts, rows)]
     for text, example, score in list(zip(texts, rows, scores))[: args.show]:

@@ -11,6 +11,9 @@ removed; integers, decimals (`0.75`, `.5`, `2.0`), plain fractions (`3/4`) and L
 (`\\frac{3}{4}`, `\\dfrac`, `\\tfrac`, `\\frac34`, nested) with any sign placement become an exact
 `fractions.Fraction`.
 
+Before extraction, Unicode minus signs become "-" and empty boxes are dropped (`normalize_text`).
+Numbers split by spaces (`1 2`, `3, 400`, `5\\text{ or }6`) are not numbers.
+
 Equivalence: two answers match when both parse and the fractions are equal. When the reference
 answer is not a number (e.g. `\\sqrt{2}`), the answers match when their normalised strings are
 equal. A response with no extractable or parsable answer gets reward 0; the verifier never raises
@@ -29,7 +32,17 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _FRAC = re.compile(r"([+-]?)\\frac")
 _UNITS = re.compile(r"\\(?:text|mbox)\{[^{}]*\}|\^\{?\\circ\}?")
+_SPLIT_DIGITS = re.compile(r"\d(?:\s*,)?\s+\d")  # "1 2", "3, 400": a list, not one number
+_EMPTY_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{\s*\}")
+_UNICODE_MINUS = ("\u2212", "\ufe63", "\uff0d")  # minus sign, small and fullwidth hyphen-minus
 _DROPPED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\$", "\\%", "%", "$", " ")
+
+
+def normalize_text(text: str) -> str:
+    """Unicode minus signs -> "-"; empty `\\boxed{}`s removed (an answer boxed before one counts)."""
+    for minus in _UNICODE_MINUS:
+        text = text.replace(minus, "-")
+    return _EMPTY_BOX.sub("", text)
 
 
 def last_boxed(text: str) -> str | None:
@@ -109,7 +122,10 @@ def _split_frac(s: str) -> tuple[str, str, str] | None:
 
 def parse_number(text: str) -> Fraction | None:
     """Exact value of a numeric answer string, or None when it is not a plain number/fraction."""
-    s = _clean(_UNITS.sub("", text))
+    spaced = _UNITS.sub(" ", text)
+    if _SPLIT_DIGITS.search(spaced):
+        return None
+    s = _clean(spaced)
     while s.startswith("{") and _group(s, 0) is not None and _group(s, 0)[1] == len(s):
         s = s[1:-1]
     if s.startswith("(") and s.endswith(")"):
@@ -155,8 +171,8 @@ def math_reward(response: str, answer: str) -> float:
     it is taken whole. Never raises for string inputs: an unparsable response scores 0.0.
     """
     try:
-        predicted = extract_answer(response, fallback="last_number")
-        reference = extract_answer(answer, fallback="whole")
+        predicted = extract_answer(normalize_text(response), fallback="last_number")
+        reference = extract_answer(normalize_text(answer), fallback="whole")
         if predicted is None or reference is None:
             return 0.0
         ref_value = parse_number(reference)

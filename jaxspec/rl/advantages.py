@@ -28,3 +28,4 @@ def group_advantages(rewards: np.ndarray, group_size: int, mode: str = "std", ep
         scale = np.where(informative[:, None], groups.std(axis=1, ddof=1, keepdims=True) + eps, 1.0)
         centred = centred / scale
     return centred.reshape(-1).astype(np.float32), informative
+

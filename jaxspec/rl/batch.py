@@ -73,7 +73,8 @@ def take_rows(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.nd
     return {name: value[rows] for name, value in batch.items()}
 
 
-SEQUENCE_FIELDS = ("resp_tokens", "resp_mask", "advantages", "old_logp", "loss_mask", "ref_logp")
+SEQUENCE_FIELDS = ("resp_tokens", "resp_mask", "advantages", "old_logp", "loss_mask", "ref_logp", "rollout_logp",
+                   "loss_denominator")
 
 
 def packed_row_count(filled: int, multiple_of: int = 1) -> int:

@@ -26,6 +26,7 @@ from jax.experimental.compilation_cache import compilation_cache as cache
 
 from jaxspec.rl.batch import packed_row_counts
 from jaxspec.placement import Placement
+from jaxspec.rl.step import minibatch_fields
 
 if TYPE_CHECKING:
     from jaxspec.rl.loop import GRPORun
@@ -45,12 +46,14 @@ def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_ne
     """The named `fields` of `pack_rows`' output for S = seqs sequences in R = rows rows of width W
     (N = max_new), placed as `Placement.rows` places them:
     tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W]; resp_index, resp_tokens int32 [S, N];
-    advantages float32 [S]; old_logp, ref_logp float32 [S, N]; loss_mask bool [S, N]."""
+    advantages, loss_denominator float32 [S]; old_logp, ref_logp, rollout_logp float32 [S, N];
+    loss_mask bool [S, N]."""
     types = {"tokens": ((rows, width), np.int32), "segment_ids": ((rows, width), np.int32),
              "seq_resp_mask": ((rows, width), np.bool_), "resp_index": ((seqs, max_new), np.int32),
              "resp_tokens": ((seqs, max_new), np.int32), "advantages": ((seqs,), np.float32),
              "old_logp": ((seqs, max_new), np.float32), "ref_logp": ((seqs, max_new), np.float32),
-             "loss_mask": ((seqs, max_new), np.bool_)}
+             "loss_mask": ((seqs, max_new), np.bool_), "loss_denominator": ((seqs,), np.float32),
+             "rollout_logp": ((seqs, max_new), np.float32)}
     return {name: jax.ShapeDtypeStruct(types[name][0], types[name][1], sharding=placement.row_sharding(types[name][0]))
             for name in fields}
 
@@ -67,10 +70,13 @@ def trainer_programs(run: GRPORun) -> list[Program]:
             yield packed_inputs(run.placement, rows, seqs, run.width, cfg.rollout.max_new_tokens, fields)
 
     programs = []
-    if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
+    if cfg.loss.recompute_logprobs:
         programs += [(run.score, (state["params"], *(rows[k] for k in SCORE_FIELDS)))
                      for rows in calls(batch, SCORE_FIELDS)]
-    fields = [*SCORE_FIELDS, "advantages", "old_logp", "loss_mask"] + ["ref_logp"] * (cfg.loss.kl_beta > 0)
+    if cfg.loss.kl_beta > 0:
+        programs += [(run.ref_score, (state["ref_params"], *(rows[k] for k in SCORE_FIELDS)))
+                     for rows in calls(batch, SCORE_FIELDS)]
+    fields = [*SCORE_FIELDS, *minibatch_fields(cfg.loss)]
     seqs = batch // cfg.loss.minibatches
     if run.online is not None:
         from jaxspec.draft import split_buffers

@@ -73,38 +73,66 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """GRPO / DAPO objective.
+    """GRPO / DAPO / Dr.GRPO objective (see README "Algorithms").
 
-    advantage: "std" = (r - mean) / (std + advantage_eps) within each group (unbiased std),
-        "mean" = r - mean (no scaling).
+    advantage: "std" = (r - mean) / (std + advantage_eps) within each group (unbiased std; GRPO),
+        "mean" = r - mean (no scaling; Dr.GRPO).
     eps_low / eps_high: ratio clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher when
         eps_high > eps_low).
-    aggregation: "token" = sum of token losses / number of tokens in the minibatch (DAPO);
-        "sequence" = mean over sequences of each sequence's token mean (original GRPO).
+    clip_ratio_c: dual-clip PPO: for a negative advantage the token loss is at most
+        clip_ratio_c * |A|, so a huge ratio cannot blow up the loss (> 1; null = off).
+    aggregation: "token" = sum of token losses / number of tokens (DAPO; verl's token-mean);
+        "sequence" = mean over sequences of each sequence's token mean (original GRPO; verl's
+        seq-mean-token-mean); "seq-mean-token-sum-norm" = mean over sequences of each sequence's
+        token sum / rollout.max_new_tokens (Dr.GRPO's constant normaliser: no length bias).
+        The count divided by is the whole RL step's (tokens or sequences / minibatches), so with
+        minibatches > 1 every token weighs the same whichever minibatch it falls in.
     kl_beta: coefficient of the k3 KL estimate to the frozen initial policy (0 = no reference).
-    filter_groups: drop groups whose rewards are all equal (zero advantage) from the loss
-        (DAPO dynamic sampling, without over-sampling).
+        The KL compares the policy's and the reference's temperature-only distributions (no
+        top-k/top-p, as verl does), which give every sampled token a finite log-prob.
+    filter_groups: drop groups whose rewards are all equal (zero advantage) from the loss (DAPO).
+    filter_groups_max_rounds: DAPO dynamic sampling: with filter_groups, generate groups for up to
+        this many batches of rollout.prompts_per_step prompts per step (consuming the prompts)
+        until prompts_per_step informative groups are found; the batch keeps its size, filled up
+        with filtered groups (out of the loss) when the rounds run out. 1 = no over-sampling.
     mask_truncated: rollouts cut at rollout.max_new_tokens without an eos add no tokens to the
         loss (DAPO's overlong filtering: a cut answer is not a wrong one); they still count in
         their group's advantages.
+    overlong_buffer / overlong_penalty: DAPO's soft overlong punishment: a response of L tokens
+        with L > max_new_tokens - overlong_buffer gets reward - overlong_penalty * (L - (max_new_tokens
+        - overlong_buffer)) / overlong_buffer (up to -overlong_penalty at max_new_tokens), before
+        the advantages (0 = off). Accuracy metrics use the unshaped reward.
     ppo_epochs / minibatches: optimizer updates per rollout batch = ppo_epochs * minibatches.
     recompute_logprobs: old log-probs from the trainer's forward before the first update instead
         of the rollout's; logs the measured rollout/trainer mismatch.
+    tis_cap: truncated importance sampling of the rollout/trainer mismatch (needs
+        recompute_logprobs): each token's loss is weighted by min(exp(old_logp_trainer -
+        rollout_logp), tis_cap), as verl's tis_imp_ratio_cap (0 = off).
+    Tokens with a non-finite old, rollout, reference or current log-prob (outside the trainer's
+    top-k/top-p nucleus) are dropped from the loss and counted in the metric nonfinite_tokens.
     """
 
     advantage: Literal["std", "mean"] = "std"
     advantage_eps: float = 1e-6
     eps_low: float = 0.2
     eps_high: float = 0.28
-    aggregation: Literal["token", "sequence"] = "token"
+    clip_ratio_c: float | None = 3.0
+    aggregation: Literal["token", "sequence", "seq-mean-token-sum-norm"] = "token"
     kl_beta: float = 0.0
     filter_groups: bool = False
+    filter_groups_max_rounds: int = 1
     mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     ppo_epochs: int = 1
     minibatches: int = 1
     recompute_logprobs: bool = False
+    tis_cap: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +181,9 @@ class DraftConfig:
     online: false keeps the draft frozen. loss_weight is λ in L = L_policy + λ·L_draft; L_draft
     (`jaxspec.draft.eagle3_loss`: `ttt_steps` unrolled steps weighted `step_decay`**i) uses the
     policy's detached hidden states and logits of the training forward and has its own AdamW
-    optimizer and gradient clipping. train_every: the head trains on every n-th minibatch update of
+    optimizer and gradient clipping (grad_clip). λ multiplies the head's step after the clipping
+    and AdamW (which would cancel a weight on the loss): the head learns at λ·learning_rate, and
+    λ = 0 freezes it while the rollouts still use it. train_every: the head trains on every n-th minibatch update of
     a step (the first, the (n+1)-th, ...); the others update the policy alone and skip the draft
     loss's unrolled steps. 1 trains it on every minibatch.
     """
@@ -221,6 +251,10 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
+    """A run. reward: a name of `jaxspec.rewards.registered_rewards()`: "math" (math-verify, for
+    external math data: GSM8K / MATH / DAPO-style answers, LaTeX; timed per response) or
+    "arithmetic" (exact rationals, for the built-in task's integer and fraction answers: faster)."""
+
     train: TrainConfig
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()
@@ -275,6 +309,19 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     positive(lo, "eps_high", "loss", allow_zero=True)
     need(lo.eps_low < 1, "loss.eps_low", f"must be < 1, got {lo.eps_low}")
     positive(lo, "kl_beta", "loss", allow_zero=True)
+    need(lo.clip_ratio_c is None or lo.clip_ratio_c > 1, "loss.clip_ratio_c",
+         f"must be > 1 or null, got {lo.clip_ratio_c}")
+    positive(lo, "filter_groups_max_rounds", "loss")
+    need(lo.filter_groups_max_rounds == 1 or lo.filter_groups, "loss.filter_groups_max_rounds",
+         "over-sampling refills groups that filter_groups drops; set loss.filter_groups: true")
+    positive(lo, "overlong_buffer", "loss", allow_zero=True)
+    need(lo.overlong_buffer <= r.max_new_tokens, "loss.overlong_buffer",
+         f"must be <= rollout.max_new_tokens={r.max_new_tokens}, got {lo.overlong_buffer}")
+    positive(lo, "overlong_penalty", "loss", allow_zero=True)
+    positive(lo, "tis_cap", "loss", allow_zero=True)
+    need(lo.tis_cap == 0 or lo.recompute_logprobs, "loss.tis_cap",
+         "truncated importance sampling weighs the trainer's against the rollout's log-probs; "
+         "set loss.recompute_logprobs: true")
     positive(lo, "ppo_epochs", "loss")
     positive(lo, "minibatches", "loss")
     rows = r.prompts_per_step * r.samples_per_prompt

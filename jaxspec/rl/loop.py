@@ -37,13 +37,15 @@ from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import minibatch_indices, pack_rows, row_width, take_rows, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, check_run_dir, save_config
 from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile, precompile_enabled, trainer_programs
-from jaxspec.rl.config import GRPOConfig, LossConfig
+from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
+from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import MetricsLog, StageTimer, block, mean_update_metrics, rollout_step_metrics
 from jaxspec.placement import Placement
 from jaxspec.run import Progress, StopSignals, truncate_metrics
 from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
+from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 
@@ -53,23 +55,6 @@ def _cast_floats(tree, dtype):
     one dispatch each, and on a CPU mesh a burst of them can exhaust the runtime's programs in
     flight (see `Placement.pin`)."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def truncated_rollouts(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
-    """bool [B]: rollouts cut at max_new_tokens without an eos (tokens int32 [B, N], lengths [B])."""
-    return (lengths == max_new_tokens) & (tokens[:, -1] != eos_id)
-
-
-def trained_rollouts(informative: np.ndarray, truncated: np.ndarray, group: int, loss: LossConfig) -> np.ndarray:
-    """bool [B]: rollouts whose tokens enter the policy loss. informative bool [B / group] (groups
-    with unequal rewards), truncated bool [B]; `loss.filter_groups` drops uninformative groups and
-    `loss.mask_truncated` drops truncated rollouts."""
-    keep = np.ones(truncated.shape, bool)
-    if loss.filter_groups:
-        keep &= np.repeat(informative, group)
-    if loss.mask_truncated:
-        keep &= ~truncated
-    return keep
 
 
 class GRPORun:
@@ -135,6 +120,8 @@ class GRPORun:
             self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
                                            t_cfg.remat, None, mesh)
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh)
+        self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat,
+                                  mesh)
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
@@ -181,39 +168,87 @@ class GRPORun:
                                                 "updates": np.int32(self.updates)}))
         self.checkpointer.save(self.state)
 
+    def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer) -> dict:
+        """samples_per_prompt rollouts of each prompt id and their rewards (host arrays):
+        prompts / records (lists, B = len(ids) * group), tokens int32 [B, N], lengths [B],
+        logprobs float32 [B, N], scores float64 [B] (the reward functions'), rewards float64 [B]
+        (scores with the overlong penalty), stats (the rollout's statistics)."""
+        cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
+        prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
+        records = [self.train_set.records[i] for i in ids for _ in range(group)]
+        with timer.stage("generation"):
+            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
+                                 sharding=self.placement.sharding, prompt_width=self.longest_prompt))
+        tokens, lengths = to_host(out.tokens), to_host(out.lengths)
+        with timer.stage("reward"):
+            texts = decode_responses(self.tok, tokens, lengths)
+            scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
+        rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
+                                            cfg.loss.overlong_penalty)
+        return {"prompts": prompts, "records": records, "tokens": tokens, "lengths": lengths,
+                "logprobs": to_host(out.logprobs).astype(np.float32), "scores": scores, "rewards": rewards,
+                "stats": out.stats}
+
+    def _generate(self, timer: StageTimer) -> tuple[dict, int, int]:
+        """This step's rollouts (see `_rollouts`) for prompts_per_step prompts; with
+        loss.filter_groups_max_rounds > 1 (DAPO dynamic sampling) further batches of prompts are
+        generated until prompts_per_step informative groups are found or the rounds run out, and
+        prompts_per_step groups are kept (`select_groups`). Returns (rollouts, prompts consumed,
+        generation rounds); the statistics are those of the first round, "generated_tokens" counts
+        every round's."""
+        cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
+        with timer.stage("sync"):
+            policy, spec = self.rollout_view()
+        key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
+        ids = self.sampler.indices(self.position)
+        rounds = [self._rollouts(ids, policy, spec, key, timer)]
+        consumed = len(ids)
+
+        def informative():
+            rewards = np.concatenate([r["rewards"] for r in rounds])
+            return group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)[1]
+
+        while len(rounds) < cfg.loss.filter_groups_max_rounds and informative().sum() < cfg.rollout.prompts_per_step:
+            ids = self.sampler.indices(self.position + consumed)
+            rounds.append(self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer))
+            consumed += len(ids)
+        del policy
+        generated = int(sum(r["lengths"].sum() for r in rounds))
+        if len(rounds) == 1:
+            return {**rounds[0], "generated_tokens": generated}, consumed, 1
+        groups = select_groups(informative(), cfg.rollout.prompts_per_step)
+        rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
+        merged = {"stats": rounds[0]["stats"], "generated_tokens": generated}
+        for name in ("prompts", "records"):
+            flat = [item for r in rounds for item in r[name]]
+            merged[name] = [flat[i] for i in rows]
+        for name in ("tokens", "lengths", "logprobs", "scores", "rewards"):
+            merged[name] = np.concatenate([r[name] for r in rounds])[rows]
+        return merged, consumed, len(rounds)
+
     def run_step(self) -> dict:
         """One RL step: rollouts, rewards, advantages, updates, then validation / checkpoint when due.
         Returns the step's metrics record."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         start, timer = time.perf_counter(), StageTimer()
-        ids = self.sampler.indices(self.position)
-        prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
-        records = [self.train_set.records[i] for i in ids for _ in range(group)]
-        with timer.stage("sync"):
-            policy, spec = self.rollout_view()
-        with timer.stage("generation"):
-            key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
-            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
-                                 sharding=self.placement.sharding, prompt_width=self.longest_prompt))
-        del policy
-        tokens, lengths = to_host(out.tokens), to_host(out.lengths)
-        with timer.stage("reward"):
-            texts = decode_responses(self.tok, tokens, lengths)
-            rewards = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
+        out, consumed, rounds = self._generate(timer)
+        tokens, lengths, rewards = out["tokens"], out["lengths"], out["rewards"]
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
-        batch = training_rows(prompts, tokens, lengths, self.tok.pad_id, self.width)
+        batch = training_rows(out["prompts"], tokens, lengths, self.tok.pad_id, self.width)
         truncated = truncated_rollouts(tokens, lengths, cfg.rollout.max_new_tokens, self.tok.eos_id)
         keep = trained_rollouts(informative, truncated, group, cfg.loss)
-        batch.update(advantages=advantages, old_logp=to_host(out.logprobs).astype(np.float32),
-                     loss_mask=batch["resp_mask"] & keep[:, None])
+        batch.update(advantages=advantages, old_logp=out["logprobs"], loss_mask=batch["resp_mask"] & keep[:, None])
         if self.online is None:
             del batch["seq_resp_mask"]
 
-        record = {"step": self.step + 1, "data_position": self.position + len(ids)}
+        record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds}
         if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
             with timer.stage("logprob"):
                 record.update(self._score(batch))
         del batch["resp_mask"]
+        finite = finite_tokens(batch["loss_mask"], *(batch.get(k) for k in ("old_logp", "ref_logp", "rollout_logp")))
+        denominator = loss_denominator(finite, cfg.loss.aggregation, cfg.loss.minibatches)
+        batch["loss_denominator"] = np.full(len(advantages), denominator, np.float32)
         with timer.stage("train"):
             update_metrics = self._optimize(batch)
         if self.precompiling is not None:
@@ -221,8 +256,10 @@ class GRPORun:
                 self.precompiling.result()
             self.precompiling = None
         self.step += 1
-        self.position += len(ids)
-        record.update(rollout_step_metrics(rewards, informative, lengths, truncated, out.stats, group))
+        self.position += consumed
+        record.update(rollout_step_metrics(out["scores"], informative, lengths, truncated, out["stats"], group))
+        if cfg.loss.overlong_buffer:
+            record["shaped_reward_mean"] = float(rewards.mean())
         record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
                       **mean_update_metrics(update_metrics))
         if self.eval_set is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
@@ -232,7 +269,7 @@ class GRPORun:
             with timer.stage("checkpoint"):
                 self.save()
         record.update(timer.record(), time_step_s=round(time.perf_counter() - start, 6),
-                      tokens_per_s=round(float(lengths.sum()) / max(timer.seconds["generation"], 1e-9), 3))
+                      tokens_per_s=round(out["generated_tokens"] / max(timer.seconds["generation"], 1e-9), 3))
         return record
 
     def _score(self, batch: dict) -> dict:
@@ -244,12 +281,15 @@ class GRPORun:
         measured = {}
         if self.cfg.loss.recompute_logprobs:
             recomputed = to_host(block(self.score(self.state["params"], *args)))
-            diff = np.abs(recomputed - batch["old_logp"])[batch["resp_mask"]]
+            compared = finite_tokens(batch["resp_mask"], recomputed, batch["old_logp"])
+            diff = np.abs(recomputed - batch["old_logp"])[compared]
             measured = {"logprob_mismatch_max": float(diff.max(initial=0.0)),
                         "logprob_mismatch_mean": float(diff.mean()) if diff.size else 0.0}
+            if self.cfg.loss.tis_cap > 0:
+                batch["rollout_logp"] = batch["old_logp"]
             batch["old_logp"] = recomputed
         if self.cfg.loss.kl_beta > 0:
-            batch["ref_logp"] = to_host(block(self.score(self.state["ref_params"], *args)))
+            batch["ref_logp"] = to_host(block(self.ref_score(self.state["ref_params"], *args)))
         return measured
 
     def _optimize(self, batch: dict) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Trainer-side log-probabilities of rollout tokens and the GRPO / DAPO policy loss.
+"""Trainer-side log-probabilities of rollout tokens and the GRPO / DAPO / Dr.GRPO policy loss.
 
 Shapes: S rollouts, packed into R rows of width W (`jaxspec.rl.batch.pack_rows`), N =
 max_new_tokens, V = vocabulary. Response token j of rollout s is predicted by the logits at flat
@@ -7,13 +7,16 @@ position resp_index[s, j] of the packed [R * W] positions.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, forward_hidden
-from jaxspec.rl.config import LossConfig
+from jaxspec.rl.config import AGGREGATIONS, LossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 
 
@@ -52,59 +55,128 @@ def response_logprobs(logits: jax.Array, resp_index: jax.Array, resp_tokens: jax
     return logp, entropy
 
 
-def aggregate(per_token: jax.Array, mask: jax.Array, aggregation: str) -> jax.Array:
+def reference_sampling(sampling: Sampling) -> Sampling:
+    """`sampling` without top-k / top-p: the temperature-only distribution the KL penalty compares
+    (as verl does), whose log-prob is finite on every token whatever the rollout sampled."""
+    return dataclasses.replace(sampling, top_p=1.0, top_k=0)
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, aggregation: str, denominator: jax.Array | None = None
+              ) -> jax.Array:
     """Reduces [B, N] token values over the tokens where mask [B, N] is set.
 
-    "token": sum over all tokens / number of tokens. "sequence": mean over the rows that have any
-    token of each row's token mean. 0 when no token is set.
+    "token" (DAPO; verl's token-mean): sum over all tokens / number of tokens.
+    "sequence" (original GRPO; verl's seq-mean-token-mean): mean over the rows that have any
+        token of each row's token mean.
+    "seq-mean-token-sum-norm" (Dr.GRPO): each row's token sum / N (the constant max_new_tokens),
+        mean over the rows that have any token.
+    denominator: when given, replaces the count the mean divides by (tokens for "token", rows with
+    tokens for the other two); `loss_denominator` gives the whole RL step's count per minibatch.
+    0 when no token is set.
     """
     mask = mask.astype(jnp.float32)
     masked = jnp.where(mask > 0, per_token, 0.0)
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     if aggregation == "token":
-        return masked.sum() / jnp.maximum(mask.sum(), 1.0)
-    if aggregation == "sequence":
+        numerator, count = masked.sum(), mask.sum()
+    else:
         counts = mask.sum(axis=1)
-        row_means = masked.sum(axis=1) / jnp.maximum(counts, 1.0)
         rows = (counts > 0).astype(jnp.float32)
-        return (row_means * rows).sum() / jnp.maximum(rows.sum(), 1.0)
-    raise ValueError(f"aggregation must be 'token' or 'sequence', got {aggregation!r}")
+        if aggregation == "sequence":
+            row_values = masked.sum(axis=1) / jnp.maximum(counts, 1.0)
+        else:
+            row_values = masked.sum(axis=1) / per_token.shape[1]
+        numerator, count = (row_values * rows).sum(), rows.sum()
+    return numerator / jnp.maximum(count if denominator is None else denominator, 1.0)
+
+
+def loss_denominator(loss_mask: np.ndarray, aggregation: str, minibatches: int) -> float:
+    """The count `aggregate` divides one minibatch's loss by so that the RL step's loss is normalised
+    over the whole step: the step's tokens (or rows with tokens) / minibatches. loss_mask bool [S, N]
+    of the whole step. With one minibatch this is the minibatch's own count."""
+    loss_mask = np.asarray(loss_mask, bool)
+    count = loss_mask.sum() if aggregation == "token" else loss_mask.any(axis=1).sum()
+    return float(count) / minibatches
+
+
+def finite_tokens(mask, *logps):
+    """bool [B, N]: mask [B, N] and every given log-prob [B, N] finite (None entries are skipped).
+    numpy in, numpy out (the host's step-level count); jax arrays in a traced loss."""
+    xp = np if all(isinstance(x, np.ndarray) for x in (mask, *logps) if x is not None) else jnp
+    mask = mask > 0
+    for logp in logps:
+        if logp is not None:
+            mask = mask & xp.isfinite(logp)
+    return mask
 
 
 def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, cfg: LossConfig,
-                ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped-ratio policy-gradient loss with an optional k3 KL penalty.
+                ref_logp: jax.Array | None = None, rollout_logp: jax.Array | None = None,
+                denominator: jax.Array | None = None, kl_logp: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped-ratio policy-gradient loss (dual-clip, truncated importance sampling) with an
+    optional k3 KL penalty.
 
-    logp / old_logp / ref_logp float32 [B, N]: current, behaviour (rollout or recomputed) and
-    reference log-probs of the response tokens; advantages float32 [B]; mask [B, N] (1 = token
-    counts). Per token, with ratio r = exp(logp - old_logp) and advantage A:
+    logp / old_logp float32 [B, N]: current and behaviour (rollout or recomputed) log-probs of the
+    response tokens under the processed (top-k/top-p) distribution; advantages float32 [B];
+    mask [B, N] (1 = token counts). Per token, with ratio r = exp(logp - old_logp) and advantage A:
         pg = -min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A)
-        kl = exp(ref - logp) - (ref - logp) - 1                      (k3, only when kl_beta > 0)
+        pg = min(pg, -clip_ratio_c·A)           where A < 0        (dual-clip PPO; clip_ratio_c set)
+        pg = pg · min(exp(old_logp - rollout_logp), tis_cap)       (TIS; tis_cap > 0, rollout_logp given)
+        kl = exp(ref - cur) - (ref - cur) - 1                      (k3, only when kl_beta > 0)
         loss_token = pg + kl_beta·kl
-    reduced by `aggregate(..., cfg.aggregation)`. Tokens whose log-prob is -inf (excluded from p
-    by top-k/top-p on the trainer's side) do not count.
-    Returns (loss, {"pg_loss", "kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "tokens"}).
+    reduced by `aggregate(..., cfg.aggregation, denominator)`. ref_logp / kl_logp float32 [B, N]:
+    the reference's and the current policy's temperature-only log-probs (no top-k/top-p: finite on
+    every token, as in verl); kl_logp defaults to logp. rollout_logp float32 [B, N]: the rollout
+    engine's log-probs, when old_logp is the trainer's recomputation.
+    A token whose current, behaviour, rollout or reference log-prob is not finite (e.g. -inf when
+    it lies outside the trainer's top-k/top-p nucleus) is dropped from the loss and counted in
+    "nonfinite_tokens"; no inf or nan reaches the loss or its gradient.
+    Returns (loss, {"pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac",
+    "ratio_mean", "tis_weight_mean", "tokens", "nonfinite_tokens"}).
     """
-    mask = (mask > 0) & jnp.isfinite(logp)
+    if cfg.kl_beta > 0 and ref_logp is None:
+        raise ValueError("loss.kl_beta > 0 needs the reference log-probs (ref_logp)")
+    use_tis = cfg.tis_cap > 0 and rollout_logp is not None
+    kl_logp = logp if kl_logp is None else kl_logp
+    candidates = mask > 0
+    mask = finite_tokens(candidates, logp, old_logp, rollout_logp if use_tis else None,
+                         *((ref_logp, kl_logp) if cfg.kl_beta > 0 else ()))
     maskf = mask.astype(jnp.float32)
-    ratio = jnp.exp(jnp.where(mask, logp - old_logp, 0.0))
+
+    def safe(x):  # masked entries -> 0 before any arithmetic, so no inf reaches a gradient
+        return jnp.where(mask, x, 0.0)
+
+    ratio = jnp.exp(safe(logp) - safe(old_logp))
     adv = advantages[:, None].astype(jnp.float32)
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg = -jnp.minimum(ratio * adv, clipped * adv)
+    dual = jnp.zeros(pg.shape, bool)
+    if cfg.clip_ratio_c is not None:
+        bound = -cfg.clip_ratio_c * adv
+        dual = (adv < 0) & (pg > bound)
+        pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
+    tis = jnp.ones_like(pg)
+    if use_tis:
+        tis = jax.lax.stop_gradient(jnp.minimum(jnp.exp(safe(old_logp) - safe(rollout_logp)), cfg.tis_cap))
+        pg = pg * tis
     per_token = pg
     kl = jnp.zeros_like(pg)
     if cfg.kl_beta > 0:
-        if ref_logp is None:
-            raise ValueError("loss.kl_beta > 0 needs the reference log-probs (ref_logp)")
-        log_ref_ratio = jnp.where(mask, ref_logp - logp, 0.0)
+        log_ref_ratio = safe(ref_logp) - safe(kl_logp)
         kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
         per_token = pg + cfg.kl_beta * kl
     count = jnp.maximum(maskf.sum(), 1.0)
     metrics = {
-        "pg_loss": aggregate(pg, maskf, cfg.aggregation),
-        "kl": aggregate(kl, maskf, cfg.aggregation),
+        "pg_loss": aggregate(pg, maskf, cfg.aggregation, denominator),
+        "kl": aggregate(kl, maskf, cfg.aggregation, denominator),
         "clip_low_frac": (maskf * ((adv < 0) & (ratio < 1.0 - cfg.eps_low))).sum() / count,
         "clip_high_frac": (maskf * ((adv > 0) & (ratio > 1.0 + cfg.eps_high))).sum() / count,
+        "dual_clip_frac": (maskf * dual).sum() / count,
         "ratio_mean": (maskf * ratio).sum() / count,
+        "tis_weight_mean": (maskf * tis).sum() / count,
         "tokens": maskf.sum(),
+        "nonfinite_tokens": (candidates & ~mask).sum().astype(jnp.float32),
     }
-    return aggregate(per_token, maskf, cfg.aggregation), metrics
+    return aggregate(per_token, maskf, cfg.aggregation, denominator), metrics

@@ -5,9 +5,13 @@ A step record (metrics.jsonl) holds
     groups_zero_variance, response_length_mean/max, truncated_frac (no eos within the budget),
     acceptance_length, acceptance_rate_per_position, decode_steps, decode_steps_per_stage,
     drafted/accepted_tokens;
-  trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, ratio_mean, entropy, grad_norm, lr,
-    updates, logprob_mismatch_max/mean (loss.recompute_logprobs); draft_loss, draft_grad_norm,
-    draft_step_loss, draft_top1_agreement (draft.online);
+  trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, dual_clip_frac (negative-advantage
+    tokens held by loss.clip_ratio_c), ratio_mean, tis_weight_mean (loss.tis_cap), nonfinite_tokens
+    (loss tokens dropped for a non-finite current, old, rollout or reference log-prob, per update),
+    entropy, grad_norm, lr, updates, logprob_mismatch_max/mean (loss.recompute_logprobs);
+    generation_rounds (loss.filter_groups_max_rounds), shaped_reward_mean (the rewards with
+    loss.overlong_buffer's penalty; reward_mean and accuracy are the reward function's);
+    draft_loss, draft_grad_norm, draft_step_loss, draft_top1_agreement (draft.online);
   validation: eval_accuracy, eval_reward_mean (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
@@ -34,7 +38,8 @@ import numpy as np
 TIMING_PREFIXES = ("time_", "tokens_per_s", "compiles")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
-POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", "grad_norm")
+POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_mean",
+                  "tis_weight_mean", "nonfinite_tokens", "entropy", "grad_norm")
 
 
 def is_timing(key: str) -> bool:

@@ -7,8 +7,11 @@ Minibatch arrays, as built by `jaxspec.rl.batch.pack_rows` from S rollouts packe
 width W (N = max_new_tokens):
     tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W] (online draft only);
     resp_index, resp_tokens int32 [S, N]; advantages float32 [S]; old_logp float32 [S, N];
-    loss_mask bool [S, N] (response tokens of groups that count); ref_logp float32 [S, N] (only
-    with loss.kl_beta > 0).
+    loss_mask bool [S, N] (response tokens of groups that count); loss_denominator float32 [S] (the
+    step-level count `jaxspec.rl.loss.loss_denominator`, repeated; absent = the minibatch's own);
+    ref_logp float32 [S, N] (only with loss.kl_beta > 0: the reference's temperature-only
+    log-probs); rollout_logp float32 [S, N] (only with loss.tis_cap > 0: the rollout's log-probs,
+    old_logp being the trainer's).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.rl.config import DraftConfig as DraftTrainConfig
 from jaxspec.rl.config import LossConfig, OptimConfig
-from jaxspec.rl.loss import aggregate, policy_loss, response_logprobs, sequence_forward
+from jaxspec.rl.loss import aggregate, policy_loss, reference_sampling, response_logprobs, sequence_forward
 from jaxspec.rollout.sampling import Sampling
 
 
@@ -48,10 +51,17 @@ def learning_rate(cfg: OptimConfig) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def draft_optimizer(cfg: DraftTrainConfig) -> optax.GradientTransformation:
-    """The draft head's own clipping and AdamW (constant learning rate)."""
+    """The draft head's own clipping and AdamW (constant learning rate); `update_fn` multiplies its
+    updates by draft.loss_weight."""
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                                    mask=_decay_mask))
+
+
+def minibatch_fields(loss: LossConfig) -> list[str]:
+    """Per-sequence fields of a minibatch, besides the packed rows, that `update_fn` reads."""
+    return (["advantages", "old_logp", "loss_mask", "loss_denominator"] + ["ref_logp"] * (loss.kl_beta > 0)
+            + ["rollout_logp"] * (loss.tis_cap > 0))
 
 
 class OnlineDraft(NamedTuple):
@@ -85,9 +95,11 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
     (params, opt_state, draft_weights, draft_buffers, draft_opt_state, minibatch) ->
     (params, opt_state, draft_weights, draft_opt_state, metrics). With `draft` None the draft
     arguments are None and pass through. With a draft, one policy forward also returns the aux
-    hidden states; the draft loss reads them and the logits detached, so
-    L = L_policy + λ·L_draft gives the policy exactly the policy-loss gradient and the head λ times
-    the draft-loss gradient; each is clipped and applied by its own optimizer.
+    hidden states; the draft loss reads them and the logits detached, so the policy gets exactly
+    the policy-loss gradient and the head the draft-loss gradient; each is clipped and run through
+    its own AdamW. The head's update is then multiplied by λ = draft.loss_weight: the head trains on
+    L = L_policy + λ·L_draft with the weight acting after the clipping and Adam's normalisation,
+    which would cancel a weight on the loss (λ·draft.learning_rate is its effective learning rate).
     params / opt_state / draft weights / draft opt_state are donated.
     """
     p_opt = policy_optimizer(optim_cfg)
@@ -98,8 +110,13 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
         logits, hidden = sequence_forward(cfg, params, mb["tokens"], mb["segment_ids"], hidden_layers,
                                           jnp.dtype(compute_dtype), remat, sharding)
         logp, entropy = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
+        kl_logp = None
+        if loss_cfg.kl_beta > 0:
+            kl_logp = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], reference_sampling(sampling))[0]
         loss, metrics = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], loss_cfg,
-                                    mb.get("ref_logp"))
+                                    ref_logp=mb.get("ref_logp"), rollout_logp=mb.get("rollout_logp"),
+                                    denominator=jnp.max(mb["loss_denominator"]) if "loss_denominator" in mb else None,
+                                    kl_logp=kl_logp)
         metrics["loss"] = loss
         metrics["entropy"] = aggregate(entropy, mb["loss_mask"], "token")
         total = loss
@@ -113,7 +130,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
                 step_decay=draft.train.step_decay, segment_ids=mb["segment_ids"])
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})
-            total = loss + draft.train.loss_weight * draft_loss
+            total = loss + draft_loss  # λ scales the head's update below
         return total, metrics
 
     def update(params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb):
@@ -129,6 +146,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(active, new, old),
                                              (new_params, new_opt_state), (params, opt_state))
             updates, draft_opt_state = d_opt.update(draft_grads, draft_opt_state, draft_weights)
+            updates = jax.tree.map(lambda u: draft.train.loss_weight * u, updates)
             draft_weights = optax.apply_updates(draft_weights, updates)
             metrics["draft_grad_norm"] = optax.tree.norm(draft_grads)
         return params, opt_state, draft_weights, draft_opt_state, metrics

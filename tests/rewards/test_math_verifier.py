@@ -2,8 +2,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxspec.rewards import (extract_answer, get_reward, math_reward, normalize_answer, parse_number,
-                             register_reward, registered_rewards)
+from jaxspec.rewards import extract_answer, math_reward, normalize_answer, parse_number
 
 
 @pytest.mark.parametrize("response, answer", [
@@ -91,18 +90,14 @@ def test_parse_and_normalize():
     assert normalize_answer(r"\sqrt{2}") == r"\sqrt{2}"
 
 
-def test_registry():
-    assert "math" in registered_rewards()
-    math_fn = get_reward("math")
-    assert math_fn(r"\boxed{3/4}", {"prompt": "q", "answer": "0.75"}) == 1.0
-    assert math_fn("5", {"prompt": "q", "answer": "4"}) == 0.0
-
-    @register_reward("test_length")
-    def length_reward(response: str, example: dict) -> float:
-        return float(len(response))
-
-    assert get_reward("test_length") is length_reward
-    with pytest.raises(ValueError, match="already registered"):
-        register_reward("test_length")(lambda r, e: 0.0)
-    with pytest.raises(ValueError, match=r"unknown reward 'nope'.*'math'"):
-        get_reward("nope")
+@pytest.mark.parametrize("response, answer, grade", [
+    ("The answer is \u22125", "5", 0.0),                       # Unicode minus: a sign, not a dash to skip
+    ("The answer is \u22125", "-5", 1.0),
+    ("\\boxed{\u22125}", "5", 0.0),
+    (r"\boxed{3, 400}", "3400", 0.0),                          # a pair, not a thousands separator
+    (r"\boxed{1 2}", "12", 0.0),
+    (r"\boxed{5\text{ or }6}", "56", 0.0),
+    (r"\boxed{5}\boxed{}", "5", 1.0),                          # an empty last box
+])
+def test_issue_strings_exact_checker(response, answer, grade):
+    assert math_reward(response, answer) == grade

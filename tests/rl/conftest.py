@@ -1,5 +1,7 @@
 """A tiny random Qwen3 policy in an HF folder with the math task's tokenizer, shared by the RL tests."""
 
+import zlib
+
 import jax
 import pytest
 
@@ -18,8 +20,14 @@ def digit_fraction(response: str, example: dict) -> float:
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
+def rare_hash(response: str, example: dict) -> float:
+    """1 for about one response in ten (by a hash of its text): many groups score all 0."""
+    return float(zlib.crc32(response.encode()) % 10 == 0)
+
+
 if "digit_fraction" not in registered_rewards():
     register_reward("digit_fraction")(digit_fraction)
+    register_reward("rare_hash")(rare_hash)
 
 
 @pytest.fixture(scope="session")

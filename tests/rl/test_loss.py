@@ -8,7 +8,7 @@ import pytest
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import minibatch_indices, pack_rows, training_rows
 from jaxspec.rl.config import LossConfig
-from jaxspec.rl.loss import policy_loss, response_logprobs, sequence_forward
+from jaxspec.rl.loss import loss_denominator, policy_loss, response_logprobs, sequence_forward
 from jaxspec.rollout import Sampling, generate
 
 
@@ -136,3 +136,94 @@ def test_trainer_logprobs_match_the_rollout(tiny_policy):
     assert np.isfinite(np.asarray(logp)[valid]).all()
     np.testing.assert_allclose(np.asarray(logp)[valid], np.asarray(out.logprobs)[valid], atol=2e-6)
     assert (np.asarray(entropy)[valid] > 0).all()
+
+
+def test_nonfinite_logprobs_are_masked_and_counted():
+    """A token whose current, old, rollout or reference log-prob is -inf (outside a top-k/top-p
+    nucleus) leaves the loss: same loss and gradient as with the token masked, all finite."""
+    logp, old, adv, mask = _case()
+    ref, rollout = logp + 0.1, old - 0.05
+    cfg = LossConfig(kl_beta=0.1, tis_cap=2.0)
+    bad = [(0, 0), (0, 2), (1, 0), (1, 1)]
+    inf_old, inf_ref, inf_rollout, inf_cur = (x.at[i, j].set(-jnp.inf) for x, (i, j) in
+                                               zip((old, ref, rollout, logp), bad))
+    clean = mask.at[tuple(np.array(bad).T)].set(False)
+
+    def loss(cur, m, old_, ref_, rollout_):
+        return policy_loss(cur, old_, adv, m, cfg, ref_logp=ref_, rollout_logp=rollout_)
+
+    want, want_m = loss(logp, clean, old, ref, rollout)
+    # the current log-prob's -inf at (1, 1) comes from the forward: its gradient must stay finite
+    got, got_m = loss(inf_cur, mask, inf_old, inf_ref, inf_rollout)
+    assert float(got) == pytest.approx(float(want), abs=1e-7) and np.isfinite(float(got))
+    assert float(got_m["nonfinite_tokens"]) == 4 and float(want_m["nonfinite_tokens"]) == 0
+    assert float(got_m["tokens"]) == 1
+    outside = jnp.zeros((3, 3), bool).at[bad[3]].set(True)
+    grad = jax.grad(lambda lp: loss(jnp.where(outside, -jnp.inf, lp), mask, inf_old, inf_ref, inf_rollout)[0])(logp)
+    want_grad = jax.grad(lambda lp: loss(lp, clean, old, ref, rollout)[0])(logp)
+    assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_allclose(grad, want_grad, atol=1e-7)
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    """A < 0 and ratio 5: PPO's loss is 5|A|; dual-clip (clip_ratio_c 3) caps it at 3|A| with no gradient."""
+    logp = jnp.log(jnp.asarray([[5.0, 2.0, 5.0]]))
+    old, mask = jnp.zeros((1, 3)), jnp.ones((1, 3), bool)
+    for adv, want_c, want_plain in ((-1.0, (3 + 2 + 3) / 3, (5 + 2 + 5) / 3), (1.0, -1.28, -1.28)):
+        loss, m = policy_loss(logp, old, jnp.asarray([adv]), mask, LossConfig(clip_ratio_c=3.0))
+        assert float(loss) == pytest.approx(want_c, abs=1e-5)
+        assert float(m["dual_clip_frac"]) == pytest.approx(2 / 3 if adv < 0 else 0.0)
+        plain = policy_loss(logp, old, jnp.asarray([adv]), mask, LossConfig(clip_ratio_c=None))[0]
+        assert float(plain) == pytest.approx(want_plain, abs=1e-5)
+    grad = jax.grad(lambda lp: policy_loss(lp, old, jnp.asarray([-1.0]), mask, LossConfig())[0])(logp)
+    np.testing.assert_allclose(grad, [[0.0, 2.0 / 3, 0.0]], atol=1e-6)
+
+
+def test_truncated_importance_sampling_weights_tokens():
+    """TIS: each token's policy loss times min(exp(old - rollout), tis_cap), not differentiated."""
+    logp, old, adv, mask = _case()
+    rollout = old - jnp.log(jnp.asarray([[0.5, 1.0, 4.0], [2.0, 8.0, 1.0], [1.0, 1.0, 1.0]]))
+    weights = np.array([[0.5, 1.0, 3.0], [2.0, 3.0, 1.0], [1.0, 1.0, 1.0]])  # capped at 3
+    cfg = LossConfig(tis_cap=3.0)
+    loss, m = policy_loss(logp, old, adv, mask, cfg, rollout_logp=rollout)
+    pg = np.array([[-1.28, -1.1, -0.5], [0.8, 1.5, 0.0], [0, 0, 0]])
+    assert float(loss) == pytest.approx((pg * weights)[np.asarray(mask)].sum() / 5, abs=1e-6)
+    assert float(m["tis_weight_mean"]) == pytest.approx(weights[np.asarray(mask)].mean(), abs=1e-6)
+    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, cfg, rollout_logp=rollout)[0])(logp)
+    plain = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, LossConfig())[0])(logp)
+    np.testing.assert_allclose(grad, np.asarray(plain) * weights, atol=1e-6)
+    off = policy_loss(logp, old, adv, mask, LossConfig(tis_cap=0.0), rollout_logp=rollout)[0]
+    assert float(off) == pytest.approx(-0.58 / 5, abs=1e-6)
+
+
+def test_dr_grpo_constant_length_normaliser():
+    """seq-mean-token-sum-norm: each sequence's token sum / N (= max_new_tokens), mean over sequences."""
+    logp, old, adv, mask = _case()
+    loss = policy_loss(logp, old, adv, mask, LossConfig(aggregation="seq-mean-token-sum-norm"))[0]
+    assert float(loss) == pytest.approx((-2.88 / 3 + 2.3 / 3) / 2, abs=1e-6)
+    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, LossConfig(aggregation="seq-mean-token-sum-norm"))[0])
+    np.testing.assert_allclose(grad(logp), [[0, -1.1 / 6, -0.5 / 6], [0, 1.5 / 6, 0], [0, 0, 0]], atol=1e-6)
+    with pytest.raises(ValueError, match="aggregation"):
+        policy_loss(logp, old, adv, mask, LossConfig(aggregation="mean"))
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "seq-mean-token-sum-norm"])
+def test_step_level_normaliser_over_minibatches(aggregation):
+    """With the step's count (`loss_denominator`), the minibatch losses average to the loss of the
+    whole step, whatever the minibatches' own token counts."""
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(rng.normal(-1, 0.1, (8, 5)), jnp.float32)
+    old = jnp.asarray(rng.normal(-1, 0.1, (8, 5)), jnp.float32)
+    adv = jnp.asarray(rng.normal(0, 1, 8), jnp.float32)
+    lengths = np.array([5, 1, 1, 1, 5, 5, 4, 0])
+    mask = np.arange(5)[None, :] < lengths[:, None]
+    cfg = LossConfig(aggregation=aggregation)
+    whole = float(policy_loss(logp, old, adv, mask, cfg)[0])
+    denominator = loss_denominator(mask, aggregation, 2)
+    halves = [float(policy_loss(logp[s], old[s], adv[s], mask[s], cfg, denominator=denominator)[0])
+              for s in (slice(0, 4), slice(4, 8))]
+    assert np.mean(halves) == pytest.approx(whole, rel=1e-5)
+    own = [float(policy_loss(logp[s], old[s], adv[s], mask[s], cfg)[0]) for s in (slice(0, 4), slice(4, 8))]
+    if aggregation == "token":  # per-minibatch means weigh the 8 tokens of the first half like the 14 of the second
+        assert abs(np.mean(own) - whole) > 1e-3
+    assert loss_denominator(mask, aggregation, 1) == (mask.sum() if aggregation == "token" else 7)

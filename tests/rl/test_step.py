@@ -3,12 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import DraftConfig, LossConfig, OptimConfig
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, update_fn
+from jaxspec.rl.loss import loss_denominator, reference_sampling, sequence_forward
+from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 
 
@@ -16,8 +18,8 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
-    _, cfg, _ = tiny_policy
+def _draft_case(cfg):
+    """(params, sampling, a packed minibatch with seq_resp_mask) of 8 rollouts of a peaked policy."""
     params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)  # peaked next-token distributions to imitate
     sampling = Sampling(temperature=1.0, max_new_tokens=8, eos_id=cfg.eos_token_id)
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
@@ -25,11 +27,16 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     batch = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
     batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
                  old_logp=np.asarray(out.logprobs), loss_mask=batch.pop("resp_mask"))
-    batch = pack_rows(batch)
+    return params, sampling, pack_rows(batch)
+
+
+def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
+    _, cfg, _ = tiny_policy
+    params, sampling, batch = _draft_case(cfg)
     loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-2)
     dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
     weights, buffers = split_buffers(dparams)
-    online = OnlineDraft(dcfg=dcfg, train=DraftConfig(online=True, loss_weight=0.5, learning_rate=1e-2, ttt_steps=1))
+    online = OnlineDraft(dcfg=dcfg, train=DraftConfig(online=True, loss_weight=1.0, learning_rate=1e-2, ttt_steps=1))
 
     plain = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     with_draft = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, online)
@@ -57,3 +64,75 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     assert float(m["tokens"]) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before, p3)
     assert not np.array_equal(np.asarray(w3["fc"]), np.asarray(w_before["fc"]))
+
+
+def test_draft_loss_weight_scales_the_head_update(tiny_policy):
+    """λ = draft.loss_weight multiplies the head's clipped AdamW step: λ = 10 moves the head 10 times
+    as far as λ = 1 (clipping and Adam would cancel a weight on the loss), λ = 0 not at all."""
+    _, cfg, _ = tiny_policy
+    params, sampling, batch = _draft_case(cfg)
+    loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-3)
+    dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
+    weights, buffers = split_buffers(dparams)
+    opt_state = policy_optimizer(optim).init(params)
+    deltas = {}
+    for weight in (0.0, 1.0, 10.0):
+        train = DraftConfig(online=True, loss_weight=weight, learning_rate=1e-3, ttt_steps=1)
+        update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, OnlineDraft(dcfg=dcfg, train=train))
+        d_opt = draft_optimizer(train).init(weights)
+        _, _, new, _, m = update(_copy(params), _copy(opt_state), _copy(weights), buffers, d_opt, batch)
+        assert float(m["draft_grad_norm"]) > 0
+        deltas[weight] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, weights)
+    for leaf in jax.tree.leaves(deltas[0.0]):
+        assert not leaf.any()
+    norm = {w: float(np.sqrt(sum((leaf ** 2).sum() for leaf in jax.tree.leaves(d)))) for w, d in deltas.items()}
+    assert norm[1.0] > 0
+    assert norm[10.0] == pytest.approx(10 * norm[1.0], rel=1e-3)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 10 * b, rtol=1e-3, atol=1e-9), deltas[10.0], deltas[1.0])
+
+
+def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
+    """recompute_logprobs with top-k: a rollout token outside the trainer's nucleus (a bf16 rollout
+    can sample one) gets old log-prob -inf. When the policy then moves it into the nucleus, its
+    ratio would be inf; it is dropped from the loss and counted, through several minibatches and
+    epochs, and the weights stay finite. The KL's temperature-only reference is finite on it."""
+    _, cfg, _ = tiny_policy
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    sampling = Sampling(temperature=1.0, top_k=2, max_new_tokens=6, eos_id=cfg.eos_token_id)
+    prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
+    out = generate(cfg, params, prompts, jax.random.PRNGKey(1), sampling=sampling)
+    tokens, lengths = np.asarray(out.tokens).copy(), np.asarray(out.lengths)
+    # Rollout 0's first token becomes the third most likely one: outside the top-2 nucleus.
+    logits, _ = sequence_forward(cfg, params, jnp.asarray([prompts[0]]), jnp.ones((1, 5), jnp.int32))
+    ranked = np.argsort(-np.asarray(logits[0, -1]))
+    outsider = int(ranked[2])
+    tokens[0, 0] = outsider
+    batch = training_rows(prompts, tokens, lengths, pad_id=0)
+    packed = pack_rows(batch)
+    args = (packed["tokens"], packed["segment_ids"], packed["resp_index"], packed["resp_tokens"])
+    old_logp = np.asarray(score_fn(cfg, sampling, "float32", False)(params, *args))
+    ref_logp = np.asarray(score_fn(cfg, reference_sampling(sampling), "float32", False)(params, *args))
+    assert old_logp[0, 0] == -np.inf and np.isfinite(ref_logp[batch["resp_mask"]]).all()
+    # The policy that trains ranks the outsider first at that position: its current log-prob is finite.
+    head = "embed" if cfg.tie_word_embeddings else "lm_head"
+    moved = dict(params)
+    moved[head] = params[head].at[(outsider if head == "embed" else (slice(None), outsider))].set(
+        params[head][(int(ranked[0]) if head == "embed" else (slice(None), int(ranked[0])))] * 1.5)
+    batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), old_logp=old_logp,
+                 ref_logp=ref_logp, loss_mask=batch.pop("resp_mask"))
+    loss_cfg = LossConfig(kl_beta=0.1, minibatches=2, ppo_epochs=2)
+    optim = OptimConfig(learning_rate=1e-2)
+    update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
+    state, opt_state, counted = _copy(moved), policy_optimizer(optim).init(moved), []
+    batch["loss_denominator"] = np.full(8, loss_denominator(batch["loss_mask"], "token", 2), np.float32)
+    for _epoch in range(2):
+        for rows in (np.arange(4), np.arange(4, 8)):
+            mb = pack_rows({k: v[rows] for k, v in batch.items() if k != "seq_resp_mask"})
+            state, opt_state, _, _, m = update(state, opt_state, None, None, None, mb)
+            assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+            counted.append(float(m["nonfinite_tokens"]))
+    current = np.asarray(score_fn(cfg, sampling, "float32", False)(moved, *args))
+    assert np.isfinite(current[0, 0])  # the dangerous case: finite now, -inf when sampled
+    first = batch["loss_mask"][:4] & ~(np.isfinite(old_logp) & np.isfinite(current))[:4]
+    assert counted[0] == first.sum() >= 1 and counted[2] >= 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))

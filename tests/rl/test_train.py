@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.rl.config import LossConfig
-from jaxspec.rl.loop import trained_rollouts, truncated_rollouts
+from jaxspec.rl.shaping import trained_rollouts, truncated_rollouts
 from jaxspec.rl.metrics import is_timing
 from jaxspec.run import EXIT_CHECKPOINTED
 from tests.run.damage import truncate_largest_data_file
@@ -237,6 +237,39 @@ def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypat
     assert all(r["draft_loss"] > 0 and len(r["draft_top1_agreement"]) == 1 for r in records)
 
 
+def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
+    """filter_groups_max_rounds 4 with a reward most groups score all 0: a step generates further
+    batches of prompts until its 4 groups are informative (or 4 rounds ran), the data position
+    advances by every prompt generated, and the batch keeps its size. The run also uses top-k
+    sampling from bf16 rollouts with recomputed log-probs, TIS, dual-clip and Dr.GRPO's
+    normaliser: every loss metric is finite and the dropped-token count is reported."""
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], reward="rare_hash", steps=3, eval_every=0,
+                     checkpoint_every=3)
+    options = ["spec.method=none", "draft.online=false", "loss.filter_groups_max_rounds=4", "rollout.top_k=8",
+               "rollout.dtype=bfloat16", "loss.tis_cap=2.0", "loss.aggregation=seq-mean-token-sum-norm"]
+    assert _train("--config", config, "--run-dir", tmp_path / "run", *options) == 0
+    records = _metrics(tmp_path / "run")
+    position = 0
+    for r in records:
+        position += 4 * r["generation_rounds"]
+        assert r["data_position"] == position
+        if r["generation_rounds"] < 4:
+            assert r["groups_zero_variance"] == 0
+        for key in ("loss", "pg_loss", "kl", "grad_norm", "tis_weight_mean", "dual_clip_frac", "nonfinite_tokens"):
+            assert np.isfinite(r[key]), (key, r)
+    assert any(r["generation_rounds"] > 1 for r in records), records
+
+
+def test_soft_overlong_penalty_shapes_the_rewards(tiny_policy, tmp_path):
+    """overlong_buffer = max_new_tokens: every response of L tokens loses L / 8 before the
+    advantages; reward_mean stays the reward function's."""
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    options = ["spec.method=none", "draft.online=false", "loss.overlong_buffer=8", "loss.overlong_penalty=1.0"]
+    assert _train("--config", config, "--run-dir", tmp_path / "run", *options) == 0
+    (record,) = _metrics(tmp_path / "run")
+    assert record["shaped_reward_mean"] == pytest.approx(record["reward_mean"] - record["response_length_mean"] / 8)
+
+
 # Autoregressive rollouts and a plain loss keep a subprocess's compilations short.
 LIGHT = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
 
@@ -327,7 +360,10 @@ def _error_line(capsys) -> str:
     ("rollout.samples_per_prompt=1", "error: command-line override 'rollout.samples_per_prompt=1': "
                                      "rollout.samples_per_prompt: must be >= 2"),
     ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
-    ("loss.aggregation=mean", "key 'loss.aggregation': expected one of ['token', 'sequence']"),
+    ("loss.aggregation=mean", "key 'loss.aggregation': expected one of ['token', 'sequence', "
+                              "'seq-mean-token-sum-norm']"),
+    ("loss.clip_ratio_c=1", "loss.clip_ratio_c: must be > 1 or null, got 1"),
+    ("loss.overlong_buffer=9", "loss.overlong_buffer: must be <= rollout.max_new_tokens=8, got 9"),
     ("policy.path=/nonexistent/policy", "policy.path: policy folder not found: /nonexistent/policy"),
     ("data.train=/nonexistent/train.jsonl", "data.train: file not found: /nonexistent/train.jsonl"),
     ("reward=nope", "unknown reward 'nope'"),
