@@ -12,10 +12,10 @@ p < ALPHA, each of these wrong verifiers:
 
 Power comes from strong drafts (acceptance decisions at every level are frequent and their
 probabilities far from 0 and 1) and many rows in one vectorised call. The verifiers are biased
-by replacing `kernels.tree_verify_reference.verification_noise` (the only source of randomness of
-the verifier) for the duration of a test; the jnp reference is what `kernels.tree_verify` runs on
-CPU and for sampled drafts on every backend. The Pallas kernel draws the same samples from the
-same key (tests/kernels/test_tree_verify_pallas.py), so the power carries over.
+through their noise (`tests.kernels.biased_verifier`); the jnp reference is what
+`kernels.tree_verify` runs on CPU and for sampled drafts on every backend. The Pallas kernel draws
+the same samples from the same key (tests/kernels/test_tree_verify_pallas.py), so the power
+carries over.
 
 How the power was established:
 - deterministic drafts: exactly, by `chi_square_power` (noncentral chi-square) from the exact laws
@@ -28,13 +28,14 @@ How the power was established:
 - reused noise (both kinds of draft): simulation as above, 10 of 10.
 """
 
+import contextlib
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels.tree_verify_reference as reference
 from kernels import tree_verify
+from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels
 from tests.kernels.trees import (CHAIN3, WIDE2_DEEP2, PrefixPolicy, chi_square_power, chi_square_pvalue, complete,
                                  emitted_sequences, per_row_arrays, sampled_trees, sequence_distribution,
                                  top_tokens_tree, tree_arrays, tree_walk_distribution)
@@ -46,28 +47,10 @@ SAMPLED_ROWS = 100_000
 ACCEPT_BIAS, TEMPERATURE_ERROR = 0.02, 0.03
 
 
-def accept_more(noise: reference.VerifyNoise) -> reference.VerifyNoise:
-    """Acceptance thresholds scaled by 1 + ACCEPT_BIAS."""
-    return noise._replace(uniforms=noise.uniforms / (1 + ACCEPT_BIAS))
-
-
-def reuse_across_levels(noise: reference.VerifyNoise) -> reference.VerifyNoise:
-    """Every node's uniform and race seeds are the root's."""
-    return reference.VerifyNoise(*(jnp.broadcast_to(x[:, :1], x.shape) for x in noise))
-
-
 def verify(args, key, temperature: float, draft_probs=None, noise=None):
     """`tree_verify` (the jnp reference on CPU), with its noise passed through `noise` when given."""
-    if noise is None:
+    with biased_noise(noise) if noise else contextlib.nullcontext():
         return tree_verify(*args, key, temperature=temperature, draft_probs=draft_probs)
-    original = reference.verification_noise
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reference, "verification_noise", lambda *a: noise(original(*a)))
-        jax.clear_caches()  # the jitted verifier must be traced again with the wrong noise
-        try:
-            return tree_verify(*args, key, temperature=temperature, draft_probs=draft_probs)
-        finally:
-            jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +75,7 @@ def test_deterministic_drafts_power(deterministic):
         return chi_square_pvalue(emitted_sequences(verify(args, jax.random.key(1), **kw), args[2]), exact)
 
     assert pvalue(temperature=1.0) > ALPHA
-    assert pvalue(temperature=1.0, noise=accept_more) < ALPHA
+    assert pvalue(temperature=1.0, noise=accept_more(ACCEPT_BIAS)) < ALPHA
     assert pvalue(temperature=1 + TEMPERATURE_ERROR) < ALPHA
     assert pvalue(temperature=1.0, noise=reuse_across_levels) < ALPHA
 
@@ -126,6 +109,6 @@ def test_sampled_drafts_power():
         return chi_square_pvalue(complete(policy, emitted_sequences(result, args[2]), 4, 1.0, rng), exact)
 
     assert pvalue(temperature=1.0) > ALPHA
-    assert pvalue(temperature=1.0, noise=accept_more) < ALPHA
+    assert pvalue(temperature=1.0, noise=accept_more(ACCEPT_BIAS)) < ALPHA
     assert pvalue(temperature=1 + TEMPERATURE_ERROR) < ALPHA
     assert pvalue(temperature=1.0, noise=reuse_across_levels) < ALPHA

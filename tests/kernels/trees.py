@@ -240,19 +240,20 @@ def chi_square_power(probs: dict[tuple, float], alternative: dict[tuple, float],
                      alpha: float) -> float:
     """Probability that `chi_square_pvalue` of `samples` draws from `alternative` is below alpha
     when testing against `probs` (same pooling of bins expected below 5): the noncentral
-    chi-square approximation, noncentrality samples * sum((alt - p)^2 / p) over the bins."""
-    support = sorted(probs)
-    if any(alternative.get(s, 0.0) > 0 and probs.get(s, 0.0) == 0 for s in alternative):
-        return 1.0  # the alternative leaves the support: the first such sample fails
+    chi-square approximation, noncentrality samples * sum((alt - p)^2 / p) over the bins, for the
+    draws inside the support of `probs` (any draw outside it fails the test outright)."""
+    outside = sum(m for s, m in alternative.items() if probs.get(s, 0.0) == 0)
+    support = sorted(s for s, m in probs.items() if m > 0)
     expected = np.array([probs[s] for s in support])
-    actual = np.array([alternative.get(s, 0.0) for s in support])
+    actual = np.array([alternative.get(s, 0.0) for s in support]) / (1.0 - outside)
     small = expected * samples < 5
     if small.any():
         expected = np.append(expected[~small], expected[small].sum())
         actual = np.append(actual[~small], actual[small].sum())
     df = len(expected) - 1
     noncentrality = samples * np.sum((actual - expected) ** 2 / expected)
-    return float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, noncentrality))
+    inside = float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, noncentrality))
+    return 1.0 - (1.0 - outside) ** samples * (1.0 - inside)
 
 
 def random_parents_and_tokens(rng: np.random.Generator, batch: int, nodes: int, vocab: int):

@@ -133,8 +133,8 @@ def precompiled_run(tiny_policy, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop.GRPORun, "run_step", counting_step)
         patch.setattr(loop, "pack_rows", counting_pack)
-        patch.setattr(loop, "precompile", lambda programs, threads: (precompile_threads.append(threads),
-                                                                     start_precompile(programs, threads))[1])
+        patch.setattr(loop, "precompile", lambda programs, threads: (
+            precompile_threads.append(threads), start_precompile(programs, threads))[1])
         assert _train("--config", config, "--run-dir", root / "run", *overrides) == 0
     assert precompile_threads == [2], "train.precompile_threads sets the compiling workers"
     return config, overrides, root / "run", root / "cache", rows_per_step
