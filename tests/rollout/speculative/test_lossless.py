@@ -21,7 +21,8 @@ strong-draft tests at the end of the module: POWER_SAMPLES rollouts of a peaked 
 strong draft chains detect a 2% acceptance bias (greedy and sampled drafts) and a 3% temperature
 error with >= 90% power (noncentral chi-square from the exact laws of the biased samplers,
 asserted by `test_power_of_the_strong_draft_test`), and noise reused across tree levels at
-p < 1e-90 (5 seeds of each draft kind); each biased sampler is run and rejected.
+p < 1e-90 (5 seeds of each draft kind; chains at T = 1) and p < 1e-20 (3 seeds; trees at T = 0.7,
+top_p = 0.9); each biased sampler is run and rejected, and the correct runs go through staged loops.
 """
 
 import contextlib
@@ -179,6 +180,13 @@ SAMPLERS = ("correct", "accept+2%", "temperature+3%", "noise-reused")
 ALPHA = 1e-3
 
 
+def peaked_teacher_forced(cfg, params):
+    """(logits [36, len(PROMPT) + 2, V] over PROMPT + every 2-token extension, row of each pair)."""
+    pairs = list(itertools.product(range(cfg.vocab_size), repeat=2))
+    logits = np.asarray(full_forward(cfg, params, padded([PROMPT + pair for pair in pairs], len(PROMPT) + 2)))
+    return logits, {pair: i for i, pair in enumerate(pairs)}
+
+
 @pytest.fixture(scope="module")
 def peaked(tiny_vocab_policy):
     """(cfg, policy params, sharpened draft params, the exact continuation law (the policy's, by
@@ -187,9 +195,7 @@ def peaked(tiny_vocab_policy):
     cfg, _ = tiny_vocab_policy
     params = random_params(cfg, seed=1, std=0.7)
     sharp = dict(params, final_norm=params["final_norm"] * 2.0)
-    pairs = list(itertools.product(range(cfg.vocab_size), repeat=2))
-    row = {pair: i for i, pair in enumerate(pairs)}
-    tokens = padded([PROMPT + pair for pair in pairs], len(PROMPT) + 2)
+    (policy_logits, row), (draft_logits, _) = (peaked_teacher_forced(cfg, p) for p in (params, sharp))
 
     def at(logits, temperature):
         def probs(prefix):
@@ -197,7 +203,6 @@ def peaked(tiny_vocab_policy):
             return reference_probs(logits[r, len(PROMPT) - 1 + len(prefix)], temperature, 0, 1.0)
         return probs
 
-    policy_logits, draft_logits = (np.asarray(full_forward(cfg, p, tokens)) for p in (params, sharp))
     exact = continuation_probs(policy_logits, row, len(PROMPT), EOS, T1)
     return cfg, params, sharp, exact, lambda t: at(policy_logits, t), lambda t: at(draft_logits, t)
 
@@ -244,5 +249,29 @@ def test_strong_draft_rollouts_detect_small_biases(peaked, drafts, sampler):
     if sampler == "correct":
         assert pvalue > ALPHA
         assert len(out.stats["stage_steps"]) == 3 and sum(out.stats["stage_steps"][1:]) > 0, out.stats
+    else:
+        assert pvalue < ALPHA
+
+
+@pytest.mark.parametrize("sampler", ["correct", "noise-reused"])
+@pytest.mark.parametrize("drafts", POWER_DRAFTS)
+def test_strong_draft_trees_under_nucleus_sampling(peaked, drafts, sampler):
+    """Trees (2 wide, 2 deep, 3 nodes) of the strong drafts at T = 0.7, top_p = 0.9: the correct
+    sampler passes through staged loops, noise reused across levels is rejected (p-values below
+    1e-110 for greedy and 1e-20 for sampled drafts at each of 3 seeds)."""
+    cfg, params, sharp, _, _, _ = peaked
+    probs = continuation_probs(*peaked_teacher_forced(cfg, params), len(PROMPT), EOS, NUCLEUS)
+    spec = Spec("draft_model", (cfg, params if drafts == "greedy" else sharp), draft_sampling=drafts, **SHAPES["tree"])
+    with pytest.MonkeyPatch.context() as patch, \
+            biased_noise(reuse_across_levels) if sampler != "correct" else contextlib.nullcontext():
+        if sampler != "correct":
+            patch.setattr(stages, "MIN_STAGE_ROWS", POWER_SAMPLES)
+        out = generate(cfg, params, [list(PROMPT)] * POWER_SAMPLES, jax.random.key(4),
+                       Sampling(max_new_tokens=MAX_NEW, **NUCLEUS), spec=spec)
+    tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
+    pvalue = chi_square_pvalue([tuple(r[:n]) for r, n in zip(tokens, lengths)], probs)
+    if sampler == "correct":
+        assert pvalue > ALPHA
+        assert sum(out.stats["stage_steps"][1:]) > 0, out.stats
     else:
         assert pvalue < ALPHA
