@@ -2,11 +2,14 @@
 merged partials equal a softmax over exactly the slots each query row may see: its row's prefix
 and the new tokens its tree mask names."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels import ragged_attention
 from kernels.ragged_attention import (cache_attention_pallas, cache_attention_reference, merge, new_token_bits,
                                       split_plan)
 
@@ -112,3 +115,38 @@ def test_slots_no_row_sees_are_not_read():
     attend = lambda k, v: merge(cache_attention_pallas(q, k, v, prefix_len, new_start, bits, num_new=t,  # noqa: E731
                                                        interpret=True))
     np.testing.assert_array_equal(attend(poisoned_k, poisoned_v), attend(k, v))
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_programs_read_only_the_blocks_up_to_each_rows_length(monkeypatch, splits):
+    """Counts the KV blocks read through poison that no mask hides: the kernel's masked loads are
+    replaced by whole-block loads, and every block a row needs no slot of (past its last new
+    token; below its new tokens for a finished row) holds NaN values, which reach the output of
+    any program that visits the block (0 * NaN = NaN in p @ v). Inside the blocks a row does need,
+    the slots it does not see keep finite values and are hidden by the score mask, so the result
+    must equal the masked kernel's on the clean cache."""
+    block_k, max_len, t = 16, 128, 2
+    q, k, v = inputs(2, max_len, rows=16, seed=7)
+    new_start, prefix_len = jnp.asarray([40, 100], jnp.int32), jnp.asarray([40, 0], jnp.int32)
+    bits = new_token_bits(jnp.asarray(random_tree_masks(2, t, seed=8)), 2, 16)
+    # row 0 needs blocks [0, 3) (slots < 48), row 1 (finished, new tokens 100, 101) block 6 only
+    needed = np.zeros((2, max_len), bool)
+    needed[0, :48], needed[1, 96:112] = True, True
+    poison = jnp.asarray(~needed)[:, :, None, None]
+    attend = lambda k, v: merge(cache_attention_pallas(q, k, v, prefix_len, new_start, bits, num_new=t,  # noqa: E731
+                                                       interpret=True, block_k=block_k, splits=splits))
+    want = attend(k, v)
+
+    def whole_block(ref, mask=None, other=None, **_):
+        return ref[...]
+
+    plgpu = ragged_attention.plgpu
+    monkeypatch.setattr(ragged_attention, "plgpu", SimpleNamespace(load=whole_block, dot=plgpu.dot,
+                                                                   CompilerParams=plgpu.CompilerParams))
+    jax.clear_caches()  # trace the kernel again with unmasked loads
+    try:
+        got = attend(jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v))
+    finally:
+        jax.clear_caches()
+    assert np.isfinite(np.asarray(got)).all(), "a program read a KV block past its row's length"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

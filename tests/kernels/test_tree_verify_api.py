@@ -38,9 +38,29 @@ def test_invalid_inputs_name_the_argument(change, message):
 
 
 def test_padding_values_are_not_checked():
-    """Nodes past num_nodes may hold anything (row 1 has 3 valid nodes)."""
+    """Nodes past num_nodes may hold anything (row 1 has 3 valid nodes): no error, and the result
+    is the one with well-formed padding."""
     logits, parents, tokens, num = valid_args()
-    tree_verify(logits, parents.at[1, 3].set(7), tokens.at[1, 3].set(-5), num, jax.random.key(0), temperature=1.0)
+    clean = tree_verify(logits, parents, tokens, num, jax.random.key(0), temperature=1.0)
+    junk = tree_verify(logits, parents.at[1, 3].set(7), tokens.at[1, 3].set(-5), num, jax.random.key(0),
+                       temperature=1.0)
+    for want, got in zip(clean, junk):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
+    """"auto" runs the Pallas kernel when JAX's default backend is a GPU, the reference elsewhere;
+    sampled drafts use the reference on every backend (what runs on the GPU itself is not
+    testable on CPU: only the choice is)."""
+    calls = []
+    monkeypatch.setattr(kernels, "verify_pallas", lambda *a, **kw: calls.append(("pallas", kw["interpret"])))
+    monkeypatch.setattr(kernels, "verify_reference", lambda *a, **kw: calls.append(("reference", None)))
+    args = valid_args()
+    tree_verify(*args, jax.random.key(0), temperature=1.0)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    tree_verify(*args, jax.random.key(0), temperature=1.0)
+    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=jnp.ones_like(args[0]))
+    assert calls == [("reference", None), ("pallas", False), ("reference", None)]
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), True, "1.0"])

@@ -94,10 +94,17 @@ def emitted_sequences(result, tokens) -> list[tuple[int, ...]]:
             for b in range(path.shape[0])]
 
 
-def tree_walk_distribution(policy: PrefixPolicy, parents, tokens, temperature: float) -> dict[tuple, float]:
+def tree_walk_distribution(policy: PrefixPolicy, parents, tokens, temperature: float,
+                           accept_scale: float = 1.0) -> dict[tuple, float]:
     """Exact law of the emitted sequence for a fixed (deterministic) draft tree: the policy samples
     token by token from the root and stops after the first token that is not a child of the node it
-    is at. Float64, from the definition."""
+    is at. Float64, from the definition.
+
+    accept_scale != 1 gives instead the law of a biased verifier whose acceptance threshold is
+    scaled by accept_scale: the k-th distinct child token of a node is taken with probability
+    min(1, s * S_k) - min(1, s * S_{k-1}) (S_k: p mass of the first k), the residual tokens share
+    what is left in proportion to p (used for power computations).
+    """
     kids = children(parents)
     paths = prefixes(parents, tokens)
     out: dict[tuple, float] = {}
@@ -105,14 +112,17 @@ def tree_walk_distribution(policy: PrefixPolicy, parents, tokens, temperature: f
     def visit(node: int, mass: float):
         p = policy.probs(paths[node], temperature)
         by_token = {int(tokens[c]): c for c in reversed(kids[node])}  # a repeated token maps to its first child
+        cumulative, taken = 0.0, 0.0  # p mass of the children so far; probability they are taken
+        for y, child in sorted(by_token.items(), key=lambda item: item[1]):  # siblings in node order
+            cumulative += p[y]
+            running = cumulative if accept_scale == 1 else min(1.0, accept_scale * cumulative)
+            if running > taken:
+                visit(child, mass * (running - taken))
+            taken = running
+        residual = 1.0 - sum(p[y] for y in by_token)
         for y in range(policy.vocab):
-            if p[y] == 0:
-                continue
-            if y in by_token:
-                visit(by_token[y], mass * p[y])
-            else:
-                out[paths[node] + (y,)] = mass * p[y]
-
+            if p[y] > 0 and y not in by_token:
+                out[paths[node] + (y,)] = mass * p[y] * (1.0 - taken) / residual
     visit(0, 1.0)
     return out
 
@@ -224,6 +234,26 @@ def chi_square_pvalue(seqs, probs: dict[tuple, float]) -> float:
         expected = np.append(expected[~small], expected[small].sum())
         observed = np.append(observed[~small], observed[small].sum())
     return float(stats.chisquare(observed, expected).pvalue)
+
+
+def chi_square_power(probs: dict[tuple, float], alternative: dict[tuple, float], samples: int,
+                     alpha: float) -> float:
+    """Probability that `chi_square_pvalue` of `samples` draws from `alternative` is below alpha
+    when testing against `probs` (same pooling of bins expected below 5): the noncentral
+    chi-square approximation, noncentrality samples * sum((alt - p)^2 / p) over the bins, for the
+    draws inside the support of `probs` (any draw outside it fails the test outright)."""
+    outside = sum(m for s, m in alternative.items() if probs.get(s, 0.0) == 0)
+    support = sorted(s for s, m in probs.items() if m > 0)
+    expected = np.array([probs[s] for s in support])
+    actual = np.array([alternative.get(s, 0.0) for s in support]) / (1.0 - outside)
+    small = expected * samples < 5
+    if small.any():
+        expected = np.append(expected[~small], expected[small].sum())
+        actual = np.append(actual[~small], actual[small].sum())
+    df = len(expected) - 1
+    noncentrality = samples * np.sum((actual - expected) ** 2 / expected)
+    inside = float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, noncentrality))
+    return 1.0 - (1.0 - outside) ** samples * (1.0 - inside)
 
 
 def random_parents_and_tokens(rng: np.random.Generator, batch: int, nodes: int, vocab: int):

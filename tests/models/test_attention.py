@@ -137,3 +137,16 @@ def test_extend_uses_the_implementation_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="JAXSPEC_CACHE_ATTENTION"):
         run()
+
+
+def test_auto_picks_the_kernel_on_gpu_for_16_bit_caches(monkeypatch):
+    """What runs on the GPU itself is not testable on CPU: only the choice "auto" makes."""
+    from jaxspec.models.attention import _resolve_impl
+
+    q, k, _ = new_tokens(1, jnp.bfloat16)
+    assert _resolve_impl("auto", q, k, None) == "xla"  # the CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert _resolve_impl("auto", q, k, None) == "pallas"
+    q32, k32, _ = new_tokens(1)
+    assert _resolve_impl("auto", q32, k32, None) == "xla"  # the kernel takes 16-bit caches only
+    assert _resolve_impl("interpret", q, k, None) == "interpret"

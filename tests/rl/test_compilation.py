@@ -2,14 +2,16 @@
 fewer compilations in a second run."""
 
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec.rl.loop as loop
-from jaxspec.rl.batch import pack_rows, packed_row_counts
-from jaxspec.rl.compilation import compilation_cache
+from jaxspec.rl.batch import pack_rows, packed_row_count, packed_row_counts
+from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile
 from jaxspec.rl.data import PromptSampler, PromptSet
 from jaxspec.rl.metrics import StageTimer
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
@@ -32,6 +34,46 @@ def test_packed_row_counts_hold_every_packing():
                         "attn_mask": np.arange(width)[None, :] < lengths[:, None]}
                 seen.add(pack_rows(rows, multiple_of)["tokens"].shape[0])
         assert seen <= set(counts) and {counts[0], counts[-1]} <= seen, (multiple_of, seen, counts)
+
+
+def test_packed_row_count_is_the_smallest_2k_or_3_2k_with_at_most_a_third_padding():
+    sizes = sorted({1 << k for k in range(10)} | {3 << k for k in range(10)})  # 1, 2, 3, 4, 6, 8, 12, ...
+    for multiple_of in (1, 2, 4):
+        for filled in range(1, 300):
+            rows = packed_row_count(filled, multiple_of)
+            groups = -(-filled // multiple_of)
+            assert rows % multiple_of == 0 and rows // multiple_of == min(s for s in sizes if s >= groups)
+            assert rows - groups * multiple_of <= rows / 3, (filled, multiple_of, rows)
+    assert [packed_row_count(n) for n in (5, 7, 9, 13, 17, 25)] == [6, 8, 12, 16, 24, 32]
+
+
+class _BarrierProgram:
+    """A stand-in for a jitted function whose compilation waits until `parties` compile at once."""
+
+    def __init__(self, barrier: threading.Barrier, timeout_s: float):
+        self.barrier, self.timeout_s = barrier, timeout_s
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        self.barrier.wait(timeout=self.timeout_s)
+
+
+def test_precompile_compiles_threads_programs_at_once():
+    """train.precompile_threads programs compile concurrently: each of these finishes only once 3
+    are compiling together, so fewer workers break the barrier and the future raises."""
+    barrier = threading.Barrier(3)
+    precompile([(_BarrierProgram(barrier, 30.0), ()) for _ in range(6)], threads=3).result(timeout=60)
+    barrier = threading.Barrier(3)
+    with pytest.raises(threading.BrokenBarrierError):
+        precompile([(_BarrierProgram(barrier, 1.0), ()) for _ in range(3)], threads=2).result(timeout=60)
+
+
+def test_cache_dir_setting(tmp_path):
+    assert cache_dir(True, tmp_path) == tmp_path / "xla_cache"
+    assert cache_dir(False, tmp_path) is None
+    assert cache_dir(str(tmp_path / "shared"), tmp_path / "run") == tmp_path / "shared"
 
 
 def test_cached_programs_are_read_back_not_compiled(tmp_path):
@@ -67,16 +109,16 @@ def _prompt_file(path, tokenizer_dir) -> str:
 def precompiled_run(tiny_policy, tmp_path_factory):
     """STEPS steps of test_train's run (online draft, log-prob recomputation, KL) from cleared jit
     caches, one minibatch per epoch (the head trains on the first epoch's; the second runs the
-    policy-only update: both programs are precompiled), the trainer precompiled and every program written to a
-    persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
+    policy-only update: both programs are precompiled), the trainer precompiled by
+    train.precompile_threads = 2 workers and every program written to a persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
     of each step's packings)."""
     root = tmp_path_factory.mktemp("precompiled")
     config = _config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
     overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
                  "draft.train_every=2", "train.precompile=true", "train.precompile_threads=2", f"train.compilation_cache={root / 'cache'}",
                  "train.compilation_cache_min_compile_s=0"]
-    rows_per_step = []
-    run_step, pack = loop.GRPORun.run_step, loop.pack_rows
+    rows_per_step, precompile_threads = [], []
+    run_step, pack, start_precompile = loop.GRPORun.run_step, loop.pack_rows, loop.precompile
 
     def counting_step(run):
         rows_per_step.append(set())
@@ -91,7 +133,10 @@ def precompiled_run(tiny_policy, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop.GRPORun, "run_step", counting_step)
         patch.setattr(loop, "pack_rows", counting_pack)
+        patch.setattr(loop, "precompile", lambda programs, threads: (
+            precompile_threads.append(threads), start_precompile(programs, threads))[1])
         assert _train("--config", config, "--run-dir", root / "run", *overrides) == 0
+    assert precompile_threads == [2], "train.precompile_threads sets the compiling workers"
     return config, overrides, root / "run", root / "cache", rows_per_step
 
 

@@ -70,6 +70,11 @@ def full_run(tiny_policy, tmp_path_factory):
     return config, root / "full"
 
 
+def test_the_default_compilation_cache_is_in_the_run_dir(full_run):
+    _, run_dir = full_run  # no train.compilation_cache in its config
+    assert any(path.name.startswith("jit_") for path in (run_dir / "xla_cache").iterdir())
+
+
 def test_grpo_raises_reward_and_adapts_the_draft(full_run):
     _, run_dir = full_run
     records = _metrics(run_dir)

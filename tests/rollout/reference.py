@@ -103,3 +103,40 @@ def continuation_probs(logits, row: dict, prompt_len: int, eos: int, setting: di
                 out[(a, b, c)] = first[a] * second[b] * third[c]
     assert abs(sum(out.values()) - 1) < 1e-9
     return out
+
+
+def one_step_law(p: np.ndarray, q: np.ndarray | None, accept_scale: float = 1.0) -> np.ndarray:
+    """float64 [V]: law of the first token a speculative step emits at a node with policy p [V] and
+    one draft child: the argmax of p (q None, deterministic) or a draw from q [V]. accept_scale != 1
+    is a biased verifier that accepts the draft with min(1, s * p / q) (s * p for deterministic);
+    the residual is what a correct verifier uses: p without the draft token, or norm((p - q)+)."""
+    if q is None:
+        d = int(np.argmax(p))
+        taken = min(1.0, accept_scale * p[d])
+        out = p * (1.0 - taken) / (1.0 - p[d]) if p[d] < 1 else np.zeros_like(p)
+        out[d] = taken
+        return out
+    with np.errstate(divide="ignore", invalid="ignore"):
+        accept = np.where(q > 0, np.minimum(1.0, accept_scale * p / q), 0.0)
+    residual = np.maximum(p - q, 0.0)
+    rejected = np.sum(q * (1.0 - accept))
+    return q * accept + (rejected * residual / residual.sum() if residual.sum() > 0 else 0.0)
+
+
+def speculative_chain_law(policy, draft, length: int, eos: int, accept_scale: float = 1.0) -> dict[tuple, float]:
+    """Exact law of continuations of up to `length` tokens (ending at the first eos) sampled by the
+    first token from the policy and then speculative chain steps: policy(prefix) -> p [V],
+    draft(prefix) -> q [V] or None (deterministic drafts: the argmax of p). In a chain the token
+    after an accepted draft is decided at the next node exactly as after a new step's root, so
+    every later token follows `one_step_law` at its prefix."""
+    out, frontier = {}, {(): 1.0}
+    for i in range(length):
+        nxt = {}
+        for prefix, mass in frontier.items():
+            p = policy(prefix)
+            law = p if i == 0 else one_step_law(p, draft(prefix), accept_scale)
+            for y in np.flatnonzero(law > 0):
+                seq = prefix + (int(y),)
+                (out if int(y) == eos or i == length - 1 else nxt)[seq] = mass * law[y]
+        frontier = nxt
+    return out

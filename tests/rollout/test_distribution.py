@@ -1,4 +1,11 @@
-"""The rollout samples exactly the processed policy distribution: exact enumeration + chi-square."""
+"""The rollout samples exactly the processed policy distribution: exact enumeration + chi-square.
+
+Power: with the tiny policy's flat distributions, NUM_SAMPLES rollouts detect a temperature error
+of about 14% at T = 1 with 90% power (`chi_square_power` from the exact laws). A 3% error is the
+job of `test_a_3_percent_temperature_error_is_detected`: POWER_SAMPLES rollouts of a peaked
+policy (weights std 0.7) from POWER_PROMPT, with >= 90% power by the same computation (asserted),
+through a staged loop, the correct sampler passing and the 3% hotter one rejected.
+"""
 
 import itertools
 
@@ -9,12 +16,15 @@ from scipy import stats
 
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout import stages as rollout_stages
+from tests.kernels.trees import chi_square_power
+from tests.rollout.conftest import random_params
 from tests.rollout.reference import continuation_probs, full_forward, padded
 
 PROMPT = (1, 2, 3)
 MAX_NEW = 3
 # One batch: fewer than half the rows end within 3 tokens, so a staged loop would never leave its
-# first stage; staging is off rather than compiling loops that do not run (tests/rollout/test_stages.py).
+# first stage; staging is off rather than compiling loops that do not run (tests/rollout/test_stages.py;
+# at T = 1: test_a_3_percent_temperature_error_is_detected).
 NUM_SAMPLES = 8192
 EOS = 5
 
@@ -23,15 +33,15 @@ NUCLEUS = dict(temperature=0.7, top_k=0, top_p=0.9)
 TOP_K = dict(temperature=1.3, top_k=3, top_p=1.0)
 
 
-def exact_continuations(cfg, params, setting) -> dict[tuple[int, ...], float]:
-    """Probability of every continuation of PROMPT (up to MAX_NEW tokens, ending at the first eos).
+def exact_continuations(cfg, params, setting, prompt=PROMPT) -> dict[tuple[int, ...], float]:
+    """Probability of every continuation of `prompt` (up to MAX_NEW tokens, ending at the first eos).
 
     Conditionals come from teacher-forced full forwards over every 2-token extension and the numpy
     processed distribution.
     """
-    vocab, p = cfg.vocab_size, len(PROMPT)
+    vocab, p = cfg.vocab_size, len(prompt)
     pairs = list(itertools.product(range(vocab), repeat=2))
-    logits = np.asarray(full_forward(cfg, params, padded([PROMPT + pair for pair in pairs], p + 2)))
+    logits = np.asarray(full_forward(cfg, params, padded([prompt + pair for pair in pairs], p + 2)))
     row = {pair: i for i, pair in enumerate(pairs)}
     return continuation_probs(logits, row, p, EOS, setting)
 
@@ -97,3 +107,28 @@ def test_chi_square_rejects_wrong_temperature(tiny_vocab_policy, draw):
     seqs = draw(T1)[0]
     wrong = exact_continuations(cfg, params, dict(temperature=0.7, top_k=0, top_p=1.0))
     assert chi_square_pvalue(seqs, wrong) < 1e-6
+
+
+POWER_SAMPLES = 32768
+POWER_PROMPT = (2, 1, 3, 1, 4, 2, 3, 2, 1)
+# The peaked policy ends this prompt at once (eos with p > 0.9999): as many of these rows in the
+# batch make the loop move the running rows into its halved batch after the first token.
+FILLER_PROMPT = (0, 2, 2, 2, 1, 0, 0, 4, 0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.03], ids=["correct", "3%-hotter"])
+def test_a_3_percent_temperature_error_is_detected(tiny_vocab_policy, temperature):
+    cfg, _ = tiny_vocab_policy
+    params = random_params(cfg, seed=1, std=0.7)
+    probs = exact_continuations(cfg, params, T1, POWER_PROMPT)
+    hot = exact_continuations(cfg, params, dict(T1, temperature=1.03), POWER_PROMPT)
+    assert chi_square_power(probs, hot, POWER_SAMPLES, 1e-3) >= 0.9
+    out = generate(cfg, params, [list(POWER_PROMPT)] * POWER_SAMPLES + [list(FILLER_PROMPT)] * POWER_SAMPLES,
+                   jax.random.key(5), Sampling(max_new_tokens=MAX_NEW, temperature=temperature))
+    tokens, lengths = (np.asarray(x)[:POWER_SAMPLES].tolist() for x in (out.tokens, out.lengths))
+    pvalue = chi_square_pvalue([tuple(r[:n]) for r, n in zip(tokens, lengths)], probs)
+    if temperature == 1.0:
+        assert pvalue > 1e-3
+        assert sum(out.stats["stage_steps"][1:]) > 0, out.stats  # the exact law held through a staged loop
+    else:
+        assert pvalue < 1e-3
