@@ -14,5 +14,7 @@ assert [r["step"] for r in records[5:]] == [5, 6]           # the resumed run st
 assert all(r["acceptance_length"] > 1.5 for r in metrics[1:])  # the embedded head drafts for the policy
 assert list(axes[2].lines[0].get_xdata()) == [1, 2, 3, 4, 5, 6]  # the step-time panel, after the resume
 """)
-    finally:
+    finally:  # the notebook's run directory, and runs/ when nothing else is in it
         shutil.rmtree(NOTEBOOKS / "runs" / "grpo-notebook", ignore_errors=True)
+        if (NOTEBOOKS / "runs").is_dir() and not any((NOTEBOOKS / "runs").iterdir()):
+            (NOTEBOOKS / "runs").rmdir()
