@@ -95,8 +95,10 @@ def _hf_config(dcfg: DraftConfig, dtype_name: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype_name,
+        # A head that names no layers keeps following its policy's defaults when reloaded.
         "eagle_config": {"use_aux_hidden_state": True} if dcfg.aux_layer_ids is None else
-                        {"eagle_aux_hidden_state_layer_ids": list(dcfg.aux_layer_ids), "use_aux_hidden_state": True},
+                        {"eagle_aux_hidden_state_layer_ids": list(dcfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
     }
 
 
@@ -114,10 +116,12 @@ def _draft_config(hf: dict, source: str) -> DraftConfig:
                                  "num_hidden_layers": 1}, source=source)
     eagle = hf.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None:
+        aux = tuple(aux)
     return DraftConfig(
         hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size, num_heads=layer.num_heads,
         num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, vocab_size=layer.vocab_size,
-        draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size), aux_layer_ids=None if aux is None else tuple(aux),
+        draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size), aux_layer_ids=aux,
         rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta, rope_scaling=layer.rope_scaling,
         max_position_embeddings=layer.max_position_embeddings)
 
@@ -152,8 +156,8 @@ def load_eagle3(path, dtype="float32", policy: ModelConfig | None = None) -> tup
     policy: when given, the head is checked against it (`check_compatible`) and supplies the
     default aux layers (1, L/2 - 1, L - 4) for configs that name none. Without it such a head
     keeps `aux_layer_ids=None` and takes them from the policy it first drafts for (a
-    `jaxspec.rollout.Spec`), as published EAGLE-3 loaders do. Raises FileNotFoundError for a missing folder
-    or file, ValueError for a wrong architecture, a missing/unexpected tensor or a wrong shape
+    `jaxspec.rollout.Spec`), as published EAGLE-3 loaders do. Raises FileNotFoundError for a
+    missing folder or file, ValueError for a wrong architecture, a missing/unexpected tensor or a wrong shape
     (naming the tensor and both shapes), or inconsistent d2t/t2d maps.
     """
     path = Path(path)

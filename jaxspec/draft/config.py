@@ -111,7 +111,7 @@ def check_compatible(cfg: ModelConfig, dcfg: DraftConfig) -> None:
     if dcfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"vocab_size: the draft head targets a vocabulary of {dcfg.vocab_size}, "
                          f"the policy has {cfg.vocab_size}")
-    bad = [i for i in dcfg.for_layers_of(cfg).aux_layer_ids if not 0 <= i < cfg.num_layers]
+    bad = [i for i in dcfg.aux_layer_ids or () if not 0 <= i < cfg.num_layers]  # None: the defaults, in range
     if bad:
         raise ValueError(f"aux_layer_ids: {list(dcfg.aux_layer_ids)} name layers outside the policy's "
                          f"[0, {cfg.num_layers})")

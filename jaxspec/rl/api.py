@@ -19,7 +19,7 @@ from jaxspec.rl.config import GRPOConfig, validate
 from jaxspec.rl.resources import check_inputs
 
 
-def load(config: str | os.PathLike | GRPOConfig, overrides: Mapping[str, Any] | None = None) -> GRPOConfig:
+def run_config(config: str | os.PathLike | GRPOConfig, overrides: Mapping[str, Any] | None = None) -> GRPOConfig:
     """The checked run config: `config` (a YAML path or a GRPOConfig) with `overrides` applied.
 
     overrides: {"dotted.key": value} with Python values, e.g. {"train.steps": 4, "eval.every": 2,
@@ -45,7 +45,7 @@ def train(config: str | os.PathLike | GRPOConfig, run_dir: str | os.PathLike, *,
     """Runs (resume=True: continues from its latest checkpoint) GRPO into `run_dir`; what
     `jaxspec train --config CONFIG --run-dir RUN_DIR [--resume] key=value ...` runs.
 
-    config: a YAML path or a GRPOConfig; overrides: {"dotted.key": value} (see `load`).
+    config: a YAML path or a GRPOConfig; overrides: {"dotted.key": value} (see `run_config`).
     on_step: called with each step's metrics record as it is logged (live plots); the record
         with "step" 0 is the validation before training.
     Returns the run's metrics records, one dict per logged step, from its start (a resumed run's
@@ -54,7 +54,7 @@ def train(config: str | os.PathLike | GRPOConfig, run_dir: str | os.PathLike, *,
     Raises ValueError / FileNotFoundError for a bad config, input file or run directory before
     any compute. A SIGTERM during the run checkpoints and returns the steps done so far.
     """
-    cfg = load(config, overrides)
+    cfg = run_config(config, overrides)
     run_dir = Path(run_dir)
     inputs = check_inputs(cfg)
     check_run_dir(cfg, run_dir, resume)
