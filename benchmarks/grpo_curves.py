@@ -1,7 +1,7 @@
 """The GRPO experiment with one run per GPU: accuracy curves of AR and speculative rollouts.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=.92 python3 benchmarks/grpo_curves.py --steps 200 --eval-every 10 \
-        --results benchmarks --prefix grpo_curves
+        --results benchmarks/results --prefix grpo_curves
 
 Jobs, each on one GPU of this host (CUDA_VISIBLE_DEVICES), started in order as soon as a GPU is
 free and what they need exists:
@@ -154,7 +154,7 @@ def main() -> int:
     p.add_argument("--draft-steps", type=int, default=1000)
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids (default: every GPU nvidia-smi lists)")
     p.add_argument("--extra", action="append", default=[], help="NAME='key=value ...': another GRPO run")
-    p.add_argument("--results", default="benchmarks")
+    p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--prefix", default="grpo_curves")
     p.add_argument("--poll", type=float, default=5.0, help="seconds between checks")
     args = p.parse_args()

@@ -3,7 +3,7 @@
 # its tokenizer, train in-domain and out-of-domain EAGLE-3 heads on its own rollouts, time
 # speculative vs autoregressive rollouts, the speculative cost model on Qwen3 shapes, and GRPO with
 # and without speculation.
-#   RESULTS=benchmarks bash benchmarks/small_workload.sh [stage ...]
+#   RESULTS=benchmarks/results bash benchmarks/small_workload.sh [stage ...]
 # Stages (default: all, in this order): pretrain draft_model draft draft_ood verify spec cost grpo decode8b;
 # check (the GPU-only attention paths against the CPU-tested ones), cost_small (needs pretrain),
 # profile (needs pretrain and draft) and attention only when named.
@@ -12,7 +12,7 @@
 # PROFILE_BATCH (64: where a decode step is launch-bound; 256: GRPO's first stage), PRETRAIN_ARGS
 # and GRPO_ARGS (extra dotted.key=value overrides).
 set -euo pipefail
-RESULTS=${RESULTS:-benchmarks}
+RESULTS=${RESULTS:-benchmarks/results}
 DRAFT_STEPS=${DRAFT_STEPS:-1000}
 OOD_STEPS=${OOD_STEPS:-$DRAFT_STEPS}
 GRPO_STEPS=${GRPO_STEPS:-200}

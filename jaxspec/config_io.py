@@ -87,12 +87,18 @@ def apply_override(data: dict, override: str) -> None:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise ValueError(f"override {override!r}: invalid YAML value: {e}") from None
+    set_dotted(data, key, value, f"override {override!r}")
+
+
+def set_dotted(data: dict, key: str, value: Any, source: str = "override") -> None:
+    """Sets data[a][b] = value for key "a.b" (intermediate mappings are created); `source` names
+    the override in errors."""
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ValueError(f"override {override!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+            raise ValueError(f"{source}: {'.'.join(parts[:i + 1])} is not a mapping")
         node = child
     node[parts[-1]] = value
 

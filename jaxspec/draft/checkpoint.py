@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from jaxspec.distributed import is_main, to_host
 from jaxspec.atomic import atomic_folder
-from jaxspec.draft.config import DraftConfig, check_compatible, default_aux_layer_ids
+from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.model import DraftParams
 from jaxspec.models.config import ModelConfig
 
@@ -95,12 +95,14 @@ def _hf_config(dcfg: DraftConfig, dtype_name: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype_name,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(dcfg.aux_layer_ids),
+        # A head that names no layers keeps following its policy's defaults when reloaded.
+        "eagle_config": {"use_aux_hidden_state": True} if dcfg.aux_layer_ids is None else
+                        {"eagle_aux_hidden_state_layer_ids": list(dcfg.aux_layer_ids),
                          "use_aux_hidden_state": True},
     }
 
 
-def _draft_config(hf: dict, source: str, policy: ModelConfig | None) -> DraftConfig:
+def _draft_config(hf: dict, source: str) -> DraftConfig:
     archs = hf.get("architectures") or []
     if ARCHITECTURE not in archs:
         raise ValueError(f"{source}: architectures {archs} is not an EAGLE-3 head (expected [{ARCHITECTURE!r}])")
@@ -114,15 +116,12 @@ def _draft_config(hf: dict, source: str, policy: ModelConfig | None) -> DraftCon
                                  "num_hidden_layers": 1}, source=source)
     eagle = hf.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get("eagle_aux_hidden_state_layer_ids")
-    if aux is None:
-        if policy is None:
-            raise ValueError(f"{source}: no eagle_aux_hidden_state_layer_ids; pass the policy config to use the "
-                             "default layers for it")
-        aux = default_aux_layer_ids(policy.num_layers)
+    if aux is not None:
+        aux = tuple(aux)
     return DraftConfig(
         hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size, num_heads=layer.num_heads,
         num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, vocab_size=layer.vocab_size,
-        draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size), aux_layer_ids=tuple(aux),
+        draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size), aux_layer_ids=aux,
         rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta, rope_scaling=layer.rope_scaling,
         max_position_embeddings=layer.max_position_embeddings)
 
@@ -155,8 +154,10 @@ def load_eagle3(path, dtype="float32", policy: ModelConfig | None = None) -> tup
     """Reads a public-layout EAGLE-3 folder. dtype: float dtype of the returned weights.
 
     policy: when given, the head is checked against it (`check_compatible`) and supplies the
-    default aux layers for configs that name none. Raises FileNotFoundError for a missing folder
-    or file, ValueError for a wrong architecture, a missing/unexpected tensor or a wrong shape
+    default aux layers (1, L/2 - 1, L - 4) for configs that name none. Without it such a head
+    keeps `aux_layer_ids=None` and takes them from the policy it first drafts for (a
+    `jaxspec.rollout.Spec`), as published EAGLE-3 loaders do. Raises FileNotFoundError for a
+    missing folder or file, ValueError for a wrong architecture, a missing/unexpected tensor or a wrong shape
     (naming the tensor and both shapes), or inconsistent d2t/t2d maps.
     """
     path = Path(path)
@@ -165,9 +166,10 @@ def load_eagle3(path, dtype="float32", policy: ModelConfig | None = None) -> tup
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"config.json not found in {path}")
-    dcfg = _draft_config(json.loads(config_file.read_text()), str(config_file), policy)
+    dcfg = _draft_config(json.loads(config_file.read_text()), str(config_file))
     if policy is not None:
         check_compatible(policy, dcfg)
+        dcfg = dcfg.for_layers_of(policy)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")

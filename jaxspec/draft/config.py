@@ -28,7 +28,10 @@ class DraftConfig:
 
     hidden_size: H, equal to the policy's (the head reads the policy's token embedding).
     vocab_size: the policy's vocabulary V; draft_vocab_size: Vd <= V tokens the head predicts.
-    aux_layer_ids: 0-based policy layers whose outputs are concatenated low || mid || high.
+    aux_layer_ids: 0-based policy layers whose outputs are concatenated low || mid || high; None
+        for a head whose checkpoint names none (published heads mostly): the policy's default
+        layers (`default_aux_layer_ids`), filled in by `for_layers_of` when the head first meets
+        its policy (a `jaxspec.rollout.Spec`, `load_eagle3(..., policy=)`).
     rope_theta / rope_scaling / max_position_embeddings: copied from the policy; rope_scaling is
         HF rope parameters minus theta as sorted (key, value) pairs, as in `ModelConfig`.
     """
@@ -40,18 +43,15 @@ class DraftConfig:
     head_dim: int
     vocab_size: int
     draft_vocab_size: int
-    aux_layer_ids: tuple[int, int, int]
+    aux_layer_ids: tuple[int, int, int] | None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] = (("rope_type", "default"),)
     max_position_embeddings: int = 2048
 
     def __post_init__(self):
-        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"aux_layer_ids must name 3 policy layers, got {list(self.aux_layer_ids)}")
-        if any(i < 0 for i in self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids must be >= 0 (layer outputs), got {list(self.aux_layer_ids)}")
+        if self.aux_layer_ids is not None:
+            self._check_layer_ids()
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if self.num_heads % self.num_kv_heads:
@@ -60,6 +60,20 @@ class DraftConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding)")
         # Validates the rope parameters the same way a policy config does.
         self.layer_config  # noqa: B018
+
+    def _check_layer_ids(self) -> None:
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must name 3 policy layers, got {list(self.aux_layer_ids)}")
+        if any(i < 0 for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be >= 0 (layer outputs), got {list(self.aux_layer_ids)}")
+
+    def for_layers_of(self, cfg: ModelConfig) -> "DraftConfig":
+        """This head with its aux layers resolved for policy `cfg`: itself when it names them, else
+        with the policy's default layers (1, L/2 - 1, L - 4), as published EAGLE-3 loaders do."""
+        if self.aux_layer_ids is not None:
+            return self
+        return dataclasses.replace(self, aux_layer_ids=default_aux_layer_ids(cfg.num_layers))
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -97,7 +111,7 @@ def check_compatible(cfg: ModelConfig, dcfg: DraftConfig) -> None:
     if dcfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"vocab_size: the draft head targets a vocabulary of {dcfg.vocab_size}, "
                          f"the policy has {cfg.vocab_size}")
-    bad = [i for i in dcfg.aux_layer_ids if not 0 <= i < cfg.num_layers]
+    bad = [i for i in dcfg.aux_layer_ids or () if not 0 <= i < cfg.num_layers]  # None: the defaults, in range
     if bad:
         raise ValueError(f"aux_layer_ids: {list(dcfg.aux_layer_ids)} name layers outside the policy's "
                          f"[0, {cfg.num_layers})")

@@ -135,6 +135,10 @@ def check_embed(dcfg: DraftConfig, embed: jax.Array) -> None:
 def fuse(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:
     """fc of the policy's aux hidden states: aux [3, B, T, H] (layers low, mid, high) -> [B, T, H]
     in the head's dtype."""
+    if dcfg.aux_layer_ids is None:
+        raise ValueError("the EAGLE-3 head names no policy layers (its config.json has no "
+                         "eagle_aux_hidden_state_layer_ids): resolve them for the policy with "
+                         "dcfg.for_layers_of(policy_cfg) or load_eagle3(path, policy=policy_cfg)")
     if aux.ndim != 4 or aux.shape[0] != 3 or aux.shape[-1] != dcfg.hidden_size:
         raise ValueError(f"aux must be [3, B, T, hidden_size={dcfg.hidden_size}] (the policy's outputs of "
                          f"layers {list(dcfg.aux_layer_ids)}), got shape {aux.shape}")

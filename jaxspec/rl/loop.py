@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -349,10 +350,12 @@ class GRPORun:
             say(f"adapted EAGLE-3 draft written to {self.run_dir / 'draft'}")
 
 
-def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | None = None) -> dict:
+def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | None = None,
+          on_step: Callable[[dict], None] | None = None) -> dict:
     """Runs (or resumes) GRPO for cfg.train.steps steps.
 
     inputs: the result of `check_inputs(cfg)` when the caller already checked the config.
+    on_step: called on process 0 with each metrics record as it is logged (e.g. live plots).
     Returns {"step", "preempted", "last": the last step's metrics record, "run_dir"}.
     """
     run_dir = Path(run_dir)
@@ -360,10 +363,11 @@ def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | No
     check_run_dir(cfg, run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     with compilation_cache(cache_dir(cfg.train.compilation_cache, run_dir), cfg.train.compilation_cache_min_compile_s):
-        return _train(cfg, run_dir, resume, inputs)
+        return _train(cfg, run_dir, resume, inputs, on_step if is_main() else None)
 
 
-def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs) -> dict:
+def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
+           on_step: Callable[[dict], None] | None) -> dict:
     run = GRPORun(cfg, run_dir, resume, inputs)
     log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None,
                      enabled=is_main())
@@ -375,10 +379,14 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs) -> d
             if run.eval_set is not None and run.step == 0:
                 last = {"step": 0, **run.evaluate()}
                 log.write(last)
+                if on_step is not None:
+                    on_step(last)
                 say(f"step 0: validation accuracy {last['eval_accuracy']:.3f}")
             while run.step < cfg.train.steps and not any_process(stop.requested):
                 last = run.run_step()
                 log.write(last)
+                if on_step is not None:
+                    on_step(last)
                 bar.update(1, reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
                            accept=f"{last['acceptance_length']:.2f}", step_s=f"{last['time_step_s']:.1f}")
                 if "eval_accuracy" in last:

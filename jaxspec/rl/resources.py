@@ -14,16 +14,13 @@ from pathlib import Path
 
 import jax
 
-from jaxspec.assets import TINY_POLICY
+from jaxspec.assets import TINY_EAGLE3, TINY_POLICY
 from jaxspec.models.config import ModelConfig
 from jaxspec.placement import check_devices
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig, SpecConfig
 from jaxspec.rollout import Spec
 from jaxspec.tasks.tokenizer import ChatTokenizer
-
-# The EAGLE-3 head of the embedded tiny policy (spec.draft: null).
-TINY_EAGLE3 = TINY_POLICY.parent / "tiny-eagle3"
 
 
 @dataclasses.dataclass(frozen=True)

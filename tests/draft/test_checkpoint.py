@@ -14,9 +14,10 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama import modeling_llama as llama
 
-from jaxspec.draft import (DraftConfig, check_compatible, draft_extend, fuse, init_draft_cache, load_eagle3,
-                           save_eagle3)
+from jaxspec.draft import (DraftConfig, check_compatible, default_aux_layer_ids, draft_extend, fuse,
+                           init_draft_cache, load_eagle3, save_eagle3)
 from jaxspec.models import ModelConfig
+from jaxspec.rollout import Sampling, Spec, generate
 from tests.models.hf_reference import random_tokens, rel_max_err
 
 TOL = 1e-5
@@ -175,3 +176,48 @@ def test_malformed_checkpoints_raise_clear_errors(tmp_path, head):
         load_eagle3(tmp_path / "head")
     with pytest.raises(ValueError, match="d2t and t2d disagree"):
         save_eagle3(dcfg, {**dparams, "t2d": ~dparams["t2d"]}, tmp_path / "other")
+
+
+def _without_layer_ids(folder):
+    """Drops eagle_aux_hidden_state_layer_ids from a saved head's config.json, as published heads do."""
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    config_file.write_text(json.dumps(config))
+
+
+def test_head_without_layer_ids_takes_the_policy_defaults_at_first_use(tmp_path, policy, head):
+    cfg, params = policy
+    dcfg, dparams = head  # for_policy: the default layers (1, L/2 - 1, L - 4) of the 4-layer policy
+    assert dcfg.aux_layer_ids == default_aux_layer_ids(cfg.num_layers) == (1, 1, 0)
+    save_eagle3(dcfg, dparams, tmp_path / "head")
+    _without_layer_ids(tmp_path / "head")
+
+    unresolved, loaded = load_eagle3(tmp_path / "head")  # no policy: resolved later
+    assert unresolved.aux_layer_ids is None
+    assert load_eagle3(tmp_path / "head", policy=cfg)[0] == dcfg
+    assert unresolved.for_layers_of(cfg) == dcfg
+    # Saved again it still names no layers, so it keeps following its policy.
+    save_eagle3(unresolved, loaded, tmp_path / "again")
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads((tmp_path / "again" / "config.json").read_text())
+    assert load_eagle3(tmp_path / "again")[0] == unresolved
+
+    # The rollout resolves them from the policy it drafts for: the same draws as the explicit head.
+    prompts = [[1, 5, 9, 4], [2, 7]]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    outs = [generate(cfg, params, prompts, jax.random.key(0), sampling,
+                     spec=Spec(method="eagle3", draft=draft, num_draft_tokens=2))
+            for draft in ((unresolved, loaded), (dcfg, dparams))]
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_array_equal(outs[0].logprobs, outs[1].logprobs)
+    assert outs[0].stats["acceptance_length"] == outs[1].stats["acceptance_length"]
+
+
+def test_head_without_layer_ids_and_no_policy_says_so(tmp_path, head):
+    dcfg, dparams = head
+    save_eagle3(dcfg, dparams, tmp_path / "head")
+    _without_layer_ids(tmp_path / "head")
+    unresolved, loaded = load_eagle3(tmp_path / "head")
+    aux = jnp.zeros((3, 1, 2, dcfg.hidden_size))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids.*for_layers_of"):
+        fuse(unresolved, loaded, aux)

@@ -52,6 +52,7 @@ def make_drafter(cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spe
         check_compatible(cfg, dcfg)
     except ValueError as err:
         raise ValueError(f"Spec.draft: the EAGLE-3 head does not fit the policy: {err}") from None
+    dcfg = dcfg.for_layers_of(cfg)  # a head that names no aux layers reads the policy's defaults
     if dparams["lm_head"].shape != (dcfg.hidden_size, dcfg.draft_vocab_size):
         raise ValueError(f"Spec.draft: lm_head has shape {dparams['lm_head'].shape}, the head's config says "
                          f"(hidden_size, draft_vocab_size) = ({dcfg.hidden_size}, {dcfg.draft_vocab_size})")

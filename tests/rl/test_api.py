@@ -1,0 +1,67 @@
+"""`jaxspec.rl.train` from Python: the CLI's run, metrics returned and streamed, resume, config errors."""
+
+import json
+
+import pytest
+
+import jaxspec.rl
+from jaxspec.cli import main as jaxspec_main
+from jaxspec.config_io import load_config
+from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.metrics import is_timing
+
+CONFIG = """
+policy: {{path: {policy}}}
+data: {{num_train: 16, num_eval: 4, kinds: [arithmetic]}}
+reward: digit_fraction
+rollout: {{prompts_per_step: 2, samples_per_prompt: 4, max_new_tokens: 6}}
+optim: {{learning_rate: 1.0e-2}}
+spec: {{method: eagle3, draft: random, num_draft_tokens: 2}}
+draft: {{online: true, ttt_steps: 1}}
+eval: {{every: 2, batch_size: 4}}
+train: {{steps: 5, checkpoint_every: 2, progress: false}}
+"""
+
+
+def _without_timings(records):
+    return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
+
+
+def _file_records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture()
+def config(tiny_policy, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.format(policy=tiny_policy[0]))
+    return path
+
+
+def test_train_returns_and_streams_the_cli_metrics_and_resumes(config, tmp_path):
+    seen = []
+    metrics = jaxspec.rl.train(config, tmp_path / "api", overrides={"train.steps": 2}, on_step=seen.append)
+    assert [r["step"] for r in metrics] == [0, 1, 2]  # validation before training, then 2 steps
+    assert seen == [{k: v for k, v in r.items() if k != "time_unix_s"} for r in metrics]  # the log adds the clock
+    assert {"reward_mean", "acceptance_length", "time_step_s", "eval_accuracy"} <= set(metrics[-1])
+    assert jaxspec_main(["train", "--config", str(config), "--run-dir", str(tmp_path / "cli"), "train.steps=2"]) == 0
+    assert _without_timings(metrics) == _without_timings(_file_records(tmp_path / "cli"))
+
+    # A loaded config works as well as a path; the resumed run returns the whole history.
+    cfg = load_config(GRPOConfig, config)
+    seen.clear()
+    resumed = jaxspec.rl.train(cfg, tmp_path / "api", overrides={"train.steps": 3}, resume=True, on_step=seen.append)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3] and resumed[:3] == metrics
+    assert [r["step"] for r in seen] == [3]
+
+
+def test_bad_overrides_and_run_dirs_raise_before_any_compute(config, tmp_path):
+    with pytest.raises(ValueError, match="unknown key 'train.stepz'"):
+        jaxspec.rl.train(config, tmp_path / "run", overrides={"train.stepz": 2})
+    with pytest.raises(ValueError, match="'rollout.max_new_tokens': expected int"):
+        jaxspec.rl.train(config, tmp_path / "run", overrides={"rollout.max_new_tokens": "many"})
+    with pytest.raises(ValueError, match="rollout.samples_per_prompt"):
+        jaxspec.rl.train(config, tmp_path / "run", overrides={"rollout.samples_per_prompt": 0})
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        jaxspec.rl.train(tmp_path / "missing.yaml", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
