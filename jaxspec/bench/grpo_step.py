@@ -171,7 +171,7 @@ class Bench:
     def update(self, with_draft: bool) -> dict:
         a = self.args
         optim = OptimConfig()
-        draft = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True)) if with_draft else None
+        draft = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True, ttt_steps=a.ttt_steps)) if with_draft else None
         update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)
         opt_state = self.placement.state(policy_optimizer(optim).init(self.params))  # scalars replicated
         weights, buffers = split_buffers(self.dparams) if with_draft else (None, None)
@@ -232,6 +232,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--minibatches", type=int, default=8)
+    p.add_argument("--ttt-steps", type=int, default=OnlineDraftConfig.ttt_steps,
+                   help="unrolled steps of the online draft loss (draft.ttt_steps)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)

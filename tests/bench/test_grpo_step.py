@@ -27,7 +27,7 @@ def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, c
     out = tmp_path / "grpo_step.json"
     assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--mesh", "1,2,1", "--batch", "4",
                          "--sub-batch", "2", "--prompt", "4", "--new", "4", "--minibatches", "2", "--k", "2",
-                         "--draft-vocab", "32", "--acceptance", "2.0", "--out", str(out)]) == 0
+                         "--draft-vocab", "32", "--ttt-steps", "1", "--acceptance", "2.0", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "PROJECTION (computed from the measured costs above, not measured)" in printed
     assert "KV cache per sub-batch of 2 rows x 8 slots" in printed
