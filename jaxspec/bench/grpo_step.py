@@ -91,7 +91,9 @@ class Bench:
             self.cfg, params = load_hf(args.policy, dtype="float32", sharding=self.sharding)
         else:
             self.cfg = ModelConfig.from_json(args.model)
-            params = init_params(self.cfg, jax.random.key(0), jnp.float32)
+            # drawn on the host, so no device holds the whole float32 policy before it is sharded
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                params = init_params(self.cfg, jax.random.key(0), jnp.float32)
             params = params if self.sharding is None else shard_params(self.sharding, params)
         self.params = self.placement.state(params)
         if args.draft:
@@ -104,6 +106,7 @@ class Bench:
         self.prompts = rng.integers(0, self.cfg.vocab_size, (args.batch, args.prompt)).tolist()
         self.loss = LossConfig()
         self.rows: dict | None = None
+        self.opt_state = None
 
     def rollout_params(self):
         dtype = jnp.dtype(self.args.rollout_dtype)
@@ -172,6 +175,7 @@ class Bench:
         a = self.args
         optim = OptimConfig()
         draft = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True, ttt_steps=a.ttt_steps)) if with_draft else None
+        self.opt_state = None  # the previous phase's optimizer state is freed before this one is made
         update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)
         opt_state = self.placement.state(policy_optimizer(optim).init(self.params))  # scalars replicated
         weights, buffers = split_buffers(self.dparams) if with_draft else (None, None)
