@@ -14,6 +14,7 @@ one (`init_eagle3`). The policy's float32 master copy is sharded over the mesh
   update / update_draft  `jaxspec.rl.step.update_fn` over the same minibatches, without and with
       the online EAGLE-3 loss.
   checkpoint  `jaxspec.run.Checkpointer` (orbax) of params + optimizer state to a temporary folder.
+The log-prob and update times include packing each minibatch on the host, as the training loop does.
 
 Each phase runs once untimed first (compilation), then is timed over the whole batch. Memory is
 `peak_bytes_in_use` of every local device after the phase: the peak since the process started
