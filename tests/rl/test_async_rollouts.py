@@ -1,12 +1,16 @@
 """rollout.mode async: rollouts on the last mesh.rollout_devices devices, one step off-policy, with
 a device-to-device weight sync after each update (`jaxspec.rl.async_rollouts`)."""
 
+import os
+import signal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.config_io import load_config
+from jaxspec.rl.api import train
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
@@ -99,16 +103,25 @@ def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):
     assert [{k: v for k, v in r.items() if k not in ASYNC_KEYS} for r in stale0] == colocated
 
 
-def test_resume_continues_the_async_run(tiny_policy, tmp_path):
-    """Checkpointed after step 2 with step 3's batch in flight (generated with the weights of step
-    1): the resumed run regenerates it from the checkpointed rollout copy and logs what the
-    uninterrupted run logs."""
+def test_sigterm_and_resume_continue_the_async_run(tiny_policy, tmp_path):
+    """A SIGTERM during step 2 checkpoints at its end, with step 3's batch in flight (generated with
+    the weights after step 1, not the checkpointed ones): the resumed run regenerates it from the
+    checkpointed rollout copy and logs what the uninterrupted run logs."""
     config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=3, eval_every=0, checkpoint_every=3)
     assert _train("--config", config, "--run-dir", tmp_path / "full", *ASYNC) == 0
-    assert _train("--config", config, "--run-dir", tmp_path / "split", *ASYNC, "train.steps=2") == 0
-    assert _train("--config", config, "--run-dir", tmp_path / "split", *ASYNC, "--resume") == 0
+    overrides = {"rollout.mode": "async", "mesh.rollout_devices": 1}
+
+    def terminate_after_step_2(record):
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    assert [r["step"] for r in train(config, tmp_path / "split", overrides=overrides,
+                                     on_step=terminate_after_step_2)] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["2"]
+    assert not (tmp_path / "split" / "policy").exists()
+    train(config, tmp_path / "split", overrides=overrides, resume=True)
     full = _without_timings(_metrics(tmp_path / "full"))
-    assert [r["staleness"] for r in full] == [0, 1, 1]
+    assert [(r["staleness"], r["rollout_version"]) for r in full] == [(0, 0), (1, 0), (1, 1)]
     assert _without_timings(_metrics(tmp_path / "split")) == full
 
 
