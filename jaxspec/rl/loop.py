@@ -11,7 +11,8 @@ Run directory layout:
     xla_cache/           the persistent compilation cache (train.compilation_cache: true)
 
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
-float32 and a cast of the policy and the draft with rollout.dtype bfloat16. All randomness of
+float32 and a cast of the policy and the draft with rollout.dtype bfloat16 (rollout.mode async
+generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`). All randomness of
 step s comes from fold_in(key, s), and prompts from the saved data position, so a resumed run
 repeats an uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) or Ctrl-C makes the loop
 checkpoint at the next step boundary and return (`jaxspec.run.StopSignals`); --resume restores the
