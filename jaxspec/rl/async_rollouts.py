@@ -101,7 +101,9 @@ class AsyncRollouts:
         """The run's current weights, cast to rollout.dtype, copied onto the rollout mesh."""
         policy, draft = self.run.rollout_weights()
         policy = jax.device_put(policy, param_shardings(self.sharding, policy))
-        if draft is not None:
+        if self.weights is not None and self.run.online is None:
+            draft = self.weights.draft  # a frozen draft is copied once
+        elif draft is not None:
             draft = jax.device_put(draft, self.sharding.replicated())
         return RolloutWeights(*block((policy, draft)), version)
 
@@ -130,9 +132,10 @@ class AsyncRollouts:
 
     def sync(self) -> int:
         """Copies the update's weights onto the rollout mesh (once the run's step counter advanced);
-        returns the bytes copied."""
+        returns the bytes copied (the policy's, and the draft's when it trains online)."""
         self.weights = self.copy(self.run.step)
-        return sum(x.nbytes for x in jax.tree.leaves((self.weights.policy, self.weights.draft)))
+        return sum(x.nbytes for x in jax.tree.leaves((self.weights.policy,
+                                                      self.weights.draft if self.run.online else None)))
 
     def _submit(self, weights: RolloutWeights) -> None:
         run, step = self.run, self.next_step

@@ -376,6 +376,9 @@ def validate(cfg: GRPOConfig, source: str) -> None:
          f"a rollout mesh is for rollout.mode async; rollout.mode is {r.mode!r}")
     need(r.mode == "colocated" or cfg.mesh.rollout_devices > 0, "mesh.rollout_devices",
          "rollout.mode async generates on the last mesh.rollout_devices devices; set it to >= 1")
+    need(cfg.mesh.rollout_devices == 0 or rows % cfg.mesh.rollout_devices == 0, "mesh.rollout_devices",
+         f"{cfg.mesh.rollout_devices} devices do not split the {rows} rollouts per step "
+         f"(rollout.prompts_per_step * rollout.samples_per_prompt)")
     positive(r, "max_staleness", "rollout", allow_zero=True)
     # Resuming restores the weights of the one batch in flight; 2+ would need one copy per batch.
     need(r.max_staleness <= 1, "rollout.max_staleness", f"must be 0 or 1, got {r.max_staleness}")

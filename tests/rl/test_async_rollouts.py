@@ -94,6 +94,15 @@ def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path):
     run.rollouts.close()
 
 
+def test_a_frozen_draft_is_copied_once(tiny_policy, tmp_path):
+    run = _run(tiny_policy, tmp_path, *ASYNC, "draft.online=false")
+    draft = run.rollouts.weights.draft
+    run.step += 1
+    assert run.rollouts.sync() == sum(x.nbytes for x in jax.tree.leaves(run.state["params"]))
+    assert run.rollouts.weights.draft is draft and run.rollouts.weights.version == 1
+    run.rollouts.close()
+
+
 def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):
     config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=2)
     assert _train("--config", config, "--run-dir", tmp_path / "colocated") == 0
@@ -129,6 +138,8 @@ def test_sigterm_and_resume_continue_the_async_run(tiny_policy, tmp_path):
     (["rollout.mode=async"], "mesh.rollout_devices: rollout.mode async generates on the last"),
     (["mesh.rollout_devices=2"], "mesh.rollout_devices: a rollout mesh is for rollout.mode async"),
     ([*ASYNC, "rollout.max_staleness=2"], "rollout.max_staleness: must be 0 or 1, got 2"),
+    (["rollout.mode=async", "mesh.rollout_devices=3"],
+     "mesh.rollout_devices: 3 devices do not split the 32 rollouts per step"),
     ([*ASYNC, "loss.filter_groups_max_rounds=2"], "loss.filter_groups_max_rounds: rollout.mode async"),
     (["rollout.mode=async", "mesh.rollout_devices=2", "mesh.data=4", "mesh.fsdp=2"],
      "mesh.rollout_devices: 2 rollout devices after the trainer mesh data=4 x fsdp=2 x tensor=1 (8 devices) "
@@ -138,3 +149,10 @@ def test_bad_async_config_names_the_key(tiny_policy, tmp_path, capsys, override,
     config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
     assert _train("--config", config, "--run-dir", tmp_path / "run", *override) != 0
     assert message in capsys.readouterr().err
+
+
+def test_async_mode_refuses_several_processes(tiny_policy, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
+    assert _train("--config", config, "--run-dir", tmp_path / "run", *ASYNC) != 0
+    assert "rollout.mode: async runs in one process" in capsys.readouterr().err
