@@ -94,6 +94,7 @@ class AsyncRollouts:
         self.max_staleness = run.cfg.rollout.max_staleness
         self.in_flight: collections.deque[_Batch] = collections.deque()
         self.weights: RolloutWeights | None = None
+        self.next_weights: RolloutWeights | None = None  # what the batch after the queued ones will use
         self.next_step = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
 
@@ -115,8 +116,10 @@ class AsyncRollouts:
 
     def checkpoint_entries(self) -> dict:
         """The state entries that let a resumed run regenerate the batch in flight: the weights
-        copy it was generated with (the current copy when none is in flight) and its version."""
-        weights = self.in_flight[0].weights if self.in_flight else self.weights
+        copy it was generated with, or (none in flight: the run's last step) the copy the next
+        batch would have been generated with, so that a run extended by --resume with more
+        train.steps continues as if it had been longer from the start."""
+        weights = self.in_flight[0].weights if self.in_flight else self.next_weights or self.weights
         return {"rollout": {"policy": weights.policy, **({"draft": weights.draft} if weights.draft else {})},
                 "rollout_version": jnp.int32(weights.version)}
 
@@ -158,8 +161,11 @@ class AsyncRollouts:
         plus "async": {staleness, rollout_version}), once the batches up to max_staleness steps
         ahead are queued. timer gets the batch's generation and reward seconds (measured in the
         worker, overlapped with the trainer) and rollout_wait (the trainer waiting for it)."""
-        while self.next_step <= self.run.step + 1 + self.max_staleness:
+        # No batch past train.steps: the run would wait for it at the end.
+        last = min(self.run.step + 1 + self.max_staleness, self.run.cfg.train.steps)
+        while self.next_step <= last:
             self._submit(self.weights)
+        self.next_weights = self.weights if self.max_staleness else None
         batch = self.in_flight.popleft()
         assert batch.step == self.run.step + 1, (batch.step, self.run.step)
         with timer.stage("rollout_wait"):

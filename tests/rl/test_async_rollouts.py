@@ -62,6 +62,10 @@ def test_one_step_off_policy_rollouts_use_the_previous_weights(tiny_policy, tmp_
         versions.append(jax.tree.map(np.asarray, run.state["params"]))
         copy = run.rollouts.weights
         assert copy.version == run.step
+        # the next step's batch was queued before this step's update, with the weights before it
+        # (none past train.steps)
+        queued = [(b.step, b.weights.version) for b in run.rollouts.in_flight]
+        assert queued == ([(run.step + 1, run.step - 1)] if run.step < 3 else []), queued
         for got, want in zip(jax.tree.leaves((copy.policy, copy.draft)),
                              jax.tree.leaves((run.state["params"], run.state["draft_params"]))):
             assert got.devices() == set(jax.devices()[-2:]) and not got.devices() & trainer_devices
@@ -112,25 +116,26 @@ def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):
     assert [{k: v for k, v in r.items() if k not in ASYNC_KEYS} for r in stale0] == colocated
 
 
-def test_sigterm_and_resume_continue_the_async_run(tiny_policy, tmp_path):
-    """A SIGTERM during step 2 checkpoints at its end, with step 3's batch in flight (generated with
-    the weights after step 1, not the checkpointed ones): the resumed run regenerates it from the
-    checkpointed rollout copy and logs what the uninterrupted run logs."""
-    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=3, eval_every=0, checkpoint_every=3)
-    assert _train("--config", config, "--run-dir", tmp_path / "full", *ASYNC) == 0
+def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path):
+    """A run of 2 steps extended to 4 by --resume, then a SIGTERM during step 3 that checkpoints at
+    its end with step 4's batch in flight (generated with the weights after step 2, not the
+    checkpointed ones): each resumed run regenerates the batch from the checkpointed rollout copy,
+    and the records are those of the uninterrupted run."""
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=4, eval_every=0, checkpoint_every=4)
     overrides = {"rollout.mode": "async", "mesh.rollout_devices": 1}
+    train(config, tmp_path / "full", overrides=overrides)
+    full = _without_timings(_metrics(tmp_path / "full"))
+    assert [(r["staleness"], r["rollout_version"]) for r in full] == [(0, 0), (1, 0), (1, 1), (1, 2)]
 
-    def terminate_after_step_2(record):
-        if record["step"] == 2:
+    def terminate_after_step_3(record):
+        if record["step"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    assert [r["step"] for r in train(config, tmp_path / "split", overrides=overrides,
-                                     on_step=terminate_after_step_2)] == [1, 2]
-    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["2"]
-    assert not (tmp_path / "split" / "policy").exists()
+    assert len(train(config, tmp_path / "split", overrides={**overrides, "train.steps": 2})) == 2
+    assert [r["step"] for r in train(config, tmp_path / "split", overrides=overrides, resume=True,
+                                     on_step=terminate_after_step_3)] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["2", "3"]
     train(config, tmp_path / "split", overrides=overrides, resume=True)
-    full = _without_timings(_metrics(tmp_path / "full"))
-    assert [(r["staleness"], r["rollout_version"]) for r in full] == [(0, 0), (1, 0), (1, 1)]
     assert _without_timings(_metrics(tmp_path / "split")) == full
 
 
