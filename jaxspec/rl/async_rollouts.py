@@ -120,7 +120,7 @@ class AsyncRollouts:
         batch would have been generated with, so that a run extended by --resume with more
         train.steps continues as if it had been longer from the start."""
         weights = self.in_flight[0].weights if self.in_flight else self.next_weights or self.weights
-        return {"rollout": {"policy": weights.policy, **({"draft": weights.draft} if weights.draft else {})},
+        return {"rollout": {"policy": weights.policy, **({} if weights.draft is None else {"draft": weights.draft})},
                 "rollout_version": jnp.int32(weights.version)}
 
     def start(self, state: dict, resumed: bool) -> None:
@@ -132,6 +132,7 @@ class AsyncRollouts:
         if resumed and step > 0 and self.max_staleness > 0:
             saved = state["rollout"]
             self._submit(RolloutWeights(saved["policy"], saved.get("draft"), int(state["rollout_version"])))
+        state.update(self.checkpoint_entries())  # no longer holds the template's or a restored copy
 
     def sync(self) -> int:
         """Copies the update's weights onto the rollout mesh (once the run's step counter advanced);
@@ -168,6 +169,7 @@ class AsyncRollouts:
         self.next_weights = self.weights if self.max_staleness else None
         batch = self.in_flight.popleft()
         assert batch.step == self.run.step + 1, (batch.step, self.run.step)
+        self.run.state.update(self.checkpoint_entries())  # keeps no copy alive that no batch needs
         with timer.stage("rollout_wait"):
             out, seconds = batch.result.result()
         for name, value in seconds.items():

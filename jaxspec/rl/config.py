@@ -69,7 +69,10 @@ class RolloutConfig:
     max_staleness (async): how many updates older than the trained policy the rollouts of a step
         may be: 1 = one-step off-policy (step t trains on rollouts of the weights before step t-1's
         update while step t+1's are generated), 0 = each step's rollouts wait for the previous
-        step's sync (the colocated run's numbers, on the rollout mesh).
+        step's sync (the colocated run's numbers, on the rollout mesh). The loss's old log-probs
+        are the rollout's (the behaviour policy's); with loss.recompute_logprobs the trainer's of
+        the weights it starts the step from replace them, logprob_mismatch_* then measures the
+        staleness and loss.tis_cap weighs it.
     """
 
     prompts_per_step: int = 8

@@ -98,9 +98,9 @@ class GRPORun:
         # Committed to the devices like restored checkpoints are, so a resumed run in the same process
         # hits the compilation caches of a fresh one.
         self.state = self.placement.state(state)
-        self.rollouts = AsyncRollouts(self) if r_cfg.mode == "async" else None  # the rollout mesh
-        if self.rollouts is not None:
-            self.state.update(self.rollouts.template())
+        self.async_rollouts = AsyncRollouts(self) if r_cfg.mode == "async" else None  # the rollout mesh
+        if self.async_rollouts is not None:
+            self.state.update(self.async_rollouts.template())
         self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
         restored = self.checkpointer.resume(self.state) if resume else None
         if restored is not None:
@@ -133,8 +133,8 @@ class GRPORun:
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
         self.precompiling = (precompile(trainer_programs(self), t_cfg.precompile_threads)
                              if precompile_enabled(t_cfg.precompile) else None)
-        if self.rollouts is not None:
-            self.rollouts.start(self.state, resumed=restored is not None)
+        if self.async_rollouts is not None:
+            self.async_rollouts.start(self.state, resumed=restored is not None)
 
     def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
         cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings
@@ -177,8 +177,8 @@ class GRPORun:
     def save(self) -> None:
         self.state.update(self.placement.state({"step": np.int32(self.step), "position": np.int32(self.position),
                                                 "updates": np.int32(self.updates)}))
-        if self.rollouts is not None:
-            self.state.update(self.rollouts.checkpoint_entries())
+        if self.async_rollouts is not None:
+            self.state.update(self.async_rollouts.checkpoint_entries())
         self.checkpointer.save(self.state)
 
     def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer, sharding) -> dict:
@@ -246,7 +246,10 @@ class GRPORun:
         Returns the step's metrics record."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         start, timer = time.perf_counter(), StageTimer()
-        out, consumed, rounds = self._generate(timer) if self.rollouts is None else self.rollouts.next_batch(timer)
+        if self.async_rollouts is None:
+            out, consumed, rounds = self._generate(timer)
+        else:
+            out, consumed, rounds = self.async_rollouts.next_batch(timer)
         tokens, lengths, rewards = out["tokens"], out["lengths"], out["rewards"]
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
         batch = training_rows(out["prompts"], tokens, lengths, self.tok.pad_id, self.width)
@@ -273,9 +276,9 @@ class GRPORun:
             self.precompiling = None
         self.step += 1
         self.position += consumed
-        if self.rollouts is not None:
+        if self.async_rollouts is not None:
             with timer.stage("sync"):
-                record["sync_bytes"] = self.rollouts.sync()
+                record["sync_bytes"] = self.async_rollouts.sync()
         record.update(rollout_step_metrics(out["scores"], informative, lengths, truncated, out["stats"], group))
         if cfg.loss.overlong_buffer:
             record["shaped_reward_mean"] = float(rewards.mean())
@@ -416,8 +419,8 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
                 say(f"{stop.name or 'SIGTERM'}: checkpointed step {run.step} in {run_dir / 'checkpoints'}; "
                     f"continue with --resume")
     finally:
-        if run.rollouts is not None:
-            run.rollouts.close()
+        if run.async_rollouts is not None:
+            run.async_rollouts.close()
         log.close()
         run.checkpointer.close()
     if not preempted:
