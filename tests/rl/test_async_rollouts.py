@@ -82,8 +82,12 @@ def test_one_step_off_policy_rollouts_use_the_previous_weights(tiny_policy, tmp_
     assert all(abs(r["ratio_mean"] - 1) > 1e-4 for r in records[1:]), [r["ratio_mean"] for r in records]
 
 
-def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path):
-    run = _run(tiny_policy, tmp_path, *ASYNC, "rollout.dtype=bfloat16")
+@pytest.mark.parametrize("mesh", [["mesh.rollout_devices=1"],
+                                  ["mesh.fsdp=2", "mesh.tensor=2", "mesh.rollout_devices=2"]])
+def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path, mesh):
+    """From one trainer device or a sharded trainer mesh to the replicated rollout copy."""
+    run = _run(tiny_policy, tmp_path, "rollout.mode=async", *mesh, "rollout.dtype=bfloat16")
+    rollout_devices = set(jax.devices()[-run.cfg.mesh.rollout_devices:])
     run.state["params"] = jax.tree.map(lambda x: x * 1.5, run.state["params"])  # an "update"
     run.step += 1
     assert run.async_rollouts.sync() == sum(x.size * 2 for x in jax.tree.leaves(run.state["params"])) + sum(
@@ -93,7 +97,7 @@ def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path):
     for got, want in zip(jax.tree.leaves((copy.policy, copy.draft)),
                          jax.tree.leaves((run.state["params"], run.state["draft_params"]))):
         expected = jnp.bfloat16 if jnp.issubdtype(want.dtype, jnp.floating) else want.dtype
-        assert got.dtype == expected and got.devices() == {jax.devices()[-1]}
+        assert got.dtype == expected and got.devices() == rollout_devices and got.sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(expected)))
     run.async_rollouts.close()
 
