@@ -23,16 +23,26 @@ from jaxspec.models.sharding import Sharding, make_mesh
 class MeshConfig:
     """The device mesh (data, fsdp, tensor) that the policy, its optimizer state and the rollouts
     are sharded over, built from the first data * fsdp * tensor devices. All 1: one device. A
-    resumed run may use another mesh (checkpoints are restored onto it)."""
+    resumed run may use another mesh (checkpoints are restored onto it).
+
+    rollout_devices: GRPO with rollout.mode async only: the last N devices form a separate rollout
+    mesh (its own copy of the policy, see `jaxspec.rl.async_rollouts`); the trainer mesh is built
+    from the devices before them. 0 = no rollout mesh.
+    """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    rollout_devices: int = 0
 
 
 def check_devices(cfg: MeshConfig) -> None:
     """ValueError naming the mesh when this process sees fewer devices than it needs."""
     devices = cfg.data * cfg.fsdp * cfg.tensor
+    if cfg.rollout_devices and devices + cfg.rollout_devices > jax.device_count():
+        raise ValueError(f"mesh.rollout_devices: {cfg.rollout_devices} rollout devices after the trainer mesh "
+                         f"data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor} ({devices} devices) need "
+                         f"{devices + cfg.rollout_devices} devices, this process sees {jax.device_count()}")
     if devices > jax.device_count():
         raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor} needs {devices} devices, "
                          f"this process sees {jax.device_count()}")
