@@ -73,6 +73,12 @@ class RolloutConfig:
         are the rollout's (the behaviour policy's); with loss.recompute_logprobs the trainer's of
         the weights it starts the step from replace them, logprob_mismatch_* then measures the
         staleness and loss.tis_cap weighs it.
+    sub_batch: rollouts generated per `generate` call (null = the whole step's in one call). The
+        KV cache is sized for one call, so this bounds the rollout's memory (e.g. 64 rows of a
+        256-rollout step on 80 GB cards, `configs/grpo_qwen3_8b.yaml`); a multiple of
+        samples_per_prompt (groups stay in one call) that divides the step's rollouts. Each call
+        samples with its own key (fold_in of the step's key); the acceptance statistics combine
+        the calls' counts exactly.
     """
 
     prompts_per_step: int = 8
@@ -84,6 +90,7 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     mode: Literal["colocated", "async"] = "colocated"
     max_staleness: int = 1
+    sub_batch: int | None = None
 
 
 AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")
@@ -318,6 +325,11 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
          f"must be >= 2 (advantages are normalised within each group), got {r.samples_per_prompt}")
     positive(r, "max_new_tokens", "rollout")
+    if r.sub_batch is not None:
+        rollouts = r.prompts_per_step * r.samples_per_prompt
+        need(r.sub_batch > 0 and r.sub_batch % r.samples_per_prompt == 0 and rollouts % r.sub_batch == 0,
+             "rollout.sub_batch", f"must be a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}) "
+             f"that divides the step's {rollouts} rollouts, got {r.sub_batch}")
     need(r.temperature > 0, "rollout.temperature",
          f"must be > 0 (the policy gradient needs a sampling distribution), got {r.temperature}")
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")

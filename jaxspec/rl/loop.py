@@ -51,6 +51,7 @@ from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout.speculative.stats import merge_stats
 
 @functools.partial(jax.jit, static_argnames="dtype")
 def _cast_floats(tree, dtype):
@@ -191,17 +192,28 @@ class GRPORun:
         prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
         records = [self.train_set.records[i] for i in ids for _ in range(group)]
         with timer.stage("generation"):
-            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
-                                 sharding=sharding, prompt_width=self.longest_prompt))
-        tokens, lengths = to_host(out.tokens), to_host(out.lengths)
+            tokens, lengths, logprobs, stats = self._generate_rows(prompts, policy, spec, key, sharding)
         with timer.stage("reward"):
             texts = decode_responses(self.tok, tokens, lengths)
             scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
         rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
                                             cfg.loss.overlong_penalty)
         return {"prompts": prompts, "records": records, "tokens": tokens, "lengths": lengths,
-                "logprobs": to_host(out.logprobs).astype(np.float32), "scores": scores, "rewards": rewards,
-                "stats": out.stats}
+                "logprobs": logprobs, "scores": scores, "rewards": rewards, "stats": stats}
+
+    def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
+        """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], stats) on the host for the
+        prompts, rollout.sub_batch rows per `generate` call (all at once when null)."""
+        size = self.cfg.rollout.sub_batch or len(prompts)
+        parts = []
+        for i, start in enumerate(range(0, len(prompts), size)):
+            sub_key = key if size == len(prompts) else jax.random.fold_in(key, i)
+            out = block(generate(self.mcfg, policy, prompts[start:start + size], sub_key, sampling=self.sampling,
+                                 spec=spec, sharding=sharding, prompt_width=self.longest_prompt))
+            parts.append((to_host(out.tokens), to_host(out.lengths), to_host(out.logprobs).astype(np.float32),
+                          out.stats))
+        tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
+        return tokens, lengths, logprobs, merge_stats([p[3] for p in parts])
 
     def _generate(self, timer: StageTimer) -> tuple[dict, int, int]:
         """This step's rollouts (see `_rollouts`) for prompts_per_step prompts; with

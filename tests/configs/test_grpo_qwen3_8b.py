@@ -22,7 +22,7 @@ def test_the_8b_config_is_valid():
     validate(cfg, str(CONFIG))
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 2, 1)
     assert cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt == 256
-    assert cfg.rollout.max_new_tokens == 1024 and cfg.rollout.dtype == "bfloat16"
+    assert cfg.rollout.max_new_tokens == 1024 and cfg.rollout.dtype == "bfloat16" and cfg.rollout.sub_batch == 64
     assert cfg.optim.state_dtype == "bfloat16" and cfg.train.remat and cfg.train.compute_dtype == "bfloat16"
     assert cfg.spec.method == "eagle3" and cfg.spec.draft == "random"
 
