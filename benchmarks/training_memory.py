@@ -70,9 +70,9 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
 
 
 def draft_step(cfg: ModelConfig, batch: int, width: int) -> None:
-    """`jaxspec.draft.train.train_step` on rows [batch, width] (bf16 policy, 7 TTT steps)."""
-    from jaxspec.draft.train import train_step
-    from jaxspec.draft.train_config import HeadLossConfig, HeadOptimConfig
+    """`jaxspec.draft_training.train.train_step` on rows [batch, width] (bf16 policy, 7 TTT steps)."""
+    from jaxspec.draft_training.train import train_step
+    from jaxspec.draft_training.config import HeadLossConfig, HeadOptimConfig
     from jaxspec.optim import make_optimizer
 
     dcfg = DraftConfig.for_policy(cfg, DRAFT_VOCAB)

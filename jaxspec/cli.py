@@ -8,7 +8,7 @@ import sys
 COMMANDS = {
     "pretrain": ("jaxspec.pretrain", "train a small policy from scratch on the math task; export an HF folder"),
     "generate": ("jaxspec.generate_cli", "sample rollouts from a policy and score them with a reward"),
-    "draft": ("jaxspec.draft.cli", "draft heads: `jaxspec draft train` trains an EAGLE-3 head on policy rollouts"),
+    "draft": ("jaxspec.draft_training.cli", "draft heads: `jaxspec draft train` trains an EAGLE-3 head on policy rollouts"),
     "train": ("jaxspec.rl", "GRPO post-training with (speculative) rollouts, checkpoints and exact resume"),
 }
 BENCHMARKS = {

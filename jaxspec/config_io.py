@@ -22,7 +22,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import yaml
 
@@ -261,3 +261,14 @@ def run_parser(prog: str, description: str, example_config: str, run_dir_holds: 
                              "moved aside); without a checkpoint, say so and start a new run")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
     return parser
+
+
+def requirement(source: str) -> Callable[[bool, str, str], None]:
+    """need(ok, key, msg) for a config's range checks: ValueError "<source>: <key>: <msg>" unless
+    ok (every command's `validate` names the file or override and the dotted key)."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"{source}: {key}: {msg}")
+
+    return need

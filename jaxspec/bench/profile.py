@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 PHASES = ("propose", "verify_forward", "verify", "commit", "draft_update", "forward", "sample", "stage_move")
 PARTS = ("attention", "kv_write", "lm_head")
-LOOP_MODULES = {"jit__decode": "ar", "jit_speculative_decode": "spec", "jit__prefill": "prefill"}
+LOOP_MODULES = {"jit__decode": "ar", "jit_speculative_decode": "spec", "jit_prefill_prompts": "prefill"}
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
@@ -158,7 +158,7 @@ def by_stage(kernels: list[Kernel], stage_rows: list[int], stage_steps: list[int
             for i, (rows, steps) in enumerate(zip(stage_rows, stage_steps))]
 
 
-def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|_prefill).*", command: str = "bench profile") -> None:
+def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|prefill).*", command: str = "bench profile") -> None:
     """Makes XLA dump the optimized HLO of the programs matching `module_re` to `dump_dir` (for
     `op_scopes`) and turns its command buffers off; raises if this process has already used JAX."""
     from jax._src import xla_bridge

@@ -125,3 +125,8 @@ def param_shardings(sharding: Sharding, params_shapes) -> object:
 def shard_params(sharding: Sharding, params):
     """Places an existing params pytree onto the mesh."""
     return jax.device_put(params, param_shardings(sharding, params))
+
+
+def constrain(sharding: Sharding | None, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """x constrained to the logical `axes` on the mesh; x itself without a mesh (one device)."""
+    return x if sharding is None else sharding.constrain(x, axes)

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
@@ -101,9 +102,7 @@ class PretrainConfig:
 def validate(cfg: PretrainConfig, source: str) -> None:
     """Range checks that the type-checked loader cannot express (ValueError naming the key)."""
 
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ValueError(f"{source}: {key}: {msg}")
+    need = requirement(source)
 
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
     need(d.num_train > 0, "data.num_train", f"must be > 0, got {d.num_train}")

@@ -31,6 +31,7 @@ from jaxspec.optim import make_optimizer
 from jaxspec.pretrain.train import make_train_step
 from jaxspec.placement import Placement
 from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
+from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
@@ -46,18 +47,9 @@ def model_config(shape: ModelShape, tok: ChatTokenizer) -> ModelConfig:
 
 
 def check_run_dir(cfg: PretrainConfig, run_dir: Path, resume: bool) -> None:
-    """Refuses to overwrite a run without --resume, or to resume with other data/model settings."""
-    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-    if has_checkpoints and not resume:
-        raise ValueError(f"{run_dir} already holds checkpoints; pass --resume or choose a new --run-dir")
-    saved_file = run_dir / "config.yaml"
-    if resume and saved_file.exists():
-        saved = yaml.safe_load(saved_file.read_text())
-        current = to_dict(cfg)
-        for section in ("data", "model"):
-            if saved.get(section) != current[section]:
-                raise ValueError(f"--resume: the {section} section differs from the run's {saved_file}; "
-                                 f"resume with the same {section} settings")
+    """`jaxspec.run.check_run_dir`: a resumed run keeps its data and model sections."""
+    run_dir_guard(run_dir, resume, to_dict(cfg), lambda key: key.split(".")[0] in ("data", "model"),
+                  "resume with the same data and model settings")
 
 
 def _log(file, record: dict) -> None:

@@ -19,39 +19,17 @@ import yaml
 
 from jaxspec.config_io import to_dict
 from jaxspec.run import Checkpointer
+from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.rl.config import RESUMABLE_KEYS, GRPOConfig
 
 __all__ = ["Checkpointer", "check_run_dir", "save_config"]
 
 
-def _flatten(tree, prefix: str = "") -> dict:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}."))
-    return out
-
-
 def check_run_dir(cfg: GRPOConfig, run_dir: Path, resume: bool) -> None:
-    """Refuses to overwrite a run without --resume, or to resume with settings that change training.
-
-    Only RESUMABLE_KEYS (loop length, checkpoint cadence, logging) may differ from the run's
-    saved config.yaml.
-    """
-    checkpoints = run_dir / "checkpoints"
-    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
-        raise ValueError(f"{run_dir} already holds checkpoints; pass --resume or choose a new --run-dir")
-    saved_file = run_dir / "config.yaml"
-    if resume and saved_file.exists():
-        saved = _flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
-        current = _flatten(to_dict(cfg))
-        changed = sorted(k for k in set(saved) | set(current)
-                         if k not in RESUMABLE_KEYS and saved.get(k) != current.get(k))
-        if changed:
-            key = changed[0]
-            raise ValueError(f"--resume: {key} is {current.get(key)!r} but the run in {run_dir} used "
-                             f"{saved.get(key)!r}; only {sorted(RESUMABLE_KEYS)} may change on resume")
+    """`jaxspec.run.check_run_dir`: only RESUMABLE_KEYS (loop length, checkpoint cadence, logging)
+    may differ from the run's saved config.yaml."""
+    run_dir_guard(run_dir, resume, to_dict(cfg), lambda key: key not in RESUMABLE_KEYS,
+                  f"only {sorted(RESUMABLE_KEYS)} may change on resume")
 
 
 def save_config(cfg: GRPOConfig, run_dir: Path) -> None:

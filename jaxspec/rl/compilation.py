@@ -18,18 +18,16 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as cache
 
 from jaxspec.rl.batch import packed_row_counts
+from jaxspec.rl.config import GRPOConfig
 from jaxspec.placement import Placement
 from jaxspec.rl.step import minibatch_fields
-
-if TYPE_CHECKING:
-    from jaxspec.rl.loop import GRPORun
 
 Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
 SCORE_FIELDS = ("tokens", "segment_ids", "resp_index", "resp_tokens")
@@ -58,34 +56,38 @@ def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_ne
             for name in fields}
 
 
-def trainer_programs(run: GRPORun) -> list[Program]:
-    """Every call of the run's packed-row programs, one per R: the log-prob scoring of the whole
-    batch (when the run scores) and the minibatch update, each in ascending R."""
-    cfg, state = run.cfg, abstract(run.state)
+def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: int, shortest: int, *,
+                     score: Callable, ref_score: Callable, update: Callable, policy_update: Callable | None,
+                     online: bool) -> list[Program]:
+    """Every call of a run's packed-row programs, one per row count R: the log-prob scoring of the
+    whole batch (with loss.recompute_logprobs), the reference scoring (with loss.kl_beta > 0) and
+    the minibatch updates (`update` with the online head when `online`, `policy_update` without
+    it), each in ascending R. state: the run's training state (arrays or their abstract values);
+    width: the packed row width; shortest: the fewest tokens of a prompt plus one response token."""
+    state = abstract(state)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    shortest = min(map(len, run.train_set.token_ids)) + 1  # every rollout emits at least one token
 
     def calls(seqs: int, fields: Sequence[str]) -> Iterator[dict]:
-        for rows in packed_row_counts(seqs, run.width, shortest, run.placement.row_shards):
-            yield packed_inputs(run.placement, rows, seqs, run.width, cfg.rollout.max_new_tokens, fields)
+        for rows in packed_row_counts(seqs, width, shortest, placement.row_shards):
+            yield packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, fields)
 
     programs = []
     if cfg.loss.recompute_logprobs:
-        programs += [(run.score, (state["params"], *(rows[k] for k in SCORE_FIELDS)))
+        programs += [(score, (state["params"], *(rows[k] for k in SCORE_FIELDS)))
                      for rows in calls(batch, SCORE_FIELDS)]
     if cfg.loss.kl_beta > 0:
-        programs += [(run.ref_score, (state["ref_params"], *(rows[k] for k in SCORE_FIELDS)))
+        programs += [(ref_score, (state["ref_params"], *(rows[k] for k in SCORE_FIELDS)))
                      for rows in calls(batch, SCORE_FIELDS)]
     fields = [*SCORE_FIELDS, *minibatch_fields(cfg.loss)]
     seqs = batch // cfg.loss.minibatches
-    if run.online is not None:
+    if online:
         from jaxspec.draft import split_buffers
 
         draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
-        programs += [(run.update, (state["params"], state["opt_state"], *draft, rows))
+        programs += [(update, (state["params"], state["opt_state"], *draft, rows))
                      for rows in calls(seqs, fields + ["seq_resp_mask"])]
-    if run.policy_update is not None:
-        programs += [(run.policy_update, (state["params"], state["opt_state"], None, None, None, rows))
+    if policy_update is not None:
+        programs += [(policy_update, (state["params"], state["opt_state"], None, None, None, rows))
                      for rows in calls(seqs, fields)]
     return programs
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jaxspec.config_io import requirement
 from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
@@ -304,9 +305,7 @@ RESUMABLE_KEYS = frozenset({
 def validate(cfg: GRPOConfig, source: str) -> None:
     """Range checks the type-checked loader cannot express (ValueError naming the key)."""
 
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ValueError(f"{source}: {key}: {msg}")
+    need = requirement(source)
 
     def positive(section, name: str, prefix: str, allow_zero: bool = False) -> None:
         value = getattr(section, name)

@@ -132,8 +132,13 @@ class GRPORun:
         self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
-        self.precompiling = (precompile(trainer_programs(self), t_cfg.precompile_threads)
-                             if precompile_enabled(t_cfg.precompile) else None)
+        self.precompiling = None
+        if precompile_enabled(t_cfg.precompile):
+            shortest = min(map(len, self.train_set.token_ids)) + 1  # every rollout emits at least one token
+            programs = trainer_programs(
+                cfg, self.state, self.placement, self.width, shortest, score=self.score, ref_score=self.ref_score,
+                update=self.update, policy_update=self.policy_update, online=self.online is not None)
+            self.precompiling = precompile(programs, t_cfg.precompile_threads)
         if self.async_rollouts is not None:
             self.async_rollouts.start(self.state, resumed=restored is not None)
 

@@ -20,34 +20,15 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
-from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logits_from_hidden
-from jaxspec.rollout.memory import check_fits, prefill_chunks, rollout_memory_bytes
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
+from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
+from jaxspec.rollout.output import RolloutOutput
+from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
+from jaxspec.rollout.speculative.generate import speculative_generate
 from jaxspec.rollout.stages import batch_stages, run_in_stages
-
-
-class RolloutOutput(NamedTuple):
-    """Generated continuations of a batch of B prompts, N = max_new_tokens.
-
-    tokens: int32 [B, N]; after a row's first eos the pad id (cfg.pad_token_id, or 0).
-    lengths: int32 [B] tokens emitted per row, the eos included.
-    logprobs: float32 [B, N] log p of each emitted token under the processed distribution
-        (`processed_logprobs`); 0 past the row's length.
-    stats: "steps" (decode-loop iterations; the first token comes from the prefill logits),
-        "stage_rows" (the loop's batch sizes, `jaxspec.rollout.stages`) and "stage_steps" (the
-        iterations run at each of them),
-        "acceptance_length" (tokens per step per row: 1.0 without speculation),
-        "acceptance_rate_per_position" (float32 [k], empty without speculation),
-        "generated_tokens" (sum of lengths); speculative rollouts add "drafted_tokens" and
-        "accepted_tokens" (definitions in `jaxspec.rollout.speculative.stats.summarize`).
-    """
-
-    tokens: jax.Array
-    lengths: jax.Array
-    logprobs: jax.Array
-    stats: dict
 
 
 def generate(
@@ -89,8 +70,6 @@ def generate(
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
     if spec is not None:
-        from jaxspec.rollout.speculative.generate import speculative_generate  # it imports this module
-
         return speculative_generate(cfg, params, batch, key, sampling, spec, cache_dtype=cache_dtype,
                                     sharding=sharding)
 
@@ -98,13 +77,13 @@ def generate(
     stages = batch_stages(num_rows, sharding)
     needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct,
                                   stage_rows=sum(stages[1:]))
-    check_fits(needed // _cache_shards(cfg, sharding, num_rows, max_len), jax.local_devices()[0].memory_stats(),
+    check_fits(needed // cache_shards(cfg, sharding, num_rows, max_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=sampling.max_new_tokens)
 
     def put(x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
 
-    cache, logits, _ = _prefill(
+    cache, logits, _ = prefill_prompts(
         cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
         put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding)
     tokens, logprobs, lengths, stage_steps, _ = _decode(
@@ -120,71 +99,6 @@ def generate(
         "generated_tokens": int(to_host(lengths).sum()),
     }
     return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats)
-
-
-def _cache_shards(cfg: ModelConfig, sharding: Sharding | None, batch: int, max_len: int) -> int:
-    """Number of devices the batch KV cache is split over."""
-    if sharding is None:
-        return 1
-    spec = sharding.spec(KV_CACHE_AXES, (batch, max_len, cfg.num_kv_heads, cfg.head_dim))
-    shards = 1
-    for part in spec:
-        for axis in (part if isinstance(part, tuple) else (part,)):
-            if axis is not None:
-                shards *= sharding.mesh.shape[axis]
-    return shards
-
-
-def _constrain(sharding: Sharding | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return x if sharding is None else sharding.constrain(x, axes)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "cache_dtype", "sharding", "hidden_layers"))
-def _prefill(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-             row_prompt: jax.Array, *, max_len: int, cache_dtype, sharding: Sharding | None,
-             hidden_layers: tuple[int, ...] = ()) -> tuple[KVCache, jax.Array, jax.Array]:
-    """Runs the distinct prompts and lays their KV out per batch row.
-
-    prompt_tokens int32 [U, P] right-padded; prompt_lengths int32 [U]; row_prompt int32 [B].
-    Returns (cache with B rows of max_len slots, slots [0, P) filled; float32 next-token logits
-    [B, V] at each row's last prompt token; the outputs of `hidden_layers` over the distinct
-    prompts [len(hidden_layers), U, P, H]). Padding never influences real tokens (causal mask),
-    and slots past a row's prompt length are overwritten before they are ever attended to.
-    The prompts go through the model in chunks (`prefill_chunks`) one after another, so only one
-    chunk's activations are live at a time.
-    """
-    num_prompts, width = prompt_tokens.shape
-    chunk, num_chunks = prefill_chunks(num_prompts)
-    filler = chunk * num_chunks - num_prompts  # prompts of one token 0 that no row reads
-    tokens = jnp.pad(prompt_tokens, ((0, filler), (0, 0)))
-    lengths = jnp.pad(prompt_lengths, (0, filler), constant_values=1)
-    # Chunk j holds prompts j, j + num_chunks, j + 2 * num_chunks, ...: a batch-sharded [U] then
-    # splits into chunks spread over the same devices, with no data moved between them.
-    chunks = (jnp.moveaxis(tokens.reshape(chunk, num_chunks, width), 1, 0), lengths.reshape(chunk, num_chunks).T)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (chunk, width))
-
-    def run_chunk(inputs: tuple[jax.Array, jax.Array]) -> tuple[KVCache, jax.Array, jax.Array]:
-        chunk_tokens, chunk_lengths = inputs  # [C, P], [C]
-        cache = init_cache(cfg, chunk, width, cache_dtype)
-        # Only the last layer's output is used: the full [C, P, V] logits are dead code under jit.
-        _, hidden, cache = extend(cfg, params, cache, chunk_tokens, positions, jnp.zeros((chunk,), jnp.int32),
-                                  hidden_layers=(*hidden_layers, cfg.num_layers - 1), sharding=sharding)
-        last = jnp.take_along_axis(hidden[-1], (chunk_lengths - 1)[:, None, None], axis=1)  # [C, 1, H]
-        return cache, logits_from_hidden(cfg, params, last)[:, 0], hidden[:-1]
-
-    # cache leaves [num_chunks, C, P, Nk, D], logits [num_chunks, C, V], hidden [num_chunks, n, C, P, H]
-    cache, logits, hidden = jax.lax.map(run_chunk, chunks)
-    row_chunk, row_slot = row_prompt % num_chunks, row_prompt // num_chunks
-
-    def to_rows(buf: jax.Array) -> jax.Array:  # [num_chunks, C, P, Nk, D] -> [B, max_len, Nk, D]
-        rows = buf[row_chunk, row_slot]
-        rows = jnp.pad(rows, ((0, 0), (0, max_len - width), (0, 0), (0, 0)))
-        return _constrain(sharding, rows, KV_CACHE_AXES)
-
-    cache = KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v)))
-    hidden = jnp.moveaxis(hidden, 0, 2).reshape(len(hidden_layers), chunk * num_chunks, width, cfg.hidden_size)
-    return (cache, _constrain(sharding, logits[row_chunk, row_slot], ("batch", "vocab")),
-            hidden[:, :num_prompts])
 
 
 class _LoopState(NamedTuple):
@@ -238,7 +152,7 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
             step_logits, _, new_cache = extend(cfg, params, state.cache, state.last_token[:, None],
                                                state.cache_len[:, None], state.cache_len, active=~state.done,
                                                sharding=sharding)
-        new_cache = jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES), new_cache)
+        new_cache = jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), new_cache)
         key, step_key = jax.random.split(state.key)
         state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done, key=key)
         with jax.named_scope("sample"):
@@ -259,8 +173,8 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
     state = emit(state, logits, first_key)
     state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
         step, state, stages, ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done"),
-        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: _constrain(sharding, buf, KV_CACHE_AXES),
+        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES),
                                                         moved.cache)))
     batch_axes = ("batch", None)
-    return (_constrain(sharding, tokens, batch_axes), _constrain(sharding, logprobs, batch_axes), lengths,
+    return (constrain(sharding, tokens, batch_axes), constrain(sharding, logprobs, batch_axes), lengths,
             stage_steps, full_cache)

@@ -7,9 +7,9 @@ import pytest
 
 from jaxspec.draft.loss import _flash_ttt_attention
 from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention, ttt_forward
-from jaxspec.draft.train import eval_step, train_step
+from jaxspec.draft_training.train import eval_step, train_step
 from jaxspec.optim import make_optimizer
-from jaxspec.draft.train_config import HeadLossConfig, HeadOptimConfig
+from jaxspec.draft_training.config import HeadLossConfig, HeadOptimConfig
 from jaxspec.models import forward_hidden
 from jaxspec.models.attention import attention
 from jaxspec.rollout import Sampling, generate

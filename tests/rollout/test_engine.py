@@ -116,7 +116,7 @@ def test_no_recompilation_within_buckets(policy):
     key = jax.random.key(0)
 
     def sizes():
-        return engine._prefill._cache_size(), engine._decode._cache_size()
+        return engine.prefill_prompts._cache_size(), engine._decode._cache_size()
 
     generate(cfg, params, [[1, 2, 3], [4, 5], [6], [1, 2, 3]], key, GREEDY)  # 3 distinct -> bucket 4, length 16
     warm = sizes()
@@ -155,7 +155,7 @@ def test_chunked_prefill_matches_one_pass_over_all_prompts(policy):
     prompts = _distinct_prompts(PREFILL_CHUNK + 8, seed=4)  # two chunks, the second completed with filler
     tokens, lengths = padded(prompts, 16), jnp.asarray([len(p) for p in prompts], jnp.int32)
     row_prompt = jnp.asarray(np.random.default_rng(5).integers(0, len(prompts), 50), jnp.int32)
-    cache, logits, hidden = engine._prefill(cfg, params, tokens, lengths, row_prompt, max_len=24,
+    cache, logits, hidden = engine.prefill_prompts(cfg, params, tokens, lengths, row_prompt, max_len=24,
                                             cache_dtype=jnp.float32, sharding=None, hidden_layers=(1, 0))
 
     num = len(prompts)

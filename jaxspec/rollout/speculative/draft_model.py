@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, extend, logits_from_hidden
-from jaxspec.rollout.engine import _prefill
+from jaxspec.rollout.prefill import prefill_prompts
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens
 from jaxspec.rollout.speculative.tree import DraftTree, dynamic_tree
@@ -57,8 +57,9 @@ class DraftModelDrafter:
         return min(self.depth, self.num_nodes) + 1
 
     def init(self, dparams, prefill: Prefill) -> Pending:
-        cache, _, _ = _prefill(self.cfg, dparams, prefill.prompt_tokens, prefill.prompt_lengths, prefill.row_prompt,
-                            max_len=prefill.max_len, cache_dtype=prefill.cache_dtype, sharding=self.sharding)
+        cache, _, _ = prefill_prompts(self.cfg, dparams, prefill.prompt_tokens, prefill.prompt_lengths,
+                                      prefill.row_prompt, max_len=prefill.max_len, cache_dtype=prefill.cache_dtype,
+                                      sharding=self.sharding)
         batch = prefill.first_token.shape[0]
         return Pending(cache=cache, tokens=jnp.zeros((batch, self.chunk), jnp.int32).at[:, 0].set(prefill.first_token),
                        count=jnp.ones((batch,), jnp.int32))
@@ -93,6 +94,4 @@ class DraftModelDrafter:
                        count=jnp.where(active, verified.num_accepted + 1, state.count))
 
     def _constrain(self, cache: KVCache) -> KVCache:
-        if self.sharding is None:
-            return cache
-        return jax.tree.map(lambda buf: self.sharding.constrain(buf, KV_CACHE_AXES), cache)
+        return jax.tree.map(lambda buf: constrain(self.sharding, buf, KV_CACHE_AXES), cache)

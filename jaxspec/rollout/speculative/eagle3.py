@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, target_ids, to_target_ids
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens
@@ -130,7 +130,7 @@ class Eagle3Drafter:
                          count=jnp.where(active, verified.num_accepted + 1, state.count))
 
     def _constrain(self, buf: jax.Array) -> jax.Array:
-        return buf if self.sharding is None else self.sharding.constrain(buf, KV_CACHE_AXES)
+        return constrain(self.sharding, buf, KV_CACHE_AXES)
 
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         return jax.tree.map(self._constrain, cache)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, cache_bytes
-from jaxspec.rollout.engine import RolloutOutput, _cache_shards, _prefill
+from jaxspec.rollout.output import RolloutOutput
+from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
@@ -108,7 +109,7 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     longest = int(batch.row_lengths.max())
     needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct,
                                       sum(stages[1:]))
-    check_fits(needed // _cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
+    check_fits(needed // cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=max_new)
 
     def put(x, axes: tuple[str, ...]) -> jax.Array:
@@ -116,9 +117,9 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
 
     prompt_tokens, prompt_lengths = put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",))
     row_prompt, row_lengths = put(batch.row_prompt, ("batch",)), put(batch.row_lengths, ("batch",))
-    cache, logits, policy_hidden = _prefill(cfg, params, prompt_tokens, prompt_lengths, row_prompt, max_len=policy_len,
-                                            cache_dtype=cache_dtype, sharding=sharding,
-                                            hidden_layers=drafter.policy_layers)
+    cache, logits, policy_hidden = prefill_prompts(cfg, params, prompt_tokens, prompt_lengths, row_prompt,
+                                                   max_len=policy_len, cache_dtype=cache_dtype, sharding=sharding,
+                                                   hidden_layers=drafter.policy_layers)
     tokens, logprobs, lengths, counts, stage_steps, _ = speculative_decode(
         cfg, sampling, drafters, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
         row_prompt, row_lengths, key, max_depth=max_depth, draft_len=draft_len, cache_dtype=cache_dtype,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import kernels
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
@@ -99,9 +99,6 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
     deepest = max(drafters, key=lambda d: d.depth)
     chain = deepest.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
 
-    def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        return x if sharding is None else sharding.constrain(x, axes)
-
     def step(drafter: Drafter, state: _LoopState) -> _LoopState:
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
@@ -144,7 +141,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
                 cache = commit_path(cache, state.cache_len, path)
         return _LoopState(
             root=jnp.where(active, next_token, state.root),
-            cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), cache),
+            cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), cache),
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
             tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
@@ -177,7 +174,8 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
     state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
         [functools.partial(step, drafter) for drafter in drafters], state, stages,
         ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done"),
-        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(buf, KV_CACHE_AXES), moved.cache)))
+        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES),
+                                                        moved.cache)))
     batch_axes = ("batch", None)
-    return (constrain(tokens, batch_axes), constrain(logprobs, batch_axes), lengths, state.counts, stage_steps,
-            full_cache)
+    return (constrain(sharding, tokens, batch_axes), constrain(sharding, logprobs, batch_axes), lengths,
+            state.counts, stage_steps, full_cache)

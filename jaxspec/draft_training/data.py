@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxspec.draft.train_config import GenerationConfig, PromptData
+from jaxspec.draft_training.config import GenerationConfig, PromptData
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params

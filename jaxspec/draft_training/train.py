@@ -31,8 +31,8 @@ from jaxspec.draft.checkpoint import load_eagle3, save_eagle3
 from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.loss import eagle3_loss
 from jaxspec.draft.model import init_eagle3, merge_buffers, split_buffers
-from jaxspec.draft.train_config import DraftTrainConfig, HeadLossConfig, HeadOptimConfig
-from jaxspec.draft.train_data import RolloutBatch, RolloutSource, count_tokens, prompt_pool
+from jaxspec.draft_training.config import DraftTrainConfig, HeadLossConfig, HeadOptimConfig
+from jaxspec.draft_training.data import RolloutBatch, RolloutSource, count_tokens, prompt_pool
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, shard_params
@@ -40,6 +40,7 @@ from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
 from jaxspec.placement import Placement
 from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
+from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 _FIXED_SECTIONS = ("policy", "data", "generation", "head")
@@ -47,17 +48,9 @@ _EVAL_SEED_OFFSET = 1_000_003  # evaluation prompts and rollouts never share the
 
 
 def check_run_dir(cfg: DraftTrainConfig, run_dir: Path, resume: bool) -> None:
-    """Refuses to overwrite a run without --resume, or to resume with other data/head settings."""
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()) and not resume:
-        raise ValueError(f"{run_dir} already holds checkpoints; pass --resume or choose a new --run-dir")
-    saved_file = run_dir / "config.yaml"
-    if resume and saved_file.exists():
-        saved, current = yaml.safe_load(saved_file.read_text()), to_dict(cfg)
-        for section in _FIXED_SECTIONS:
-            if saved.get(section) != current[section]:
-                raise ValueError(f"--resume: the {section} section differs from the run's {saved_file}; "
-                                 f"resume with the same {section} settings")
+    """`jaxspec.run.check_run_dir`: a resumed run keeps its policy, data, generation and head."""
+    run_dir_guard(run_dir, resume, to_dict(cfg), lambda key: key.split(".")[0] in _FIXED_SECTIONS,
+                  f"resume with the same {', '.join(_FIXED_SECTIONS)} settings")
 
 
 def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict, sharding: Sharding | None):

@@ -13,8 +13,8 @@ import pytest
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.config_io import load_config
 from jaxspec.draft import build_vocab_maps, load_eagle3
-from jaxspec.draft.train_config import DraftTrainConfig, validate
-from jaxspec.draft.train_data import RolloutSource, prompt_pool
+from jaxspec.draft_training.config import DraftTrainConfig, validate
+from jaxspec.draft_training.data import RolloutSource, prompt_pool
 from jaxspec.models import ModelConfig, load_hf, save_hf
 from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import generate_problems, train_tokenizer
@@ -170,7 +170,7 @@ def test_mesh_must_split_the_batch_and_fit_the_devices(tmp_path, policy_dir, cap
 
 
 def test_sigterm_checkpoints_and_resume_writes_each_step_once(tmp_path, policy_dir, monkeypatch, capsys):
-    import jaxspec.draft.train as train_module
+    import jaxspec.draft_training.train as train_module
 
     class SigtermAtStep3(train_module.Progress):
         def update(self, steps=1, **fields):

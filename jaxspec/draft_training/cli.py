@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_config, naming_overrides, run_parser
-from jaxspec.draft.train import check_run_dir, train_draft
-from jaxspec.draft.train_config import DraftTrainConfig, validate
+from jaxspec.draft_training.train import check_run_dir, train_draft
+from jaxspec.draft_training.config import DraftTrainConfig, validate
 from jaxspec.placement import check_devices
 from jaxspec.run import EXIT_CHECKPOINTED
 

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
@@ -143,9 +144,7 @@ class DraftTrainConfig:
 def validate(cfg: DraftTrainConfig, source: str) -> None:
     """Range checks the type-checked loader cannot express (ValueError naming the key)."""
 
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ValueError(f"{source}: {key}: {msg}")
+    need = requirement(source)
 
     for prefix, d in (("data", cfg.data), ("eval.data", cfg.eval.data)):
         if d is None:

@@ -1,0 +1,39 @@
+"""The guard every training command runs on its run directory before any compute: no run is
+overwritten without --resume, and no run resumes under settings that would change its training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """{"section.key": value} of a nested config dict."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def check_run_dir(run_dir: Path, resume: bool, config: dict, fixed: Callable[[str], bool], hint: str) -> None:
+    """ValueError when `run_dir` holds checkpoints and `resume` is false, or when resuming with a
+    `config` (the command's config as a nested dict) whose value at a dotted key for which
+    `fixed(key)` holds differs from the run's saved config.yaml: the message names the section,
+    the key, both values and `hint` (what may change instead)."""
+    checkpoints = run_dir / "checkpoints"
+    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise ValueError(f"{run_dir} already holds checkpoints; pass --resume or choose a new --run-dir")
+    saved_file = run_dir / "config.yaml"
+    if not (resume and saved_file.exists()):
+        return
+    saved = flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
+    current = flatten(config)
+    changed = sorted(k for k in set(saved) | set(current) if fixed(k) and saved.get(k) != current.get(k))
+    if changed:
+        key = changed[0]
+        raise ValueError(f"--resume: the {key.split('.')[0]} section differs from the run's {saved_file}: {key} is "
+                         f"{current.get(key)!r}, the run used {saved.get(key)!r}; {hint}")
