@@ -36,15 +36,15 @@ def test_eight_virtual_devices():
 @pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1), (1, 1, 8)])
 def test_make_mesh_shapes(shape):
     mesh = make_mesh(*shape)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert tuple(mesh.shape.values()) == shape
+    assert mesh.axis_names == ("data", "fsdp", "tensor", "expert")
+    assert tuple(mesh.shape.values()) == (*shape, 1)
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
 @pytest.mark.parametrize("sizes,expected", [((2, -1, 1), (2, 4, 1)), ((1, -1, 8), (1, 1, 8)),
                                             ((-1, 2, 2), (2, 2, 2))])
 def test_make_mesh_fills_one_axis(sizes, expected):
-    assert tuple(make_mesh(*sizes).shape.values()) == expected
+    assert tuple(make_mesh(*sizes).shape.values()) == (*expected, 1)
 
 
 @pytest.mark.parametrize("sizes,words", [((3, 3, 1), ["data=3", "fsdp=3", "tensor=1", "9", "8"]),
