@@ -67,3 +67,22 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | 
     tokens_per_expert = jnp.sum(chosen * weight, axis=(0, 1, 2)) / rows
     prob_per_expert = jnp.sum(probs * weight, axis=(0, 1, 2)) / rows
     return num_experts * jnp.sum(tokens_per_expert * prob_per_expert)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Mean number of distinct experts a layer runs for `tokens` tokens when each token picks top_k
+    of num_experts experts uniformly at random: E * (1 - (1 - k/E)^tokens)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def distinct_experts(router_logits: jax.Array, top_k: int, window: int = 1) -> jax.Array:
+    """Mean number of distinct experts per layer that a step over B rows x `window` consecutive
+    positions runs: router_logits [L, B, T, E] (T a multiple of window) -> float32 [L], the mean
+    over the T / window windows of how many experts any of their B * window tokens picks."""
+    n_layers, b, t, e = router_logits.shape
+    if t % window:
+        raise ValueError(f"{t} positions do not split into windows of {window}")
+    _, experts = jax.lax.top_k(router_logits, top_k)  # softmax keeps the order
+    picked = jax.nn.one_hot(experts, e, dtype=jnp.int32).sum(axis=-2)  # [L, B, T, E]
+    picked = picked.reshape(n_layers, b, t // window, window, e).sum(axis=(1, 3))  # [L, windows, E]
+    return jnp.mean(jnp.sum(picked > 0, axis=-1).astype(jnp.float32), axis=-1)
