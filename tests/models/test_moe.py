@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jaxspec.models import ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh, save_hf, shard_params
-from jaxspec.models.moe import load_balancing_loss
+from jaxspec.models.moe import load_balancing_loss, moe_mlp, route
 from jaxspec.models.transformer import forward_router
 from tests.models.hf_reference import (hf_config, hf_logits, perturbed_model, random_params, random_tokens,
                                        rel_max_err)
@@ -207,3 +207,51 @@ def test_expert_sharded_extend_matches_unsharded(unsharded):
     logits, _, _ = step(SHARDED_CFG, shard_params(sharding, params), cache, tokens[:, :6], positions, cache_len,
                         sharding=sharding)
     assert rel_max_err(logits, ref_logits) < SHARDED_TOL
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _dense_moe_reference(layer, x, top_k, norm_topk_prob):
+    """Every expert on every token, weighted by a [N, E] gate matrix that is zero off the top-k."""
+    flat = x.reshape(-1, x.shape[-1])
+    _, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob)
+    gates = jnp.zeros((flat.shape[0], layer["router"].shape[1])).at[jnp.arange(flat.shape[0])[:, None], experts].set(
+        weights)
+    hidden = jax.nn.silu(jnp.einsum("nh,ehi->eni", flat, layer["experts_gate"])) * jnp.einsum(
+        "nh,ehi->eni", flat, layer["experts_up"])
+    out = jnp.einsum("eni,eih,ne->nh", hidden, layer["experts_down"], gates)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob):
+    """Gradients through the sorted ragged_dot path (experts and router) equal those of computing
+    every expert on every token and masking."""
+    layer = random_params(SHARDED_CFG, jax.random.key(9))["layers"][1]
+    layer = {k: layer[k] for k in ("router", "experts_gate", "experts_up", "experts_down")}
+    x = jax.random.normal(jax.random.key(10), (3, 5, SHARDED_CFG.hidden_size))
+    probe = jax.random.normal(jax.random.key(11), x.shape)
+
+    def loss(fn, params, x):
+        return jnp.sum(fn(params, x) * probe)
+
+    ours = jax.grad(loss, argnums=(1, 2))(lambda p, x: moe_mlp(p, x, 3, norm_topk_prob)[0], layer, x)
+    ref = jax.grad(loss, argnums=(1, 2))(lambda p, x: _dense_moe_reference(p, x, 3, norm_topk_prob), layer, x)
+    for name in layer:
+        assert float(jnp.max(jnp.abs(ref[0][name]))) > 0, name
+        assert rel_max_err(ours[0][name], ref[0][name]) < FP32_TOL, name
+    assert rel_max_err(ours[1], ref[1]) < FP32_TOL
+
+
+def test_load_balancing_loss_trains_the_router():
+    params = random_params(SHARDED_CFG, jax.random.key(12))
+    tokens = jnp.asarray(random_tokens(13, (2, 8), SHARDED_CFG.vocab_size))
+
+    def aux(params):
+        _, _, router = forward_router(SHARDED_CFG, params, tokens)
+        return load_balancing_loss(router, SHARDED_CFG.num_experts_per_tok)
+
+    grads = jax.jit(jax.grad(aux))(params)
+    assert float(jnp.max(jnp.abs(grads["layers"][1]["router"]))) > 0
+    assert float(jnp.max(jnp.abs(grads["layers"][1]["experts_gate"]))) == 0  # the loss sees only the router

@@ -40,8 +40,8 @@ def tiny_vocab_policy():
 
 
 @pytest.mark.parametrize("name", ["draft_model-self-chain", "eagle3-chain", "ngram-tree"])
-def test_moe_greedy_speculation_equals_greedy_autoregressive(speculative, autoregressive, eos_and_reference,  # noqa: F811
-                                                             name):
+def test_moe_greedy_speculation_equals_greedy_autoregressive(
+        speculative, autoregressive, eos_and_reference, name):  # noqa: F811
     loop_tests.test_greedy_speculation_equals_greedy_autoregressive(speculative, autoregressive, eos_and_reference,
                                                                     name)
 
