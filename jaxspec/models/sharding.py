@@ -67,7 +67,8 @@ KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None,
               expert: int = 1) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor, expert); one size may be -1 to take the remaining devices."""
+    """Mesh with axes (data, fsdp, tensor) and, when expert != 1, expert; one size may be -1 to take
+    the remaining devices. (Without experts the mesh keeps the three axes of dense policies.)"""
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor, expert]
     if sizes.count(-1) > 1:
@@ -83,6 +84,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
             f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x expert={sizes[3]} needs "
             f"{math.prod(sizes)} devices, "
             f"have {len(devices)}")
+    if sizes[3] == 1:
+        return Mesh(np.asarray(devices).reshape(sizes[:3]), MESH_AXES[:3])
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
@@ -102,7 +105,7 @@ class Sharding:
         for name, size in zip(axes, shape):
             mesh_axes = []
             for ax in rules.get(name, ()) if name else ():
-                ax_size = self.mesh.shape[ax]
+                ax_size = self.mesh.shape.get(ax, 1)  # an axis the mesh lacks has size 1
                 if ax in used or ax_size == 1:
                     continue
                 if size % (math.prod(self.mesh.shape[a] for a in mesh_axes) * ax_size) == 0:

@@ -36,15 +36,25 @@ def test_eight_virtual_devices():
 @pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1), (1, 1, 8)])
 def test_make_mesh_shapes(shape):
     mesh = make_mesh(*shape)
-    assert mesh.axis_names == ("data", "fsdp", "tensor", "expert")
-    assert tuple(mesh.shape.values()) == (*shape, 1)
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert tuple(mesh.shape.values()) == shape
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+
+
+def test_make_mesh_expert_axis():
+    """The expert axis exists only when it splits experts; without it expert weights replicate."""
+    mesh = make_mesh(fsdp=-1, expert=2)
+    assert mesh.axis_names == ("data", "fsdp", "tensor", "expert") and tuple(mesh.shape.values()) == (1, 4, 1, 2)
+    assert Sharding(mesh).spec(("expert", "embed", "mlp"), (4, 32, 16)) == P("expert", "fsdp", None)
+    assert Sharding(make_mesh(1, 8, 1)).spec(("expert", "embed", "mlp"), (4, 32, 16)) == P(None, "fsdp", None)
+    with pytest.raises(ValueError, match="mesh data=1 x fsdp=2 x tensor=1 x expert=3 needs 6 devices"):
+        make_mesh(1, 2, 1, expert=3)
 
 
 @pytest.mark.parametrize("sizes,expected", [((2, -1, 1), (2, 4, 1)), ((1, -1, 8), (1, 1, 8)),
                                             ((-1, 2, 2), (2, 2, 2))])
 def test_make_mesh_fills_one_axis(sizes, expected):
-    assert tuple(make_mesh(*sizes).shape.values()) == (*expected, 1)
+    assert tuple(make_mesh(*sizes).shape.values()) == expected
 
 
 @pytest.mark.parametrize("sizes,words", [((3, 3, 1), ["data=3", "fsdp=3", "tensor=1", "9", "8"]),
