@@ -282,17 +282,24 @@ MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermed
        "model.router_aux_loss_coef=0.01"]
 
 
-def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path):
+def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys):
+    """One device, and the same steps with the experts split over 2 devices (expert parallelism)."""
     config = tmp_path / "tiny.yaml"
     config.write_text(CONFIG)
-    run_dir = tmp_path / "moe"
-    assert main(["--config", str(config), "--run-dir", str(run_dir), "train.steps=8", "train.eval_every=0",
-                 *MOE]) == 0
-    records = [r for r in _metrics(run_dir) if "loss" in r]
+    runs = {}
+    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"])):
+        runs[name] = tmp_path / name
+        assert main(["--config", str(config), "--run-dir", str(runs[name]), "train.steps=8", "train.eval_every=0",
+                     *MOE, *mesh]) == 0
+    assert "training on the mesh {'data': 2, 'fsdp': 1, 'tensor': 1, 'expert': 2}" in capsys.readouterr().out
+    records = [r for r in _metrics(runs["one"]) if "loss" in r]
     assert [r["step"] for r in records] == [4, 8]
     # top-2 of 4 experts: the load-balancing loss is 2 when balanced, at most 4
     assert all(1.9 < r["router_aux_loss"] <= 4.0 for r in records)
-    cfg, params = load_hf(run_dir / "policy")
+    split = [r for r in _metrics(runs["expert"]) if "loss" in r]
+    for key in ("loss", "router_aux_loss"):
+        np.testing.assert_allclose([r[key] for r in split], [r[key] for r in records], rtol=2e-4)
+    cfg, params = load_hf(runs["one"] / "policy")
     assert cfg.family == "qwen3_moe" and cfg.sparse_layers == (0, 1) and cfg.router_aux_loss_coef == 0.01
     assert params["layers"][1]["experts_gate"].shape == (4, 32, 32)
 
