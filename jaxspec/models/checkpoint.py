@@ -173,6 +173,10 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
 
     With `sharding`, each param is built directly in its NamedSharding from the host copy of that
     one tensor (jax.make_array_from_callback); otherwise it lands on the default device.
+    Mixture-of-experts layers: per-expert tensors (`mlp.experts.{j}.gate_proj.weight`, ..., as
+    `save_hf` and transformers' save_pretrained write them) or the fused `mlp.experts.gate_up_proj` /
+    `mlp.experts.down_proj` of transformers 5.x modules; a layer's experts are stacked on the host
+    and placed once all of them are read.
     """
     path = Path(path)
     if not path.is_dir():

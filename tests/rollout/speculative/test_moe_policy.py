@@ -6,9 +6,13 @@ The tests of `test_loop` and `test_lossless` are called here with this module's 
 imported module-scoped fixtures too.
 """
 
+import jax
+import numpy as np
 import pytest
 
-from jaxspec.models import ModelConfig
+from jaxspec.draft import init_eagle3
+from jaxspec.models import ModelConfig, Sharding, make_mesh, shard_params
+from jaxspec.rollout import Spec, generate
 from tests.rollout.conftest import random_params
 from tests.rollout.speculative import test_lossless as lossless
 from tests.rollout.speculative import test_loop as loop_tests
@@ -60,3 +64,20 @@ def test_moe_speculative_samples_follow_exact_distribution(tiny_vocab_policy, te
                                                            sampled, case):
     lossless.test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teacher_forced, reference,
                                                                 sampled, case)
+
+
+def test_moe_rollouts_with_experts_split_over_the_mesh(policy, greedy_sampling):  # noqa: F811
+    """AR and EAGLE-3 greedy rollouts with the experts split over 4 devices (rows over 2) equal
+    the one-device rollouts."""
+    cfg, params = policy
+    sharding = Sharding(make_mesh(data=2, fsdp=1, expert=4))
+    sharded = shard_params(sharding, params)
+    assert sharded["layers"][0]["experts_up"].sharding.spec[0] == "expert"
+    spec = Spec("eagle3", init_eagle3(cfg, jax.random.key(5), std=0.3), num_draft_tokens=3)
+    for kwargs in ({}, {"spec": spec}):
+        want = generate(cfg, params, loop_tests.BATCH, jax.random.key(0), greedy_sampling, **kwargs)
+        got = generate(cfg, sharded, loop_tests.BATCH, jax.random.key(0), greedy_sampling, sharding=sharding,
+                       **kwargs)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.lengths, want.lengths)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
