@@ -13,6 +13,11 @@ after step 0 that every run reached: the mean and largest |accuracy - baseline a
 autoregressive run at another seed gives the seed-to-seed spread the others are read against. The
 plot (needs matplotlib) shows validation accuracy, the reward (10-step moving mean) and the
 acceptance length against step for every run.
+
+Runs with rollout.mode async also report sync_s (the weight copy onto the rollout mesh),
+rollout_wait_s (the trainer waiting for its batch) and overlap: the step time over the longer of
+the two meshes' work, max(generation, logprob + train + sync); 1.0 = the two overlap completely,
+(generation + trainer work) / max(...) = not at all.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-STAGES = ("generation", "logprob", "train")
+STAGES = ("generation", "logprob", "train", "sync", "rollout_wait")
 WARMUP_STEPS = 2
 
 
@@ -52,6 +57,9 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
                response_length=median("response_length_mean", steps),
                reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
                reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]))
+    if any("staleness" in r for r in steps):  # rollout.mode async
+        trainer = sum(out[f"{stage}_s"] or 0.0 for stage in ("logprob", "train", "sync"))
+        out["overlap"] = out["step_s"] / max(out["generation_s"], trainer)
     out["eval_accuracy"] = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     out["reward"] = [(r["step"], r["reward_mean"]) for r in records if "reward_mean" in r]
     out["acceptance"] = [(r["step"], r["acceptance_length"]) for r in records
@@ -128,6 +136,10 @@ def main() -> None:
         print(f"{name:<14}{s['step_s']:>9.3f}{s['generation_s']:>9.3f}{s['train_s'] or 0:>9.3f}"
               f"{s['step_speedup']:>8.2f}{s['generation_speedup']:>8.2f}{s['acceptance_length'] or 1:>8.2f}"
               f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}{gaps}  {curve}")
+    for name, s in runs.items():
+        if "overlap" in s:
+            print(f"{name}: sync {s['sync_s']:.3f} s, waits {s['rollout_wait_s']:.3f} s for rollouts, overlap "
+                  f"{s['overlap']:.2f} (step / max(generation, logprob + train + sync); 1.00 = full overlap)")
     Path(args.out).write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(runs, args.plot)

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "spec-cost": ("jaxspec.bench.spec_cost", "costs of the pieces of a speculative step; projected speedup"),
     "attention": ("jaxspec.bench.attention", "ragged cache-attention kernel vs dense attention, by cache fill"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
+    "grpo-step": ("jaxspec.bench.grpo_step", "time and peak memory of each phase of one GRPO step on a mesh"),
     "profile": ("jaxspec.bench.profile", "device time of a decode-loop iteration by phase (AR vs speculative)"),
 }
 

@@ -24,15 +24,22 @@ class MeshConfig:
     """The device mesh (data, fsdp, tensor, expert) that the policy, its optimizer state and the
     rollouts are sharded over, built from the first data * fsdp * tensor * expert devices. All 1:
     one device. expert splits a mixture-of-experts policy's experts (training rows are not split
-    over it). A resumed run may use another mesh (checkpoints are restored onto it)."""
+    over it). A resumed run may use another mesh (checkpoints are restored onto it).
+
+    rollout_devices: GRPO with rollout.mode async only: the last N devices form a separate rollout
+    mesh (its own copy of the policy, see `jaxspec.rl.async_rollouts`); the trainer mesh is built
+    from the devices before them. 0 = no rollout mesh.
+    """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
+    rollout_devices: int = 0
 
     @property
     def devices(self) -> int:
+        """Devices of the trainer mesh (the rollout devices come after them)."""
         return self.data * self.fsdp * self.tensor * self.expert
 
 
@@ -43,8 +50,12 @@ def check_devices(cfg: MeshConfig) -> None:
         if getattr(cfg, axis) < 1:
             raise ValueError(f"mesh.{axis}: must be > 0, got {getattr(cfg, axis)}")
     devices = cfg.devices
+    expert = f" x expert={cfg.expert}" if cfg.expert != 1 else ""
+    if cfg.rollout_devices and devices + cfg.rollout_devices > jax.device_count():
+        raise ValueError(f"mesh.rollout_devices: {cfg.rollout_devices} rollout devices after the trainer mesh "
+                         f"data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} ({devices} devices) "
+                         f"need {devices + cfg.rollout_devices} devices, this process sees {jax.device_count()}")
     if devices > jax.device_count():
-        expert = f" x expert={cfg.expert}" if cfg.expert != 1 else ""
         raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} "
                          f"needs {devices} devices, this process sees {jax.device_count()}")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.draft.train import check_run_dir, train_draft
 from jaxspec.draft.train_config import DraftTrainConfig, validate
+from jaxspec.placement import check_devices
 from jaxspec.run import EXIT_CHECKPOINTED
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(DraftTrainConfig, args.config, args.overrides)
         with naming_overrides(args.config, args.overrides):
             validate(cfg, args.config)
+        check_devices(cfg.mesh)
         cfg.policy_path()
         check_run_dir(cfg, Path(args.run_dir), args.resume)
     except (ValueError, FileNotFoundError) as err:

@@ -35,8 +35,10 @@ from jaxspec.draft.train_config import DraftTrainConfig, LossConfig, OptimConfig
 from jaxspec.draft.train_data import RolloutBatch, RolloutSource, count_tokens, prompt_pool
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding, shard_params
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
+from jaxspec.placement import Placement
 from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
@@ -58,19 +60,23 @@ def check_run_dir(cfg: DraftTrainConfig, run_dir: Path, resume: bool) -> None:
                                  f"resume with the same {section} settings")
 
 
-def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict):
-    """Policy logits [B, W, V] and aux hidden states [3, B, W, H] of a batch (no gradient)."""
-    logits, aux = forward_hidden(cfg, policy, batch["tokens"], dcfg.aux_layer_ids, mask=batch["attn_mask"])
+def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict, sharding: Sharding | None):
+    """Policy logits [B, W, V] and aux hidden states [3, B, W, H] of a batch (no gradient); on a
+    mesh the activations are split over its batch axes like the rows."""
+    logits, aux = forward_hidden(cfg, policy, batch["tokens"], dcfg.aux_layer_ids, mask=batch["attn_mask"],
+                                 sharding=sharding)
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(aux)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("sharding",), donate_argnums=(5, 6))
 def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: OptimConfig, total_steps: int, loss: LossConfig,
-               weights: dict, opt_state, buffers: dict, policy: Params, batch: dict):
+               weights: dict, opt_state, buffers: dict, policy: Params, batch: dict, *,
+               sharding: Sharding | None = None):
     """One AdamW step of the head: -> (weights, opt_state, metrics). The policy is read only;
-    weights and opt_state are donated. batch: {"tokens", "loss_mask", "attn_mask"} [B, W]."""
+    weights and opt_state are donated. batch: {"tokens", "loss_mask", "attn_mask"} [B, W].
+    sharding: the run's mesh (None on one device)."""
     optimizer, _ = make_optimizer(optim, total_steps)
-    logits, aux = _features(cfg, dcfg, policy, batch)
+    logits, aux = _features(cfg, dcfg, policy, batch, sharding)
 
     def loss_fn(w):
         return eagle3_loss(dcfg, merge_buffers(w, buffers), policy["embed"], aux, logits, batch["tokens"],
@@ -82,17 +88,19 @@ def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: OptimConfig, total_st
     return weights, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **metrics}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def eval_step(cfg: ModelConfig, dcfg: DraftConfig, loss: LossConfig, dparams: dict, policy: Params, batch: dict):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("sharding",))
+def eval_step(cfg: ModelConfig, dcfg: DraftConfig, loss: LossConfig, dparams: dict, policy: Params, batch: dict, *,
+              sharding: Sharding | None = None):
     """(loss, metrics) of the head on a batch, without an update."""
-    logits, aux = _features(cfg, dcfg, policy, batch)
+    logits, aux = _features(cfg, dcfg, policy, batch, sharding)
     return eagle3_loss(dcfg, dparams, policy["embed"], aux, logits, batch["tokens"], batch["loss_mask"],
                        loss.num_steps, loss.step_decay)
 
 
-def _device_batch(batch: RolloutBatch) -> dict:
-    return {"tokens": jnp.asarray(batch.tokens), "loss_mask": jnp.asarray(batch.loss_mask),
-            "attn_mask": jnp.asarray(batch.attn_mask)}
+def _device_batch(batch: RolloutBatch, placement: Placement) -> dict:
+    """The batch's arrays, their rows split over the mesh's batch axes (on one device: device 0)."""
+    rows = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "attn_mask": batch.attn_mask}
+    return jax.tree.map(jnp.asarray, rows) if placement.sharding is None else placement.rows(rows)
 
 
 def _log(file, record: dict) -> None:
@@ -128,14 +136,15 @@ def _initial_head(cfg: ModelConfig, run: DraftTrainConfig, source: RolloutSource
 
 
 def evaluate(cfg: ModelConfig, dcfg: DraftConfig, dparams: dict, policy: Params, tok: ChatTokenizer,
-             run: DraftTrainConfig) -> dict:
+             run: DraftTrainConfig, placement: Placement) -> dict:
     """Mean loss and top-1 agreement per unrolled position on fresh batches of `run.eval.data`."""
     data = run.eval.data or dataclasses.replace(run.data, seed=run.data.seed + _EVAL_SEED_OFFSET)
     source = RolloutSource(cfg, policy, tok, prompt_pool(data, tok), run.generation, data.max_prompt_len,
-                           run.train.batch_size, run.train.seed + _EVAL_SEED_OFFSET)
+                           run.train.batch_size, run.train.seed + _EVAL_SEED_OFFSET, placement.sharding)
     losses, agreements, weights = [], [], []
     for i in range(run.eval.batches):
-        loss, metrics = eval_step(cfg, dcfg, run.loss, dparams, policy, _device_batch(source.batch(i)))
+        loss, metrics = eval_step(cfg, dcfg, run.loss, dparams, policy, _device_batch(source.batch(i), placement),
+                                  sharding=placement.sharding)
         losses.append(float(loss))
         agreements.append(np.asarray(metrics["top1_agreement"]) * np.asarray(metrics["positions"]))
         weights.append(np.asarray(metrics["positions"]))
@@ -163,13 +172,22 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(run), sort_keys=False))
     t = run.train
+    placement = Placement(run.mesh)
+    if placement.sharding is not None:
+        policy = shard_params(placement.sharding, policy)
+        print(f"training on the mesh {dict(placement.sharding.mesh.shape)}")
     source = RolloutSource(cfg, policy, tok, prompt_pool(run.data, tok), run.generation, run.data.max_prompt_len,
-                           t.batch_size, t.seed)
+                           t.batch_size, t.seed, placement.sharding)
     dcfg, dparams, pregenerated = _initial_head(cfg, run, source, run_dir, resume)
     check_compatible(cfg, dcfg)
     weights, buffers = split_buffers(dparams)
     optimizer, schedule = make_optimizer(run.optim, t.steps)
-    state = {"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights), "step": jnp.int32(0)}
+    # The head, its optimizer state and the step replicated over the mesh; a checkpoint is restored
+    # onto this layout, whatever mesh wrote it.
+    state = placement.state({"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights),
+                             "step": jnp.int32(0)})
+    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          (state["weights"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
     restored = checkpointer.resume(state) if resume else None
     if restored is not None:
@@ -190,7 +208,9 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
             batch = pregenerated.pop(step, None) or source.batch(step)
             window["generate_s"] += time.perf_counter() - gen_start
             weights, opt_state, out = train_step(cfg, dcfg, run.optim, t.steps, run.loss, weights, opt_state,
-                                                 buffers, policy, _device_batch(batch))
+                                                 buffers, policy, _device_batch(batch, placement),
+                                                 sharding=placement.sharding)
+            weights, opt_state = placement.pin((weights, opt_state), layout)
             jax.block_until_ready(out)  # so that the next batch's time is generation alone
             step += 1
             window["tokens"] += batch.response_tokens
@@ -216,7 +236,7 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
         if result["preempted"]:
             print(f"{stop.name}: checkpointed step {step} in {run_dir / 'checkpoints'}; continue with --resume")
         elif run.eval.batches:
-            result |= evaluate(cfg, dcfg, dparams, policy, tok, run)
+            result |= evaluate(cfg, dcfg, dparams, policy, tok, run, placement)
             _log(metrics_file, {"step": step, **{k: v for k, v in result.items() if k.startswith("eval_")}})
             print(f"step {step}: eval top-1 agreement per position {result['eval_top1_agreement']}")
     checkpointer.close()

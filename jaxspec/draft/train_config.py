@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from jaxspec.optim import OptimConfig as ScheduleConfig
+from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 
 # The policy used when a config names none (present once the embedded tiny policy is trained).
@@ -111,7 +112,14 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class DraftTrainConfig:
     """policy: HF folder of the frozen policy, with its tokenizer.json (default: the embedded
-    tiny policy)."""
+    tiny policy).
+
+    mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`): the frozen
+    policy is sharded by the model's rules (fsdp, tensor), the head and its optimizer state are
+    replicated, and each step's rows (and the rollouts that make them) are split over data x fsdp
+    devices (train.batch_size a multiple of that product). The same steps on any mesh (up to float
+    summation order); a resumed run may change it.
+    """
 
     train: TrainConfig
     policy: str | None = None
@@ -121,6 +129,7 @@ class DraftTrainConfig:
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
+    mesh: MeshConfig = MeshConfig()
 
     def policy_path(self) -> Path:
         """The policy folder; FileNotFoundError when it does not exist."""
@@ -169,3 +178,8 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
     need(t.checkpoint_every > 0, "train.checkpoint_every", f"must be > 0, got {t.checkpoint_every}")
     need(t.keep_checkpoints > 0, "train.keep_checkpoints", f"must be > 0, got {t.keep_checkpoints}")
     need(cfg.eval.batches >= 0, "eval.batches", f"must be >= 0, got {cfg.eval.batches}")
+    for axis in ("data", "fsdp", "tensor"):
+        need(getattr(cfg.mesh, axis) > 0, f"mesh.{axis}", f"must be > 0, got {getattr(cfg.mesh, axis)}")
+    row_shards = cfg.mesh.data * cfg.mesh.fsdp
+    need(t.batch_size % row_shards == 0, "train.batch_size",
+         f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices")

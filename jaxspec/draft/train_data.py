@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxspec.draft.train_config import GenerationConfig, PromptData
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params
 from jaxspec.rollout import Sampling, generate
 from jaxspec.tasks.generator import generate_problems
@@ -53,11 +54,13 @@ class RolloutBatch:
 
 
 class RolloutSource:
-    """Batches of policy rollouts addressed by step number (deterministic given the seed)."""
+    """Batches of policy rollouts addressed by step number (deterministic given the seed).
+    sharding: the mesh the policy is sharded over; the rollouts' rows are split over its batch axes."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tok: ChatTokenizer, pool: list[list[int]],
-                 generation: GenerationConfig, max_prompt_len: int, batch_size: int, seed: int):
-        self.cfg, self.params, self.tok, self.pool = cfg, params, tok, pool
+                 generation: GenerationConfig, max_prompt_len: int, batch_size: int, seed: int,
+                 sharding: Sharding | None = None):
+        self.cfg, self.params, self.tok, self.pool, self.sharding = cfg, params, tok, pool, sharding
         self.sampling = Sampling(temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,
                                  max_new_tokens=generation.max_new_tokens, eos_id=tok.eos_id)
         self.width = max_prompt_len + generation.max_new_tokens
@@ -78,7 +81,7 @@ class RolloutSource:
         rows = rng.choice(len(self.pool), num_rows, replace=len(self.pool) < num_rows)
         prompts = [self.pool[i] for i in rows]
         key = jax.random.fold_in(jax.random.key(self.seed), group)
-        out = generate(self.cfg, self.params, prompts, key, sampling=self.sampling)
+        out = generate(self.cfg, self.params, prompts, key, sampling=self.sampling, sharding=self.sharding)
         responses, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         tokens = np.full((num_rows, self.width), self.tok.pad_id, np.int32)
         loss_mask = np.zeros((num_rows, self.width), bool)

@@ -156,6 +156,7 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     need(t.keep_checkpoints > 0, "train.keep_checkpoints", f"must be > 0, got {t.keep_checkpoints}")
     for axis in ("data", "fsdp", "tensor"):
         need(getattr(cfg.mesh, axis) > 0, f"mesh.{axis}", f"must be > 0, got {getattr(cfg.mesh, axis)}")
+    need(cfg.mesh.rollout_devices == 0, "mesh.rollout_devices", "a rollout mesh is for GRPO's rollout.mode async")
     row_shards = cfg.mesh.data * cfg.mesh.fsdp
     need(t.batch_size % row_shards == 0, "train.batch_size",
          f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices")

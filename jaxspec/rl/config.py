@@ -62,6 +62,23 @@ class RolloutConfig:
     dtype: dtype of the params copy the rollout reads ("sync" casts the float32 master params of
     the policy and the draft to it each step; with float32 it is the master params themselves,
     no copy).
+    mode: "colocated" = every device of the trainer mesh generates, then trains (no weight copy);
+        "async" = the last mesh.rollout_devices devices generate on their own copy of the policy
+        (and draft) while the others train, with a device-to-device weight sync after each update
+        (`jaxspec.rl.async_rollouts`).
+    max_staleness (async): how many updates older than the trained policy the rollouts of a step
+        may be: 1 = one-step off-policy (step t trains on rollouts of the weights before step t-1's
+        update while step t+1's are generated), 0 = each step's rollouts wait for the previous
+        step's sync (the colocated run's numbers, on the rollout mesh). The loss's old log-probs
+        are the rollout's (the behaviour policy's); with loss.recompute_logprobs the trainer's of
+        the weights it starts the step from replace them, logprob_mismatch_* then measures the
+        staleness and loss.tis_cap weighs it.
+    sub_batch: rollouts generated per `generate` call (null = the whole step's in one call). The
+        KV cache is sized for one call, so this bounds the rollout's memory (e.g. 64 rows of a
+        256-rollout step on 80 GB cards, `configs/grpo_qwen3_8b.yaml`); a multiple of
+        samples_per_prompt (groups stay in one call) that divides the step's rollouts. Each call
+        samples with its own key (fold_in of the step's key); the acceptance statistics combine
+        the calls' counts exactly.
     """
 
     prompts_per_step: int = 8
@@ -71,6 +88,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    mode: Literal["colocated", "async"] = "colocated"
+    max_staleness: int = 1
+    sub_batch: int | None = None
 
 
 AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")
@@ -138,7 +158,11 @@ class LossConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with global-norm gradient clipping; the learning rate warms up linearly over the
-    first `warmup_steps` optimizer updates (ppo_epochs * minibatches per RL step), then stays."""
+    first `warmup_steps` optimizer updates (ppo_epochs * minibatches per RL step), then stays.
+
+    state_dtype: dtype of AdamW's first moment (optax `mu_dtype`); bfloat16 halves it (an 8B
+    policy: 16 GB instead of 33). The second moment stays float32 (optax has no dtype for it).
+    """
 
     learning_rate: float = 1e-6
     warmup_steps: int = 0
@@ -146,6 +170,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.999
     grad_clip: float = 1.0
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 RANDOM_DRAFT = "random"
@@ -300,6 +325,11 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
          f"must be >= 2 (advantages are normalised within each group), got {r.samples_per_prompt}")
     positive(r, "max_new_tokens", "rollout")
+    if r.sub_batch is not None:
+        rollouts = r.prompts_per_step * r.samples_per_prompt
+        need(r.sub_batch > 0 and r.sub_batch % r.samples_per_prompt == 0 and rollouts % r.sub_batch == 0,
+             "rollout.sub_batch", f"must be a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}) "
+             f"that divides the step's {rollouts} rollouts, got {r.sub_batch}")
     need(r.temperature > 0, "rollout.temperature",
          f"must be > 0 (the policy gradient needs a sampling distribution), got {r.temperature}")
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
@@ -361,6 +391,19 @@ def validate(cfg: GRPOConfig, source: str) -> None:
          "validation needs held-out prompts: set data.eval or data.num_eval > 0")
     for axis in ("data", "fsdp", "tensor"):
         positive(cfg.mesh, axis, "mesh")
+    positive(cfg.mesh, "rollout_devices", "mesh", allow_zero=True)
+    need(r.mode == "async" or cfg.mesh.rollout_devices == 0, "mesh.rollout_devices",
+         f"a rollout mesh is for rollout.mode async; rollout.mode is {r.mode!r}")
+    need(r.mode == "colocated" or cfg.mesh.rollout_devices > 0, "mesh.rollout_devices",
+         "rollout.mode async generates on the last mesh.rollout_devices devices; set it to >= 1")
+    need(cfg.mesh.rollout_devices == 0 or rows % cfg.mesh.rollout_devices == 0, "mesh.rollout_devices",
+         f"{cfg.mesh.rollout_devices} devices do not split the {rows} rollouts per step "
+         f"(rollout.prompts_per_step * rollout.samples_per_prompt)")
+    positive(r, "max_staleness", "rollout", allow_zero=True)
+    # Resuming restores the weights of the one batch in flight; 2+ would need one copy per batch.
+    need(r.max_staleness <= 1, "rollout.max_staleness", f"must be 0 or 1, got {r.max_staleness}")
+    need(r.mode == "colocated" or lo.filter_groups_max_rounds == 1, "loss.filter_groups_max_rounds",
+         "rollout.mode async generates one batch of prompts per step ahead of its rewards; set it to 1")
     positive(t, "steps", "train")
     positive(t, "precompile_threads", "train")
     positive(t, "checkpoint_every", "train")

@@ -11,7 +11,8 @@ Run directory layout:
     xla_cache/           the persistent compilation cache (train.compilation_cache: true)
 
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
-float32 and a cast of the policy and the draft with rollout.dtype bfloat16. All randomness of
+float32 and a cast of the policy and the draft with rollout.dtype bfloat16 (rollout.mode async
+generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`). All randomness of
 step s comes from fold_in(key, s), and prompts from the saved data position, so a resumed run
 repeats an uninterrupted one exactly. SIGTERM (e.g. SLURM preemption) or Ctrl-C makes the loop
 checkpoint at the next step boundary and return (`jaxspec.run.StopSignals`); --resume restores the
@@ -35,6 +36,7 @@ from jaxspec.distributed import any_process, barrier, is_main, say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
+from jaxspec.rl.async_rollouts import AsyncRollouts
 from jaxspec.rl.batch import minibatch_indices, pack_rows, row_width, take_rows, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, check_run_dir, save_config
 from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile, precompile_enabled, trainer_programs
@@ -49,6 +51,7 @@ from jaxspec.rl.resources import RunInputs, check_inputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout.speculative.stats import merge_stats
 
 @functools.partial(jax.jit, static_argnames="dtype")
 def _cast_floats(tree, dtype):
@@ -96,6 +99,9 @@ class GRPORun:
         # Committed to the devices like restored checkpoints are, so a resumed run in the same process
         # hits the compilation caches of a fresh one.
         self.state = self.placement.state(state)
+        self.async_rollouts = AsyncRollouts(self) if r_cfg.mode == "async" else None  # the rollout mesh
+        if self.async_rollouts is not None:
+            self.state.update(self.async_rollouts.template())
         self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
         restored = self.checkpointer.resume(self.state) if resume else None
         if restored is not None:
@@ -128,6 +134,8 @@ class GRPORun:
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
         self.precompiling = (precompile(trainer_programs(self), t_cfg.precompile_threads)
                              if precompile_enabled(t_cfg.precompile) else None)
+        if self.async_rollouts is not None:
+            self.async_rollouts.start(self.state, resumed=restored is not None)
 
     def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
         cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings
@@ -144,18 +152,21 @@ class GRPORun:
                              max_positions)
         return train_set, eval_set
 
-    def rollout_view(self):
-        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage.
-        The draft's float weights are cast to rollout.dtype with the policy's (its integer and
-        boolean vocabulary maps stay as they are)."""
+    def rollout_weights(self):
+        """(policy params, draft params or None) as the rollout reads them: the draft's float
+        weights are cast to rollout.dtype with the policy's (its integer and boolean vocabulary
+        maps stay as they are)."""
         dtype = jnp.dtype(self.cfg.rollout.dtype)
 
         def cast(tree):
             return tree if dtype == jnp.float32 else _cast_floats(tree, dtype)
 
-        policy = cast(self.state["params"])
-        draft = None if self.draft is None else (self.draft[0], cast(self.state["draft_params"]))
-        return block(policy), make_spec(self.cfg.spec, block(draft))
+        return cast(self.state["params"]), None if self.draft is None else cast(self.state["draft_params"])
+
+    def rollout_view(self):
+        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
+        policy, draft = block(self.rollout_weights())
+        return policy, make_spec(self.cfg.spec, None if draft is None else (self.draft[0], draft))
 
     def evaluate(self) -> dict:
         """Validation scores of the current policy on the held-out prompts."""
@@ -167,28 +178,42 @@ class GRPORun:
     def save(self) -> None:
         self.state.update(self.placement.state({"step": np.int32(self.step), "position": np.int32(self.position),
                                                 "updates": np.int32(self.updates)}))
+        if self.async_rollouts is not None:
+            self.state.update(self.async_rollouts.checkpoint_entries())
         self.checkpointer.save(self.state)
 
-    def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer) -> dict:
+    def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer, sharding) -> dict:
         """samples_per_prompt rollouts of each prompt id and their rewards (host arrays):
         prompts / records (lists, B = len(ids) * group), tokens int32 [B, N], lengths [B],
         logprobs float32 [B, N], scores float64 [B] (the reward functions'), rewards float64 [B]
-        (scores with the overlong penalty), stats (the rollout's statistics)."""
+        (scores with the overlong penalty), stats (the rollout's statistics). sharding: the mesh
+        that generates (where `policy` lives)."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
         records = [self.train_set.records[i] for i in ids for _ in range(group)]
         with timer.stage("generation"):
-            out = block(generate(self.mcfg, policy, prompts, key, sampling=self.sampling, spec=spec,
-                                 sharding=self.placement.sharding, prompt_width=self.longest_prompt))
-        tokens, lengths = to_host(out.tokens), to_host(out.lengths)
+            tokens, lengths, logprobs, stats = self._generate_rows(prompts, policy, spec, key, sharding)
         with timer.stage("reward"):
             texts = decode_responses(self.tok, tokens, lengths)
             scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
         rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
                                             cfg.loss.overlong_penalty)
         return {"prompts": prompts, "records": records, "tokens": tokens, "lengths": lengths,
-                "logprobs": to_host(out.logprobs).astype(np.float32), "scores": scores, "rewards": rewards,
-                "stats": out.stats}
+                "logprobs": logprobs, "scores": scores, "rewards": rewards, "stats": stats}
+
+    def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
+        """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], stats) on the host for the
+        prompts, rollout.sub_batch rows per `generate` call (all at once when null)."""
+        size = self.cfg.rollout.sub_batch or len(prompts)
+        parts = []
+        for i, start in enumerate(range(0, len(prompts), size)):
+            sub_key = key if size == len(prompts) else jax.random.fold_in(key, i)
+            out = block(generate(self.mcfg, policy, prompts[start:start + size], sub_key, sampling=self.sampling,
+                                 spec=spec, sharding=sharding, prompt_width=self.longest_prompt))
+            parts.append((to_host(out.tokens), to_host(out.lengths), to_host(out.logprobs).astype(np.float32),
+                          out.stats))
+        tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
+        return tokens, lengths, logprobs, merge_stats([p[3] for p in parts])
 
     def _generate(self, timer: StageTimer) -> tuple[dict, int, int]:
         """This step's rollouts (see `_rollouts`) for prompts_per_step prompts; with
@@ -202,7 +227,7 @@ class GRPORun:
             policy, spec = self.rollout_view()
         key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
         ids = self.sampler.indices(self.position)
-        rounds = [self._rollouts(ids, policy, spec, key, timer)]
+        rounds = [self._rollouts(ids, policy, spec, key, timer, self.placement.sharding)]
         consumed = len(ids)
 
         def informative():
@@ -211,7 +236,8 @@ class GRPORun:
 
         while len(rounds) < cfg.loss.filter_groups_max_rounds and informative().sum() < cfg.rollout.prompts_per_step:
             ids = self.sampler.indices(self.position + consumed)
-            rounds.append(self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer))
+            rounds.append(self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer,
+                                         self.placement.sharding))
             consumed += len(ids)
         del policy
         generated = int(sum(r["lengths"].sum() for r in rounds))
@@ -232,7 +258,10 @@ class GRPORun:
         Returns the step's metrics record."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         start, timer = time.perf_counter(), StageTimer()
-        out, consumed, rounds = self._generate(timer)
+        if self.async_rollouts is None:
+            out, consumed, rounds = self._generate(timer)
+        else:
+            out, consumed, rounds = self.async_rollouts.next_batch(timer)
         tokens, lengths, rewards = out["tokens"], out["lengths"], out["rewards"]
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
         batch = training_rows(out["prompts"], tokens, lengths, self.tok.pad_id, self.width)
@@ -242,7 +271,8 @@ class GRPORun:
         if self.online is None:
             del batch["seq_resp_mask"]
 
-        record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds}
+        record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds,
+                  **out.get("async", {})}
         if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
             with timer.stage("logprob"):
                 record.update(self._score(batch))
@@ -258,6 +288,9 @@ class GRPORun:
             self.precompiling = None
         self.step += 1
         self.position += consumed
+        if self.async_rollouts is not None:
+            with timer.stage("sync"):
+                record["sync_bytes"] = self.async_rollouts.sync()
         record.update(rollout_step_metrics(out["scores"], informative, lengths, truncated, out["stats"], group))
         if cfg.loss.overlong_buffer:
             record["shaped_reward_mean"] = float(rewards.mean())
@@ -398,6 +431,8 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
                 say(f"{stop.name or 'SIGTERM'}: checkpointed step {run.step} in {run_dir / 'checkpoints'}; "
                     f"continue with --resume")
     finally:
+        if run.async_rollouts is not None:
+            run.async_rollouts.close()
         log.close()
         run.checkpointer.close()
     if not preempted:

@@ -12,10 +12,14 @@ A step record (metrics.jsonl) holds
     generation_rounds (loss.filter_groups_max_rounds), shaped_reward_mean (the rewards with
     loss.overlong_buffer's penalty; reward_mean and accuracy are the reward function's);
     draft_loss, draft_grad_norm, draft_step_loss, draft_top1_agreement (draft.online);
+    rollout.mode async: staleness (steps between the weights that generated the batch and those it
+    trains), rollout_version (the former's step), sync_bytes (copied onto the rollout mesh per step);
   validation: eval_accuracy, eval_reward_mean (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
     train.precompile: waiting for the trainer's background compilation), eval, checkpoint; time_step_s;
+    in async mode generation and reward are the consumed batch's seconds in the rollout worker
+    (overlapping the trainer), rollout_wait the trainer's wait for it and sync the weight copy;
     tokens_per_s (generated tokens per second of generation); time_unix_s (when the record was
     written, seconds since the epoch: lines up runs that share a host); compiles and time_compile_s (XLA
     compilations during the step and their seconds, included in the stages' times: a new shape,

@@ -76,6 +76,9 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
+    if cfg.rollout.mode == "async" and jax.process_count() > 1:
+        raise ValueError(f"rollout.mode: async runs in one process (its rollout mesh is local), this job has "
+                         f"{jax.process_count()} processes; use colocated")
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
 

@@ -37,10 +37,11 @@ def _decay_mask(params):
 
 @functools.lru_cache(maxsize=None)
 def policy_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW; lr warms up linearly over `warmup_steps` updates."""
+    """Global-norm clipping, then AdamW (first moment in `cfg.state_dtype`); lr warms up linearly
+    over `warmup_steps` updates."""
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                                   mask=_decay_mask))
+                                   mu_dtype=jnp.dtype(cfg.state_dtype), mask=_decay_mask))
 
 
 def learning_rate(cfg: OptimConfig) -> Callable:

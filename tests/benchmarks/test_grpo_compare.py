@@ -65,6 +65,26 @@ def test_main_compares_against_the_first_run(tmp_path, monkeypatch, capsys):
     assert "timings over steps 3-20" in capsys.readouterr().out
 
 
+def test_async_runs_report_the_overlap(tmp_path, monkeypatch, capsys):
+    """An async step of 1.1 s whose rollout mesh generated for 1.0 s while the trainer scored,
+    trained and synced for 0.1 + 0.3 + 0.2 s: overlap 1.1 / max(1.0, 0.6)."""
+    run = write_run(tmp_path / "async", step_s=1.1, generation_s=1.0, accuracy=[0.5, 0.5])
+    records = grpo_compare.load(run)
+    for r in records:
+        if "time_step_s" in r:
+            r.update(staleness=1, time_sync_s=0.2, time_rollout_wait_s=0.5)
+    summary = grpo_compare.summarize(records)
+    assert summary["overlap"] == pytest.approx(1.1)
+    assert summary["sync_s"] == pytest.approx(0.2) and summary["rollout_wait_s"] == pytest.approx(0.5)
+    colocated = write_run(tmp_path / "colocated", 1.5, 1.0, [0.5, 0.5])
+    assert "overlap" not in grpo_compare.summarize(grpo_compare.load(colocated))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--out", str(tmp_path / "out.json"), f"colocated={colocated}",
+                                      f"async={run}"])
+    grpo_compare.main()
+    assert "async: sync 0.200 s, waits 0.500 s for rollouts, overlap 1.10" in capsys.readouterr().out
+
+
 def test_missing_metrics_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         grpo_compare.load(tmp_path / "nothing")

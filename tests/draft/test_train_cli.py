@@ -3,6 +3,7 @@ checkpoints, export in the public layout, refusal to overwrite, and resume."""
 
 import json
 import os
+import shutil
 import signal
 
 import jax
@@ -126,6 +127,46 @@ def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
     _, tuned = load_eagle3(tuned_dir / "draft", policy=cfg)
     np.testing.assert_array_equal(tuned["d2t"], first["d2t"])
     assert not np.array_equal(tuned["lm_head"], first["lm_head"])
+
+
+def test_a_mesh_trains_the_same_steps(tmp_path, policy_dir, capsys):
+    """On a (2, 2, 2) mesh (policy sharded, head replicated, rollouts and rows split over 4
+    devices) the losses and the exported head match the one-device run up to float summation
+    order; the mesh run resumes onto another mesh and ends at the same head."""
+    policy, cfg = policy_dir
+    single, mesh = tmp_path / "single", tmp_path / "mesh"
+    assert jaxspec_main(_args(single, policy, "train.steps=4", "eval.batches=0")) == 0
+    assert jaxspec_main(_args(mesh, policy, "train.steps=4", "eval.batches=0", "mesh.data=2", "mesh.fsdp=2",
+                              "mesh.tensor=2")) == 0
+    assert "training on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
+    losses = [[r["loss"] for r in _metrics(d)] for d in (single, mesh)]
+    assert len(losses[0]) == 2
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-4)
+    _, reference = load_eagle3(single / "draft", policy=cfg)
+
+    def assert_head_matches(folder):
+        _, ours = load_eagle3(folder, policy=cfg)
+        jax.tree_util.tree_map_with_path(lambda path, a, b: np.testing.assert_allclose(
+            a, b, atol=2e-4, err_msg=jax.tree_util.keystr(path)), ours, reference)
+
+    assert_head_matches(mesh / "draft")
+
+    shutil.rmtree(mesh / "checkpoints" / "4")
+    shutil.rmtree(mesh / "draft")
+    assert jaxspec_main(_args(mesh, policy, "train.steps=4", "eval.batches=0", "mesh.data=4", "--resume")) == 0
+    out = capsys.readouterr().out
+    assert "training on the mesh {'data': 4, 'fsdp': 1, 'tensor': 1}" in out and "resumed from step 2" in out
+    np.testing.assert_allclose([r["loss"] for r in _metrics(mesh)], losses[0], rtol=2e-4)
+    assert_head_matches(mesh / "draft")
+
+
+def test_mesh_must_split_the_batch_and_fit_the_devices(tmp_path, policy_dir, capsys):
+    policy, _ = policy_dir
+    assert jaxspec_main(_args(tmp_path / "odd", policy, "train.steps=2", "mesh.data=3")) == 2
+    assert "train.batch_size: 8 rows do not split over mesh.data x mesh.fsdp = 3 devices" in capsys.readouterr().err
+    assert jaxspec_main(_args(tmp_path / "big", policy, "train.steps=2", "train.batch_size=16", "mesh.data=16")) == 2
+    assert "mesh: data=16 x fsdp=1 x tensor=1 needs 16 devices, this process sees 8" in capsys.readouterr().err
+    assert not (tmp_path / "big").exists()
 
 
 def test_sigterm_checkpoints_and_resume_writes_each_step_once(tmp_path, policy_dir, monkeypatch, capsys):

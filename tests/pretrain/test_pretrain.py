@@ -147,6 +147,8 @@ def test_mesh_must_split_the_batch_and_fit_the_devices(first_run, capsys):
     assert main(["--config", str(config), "--run-dir", str(run_dir) + "-big", "mesh.data=16"]) == 2
     assert "mesh: data=16 x fsdp=1 x tensor=1 needs 16 devices, this process sees 8" in capsys.readouterr().err
     assert not Path(str(run_dir) + "-big").exists()
+    assert main(["--config", str(config), "--run-dir", str(run_dir) + "-r", "mesh.rollout_devices=1"]) == 2
+    assert "mesh.rollout_devices: a rollout mesh is for GRPO's rollout.mode async" in capsys.readouterr().err
 
 
 def test_export_matches_transformers(first_run):

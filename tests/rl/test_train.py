@@ -265,6 +265,41 @@ def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
     assert any(r["generation_rounds"] > 1 for r in records), records
 
 
+def test_rollout_sub_batches_bound_each_generate_call(tiny_policy, tmp_path, monkeypatch):
+    """rollout.sub_batch 16 of a step's 32 rollouts: two generate calls of 16 prompts each (whole
+    groups, keys folded per call), and the record's acceptance statistics are the two calls'
+    counts combined."""
+    import jaxspec.rl.loop as loop
+
+    calls, generate = [], loop.generate
+
+    def recording_generate(cfg, params, prompts, key, **kwargs):
+        out = generate(cfg, params, prompts, key, **kwargs)
+        calls.append((len(prompts), prompts, out.stats))
+        return out
+
+    monkeypatch.setattr(loop, "generate", recording_generate)
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    assert _train("--config", config, "--run-dir", tmp_path / "run", "rollout.sub_batch=16") == 0
+    assert [n for n, _, _ in calls] == [16, 16]
+    for _, prompts, _ in calls:  # 2 groups of 8 equal prompts per call
+        assert all(prompts[i] == prompts[i - i % 8] for i in range(16))
+    (record,) = _metrics(tmp_path / "run")
+    parts = [stats for _, _, stats in calls]
+    rows = sum(p["verified_row_steps"] for p in parts)
+    accepted = sum(p["accepted_tokens"] for p in parts)
+    assert record["accepted_tokens"] == accepted
+    assert record["acceptance_length"] == pytest.approx((accepted + rows) / rows)
+    assert record["decode_steps"] == sum(p["steps"] for p in parts)
+
+
+@pytest.mark.parametrize("sub_batch", [12, 0, 64])
+def test_a_sub_batch_that_splits_groups_or_the_step_is_refused(tiny_policy, tmp_path, capsys, sub_batch):
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    assert _train("--config", config, "--run-dir", tmp_path / "run", f"rollout.sub_batch={sub_batch}") != 0
+    assert "rollout.sub_batch" in capsys.readouterr().err
+
+
 def test_soft_overlong_penalty_shapes_the_rewards(tiny_policy, tmp_path):
     """overlong_buffer = max_new_tokens: every response of L tokens loses L / 8 before the
     advantages; reward_mean stays the reward function's."""

@@ -70,6 +70,9 @@ def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int,
         one of those drafts was accepted; NaN where no step tested that depth.
     drafted_tokens, accepted_tokens: draft nodes verified and draft tokens accepted.
     generated_tokens: sum of lengths.
+    verified_row_steps, tested_at, accepted_at: the counts behind the two ratios ((row, step)
+        pairs verified; per depth, steps that tested a draft there and steps that accepted one),
+        so that the statistics of several rollouts combine exactly (`merge_stats`).
     """
     counts = jax.device_get(counts)
     row_steps = int(counts.row_steps)
@@ -86,4 +89,30 @@ def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int,
         "drafted_tokens": int(counts.drafted),
         "accepted_tokens": int(counts.accepted),
         "generated_tokens": int(to_host(lengths).sum()),
+        "verified_row_steps": row_steps,
+        "tested_at": [int(n) for n in np.asarray(counts.reached)[:depth]],
+        "accepted_at": [int(n) for n in np.asarray(counts.accepted_at)[:depth]],
     }
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """The statistics of rollouts generated in several calls (sub-batches of one batch) as one
+    `RolloutOutput.stats` dict: counts add, the ratios are recomputed from the summed counts, and
+    `steps` / `stage_steps` add up the calls' loop iterations (the loops ran one after another)."""
+    first = parts[0]
+    out = {"steps": sum(p["steps"] for p in parts), "stage_rows": first["stage_rows"],
+           "stage_steps": [sum(n) for n in zip(*(p["stage_steps"] for p in parts))],
+           "generated_tokens": sum(p["generated_tokens"] for p in parts)}
+    if "verified_row_steps" not in first:  # autoregressive
+        return {**first, **out}
+    row_steps = sum(p["verified_row_steps"] for p in parts)
+    accepted = sum(p["accepted_tokens"] for p in parts)
+    tested = np.sum([p["tested_at"] for p in parts], axis=0, dtype=np.float64)
+    accepted_at = np.sum([p["accepted_at"] for p in parts], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rates = np.where(tested > 0, accepted_at / tested, np.nan).astype(np.float32)
+    return {**out, "acceptance_length": (accepted + row_steps) / row_steps if row_steps else 1.0,
+            "acceptance_rate_per_position": rates,
+            "drafted_tokens": sum(p["drafted_tokens"] for p in parts), "accepted_tokens": accepted,
+            "verified_row_steps": row_steps, "tested_at": [int(n) for n in tested],
+            "accepted_at": [int(n) for n in accepted_at]}

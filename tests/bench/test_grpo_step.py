@@ -1,0 +1,62 @@
+"""`jaxspec bench grpo-step` on a tiny random policy over a CPU mesh: every phase runs and is
+reported, the projection follows from the measured speculative step, and --write-policy writes an HF
+folder of the config's shape."""
+
+import json
+
+import pytest
+
+from jaxspec.cli import main as jaxspec_main
+from jaxspec.models import ModelConfig, load_hf
+
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "eos_token_id": 2}
+PHASES = ["generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint"]
+
+
+@pytest.fixture
+def model_json(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, capsys):
+    out = tmp_path / "grpo_step.json"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--mesh", "1,2,1", "--batch", "4",
+                         "--sub-batch", "2", "--prompt", "4", "--new", "4", "--minibatches", "2", "--k", "2",
+                         "--draft-vocab", "32", "--ttt-steps", "1", "--acceptance", "2.0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "PROJECTION (computed from the measured costs above, not measured)" in printed
+    assert "KV cache per sub-batch of 2 rows x 8 slots" in printed
+    result = json.loads(out.read_text())
+    rows = {r.get("phase") or r["projection"]: r for r in result["rows"]}
+    assert [r["phase"] for r in result["rows"] if "phase" in r] == PHASES
+    for phase in PHASES:
+        assert rows[phase]["seconds"] > 0
+        assert rows[phase]["peak_gb_per_device"] == [None] * 8  # CPU devices report no memory statistics
+    ar, spec = rows["generate_ar"], rows["generate_spec"]
+    assert ar["acceptance_length"] == 1.0 and ar["loop_steps"] >= 2 * 3  # 2 sub-batches, >= new - 1 steps each
+    assert 1.0 <= spec["acceptance_length"] <= 3.0  # k = 2: at most 3 tokens per verification
+    rest = rows["logprobs"]["seconds"] + rows["update_draft"]["seconds"]
+    for tau in (2.5, 3.0, 3.3, 2.0):
+        projected = rows[f"tau={tau}"]
+        assert projected["generate_s"] == pytest.approx(2 * 4 / tau * spec["ms_per_loop_step"] / 1e3)
+        assert projected["step_s"] == pytest.approx(projected["generate_s"] + rest)
+        assert projected["speedup"] == pytest.approx((ar["seconds"] + rest) / projected["step_s"])
+    assert result["baseline"]["kv_cache_bytes_per_sub_batch"] == 2 * 8 * 2 * 2 * 2 * 8 * 2  # B S (K,V) L Hkv D bf16
+
+
+def test_write_policy_writes_the_config_shape(model_json, tmp_path):
+    folder = tmp_path / "policy"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--write-policy", str(folder)]) == 0
+    cfg, params = load_hf(folder, dtype="bfloat16")
+    assert cfg == ModelConfig.from_json(model_json)
+    assert params["embed"].shape == (64, 32)
+
+
+def test_batch_must_split_into_sub_batches(model_json, capsys):
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "6", "--sub-batch", "4"]) == 1
+    assert "--batch 6 is not a multiple of --sub-batch 4" in capsys.readouterr().err
