@@ -43,12 +43,12 @@ def _report(name: str, lowered) -> None:
 
 def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online: bool) -> None:
     """The compiled update of `jaxspec.rl.step.update_fn` on packed rows [rows, width]."""
-    from jaxspec.rl.config import DraftConfig as OnlineConfig, LossConfig, OptimConfig
+    from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig as OnlineConfig, PolicyOptimConfig
     from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, update_fn
     from jaxspec.rollout.sampling import Sampling
 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    optim = OptimConfig(learning_rate=1e-5, warmup_steps=10)
+    optim = PolicyOptimConfig(learning_rate=1e-5, warmup_steps=10)
     opt_state = jax.eval_shape(lambda p: policy_optimizer(optim).init(p), params)
     draft = weights = buffers = draft_opt = None
     if online:
@@ -63,7 +63,7 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
                  "old_logp": S((sequences, new_tokens), jnp.float32), "loss_mask": S((sequences, new_tokens), bool)}
     if not online:
         del minibatch["seq_resp_mask"]
-    update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), LossConfig(), optim, "bfloat16",
+    update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), GRPOLossConfig(), optim, "bfloat16",
                        True, draft)
     _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}",
             update.lower(params, opt_state, weights, buffers, draft_opt, minibatch))
@@ -72,18 +72,18 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
 def draft_step(cfg: ModelConfig, batch: int, width: int) -> None:
     """`jaxspec.draft.train.train_step` on rows [batch, width] (bf16 policy, 7 TTT steps)."""
     from jaxspec.draft.train import train_step
-    from jaxspec.draft.train_config import LossConfig, OptimConfig
+    from jaxspec.draft.train_config import HeadLossConfig, HeadOptimConfig
     from jaxspec.optim import make_optimizer
 
     dcfg = DraftConfig.for_policy(cfg, DRAFT_VOCAB)
     weights, buffers = split_buffers(jax.eval_shape(lambda: init_eagle3(cfg, jax.random.key(0), DRAFT_VOCAB)[1]))
     policy = jax.eval_shape(lambda: jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.key(0))))
-    optim = OptimConfig(learning_rate=3e-4)
+    optim = HeadOptimConfig(learning_rate=3e-4)
     opt_state = jax.eval_shape(lambda w: make_optimizer(optim, 1000)[0].init(w), weights)
     rows = {"tokens": S((batch, width), jnp.int32), "loss_mask": S((batch, width), bool),
             "attn_mask": S((batch, width), bool)}
     _report(f"draft train step {batch}x{width}",
-            train_step.lower(cfg, dcfg, optim, 1000, LossConfig(), weights, opt_state, buffers, policy, rows))
+            train_step.lower(cfg, dcfg, optim, 1000, HeadLossConfig(), weights, opt_state, buffers, policy, rows))
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_
 from jaxspec.models.sharding import shard_params
 from jaxspec.placement import MeshConfig, Placement, check_devices
 from jaxspec.rl.batch import pack_rows, take_rows, training_rows
-from jaxspec.rl.config import DraftConfig as OnlineDraftConfig
-from jaxspec.rl.config import LossConfig, OptimConfig
+from jaxspec.rl.config import OnlineDraftConfig
+from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, minibatch_fields, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, Spec, generate
@@ -105,7 +105,7 @@ class Bench:
         self.sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=())
         rng = np.random.default_rng(0)
         self.prompts = rng.integers(0, self.cfg.vocab_size, (args.batch, args.prompt)).tolist()
-        self.loss = LossConfig()
+        self.loss = GRPOLossConfig()
         self.rows: dict | None = None
         self.opt_state = None
 
@@ -174,7 +174,7 @@ class Bench:
 
     def update(self, with_draft: bool) -> dict:
         a = self.args
-        optim = OptimConfig()
+        optim = PolicyOptimConfig()
         draft = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True, ttt_steps=a.ttt_steps)) if with_draft else None
         self.opt_state = None  # the previous phase's optimizer state is freed before this one is made
         update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)

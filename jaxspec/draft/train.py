@@ -31,7 +31,7 @@ from jaxspec.draft.checkpoint import load_eagle3, save_eagle3
 from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.loss import eagle3_loss
 from jaxspec.draft.model import init_eagle3, merge_buffers, split_buffers
-from jaxspec.draft.train_config import DraftTrainConfig, LossConfig, OptimConfig
+from jaxspec.draft.train_config import DraftTrainConfig, HeadLossConfig, HeadOptimConfig
 from jaxspec.draft.train_data import RolloutBatch, RolloutSource, count_tokens, prompt_pool
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
@@ -69,7 +69,7 @@ def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict, 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("sharding",), donate_argnums=(5, 6))
-def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: OptimConfig, total_steps: int, loss: LossConfig,
+def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: HeadOptimConfig, total_steps: int, loss: HeadLossConfig,
                weights: dict, opt_state, buffers: dict, policy: Params, batch: dict, *,
                sharding: Sharding | None = None):
     """One AdamW step of the head: -> (weights, opt_state, metrics). The policy is read only;
@@ -89,7 +89,7 @@ def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: OptimConfig, total_st
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("sharding",))
-def eval_step(cfg: ModelConfig, dcfg: DraftConfig, loss: LossConfig, dparams: dict, policy: Params, batch: dict, *,
+def eval_step(cfg: ModelConfig, dcfg: DraftConfig, loss: HeadLossConfig, dparams: dict, policy: Params, batch: dict, *,
               sharding: Sharding | None = None):
     """(loss, metrics) of the head on a batch, without an update."""
     logits, aux = _features(cfg, dcfg, policy, batch, sharding)

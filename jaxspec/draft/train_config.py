@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from jaxspec.optim import OptimConfig as ScheduleConfig
+from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
 
@@ -60,13 +60,13 @@ class HeadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class HeadLossConfig:
     num_steps: int = 7
     step_decay: float = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig(ScheduleConfig):
+class HeadOptimConfig(OptimConfig):
     """`jaxspec.optim.OptimConfig` with the head's defaults (public EAGLE-3 recipes: lr ~1e-4, no
     weight decay, clip 0.5)."""
 
@@ -77,7 +77,7 @@ class OptimConfig(ScheduleConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class HeadTrainConfig:
     """Loop, checkpoints and export.
 
     batch_size: rollouts per step (one response per prompt). policy_dtype: dtype of the frozen
@@ -121,13 +121,13 @@ class DraftTrainConfig:
     summation order); a resumed run may change it.
     """
 
-    train: TrainConfig
+    train: HeadTrainConfig
     policy: str | None = None
     data: PromptData = PromptData()
     generation: GenerationConfig = GenerationConfig()
     head: HeadConfig = HeadConfig()
-    loss: LossConfig = LossConfig()
-    optim: OptimConfig = OptimConfig()
+    loss: HeadLossConfig = HeadLossConfig()
+    optim: HeadOptimConfig = HeadOptimConfig()
     eval: EvalConfig = EvalConfig()
     mesh: MeshConfig = MeshConfig()
 

@@ -66,7 +66,7 @@ class ModelShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class PretrainTrainConfig:
     """Loop, precision, evaluation, checkpointing and export.
 
     batch_size: packed rows (of data.max_len tokens, several examples each) per optimizer step; on
@@ -105,7 +105,7 @@ class PretrainConfig:
     data: DataConfig
     model: ModelShape
     optim: OptimConfig
-    train: TrainConfig
+    train: PretrainTrainConfig
     mesh: MeshConfig = MeshConfig()
 
 

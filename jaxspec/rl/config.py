@@ -97,7 +97,7 @@ AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class GRPOLossConfig:
     """GRPO / DAPO / Dr.GRPO objective (see README "Algorithms").
 
     advantage: "std" = (r - mean) / (std + advantage_eps) within each group (unbiased std; GRPO),
@@ -156,7 +156,7 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
+class PolicyOptimConfig:
     """AdamW with global-norm gradient clipping; the learning rate warms up linearly over the
     first `warmup_steps` optimizer updates (ppo_epochs * minibatches per RL step), then stays.
 
@@ -200,7 +200,7 @@ class SpecConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftConfig:
+class OnlineDraftConfig:
     """Online adaptation of the EAGLE-3 draft during RL (spec.method eagle3 only).
 
     online: false keeps the draft frozen. loss_weight is λ in L = L_policy + λ·L_draft; L_draft
@@ -240,7 +240,7 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class GRPOTrainConfig:
     """Loop, numerics, checkpoints and logging.
 
     compute_dtype: dtype of the training forward/backward (master params stay float32).
@@ -280,15 +280,15 @@ class GRPOConfig:
     external math data: GSM8K / MATH / DAPO-style answers, LaTeX; timed per response) or
     "arithmetic" (exact rationals, for the built-in task's integer and fraction answers: faster)."""
 
-    train: TrainConfig
+    train: GRPOTrainConfig
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: str = "math"
-    loss: LossConfig = LossConfig()
-    optim: OptimConfig = OptimConfig()
+    loss: GRPOLossConfig = GRPOLossConfig()
+    optim: PolicyOptimConfig = PolicyOptimConfig()
     spec: SpecConfig = SpecConfig()
-    draft: DraftConfig = DraftConfig()
+    draft: OnlineDraftConfig = OnlineDraftConfig()
     eval: EvalConfig = EvalConfig()
     mesh: MeshConfig = MeshConfig()
 

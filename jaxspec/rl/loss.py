@@ -16,7 +16,7 @@ import numpy as np
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, forward_hidden
-from jaxspec.rl.config import AGGREGATIONS, LossConfig
+from jaxspec.rl.config import AGGREGATIONS, GRPOLossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 
 
@@ -111,7 +111,7 @@ def finite_tokens(mask, *logps):
     return mask
 
 
-def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, cfg: LossConfig,
+def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, cfg: GRPOLossConfig,
                 ref_logp: jax.Array | None = None, rollout_logp: jax.Array | None = None,
                 denominator: jax.Array | None = None, kl_logp: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:

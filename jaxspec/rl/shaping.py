@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.rl.config import LossConfig
+from jaxspec.rl.config import GRPOLossConfig
 
 
 def truncated_rollouts(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
@@ -14,7 +14,7 @@ def truncated_rollouts(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: 
     return (lengths == max_new_tokens) & (tokens[:, -1] != eos_id)
 
 
-def trained_rollouts(informative: np.ndarray, truncated: np.ndarray, group: int, loss: LossConfig) -> np.ndarray:
+def trained_rollouts(informative: np.ndarray, truncated: np.ndarray, group: int, loss: GRPOLossConfig) -> np.ndarray:
     """bool [B]: rollouts whose tokens enter the policy loss. informative bool [B / group] (groups
     with unequal rewards), truncated bool [B]; `loss.filter_groups` drops uninformative groups and
     `loss.mask_truncated` drops truncated rollouts."""

@@ -24,42 +24,36 @@ import jax.numpy as jnp
 import optax
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.optim import clipped_adamw
 from jaxspec.models.sharding import Sharding
-from jaxspec.rl.config import DraftConfig as DraftTrainConfig
-from jaxspec.rl.config import LossConfig, OptimConfig
+from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.rl.loss import aggregate, policy_loss, reference_sampling, response_logprobs, sequence_forward
 from jaxspec.rollout.sampling import Sampling
 
 
-def _decay_mask(params):
-    return jax.tree.map(lambda x: x.ndim >= 2, params)  # norm weights and biases are not decayed
-
-
 @functools.lru_cache(maxsize=None)
-def policy_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW (first moment in `cfg.state_dtype`); lr warms up linearly
-    over `warmup_steps` updates."""
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                                   mu_dtype=jnp.dtype(cfg.state_dtype), mask=_decay_mask))
+def policy_optimizer(cfg: PolicyOptimConfig) -> optax.GradientTransformation:
+    """`clipped_adamw` (first moment in `cfg.state_dtype`); lr warms up linearly over
+    `warmup_steps` updates."""
+    return clipped_adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                         grad_clip=cfg.grad_clip, mu_dtype=jnp.dtype(cfg.state_dtype))
 
 
-def learning_rate(cfg: OptimConfig) -> Callable:
+def learning_rate(cfg: PolicyOptimConfig) -> Callable:
     if cfg.warmup_steps == 0:
         return optax.constant_schedule(cfg.learning_rate)
     return optax.linear_schedule(cfg.learning_rate / cfg.warmup_steps, cfg.learning_rate, cfg.warmup_steps - 1)
 
 
 @functools.lru_cache(maxsize=None)
-def draft_optimizer(cfg: DraftTrainConfig) -> optax.GradientTransformation:
-    """The draft head's own clipping and AdamW (constant learning rate); `update_fn` multiplies its
+def draft_optimizer(cfg: OnlineDraftConfig) -> optax.GradientTransformation:
+    """The draft head's own `clipped_adamw` (constant learning rate); `update_fn` multiplies its
     updates by draft.loss_weight."""
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                                   mask=_decay_mask))
+    return clipped_adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                         grad_clip=cfg.grad_clip)
 
 
-def minibatch_fields(loss: LossConfig) -> list[str]:
+def minibatch_fields(loss: GRPOLossConfig) -> list[str]:
     """Per-sequence fields of a minibatch, besides the packed rows, that `update_fn` reads."""
     return (["advantages", "old_logp", "loss_mask", "loss_denominator"] + ["ref_logp"] * (loss.kl_beta > 0)
             + ["rollout_logp"] * (loss.tis_cap > 0))
@@ -69,7 +63,7 @@ class OnlineDraft(NamedTuple):
     """Static description of the EAGLE-3 head trained next to the policy (hashable)."""
 
     dcfg: object  # jaxspec.draft.DraftConfig
-    train: DraftTrainConfig
+    train: OnlineDraftConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,7 +82,7 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
 
 
 @functools.lru_cache(maxsize=None)
-def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: LossConfig, optim_cfg: OptimConfig,
+def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, optim_cfg: PolicyOptimConfig,
               compute_dtype: str, remat: bool, draft: OnlineDraft | None,
               sharding: Sharding | None = None) -> Callable:
     """Compiled minibatch update (the policy does not step on a minibatch without loss tokens).

@@ -9,7 +9,7 @@ from jaxspec.draft.loss import _flash_ttt_attention
 from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention, ttt_forward
 from jaxspec.draft.train import eval_step, train_step
 from jaxspec.optim import make_optimizer
-from jaxspec.draft.train_config import LossConfig, OptimConfig
+from jaxspec.draft.train_config import HeadLossConfig, HeadOptimConfig
 from jaxspec.models import forward_hidden
 from jaxspec.models.attention import attention
 from jaxspec.rollout import Sampling, generate
@@ -143,7 +143,7 @@ def test_training_lowers_the_loss_and_beats_a_random_head(peaked_policy, rollout
     train, held_out = rollouts
     counts = np.bincount(np.asarray(train["tokens"]).ravel(), minlength=cfg.vocab_size)
     dcfg, dparams = init_eagle3(cfg, jax.random.key(8), draft_vocab_size=48, token_counts=counts)
-    optim, loss = OptimConfig(learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0), LossConfig(num_steps=STEPS)
+    optim, loss = HeadOptimConfig(learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0), HeadLossConfig(num_steps=STEPS)
     weights, buffers = split_buffers(dparams)
     _, before = eval_step(cfg, dcfg, loss, dparams, params, held_out)
 

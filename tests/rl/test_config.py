@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from jaxspec.rl.config import GRPOConfig, LossConfig, TrainConfig, validate
+from jaxspec.rl.config import GRPOConfig, GRPOLossConfig, GRPOTrainConfig, validate
 
 
 @pytest.mark.parametrize("loss, message", [
@@ -14,12 +14,12 @@ from jaxspec.rl.config import GRPOConfig, LossConfig, TrainConfig, validate
     (dict(overlong_penalty=-1.0), "loss.overlong_penalty: must be >= 0"),
 ])
 def test_algorithm_options_are_checked(loss, message):
-    cfg = GRPOConfig(train=TrainConfig(steps=1), loss=LossConfig(**loss))
+    cfg = GRPOConfig(train=GRPOTrainConfig(steps=1), loss=GRPOLossConfig(**loss))
     with pytest.raises(ValueError, match=message):
         validate(cfg, "run.yaml")
 
 
 def test_algorithm_options_accepted():
-    loss = LossConfig(tis_cap=2.0, recompute_logprobs=True, filter_groups=True, filter_groups_max_rounds=3,
+    loss = GRPOLossConfig(tis_cap=2.0, recompute_logprobs=True, filter_groups=True, filter_groups_max_rounds=3,
                       clip_ratio_c=None, overlong_buffer=16, aggregation="seq-mean-token-sum-norm")
-    validate(dataclasses.replace(GRPOConfig(train=TrainConfig(steps=1)), loss=loss), "run.yaml")
+    validate(dataclasses.replace(GRPOConfig(train=GRPOTrainConfig(steps=1)), loss=loss), "run.yaml")

@@ -7,7 +7,7 @@ import pytest
 
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import minibatch_indices, pack_rows, training_rows
-from jaxspec.rl.config import LossConfig
+from jaxspec.rl.config import GRPOLossConfig
 from jaxspec.rl.loss import loss_denominator, policy_loss, response_logprobs, sequence_forward
 from jaxspec.rollout import Sampling, generate
 
@@ -40,7 +40,7 @@ def _case():
 
 def test_clipped_loss_token_and_sequence_aggregation():
     logp, old, adv, mask = _case()
-    cfg = LossConfig(eps_low=0.2, eps_high=0.28, aggregation="token")
+    cfg = GRPOLossConfig(eps_low=0.2, eps_high=0.28, aggregation="token")
     loss, m = policy_loss(logp, old, adv, mask, cfg)
     # pg per token: row 0 [-1.28, -1.1, -0.5], row 1 [0.8, 1.5]
     assert float(loss) == pytest.approx(-0.58 / 5, abs=1e-6)
@@ -51,7 +51,7 @@ def test_clipped_loss_token_and_sequence_aggregation():
     # clipped tokens get no gradient; the others -A * r / (number of tokens)
     np.testing.assert_allclose(grad, [[0, -1.1 / 5, -0.5 / 5], [0, 1.5 / 5, 0], [0, 0, 0]], atol=1e-6)
 
-    seq = LossConfig(eps_low=0.2, eps_high=0.28, aggregation="sequence")
+    seq = GRPOLossConfig(eps_low=0.2, eps_high=0.28, aggregation="sequence")
     assert float(policy_loss(logp, old, adv, mask, seq)[0]) == pytest.approx((-2.88 / 3 + 2.3 / 2) / 2, abs=1e-6)
     grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, seq)[0])(logp)
     np.testing.assert_allclose(grad, [[0, -1.1 / 6, -0.5 / 6], [0, 1.5 / 4, 0], [0, 0, 0]], atol=1e-6)
@@ -60,14 +60,14 @@ def test_clipped_loss_token_and_sequence_aggregation():
     unfiltered = mask.at[2].set(True)
     assert float(policy_loss(logp, old, adv, unfiltered, cfg)[0]) == pytest.approx(-0.58 / 8, abs=1e-6)
     # Symmetric clipping (GRPO/PPO): ratio 1.5 with A=-1 stays unclipped, 1.1 with eps 0.05 clips.
-    sym = LossConfig(eps_low=0.05, eps_high=0.05)
+    sym = GRPOLossConfig(eps_low=0.05, eps_high=0.05)
     loss = policy_loss(logp, old, adv, mask, sym)[0]
     assert float(loss) == pytest.approx((-1.05 - 1.05 - 0.5 + 0.95 + 1.5) / 5, abs=1e-6)
 
 
 def test_k3_kl_penalty():
     logp, old, adv, mask = _case()
-    cfg = LossConfig(kl_beta=0.1)
+    cfg = GRPOLossConfig(kl_beta=0.1)
     ref = logp + math.log(2.0)  # ref/pi = 2 on every token: k3 = 2 - ln 2 - 1
     loss, m = policy_loss(logp, old, adv, mask, cfg, ref_logp=ref)
     assert float(m["kl"]) == pytest.approx(1 - math.log(2), abs=1e-6)
@@ -143,7 +143,7 @@ def test_nonfinite_logprobs_are_masked_and_counted():
     nucleus) leaves the loss: same loss and gradient as with the token masked, all finite."""
     logp, old, adv, mask = _case()
     ref, rollout = logp + 0.1, old - 0.05
-    cfg = LossConfig(kl_beta=0.1, tis_cap=2.0)
+    cfg = GRPOLossConfig(kl_beta=0.1, tis_cap=2.0)
     bad = [(0, 0), (0, 2), (1, 0), (1, 1)]
     inf_old, inf_ref, inf_rollout, inf_cur = (x.at[i, j].set(-jnp.inf) for x, (i, j) in
                                                zip((old, ref, rollout, logp), bad))
@@ -170,12 +170,12 @@ def test_dual_clip_bounds_negative_advantage_tokens():
     logp = jnp.log(jnp.asarray([[5.0, 2.0, 5.0]]))
     old, mask = jnp.zeros((1, 3)), jnp.ones((1, 3), bool)
     for adv, want_c, want_plain in ((-1.0, (3 + 2 + 3) / 3, (5 + 2 + 5) / 3), (1.0, -1.28, -1.28)):
-        loss, m = policy_loss(logp, old, jnp.asarray([adv]), mask, LossConfig(clip_ratio_c=3.0))
+        loss, m = policy_loss(logp, old, jnp.asarray([adv]), mask, GRPOLossConfig(clip_ratio_c=3.0))
         assert float(loss) == pytest.approx(want_c, abs=1e-5)
         assert float(m["dual_clip_frac"]) == pytest.approx(2 / 3 if adv < 0 else 0.0)
-        plain = policy_loss(logp, old, jnp.asarray([adv]), mask, LossConfig(clip_ratio_c=None))[0]
+        plain = policy_loss(logp, old, jnp.asarray([adv]), mask, GRPOLossConfig(clip_ratio_c=None))[0]
         assert float(plain) == pytest.approx(want_plain, abs=1e-5)
-    grad = jax.grad(lambda lp: policy_loss(lp, old, jnp.asarray([-1.0]), mask, LossConfig())[0])(logp)
+    grad = jax.grad(lambda lp: policy_loss(lp, old, jnp.asarray([-1.0]), mask, GRPOLossConfig())[0])(logp)
     np.testing.assert_allclose(grad, [[0.0, 2.0 / 3, 0.0]], atol=1e-6)
 
 
@@ -184,27 +184,27 @@ def test_truncated_importance_sampling_weights_tokens():
     logp, old, adv, mask = _case()
     rollout = old - jnp.log(jnp.asarray([[0.5, 1.0, 4.0], [2.0, 8.0, 1.0], [1.0, 1.0, 1.0]]))
     weights = np.array([[0.5, 1.0, 3.0], [2.0, 3.0, 1.0], [1.0, 1.0, 1.0]])  # capped at 3
-    cfg = LossConfig(tis_cap=3.0)
+    cfg = GRPOLossConfig(tis_cap=3.0)
     loss, m = policy_loss(logp, old, adv, mask, cfg, rollout_logp=rollout)
     pg = np.array([[-1.28, -1.1, -0.5], [0.8, 1.5, 0.0], [0, 0, 0]])
     assert float(loss) == pytest.approx((pg * weights)[np.asarray(mask)].sum() / 5, abs=1e-6)
     assert float(m["tis_weight_mean"]) == pytest.approx(weights[np.asarray(mask)].mean(), abs=1e-6)
     grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, cfg, rollout_logp=rollout)[0])(logp)
-    plain = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, LossConfig())[0])(logp)
+    plain = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, GRPOLossConfig())[0])(logp)
     np.testing.assert_allclose(grad, np.asarray(plain) * weights, atol=1e-6)
-    off = policy_loss(logp, old, adv, mask, LossConfig(tis_cap=0.0), rollout_logp=rollout)[0]
+    off = policy_loss(logp, old, adv, mask, GRPOLossConfig(tis_cap=0.0), rollout_logp=rollout)[0]
     assert float(off) == pytest.approx(-0.58 / 5, abs=1e-6)
 
 
 def test_dr_grpo_constant_length_normaliser():
     """seq-mean-token-sum-norm: each sequence's token sum / N (= max_new_tokens), mean over sequences."""
     logp, old, adv, mask = _case()
-    loss = policy_loss(logp, old, adv, mask, LossConfig(aggregation="seq-mean-token-sum-norm"))[0]
+    loss = policy_loss(logp, old, adv, mask, GRPOLossConfig(aggregation="seq-mean-token-sum-norm"))[0]
     assert float(loss) == pytest.approx((-2.88 / 3 + 2.3 / 3) / 2, abs=1e-6)
-    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, LossConfig(aggregation="seq-mean-token-sum-norm"))[0])
+    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, GRPOLossConfig(aggregation="seq-mean-token-sum-norm"))[0])
     np.testing.assert_allclose(grad(logp), [[0, -1.1 / 6, -0.5 / 6], [0, 1.5 / 6, 0], [0, 0, 0]], atol=1e-6)
     with pytest.raises(ValueError, match="aggregation"):
-        policy_loss(logp, old, adv, mask, LossConfig(aggregation="mean"))
+        policy_loss(logp, old, adv, mask, GRPOLossConfig(aggregation="mean"))
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence", "seq-mean-token-sum-norm"])
@@ -217,7 +217,7 @@ def test_step_level_normaliser_over_minibatches(aggregation):
     adv = jnp.asarray(rng.normal(0, 1, 8), jnp.float32)
     lengths = np.array([5, 1, 1, 1, 5, 5, 4, 0])
     mask = np.arange(5)[None, :] < lengths[:, None]
-    cfg = LossConfig(aggregation=aggregation)
+    cfg = GRPOLossConfig(aggregation=aggregation)
     whole = float(policy_loss(logp, old, adv, mask, cfg)[0])
     denominator = loss_denominator(mask, aggregation, 2)
     halves = [float(policy_loss(logp[s], old[s], adv[s], mask[s], cfg, denominator=denominator)[0])

@@ -8,7 +8,7 @@ import pytest
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
 from jaxspec.rl.batch import pack_rows, training_rows
-from jaxspec.rl.config import DraftConfig, LossConfig, OptimConfig
+from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator, reference_sampling, sequence_forward
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
@@ -33,10 +33,10 @@ def _draft_case(cfg):
 def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)
-    loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-2)
+    loss_cfg, optim = GRPOLossConfig(), PolicyOptimConfig(learning_rate=1e-2)
     dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
     weights, buffers = split_buffers(dparams)
-    online = OnlineDraft(dcfg=dcfg, train=DraftConfig(online=True, loss_weight=1.0, learning_rate=1e-2, ttt_steps=1))
+    online = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, loss_weight=1.0, learning_rate=1e-2, ttt_steps=1))
 
     plain = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     with_draft = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, online)
@@ -71,13 +71,13 @@ def test_draft_loss_weight_scales_the_head_update(tiny_policy):
     as far as λ = 1 (clipping and Adam would cancel a weight on the loss), λ = 0 not at all."""
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)
-    loss_cfg, optim = LossConfig(), OptimConfig(learning_rate=1e-3)
+    loss_cfg, optim = GRPOLossConfig(), PolicyOptimConfig(learning_rate=1e-3)
     dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
     weights, buffers = split_buffers(dparams)
     opt_state = policy_optimizer(optim).init(params)
     deltas = {}
     for weight in (0.0, 1.0, 10.0):
-        train = DraftConfig(online=True, loss_weight=weight, learning_rate=1e-3, ttt_steps=1)
+        train = OnlineDraftConfig(online=True, loss_weight=weight, learning_rate=1e-3, ttt_steps=1)
         update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, OnlineDraft(dcfg=dcfg, train=train))
         d_opt = draft_optimizer(train).init(weights)
         _, _, new, _, m = update(_copy(params), _copy(opt_state), _copy(weights), buffers, d_opt, batch)
@@ -120,8 +120,8 @@ def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
         params[head][(int(ranked[0]) if head == "embed" else (slice(None), int(ranked[0])))] * 1.5)
     batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), old_logp=old_logp,
                  ref_logp=ref_logp, loss_mask=batch.pop("resp_mask"))
-    loss_cfg = LossConfig(kl_beta=0.1, minibatches=2, ppo_epochs=2)
-    optim = OptimConfig(learning_rate=1e-2)
+    loss_cfg = GRPOLossConfig(kl_beta=0.1, minibatches=2, ppo_epochs=2)
+    optim = PolicyOptimConfig(learning_rate=1e-2)
     update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     state, opt_state, counted = _copy(moved), policy_optimizer(optim).init(moved), []
     batch["loss_denominator"] = np.full(8, loss_denominator(batch["loss_mask"], "token", 2), np.float32)
@@ -144,10 +144,10 @@ def test_bfloat16_optimizer_state_halves_the_first_moment_and_trains_alike(tiny_
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)
     batch.pop("seq_resp_mask")
-    loss_cfg = LossConfig()
+    loss_cfg = GRPOLossConfig()
     moved = {}
     for dtype in ("float32", "bfloat16"):
-        optim = OptimConfig(learning_rate=1e-3, state_dtype=dtype)
+        optim = PolicyOptimConfig(learning_rate=1e-3, state_dtype=dtype)
         opt_state = policy_optimizer(optim).init(params)
         adam = opt_state[1][0]
         assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(dtype)}

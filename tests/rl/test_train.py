@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxspec.cli import main as jaxspec_main
-from jaxspec.rl.config import LossConfig
+from jaxspec.rl.config import GRPOLossConfig
 from jaxspec.rl.shaping import trained_rollouts, truncated_rollouts
 from jaxspec.rl.metrics import is_timing
 from jaxspec.run import EXIT_CHECKPOINTED
@@ -480,7 +480,7 @@ def test_truncated_rollouts_are_masked_on_request():
     informative = np.array([True, False])  # groups of 2: rows 0-1 and rows 2-3
 
     def kept(**loss):
-        return trained_rollouts(informative, truncated, 2, LossConfig(**loss)).tolist()
+        return trained_rollouts(informative, truncated, 2, GRPOLossConfig(**loss)).tolist()
 
     assert kept() == [True, True, True, True]
     assert kept(filter_groups=True) == [True, True, False, False]
