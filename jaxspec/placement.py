@@ -1,4 +1,4 @@
-"""Where a training run's arrays live: one device, or a (data, fsdp, tensor) mesh (which may span
+"""Where a training run's arrays live: one device, or a (data, fsdp, tensor, expert) mesh (which may span
 several processes: see `jaxspec.distributed`).
 
 On a mesh the policy (and GRPO's frozen reference) is sharded by the model's logical-axis rules,
@@ -21,9 +21,10 @@ from jaxspec.models.sharding import Sharding, make_mesh
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh (data, fsdp, tensor) that the policy, its optimizer state and the rollouts
-    are sharded over, built from the first data * fsdp * tensor devices. All 1: one device. A
-    resumed run may use another mesh (checkpoints are restored onto it).
+    """The device mesh (data, fsdp, tensor, expert) that the policy, its optimizer state and the
+    rollouts are sharded over, built from the first data * fsdp * tensor * expert devices. All 1:
+    one device. expert splits a mixture-of-experts policy's experts (training rows are not split
+    over it). A resumed run may use another mesh (checkpoints are restored onto it).
 
     rollout_devices: GRPO with rollout.mode async only: the last N devices form a separate rollout
     mesh (its own copy of the policy, see `jaxspec.rl.async_rollouts`); the trainer mesh is built
@@ -33,27 +34,38 @@ class MeshConfig:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
     rollout_devices: int = 0
+
+    @property
+    def devices(self) -> int:
+        """Devices of the trainer mesh (the rollout devices come after them)."""
+        return self.data * self.fsdp * self.tensor * self.expert
 
 
 def check_devices(cfg: MeshConfig) -> None:
-    """ValueError naming the mesh when this process sees fewer devices than it needs."""
-    devices = cfg.data * cfg.fsdp * cfg.tensor
+    """ValueError naming the mesh when an axis is below 1 or this process sees fewer devices than it
+    needs."""
+    for axis in ("data", "fsdp", "tensor", "expert"):
+        if getattr(cfg, axis) < 1:
+            raise ValueError(f"mesh.{axis}: must be > 0, got {getattr(cfg, axis)}")
+    devices = cfg.devices
+    expert = f" x expert={cfg.expert}" if cfg.expert != 1 else ""
     if cfg.rollout_devices and devices + cfg.rollout_devices > jax.device_count():
         raise ValueError(f"mesh.rollout_devices: {cfg.rollout_devices} rollout devices after the trainer mesh "
-                         f"data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor} ({devices} devices) need "
-                         f"{devices + cfg.rollout_devices} devices, this process sees {jax.device_count()}")
+                         f"data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} ({devices} devices) "
+                         f"need {devices + cfg.rollout_devices} devices, this process sees {jax.device_count()}")
     if devices > jax.device_count():
-        raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor} needs {devices} devices, "
-                         f"this process sees {jax.device_count()}")
+        raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} "
+                         f"needs {devices} devices, this process sees {jax.device_count()}")
 
 
 class Placement:
     def __init__(self, cfg: MeshConfig):
-        devices = cfg.data * cfg.fsdp * cfg.tensor
+        devices = cfg.devices
         self.row_shards = cfg.data * cfg.fsdp  # training rows are split over these devices
         self.sharding = None if devices == 1 else Sharding(
-            make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=jax.devices()[:devices]))
+            make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=jax.devices()[:devices], expert=cfg.expert))
 
     def state(self, state: dict) -> dict:
         """The training state committed to its devices: leaves already on the mesh stay as they

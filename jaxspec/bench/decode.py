@@ -4,7 +4,10 @@ Random bf16 weights of a checkpoint's shape; B random prompts of `--prompt` toke
 temperature 1 with no eos, so every row decodes exactly `--new` tokens. The decode step time is
 (time of the full rollout - time of a one-token rollout) / (new - 1), so prefill is excluded.
 Bytes a step must read: all weights except the embedding table (an untied model reads only B of
-its rows) + the KV cache of the filled slots, averaged over the decode. Roofline fraction =
+its rows; a mixture-of-experts layer: only the experts its B tokens pick, counted as the expected
+number of distinct experts under uniform routing, E * (1 - (1 - k/E)^B)) + the KV cache of the
+filled slots, averaged over the decode. MoE rows also report the distinct experts per layer that
+the router of the random weights picks for B tokens at one position (`experts_measured`). Roofline fraction =
 (bytes / step time) / the device copy bandwidth (bytes read + written per second) measured in
 the same run inside one compiled loop (`copy_bytes_per_second`); a fraction above 1.0 is
 reported as an error row, never as a result.
@@ -30,13 +33,31 @@ import numpy as np
 from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, median_seconds, print_table,
                                   write_results)
 from jaxspec.models import ModelConfig, init_params, load_hf
+from jaxspec.models.moe import distinct_experts, expected_distinct_experts
+from jaxspec.models.transformer import forward_router
 from jaxspec.rollout import Sampling, generate
 
 
-def weight_read_bytes(cfg: ModelConfig, itemsize: int) -> int:
-    """Bytes of weights one decode step reads (embedding table: only when tied as the LM head)."""
-    embed = cfg.vocab_size * cfg.hidden_size
-    return (cfg.num_params() - (0 if cfg.tie_word_embeddings else embed)) * itemsize
+def weight_read_bytes(cfg: ModelConfig, itemsize: int, tokens: int = 1) -> float:
+    """Bytes of weights one step over `tokens` tokens reads (embedding table: only when tied as the
+    LM head; sparse layers: the expected distinct experts under uniform routing)."""
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size  # one expert of one layer
+    sparse = len(cfg.sparse_layers)
+    experts_read = sparse * expected_experts(cfg, tokens) if sparse else 0.0
+    return (cfg.num_params() - embed + (experts_read - sparse * cfg.num_experts) * expert) * itemsize
+
+
+def expected_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Expected distinct experts per sparse layer for `tokens` tokens under uniform routing."""
+    return expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, tokens)
+
+
+def measured_experts(cfg: ModelConfig, params, prompts: np.ndarray, positions: int = 16) -> float:
+    """Distinct experts per sparse layer that B rows at one position pick, from the router on
+    `params`: the mean over layers and the first `positions` positions of the prompts [B, P]."""
+    _, _, router = jax.jit(forward_router, static_argnums=0)(cfg, params, jnp.asarray(prompts[:, :positions]))
+    return float(jnp.mean(distinct_experts(router, cfg.num_experts_per_tok)))
 
 
 def kv_read_bytes(cfg: ModelConfig, batch: int, prompt: int, new: int, itemsize: int) -> float:
@@ -45,9 +66,12 @@ def kv_read_bytes(cfg: ModelConfig, batch: int, prompt: int, new: int, itemsize:
     return batch * (prompt + new / 2) * per_token
 
 
+def random_prompts(cfg: ModelConfig, batch: int, prompt: int) -> np.ndarray:
+    return np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, prompt))
+
+
 def run_jaxspec(cfg: ModelConfig, params, batch: int, prompt: int, new: int, iters: int) -> dict:
-    rng = np.random.default_rng(batch)
-    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
+    prompts = random_prompts(cfg, batch, prompt).tolist()
     full = Sampling(temperature=1.0, max_new_tokens=new, eos_id=())
     one = Sampling(temperature=1.0, max_new_tokens=1, eos_id=())
     key = jax.random.key(0)
@@ -101,11 +125,14 @@ def main(argv: list[str]) -> int:
                 rows.append({"batch": batch, "error": str(err)})
                 print(f"batch {batch}: {err}")
                 continue
-            step_bytes = weight_read_bytes(cfg, 2) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)
+            step_bytes = weight_read_bytes(cfg, 2, batch) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)
             row = {"batch": batch, "prompt": args.prompt, "new": args.new, **r,
                    "tokens_per_s": batch / (r["step_ms"] / 1e3),
                    "bytes_per_step_gb": step_bytes / 1e9,
                    "achieved_tb_s": step_bytes / (r["step_ms"] / 1e3) / 1e12}
+            if cfg.num_experts:
+                row["experts_expected"] = expected_experts(cfg, batch)
+                row["experts_measured"] = measured_experts(cfg, params, random_prompts(cfg, batch, args.prompt))
             add_fraction(row, "roofline_frac", step_bytes / (r["step_ms"] / 1e3), copy_bw,
                          f"decode batch {batch}: bytes per step / step time vs the in-loop copy bandwidth")
             if batch in peer:
@@ -114,11 +141,12 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print_table([row], list(row))
     baseline = {**ceilings(copy_rate=copy_bw), "copy_tb_s": copy_bw / 1e12, "model": args.model,
-                "params": cfg.num_params(),
+                "params": cfg.num_params(), "active_params": cfg.num_params(active=True),
                 "peer": args.peer, "peer_new_tokens": args.peer_new,
                 "roofline": "bytes per step / (copy bandwidth: bytes read + written per second)"}
     print(f"\n{args.model}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)")
     print_table(rows, ["batch", "step_ms", "tokens_per_s", "bytes_per_step_gb", "achieved_tb_s", "roofline_frac",
-                       "hf_step_ms", "speedup_vs_hf"])
+                       "hf_step_ms", "speedup_vs_hf"] + (["experts_expected", "experts_measured"] if cfg.num_experts
+                                                         else []))
     write_results(args.out, "decode", rows, baseline)
     return 0

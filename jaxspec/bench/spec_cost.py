@@ -23,6 +23,9 @@ tau(k) (tokens emitted per step and row) read from a `jaxspec bench spec` JSON (
 rows "eagle3 chain k=K", the same batch when present, else any) costs k*draft + fuse + verify(k+1)
 per step and emits tau tokens, so projected speedup = decode * tau / (k*draft + fuse + verify(k+1))
 and efficiency = speedup / tau. The node counts k + 1 it needs are timed besides `--nodes`.
+Mixture-of-experts models (e.g. configs/models/qwen3-30b-a3b.json) also report the expected
+distinct experts per sparse layer that decode (B tokens) and verify(N) (B * N tokens) run under
+uniform routing, E * (1 - (1 - k/E)^tokens): `experts_decode` and `experts_verify`.
 A (model, batch) whose weights + caches + activations (an estimate) exceed the device's free
 memory is skipped with a note (no check where the device reports no limit, e.g. CPU).
 """
@@ -44,6 +47,7 @@ import kernels
 from jaxspec.bench.timing import median_seconds, print_table, write_results
 from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, init_eagle3, to_target_ids
 from jaxspec.models import ModelConfig, cache_bytes, extend, init_cache, init_params
+from jaxspec.models.moe import expected_distinct_experts
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.tree import ancestor_mask
@@ -194,9 +198,11 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
             print(f"{name} batch {batch}: skipped, out of device memory")
             rows.append({**base, "kind": "skipped", "reason": "RESOURCE_EXHAUSTED"})
             continue
-        rows.append({**base, "kind": "step", "decode_ms": t["decode"], "draft_ms": t["draft"], "fuse_ms": t["fuse"]})
+        rows.append({**base, "kind": "step", "decode_ms": t["decode"], "draft_ms": t["draft"], "fuse_ms": t["fuse"],
+                     **experts_touched(cfg, "experts_decode", batch)})
         rows += [{**base, "kind": "verify", "nodes": n, "verify_ms": t["verify"][n], "kernel_ms": t["kernel"][n],
-                  "verify_over_decode": t["verify"][n] / t["decode"]} for n in nodes]
+                  "verify_over_decode": t["verify"][n] / t["decode"],
+                  **experts_touched(cfg, "experts_verify", batch * n)} for n in nodes]
         for k in sorted(acceptance):
             acc_batch = batch if batch in acceptance[k] else next(iter(acceptance[k]))
             tau = acceptance[k][acc_batch]
@@ -207,12 +213,21 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
     return rows
 
 
+def experts_touched(cfg: ModelConfig, key: str, tokens: int) -> dict:
+    """{key: expected distinct experts per sparse layer for `tokens` tokens} ({} for a dense model)."""
+    if not cfg.num_experts:
+        return {}
+    return {key: expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, tokens)}
+
+
 def print_model(name: str, rows: list[dict]) -> None:
     pick = lambda kind: [r for r in rows if r["model"] == name and r["kind"] == kind]  # noqa: E731
     print(f"\n{name}: measured ms per step")
     if pick("step"):
-        print_table(pick("step"), ["batch", "context", "decode_ms", "draft_ms", "fuse_ms"])
-        print_table(pick("verify"), ["batch", "nodes", "verify_ms", "kernel_ms", "verify_over_decode"])
+        moe = "experts_decode" in pick("step")[0]
+        print_table(pick("step"), ["batch", "context", "decode_ms", "draft_ms", "fuse_ms"] + ["experts_decode"] * moe)
+        print_table(pick("verify"), ["batch", "nodes", "verify_ms", "kernel_ms", "verify_over_decode"]
+                    + ["experts_verify"] * moe)
     if pick("projection"):
         print(f"{name}: PROJECTION (not measured): speedup = decode * tau / (k*draft + fuse + verify(k+1))")
         print_table(pick("projection"), ["batch", "k", "acceptance_length", "acceptance_batch", "step_ms",

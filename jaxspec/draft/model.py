@@ -165,7 +165,7 @@ def attention_inputs(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, 
 def layer_output(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, attn: jax.Array) -> jax.Array:
     """Residual h + o(attn), then the SwiGLU MLP block: the layer output [B, T, H] before the
     final norm (the next drafting step's hidden input)."""
-    return _attn_out_and_mlp(dcfg.layer_config, dparams["midlayer"], hidden.astype(attn.dtype), attn)
+    return _attn_out_and_mlp(dcfg.layer_config, dparams["midlayer"], hidden.astype(attn.dtype), attn)[0]
 
 
 def draft_logits(dcfg: DraftConfig, dparams: DraftParams, out: jax.Array) -> jax.Array:

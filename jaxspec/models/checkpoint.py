@@ -97,9 +97,52 @@ def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
         if cfg.qk_norm:
             layer |= {"self_attn.q_norm.weight": ("q_norm", ident((d,), lambda w: w, lambda p: p)),
                       "self_attn.k_norm.weight": ("k_norm", ident((d,), lambda w: w, lambda p: p))}
+        if cfg.is_sparse_layer(i):
+            for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                del layer[name]
+            layer["mlp.gate.weight"] = ("router", linear(cfg.num_experts, h))
         for name, (leaf, conv) in layer.items():
             table[pre + name] = (("layers", i, leaf), conv)
+        if cfg.is_sparse_layer(i):
+            table.update(_expert_converters(cfg, i))
     return table
+
+
+def _expert_converters(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, _Converter]]:
+    """Layer i's per-expert HF tensors `mlp.experts.{j}.{gate,up,down}_proj.weight` <-> slice j of
+    the stacked "experts_gate"/"experts_up" [E, H, I] and "experts_down" [E, I, H]."""
+    h, fe = cfg.hidden_size, cfg.moe_intermediate_size
+    table = {}
+    for j in range(cfg.num_experts):
+        pre = f"model.layers.{i}.mlp.experts.{j}."
+        for proj, leaf, shape in (("gate_proj", "experts_gate", (fe, h)), ("up_proj", "experts_up", (fe, h)),
+                                  ("down_proj", "experts_down", (h, fe))):
+            table[pre + proj + ".weight"] = (("layers", i, leaf, j), _Converter(shape, lambda w: w.T, lambda p: p.T))
+    return table
+
+
+# transformers 5.x models hold each sparse layer's experts fused: gate_up_proj [E, 2I, H] (gate rows
+# first) and down_proj [E, H, I]. Folders that store them so are read as the per-expert tensors.
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _fused_sources(names, cfg: ModelConfig) -> dict[str, tuple[str, tuple]]:
+    """Per-expert HF name -> (fused tensor name, index of its slice) for the fused expert tensors
+    among `names`."""
+    fe, out = cfg.moe_intermediate_size, {}
+    for name in names:
+        match = _FUSED.match(name)
+        if match is None:
+            continue
+        layer, kind = match.groups()
+        pre = f"model.layers.{layer}.mlp.experts."
+        for j in range(cfg.num_experts):
+            if kind == "down_proj":
+                out[f"{pre}{j}.down_proj.weight"] = (name, (j,))
+            else:
+                out[f"{pre}{j}.gate_proj.weight"] = (name, (j, slice(0, fe)))
+                out[f"{pre}{j}.up_proj.weight"] = (name, (j, slice(fe, 2 * fe)))
+    return out
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -130,6 +173,10 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
 
     With `sharding`, each param is built directly in its NamedSharding from the host copy of that
     one tensor (jax.make_array_from_callback); otherwise it lands on the default device.
+    Mixture-of-experts layers: per-expert tensors (`mlp.experts.{j}.gate_proj.weight`, ..., as
+    `save_hf` and transformers' save_pretrained write them) or the fused `mlp.experts.gate_up_proj` /
+    `mlp.experts.down_proj` of transformers 5.x modules; a layer's experts are stacked on the host
+    and placed once all of them are read.
     """
     path = Path(path)
     if not path.is_dir():
@@ -140,28 +187,44 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
     target = _np_dtype(dtype)
     table = _converters(cfg)
     files = _tensor_files(path)
-    missing = sorted(set(table) - set(files))
+    fused = _fused_sources(files, cfg)
+    available = (set(files) - {source for source, _ in fused.values()}) | set(fused)
+    missing = sorted(set(table) - available)
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(n for n in set(files) - set(table)
+    unexpected = sorted(n for n in available - set(table)
                         if not _IGNORED.match(n) and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if unexpected:
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]} for a {cfg.family} model "
                          f"with {cfg.num_layers} layers")
 
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
+    stacks: dict[tuple, list] = {}  # stacked expert leaf -> its host slices read so far
     by_file: dict[Path, list[str]] = {}
     for name in table:
-        by_file.setdefault(files[name], []).append(name)
+        by_file.setdefault(files[fused[name][0] if name in fused else name], []).append(name)
     for file, names in by_file.items():
         with safe_open(file, "np") as f:
             for name in names:
                 tree_path, conv = table[name]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != conv.hf_shape:
-                    raise ValueError(f"{file.name}: tensor {name} has shape {shape}, expected {conv.hf_shape}")
-                host = np.ascontiguousarray(conv.to_ours(f.get_tensor(name)).astype(target))
-                _set(params, tree_path, _place(host, tree_path, sharding))
+                stored, expected = name, conv.hf_shape
+                if name in fused:  # one expert's slice of a fused tensor
+                    stored, index = fused[name]
+                    out_dim = expected[0] * (2 if stored.endswith("gate_up_proj") else 1)
+                    expected = (cfg.num_experts, out_dim, expected[1])
+                shape = tuple(f.get_slice(stored).get_shape())
+                if shape != expected:
+                    raise ValueError(f"{file.name}: tensor {stored} has shape {shape}, expected {expected}")
+                tensor = f.get_slice(stored)[index] if name in fused else f.get_tensor(name)
+                host = np.ascontiguousarray(conv.to_ours(tensor).astype(target))
+                if isinstance(tree_path[-1], int):  # expert j of a stacked leaf
+                    stack = stacks.setdefault(tree_path[:-1], [None] * cfg.num_experts)
+                    stack[tree_path[-1]] = host
+                    if all(x is not None for x in stack):  # the layer's experts are complete
+                        _set(params, tree_path[:-1], _place(np.stack(stack), tree_path[:-1], sharding))
+                        del stacks[tree_path[:-1]]
+                else:
+                    _set(params, tree_path, _place(host, tree_path, sharding))
     return cfg, params
 
 
@@ -198,7 +261,16 @@ def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=N
     path = Path(path)
     np_dtype = _np_dtype(dtype) if dtype is not None else np.dtype(params["embed"].dtype)
     dtype_name = _dtype_name(np_dtype)
-    tensors = {name: np.ascontiguousarray(conv.to_hf(to_host(_get(params, tree_path)).astype(np_dtype)))
+    hosts: dict[tuple, np.ndarray] = {}  # stacked expert leaves, copied to the host once
+
+    def host(tree_path):
+        if isinstance(tree_path[-1], int):
+            if tree_path[:-1] not in hosts:
+                hosts[tree_path[:-1]] = to_host(_get(params, tree_path[:-1]))
+            return hosts[tree_path[:-1]][tree_path[-1]]
+        return to_host(_get(params, tree_path))
+
+    tensors = {name: np.ascontiguousarray(conv.to_hf(host(tree_path).astype(np_dtype)))
                for name, (tree_path, conv) in _converters(cfg).items()}
     if not is_main():
         return

@@ -1,4 +1,4 @@
-"""Decoder configuration: one frozen dataclass for Qwen2/2.5, Qwen3 (dense) and Llama 3.x.
+"""Decoder configuration: one frozen dataclass for Qwen2/2.5, Qwen3 (dense and MoE) and Llama 3.x.
 
 `ModelConfig.from_hf` reads a Hugging Face `config.json` dict (transformers 4.x `rope_scaling` /
 `rope_theta` or 5.x `rope_parameters`), `to_hf` writes one back that `transformers` loads.
@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPES = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -23,13 +24,20 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 class ModelConfig:
     """Static shape and numerics of a decoder-only policy.
 
-    family: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm over head_dim) or "llama".
+    family: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm over head_dim), "qwen3_moe" (qwen3 attention,
+        mixture-of-experts MLPs) or "llama".
     rope_scaling: HF rope parameters minus theta, as sorted (key, value) pairs so the config stays
         hashable (jit static argument); `rope_type` is one of SUPPORTED_ROPE_TYPES.
     attention_bias, qk_norm: fixed by the family (None = the family's value): only qwen2 has
         q/k/v biases (llama/qwen3 with attention_bias would also bias o_proj, which jaxspec does
         not implement) and only qwen3 has q/k norms. A contradicting value raises ValueError, so
         every config maps to exactly one transformers architecture.
+    num_experts .. router_aux_loss_coef: the Qwen3-MoE fields (family "qwen3_moe" only). Layer i is
+        sparse (`is_sparse_layer`) when num_experts > 0, i is not in mlp_only_layers and
+        (i + 1) % decoder_sparse_step == 0; a sparse layer routes each token to its
+        num_experts_per_tok most probable experts (SwiGLU MLPs of width moe_intermediate_size),
+        weighted by their softmax probabilities (renormalised to sum 1 when norm_topk_prob).
+        router_aux_loss_coef: the weight HF gives the load-balancing loss (`moe.load_balancing_loss`).
     """
 
     family: str
@@ -50,11 +58,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         if self.family not in _MODEL_TYPES:
             raise ValueError(f"unsupported model family {self.family!r}; expected one of {sorted(_MODEL_TYPES)}")
-        for name, value in (("attention_bias", self.family == "qwen2"), ("qk_norm", self.family == "qwen3")):
+        for name, value in (("attention_bias", self.family == "qwen2"),
+                            ("qk_norm", self.family in ("qwen3", "qwen3_moe"))):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
             elif bool(getattr(self, name)) != value:
@@ -63,9 +79,34 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        self._check_moe()
         rope_type = self.rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; expected one of {SUPPORTED_ROPE_TYPES}")
+
+    def _check_moe(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(self.mlp_only_layers))))
+        if self.family != "qwen3_moe":
+            if self.num_experts:
+                raise ValueError(f"num_experts={self.num_experts} needs family 'qwen3_moe', not {self.family!r}")
+            return
+        if self.num_experts < 0 or self.decoder_sparse_step < 1:
+            raise ValueError(f"num_experts={self.num_experts} must be >= 0 and decoder_sparse_step="
+                             f"{self.decoder_sparse_step} >= 1")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (HF Qwen3MoeDecoderLayer's rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse_layer(i))
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -83,16 +124,20 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count; active=True counts only the num_experts_per_tok experts one token uses."""
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * f + 2 * h
+        layer = attn + 2 * h
         if self.attention_bias:
             layer += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             layer += 2 * d
+        experts = self.num_experts_per_tok if active else self.num_experts
+        sparse = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+        mlps = sum(sparse if self.is_sparse_layer(i) else 3 * h * f for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * layer + mlps + embed + h
 
     # ---------------------------------------------------------------- HF config.json
 
@@ -122,7 +167,8 @@ class ModelConfig:
                              "(it adds biases to q/k/v and o_proj)")
         num_heads = hf["num_attention_heads"]
         # Defaults of the transformers config classes for keys a config.json may omit.
-        head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // num_heads)
+        head_dim = hf.get("head_dim") or (128 if family in ("qwen3", "qwen3_moe")
+                                          else hf["hidden_size"] // num_heads)
         default_max_positions = 2048 if family == "llama" else 32768
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling") or {}
@@ -152,6 +198,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
+            **(_moe_from_hf(hf, source) if family == "qwen3_moe" else {}),
         )
 
     def to_hf(self, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -184,7 +231,14 @@ class ModelConfig:
             out["attention_bias"] = False
         if self.family == "llama":
             out["mlp_bias"] = False
-        if self.family in ("qwen2", "qwen3"):
+        if self.family == "qwen3_moe":
+            out |= {"attention_bias": False, "num_experts": self.num_experts,
+                    "num_experts_per_tok": self.num_experts_per_tok,
+                    "moe_intermediate_size": self.moe_intermediate_size,
+                    "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
+                    "norm_topk_prob": self.norm_topk_prob, "router_aux_loss_coef": self.router_aux_loss_coef,
+                    "output_router_logits": False}
+        if self.family in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
             out["max_window_layers"] = self.num_layers
@@ -194,6 +248,21 @@ class ModelConfig:
     def from_json(cls, path) -> "ModelConfig":
         with open(path) as f:
             return cls.from_hf(json.load(f), source=str(path))
+
+
+def _moe_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelConfig MoE fields of a Qwen3-MoE config.json (transformers 4.x writes num_experts, 5.x
+    num_local_experts); defaults as in transformers' Qwen3MoeConfig."""
+    num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    if "num_experts" in hf and "num_local_experts" in hf and hf["num_experts"] != hf["num_local_experts"]:
+        raise ValueError(f"{source}: num_experts={hf['num_experts']} contradicts "
+                         f"num_local_experts={hf['num_local_experts']}")
+    return dict(num_experts=num_experts, num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+                moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+                decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 def _freeze(v):

@@ -1,8 +1,13 @@
-"""Device mesh (data, fsdp, tensor) and logical-axis sharding rules for params and activations.
+"""Device mesh (data, fsdp, tensor, expert) and logical-axis sharding rules for params and
+activations.
 
 Every param dimension has a logical name (`PARAM_AXES`); `rules` map logical names to mesh axes.
 A mapping is dropped for a dimension the mesh axes do not divide, so any device count works: the
 dimension is then replicated instead of failing.
+
+The expert axis splits the stacked expert weights of mixture-of-experts layers (expert
+parallelism); everything else is replicated over it. Under jit, XLA's SPMD partitioner moves the
+routed tokens to the devices holding their experts.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp")),
@@ -24,6 +29,7 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("q_heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),
+    ("expert", ("expert",)),
     ("head_dim", ()),
     ("norm", ()),
     ("seq", ()),
@@ -50,17 +56,24 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "gate": ("embed", "mlp"),
     "up": ("embed", "mlp"),
     "down": ("mlp", "embed"),
+    "router": ("embed", None),
+    "experts_gate": ("expert", "embed", "mlp"),
+    "experts_up": ("expert", "embed", "mlp"),
+    "experts_down": ("expert", "mlp", "embed"),
 }
 
 KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); one size may be -1 to take the remaining devices."""
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None,
+              expert: int = 1) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor) and, when expert != 1, expert; one size may be -1 to take
+    the remaining devices. (Without experts the mesh keeps the three axes of dense policies.)"""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, tensor, expert]
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor} "
+                         f"expert={expert}")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -68,8 +81,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} devices, "
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x expert={sizes[3]} needs "
+            f"{math.prod(sizes)} devices, "
             f"have {len(devices)}")
+    if sizes[3] == 1:
+        return Mesh(np.asarray(devices).reshape(sizes[:3]), MESH_AXES[:3])
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
@@ -89,7 +105,7 @@ class Sharding:
         for name, size in zip(axes, shape):
             mesh_axes = []
             for ax in rules.get(name, ()) if name else ():
-                ax_size = self.mesh.shape[ax]
+                ax_size = self.mesh.shape.get(ax, 1)  # an axis the mesh lacks has size 1
                 if ax in used or ax_size == 1:
                     continue
                 if size % (math.prod(self.mesh.shape[a] for a in mesh_axes) * ax_size) == 0:

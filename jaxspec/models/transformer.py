@@ -1,4 +1,4 @@
-"""Functional decoder for Qwen2/2.5, Qwen3 (dense) and Llama 3.x.
+"""Functional decoder for Qwen2/2.5, Qwen3 (dense and MoE) and Llama 3.x.
 
 Params are a plain pytree:
 
@@ -9,6 +9,9 @@ Params are a plain pytree:
                   "gate": [H, F], "up": [H, F], "down": [F, H]}, ... L ],
      "final_norm": [H],
      ("lm_head": [H, V])}            # absent when embeddings are tied
+
+A sparse (mixture-of-experts) layer holds "router" and stacked "experts_gate"/"experts_up"/
+"experts_down" (`jaxspec.models.moe`) instead of "gate"/"up"/"down".
 
 Two entry points share one layer implementation:
   * `forward` / `forward_hidden`: full sequences (training, log-prob recomputation), with a padding
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.attention import attention, cache_attention
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.moe import moe_mlp
 from jaxspec.models.rope import apply_rope, rope_tables
 from jaxspec.models.sharding import Sharding
 
@@ -64,20 +68,25 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
     """Random params (normal(0, std) matrices, unit norms, zero biases)."""
     h, f, d, nq, nk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    keys = iter(jax.random.split(key, 2 + 7 * cfg.num_layers))
+    keys = iter(jax.random.split(key, 2 + 8 * cfg.num_layers))
 
     def normal(shape):
         return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
     layers = []
-    for _ in range(cfg.num_layers):
+    for i in range(cfg.num_layers):
         layer = {
             "attn_norm": jnp.ones((h,), dtype),
             "q": normal((h, nq, d)), "k": normal((h, nk, d)), "v": normal((h, nk, d)),
             "o": normal((nq, d, h)),
             "mlp_norm": jnp.ones((h,), dtype),
-            "gate": normal((h, f)), "up": normal((h, f)), "down": normal((f, h)),
         }
+        if cfg.is_sparse_layer(i):
+            e, fe = cfg.num_experts, cfg.moe_intermediate_size
+            layer |= {"router": normal((h, e)), "experts_gate": normal((e, h, fe)),
+                      "experts_up": normal((e, h, fe)), "experts_down": normal((e, fe, h))}
+        else:
+            layer |= {"gate": normal((h, f)), "up": normal((h, f)), "down": normal((f, h))}
         if cfg.attention_bias:
             layer |= {"q_bias": jnp.zeros((nq, d), dtype), "k_bias": jnp.zeros((nk, d), dtype),
                       "v_bias": jnp.zeros((nk, d), dtype)}
@@ -113,12 +122,17 @@ def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array) -> jax.Array:
+def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array):
+    """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
+    [B, T, E] float32, or None for a dense layer)."""
     x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    if "router" in layer:
+        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return x + out, router_logits
     gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
     up = jnp.einsum("bth,hf->btf", h, layer["up"])
-    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"])
+    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -153,7 +167,23 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - start_idx
 
 
-def forward_hidden(
+def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden_layers: tuple[int, ...] = (),
+                   **kwargs) -> tuple[jax.Array, jax.Array]:
+    """Full-sequence forward returning logits and chosen layers' outputs.
+
+    tokens int32 [B, T]; mask bool [B, T] (False = right padding: each row's valid tokens come
+    first); segment_ids int32 [B, T] (packed
+    sequences attend only within their segment); positions int32 [B, T] (default: index within
+    sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
+    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; segment ids become a
+        mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
+    Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
+    """
+    logits, hidden, _ = forward_router(cfg, params, tokens, hidden_layers, **kwargs)
+    return logits, hidden
+
+
+def forward_router(
     cfg: ModelConfig,
     params: Params,
     tokens: jax.Array,
@@ -165,17 +195,10 @@ def forward_hidden(
     sharding: Sharding | None = None,
     remat: bool = False,
     attention_impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """Full-sequence forward returning logits and chosen layers' outputs.
-
-    tokens int32 [B, T]; mask bool [B, T] (False = right padding: each row's valid tokens come
-    first); segment_ids int32 [B, T] (packed
-    sequences attend only within their segment); positions int32 [B, T] (default: index within
-    sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
-    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; segment ids become a
-        mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
-    Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
-    """
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`forward_hidden` plus the router logits of the sparse layers, float32
+    [len(cfg.sparse_layers), B, T, E] (empty [0, B, T, 0] for a dense model), the input of
+    `moe.load_balancing_loss`."""
     _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
     mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
@@ -199,19 +222,22 @@ def forward_hidden(
                                                 key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
-        x = _attn_out_and_mlp(cfg, layer, x, attn)
-        return _constrain(sharding, x, ("batch", "seq", "act_embed"))
+        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn)
+        return _constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
     x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
-    hidden = {}
+    hidden, routers = {}, []
     for i, layer in enumerate(params["layers"]):
-        x = layer_fn(layer, x)
+        x, router_logits = layer_fn(layer, x)
+        if router_logits is not None:
+            routers.append(router_logits)
         if i in hidden_layers:
             hidden[i] = x
     logits = _constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
-    return logits, _stack_hidden(hidden, hidden_layers, x)
+    routers = jnp.stack(routers) if routers else jnp.zeros((0, b, t, 0), jnp.float32)
+    return logits, _stack_hidden(hidden, hidden_layers, x), routers
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, **kwargs) -> jax.Array:
@@ -259,8 +285,8 @@ def extend(
         with jax.named_scope("kv_write"):
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
-        x = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, active=active,
-                                                                      sharding=sharding))
+        x, _ = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, active=active,
+                                                                         sharding=sharding))
         x = _constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)
         new_v.append(cv)

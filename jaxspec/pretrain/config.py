@@ -42,7 +42,12 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """Qwen3-architecture decoder shape (the vocabulary size comes from the tokenizer)."""
+    """Qwen3-architecture decoder shape (the vocabulary size comes from the tokenizer).
+
+    num_experts > 0 makes it a Qwen3-MoE policy (`jaxspec.models.ModelConfig` fields of the same
+    names): every decoder_sparse_step-th layer routes each token to num_experts_per_tok SwiGLU experts
+    of width moe_intermediate_size, and the loss adds router_aux_loss_coef x the load-balancing loss.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -53,6 +58,12 @@ class ModelShape:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 2048
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +133,13 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     need(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
          f"{m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}")
     need(m.head_dim % 2 == 0, "model.head_dim", f"must be even (rotary embedding), got {m.head_dim}")
+    need(m.num_experts >= 0, "model.num_experts", f"must be >= 0, got {m.num_experts}")
+    if m.num_experts:
+        need(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
+             f"must be in [1, model.num_experts={m.num_experts}], got {m.num_experts_per_tok}")
+        need(m.moe_intermediate_size > 0, "model.moe_intermediate_size", f"must be > 0, got {m.moe_intermediate_size}")
+        need(m.decoder_sparse_step > 0, "model.decoder_sparse_step", f"must be > 0, got {m.decoder_sparse_step}")
+        need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", f"must be >= 0, got {m.router_aux_loss_coef}")
     need(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     need(0 <= o.warmup_steps < t.steps, "optim.warmup_steps",

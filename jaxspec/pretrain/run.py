@@ -1,4 +1,4 @@
-"""One pretraining run: data and tokenizer -> Qwen3 policy -> checkpoints, metrics -> HF export.
+"""One pretraining run: data and tokenizer -> Qwen3 (or Qwen3-MoE) policy -> checkpoints, metrics -> HF export.
 
 Run directory layout:
     config.yaml          the resolved config (a resumed run must keep its data and model sections)
@@ -36,14 +36,18 @@ from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
 def model_config(shape: ModelShape, tok: ChatTokenizer) -> ModelConfig:
-    """Qwen3 config of `shape` over the tokenizer's vocabulary and special-token ids."""
+    """Qwen3 (or Qwen3-MoE) config of `shape` over the tokenizer's vocabulary and special-token ids."""
+    moe = {} if not shape.num_experts else dict(
+        num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size, decoder_sparse_step=shape.decoder_sparse_step,
+        norm_topk_prob=shape.norm_topk_prob, router_aux_loss_coef=shape.router_aux_loss_coef)
     return ModelConfig(
-        family="qwen3", vocab_size=tok.vocab_size, hidden_size=shape.hidden_size,
+        family="qwen3_moe" if shape.num_experts else "qwen3", vocab_size=tok.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings, rope_theta=shape.rope_theta, qk_norm=True,
         tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id)
+        pad_token_id=tok.pad_id, **moe)
 
 
 def check_run_dir(cfg: PretrainConfig, run_dir: Path, resume: bool) -> None:
@@ -137,6 +141,8 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
                 record = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]),
                           "lr": float(schedule(step - 1)), "tokens_per_s": window_tokens / elapsed,
                           "elapsed_s": time.perf_counter() - start}
+                if mcfg.sparse_layers:
+                    record["router_aux_loss"] = float(out["router_aux_loss"])
                 _log(metrics, record)
                 window_start, window_tokens = time.perf_counter(), 0
                 result["loss"] = loss

@@ -14,31 +14,38 @@ import jax.numpy as jnp
 import optax
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.moe import load_balancing_loss
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params, forward
+from jaxspec.models.transformer import Params, forward_router
 
 
 def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,
                   compute_dtype=jnp.float32, remat: bool = False, attention_impl: str = "auto",
-                  sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token cross-entropy over response tokens of packed rows.
+                  sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mean next-token cross-entropy over response tokens of packed rows, plus
+    cfg.router_aux_loss_coef x the router's load-balancing loss over the non-padding tokens for a
+    mixture-of-experts policy.
 
     tokens / segment_ids int32 [B, L+1] (segment 0 = padding; examples attend only within their
     segment and their positions restart at 0); weights float32 [B, L] selects the targets
     tokens[:, 1:] that count (see `data.PackedSet`). Params are cast to `compute_dtype` for the
     forward (gradients flow back to the float32 master copy). attention_impl: as `forward_hidden`.
     sharding: the run's mesh; activations are split over its batch axes (`jaxspec.rl.loss.sequence_forward`).
-    Returns (loss float32 scalar, number of counted target tokens).
+    Returns (loss float32 scalar, number of counted target tokens, load-balancing loss (0 for a
+    dense policy)).
     """
     inputs, targets, segments = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    logits = forward(cfg, compute_params, inputs, mask=segments > 0, segment_ids=segments, remat=remat,
-                     attention_impl=attention_impl, sharding=sharding)
+    logits, _, router_logits = forward_router(cfg, compute_params, inputs, mask=segments > 0, segment_ids=segments,
+                                              remat=remat, attention_impl=attention_impl, sharding=sharding)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     count = weights.sum()
     loss = ((logz - target_logits) * weights).sum() / jnp.maximum(count, 1.0)
-    return loss, count
+    if not cfg.sparse_layers:
+        return loss, count, jnp.zeros((), jnp.float32)
+    aux = load_balancing_loss(router_logits, cfg.num_experts_per_tok, segments > 0)
+    return loss + cfg.router_aux_loss_coef * aux, count, aux
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype,
@@ -50,10 +57,15 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, c
             return response_loss(cfg, p, batch["tokens"], batch["segment_ids"], batch["weights"],
                                  compute_dtype, remat, attention_impl, sharding)
 
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        def with_aux(p):
+            loss, count, router_aux = loss_fn(p)
+            return loss, (count, router_aux)
+
+        (loss, (count, router_aux)), grads = jax.value_and_grad(with_aux, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "target_tokens": count}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "target_tokens": count,
+                                   "router_aux_loss": router_aux}
 
     return jax.jit(step, donate_argnums=(0, 1))

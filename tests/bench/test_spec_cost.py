@@ -72,3 +72,17 @@ def test_bench_spec_cost_skips_what_does_not_fit(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["kind"], r["batch"]) for r in rows] == [("skipped", 1), ("skipped", 64)]
     assert "bytes free" in rows[0]["reason"]
+
+
+def test_bench_spec_cost_reports_experts_touched_on_a_moe_policy(tmp_path):
+    model = tmp_path / "tiny_moe.json"
+    model.write_text(json.dumps(TINY | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                                        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}))
+    out = tmp_path / "spec_cost.json"
+    assert main(["bench", "spec-cost", "--model", str(model), "--batch", "2", "--context", "16", "--nodes", "4",
+                 "--draft-vocab", "32", "--iters", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    [step] = [r for r in rows if r["kind"] == "step"]
+    [verify] = [r for r in rows if r["kind"] == "verify"]
+    assert step["experts_decode"] == pytest.approx(8 * (1 - (6 / 8) ** 2))  # 2 rows x 1 token
+    assert verify["experts_verify"] == pytest.approx(8 * (1 - (6 / 8) ** 8))  # 2 rows x 4 nodes

@@ -21,16 +21,20 @@ CONFIG_CLASSES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "llama": transformers.LlamaConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
 }
 
 
 def hf_config(family: str, **overrides) -> transformers.PretrainedConfig:
-    """A tiny config of `family` (hidden 32, 4 heads / 2 KV heads, 2 layers, vocab 97)."""
+    """A tiny config of `family` (hidden 32, 4 heads / 2 KV heads, 2 layers, vocab 97; qwen3_moe: 4
+    experts of width 16, 2 per token)."""
     kwargs = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     kwargs.update(overrides)
-    if "head_dim" not in overrides and family in ("qwen3", "llama"):  # Qwen3Config defaults to 128
+    if family == "qwen3_moe":  # 4 experts of width 16, 2 per token
+        kwargs = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) | kwargs
+    if "head_dim" not in overrides and family in ("qwen3", "qwen3_moe", "llama"):  # Qwen3 defaults to 128
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     return CONFIG_CLASSES[family](**kwargs)
 
@@ -49,8 +53,8 @@ def perturbed_model(config: transformers.PretrainedConfig, seed: int) -> transfo
                 p.copy_(0.5 * noise)
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(noise)
-            else:  # [out, in] projection: unit-scale outputs for unit-scale inputs
-                p.copy_(noise / math.sqrt(p.shape[1]))
+            else:  # [(experts,) out, in] projection: unit-scale outputs for unit-scale inputs
+                p.copy_(noise / math.sqrt(p.shape[-1]))
     return model.float().eval()
 
 
@@ -105,6 +109,8 @@ def random_params(cfg, key: jax.Array):
             x = 0.5 * x
         elif name == "o":  # [Nq, D, H]: fan-in Nq * D
             x = x / math.sqrt(leaf.shape[0] * leaf.shape[1])
+        elif name.startswith("experts_"):  # [E, in, out]
+            x = x / math.sqrt(leaf.shape[1])
         elif name != "embed":  # [in, ...]
             x = x / math.sqrt(leaf.shape[0])
         out.append(jnp.asarray(x, jnp.float32))

@@ -41,6 +41,16 @@ def test_make_mesh_shapes(shape):
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
+def test_make_mesh_expert_axis():
+    """The expert axis exists only when it splits experts; without it expert weights replicate."""
+    mesh = make_mesh(fsdp=-1, expert=2)
+    assert mesh.axis_names == ("data", "fsdp", "tensor", "expert") and tuple(mesh.shape.values()) == (1, 4, 1, 2)
+    assert Sharding(mesh).spec(("expert", "embed", "mlp"), (4, 32, 16)) == P("expert", "fsdp", None)
+    assert Sharding(make_mesh(1, 8, 1)).spec(("expert", "embed", "mlp"), (4, 32, 16)) == P(None, "fsdp", None)
+    with pytest.raises(ValueError, match="mesh data=1 x fsdp=2 x tensor=1 x expert=3 needs 6 devices"):
+        make_mesh(1, 2, 1, expert=3)
+
+
 @pytest.mark.parametrize("sizes,expected", [((2, -1, 1), (2, 4, 1)), ((1, -1, 8), (1, 1, 8)),
                                             ((-1, 2, 2), (2, 2, 2))])
 def test_make_mesh_fills_one_axis(sizes, expected):

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 import jaxspec
 
 from jaxspec.config_io import load_config
-from jaxspec.models import ModelConfig, forward, init_params, load_hf
+from jaxspec.models import ModelConfig, forward, forward_router, init_params, load_balancing_loss, load_hf
 from jaxspec.pretrain import main
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.data import Batcher, PackedSet, pack
@@ -187,12 +187,12 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, capsys):
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "small.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "small.yaml", "small_moe.yaml"])
 def test_shipped_configs_are_valid(name):
     path = Path(__file__).resolve().parents[2] / "configs" / name
     cfg = load_config(PretrainConfig, path)
     validate(cfg, str(path))
-    if name == "small.yaml":  # the long levels' examples (up to ~1700 tokens) fit a row; ~32k tokens a step
+    if name != "tiny.yaml":  # the long levels' examples (up to ~1700 tokens) fit a row; ~32k tokens a step
         assert cfg.data.levels == tuple(range(1, MAX_LEVEL + 1))
         assert cfg.data.max_len == 2048 and cfg.data.max_len * cfg.train.batch_size == 32768
 
@@ -232,7 +232,7 @@ def test_packed_loss_equals_per_example_loss_on_response_tokens():
     examples = [(rng.integers(5, 40, n).tolist(), p) for n, p in [(9, 3), (11, 5), (4, 1), (7, 6), (12, 2)]]
     packed = pack(examples, max_len=20, pad_id=0, seed=1)
     assert packed.num_examples == 5 and packed.dropped == 0 and len(packed) >= 3
-    loss, count = jax.jit(response_loss, static_argnums=0)(
+    loss, count, router_aux = jax.jit(response_loss, static_argnums=0)(
         cfg, params, jnp.asarray(packed.tokens), jnp.asarray(packed.segment_ids), jnp.asarray(packed.weights))
     # reference: one example per row, right-padded (causal attention never sees the padding)
     width = max(len(ids) for ids, _ in examples)
@@ -245,6 +245,7 @@ def test_packed_loss_equals_per_example_loss_on_response_tokens():
             n += 1
     assert int(count) == n == 6 + 6 + 3 + 1 + 10
     np.testing.assert_allclose(float(loss), expected / n, rtol=1e-5)
+    assert float(router_aux) == 0.0  # a dense policy
 
 
 def test_pack_layout():
@@ -277,3 +278,68 @@ def test_batches_are_addressed_by_position():
     assert sorted(seen[:10]) == list(range(10))
     np.testing.assert_array_equal(Batcher(data, 4, 0).batch(8)["tokens"], batcher.batch(8)["tokens"])
     assert not np.array_equal(Batcher(data, 4, 1).indices(0), batcher.indices(0))
+
+
+MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
+       "model.router_aux_loss_coef=0.01"]
+
+
+def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys):
+    """One device, and the same steps with the experts split over 2 devices (expert parallelism)."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(CONFIG)
+    runs = {}
+    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"])):
+        runs[name] = tmp_path / name
+        assert main(["--config", str(config), "--run-dir", str(runs[name]), "train.steps=8", "train.eval_every=0",
+                     *MOE, *mesh]) == 0
+    assert "training on the mesh {'data': 2, 'fsdp': 1, 'tensor': 1, 'expert': 2}" in capsys.readouterr().out
+    records = [r for r in _metrics(runs["one"]) if "loss" in r]
+    assert [r["step"] for r in records] == [4, 8]
+    # top-2 of 4 experts: the load-balancing loss is 2 when balanced, at most 4
+    assert all(1.9 < r["router_aux_loss"] <= 4.0 for r in records)
+    split = [r for r in _metrics(runs["expert"]) if "loss" in r]
+    for key in ("loss", "router_aux_loss"):
+        np.testing.assert_allclose([r[key] for r in split], [r[key] for r in records], rtol=2e-4)
+    cfg, params = load_hf(runs["one"] / "policy")
+    assert cfg.family == "qwen3_moe" and cfg.sparse_layers == (0, 1) and cfg.router_aux_loss_coef == 0.01
+    assert params["layers"][1]["experts_gate"].shape == (4, 32, 32)
+
+
+def test_moe_response_loss_adds_the_weighted_router_loss():
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=8, router_aux_loss_coef=0.5)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
+                          jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)))
+    packed = pack([(rng.integers(5, 40, n).tolist(), 2) for n in (9, 6, 12)], max_len=16, pad_id=0, seed=1)
+    tokens, segments, weights = map(jnp.asarray, (packed.tokens, packed.segment_ids, packed.weights))
+    loss, _, aux = jax.jit(response_loss, static_argnums=0)(cfg, params, tokens, segments, weights)
+    plain = dataclasses.replace(cfg, router_aux_loss_coef=0.0)
+    ce, _, _ = jax.jit(response_loss, static_argnums=0)(plain, params, tokens, segments, weights)
+    _, _, router = forward_router(cfg, params, tokens[:, :-1], mask=segments[:, :-1] > 0,
+                                  segment_ids=segments[:, :-1])
+    assert float(aux) == pytest.approx(float(load_balancing_loss(router, 2, segments[:, :-1] > 0)), rel=1e-6)
+    assert float(loss) == pytest.approx(float(ce) + 0.5 * float(aux), rel=1e-6)
+
+
+def test_small_moe_is_small_with_experts_of_the_same_active_width():
+    small, moe = (load_config(PretrainConfig, Path(__file__).resolve().parents[2] / "configs" / name)
+                  for name in ("small.yaml", "small_moe.yaml"))
+    assert (moe.data, moe.optim, moe.train) == (small.data, small.optim, small.train)
+    moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "router_aux_loss_coef")
+    assert dataclasses.replace(moe.model, **{f: getattr(small.model, f) for f in moe_fields}) == small.model
+    assert moe.model.num_experts_per_tok * moe.model.moe_intermediate_size == small.model.intermediate_size
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_experts_per_tok=5", "model.num_experts_per_tok: must be in [1, model.num_experts=4], got 5"),
+    ("model.moe_intermediate_size=0", "model.moe_intermediate_size: must be > 0, got 0"),
+])
+def test_bad_moe_shape_is_rejected(tmp_path, capsys, override, message):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(CONFIG)
+    assert main(["--config", str(config), "--run-dir", str(tmp_path / "run"), *MOE, override]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE) with dropless routing, and the router's
+load-balancing loss.
+
+A sparse layer's params (E experts of width I over hidden size H):
+
+    {"router": [H, E], "experts_gate": [E, H, I], "experts_up": [E, H, I], "experts_down": [E, I, H]}
+
+Routing follows transformers' Qwen3MoeSparseMoeBlock: float32 softmax over the router logits, the
+top-k experts per token, their probabilities optionally renormalised to sum 1, cast back to the
+activation dtype. Every token reaches all of its k experts (no capacity, nothing dropped): the N*k
+token-expert assignments are sorted by expert and the experts run as grouped matmuls
+(`jax.lax.ragged_dot`), then each token sums its k weighted expert outputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
+    """x [N, H] -> (router logits [N, E] float32, weights [N, k] in x.dtype, experts int32 [N, k])."""
+    logits = jnp.dot(x, router)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits.astype(jnp.float32), weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E] float32)."""
+    b, t, h = x.shape
+    num_experts = layer["router"].shape[1]
+    flat = x.reshape(b * t, h)
+    logits, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob)
+    assignment = experts.reshape(-1)  # [N*k]: token n's j-th expert at n*k + j
+    order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
+    group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
+    rows = flat[order // top_k]  # [N*k, H]
+    gate = jax.lax.ragged_dot(rows, layer["experts_gate"], group_sizes)
+    up = jax.lax.ragged_dot(rows, layer["experts_up"], group_sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)  # [N*k, H]
+    out = out * weights.reshape(-1)[order][:, None]
+    unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
+    return unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts)
+
+
+def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | None = None) -> jax.Array:
+    """Switch-Transformer auxiliary loss as transformers' `load_balancing_loss_func`.
+
+    router_logits [L, B, T, E] (one entry per sparse layer); mask bool [B, T] (False = padding,
+    excluded). Returns the float32 scalar E * sum_e f_e * P_e, where f_e is the fraction of the
+    top-k assignments that go to expert e and P_e its mean router probability, both averaged over
+    layers and valid tokens; top_k for perfectly uniform routing. Weight it by
+    `ModelConfig.router_aux_loss_coef` in a training loss.
+    """
+    num_experts = router_logits.shape[-1]
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    _, experts = jax.lax.top_k(probs, top_k)
+    chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=-2)  # [L, B, T, E]
+    weight = (jnp.ones(router_logits.shape[1:3], jnp.float32) if mask is None
+              else mask.astype(jnp.float32))[None, :, :, None]
+    rows = router_logits.shape[0] * jnp.sum(weight)
+    tokens_per_expert = jnp.sum(chosen * weight, axis=(0, 1, 2)) / rows
+    prob_per_expert = jnp.sum(probs * weight, axis=(0, 1, 2)) / rows
+    return num_experts * jnp.sum(tokens_per_expert * prob_per_expert)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Mean number of distinct experts a layer runs for `tokens` tokens when each token picks top_k
+    of num_experts experts uniformly at random: E * (1 - (1 - k/E)^tokens)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def distinct_experts(router_logits: jax.Array, top_k: int, window: int = 1) -> jax.Array:
+    """Mean number of distinct experts per layer that a step over B rows x `window` consecutive
+    positions runs: router_logits [L, B, T, E] (T a multiple of window) -> float32 [L], the mean
+    over the T / window windows of how many experts any of their B * window tokens picks."""
+    n_layers, b, t, e = router_logits.shape
+    if t % window:
+        raise ValueError(f"{t} positions do not split into windows of {window}")
+    _, experts = jax.lax.top_k(router_logits, top_k)  # softmax keeps the order
+    picked = jax.nn.one_hot(experts, e, dtype=jnp.int32).sum(axis=-2)  # [L, B, T, E]
+    picked = picked.reshape(n_layers, b, t // window, window, e).sum(axis=(1, 3))  # [L, windows, E]
+    return jnp.mean(jnp.sum(picked > 0, axis=-1).astype(jnp.float32), axis=-1)

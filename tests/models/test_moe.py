@@ -1,0 +1,257 @@
+"""Qwen3-MoE policies: logits parity with transformers, the load-balancing loss, HF folders (per-expert
+and fused expert tensors), config errors and expert-sharded forwards on 8 virtual CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from jaxspec.models import ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh, save_hf, shard_params
+from jaxspec.models.moe import load_balancing_loss, moe_mlp, route
+from jaxspec.models.transformer import forward_router
+from tests.models.hf_reference import (hf_config, hf_logits, perturbed_model, random_params, random_tokens,
+                                       rel_max_err)
+
+FP32_TOL = 1e-5  # relative to max |logit|
+SHARDED_TOL = 5e-6  # sharded reductions add partial sums in another order (observed ~4e-7)
+SEQ = 20
+
+CASES = {  # qwen3_moe config overrides (default: 4 experts, 2 per token, every layer sparse)
+    "e4_k2": dict(),
+    "e4_k2_norm_topk": dict(norm_topk_prob=True),
+    "e8_k3_mlp_only_0_tied": dict(num_experts=8, num_experts_per_tok=3, mlp_only_layers=[0],
+                                  tie_word_embeddings=True),
+    "e6_k1_step2_4_layers": dict(num_experts=6, num_experts_per_tok=1, decoder_sparse_step=2,
+                                 num_hidden_layers=4),
+    "e16_k4_norm_topk_step2_mlp_only_3": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                                              decoder_sparse_step=2, mlp_only_layers=[3], num_hidden_layers=4),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    """(name, HF model, folder it was saved to by transformers)."""
+    model = perturbed_model(hf_config("qwen3_moe", **CASES[request.param]), seed=sorted(CASES).index(request.param))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, model, path
+
+
+def test_fp32_logits_match_transformers(checkpoint):
+    name, model, path = checkpoint
+    cfg, params = load_hf(path)
+    hf = model.config
+    assert cfg.family == "qwen3_moe" and cfg.num_experts == hf.num_experts
+    assert cfg.sparse_layers == tuple(i for i, layer in enumerate(model.model.layers)
+                                      if type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock"), name
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    tokens = random_tokens(1, (2, SEQ), cfg.vocab_size)
+    ref = hf_logits(model, tokens)
+    ours = forward(cfg, params, tokens)
+    assert rel_max_err(ours, ref) < FP32_TOL, name
+
+
+def test_router_logits_and_load_balancing_loss_match_transformers(checkpoint):
+    name, model, path = checkpoint
+    cfg, params = load_hf(path)
+    tokens = random_tokens(2, (2, SEQ), cfg.vocab_size)
+    mask = np.arange(SEQ)[None, :] < np.asarray([[SEQ], [13]])
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)), output_router_logits=True,
+                    attention_mask=torch.from_numpy(mask.astype(np.int64)))
+    _, _, router = forward_router(cfg, params, tokens, mask=jnp.asarray(mask))
+    assert router.shape == (len(cfg.sparse_layers), 2, SEQ, cfg.num_experts)
+    # HF's router logits are [B*T, E] per sparse layer; padded positions differ (HF masks their keys too).
+    ref_router = np.stack([r.numpy().reshape(2, SEQ, -1) for r in out.router_logits])
+    assert rel_max_err(router[:, mask], ref_router[:, mask]) < FP32_TOL, name
+    ref_loss = load_balancing_loss_func(tuple(torch.from_numpy(ref_router.reshape(len(router), 2 * SEQ, -1))),
+                                        cfg.num_experts, cfg.num_experts_per_tok, torch.from_numpy(mask))
+    loss = load_balancing_loss(router, cfg.num_experts_per_tok, jnp.asarray(mask))
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5), name
+    unmasked = load_balancing_loss_func(tuple(torch.from_numpy(ref_router.reshape(len(router), 2 * SEQ, -1))),
+                                        cfg.num_experts, cfg.num_experts_per_tok)
+    assert float(load_balancing_loss(jnp.asarray(ref_router), cfg.num_experts_per_tok)) == pytest.approx(
+        float(unmasked), rel=1e-5)
+
+
+def test_load_balancing_loss_is_top_k_under_balanced_routing():
+    tokens = jnp.arange(4)
+    balanced = jnp.zeros((1, 1, 4, 8)).at[0, 0, tokens, 2 * tokens].set(20.0).at[0, 0, tokens, 2 * tokens + 1].set(20.0)
+    assert float(load_balancing_loss(balanced, 2)) == pytest.approx(2.0)  # each expert: 1/4 of the picks, p 1/8
+    uniform = jnp.zeros((2, 3, 5, 8), jnp.float32)  # all probabilities 1/8: balanced whatever top_k picks
+    assert float(load_balancing_loss(uniform, 2)) == pytest.approx(2.0)
+    collapsed = jnp.zeros((1, 1, 4, 8)).at[..., 0].set(10.0)  # one expert takes (almost) all
+    assert float(load_balancing_loss(collapsed, 1)) > 7.0
+
+
+def test_save_hf_round_trip_loads_in_transformers(tmp_path):
+    cfg = ModelConfig.from_hf(hf_config("qwen3_moe", num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
+                                        mlp_only_layers=[1], num_hidden_layers=4, norm_topk_prob=True).to_dict()
+                              | {"architectures": ["Qwen3MoeForCausalLM"]})
+    params = random_params(cfg, jax.random.key(3))
+    save_hf(cfg, params, tmp_path / "ckpt")
+    names = set(load_file(tmp_path / "ckpt" / "model.safetensors"))
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in names and "model.layers.3.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.gate_proj.weight" in names and "model.layers.1.mlp.gate.weight" not in names
+    loaded_cfg, loaded = load_hf(tmp_path / "ckpt")
+    assert loaded_cfg == cfg
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    assert model.config.num_experts == 8 and model.config.mlp_only_layers == [1]
+    tokens = random_tokens(4, (2, SEQ), cfg.vocab_size)
+    assert rel_max_err(forward(cfg, params, tokens), hf_logits(model, tokens)) < FP32_TOL
+
+
+def test_load_hf_reads_fused_expert_tensors(tmp_path):
+    """Folders holding each layer's experts as one gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    cfg = ModelConfig.from_hf(hf_config("qwen3_moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]})
+    params = random_params(cfg, jax.random.key(5))
+    save_hf(cfg, params, tmp_path / "split")
+    tensors = load_file(tmp_path / "split" / "model.safetensors")
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        per = {p: np.stack([tensors.pop(f"{pre}{j}.{p}.weight") for j in range(4)]) for p in ("gate_proj", "up_proj",
+                                                                                          "down_proj")}
+        tensors[pre + "gate_up_proj"] = np.concatenate([per["gate_proj"], per["up_proj"]], axis=1)
+        tensors[pre + "down_proj"] = per["down_proj"]
+    (tmp_path / "fused").mkdir()
+    save_file(tensors, tmp_path / "fused" / "model.safetensors")
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "split" / "config.json").read_text())
+    _, loaded = load_hf(tmp_path / "fused")
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tensors["model.layers.1.mlp.experts.down_proj"] = tensors["model.layers.1.mlp.experts.down_proj"][:3]
+    save_file(tensors, tmp_path / "fused" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.down_proj has shape \(3, 32, 16\)"):
+        load_hf(tmp_path / "fused")
+
+
+def test_load_hf_rejects_missing_expert(tmp_path):
+    cfg = ModelConfig.from_hf(hf_config("qwen3_moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]})
+    save_hf(cfg, random_params(cfg, jax.random.key(6)), tmp_path / "ckpt")
+    tensors = load_file(tmp_path / "ckpt" / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.experts.3.up_proj.weight'\]"):
+        load_hf(tmp_path / "ckpt")
+
+
+BASE = dict(family="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=16), "num_experts_per_tok=5"),
+    (dict(num_experts=4, num_experts_per_tok=0, moe_intermediate_size=16), "num_experts_per_tok=0"),
+    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=0), "moe_intermediate_size=0"),
+    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, decoder_sparse_step=0),
+     "decoder_sparse_step=0"),
+    (dict(family="qwen3", num_experts=4), "num_experts=4 needs family 'qwen3_moe'"),
+])
+def test_bad_moe_config_raises(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**(BASE | fields))
+
+
+def test_from_hf_rejects_contradicting_expert_counts():
+    hf = hf_config("qwen3_moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                              "num_local_experts": 8}
+    with pytest.raises(ValueError, match="config.json: num_experts=4 contradicts num_local_experts=8"):
+        ModelConfig.from_hf(hf)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+SHARDED_CFG = ModelConfig(**BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                          mlp_only_layers=(0,))
+
+
+@pytest.fixture(scope="module")
+def unsharded():
+    params = random_params(SHARDED_CFG, jax.random.key(7))
+    tokens = jnp.asarray(random_tokens(8, (4, 16), SHARDED_CFG.vocab_size))  # 4 rows: no dim but E is 8
+    return params, tokens, jax.jit(forward, static_argnums=0)(SHARDED_CFG, params, tokens)
+
+
+@pytest.mark.parametrize("axes", [dict(expert=8), dict(data=2, expert=4), dict(fsdp=2, tensor=2, expert=2)])
+def test_expert_sharded_forward_matches_unsharded(unsharded, axes):
+    params, tokens, ref = unsharded
+    sharding = Sharding(make_mesh(**({"fsdp": 1} | axes)))
+    sharded = shard_params(sharding, params)
+    experts = sharded["layers"][1]["experts_gate"]
+    assert experts.sharding.spec[0] == "expert"
+    assert {s.data.shape[0] for s in experts.addressable_shards} == {8 // axes["expert"]}
+    fwd = jax.jit(forward, static_argnums=0, static_argnames=("sharding",))
+    placed = jax.device_put(tokens, sharding.named(("batch", "seq"), tokens.shape))
+    assert rel_max_err(fwd(SHARDED_CFG, sharded, placed, sharding=sharding), ref) < SHARDED_TOL
+    # The experts stay split: no device gathers another device's expert weights ([8, ., .]).
+    hlo = fwd.lower(SHARDED_CFG, sharded, placed, sharding=sharding).compile().as_text()
+    gathered = [line for line in hlo.splitlines() if "all-gather(" in line and "f32[8," in line.split("=")[1][:12]]
+    assert not gathered, gathered[:2]
+
+
+def test_expert_sharded_extend_matches_unsharded(unsharded):
+    params, tokens, _ = unsharded
+    cache = init_cache(SHARDED_CFG, 4, 16)
+    cache_len = jnp.zeros((4,), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (4, 6))
+    step = jax.jit(extend, static_argnums=0, static_argnames=("sharding",))
+    ref_logits, _, _ = step(SHARDED_CFG, params, cache, tokens[:, :6], positions, cache_len)
+    sharding = Sharding(make_mesh(data=2, fsdp=1, expert=4))
+    logits, _, _ = step(SHARDED_CFG, shard_params(sharding, params), cache, tokens[:, :6], positions, cache_len,
+                        sharding=sharding)
+    assert rel_max_err(logits, ref_logits) < SHARDED_TOL
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _dense_moe_reference(layer, x, top_k, norm_topk_prob):
+    """Every expert on every token, weighted by a [N, E] gate matrix that is zero off the top-k."""
+    flat = x.reshape(-1, x.shape[-1])
+    _, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob)
+    gates = jnp.zeros((flat.shape[0], layer["router"].shape[1])).at[jnp.arange(flat.shape[0])[:, None], experts].set(
+        weights)
+    hidden = jax.nn.silu(jnp.einsum("nh,ehi->eni", flat, layer["experts_gate"])) * jnp.einsum(
+        "nh,ehi->eni", flat, layer["experts_up"])
+    out = jnp.einsum("eni,eih,ne->nh", hidden, layer["experts_down"], gates)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob):
+    """Gradients through the sorted ragged_dot path (experts and router) equal those of computing
+    every expert on every token and masking."""
+    layer = random_params(SHARDED_CFG, jax.random.key(9))["layers"][1]
+    layer = {k: layer[k] for k in ("router", "experts_gate", "experts_up", "experts_down")}
+    x = jax.random.normal(jax.random.key(10), (3, 5, SHARDED_CFG.hidden_size))
+    probe = jax.random.normal(jax.random.key(11), x.shape)
+
+    def loss(fn, params, x):
+        return jnp.sum(fn(params, x) * probe)
+
+    ours = jax.grad(loss, argnums=(1, 2))(lambda p, x: moe_mlp(p, x, 3, norm_topk_prob)[0], layer, x)
+    ref = jax.grad(loss, argnums=(1, 2))(lambda p, x: _dense_moe_reference(p, x, 3, norm_topk_prob), layer, x)
+    for name in layer:
+        assert float(jnp.max(jnp.abs(ref[0][name]))) > 0, name
+        assert rel_max_err(ours[0][name], ref[0][name]) < FP32_TOL, name
+    assert rel_max_err(ours[1], ref[1]) < FP32_TOL
+
+
+def test_load_balancing_loss_trains_the_router():
+    params = random_params(SHARDED_CFG, jax.random.key(12))
+    tokens = jnp.asarray(random_tokens(13, (2, 8), SHARDED_CFG.vocab_size))
+
+    def aux(params):
+        _, _, router = forward_router(SHARDED_CFG, params, tokens)
+        return load_balancing_loss(router, SHARDED_CFG.num_experts_per_tok)
+
+    grads = jax.jit(jax.grad(aux))(params)
+    assert float(jnp.max(jnp.abs(grads["layers"][1]["router"]))) > 0
+    assert float(jnp.max(jnp.abs(grads["layers"][1]["experts_gate"]))) == 0  # the loss sees only the router
