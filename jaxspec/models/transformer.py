@@ -33,7 +33,7 @@ from jaxspec.models.attention import attention, cache_attention
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import moe_mlp
 from jaxspec.models.rope import apply_rope, rope_tables
-from jaxspec.models.sharding import Sharding
+from jaxspec.models.sharding import Sharding, constrain
 
 Params = dict
 
@@ -223,11 +223,11 @@ def forward_router(
         else:
             attn = attention(q, k, v, attn_mask)
         x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn)
-        return _constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
+        return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
-    x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
+    x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
     hidden, routers = {}, []
     for i, layer in enumerate(params["layers"]):
         x, router_logits = layer_fn(layer, x)
@@ -235,7 +235,7 @@ def forward_router(
             routers.append(router_logits)
         if i in hidden_layers:
             hidden[i] = x
-    logits = _constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
+    logits = constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
     routers = jnp.stack(routers) if routers else jnp.zeros((0, b, t, 0), jnp.float32)
     return logits, _stack_hidden(hidden, hidden_layers, x), routers
 
@@ -278,7 +278,7 @@ def extend(
     rows = jnp.arange(b)[:, None]
     cos, sin = rope_tables(cfg, positions)
 
-    x = _constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
+    x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
     new_k, new_v, hidden = [], [], {}
     for i, layer in enumerate(params["layers"]):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
@@ -287,7 +287,7 @@ def extend(
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
         x, _ = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, active=active,
                                                                          sharding=sharding))
-        x = _constrain(sharding, x, ("batch", "seq", "act_embed"))
+        x = constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)
         new_v.append(cv)
         if i in hidden_layers:
@@ -319,7 +319,3 @@ def use_cudnn_attention(impl: str, dtype, head_dim: int, seq_len: int) -> bool:
         return (jax.default_backend() == "gpu" and head_dim % 8 == 0 and seq_len % 64 == 0
                 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
     return impl == "cudnn"
-
-
-def _constrain(sharding: Sharding | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return x if sharding is None else sharding.constrain(x, axes)
