@@ -35,5 +35,5 @@ def check_run_dir(run_dir: Path, resume: bool, config: dict, fixed: Callable[[st
     changed = sorted(k for k in set(saved) | set(current) if fixed(k) and saved.get(k) != current.get(k))
     if changed:
         key = changed[0]
-        raise ValueError(f"--resume: the {key.split('.')[0]} section differs from the run's {saved_file}: {key} is "
-                         f"{current.get(key)!r}, the run used {saved.get(key)!r}; {hint}")
+        raise ValueError(f"--resume: {key} is {current.get(key)!r} but the run in {run_dir} used {saved.get(key)!r} "
+                         f"(the {key.split('.')[0]} section differs from the run's {saved_file.name}); {hint}")
