@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from jaxspec.config_io import from_dict, load_config, set_dotted, to_dict
-from jaxspec.rl import loop
+from jaxspec.rl import driver
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig, validate
 from jaxspec.rl.resources import check_inputs
@@ -58,7 +58,7 @@ def train(config: str | os.PathLike | GRPOConfig, run_dir: str | os.PathLike, *,
     run_dir = Path(run_dir)
     inputs = check_inputs(cfg)
     check_run_dir(cfg, run_dir, resume)
-    loop.train(cfg, run_dir, resume=resume, inputs=inputs, on_step=on_step)
+    driver.train(cfg, run_dir, resume=resume, inputs=inputs, on_step=on_step)
     metrics_file = run_dir / "metrics.jsonl"
     if not metrics_file.is_file():
         return []

@@ -9,7 +9,7 @@ from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.distributed import initialize_from_env
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig, validate
-from jaxspec.rl.loop import train
+from jaxspec.rl.driver import train
 from jaxspec.rl.resources import check_inputs
 from jaxspec.run import EXIT_CHECKPOINTED
 
