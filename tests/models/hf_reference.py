@@ -58,6 +58,15 @@ def perturbed_model(config: transformers.PretrainedConfig, seed: int) -> transfo
     return model.float().eval()
 
 
+def saved_checkpoint(tmp_path_factory, name: str, family: str, overrides: dict, seed: int):
+    """(name, `perturbed_model` of the family's config with `overrides`, the folder transformers
+    saved it to): the parametrised checkpoint fixture of the parity tests."""
+    model = perturbed_model(hf_config(family, **overrides), seed=seed)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return name, model, path
+
+
 def _torch_ints(x) -> torch.Tensor:
     return torch.from_numpy(np.array(x, dtype=np.int64))  # a writable copy
 

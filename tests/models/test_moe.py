@@ -13,7 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from jaxspec.models import ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh, save_hf, shard_params
 from jaxspec.models.moe import load_balancing_loss, moe_mlp, route
 from jaxspec.models.transformer import forward_router
-from tests.models.hf_reference import (hf_config, hf_logits, perturbed_model, random_params, random_tokens,
+from tests.models.hf_reference import (hf_config, hf_logits, random_params, random_tokens, saved_checkpoint,
                                        rel_max_err)
 
 FP32_TOL = 1e-5  # relative to max |logit|
@@ -35,10 +35,8 @@ CASES = {  # qwen3_moe config overrides (default: 4 experts, 2 per token, every 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request, tmp_path_factory):
     """(name, HF model, folder it was saved to by transformers)."""
-    model = perturbed_model(hf_config("qwen3_moe", **CASES[request.param]), seed=sorted(CASES).index(request.param))
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return saved_checkpoint(tmp_path_factory, request.param, "qwen3_moe", CASES[request.param],
+                            seed=sorted(CASES).index(request.param))
 
 
 def test_fp32_logits_match_transformers(checkpoint):

@@ -10,7 +10,7 @@ import pytest
 from jaxspec.models import forward, forward_hidden, load_hf
 from jaxspec.models.transformer import rms_norm
 from tests.models.hf_reference import (hf_config, hf_hidden_states, hf_logits, perturbed_model, random_tokens,
-                                       rel_max_err)
+                                       rel_max_err, saved_checkpoint)
 
 FP32_TOL = 1e-5  # relative to max |logit|
 # bf16 weights and activations against the fp32 reference: a sanity bound that catches a wrong
@@ -54,10 +54,7 @@ CASES = {
 def checkpoint(request, tmp_path_factory):
     """(name, HF model, folder the model was saved to)."""
     family, overrides = CASES[request.param]
-    model = perturbed_model(hf_config(family, **overrides), seed=sorted(CASES).index(request.param))
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return saved_checkpoint(tmp_path_factory, request.param, family, overrides, seed=sorted(CASES).index(request.param))
 
 
 def test_fp32_logits_match_transformers(checkpoint):
