@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 from jaxspec.config_io import from_dict, load_config, set_dotted, to_dict
 from jaxspec.rl import driver
 from jaxspec.rl.checkpointing import check_run_dir
-from jaxspec.rl.config import GRPOConfig, validate
+from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.validation import validate
 from jaxspec.rl.resources import check_inputs
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from jaxspec.config_io import load_config, naming_overrides, run_parser
 from jaxspec.distributed import initialize_from_env
 from jaxspec.rl.checkpointing import check_run_dir
-from jaxspec.rl.config import GRPOConfig, validate
+from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.validation import validate
 from jaxspec.rl.driver import train
 from jaxspec.rl.resources import check_inputs
 from jaxspec.run import EXIT_CHECKPOINTED

@@ -10,7 +10,8 @@ import numpy as np
 from jaxspec.config_io import load_config
 from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig, cache_bytes
-from jaxspec.rl.config import GRPOConfig, validate
+from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.validation import validate
 from jaxspec.rollout.memory import rollout_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,8 @@ import dataclasses
 
 import pytest
 
-from jaxspec.rl.config import GRPOConfig, GRPOLossConfig, GRPOTrainConfig, validate
+from jaxspec.rl.config import GRPOConfig, GRPOLossConfig, GRPOTrainConfig
+from jaxspec.rl.validation import validate
 
 
 @pytest.mark.parametrize("loss, message", [

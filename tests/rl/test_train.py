@@ -458,7 +458,8 @@ def test_shipped_configs_are_valid(name):
     from pathlib import Path
 
     from jaxspec.config_io import load_config
-    from jaxspec.rl.config import GRPOConfig, validate
+    from jaxspec.rl.config import GRPOConfig
+    from jaxspec.rl.validation import validate
     from jaxspec.rl.resources import check_inputs
 
     path = Path(__file__).resolve().parents[2] / "configs" / name
