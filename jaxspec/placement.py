@@ -131,3 +131,9 @@ def from_host(value, sharding: NamedSharding) -> jax.Array:
 def _placer(shardings: tuple[NamedSharding, ...]):
     """A compiled copy of a list of arrays onto `shardings` (one per array)."""
     return jax.jit(lambda xs: xs, out_shardings=list(shardings))
+
+
+def abstract(tree):
+    """ShapeDtypeStructs of the arrays in `tree`, with their shardings and weak types."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=x.aval.weak_type), tree)

@@ -38,7 +38,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, shard_params
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
-from jaxspec.placement import Placement
+from jaxspec.placement import Placement, abstract
 from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -179,8 +179,7 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
     # onto this layout, whatever mesh wrote it.
     state = placement.state({"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights),
                              "step": jnp.int32(0)})
-    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          (state["weights"], state["opt_state"]))
+    layout = abstract((state["weights"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
     restored = checkpointer.resume(state) if resume else None
     if restored is not None:

@@ -29,7 +29,7 @@ from jaxspec.pretrain.data import Batcher, encode_examples, pack, prepare_proble
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
 from jaxspec.optim import make_optimizer
 from jaxspec.pretrain.train import make_train_step
-from jaxspec.placement import Placement
+from jaxspec.placement import Placement, abstract
 from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -94,8 +94,7 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
         params = shard_params(placement.sharding, params)
     state = placement.state({"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
                              "position": jnp.int32(0), "key": key})
-    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          (state["params"], state["opt_state"]))
+    layout = abstract((state["params"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
     restored = checkpointer.resume(state) if resume else None
     if restored is not None:

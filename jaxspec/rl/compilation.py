@@ -26,17 +26,11 @@ from jax.experimental.compilation_cache import compilation_cache as cache
 
 from jaxspec.rl.batch import packed_row_counts
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.placement import Placement
+from jaxspec.placement import Placement, abstract
 from jaxspec.rl.step import minibatch_fields
 
 Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
 SCORE_FIELDS = ("tokens", "segment_ids", "resp_index", "resp_tokens")
-
-
-def abstract(tree):
-    """ShapeDtypeStructs of the arrays in `tree`, with their shardings and weak types."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                                       weak_type=x.aval.weak_type), tree)
 
 
 def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int,
