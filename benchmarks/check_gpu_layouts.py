@@ -122,7 +122,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all)")
     p.add_argument("--layouts", nargs="+", type=parse_layout, default=None, metavar="D,F,T",
-                   help="only these layouts, in this order after the one-GPU run (default: every layout)")
+                   help="only these layouts, in this order; the others compare with the first when it is 1,1,1 "
+                        "(default: 1,1,1 then every layout of the devices)")
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = p.parse_args(argv)
@@ -135,10 +136,9 @@ def main(argv: list[str]) -> int:
     rows = []
     work = Path(tempfile.mkdtemp(prefix="jaxspec-layouts-"))
     try:
-        chosen = layouts(devices) if args.layouts is None else [layouts(1)[0], *args.layouts]
-        for mesh in chosen:
+        for mesh in layouts(devices) if args.layouts is None else args.layouts:
             row = run_layout(mesh, args, args.overrides, work)
-            if rows and rows[0]["rc"] == 0 and row["rc"] == 0:
+            if rows and rows[0]["layout"] == "1gpu" and rows[0]["rc"] == 0 and row["rc"] == 0:
                 row["ok"], row["worst_rel_diff"] = compare(rows[0], row)
             else:
                 row["ok"] = row["rc"] == 0
