@@ -133,6 +133,10 @@ class GRPOLossConfig:
     tis_cap: truncated importance sampling of the rollout/trainer mismatch (needs
         recompute_logprobs): each token's loss is weighted by min(exp(old_logp_trainer -
         rollout_logp), tis_cap), as verl's tis_imp_ratio_cap (0 = off).
+    router_aux_coef: weight of the router's load-balancing loss (`jaxspec.models.moe.load_balancing_loss`,
+        over each minibatch's non-padding tokens) added to the loss of a mixture-of-experts policy;
+        null = the policy's router_aux_loss_coef (config.json), 0 = off. A dense policy takes only
+        null or 0.
     Tokens with a non-finite old, rollout, reference or current log-prob (outside the trainer's
     top-k/top-p nucleus) are dropped from the loss and counted in the metric nonfinite_tokens.
     """
@@ -153,6 +157,7 @@ class GRPOLossConfig:
     minibatches: int = 1
     recompute_logprobs: bool = False
     tis_cap: float = 0.0
+    router_aux_coef: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

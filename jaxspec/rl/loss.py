@@ -15,27 +15,40 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params, forward_hidden
+from jaxspec.models.transformer import Params, forward_router
 from jaxspec.rl.config import AGGREGATIONS, GRPOLossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 
 
 def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array,
                      hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False,
-                     sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
+                     sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One policy forward over packed prompt+response rows.
 
     tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
     positions restart per sequence). Params are cast to `compute_dtype` (gradients reach the
     float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
-    outputs of the given 0-based layers). With a `sharding`, every layer's activations are split
-    over the batch axes (rows), whatever the params' layout: without the constraint the rows of an
-    fsdp-sharded embedding table come out split along the hidden dimension, a layout cuDNN's
-    flash attention cannot partition.
+    outputs of the given 0-based layers, float32 router logits [len(cfg.sparse_layers), R, W, E]
+    of a mixture-of-experts policy, [0, R, W, 0] for a dense one). With a `sharding`, every
+    layer's activations are split over the batch axes (rows), whatever the params' layout: without
+    the constraint the rows of an fsdp-sharded embedding table come out split along the hidden
+    dimension, a layout cuDNN's flash attention cannot partition.
     """
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    return forward_hidden(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
+    return forward_router(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
                           sharding=sharding)
+
+
+def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
+    """The weight of the router's load-balancing loss in the policy loss: loss.router_aux_coef, or
+    the policy's router_aux_loss_coef when that is null (0 for a dense policy). ValueError naming
+    the key for a non-zero weight on a dense policy (it has no router)."""
+    if not model.sparse_layers:
+        if loss.router_aux_coef:
+            raise ValueError(f"loss.router_aux_coef: the policy is dense (no mixture-of-experts layers, no router); "
+                             f"set it to null or 0, got {loss.router_aux_coef}")
+        return 0.0
+    return model.router_aux_loss_coef if loss.router_aux_coef is None else loss.router_aux_coef
 
 
 def response_logprobs(logits: jax.Array, resp_index: jax.Array, resp_tokens: jax.Array, sampling: Sampling

@@ -8,7 +8,9 @@ A step record (metrics.jsonl) holds
   trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, dual_clip_frac (negative-advantage
     tokens held by loss.clip_ratio_c), ratio_mean, tis_weight_mean (loss.tis_cap), nonfinite_tokens
     (loss tokens dropped for a non-finite current, old, rollout or reference log-prob, per update),
-    entropy, grad_norm, lr, updates, logprob_mismatch_max/mean (loss.recompute_logprobs);
+    entropy, grad_norm, router_aux_loss (mixture-of-experts policies: the router's load-balancing
+    loss, weighted into loss by loss.router_aux_coef), lr, updates, logprob_mismatch_max/mean
+    (loss.recompute_logprobs);
     generation_rounds (loss.filter_groups_max_rounds), shaped_reward_mean (the rewards with
     loss.overlong_buffer's penalty; reward_mean and accuracy are the reward function's);
     draft_loss, draft_grad_norm, draft_step_loss, draft_top1_agreement (draft.online);
@@ -43,7 +45,7 @@ TIMING_PREFIXES = ("time_", "tokens_per_s", "compiles")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
 POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_mean",
-                  "tis_weight_mean", "nonfinite_tokens", "entropy", "grad_norm")
+                  "tis_weight_mean", "nonfinite_tokens", "entropy", "grad_norm", "router_aux_loss")
 
 
 def is_timing(key: str) -> bool:
@@ -150,7 +152,7 @@ def mean_update_metrics(updates: list[dict]) -> dict:
     out: dict = {}
     active = [m for m in updates if float(m["tokens"]) > 0]
     for key in POLICY_METRICS:
-        if active:
+        if active and key in active[0]:  # router_aux_loss: mixture-of-experts policies only
             out[key] = float(np.mean([float(m[key]) for m in active]))
     draft = [m for m in updates if "draft_loss" in m]
     if draft:

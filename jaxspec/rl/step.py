@@ -27,7 +27,9 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.optim import clipped_adamw
 from jaxspec.models.sharding import Sharding
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
-from jaxspec.rl.loss import aggregate, policy_loss, reference_sampling, response_logprobs, sequence_forward
+from jaxspec.models.moe import load_balancing_loss
+from jaxspec.rl.loss import (aggregate, policy_loss, reference_sampling, response_logprobs, router_aux_weight,
+                           sequence_forward)
 from jaxspec.rollout.sampling import Sampling
 
 
@@ -74,8 +76,8 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
     its batch axes, `sequence_forward`), None on one device."""
 
     def score(params, tokens, segment_ids, resp_index, resp_tokens):
-        logits, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat,
-                                     sharding)
+        logits, _, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat,
+                                        sharding)
         return response_logprobs(logits, resp_index, resp_tokens, sampling)[0]
 
     return jax.jit(score)
@@ -89,8 +91,10 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
 
     (params, opt_state, draft_weights, draft_buffers, draft_opt_state, minibatch) ->
     (params, opt_state, draft_weights, draft_opt_state, metrics). With `draft` None the draft
-    arguments are None and pass through. With a draft, one policy forward also returns the aux
-    hidden states; the draft loss reads them and the logits detached, so the policy gets exactly
+    arguments are None and pass through. A mixture-of-experts policy's loss adds
+    `router_aux_weight` x the router's load-balancing loss over the minibatch's non-padding tokens
+    (metric router_aux_loss, logged whatever the weight). With a draft, one policy forward also
+    returns the aux hidden states; the draft loss reads them and the logits detached, so the policy gets exactly
     the policy-loss gradient and the head the draft-loss gradient; each is clipped and run through
     its own AdamW. The head's update is then multiplied by λ = draft.loss_weight: the head trains on
     L = L_policy + λ·L_draft with the weight acting after the clipping and Adam's normalisation,
@@ -98,12 +102,13 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     params / opt_state / draft weights / draft opt_state are donated.
     """
     p_opt = policy_optimizer(optim_cfg)
+    router_aux = router_aux_weight(loss_cfg, cfg)
     d_opt = draft_optimizer(draft.train) if draft is not None else None
     hidden_layers = tuple(draft.dcfg.aux_layer_ids) if draft is not None else ()
 
     def loss_fn(params, draft_weights, draft_buffers, mb):
-        logits, hidden = sequence_forward(cfg, params, mb["tokens"], mb["segment_ids"], hidden_layers,
-                                          jnp.dtype(compute_dtype), remat, sharding)
+        logits, hidden, router_logits = sequence_forward(cfg, params, mb["tokens"], mb["segment_ids"],
+                                                         hidden_layers, jnp.dtype(compute_dtype), remat, sharding)
         logp, entropy = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
         kl_logp = None
         if loss_cfg.kl_beta > 0:
@@ -112,6 +117,11 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
                                     ref_logp=mb.get("ref_logp"), rollout_logp=mb.get("rollout_logp"),
                                     denominator=jnp.max(mb["loss_denominator"]) if "loss_denominator" in mb else None,
                                     kl_logp=kl_logp)
+        if cfg.sparse_layers:
+            metrics["router_aux_loss"] = load_balancing_loss(router_logits, cfg.num_experts_per_tok,
+                                                             mb["segment_ids"] > 0)
+            if router_aux:
+                loss = loss + router_aux * metrics["router_aux_loss"]
         metrics["loss"] = loss
         metrics["entropy"] = aggregate(entropy, mb["loss_mask"], "token")
         total = loss

@@ -56,6 +56,8 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     need(lo.tis_cap == 0 or lo.recompute_logprobs, "loss.tis_cap",
          "truncated importance sampling weighs the trainer's against the rollout's log-probs; "
          "set loss.recompute_logprobs: true")
+    need(lo.router_aux_coef is None or lo.router_aux_coef >= 0, "loss.router_aux_coef",
+         f"must be >= 0 or null, got {lo.router_aux_coef}")
     positive(lo, "ppo_epochs", "loss")
     positive(lo, "minibatches", "loss")
     rows = r.prompts_per_step * r.samples_per_prompt

@@ -1,5 +1,7 @@
-"""A tiny random Qwen3 policy in an HF folder with the math task's tokenizer, shared by the RL tests."""
+"""Tiny random Qwen3 policies (dense and mixture-of-experts) in HF folders with the math task's tokenizer,
+shared by the RL tests."""
 
+import dataclasses
 import zlib
 
 import jax
@@ -13,6 +15,8 @@ from jaxspec.tasks import ChatTokenizer, generate_problems, train_tokenizer
 
 SHAPE = ModelShape(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                    max_position_embeddings=256)
+MOE_SHAPE = dataclasses.replace(SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                router_aux_loss_coef=0.05)
 
 
 def digit_fraction(response: str, example: dict) -> float:
@@ -30,14 +34,24 @@ if "digit_fraction" not in registered_rewards():
     register_reward("rare_hash")(rare_hash)
 
 
-@pytest.fixture(scope="session")
-def tiny_policy(tmp_path_factory):
-    """(HF folder of a random 2-layer policy with tokenizer.json, its ModelConfig, params)."""
-    root = tmp_path_factory.mktemp("rl_policy")
+def _saved_policy(root, shape: ModelShape):
+    """(HF folder of a random policy of `shape` with tokenizer.json, its ModelConfig, params)."""
     problems = generate_problems(300, 0, (1,))
     train_tokenizer((text for p in problems for text in (p["question"], p["solution"])), 300, root / "tok.json")
     tok = ChatTokenizer.from_file(root / "tok.json")
-    cfg = model_config(SHAPE, tok)
+    cfg = model_config(shape, tok)
     params = init_params(cfg, jax.random.PRNGKey(0))
     save_hf(cfg, params, root / "policy", tokenizer_file=root / "tok.json")
     return root / "policy", cfg, params
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory):
+    """(HF folder of a random 2-layer policy with tokenizer.json, its ModelConfig, params)."""
+    return _saved_policy(tmp_path_factory.mktemp("rl_policy"), SHAPE)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_policy(tmp_path_factory):
+    """As `tiny_policy`, with both layers mixture-of-experts (top-2 of 4 experts, router_aux_loss_coef 0.05)."""
+    return _saved_policy(tmp_path_factory.mktemp("rl_moe_policy"), MOE_SHAPE)

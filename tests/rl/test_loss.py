@@ -8,7 +8,7 @@ import pytest
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import minibatch_indices, pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig
-from jaxspec.rl.loss import loss_denominator, policy_loss, response_logprobs, sequence_forward
+from jaxspec.rl.loss import loss_denominator, policy_loss, response_logprobs, router_aux_weight, sequence_forward
 from jaxspec.rollout import Sampling, generate
 
 
@@ -130,7 +130,7 @@ def test_trainer_logprobs_match_the_rollout(tiny_policy):
     rows = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0, width=48)
     packed = pack_rows(rows)
     assert packed["tokens"].shape[0] == 1  # all three rollouts share one row
-    logits, _ = sequence_forward(cfg, params, packed["tokens"], packed["segment_ids"])
+    logits, _, _ = sequence_forward(cfg, params, packed["tokens"], packed["segment_ids"])
     logp, entropy = response_logprobs(logits, packed["resp_index"], packed["resp_tokens"], sampling)
     valid = rows["resp_mask"]
     assert np.isfinite(np.asarray(logp)[valid]).all()
@@ -227,3 +227,14 @@ def test_step_level_normaliser_over_minibatches(aggregation):
     if aggregation == "token":  # per-minibatch means weigh the 8 tokens of the first half like the 14 of the second
         assert abs(np.mean(own) - whole) > 1e-3
     assert loss_denominator(mask, aggregation, 1) == (mask.sum() if aggregation == "token" else 7)
+
+
+def test_router_aux_weight_defaults_to_the_policys_coefficient(tiny_policy, tiny_moe_policy):
+    moe, dense = tiny_moe_policy[1], tiny_policy[1]
+    assert router_aux_weight(GRPOLossConfig(), moe) == moe.router_aux_loss_coef == 0.05
+    assert router_aux_weight(GRPOLossConfig(router_aux_coef=0.3), moe) == 0.3
+    assert router_aux_weight(GRPOLossConfig(router_aux_coef=0.0), moe) == 0.0
+    assert router_aux_weight(GRPOLossConfig(), dense) == router_aux_weight(GRPOLossConfig(router_aux_coef=0.0),
+                                                                           dense) == 0.0
+    with pytest.raises(ValueError, match=r"loss.router_aux_coef: the policy is dense .* got 0.01"):
+        router_aux_weight(GRPOLossConfig(router_aux_coef=0.01), dense)

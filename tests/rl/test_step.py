@@ -1,15 +1,20 @@
-"""The compiled minibatch update: policy learning unaffected by the online draft, draft loss falls."""
+"""The compiled minibatch update: policy learning unaffected by the online draft, draft loss falls; the
+router's load-balancing loss of a mixture-of-experts policy."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
-from jaxspec.rl.loss import loss_denominator, reference_sampling, sequence_forward
+from jaxspec.models.moe import load_balancing_loss
+from jaxspec.rl.loss import loss_denominator, policy_loss, reference_sampling, response_logprobs, sequence_forward
 from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 
@@ -103,7 +108,7 @@ def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
     out = generate(cfg, params, prompts, jax.random.PRNGKey(1), sampling=sampling)
     tokens, lengths = np.asarray(out.tokens).copy(), np.asarray(out.lengths)
     # Rollout 0's first token becomes the third most likely one: outside the top-2 nucleus.
-    logits, _ = sequence_forward(cfg, params, jnp.asarray([prompts[0]]), jnp.ones((1, 5), jnp.int32))
+    logits, _, _ = sequence_forward(cfg, params, jnp.asarray([prompts[0]]), jnp.ones((1, 5), jnp.int32))
     ranked = np.argsort(-np.asarray(logits[0, -1]))
     outsider = int(ranked[2])
     tokens[0, 0] = outsider
@@ -162,3 +167,84 @@ def test_bfloat16_optimizer_state_halves_the_first_moment_and_trains_alike(tiny_
     ref, ours = (np.concatenate([x.ravel() for x in jax.tree.leaves(moved[d])]) for d in ("float32", "bfloat16"))
     assert np.linalg.norm(ref) > 0
     assert np.linalg.norm(ours - ref) < 1e-2 * np.linalg.norm(ref)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _reference(cfg, params, sampling, mb):
+    """From plain forwards of one packed minibatch: (router logits [L, R, W, E], gradient of the
+    default GRPO policy loss alone, gradient of the load-balancing loss over the non-padding tokens)."""
+
+    def policy(p):
+        logits, _, _ = sequence_forward(cfg, p, mb["tokens"], mb["segment_ids"])
+        logp, _ = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
+        return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], GRPOLossConfig())[0]
+
+    def router(p):
+        return sequence_forward(cfg, p, mb["tokens"], mb["segment_ids"])[2]
+
+    def aux(p):
+        return load_balancing_loss(router(p), cfg.num_experts_per_tok, mb["segment_ids"] > 0)
+
+    return router(params), jax.grad(policy)(params), jax.grad(aux)(params)
+
+
+def _moe_case(cfg):
+    """(params, sampling, a packed minibatch with padding) of 8 random rollouts of a MoE policy."""
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    sampling = Sampling(temperature=1.0, max_new_tokens=8, eos_id=cfg.eos_token_id)
+    rng = np.random.default_rng(0)
+    prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
+    batch = training_rows(prompts, rng.integers(5, cfg.vocab_size, (8, 8)), rng.integers(1, 9, 8), pad_id=0)
+    batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
+                 old_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32), loss_mask=batch.pop("resp_mask"))
+    mb = pack_rows(batch)
+    assert (mb["segment_ids"] == 0).any()  # padding, which the router loss must leave out
+    return params, sampling, mb
+
+
+def test_moe_update_adds_the_weighted_router_loss_of_the_real_tokens(tiny_moe_policy):
+    """loss = policy loss + c x the load-balancing loss of the router logits of a plain forward over
+    the non-padding tokens, and the gradient carries that term."""
+    _, cfg, _ = tiny_moe_policy
+    params, sampling, mb = _moe_case(cfg)
+    optim = PolicyOptimConfig(learning_rate=1e-3)
+    opt_state = policy_optimizer(optim).init(params)
+    router, policy_grad, aux_grad = _reference(cfg, params, sampling, mb)
+    aux = float(load_balancing_loss(router, cfg.num_experts_per_tok, mb["segment_ids"] > 0))
+    assert abs(aux - float(load_balancing_loss(router, cfg.num_experts_per_tok))) > 1e-3  # padding would show
+    metrics = {}
+    for coef in (0.0, 3.0):
+        update = update_fn(cfg, sampling, GRPOLossConfig(router_aux_coef=coef), optim, "float32", False, None)
+        metrics[coef] = m = update(_copy(params), _copy(opt_state), None, None, None, mb)[-1]
+        assert float(m["router_aux_loss"]) == pytest.approx(aux, rel=1e-6)
+        assert float(m["loss"]) == pytest.approx(float(m["pg_loss"]) + coef * aux, rel=1e-6, abs=1e-7)
+        grad = jax.tree.map(lambda g, a: g + coef * a, policy_grad, aux_grad)
+        assert float(m["grad_norm"]) == pytest.approx(float(optax.tree.norm(grad)), rel=1e-5)
+    assert float(metrics[3.0]["pg_loss"]) == float(metrics[0.0]["pg_loss"])
+    assert float(metrics[3.0]["grad_norm"]) > 1.01 * float(metrics[0.0]["grad_norm"])
+
+
+def test_moe_update_with_router_coefficient_zero_is_the_policy_loss_update(tiny_moe_policy):
+    """loss.router_aux_coef 0: the AdamW step on the policy-loss gradient alone (up to float32
+    reassociation between the two compiled programs)."""
+    _, cfg, _ = tiny_moe_policy
+    params, sampling, mb = _moe_case(cfg)
+    loss_cfg, optim = GRPOLossConfig(router_aux_coef=0.0), PolicyOptimConfig(learning_rate=1e-3)
+    opt = policy_optimizer(optim)
+    opt_state = opt.init(params)
+    updates, want_state = opt.update(_reference(cfg, params, sampling, mb)[1], opt_state, params)
+    want = optax.apply_updates(params, updates)
+    got, got_state, *_ = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)(
+        _copy(params), _copy(opt_state), None, None, None, mb)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7),
+                 (got, got_state), (want, want_state))
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(got),
+                                                                                   jax.tree.leaves(params)))
+    assert moved > 1e-4  # the tolerance is far below one step
+
+
+def test_router_coefficient_on_a_dense_policy_is_refused(tiny_policy):
+    _, cfg, _ = tiny_policy
+    sampling = Sampling(temperature=1.0, max_new_tokens=8, eos_id=cfg.eos_token_id)
+    with pytest.raises(ValueError, match="loss.router_aux_coef: the policy is dense"):
+        update_fn(cfg, sampling, GRPOLossConfig(router_aux_coef=0.01), PolicyOptimConfig(), "float32", False, None)

@@ -99,6 +99,20 @@ def test_grpo_raises_reward_and_adapts_the_draft(full_run):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
     assert (run_dir / "policy" / "model.safetensors").exists() and (run_dir / "policy" / "tokenizer.json").exists()
     assert (run_dir / "draft" / "model.safetensors").exists()
+    assert not any("router_aux_loss" in r for r in records)  # a dense policy has no router
+
+
+def test_moe_policy_trains_with_the_router_loss(tiny_moe_policy, tmp_path):
+    """A mixture-of-experts policy: each step logs the router's load-balancing loss, and the loss
+    holds it weighted by the policy's router_aux_loss_coef (loss.router_aux_coef null)."""
+    config = _config(tmp_path / "run.yaml", tiny_moe_policy[0], steps=2, eval_every=0, checkpoint_every=2)
+    options = ["spec.method=none", "draft.online=false", "loss.kl_beta=0", "loss.ppo_epochs=1"]
+    assert _train("--config", config, "--run-dir", tmp_path / "run", *options) == 0
+    records = _metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 1.5 < r["router_aux_loss"] <= 4.0  # top-2 of 4 experts: 2 when balanced, at most 4
+        assert r["loss"] == pytest.approx(r["pg_loss"] + 0.05 * r["router_aux_loss"], rel=1e-5, abs=1e-6)
 
 
 def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
@@ -404,6 +418,9 @@ def _error_line(capsys) -> str:
                               "'seq-mean-token-sum-norm']"),
     ("loss.clip_ratio_c=1", "loss.clip_ratio_c: must be > 1 or null, got 1"),
     ("loss.overlong_buffer=9", "loss.overlong_buffer: must be <= rollout.max_new_tokens=8, got 9"),
+    ("loss.router_aux_coef=-0.1", "loss.router_aux_coef: must be >= 0 or null, got -0.1"),
+    ("loss.router_aux_coef=0.01", "loss.router_aux_coef: the policy is dense (no mixture-of-experts layers, "
+                                  "no router); set it to null or 0, got 0.01"),
     ("policy.path=/nonexistent/policy", "policy.path: policy folder not found: /nonexistent/policy"),
     ("data.train=/nonexistent/train.jsonl", "data.train: file not found: /nonexistent/train.jsonl"),
     ("reward=nope", "unknown reward 'nope'"),
