@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.pretrain.data import Batcher
 from jaxspec.rl.config import DataConfig
+from jaxspec.run import Batcher
 from jaxspec.tasks.generator import generate_problems, write_problems
 from jaxspec.tasks.loader import load_prompts
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -69,7 +69,7 @@ class PromptSampler:
     """Batches of prompt ids by data position (epoch-wise seeded permutations)."""
 
     def __init__(self, prompts: PromptSet, batch_size: int, seed: int):
-        self._batcher = Batcher(prompts.records, batch_size, seed)
+        self._batcher = Batcher(len(prompts.records), batch_size, seed)
 
     def indices(self, position: int) -> np.ndarray:
         """Prompt ids of the batch starting at data position `position`."""
