@@ -15,7 +15,7 @@ from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile
 from jaxspec.rl.data import PromptSampler, PromptSet
 from jaxspec.rl.metrics import StageTimer
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
-from tests.rl.test_train import _config, _metrics, _train
+from tests.rl.runs import read_metrics, train_cli, write_config
 
 STEPS = 3
 
@@ -107,13 +107,13 @@ def _prompt_file(path, tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def precompiled_run(tiny_policy, tmp_path_factory):
-    """STEPS steps of test_train's run (online draft, log-prob recomputation, KL) from cleared jit
+    """STEPS steps of the shared run config (online draft, log-prob recomputation, KL) from cleared jit
     caches, one minibatch per epoch (the head trains on the first epoch's; the second runs the
     policy-only update: both programs are precompiled), the trainer precompiled by
     train.precompile_threads = 2 workers and every program written to a persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
     of each step's packings)."""
     root = tmp_path_factory.mktemp("precompiled")
-    config = _config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
+    config = write_config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
     overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
                  "draft.train_every=2", "train.precompile=true", "train.precompile_threads=2", f"train.compilation_cache={root / 'cache'}",
                  "train.compilation_cache_min_compile_s=0"]
@@ -135,14 +135,14 @@ def precompiled_run(tiny_policy, tmp_path_factory):
         patch.setattr(loop, "pack_rows", counting_pack)
         patch.setattr(loop, "precompile", lambda programs, threads: (
             precompile_threads.append(threads), start_precompile(programs, threads))[1])
-        assert _train("--config", config, "--run-dir", root / "run", *overrides) == 0
+        assert train_cli("--config", config, "--run-dir", root / "run", *overrides) == 0
     assert precompile_threads == [2], "train.precompile_threads sets the compiling workers"
     return config, overrides, root / "run", root / "cache", rows_per_step
 
 
 def test_no_step_after_the_first_compiles(precompiled_run):
     _, _, run_dir, _, rows_per_step = precompiled_run
-    records = _metrics(run_dir)
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[0]["compiles"] > 0 and [r["compiles"] for r in records[1:]] == [0] * (STEPS - 1)
     assert records[0]["time_precompile_s"] >= 0 and all("time_precompile_s" not in r for r in records[1:])
@@ -154,9 +154,9 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     config, overrides, first_dir, cache, _ = precompiled_run
     assert any(path.name.startswith("jit_update-") for path in cache.iterdir())
     jax.clear_caches()  # as in a new process
-    assert _train("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
+    assert train_cli("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
                   "train.precompile=false") == 0
-    first, second = _metrics(first_dir)[0], _metrics(tmp_path / "second")[0]
+    first, second = read_metrics(first_dir)[0], read_metrics(tmp_path / "second")[0]
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4
     assert jax.config.jax_compilation_cache_dir is None  # the run's cache settings end with it
