@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec.config_io import load_config
 from jaxspec.rl.api import train
-from jaxspec.rl.batch import pack_rows, training_rows
+from jaxspec.rl.batch import Rollouts, pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
@@ -28,14 +28,13 @@ def _run(tiny_policy, tmp_path, *overrides, steps=3):
     return GRPORun(cfg, tmp_path / "run", False, check_inputs(cfg))
 
 
-def _rollout_logprob_error(run: GRPORun, out: dict, params) -> float:
+def _rollout_logprob_error(run: GRPORun, out: Rollouts, params) -> float:
     """Largest difference between the rollout's log-probs of its tokens and those of `params`."""
-    batch = training_rows(out["prompts"], out["tokens"], out["lengths"], run.tok.pad_id, run.width)
-    fields = ("tokens", "attn_mask", "resp_index", "resp_tokens")
-    rows = run.placement.rows(pack_rows({k: batch[k] for k in fields}, run.placement.row_shards))
-    got = np.asarray(run.score(params, rows["tokens"], rows["segment_ids"], rows["resp_index"], rows["resp_tokens"]))
-    compared = batch["resp_mask"] & np.isfinite(got) & np.isfinite(out["logprobs"])
-    return float(np.abs(got - out["logprobs"])[compared].max())
+    batch = training_rows(out.prompts, out.tokens, out.lengths, run.tok.pad_id, run.width)
+    rows = run.placement.rows(pack_rows(batch.response_rows(), run.placement.row_shards))
+    got = np.asarray(run.score(params, rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens))
+    compared = batch.resp_mask & np.isfinite(got) & np.isfinite(out.logprobs)
+    return float(np.abs(got - out.logprobs)[compared].max())
 
 
 def test_one_step_off_policy_rollouts_use_the_previous_weights(tiny_policy, tmp_path):

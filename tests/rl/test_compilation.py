@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxspec.rl.loop as loop
-from jaxspec.rl.batch import pack_rows, packed_row_count, packed_row_counts
+from jaxspec.rl.batch import TrainingRows, pack_rows, packed_row_count, packed_row_counts
 from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile
 from jaxspec.rl.data import PromptSampler, PromptSet
 from jaxspec.rl.metrics import StageTimer
@@ -30,9 +30,11 @@ def test_packed_row_counts_hold_every_packing():
         for low, high in ((shortest, shortest), (shortest, 20), (15, 30), (width // 2 + 1, width), (width, width)):
             for _ in range(20):
                 lengths = rng.integers(low, high + 1, size=16)
-                rows = {"tokens": np.ones((16, width), np.int32), "resp_index": np.zeros((16, 2), np.int32),
-                        "attn_mask": np.arange(width)[None, :] < lengths[:, None]}
-                seen.add(pack_rows(rows, multiple_of)["tokens"].shape[0])
+                attn_mask = np.arange(width)[None, :] < lengths[:, None]
+                rows = TrainingRows(tokens=np.ones((16, width), np.int32), attn_mask=attn_mask,
+                                    resp_index=np.zeros((16, 2), np.int32), resp_tokens=np.zeros((16, 2), np.int32),
+                                    resp_mask=np.ones((16, 2), bool))
+                seen.add(pack_rows(rows, multiple_of).tokens.shape[0])
         assert seen <= set(counts) and {counts[0], counts[-1]} <= seen, (multiple_of, seen, counts)
 
 
@@ -126,7 +128,7 @@ def precompiled_run(tiny_policy, tmp_path_factory):
 
     def counting_pack(rows, multiple_of=1):
         packed = pack(rows, multiple_of)
-        rows_per_step[-1].add(packed["resp_index"].shape[:1] + packed["tokens"].shape[:1])  # (S, R)
+        rows_per_step[-1].add(packed.resp_index.shape[:1] + packed.tokens.shape[:1])  # (S, R)
         return packed
 
     jax.clear_caches()
