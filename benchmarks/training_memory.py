@@ -45,7 +45,8 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
     """The compiled update of `jaxspec.rl.step.update_fn` on packed rows [rows, width]."""
     from jaxspec.rl.batch import PackedRows
     from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig as OnlineConfig, PolicyOptimConfig
-    from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, update_fn
+    from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+    from jaxspec.rl.step import policy_optimizer, update_fn
     from jaxspec.rollout.sampling import Sampling
 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
@@ -54,9 +55,9 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
     draft = weights = buffers = draft_opt = None
     if online:
         dcfg = DraftConfig.for_policy(cfg, DRAFT_VOCAB)
-        weights, buffers = split_buffers(jax.eval_shape(lambda: init_eagle3(cfg, jax.random.key(0), DRAFT_VOCAB)[1]))
         draft = OnlineDraft(dcfg=dcfg, train=OnlineConfig(online=True))
-        draft_opt = jax.eval_shape(lambda w: draft_optimizer(draft.train).init(w), weights)
+        head = jax.eval_shape(lambda: OnlineDraftState.init(draft, init_eagle3(cfg, jax.random.key(0), DRAFT_VOCAB)[1]))
+        weights, buffers, draft_opt = head.update_args()
     sequences = rows  # the worst case: one rollout per packed row
     minibatch = PackedRows(tokens=S((rows, width), jnp.int32), segment_ids=S((rows, width), jnp.int32),
                            seq_resp_mask=S((rows, width), bool) if online else None,

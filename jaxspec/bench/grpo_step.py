@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.timing import device_description, print_table, write_results
-from jaxspec.draft import init_eagle3, load_eagle3, merge_buffers, split_buffers
+from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
 from jaxspec.models.sharding import shard_params
 from jaxspec.placement import MeshConfig, Placement, check_devices
@@ -47,7 +47,8 @@ from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import OnlineDraftConfig
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, score_fn, update_fn
+from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.run import Checkpointer
 
@@ -175,8 +176,9 @@ class Bench:
         self.opt_state = None  # the previous phase's optimizer state is freed before this one is made
         update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)
         opt_state = self.placement.state(policy_optimizer(optim).init(self.params))  # scalars replicated
-        weights, buffers = split_buffers(self.dparams) if with_draft else (None, None)
-        d_opt = self.placement.state(draft_optimizer(draft.train).init(weights)) if with_draft else None
+        head = OnlineDraftState.init(draft, self.dparams) if with_draft else None
+        weights, buffers, d_opt = head.update_args() if with_draft else (None, None, None)
+        d_opt = self.placement.state(d_opt) if with_draft else None
 
         def run(mb):
             nonlocal opt_state, weights, d_opt
@@ -190,7 +192,7 @@ class Bench:
         _, compile_s = _timed(run, next(self.minibatches(with_draft)))
         seconds = sum(_timed(run, mb)[1] for mb in self.minibatches(with_draft))
         if with_draft:
-            self.dparams = merge_buffers(weights, buffers)
+            self.dparams = head.with_update(weights, d_opt).params
         self.opt_state = opt_state
         return {"seconds": seconds, "first_call_s": compile_s}
 

@@ -49,12 +49,12 @@ class Rollouts:
     def concatenate(rounds: Sequence[Rollouts]) -> Rollouts:
         """The rollouts of several generation rounds one after the other: the first round's
         statistics, every round's generated tokens."""
-        first = rounds[0]
         return dataclasses.replace(
-            first, prompts=[p for r in rounds for p in r.prompts], records=[x for r in rounds for x in r.records],
+            rounds[0], prompts=[p for r in rounds for p in r.prompts], records=[x for r in rounds for x in r.records],
             tokens=np.concatenate([r.tokens for r in rounds]), lengths=np.concatenate([r.lengths for r in rounds]),
             logprobs=np.concatenate([r.logprobs for r in rounds]), scores=np.concatenate([r.scores for r in rounds]),
-            rewards=np.concatenate([r.rewards for r in rounds]), generated_tokens=sum(r.generated_tokens for r in rounds))
+            rewards=np.concatenate([r.rewards for r in rounds]),
+            generated_tokens=sum(r.generated_tokens for r in rounds))
 
 
 @jax.tree_util.register_dataclass

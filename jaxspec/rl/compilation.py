@@ -27,6 +27,7 @@ from jax.experimental.compilation_cache import compilation_cache as cache
 from jaxspec.placement import Placement, abstract
 from jaxspec.rl.batch import PackedRows, packed_row_counts
 from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
+from jaxspec.rl.online_draft import OnlineDraftState
 
 Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
 
@@ -78,9 +79,7 @@ def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: 
         programs += [(ref_score, (state["ref_params"], *scored(rows))) for rows in calls(batch, None)]
     seqs = batch // cfg.loss.minibatches
     if online:
-        from jaxspec.draft import split_buffers
-
-        draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
+        draft = OnlineDraftState.from_checkpoint(state).update_args()
         programs += [(update, (state["params"], state["opt_state"], *draft, rows))
                      for rows in calls(seqs, cfg.loss, seq_resp_mask=True)]
     if policy_update is not None:

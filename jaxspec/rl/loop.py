@@ -36,7 +36,8 @@ from jaxspec.placement import Placement
 from jaxspec.run import truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
+from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout.speculative.stats import merge_stats
 
@@ -79,9 +80,7 @@ class GRPORun:
         if self.draft is not None:
             state["draft_params"] = self.draft[1]
         if self.online is not None:
-            from jaxspec.draft import split_buffers
-
-            state["draft_opt_state"] = draft_optimizer(cfg.draft).init(split_buffers(self.draft[1])[0])
+            state["draft_opt_state"] = OnlineDraftState.init(self.online, self.draft[1]).opt_state
         if cfg.loss.kl_beta > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, params)
         # Committed to the devices like restored checkpoints are, so a resumed run in the same process
@@ -111,7 +110,7 @@ class GRPORun:
         # The update of minibatches that do not train the head: all of them without an online head,
         # those it skips with draft.train_every > 1; None when it trains on every minibatch.
         self.policy_update = self.update if self.online is None else None
-        if self.online is not None and cfg.draft.train_every > 1:
+        if self.online is not None and self.online.skips_updates:
             self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
                                            t_cfg.remat, None, mesh)
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh)
@@ -313,33 +312,26 @@ class GRPORun:
         if self.online is None and not batch.loss_mask.any():
             return []  # every group filtered out and no draft to train
         cfg, state = self.cfg, self.state
-        if self.online is not None:
-            from jaxspec.draft import merge_buffers, split_buffers
-
-            d_weights, d_buffers = split_buffers(state["draft_params"])
-        else:
-            d_weights = d_buffers = None
-        d_opt = state.get("draft_opt_state")
+        head = OnlineDraftState.from_checkpoint(state) if self.online is not None else None
         metrics, in_flight = [], None  # the last update's metrics, fetched once the next one is dispatched
         num_rows = batch.tokens.shape[0]
         for epoch in range(cfg.loss.ppo_epochs):
             rng = np.random.default_rng([cfg.train.seed, self.step, epoch])
             for i, rows in enumerate(minibatch_indices(num_rows, cfg.loss.minibatches, rng)):
                 minibatch = batch.take(rows)
-                trains_draft = self.online is not None and \
-                    (epoch * cfg.loss.minibatches + i) % cfg.draft.train_every == 0
+                trains_draft = self.online is not None and self.online.trains_on(epoch * cfg.loss.minibatches + i)
                 if not trains_draft:
                     if not minibatch.loss_mask.any():
                         continue
                     minibatch = minibatch.replace(seq_resp_mask=None)
                 update = self.update if trains_draft else self.policy_update
-                draft = (d_weights, d_opt) if trains_draft else (None, None)
-                before = (state["params"], state["opt_state"], *draft)
-                *after, m = update(state["params"], state["opt_state"], draft[0], d_buffers if trains_draft else None,
-                                   draft[1], self.placement.rows(pack_rows(minibatch, self.placement.row_shards)))
-                state["params"], state["opt_state"], *draft = self.placement.pin(tuple(after), before)
+                weights, buffers, d_opt = head.update_args() if trains_draft else (None, None, None)
+                before = (state["params"], state["opt_state"], weights, d_opt)
+                *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt,
+                                   self.placement.rows(pack_rows(minibatch, self.placement.row_shards)))
+                state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
                 if trains_draft:
-                    d_weights, d_opt = draft
+                    head = head.with_update(weights, d_opt)
                 # Waiting for the update before this one (not this one) lets the host pack the next
                 # minibatch while the device runs this update, with at most two updates in flight.
                 if in_flight is not None:
@@ -348,9 +340,8 @@ class GRPORun:
         if in_flight is not None:
             metrics.append(jax.tree.map(to_host, in_flight))
         self.updates += sum(int(m["tokens"] > 0) for m in metrics)
-        if self.online is not None:
-            state["draft_params"] = merge_buffers(d_weights, d_buffers)
-            state["draft_opt_state"] = d_opt
+        if head is not None:
+            state.update(head.checkpoint_entries())
         block(state["params"])
         return metrics
 

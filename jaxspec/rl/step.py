@@ -10,18 +10,20 @@ gives every field's dtype and shape).
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxspec.draft import eagle3_loss, merge_buffers
 from jaxspec.models.config import ModelConfig
-from jaxspec.optim import clipped_adamw
 from jaxspec.models.sharding import Sharding
+from jaxspec.optim import clipped_adamw
 from jaxspec.rl.batch import PackedRows
-from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
+from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
 from jaxspec.rl.loss import aggregate, policy_loss, reference_sampling, response_logprobs, sequence_forward
+from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
 from jaxspec.rollout.sampling import Sampling
 
 
@@ -37,21 +39,6 @@ def learning_rate(cfg: PolicyOptimConfig) -> Callable:
     if cfg.warmup_steps == 0:
         return optax.constant_schedule(cfg.learning_rate)
     return optax.linear_schedule(cfg.learning_rate / cfg.warmup_steps, cfg.learning_rate, cfg.warmup_steps - 1)
-
-
-@functools.lru_cache(maxsize=None)
-def draft_optimizer(cfg: OnlineDraftConfig) -> optax.GradientTransformation:
-    """The draft head's own `clipped_adamw` (constant learning rate); `update_fn` multiplies its
-    updates by draft.loss_weight."""
-    return clipped_adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                         grad_clip=cfg.grad_clip)
-
-
-class OnlineDraft(NamedTuple):
-    """Static description of the EAGLE-3 head trained next to the policy (hashable)."""
-
-    dcfg: object  # jaxspec.draft.DraftConfig
-    train: OnlineDraftConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,8 +90,6 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
         metrics["entropy"] = aggregate(entropy, mb.loss_mask, "token")
         total = loss
         if draft is not None:
-            from jaxspec.draft import eagle3_loss, merge_buffers
-
             dparams = merge_buffers(draft_weights, draft_buffers)
             draft_loss, draft_metrics = eagle3_loss(
                 draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),

@@ -10,7 +10,8 @@ from jaxspec.models import init_params
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator, reference_sampling, sequence_forward
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, score_fn, update_fn
+from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
+from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 
 
