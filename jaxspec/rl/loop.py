@@ -28,12 +28,12 @@ from jaxspec.rl.batch import Rollouts, TrainingRows, minibatch_indices, pack_row
 from jaxspec.rl.checkpointing import Checkpointer, save_config
 from jaxspec.rl.compilation import precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
+from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import StageTimer, block, mean_update_metrics, rollout_step_metrics
 from jaxspec.placement import Placement
-from jaxspec.run import truncate_metrics
+from jaxspec.run import Batcher, truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
@@ -116,7 +116,7 @@ class GRPORun:
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh)
         self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat,
                                   mesh)
-        self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
+        self.sampler = Batcher(len(self.train_set.token_ids), r_cfg.prompts_per_step, cfg.data.seed)  # prompt ids
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
         self.precompiling = None

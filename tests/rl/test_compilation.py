@@ -12,8 +12,8 @@ import pytest
 import jaxspec.rl.loop as loop
 from jaxspec.rl.batch import TrainingRows, pack_rows, packed_row_count, packed_row_counts
 from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile
-from jaxspec.rl.data import PromptSampler, PromptSet
 from jaxspec.rl.metrics import StageTimer
+from jaxspec.run import Batcher
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
 from tests.rl.runs import read_metrics, train_cli, write_config
 
@@ -100,7 +100,7 @@ def _prompt_file(path, tokenizer_dir) -> str:
     problems = generate_problems(200, 0, (1,))
     short = [p for p in problems if len(tok.encode_prompt(p["question"])) <= 16][:3]
     long = [p for p in problems if 57 <= len(tok.encode_prompt(p["question"])) <= 64][:5]
-    order = PromptSampler(PromptSet(records=[{}] * 8, token_ids=[[]] * 8), 4, seed=0).indices(0)
+    order = Batcher(8, 4, seed=0).indices(0)  # the run's first prompts (data.seed 0)
     problems = long[:]
     for i in sorted(order[:3]):
         problems.insert(i, short.pop())
