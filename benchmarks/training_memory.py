@@ -43,8 +43,10 @@ def _report(name: str, lowered) -> None:
 
 def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online: bool) -> None:
     """The compiled update of `jaxspec.rl.step.update_fn` on packed rows [rows, width]."""
+    from jaxspec.rl.batch import PackedRows
     from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig as OnlineConfig, PolicyOptimConfig
-    from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, update_fn
+    from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+    from jaxspec.rl.step import policy_optimizer, update_fn
     from jaxspec.rollout.sampling import Sampling
 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
@@ -53,16 +55,16 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
     draft = weights = buffers = draft_opt = None
     if online:
         dcfg = DraftConfig.for_policy(cfg, DRAFT_VOCAB)
-        weights, buffers = split_buffers(jax.eval_shape(lambda: init_eagle3(cfg, jax.random.key(0), DRAFT_VOCAB)[1]))
         draft = OnlineDraft(dcfg=dcfg, train=OnlineConfig(online=True))
-        draft_opt = jax.eval_shape(lambda w: draft_optimizer(draft.train).init(w), weights)
+        head = jax.eval_shape(lambda: OnlineDraftState.init(draft, init_eagle3(cfg, jax.random.key(0), DRAFT_VOCAB)[1]))
+        weights, buffers, draft_opt = head.update_args()
     sequences = rows  # the worst case: one rollout per packed row
-    minibatch = {"tokens": S((rows, width), jnp.int32), "segment_ids": S((rows, width), jnp.int32),
-                 "seq_resp_mask": S((rows, width), bool), "resp_index": S((sequences, new_tokens), jnp.int32),
-                 "resp_tokens": S((sequences, new_tokens), jnp.int32), "advantages": S((sequences,), jnp.float32),
-                 "old_logp": S((sequences, new_tokens), jnp.float32), "loss_mask": S((sequences, new_tokens), bool)}
-    if not online:
-        del minibatch["seq_resp_mask"]
+    minibatch = PackedRows(tokens=S((rows, width), jnp.int32), segment_ids=S((rows, width), jnp.int32),
+                           seq_resp_mask=S((rows, width), bool) if online else None,
+                           resp_index=S((sequences, new_tokens), jnp.int32),
+                           resp_tokens=S((sequences, new_tokens), jnp.int32), advantages=S((sequences,), jnp.float32),
+                           old_logp=S((sequences, new_tokens), jnp.float32),
+                           loss_mask=S((sequences, new_tokens), bool))
     update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), GRPOLossConfig(), optim, "bfloat16",
                        True, draft)
     _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}",

@@ -108,11 +108,12 @@ class Placement:
             return None
         return self.sharding.named(("batch",) + (None,) * (len(shape) - 1), shape)
 
-    def rows(self, batch: dict) -> dict:
-        """Host arrays [B, ...] with their rows split over the mesh's batch axes."""
+    def rows(self, batch):
+        """A pytree of host arrays [B, ...] (a dict, `jaxspec.rl.batch.PackedRows`) with their rows
+        split over the mesh's batch axes."""
         if self.sharding is None:
             return batch
-        return {k: from_host(v, self.row_sharding(np.shape(v))) for k, v in batch.items()}
+        return jax.tree.map(lambda v: from_host(v, self.row_sharding(np.shape(v))), batch)
 
 
 def from_host(value, sharding: NamedSharding) -> jax.Array:

@@ -39,20 +39,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.timing import device_description, print_table, write_results
-from jaxspec.draft import init_eagle3, load_eagle3, merge_buffers, split_buffers
+from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
 from jaxspec.models.sharding import shard_params
 from jaxspec.placement import MeshConfig, Placement, check_devices
-from jaxspec.rl.batch import pack_rows, take_rows, training_rows
+from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import OnlineDraftConfig
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, minibatch_fields, policy_optimizer, score_fn, update_fn
+from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.run import Checkpointer
 
 PROJECTED_ACCEPTANCE = (2.5, 3.0, 3.3)  # measured on `small` (~2.9) and the EAGLE-3 paper's range
-_SCORE_FIELDS = ("tokens", "attn_mask", "resp_index", "resp_tokens")
 
 
 def peak_bytes() -> list[int | None]:
@@ -145,19 +145,16 @@ class Bench:
         a, rows = self.args, self.rows
         per = a.batch // a.minibatches
         for i in range(a.minibatches):
-            mb = take_rows(rows, np.arange(i * per, (i + 1) * per))
-            if not with_draft:
-                mb.pop("seq_resp_mask")
-            yield mb
+            mb = rows.take(np.arange(i * per, (i + 1) * per))
+            yield mb if with_draft else mb.replace(seq_resp_mask=None)
 
     def logprobs(self) -> dict:
         a = self.args
         score = score_fn(self.cfg, self.sampling, a.compute_dtype, a.remat, self.sharding)
 
         def run(mb):
-            packed = self.placement.rows(pack_rows({k: mb[k] for k in _SCORE_FIELDS}, self.placement.row_shards))
-            return score(self.params, packed["tokens"], packed["segment_ids"], packed["resp_index"],
-                         packed["resp_tokens"])
+            packed = self.placement.rows(pack_rows(mb.response_rows(), self.placement.row_shards))
+            return score(self.params, packed.tokens, packed.segment_ids, packed.resp_index, packed.resp_tokens)
 
         _, compile_s = _timed(run, next(self.minibatches()))
         seconds, old = 0.0, []
@@ -166,10 +163,10 @@ class Bench:
             seconds += s
             old.append(np.asarray(out))
         rng = np.random.default_rng(1)
-        self.rows = {**self.rows, "old_logp": np.concatenate(old), "loss_mask": self.rows["resp_mask"],
-                     "advantages": rng.standard_normal(a.batch).astype(np.float32)}
-        denominator = loss_denominator(self.rows["loss_mask"], self.loss.aggregation, a.minibatches)
-        self.rows["loss_denominator"] = np.full(a.batch, denominator, np.float32)
+        denominator = loss_denominator(self.rows.resp_mask, self.loss.aggregation, a.minibatches)
+        self.rows = self.rows.replace(old_logp=np.concatenate(old), loss_mask=self.rows.resp_mask,
+                                      advantages=rng.standard_normal(a.batch).astype(np.float32),
+                                      loss_denominator=np.full(a.batch, denominator, np.float32))
         return {"seconds": seconds, "first_call_s": compile_s}
 
     def update(self, with_draft: bool) -> dict:
@@ -179,13 +176,13 @@ class Bench:
         self.opt_state = None  # the previous phase's optimizer state is freed before this one is made
         update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)
         opt_state = self.placement.state(policy_optimizer(optim).init(self.params))  # scalars replicated
-        weights, buffers = split_buffers(self.dparams) if with_draft else (None, None)
-        d_opt = self.placement.state(draft_optimizer(draft.train).init(weights)) if with_draft else None
-        fields = [*_SCORE_FIELDS, "resp_mask", *minibatch_fields(self.loss)] + ["seq_resp_mask"] * with_draft
+        head = OnlineDraftState.init(draft, self.dparams) if with_draft else None
+        weights, buffers, d_opt = head.update_args() if with_draft else (None, None, None)
+        d_opt = self.placement.state(d_opt) if with_draft else None
 
         def run(mb):
             nonlocal opt_state, weights, d_opt
-            packed = self.placement.rows(pack_rows({k: mb[k] for k in fields}, self.placement.row_shards))
+            packed = self.placement.rows(pack_rows(mb, self.placement.row_shards))
             before = (self.params, opt_state, weights, d_opt)
             *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed)
             # on the input layout, as the training loop keeps it: the next call reuses the compilation
@@ -195,7 +192,7 @@ class Bench:
         _, compile_s = _timed(run, next(self.minibatches(with_draft)))
         seconds = sum(_timed(run, mb)[1] for mb in self.minibatches(with_draft))
         if with_draft:
-            self.dparams = merge_buffers(weights, buffers)
+            self.dparams = head.with_update(weights, d_opt).params
         self.opt_state = opt_state
         return {"seconds": seconds, "first_call_s": compile_s}
 

@@ -3,9 +3,8 @@
 `prepare_problems` / `prepare_tokenizer` write the generated train/held-out problem files and the
 tokenizer into the run directory (reusing them when already there, so a resumed run sees identical
 data); `pack` packs the tokenized training set into fixed-width rows of several examples each
-(static shapes, little padding). Batches are drawn by *data position* (rows consumed so far):
-epoch e visits the rows in a permutation seeded by (seed, e), so a position alone pins down every
-later batch.
+(static shapes, little padding); batches of its rows are drawn by data position
+(`jaxspec.run.Batcher`).
 """
 
 from __future__ import annotations
@@ -43,6 +42,10 @@ class PackedSet:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """{"tokens", "segment_ids": [B, L+1], "weights": [B, L]} of the B row ids `rows`."""
+        return {"tokens": self.tokens[rows], "segment_ids": self.segment_ids[rows], "weights": self.weights[rows]}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -130,27 +133,3 @@ def pack(examples: list[tuple[list[int], int]], max_len: int, pad_id: int, seed:
             offset += n
     return PackedSet(tokens=tokens, segment_ids=segment_ids, weights=weights,
                      num_examples=len(examples) - dropped, dropped=dropped)
-
-
-class Batcher:
-    """Batches of packed rows addressed by data position (rows consumed; epoch-wise permutations)."""
-
-    def __init__(self, data: PackedSet, batch_size: int, seed: int):
-        self.data, self.batch_size, self.seed = data, batch_size, seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.data))}
-        return self._perms[epoch]
-
-    def indices(self, position: int) -> np.ndarray:
-        """Row ids of the batch starting at data position `position`."""
-        n = len(self.data)
-        return np.array([self._perm(pos // n)[pos % n] for pos in range(position, position + self.batch_size)])
-
-    def batch(self, position: int) -> dict[str, np.ndarray]:
-        """{"tokens", "segment_ids": [B, L+1], "weights": [B, L]} for data position `position`."""
-        idx = self.indices(position)
-        return {"tokens": self.data.tokens[idx], "segment_ids": self.data.segment_ids[idx],
-                "weights": self.data.weights[idx]}

@@ -25,12 +25,12 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import shard_params
 from jaxspec.models.transformer import init_params
 from jaxspec.pretrain.config import ModelShape, PretrainConfig
-from jaxspec.pretrain.data import Batcher, encode_examples, pack, prepare_problems, prepare_tokenizer
+from jaxspec.pretrain.data import encode_examples, pack, prepare_problems, prepare_tokenizer
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
 from jaxspec.optim import make_optimizer
 from jaxspec.pretrain.train import make_train_step
 from jaxspec.placement import Placement, abstract
-from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
+from jaxspec.run import Batcher, Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
@@ -105,7 +105,7 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
 
     compute_dtype = jnp.dtype(t_cfg.compute_dtype)
     train_step = make_train_step(mcfg, optimizer, compute_dtype, t_cfg.remat, t_cfg.attention, placement.sharding)
-    batcher = Batcher(data, t_cfg.batch_size, cfg.data.seed)
+    batcher = Batcher(len(data), t_cfg.batch_size, cfg.data.seed)
     result: dict = {"export_dir": None, "eval_accuracy": None}
 
     def evaluate(at_step: int) -> float:
@@ -127,7 +127,7 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
             "pretrain", t_cfg.steps, step, t_cfg.progress) as bar:
         window_start, window_tokens = time.perf_counter(), 0
         while step < t_cfg.steps and not stop.requested:
-            batch = batcher.batch(position)
+            batch = data.take(batcher.indices(position))
             params, opt_state, out = train_step(params, opt_state, placement.rows(batch))
             params, opt_state = placement.pin((params, opt_state), layout)
             step += 1

@@ -41,9 +41,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.models.sharding import Sharding, make_mesh, param_shardings
+from jaxspec.rl.batch import Rollouts
 from jaxspec.rl.metrics import StageTimer, block
 from jaxspec.rl.resources import make_spec
 
@@ -62,7 +62,7 @@ class RolloutWeights:
 class _Batch:
     step: int  # the RL step (1-based) that trains on it
     weights: RolloutWeights
-    result: Future  # (rollouts, {stage: seconds})
+    result: Future  # (Rollouts, {stage: seconds})
 
 
 class _StageSeconds:
@@ -157,9 +157,9 @@ class AsyncRollouts:
         self.in_flight.append(_Batch(step, weights, self._worker.submit(work)))
         self.next_step += 1
 
-    def next_batch(self, timer: StageTimer) -> tuple[dict, int, int]:
+    def next_batch(self, timer: StageTimer) -> tuple[Rollouts, int, int]:
         """The rollouts of the step the run is about to train (as `GRPORun._generate` returns them,
-        plus "async": {staleness, rollout_version}), once the batches up to max_staleness steps
+        with their staleness and rollout_version), once the batches up to max_staleness steps
         ahead are queued. timer gets the batch's generation and reward seconds (measured in the
         worker, overlapped with the trainer) and rollout_wait (the trainer waiting for it)."""
         # No batch past train.steps: the run would wait for it at the end.
@@ -174,9 +174,8 @@ class AsyncRollouts:
             out, seconds = batch.result.result()
         for name, value in seconds.items():
             timer.seconds[name] = timer.seconds.get(name, 0.0) + value
-        out = {**out, "generated_tokens": int(np.sum(out["lengths"])),
-               "async": {"staleness": self.run.step - batch.weights.version,
-                         "rollout_version": batch.weights.version}}
+        out = dataclasses.replace(out, staleness=self.run.step - batch.weights.version,
+                                  rollout_version=batch.weights.version)
         return out, self.run.cfg.rollout.prompts_per_step, 1
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 State pytree (orbax `CheckpointManager`, atomic: a checkpoint directory appears only once complete):
     params, opt_state                 float32 policy and its optimizer state
     draft_params                      the EAGLE-3 head / draft model (when spec uses one)
-    draft_opt_state                   (when draft.online)
+    draft_opt_state                   (when draft.online; see `jaxspec.rl.online_draft`)
     ref_params                        frozen reference policy (when loss.kl_beta > 0)
     step, position, updates           int32: RL steps done, prompts consumed, optimizer updates
     key                               the run's PRNG key (uint32 [2]); step s uses fold_in(key, s)

@@ -24,30 +24,34 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as cache
 
-from jaxspec.rl.batch import packed_row_counts
-from jaxspec.rl.config import GRPOConfig
 from jaxspec.placement import Placement, abstract
-from jaxspec.rl.step import minibatch_fields
+from jaxspec.rl.batch import PackedRows, packed_row_counts
+from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
+from jaxspec.rl.online_draft import OnlineDraftState
 
 Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
-SCORE_FIELDS = ("tokens", "segment_ids", "resp_index", "resp_tokens")
 
 
-def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int,
-                  fields: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
-    """The named `fields` of `pack_rows`' output for S = seqs sequences in R = rows rows of width W
-    (N = max_new), placed as `Placement.rows` places them:
-    tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W]; resp_index, resp_tokens int32 [S, N];
-    advantages, loss_denominator float32 [S]; old_logp, ref_logp, rollout_logp float32 [S, N];
-    loss_mask bool [S, N]."""
-    types = {"tokens": ((rows, width), np.int32), "segment_ids": ((rows, width), np.int32),
-             "seq_resp_mask": ((rows, width), np.bool_), "resp_index": ((seqs, max_new), np.int32),
-             "resp_tokens": ((seqs, max_new), np.int32), "advantages": ((seqs,), np.float32),
-             "old_logp": ((seqs, max_new), np.float32), "ref_logp": ((seqs, max_new), np.float32),
-             "loss_mask": ((seqs, max_new), np.bool_), "loss_denominator": ((seqs,), np.float32),
-             "rollout_logp": ((seqs, max_new), np.float32)}
-    return {name: jax.ShapeDtypeStruct(types[name][0], types[name][1], sharding=placement.row_sharding(types[name][0]))
-            for name in fields}
+def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int, loss: GRPOLossConfig | None,
+                  seq_resp_mask: bool = False) -> PackedRows:
+    """The abstract `PackedRows` of S = seqs sequences in R = rows rows of width W (N = max_new),
+    placed as `Placement.rows` places them, with the fields the run's step fills in: the rows alone
+    (loss None: log-prob scoring) or a minibatch with `loss`'s inputs (ref_logp with loss.kl_beta >
+    0, rollout_logp with loss.tis_cap > 0) and seq_resp_mask when the online head trains on it."""
+
+    def array(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placement.row_sharding(shape))
+
+    packed = PackedRows(tokens=array((rows, width), np.int32), segment_ids=array((rows, width), np.int32),
+                        resp_index=array((seqs, max_new), np.int32), resp_tokens=array((seqs, max_new), np.int32))
+    if loss is None:
+        return packed
+    logp = array((seqs, max_new), np.float32)
+    return packed.replace(
+        seq_resp_mask=array((rows, width), np.bool_) if seq_resp_mask else None,
+        advantages=array((seqs,), np.float32), old_logp=logp, loss_mask=array((seqs, max_new), np.bool_),
+        loss_denominator=array((seqs,), np.float32), ref_logp=logp if loss.kl_beta > 0 else None,
+        rollout_logp=logp if loss.tis_cap > 0 else None)
 
 
 def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: int, shortest: int, *,
@@ -61,28 +65,26 @@ def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: 
     state = abstract(state)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
 
-    def calls(seqs: int, fields: Sequence[str]) -> Iterator[dict]:
+    def calls(seqs: int, loss: GRPOLossConfig | None, seq_resp_mask: bool = False) -> Iterator[PackedRows]:
         for rows in packed_row_counts(seqs, width, shortest, placement.row_shards):
-            yield packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, fields)
+            yield packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask)
+
+    def scored(rows: PackedRows) -> tuple:
+        return rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens
 
     programs = []
     if cfg.loss.recompute_logprobs:
-        programs += [(score, (state["params"], *(rows[k] for k in SCORE_FIELDS)))
-                     for rows in calls(batch, SCORE_FIELDS)]
+        programs += [(score, (state["params"], *scored(rows))) for rows in calls(batch, None)]
     if cfg.loss.kl_beta > 0:
-        programs += [(ref_score, (state["ref_params"], *(rows[k] for k in SCORE_FIELDS)))
-                     for rows in calls(batch, SCORE_FIELDS)]
-    fields = [*SCORE_FIELDS, *minibatch_fields(cfg.loss)]
+        programs += [(ref_score, (state["ref_params"], *scored(rows))) for rows in calls(batch, None)]
     seqs = batch // cfg.loss.minibatches
     if online:
-        from jaxspec.draft import split_buffers
-
-        draft = (*split_buffers(state["draft_params"]), state["draft_opt_state"])
+        draft = OnlineDraftState.from_checkpoint(state).update_args()
         programs += [(update, (state["params"], state["opt_state"], *draft, rows))
-                     for rows in calls(seqs, fields + ["seq_resp_mask"])]
+                     for rows in calls(seqs, cfg.loss, seq_resp_mask=True)]
     if policy_update is not None:
         programs += [(policy_update, (state["params"], state["opt_state"], None, None, None, rows))
-                     for rows in calls(seqs, fields)]
+                     for rows in calls(seqs, cfg.loss)]
     return programs
 
 

@@ -1,7 +1,7 @@
-"""Prompts for a GRPO run: loading (or generating) the prompt files, tokenising, and batches by position.
+"""Prompts for a GRPO run: loading (or generating) the prompt files and tokenising them.
 
-Training prompts are addressed by *data position* (prompts consumed so far): epoch e visits them in
-a permutation seeded by (data.seed, e), so the saved position alone pins down every later batch.
+Training prompts are drawn by *data position* (prompts consumed so far, `jaxspec.run.Batcher`), so
+the saved position alone pins down every later batch.
 """
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
-
-from jaxspec.pretrain.data import Batcher
 from jaxspec.rl.config import DataConfig
 from jaxspec.tasks.generator import generate_problems, write_problems
 from jaxspec.tasks.loader import load_prompts
@@ -64,13 +61,3 @@ def check_prompt_lengths(prompts: PromptSet, source: Path, max_new_tokens: int, 
         raise ValueError(f"{source}: the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} "
                          f"that exceeds the policy's max_position_embeddings={max_positions}")
 
-
-class PromptSampler:
-    """Batches of prompt ids by data position (epoch-wise seeded permutations)."""
-
-    def __init__(self, prompts: PromptSet, batch_size: int, seed: int):
-        self._batcher = Batcher(prompts.records, batch_size, seed)
-
-    def indices(self, position: int) -> np.ndarray:
-        """Prompt ids of the batch starting at data position `position`."""
-        return self._batcher.indices(position)

@@ -24,19 +24,20 @@ from jaxspec.models.checkpoint import load_hf, save_hf
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
-from jaxspec.rl.batch import minibatch_indices, pack_rows, row_width, take_rows, training_rows
+from jaxspec.rl.batch import Rollouts, TrainingRows, minibatch_indices, pack_rows, row_width, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, save_config
 from jaxspec.rl.compilation import precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.data import PromptSampler, PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
+from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import StageTimer, block, mean_update_metrics, rollout_step_metrics
 from jaxspec.placement import Placement
-from jaxspec.run import truncate_metrics
+from jaxspec.run import Batcher, truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, learning_rate, policy_optimizer, score_fn, update_fn
+from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout.speculative.stats import merge_stats
 
@@ -79,9 +80,7 @@ class GRPORun:
         if self.draft is not None:
             state["draft_params"] = self.draft[1]
         if self.online is not None:
-            from jaxspec.draft import split_buffers
-
-            state["draft_opt_state"] = draft_optimizer(cfg.draft).init(split_buffers(self.draft[1])[0])
+            state["draft_opt_state"] = OnlineDraftState.init(self.online, self.draft[1]).opt_state
         if cfg.loss.kl_beta > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, params)
         # Committed to the devices like restored checkpoints are, so a resumed run in the same process
@@ -111,13 +110,13 @@ class GRPORun:
         # The update of minibatches that do not train the head: all of them without an online head,
         # those it skips with draft.train_every > 1; None when it trains on every minibatch.
         self.policy_update = self.update if self.online is None else None
-        if self.online is not None and cfg.draft.train_every > 1:
+        if self.online is not None and self.online.skips_updates:
             self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
                                            t_cfg.remat, None, mesh)
         self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh)
         self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat,
                                   mesh)
-        self.sampler = PromptSampler(self.train_set, r_cfg.prompts_per_step, cfg.data.seed)
+        self.sampler = Batcher(len(self.train_set.token_ids), r_cfg.prompts_per_step, cfg.data.seed)  # prompt ids
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
         self.precompiling = None
@@ -175,12 +174,9 @@ class GRPORun:
             self.state.update(self.async_rollouts.checkpoint_entries())
         self.checkpointer.save(self.state)
 
-    def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer, sharding) -> dict:
-        """samples_per_prompt rollouts of each prompt id and their rewards (host arrays):
-        prompts / records (lists, B = len(ids) * group), tokens int32 [B, N], lengths [B],
-        logprobs float32 [B, N], scores float64 [B] (the reward functions'), rewards float64 [B]
-        (scores with the overlong penalty), stats (the rollout's statistics). sharding: the mesh
-        that generates (where `policy` lives)."""
+    def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer, sharding) -> Rollouts:
+        """samples_per_prompt rollouts of each prompt id and their rewards (B = len(ids) * group).
+        sharding: the mesh that generates (where `policy` lives)."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
         records = [self.train_set.records[i] for i in ids for _ in range(group)]
@@ -191,8 +187,8 @@ class GRPORun:
             scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
         rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
                                             cfg.loss.overlong_penalty)
-        return {"prompts": prompts, "records": records, "tokens": tokens, "lengths": lengths,
-                "logprobs": logprobs, "scores": scores, "rewards": rewards, "stats": stats}
+        return Rollouts(prompts=prompts, records=records, tokens=tokens, lengths=lengths, logprobs=logprobs,
+                        scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()))
 
     def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
         """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], stats) on the host for the
@@ -208,12 +204,12 @@ class GRPORun:
         tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
         return tokens, lengths, logprobs, merge_stats([p[3] for p in parts])
 
-    def _generate(self, timer: StageTimer) -> tuple[dict, int, int]:
+    def _generate(self, timer: StageTimer) -> tuple[Rollouts, int, int]:
         """This step's rollouts (see `_rollouts`) for prompts_per_step prompts; with
         loss.filter_groups_max_rounds > 1 (DAPO dynamic sampling) further batches of prompts are
         generated until prompts_per_step informative groups are found or the rounds run out, and
         prompts_per_step groups are kept (`select_groups`). Returns (rollouts, prompts consumed,
-        generation rounds); the statistics are those of the first round, "generated_tokens" counts
+        generation rounds); the statistics are those of the first round, generated_tokens counts
         every round's."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         with timer.stage("sync"):
@@ -224,7 +220,7 @@ class GRPORun:
         consumed = len(ids)
 
         def informative():
-            rewards = np.concatenate([r["rewards"] for r in rounds])
+            rewards = np.concatenate([r.rewards for r in rounds])
             return group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)[1]
 
         while len(rounds) < cfg.loss.filter_groups_max_rounds and informative().sum() < cfg.rollout.prompts_per_step:
@@ -233,18 +229,11 @@ class GRPORun:
                                          self.placement.sharding))
             consumed += len(ids)
         del policy
-        generated = int(sum(r["lengths"].sum() for r in rounds))
         if len(rounds) == 1:
-            return {**rounds[0], "generated_tokens": generated}, consumed, 1
+            return rounds[0], consumed, 1
         groups = select_groups(informative(), cfg.rollout.prompts_per_step)
         rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
-        merged = {"stats": rounds[0]["stats"], "generated_tokens": generated}
-        for name in ("prompts", "records"):
-            flat = [item for r in rounds for item in r[name]]
-            merged[name] = [flat[i] for i in rows]
-        for name in ("tokens", "lengths", "logprobs", "scores", "rewards"):
-            merged[name] = np.concatenate([r[name] for r in rounds])[rows]
-        return merged, consumed, len(rounds)
+        return Rollouts.concatenate(rounds).take(rows), consumed, len(rounds)
 
     def run_step(self) -> dict:
         """One RL step: rollouts, rewards, advantages, updates, then validation / checkpoint when due.
@@ -255,24 +244,24 @@ class GRPORun:
             out, consumed, rounds = self._generate(timer)
         else:
             out, consumed, rounds = self.async_rollouts.next_batch(timer)
-        tokens, lengths, rewards = out["tokens"], out["lengths"], out["rewards"]
+        tokens, lengths, rewards = out.tokens, out.lengths, out.rewards
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
-        batch = training_rows(out["prompts"], tokens, lengths, self.tok.pad_id, self.width)
+        rows = training_rows(out.prompts, tokens, lengths, self.tok.pad_id, self.width)
         truncated = truncated_rollouts(tokens, lengths, cfg.rollout.max_new_tokens, self.tok.eos_id)
         keep = trained_rollouts(informative, truncated, group, cfg.loss)
-        batch.update(advantages=advantages, old_logp=out["logprobs"], loss_mask=batch["resp_mask"] & keep[:, None])
-        if self.online is None:
-            del batch["seq_resp_mask"]
+        batch = rows.replace(advantages=advantages, old_logp=out.logprobs, loss_mask=rows.resp_mask & keep[:, None],
+                             seq_resp_mask=None if self.online is None else rows.seq_resp_mask)
 
-        record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds,
-                  **out.get("async", {})}
+        record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds}
+        if out.rollout_version is not None:
+            record.update(staleness=out.staleness, rollout_version=out.rollout_version)
         if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
             with timer.stage("logprob"):
-                record.update(self._score(batch))
-        del batch["resp_mask"]
-        finite = finite_tokens(batch["loss_mask"], *(batch.get(k) for k in ("old_logp", "ref_logp", "rollout_logp")))
+                batch, measured = self._score(batch)
+                record.update(measured)
+        finite = finite_tokens(batch.loss_mask, batch.old_logp, batch.ref_logp, batch.rollout_logp)
         denominator = loss_denominator(finite, cfg.loss.aggregation, cfg.loss.minibatches)
-        batch["loss_denominator"] = np.full(len(advantages), denominator, np.float32)
+        batch = batch.replace(loss_denominator=np.full(len(advantages), denominator, np.float32))
         with timer.stage("train"):
             update_metrics = self._optimize(batch)
         if self.precompiling is not None:
@@ -284,7 +273,7 @@ class GRPORun:
         if self.async_rollouts is not None:
             with timer.stage("sync"):
                 record["sync_bytes"] = self.async_rollouts.sync()
-        record.update(rollout_step_metrics(out["scores"], informative, lengths, truncated, out["stats"], group))
+        record.update(rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group))
         if cfg.loss.overlong_buffer:
             record["shaped_reward_mean"] = float(rewards.mean())
         record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
@@ -296,61 +285,53 @@ class GRPORun:
             with timer.stage("checkpoint"):
                 self.save()
         record.update(timer.record(), time_step_s=round(time.perf_counter() - start, 6),
-                      tokens_per_s=round(out["generated_tokens"] / max(timer.seconds["generation"], 1e-9), 3))
+                      tokens_per_s=round(out.generated_tokens / max(timer.seconds["generation"], 1e-9), 3))
         return record
 
-    def _score(self, batch: dict) -> dict:
-        """Old log-probs recomputed by the trainer (replacing the rollout's) and reference log-probs,
-        as configured; returns the measured rollout/trainer mismatch."""
-        fields = ("tokens", "attn_mask", "resp_index", "resp_tokens")
-        rows = self.placement.rows(pack_rows({k: batch[k] for k in fields}, self.placement.row_shards))
-        args = (rows["tokens"], rows["segment_ids"], rows["resp_index"], rows["resp_tokens"])
+    def _score(self, batch: TrainingRows) -> tuple[TrainingRows, dict]:
+        """The batch with the old log-probs recomputed by the trainer (replacing the rollout's, kept
+        as rollout_logp with loss.tis_cap > 0) and the reference log-probs, as configured; and the
+        measured rollout/trainer mismatch."""
+        rows = self.placement.rows(pack_rows(batch.response_rows(), self.placement.row_shards))
+        args = (rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens)
         measured = {}
         if self.cfg.loss.recompute_logprobs:
             recomputed = to_host(block(self.score(self.state["params"], *args)))
-            compared = finite_tokens(batch["resp_mask"], recomputed, batch["old_logp"])
-            diff = np.abs(recomputed - batch["old_logp"])[compared]
+            compared = finite_tokens(batch.resp_mask, recomputed, batch.old_logp)
+            diff = np.abs(recomputed - batch.old_logp)[compared]
             measured = {"logprob_mismatch_max": float(diff.max(initial=0.0)),
                         "logprob_mismatch_mean": float(diff.mean()) if diff.size else 0.0}
-            if self.cfg.loss.tis_cap > 0:
-                batch["rollout_logp"] = batch["old_logp"]
-            batch["old_logp"] = recomputed
+            batch = batch.replace(old_logp=recomputed,
+                                  rollout_logp=batch.old_logp if self.cfg.loss.tis_cap > 0 else None)
         if self.cfg.loss.kl_beta > 0:
-            batch["ref_logp"] = to_host(block(self.ref_score(self.state["ref_params"], *args)))
-        return measured
+            batch = batch.replace(ref_logp=to_host(block(self.ref_score(self.state["ref_params"], *args))))
+        return batch, measured
 
-    def _optimize(self, batch: dict) -> list[dict]:
+    def _optimize(self, batch: TrainingRows) -> list[dict]:
         """ppo_epochs passes of minibatch updates over the batch; per-update metrics (host)."""
-        if self.online is None and not batch["loss_mask"].any():
+        if self.online is None and not batch.loss_mask.any():
             return []  # every group filtered out and no draft to train
         cfg, state = self.cfg, self.state
-        if self.online is not None:
-            from jaxspec.draft import merge_buffers, split_buffers
-
-            d_weights, d_buffers = split_buffers(state["draft_params"])
-        else:
-            d_weights = d_buffers = None
-        d_opt = state.get("draft_opt_state")
+        head = OnlineDraftState.from_checkpoint(state) if self.online is not None else None
         metrics, in_flight = [], None  # the last update's metrics, fetched once the next one is dispatched
-        num_rows = batch["tokens"].shape[0]
+        num_rows = batch.tokens.shape[0]
         for epoch in range(cfg.loss.ppo_epochs):
             rng = np.random.default_rng([cfg.train.seed, self.step, epoch])
             for i, rows in enumerate(minibatch_indices(num_rows, cfg.loss.minibatches, rng)):
-                minibatch = take_rows(batch, rows)
-                trains_draft = self.online is not None and \
-                    (epoch * cfg.loss.minibatches + i) % cfg.draft.train_every == 0
+                minibatch = batch.take(rows)
+                trains_draft = self.online is not None and self.online.trains_on(epoch * cfg.loss.minibatches + i)
                 if not trains_draft:
-                    if not minibatch["loss_mask"].any():
+                    if not minibatch.loss_mask.any():
                         continue
-                    minibatch.pop("seq_resp_mask", None)
+                    minibatch = minibatch.replace(seq_resp_mask=None)
                 update = self.update if trains_draft else self.policy_update
-                draft = (d_weights, d_opt) if trains_draft else (None, None)
-                before = (state["params"], state["opt_state"], *draft)
-                *after, m = update(state["params"], state["opt_state"], draft[0], d_buffers if trains_draft else None,
-                                   draft[1], self.placement.rows(pack_rows(minibatch, self.placement.row_shards)))
-                state["params"], state["opt_state"], *draft = self.placement.pin(tuple(after), before)
+                weights, buffers, d_opt = head.update_args() if trains_draft else (None, None, None)
+                before = (state["params"], state["opt_state"], weights, d_opt)
+                *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt,
+                                   self.placement.rows(pack_rows(minibatch, self.placement.row_shards)))
+                state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
                 if trains_draft:
-                    d_weights, d_opt = draft
+                    head = head.with_update(weights, d_opt)
                 # Waiting for the update before this one (not this one) lets the host pack the next
                 # minibatch while the device runs this update, with at most two updates in flight.
                 if in_flight is not None:
@@ -359,9 +340,8 @@ class GRPORun:
         if in_flight is not None:
             metrics.append(jax.tree.map(to_host, in_flight))
         self.updates += sum(int(m["tokens"] > 0) for m in metrics)
-        if self.online is not None:
-            state["draft_params"] = merge_buffers(d_weights, d_buffers)
-            state["draft_opt_state"] = d_opt
+        if head is not None:
+            state.update(head.checkpoint_entries())
         block(state["params"])
         return metrics
 

@@ -3,33 +3,29 @@
 The compiled functions are built once per (model config, sampling, loss/optimizer settings) and
 cached, so repeated runs in one process (and every step of a run) reuse their compilations.
 
-Minibatch arrays, as built by `jaxspec.rl.batch.pack_rows` from S rollouts packed into R rows of
-width W (N = max_new_tokens):
-    tokens, segment_ids int32 [R, W]; seq_resp_mask bool [R, W] (online draft only);
-    resp_index, resp_tokens int32 [S, N]; advantages float32 [S]; old_logp float32 [S, N];
-    loss_mask bool [S, N] (response tokens of groups that count); loss_denominator float32 [S] (the
-    step-level count `jaxspec.rl.loss.loss_denominator`, repeated; absent = the minibatch's own);
-    ref_logp float32 [S, N] (only with loss.kl_beta > 0: the reference's temperature-only
-    log-probs); rollout_logp float32 [S, N] (only with loss.tis_cap > 0: the rollout's log-probs,
-    old_logp being the trainer's).
+A minibatch is a `jaxspec.rl.batch.PackedRows`: S rollouts packed into R rows (its docstring
+gives every field's dtype and shape).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxspec.draft import eagle3_loss, merge_buffers
 from jaxspec.models.config import ModelConfig
-from jaxspec.optim import clipped_adamw
 from jaxspec.models.sharding import Sharding
-from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.models.moe import load_balancing_loss
+from jaxspec.optim import clipped_adamw
+from jaxspec.rl.batch import PackedRows
+from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
 from jaxspec.rl.loss import (aggregate, policy_loss, reference_sampling, response_logprobs, router_aux_weight,
                            sequence_forward)
+from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
 from jaxspec.rollout.sampling import Sampling
 
 
@@ -45,27 +41,6 @@ def learning_rate(cfg: PolicyOptimConfig) -> Callable:
     if cfg.warmup_steps == 0:
         return optax.constant_schedule(cfg.learning_rate)
     return optax.linear_schedule(cfg.learning_rate / cfg.warmup_steps, cfg.learning_rate, cfg.warmup_steps - 1)
-
-
-@functools.lru_cache(maxsize=None)
-def draft_optimizer(cfg: OnlineDraftConfig) -> optax.GradientTransformation:
-    """The draft head's own `clipped_adamw` (constant learning rate); `update_fn` multiplies its
-    updates by draft.loss_weight."""
-    return clipped_adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                         grad_clip=cfg.grad_clip)
-
-
-def minibatch_fields(loss: GRPOLossConfig) -> list[str]:
-    """Per-sequence fields of a minibatch, besides the packed rows, that `update_fn` reads."""
-    return (["advantages", "old_logp", "loss_mask", "loss_denominator"] + ["ref_logp"] * (loss.kl_beta > 0)
-            + ["rollout_logp"] * (loss.tis_cap > 0))
-
-
-class OnlineDraft(NamedTuple):
-    """Static description of the EAGLE-3 head trained next to the policy (hashable)."""
-
-    dcfg: object  # jaxspec.draft.DraftConfig
-    train: OnlineDraftConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,33 +81,29 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     d_opt = draft_optimizer(draft.train) if draft is not None else None
     hidden_layers = tuple(draft.dcfg.aux_layer_ids) if draft is not None else ()
 
-    def loss_fn(params, draft_weights, draft_buffers, mb):
-        logits, hidden, router_logits = sequence_forward(cfg, params, mb["tokens"], mb["segment_ids"],
-                                                         hidden_layers, jnp.dtype(compute_dtype), remat, sharding)
-        logp, entropy = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
+    def loss_fn(params, draft_weights, draft_buffers, mb: PackedRows):
+        logits, hidden, router_logits = sequence_forward(cfg, params, mb.tokens, mb.segment_ids, hidden_layers,
+                                                         jnp.dtype(compute_dtype), remat, sharding)
+        logp, entropy = response_logprobs(logits, mb.resp_index, mb.resp_tokens, sampling)
         kl_logp = None
         if loss_cfg.kl_beta > 0:
-            kl_logp = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], reference_sampling(sampling))[0]
-        loss, metrics = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], loss_cfg,
-                                    ref_logp=mb.get("ref_logp"), rollout_logp=mb.get("rollout_logp"),
-                                    denominator=jnp.max(mb["loss_denominator"]) if "loss_denominator" in mb else None,
-                                    kl_logp=kl_logp)
+            kl_logp = response_logprobs(logits, mb.resp_index, mb.resp_tokens, reference_sampling(sampling))[0]
+        denominator = None if mb.loss_denominator is None else jnp.max(mb.loss_denominator)
+        loss, metrics = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, ref_logp=mb.ref_logp,
+                                    rollout_logp=mb.rollout_logp, denominator=denominator, kl_logp=kl_logp)
         if cfg.sparse_layers:
-            metrics["router_aux_loss"] = load_balancing_loss(router_logits, cfg.num_experts_per_tok,
-                                                             mb["segment_ids"] > 0)
+            metrics["router_aux_loss"] = load_balancing_loss(router_logits, cfg.num_experts_per_tok, mb.segment_ids > 0)
             if router_aux:
                 loss = loss + router_aux * metrics["router_aux_loss"]
         metrics["loss"] = loss
-        metrics["entropy"] = aggregate(entropy, mb["loss_mask"], "token")
+        metrics["entropy"] = aggregate(entropy, mb.loss_mask, "token")
         total = loss
         if draft is not None:
-            from jaxspec.draft import eagle3_loss, merge_buffers
-
             dparams = merge_buffers(draft_weights, draft_buffers)
             draft_loss, draft_metrics = eagle3_loss(
                 draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
-                jax.lax.stop_gradient(logits), mb["tokens"], mb["seq_resp_mask"], num_steps=draft.train.ttt_steps,
-                step_decay=draft.train.step_decay, segment_ids=mb["segment_ids"])
+                jax.lax.stop_gradient(logits), mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
+                step_decay=draft.train.step_decay, segment_ids=mb.segment_ids)
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})
             total = loss + draft_loss  # λ scales the head's update below

@@ -1,9 +1,11 @@
 """What every training command shares around its loop: the run directory's guard, checkpoints and
-resume, stop signals and exit statuses, metrics files, progress output."""
+resume, batches by data position, stop signals and exit statuses, metrics files, progress output."""
 
+from jaxspec.run.batcher import Batcher
 from jaxspec.run.checkpoints import Checkpointer, truncate_metrics
 from jaxspec.run.progress import Progress
 from jaxspec.run.run_dir import check_run_dir
 from jaxspec.run.signals import EXIT_CHECKPOINTED, StopSignals
 
-__all__ = ["EXIT_CHECKPOINTED", "Checkpointer", "Progress", "StopSignals", "check_run_dir", "truncate_metrics"]
+__all__ = ["EXIT_CHECKPOINTED", "Batcher", "Checkpointer", "Progress", "StopSignals", "check_run_dir",
+           "truncate_metrics"]

@@ -17,7 +17,7 @@ from jaxspec.config_io import load_config
 from jaxspec.models import ModelConfig, forward, forward_router, init_params, load_balancing_loss, load_hf
 from jaxspec.pretrain import main
 from jaxspec.pretrain.config import PretrainConfig, validate
-from jaxspec.pretrain.data import Batcher, PackedSet, pack
+from jaxspec.pretrain.data import PackedSet, pack
 from jaxspec.pretrain.train import response_loss
 from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import MAX_LEVEL
@@ -268,16 +268,16 @@ def test_pack_layout():
     assert sorted(rows) == sorted(e for e, _ in examples if len(e) <= 7)
 
 
-def test_batches_are_addressed_by_position():
+def test_packed_set_takes_rows():
     n, width = 10, 5
     data = PackedSet(tokens=np.arange(n * width, dtype=np.int32).reshape(n, width),
-                     segment_ids=np.ones((n, width), np.int32), weights=np.ones((n, width - 1), np.float32),
+                     segment_ids=np.arange(n * width, dtype=np.int32).reshape(n, width) + 1,
+                     weights=np.arange(n * (width - 1), dtype=np.float32).reshape(n, width - 1),
                      num_examples=n, dropped=0)
-    batcher = Batcher(data, batch_size=4, seed=0)
-    seen = np.concatenate([batcher.indices(p) for p in (0, 4, 8)])  # 12 rows span two epochs
-    assert sorted(seen[:10]) == list(range(10))
-    np.testing.assert_array_equal(Batcher(data, 4, 0).batch(8)["tokens"], batcher.batch(8)["tokens"])
-    assert not np.array_equal(Batcher(data, 4, 1).indices(0), batcher.indices(0))
+    rows = np.array([7, 2, 2])
+    batch = data.take(rows)
+    for name in ("tokens", "segment_ids", "weights"):
+        np.testing.assert_array_equal(batch[name], getattr(data, name)[rows])
 
 
 MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",

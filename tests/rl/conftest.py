@@ -12,6 +12,7 @@ from jaxspec.pretrain.config import ModelShape
 from jaxspec.pretrain.run import model_config
 from jaxspec.rewards.registry import register_reward, registered_rewards
 from jaxspec.tasks import ChatTokenizer, generate_problems, train_tokenizer
+from tests.rl.runs import train_cli, write_config
 
 SHAPE = ModelShape(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                    max_position_embeddings=256)
@@ -55,3 +56,12 @@ def tiny_policy(tmp_path_factory):
 def tiny_moe_policy(tmp_path_factory):
     """As `tiny_policy`, with both layers mixture-of-experts (top-2 of 4 experts, router_aux_loss_coef 0.05)."""
     return _saved_policy(tmp_path_factory.mktemp("rl_moe_policy"), MOE_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def full_run(tiny_policy, tmp_path_factory):
+    """12 uninterrupted GRPO steps rewarding digits, checkpoints at 6 and 12."""
+    root = tmp_path_factory.mktemp("grpo")
+    config = write_config(root / "run.yaml", tiny_policy[0])
+    assert train_cli("--config", config, "--run-dir", root / "full") == 0
+    return config, root / "full"

@@ -11,11 +11,11 @@ import pytest
 
 from jaxspec.config_io import load_config
 from jaxspec.rl.api import train
-from jaxspec.rl.batch import pack_rows, training_rows
+from jaxspec.rl.batch import Rollouts, pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
-from tests.rl.test_train import _config, _metrics, _train, _without_timings
+from tests.rl.runs import read_metrics, train_cli, without_timings, write_config
 
 ASYNC = ["rollout.mode=async", "mesh.rollout_devices=1"]
 # The keys only async runs write.
@@ -23,19 +23,18 @@ ASYNC_KEYS = {"staleness", "rollout_version", "sync_bytes"}
 
 
 def _run(tiny_policy, tmp_path, *overrides, steps=3):
-    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=steps, eval_every=0, checkpoint_every=steps)
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=steps, eval_every=0, checkpoint_every=steps)
     cfg = load_config(GRPOConfig, config, list(overrides))
     return GRPORun(cfg, tmp_path / "run", False, check_inputs(cfg))
 
 
-def _rollout_logprob_error(run: GRPORun, out: dict, params) -> float:
+def _rollout_logprob_error(run: GRPORun, out: Rollouts, params) -> float:
     """Largest difference between the rollout's log-probs of its tokens and those of `params`."""
-    batch = training_rows(out["prompts"], out["tokens"], out["lengths"], run.tok.pad_id, run.width)
-    fields = ("tokens", "attn_mask", "resp_index", "resp_tokens")
-    rows = run.placement.rows(pack_rows({k: batch[k] for k in fields}, run.placement.row_shards))
-    got = np.asarray(run.score(params, rows["tokens"], rows["segment_ids"], rows["resp_index"], rows["resp_tokens"]))
-    compared = batch["resp_mask"] & np.isfinite(got) & np.isfinite(out["logprobs"])
-    return float(np.abs(got - out["logprobs"])[compared].max())
+    batch = training_rows(out.prompts, out.tokens, out.lengths, run.tok.pad_id, run.width)
+    rows = run.placement.rows(pack_rows(batch.response_rows(), run.placement.row_shards))
+    got = np.asarray(run.score(params, rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens))
+    compared = batch.resp_mask & np.isfinite(got) & np.isfinite(out.logprobs)
+    return float(np.abs(got - out.logprobs)[compared].max())
 
 
 def test_one_step_off_policy_rollouts_use_the_previous_weights(tiny_policy, tmp_path):
@@ -114,11 +113,11 @@ def test_a_frozen_draft_is_copied_once(tiny_policy, tmp_path):
 def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):
     """max_staleness 0 on the last device: the rewards, losses, draft and log-prob metrics of the
     colocated run on the first device, exactly."""
-    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=2)
-    assert _train("--config", config, "--run-dir", tmp_path / "colocated") == 0
-    assert _train("--config", config, "--run-dir", tmp_path / "async", *ASYNC, "rollout.max_staleness=0") == 0
-    colocated = _without_timings(_metrics(tmp_path / "colocated"))
-    stale0 = _without_timings(_metrics(tmp_path / "async"))
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=2)
+    assert train_cli("--config", config, "--run-dir", tmp_path / "colocated") == 0
+    assert train_cli("--config", config, "--run-dir", tmp_path / "async", *ASYNC, "rollout.max_staleness=0") == 0
+    colocated = without_timings(read_metrics(tmp_path / "colocated"))
+    stale0 = without_timings(read_metrics(tmp_path / "async"))
     assert [r["staleness"] for r in stale0] == [0, 0]
     assert [{k: v for k, v in r.items() if k not in ASYNC_KEYS} for r in stale0] == colocated
 
@@ -128,10 +127,10 @@ def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path):
     its end with step 4's batch in flight (generated with the weights after step 2, not the
     checkpointed ones): each resumed run regenerates the batch from the checkpointed rollout copy,
     and the records are those of the uninterrupted run."""
-    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=4, eval_every=0, checkpoint_every=4)
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=4, eval_every=0, checkpoint_every=4)
     overrides = {"rollout.mode": "async", "mesh.rollout_devices": 1}
     train(config, tmp_path / "full", overrides=overrides)
-    full = _without_timings(_metrics(tmp_path / "full"))
+    full = without_timings(read_metrics(tmp_path / "full"))
     assert [(r["staleness"], r["rollout_version"]) for r in full] == [(0, 0), (1, 0), (1, 1), (1, 2)]
 
     def terminate_after_step_3(record):
@@ -143,7 +142,7 @@ def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path):
                                      on_step=terminate_after_step_3)] == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["2", "3"]
     train(config, tmp_path / "split", overrides=overrides, resume=True)
-    assert _without_timings(_metrics(tmp_path / "split")) == full
+    assert without_timings(read_metrics(tmp_path / "split")) == full
 
 
 @pytest.mark.parametrize("override, message", [
@@ -158,13 +157,13 @@ def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path):
      "need 10 devices, this process sees 8"),
 ])
 def test_bad_async_config_names_the_key(tiny_policy, tmp_path, capsys, override, message):
-    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
-    assert _train("--config", config, "--run-dir", tmp_path / "run", *override) != 0
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *override) != 0
     assert message in capsys.readouterr().err
 
 
 def test_async_mode_refuses_several_processes(tiny_policy, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
-    assert _train("--config", config, "--run-dir", tmp_path / "run", *ASYNC) != 0
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *ASYNC) != 0
     assert "rollout.mode: async runs in one process" in capsys.readouterr().err

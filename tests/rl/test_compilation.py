@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import jaxspec.rl.loop as loop
-from jaxspec.rl.batch import pack_rows, packed_row_count, packed_row_counts
+from jaxspec.rl.batch import TrainingRows, pack_rows, packed_row_count, packed_row_counts
 from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile
-from jaxspec.rl.data import PromptSampler, PromptSet
 from jaxspec.rl.metrics import StageTimer
+from jaxspec.run import Batcher
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
-from tests.rl.test_train import _config, _metrics, _train
+from tests.rl.runs import read_metrics, train_cli, write_config
 
 STEPS = 3
 
@@ -30,9 +30,11 @@ def test_packed_row_counts_hold_every_packing():
         for low, high in ((shortest, shortest), (shortest, 20), (15, 30), (width // 2 + 1, width), (width, width)):
             for _ in range(20):
                 lengths = rng.integers(low, high + 1, size=16)
-                rows = {"tokens": np.ones((16, width), np.int32), "resp_index": np.zeros((16, 2), np.int32),
-                        "attn_mask": np.arange(width)[None, :] < lengths[:, None]}
-                seen.add(pack_rows(rows, multiple_of)["tokens"].shape[0])
+                attn_mask = np.arange(width)[None, :] < lengths[:, None]
+                rows = TrainingRows(tokens=np.ones((16, width), np.int32), attn_mask=attn_mask,
+                                    resp_index=np.zeros((16, 2), np.int32), resp_tokens=np.zeros((16, 2), np.int32),
+                                    resp_mask=np.ones((16, 2), bool))
+                seen.add(pack_rows(rows, multiple_of).tokens.shape[0])
         assert seen <= set(counts) and {counts[0], counts[-1]} <= seen, (multiple_of, seen, counts)
 
 
@@ -98,7 +100,7 @@ def _prompt_file(path, tokenizer_dir) -> str:
     problems = generate_problems(200, 0, (1,))
     short = [p for p in problems if len(tok.encode_prompt(p["question"])) <= 16][:3]
     long = [p for p in problems if 57 <= len(tok.encode_prompt(p["question"])) <= 64][:5]
-    order = PromptSampler(PromptSet(records=[{}] * 8, token_ids=[[]] * 8), 4, seed=0).indices(0)
+    order = Batcher(8, 4, seed=0).indices(0)  # the run's first prompts (data.seed 0)
     problems = long[:]
     for i in sorted(order[:3]):
         problems.insert(i, short.pop())
@@ -107,13 +109,13 @@ def _prompt_file(path, tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def precompiled_run(tiny_policy, tmp_path_factory):
-    """STEPS steps of test_train's run (online draft, log-prob recomputation, KL) from cleared jit
+    """STEPS steps of the shared run config (online draft, log-prob recomputation, KL) from cleared jit
     caches, one minibatch per epoch (the head trains on the first epoch's; the second runs the
     policy-only update: both programs are precompiled), the trainer precompiled by
     train.precompile_threads = 2 workers and every program written to a persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
     of each step's packings)."""
     root = tmp_path_factory.mktemp("precompiled")
-    config = _config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
+    config = write_config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
     overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
                  "draft.train_every=2", "train.precompile=true", "train.precompile_threads=2", f"train.compilation_cache={root / 'cache'}",
                  "train.compilation_cache_min_compile_s=0"]
@@ -126,7 +128,7 @@ def precompiled_run(tiny_policy, tmp_path_factory):
 
     def counting_pack(rows, multiple_of=1):
         packed = pack(rows, multiple_of)
-        rows_per_step[-1].add(packed["resp_index"].shape[:1] + packed["tokens"].shape[:1])  # (S, R)
+        rows_per_step[-1].add(packed.resp_index.shape[:1] + packed.tokens.shape[:1])  # (S, R)
         return packed
 
     jax.clear_caches()
@@ -135,14 +137,14 @@ def precompiled_run(tiny_policy, tmp_path_factory):
         patch.setattr(loop, "pack_rows", counting_pack)
         patch.setattr(loop, "precompile", lambda programs, threads: (
             precompile_threads.append(threads), start_precompile(programs, threads))[1])
-        assert _train("--config", config, "--run-dir", root / "run", *overrides) == 0
+        assert train_cli("--config", config, "--run-dir", root / "run", *overrides) == 0
     assert precompile_threads == [2], "train.precompile_threads sets the compiling workers"
     return config, overrides, root / "run", root / "cache", rows_per_step
 
 
 def test_no_step_after_the_first_compiles(precompiled_run):
     _, _, run_dir, _, rows_per_step = precompiled_run
-    records = _metrics(run_dir)
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[0]["compiles"] > 0 and [r["compiles"] for r in records[1:]] == [0] * (STEPS - 1)
     assert records[0]["time_precompile_s"] >= 0 and all("time_precompile_s" not in r for r in records[1:])
@@ -154,9 +156,9 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     config, overrides, first_dir, cache, _ = precompiled_run
     assert any(path.name.startswith("jit_update-") for path in cache.iterdir())
     jax.clear_caches()  # as in a new process
-    assert _train("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
+    assert train_cli("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
                   "train.precompile=false") == 0
-    first, second = _metrics(first_dir)[0], _metrics(tmp_path / "second")[0]
+    first, second = read_metrics(first_dir)[0], read_metrics(tmp_path / "second")[0]
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4
     assert jax.config.jax_compilation_cache_dir is None  # the run's cache settings end with it

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxspec.rl.advantages import group_advantages
-from jaxspec.rl.batch import minibatch_indices, pack_rows, training_rows
+from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig
 from jaxspec.rl.loss import loss_denominator, policy_loss, response_logprobs, router_aux_weight, sequence_forward
 from jaxspec.rollout import Sampling, generate
@@ -83,44 +83,6 @@ def test_k3_kl_penalty():
         policy_loss(logp, old, adv, mask, cfg)
 
 
-def test_training_rows_layout():
-    prompts = [[5, 6, 7], [8]]
-    tokens = np.array([[9, 2, 0, 0], [10, 11, 12, 13]])
-    rows = training_rows(prompts, tokens, np.array([2, 4]), pad_id=0)
-    assert rows["tokens"].shape == (2, 16 + 4)
-    assert rows["tokens"][0, :6].tolist() == [5, 6, 7, 9, 2, 0]
-    assert rows["tokens"][1, :6].tolist() == [8, 10, 11, 12, 13, 0]
-    assert rows["attn_mask"].sum(axis=1).tolist() == [5, 5]
-    assert rows["resp_index"].tolist() == [[2, 3, 4, 5], [0, 1, 2, 3]]
-    assert rows["resp_mask"].tolist() == [[True, True, False, False], [True] * 4]
-    assert np.flatnonzero(rows["seq_resp_mask"][0]).tolist() == [3, 4]
-    with pytest.raises(ValueError, match="width 6"):
-        training_rows(prompts, tokens, np.array([2, 4]), pad_id=0, width=6)
-    chunks = list(minibatch_indices(8, 2, np.random.default_rng(0)))
-    assert sorted(np.concatenate(chunks).tolist()) == list(range(8)) and all(len(c) == 4 for c in chunks)
-
-
-def test_pack_rows_layout():
-    """First-fit-decreasing packing: every sequence's tokens, segment and response positions."""
-    prompts = [[5, 6, 7], [8], [9, 9, 9, 9]]
-    tokens = np.array([[9, 2, 0, 0], [10, 11, 12, 13], [14, 0, 0, 0]])
-    rows = training_rows(prompts, tokens, np.array([2, 4, 1]), pad_id=0, width=10)
-    rows["advantages"] = np.array([1.0, 2.0, 3.0], np.float32)
-    packed = pack_rows(rows)
-    # Lengths 5, 5, 5 in width 10: sequences 0 and 1 share row 0 (by length, then id), 2 takes row 1.
-    assert packed["tokens"].tolist() == [[5, 6, 7, 9, 2, 8, 10, 11, 12, 13], [9, 9, 9, 9, 14, 0, 0, 0, 0, 0]]
-    assert packed["segment_ids"].tolist() == [[1] * 5 + [2] * 5, [1] * 5 + [0] * 5]
-    assert packed["seq_resp_mask"][0].tolist() == [False] * 3 + [True] * 2 + [False] + [True] * 4
-    flat = packed["tokens"].reshape(-1)
-    for s in range(3):  # the logits at resp_index predict the response token that follows them
-        for j in range(rows["resp_mask"][s].sum()):
-            assert flat[packed["resp_index"][s, j] + 1] == rows["resp_tokens"][s, j]
-    assert packed["resp_index"].max() < packed["tokens"].size  # past-the-end entries stay in range
-    np.testing.assert_array_equal(packed["advantages"], rows["advantages"])
-    assert pack_rows(rows, multiple_of=4)["tokens"].shape == (4, 10)
-    assert pack_rows(rows, multiple_of=3)["tokens"].shape == (3, 10)
-
-
 def test_trainer_logprobs_match_the_rollout(tiny_policy):
     """One full-sequence forward reproduces the log-probs `generate` reports, for a filtered p."""
     _, cfg, params = tiny_policy
@@ -129,10 +91,10 @@ def test_trainer_logprobs_match_the_rollout(tiny_policy):
     out = generate(cfg, params, prompts, jax.random.PRNGKey(3), sampling=sampling)
     rows = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0, width=48)
     packed = pack_rows(rows)
-    assert packed["tokens"].shape[0] == 1  # all three rollouts share one row
-    logits, _, _ = sequence_forward(cfg, params, packed["tokens"], packed["segment_ids"])
-    logp, entropy = response_logprobs(logits, packed["resp_index"], packed["resp_tokens"], sampling)
-    valid = rows["resp_mask"]
+    assert packed.tokens.shape[0] == 1  # all three rollouts share one row
+    logits, _, _ = sequence_forward(cfg, params, packed.tokens, packed.segment_ids)
+    logp, entropy = response_logprobs(logits, packed.resp_index, packed.resp_tokens, sampling)
+    valid = rows.resp_mask
     assert np.isfinite(np.asarray(logp)[valid]).all()
     np.testing.assert_allclose(np.asarray(logp)[valid], np.asarray(out.logprobs)[valid], atol=2e-6)
     assert (np.asarray(entropy)[valid] > 0).all()

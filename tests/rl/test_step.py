@@ -15,7 +15,8 @@ from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.models.moe import load_balancing_loss
 from jaxspec.rl.loss import loss_denominator, policy_loss, reference_sampling, response_logprobs, sequence_forward
-from jaxspec.rl.step import OnlineDraft, draft_optimizer, policy_optimizer, score_fn, update_fn
+from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
+from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 
 
@@ -30,8 +31,8 @@ def _draft_case(cfg):
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
     out = generate(cfg, params, prompts, jax.random.PRNGKey(1), sampling=sampling)
     batch = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
-    batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
-                 old_logp=np.asarray(out.logprobs), loss_mask=batch.pop("resp_mask"))
+    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
+                          old_logp=np.asarray(out.logprobs), loss_mask=batch.resp_mask)
     return params, sampling, pack_rows(batch)
 
 
@@ -46,7 +47,7 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     plain = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     with_draft = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, online)
     opt_state = policy_optimizer(optim).init(params)
-    no_seq_mask = {k: v for k, v in batch.items() if k != "seq_resp_mask"}
+    no_seq_mask = batch.replace(seq_resp_mask=None)
     p1, _, _, _, m1 = plain(_copy(params), _copy(opt_state), None, None, None, no_seq_mask)
     d_opt = draft_optimizer(online.train).init(weights)
     p2, s2, w2, d_opt2, m2 = with_draft(_copy(params), _copy(opt_state), _copy(weights), buffers, d_opt, batch)
@@ -63,7 +64,7 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     assert losses[-1] < 0.92 * losses[0] and losses == sorted(losses, reverse=True), losses
 
     # A minibatch with no policy tokens (filtered groups) still trains the draft; the policy stays put.
-    frozen = dict(batch, loss_mask=np.zeros_like(batch["loss_mask"]))
+    frozen = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
     before, w_before = _copy(p2), _copy(w2)
     p3, _, w3, _, m = with_draft(p2, s2, w2, buffers, d_opt2, frozen)
     assert float(m["tokens"]) == 0
@@ -114,31 +115,31 @@ def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
     tokens[0, 0] = outsider
     batch = training_rows(prompts, tokens, lengths, pad_id=0)
     packed = pack_rows(batch)
-    args = (packed["tokens"], packed["segment_ids"], packed["resp_index"], packed["resp_tokens"])
+    args = (packed.tokens, packed.segment_ids, packed.resp_index, packed.resp_tokens)
     old_logp = np.asarray(score_fn(cfg, sampling, "float32", False)(params, *args))
     ref_logp = np.asarray(score_fn(cfg, reference_sampling(sampling), "float32", False)(params, *args))
-    assert old_logp[0, 0] == -np.inf and np.isfinite(ref_logp[batch["resp_mask"]]).all()
+    assert old_logp[0, 0] == -np.inf and np.isfinite(ref_logp[batch.resp_mask]).all()
     # The policy that trains ranks the outsider first at that position: its current log-prob is finite.
     head = "embed" if cfg.tie_word_embeddings else "lm_head"
     moved = dict(params)
     moved[head] = params[head].at[(outsider if head == "embed" else (slice(None), outsider))].set(
         params[head][(int(ranked[0]) if head == "embed" else (slice(None), int(ranked[0])))] * 1.5)
-    batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), old_logp=old_logp,
-                 ref_logp=ref_logp, loss_mask=batch.pop("resp_mask"))
+    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), old_logp=old_logp,
+                          ref_logp=ref_logp, loss_mask=batch.resp_mask, seq_resp_mask=None)
     loss_cfg = GRPOLossConfig(kl_beta=0.1, minibatches=2, ppo_epochs=2)
     optim = PolicyOptimConfig(learning_rate=1e-2)
     update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     state, opt_state, counted = _copy(moved), policy_optimizer(optim).init(moved), []
-    batch["loss_denominator"] = np.full(8, loss_denominator(batch["loss_mask"], "token", 2), np.float32)
+    batch = batch.replace(loss_denominator=np.full(8, loss_denominator(batch.loss_mask, "token", 2), np.float32))
     for _epoch in range(2):
         for rows in (np.arange(4), np.arange(4, 8)):
-            mb = pack_rows({k: v[rows] for k, v in batch.items() if k != "seq_resp_mask"})
+            mb = pack_rows(batch.take(rows))
             state, opt_state, _, _, m = update(state, opt_state, None, None, None, mb)
             assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
             counted.append(float(m["nonfinite_tokens"]))
     current = np.asarray(score_fn(cfg, sampling, "float32", False)(moved, *args))
     assert np.isfinite(current[0, 0])  # the dangerous case: finite now, -inf when sampled
-    first = batch["loss_mask"][:4] & ~(np.isfinite(old_logp) & np.isfinite(current))[:4]
+    first = batch.loss_mask[:4] & ~(np.isfinite(old_logp) & np.isfinite(current))[:4]
     assert counted[0] == first.sum() >= 1 and counted[2] >= 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
@@ -148,7 +149,7 @@ def test_bfloat16_optimizer_state_halves_the_first_moment_and_trains_alike(tiny_
     three updates move the params as the float32 state does, up to bf16 rounding of the moment."""
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)
-    batch.pop("seq_resp_mask")
+    batch = batch.replace(seq_resp_mask=None)
     loss_cfg = GRPOLossConfig()
     moved = {}
     for dtype in ("float32", "bfloat16"):
@@ -175,15 +176,15 @@ def _reference(cfg, params, sampling, mb):
     default GRPO policy loss alone, gradient of the load-balancing loss over the non-padding tokens)."""
 
     def policy(p):
-        logits, _, _ = sequence_forward(cfg, p, mb["tokens"], mb["segment_ids"])
-        logp, _ = response_logprobs(logits, mb["resp_index"], mb["resp_tokens"], sampling)
-        return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], GRPOLossConfig())[0]
+        logits, _, _ = sequence_forward(cfg, p, mb.tokens, mb.segment_ids)
+        logp, _ = response_logprobs(logits, mb.resp_index, mb.resp_tokens, sampling)
+        return policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, GRPOLossConfig())[0]
 
     def router(p):
-        return sequence_forward(cfg, p, mb["tokens"], mb["segment_ids"])[2]
+        return sequence_forward(cfg, p, mb.tokens, mb.segment_ids)[2]
 
     def aux(p):
-        return load_balancing_loss(router(p), cfg.num_experts_per_tok, mb["segment_ids"] > 0)
+        return load_balancing_loss(router(p), cfg.num_experts_per_tok, mb.segment_ids > 0)
 
     return router(params), jax.grad(policy)(params), jax.grad(aux)(params)
 
@@ -195,10 +196,11 @@ def _moe_case(cfg):
     rng = np.random.default_rng(0)
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
     batch = training_rows(prompts, rng.integers(5, cfg.vocab_size, (8, 8)), rng.integers(1, 9, 8), pad_id=0)
-    batch.update(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
-                 old_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32), loss_mask=batch.pop("resp_mask"))
+    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
+                          old_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32), loss_mask=batch.resp_mask,
+                          seq_resp_mask=None)
     mb = pack_rows(batch)
-    assert (mb["segment_ids"] == 0).any()  # padding, which the router loss must leave out
+    assert (mb.segment_ids == 0).any()  # padding, which the router loss must leave out
     return params, sampling, mb
 
 
@@ -210,7 +212,7 @@ def test_moe_update_adds_the_weighted_router_loss_of_the_real_tokens(tiny_moe_po
     optim = PolicyOptimConfig(learning_rate=1e-3)
     opt_state = policy_optimizer(optim).init(params)
     router, policy_grad, aux_grad = _reference(cfg, params, sampling, mb)
-    aux = float(load_balancing_loss(router, cfg.num_experts_per_tok, mb["segment_ids"] > 0))
+    aux = float(load_balancing_loss(router, cfg.num_experts_per_tok, mb.segment_ids > 0))
     assert abs(aux - float(load_balancing_loss(router, cfg.num_experts_per_tok))) > 1e-3  # padding would show
     metrics = {}
     for coef in (0.0, 3.0):

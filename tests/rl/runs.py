@@ -1,0 +1,46 @@
+"""`jaxspec train` runs shared by the RL tests: a small GRPO config on the tiny policy
+(tests/rl/conftest.py), the command, and its metrics file."""
+
+import json
+from pathlib import Path
+
+from jaxspec.cli import main as jaxspec_main
+from jaxspec.rl.metrics import is_timing
+
+CONFIG = """
+policy: {{path: {policy}}}
+data: {{num_train: 40, num_eval: 8, kinds: [arithmetic]}}
+reward: {reward}
+rollout: {{prompts_per_step: 4, samples_per_prompt: 8, max_new_tokens: 8}}
+loss: {{minibatches: 2, ppo_epochs: 2, kl_beta: 0.001, recompute_logprobs: true, filter_groups: true}}
+optim: {{learning_rate: 2.0e-2}}
+spec: {{method: eagle3, draft: random, num_draft_tokens: 2}}
+draft: {{online: true, ttt_steps: 1, learning_rate: 1.0e-2}}
+eval: {{every: {eval_every}, batch_size: 8}}
+train: {{steps: {steps}, checkpoint_every: {checkpoint_every}, progress: false}}
+"""
+
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+# `jaxspec` in a subprocess, with the test rewards (tests/rl/conftest.py) registered.
+RUN_WITH_TEST_REWARDS = "import sys, tests.rl.conftest; from jaxspec.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def write_config(path, policy, reward="digit_fraction", steps=12, eval_every=6, checkpoint_every=6):
+    path.write_text(CONFIG.format(policy=policy, reward=reward, steps=steps, eval_every=eval_every,
+                                  checkpoint_every=checkpoint_every))
+    return str(path)
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timings(records):
+    return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
+
+
+def train_cli(*args) -> int:
+    return jaxspec_main(["train", *map(str, args)])

@@ -1,0 +1,186 @@
+"""`jaxspec train --resume`: exact resume, onto a mesh and over two processes, damaged checkpoints,
+SIGTERM and Ctrl-C."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+from safetensors.numpy import load_file
+
+from jaxspec.run import EXIT_CHECKPOINTED
+from tests.rl.runs import REPO, RUN_WITH_TEST_REWARDS, read_metrics, train_cli, without_timings, write_config
+from tests.run.damage import truncate_largest_data_file
+
+def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
+    config, full = full_run
+    # 6 steps, then --resume to 12: identical metrics (timings aside) and identical final weights.
+    assert train_cli("--config", config, "--run-dir", tmp_path / "split", "train.steps=6") == 0
+    assert train_cli("--config", config, "--run-dir", tmp_path / "split", "--resume") == 0
+    assert without_timings(read_metrics(tmp_path / "split")) == without_timings(read_metrics(full))
+    for folder in ("policy", "draft"):
+        expected = load_file(full / folder / "model.safetensors")
+        got = load_file(tmp_path / "split" / folder / "model.safetensors")
+        assert all(np.array_equal(expected[k], got[k]) for k in expected)
+
+    # A run killed after step 9 whose step-12 checkpoint is damaged (a truncated data file): resume
+    # reports it and moves it aside, and steps 7-9 are redone from checkpoint 6, identically.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    truncate_largest_data_file(crashed / "checkpoints" / "12")
+    shutil.rmtree(crashed / "policy")
+    shutil.rmtree(crashed / "draft")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("\n".join(lines[:10]) + "\n")
+    capsys.readouterr()
+    assert train_cli("--config", config, "--run-dir", crashed, "--resume") == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {crashed / 'checkpoints' / '12'} is damaged (ValueError: OUT_OF_RANGE" in out
+    assert "resumed from step 6" in out
+    assert without_timings(read_metrics(crashed)) == without_timings(read_metrics(full))
+    assert len(list((crashed / "checkpoints").glob("12.damaged-*"))) == 1
+
+
+def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
+    """The step-6 checkpoint restored onto a data x fsdp x tensor = 2 x 2 x 2 mesh: steps 7-8 (the
+    policy, its optimizer state and the rollouts sharded) follow the single-device run. Sharded
+    reductions round differently, and at this test's learning rate (2e-2) Adam turns rounding in
+    near-zero gradient entries into whole steps, so the runs drift apart after a few updates (the
+    loss of step 9 differs by ~1e-2 relative); two steps stay within 1e-5 here."""
+    config, full = full_run
+    run = tmp_path / "mesh"
+    shutil.copytree(full, run)
+    for folder in ("checkpoints/12", "policy", "draft"):
+        shutil.rmtree(run / folder)
+    (run / "metrics.jsonl").write_text("\n".join((full / "metrics.jsonl").read_text().splitlines()[:7]) + "\n")
+    assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=8",
+                  "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2") == 0
+    assert "on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
+    want, got = without_timings(read_metrics(full))[7:9], without_timings(read_metrics(run))[7:9]
+    for w, g in zip(want, got, strict=True):
+        assert g["step"] == w["step"] and g["data_position"] == w["data_position"]
+        # Sharded reductions change float rounding, not the sampled rollouts of these steps.
+        assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
+        for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert (run / "policy" / "model.safetensors").is_file()
+
+
+def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
+    """Two processes of 4 CPU devices each form the 2 x 2 x 2 mesh (as two SLURM tasks would):
+    the same rollouts and rewards as the single-device run, one metrics file, one exported policy."""
+    config, full = full_run
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "mp"
+    procs, logs = [], [tmp_path / f"process{pid}.log" for pid in range(2)]
+    for pid in range(2):
+        # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+               "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
+               "PYTHONFAULTHANDLER": "1"}
+        with open(logs[pid], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", "--config", config, "--run-dir", str(run),
+                 "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], env=env, cwd=REPO,
+                stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + 480
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(1)
+    hung = [p for p in procs if p.poll() is None]
+    for p in hung:  # report where each process waits instead of hanging the suite
+        p.send_signal(signal.SIGABRT)
+    for p in procs:
+        p.wait(timeout=60)
+    outputs = [log.read_text() for log in logs]
+    assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
+    assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
+    want, got = without_timings(read_metrics(full))[1:3], without_timings(read_metrics(run))[1:3]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    for w, g in zip(want, got, strict=True):
+        assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
+        for key in ("loss", "kl", "grad_norm", "draft_loss", "acceptance_length"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
+    assert (run / "policy" / "model.safetensors").is_file() and (run / "checkpoints" / "2").is_dir()
+
+
+# Autoregressive rollouts and a plain loss keep a subprocess's compilations short.
+LIGHT = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
+
+
+def _signal_mid_run(config, run_dir, signum):
+    """Starts `jaxspec train` in a subprocess (stdout not a terminal), sends `signum` once two steps
+    are logged; returns (exit status, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "train", "--config", config, "--run-dir",
+                             str(run_dir), *LIGHT, "train.progress=true"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_PROGRESS_INTERVAL_S": "0"})
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stdout, stderr
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_exits_75(tiny_policy, tmp_path):
+    config = write_config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
+                     checkpoint_every=1000)
+    run_dir = tmp_path / "run"
+    returncode, stdout, stderr = _signal_mid_run(config, run_dir, signal.SIGTERM)
+    assert returncode == EXIT_CHECKPOINTED == 75, stderr
+    assert "SIGTERM: checkpointed step" in stdout
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")
+    assert manager.latest_step() == len(steps)
+    state = manager.restore(manager.latest_step())
+    assert int(state["step"]) == len(steps) and int(state["position"]) == 4 * len(steps)
+    assert state["params"]["embed"].shape == (300, 32)
+    assert {"ref_params", "opt_state", "key", "updates"} <= set(state) and "draft_params" not in state
+    assert not (run_dir / "policy").exists()  # a preempted run is not finished
+
+
+def test_ctrl_c_checkpoints_and_resume_continues_the_metrics(tiny_policy, tmp_path, capsys):
+    config = write_config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=1000, eval_every=0,
+                     checkpoint_every=1000)
+    run_dir = tmp_path / "run"
+    returncode, stdout, stderr = _signal_mid_run(config, run_dir, signal.SIGINT)
+    assert returncode == EXIT_CHECKPOINTED, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "Ctrl-C: checkpointing at the end of this step" in stderr
+    assert "SIGINT: checkpointed step" in stdout
+    done = len(read_metrics(run_dir))
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [done] and done >= 2
+    # stdout is a pipe: progress comes as plain lines, one per step with a 0 s interval
+    assert [line.split("/")[0] for line in stdout.splitlines() if line.startswith("grpo: step ")] == \
+        [f"grpo: step {s}" for s in range(1, done + 1)]
+    assert train_cli("--config", config, "--run-dir", run_dir, "--resume", f"train.steps={done + 2}", *LIGHT) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from step {done}" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, done + 3))
+    summary = [line for line in out.splitlines() if line.startswith("grpo done: ")]
+    assert len(summary) == 1 and f"grpo done: {done + 2} steps (2 in this process)" in summary[0]
+    assert f"final reward {read_metrics(run_dir)[-1]['reward_mean']:.3f}" in summary[0]
+    assert f"policy in {run_dir / 'policy'}" in summary[0] and (run_dir / "policy" / "model.safetensors").is_file()
+
+
+def test_resume_on_a_new_run_dir_says_so_and_starts_fresh(tiny_policy, tmp_path, capsys):
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    run_dir = tmp_path / "new"
+    assert train_cli("--config", config, "--run-dir", run_dir, "--resume", *LIGHT) == 0
+    out = capsys.readouterr().out
+    assert f"--resume: no checkpoint in {run_dir / 'checkpoints'}; starting a new run" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
