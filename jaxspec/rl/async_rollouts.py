@@ -36,7 +36,8 @@ Checkpoints hold, next to the training state, the max_staleness rollout copies t
 after the checkpointed step are (or, past train.steps, would be) generated with ("rollout" slot
 i = step+1+i, "rollout_version" int32 [max_staleness]); a resumed run regenerates those batches
 from them and continues the uninterrupted run's metrics, also when --resume extends train.steps.
-Validation runs on the trainer mesh, as in colocated mode.
+Validation runs on the trainer mesh, as in colocated mode. A job of one process only: see
+`jaxspec.rl.resources.async_multiprocess_error` for why several are refused.
 """
 
 from __future__ import annotations

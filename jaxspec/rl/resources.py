@@ -77,10 +77,20 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
     if cfg.rollout.mode == "async" and jax.process_count() > 1:
-        raise ValueError(f"rollout.mode: async runs in one process (its rollout mesh is local), this job has "
-                         f"{jax.process_count()} processes; use colocated")
+        raise ValueError(async_multiprocess_error(jax.process_count()))
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
+
+
+def async_multiprocess_error(processes: int) -> str:
+    """Why rollout.mode async refuses a multi-process job, and what to run instead."""
+    return (f"rollout.mode: async runs in one process, this job has {processes}: with JAX {jax.__version__}, "
+            f"jax.device_put does not copy arrays between meshes on different devices of the same processes (a "
+            f"cross-process reshard needs one device set) and reaches another process's devices only through "
+            f"the opt-in DCN transfer server (jax_cross_host_transfer_socket_address); and the rollout thread's "
+            f"collectives on the rollout devices would interleave with the job-wide ones of every step (stop "
+            f"signals, checkpoint barriers) in a different order on each process. Run async as one process on "
+            f"one host (mesh.rollout_devices of its devices generate), or rollout.mode: colocated across hosts")
 
 
 def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:

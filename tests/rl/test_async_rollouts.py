@@ -201,4 +201,6 @@ def test_async_mode_refuses_several_processes(tiny_policy, tmp_path, capsys, mon
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
     assert _train("--config", config, "--run-dir", tmp_path / "run", *ASYNC) != 0
-    assert "rollout.mode: async runs in one process" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"rollout.mode: async runs in one process, this job has 2: with JAX {jax.__version__}," in err
+    assert "rollout.mode: colocated across hosts" in err
