@@ -1,7 +1,7 @@
 """GPU check of the mesh layouts: a few GRPO steps on every (data, fsdp, tensor) layout of the GPUs.
 
     python3 benchmarks/check_gpu_layouts.py --config configs/grpo_small.yaml [--policy DIR]
-        [--make-policy DIR] [--steps 2] [--out FILE.json] [key=value ...]
+        [--make-policy DIR] [--steps 2] [--layouts D,F,T ...] [--out FILE.json] [key=value ...]
 
 Runs `jaxspec train` (a child process per layout, each from a fresh run directory and the same
 seed) on one GPU and on every layout whose axes multiply to the GPU count (2 GPUs: data=2,
@@ -63,6 +63,15 @@ def make_policy(path: Path) -> None:
     save_hf(cfg, init_params(cfg, jax.random.key(0)), path, tokenizer_file=tiny_policy_path() / "tokenizer.json")
 
 
+def parse_layout(text: str) -> dict:
+    """`data,fsdp,tensor` (e.g. 1,1,2) as a mesh dict."""
+    try:
+        data, fsdp, tensor = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected data,fsdp,tensor, e.g. 1,1,2") from None
+    return {"data": data, "fsdp": fsdp, "tensor": tensor}
+
+
 def device_count() -> int:
     """The accelerators a child process sees (this process stays on the CPU, so that it holds no
     GPU memory while the runs train)."""
@@ -112,6 +121,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--make-policy", default=None, help="write a random small-shaped policy here first")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all)")
+    p.add_argument("--layouts", nargs="+", type=parse_layout, default=None, metavar="D,F,T",
+                   help="only these layouts, in this order after the one-GPU run (default: every layout)")
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = p.parse_args(argv)
@@ -124,7 +135,8 @@ def main(argv: list[str]) -> int:
     rows = []
     work = Path(tempfile.mkdtemp(prefix="jaxspec-layouts-"))
     try:
-        for mesh in layouts(devices):
+        chosen = layouts(devices) if args.layouts is None else [layouts(1)[0], *args.layouts]
+        for mesh in chosen:
             row = run_layout(mesh, args, args.overrides, work)
             if rows and rows[0]["rc"] == 0 and row["rc"] == 0:
                 row["ok"], row["worst_rel_diff"] = compare(rows[0], row)

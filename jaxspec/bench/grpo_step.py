@@ -267,7 +267,15 @@ def main(argv: list[str]) -> int:
                       ("generate_spec", lambda: bench.generation(spec=True)),
                       ("logprobs", bench.logprobs), ("update", lambda: bench.update(False)),
                       ("update_draft", lambda: bench.update(True)), ("checkpoint", bench.checkpoint)):
-        phases[name] = run()
+        try:
+            phases[name] = run()
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            # a phase that does not fit ends the benchmark; what ran before it is still reported
+            rows.append({"phase": name, "error": f"out of device memory: {str(err).splitlines()[0][:400]}"})
+            print(f"{name}: {rows[-1]['error']}")
+            break
         peaks = peak_bytes()
         row = {"phase": name, **phases[name],
                "peak_gb_per_device": [None if b is None else round(b / 1e9, 2) for b in peaks]}
@@ -275,13 +283,15 @@ def main(argv: list[str]) -> int:
         print_table([row], list(row))
     kv = cache_bytes(cfg, args.sub_batch, args.prompt + args.new, jnp.dtype(args.rollout_dtype))
     taus = list(PROJECTED_ACCEPTANCE) + ([args.acceptance] if args.acceptance else [])
-    projected = projection(phases, args.new, taus)
+    measured = all(name in phases for name in ("generate_ar", "generate_spec", "logprobs", "update_draft"))
+    projected = projection(phases, args.new, taus) if measured else []
     print(f"\nKV cache per sub-batch of {args.sub_batch} rows x {args.prompt + args.new} slots: {kv / 1e9:.2f} GB "
           f"(all devices together)")
     print_table(rows, ["phase", "seconds", "first_call_s", "acceptance_length", "ms_per_loop_step",
-                       "peak_gb_per_device"])
-    print("\nPROJECTION (computed from the measured costs above, not measured):")
-    print_table(projected, ["projection", "generate_s", "step_s", "ar_step_s", "speedup", "generation_speedup"])
+                       "peak_gb_per_device", "error"])
+    if projected:
+        print("\nPROJECTION (computed from the measured costs above, not measured):")
+        print_table(projected, ["projection", "generate_s", "step_s", "ar_step_s", "speedup", "generation_speedup"])
     write_results(args.out, "grpo_step", rows + projected,
                   {"model": args.policy or args.model, "mesh": args.mesh, "batch": args.batch,
                    "sub_batch": args.sub_batch, "prompt": args.prompt, "new": args.new, "k": args.k,

@@ -60,3 +60,22 @@ def test_write_policy_writes_the_config_shape(model_json, tmp_path):
 def test_batch_must_split_into_sub_batches(model_json, capsys):
     assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "6", "--sub-batch", "4"]) == 1
     assert "--batch 6 is not a multiple of --sub-batch 4" in capsys.readouterr().err
+
+
+def test_a_phase_out_of_memory_ends_the_run_with_the_phases_before_it(model_json, tmp_path, monkeypatch):
+    import jax
+
+    from jaxspec.bench import grpo_step
+
+    def out_of_memory(self, with_draft):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB")
+
+    monkeypatch.setattr(grpo_step.Bench, "update", out_of_memory)
+    out = tmp_path / "grpo_step.json"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "2", "--sub-batch", "2",
+                         "--prompt", "4", "--new", "4", "--minibatches", "1", "--k", "1", "--draft-vocab", "32",
+                         "--ttt-steps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["generate_ar", "generate_spec", "logprobs", "update"]
+    assert rows[-1]["error"].startswith("out of device memory: RESOURCE_EXHAUSTED")
+    assert all("projection" not in r for r in rows)  # nothing is projected from a missing update
