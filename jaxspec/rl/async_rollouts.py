@@ -36,8 +36,9 @@ Checkpoints hold, next to the training state, the max_staleness rollout copies t
 after the checkpointed step are (or, past train.steps, would be) generated with ("rollout" slot
 i = step+1+i, "rollout_version" int32 [max_staleness]); a resumed run regenerates those batches
 from them and continues the uninterrupted run's metrics, also when --resume extends train.steps.
-Validation runs on the trainer mesh, as in colocated mode. A job of one process only: see
-`jaxspec.rl.resources.async_multiprocess_error` for why several are refused.
+Validation runs on the trainer mesh, as in colocated mode. In a job of several processes every
+process trains on its first local devices and generates its share of each step's rollouts on its
+last ones (`jaxspec.rl.rollout_hosts`).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.sharding import Sharding, make_mesh, param_shardings
+from jaxspec.distributed import to_host
+from jaxspec.models.sharding import param_shardings
 from jaxspec.rl.metrics import StageTimer, block
 from jaxspec.rl.resources import make_spec
+from jaxspec.rl.rollout_hosts import RolloutHosts, merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +90,13 @@ class _StageSeconds:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def rollout_mesh(devices: int) -> Sharding:
-    """The rollout mesh: data = the last `devices` devices (weights replicated, rows split)."""
-    chosen = jax.devices()[-devices:]
-    return Sharding(make_mesh(len(chosen), 1, 1, devices=chosen))
-
-
 class AsyncRollouts:
     """The rollout mesh, its weights copy and the queue of batches in flight of one `GRPORun`."""
 
     def __init__(self, run):
         self.run = run
-        self.sharding = rollout_mesh(run.cfg.mesh.rollout_devices)
+        self.hosts = RolloutHosts(run.cfg.mesh)
+        self.sharding = self.hosts.sharding  # this process's rollout devices
         self.max_staleness = run.cfg.rollout.max_staleness
         # The batches of the steps after the one training, oldest first: max_staleness of them
         # between steps once the pipeline is primed (those past train.steps are not generated but
@@ -112,11 +109,12 @@ class AsyncRollouts:
     def copy(self, version: int) -> RolloutWeights:
         """The run's current weights, cast to rollout.dtype, copied onto the rollout mesh."""
         policy, draft = self.run.rollout_weights()
-        policy = jax.device_put(policy, param_shardings(self.sharding, policy))
+        trainer = self.run.placement.sharding
+        policy = self.hosts.put(policy, param_shardings(self.sharding, policy), trainer)
         if self.weights is not None and self.run.online is None:
             draft = self.weights.draft  # a frozen draft is copied once
         elif draft is not None:
-            draft = jax.device_put(draft, self.sharding.replicated())
+            draft = self.hosts.put(draft, jax.tree.map(lambda _: self.sharding.replicated(), draft), trainer)
         return RolloutWeights(*block((policy, draft)), version)
 
     def template(self) -> dict:
@@ -135,9 +133,10 @@ class AsyncRollouts:
         if not self.max_staleness:
             return {}
         slots = ([b.weights for b in self.in_flight] + [self.weights] * self.max_staleness)[:self.max_staleness]
-        return {"rollout": {str(i): {"policy": w.policy, **({} if w.draft is None else {"draft": w.draft})}
-                            for i, w in enumerate(slots)},
-                "rollout_version": jnp.asarray([w.version for w in slots], jnp.int32)}
+        rollout = {str(i): {"policy": w.policy, **({} if w.draft is None else {"draft": w.draft})}
+                   for i, w in enumerate(slots)}
+        return {"rollout": self.hosts.global_view(rollout),
+                **self.run.placement.state({"rollout_version": np.asarray([w.version for w in slots], np.int32)})}
 
     def start(self, state: dict, resumed: bool) -> None:
         """Copies the trainer's weights onto the rollout mesh; after a resume with max_staleness
@@ -146,10 +145,11 @@ class AsyncRollouts:
         self.weights = self.copy(step)
         self.next_step = step + 1
         if resumed and step > 0 and self.max_staleness > 0:
-            versions = [int(v) for v in np.asarray(state["rollout_version"])]
+            versions = [int(v) for v in to_host(state["rollout_version"])]
             copies: dict[int, RolloutWeights] = {}  # one copy per version (the first steps share one)
+            restored = self.hosts.local_view(state["rollout"])
             for i, version in enumerate(versions):
-                saved = state["rollout"][str(i)]
+                saved = restored[str(i)]
                 weights = copies.setdefault(version, RolloutWeights(saved["policy"], saved.get("draft"), version))
                 self._submit(weights)
         state.update(self.checkpoint_entries())  # no longer holds the template's or a restored copy
@@ -169,15 +169,22 @@ class AsyncRollouts:
         if step > run.cfg.train.steps:
             self.in_flight.append(_Batch(step, weights, None))
             return
-        ids = run.sampler.indices(run.position + (step - run.step - 1) * run.cfg.rollout.prompts_per_step)
+        r_cfg = run.cfg.rollout
+        ids = run.sampler.indices(run.position + (step - run.step - 1) * r_cfg.prompts_per_step)
         key = jax.random.fold_in(jax.random.fold_in(run.state["key"], step - 1), 0)  # as `GRPORun._generate`'s
-        key = jax.device_put(key, self.sharding.replicated())
+        key = jax.device_put(to_host(key), self.sharding.replicated())
         draft = None if run.draft is None else (run.draft[0], weights.draft)
         spec = make_spec(run.cfg.spec, draft)
+        # This process's generate calls, each with the key colocated mode gives it (`_generate_rows`).
+        rows = r_cfg.prompts_per_step * r_cfg.samples_per_prompt
+        size = (r_cfg.sub_batch or rows) // r_cfg.samples_per_prompt  # prompts per call
+        calls = self.hosts.calls(rows, r_cfg.sub_batch)
+        keys = [key] if size == len(ids) else [jax.random.fold_in(key, i) for i in calls]
 
         def work():
             seconds = _StageSeconds()
-            out = run._rollouts(ids, weights.policy, spec, key, seconds, sharding=self.sharding)
+            out = merge([run._rollouts(ids[i * size:(i + 1) * size], weights.policy, spec, call_key, seconds,
+                                       sharding=self.sharding) for i, call_key in zip(calls, keys)])
             return out, seconds.seconds
 
         self.in_flight.append(_Batch(step, weights, self._worker.submit(work)))
@@ -194,6 +201,7 @@ class AsyncRollouts:
         self.run.state.update(self.checkpoint_entries())  # keeps no copy alive that no batch needs
         with timer.stage("rollout_wait"):
             out, seconds = batch.result.result()
+            out = self.hosts.gather(out)
         for name, value in seconds.items():
             timer.seconds[name] = timer.seconds.get(name, 0.0) + value
         out = {**out, "generated_tokens": int(np.sum(out["lengths"])),

@@ -76,21 +76,15 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
-    if cfg.rollout.mode == "async" and jax.process_count() > 1:
-        raise ValueError(async_multiprocess_error(jax.process_count()))
+    r = cfg.rollout
+    rows, processes = r.prompts_per_step * r.samples_per_prompt, jax.process_count()
+    if r.mode == "async" and processes > 1 and (rows // (r.sub_batch or rows)) % processes:
+        raise ValueError(f"rollout.sub_batch: rollout.mode async over {processes} processes generates the step's "
+                         f"{rows} rollouts as calls of rollout.sub_batch rows, an equal share of them on every "
+                         f"process; the {rows // (r.sub_batch or rows)} call(s) of {r.sub_batch or rows} rows do not split "
+                         f"over the processes (e.g. rollout.sub_batch={rows // processes})")
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
-
-
-def async_multiprocess_error(processes: int) -> str:
-    """Why rollout.mode async refuses a multi-process job, and what to run instead."""
-    return (f"rollout.mode: async runs in one process, this job has {processes}: with JAX {jax.__version__}, "
-            f"jax.device_put does not copy arrays between meshes on different devices of the same processes (a "
-            f"cross-process reshard needs one device set) and reaches another process's devices only through "
-            f"the opt-in DCN transfer server (jax_cross_host_transfer_socket_address); and the rollout thread's "
-            f"collectives on the rollout devices would interleave with the job-wide ones of every step (stop "
-            f"signals, checkpoint barriers) in a different order on each process. Run async as one process on "
-            f"one host (mesh.rollout_devices of its devices generate), or rollout.mode: colocated across hosts")
 
 
 def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:

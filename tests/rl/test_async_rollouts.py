@@ -4,6 +4,10 @@ a device-to-device weight sync after each update (`jaxspec.rl.async_rollouts`)."
 import dataclasses
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +20,7 @@ from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
-from tests.rl.test_train import _config, _metrics, _train, _without_timings
+from tests.rl.test_train import REPO, RUN_WITH_TEST_REWARDS, _config, _metrics, _train, _without_timings
 
 ASYNC = ["rollout.mode=async", "mesh.rollout_devices=1"]
 # The keys only async runs write.
@@ -197,10 +201,74 @@ def test_bad_async_config_names_the_key(tiny_policy, tmp_path, capsys, override,
     assert message in capsys.readouterr().err
 
 
-def test_async_mode_refuses_several_processes(tiny_policy, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("override, message", [
+    (ASYNC, "mesh.rollout_devices: each of the job's 2 processes gives the same share of the trainer mesh "
+            "(1 devices) and of the 1 rollout devices; both must be multiples of 2"),
+    (["rollout.mode=async", "mesh.data=2", "mesh.rollout_devices=2"],
+     "rollout.sub_batch: rollout.mode async over 2 processes generates the step's 32 rollouts as calls of "
+     "rollout.sub_batch rows, an equal share of them on every process; the 1 call(s) of 32 rows do not split "
+     "over the processes (e.g. rollout.sub_batch=16)"),
+])
+def test_a_multi_process_async_split_that_does_not_fit_names_the_key(tiny_policy, tmp_path, capsys, monkeypatch,
+                                                                     override, message):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
-    assert _train("--config", config, "--run-dir", tmp_path / "run", *ASYNC) != 0
-    err = capsys.readouterr().err
-    assert f"rollout.mode: async runs in one process, this job has 2: with JAX {jax.__version__}," in err
-    assert "rollout.mode: colocated across hosts" in err
+    assert _train("--config", config, "--run-dir", tmp_path / "run", *override) != 0
+    assert message in capsys.readouterr().err
+
+
+def _run_two_processes(args: list, logs: list, devices: int) -> list[str]:
+    """`jaxspec train *args` as a job of two processes of `devices` CPU devices each; their outputs."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+               "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(pid), "PYTHONFAULTHANDLER": "1"}
+        with open(logs[pid], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", *map(str, args)],
+                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + 480
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(1)
+    hung = [p for p in procs if p.poll() is None]
+    for p in hung:  # report where each process waits instead of hanging the suite
+        p.send_signal(signal.SIGABRT)
+    for p in procs:
+        p.wait(timeout=60)
+    outputs = [log.read_text() for log in logs]
+    assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
+    return outputs
+
+
+def test_two_processes_run_the_async_job_of_one(tiny_policy, tmp_path):
+    """Two processes of 2 CPU devices each: both train on their first device (the trainer mesh,
+    data = 2, spans the processes) and generate half of each step's rollouts (one sub-batch) on
+    their second, with the weights copied within each process; the records are those of the
+    one-process async run on 2 + 2 devices with the same rollout.sub_batch (the same rollouts and
+    staleness; losses within the float noise of cross-process reductions, which one update per
+    step keeps Adam's first steps from amplifying), also across a checkpoint (rollout copies
+    included) and a resume of the two-process job."""
+    config = _config(tmp_path / "run.yaml", tiny_policy[0], steps=3, eval_every=0, checkpoint_every=2)
+    args = ["rollout.mode=async", "mesh.data=2", "mesh.rollout_devices=2", "rollout.sub_batch=16",
+            "loss.minibatches=1", "loss.ppo_epochs=1"]
+    assert _train("--config", config, "--run-dir", tmp_path / "one", *args) == 0
+    want = _without_timings(_metrics(tmp_path / "one"))
+    assert [r["staleness"] for r in want] == [0, 1, 1]
+
+    run = tmp_path / "two"
+    logs = [tmp_path / f"process{pid}.log" for pid in range(2)]
+    _run_two_processes(["--config", config, "--run-dir", run, *args, "train.steps=2"], logs, devices=2)
+    assert (run / "checkpoints" / "2").is_dir()
+    outputs = _run_two_processes(["--config", config, "--run-dir", run, "--resume", *args], logs, devices=2)
+    assert "resumed from step 2" in outputs[0]
+    got = _without_timings(_metrics(run))
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for w, g in zip(want, got, strict=True):
+        assert (g["staleness"], g["rollout_version"]) == (w["staleness"], w["rollout_version"])
+        assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
+        for key in ("loss", "kl", "grad_norm", "ratio_mean", "draft_loss", "acceptance_length"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)
