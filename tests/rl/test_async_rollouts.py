@@ -4,10 +4,6 @@ a device-to-device weight sync after each update (`jaxspec.rl.async_rollouts`)."
 import dataclasses
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +16,7 @@ from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
-from tests.rl.test_train import REPO, RUN_WITH_TEST_REWARDS, _config, _metrics, _train, _without_timings
+from tests.rl.test_train import _config, _metrics, _train, _without_timings, run_two_processes
 
 ASYNC = ["rollout.mode=async", "mesh.rollout_devices=1"]
 # The keys only async runs write.
@@ -217,33 +213,6 @@ def test_a_multi_process_async_split_that_does_not_fit_names_the_key(tiny_policy
     assert message in capsys.readouterr().err
 
 
-def _run_two_processes(args: list, logs: list, devices: int) -> list[str]:
-    """`jaxspec train *args` as a job of two processes of `devices` CPU devices each; their outputs."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for pid in range(2):
-        # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-               "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
-               "JAX_PROCESS_ID": str(pid), "PYTHONFAULTHANDLER": "1"}
-        with open(logs[pid], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", *map(str, args)],
-                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.time() + 480
-    while time.time() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(1)
-    hung = [p for p in procs if p.poll() is None]
-    for p in hung:  # report where each process waits instead of hanging the suite
-        p.send_signal(signal.SIGABRT)
-    for p in procs:
-        p.wait(timeout=60)
-    outputs = [log.read_text() for log in logs]
-    assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
-    return outputs
-
-
 def test_two_processes_run_the_async_job_of_one(tiny_policy, tmp_path):
     """Two processes of 2 CPU devices each: both train on their first device (the trainer mesh,
     data = 2, spans the processes) and generate half of each step's rollouts (one sub-batch) on
@@ -261,9 +230,9 @@ def test_two_processes_run_the_async_job_of_one(tiny_policy, tmp_path):
 
     run = tmp_path / "two"
     logs = [tmp_path / f"process{pid}.log" for pid in range(2)]
-    _run_two_processes(["--config", config, "--run-dir", run, *args, "train.steps=2"], logs, devices=2)
+    run_two_processes(["--config", config, "--run-dir", run, *args, "train.steps=2"], logs, devices=2)
     assert (run / "checkpoints" / "2").is_dir()
-    outputs = _run_two_processes(["--config", config, "--run-dir", run, "--resume", *args], logs, devices=2)
+    outputs = run_two_processes(["--config", config, "--run-dir", run, "--resume", *args], logs, devices=2)
     assert "resumed from step 2" in outputs[0]
     got = _without_timings(_metrics(run))
     assert [r["step"] for r in got] == [1, 2, 3]

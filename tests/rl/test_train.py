@@ -155,25 +155,22 @@ def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
     assert (run / "policy" / "model.safetensors").is_file()
 
 
-def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
-    """Two processes of 4 CPU devices each form the 2 x 2 x 2 mesh (as two SLURM tasks would):
-    the same rollouts and rewards as the single-device run, one metrics file, one exported policy."""
-    config, full = full_run
+def run_two_processes(args: list, logs: list, devices: int) -> list[str]:
+    """`jaxspec train *args` as a job of two processes of `devices` CPU devices each (as two SLURM
+    tasks would run it), each writing its output to its entry of `logs`; returns the outputs once
+    both exit 0. A process still running after 8 minutes is stopped with its Python stacks shown."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    run = tmp_path / "mp"
-    procs, logs = [], [tmp_path / f"process{pid}.log" for pid in range(2)]
+    procs = []
     for pid in range(2):
         # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-               "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
-               "PYTHONFAULTHANDLER": "1"}
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+               "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(pid), "PYTHONFAULTHANDLER": "1"}
         with open(logs[pid], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", "--config", config, "--run-dir", str(run),
-                 "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], env=env, cwd=REPO,
-                stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", *map(str, args)],
+                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.time() + 480
     while time.time() < deadline and any(p.poll() is None for p in procs):
         time.sleep(1)
@@ -184,6 +181,16 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
         p.wait(timeout=60)
     outputs = [log.read_text() for log in logs]
     assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
+    return outputs
+
+
+def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
+    """Two processes of 4 CPU devices each form the 2 x 2 x 2 mesh (as two SLURM tasks would):
+    the same rollouts and rewards as the single-device run, one metrics file, one exported policy."""
+    config, full = full_run
+    run = tmp_path / "mp"
+    outputs = run_two_processes(["--config", config, "--run-dir", run, "train.steps=2", "mesh.data=2", "mesh.fsdp=2",
+                                 "mesh.tensor=2"], [tmp_path / f"process{pid}.log" for pid in range(2)], devices=4)
     assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
     want, got = _without_timings(_metrics(full))[1:3], _without_timings(_metrics(run))[1:3]
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
