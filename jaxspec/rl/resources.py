@@ -78,11 +78,12 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     check_devices(cfg.mesh)
     r = cfg.rollout
     rows, processes = r.prompts_per_step * r.samples_per_prompt, jax.process_count()
-    if r.mode == "async" and processes > 1 and (rows // (r.sub_batch or rows)) % processes:
+    calls = rows // (r.sub_batch or rows)
+    if r.mode == "async" and processes > 1 and calls % processes:
         raise ValueError(f"rollout.sub_batch: rollout.mode async over {processes} processes generates the step's "
                          f"{rows} rollouts as calls of rollout.sub_batch rows, an equal share of them on every "
-                         f"process; the {rows // (r.sub_batch or rows)} call(s) of {r.sub_batch or rows} rows do not split "
-                         f"over the processes (e.g. rollout.sub_batch={rows // processes})")
+                         f"process; the {calls} call(s) of {r.sub_batch or rows} rows do not split over the "
+                         f"processes (e.g. rollout.sub_batch={rows // processes})")
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
 
