@@ -81,7 +81,9 @@ class RolloutConfig:
         256-rollout step on 80 GB cards, `configs/grpo_qwen3_8b.yaml`); a multiple of
         samples_per_prompt (groups stay in one call) that divides the step's rollouts. Each call
         samples with its own key (fold_in of the step's key); the acceptance statistics combine
-        the calls' counts exactly.
+        the calls' counts exactly. rollout.mode async over P processes: each process generates
+        an equal share of the calls on its own rollout devices, so their number must be a
+        multiple of P (e.g. half the step's rollouts on 2 hosts).
     """
 
     prompts_per_step: int = 8

@@ -10,8 +10,9 @@ the calls, and the main thread gathers every process's rollouts (`gather`), in s
 
 The weights reach the rollout devices without a host round trip: `jax.device_put` within one
 process; across processes (where JAX does not reshard between the trainer mesh and other devices
-of the same processes), a replicated copy on the trainer mesh of which each process copies its own
-replica to its rollout devices. Checkpoints see the rollout copies as arrays over every process's
+of the same processes), a replicated copy on the trainer mesh (for the time of the sync, the whole
+policy in rollout.dtype on every trainer device) of which each process copies its own replica to
+its rollout devices. Checkpoints see the rollout copies as arrays over every process's
 rollout devices (`global_view`), restored copies come back as per-process ones (`local_view`);
 neither copies data.
 """
