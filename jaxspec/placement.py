@@ -28,7 +28,9 @@ class MeshConfig:
 
     rollout_devices: GRPO with rollout.mode async only: the last N devices form a separate rollout
     mesh (its own copy of the policy, see `jaxspec.rl.async_rollouts`); the trainer mesh is built
-    from the devices before them. 0 = no rollout mesh.
+    from the devices before them. 0 = no rollout mesh. In a job of several processes each process
+    gives the same share of both: its first local devices train, its last ones generate
+    (`split_devices`).
     """
 
     data: int = 1
@@ -58,6 +60,27 @@ def check_devices(cfg: MeshConfig) -> None:
     if devices > jax.device_count():
         raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} "
                          f"needs {devices} devices, this process sees {jax.device_count()}")
+    processes = jax.process_count()
+    if cfg.rollout_devices and processes > 1 and (devices % processes or cfg.rollout_devices % processes):
+        raise ValueError(f"mesh.rollout_devices: each of the job's {processes} processes gives the same share of "
+                         f"the trainer mesh ({devices} devices) and of the {cfg.rollout_devices} rollout devices; "
+                         f"both must be multiples of {processes}")
+
+
+def split_devices(cfg: MeshConfig) -> tuple[list, list]:
+    """(trainer mesh devices, rollout devices): the first cfg.devices and the last
+    cfg.rollout_devices devices; in a job of several processes with rollout devices, the first
+    cfg.devices / P and the last cfg.rollout_devices / P local devices of every process (process
+    order), so that each process holds devices of both and the weights copy between them stays in
+    the process."""
+    every = jax.devices()
+    if not cfg.rollout_devices or jax.process_count() == 1:
+        return every[:cfg.devices], every[len(every) - cfg.rollout_devices:]
+    processes = jax.process_count()
+    hosts = [[d for d in every if d.process_index == p] for p in range(processes)]
+    train, generate = cfg.devices // processes, cfg.rollout_devices // processes
+    return ([d for local in hosts for d in local[:train]],
+            [d for local in hosts for d in local[len(local) - generate:]])
 
 
 class Placement:
@@ -65,7 +88,7 @@ class Placement:
         devices = cfg.devices
         self.row_shards = cfg.data * cfg.fsdp  # training rows are split over these devices
         self.sharding = None if devices == 1 else Sharding(
-            make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=jax.devices()[:devices], expert=cfg.expert))
+            make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=split_devices(cfg)[0], expert=cfg.expert))
 
     def state(self, state: dict) -> dict:
         """The training state committed to its devices: leaves already on the mesh stay as they

@@ -9,26 +9,36 @@ is the weights "version" of the step (version s = the weights after s steps).
 
 One worker thread runs the rollouts (generation on the rollout mesh, then decoding and rewards on
 the host; `generate` reads lengths back while it runs, so generating on the main thread would
-hold the host until it ends). Before step s+1 trains, the batches of steps up to s+1+max_staleness
-are queued with the rollout copy of the time, version s, then the loop waits for the batch of step
-s+1 (time_rollout_wait_s) and trains on it while the worker generates the next one:
+hold the host until it ends). Before step s+1 trains, the batches of steps up to
+s+1+max_staleness are queued with the rollout copy of the time, version s, then the loop waits for
+the batch of step s+1 (time_rollout_wait_s) and trains on it while the worker generates the next
+ones. With max_staleness = k the pipeline holds k batches in flight between steps, and step t
+trains on rollouts of version max(0, t-1-k), i.e. k updates older than the weights it trains
+(fewer for the first k steps, which all use the initial weights):
 
     max_staleness 1: step s+1 trains on rollouts of version s-1 (version 0 for steps 1 and 2),
         while the worker generates step s+2's with version s: generation and reward of one batch
         overlap the update, scoring and sync of the previous one;
+    max_staleness k >= 2: step s+1 trains on version s-k while steps s+2..s+1+k are queued or
+        generating with versions s-k+1..s (k weights copies alive on the rollout mesh besides the
+        latest one); generation may run up to k steps ahead of the trainer;
     max_staleness 0: step s+1's rollouts are generated with version s once the sync is done:
         nothing overlaps, and the run repeats the colocated one on the rollout devices.
 
 A batch's prompts and PRNG key are those of the step that consumes it (as in colocated mode), so
 the rollouts depend on the step and the weights version alone. The importance ratio of the loss
 uses the rollout's own log-probs of the sampled tokens as the behaviour log-probs (exact under
-speculation); the records log `staleness` (trained version - the batch's version) next to the
-ratio statistics (ratio_mean, clip_low_frac, clip_high_frac, dual_clip_frac).
+speculation); the records log `staleness` (trained version - the version of the copy that
+generated the batch) next to the ratio statistics (ratio_mean, clip_low_frac, clip_high_frac,
+dual_clip_frac).
 
-Checkpoints hold, next to the training state, the rollout copy that the batch in flight was
-generated with ("rollout", "rollout_version"); a resumed run regenerates that batch from it and
-continues the uninterrupted run's metrics. Validation runs on the trainer mesh, as in colocated
-mode.
+Checkpoints hold, next to the training state, the max_staleness rollout copies that the batches
+after the checkpointed step are (or, past train.steps, would be) generated with ("rollout" slot
+i = step+1+i, "rollout_version" int32 [max_staleness]); a resumed run regenerates those batches
+from them and continues the uninterrupted run's metrics, also when --resume extends train.steps.
+Validation runs on the trainer mesh, as in colocated mode. In a job of several processes every
+process trains on its first local devices and generates its share of each step's rollouts on its
+last ones (`jaxspec.rl.rollout_hosts`).
 """
 
 from __future__ import annotations
@@ -40,12 +50,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
-from jaxspec.models.sharding import Sharding, make_mesh, param_shardings
+from jaxspec.distributed import to_host
+from jaxspec.models.sharding import param_shardings
 from jaxspec.rl.batch import Rollouts
 from jaxspec.rl.metrics import StageTimer, block
 from jaxspec.rl.resources import make_spec
+from jaxspec.rl.rollout_hosts import RolloutHosts, merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +74,7 @@ class RolloutWeights:
 class _Batch:
     step: int  # the RL step (1-based) that trains on it
     weights: RolloutWeights
-    result: Future  # (Rollouts, {stage: seconds})
+    result: Future | None  # (Rollouts, {stage: seconds}); None past train.steps (never generated)
 
 
 class _StageSeconds:
@@ -79,33 +91,31 @@ class _StageSeconds:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def rollout_mesh(devices: int) -> Sharding:
-    """The rollout mesh: data = the last `devices` devices (weights replicated, rows split)."""
-    chosen = jax.devices()[-devices:]
-    return Sharding(make_mesh(len(chosen), 1, 1, devices=chosen))
-
-
 class AsyncRollouts:
     """The rollout mesh, its weights copy and the queue of batches in flight of one `GRPORun`."""
 
     def __init__(self, run):
         self.run = run
-        self.sharding = rollout_mesh(run.cfg.mesh.rollout_devices)
+        self.hosts = RolloutHosts(run.cfg.mesh)
+        self.sharding = self.hosts.sharding  # this process's rollout devices
         self.max_staleness = run.cfg.rollout.max_staleness
+        # The batches of the steps after the one training, oldest first: max_staleness of them
+        # between steps once the pipeline is primed (those past train.steps are not generated but
+        # keep their weights for the checkpoint).
         self.in_flight: collections.deque[_Batch] = collections.deque()
         self.weights: RolloutWeights | None = None
-        self.next_weights: RolloutWeights | None = None  # what the batch after the queued ones will use
         self.next_step = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
 
     def copy(self, version: int) -> RolloutWeights:
         """The run's current weights, cast to rollout.dtype, copied onto the rollout mesh."""
         policy, draft = self.run.rollout_weights()
-        policy = jax.device_put(policy, param_shardings(self.sharding, policy))
+        trainer = self.run.placement.sharding
+        policy = self.hosts.put(policy, param_shardings(self.sharding, policy), trainer)
         if self.weights is not None and self.run.online is None:
             draft = self.weights.draft  # a frozen draft is copied once
         elif draft is not None:
-            draft = jax.device_put(draft, self.sharding.replicated())
+            draft = self.hosts.put(draft, jax.tree.map(lambda _: self.sharding.replicated(), draft), trainer)
         return RolloutWeights(*block((policy, draft)), version)
 
     def template(self) -> dict:
@@ -115,23 +125,34 @@ class AsyncRollouts:
         return self.checkpoint_entries()
 
     def checkpoint_entries(self) -> dict:
-        """The state entries that let a resumed run regenerate the batch in flight: the weights
-        copy it was generated with, or (none in flight: the run's last step) the copy the next
-        batch would have been generated with, so that a run extended by --resume with more
-        train.steps continues as if it had been longer from the start."""
-        weights = self.in_flight[0].weights if self.in_flight else self.next_weights or self.weights
-        return {"rollout": {"policy": weights.policy, **({} if weights.draft is None else {"draft": weights.draft})},
-                "rollout_version": jnp.int32(weights.version)}
+        """The state entries that let a resumed run regenerate the batches in flight: slot i holds
+        the weights copy of the (i+1)-th batch after the trained step (generated or, past
+        train.steps, the copy it would be generated with, so that a run extended by --resume with
+        more train.steps continues as if it had been longer from the start); none with
+        max_staleness 0. Before the pipeline is primed (a fresh run) every slot holds the current
+        copy, which is what those batches will use."""
+        if not self.max_staleness:
+            return {}
+        slots = ([b.weights for b in self.in_flight] + [self.weights] * self.max_staleness)[:self.max_staleness]
+        rollout = {str(i): {"policy": w.policy, **({} if w.draft is None else {"draft": w.draft})}
+                   for i, w in enumerate(slots)}
+        return {"rollout": self.hosts.global_view(rollout),
+                **self.run.placement.state({"rollout_version": np.asarray([w.version for w in slots], np.int32)})}
 
     def start(self, state: dict, resumed: bool) -> None:
         """Copies the trainer's weights onto the rollout mesh; after a resume with max_staleness
-        >= 1, queues the batch that was in flight at the checkpoint with the weights it used."""
+        >= 1, queues the batches that were in flight at the checkpoint with the weights they used."""
         step = self.run.step
         self.weights = self.copy(step)
         self.next_step = step + 1
         if resumed and step > 0 and self.max_staleness > 0:
-            saved = state["rollout"]
-            self._submit(RolloutWeights(saved["policy"], saved.get("draft"), int(state["rollout_version"])))
+            versions = [int(v) for v in to_host(state["rollout_version"])]
+            copies: dict[int, RolloutWeights] = {}  # one copy per version (the first steps share one)
+            restored = self.hosts.local_view(state["rollout"])
+            for i, version in enumerate(versions):
+                saved = restored[str(i)]
+                weights = copies.setdefault(version, RolloutWeights(saved["policy"], saved.get("draft"), version))
+                self._submit(weights)
         state.update(self.checkpoint_entries())  # no longer holds the template's or a restored copy
 
     def sync(self) -> int:
@@ -142,36 +163,46 @@ class AsyncRollouts:
                                                       self.weights.draft if self.run.online else None)))
 
     def _submit(self, weights: RolloutWeights) -> None:
+        """Queues the batch of step next_step, generated with `weights` (not past train.steps: the
+        run would wait for it at the end)."""
         run, step = self.run, self.next_step
-        ids = run.sampler.indices(run.position + (step - run.step - 1) * run.cfg.rollout.prompts_per_step)
+        self.next_step += 1
+        if step > run.cfg.train.steps:
+            self.in_flight.append(_Batch(step, weights, None))
+            return
+        r_cfg = run.cfg.rollout
+        ids = run.sampler.indices(run.position + (step - run.step - 1) * r_cfg.prompts_per_step)
         key = jax.random.fold_in(jax.random.fold_in(run.state["key"], step - 1), 0)  # as `GRPORun._generate`'s
-        key = jax.device_put(key, self.sharding.replicated())
+        key = jax.device_put(to_host(key), self.sharding.replicated())
         draft = None if run.draft is None else (run.draft[0], weights.draft)
         spec = make_spec(run.cfg.spec, draft)
+        # This process's generate calls, each with the key colocated mode gives it (`_generate_rows`).
+        rows = r_cfg.prompts_per_step * r_cfg.samples_per_prompt
+        size = (r_cfg.sub_batch or rows) // r_cfg.samples_per_prompt  # prompts per call
+        calls = self.hosts.calls(rows, r_cfg.sub_batch)
+        keys = [key] if size == len(ids) else [jax.random.fold_in(key, i) for i in calls]
 
         def work():
             seconds = _StageSeconds()
-            out = run._rollouts(ids, weights.policy, spec, key, seconds, sharding=self.sharding)
+            out = merge([run._rollouts(ids[i * size:(i + 1) * size], weights.policy, spec, call_key, seconds,
+                                       sharding=self.sharding) for i, call_key in zip(calls, keys)])
             return out, seconds.seconds
 
         self.in_flight.append(_Batch(step, weights, self._worker.submit(work)))
-        self.next_step += 1
 
     def next_batch(self, timer: StageTimer) -> tuple[Rollouts, int, int]:
         """The rollouts of the step the run is about to train (as `GRPORun._generate` returns them,
         with their staleness and rollout_version), once the batches up to max_staleness steps
         ahead are queued. timer gets the batch's generation and reward seconds (measured in the
         worker, overlapped with the trainer) and rollout_wait (the trainer waiting for it)."""
-        # No batch past train.steps: the run would wait for it at the end.
-        last = min(self.run.step + 1 + self.max_staleness, self.run.cfg.train.steps)
-        while self.next_step <= last:
+        while self.next_step <= self.run.step + 1 + self.max_staleness:
             self._submit(self.weights)
-        self.next_weights = self.weights if self.max_staleness else None
         batch = self.in_flight.popleft()
         assert batch.step == self.run.step + 1, (batch.step, self.run.step)
         self.run.state.update(self.checkpoint_entries())  # keeps no copy alive that no batch needs
         with timer.stage("rollout_wait"):
             out, seconds = batch.result.result()
+            out = self.hosts.gather(out)
         for name, value in seconds.items():
             timer.seconds[name] = timer.seconds.get(name, 0.0) + value
         out = dataclasses.replace(out, staleness=self.run.step - batch.weights.version,

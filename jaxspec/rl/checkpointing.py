@@ -7,8 +7,9 @@ State pytree (orbax `CheckpointManager`, atomic: a checkpoint directory appears 
     ref_params                        frozen reference policy (when loss.kl_beta > 0)
     step, position, updates           int32: RL steps done, prompts consumed, optimizer updates
     key                               the run's PRNG key (uint32 [2]); step s uses fold_in(key, s)
-    rollout, rollout_version          rollout.mode async: the rollout mesh's weights copy that the batch
-                                      in flight was generated with, and its version (steps done then)
+    rollout, rollout_version          rollout.mode async, max_staleness k >= 1: slot "i" (0..k-1) holds
+                                      the rollout mesh's weights copy of the batch of step step+1+i,
+                                      rollout_version int32 [k] their versions (steps done then)
 """
 
 from __future__ import annotations

@@ -67,18 +67,23 @@ class RolloutConfig:
         (and draft) while the others train, with a device-to-device weight sync after each update
         (`jaxspec.rl.async_rollouts`).
     max_staleness (async): how many updates older than the trained policy the rollouts of a step
-        may be: 1 = one-step off-policy (step t trains on rollouts of the weights before step t-1's
-        update while step t+1's are generated), 0 = each step's rollouts wait for the previous
-        step's sync (the colocated run's numbers, on the rollout mesh). The loss's old log-probs
-        are the rollout's (the behaviour policy's); with loss.recompute_logprobs the trainer's of
-        the weights it starts the step from replace them, logprob_mismatch_* then measures the
-        staleness and loss.tis_cap weighs it.
+        may be (>= 0): 1 = one-step off-policy (step t trains on rollouts of the weights before step
+        t-1's update while step t+1's are generated); k = step t trains on the weights before step
+        t-k's update while the batches of up to k later steps are generated ahead (k weights
+        copies on the rollout mesh; steps 1..k+1 use the initial weights, so are less stale);
+        0 = each step's rollouts wait for the previous step's sync (the colocated run's numbers,
+        on the rollout mesh). The loss's old log-probs are the rollout's (the behaviour
+        policy's); with loss.recompute_logprobs the trainer's of the weights it starts the step
+        from replace them, logprob_mismatch_* then measures the staleness and loss.tis_cap
+        weighs it.
     sub_batch: rollouts generated per `generate` call (null = the whole step's in one call). The
         KV cache is sized for one call, so this bounds the rollout's memory (e.g. 64 rows of a
         256-rollout step on 80 GB cards, `configs/grpo_qwen3_8b.yaml`); a multiple of
         samples_per_prompt (groups stay in one call) that divides the step's rollouts. Each call
         samples with its own key (fold_in of the step's key); the acceptance statistics combine
-        the calls' counts exactly.
+        the calls' counts exactly. rollout.mode async over P processes: each process generates
+        an equal share of the calls on its own rollout devices, so their number must be a
+        multiple of P (e.g. half the step's rollouts on 2 hosts).
     """
 
     prompts_per_step: int = 8

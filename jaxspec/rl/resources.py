@@ -79,9 +79,14 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     router_aux_weight(cfg.loss, model)
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
-    if cfg.rollout.mode == "async" and jax.process_count() > 1:
-        raise ValueError(f"rollout.mode: async runs in one process (its rollout mesh is local), this job has "
-                         f"{jax.process_count()} processes; use colocated")
+    r = cfg.rollout
+    rows, processes = r.prompts_per_step * r.samples_per_prompt, jax.process_count()
+    calls = rows // (r.sub_batch or rows)
+    if r.mode == "async" and processes > 1 and calls % processes:
+        raise ValueError(f"rollout.sub_batch: rollout.mode async over {processes} processes generates the step's "
+                         f"{rows} rollouts as calls of rollout.sub_batch rows, an equal share of them on every "
+                         f"process; the {calls} call(s) of {r.sub_batch or rows} rows do not split over the "
+                         f"processes (e.g. rollout.sub_batch={rows // processes})")
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
 

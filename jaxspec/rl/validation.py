@@ -106,8 +106,6 @@ def validate(cfg: GRPOConfig, source: str) -> None:
          f"{cfg.mesh.rollout_devices} devices do not split the {rows} rollouts per step "
          f"(rollout.prompts_per_step * rollout.samples_per_prompt)")
     positive(r, "max_staleness", "rollout", allow_zero=True)
-    # Resuming restores the weights of the one batch in flight; 2+ would need one copy per batch.
-    need(r.max_staleness <= 1, "rollout.max_staleness", f"must be 0 or 1, got {r.max_staleness}")
     need(r.mode == "colocated" or lo.filter_groups_max_rounds == 1, "loss.filter_groups_max_rounds",
          "rollout.mode async generates one batch of prompts per step ahead of its rewards; set it to 1")
     positive(t, "steps", "train")

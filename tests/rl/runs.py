@@ -2,6 +2,12 @@
 (tests/rl/conftest.py), the command, and its metrics file."""
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from jaxspec.cli import main as jaxspec_main
@@ -44,3 +50,32 @@ def without_timings(records):
 
 def train_cli(*args) -> int:
     return jaxspec_main(["train", *map(str, args)])
+
+
+def run_two_processes(args: list, logs: list, devices: int) -> list[str]:
+    """`jaxspec train *args` as a job of two processes of `devices` CPU devices each (as two SLURM
+    tasks would run it), each writing its output to its entry of `logs`; returns the outputs once
+    both exit 0. A process still running after 8 minutes is stopped with its Python stacks shown."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+               "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(pid), "PYTHONFAULTHANDLER": "1"}
+        with open(logs[pid], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", *map(str, args)],
+                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + 480
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(1)
+    hung = [p for p in procs if p.poll() is None]
+    for p in hung:  # report where each process waits instead of hanging the suite
+        p.send_signal(signal.SIGABRT)
+    for p in procs:
+        p.wait(timeout=60)
+    outputs = [log.read_text() for log in logs]
+    assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
+    return outputs

@@ -1,6 +1,7 @@
 """rollout.mode async: rollouts on the last mesh.rollout_devices devices, one step off-policy, with
 a device-to-device weight sync after each update (`jaxspec.rl.async_rollouts`)."""
 
+import dataclasses
 import os
 import signal
 
@@ -15,7 +16,7 @@ from jaxspec.rl.batch import Rollouts, pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
-from tests.rl.runs import read_metrics, train_cli, without_timings, write_config
+from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_timings, write_config
 
 ASYNC = ["rollout.mode=async", "mesh.rollout_devices=1"]
 # The keys only async runs write.
@@ -37,14 +38,28 @@ def _rollout_logprob_error(run: GRPORun, out: Rollouts, params) -> float:
     return float(np.abs(got - out.logprobs)[compared].max())
 
 
-def test_one_step_off_policy_rollouts_use_the_previous_weights(tiny_policy, tmp_path):
-    """max_staleness 1 on a 2-device rollout mesh: step t trains on rollouts of the weights before
-    step t-1's update (the initial weights for steps 1 and 2), as the recomputed log-probs show;
+def _generating_version(run: GRPORun, out: Rollouts, versions: list) -> int:
+    """The weights version (index into `versions`) whose recomputed log-probs reproduce the
+    rollout's; every other version is told apart by more than 1e-3."""
+    errors = [_rollout_logprob_error(run, out, params) for params in versions]
+    found = int(np.argmin(errors))
+    assert errors[found] < 1e-4, errors
+    assert all(e > 1e-3 for i, e in enumerate(errors) if i != found), errors  # the test can tell versions apart
+    return found
+
+
+@pytest.mark.parametrize("staleness, steps", [(1, 3), (2, 4)])
+def test_rollouts_use_the_weights_of_max_staleness_updates_before(tiny_policy, tmp_path, staleness, steps):
+    """max_staleness k on a 2-device rollout mesh: step t trains on rollouts of the weights before
+    step t-k's update (the initial weights for steps 1..k+1), as the log-probs recomputed with every
+    version show, and the logged staleness / rollout_version are those measured that way; k batches
+    stay queued between steps (those past train.steps keep their weights but are not generated);
     the importance ratio is 1 where the batch's weights are the trained ones (step 1) and not where
     an update came between; after each sync the rollout copy equals the trainer's weights bit for
     bit, on devices the trainer does not use."""
     run = _run(tiny_policy, tmp_path, "rollout.mode=async", "mesh.rollout_devices=2", "loss.minibatches=1",
-               "loss.ppo_epochs=1", "loss.recompute_logprobs=false", "loss.kl_beta=0.0", "loss.filter_groups=false")
+               "loss.ppo_epochs=1", "loss.recompute_logprobs=false", "loss.kl_beta=0.0", "loss.filter_groups=false",
+               f"rollout.max_staleness={staleness}", steps=steps)
     consumed, versions = [], [jax.tree.map(np.asarray, run.state["params"])]
     next_batch = run.async_rollouts.next_batch
 
@@ -56,29 +71,46 @@ def test_one_step_off_policy_rollouts_use_the_previous_weights(tiny_policy, tmp_
     run.async_rollouts.next_batch = recording_next_batch
     trainer_devices = {d for x in jax.tree.leaves(run.state["params"]) for d in x.devices()}
     records = []
-    for _ in range(3):
+    for _ in range(steps):
         records.append(run.run_step())
         versions.append(jax.tree.map(np.asarray, run.state["params"]))
         copy = run.async_rollouts.weights
         assert copy.version == run.step
-        # the next step's batch was queued before this step's update, with the weights before it
-        # (none past train.steps)
-        queued = [(b.step, b.weights.version) for b in run.async_rollouts.in_flight]
-        assert queued == ([(run.step + 1, run.step - 1)] if run.step < 3 else []), queued
+        # the next k steps' batches were queued before this step's update, with older weights
+        queued = [(b.step, b.weights.version, b.result is not None) for b in run.async_rollouts.in_flight]
+        assert queued == [(t, max(0, t - 1 - staleness), t <= steps)
+                          for t in range(run.step + 1, run.step + 1 + staleness)], queued
+        assert list(np.asarray(run.state["rollout_version"])) == [v for _, v, _ in queued]
         for got, want in zip(jax.tree.leaves((copy.policy, copy.draft)),
                              jax.tree.leaves((run.state["params"], run.state["draft_params"]))):
             assert got.devices() == set(jax.devices()[-2:]) and not got.devices() & trainer_devices
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     run.async_rollouts.close()
 
-    assert [r["staleness"] for r in records] == [0, 1, 1]
-    assert [r["rollout_version"] for r in records] == [0, 0, 1]
+    measured = [_generating_version(run, out, versions) for out in consumed]
+    assert measured == [max(0, t - 1 - staleness) for t in range(1, steps + 1)]
+    assert [r["rollout_version"] for r in records] == measured
+    assert [r["staleness"] for r in records] == [r["step"] - 1 - v for r, v in zip(records, measured)]
+    assert records[-1]["staleness"] == staleness
     assert all(r["sync_bytes"] > 0 and r["time_sync_s"] > 0 for r in records)
-    for out, version in zip(consumed, [0, 0, 1]):
-        assert _rollout_logprob_error(run, out, versions[version]) < 1e-4
-        assert _rollout_logprob_error(run, out, versions[version + 1]) > 1e-3  # the test can tell versions apart
     assert abs(records[0]["ratio_mean"] - 1) < 1e-5
     assert all(abs(r["ratio_mean"] - 1) > 1e-4 for r in records[1:]), [r["ratio_mean"] for r in records]
+
+
+def test_the_importance_ratio_is_1_when_stale_rollouts_come_from_unchanged_weights(tiny_policy, tmp_path):
+    """max_staleness 2 with a learning rate of 0 (set past the config's check, which asks for > 0):
+    the rollouts are 0, 1, 2 steps stale by version but their weights equal the trained ones, so
+    the importance ratio is 1 and nothing is clipped."""
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=3, eval_every=0, checkpoint_every=3)
+    cfg = load_config(GRPOConfig, config, [*ASYNC, "rollout.max_staleness=2", "loss.recompute_logprobs=false",
+                                           "loss.filter_groups=false"])
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, learning_rate=0.0))
+    run = GRPORun(cfg, tmp_path / "run", False, check_inputs(cfg))
+    records = [run.run_step() for _ in range(3)]
+    run.async_rollouts.close()
+    assert [r["staleness"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert abs(r["ratio_mean"] - 1) < 1e-6 and r["clip_low_frac"] == r["clip_high_frac"] == 0, r
 
 
 @pytest.mark.parametrize("mesh", [["mesh.rollout_devices=1"],
@@ -122,16 +154,18 @@ def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):
     assert [{k: v for k, v in r.items() if k not in ASYNC_KEYS} for r in stale0] == colocated
 
 
-def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path):
+@pytest.mark.parametrize("staleness, versions", [(1, [0, 0, 1, 2]), (2, [0, 0, 0, 1])])
+def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path, staleness, versions):
     """A run of 2 steps extended to 4 by --resume, then a SIGTERM during step 3 that checkpoints at
-    its end with step 4's batch in flight (generated with the weights after step 2, not the
-    checkpointed ones): each resumed run regenerates the batch from the checkpointed rollout copy,
-    and the records are those of the uninterrupted run."""
+    its end with the next max_staleness batches in flight (step 4's generated with older weights than
+    the checkpointed ones; with staleness 2, step 5's past train.steps): each resumed run
+    regenerates them from the checkpointed rollout copies, and the records are those of the
+    uninterrupted run."""
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=4, eval_every=0, checkpoint_every=4)
-    overrides = {"rollout.mode": "async", "mesh.rollout_devices": 1}
+    overrides = {"rollout.mode": "async", "mesh.rollout_devices": 1, "rollout.max_staleness": staleness}
     train(config, tmp_path / "full", overrides=overrides)
     full = without_timings(read_metrics(tmp_path / "full"))
-    assert [(r["staleness"], r["rollout_version"]) for r in full] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    assert [(r["staleness"], r["rollout_version"]) for r in full] == [(s - v, v) for s, v in enumerate(versions)]
 
     def terminate_after_step_3(record):
         if record["step"] == 3:
@@ -148,7 +182,7 @@ def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path):
 @pytest.mark.parametrize("override, message", [
     (["rollout.mode=async"], "mesh.rollout_devices: rollout.mode async generates on the last"),
     (["mesh.rollout_devices=2"], "mesh.rollout_devices: a rollout mesh is for rollout.mode async"),
-    ([*ASYNC, "rollout.max_staleness=2"], "rollout.max_staleness: must be 0 or 1, got 2"),
+    ([*ASYNC, "rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0, got -1"),
     (["rollout.mode=async", "mesh.rollout_devices=3"],
      "mesh.rollout_devices: 3 devices do not split the 32 rollouts per step"),
     ([*ASYNC, "loss.filter_groups_max_rounds=2"], "loss.filter_groups_max_rounds: rollout.mode async"),
@@ -162,8 +196,47 @@ def test_bad_async_config_names_the_key(tiny_policy, tmp_path, capsys, override,
     assert message in capsys.readouterr().err
 
 
-def test_async_mode_refuses_several_processes(tiny_policy, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("override, message", [
+    (ASYNC, "mesh.rollout_devices: each of the job's 2 processes gives the same share of the trainer mesh "
+            "(1 devices) and of the 1 rollout devices; both must be multiples of 2"),
+    (["rollout.mode=async", "mesh.data=2", "mesh.rollout_devices=2"],
+     "rollout.sub_batch: rollout.mode async over 2 processes generates the step's 32 rollouts as calls of "
+     "rollout.sub_batch rows, an equal share of them on every process; the 1 call(s) of 32 rows do not split "
+     "over the processes (e.g. rollout.sub_batch=16)"),
+])
+def test_a_multi_process_async_split_that_does_not_fit_names_the_key(tiny_policy, tmp_path, capsys, monkeypatch,
+                                                                     override, message):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=2)
-    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *ASYNC) != 0
-    assert "rollout.mode: async runs in one process" in capsys.readouterr().err
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *override) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_two_processes_run_the_async_job_of_one(tiny_policy, tmp_path):
+    """Two processes of 2 CPU devices each: both train on their first device (the trainer mesh,
+    data = 2, spans the processes) and generate half of each step's rollouts (one sub-batch) on
+    their second, with the weights copied within each process; the records are those of the
+    one-process async run on 2 + 2 devices with the same rollout.sub_batch (the same rollouts and
+    staleness; losses within the float noise of cross-process reductions, which one update per
+    step keeps Adam's first steps from amplifying), also across a checkpoint (rollout copies
+    included) and a resume of the two-process job."""
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=3, eval_every=0, checkpoint_every=2)
+    args = ["rollout.mode=async", "mesh.data=2", "mesh.rollout_devices=2", "rollout.sub_batch=16",
+            "loss.minibatches=1", "loss.ppo_epochs=1"]
+    assert train_cli("--config", config, "--run-dir", tmp_path / "one", *args) == 0
+    want = without_timings(read_metrics(tmp_path / "one"))
+    assert [r["staleness"] for r in want] == [0, 1, 1]
+
+    run = tmp_path / "two"
+    logs = [tmp_path / f"process{pid}.log" for pid in range(2)]
+    run_two_processes(["--config", config, "--run-dir", run, *args, "train.steps=2"], logs, devices=2)
+    assert (run / "checkpoints" / "2").is_dir()
+    outputs = run_two_processes(["--config", config, "--run-dir", run, "--resume", *args], logs, devices=2)
+    assert "resumed from step 2" in outputs[0]
+    got = without_timings(read_metrics(run))
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for w, g in zip(want, got, strict=True):
+        assert (g["staleness"], g["rollout_version"]) == (w["staleness"], w["rollout_version"])
+        assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]
+        for key in ("loss", "kl", "grad_norm", "ratio_mean", "draft_loss", "acceptance_length"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-3, atol=1e-6, err_msg=key)

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import orbax.checkpoint as ocp
 from safetensors.numpy import load_file
 
 from jaxspec.run import EXIT_CHECKPOINTED
-from tests.rl.runs import REPO, RUN_WITH_TEST_REWARDS, read_metrics, train_cli, without_timings, write_config
+from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_timings, write_config
 from tests.run.damage import truncate_largest_data_file
 
 def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
@@ -76,31 +75,9 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
     """Two processes of 4 CPU devices each form the 2 x 2 x 2 mesh (as two SLURM tasks would):
     the same rollouts and rewards as the single-device run, one metrics file, one exported policy."""
     config, full = full_run
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
     run = tmp_path / "mp"
-    procs, logs = [], [tmp_path / f"process{pid}.log" for pid in range(2)]
-    for pid in range(2):
-        # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-               "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
-               "PYTHONFAULTHANDLER": "1"}
-        with open(logs[pid], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", "--config", config, "--run-dir", str(run),
-                 "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], env=env, cwd=REPO,
-                stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.time() + 480
-    while time.time() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(1)
-    hung = [p for p in procs if p.poll() is None]
-    for p in hung:  # report where each process waits instead of hanging the suite
-        p.send_signal(signal.SIGABRT)
-    for p in procs:
-        p.wait(timeout=60)
-    outputs = [log.read_text() for log in logs]
-    assert not hung and [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)
+    outputs = run_two_processes(["--config", config, "--run-dir", run, "train.steps=2", "mesh.data=2", "mesh.fsdp=2",
+                                 "mesh.tensor=2"], [tmp_path / f"process{pid}.log" for pid in range(2)], devices=4)
     assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
     want, got = without_timings(read_metrics(full))[1:3], without_timings(read_metrics(run))[1:3]
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
