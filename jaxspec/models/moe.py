@@ -8,16 +8,65 @@ A sparse layer's params (E experts of width I over hidden size H):
 Routing follows transformers' Qwen3MoeSparseMoeBlock: float32 softmax over the router logits, the
 top-k experts per token, their probabilities optionally renormalised to sum 1, cast back to the
 activation dtype. Every token reaches all of its k experts (no capacity, nothing dropped): the N*k
-token-expert assignments are sorted by expert and the experts run as grouped matmuls
-(`jax.lax.ragged_dot`), then each token sums its k weighted expert outputs.
+token-expert assignments are sorted by expert and the experts run as grouped matmuls, then each
+token sums its k weighted expert outputs.
+
+The grouped matmuls have two implementations with one semantics (`grouped_matmul`):
+
+* "ragged_dot": `jax.lax.ragged_dot`, the training path (XLA differentiates it);
+* "pallas": the `kernels.grouped_matmul` kernel (Triton on GPU), which reads only the experts that
+  rows pick and computes only their rows; its gradient is ragged_dot's, so `jax.grad` through it
+  works, but training does not select it by default. "interpret" runs it in Pallas interpret mode.
+
+`moe_mlp` uses "ragged_dot" unless told otherwise; `transformer.extend` (decode and verification
+steps, which take no gradient) asks for "auto": "pallas" on GPU when the activations and experts
+share a dtype, else "ragged_dot". The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot,
+pallas, interpret) overrides "auto" at trace time.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from kernels.dispatch import requested_impl
+from kernels.grouped_matmul import grouped_matmul_pallas
+
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
+IMPLS = ("auto", "ragged_dot", "pallas", "interpret")
+IMPL_ENV = "JAXSPEC_MOE_MATMUL"
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "ragged_dot") -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes)`: x [M, K] rows sorted by group, w [E, K, N], group_sizes
+    int32 [E] -> [M, N] (rows past sum(group_sizes) are 0), by the implementation `impl` names (see
+    the module docstring). Differentiable in x and w with every implementation."""
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and x.dtype == w.dtype else "ragged_dot"
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    return _kernel_with_ragged_dot_grad(x, w, group_sizes, impl == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel_with_ragged_dot_grad(x, w, group_sizes, interpret: bool):
+    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret)
+
+
+def _kernel_fwd(x, w, group_sizes, interpret):
+    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret), (x, w, group_sizes)
+
+
+def _ragged_dot_bwd(interpret, residuals, grad):
+    x, w, group_sizes = residuals
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
+    return (*vjp(grad), None)
+
+
+_kernel_with_ragged_dot_grad.defvjp(_kernel_fwd, _ragged_dot_bwd)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -30,8 +79,10 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
     return logits.astype(jnp.float32), weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E] float32)."""
+def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool,
+            impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
+    """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
+    float32); impl: the grouped matmuls' implementation (`grouped_matmul`)."""
     b, t, h = x.shape
     num_experts = layer["router"].shape[1]
     flat = x.reshape(b * t, h)
@@ -40,9 +91,9 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool) -> tupl
     order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
     rows = flat[order // top_k]  # [N*k, H]
-    gate = jax.lax.ragged_dot(rows, layer["experts_gate"], group_sizes)
-    up = jax.lax.ragged_dot(rows, layer["experts_up"], group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)  # [N*k, H]
+    gate = grouped_matmul(rows, layer["experts_gate"], group_sizes, impl)
+    up = grouped_matmul(rows, layer["experts_up"], group_sizes, impl)
+    out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
     out = out * weights.reshape(-1)[order][:, None]
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
     return unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts)

@@ -222,10 +222,11 @@ def _dense_moe_reference(layer, x, top_k, norm_topk_prob):
     return out.reshape(x.shape)
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "interpret"])
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob):
-    """Gradients through the sorted ragged_dot path (experts and router) equal those of computing
-    every expert on every token and masking."""
+def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob, impl):
+    """Gradients through the sorted grouped-matmul path (experts and router) equal those of
+    computing every expert on every token and masking, with ragged_dot and with the kernel."""
     layer = random_params(SHARDED_CFG, jax.random.key(9))["layers"][1]
     layer = {k: layer[k] for k in ("router", "experts_gate", "experts_up", "experts_down")}
     x = jax.random.normal(jax.random.key(10), (3, 5, SHARDED_CFG.hidden_size))
@@ -234,7 +235,7 @@ def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob):
     def loss(fn, params, x):
         return jnp.sum(fn(params, x) * probe)
 
-    ours = jax.grad(loss, argnums=(1, 2))(lambda p, x: moe_mlp(p, x, 3, norm_topk_prob)[0], layer, x)
+    ours = jax.grad(loss, argnums=(1, 2))(lambda p, x: moe_mlp(p, x, 3, norm_topk_prob, impl)[0], layer, x)
     ref = jax.grad(loss, argnums=(1, 2))(lambda p, x: _dense_moe_reference(p, x, 3, norm_topk_prob), layer, x)
     for name in layer:
         assert float(jnp.max(jnp.abs(ref[0][name]))) > 0, name
@@ -253,3 +254,48 @@ def test_load_balancing_loss_trains_the_router():
     grads = jax.jit(jax.grad(aux))(params)
     assert float(jnp.max(jnp.abs(grads["layers"][1]["router"]))) > 0
     assert float(jnp.max(jnp.abs(grads["layers"][1]["experts_gate"]))) == 0  # the loss sees only the router
+
+
+# ----------------------------------------------------------------------------- grouped-matmul implementations
+
+
+def _sparse_layer(key):
+    layer = random_params(SHARDED_CFG, key)["layers"][1]
+    return {k: layer[k] for k in ("router", "experts_gate", "experts_up", "experts_down")}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_mlp_with_the_kernel_equals_ragged_dot(dtype):
+    layer = jax.tree.map(lambda a: a.astype(dtype), _sparse_layer(jax.random.key(14)))
+    x = jax.random.normal(jax.random.key(15), (3, 7, SHARDED_CFG.hidden_size)).astype(dtype)
+    want, want_router = moe_mlp(layer, x, 2, True, "ragged_dot")
+    got, router = moe_mlp(layer, x, 2, True, "interpret")
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(router, want_router)
+    assert rel_max_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
+
+
+def test_extend_uses_the_kernel_only_where_asked(monkeypatch):
+    """JAXSPEC_MOE_MATMUL picks extend's grouped matmuls (auto: ragged_dot on CPU) with equal
+    logits; the training forward keeps ragged_dot whatever the variable says; a bad value is
+    refused by name."""
+    params = random_params(SHARDED_CFG, jax.random.key(16))
+    tokens = jnp.asarray(random_tokens(17, (2, 5), SHARDED_CFG.vocab_size))
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    args = (SHARDED_CFG, params, init_cache(SHARDED_CFG, 2, 8), tokens, positions, jnp.zeros((2,), jnp.int32))
+
+    def uses_kernel(fn, cfg, *a):  # a fresh function: make_jaxpr would reuse an earlier trace
+        return "pallas_call" in str(jax.make_jaxpr(lambda *a: fn(cfg, *a))(*a))
+
+    def logits():
+        return jax.jit(lambda *a: extend(SHARDED_CFG, *a)[0])(*args[1:])
+
+    monkeypatch.delenv("JAXSPEC_MOE_MATMUL", raising=False)
+    assert not uses_kernel(extend, *args)
+    want = logits()
+    monkeypatch.setenv("JAXSPEC_MOE_MATMUL", "interpret")
+    assert uses_kernel(extend, *args) and not uses_kernel(forward, SHARDED_CFG, params, tokens)
+    assert rel_max_err(logits(), want) < FP32_TOL
+    monkeypatch.setenv("JAXSPEC_MOE_MATMUL", "triton")
+    with pytest.raises(ValueError, match="JAXSPEC_MOE_MATMUL"):
+        logits()
