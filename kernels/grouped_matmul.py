@@ -74,7 +74,7 @@ def _kernel(first_ref, last_ref, ends_ref, sizes_ref, x_ref, w_ref, o_ref, *, bl
                                              "num_stages"))
 def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
                           block_m: int | None = None, block_n: int = 128, block_k: int = 64, num_warps: int = 4,
-                          num_stages: int = 2) -> jax.Array:
+                          num_stages: int = 3) -> jax.Array:
     """x [M, K] (rows sorted by group), w [E, K, N] of x's dtype, group_sizes int [E] (sum <= M) ->
     [M, N] in x's dtype: `jax.lax.ragged_dot(x, w, group_sizes)`, accumulated in float32.
 

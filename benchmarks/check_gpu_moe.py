@@ -1,0 +1,117 @@
+"""GPU check and timing of a mixture-of-experts layer's grouped matmuls: the Pallas kernel
+(`kernels.grouped_matmul`) against `jax.lax.ragged_dot` and a dense matmul of the same useful FLOPs.
+
+    python3 benchmarks/check_gpu_moe.py [--rows 512 2048 8192 32768] [--block-m 64 ...]
+    python3 benchmarks/check_gpu_moe.py --tiny     # CPU smoke run: tiny shapes, interpret mode
+
+Shapes: Qwen3-30B-A3B's experts (E=128, top-8, hidden D=2048, expert width F=768) and small_moe's
+(E=16, D=1024, F=1536), each projection direction (D -> F as gate/up, F -> D as down), rows = the
+sorted token-expert assignments (tokens x top-k: 64 x 8 = 512 is a decode step of 64 rows). Tokens
+pick their experts uniformly at random. bf16 operands, float32 accumulation.
+
+Per case: milliseconds per call inside a compiled loop (`in_loop_seconds`), useful TFLOP/s
+(2 x rows x K x N / time), the compiled program's temporary memory, and the kernel's max error
+relative to ragged_dot's largest output. Exits non-zero when the kernel and ragged_dot disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.timing import in_loop_seconds
+from kernels.grouped_matmul import grouped_matmul_pallas
+
+EXPERT_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "small_moe": (16, 8, 1024, 1536)}  # E, top-k, D, F
+ROWS = (64 * 8, 256 * 8, 1024 * 8, 32768)
+TINY_SHAPES = {"tiny": (8, 2, 64, 48)}
+TINY_ROWS = (16, 96)
+TOLERANCE = 2.0 ** -7  # two bf16 roundings of the output, relative to its largest entry
+
+
+def routed_group_sizes(key: jax.Array, rows: int, num_experts: int, top_k: int) -> jax.Array:
+    """int32 [E]: how many of rows // top_k tokens (each picking top_k distinct experts uniformly
+    at random) go to each expert; sums to rows (rows a multiple of top_k)."""
+    tokens = rows // top_k
+    _, experts = jax.lax.top_k(jax.random.uniform(key, (tokens, num_experts)), top_k)
+    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+def impls(interpret: bool, tiles: dict) -> dict:
+    """name -> fn(x, w, group_sizes, dense_w) -> output."""
+    kernel = functools.partial(grouped_matmul_pallas, interpret=interpret, **tiles)
+    return {"kernel": lambda x, w, s, d: kernel(x, w, s),
+            "ragged_dot": lambda x, w, s, d: jax.lax.ragged_dot(x, w, s),
+            "dense": lambda x, w, s, d: jnp.dot(x, d)}
+
+
+def temp_bytes(fn, *args) -> float:
+    """The compiled program's temporary memory in bytes (nan where the backend does not say)."""
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return float(getattr(stats, "temp_size_in_bytes", np.nan)) if stats is not None else np.nan
+
+
+def run_case(name: str, shape: tuple, rows: int, direction: str, fns: dict, calls: int, repeats: int) -> bool:
+    num_experts, top_k, hidden, width = shape
+    k, n = (hidden, width) if direction == "up" else (width, hidden)
+    keys = jax.random.split(jax.random.key(rows + k), 3)
+    sizes = routed_group_sizes(keys[0], rows, num_experts, top_k)
+    x = jax.random.normal(keys[1], (rows, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[2], (num_experts, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    dense_w = w[0]
+    want = np.asarray(jax.jit(fns["ragged_dot"])(x, w, sizes, dense_w), np.float32)
+    got = np.asarray(jax.jit(fns["kernel"])(x, w, sizes, dense_w), np.float32)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    ok = err < TOLERANCE and bool(np.isfinite(got).all())
+    flops = 2.0 * rows * k * n
+    for impl, fn in fns.items():
+        memory = temp_bytes(fn, x, w, sizes, dense_w)
+        seconds, (x, w, sizes, dense_w) = in_loop_seconds(lambda *a, fn=fn: fn(*a[:4]), (x, w, sizes, dense_w),
+                                                          calls=calls, repeats=repeats)
+        error = f"{err:9.2e}" if impl == "kernel" else " " * 9
+        print(f"{name:>14} {direction:>4} {num_experts:4d} {rows:6d} {k:5d} {n:5d} {impl:>10} "
+              f"{seconds * 1e3:9.3f} {flops / seconds / 1e12:8.2f} {memory / 1e6:10.1f} {error}", flush=True)
+    if not ok:
+        print(f"MISMATCH {name} {direction} rows={rows}: kernel vs ragged_dot {err:.3e} >= {TOLERANCE:.3e}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, kernel in interpret mode (any backend)")
+    p.add_argument("--rows", type=int, nargs="+", help=f"sorted assignment rows (default {ROWS})")
+    p.add_argument("--shapes", nargs="+", choices=sorted(EXPERT_SHAPES), help="expert shapes (default all)")
+    p.add_argument("--calls", type=int, default=20, help="calls per compiled timing loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of the loop (median)")
+    for tile in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+        p.add_argument("--" + tile.replace("_", "-"), type=int, help="kernel tuning (default: the kernel's)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        shapes, rows, calls, repeats = TINY_SHAPES, args.rows or TINY_ROWS, 2, 1
+    else:
+        shapes = {s: EXPERT_SHAPES[s] for s in args.shapes or sorted(EXPERT_SHAPES)}
+        rows, calls, repeats = args.rows or ROWS, args.calls, args.repeats
+    tiles = {t: getattr(args, t) for t in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+             if getattr(args, t) is not None}
+    fns = impls(interpret=args.tiny, tiles=tiles)
+    print(f"device: {jax.devices()[0].device_kind}; kernel tiles: {tiles or 'default'}")
+    print(f"{'shape':>14} {'proj':>4} {'E':>4} {'rows':>6} {'K':>5} {'N':>5} {'impl':>10} {'ms':>9} "
+          f"{'TFLOP/s':>8} {'temp MB':>10} {'rel err':>9}")
+    ok = True
+    for name, shape in shapes.items():
+        for r in rows:
+            if r % shape[1]:
+                raise SystemExit(f"--rows {r} is not a multiple of {name}'s top-k {shape[1]}")
+            for direction in ("up", "down"):
+                ok &= run_case(name, shape, r, direction, fns, calls, repeats)
+    print("OK: the kernel equals ragged_dot" if ok else "MISMATCH: see above")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
