@@ -14,9 +14,10 @@ token sums its k weighted expert outputs.
 The grouped matmuls have two implementations with one semantics (`grouped_matmul`):
 
 * "ragged_dot": `jax.lax.ragged_dot`, the training path (XLA differentiates it);
-* "pallas": the `kernels.grouped_matmul` kernel (Triton on GPU), which reads only the experts that
-  rows pick and computes only their rows; its gradient is ragged_dot's, so `jax.grad` through it
-  works, but training does not select it by default. "interpret" runs it in Pallas interpret mode.
+* "pallas": the `kernels.grouped_matmul` kernels (Triton on GPU), which read only the experts that
+  rows pick and compute only their rows; differentiable (dX: the kernel on the transposed experts,
+  dW: a grouped x.T @ dY kernel), but training does not select it by default. "interpret" runs
+  them in Pallas interpret mode.
 
 `moe_mlp` uses "ragged_dot" unless told otherwise; `transformer.extend` (decode and verification
 steps, which take no gradient) asks for "auto": "pallas" on GPU when the activations and experts
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.dispatch import requested_impl
-from kernels.grouped_matmul import grouped_matmul_pallas
+from kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas
 
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
 IMPLS = ("auto", "ragged_dot", "pallas", "interpret")
@@ -48,11 +49,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
         impl = "pallas" if jax.default_backend() == "gpu" and x.dtype == w.dtype else "ragged_dot"
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
-    return _kernel_with_ragged_dot_grad(x, w, group_sizes, impl == "interpret")
+    return _grouped_matmul_kernel(x, w, group_sizes, impl == "interpret")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _kernel_with_ragged_dot_grad(x, w, group_sizes, interpret: bool):
+def _grouped_matmul_kernel(x, w, group_sizes, interpret: bool):
     return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret)
 
 
@@ -60,13 +61,15 @@ def _kernel_fwd(x, w, group_sizes, interpret):
     return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret), (x, w, group_sizes)
 
 
-def _ragged_dot_bwd(interpret, residuals, grad):
+def _kernel_bwd(interpret, residuals, grad):
     x, w, group_sizes = residuals
-    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
-    return (*vjp(grad), None)
+    grad = grad.astype(x.dtype)
+    dx = grouped_matmul_pallas(grad, w, group_sizes, transpose_w=True, interpret=interpret)
+    dw = grouped_transposed_matmul_pallas(x, grad, group_sizes, interpret=interpret)
+    return dx, dw, None
 
 
-_kernel_with_ragged_dot_grad.defvjp(_kernel_fwd, _ragged_dot_bwd)
+_grouped_matmul_kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):

@@ -1,12 +1,13 @@
-"""The grouped-matmul kernel (interpret mode) equals `jax.lax.ragged_dot` for any group sizes:
-empty groups, one group, groups straddling row tiles, rows past the last group, bf16 inputs."""
+"""The grouped-matmul kernels (interpret mode) equal `jax.lax.ragged_dot` and a per-group
+reference for any group sizes: empty groups, one group, groups straddling row tiles, rows past the
+last group, bf16 inputs; the transposed-weight and x.T @ y variants of a gradient too."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.grouped_matmul import grouped_matmul_pallas, tile_groups, tile_rows
+from kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas, tile_groups, tile_rows
 
 FP32_TOL = 1e-5  # relative to max |out|
 
@@ -91,3 +92,29 @@ def test_bad_operands_are_refused():
         grouped_matmul_pallas(x, w[:, :8], sizes, interpret=True)
     with pytest.raises(ValueError, match="block_m must be a power of 2"):
         grouped_matmul_pallas(x, w, sizes, interpret=True, block_m=24)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_transposed_weights_equal_ragged_dot_of_the_transpose(seed):
+    sizes = random_sizes(12, 90, seed)
+    x, w, sizes = operands(sizes, 96, 40, 80, seed=seed)
+    got = grouped_matmul_pallas(x, jnp.swapaxes(w, 1, 2), sizes, transpose_w=True, interpret=True, block_m=16)
+    want = jax.lax.ragged_dot(x, w, sizes)
+    assert got.shape == (96, 80) and rel_err(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_transposed_matmul_sums_each_groups_rows(dtype):
+    """out[g] = x_g.T @ y_g: empty groups give 0, rows past the last group add nothing."""
+    sizes = random_sizes(7, 100, 6)
+    assert (sizes == 0).any()
+    kx, ky = jax.random.split(jax.random.key(6))
+    x = jax.random.normal(kx, (104, 40)).astype(dtype)
+    y = jax.random.normal(ky, (104, 24)).astype(dtype)
+    got = grouped_transposed_matmul_pallas(x, y, jnp.asarray(sizes), interpret=True, block_m=16)
+    ends = np.cumsum(sizes)
+    xs, ys = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    want = np.stack([xs[e - s:e].T @ ys[e - s:e] for s, e in zip(sizes, ends)])
+    assert got.shape == (7, 40, 24) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got)[sizes == 0], 0.0)
+    assert rel_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)

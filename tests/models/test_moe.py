@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jaxspec.models import ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh, save_hf, shard_params
-from jaxspec.models.moe import load_balancing_loss, moe_mlp, route
+from jaxspec.models.moe import grouped_matmul, load_balancing_loss, moe_mlp, route
 from jaxspec.models.transformer import forward_router
 from tests.models.hf_reference import (hf_config, hf_logits, random_params, random_tokens, saved_checkpoint,
                                        rel_max_err)
@@ -273,6 +273,22 @@ def test_moe_mlp_with_the_kernel_equals_ragged_dot(dtype):
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(router, want_router)
     assert rel_max_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
+
+
+def test_grouped_matmul_gradients_through_the_kernels_equal_ragged_dots():
+    """dX and dW of the kernel path (empty groups, rows past the last group) equal ragged_dot's."""
+    ks = jax.random.split(jax.random.key(18), 3)
+    x, w = jax.random.normal(ks[0], (40, 24)), jax.random.normal(ks[1], (6, 24, 20))
+    probe = jax.random.normal(ks[2], (40, 20))
+    sizes = jnp.asarray([7, 0, 12, 9, 0, 8], jnp.int32)  # 36 of 40 rows
+
+    def grads(impl):
+        return jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, impl) * probe), argnums=(0, 1))(x, w)
+
+    (dx, dw), (want_dx, want_dw) = grads("interpret"), grads("ragged_dot")
+    assert rel_max_err(dx, want_dx) < FP32_TOL and rel_max_err(dw, want_dw) < FP32_TOL
+    np.testing.assert_array_equal(dx[36:], 0.0)
+    np.testing.assert_array_equal(dw[jnp.asarray([1, 4])], 0.0)
 
 
 def test_extend_uses_the_kernel_only_where_asked(monkeypatch):
