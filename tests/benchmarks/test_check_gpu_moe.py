@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 
+from jaxspec.models import moe
 from tests.benchmarks.scripts import load_script
 
 check_gpu_moe = load_script("check_gpu_moe")
@@ -28,3 +29,11 @@ def test_a_wrong_kernel_fails_the_check(monkeypatch, capsys):
     monkeypatch.setattr(check_gpu_moe, "grouped_matmul_pallas", lambda *a, **k: kernel(*a, **k) * 1.05)
     assert check_gpu_moe.main(["--tiny", "--rows", "16"]) == 1
     assert "MISMATCH tiny up rows=16" in capsys.readouterr().out
+
+
+def test_grad_run_checks_the_weight_gradient(monkeypatch, capsys):
+    assert check_gpu_moe.main(["--tiny", "--grad", "--rows", "16"]) == 0
+    assert "forward + backward" in capsys.readouterr().out
+    weight_grad = moe.grouped_transposed_matmul_pallas
+    monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", lambda *a, **k: weight_grad(*a, **k) * 1.05)
+    assert check_gpu_moe.main(["--tiny", "--grad", "--rows", "16"]) == 1
