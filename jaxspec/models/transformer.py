@@ -178,6 +178,8 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden_l
     sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
     attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; segment ids become a
         mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
+    moe_impl: a sparse layer's grouped matmuls (`moe.grouped_matmul`; default "ragged_dot", the
+        training path; all are differentiable).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
     """
     logits, hidden, _ = forward_router(cfg, params, tokens, hidden_layers, **kwargs)
@@ -196,6 +198,7 @@ def forward_router(
     sharding: Sharding | None = None,
     remat: bool = False,
     attention_impl: str = "auto",
+    moe_impl: str = "ragged_dot",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_hidden` plus the router logits of the sparse layers, float32
     [len(cfg.sparse_layers), B, T, E] (empty [0, B, T, 0] for a dense model), the input of
@@ -223,7 +226,7 @@ def forward_router(
                                                 key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
-        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn)
+        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl)
         return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:

@@ -291,6 +291,23 @@ def test_grouped_matmul_gradients_through_the_kernels_equal_ragged_dots():
     np.testing.assert_array_equal(dw[jnp.asarray([1, 4])], 0.0)
 
 
+def test_forward_with_the_kernel_equals_ragged_dot_with_gradients():
+    params = random_params(SHARDED_CFG, jax.random.key(19))
+    tokens = jnp.asarray(random_tokens(20, (2, 6), SHARDED_CFG.vocab_size))
+    probe = jax.random.normal(jax.random.key(21), (2, 6, SHARDED_CFG.vocab_size))
+
+    def loss(params, impl):
+        logits = forward(SHARDED_CFG, params, tokens, moe_impl=impl)
+        return jnp.sum(logits * probe), logits
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, want), want_grads = step(params, "ragged_dot")
+    (_, got), grads = step(params, "interpret")
+    assert rel_max_err(got, want) < FP32_TOL
+    for name in ("experts_gate", "experts_up", "experts_down", "router"):
+        assert rel_max_err(grads["layers"][1][name], want_grads["layers"][1][name]) < FP32_TOL, name
+
+
 def test_extend_uses_the_kernel_only_where_asked(monkeypatch):
     """JAXSPEC_MOE_MATMUL picks extend's grouped matmuls (auto: ragged_dot on CPU) with equal
     logits; the training forward keeps ragged_dot whatever the variable says; a bad value is
