@@ -19,10 +19,11 @@ The grouped matmuls have two implementations with one semantics (`grouped_matmul
   dW: a grouped x.T @ dY kernel), but training does not select it by default. "interpret" runs
   them in Pallas interpret mode.
 
-`moe_mlp` uses "ragged_dot" unless told otherwise; `transformer.extend` (decode and verification
-steps, which take no gradient) asks for "auto": "pallas" on GPU when the activations and experts
-share a dtype, else "ragged_dot". The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot,
-pallas, interpret) overrides "auto" at trace time.
+`moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
+`transformer.extend` (prefill, decode and verification steps, which take no gradient) asks for
+"auto" on one device (a multi-device mesh keeps ragged_dot, which XLA partitions): "pallas" on GPU
+when the activations and experts share a dtype, else "ragged_dot". The JAXSPEC_MOE_MATMUL
+environment variable (auto, ragged_dot, pallas, interpret) overrides "auto" at trace time.
 """
 
 from __future__ import annotations
