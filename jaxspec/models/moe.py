@@ -21,9 +21,13 @@ The grouped matmuls have two implementations with one semantics (`grouped_matmul
 
 `moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
 `transformer.extend` (prefill, decode and verification steps, which take no gradient) asks for
-"auto" on one device (a multi-device mesh keeps ragged_dot, which XLA partitions): "pallas" on GPU
-when the activations and experts share a dtype, else "ragged_dot". The JAXSPEC_MOE_MATMUL
-environment variable (auto, ragged_dot, pallas, interpret) overrides "auto" at trace time.
+"auto": "pallas" on GPU when the activations and experts share a dtype and no expert is split over
+devices, else "ragged_dot". The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot,
+pallas, interpret) overrides "auto" at trace time.
+
+On a mesh the kernels run per device on its rows (`jax.shard_map` over the batch axes), with the
+experts whole on every device: fsdp gathers them as it gathers every weight of a layer. A mesh
+that splits the experts (expert or tensor axis) keeps ragged_dot, which XLA partitions.
 """
 
 from __future__ import annotations
@@ -33,21 +37,35 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.sharding import Sharding
 from kernels.dispatch import requested_impl
 from kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas
 
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
 IMPLS = ("auto", "ragged_dot", "pallas", "interpret")
 IMPL_ENV = "JAXSPEC_MOE_MATMUL"
+EXPERT_SPLITTING_AXES = ("expert", "tensor")  # mesh axes `PARAM_AXES` splits the experts over
+
+
+def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None) -> str:
+    """The implementation ("ragged_dot", "pallas" or "interpret") that `impl` picks for activations
+    and experts of one dtype or not (`dtypes_match`) on `sharding`'s mesh (see the module
+    docstring); ValueError for a kernel asked for on a mesh that splits the experts."""
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
+    split = [ax for ax in EXPERT_SPLITTING_AXES if sharding is not None and sharding.mesh.shape.get(ax, 1) > 1]
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and dtypes_match and not split else "ragged_dot"
+    if impl != "ragged_dot" and split:
+        raise ValueError(f"moe grouped matmul {impl!r} runs on whole experts, but the mesh splits them over "
+                         f"{split}: use ragged_dot")
+    return impl
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "ragged_dot") -> jax.Array:
     """`jax.lax.ragged_dot(x, w, group_sizes)`: x [M, K] rows sorted by group, w [E, K, N], group_sizes
     int32 [E] -> [M, N] (rows past sum(group_sizes) are 0), by the implementation `impl` names (see
     the module docstring). Differentiable in x and w with every implementation."""
-    impl = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" and x.dtype == w.dtype else "ragged_dot"
+    impl = resolve_impl(impl, x.dtype == w.dtype)
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
     return _grouped_matmul_kernel(x, w, group_sizes, impl == "interpret")
@@ -83,10 +101,23 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
     return logits.astype(jnp.float32), weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool,
-            impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
+def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "ragged_dot",
+            sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
-    float32); impl: the grouped matmuls' implementation (`grouped_matmul`)."""
+    float32); impl: the grouped matmuls' implementation (`grouped_matmul`); sharding: the mesh x
+    is laid out on, for the kernels' per-device call (see the module docstring)."""
+    impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding)
+    if impl == "ragged_dot" or sharding is None or sharding.mesh.size == 1:
+        return _moe_mlp(layer, x, top_k, norm_topk_prob, impl)
+    batch_axes, seq_axes, _ = sharding.spec(("batch", "seq", "act_embed"), x.shape)
+    P = jax.sharding.PartitionSpec
+    rows = P(batch_axes, seq_axes)
+    sparse = {k: layer[k] for k in SPARSE_KEYS}
+    return jax.shard_map(lambda sparse, x: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl), mesh=sharding.mesh,
+                         in_specs=(P(), rows), out_specs=(rows, rows), check_vma=False)(sparse, x)
+
+
+def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str):
     b, t, h = x.shape
     num_experts = layer["router"].shape[1]
     flat = x.reshape(b * t, h)

@@ -122,14 +122,15 @@ def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array, moe_impl: str = "ragged_dot"):
+def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array, moe_impl: str = "ragged_dot",
+                      sharding: Sharding | None = None):
     """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
-    [B, T, E] float32, or None for a dense layer); moe_impl: a sparse layer's grouped matmuls
-    (`moe.grouped_matmul`)."""
+    [B, T, E] float32, or None for a dense layer); moe_impl, sharding: a sparse layer's grouped
+    matmuls and the mesh (`moe.moe_mlp`)."""
     x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "router" in layer:
-        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
+        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding)
         return x + out, router_logits
     gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
     up = jnp.einsum("bth,hf->btf", h, layer["up"])
@@ -226,7 +227,7 @@ def forward_router(
                                                 key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
-        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl)
+        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding)
         return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
@@ -281,9 +282,6 @@ def extend(
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     rows = jnp.arange(b)[:, None]
     cos, sin = rope_tables(cfg, positions)
-    # No gradient flows here: the grouped-matmul kernel where it applies. It runs per call, not per
-    # shard, so a model spread over several devices keeps ragged_dot (which XLA partitions).
-    moe_impl = "auto" if sharding is None or sharding.mesh.size == 1 else "ragged_dot"
 
     x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
     new_k, new_v, hidden = [], [], {}
@@ -293,7 +291,7 @@ def extend(
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
         attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
-        x, _ = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl)
+        x, _ = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)  # no gradient: the kernels where they apply
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)
         new_v.append(cv)

@@ -332,3 +332,37 @@ def test_extend_uses_the_kernel_only_where_asked(monkeypatch):
     monkeypatch.setenv("JAXSPEC_MOE_MATMUL", "triton")
     with pytest.raises(ValueError, match="JAXSPEC_MOE_MATMUL"):
         logits()
+
+
+@pytest.mark.parametrize("axes", [dict(data=4, fsdp=2), dict(data=8)])
+def test_the_kernel_runs_per_device_on_a_mesh_with_gradients(axes):
+    """moe_mlp with the kernels on rows split over data x fsdp devices (experts whole on each)
+    equals the one-device ragged_dot layer, outputs and gradients."""
+    layer = _sparse_layer(jax.random.key(22))
+    x = jax.random.normal(jax.random.key(23), (8, 3, SHARDED_CFG.hidden_size))
+    probe = jax.random.normal(jax.random.key(24), x.shape)
+    sharding = Sharding(make_mesh(**({"fsdp": 1} | axes)))
+    placed = jax.device_put(x, sharding.named(("batch", "seq", "act_embed"), x.shape))
+
+    def loss(layer, x, impl, sharding):
+        out, router = moe_mlp(layer, x, 2, True, impl, sharding)
+        return jnp.sum(out * probe) + jnp.sum(router), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=(2, 3))
+    (_, want), want_grads = step(layer, x, "ragged_dot", None)
+    (_, got), grads = step(layer, placed, "interpret", sharding)
+    jaxpr = str(jax.make_jaxpr(lambda l, x: loss(l, x, "interpret", sharding))(layer, placed))
+    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+    assert rel_max_err(got, want) < FP32_TOL
+    for name in layer:
+        assert rel_max_err(grads[0][name], want_grads[0][name]) < FP32_TOL, name
+    assert rel_max_err(grads[1], want_grads[1]) < FP32_TOL
+
+
+def test_a_mesh_that_splits_the_experts_keeps_ragged_dot():
+    layer = _sparse_layer(jax.random.key(25))
+    x = jax.random.normal(jax.random.key(26), (4, 3, SHARDED_CFG.hidden_size))
+    sharding = Sharding(make_mesh(data=2, fsdp=1, expert=4))
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda l, x: moe_mlp(l, x, 2, True, "auto", sharding))(layer, x))
+    with pytest.raises(ValueError, match=r"'interpret' runs on whole experts, but the mesh splits them over \['expert'\]"):
+        moe_mlp(layer, x, 2, True, "interpret", sharding)

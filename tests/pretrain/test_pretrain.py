@@ -286,7 +286,7 @@ MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermed
 
 def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys, monkeypatch):
     """One device, and the same steps with the experts split over 2 devices (expert parallelism)
-    and with the grouped-matmul kernels (interpret mode) in place of ragged_dot."""
+    and with the grouped-matmul kernels (interpret mode, rows over 2 devices) in place of ragged_dot."""
     config = tmp_path / "tiny.yaml"
     config.write_text(CONFIG)
     runs, weight_grads = {}, []
@@ -297,7 +297,7 @@ def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys,
         return weight_grad(*args, **kwargs)
 
     monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", counted_weight_grad)
-    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"]), ("kernel", ["train.moe=interpret"])):
+    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"]), ("kernel", ["train.moe=interpret", "mesh.data=2"])):
         runs[name] = tmp_path / name
         assert main(["--config", str(config), "--run-dir", str(runs[name]), "train.steps=8", "train.eval_every=0",
                      *MOE, *mesh]) == 0
@@ -347,8 +347,8 @@ def test_small_moe_is_small_with_experts_of_the_same_active_width():
 @pytest.mark.parametrize("override, message", [
     ("model.num_experts_per_tok=5", "model.num_experts_per_tok: must be in [1, model.num_experts=4], got 5"),
     ("model.moe_intermediate_size=0", "model.moe_intermediate_size: must be > 0, got 0"),
-    ("train.moe=pallas mesh.data=2", "train.moe: 'pallas' runs per call, not per shard: it needs a one-device mesh, "
-                                     "got 2 devices"),
+    ("train.moe=pallas mesh.data=2 mesh.expert=2", "train.moe: 'pallas' runs on whole experts: it needs "
+                                                  "mesh.expert = mesh.tensor = 1, got expert=2, tensor=1"),
 ])
 def test_bad_moe_shape_is_rejected(tmp_path, capsys, override, message):
     config = tmp_path / "tiny.yaml"
