@@ -21,9 +21,11 @@ The grouped matmuls have two implementations with one semantics (`grouped_matmul
 
 `moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
 `transformer.extend` (prefill, decode and verification steps, which take no gradient) asks for
-"auto": "pallas" on GPU when the activations and experts share a dtype and no expert is split over
-devices, else "ragged_dot". The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot,
-pallas, interpret) overrides "auto" at trace time.
+"auto", which is "ragged_dot" for now: the kernel has passed its tests in interpret mode but has
+not yet been compiled and timed on a GPU (`benchmarks/check_gpu_moe.py`). The JAXSPEC_MOE_MATMUL
+environment variable (auto, ragged_dot, pallas, interpret) overrides "auto" at trace time, e.g.
+JAXSPEC_MOE_MATMUL=pallas for rollouts on GPUs where that check passes (the kernel runs when the
+activations and experts share a dtype and no expert is split over devices).
 
 On a mesh the kernels run per device on its rows (`jax.shard_map` over the batch axes), with the
 experts whole on every device: fsdp gathers them as it gathers every weight of a layer. A mesh
@@ -51,14 +53,14 @@ def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None
     """The implementation ("ragged_dot", "pallas" or "interpret") that `impl` picks for activations
     and experts of one dtype or not (`dtypes_match`) on `sharding`'s mesh (see the module
     docstring); ValueError for a kernel asked for on a mesh that splits the experts."""
-    impl = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
+    chosen = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
     split = [ax for ax in EXPERT_SPLITTING_AXES if sharding is not None and sharding.mesh.shape.get(ax, 1) > 1]
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and dtypes_match and not split else "ragged_dot"
-    if impl != "ragged_dot" and split:
-        raise ValueError(f"moe grouped matmul {impl!r} runs on whole experts, but the mesh splits them over "
+    if chosen == "auto" or (impl == "auto" and not dtypes_match):
+        return "ragged_dot"  # "auto": until the kernel has run on a GPU (module docstring)
+    if chosen != "ragged_dot" and split:
+        raise ValueError(f"moe grouped matmul {chosen!r} runs on whole experts, but the mesh splits them over "
                          f"{split}: use ragged_dot")
-    return impl
+    return chosen
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "ragged_dot") -> jax.Array:
