@@ -5,9 +5,9 @@ The policy that generates and the policy that trains are the same arrays: "sync"
 float32 and a cast of the policy and the draft with rollout.dtype bfloat16 (rollout.mode async
 generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`); with
 rollout.gather_weights on a mesh, the policy's cast is also gathered over the batch axes (data,
-fsdp), one all-gather per step instead of one per decode step, and freed before the update. All randomness of
-step s comes from fold_in(key, s), and prompts from the saved data position, so a resumed run
-repeats an uninterrupted one exactly. Launched as several processes (see `jaxspec.distributed`),
+fsdp), one all-gather per step instead of one per decode step, and freed before the update. All
+randomness of step s comes from fold_in(key, s), and prompts from the saved data position, so a
+resumed run repeats an uninterrupted one exactly. Launched as several processes (see `jaxspec.distributed`),
 every process runs the same steps on the same host data over one mesh; process 0 alone writes files.
 """
 
