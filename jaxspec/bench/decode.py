@@ -125,6 +125,12 @@ def main(argv: list[str]) -> int:
                 rows.append({"batch": batch, "error": str(err)})
                 print(f"batch {batch}: {err}")
                 continue
+            except jax.errors.JaxRuntimeError as err:  # out of device memory past that check: the same
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                rows.append({"batch": batch, "error": f"out of device memory: {str(err).splitlines()[0][:400]}"})
+                print(f"batch {batch}: {rows[-1]['error']}")
+                continue
             step_bytes = weight_read_bytes(cfg, 2, batch) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)
             row = {"batch": batch, "prompt": args.prompt, "new": args.new, **r,
                    "tokens_per_s": batch / (r["step_ms"] / 1e3),

@@ -71,3 +71,27 @@ def test_bench_decode_smoke_on_a_moe_policy(tmp_path, capsys):
     assert row["bytes_per_step_gb"] * 1e9 > weight_read_bytes(cfg, 2, 2)  # + the KV cache (CPU timings: noise)
     assert result["baseline"]["active_params"] == cfg.num_params(active=True)
     assert "experts_measured" in capsys.readouterr().out
+
+
+def test_a_batch_out_of_device_memory_is_an_error_row_and_the_others_run(tmp_path, monkeypatch):
+    import jax
+
+    from jaxspec.bench import decode
+
+    real = decode.run_jaxspec
+
+    def out_of_memory_at_4(cfg, params, batch, *args):
+        if batch == 4:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 128.02GiB")
+        return real(cfg, params, batch, *args)
+
+    monkeypatch.setattr(decode, "run_jaxspec", out_of_memory_at_4)
+    model = tmp_path / "tiny_moe.json"
+    model.write_text(json.dumps(TINY_MOE))
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model", str(model), "--batch", "4", "2", "--prompt", "16", "--new", "4",
+                 "--iters", "1", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0] == {"batch": 4, "error": "out of device memory: RESOURCE_EXHAUSTED: Out of memory while "
+                                            "trying to allocate 128.02GiB"}
+    assert rows[1]["batch"] == 2 and rows[1]["step_ms"] > 0
