@@ -56,6 +56,17 @@ from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.run import Checkpointer
 
 PROJECTED_ACCEPTANCE = (2.5, 3.0, 3.3)  # measured on `small` (~2.9) and the EAGLE-3 paper's range
+PHASES = ("generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint")
+# the phase whose results a phase reads: the AR rollouts, their log-probs, an optimizer state
+NEEDS = {"logprobs": ("generate_ar",), "update": ("logprobs",), "update_draft": ("logprobs",),
+         "checkpoint": ("update", "update_draft")}
+
+
+def check_phases(phases: list[str]) -> None:
+    """ValueError naming a phase in --phases without a phase it reads (NEEDS: one of them)."""
+    for phase in phases:
+        if phase in NEEDS and not set(NEEDS[phase]) & set(phases):
+            raise ValueError(f"--phases: {phase} reads the results of {' or '.join(NEEDS[phase])}; add it")
 
 
 def peak_bytes() -> list[int | None]:
@@ -253,12 +264,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--acceptance", type=float, default=None, help="a measured acceptance length to project too")
     p.add_argument("--write-policy", metavar="DIR",
                    help="only write random bfloat16 weights in the shape of --model as an HF folder, then exit")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                   help="the phases to run, in the usual order (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.write_policy:
         write_random_policy(args.model, Path(args.write_policy))
         print(f"random {args.model} policy written to {args.write_policy}")
         return 0
+    check_phases(args.phases)
     for name in ("sub_batch", "minibatches"):
         if args.batch % getattr(args, name):
             raise ValueError(f"--batch {args.batch} is not a multiple of --{name.replace('_', '-')} "
@@ -276,6 +290,8 @@ def main(argv: list[str]) -> int:
                       ("generate_spec", lambda: bench.generation(spec=True)),
                       ("logprobs", bench.logprobs), ("update", lambda: bench.update(False)),
                       ("update_draft", lambda: bench.update(True)), ("checkpoint", bench.checkpoint)):
+        if name not in args.phases:
+            continue
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:

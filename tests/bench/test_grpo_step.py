@@ -119,3 +119,13 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
     baseline = json.loads(out.read_text())["baseline"]
     assert baseline["gather_weights"] is True and baseline["state_dtype"] == "bfloat16"
     assert [r["phase"] for r in json.loads(out.read_text())["rows"] if "phase" in r] == PHASES
+
+
+def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path, capsys):
+    out = tmp_path / "grpo_step.json"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "2", "--sub-batch", "2",
+                         "--prompt", "4", "--new", "4", "--minibatches", "1", "--draft-vocab", "32", "--phases", "generate_ar",
+                         "--out", str(out)]) == 0
+    assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["generate_ar"]
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--phases", "generate_ar", "update"]) == 1
+    assert "--phases: update reads the results of logprobs; add it" in capsys.readouterr().err
