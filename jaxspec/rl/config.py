@@ -92,8 +92,9 @@ class RolloutConfig:
         fsdp. It costs the rest of the policy per device during generation (bf16 8B on fsdp=2:
         8.2 GB more per GPU; freed before the update, and checked against the free memory at
         sync), so it is off by default: turn it on when the whole policy / tensor fits next to
-        the resident state and the KV cache. No effect on one device or in rollout.mode async
-        (the rollout mesh holds its own replicated copy); validation reads the same copy.
+        the resident state and the KV cache. Validation reads the same copy. No effect on one
+        device; in rollout.mode async it applies to validation alone (the rollout mesh holds its
+        own replicated copy).
     """
 
     prompts_per_step: int = 8

@@ -166,13 +166,14 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
 
 def test_gathered_rollout_weights_compile_nothing_after_the_first_step(tiny_policy, tmp_path):
     """rollout.gather_weights on an fsdp=2 mesh: the sync's cast-and-gather program and the rollouts
-    that read the gathered copy compile in step 1 only (the precompiled trainer as above). The
-    last step is left out: on a mesh, the first checkpoint compiles programs of its own (slices)."""
+    that read the gathered copy compile in step 1 only (a precompiled trainer without draft or
+    reference, to keep it short). The last step is left out: on a mesh, the first checkpoint
+    compiles programs of its own (slices)."""
     steps = STEPS
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=steps, eval_every=0, checkpoint_every=steps)
     overrides = [f"data.train={_prompt_file(tmp_path / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
-                 "draft.train_every=2", "train.precompile=true", "train.compilation_cache=false", "mesh.fsdp=2",
-                 "rollout.dtype=bfloat16", "rollout.gather_weights=true"]
+                 "spec.method=none", "draft.online=false", "loss.kl_beta=0", "train.precompile=true",
+                 "train.compilation_cache=false", "mesh.fsdp=2", "rollout.dtype=bfloat16", "rollout.gather_weights=true"]
     jax.clear_caches()
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", *overrides) == 0
     records = read_metrics(tmp_path / "run")
