@@ -159,8 +159,11 @@ def cast_floats(tree, dtype, shardings=None):
     can exhaust the runtime's programs in flight (see `Placement.pin`). shardings: a pytree of
     NamedShardings like `tree`, the layout the same program gives the outputs (e.g. the policy
     gathered over the batch axes, `jaxspec.models.sharding.gathered_param_shardings`); None keeps
-    the inputs' layout."""
+    the inputs' layout, and then a tree whose floats are all in `dtype` comes back as it is (no
+    copy)."""
     leaves, treedef = jax.tree.flatten(tree)
+    if shardings is None and all(x.dtype == dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)):
+        return tree
     targets = None if shardings is None else tuple(treedef.flatten_up_to(shardings))
     return treedef.unflatten(_caster(jnp.dtype(dtype), targets)(leaves))
 

@@ -7,8 +7,9 @@ generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`);
 rollout.gather_weights on a mesh, the policy's cast is also gathered over the batch axes (data,
 fsdp), one all-gather per step instead of one per decode step, and freed before the update. All
 randomness of step s comes from fold_in(key, s), and prompts from the saved data position, so a
-resumed run repeats an uninterrupted one exactly. Launched as several processes (see `jaxspec.distributed`),
-every process runs the same steps on the same host data over one mesh; process 0 alone writes files.
+resumed run repeats an uninterrupted one exactly. Launched as several processes (see
+`jaxspec.distributed`), every process runs the same steps on the same host data over one mesh;
+process 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -148,18 +149,13 @@ class GRPORun:
         check that it fits the device's free memory names rollout.gather_weights."""
         dtype = jnp.dtype(self.cfg.rollout.dtype)
         gather = self.cfg.rollout.gather_weights if gather is None else gather
-        policy = self.state["params"]
+        policy, targets = self.state["params"], None
         if gather and self.placement.sharding is not None:
             targets = gathered_param_shardings(self.placement.sharding, policy)
             check_weights_fit(weights_bytes_per_device(policy, targets, dtype), jax.local_devices()[0].memory_stats(),
                               "rollout.gather_weights")
-            policy = cast_floats(policy, dtype, targets)
-        elif dtype != jnp.float32:
-            policy = cast_floats(policy, dtype)
-        draft = None if self.draft is None else self.state["draft_params"]
-        if draft is not None and dtype != jnp.float32:
-            draft = cast_floats(draft, dtype)
-        return policy, draft
+        draft = None if self.draft is None else cast_floats(self.state["draft_params"], dtype)
+        return cast_floats(policy, dtype, targets), draft
 
     def rollout_view(self):
         """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
