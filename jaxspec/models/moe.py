@@ -8,16 +8,87 @@ A sparse layer's params (E experts of width I over hidden size H):
 Routing follows transformers' Qwen3MoeSparseMoeBlock: float32 softmax over the router logits, the
 top-k experts per token, their probabilities optionally renormalised to sum 1, cast back to the
 activation dtype. Every token reaches all of its k experts (no capacity, nothing dropped): the N*k
-token-expert assignments are sorted by expert and the experts run as grouped matmuls
-(`jax.lax.ragged_dot`), then each token sums its k weighted expert outputs.
+token-expert assignments are sorted by expert and the experts run as grouped matmuls, then each
+token sums its k weighted expert outputs.
+
+The grouped matmuls have two implementations with one semantics (`grouped_matmul`):
+
+* "ragged_dot": `jax.lax.ragged_dot`, the training path (XLA differentiates it);
+* "pallas": the `kernels.grouped_matmul` kernels (Triton on GPU), which read only the experts that
+  rows pick and compute only their rows; differentiable (dX: the kernel on the transposed experts,
+  dW: a grouped x.T @ dY kernel), but training does not select it by default. "interpret" runs
+  them in Pallas interpret mode.
+
+`moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
+`transformer.extend` (prefill, decode and verification steps, which take no gradient) asks for
+"auto": "pallas" on GPU when the activations and experts share a dtype and no expert is split over
+devices, else "ragged_dot". The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot,
+pallas, interpret) overrides "auto" at trace time.
+
+On a mesh the kernels run per device on its rows (`jax.shard_map` over the batch axes), with the
+experts whole on every device: fsdp gathers them as it gathers every weight of a layer. A mesh
+that splits the experts (expert or tensor axis) keeps ragged_dot, which XLA partitions.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.sharding import Sharding
+from kernels.dispatch import requested_impl
+from kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas
+
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
+IMPLS = ("auto", "ragged_dot", "pallas", "interpret")
+IMPL_ENV = "JAXSPEC_MOE_MATMUL"
+EXPERT_SPLITTING_AXES = ("expert", "tensor")  # mesh axes `PARAM_AXES` splits the experts over
+
+
+def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None) -> str:
+    """The implementation ("ragged_dot", "pallas" or "interpret") that `impl` picks for activations
+    and experts of one dtype or not (`dtypes_match`) on `sharding`'s mesh (see the module
+    docstring); ValueError for a kernel asked for on a mesh that splits the experts."""
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
+    split = [ax for ax in EXPERT_SPLITTING_AXES if sharding is not None and sharding.mesh.shape.get(ax, 1) > 1]
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and dtypes_match and not split else "ragged_dot"
+    if impl != "ragged_dot" and split:
+        raise ValueError(f"moe grouped matmul {impl!r} runs on whole experts, but the mesh splits them over "
+                         f"{split}: use ragged_dot")
+    return impl
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "ragged_dot") -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes)`: x [M, K] rows sorted by group, w [E, K, N], group_sizes
+    int32 [E] -> [M, N] (rows past sum(group_sizes) are 0), by the implementation `impl` names (see
+    the module docstring). Differentiable in x and w with every implementation."""
+    impl = resolve_impl(impl, x.dtype == w.dtype)
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    return _grouped_matmul_kernel(x, w, group_sizes, impl == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_matmul_kernel(x, w, group_sizes, interpret: bool):
+    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret)
+
+
+def _kernel_fwd(x, w, group_sizes, interpret):
+    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret), (x, w, group_sizes)
+
+
+def _kernel_bwd(interpret, residuals, grad):
+    x, w, group_sizes = residuals
+    grad = grad.astype(x.dtype)
+    dx = grouped_matmul_pallas(grad, w, group_sizes, transpose_w=True, interpret=interpret)
+    dw = grouped_transposed_matmul_pallas(x, grad, group_sizes, interpret=interpret)
+    return dx, dw, None
+
+
+_grouped_matmul_kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -30,8 +101,23 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
     return logits.astype(jnp.float32), weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E] float32)."""
+def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "ragged_dot",
+            sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
+    float32); impl: the grouped matmuls' implementation (`grouped_matmul`); sharding: the mesh x
+    is laid out on, for the kernels' per-device call (see the module docstring)."""
+    impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding)
+    if impl == "ragged_dot" or sharding is None or sharding.mesh.size == 1:
+        return _moe_mlp(layer, x, top_k, norm_topk_prob, impl)
+    batch_axes, seq_axes, _ = sharding.spec(("batch", "seq", "act_embed"), x.shape)
+    P = jax.sharding.PartitionSpec
+    rows = P(batch_axes, seq_axes)
+    sparse = {k: layer[k] for k in SPARSE_KEYS}
+    return jax.shard_map(lambda sparse, x: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl), mesh=sharding.mesh,
+                         in_specs=(P(), rows), out_specs=(rows, rows), check_vma=False)(sparse, x)
+
+
+def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str):
     b, t, h = x.shape
     num_experts = layer["router"].shape[1]
     flat = x.reshape(b * t, h)
@@ -40,9 +126,9 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool) -> tupl
     order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
     rows = flat[order // top_k]  # [N*k, H]
-    gate = jax.lax.ragged_dot(rows, layer["experts_gate"], group_sizes)
-    up = jax.lax.ragged_dot(rows, layer["experts_up"], group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)  # [N*k, H]
+    gate = grouped_matmul(rows, layer["experts_gate"], group_sizes, impl)
+    up = grouped_matmul(rows, layer["experts_up"], group_sizes, impl)
+    out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
     out = out * weights.reshape(-1)[order][:, None]
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
     return unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts)

@@ -122,13 +122,15 @@ def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array):
+def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array, moe_impl: str = "ragged_dot",
+                      sharding: Sharding | None = None):
     """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
-    [B, T, E] float32, or None for a dense layer)."""
+    [B, T, E] float32, or None for a dense layer); moe_impl, sharding: a sparse layer's grouped
+    matmuls and the mesh (`moe.moe_mlp`)."""
     x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "router" in layer:
-        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding)
         return x + out, router_logits
     gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
     up = jnp.einsum("bth,hf->btf", h, layer["up"])
@@ -177,6 +179,8 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden_l
     sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
     attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; segment ids become a
         mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
+    moe_impl: a sparse layer's grouped matmuls (`moe.grouped_matmul`; default "ragged_dot", the
+        training path; all are differentiable).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
     """
     logits, hidden, _ = forward_router(cfg, params, tokens, hidden_layers, **kwargs)
@@ -195,6 +199,7 @@ def forward_router(
     sharding: Sharding | None = None,
     remat: bool = False,
     attention_impl: str = "auto",
+    moe_impl: str = "ragged_dot",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_hidden` plus the router logits of the sparse layers, float32
     [len(cfg.sparse_layers), B, T, E] (empty [0, B, T, 0] for a dense model), the input of
@@ -222,7 +227,7 @@ def forward_router(
                                                 key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
-        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn)
+        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding)
         return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
@@ -285,8 +290,8 @@ def extend(
         with jax.named_scope("kv_write"):
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
-        x, _ = _attn_out_and_mlp(cfg, layer, x, cache_attention(q, ck, cv, cache_len, tree_mask, active=active,
-                                                                         sharding=sharding))
+        attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
+        x, _ = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)  # no gradient: the kernels where they apply
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
         new_k.append(ck)
         new_v.append(cv)

@@ -104,7 +104,8 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
     step, position = int(state["step"]), int(state["position"])
 
     compute_dtype = jnp.dtype(t_cfg.compute_dtype)
-    train_step = make_train_step(mcfg, optimizer, compute_dtype, t_cfg.remat, t_cfg.attention, placement.sharding)
+    train_step = make_train_step(mcfg, optimizer, compute_dtype, t_cfg.remat, t_cfg.attention, placement.sharding,
+                                 t_cfg.moe)
     batcher = Batcher(len(data), t_cfg.batch_size, cfg.data.seed)
     result: dict = {"export_dir": None, "eval_accuracy": None}
 

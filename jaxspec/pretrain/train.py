@@ -21,7 +21,8 @@ from jaxspec.models.transformer import Params, forward_router
 
 def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,
                   compute_dtype=jnp.float32, remat: bool = False, attention_impl: str = "auto",
-                  sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  sharding: Sharding | None = None,
+                  moe_impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Mean next-token cross-entropy over response tokens of packed rows, plus
     cfg.router_aux_loss_coef x the router's load-balancing loss over the non-padding tokens for a
     mixture-of-experts policy.
@@ -29,7 +30,7 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
     tokens / segment_ids int32 [B, L+1] (segment 0 = padding; examples attend only within their
     segment and their positions restart at 0); weights float32 [B, L] selects the targets
     tokens[:, 1:] that count (see `data.PackedSet`). Params are cast to `compute_dtype` for the
-    forward (gradients flow back to the float32 master copy). attention_impl: as `forward_hidden`.
+    forward (gradients flow back to the float32 master copy). attention_impl, moe_impl: as `forward_hidden`.
     sharding: the run's mesh; activations are split over its batch axes (`jaxspec.rl.loss.sequence_forward`).
     Returns (loss float32 scalar, number of counted target tokens, load-balancing loss (0 for a
     dense policy)).
@@ -37,7 +38,8 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
     inputs, targets, segments = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     logits, _, router_logits = forward_router(cfg, compute_params, inputs, mask=segments > 0, segment_ids=segments,
-                                              remat=remat, attention_impl=attention_impl, sharding=sharding)
+                                              remat=remat, attention_impl=attention_impl, sharding=sharding,
+                                              moe_impl=moe_impl)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     count = weights.sum()
@@ -49,13 +51,14 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype,
-                    remat: bool, attention_impl: str = "auto", sharding: Sharding | None = None) -> Callable:
+                    remat: bool, attention_impl: str = "auto", sharding: Sharding | None = None,
+                    moe_impl: str = "ragged_dot") -> Callable:
     """Jitted (params, opt_state, batch) -> (params, opt_state, metrics); donates params/opt_state."""
 
     def step(params, opt_state, batch):
         def loss_fn(p):
             return response_loss(cfg, p, batch["tokens"], batch["segment_ids"], batch["weights"],
-                                 compute_dtype, remat, attention_impl, sharding)
+                                 compute_dtype, remat, attention_impl, sharding, moe_impl)
 
         def with_aux(p):
             loss, count, router_aux = loss_fn(p)

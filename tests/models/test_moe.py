@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jaxspec.models import ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh, save_hf, shard_params
-from jaxspec.models.moe import load_balancing_loss, moe_mlp, route
+from jaxspec.models.moe import grouped_matmul, load_balancing_loss, moe_mlp, route
 from jaxspec.models.transformer import forward_router
 from tests.models.hf_reference import (hf_config, hf_logits, random_params, random_tokens, saved_checkpoint,
                                        rel_max_err)
@@ -222,10 +222,11 @@ def _dense_moe_reference(layer, x, top_k, norm_topk_prob):
     return out.reshape(x.shape)
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "interpret"])
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob):
-    """Gradients through the sorted ragged_dot path (experts and router) equal those of computing
-    every expert on every token and masking."""
+def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob, impl):
+    """Gradients through the sorted grouped-matmul path (experts and router) equal those of
+    computing every expert on every token and masking, with ragged_dot and with the kernel."""
     layer = random_params(SHARDED_CFG, jax.random.key(9))["layers"][1]
     layer = {k: layer[k] for k in ("router", "experts_gate", "experts_up", "experts_down")}
     x = jax.random.normal(jax.random.key(10), (3, 5, SHARDED_CFG.hidden_size))
@@ -234,7 +235,7 @@ def test_moe_mlp_gradients_match_a_dense_reference(norm_topk_prob):
     def loss(fn, params, x):
         return jnp.sum(fn(params, x) * probe)
 
-    ours = jax.grad(loss, argnums=(1, 2))(lambda p, x: moe_mlp(p, x, 3, norm_topk_prob)[0], layer, x)
+    ours = jax.grad(loss, argnums=(1, 2))(lambda p, x: moe_mlp(p, x, 3, norm_topk_prob, impl)[0], layer, x)
     ref = jax.grad(loss, argnums=(1, 2))(lambda p, x: _dense_moe_reference(p, x, 3, norm_topk_prob), layer, x)
     for name in layer:
         assert float(jnp.max(jnp.abs(ref[0][name]))) > 0, name
@@ -253,3 +254,115 @@ def test_load_balancing_loss_trains_the_router():
     grads = jax.jit(jax.grad(aux))(params)
     assert float(jnp.max(jnp.abs(grads["layers"][1]["router"]))) > 0
     assert float(jnp.max(jnp.abs(grads["layers"][1]["experts_gate"]))) == 0  # the loss sees only the router
+
+
+# ----------------------------------------------------------------------------- grouped-matmul implementations
+
+
+def _sparse_layer(key):
+    layer = random_params(SHARDED_CFG, key)["layers"][1]
+    return {k: layer[k] for k in ("router", "experts_gate", "experts_up", "experts_down")}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_mlp_with_the_kernel_equals_ragged_dot(dtype):
+    layer = jax.tree.map(lambda a: a.astype(dtype), _sparse_layer(jax.random.key(14)))
+    x = jax.random.normal(jax.random.key(15), (3, 7, SHARDED_CFG.hidden_size)).astype(dtype)
+    want, want_router = moe_mlp(layer, x, 2, True, "ragged_dot")
+    got, router = moe_mlp(layer, x, 2, True, "interpret")
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(router, want_router)
+    assert rel_max_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
+
+
+def test_grouped_matmul_gradients_through_the_kernels_equal_ragged_dots():
+    """dX and dW of the kernel path (empty groups, rows past the last group) equal ragged_dot's."""
+    ks = jax.random.split(jax.random.key(18), 3)
+    x, w = jax.random.normal(ks[0], (40, 24)), jax.random.normal(ks[1], (6, 24, 20))
+    probe = jax.random.normal(ks[2], (40, 20))
+    sizes = jnp.asarray([7, 0, 12, 9, 0, 8], jnp.int32)  # 36 of 40 rows
+
+    def grads(impl):
+        return jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, impl) * probe), argnums=(0, 1))(x, w)
+
+    (dx, dw), (want_dx, want_dw) = grads("interpret"), grads("ragged_dot")
+    assert rel_max_err(dx, want_dx) < FP32_TOL and rel_max_err(dw, want_dw) < FP32_TOL
+    np.testing.assert_array_equal(dx[36:], 0.0)
+    np.testing.assert_array_equal(dw[jnp.asarray([1, 4])], 0.0)
+
+
+def test_forward_with_the_kernel_equals_ragged_dot_with_gradients():
+    params = random_params(SHARDED_CFG, jax.random.key(19))
+    tokens = jnp.asarray(random_tokens(20, (2, 6), SHARDED_CFG.vocab_size))
+    probe = jax.random.normal(jax.random.key(21), (2, 6, SHARDED_CFG.vocab_size))
+
+    def loss(params, impl):
+        logits = forward(SHARDED_CFG, params, tokens, moe_impl=impl)
+        return jnp.sum(logits * probe), logits
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, want), want_grads = step(params, "ragged_dot")
+    (_, got), grads = step(params, "interpret")
+    assert rel_max_err(got, want) < FP32_TOL
+    for name in ("experts_gate", "experts_up", "experts_down", "router"):
+        assert rel_max_err(grads["layers"][1][name], want_grads["layers"][1][name]) < FP32_TOL, name
+
+
+def test_extend_uses_the_kernel_only_where_asked(monkeypatch):
+    """JAXSPEC_MOE_MATMUL picks extend's grouped matmuls (auto: ragged_dot on CPU) with equal
+    logits; the training forward keeps ragged_dot whatever the variable says; a bad value is
+    refused by name."""
+    params = random_params(SHARDED_CFG, jax.random.key(16))
+    tokens = jnp.asarray(random_tokens(17, (2, 5), SHARDED_CFG.vocab_size))
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    args = (SHARDED_CFG, params, init_cache(SHARDED_CFG, 2, 8), tokens, positions, jnp.zeros((2,), jnp.int32))
+
+    def uses_kernel(fn, cfg, *a):  # a fresh function: make_jaxpr would reuse an earlier trace
+        return "pallas_call" in str(jax.make_jaxpr(lambda *a: fn(cfg, *a))(*a))
+
+    def logits():
+        return jax.jit(lambda *a: extend(SHARDED_CFG, *a)[0])(*args[1:])
+
+    monkeypatch.delenv("JAXSPEC_MOE_MATMUL", raising=False)
+    assert not uses_kernel(extend, *args)
+    want = logits()
+    monkeypatch.setenv("JAXSPEC_MOE_MATMUL", "interpret")
+    assert uses_kernel(extend, *args) and not uses_kernel(forward, SHARDED_CFG, params, tokens)
+    assert rel_max_err(logits(), want) < FP32_TOL
+    monkeypatch.setenv("JAXSPEC_MOE_MATMUL", "triton")
+    with pytest.raises(ValueError, match="JAXSPEC_MOE_MATMUL"):
+        logits()
+
+
+@pytest.mark.parametrize("axes", [dict(data=4, fsdp=2), dict(data=8)])
+def test_the_kernel_runs_per_device_on_a_mesh_with_gradients(axes):
+    """moe_mlp with the kernels on rows split over data x fsdp devices (experts whole on each)
+    equals the one-device ragged_dot layer, outputs and gradients."""
+    layer = _sparse_layer(jax.random.key(22))
+    x = jax.random.normal(jax.random.key(23), (8, 3, SHARDED_CFG.hidden_size))
+    probe = jax.random.normal(jax.random.key(24), x.shape)
+    sharding = Sharding(make_mesh(**({"fsdp": 1} | axes)))
+    placed = jax.device_put(x, sharding.named(("batch", "seq", "act_embed"), x.shape))
+
+    def loss(layer, x, impl, sharding):
+        out, router = moe_mlp(layer, x, 2, True, impl, sharding)
+        return jnp.sum(out * probe) + jnp.sum(router), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=(2, 3))
+    (_, want), want_grads = step(layer, x, "ragged_dot", None)
+    (_, got), grads = step(layer, placed, "interpret", sharding)
+    jaxpr = str(jax.make_jaxpr(lambda l, x: loss(l, x, "interpret", sharding))(layer, placed))
+    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+    assert rel_max_err(got, want) < FP32_TOL
+    for name in layer:
+        assert rel_max_err(grads[0][name], want_grads[0][name]) < FP32_TOL, name
+    assert rel_max_err(grads[1], want_grads[1]) < FP32_TOL
+
+
+def test_a_mesh_that_splits_the_experts_keeps_ragged_dot():
+    layer = _sparse_layer(jax.random.key(25))
+    x = jax.random.normal(jax.random.key(26), (4, 3, SHARDED_CFG.hidden_size))
+    sharding = Sharding(make_mesh(data=2, fsdp=1, expert=4))
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda l, x: moe_mlp(l, x, 2, True, "auto", sharding))(layer, x))
+    with pytest.raises(ValueError, match=r"'interpret' runs on whole experts, but the mesh splits them over \['expert'\]"):
+        moe_mlp(layer, x, 2, True, "interpret", sharding)

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 import jaxspec
 
 from jaxspec.config_io import load_config
-from jaxspec.models import ModelConfig, forward, forward_router, init_params, load_balancing_loss, load_hf
+from jaxspec.models import ModelConfig, forward, forward_router, init_params, load_balancing_loss, load_hf, moe
 from jaxspec.pretrain import main
 from jaxspec.pretrain.config import PretrainConfig, validate
 from jaxspec.pretrain.data import PackedSet, pack
@@ -284,23 +284,33 @@ MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermed
        "model.router_aux_loss_coef=0.01"]
 
 
-def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys):
-    """One device, and the same steps with the experts split over 2 devices (expert parallelism)."""
+def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys, monkeypatch):
+    """One device, and the same steps with the experts split over 2 devices (expert parallelism)
+    and with the grouped-matmul kernels (interpret mode, rows over 2 devices) in place of ragged_dot."""
     config = tmp_path / "tiny.yaml"
     config.write_text(CONFIG)
-    runs = {}
-    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"])):
+    runs, weight_grads = {}, []
+    weight_grad = moe.grouped_transposed_matmul_pallas  # runs in the kernels' backward pass only
+
+    def counted_weight_grad(*args, **kwargs):
+        weight_grads.append(name)  # the run being traced
+        return weight_grad(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", counted_weight_grad)
+    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"]), ("kernel", ["train.moe=interpret", "mesh.data=2"])):
         runs[name] = tmp_path / name
         assert main(["--config", str(config), "--run-dir", str(runs[name]), "train.steps=8", "train.eval_every=0",
                      *MOE, *mesh]) == 0
     assert "training on the mesh {'data': 2, 'fsdp': 1, 'tensor': 1, 'expert': 2}" in capsys.readouterr().out
+    assert weight_grads and set(weight_grads) == {"kernel"}
     records = [r for r in _metrics(runs["one"]) if "loss" in r]
     assert [r["step"] for r in records] == [4, 8]
     # top-2 of 4 experts: the load-balancing loss is 2 when balanced, at most 4
     assert all(1.9 < r["router_aux_loss"] <= 4.0 for r in records)
-    split = [r for r in _metrics(runs["expert"]) if "loss" in r]
-    for key in ("loss", "router_aux_loss"):
-        np.testing.assert_allclose([r[key] for r in split], [r[key] for r in records], rtol=2e-4)
+    for other in ("expert", "kernel"):
+        same = [r for r in _metrics(runs[other]) if "loss" in r]
+        for key in ("loss", "router_aux_loss", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in same], [r[key] for r in records], rtol=2e-4, err_msg=other)
     cfg, params = load_hf(runs["one"] / "policy")
     assert cfg.family == "qwen3_moe" and cfg.sparse_layers == (0, 1) and cfg.router_aux_loss_coef == 0.01
     assert params["layers"][1]["experts_gate"].shape == (4, 32, 32)
@@ -337,9 +347,11 @@ def test_small_moe_is_small_with_experts_of_the_same_active_width():
 @pytest.mark.parametrize("override, message", [
     ("model.num_experts_per_tok=5", "model.num_experts_per_tok: must be in [1, model.num_experts=4], got 5"),
     ("model.moe_intermediate_size=0", "model.moe_intermediate_size: must be > 0, got 0"),
+    ("train.moe=pallas mesh.data=2 mesh.expert=2", "train.moe: 'pallas' runs on whole experts: it needs "
+                                                  "mesh.expert = mesh.tensor = 1, got expert=2, tensor=1"),
 ])
 def test_bad_moe_shape_is_rejected(tmp_path, capsys, override, message):
     config = tmp_path / "tiny.yaml"
     config.write_text(CONFIG)
-    assert main(["--config", str(config), "--run-dir", str(tmp_path / "run"), *MOE, override]) == 2
+    assert main(["--config", str(config), "--run-dir", str(tmp_path / "run"), *MOE, *override.split()]) == 2
     assert message in capsys.readouterr().err
