@@ -4,7 +4,8 @@ several processes: see `jaxspec.distributed`).
 On a mesh the policy (and GRPO's frozen reference) is sharded by the model's logical-axis rules,
 its optimizer moments follow it, the draft head and every scalar are replicated, and training
 rows are split over the batch axes; rollouts read the same sharded arrays (`generate(...,
-sharding=)`), so syncing the policy to the generator is at most a cast.
+sharding=)`), so syncing the policy to the generator is at most a cast (and, with
+rollout.gather_weights, one all-gather of the cast over the batch axes: `cast_floats`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -149,6 +151,29 @@ def from_host(value, sharding: NamedSharding) -> jax.Array:
     """
     value = np.asarray(value)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def cast_floats(tree, dtype, shardings=None):
+    """`tree` with its floating leaves cast to `dtype` (integer and boolean leaves as they are), as
+    one program: leaf-by-leaf casts would be one dispatch each, and on a CPU mesh a burst of them
+    can exhaust the runtime's programs in flight (see `Placement.pin`). shardings: a pytree of
+    NamedShardings like `tree`, the layout the same program gives the outputs (e.g. the policy
+    gathered over the batch axes, `jaxspec.models.sharding.gathered_param_shardings`); None keeps
+    the inputs' layout, and then a tree whose floats are all in `dtype` comes back as it is (no
+    copy)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if shardings is None and all(x.dtype == dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)):
+        return tree
+    targets = None if shardings is None else tuple(treedef.flatten_up_to(shardings))
+    return treedef.unflatten(_caster(jnp.dtype(dtype), targets)(leaves))
+
+
+@functools.cache
+def _caster(dtype, shardings: tuple[NamedSharding, ...] | None):
+    def cast(xs):
+        return [x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+
+    return jax.jit(cast, out_shardings=None if shardings is None else list(shardings))
 
 
 @functools.cache

@@ -1,6 +1,8 @@
-"""MeshConfig -> Placement on the 8 virtual CPU devices: the expert axis and its checks."""
+"""MeshConfig -> Placement on the 8 virtual CPU devices: the expert axis and its checks; the cast of
+the rollout weights."""
 
 import jax
+import numpy as np
 import pytest
 
 from jaxspec.placement import MeshConfig, Placement, check_devices
@@ -22,3 +24,22 @@ def test_check_devices_rejects_bad_expert_axis(mesh, match):
     assert jax.device_count() == 8
     with pytest.raises(ValueError, match=match):
         check_devices(mesh)
+
+
+def test_cast_floats_casts_and_lays_out_in_one_program():
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxspec.models import make_mesh
+    from jaxspec.placement import cast_floats
+
+    tree = {"w": jnp.arange(8, dtype=jnp.float32), "ids": jnp.arange(4)}
+    assert cast_floats(tree, jnp.float32) is tree  # nothing to change: no copy
+    cast = cast_floats(tree, jnp.bfloat16)
+    assert (cast["w"].dtype, cast["ids"].dtype) == (jnp.bfloat16, tree["ids"].dtype)
+    np.testing.assert_array_equal(np.asarray(cast["w"], np.float32), np.arange(8))
+    mesh = make_mesh(1, 2, 1, devices=jax.devices()[:2])
+    split = NamedSharding(mesh, PartitionSpec("fsdp"))
+    placed = cast_floats(tree, jnp.float32, {"w": split, "ids": NamedSharding(mesh, PartitionSpec())})
+    assert placed["w"].sharding == split and {s.data.shape for s in placed["w"].addressable_shards} == {(4,)}
+    assert placed["ids"].sharding.is_fully_replicated

@@ -4,7 +4,10 @@ The policy is an HF folder (`--policy`) or random weights in the shape of `--mod
 config.json, as `bench decode`); the EAGLE-3 head is `--draft` (a public-layout folder) or a random
 one (`init_eagle3`). The policy's float32 master copy is sharded over the mesh
 (`--mesh data,fsdp,tensor`) by the model's rules, as `jaxspec train` holds it; rollouts read its
-`--rollout-dtype` cast. The phases run the library's own functions:
+`--rollout-dtype` cast, sharded like it or, with `--gather-weights` (rollout.gather_weights), gathered
+over the batch axes once before the phase (whole on every device but for the tensor split; made
+per phase, freed before the next). AdamW's first moment is `--state-dtype` (optim.state_dtype). The
+phases run the library's own functions:
 
   generate_ar / generate_spec  `jaxspec.rollout.generate` (autoregressive; EAGLE-3 chain with k =
       `--k`) of `--batch` random prompts of `--prompt` tokens, `--new` tokens each (temperature 1,
@@ -41,8 +44,8 @@ import numpy as np
 from jaxspec.bench.timing import device_description, print_table, write_results
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
-from jaxspec.models.sharding import shard_params
-from jaxspec.placement import MeshConfig, Placement, check_devices
+from jaxspec.models.sharding import gathered_param_shardings, shard_params
+from jaxspec.placement import MeshConfig, Placement, cast_floats, check_devices
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import OnlineDraftConfig
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
@@ -53,6 +56,17 @@ from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.run import Checkpointer
 
 PROJECTED_ACCEPTANCE = (2.5, 3.0, 3.3)  # measured on `small` (~2.9) and the EAGLE-3 paper's range
+PHASES = ("generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint")
+# the phase whose results a phase reads: the AR rollouts, their log-probs, an optimizer state
+NEEDS = {"logprobs": ("generate_ar",), "update": ("logprobs",), "update_draft": ("logprobs",),
+         "checkpoint": ("update", "update_draft")}
+
+
+def check_phases(phases: list[str]) -> None:
+    """ValueError naming a phase in --phases without a phase it reads (NEEDS: one of them)."""
+    for phase in phases:
+        if phase in NEEDS and not set(NEEDS[phase]) & set(phases):
+            raise ValueError(f"--phases: {phase} reads the results of {' or '.join(NEEDS[phase])}; add it")
 
 
 def peak_bytes() -> list[int | None]:
@@ -110,9 +124,13 @@ class Bench:
         self.opt_state = None
 
     def rollout_params(self):
+        """(policy, head params) as the rollout reads them: cast to --rollout-dtype; the policy
+        gathered over the batch axes with --gather-weights (as `GRPORun.rollout_weights`)."""
         dtype = jnp.dtype(self.args.rollout_dtype)
-        return jax.tree.map(lambda x: x.astype(dtype), self.params), jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, self.dparams)
+        gathered = None
+        if self.args.gather_weights and self.sharding is not None:
+            gathered = gathered_param_shardings(self.sharding, self.params)
+        return cast_floats(self.params, dtype, gathered), cast_floats(self.dparams, dtype)
 
     def generation(self, spec: bool) -> dict:
         """Every sub-batch once; the first also once before (compilation)."""
@@ -171,7 +189,7 @@ class Bench:
 
     def update(self, with_draft: bool) -> dict:
         a = self.args
-        optim = PolicyOptimConfig()
+        optim = PolicyOptimConfig(state_dtype=a.state_dtype)
         draft = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True, ttt_steps=a.ttt_steps)) if with_draft else None
         self.opt_state = None  # the previous phase's optimizer state is freed before this one is made
         update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)
@@ -239,15 +257,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gather-weights", action=argparse.BooleanOptionalAction, default=False,
+                   help="rollouts read the policy gathered over the batch axes (rollout.gather_weights)")
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default=PolicyOptimConfig.state_dtype,
+                   help="dtype of AdamW's first moment (optim.state_dtype)")
     p.add_argument("--acceptance", type=float, default=None, help="a measured acceptance length to project too")
     p.add_argument("--write-policy", metavar="DIR",
                    help="only write random bfloat16 weights in the shape of --model as an HF folder, then exit")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                   help="the phases to run, in the usual order (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.write_policy:
         write_random_policy(args.model, Path(args.write_policy))
         print(f"random {args.model} policy written to {args.write_policy}")
         return 0
+    check_phases(args.phases)
     for name in ("sub_batch", "minibatches"):
         if args.batch % getattr(args, name):
             raise ValueError(f"--batch {args.batch} is not a multiple of --{name.replace('_', '-')} "
@@ -257,13 +282,16 @@ def main(argv: list[str]) -> int:
     cfg = bench.cfg
     print(f"{device_description()}: {len(jax.local_devices())} local devices, mesh {args.mesh}; policy "
           f"{cfg.num_params() / 1e9:.2f}B params; {args.batch} rollouts of {args.prompt} + {args.new} tokens in "
-          f"sub-batches of {args.sub_batch}")
+          f"sub-batches of {args.sub_batch}; rollout weights {'gathered' if args.gather_weights else 'sharded'}, "
+          f"AdamW mu in {args.state_dtype}")
     phases: dict = {"sub_batches": args.batch // args.sub_batch}
     rows = []
     for name, run in (("generate_ar", lambda: bench.generation(spec=False)),
                       ("generate_spec", lambda: bench.generation(spec=True)),
                       ("logprobs", bench.logprobs), ("update", lambda: bench.update(False)),
                       ("update_draft", lambda: bench.update(True)), ("checkpoint", bench.checkpoint)):
+        if name not in args.phases:
+            continue
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:
@@ -292,6 +320,7 @@ def main(argv: list[str]) -> int:
     write_results(args.out, "grpo_step", rows + projected,
                   {"model": args.policy or args.model, "mesh": args.mesh, "batch": args.batch,
                    "sub_batch": args.sub_batch, "prompt": args.prompt, "new": args.new, "k": args.k,
+                   "gather_weights": args.gather_weights, "state_dtype": args.state_dtype,
                    "kv_cache_bytes_per_sub_batch": kv, "params": cfg.num_params(),
                    "projection": "generate = sub_batches * (new / tau) * measured ms per speculative step"})
     return 0

@@ -138,6 +138,15 @@ def param_shardings(sharding: Sharding, params_shapes) -> object:
         lambda path, leaf: sharding.named(param_axes(path), leaf.shape), params_shapes)
 
 
+def gathered_param_shardings(sharding: Sharding, params_shapes) -> object:
+    """`param_shardings` with no dimension split over the mesh's batch axes (data, fsdp): every
+    device holds the whole params, or its tensor (and expert) slice of them. A rollout that reads
+    weights laid out so gathers them once, not in every decode step (rollout.gather_weights)."""
+    batch_axes = set(dict(sharding.rules).get("batch", ()))
+    rules = tuple((name, tuple(a for a in axes if a not in batch_axes)) for name, axes in sharding.rules)
+    return param_shardings(dataclasses.replace(sharding, rules=rules), params_shapes)
+
+
 def shard_params(sharding: Sharding, params):
     """Places an existing params pytree onto the mesh."""
     return jax.device_put(params, param_shardings(sharding, params))

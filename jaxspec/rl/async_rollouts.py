@@ -108,8 +108,9 @@ class AsyncRollouts:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
 
     def copy(self, version: int) -> RolloutWeights:
-        """The run's current weights, cast to rollout.dtype, copied onto the rollout mesh."""
-        policy, draft = self.run.rollout_weights()
+        """The run's current weights, cast to rollout.dtype, copied onto the rollout mesh (which
+        replicates them by itself: not gathered on the trainer mesh first)."""
+        policy, draft = self.run.rollout_weights(gather=False)
         trainer = self.run.placement.sharding
         policy = self.hosts.put(policy, param_shardings(self.sharding, policy), trainer)
         if self.weights is not None and self.run.online is None:

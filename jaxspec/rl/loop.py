@@ -3,15 +3,17 @@ policy (and draft) updates, validation and checkpoints when due; `jaxspec.rl.dri
 
 The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
 float32 and a cast of the policy and the draft with rollout.dtype bfloat16 (rollout.mode async
-generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`). All randomness of
-step s comes from fold_in(key, s), and prompts from the saved data position, so a resumed run
-repeats an uninterrupted one exactly. Launched as several processes (see `jaxspec.distributed`),
-every process runs the same steps on the same host data over one mesh; process 0 alone writes files.
+generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`); with
+rollout.gather_weights on a mesh, the policy's cast is also gathered over the batch axes (data,
+fsdp), one all-gather per step instead of one per decode step, and freed before the update. All
+randomness of step s comes from fold_in(key, s), and prompts from the saved data position, so a
+resumed run repeats an uninterrupted one exactly. Launched as several processes (see
+`jaxspec.distributed`), every process runs the same steps on the same host data over one mesh;
+process 0 alone writes files.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 
@@ -32,22 +34,16 @@ from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, pr
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import StageTimer, block, mean_update_metrics, rollout_step_metrics
-from jaxspec.placement import Placement
+from jaxspec.models.sharding import gathered_param_shardings
+from jaxspec.placement import Placement, cast_floats
 from jaxspec.run import Batcher, truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout.memory import check_weights_fit, weights_bytes_per_device
 from jaxspec.rollout.speculative.stats import merge_stats
-
-
-@functools.partial(jax.jit, static_argnames="dtype")
-def _cast_floats(tree, dtype):
-    """`tree` with its floating leaves cast to `dtype`, as one program: leaf-by-leaf casts would be
-    one dispatch each, and on a CPU mesh a burst of them can exhaust the runtime's programs in
-    flight (see `Placement.pin`)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 class GRPORun:
@@ -144,16 +140,22 @@ class GRPORun:
                              max_positions)
         return train_set, eval_set
 
-    def rollout_weights(self):
+    def rollout_weights(self, gather: bool | None = None):
         """(policy params, draft params or None) as the rollout reads them: the draft's float
         weights are cast to rollout.dtype with the policy's (its integer and boolean vocabulary
-        maps stay as they are)."""
+        maps stay as they are). gather (None: rollout.gather_weights): on a mesh, the policy copy
+        is gathered over the batch axes in the cast's program (`gathered_param_shardings`: whole
+        on every device, or its tensor slice), so that the decode steps read local weights; the
+        check that it fits the device's free memory names rollout.gather_weights."""
         dtype = jnp.dtype(self.cfg.rollout.dtype)
-
-        def cast(tree):
-            return tree if dtype == jnp.float32 else _cast_floats(tree, dtype)
-
-        return cast(self.state["params"]), None if self.draft is None else cast(self.state["draft_params"])
+        gather = self.cfg.rollout.gather_weights if gather is None else gather
+        policy, targets = self.state["params"], None
+        if gather and self.placement.sharding is not None:
+            targets = gathered_param_shardings(self.placement.sharding, policy)
+            check_weights_fit(weights_bytes_per_device(policy, targets, dtype), jax.local_devices()[0].memory_stats(),
+                              "rollout.gather_weights")
+        draft = None if self.draft is None else cast_floats(self.state["draft_params"], dtype)
+        return cast_floats(policy, dtype, targets), draft
 
     def rollout_view(self):
         """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
@@ -72,3 +75,29 @@ def check_fits(needed: int, memory_stats: dict | None, *, batch: int, prompt_len
             f"max_new_tokens={max_new_tokens} needs {needed} bytes per device, but the device has only "
             f"{free} bytes free (bytes_limit {limit}); lower the batch, prompt length or max_new_tokens")
 
+
+
+def weights_bytes_per_device(params, shardings, dtype) -> int:
+    """Bytes one device holds of `params` (arrays or ShapeDtypeStructs) laid out by `shardings` (a
+    pytree of NamedShardings like it), with the floating leaves in `dtype` (the others keep
+    theirs): e.g. a rollout copy of the policy. Replicated dimensions count in full, so a copy
+    gathered over the batch axes (rollout.gather_weights) counts the whole policy / tensor."""
+    leaves, treedef = jax.tree.flatten(params)
+    total = 0
+    for x, sharding in zip(leaves, treedef.flatten_up_to(shardings)):
+        itemsize = jnp.dtype(dtype).itemsize if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(x.dtype).itemsize
+        total += math.prod(sharding.shard_shape(tuple(x.shape))) * itemsize
+    return total
+
+
+def check_weights_fit(needed: int, memory_stats: dict | None, what: str) -> None:
+    """Raises ValueError naming `what` (the boolean config key that asks for the copy) when a weights copy
+    of `needed` bytes per device exceeds what a device reports free; no check without
+    "bytes_limit" (CPU backends)."""
+    if not memory_stats or "bytes_limit" not in memory_stats:
+        return
+    limit = int(memory_stats["bytes_limit"])
+    free = limit - int(memory_stats.get("bytes_in_use", 0))
+    if needed > free:
+        raise ValueError(f"{what}: the rollout copy of the policy needs {needed / 1e9:.2f} GB per device, but the "
+                         f"device has only {free / 1e9:.2f} GB free (bytes_limit {limit / 1e9:.2f} GB); set {what}: false")

@@ -79,3 +79,53 @@ def test_a_phase_out_of_memory_ends_the_run_with_the_phases_before_it(model_json
     assert [r["phase"] for r in rows] == ["generate_ar", "generate_spec", "logprobs", "update"]
     assert rows[-1]["error"].startswith("out of device memory: RESOURCE_EXHAUSTED")
     assert all("projection" not in r for r in rows)  # nothing is projected from a missing update
+
+
+def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
+    """--gather-weights: both generation phases read the policy whole on each fsdp device (the
+    master weights stay split); --state-dtype bfloat16: the updates keep AdamW's first moment in
+    bf16, as optim.state_dtype does."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.bench import grpo_step
+
+    generate, optimizer = grpo_step.generate, grpo_step.policy_optimizer
+    read_fsdp_sharded, mu_dtypes = [], []
+
+    def recording_generate(cfg, params, *args, **kwargs):
+        read_fsdp_sharded.append("fsdp" in tuple(params["embed"].sharding.spec))
+        return generate(cfg, params, *args, **kwargs)
+
+    def recording_optimizer(optim):
+        tx = optimizer(optim)
+
+        def init(params):
+            state = tx.init(params)
+            mu_dtypes.extend({x.dtype for x in jax.tree.leaves(state) if x.shape == params["embed"].shape})
+            return state
+
+        return tx._replace(init=init)
+
+    monkeypatch.setattr(grpo_step, "generate", recording_generate)
+    monkeypatch.setattr(grpo_step, "policy_optimizer", recording_optimizer)
+    out = tmp_path / "grpo_step.json"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--mesh", "1,2,1", "--batch", "2",
+                         "--sub-batch", "2", "--prompt", "4", "--new", "4", "--minibatches", "1", "--k", "1",
+                         "--draft-vocab", "32", "--ttt-steps", "1", "--gather-weights", "--state-dtype", "bfloat16",
+                         "--out", str(out)]) == 0
+    assert read_fsdp_sharded and not any(read_fsdp_sharded)
+    assert set(mu_dtypes) == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # mu bf16, nu float32
+    baseline = json.loads(out.read_text())["baseline"]
+    assert baseline["gather_weights"] is True and baseline["state_dtype"] == "bfloat16"
+    assert [r["phase"] for r in json.loads(out.read_text())["rows"] if "phase" in r] == PHASES
+
+
+def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path, capsys):
+    out = tmp_path / "grpo_step.json"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "2", "--sub-batch", "2",
+                         "--prompt", "4", "--new", "4", "--minibatches", "1", "--draft-vocab", "32", "--phases", "generate_ar",
+                         "--out", str(out)]) == 0
+    assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["generate_ar"]
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--phases", "generate_ar", "update"]) == 1
+    assert "--phases: update reads the results of logprobs; add it" in capsys.readouterr().err

@@ -114,13 +114,21 @@ def test_the_importance_ratio_is_1_when_stale_rollouts_come_from_unchanged_weigh
 
 
 @pytest.mark.parametrize("mesh", [["mesh.rollout_devices=1"],
-                                  ["mesh.fsdp=2", "mesh.tensor=2", "mesh.rollout_devices=2"]])
-def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path, mesh):
-    """From one trainer device or a sharded trainer mesh to the replicated rollout copy."""
+                                  ["mesh.fsdp=2", "mesh.tensor=2", "mesh.rollout_devices=2"],
+                                  ["mesh.fsdp=2", "mesh.rollout_devices=2", "rollout.gather_weights=true"]])
+def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path, mesh, monkeypatch):
+    """From one trainer device or a sharded trainer mesh to the replicated rollout copy (with
+    rollout.gather_weights too, which applies to the trainer mesh's validation alone: the sync
+    gathers nothing on the trainer mesh)."""
+    import jaxspec.rl.loop as loop
+
     run = _run(tiny_policy, tmp_path, "rollout.mode=async", *mesh, "rollout.dtype=bfloat16")
     rollout_devices = set(jax.devices()[-run.cfg.mesh.rollout_devices:])
     run.state["params"] = jax.tree.map(lambda x: x * 1.5, run.state["params"])  # an "update"
     run.step += 1
+    cast_floats, gathered = loop.cast_floats, []
+    monkeypatch.setattr(loop, "cast_floats", lambda tree, dtype, shardings=None: (
+        gathered.append(shardings is not None), cast_floats(tree, dtype, shardings))[1])
     assert run.async_rollouts.sync() == sum(x.size * 2 for x in jax.tree.leaves(run.state["params"])) + sum(
         x.nbytes if not jnp.issubdtype(x.dtype, jnp.floating) else x.size * 2
         for x in jax.tree.leaves(run.state["draft_params"]))
@@ -130,6 +138,7 @@ def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path, 
         expected = jnp.bfloat16 if jnp.issubdtype(want.dtype, jnp.floating) else want.dtype
         assert got.dtype == expected and got.devices() == rollout_devices and got.sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(expected)))
+    assert gathered and not any(gathered)
     run.async_rollouts.close()
 
 

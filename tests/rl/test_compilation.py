@@ -162,3 +162,20 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4
     assert jax.config.jax_compilation_cache_dir is None  # the run's cache settings end with it
+
+
+def test_gathered_rollout_weights_compile_nothing_after_the_first_step(tiny_policy, tmp_path):
+    """rollout.gather_weights on an fsdp=2 mesh: the sync's cast-and-gather program and the rollouts
+    that read the gathered copy compile in step 1 only (a precompiled trainer without draft or
+    reference, to keep it short). The last step is left out: on a mesh, the first checkpoint
+    compiles programs of its own (slices)."""
+    steps = STEPS
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=steps, eval_every=0, checkpoint_every=steps)
+    overrides = [f"data.train={_prompt_file(tmp_path / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
+                 "spec.method=none", "draft.online=false", "loss.kl_beta=0", "train.precompile=true",
+                 "train.compilation_cache=false", "mesh.fsdp=2", "rollout.dtype=bfloat16", "rollout.gather_weights=true"]
+    jax.clear_caches()
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *overrides) == 0
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert records[0]["compiles"] > 0 and [r["compiles"] for r in records[1:-1]] == [0] * (steps - 2), records

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.rl.runs import read_metrics, train_cli, write_config
+from tests.rl.runs import read_metrics, train_cli, without_timings, write_config
 
 def test_the_default_compilation_cache_is_in_the_run_dir(full_run):
     _, run_dir = full_run  # no train.compilation_cache in its config
@@ -137,6 +137,7 @@ def test_rollout_sub_batches_bound_each_generate_call(tiny_policy, tmp_path, mon
         return out
 
     monkeypatch.setattr(loop, "generate", recording_generate)
+    monkeypatch.setattr(evaluate, "generate", recording_generate)
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", "rollout.sub_batch=16") == 0
     assert [n for n, _, _ in calls] == [16, 16]
@@ -159,3 +160,44 @@ def test_soft_overlong_penalty_shapes_the_rewards(tiny_policy, tmp_path):
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", *options) == 0
     (record,) = read_metrics(tmp_path / "run")
     assert record["shaped_reward_mean"] == pytest.approx(record["reward_mean"] - record["response_length_mean"] / 8)
+
+
+def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, monkeypatch):
+    """rollout.gather_weights on a fsdp=2 x tensor=2 mesh: the rollouts and validation read a bf16
+    copy whole over fsdp (split over tensor), made at "sync" and gone before the update, and the
+    step's metrics (rewards, acceptance, losses, validation) are those of the fsdp-sharded copy."""
+    import jax.numpy as jnp
+
+    import jaxspec.rl.evaluate as evaluate
+    import jaxspec.rl.loop as loop
+
+    generate, optimize = loop.generate, loop.GRPORun._optimize
+    read_fsdp_sharded, copies_in_update = [], []
+
+    def recording_generate(cfg, params, *args, **kwargs):
+        read_fsdp_sharded.append("fsdp" in tuple(params["embed"].sharding.spec))
+        return generate(cfg, params, *args, **kwargs)
+
+    def recording_optimize(run, batch):
+        embed = run.state["params"]["embed"]
+        copies_in_update.append(sum(x.shape == embed.shape and x.dtype == jnp.bfloat16 for x in jax.live_arrays()))
+        return optimize(run, batch)
+
+    monkeypatch.setattr(loop, "generate", recording_generate)
+    monkeypatch.setattr(evaluate, "generate", recording_generate)
+    monkeypatch.setattr(loop.GRPORun, "_optimize", recording_optimize)
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=1, checkpoint_every=1)
+    options = ["mesh.fsdp=2", "mesh.tensor=2", "rollout.dtype=bfloat16"]
+    for gather in ("false", "true"):
+        assert train_cli("--config", config, "--run-dir", tmp_path / gather, *options,
+                         f"rollout.gather_weights={gather}") == 0
+    # embed [vocab, embed] is split over fsdp in the master weights, not in the copy; validation
+    # at steps 0 and 1 and the rollouts of step 1 each read it
+    assert read_fsdp_sharded == [True] * 3 + [False] * 3
+    assert copies_in_update == [0, 0]
+    sharded, gathered = (without_timings(read_metrics(tmp_path / gather)) for gather in ("false", "true"))
+    assert [r["step"] for r in gathered] == [0, 1] and [set(r) for r in gathered] == [set(r) for r in sharded]
+    for want, got in zip(sharded, gathered):
+        for key in want:  # null (an unreached draft position) reads as nan on both sides
+            np.testing.assert_allclose(np.asarray(got[key], float), np.asarray(want[key], float), rtol=1e-5,
+                                       atol=1e-6, err_msg=key)
