@@ -127,6 +127,7 @@ def test_rollout_sub_batches_bound_each_generate_call(tiny_policy, tmp_path, mon
     """rollout.sub_batch 16 of a step's 32 rollouts: two generate calls of 16 prompts each (whole
     groups, keys folded per call), and the record's acceptance statistics are the two calls'
     counts combined."""
+    import jaxspec.rl.evaluate as evaluate
     import jaxspec.rl.loop as loop
 
     calls, generate = [], loop.generate
