@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, median_seconds, print_table,
-                                  write_results)
+from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, median_seconds, out_of_memory,
+                                  print_table, write_results)
 from jaxspec.models import ModelConfig, init_params, load_hf
 from jaxspec.models.moe import distinct_experts, expected_distinct_experts
 from jaxspec.models.transformer import forward_router
@@ -126,9 +126,7 @@ def main(argv: list[str]) -> int:
                 print(f"batch {batch}: {err}")
                 continue
             except jax.errors.JaxRuntimeError as err:  # out of device memory past that check: the same
-                if "RESOURCE_EXHAUSTED" not in str(err):
-                    raise
-                rows.append({"batch": batch, "error": f"out of device memory: {str(err).splitlines()[0][:400]}"})
+                rows.append({"batch": batch, "error": out_of_memory(err)})
                 print(f"batch {batch}: {rows[-1]['error']}")
                 continue
             step_bytes = weight_read_bytes(cfg, 2, batch) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)

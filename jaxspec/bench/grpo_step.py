@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import device_description, print_table, write_results
+from jaxspec.bench.timing import device_description, out_of_memory, print_table, write_results
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
 from jaxspec.models.sharding import gathered_param_shardings, shard_params
@@ -295,10 +295,8 @@ def main(argv: list[str]) -> int:
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:
-            if "RESOURCE_EXHAUSTED" not in str(err):
-                raise
             # a phase that does not fit ends the benchmark; what ran before it is still reported
-            rows.append({"phase": name, "error": f"out of device memory: {str(err).splitlines()[0][:400]}"})
+            rows.append({"phase": name, "error": out_of_memory(err)})
             print(f"{name}: {rows[-1]['error']}")
             break
         peaks = peak_bytes()

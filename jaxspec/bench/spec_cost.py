@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from jaxspec.bench.timing import median_seconds, print_table, write_results
+from jaxspec.bench.timing import median_seconds, out_of_memory, print_table, write_results
 from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, init_eagle3, to_target_ids
 from jaxspec.models import ModelConfig, cache_bytes, extend, init_cache, init_params
 from jaxspec.models.moe import expected_distinct_experts
@@ -193,8 +193,7 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
         try:
             t = time_model(cfg, dcfg, params, dparams, batch, args.context, nodes, args.iters)
         except jax.errors.JaxRuntimeError as err:
-            if "RESOURCE_EXHAUSTED" not in str(err):
-                raise
+            out_of_memory(err)  # raises any other error
             print(f"{name} batch {batch}: skipped, out of device memory")
             rows.append({**base, "kind": "skipped", "reason": "RESOURCE_EXHAUSTED"})
             continue

@@ -135,6 +135,14 @@ def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, 
     return 2 * n**3 / min(chained, independent)
 
 
+def out_of_memory(err: jax.errors.JaxRuntimeError) -> str:
+    """"out of device memory: <the error's first line>" for a device out-of-memory error, for a
+    result row that records a shape that does not fit; any other runtime error is raised again."""
+    if "RESOURCE_EXHAUSTED" not in str(err):
+        raise err
+    return f"out of device memory: {str(err).splitlines()[0][:400]}"
+
+
 def roofline_fraction(achieved: float, ceiling: float, what: str) -> float:
     """achieved / ceiling; ValueError when above 1.0: a rate above the measured ceiling means the
     work or the ceiling was counted wrong, never a result."""

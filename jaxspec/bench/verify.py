@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
-from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, in_loop_seconds, median_seconds, print_table,
-                                  write_results)
+from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, in_loop_seconds, median_seconds,
+                                  out_of_memory, print_table, write_results)
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
 
@@ -60,8 +60,7 @@ def _timed(measure) -> float | None:
     try:
         return measure()
     except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
+        out_of_memory(err)  # raises any other error
         return None
 
 

@@ -3,10 +3,12 @@ it (work that depends only on loop-invariant arguments) nor drop the calls."""
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxspec.bench.timing import in_loop, in_loop_seconds
+from jaxspec.bench.timing import in_loop, in_loop_seconds, out_of_memory
 
 
 def _carried(program, args) -> str:
@@ -65,3 +67,11 @@ def test_a_roofline_fraction_above_one_is_an_error_row():
     assert datasheet("NVIDIA H100 80GB HBM3")["hbm_bytes_per_s"] == 3.35e12
     assert datasheet("NVIDIA H100 PCIe")["hbm_bytes_per_s"] == 2.0e12
     assert datasheet("cpu") is None
+
+
+def test_out_of_memory_names_the_error_and_raises_any_other():
+    err = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB\nmore")
+    assert out_of_memory(err) == "out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB"
+    other = jax.errors.JaxRuntimeError("INTERNAL: a different failure")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        out_of_memory(other)
