@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -240,6 +241,31 @@ def _convert(tp: Any, value: Any, source: _Source, key: str) -> Any:
             fail()
         return Path(value)
     raise TypeError(f"{source.of(key)}: key {key!r}: config_io does not support annotation {tp!r}")
+
+
+def load_validated(cls, validate: Callable, args) -> object:
+    """The config of a training command's parsed `args` (`run_parser`): `cls` from --config with the
+    overrides applied, checked by `validate(cfg, path)` with errors naming the override that set a
+    key (`naming_overrides`)."""
+    cfg = load_config(cls, args.config, args.overrides)
+    with naming_overrides(args.config, args.overrides):
+        validate(cfg, args.config)
+    return cfg
+
+
+def run_command(prog: str, prepare: Callable[[], object], run: Callable[[object], dict]) -> int:
+    """A training command's exit status: prepare() loads and checks everything before any compute
+    (a ValueError or FileNotFoundError prints one line `prog: error: ...` and returns 2); run(its
+    result) trains and returns the run's summary, whose "preempted" (stopped by SIGTERM or Ctrl-C
+    after checkpointing) returns EXIT_CHECKPOINTED, else 0."""
+    from jaxspec.run import EXIT_CHECKPOINTED
+
+    try:
+        prepared = prepare()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return EXIT_CHECKPOINTED if run(prepared)["preempted"] else 0
 
 
 def run_parser(prog: str, description: str, example_config: str, run_dir_holds: str):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxspec.config_io import load_config, naming_overrides, run_parser
+from jaxspec.config_io import load_validated, run_command, run_parser
 from jaxspec.draft_training.train import check_run_dir, train_draft
 from jaxspec.draft_training.config import DraftTrainConfig, validate
 from jaxspec.placement import check_devices
-from jaxspec.run import EXIT_CHECKPOINTED
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
@@ -36,15 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxspec draft: unknown verb {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     args = _train_parser().parse_args(argv[1:])
-    try:
-        cfg = load_config(DraftTrainConfig, args.config, args.overrides)
-        with naming_overrides(args.config, args.overrides):
-            validate(cfg, args.config)
+
+    def prepare() -> DraftTrainConfig:
+        cfg = load_validated(DraftTrainConfig, validate, args)
         check_devices(cfg.mesh)
         cfg.policy_path()
         check_run_dir(cfg, Path(args.run_dir), args.resume)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"jaxspec draft train: error: {err}", file=sys.stderr)
-        return 2
-    result = train_draft(cfg, args.run_dir, resume=args.resume)
-    return EXIT_CHECKPOINTED if result["preempted"] else 0
+        return cfg
+
+    return run_command("jaxspec draft train", prepare,
+                       lambda cfg: train_draft(cfg, args.run_dir, resume=args.resume))
