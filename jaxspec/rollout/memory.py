@@ -59,22 +59,24 @@ def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_
     return max(prefill, decode)
 
 
-def check_fits(needed: int, memory_stats: dict | None, *, batch: int, prompt_len: int, max_new_tokens: int) -> None:
-    """Raises ValueError when `needed` bytes exceed what a device reports free.
-
-    memory_stats: a device's `memory_stats()` dict; no check when it is None or has no
-    "bytes_limit" (CPU backends).
-    """
+def device_free_bytes(memory_stats: dict | None) -> tuple[int, int] | None:
+    """(bytes free, bytes_limit) of a device's `memory_stats()` dict; None when it is None or has no
+    "bytes_limit" (CPU backends), where nothing can be checked."""
     if not memory_stats or "bytes_limit" not in memory_stats:
-        return
+        return None
     limit = int(memory_stats["bytes_limit"])
-    free = limit - int(memory_stats.get("bytes_in_use", 0))
-    if needed > free:
+    return limit - int(memory_stats.get("bytes_in_use", 0)), limit
+
+
+def check_fits(needed: int, memory_stats: dict | None, *, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+    """Raises ValueError when `needed` bytes exceed what a device reports free (`device_free_bytes`)."""
+    free_limit = device_free_bytes(memory_stats)
+    if free_limit is not None and needed > free_limit[0]:
+        free, limit = free_limit
         raise ValueError(
             f"rollout with batch={batch}, prompt length={prompt_len} (bucket {prompt_bucket(prompt_len)}), "
             f"max_new_tokens={max_new_tokens} needs {needed} bytes per device, but the device has only "
             f"{free} bytes free (bytes_limit {limit}); lower the batch, prompt length or max_new_tokens")
-
 
 
 def weights_bytes_per_device(params, shardings, dtype) -> int:
@@ -91,13 +93,10 @@ def weights_bytes_per_device(params, shardings, dtype) -> int:
 
 
 def check_weights_fit(needed: int, memory_stats: dict | None, what: str) -> None:
-    """Raises ValueError naming `what` (the boolean config key that asks for the copy) when a weights copy
-    of `needed` bytes per device exceeds what a device reports free; no check without
-    "bytes_limit" (CPU backends)."""
-    if not memory_stats or "bytes_limit" not in memory_stats:
-        return
-    limit = int(memory_stats["bytes_limit"])
-    free = limit - int(memory_stats.get("bytes_in_use", 0))
-    if needed > free:
+    """Raises ValueError naming `what` (the boolean config key that asks for the copy) when a weights
+    copy of `needed` bytes per device exceeds what a device reports free (`device_free_bytes`)."""
+    free_limit = device_free_bytes(memory_stats)
+    if free_limit is not None and needed > free_limit[0]:
+        free, limit = free_limit
         raise ValueError(f"{what}: the rollout copy of the policy needs {needed / 1e9:.2f} GB per device, but the "
                          f"device has only {free / 1e9:.2f} GB free (bytes_limit {limit / 1e9:.2f} GB); set {what}: false")
