@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxspec.models.sharding import Sharding, make_mesh
+from jaxspec.models.sharding import Sharding, gathered_param_shardings, make_mesh
+from jaxspec.rollout.memory import check_weights_fit, weights_bytes_per_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +167,19 @@ def cast_floats(tree, dtype, shardings=None):
         return tree
     targets = None if shardings is None else tuple(treedef.flatten_up_to(shardings))
     return treedef.unflatten(_caster(jnp.dtype(dtype), targets)(leaves))
+
+
+def rollout_policy(policy, dtype, sharding: Sharding | None, gather: bool):
+    """The policy as a rollout reads it: its floats cast to `dtype` (`cast_floats`); with `gather` on
+    a mesh, laid out by `gathered_param_shardings` in the same program (whole on every device, or its
+    tensor slice), so that decode steps read local weights, after a check that this copy fits the
+    device's free memory (an error naming rollout.gather_weights)."""
+    if not gather or sharding is None:
+        return cast_floats(policy, dtype)
+    targets = gathered_param_shardings(sharding, policy)
+    check_weights_fit(weights_bytes_per_device(policy, targets, dtype), jax.local_devices()[0].memory_stats(),
+                      "rollout.gather_weights")
+    return cast_floats(policy, dtype, targets)
 
 
 @functools.cache

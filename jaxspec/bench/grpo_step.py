@@ -44,8 +44,8 @@ import numpy as np
 from jaxspec.bench.timing import device_description, out_of_memory, print_table, write_results
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
-from jaxspec.models.sharding import gathered_param_shardings, shard_params
-from jaxspec.placement import MeshConfig, Placement, cast_floats, check_devices
+from jaxspec.models.sharding import shard_params
+from jaxspec.placement import MeshConfig, Placement, cast_floats, check_devices, rollout_policy
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import OnlineDraftConfig
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
@@ -127,10 +127,8 @@ class Bench:
         """(policy, head params) as the rollout reads them: cast to --rollout-dtype; the policy
         gathered over the batch axes with --gather-weights (as `GRPORun.rollout_weights`)."""
         dtype = jnp.dtype(self.args.rollout_dtype)
-        gathered = None
-        if self.args.gather_weights and self.sharding is not None:
-            gathered = gathered_param_shardings(self.sharding, self.params)
-        return cast_floats(self.params, dtype, gathered), cast_floats(self.dparams, dtype)
+        return (rollout_policy(self.params, dtype, self.sharding, self.args.gather_weights),
+                cast_floats(self.dparams, dtype))
 
     def generation(self, spec: bool) -> dict:
         """Every sub-batch once; the first also once before (compilation)."""

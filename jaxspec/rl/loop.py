@@ -34,15 +34,13 @@ from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, pr
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import StageTimer, block, mean_update_metrics, rollout_step_metrics
-from jaxspec.models.sharding import gathered_param_shardings
-from jaxspec.placement import Placement, cast_floats
+from jaxspec.placement import Placement, cast_floats, rollout_policy
 from jaxspec.run import Batcher, truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
-from jaxspec.rollout.memory import check_weights_fit, weights_bytes_per_device
 from jaxspec.rollout.speculative.stats import merge_stats
 
 
@@ -149,13 +147,8 @@ class GRPORun:
         check that it fits the device's free memory names rollout.gather_weights."""
         dtype = jnp.dtype(self.cfg.rollout.dtype)
         gather = self.cfg.rollout.gather_weights if gather is None else gather
-        policy, targets = self.state["params"], None
-        if gather and self.placement.sharding is not None:
-            targets = gathered_param_shardings(self.placement.sharding, policy)
-            check_weights_fit(weights_bytes_per_device(policy, targets, dtype), jax.local_devices()[0].memory_stats(),
-                              "rollout.gather_weights")
         draft = None if self.draft is None else cast_floats(self.state["draft_params"], dtype)
-        return cast_floats(policy, dtype, targets), draft
+        return rollout_policy(self.state["params"], dtype, self.placement.sharding, gather), draft
 
     def rollout_view(self):
         """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
