@@ -13,7 +13,9 @@ phases run the library's own functions:
       `--k`) of `--batch` random prompts of `--prompt` tokens, `--new` tokens each (temperature 1,
       no eos: every row decodes `--new` tokens), `--sub-batch` rows per call so the KV cache fits.
   logprobs  `jaxspec.rl.step.score_fn` over the rollouts packed (`jaxspec.rl.batch.pack_rows`) in
-      `--minibatches` chunks.
+      `--minibatches` chunks. Without generate_ar in --phases it reads random tokens of the same
+      shape instead (every row `--new` tokens long, as generate_ar's rollouts are), so the training
+      phases can be measured without generating.
   update / update_draft  `jaxspec.rl.step.update_fn` over the same minibatches, without and with
       the online EAGLE-3 loss.
   checkpoint  `jaxspec.run.Checkpointer` (orbax) of params + optimizer state to a temporary folder.
@@ -57,8 +59,8 @@ from jaxspec.run import Checkpointer
 
 PROJECTED_ACCEPTANCE = (2.5, 3.0, 3.3)  # measured on `small` (~2.9) and the EAGLE-3 paper's range
 PHASES = ("generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint")
-# the phase whose results a phase reads: the AR rollouts, their log-probs, an optimizer state
-NEEDS = {"logprobs": ("generate_ar",), "update": ("logprobs",), "update_draft": ("logprobs",),
+# the phase whose results a phase reads: their log-probs, an optimizer state
+NEEDS = {"update": ("logprobs",), "update_draft": ("logprobs",),
          "checkpoint": ("update", "update_draft")}
 
 
@@ -157,7 +159,15 @@ class Bench:
         return {"seconds": seconds, "first_call_s": compile_s, "loop_steps": steps,
                 "ms_per_loop_step": 1e3 * seconds / max(steps, 1), "acceptance_length": float(np.mean(accepted))}
 
+    def random_rollouts(self) -> None:
+        """Rows of random response tokens, each `--new` long: what generate_ar leaves (no eos)."""
+        a = self.args
+        tokens = np.random.default_rng(2).integers(0, self.cfg.vocab_size, (a.batch, a.new))
+        self.rows = training_rows(self.prompts, tokens, np.full(a.batch, a.new), pad_id=0)
+
     def minibatches(self, with_draft: bool = False):
+        if self.rows is None:
+            self.random_rollouts()
         a, rows = self.args, self.rows
         per = a.batch // a.minibatches
         for i in range(a.minibatches):

@@ -129,3 +129,13 @@ def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path
     assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["generate_ar"]
     assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--phases", "generate_ar", "update"]) == 1
     assert "--phases: update reads the results of logprobs; add it" in capsys.readouterr().err
+
+
+def test_training_phases_without_generation_read_full_length_random_rollouts(model_json, tmp_path):
+    out = tmp_path / "grpo_step.json"
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "4", "--sub-batch", "2",
+                         "--prompt", "4", "--new", "6", "--minibatches", "2", "--draft-vocab", "32",
+                         "--phases", "logprobs", "update_draft", "checkpoint", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["logprobs", "update_draft", "checkpoint"]
+    assert all(r["seconds"] > 0 for r in rows)
