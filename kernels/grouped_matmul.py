@@ -71,7 +71,8 @@ def _kernel(first_ref, last_ref, ends_ref, sizes_ref, x_ref, w_ref, o_ref, *, bl
             return acc + plgpu.dot(x, w_ref[g, cols, :]).astype(jnp.float32)
 
         # An empty group between the tile's first and last runs no step (reads no weights).
-        return lax.fori_loop(0, jnp.where(size > 0, num_k, 0), step, acc)
+        # (an int32 bound: a select of Python ints lowers to an i1 bound that Triton rejects)
+        return lax.fori_loop(0, num_k * (size > 0).astype(jnp.int32), step, acc)
 
     first, last = first_ref[...], last_ref[...]
     acc = lax.fori_loop(first, jnp.maximum(last + 1, first), group, acc)

@@ -118,3 +118,16 @@ def test_transposed_matmul_sums_each_groups_rows(dtype):
     assert got.shape == (7, 40, 24) and got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got)[sizes == 0], 0.0)
     assert rel_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
+
+
+@pytest.mark.parametrize("shape", [(128, 512, 2048, 768), (16, 2048, 1024, 1536)])  # E, rows, K, N
+def test_the_gpu_kernels_are_valid_triton_modules(shape):
+    """Forward, dX and dW kernels as a GPU compiles them (an i1 loop bound once failed there only)."""
+    from jaxspec.models.moe import grouped_matmul
+    from tests.kernels.triton_ir import verify_triton
+    e, rows, k, n = shape
+    x, w = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    assert verify_triton(lambda x, w, s: grouped_matmul_pallas(x, w, s), x, w, sizes) == 1
+    loss = lambda x, w, s: grouped_matmul(x, w, s, "pallas").astype(jnp.float32).sum()  # noqa: E731
+    assert verify_triton(jax.grad(loss, argnums=(0, 1)), x, w, sizes) == 2
