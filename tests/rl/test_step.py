@@ -176,8 +176,8 @@ def _reference(cfg, params, sampling, mb):
     default GRPO policy loss alone, gradient of the load-balancing loss over the non-padding tokens)."""
 
     def policy(p):
-        logits, _, _ = sequence_forward(cfg, p, mb.tokens, mb.segment_ids)
-        logp, _ = response_logprobs(logits, mb.resp_index, mb.resp_tokens, sampling)
+        hidden, _, _ = sequence_forward(cfg, p, mb.tokens, mb.segment_ids, head=False)
+        logp, _ = response_logprobs(cfg, p, hidden, mb.resp_index, mb.resp_tokens, sampling)
         return policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, GRPOLossConfig())[0]
 
     def router(p):
