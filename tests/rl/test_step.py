@@ -252,11 +252,12 @@ def test_router_coefficient_on_a_dense_policy_is_refused(tiny_policy):
         update_fn(cfg, sampling, GRPOLossConfig(router_aux_coef=0.01), PolicyOptimConfig(), "float32", False, None)
 
 
-def test_update_keeps_no_logits_of_every_position():
-    """The compiled update's temporaries (XLA's analysis on CPU, nothing runs) stay well below the
-    float32 logits [R, W, V] of every packed position (64 MiB here), which the unchunked head kept
-    several copies of (the logits, the gathered response logits, their log-softmax and the gradient
-    of each: 324 MiB of temporaries at this shape, against 26 MiB chunked)."""
+def test_update_and_scoring_keep_no_logits_of_every_position():
+    """The compiled update's and log-prob pass's temporaries (XLA's analysis on CPU, nothing runs)
+    stay well below the float32 logits [R, W, V] of every packed position (64 MiB here), which the
+    unchunked head kept several copies of (the logits, the gathered response logits, their
+    log-softmax and in the update the gradient of each: 324 MiB of the update's temporaries and
+    160 MiB of the pass's at this shape, against 26 and 9 MiB chunked)."""
     from jaxspec.models.config import ModelConfig
     from jaxspec.rl.batch import PackedRows
 
@@ -276,3 +277,6 @@ def test_update_keeps_no_logits_of_every_position():
     temporaries = update.lower(params, opt_state, None, None, None, mb).compile().memory_analysis().temp_size_in_bytes
     logits_bytes = rows * width * cfg.vocab_size * 4
     assert temporaries < logits_bytes / 2, (temporaries, logits_bytes)
+    score = score_fn(cfg, sampling, "float32", True, logprob_chunk=64)
+    temporaries = score.lower(params, mb.tokens, mb.segment_ids, mb.resp_index, mb.resp_tokens).compile()
+    assert temporaries.memory_analysis().temp_size_in_bytes < logits_bytes / 2
