@@ -257,7 +257,7 @@ def test_update_and_scoring_keep_no_logits_of_every_position():
     stay well below the float32 logits [R, W, V] of every packed position (64 MiB here), which the
     unchunked head kept several copies of (the logits, the gathered response logits, their
     log-softmax and in the update the gradient of each: 324 MiB of the update's temporaries and
-    160 MiB of the pass's at this shape, against 26 and 9 MiB chunked)."""
+    160 MiB of the pass's at this shape, against 26 and 5 MiB chunked)."""
     from jaxspec.models.config import ModelConfig
     from jaxspec.rl.batch import PackedRows
 
