@@ -72,14 +72,15 @@ def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_
     hidden [R, W, H]: the last layer's output before the final norm (`sequence_forward(...,
     head=False)`), in the forward's compute dtype; params: the policy's params, of which the final
     norm and the LM head (or the tied embedding) are read, cast to hidden's dtype as the forward
-    casts them. resp_index int32 [S, N] (flat position in [R * W] of the hidden state predicting
-    response token j); resp_tokens int32 [S, N]. The S * N gathered rows are cut into chunks of
-    `chunk_size` positions (the last one zero-padded and dropped); each chunk's float32 logits
-    [chunk_size, V] (`logits_from_hidden`), p = `processed_logprobs(logits, sampling)` (the
-    distribution the rollout sampled from: temperature, top-k, top-p), log p of the chosen token
-    and the entropy of p are computed under `jax.checkpoint`, so the backward pass recomputes a
-    chunk's logits instead of keeping them. sharding: the run's mesh (each chunk's positions split
-    over its batch axes), None on one device.
+    casts them (in each chunk: their gradient sums over the chunks in the params' own dtype).
+    resp_index int32 [S, N] (flat position in [R * W] of the hidden state predicting response token
+    j); resp_tokens int32 [S, N]. The S * N gathered rows are cut into chunks of `chunk_size`
+    positions (the last one zero-padded and dropped); each chunk's float32 logits [chunk_size, V]
+    (`logits_from_hidden`), p = `processed_logprobs(logits, sampling)` (the distribution the rollout
+    sampled from: temperature, top-k, top-p), log p of the chosen token and the entropy of p are
+    computed under `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of
+    keeping them. sharding: the run's mesh (each chunk's positions split over its batch axes), None
+    on one device.
     Returns (float32 log p [S, N], float32 entropy of p [S, N], not differentiated).
     """
     if chunk_size < 1:
@@ -89,7 +90,6 @@ def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_
     chunk = min(chunk_size, positions)
     chunks = -(-positions // chunk)
     pad = chunks * chunk - positions
-    head = head_params(params, hidden.dtype)
     rows = jnp.take(hidden.reshape(-1, hidden.shape[-1]), resp_index.reshape(-1), axis=0)  # [S * N, H]
     rows = jnp.pad(rows, ((0, pad), (0, 0))).reshape(chunks, chunk, rows.shape[-1])
     tokens = jnp.pad(resp_tokens.reshape(-1), (0, pad)).reshape(chunks, chunk)
@@ -98,6 +98,9 @@ def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_
     def chunk_logprobs(args):
         x, token = args  # [C, H], [C]
         x = constrain(sharding, x, ("batch", "act_embed"))
+        # Cast per chunk: the head's gradient sums over the chunks in the params' dtype (the float32
+        # master), not in the compute dtype.
+        head = head_params(params, x.dtype)
         logits = constrain(sharding, logits_from_hidden(cfg, head, x[None])[0], ("batch", "vocab"))
         logp_all = processed_logprobs(logits, sampling)  # [C, V]
         logp = jnp.take_along_axis(logp_all, token[:, None], axis=1)[:, 0]

@@ -77,10 +77,11 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     policy forward also returns the aux hidden states; the draft loss reads them and the policy's
     logits of every position, computed detached from the final hidden states (forward only, no
     gradient kept), so the policy gets exactly the policy-loss gradient and the head the draft-loss
-    gradient; each is clipped and run through its own AdamW. The head's update is then multiplied by λ = draft.loss_weight: the head trains on
-    L = L_policy + λ·L_draft with the weight acting after the clipping and Adam's normalisation,
-    which would cancel a weight on the loss (λ·draft.learning_rate is its effective learning rate).
-    params / opt_state / draft weights / draft opt_state are donated.
+    gradient; each is clipped and run through its own AdamW. The head's update is then multiplied by
+    λ = draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after
+    the clipping and Adam's normalisation, which would cancel a weight on the loss
+    (λ·draft.learning_rate is its effective learning rate). params / opt_state / draft weights /
+    draft opt_state are donated.
     """
     p_opt = policy_optimizer(optim_cfg)
     router_aux = router_aux_weight(loss_cfg, cfg)
