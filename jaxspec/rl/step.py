@@ -72,8 +72,8 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     arguments are None and pass through. A mixture-of-experts policy's loss adds
     `router_aux_weight` x the router's load-balancing loss over the minibatch's non-padding tokens
     (metric router_aux_loss, logged whatever the weight). The policy's log-probs come from its final
-    hidden states in chunks of `logprob_chunk` response positions (`response_logprobs`): no float32
-    logits of every packed position exist, in the forward or the backward pass. With a draft, one
+    hidden states in chunks of `logprob_chunk` response positions (`response_logprobs`): the policy
+    loss holds no float32 logits of every packed position, forward or backward. With a draft, one
     policy forward also returns the aux hidden states; the draft loss reads them and the policy's
     logits of every position, computed detached from the final hidden states (forward only, no
     gradient kept), so the policy gets exactly the policy-loss gradient and the head the draft-loss
