@@ -200,10 +200,13 @@ def forward_router(
     remat: bool = False,
     attention_impl: str = "auto",
     moe_impl: str = "ragged_dot",
+    head: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_hidden` plus the router logits of the sparse layers, float32
     [len(cfg.sparse_layers), B, T, E] (empty [0, B, T, 0] for a dense model), the input of
-    `moe.load_balancing_loss`."""
+    `moe.load_balancing_loss`. head=False returns the last layer's output [B, T, H] in the
+    params' dtype, before the final norm, in place of the logits (`logits_from_hidden` maps it to
+    them): the trainer applies the head to the response positions alone, in chunks."""
     _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
     mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
@@ -240,8 +243,10 @@ def forward_router(
             routers.append(router_logits)
         if i in hidden_layers:
             hidden[i] = x
-    logits = constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
     routers = jnp.stack(routers) if routers else jnp.zeros((0, b, t, 0), jnp.float32)
+    if not head:
+        return x, _stack_hidden(hidden, hidden_layers, x), routers
+    logits = constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
     return logits, _stack_hidden(hidden, hidden_layers, x), routers
 
 

@@ -1,42 +1,48 @@
 """Trainer-side log-probabilities of rollout tokens and the GRPO / DAPO / Dr.GRPO policy loss.
 
 Shapes: S rollouts, packed into R rows of width W (`jaxspec.rl.batch.pack_rows`), N =
-max_new_tokens, V = vocabulary. Response token j of rollout s is predicted by the logits at flat
-position resp_index[s, j] of the packed [R * W] positions.
+max_new_tokens, V = vocabulary. Response token j of rollout s is predicted by the hidden state (and
+logits) at flat position resp_index[s, j] of the packed [R * W] positions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params, forward_router
+from jaxspec.models.sharding import Sharding, constrain
+from jaxspec.models.transformer import Params, forward_router, logits_from_hidden
 from jaxspec.rl.config import AGGREGATIONS, GRPOLossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
+
+LOGPROB_CHUNK = 1024  # response positions per chunk of the log-prob head: float32 logits [1024, V]
 
 
 def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array,
                      hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False,
-                     sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     sharding: Sharding | None = None, head: bool = True
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One policy forward over packed prompt+response rows.
 
     tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
     positions restart per sequence). Params are cast to `compute_dtype` (gradients reach the
     float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
     outputs of the given 0-based layers, float32 router logits [len(cfg.sparse_layers), R, W, E]
-    of a mixture-of-experts policy, [0, R, W, 0] for a dense one). With a `sharding`, every
-    layer's activations are split over the batch axes (rows), whatever the params' layout: without
-    the constraint the rows of an fsdp-sharded embedding table come out split along the hidden
-    dimension, a layout cuDNN's flash attention cannot partition.
+    of a mixture-of-experts policy, [0, R, W, 0] for a dense one). head=False returns the last
+    layer's output [R, W, H] in `compute_dtype` (before the final norm) in place of the logits: the
+    input of `response_logprobs`. With a `sharding`, every layer's activations are split over the
+    batch axes (rows), whatever the params' layout: without the constraint the rows of an
+    fsdp-sharded embedding table come out split along the hidden dimension, a layout cuDNN's flash
+    attention cannot partition.
     """
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     return forward_router(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
-                          sharding=sharding)
+                          sharding=sharding, head=head)
 
 
 def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
@@ -51,21 +57,59 @@ def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
     return model.router_aux_loss_coef if loss.router_aux_coef is None else loss.router_aux_coef
 
 
-def response_logprobs(logits: jax.Array, resp_index: jax.Array, resp_tokens: jax.Array, sampling: Sampling
-                      ) -> tuple[jax.Array, jax.Array]:
-    """Log-probability of each response token under the processed distribution p.
+def head_params(params: Params, dtype) -> Params:
+    """The params `logits_from_hidden` reads (final_norm, lm_head, embed: the head when tied), cast
+    to `dtype` (the forward's compute dtype; gradients reach the float32 master)."""
+    return {k: params[k].astype(dtype) for k in ("final_norm", "embed", "lm_head") if k in params}
 
-    logits float32 [R, W, V]; resp_index int32 [S, N] (flat position in [R * W] of the logits
-    predicting response token j); resp_tokens int32 [S, N]. p is `processed_logprobs(logits,
-    sampling)`, the same distribution the rollout sampled from (temperature, top-k, top-p).
+
+def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_index: jax.Array,
+                      resp_tokens: jax.Array, sampling: Sampling, *, chunk_size: int = LOGPROB_CHUNK,
+                      sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
+    """Log-probability of each response token under the processed distribution p, from the final
+    hidden states, chunk by chunk: no [R, W, V] or [S, N, V] float32 tensor exists.
+
+    hidden [R, W, H]: the last layer's output before the final norm (`sequence_forward(...,
+    head=False)`), in the forward's compute dtype; params: the policy's params, of which the final
+    norm and the LM head (or the tied embedding) are read, cast to hidden's dtype as the forward
+    casts them (in each chunk: their gradient sums over the chunks in the params' own dtype).
+    resp_index int32 [S, N] (flat position in [R * W] of the hidden state predicting response token
+    j); resp_tokens int32 [S, N]. The S * N gathered rows are cut into chunks of `chunk_size`
+    positions (the last one zero-padded and dropped); each chunk's float32 logits [chunk_size, V]
+    (`logits_from_hidden`), p = `processed_logprobs(logits, sampling)` (the distribution the rollout
+    sampled from: temperature, top-k, top-p), log p of the chosen token and the entropy of p are
+    computed under `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of
+    keeping them. sharding: the run's mesh (each chunk's positions split over its batch axes), None
+    on one device.
     Returns (float32 log p [S, N], float32 entropy of p [S, N], not differentiated).
     """
-    step_logits = jnp.take(logits.reshape(-1, logits.shape[-1]), resp_index, axis=0)  # [S, N, V]
-    logp_all = processed_logprobs(step_logits, sampling)
-    logp = jnp.take_along_axis(logp_all, resp_tokens[:, :, None], axis=2)[:, :, 0]
-    logp_all = jax.lax.stop_gradient(logp_all)
-    entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), axis=-1)
-    return logp, entropy
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+    s, n = resp_index.shape
+    positions = s * n
+    chunk = min(chunk_size, positions)
+    chunks = -(-positions // chunk)
+    pad = chunks * chunk - positions
+    rows = jnp.take(hidden.reshape(-1, hidden.shape[-1]), resp_index.reshape(-1), axis=0)  # [S * N, H]
+    rows = jnp.pad(rows, ((0, pad), (0, 0))).reshape(chunks, chunk, rows.shape[-1])
+    tokens = jnp.pad(resp_tokens.reshape(-1), (0, pad)).reshape(chunks, chunk)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_logprobs(args):
+        x, token = args  # [C, H], [C]
+        x = constrain(sharding, x, ("batch", "act_embed"))
+        # Cast per chunk: the head's gradient sums over the chunks in the params' dtype (the float32
+        # master), not in the compute dtype.
+        head = head_params(params, x.dtype)
+        logits = constrain(sharding, logits_from_hidden(cfg, head, x[None])[0], ("batch", "vocab"))
+        logp_all = processed_logprobs(logits, sampling)  # [C, V]
+        logp = jnp.take_along_axis(logp_all, token[:, None], axis=1)[:, 0]
+        logp_all = jax.lax.stop_gradient(logp_all)
+        entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), axis=-1)
+        return logp, entropy
+
+    logp, entropy = jax.lax.map(chunk_logprobs, (rows, tokens))
+    return logp.reshape(-1)[:positions].reshape(s, n), entropy.reshape(-1)[:positions].reshape(s, n)
 
 
 def reference_sampling(sampling: Sampling) -> Sampling:

@@ -18,13 +18,14 @@ import optax
 
 from jaxspec.draft import eagle3_loss, merge_buffers
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import Sharding
+from jaxspec.models.sharding import Sharding, constrain
 from jaxspec.models.moe import load_balancing_loss
+from jaxspec.models.transformer import logits_from_hidden
 from jaxspec.optim import clipped_adamw
 from jaxspec.rl.batch import PackedRows
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
-from jaxspec.rl.loss import (aggregate, policy_loss, reference_sampling, response_logprobs, router_aux_weight,
-                           sequence_forward)
+from jaxspec.rl.loss import (LOGPROB_CHUNK, aggregate, head_params, policy_loss, reference_sampling,
+                             response_logprobs, router_aux_weight, sequence_forward)
 from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
 from jaxspec.rollout.sampling import Sampling
 
@@ -45,15 +46,17 @@ def learning_rate(cfg: PolicyOptimConfig) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool,
-             sharding: Sharding | None = None) -> Callable:
+             sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK) -> Callable:
     """Compiled (params, tokens, segment_ids, resp_index, resp_tokens) of packed rows -> log p of the
     response tokens float32 [S, N] (no gradient). sharding: the run's mesh (activations split over
-    its batch axes, `sequence_forward`), None on one device."""
+    its batch axes, `sequence_forward`), None on one device. logprob_chunk: response positions per
+    chunk of the head (`response_logprobs`)."""
 
     def score(params, tokens, segment_ids, resp_index, resp_tokens):
-        logits, _, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat,
-                                        sharding)
-        return response_logprobs(logits, resp_index, resp_tokens, sampling)[0]
+        hidden, _, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat,
+                                        sharding, head=False)
+        return response_logprobs(cfg, params, hidden, resp_index, resp_tokens, sampling, chunk_size=logprob_chunk,
+                                 sharding=sharding)[0]
 
     return jax.jit(score)
 
@@ -61,20 +64,24 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
 @functools.lru_cache(maxsize=None)
 def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, optim_cfg: PolicyOptimConfig,
               compute_dtype: str, remat: bool, draft: OnlineDraft | None,
-              sharding: Sharding | None = None) -> Callable:
+              sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK) -> Callable:
     """Compiled minibatch update (the policy does not step on a minibatch without loss tokens).
 
     (params, opt_state, draft_weights, draft_buffers, draft_opt_state, minibatch) ->
     (params, opt_state, draft_weights, draft_opt_state, metrics). With `draft` None the draft
     arguments are None and pass through. A mixture-of-experts policy's loss adds
     `router_aux_weight` x the router's load-balancing loss over the minibatch's non-padding tokens
-    (metric router_aux_loss, logged whatever the weight). With a draft, one policy forward also
-    returns the aux hidden states; the draft loss reads them and the logits detached, so the policy gets exactly
-    the policy-loss gradient and the head the draft-loss gradient; each is clipped and run through
-    its own AdamW. The head's update is then multiplied by λ = draft.loss_weight: the head trains on
-    L = L_policy + λ·L_draft with the weight acting after the clipping and Adam's normalisation,
-    which would cancel a weight on the loss (λ·draft.learning_rate is its effective learning rate).
-    params / opt_state / draft weights / draft opt_state are donated.
+    (metric router_aux_loss, logged whatever the weight). The policy's log-probs come from its final
+    hidden states in chunks of `logprob_chunk` response positions (`response_logprobs`): the policy
+    loss holds no float32 logits of every packed position, forward or backward. With a draft, one
+    policy forward also returns the aux hidden states; the draft loss reads them and the policy's
+    logits of every position, computed detached from the final hidden states (forward only, no
+    gradient kept), so the policy gets exactly the policy-loss gradient and the head the draft-loss
+    gradient; each is clipped and run through its own AdamW. The head's update is then multiplied by
+    λ = draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after
+    the clipping and Adam's normalisation, which would cancel a weight on the loss
+    (λ·draft.learning_rate is its effective learning rate). params / opt_state / draft weights /
+    draft opt_state are donated.
     """
     p_opt = policy_optimizer(optim_cfg)
     router_aux = router_aux_weight(loss_cfg, cfg)
@@ -82,12 +89,14 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     hidden_layers = tuple(draft.dcfg.aux_layer_ids) if draft is not None else ()
 
     def loss_fn(params, draft_weights, draft_buffers, mb: PackedRows):
-        logits, hidden, router_logits = sequence_forward(cfg, params, mb.tokens, mb.segment_ids, hidden_layers,
-                                                         jnp.dtype(compute_dtype), remat, sharding)
-        logp, entropy = response_logprobs(logits, mb.resp_index, mb.resp_tokens, sampling)
+        final, hidden, router_logits = sequence_forward(cfg, params, mb.tokens, mb.segment_ids, hidden_layers,
+                                                        jnp.dtype(compute_dtype), remat, sharding, head=False)
+        logprobs = functools.partial(response_logprobs, cfg, params, final, mb.resp_index, mb.resp_tokens,
+                                     chunk_size=logprob_chunk, sharding=sharding)
+        logp, entropy = logprobs(sampling)
         kl_logp = None
         if loss_cfg.kl_beta > 0:
-            kl_logp = response_logprobs(logits, mb.resp_index, mb.resp_tokens, reference_sampling(sampling))[0]
+            kl_logp = logprobs(reference_sampling(sampling))[0]
         denominator = None if mb.loss_denominator is None else jnp.max(mb.loss_denominator)
         loss, metrics = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, ref_logp=mb.ref_logp,
                                     rollout_logp=mb.rollout_logp, denominator=denominator, kl_logp=kl_logp)
@@ -100,9 +109,11 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
         total = loss
         if draft is not None:
             dparams = merge_buffers(draft_weights, draft_buffers)
+            logits = jax.lax.stop_gradient(logits_from_hidden(cfg, head_params(params, final.dtype), final))
+            logits = constrain(sharding, logits, ("batch", "seq", "vocab"))
             draft_loss, draft_metrics = eagle3_loss(
                 draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
-                jax.lax.stop_gradient(logits), mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
+                logits, mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
                 step_decay=draft.train.step_decay, segment_ids=mb.segment_ids)
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})

@@ -1,15 +1,21 @@
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from jaxspec.models import init_params
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.transformer import logits_from_hidden
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig
 from jaxspec.rl.loss import loss_denominator, policy_loss, response_logprobs, router_aux_weight, sequence_forward
 from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout.sampling import processed_logprobs
 
 
 def test_group_advantages_by_hand():
@@ -92,8 +98,8 @@ def test_trainer_logprobs_match_the_rollout(tiny_policy):
     rows = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0, width=48)
     packed = pack_rows(rows)
     assert packed.tokens.shape[0] == 1  # all three rollouts share one row
-    logits, _, _ = sequence_forward(cfg, params, packed.tokens, packed.segment_ids)
-    logp, entropy = response_logprobs(logits, packed.resp_index, packed.resp_tokens, sampling)
+    hidden, _, _ = sequence_forward(cfg, params, packed.tokens, packed.segment_ids, head=False)
+    logp, entropy = response_logprobs(cfg, params, hidden, packed.resp_index, packed.resp_tokens, sampling)
     valid = rows.resp_mask
     assert np.isfinite(np.asarray(logp)[valid]).all()
     np.testing.assert_allclose(np.asarray(logp)[valid], np.asarray(out.logprobs)[valid], atol=2e-6)
@@ -200,3 +206,82 @@ def test_router_aux_weight_defaults_to_the_policys_coefficient(tiny_policy, tiny
                                                                            dense) == 0.0
     with pytest.raises(ValueError, match=r"loss.router_aux_coef: the policy is dense .* got 0.01"):
         router_aux_weight(GRPOLossConfig(router_aux_coef=0.01), dense)
+
+
+def _head_case(tie: bool):
+    """(cfg, params, packed rows of 6 random rollouts of up to 7 new tokens, resp_tokens [6, 7]: half the
+    tokens the policy's most likely ones, so that top-k / top-p keep them, half random)."""
+    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie)
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    rng = np.random.default_rng(0)
+    prompts = [[1, 3, 50, 60, 4], [1, 3, 70, 4], [1, 5, 4]] * 2
+    rows = training_rows(prompts, rng.integers(5, 96, (6, 7)), rng.integers(1, 8, 6), pad_id=0)
+    packed = pack_rows(rows)
+    logits = sequence_forward(cfg, params, packed.tokens, packed.segment_ids)[0]
+    likely = np.asarray(jnp.argmax(logits.reshape(-1, 96)[packed.resp_index], axis=-1))
+    tokens = np.where(rng.random((6, 7)) < 0.5, likely, rng.integers(0, 96, (6, 7))).astype(np.int32)
+    return cfg, params, packed, jnp.asarray(tokens)
+
+
+def _unchunked_logprobs(cfg, params, hidden, resp_index, resp_tokens, sampling):
+    """The reference: float32 logits [R, W, V] of every position, gathered to [S, N, V]."""
+    logits = logits_from_hidden(cfg, params, hidden)
+    logp_all = processed_logprobs(logits.reshape(-1, logits.shape[-1])[resp_index], sampling)
+    logp = jnp.take_along_axis(logp_all, resp_tokens[:, :, None], axis=2)[:, :, 0]
+    probs = jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0)
+    return logp, -probs.sum(-1)
+
+
+SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5), Sampling(temperature=1.0, top_p=0.8),
+             Sampling(temperature=0.9, top_k=20, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk", "topp", "topk-topp"])
+def test_chunked_logprobs_equal_the_unchunked_head(sampling):
+    """response_logprobs from the final hidden states, in chunks that divide S * N = 42 or leave a padded
+    tail (and one chunk larger than all positions), equals log p and entropy from the logits of every
+    position; the head=False forward is the logits' input."""
+    cfg, params, packed, resp_tokens = _head_case(tie=False)
+    hidden, _, _ = sequence_forward(cfg, params, packed.tokens, packed.segment_ids, head=False)
+    np.testing.assert_array_equal(logits_from_hidden(cfg, params, hidden),
+                                  sequence_forward(cfg, params, packed.tokens, packed.segment_ids)[0])
+    want_logp, want_entropy = _unchunked_logprobs(cfg, params, hidden, packed.resp_index, resp_tokens, sampling)
+    assert np.isfinite(np.asarray(want_logp)).sum() >= 21
+    if sampling.top_k or sampling.top_p < 1:
+        assert np.isneginf(np.asarray(want_logp)).any()  # the filter excludes some of the random tokens
+    for chunk in (1, 7, 16, 42, 1000):
+        logp, entropy = response_logprobs(cfg, params, hidden, packed.resp_index, resp_tokens, sampling,
+                                          chunk_size=chunk)
+        assert logp.shape == entropy.shape == (6, 7)
+        np.testing.assert_allclose(logp, want_logp, rtol=0, atol=1e-5, err_msg=f"chunk {chunk}")
+        np.testing.assert_allclose(entropy, want_entropy, rtol=0, atol=1e-5, err_msg=f"chunk {chunk}")
+    with pytest.raises(ValueError, match="chunk_size"):
+        response_logprobs(cfg, params, hidden, packed.resp_index, resp_tokens, sampling, chunk_size=0)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied"])
+def test_chunked_logprobs_have_the_unchunked_gradient(tie):
+    """The gradient w.r.t. every param (through the head and the forward) of a weighted sum of the
+    chunked log-probs equals the unchunked one's; the entropy carries no gradient."""
+    cfg, params, packed, resp_tokens = _head_case(tie)
+    sampling = SAMPLINGS[-1]
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(6, 7)), jnp.float32)
+
+    def objective(logprobs):
+        def f(p):
+            hidden, _, _ = sequence_forward(cfg, p, packed.tokens, packed.segment_ids, head=False)
+            logp, entropy = logprobs(p, hidden)
+            return jnp.sum(jnp.where(jnp.isfinite(logp), logp, 0.0) * weights) + entropy.sum()
+        return jax.jit(jax.grad(f))(params)
+
+    def unchunked(p, hidden):  # the entropy is not differentiated: a constant in the reference
+        logp, entropy = _unchunked_logprobs(cfg, p, hidden, packed.resp_index, resp_tokens, sampling)
+        return logp, jax.lax.stop_gradient(entropy)
+
+    want = objective(unchunked)
+    for chunk in (16, 42):
+        got = objective(functools.partial(response_logprobs, cfg, resp_index=packed.resp_index,
+                                          resp_tokens=resp_tokens, sampling=sampling, chunk_size=chunk))
+        assert float(optax.tree.norm(want)) > 0
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
