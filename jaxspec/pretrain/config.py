@@ -76,6 +76,7 @@ class PretrainTrainConfig:
     compute_dtype: dtype of the forward/backward (params stay float32 master copies).
     attention: "auto" (cuDNN flash attention on GPU, packed segments as a mask), "xla" or "cudnn".
     moe: a mixture-of-experts policy's grouped matmuls (`jaxspec.models.moe.grouped_matmul`):
+        "auto" ("pallas" on a GPU where the mesh keeps experts whole, else "ragged_dot"),
         "ragged_dot", or "pallas" (the grouped-matmul kernels forward and backward, Triton on GPU,
         per device on its rows with the experts whole: not with mesh.expert or mesh.tensor > 1);
         "interpret" runs those kernels in Pallas interpret mode (any backend, slow).
@@ -90,7 +91,7 @@ class PretrainTrainConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    moe: Literal["ragged_dot", "pallas", "interpret"] = "ragged_dot"
+    moe: Literal["auto", "ragged_dot", "pallas", "interpret"] = "auto"
     log_every: int = 10
     eval_every: int = 0
     eval_max_new_tokens: int = 128
@@ -161,7 +162,7 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     for axis in ("data", "fsdp", "tensor"):
         need(getattr(cfg.mesh, axis) > 0, f"mesh.{axis}", f"must be > 0, got {getattr(cfg.mesh, axis)}")
     need(cfg.mesh.rollout_devices == 0, "mesh.rollout_devices", "a rollout mesh is for GRPO's rollout.mode async")
-    need(t.moe == "ragged_dot" or cfg.mesh.expert == cfg.mesh.tensor == 1, "train.moe",
+    need(t.moe in ("auto", "ragged_dot") or cfg.mesh.expert == cfg.mesh.tensor == 1, "train.moe",
          f"{t.moe!r} runs on whole experts: it needs mesh.expert = mesh.tensor = 1, got expert={cfg.mesh.expert}, "
          f"tensor={cfg.mesh.tensor}")
     row_shards = cfg.mesh.data * cfg.mesh.fsdp

@@ -366,3 +366,17 @@ def test_a_mesh_that_splits_the_experts_keeps_ragged_dot():
     assert "pallas_call" not in str(jax.make_jaxpr(lambda l, x: moe_mlp(l, x, 2, True, "auto", sharding))(layer, x))
     with pytest.raises(ValueError, match=r"'interpret' runs on whole experts, but the mesh splits them over \['expert'\]"):
         moe_mlp(layer, x, 2, True, "interpret", sharding)
+
+
+def test_auto_picks_the_kernel_on_gpus_where_the_experts_stay_whole(monkeypatch):
+    """auto = the grouped-matmul kernels on a GPU (validated there: benchmarks/check_gpu_moe.py),
+    ragged_dot on other backends, for mismatched dtypes and on meshes that split the experts."""
+    from jaxspec.models import moe
+    monkeypatch.delenv("JAXSPEC_MOE_MATMUL", raising=False)
+    assert moe.resolve_impl("auto", True) == "ragged_dot"  # this CPU
+    monkeypatch.setattr(moe, "on_gpu", lambda: True)
+    assert moe.resolve_impl("auto", True) == "pallas"
+    assert moe.resolve_impl("auto", False) == "ragged_dot"
+    split = Sharding(make_mesh(data=2, fsdp=1, expert=4))
+    assert moe.resolve_impl("auto", True, split) == "ragged_dot"
+    assert moe.resolve_impl("ragged_dot", True) == "ragged_dot"
