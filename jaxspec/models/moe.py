@@ -21,8 +21,13 @@ The grouped matmuls have two implementations with one semantics (`grouped_matmul
 
 `moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
 `transformer.extend` (prefill, decode and verification steps) and pretraining (`train.moe`) ask for
-"auto": "pallas" on a GPU when activations and experts share a dtype and no mesh axis splits the
-experts, else "ragged_dot". On an H100 the kernels equal ragged_dot and run the Qwen3-30B-A3B
+"auto": "pallas" on a GPU when activations and experts share a dtype, no mesh axis splits the
+experts and a call's experts x rows (token-expert assignments per device) reach
+`KERNEL_MIN_WORK`, else "ragged_dot". ragged_dot's cost grows with experts x rows (it makes
+[E, rows, K]-sized temporaries), the kernel's with the experts rows touch; on an H100 (forward, in a
+compiled loop) ragged_dot was faster at E x rows 8192 and 32768 (small_moe at 512 and 2048 rows:
+2.5x, 1.3x), the kernel from 65536 on (Qwen3-30B-A3B at 512 rows 1.1x, at 2048 3.0x, at 32768 21x;
+small_moe at 32768 4.1x). On an H100 the kernels equal ragged_dot and run the Qwen3-30B-A3B
 experts 20x faster at 32k rows (forward and backward) with no [E, rows, K] temporaries, and take a
 30B-A3B verification step from 3.2x to 1.4x a decode step (`benchmarks/check_gpu_moe.py`,
 BENCHMARKS.md lease U). The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot, pallas,
@@ -36,6 +41,7 @@ that splits the experts (expert or tensor axis) keeps ragged_dot, which XLA part
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,20 +54,23 @@ SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
 IMPLS = ("auto", "ragged_dot", "pallas", "interpret")
 IMPL_ENV = "JAXSPEC_MOE_MATMUL"
 EXPERT_SPLITTING_AXES = ("expert", "tensor")  # mesh axes `PARAM_AXES` splits the experts over
+KERNEL_MIN_WORK = 65536  # experts x rows from which "auto" takes the kernel (module docstring)
 
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None) -> str:
+def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None, work: int | None = None) -> str:
     """The implementation ("ragged_dot", "pallas" or "interpret") that `impl` picks for activations
-    and experts of one dtype or not (`dtypes_match`) on `sharding`'s mesh (see the module
-    docstring); ValueError for a kernel asked for on a mesh that splits the experts."""
+    and experts of one dtype or not (`dtypes_match`) on `sharding`'s mesh, for a call of `work` =
+    experts x rows per device (None: large) (see the module docstring); ValueError for a kernel asked
+    for on a mesh that splits the experts."""
     chosen = requested_impl(impl, IMPLS, IMPL_ENV, "moe grouped matmul")
     split = [ax for ax in EXPERT_SPLITTING_AXES if sharding is not None and sharding.mesh.shape.get(ax, 1) > 1]
     if chosen == "auto":
-        return "pallas" if on_gpu() and dtypes_match and not split else "ragged_dot"
+        large = work is None or work >= KERNEL_MIN_WORK
+        return "pallas" if on_gpu() and dtypes_match and not split and large else "ragged_dot"
     if impl == "auto" and not dtypes_match:
         return "ragged_dot"
     if chosen != "ragged_dot" and split:
@@ -74,7 +83,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
     """`jax.lax.ragged_dot(x, w, group_sizes)`: x [M, K] rows sorted by group, w [E, K, N], group_sizes
     int32 [E] -> [M, N] (rows past sum(group_sizes) are 0), by the implementation `impl` names (see
     the module docstring). Differentiable in x and w with every implementation."""
-    impl = resolve_impl(impl, x.dtype == w.dtype)
+    impl = resolve_impl(impl, x.dtype == w.dtype, work=w.shape[0] * x.shape[0])
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
     return _grouped_matmul_kernel(x, w, group_sizes, impl == "interpret")
@@ -115,7 +124,11 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: s
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
     float32); impl: the grouped matmuls' implementation (`grouped_matmul`); sharding: the mesh x
     is laid out on, for the kernels' per-device call (see the module docstring)."""
-    impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding)
+    b, t, _ = x.shape
+    shards = 1 if sharding is None else math.prod(
+        sharding.mesh.shape[a] for a in jax.tree.leaves(sharding.spec(("batch", "seq", "act_embed"), x.shape)[:2]))
+    work = layer["router"].shape[1] * b * t * top_k // shards
+    impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding, work)
     if impl == "ragged_dot" or sharding is None or sharding.mesh.size == 1:
         return _moe_mlp(layer, x, top_k, norm_topk_prob, impl)
     batch_axes, seq_axes, _ = sharding.spec(("batch", "seq", "act_embed"), x.shape)

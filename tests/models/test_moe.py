@@ -369,14 +369,24 @@ def test_a_mesh_that_splits_the_experts_keeps_ragged_dot():
 
 
 def test_auto_picks_the_kernel_on_gpus_where_the_experts_stay_whole(monkeypatch):
-    """auto = the grouped-matmul kernels on a GPU (validated there: benchmarks/check_gpu_moe.py),
-    ragged_dot on other backends, for mismatched dtypes and on meshes that split the experts."""
+    """auto = the grouped-matmul kernels on a GPU (validated there: benchmarks/check_gpu_moe.py) for
+    calls of KERNEL_MIN_WORK experts x rows or more, ragged_dot for smaller ones, on other backends,
+    for mismatched dtypes and on meshes that split the experts."""
     from jaxspec.models import moe
     monkeypatch.delenv("JAXSPEC_MOE_MATMUL", raising=False)
     assert moe.resolve_impl("auto", True) == "ragged_dot"  # this CPU
     monkeypatch.setattr(moe, "on_gpu", lambda: True)
     assert moe.resolve_impl("auto", True) == "pallas"
+    assert moe.resolve_impl("auto", True, work=moe.KERNEL_MIN_WORK) == "pallas"
+    assert moe.resolve_impl("auto", True, work=moe.KERNEL_MIN_WORK - 1) == "ragged_dot"  # a small decode step
     assert moe.resolve_impl("auto", False) == "ragged_dot"
     split = Sharding(make_mesh(data=2, fsdp=1, expert=4))
     assert moe.resolve_impl("auto", True, split) == "ragged_dot"
     assert moe.resolve_impl("ragged_dot", True) == "ragged_dot"
+    layer = _sparse_layer(jax.random.key(27))
+
+    def uses_kernel(tokens: int) -> bool:  # E=8, top-2: experts x rows = 16 x tokens
+        x = jax.ShapeDtypeStruct((1, tokens, SHARDED_CFG.hidden_size), jnp.float32)
+        return "pallas_call" in str(jax.make_jaxpr(lambda l, x: moe_mlp(l, x, 2, True, "auto"))(layer, x))
+
+    assert uses_kernel(moe.KERNEL_MIN_WORK // 16) and not uses_kernel(moe.KERNEL_MIN_WORK // 16 - 1)
