@@ -23,8 +23,9 @@ The log-prob and update times include packing each minibatch on the host, as the
 
 Each phase runs once untimed first (compilation), then is timed over the whole batch. Memory is
 `peak_bytes_in_use` of every local device after the phase: the peak since the process started
-(a high-water mark, so the first phase that needs more raises it); None where the device reports no
-statistics (CPU).
+(a high-water mark, so the first phase that needs more raises it), and `bytes_in_use` when the
+phase starts (in_use_gb_before: what it runs next to, also on a phase that runs out of memory);
+None where the device reports no statistics (CPU).
 
 PROJECTION (computed, not measured): the speculative generation at acceptance length tau costs
 (new / tau) verification steps at the measured cost of one (the generate_spec time / its steps,
@@ -71,9 +72,14 @@ def check_phases(phases: list[str]) -> None:
             raise ValueError(f"--phases: {phase} reads the results of {' or '.join(NEEDS[phase])}; add it")
 
 
-def peak_bytes() -> list[int | None]:
-    """Peak bytes in use of every local device since the process started (None: not reported)."""
-    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+def memory_stat(name: str) -> list[int | None]:
+    """`name` of every local device's memory statistics (None: not reported, e.g. on the CPU):
+    peak_bytes_in_use (since the process started) or bytes_in_use (now)."""
+    return [(d.memory_stats() or {}).get(name) for d in jax.local_devices()]
+
+
+def gigabytes(values: list[int | None]) -> list[float | None]:
+    return [None if b is None else round(b / 1e9, 2) for b in values]
 
 
 def mesh_config(text: str) -> MeshConfig:
@@ -300,16 +306,16 @@ def main(argv: list[str]) -> int:
                       ("update_draft", lambda: bench.update(True)), ("checkpoint", bench.checkpoint)):
         if name not in args.phases:
             continue
+        in_use = gigabytes(memory_stat("bytes_in_use"))  # what the phase starts next to
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:
             # a phase that does not fit ends the benchmark; what ran before it is still reported
-            rows.append({"phase": name, "error": out_of_memory(err)})
+            rows.append({"phase": name, "in_use_gb_before": in_use, "error": out_of_memory(err)})
             print(f"{name}: {rows[-1]['error']}")
             break
-        peaks = peak_bytes()
-        row = {"phase": name, **phases[name],
-               "peak_gb_per_device": [None if b is None else round(b / 1e9, 2) for b in peaks]}
+        row = {"phase": name, **phases[name], "in_use_gb_before": in_use,
+               "peak_gb_per_device": gigabytes(memory_stat("peak_bytes_in_use"))}
         rows.append(row)
         print_table([row], list(row))
     kv = cache_bytes(cfg, args.sub_batch, args.prompt + args.new, jnp.dtype(args.rollout_dtype))
@@ -319,7 +325,7 @@ def main(argv: list[str]) -> int:
     print(f"\nKV cache per sub-batch of {args.sub_batch} rows x {args.prompt + args.new} slots: {kv / 1e9:.2f} GB "
           f"(all devices together)")
     print_table(rows, ["phase", "seconds", "first_call_s", "acceptance_length", "ms_per_loop_step",
-                       "peak_gb_per_device", "error"])
+                       "in_use_gb_before", "peak_gb_per_device", "error"])
     if projected:
         print("\nPROJECTION (computed from the measured costs above, not measured):")
         print_table(projected, ["projection", "generate_s", "step_s", "ar_step_s", "speedup", "generation_speedup"])
