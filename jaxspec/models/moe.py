@@ -20,7 +20,8 @@ The grouped matmuls have two implementations with one semantics (`grouped_matmul
   them in Pallas interpret mode.
 
 `moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
-`transformer.extend` (prefill, decode and verification steps) and pretraining (`train.moe`) ask for
+`transformer.extend` (prefill, decode and verification steps), the GRPO trainer's forward
+(`rl.loss.sequence_forward`) and pretraining (`train.moe`) ask for
 "auto": "pallas" on a GPU when activations and experts share a dtype, no mesh axis splits the
 experts and a call's experts x rows (token-expert assignments per device) reach
 `KERNEL_MIN_WORK`, else "ragged_dot". ragged_dot's cost grows with experts x rows (it makes

@@ -38,11 +38,12 @@ def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segmen
     input of `response_logprobs`. With a `sharding`, every layer's activations are split over the
     batch axes (rows), whatever the params' layout: without the constraint the rows of an
     fsdp-sharded embedding table come out split along the hidden dimension, a layout cuDNN's flash
-    attention cannot partition.
+    attention cannot partition. A mixture-of-experts policy's experts run as `moe_impl="auto"`
+    picks (the grouped-matmul kernels on a GPU for large calls, forward and backward).
     """
     compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     return forward_router(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
-                          sharding=sharding, head=head)
+                          sharding=sharding, head=head, moe_impl="auto")
 
 
 def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:

@@ -285,3 +285,22 @@ def test_chunked_logprobs_have_the_unchunked_gradient(tie):
                                           resp_tokens=resp_tokens, sampling=sampling, chunk_size=chunk))
         assert float(optax.tree.norm(want)) > 0
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+def test_the_trainer_forward_runs_large_expert_calls_through_the_kernels_on_gpus(tiny_moe_policy, monkeypatch):
+    """sequence_forward asks for moe_impl auto: on a GPU (faked) a packed batch of 4 x 8192 tokens
+    (4 experts x top-2: 262144 experts x rows) takes the grouped-matmul kernels, forward and
+    gradient; on this CPU it keeps ragged_dot."""
+    from jaxspec.models import moe
+    cfg, params = tiny_moe_policy[1], tiny_moe_policy[2]
+    tokens = jax.ShapeDtypeStruct((4, 8192), jnp.int32)
+
+    def jaxpr() -> str:
+        def loss(p, t):
+            return sequence_forward(cfg, p, t, jnp.ones_like(t), head=False)[0].astype(jnp.float32).sum()
+        return str(jax.make_jaxpr(jax.grad(loss))(params, tokens))
+
+    assert "pallas_call" not in jaxpr()
+    monkeypatch.setattr(moe, "on_gpu", lambda: True)
+    gpu = jaxpr()
+    assert "grouped_matmul" in gpu and "grouped_transposed_matmul" in gpu  # forward / dX, and dW
