@@ -12,6 +12,7 @@ import pytest
 from kernels import ragged_attention
 from kernels.ragged_attention import (cache_attention_pallas, cache_attention_reference, merge, new_token_bits,
                                       split_plan)
+from tests.kernels.triton_ir import verify_triton
 
 KV_HEADS, HEAD_DIM = 2, 32
 
@@ -150,3 +151,18 @@ def test_programs_read_only_the_blocks_up_to_each_rows_length(monkeypatch, split
         jax.clear_caches()
     assert np.isfinite(np.asarray(got)).all(), "a program read a KV block past its row's length"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("num_new,group", [(1, 2), (1, 7), (8, 7), (16, 7), (40, 2)])  # decode, chains, trees
+@pytest.mark.parametrize("max_len,block_k,splits", [(200, 64, None), (200, 16, 3), (4096, 64, None)])
+def test_the_gpu_kernel_is_a_valid_triton_module(head_dim, num_new, group, max_len, block_k, splits):
+    """The kernel as a GPU compiles it (bf16, as the models run it), at the rollout's shapes: query
+    rows up to 128, one or two words of new-token bits."""
+    batch, rows = 4, max(16, 1 << (num_new * group - 1).bit_length())
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    cache = jax.ShapeDtypeStruct((batch, max_len, KV_HEADS, head_dim), bf16)
+    per_row = jax.ShapeDtypeStruct((batch,), i32)
+    attend = lambda *args: cache_attention_pallas(*args, num_new=num_new, block_k=block_k, splits=splits)  # noqa: E731
+    assert verify_triton(attend, jax.ShapeDtypeStruct((batch, KV_HEADS, rows, head_dim), bf16), cache, cache,
+                         per_row, per_row, jax.ShapeDtypeStruct((batch, -(-num_new // 32), rows), i32)) == 1

@@ -11,6 +11,7 @@ from kernels.tree_decide_pallas import decide_pallas
 from kernels.tree_verify_pallas import node_stats_pallas, split_partials_pallas
 from kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
 from tests.kernels.trees import random_parents_and_tokens
+from tests.kernels.triton_ir import verify_triton
 
 BATCH, NODES, VOCAB, TILE = 5, 6, 200, 32
 
@@ -49,3 +50,18 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
             else:
                 np.testing.assert_array_equal(g, w, err_msg=name)
     assert int(jnp.max(want.num_accepted)) >= 2
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8, 16])  # chains of 1..7 drafts, trees up to 16 nodes
+@pytest.mark.parametrize("vocab,splits", [(512, 1), (151936, 1), (151936, 75)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_gpu_kernel_is_a_valid_triton_module(nodes, vocab, splits, temperature):
+    """The decision kernel as a GPU compiles it, at the rollout's shapes."""
+    batch = 4
+    f32, i32 = jnp.float32, jnp.int32
+    partial = jax.ShapeDtypeStruct((batch, nodes, splits), f32)
+    per_node = lambda dtype: jax.ShapeDtypeStruct((batch, nodes), dtype)  # noqa: E731
+    decide = lambda *args: decide_pallas(*args, temperature)  # noqa: E731
+    assert verify_triton(decide, partial, partial, partial, per_node(i32),
+                         jax.ShapeDtypeStruct((batch, nodes, vocab), f32), per_node(i32), per_node(i32),
+                         jax.ShapeDtypeStruct((batch,), i32), per_node(f32)) == 1

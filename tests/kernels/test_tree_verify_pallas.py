@@ -10,6 +10,7 @@ from kernels import tree_verify
 from kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
 from kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
 from tests.kernels.trees import random_parents_and_tokens
+from tests.kernels.triton_ir import verify_triton
 
 BATCH, NODES, VOCAB = 6, 8, 300
 TILE = 64  # several tiles and vocabulary splits per node, with a ragged last tile
@@ -134,3 +135,16 @@ def test_kernel_reads_bfloat16_logits():
     got = node_stats_pallas(low, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE)
     np.testing.assert_array_equal(got.sample, want.sample)
     np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8, 16])  # chains of 1..7 drafts, trees up to 16 nodes
+@pytest.mark.parametrize("vocab,dtype", [(512, jnp.float32), (151936, jnp.float32), (151936, jnp.bfloat16)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("batch", [1, 64])  # many vocabulary splits per node / few
+def test_the_gpu_kernels_are_valid_triton_modules(nodes, vocab, dtype, temperature, batch):
+    """The node-statistics and decision kernels as a GPU compiles them, at the rollout's shapes
+    (greedy verification reads the policy's logits, sampled verification float32 log-probs)."""
+    tree = jax.ShapeDtypeStruct((batch, nodes), jnp.int32)
+    verify = lambda *args: verify_pallas(*args, temperature=temperature)  # noqa: E731
+    assert verify_triton(verify, jax.ShapeDtypeStruct((batch, nodes, vocab), dtype), tree, tree,
+                         jax.ShapeDtypeStruct((batch,), jnp.int32), jax.random.key(0)) == 2
