@@ -11,6 +11,7 @@ from jaxspec.config_io import load_config
 from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig, cache_bytes
 from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.loss import LOGPROB_CHUNK
 from jaxspec.rl.validation import validate
 from jaxspec.rollout.memory import rollout_memory_bytes
 
@@ -54,4 +55,6 @@ def test_the_memory_plan_follows_from_the_shapes():
     head_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(head) if x.dtype.kind == "f")
     assert f"EAGLE-3 head ({head_params / 1e9:.2f}e9 params" in text
     assert f"weights + mu + nu, bf16 copy {(3 * 4 + 2) * head_params / 1e9:.1f} GB" in text
-    assert f"float32 logits 9216 x {cfg.vocab_size}\n#           ({9216 * cfg.vocab_size * 4 / 1e9:.1f} GB)" in text
+    chunk = LOGPROB_CHUNK * cfg.vocab_size * 4  # the chunked log-prob head's logits
+    assert f"(float32 logits {LOGPROB_CHUNK} x {cfg.vocab_size},\n#           {chunk / 1e9:.1f} GB a copy)" in text
+    assert f"builds those ({9216 * cfg.vocab_size * 4 / 1e9:.1f} GB" in text
