@@ -31,13 +31,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.tree_decide_pallas import MIN_LANES
+from kernels.tree_decide_pallas import MIN_LANES, NO_INDEX, load_row_tree
 from kernels.tree_noise import race_noise
 from kernels.tree_race import inverse_temperature
-from kernels.tree_verify_reference import VerifyResult, verification_noise
+from kernels.tree_verify_reference import VerifyResult, rejection_update, verification_noise
 
 STOCHASTIC_TILE = 1024  # vocabulary tokens per step of a pass (a speed knob: it never changes a sample)
-_NONE = 1 << 30  # "no index" for min-reductions
 
 
 def _pick(values, lanes, k):
@@ -45,45 +44,27 @@ def _pick(values, lanes, k):
     return jnp.sum(jnp.where(lanes == k, values, jnp.zeros_like(values)))
 
 
-def _safe(total):
-    return jnp.where(total > 0, total, 1.0)
-
-
 def _residual(scaled, q, token, lse, q_total, rejected, r_totals, q_totals, count, lanes):
     """(r_j, q_j) at `token` (any shape; scaled = logits * inv_t, q = raw draft probs, float32)
     after `count` rejections at a node whose lse and sum(q) are given."""
-    r = jnp.exp(scaled - lse)
-    q = q / q_total
-
     def reject(k, rq):
-        r, q = rq
-        r_total, q_total_k = _pick(r_totals, lanes, k), _pick(q_totals, lanes, k)
-        r_next = jnp.where(r_total > 0, jnp.maximum(r - q, 0.0) / _safe(r_total), r)
-        q_next = jnp.where(q_total_k > 0, jnp.where(token == _pick(rejected, lanes, k), 0.0, q) / _safe(q_total_k), q)
-        return r_next, q_next
+        return rejection_update(*rq, token == _pick(rejected, lanes, k), _pick(r_totals, lanes, k),
+                                _pick(q_totals, lanes, k))
 
-    return lax.fori_loop(0, count, reject, (r, q))
+    return lax.fori_loop(0, count, reject, (jnp.exp(scaled - lse), q / q_total))
 
 
 def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref, uniforms_ref, seeds_ref,
                        path_ref, accepted_ref, next_ref, logprobs_ref,
                        *, temperature: float, nodes: int, vocab: int, padded: int, tile: int):
     lanes = jnp.arange(padded, dtype=jnp.int32)
-    valid = lanes < nodes
-    node_lane = jnp.minimum(lanes, nodes - 1)  # a safe load index for the padding lanes
     inv_t = inverse_temperature(temperature)
     num_tiles = pl.cdiv(vocab, tile)
     offsets = jnp.arange(tile, dtype=jnp.int32)
 
-    def load(ref, fill):
-        return jnp.where(valid, plgpu.load(ref.at[node_lane]), fill)
-
-    count = num_nodes_ref[...]
-    is_child = (lanes > 0) & (lanes < count)
-    parent = jnp.where(is_child, load(parents_ref, 0), 0)
-    token = jnp.where(is_child, load(tokens_ref, 0), 0)
-    uniforms = load(uniforms_ref, 0.0)
-    seeds = load(seeds_ref, 0)
+    is_child, parent, token = load_row_tree(parents_ref, tokens_ref, num_nodes_ref, lanes, nodes)
+    node_lane = jnp.minimum(lanes, nodes - 1)  # the padding lanes are never picked
+    uniforms, seeds = plgpu.load(uniforms_ref.at[node_lane]), plgpu.load(seeds_ref.at[node_lane])
 
     def tile_at(node, t):
         """(tokens, logits * inv_t, raw q) of vocabulary tile t at node; outside V: -inf and 0."""
@@ -120,8 +101,8 @@ def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref
     def step(_, carry):
         cur, last, depth, done, lse, q_total, rejected, r_totals, q_totals, count, path, logprobs = carry
         candidates = is_child & (parent == cur) & (lanes > last)
-        m = jnp.min(jnp.where(candidates, lanes, _NONE))
-        test = ~done & (m < _NONE)
+        m = jnp.min(jnp.where(candidates, lanes, NO_INDEX))
+        test = ~done & (m < NO_INDEX)
         x = _pick(token, lanes, m)
         scaled_x = plgpu.load(logits_ref.at[cur * vocab + x]).astype(jnp.float32) * inv_t
         q_x = plgpu.load(q_ref.at[cur * vocab + x]).astype(jnp.float32)
@@ -159,7 +140,7 @@ def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref
         r, _ = _residual(scaled, q, v, lse, q_total, *state, lanes)
         score = jnp.where(r > 0, jnp.log2(r) + race_noise(seed, v), -jnp.inf)
         tile_best = jnp.max(score)
-        tile_token = jnp.min(jnp.where(score == tile_best, v, _NONE))
+        tile_token = jnp.min(jnp.where(score == tile_best, v, NO_INDEX))
         better = tile_best > best
         return jnp.where(better, tile_best, best), jnp.where(better, tile_token, best_token)
 
