@@ -10,11 +10,13 @@ kernel carries only scalars and rebuilds them per token from the node's logits a
     r_0 = exp(logits * inv_t - lse),  q_0 = q / sum(q),
     r_{k+1} = (r_k - q_k)+ / R_{k+1} (r_k if R_{k+1} = 0),  q_{k+1} = q_k·1[v != x_{k+1}] / Q_{k+1} (likewise),
 
-with the node's lse and sum(q), the rejected tokens x_k and the normalisers R_k, Q_k (at most
-N - 1 of each) in registers. Per token this is the reference's elementwise arithmetic step by
-step, so the two agree up to the summation order of the normalisers. The walk runs at most N - 1
-tests; each accepted child costs one pass over the new node's vocabulary (its lse and sum(q)),
-each rejected one a pass for R and Q, and the end one race pass; a pass not taken runs 0 tiles.
+with the rejected tokens x_k and the normalisers R_k, Q_k (at most N - 1 of each) in registers.
+Every node's lse and sum(q) come from `stochastic_normalisers`, the reference's own XLA
+reductions, computed for all nodes at once before the kernel, so an accepted child costs the
+kernel no vocabulary pass; each rejected child costs one pass (its R and Q, over the current
+node's logits and q) and the end one race pass; a pass not taken runs 0 tiles. Per token the
+kernel does the reference's elementwise arithmetic step by step (`rejection_update`), so the two
+agree up to the summation order of R and Q.
 
 In interpret mode the arithmetic is the reference's (normalisers up to float summation order);
 compiled, library transcendentals may differ in the last bit. Either can only change a decision
@@ -34,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels.tree_decide_pallas import MIN_LANES, NO_INDEX, load_row_tree
 from kernels.tree_noise import race_noise
 from kernels.tree_race import inverse_temperature
-from kernels.tree_verify_reference import VerifyResult, rejection_update, verification_noise
+from kernels.tree_verify_reference import VerifyResult, rejection_update, stochastic_normalisers, verification_noise
 
 STOCHASTIC_TILE = 1024  # vocabulary tokens per step of a pass (a speed knob: it never changes a sample)
 
@@ -54,8 +56,8 @@ def _residual(scaled, q, token, lse, q_total, rejected, r_totals, q_totals, coun
     return lax.fori_loop(0, count, reject, (jnp.exp(scaled - lse), q / q_total))
 
 
-def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref, uniforms_ref, seeds_ref,
-                       path_ref, accepted_ref, next_ref, logprobs_ref,
+def _stochastic_kernel(logits_ref, q_ref, lse_ref, q_total_ref, parents_ref, tokens_ref, num_nodes_ref, uniforms_ref,
+                       seeds_ref, path_ref, accepted_ref, next_ref, logprobs_ref,
                        *, temperature: float, nodes: int, vocab: int, padded: int, tile: int):
     lanes = jnp.arange(padded, dtype=jnp.int32)
     inv_t = inverse_temperature(temperature)
@@ -65,6 +67,7 @@ def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref
     is_child, parent, token = load_row_tree(parents_ref, tokens_ref, num_nodes_ref, lanes, nodes)
     node_lane = jnp.minimum(lanes, nodes - 1)  # the padding lanes are never picked
     uniforms, seeds = plgpu.load(uniforms_ref.at[node_lane]), plgpu.load(seeds_ref.at[node_lane])
+    node_lse, node_q_total = plgpu.load(lse_ref.at[node_lane]), plgpu.load(q_total_ref.at[node_lane])
 
     def tile_at(node, t):
         """(tokens, logits * inv_t, raw q) of vocabulary tile t at node; outside V: -inf and 0."""
@@ -73,20 +76,6 @@ def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref
         scaled = plgpu.load(logits_ref.at[node * vocab + v], mask=inside, other=-jnp.inf).astype(jnp.float32) * inv_t
         q = plgpu.load(q_ref.at[node * vocab + v], mask=inside, other=0).astype(jnp.float32)
         return v, scaled, q
-
-    def node_pass(node, tiles):
-        """(lse of logits * inv_t, sum of q) at node, over the first `tiles` tiles (online max)."""
-        def body(t, carry):
-            peak, total, q_total = carry
-            _, scaled, q = tile_at(node, t)
-            new_peak = jnp.maximum(peak, jnp.max(scaled))
-            shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)
-            total = total * jnp.exp(peak - shift) + jnp.sum(jnp.exp(scaled - shift))
-            return new_peak, total, q_total + jnp.sum(q)
-
-        zero = jnp.float32(0.0)
-        peak, total, q_total = lax.fori_loop(0, tiles, body, (jnp.float32(-jnp.inf), zero, zero))
-        return peak + jnp.log(total), q_total
 
     def rejection_pass(node, x, lse, q_total, state, tiles):
         """(R, Q) of rejecting token x at node: sums of (r_j - q_j)+ and of q_j with x zeroed."""
@@ -111,21 +100,21 @@ def _stochastic_kernel(logits_ref, q_ref, parents_ref, tokens_ref, num_nodes_ref
         accept = test & (_pick(uniforms, lanes, m) * q_x < r_x)
         reject = test & ~accept
         # (int32 trip counts: a select of Python ints lowers to an i1 bound that Triton rejects)
-        child_lse, child_q_total = node_pass(m, num_tiles * accept.astype(jnp.int32))
         r_total, q_total_x = rejection_pass(cur, x, lse, q_total, state, num_tiles * reject.astype(jnp.int32))
         at_count = reject & (lanes == count)
         logprobs = jnp.where(accept & (lanes == depth), scaled_x - lse, logprobs)
         path = jnp.where(accept & (lanes == depth + 1), m, path)
         return (jnp.where(accept, m, cur), jnp.where(test, m, last), depth + accept.astype(jnp.int32),
-                done | ~test, jnp.where(accept, child_lse, lse), jnp.where(accept, child_q_total, q_total),
+                done | ~test, jnp.where(accept, _pick(node_lse, lanes, m), lse),
+                jnp.where(accept, _pick(node_q_total, lanes, m), q_total),
                 jnp.where(at_count, x, rejected), jnp.where(at_count, r_total, r_totals),
                 jnp.where(at_count, q_total_x, q_totals), jnp.where(accept, 0, count + reject.astype(jnp.int32)),
                 path, logprobs)
 
-    root_lse, root_q_total = node_pass(0, num_tiles)
     zeros = jnp.zeros((padded,), jnp.float32)
     zero_i = jnp.int32(0)
-    carry = (zero_i, zero_i, zero_i, jnp.bool_(False), root_lse, root_q_total, jnp.zeros((padded,), jnp.int32),
+    carry = (zero_i, zero_i, zero_i, jnp.bool_(False), _pick(node_lse, lanes, 0),
+             _pick(node_q_total, lanes, 0), jnp.zeros((padded,), jnp.int32),
              zeros, zeros, zero_i, jnp.where(lanes == 0, 0, -1), zeros)
     cur, _, depth, _, lse, q_total, rejected, r_totals, q_totals, count, path, logprobs = lax.fori_loop(
         0, nodes - 1, step, carry)
@@ -168,6 +157,7 @@ def verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nod
     tile = min(tile, pl.next_power_of_2(vocab))
     padded = max(pl.next_power_of_2(n), MIN_LANES)
     noise = verification_noise(key, batch, n)
+    lse, q_total = stochastic_normalisers(logits, draft_probs, temperature)
     kernel = functools.partial(_stochastic_kernel, temperature=temperature, nodes=n, vocab=vocab, padded=padded,
                                tile=tile)
     row = lambda size: pl.BlockSpec((None, size), lambda b: (b, 0))  # noqa: E731
@@ -175,13 +165,13 @@ def verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nod
     path, accepted, next_token, logprobs = pl.pallas_call(
         kernel,
         grid=(batch,),
-        in_specs=[row(n * vocab), row(n * vocab), row(n), row(n), scalar, row(n), row(n)],
+        in_specs=[row(n * vocab), row(n * vocab), row(n), row(n), row(n), row(n), scalar, row(n), row(n)],
         out_specs=[row(padded), scalar, scalar, row(padded)],  # the padded nodes, sliced off below
         out_shape=[jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
                    jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, padded), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_verify_stochastic",
-    )(logits.reshape(batch, n * vocab), draft_probs.reshape(batch, n * vocab), parents, draft_tokens, num_nodes,
-      noise.uniforms, noise.token_seeds)
+    )(logits.reshape(batch, n * vocab), draft_probs.reshape(batch, n * vocab), lse, q_total, parents, draft_tokens,
+      num_nodes, noise.uniforms, noise.token_seeds)
     return VerifyResult(path[:, :n], accepted, next_token, logprobs[:, :n])

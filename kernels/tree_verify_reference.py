@@ -221,13 +221,20 @@ def rejection_update(r, q, rejected, r_total, q_total) -> tuple[jax.Array, jax.A
     return r_next, q_next
 
 
+def stochastic_normalisers(logits, draft_probs, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(lse, q_total) float32 [B, N]: logsumexp of logits * inv_t and the sum of draft_probs at every
+    node (p = exp(logits * inv_t - lse), q = draft_probs / q_total); shared with the kernel."""
+    scaled = logits.astype(jnp.float32) * inverse_temperature(temperature)
+    return jax.nn.logsumexp(scaled, axis=-1), jnp.sum(draft_probs.astype(jnp.float32), axis=-1)
+
+
 def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uniforms, seeds,
                       temperature) -> VerifyResult:
     """Verification of children drawn from q = draft_probs without replacement (temperature > 0)."""
     batch, n, vocab = logits.shape
     inv_t = inverse_temperature(temperature)
     scaled = logits.astype(jnp.float32) * inv_t
-    lse = jax.nn.logsumexp(scaled, axis=-1)
+    lse, q_total = stochastic_normalisers(logits, draft_probs, temperature)
     is_child, parent, child_of = tree_structure(parents, num_nodes)
     child_logp = _child_logprobs(logits, lse, parent, draft_tokens, is_child, inv_t)
     rows = jnp.arange(batch)
@@ -238,8 +245,7 @@ def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uni
         return jnp.exp(scaled[rows, node] - lse[rows, node][:, None])
 
     def q_at(node):
-        q = draft_probs[rows, node].astype(jnp.float32)
-        return q / jnp.sum(q, axis=-1, keepdims=True)
+        return draft_probs[rows, node].astype(jnp.float32) / q_total[rows, node][:, None]
 
     def unfinished(state):
         return ~jnp.all(state["done"])
