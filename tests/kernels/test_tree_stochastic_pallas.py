@@ -20,8 +20,8 @@ NUM_NODES = np.array([9, 9, 6, 4, 1, 2, 9, 7], np.int32)
 
 
 def stochastic_forest(seed: int, vocab: int, chain: bool, dtype):
-    """Random trees (or chains), per-row node counts NUM_NODES; q a peaked random distribution
-    with ~20% zeros, each child's token drawn from its parent's q; logits with ~30% -inf entries
+    """Random trees (or chains), per-row node counts NUM_NODES; logits and q in `dtype`; q a peaked
+    random distribution (unnormalised) with ~20% zeros, each child's token drawn from its parent's q; logits with ~30% -inf entries
     (never on token 7) and raised at about half of the drafted tokens, so that paths of every
     length, rejections followed by acceptances and whole accepted chains all occur."""
     rng = np.random.default_rng(seed)
@@ -43,7 +43,7 @@ def stochastic_forest(seed: int, vocab: int, chain: bool, dtype):
         for n in range(1, NODES):
             if rng.random() < 0.5:
                 logits[b, parents[b, n], tokens[b, n]] = 5.0 + 3.0 * rng.random()
-    return (jnp.asarray(logits, dtype), jnp.asarray(q), jnp.asarray(parents), jnp.asarray(tokens),
+    return (jnp.asarray(logits, dtype), jnp.asarray(q, dtype), jnp.asarray(parents), jnp.asarray(tokens),
             jnp.asarray(NUM_NODES))
 
 
