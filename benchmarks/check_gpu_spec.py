@@ -8,10 +8,10 @@ the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton)
 kernel: `verify_pallas` compiled against `verify_reference` on the same random trees and key, for
 chains of 1 to 15 drafts and random trees of up to 16 nodes, greedy and T=1, a vocabulary of one
 race tile and of many; and `verify_stochastic_pallas` (stochastic drafts, tree "chain/q" or
-"random/q") the same way, at T=1 and 0.7, vocabularies of 512 and 151936 tokens: the accepted path, its length and the next token must be equal (float
-rounding can flip a decision that lands on a boundary: at most `MAX_FLIPPED` of the rows), the
-log-probs within `LOGPROB_TOL`, and every result must be consistent (num_accepted equals the
-path's accepted nodes).
+"random/q") the same way, at T=1 and 0.7, vocabularies of 512 and 151936 tokens: the accepted path,
+its length and the next token must be equal (float rounding can flip a decision that lands on a
+boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
+must be consistent (num_accepted equals the path's accepted nodes).
 rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
 on the embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
 run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with pallas, in separate processes (the

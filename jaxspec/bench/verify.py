@@ -1,17 +1,17 @@
 """`jaxspec bench verify`: the tree-verification kernel vs its jnp reference.
 
 Random f32 logits [batch, nodes, vocab] and a random tree per row (each node's parent drawn below
-it, random draft tokens), deterministic drafts; with `--stochastic`, drafts verified as drawn from
-q (a random softmax per node, f32): the stochastic-draft kernel against `verify_stochastic`. Times are per call with `--iters` calls inside one
-compiled `fori_loop` (`in_loop_seconds`: device time, as inside the compiled rollout loop; each
-call has its own key, and depends on the one before through in-place zero updates of the logits
-and the tree, so XLA hoists none of the work out of the loop), less `loop_ms`, the same loop's
-time per iteration with a call that does nothing. The `latency` columns time single blocking
-calls, dispatch and host round trip included. The achieved rate is logits bytes (and q's, for
-stochastic drafts) / time, compared with the device copy bandwidth (bytes read + written per
-second) measured in the same run. `agree` is the fraction of rows where both implementations
-return the same path, count and next token from the same key (they share the noise; float
-summation order can flip a decision that lands within rounding of a boundary).
+it, random draft tokens), deterministic drafts; with `--stochastic`, drafts verified as drawn from q
+(a random softmax per node, f32): the stochastic-draft kernel against `verify_stochastic`. Times are
+per call with `--iters` calls inside one compiled `fori_loop` (`in_loop_seconds`: device time, as
+inside the compiled rollout loop; each call has its own key, and depends on the one before through
+in-place zero updates of the logits and the tree, so XLA hoists none of the work out of the loop),
+less `loop_ms`, the same loop's time per iteration with a call that does nothing. The `latency`
+columns time single blocking calls, dispatch and host round trip included. The achieved rate is
+logits bytes (and q's, for stochastic drafts) / time, compared with the device copy bandwidth (bytes
+read + written per second) measured in the same run. `agree` is the fraction of rows where both
+implementations return the same path, count and next token from the same key (they share the noise;
+float summation order can flip a decision that lands within rounding of a boundary).
 
 `--profile` also traces 10 calls of each implementation per shape and reports the device time of
 the kernels they launch: all of them, and the kernel path's Pallas node-statistics kernel alone.

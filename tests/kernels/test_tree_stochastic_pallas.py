@@ -21,9 +21,10 @@ NUM_NODES = np.array([9, 9, 6, 4, 1, 2, 9, 7], np.int32)
 
 def stochastic_forest(seed: int, vocab: int, chain: bool, dtype):
     """Random trees (or chains), per-row node counts NUM_NODES; logits and q in `dtype`; q a peaked
-    random distribution (unnormalised) with ~20% zeros, each child's token drawn from its parent's q; logits with ~30% -inf entries
-    (never on token 7) and raised at about half of the drafted tokens, so that paths of every
-    length, rejections followed by acceptances and whole accepted chains all occur."""
+    random distribution (unnormalised) with ~20% zeros, each child's token drawn from its parent's
+    q; logits with ~30% -inf entries (never on token 7) and raised at about half of the drafted
+    tokens, so that paths of every length, rejections followed by acceptances and whole accepted
+    chains all occur."""
     rng = np.random.default_rng(seed)
     parents, _ = random_parents_and_tokens(rng, BATCH, NODES, vocab)
     if chain:
