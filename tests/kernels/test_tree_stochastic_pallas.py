@@ -56,8 +56,7 @@ def assert_same(got, want):
             np.testing.assert_array_equal(g, w, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature,dtype", [(1.0, jnp.float32), (0.7, jnp.bfloat16)], ids=["t1-f32", "t0.7-bf16"])
 @pytest.mark.parametrize("vocab", [256, 300], ids=["whole_tiles", "ragged_tile"])
 @pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
 def test_kernel_equals_reference(chain, vocab, temperature, dtype):
