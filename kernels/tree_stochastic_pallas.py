@@ -145,7 +145,8 @@ def _stochastic_kernel(logits_ref, q_ref, lse_ref, q_total_ref, parents_ref, tok
 def verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nodes, key, *, temperature: float,
                              interpret: bool = False, tile: int = STOCHASTIC_TILE, num_warps: int = 4,
                              num_stages: int = 2) -> VerifyResult:
-    """Stochastic-draft verification (temperature > 0), one Pallas program per row; arguments as
+    """Stochastic-draft verification (temperature > 0): every node's normalisers in XLA
+    (`stochastic_normalisers`), then the walk in one Pallas program per row; arguments as
     `kernels.tree_verify` (already validated), draft_probs float [B, N, V] (any float dtype, each
     node's q up to normalisation). The same key gives `verify_reference`'s result. tile (a power of
     2), num_warps and num_stages tune the GPU program and never change a result."""

@@ -82,6 +82,22 @@ def test_kernel_equals_reference(chain, vocab, temperature, dtype):
     assert chain or later_sibling
 
 
+def test_padding_values_are_ignored():
+    """Nodes past num_nodes may hold any parent and token (out of the tree, out of the vocabulary):
+    the result is the one with well-formed padding."""
+    logits, q, parents, tokens, num_nodes = stochastic_forest(4, 300, False, jnp.float32)
+    padding = np.arange(NODES)[None, :] >= NUM_NODES[:, None]
+    junk_parents = jnp.where(padding, NODES + 3, parents)
+    junk_tokens = jnp.where(padding, -5, tokens)
+    for seed in range(3):
+        key = jax.random.key(seed)
+        clean = verify_stochastic_pallas(logits, q, parents, tokens, num_nodes, key, temperature=1.0, interpret=True,
+                                         tile=TILE)
+        junk = verify_stochastic_pallas(logits, q, junk_parents, junk_tokens, num_nodes, key, temperature=1.0,
+                                        interpret=True, tile=TILE)
+        assert_same(junk, clean)
+
+
 def test_whole_chain_accepted_and_rejected_at_the_root():
     """q = p accepts every draft (u * q < p for u < 1); a draft with p = 0 is always rejected and
     the residual sample is then never that token. Both as the reference."""
