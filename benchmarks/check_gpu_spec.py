@@ -7,10 +7,11 @@ the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton)
 
 kernel: `verify_pallas` compiled against `verify_reference` on the same random trees and key, for
 chains of 1 to 15 drafts and random trees of up to 16 nodes, greedy and T=1, a vocabulary of one
-race tile and of many: the accepted path, its length and the next token must be equal (float
-rounding can flip a decision that lands on a boundary: at most `MAX_FLIPPED` of the rows), the
-log-probs within `LOGPROB_TOL`, and every result must be consistent (num_accepted equals the
-path's accepted nodes).
+race tile and of many; and `verify_stochastic_pallas` (stochastic drafts, tree "chain/q" or
+"random/q") the same way, at T=1 and 0.7, vocabularies of 512 and 151936 tokens: the accepted path,
+its length and the next token must be equal (float rounding can flip a decision that lands on a
+boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
+must be consistent (num_accepted equals the path's accepted nodes).
 rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
 on the embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
 run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with pallas, in separate processes (the
@@ -50,7 +51,8 @@ def random_tree(rng: np.random.Generator, nodes: int, chain: bool) -> np.ndarray
 
 
 def kernel_case(nodes: int, chain: bool, vocab: int, temperature: float, batch: int, seed: int,
-                interpret: bool = False) -> dict:
+                interpret: bool = False, stochastic: bool = False) -> dict:
+    from kernels.tree_stochastic_pallas import verify_stochastic_pallas
     from kernels.tree_verify_pallas import verify_pallas
     from kernels.tree_verify_reference import verify_reference
 
@@ -65,14 +67,21 @@ def kernel_case(nodes: int, chain: bool, vocab: int, temperature: float, batch: 
     num_nodes[0] = nodes
     args = tuple(jnp.asarray(x) for x in (logits, parents, tokens, num_nodes))
     key = jax.random.key(seed)
-    ref = jax.device_get(verify_reference(*args, key, temperature=temperature))
-    got = jax.device_get(verify_pallas(*args, key, temperature=temperature, interpret=interpret))
+    if stochastic:  # q: a draft near the policy, whose argmax most drafted tokens are
+        q = jax.nn.softmax(args[0] + 2.0 * jax.random.normal(jax.random.key(seed + 1), args[0].shape), axis=-1)
+        ref = jax.device_get(verify_reference(*args, key, temperature=temperature, draft_probs=q))
+        got = jax.device_get(verify_stochastic_pallas(args[0], q, *args[1:], key, temperature=temperature,
+                                                      interpret=interpret))
+    else:
+        ref = jax.device_get(verify_reference(*args, key, temperature=temperature))
+        got = jax.device_get(verify_pallas(*args, key, temperature=temperature, interpret=interpret))
     same = ((ref.path == got.path).all(1) & (ref.num_accepted == got.num_accepted)
             & (ref.next_token == got.next_token))
     consistent = bool((got.num_accepted == (got.path[:, 1:] >= 0).sum(1)).all())
     logprob_err = float(np.abs(np.where(same[:, None], ref.logprobs - got.logprobs, 0.0)).max())
     flipped = float(1.0 - same.mean())
-    return {"check": "kernel", "nodes": nodes, "tree": "chain" if chain else "random", "vocab": vocab,
+    tree = ("chain" if chain else "random") + ("/q" if stochastic else "")
+    return {"check": "kernel", "nodes": nodes, "tree": tree, "vocab": vocab,
             "temperature": temperature, "batch": batch, "flipped_rows": flipped, "consistent": consistent,
             "logprob_err": logprob_err, "mean_accepted_reference": float(ref.num_accepted.mean()),
             "mean_accepted_pallas": float(got.num_accepted.mean()),
@@ -87,6 +96,11 @@ def kernel_checks() -> list[dict]:
                 rows.append(kernel_case(nodes, True, vocab, temperature, 256, seed=nodes))
             for nodes in (3, 5, 8, 16):
                 rows.append(kernel_case(nodes, False, vocab, temperature, 256, seed=100 + nodes))
+    for vocab in (512, 151936):  # stochastic drafts (draft_probs), their own kernel
+        for nodes in (2, 4, 16):
+            rows.append(kernel_case(nodes, True, vocab, 1.0, 256, seed=200 + nodes, stochastic=True))
+        for nodes in (5, 16):
+            rows.append(kernel_case(nodes, False, vocab, 0.7, 256, seed=300 + nodes, stochastic=True))
     return rows
 
 
@@ -172,7 +186,7 @@ def main(argv: list[str]) -> int:
         return 2
     rows = [] if args.skip_kernel else kernel_checks()
     for r in rows:
-        print(f"kernel n={r['nodes']:2d} {r['tree']:6s} V={r['vocab']:5d} T={r['temperature']}: flipped "
+        print(f"kernel n={r['nodes']:2d} {r['tree']:8s} V={r['vocab']:6d} T={r['temperature']}: flipped "
               f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
               f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_pallas']:.3f} {'OK' if r['ok'] else 'MISMATCH'}")
     if not args.skip_rollouts:

@@ -32,8 +32,18 @@ from kernels.tree_noise import LOG2E
 from kernels.tree_race import inverse_temperature
 from kernels.tree_verify_reference import VerifyResult
 
-_NONE = 1 << 30  # "no index" for min-reductions over node indices
+NO_INDEX = 1 << 30  # "no index" for min-reductions over node indices
 MIN_LANES = 16  # the fewest padded node lanes a program runs with (see the module docstring)
+
+
+def load_row_tree(parents_ref, tokens_ref, num_nodes_ref, lanes, nodes: int):
+    """(is_child bool [P], parent int32 [P], token int32 [P]) of one row's tree over padded node lanes
+    (`tree_structure` inside a program): parent and token are 0 where the lane is not a valid child."""
+    node = jnp.minimum(lanes, nodes - 1)  # a safe load index for the padding lanes
+    is_child = (lanes > 0) & (lanes < num_nodes_ref[...])
+    parent = jnp.where(is_child, plgpu.load(parents_ref.at[node]), 0)
+    token = jnp.where(is_child, plgpu.load(tokens_ref.at[node]), 0)
+    return is_child, parent, token
 
 
 def _at(values, index, lanes):
@@ -70,10 +80,7 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
     residual = jnp.ones_like(total) if temperature == 0 else candidates / total
 
     # The tree (`tree_structure`): child_of[n, m] = node m is a valid child of node n.
-    count = num_nodes_ref[...]
-    is_child = (lanes > 0) & (lanes < count)
-    parent = jnp.where(is_child, load(parents_ref, node, 0), 0)
-    token = jnp.where(is_child, load(tokens_ref, node, 0), 0)
+    is_child, parent, token = load_row_tree(parents_ref, tokens_ref, num_nodes_ref, lanes, nodes)
     child_of = is_child[None, :] & (parent[None, :] == lanes[:, None])
     # log p of each draft token at its parent (`_child_logprobs`)
     logit = plgpu.load(logits_ref.at[parent * vocab + token]).astype(jnp.float32)
@@ -83,8 +90,8 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
     later = lanes[None, :] > lanes[:, None]  # [n, m]: m after n
     if temperature == 0:
         hit = is_child & (token == _at(sample, parent, lanes))
-        first = jnp.min(jnp.where(child_of & hit[None, :], lanes[None, :], _NONE), axis=1)
-        chosen = jnp.where(first < _NONE, first, -1)
+        first = jnp.min(jnp.where(child_of & hit[None, :], lanes[None, :], NO_INDEX), axis=1)
+        chosen = jnp.where(first < NO_INDEX, first, -1)
     else:
         sibling = is_child[:, None] & is_child[None, :] & (parent[:, None] == parent[None, :])  # [m, j]
         repeated = jnp.max(jnp.where(sibling & ~later & (lanes[None, :] != lanes[:, None])
@@ -94,10 +101,10 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
         children_mass = jnp.sum(jnp.where(child_of, prob[None, :], 0.0), axis=1)
         threshold = load(uniforms_ref, node, 0.0) * (residual + children_mass)
         hit = is_child & (_at(threshold, parent, lanes) < running)
-        first = jnp.min(jnp.where(child_of & hit[None, :], lanes[None, :], _NONE), axis=1)
+        first = jnp.min(jnp.where(child_of & hit[None, :], lanes[None, :], NO_INDEX), axis=1)
         # no residual mass: all-rejected has probability 0; take the last child with mass instead
         last = jnp.max(jnp.where(child_of & (prob > 0)[None, :], lanes[None, :], -1), axis=1)
-        chosen = jnp.where(first < _NONE, first, jnp.where((residual <= 0) & (last >= 0), last, -1))
+        chosen = jnp.where(first < NO_INDEX, first, jnp.where((residual <= 0) & (last >= 0), last, -1))
 
     # Walk down the tree (`walk`, `assemble`): step d follows the chosen child of the node at d - 1.
     def step(d, carry):

@@ -19,8 +19,8 @@ Stochastic drafts (children drawn from q without replacement, in node order): th
 rule q_k(x) = q(x)·1[x not drawn before] / (1 − Σ_{j<k} q(x_j)), accept with
 min(1, r_k(x_k) / q_k(x_k)), on rejection r_{k+1} = norm((r_k − q_k)⁺), and after the last
 rejected child the emitted token is sampled from r_{K+1} (a flat Gumbel race); a
-`lax.while_loop` walks the tree carrying r and q_k over the vocabulary (this path is used on every
-backend).
+`lax.while_loop` walks the tree carrying r and q_k over the vocabulary (`kernels.tree_verify`'s
+"auto" uses this path on every backend; `kernels.tree_stochastic_pallas` is the kernel).
 
 Noise (all from the key, through the counter-based hash of `kernels.tree_noise`): one uniform per
 node (the deterministic decision at a parent, the stochastic test of a child) and Gumbel noise per
@@ -211,9 +211,21 @@ def verify_from_stats(stats: NodeStats, logits, parents, draft_tokens, num_nodes
     return assemble(logits, stats.lse, child_logp, path, num_accepted, next_token, inv_t)
 
 
-def _normalised(x: jax.Array, fallback: jax.Array) -> jax.Array:
-    total = jnp.sum(x, axis=-1, keepdims=True)
-    return jnp.where(total > 0, x / jnp.where(total > 0, total, 1.0), fallback)
+def rejection_update(r, q, rejected, r_total, q_total) -> tuple[jax.Array, jax.Array]:
+    """(r_{k+1}, q_{k+1}) after a sampled child is rejected, elementwise (any broadcastable shapes):
+    norm((r - q)+) and q with the rejected token zeroed (`rejected` bool), renormalised, given
+    r_total = sum (r - q)+ and q_total = sum of q without that token; each stays as it was when its
+    sum is 0. Shared with the stochastic-draft kernel, which rebuilds r and q token by token."""
+    r_next = jnp.where(r_total > 0, jnp.maximum(r - q, 0.0) / jnp.where(r_total > 0, r_total, 1.0), r)
+    q_next = jnp.where(q_total > 0, jnp.where(rejected, 0.0, q) / jnp.where(q_total > 0, q_total, 1.0), q)
+    return r_next, q_next
+
+
+def stochastic_normalisers(logits, draft_probs, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(lse, q_total) float32 [B, N]: logsumexp of logits * inv_t and the sum of draft_probs at every
+    node (p = exp(logits * inv_t - lse), q = draft_probs / q_total); shared with the kernel."""
+    scaled = logits.astype(jnp.float32) * inverse_temperature(temperature)
+    return jax.nn.logsumexp(scaled, axis=-1), jnp.sum(draft_probs.astype(jnp.float32), axis=-1)
 
 
 def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uniforms, seeds,
@@ -222,7 +234,7 @@ def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uni
     batch, n, vocab = logits.shape
     inv_t = inverse_temperature(temperature)
     scaled = logits.astype(jnp.float32) * inv_t
-    lse = jax.nn.logsumexp(scaled, axis=-1)
+    lse, q_total = stochastic_normalisers(logits, draft_probs, temperature)
     is_child, parent, child_of = tree_structure(parents, num_nodes)
     child_logp = _child_logprobs(logits, lse, parent, draft_tokens, is_child, inv_t)
     rows = jnp.arange(batch)
@@ -233,8 +245,7 @@ def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uni
         return jnp.exp(scaled[rows, node] - lse[rows, node][:, None])
 
     def q_at(node):
-        q = draft_probs[rows, node].astype(jnp.float32)
-        return q / jnp.sum(q, axis=-1, keepdims=True)
+        return draft_probs[rows, node].astype(jnp.float32) / q_total[rows, node][:, None]
 
     def unfinished(state):
         return ~jnp.all(state["done"])
@@ -248,8 +259,10 @@ def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uni
         reject = live & has_child & ~accept
         finish = live & ~has_child
         race = jnp.where(s["r"] > 0, jnp.log2(s["r"]) + race_noise(seeds[rows, cur][:, None], tokens), -jnp.inf)
-        r_rejected = _normalised(jnp.maximum(s["r"] - s["q"], 0.0), s["r"])
-        q_rejected = _normalised(jnp.where(tokens[None, :] == x[:, None], 0.0, s["q"]), s["q"])
+        rejected = tokens[None, :] == x[:, None]
+        r_rejected, q_rejected = rejection_update(
+            s["r"], s["q"], rejected, jnp.sum(jnp.maximum(s["r"] - s["q"], 0.0), axis=-1, keepdims=True),
+            jnp.sum(jnp.where(rejected, 0.0, s["q"]), axis=-1, keepdims=True))
         a, j = accept[:, None], reject[:, None]
         return {
             "cur": jnp.where(accept, m, cur),

@@ -1,16 +1,17 @@
 """`jaxspec bench verify`: the tree-verification kernel vs its jnp reference.
 
 Random f32 logits [batch, nodes, vocab] and a random tree per row (each node's parent drawn below
-it, random draft tokens), deterministic drafts. Times are per call with `--iters` calls inside one
-compiled `fori_loop` (`in_loop_seconds`: device time, as inside the compiled rollout loop; each
-call has its own key, and depends on the one before through in-place zero updates of the logits
-and the tree, so XLA hoists none of the work out of the loop), less `loop_ms`, the same loop's
-time per iteration with a call that does nothing. The `latency` columns time single blocking
-calls, dispatch and host round trip included. Each call reads the logits once, so the achieved
-rate is logits bytes / time, compared with the device copy bandwidth (bytes read + written per
-second) measured in the same run. `agree` is the fraction of rows where both implementations
-return the same path, count and next token from the same key (they share the noise; float
-summation order can flip a decision that lands within rounding of a boundary).
+it, random draft tokens), deterministic drafts; with `--stochastic`, drafts verified as drawn from q
+(a random softmax per node, f32): the stochastic-draft kernel against `verify_stochastic`. Times are
+per call with `--iters` calls inside one compiled `fori_loop` (`in_loop_seconds`: device time, as
+inside the compiled rollout loop; each call has its own key, and depends on the one before through
+in-place zero updates of the logits and the tree, so XLA hoists none of the work out of the loop),
+less `loop_ms`, the same loop's time per iteration with a call that does nothing. The `latency`
+columns time single blocking calls, dispatch and host round trip included. The achieved rate is
+logits bytes (and q's, for stochastic drafts) / time, compared with the device copy bandwidth (bytes
+read + written per second) measured in the same run. `agree` is the fraction of rows where both
+implementations return the same path, count and next token from the same key (they share the noise;
+float summation order can flip a decision that lands within rounding of a boundary).
 
 `--profile` also traces 10 calls of each implementation per shape and reports the device time of
 the kernels they launch: all of them, and the kernel path's Pallas node-statistics kernel alone.
@@ -31,10 +32,12 @@ import numpy as np
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
 from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, in_loop_seconds, median_seconds,
                                   out_of_memory, print_table, write_results)
+from kernels.tree_stochastic_pallas import verify_stochastic_pallas
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
 
-VERIFY_MODULES = {"jit_verify_pallas": "kernel", "jit_verify_reference": "reference"}  # HLO module: program
+VERIFY_MODULES = {"jit_verify_pallas": "kernel", "jit_verify_stochastic_pallas": "kernel",
+                  "jit_verify_reference": "reference"}  # HLO module: program
 PROFILE_CALLS = 10
 
 
@@ -93,6 +96,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--stochastic", action="store_true",
+                   help="stochastic drafts (draft_probs): the stochastic-draft kernel; --tile is its tile")
     p.add_argument("--iters", type=int, default=20, help="calls per timing (in one loop, or blocking)")
     p.add_argument("--tile", type=int, default=2048, help="vocabulary tile of the kernel (a power of 2)")
     p.add_argument("--num-warps", type=int, default=4)
@@ -108,11 +113,11 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--tile must be a power of 2, got {args.tile}")
     if args.programs < 1:
         raise ValueError(f"--programs must be >= 1, got {args.programs}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.temperature < 0 or (args.stochastic and args.temperature == 0):
+        raise ValueError(f"--temperature must be >= 0 (> 0 with --stochastic), got {args.temperature}")
     work = Path(tempfile.mkdtemp(prefix="jaxspec-verify-")) if args.profile else None
     if work is not None:
-        set_dump_flags(work / "hlo", ".*verify_(pallas|reference).*", "bench verify --profile")
+        set_dump_flags(work / "hlo", ".*verify_(stochastic_pallas|pallas|reference).*", "bench verify --profile")
 
     gpu = jax.default_backend() == "gpu"
     copy_bytes = args.copy_bytes or (1 << 30 if gpu else 1 << 24)
@@ -121,16 +126,26 @@ def main(argv: list[str]) -> int:
     for batch in args.batch:
         for nodes in args.nodes:
             shape, seed = (batch, nodes, args.vocab), jax.random.key(batch * 1000 + nodes)
-            make_inputs = lambda shape=shape, seed=seed: (  # noqa: E731  (arguments, never compile-time constants)
-                jax.random.normal(seed, shape, jnp.float32), *random_trees(*shape, seed=shape[1]), jax.random.key(0))
-            kernel_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_pallas(  # noqa: E731
+            q_shape = shape if args.stochastic else (1,)  # q: unused by deterministic drafts
+            make_inputs = lambda shape=shape, seed=seed, q_shape=q_shape: (  # noqa: E731  (arguments, never constants)
+                jax.random.normal(seed, shape, jnp.float32),
+                jax.nn.softmax(2.0 * jax.random.normal(jax.random.fold_in(seed, 1), q_shape, jnp.float32), axis=-1),
+                *random_trees(*shape, seed=shape[1]), jax.random.key(0))
+
+            def kernel_call(logits, q, parents, tokens, num_nodes, key, i=0):
+                key = jax.random.fold_in(key, i)
+                if args.stochastic:
+                    return verify_stochastic_pallas(logits, q, parents, tokens, num_nodes, key,
+                                                    temperature=args.temperature, interpret=not gpu, tile=args.tile,
+                                                    num_warps=args.num_warps, num_stages=args.num_stages)
+                return verify_pallas(logits, parents, tokens, num_nodes, key, temperature=args.temperature,
+                                     interpret=not gpu, tile=args.tile, num_warps=args.num_warps,
+                                     num_stages=args.num_stages, programs=args.programs)
+
+            reference_call = lambda logits, q, parents, tokens, num_nodes, key, i=0: verify_reference(  # noqa: E731
                 logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
-                interpret=not gpu, tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages,
-                programs=args.programs)
-            reference_call = lambda logits, parents, tokens, num_nodes, key, i=0: verify_reference(  # noqa: E731
-                logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
-                tile=args.tile)
-            loop_call = lambda logits, parents, tokens, num_nodes, key, i: jax.random.key_data(  # noqa: E731
+                tile=args.tile, draft_probs=q if args.stochastic else None)
+            loop_call = lambda logits, q, parents, tokens, num_nodes, key, i: jax.random.key_data(  # noqa: E731
                 jax.random.fold_in(key, i))
             inputs = make_inputs()
             t_loop, inputs = _in_loop(loop_call, inputs, args.iters, make_inputs)  # the loop's own cost
@@ -148,7 +163,7 @@ def main(argv: list[str]) -> int:
                 same = [np.all(np.asarray(x) == np.asarray(y), axis=tuple(range(1, np.ndim(x))))
                         for x, y in zip(a[:3], b[:3])]
                 agree = float(np.mean(np.logical_and.reduce(same)))
-            nbytes = logits.size * logits.dtype.itemsize
+            nbytes = logits.nbytes + (inputs[1].nbytes if args.stochastic else 0)
             scaled = lambda t, unit: None if t is None else unit(t)
             ratio = lambda num, den: None if None in (num, den) else num / den
             ms = lambda t: 1e3 * t
@@ -173,8 +188,9 @@ def main(argv: list[str]) -> int:
                 traced = traced_kernels(work / f"trace_{row['batch']}_{row['nodes']}_{name}", scopes, name)
                 row.update({f"{name}_{k}": v for k, v in traced.items()})
     baseline = {**ceilings(copy_rate=copy_rate), "copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
-                "tile": args.tile, "num_warps": args.num_warps, "num_stages": args.num_stages,
-                "programs": args.programs, "kernel": "pallas" if gpu else "pallas-interpret",
+                "draft_probs": args.stochastic, "tile": args.tile, "num_warps": args.num_warps,
+                "num_stages": args.num_stages, "programs": args.programs,
+                "kernel": ("stochastic-" if args.stochastic else "") + ("pallas" if gpu else "pallas-interpret"),
                 "timing": "in_loop_seconds, minus loop_ms"}
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
     print_table(rows, ["batch", "nodes", "vocab", "loop_ms", "kernel_ms", "reference_ms", "speedup",

@@ -46,3 +46,14 @@ def test_bench_verify_times_several_shapes(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["nodes"]) for r in rows] == [(2, 2), (3, 2)]
     assert all(r["kernel_ms"] is not None and r["loop_ms"] > 0 and r["agree"] == 1.0 for r in rows)
+
+
+def test_bench_verify_stochastic_drafts(tmp_path):
+    """--stochastic times the stochastic-draft kernel against the reference's sampled-draft path."""
+    out = tmp_path / "verify.json"
+    assert main(["bench", "verify", "--stochastic", "--vocab", "300", "--batch", "3", "--nodes", "4", "--iters", "1",
+                 "--tile", "64", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert row["kernel_ms"] > 0 and row["reference_ms"] > 0 and row["agree"] == 1.0
+    assert result["baseline"]["kernel"] == "stochastic-pallas-interpret" and result["baseline"]["draft_probs"]

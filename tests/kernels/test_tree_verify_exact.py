@@ -1,5 +1,6 @@
 """The jnp reference verifier is lossless: emitted tokens follow the policy exactly (chi-square
-against float64 enumeration), for deterministic and sampled draft trees, with -inf-masked logits.
+against float64 enumeration), for deterministic and sampled draft trees, with -inf-masked logits;
+sampled drafts also through the stochastic-draft kernel in interpret mode.
 
 These cases cover tree shapes, temperatures and masks rather than small errors: at SAMPLES rows the
 deterministic-draft cases detect with 90% power an acceptance bias of 3-8% and a temperature error
@@ -92,6 +93,8 @@ def test_chi_square_rejects_the_divide_by_q_bias():
     assert chi_square_pvalue(emitted_sequences(correct, tok), exact) > 1e-3
 
 
+SAMPLED_IMPLS = ["reference", "interpret"]  # the jnp reference and the stochastic-draft kernel (interpret mode)
+KERNEL_LAW_CASES = ("chain3", "irregular_t0.7", "wide2_deep2_top_p")  # the kernel's (it equals the reference)
 STOCHASTIC = [
     ("chain3", CHAIN3, 1.0, 1.0),         # standard speculative sampling
     ("wide2_deep2", WIDE2_DEEP2, 1.0, 1.0),
@@ -101,8 +104,12 @@ STOCHASTIC = [
 ]
 
 
-@pytest.mark.parametrize("name,parents,temperature,top_p", STOCHASTIC, ids=[c[0] for c in STOCHASTIC])
-def test_sampled_drafts_are_lossless(name, parents, temperature, top_p):
+@pytest.mark.parametrize("name,parents,temperature,top_p,impl",
+                         [c + (impl,) for c in STOCHASTIC for impl in SAMPLED_IMPLS
+                          if impl == "reference" or c[0] in KERNEL_LAW_CASES],
+                         ids=[f"{c[0]}-{impl}" for c in STOCHASTIC for impl in SAMPLED_IMPLS
+                              if impl == "reference" or c[0] in KERNEL_LAW_CASES])
+def test_sampled_drafts_are_lossless(name, parents, temperature, top_p, impl):
     """Children drawn from q without replacement (numpy), verified, then completed by the policy to
     a fixed length: the whole sequence must follow the policy's autoregressive law."""
     rng = np.random.default_rng(len(name))
@@ -110,19 +117,20 @@ def test_sampled_drafts_are_lossless(name, parents, temperature, top_p):
     tokens = sampled_trees(draft, parents, SAMPLES, rng)
     logits, par, tok, num, q = per_row_arrays(policy, draft, parents, tokens)
     result = tree_verify(logits, par, tok, num, jax.random.key(100 + len(name)), temperature=temperature,
-                         draft_probs=q)
+                         draft_probs=q, impl=impl)
     depth = max(len(p) for p in prefixes(parents, tokens[0]))
     seqs = complete(policy, emitted_sequences(result, tok), depth + 1, temperature, rng)
     assert chi_square_pvalue(seqs, sequence_distribution(policy, depth + 1, temperature)) > 1e-3
     check_structure_and_logprobs(result, par, tok, policy, temperature)
 
 
-def test_sampled_drafts_accept_more_when_q_matches_p():
+@pytest.mark.parametrize("impl", SAMPLED_IMPLS)
+def test_sampled_drafts_accept_more_when_q_matches_p(impl):
     """With q = p every sampled chain draft is accepted (min(1, p/q) = 1)."""
     policy = PrefixPolicy(VOCAB, seed=21)
     tokens = sampled_trees(policy, CHAIN3, SAMPLES, np.random.default_rng(0))
     logits, par, tok, num, q = per_row_arrays(policy, policy, CHAIN3, tokens)
-    result = tree_verify(logits, par, tok, num, jax.random.key(0), temperature=1.0, draft_probs=q)
+    result = tree_verify(logits, par, tok, num, jax.random.key(0), temperature=1.0, draft_probs=q, impl=impl)
     np.testing.assert_array_equal(np.asarray(result.num_accepted), 3)
 
 

@@ -13,9 +13,9 @@ p < ALPHA, each of these wrong verifiers:
 Power comes from strong drafts (acceptance decisions at every level are frequent and their
 probabilities far from 0 and 1) and many rows in one vectorised call. The verifiers are biased
 through their noise (`tests.kernels.biased_verifier`); the jnp reference is what
-`kernels.tree_verify` runs on CPU and for sampled drafts on every backend. The Pallas kernel draws
-the same samples from the same key (tests/kernels/test_tree_verify_pallas.py), so the power
-carries over.
+`kernels.tree_verify` runs on CPU and for sampled drafts on every backend under "auto". The Pallas
+kernels draw the same samples from the same key (tests/kernels/test_tree_verify_pallas.py,
+tests/kernels/test_tree_stochastic_pallas.py), so the power carries over.
 
 How the power was established:
 - deterministic drafts: exactly, by `chi_square_power` (noncentral chi-square) from the exact laws
