@@ -140,18 +140,36 @@ def decide_pallas(peak, total, candidates, sample, logits, parents, draft_tokens
     flat = lambda x: x.reshape(batch, n * splits)  # noqa: E731
     kernel = functools.partial(_decide_kernel, temperature=temperature, nodes=n, splits=splits, vocab=vocab,
                                padded=padded)
-    row = lambda size: pl.BlockSpec((None, size), lambda b: (b, 0))  # noqa: E731
-    scalar = pl.BlockSpec((None,), lambda b: (b,))
+    row = row_spec
+    return per_row_verify_call(
+        kernel, n, padded, [row(n * splits)] * 3 + [row(n), row(n * vocab), row(n), row(n), SCALAR_SPEC, row(n)],
+        (flat(peak), flat(total), flat(candidates), sample, logits.reshape(batch, n * vocab), parents, draft_tokens,
+         num_nodes, uniforms), name="tree_verify_decide", interpret=interpret, num_warps=num_warps, num_stages=1)
+
+
+SCALAR_SPEC = pl.BlockSpec((None,), lambda b: (b,))  # one value per row
+
+
+def row_spec(size: int) -> pl.BlockSpec:
+    """One row's `size` values per program."""
+    return pl.BlockSpec((None, size), lambda b: (b, 0))
+
+
+def per_row_verify_call(kernel, nodes: int, padded: int, in_specs: list, args: tuple, *, name: str, interpret: bool,
+                        num_warps: int, num_stages: int) -> VerifyResult:
+    """`kernel` run as one program per row (grid = the batch, args [B, ...]) writing a
+    `VerifyResult`: path and logprobs on `padded` node lanes (sliced back to `nodes`), num_accepted
+    and next_token one value per row."""
+    batch = args[0].shape[0]
     path, accepted, next_token, logprobs = pl.pallas_call(
         kernel,
         grid=(batch,),
-        in_specs=[row(n * splits)] * 3 + [row(n), row(n * vocab), row(n), row(n), scalar, row(n)],
-        out_specs=[row(padded), scalar, scalar, row(padded)],  # the padded nodes, sliced off below
+        in_specs=in_specs,
+        out_specs=[row_spec(padded), SCALAR_SPEC, SCALAR_SPEC, row_spec(padded)],
         out_shape=[jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
                    jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, padded), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="tree_verify_decide",
-    )(flat(peak), flat(total), flat(candidates), sample, logits.reshape(batch, n * vocab), parents, draft_tokens,
-      num_nodes, uniforms)
-    return VerifyResult(path[:, :n], accepted, next_token, logprobs[:, :n])
+        name=name,
+    )(*args)
+    return VerifyResult(path[:, :nodes], accepted, next_token, logprobs[:, :nodes])

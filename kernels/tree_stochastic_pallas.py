@@ -33,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.tree_decide_pallas import MIN_LANES, NO_INDEX, load_row_tree
+from kernels.tree_decide_pallas import (MIN_LANES, NO_INDEX, SCALAR_SPEC, load_row_tree, per_row_verify_call,
+                                       row_spec)
 from kernels.tree_noise import race_noise
 from kernels.tree_race import inverse_temperature
 from kernels.tree_verify_reference import VerifyResult, rejection_update, stochastic_normalisers, verification_noise
@@ -161,18 +162,10 @@ def verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nod
     lse, q_total = stochastic_normalisers(logits, draft_probs, temperature)
     kernel = functools.partial(_stochastic_kernel, temperature=temperature, nodes=n, vocab=vocab, padded=padded,
                                tile=tile)
-    row = lambda size: pl.BlockSpec((None, size), lambda b: (b, 0))  # noqa: E731
-    scalar = pl.BlockSpec((None,), lambda b: (b,))
-    path, accepted, next_token, logprobs = pl.pallas_call(
-        kernel,
-        grid=(batch,),
-        in_specs=[row(n * vocab), row(n * vocab), row(n), row(n), row(n), row(n), scalar, row(n), row(n)],
-        out_specs=[row(padded), scalar, scalar, row(padded)],  # the padded nodes, sliced off below
-        out_shape=[jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, padded), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="tree_verify_stochastic",
-    )(logits.reshape(batch, n * vocab), draft_probs.reshape(batch, n * vocab), lse, q_total, parents, draft_tokens,
-      num_nodes, noise.uniforms, noise.token_seeds)
-    return VerifyResult(path[:, :n], accepted, next_token, logprobs[:, :n])
+    row = row_spec
+    return per_row_verify_call(
+        kernel, n, padded,
+        [row(n * vocab), row(n * vocab), row(n), row(n), row(n), row(n), SCALAR_SPEC, row(n), row(n)],
+        (logits.reshape(batch, n * vocab), draft_probs.reshape(batch, n * vocab), lse, q_total, parents, draft_tokens,
+         num_nodes, noise.uniforms, noise.token_seeds),
+        name="tree_verify_stochastic", interpret=interpret, num_warps=num_warps, num_stages=num_stages)
