@@ -28,9 +28,8 @@ experts and a call's experts x rows (token-expert assignments per device) reach
 [E, rows, K]-sized temporaries), the kernel's with the experts rows touch; on an H100 (forward, in a
 compiled loop) ragged_dot was faster at E x rows 8192 and 32768 (small_moe at 512 and 2048 rows:
 2.5x, 1.3x), the kernel from 65536 on (Qwen3-30B-A3B at 512 rows 1.1x, at 2048 3.0x, at 32768 21x;
-small_moe at 32768 4.1x). On an H100 the kernels equal ragged_dot and run the Qwen3-30B-A3B
-experts 20x faster at 32k rows (forward and backward) with no [E, rows, K] temporaries, and take a
-30B-A3B verification step from 3.2x to 1.4x a decode step (`benchmarks/check_gpu_moe.py`,
+small_moe at 32768 4.1x), with outputs equal to ragged_dot's and no [E, rows, K] temporaries; a
+30B-A3B verification step went from 3.2x to 1.4x a decode step (`benchmarks/check_gpu_moe.py`,
 BENCHMARKS.md lease U). The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot, pallas,
 interpret) overrides "auto" at trace time.
 
@@ -125,15 +124,15 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: s
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
     float32); impl: the grouped matmuls' implementation (`grouped_matmul`); sharding: the mesh x
     is laid out on, for the kernels' per-device call (see the module docstring)."""
+    P = jax.sharding.PartitionSpec
     b, t, _ = x.shape
-    shards = 1 if sharding is None else math.prod(
-        sharding.mesh.shape[a] for a in jax.tree.leaves(sharding.spec(("batch", "seq", "act_embed"), x.shape)[:2]))
-    work = layer["router"].shape[1] * b * t * top_k // shards
+    batch_axes, seq_axes, _ = (None,) * 3 if sharding is None else sharding.spec(("batch", "seq", "act_embed"), x.shape)
+    split = [] if sharding is None else jax.tree.leaves((batch_axes, seq_axes))  # mesh axes splitting the rows
+    shards = math.prod(sharding.mesh.shape[a] for a in split)
+    work = layer["router"].shape[1] * b * t * top_k // shards  # token-expert assignments x experts per device
     impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding, work)
     if impl == "ragged_dot" or sharding is None or sharding.mesh.size == 1:
         return _moe_mlp(layer, x, top_k, norm_topk_prob, impl)
-    batch_axes, seq_axes, _ = sharding.spec(("batch", "seq", "act_embed"), x.shape)
-    P = jax.sharding.PartitionSpec
     rows = P(batch_axes, seq_axes)
     sparse = {k: layer[k] for k in SPARSE_KEYS}
     return jax.shard_map(lambda sparse, x: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl), mesh=sharding.mesh,
