@@ -1,6 +1,6 @@
 """GPU check of speculative verification: the Pallas kernels against the jnp reference, on the GPU.
 
-    python3 benchmarks/check_gpu_spec.py [--out FILE.json]    # exit 0 when every check agrees
+    python3 benchmarks/check_gpu_spec.py [--out FILE.json] [--jobs 6]    # exit 0 when every check agrees
 
 Run it on a GPU after every change to kernels/ or the rollout loop: interpret mode on the CPU runs
 the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton) program.
@@ -14,7 +14,7 @@ boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`
 must be consistent (num_accepted equals the path's accepted nodes).
 rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
 on the embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
-run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with pallas, in separate processes (the
+run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with pallas, in `--jobs` child processes each (the
 choice is made when the rollout loop is traced). Greedy tokens must be equal; acceptance length
 and acceptance per position within `RATE_TOL` at T=1 (same key and noise: equal unless a boundary
 decision flipped), exactly at T=0.
@@ -117,8 +117,15 @@ def rollout_configs() -> list[tuple[str, dict]]:
     return runs
 
 
-def rollout_runs() -> list[dict]:
-    """Every rollout config at T=0 and T=1 under the implementation the environment selects."""
+def rollout_cases() -> list[tuple[float, str, dict]]:
+    """(temperature, label, Spec kwargs) of every rollout the check runs, in report order."""
+    return [(temperature, label, kwargs) for temperature in (0.0, 1.0) for label, kwargs in rollout_configs()
+            if not (temperature == 0 and kwargs.get("draft_sampling") == "stochastic")]
+
+
+def rollout_runs(shard: int, shards: int) -> list[dict]:
+    """Cases shard, shard + shards, ... of rollout_cases() under the implementation the environment
+    selects, each row tagged with its case index."""
     from jaxspec.assets import tiny_policy_path
     from jaxspec.draft import load_eagle3
     from jaxspec.models import load_hf
@@ -132,17 +139,16 @@ def rollout_runs() -> list[dict]:
     problems = generate_problems(ROLLOUT_ROWS, seed=7, levels=[1, 2])
     prompts = [tok.encode_prompt(p["question"]) for p in problems]
     rows = []
-    for temperature in (0.0, 1.0):
+    for index, (temperature, label, kwargs) in enumerate(rollout_cases()):
+        if index % shards != shard:
+            continue
         sampling = Sampling(temperature=temperature, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id)
-        for label, kwargs in rollout_configs():
-            if temperature == 0 and kwargs.get("draft_sampling") == "stochastic":
-                continue
-            spec = Spec(draft=drafts.get(kwargs["method"]), **kwargs)
-            out = generate(cfg, params, prompts, jax.random.key(3), sampling, spec=spec)
-            rows.append({"config": label, "temperature": temperature,
-                         "acceptance_length": float(out.stats["acceptance_length"]),
-                         "acceptance_per_position": np.asarray(out.stats["acceptance_rate_per_position"]).tolist(),
-                         "tokens": np.asarray(out.tokens).tolist(), "lengths": np.asarray(out.lengths).tolist()})
+        spec = Spec(draft=drafts.get(kwargs["method"]), **kwargs)
+        out = generate(cfg, params, prompts, jax.random.key(3), sampling, spec=spec)
+        rows.append({"index": index, "config": label, "temperature": temperature,
+                     "acceptance_length": float(out.stats["acceptance_length"]),
+                     "acceptance_per_position": np.asarray(out.stats["acceptance_rate_per_position"]).tolist(),
+                     "tokens": np.asarray(out.tokens).tolist(), "lengths": np.asarray(out.lengths).tolist()})
     return rows
 
 
@@ -163,23 +169,35 @@ def compare_rollouts(reference: list[dict], pallas: list[dict]) -> list[dict]:
     return rows
 
 
-def run_impl(impl: str) -> list[dict]:
-    """rollout_runs() in a child process with JAXSPEC_TREE_VERIFY_IMPL=impl."""
-    env = dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl)
-    out = subprocess.run([sys.executable, __file__, "--rollouts-only"], env=env, check=True,
-                         stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def run_impls(impls: tuple[str, ...], jobs: int) -> dict[str, list[dict]]:
+    """rollout_runs() of every implementation, each split over `jobs` child processes that run at
+    once (compilation dominates and is single-threaded); the implementation is chosen by
+    JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop."""
+    children = [(impl, subprocess.Popen([sys.executable, __file__, "--rollouts-only", f"--shard={shard}/{jobs}"],
+                                        env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
+                                        stdout=subprocess.PIPE, text=True))
+                for impl in impls for shard in range(jobs)]
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+    for impl, child in children:
+        out, _ = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"rollout child ({impl}) exited {child.returncode}")
+        runs[impl] += json.loads(out.strip().splitlines()[-1])
+    return {impl: sorted(rows, key=lambda r: r["index"]) for impl, rows in runs.items()}
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write every row as JSON here")
     p.add_argument("--rollouts-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
+    p.add_argument("--jobs", type=int, default=6, help="rollout processes per implementation, run at once")
     p.add_argument("--skip-rollouts", action="store_true", help="only the kernel check")
     p.add_argument("--skip-kernel", action="store_true", help="only the rollout check")
     args = p.parse_args(argv)
     if args.rollouts_only:
-        print(json.dumps(rollout_runs()))
+        shard, shards = (int(x) for x in args.shard.split("/"))
+        print(json.dumps(rollout_runs(shard, shards)))
         return 0
     if jax.default_backend() != "gpu":
         print(f"check_gpu_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
@@ -190,7 +208,8 @@ def main(argv: list[str]) -> int:
               f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
               f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_pallas']:.3f} {'OK' if r['ok'] else 'MISMATCH'}")
     if not args.skip_rollouts:
-        for r in compare_rollouts(run_impl("reference"), run_impl("pallas")):
+        runs = run_impls(("reference", "pallas"), args.jobs)
+        for r in compare_rollouts(runs["reference"], runs["pallas"]):
             rows.append(r)
             print(f"rollout {r['config']:30s} T={r['temperature']}: acceptance {r['acceptance_reference']:.3f} "
                   f"(reference) {r['acceptance_pallas']:.3f} (pallas) rate diff {r['rate_diff']:.3f} tokens equal "

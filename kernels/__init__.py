@@ -3,7 +3,7 @@
 `tree_verify` is the exact (lossless) verification of a draft token tree against the policy's
 processed distribution; it dispatches to the Pallas kernel on GPU and to the jnp reference on
 CPU (override with `impl=` or the JAXSPEC_TREE_VERIFY_IMPL environment variable); stochastic drafts
-run their own kernel only when one is asked for explicitly.
+run their own kernel (`kernels.tree_stochastic_pallas`) the same way.
 """
 
 from __future__ import annotations
@@ -48,21 +48,16 @@ def tree_verify(logits, parents, draft_tokens, num_nodes, key, *, temperature: f
     Returns a `VerifyResult` (path int32 [B, N], num_accepted int32 [B], next_token int32 [B],
     logprobs float32 [B, N]: log p at the parent of each emitted token, 0 after). Stochastic drafts
     (draft_probs given, temperature > 0) run their own kernel (`kernels.tree_stochastic_pallas`)
-    only when "pallas" or "interpret" is asked for explicitly (argument or variable): "auto" keeps
-    the jnp reference for them on every backend until that kernel has been validated on a GPU
-    (benchmarks/check_gpu_spec.py runs it). Every implementation draws the same samples from the
-    same key (up to float rounding at decision boundaries). Value checks on the tree run only on
+    where the deterministic ones run `kernels.tree_verify_pallas`. Every implementation draws the
+    same samples from the same key (up to float rounding at decision boundaries). Value checks on the tree run only on
     concrete inputs (under `jax.jit` the shapes are still checked).
     """
-    requested = requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify")
-    impl = _resolve_impl(requested)
+    impl = _resolve_impl(requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify"))
     temperature = _check_temperature(temperature)
     logits, parents, draft_tokens, num_nodes = _check_inputs(logits, parents, draft_tokens, num_nodes, draft_probs)
-    if draft_probs is not None and temperature > 0:
-        if requested in ("pallas", "interpret"):  # "auto" keeps the reference: see the docstring
-            return verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nodes, key,
-                                            temperature=temperature, interpret=requested == "interpret")
-        impl = "reference"
+    if draft_probs is not None and temperature > 0 and impl != "reference":
+        return verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nodes, key,
+                                        temperature=temperature, interpret=impl == "interpret")
     if impl == "reference":
         return verify_reference(logits, parents, draft_tokens, num_nodes, key, temperature=temperature,
                                 draft_probs=draft_probs)

@@ -20,7 +20,7 @@ rule q_k(x) = q(x)·1[x not drawn before] / (1 − Σ_{j<k} q(x_j)), accept with
 min(1, r_k(x_k) / q_k(x_k)), on rejection r_{k+1} = norm((r_k − q_k)⁺), and after the last
 rejected child the emitted token is sampled from r_{K+1} (a flat Gumbel race); a
 `lax.while_loop` walks the tree carrying r and q_k over the vocabulary (`kernels.tree_verify`'s
-"auto" uses this path on every backend; `kernels.tree_stochastic_pallas` is the kernel).
+"auto" uses this path on the CPU; `kernels.tree_stochastic_pallas` is the GPU kernel).
 
 Noise (all from the key, through the counter-based hash of `kernels.tree_noise`): one uniform per
 node (the deterministic decision at a parent, the stochastic test of a child) and Gumbel noise per

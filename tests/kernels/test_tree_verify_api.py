@@ -50,9 +50,9 @@ def test_padding_values_are_not_checked():
 
 def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
     """"auto" runs the Pallas kernel when JAX's default backend is a GPU, the reference elsewhere;
-    sampled drafts use the reference under "auto" on every backend and their own kernel when
-    "pallas" or "interpret" is asked for, by argument or environment (what runs on the GPU itself
-    is not testable on CPU: only the choice is)."""
+    sampled drafts (draft_probs, temperature > 0) run their own kernel where the others run theirs,
+    and the reference when it is asked for, by argument or environment (what runs on the GPU
+    itself is not testable on CPU: only the choice is)."""
     calls = []
     monkeypatch.setattr(kernels, "verify_pallas", lambda *a, **kw: calls.append(("pallas", kw["interpret"])))
     monkeypatch.setattr(kernels, "verify_reference", lambda *a, **kw: calls.append(("reference", None)))
@@ -61,6 +61,7 @@ def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
     args = valid_args()
     q = jnp.ones_like(args[0])
     tree_verify(*args, jax.random.key(0), temperature=1.0)
+    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q, impl="interpret")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     tree_verify(*args, jax.random.key(0), temperature=1.0)
@@ -70,8 +71,11 @@ def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
     tree_verify(*args, jax.random.key(0), temperature=0.0, draft_probs=q, impl="pallas")  # greedy: no q
     monkeypatch.setenv(kernels.IMPL_ENV, "pallas")
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
-    assert calls == [("reference", None), ("stochastic", True), ("pallas", False), ("reference", None),
-                     ("stochastic", False), ("reference", None), ("pallas", False), ("stochastic", False)]
+    monkeypatch.setenv(kernels.IMPL_ENV, "reference")
+    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
+    assert calls == [("reference", None), ("reference", None), ("stochastic", True), ("pallas", False),
+                     ("stochastic", False), ("stochastic", False), ("reference", None), ("pallas", False),
+                     ("stochastic", False), ("reference", None)]
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), True, "1.0"])
