@@ -25,7 +25,10 @@ Each phase runs once untimed first (compilation), then is timed over the whole b
 `peak_bytes_in_use` of every local device after the phase: the peak since the process started
 (a high-water mark, so the first phase that needs more raises it), and `bytes_in_use` when the
 phase starts (in_use_gb_before: what it runs next to, also on a phase that runs out of memory);
-None where the device reports no statistics (CPU).
+None where the device reports no statistics (CPU). The log-prob and update programs are compiled
+ahead of their first call, so each row also gives XLA's memory plan per device (xla_plan_gb:
+arguments, outputs, outputs aliased to donated arguments, temporaries), also when the call then runs
+out of memory.
 
 PROJECTION (computed, not measured): the speculative generation at acceptance length tau costs
 (new / tau) verification steps at the measured cost of one (the generate_spec time / its steps,
@@ -96,6 +99,18 @@ def write_random_policy(model_json: str, folder: Path, dtype: str = "bfloat16", 
     save_hf(cfg, init_params(cfg, jax.random.key(seed), jnp.dtype(dtype)), folder, dtype=dtype)
 
 
+def compile_once(jitted, *args):
+    """(`jitted` compiled for `args`, XLA's memory plan of one device in GB): the arguments, the
+    outputs, the part of the outputs that reuses donated arguments, and the temporaries. Every later
+    call must have the shapes and layouts of `args` (the phases keep them)."""
+    exe = jitted.lower(*args).compile()
+    stats = exe.memory_analysis()
+    fields = (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"), ("temporaries", "temp"))
+    plan = None if stats is None else {name: round(getattr(stats, f"{field}_size_in_bytes") / 1e9, 6)
+                                       for name, field in fields}
+    return exe, plan
+
+
 def _timed(fn, *args):
     """(result, seconds) of fn(*args), waiting for every output array."""
     start = time.perf_counter()
@@ -130,6 +145,7 @@ class Bench:
         self.loss = GRPOLossConfig()
         self.rows: dict | None = None
         self.opt_state = None
+        self.xla_plans: dict[str, dict | None] = {}  # phase -> compile_once's memory plan
 
     def rollout_params(self):
         """(policy, head params) as the rollout reads them: cast to --rollout-dtype; the policy
@@ -184,11 +200,17 @@ class Bench:
         a = self.args
         score = score_fn(self.cfg, self.sampling, a.compute_dtype, a.remat, self.sharding)
 
-        def run(mb):
+        def args(mb):
             packed = self.placement.rows(pack_rows(mb.response_rows(), self.placement.row_shards))
-            return score(self.params, packed.tokens, packed.segment_ids, packed.resp_index, packed.resp_tokens)
+            return self.params, packed.tokens, packed.segment_ids, packed.resp_index, packed.resp_tokens
 
-        _, compile_s = _timed(run, next(self.minibatches()))
+        def first(mb):
+            nonlocal score
+            score, self.xla_plans["logprobs"] = compile_once(score, *args(mb))
+            return score(*args(mb))
+
+        run = lambda mb: score(*args(mb))  # noqa: E731
+        _, compile_s = _timed(first, next(self.minibatches()))
         seconds, old = 0.0, []
         for mb in self.minibatches():
             out, s = _timed(run, mb)
@@ -212,16 +234,19 @@ class Bench:
         weights, buffers, d_opt = head.update_args() if with_draft else (None, None, None)
         d_opt = self.placement.state(d_opt) if with_draft else None
 
-        def run(mb):
-            nonlocal opt_state, weights, d_opt
+        def run(mb, compile_first=False):
+            nonlocal opt_state, weights, d_opt, update
             packed = self.placement.rows(pack_rows(mb, self.placement.row_shards))
             before = (self.params, opt_state, weights, d_opt)
+            if compile_first:  # the plan is known before the first call can run out of memory
+                update, self.xla_plans[phase] = compile_once(update, *before[:3], buffers, d_opt, packed)
             *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed)
-            # on the input layout, as the training loop keeps it: the next call reuses the compilation
+            # on the input layout, as the training loop keeps it: every call runs the one compilation
             self.params, opt_state, weights, d_opt = self.placement.pin(tuple(after), before)
             return metrics
 
-        _, compile_s = _timed(run, next(self.minibatches(with_draft)))
+        phase = "update_draft" if with_draft else "update"
+        _, compile_s = _timed(run, next(self.minibatches(with_draft)), True)
         seconds = sum(_timed(run, mb)[1] for mb in self.minibatches(with_draft))
         if with_draft:
             self.dparams = head.with_update(weights, d_opt).params
@@ -311,11 +336,13 @@ def main(argv: list[str]) -> int:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:
             # a phase that does not fit ends the benchmark; what ran before it is still reported
-            rows.append({"phase": name, "in_use_gb_before": in_use, "error": out_of_memory(err)})
+            rows.append({"phase": name, "in_use_gb_before": in_use, "xla_plan_gb": bench.xla_plans.get(name),
+                         "error": out_of_memory(err)})
             print(f"{name}: {rows[-1]['error']}")
             break
         row = {"phase": name, **phases[name], "in_use_gb_before": in_use,
-               "peak_gb_per_device": gigabytes(memory_stat("peak_bytes_in_use"))}
+               "peak_gb_per_device": gigabytes(memory_stat("peak_bytes_in_use")),
+               "xla_plan_gb": bench.xla_plans.get(name)}
         rows.append(row)
         print_table([row], list(row))
     kv = cache_bytes(cfg, args.sub_batch, args.prompt + args.new, jnp.dtype(args.rollout_dtype))
@@ -325,7 +352,7 @@ def main(argv: list[str]) -> int:
     print(f"\nKV cache per sub-batch of {args.sub_batch} rows x {args.prompt + args.new} slots: {kv / 1e9:.2f} GB "
           f"(all devices together)")
     print_table(rows, ["phase", "seconds", "first_call_s", "acceptance_length", "ms_per_loop_step",
-                       "in_use_gb_before", "peak_gb_per_device", "error"])
+                       "in_use_gb_before", "peak_gb_per_device", "xla_plan_gb", "error"])
     if projected:
         print("\nPROJECTION (computed from the measured costs above, not measured):")
         print_table(projected, ["projection", "generate_s", "step_s", "ar_step_s", "speedup", "generation_speedup"])

@@ -37,6 +37,12 @@ def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, c
     for phase in PHASES:
         assert rows[phase]["seconds"] > 0
         assert rows[phase]["peak_gb_per_device"] == [None] * 8  # CPU devices report no memory statistics
+    # XLA's plan per device: the log-prob pass donates nothing; the updates write the policy and its
+    # optimizer state over the donated inputs (all outputs but the metrics)
+    assert rows["logprobs"]["xla_plan_gb"]["aliased"] == 0 < rows["logprobs"]["xla_plan_gb"]["arguments"]
+    for phase in ("update", "update_draft"):
+        plan = rows[phase]["xla_plan_gb"]
+        assert 0.95 * plan["outputs"] <= plan["aliased"] <= plan["outputs"] <= plan["arguments"]
     ar, spec = rows["generate_ar"], rows["generate_spec"]
     assert ar["acceptance_length"] == 1.0 and ar["loop_steps"] >= 2 * 3  # 2 sub-batches, >= new - 1 steps each
     assert 1.0 <= spec["acceptance_length"] <= 3.0  # k = 2: at most 3 tokens per verification
@@ -78,6 +84,7 @@ def test_a_phase_out_of_memory_ends_the_run_with_the_phases_before_it(model_json
     rows = json.loads(out.read_text())["rows"]
     assert [r["phase"] for r in rows] == ["generate_ar", "generate_spec", "logprobs", "update"]
     assert rows[-1]["error"].startswith("out of device memory: RESOURCE_EXHAUSTED")
+    assert rows[-1]["xla_plan_gb"] is None  # the failing phase here never compiled
     assert all("projection" not in r for r in rows)  # nothing is projected from a missing update
 
 
