@@ -15,6 +15,15 @@ free and what they need exists:
   `online` (the head adapted online) as soon as the head exists;
 - `--extra NAME='key=value ...'` runs after those (e.g. shorter timing-only runs).
 
+`--gpus-per-run N` gives every GRPO run N GPUs (`mesh.data=N`, colocated). `--async-runs` adds the
+asynchronous runs of issue-style studies on the same N GPUs: `async_ar`, `async_frozen` and
+`async_online` (`rollout.mode=async`, the last `--rollout-gpus` of the N generate, the others train
+with `mesh.data`), compared with the colocated ones in the same summary. The asynchronous GRPO study
+on a 4-GPU host (two runs at a time):
+
+    python3 benchmarks/grpo_curves.py --steps 100 --eval-every 10 --gpus-per-run 2 --async-runs \
+        --prefix async_study
+
 Each run's metrics are copied to RESULTS/PREFIX_NAME.jsonl every few seconds (so a run cut short
 still leaves its curve), logs to RESULTS/PREFIX_NAME.log, and at the end `grpo_compare.py` writes
 RESULTS/PREFIX.{json,png,log} for the four main runs. With one GPU the jobs run one after another.
@@ -37,6 +46,7 @@ MAIN_RUNS = {"ar": "spec.method=none draft.online=false",
              "ar_seed1": "spec.method=none draft.online=false train.seed=1",
              "frozen": "draft.online=false",
              "online": ""}
+ASYNC_RUNS = {f"async_{name}": MAIN_RUNS[name] for name in ("ar", "frozen", "online")}
 
 
 @dataclasses.dataclass
@@ -85,18 +95,26 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
     common = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", "train.progress=false",
               f"train.checkpoint_every={args.checkpoint_every}"]
     runs = dict(MAIN_RUNS)
+    width = args.gpus_per_run
+    layout = {name: [f"mesh.data={width}"] if width > 1 else [] for name in runs}
+    if args.async_runs:
+        rollout = args.rollout_gpus or width // 2
+        runs.update(ASYNC_RUNS)
+        layout.update({name: ["rollout.mode=async", f"mesh.rollout_devices={rollout}", f"mesh.data={width - rollout}"]
+                       for name in ASYNC_RUNS})
     for extra in args.extra:
         name, sep, overrides = extra.partition("=")
         if not sep or not name.isidentifier() or name in runs:
             raise SystemExit(f"--extra must be NAME='key=value ...' with a new NAME, got {extra!r}")
         runs[name] = overrides
+        layout[name] = [f"mesh.data={width}"] if width > 1 else []
     for name, overrides in runs.items():
         run_dir = Path("runs") / f"grpo-{name}"
         needs = POLICY if "spec.method=none" in overrides else HEAD
         argv = [python, "-m", "jaxspec.cli", "train", "--config", "configs/grpo_small.yaml", "--run-dir",
-                str(run_dir), *common, *shlex.split(overrides)]
-        jobs.append(Job(name, needs, argv, 1, {}, results / f"{args.prefix}_{name}.log", run_dir / "metrics.jsonl",
-                        results / f"{args.prefix}_{name}.jsonl"))
+                str(run_dir), *common, *layout[name], *shlex.split(overrides)]
+        jobs.append(Job(name, needs, argv, width, {}, results / f"{args.prefix}_{name}.log",
+                        run_dir / "metrics.jsonl", results / f"{args.prefix}_{name}.jsonl"))
     return jobs
 
 
@@ -154,20 +172,29 @@ def main() -> int:
     p.add_argument("--draft-steps", type=int, default=1000)
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids (default: every GPU nvidia-smi lists)")
     p.add_argument("--extra", action="append", default=[], help="NAME='key=value ...': another GRPO run")
+    p.add_argument("--gpus-per-run", type=int, default=1, help="GPUs of every GRPO run (colocated: mesh.data)")
+    p.add_argument("--async-runs", action="store_true", help="also the async_* runs on the same GPUs")
+    p.add_argument("--rollout-gpus", type=int, default=0,
+                   help="of an async run's GPUs, the ones that generate (default: half)")
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--prefix", default="grpo_curves")
     p.add_argument("--poll", type=float, default=5.0, help="seconds between checks")
     args = p.parse_args()
-    for flag in ("steps", "draft_steps", "checkpoint_every"):
+    for flag in ("steps", "draft_steps", "checkpoint_every", "gpus_per_run"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
     gpus = gpu_ids(args.gpus)
+    if args.gpus_per_run > len(gpus):
+        raise SystemExit(f"--gpus-per-run {args.gpus_per_run}: this host has {len(gpus)} GPUs ({','.join(gpus)})")
+    if args.async_runs and not 0 < (args.rollout_gpus or args.gpus_per_run // 2) < args.gpus_per_run:
+        raise SystemExit(f"--async-runs needs rollout GPUs between 1 and --gpus-per-run - 1 "
+                         f"(--gpus-per-run {args.gpus_per_run}, --rollout-gpus {args.rollout_gpus})")
     jobs = jobs_for(args, len(gpus))
     print(f"{stamp()} {len(jobs)} jobs on GPUs {','.join(gpus)}", flush=True)
     failed = run_all(jobs, gpus, args.poll)
     results = Path(args.results)
-    runs = [f"{name}=runs/grpo-{name}" for name in MAIN_RUNS
-            if (Path("runs") / f"grpo-{name}" / "metrics.jsonl").is_file()]
+    names = [*MAIN_RUNS, *(ASYNC_RUNS if args.async_runs else ())]
+    runs = [f"{name}=runs/grpo-{name}" for name in names if (Path("runs") / f"grpo-{name}" / "metrics.jsonl").is_file()]
     if len(runs) > 1:
         with (results / f"{args.prefix}.log").open("w", encoding="utf-8") as log:
             compare = subprocess.run([sys.executable, "benchmarks/grpo_compare.py", "--out",

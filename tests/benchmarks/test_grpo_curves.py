@@ -44,7 +44,8 @@ def test_jobs_wait_for_their_inputs_and_get_free_gpus(tmp_path):
 def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = grpo_curves.argparse.Namespace(results=str(tmp_path / "res"), prefix="p", draft_steps=10, steps=5,
-                                          eval_every=0, checkpoint_every=5, extra=["quick=train.steps=2 x.y=1"])
+                                          eval_every=0, checkpoint_every=5, extra=["quick=train.steps=2 x.y=1"],
+                                          gpus_per_run=1, async_runs=False, rollout_gpus=0)
     names = [j.name for j in grpo_curves.jobs_for(args, num_gpus=3)]
     assert names == ["pretrain", "draft", "ar", "ar_seed1", "frozen", "online", "quick"]
     pretrain = grpo_curves.jobs_for(args, num_gpus=3)[0]
@@ -61,6 +62,35 @@ def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
 def test_bad_extra_runs_are_refused(tmp_path, monkeypatch, extra):
     monkeypatch.chdir(tmp_path)
     args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
-                                          checkpoint_every=5, extra=[extra])
+                                          checkpoint_every=5, extra=[extra], gpus_per_run=1, async_runs=False,
+                                          rollout_gpus=0)
     with pytest.raises(SystemExit, match="--extra"):
         grpo_curves.jobs_for(args, num_gpus=1)
+
+
+def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch):
+    """--gpus-per-run 2 --async-runs: colocated runs on mesh.data=2, async runs split 1 + 1, every
+    run two GPUs wide; each run's overrides load into the GRPO config and pass its validation."""
+    from jaxspec.config_io import load_config
+    from jaxspec.rl.config import GRPOConfig
+    from jaxspec.rl.validation import validate
+
+    repo = Path(grpo_curves.__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    Path("runs/small/policy").mkdir(parents=True)
+    Path("runs/draft-small/draft").mkdir(parents=True)
+    args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
+                                          checkpoint_every=5, extra=[], gpus_per_run=2, async_runs=True,
+                                          rollout_gpus=0)
+    jobs = {j.name: j for j in grpo_curves.jobs_for(args, num_gpus=4)}
+    assert list(jobs) == ["ar", "ar_seed1", "frozen", "online", "async_ar", "async_frozen", "async_online"]
+    assert {j.width for j in jobs.values()} == {2}
+    for name, job in jobs.items():
+        overrides = job.argv[job.argv.index("--run-dir") + 2:]
+        cfg = load_config(GRPOConfig, repo / "configs" / "grpo_small.yaml", overrides)
+        validate(cfg, "grpo_small.yaml")
+        if name.startswith("async_"):
+            assert (cfg.rollout.mode, cfg.mesh.rollout_devices, cfg.mesh.data) == ("async", 1, 1)
+        else:
+            assert (cfg.rollout.mode, cfg.mesh.rollout_devices, cfg.mesh.data) == ("colocated", 0, 2)
+        assert (cfg.spec.method == "none") == ("ar" in name.split("_"))
