@@ -7,7 +7,9 @@ one (`init_eagle3`). The policy's float32 master copy is sharded over the mesh
 `--rollout-dtype` cast, sharded like it or, with `--gather-weights` (rollout.gather_weights), gathered
 over the batch axes once before the phase (whole on every device but for the tensor split; made
 per phase, freed before the next). AdamW's first moment is `--state-dtype` (optim.state_dtype). The
-phases run the library's own functions:
+phases run the library's own functions, next to the whole training state (the policy, AdamW's
+moments, the head and, with update_draft, its optimizer state), which is made before the first
+phase and kept through all of them, as `jaxspec train` holds it:
 
   generate_ar / generate_spec  `jaxspec.rollout.generate` (autoregressive; EAGLE-3 chain with k =
       `--k`) of `--batch` random prompts of `--prompt` tokens, `--new` tokens each (temperature 1,
@@ -17,8 +19,9 @@ phases run the library's own functions:
       shape instead (every row `--new` tokens long, as generate_ar's rollouts are), so the training
       phases can be measured without generating.
   update / update_draft  `jaxspec.rl.step.update_fn` over the same minibatches, without and with
-      the online EAGLE-3 loss.
-  checkpoint  `jaxspec.run.Checkpointer` (orbax) of params + optimizer state to a temporary folder.
+      the online EAGLE-3 loss, each continuing from the optimizer state before it.
+  checkpoint  `jaxspec.run.Checkpointer` (orbax) of the training state (the policy and its optimizer
+      state; the head and its optimizer state with update_draft) to a temporary folder.
 The log-prob and update times include packing each minibatch on the host, as the training loop does.
 
 Each phase runs once untimed first (compilation), then is timed over the whole batch. Memory is
@@ -139,12 +142,22 @@ class Bench:
         else:
             self.dcfg, dparams = init_eagle3(self.cfg, jax.random.key(1), min(args.draft_vocab, self.cfg.vocab_size))
         self.dparams = self.placement.state(dparams)
+        # The rest of the training state, made up front and kept through every phase as `jaxspec
+        # train` holds it: AdamW's moments (scalars replicated) and, for update_draft, the online
+        # head's optimizer state. So each phase runs next to what it runs next to in training, and
+        # the update allocates on the layout the training loop leaves (its state made first).
+        self.optim = PolicyOptimConfig(state_dtype=args.state_dtype)
+        self.opt_state = self.placement.state(policy_optimizer(self.optim).init(self.params))
+        self.online = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True, ttt_steps=args.ttt_steps))
+        self.head = None
+        if "update_draft" in args.phases:
+            head = OnlineDraftState.init(self.online, self.dparams)
+            self.head = head.with_update(head.weights, self.placement.state(head.opt_state))
         self.sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=())
         rng = np.random.default_rng(0)
         self.prompts = rng.integers(0, self.cfg.vocab_size, (args.batch, args.prompt)).tolist()
         self.loss = GRPOLossConfig()
         self.rows: dict | None = None
-        self.opt_state = None
         self.xla_plans: dict[str, dict | None] = {}  # phase -> compile_once's memory plan
 
     def rollout_params(self):
@@ -224,15 +237,14 @@ class Bench:
         return {"seconds": seconds, "first_call_s": compile_s}
 
     def update(self, with_draft: bool) -> dict:
+        """Every minibatch once (the first also once before: compilation), from the optimizer state
+        the previous update phase left."""
         a = self.args
-        optim = PolicyOptimConfig(state_dtype=a.state_dtype)
-        draft = OnlineDraft(self.dcfg, OnlineDraftConfig(online=True, ttt_steps=a.ttt_steps)) if with_draft else None
-        self.opt_state = None  # the previous phase's optimizer state is freed before this one is made
-        update = update_fn(self.cfg, self.sampling, self.loss, optim, a.compute_dtype, a.remat, draft, self.sharding)
-        opt_state = self.placement.state(policy_optimizer(optim).init(self.params))  # scalars replicated
-        head = OnlineDraftState.init(draft, self.dparams) if with_draft else None
-        weights, buffers, d_opt = head.update_args() if with_draft else (None, None, None)
-        d_opt = self.placement.state(d_opt) if with_draft else None
+        draft = self.online if with_draft else None
+        update = update_fn(self.cfg, self.sampling, self.loss, self.optim, a.compute_dtype, a.remat, draft,
+                           self.sharding)
+        opt_state, self.opt_state = self.opt_state, None  # donated: only the phase holds it
+        weights, buffers, d_opt = self.head.update_args() if with_draft else (None, None, None)
 
         def run(mb, compile_first=False):
             nonlocal opt_state, weights, d_opt, update
@@ -249,7 +261,8 @@ class Bench:
         _, compile_s = _timed(run, next(self.minibatches(with_draft)), True)
         seconds = sum(_timed(run, mb)[1] for mb in self.minibatches(with_draft))
         if with_draft:
-            self.dparams = head.with_update(weights, d_opt).params
+            self.head = self.head.with_update(weights, d_opt)
+            self.dparams = self.head.params
         self.opt_state = opt_state
         return {"seconds": seconds, "first_call_s": compile_s}
 
@@ -257,7 +270,8 @@ class Bench:
         with tempfile.TemporaryDirectory() as tmp:
             checkpointer = Checkpointer(Path(tmp) / "checkpoints", keep=1)
             start = time.perf_counter()
-            checkpointer.save({"params": self.params, "opt_state": self.opt_state, "step": jnp.int32(1)})
+            head = self.head.checkpoint_entries() if self.head is not None else {}
+            checkpointer.save({"params": self.params, "opt_state": self.opt_state, **head, "step": jnp.int32(1)})
             checkpointer.close()
             return {"seconds": time.perf_counter() - start, "first_call_s": None}
 
@@ -276,7 +290,7 @@ def projection(phases: dict, new: int, taus: list[float]) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxspec bench grpo-step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group()
@@ -306,7 +320,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
                    help="the phases to run, in the usual order (default: all)")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     if args.write_policy:
         write_random_policy(args.model, Path(args.write_policy))
         print(f"random {args.model} policy written to {args.write_policy}")

@@ -146,3 +146,23 @@ def test_training_phases_without_generation_read_full_length_random_rollouts(mod
     rows = json.loads(out.read_text())["rows"]
     assert [r["phase"] for r in rows] == ["logprobs", "update_draft", "checkpoint"]
     assert all(r["seconds"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("phases", [["generate_ar"], ["logprobs", "update_draft"]])
+def test_the_training_state_is_made_before_the_first_phase(model_json, phases):
+    """Every phase runs next to the whole training state, as `jaxspec train` holds it: AdamW's
+    moments laid out like the policy from the start, and the online head's optimizer state when
+    update_draft is among the phases."""
+    import jax
+
+    from jaxspec.bench import grpo_step
+
+    args = grpo_step.parser().parse_args(["--model", str(model_json), "--mesh", "1,2,1", "--batch", "2",
+                                          "--sub-batch", "2", "--draft-vocab", "32", "--state-dtype", "bfloat16",
+                                          "--phases", *phases])
+    bench = grpo_step.Bench(args)
+    mu, nu = bench.opt_state[1][0].mu, bench.opt_state[1][0].nu
+    for moment, dtype in ((mu, "bfloat16"), (nu, "float32")):
+        for p, m in zip(jax.tree.leaves(bench.params), jax.tree.leaves(moment)):
+            assert m.shape == p.shape and m.dtype == dtype and m.sharding.is_equivalent_to(p.sharding, p.ndim)
+    assert (bench.head is not None) == ("update_draft" in phases)
