@@ -16,7 +16,7 @@ free and what they need exists:
 - `--extra NAME='key=value ...'` runs after those (e.g. shorter timing-only runs).
 
 `--gpus-per-run N` gives every GRPO run N GPUs (`mesh.data=N`, colocated). `--async-runs` adds the
-asynchronous runs of issue-style studies on the same N GPUs: `async_ar`, `async_frozen` and
+asynchronous runs of a colocated-vs-async study on the same N GPUs: `async_ar`, `async_frozen` and
 `async_online` (`rollout.mode=async`, the last `--rollout-gpus` of the N generate, the others train
 with `mesh.data`), compared with the colocated ones in the same summary. The asynchronous GRPO study
 on a 4-GPU host (two runs at a time):
