@@ -74,6 +74,11 @@ def gpu_ids(requested: str | None) -> list[str]:
     return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")] or ["0"]
 
 
+def rollout_gpus(args) -> int:
+    """Of an async run's --gpus-per-run GPUs, the ones that generate (--rollout-gpus, default half)."""
+    return args.rollout_gpus or args.gpus_per_run // 2
+
+
 def jobs_for(args, num_gpus: int) -> list[Job]:
     results, python = Path(args.results), sys.executable
     jobs = []
@@ -96,9 +101,10 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
               f"train.checkpoint_every={args.checkpoint_every}"]
     runs = dict(MAIN_RUNS)
     width = args.gpus_per_run
-    layout = {name: [f"mesh.data={width}"] if width > 1 else [] for name in runs}
+    colocated = [f"mesh.data={width}"] if width > 1 else []
+    layout = dict.fromkeys(runs, colocated)
     if args.async_runs:
-        rollout = args.rollout_gpus or width // 2
+        rollout = rollout_gpus(args)
         runs.update(ASYNC_RUNS)
         layout.update({name: ["rollout.mode=async", f"mesh.rollout_devices={rollout}", f"mesh.data={width - rollout}"]
                        for name in ASYNC_RUNS})
@@ -107,7 +113,7 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
         if not sep or not name.isidentifier() or name in runs:
             raise SystemExit(f"--extra must be NAME='key=value ...' with a new NAME, got {extra!r}")
         runs[name] = overrides
-        layout[name] = [f"mesh.data={width}"] if width > 1 else []
+        layout[name] = colocated
     for name, overrides in runs.items():
         run_dir = Path("runs") / f"grpo-{name}"
         needs = POLICY if "spec.method=none" in overrides else HEAD
@@ -186,7 +192,7 @@ def main() -> int:
     gpus = gpu_ids(args.gpus)
     if args.gpus_per_run > len(gpus):
         raise SystemExit(f"--gpus-per-run {args.gpus_per_run}: this host has {len(gpus)} GPUs ({','.join(gpus)})")
-    if args.async_runs and not 0 < (args.rollout_gpus or args.gpus_per_run // 2) < args.gpus_per_run:
+    if args.async_runs and not 0 < rollout_gpus(args) < args.gpus_per_run:
         raise SystemExit(f"--async-runs needs rollout GPUs between 1 and --gpus-per-run - 1 "
                          f"(--gpus-per-run {args.gpus_per_run}, --rollout-gpus {args.rollout_gpus})")
     jobs = jobs_for(args, len(gpus))

@@ -49,8 +49,8 @@ def tree_verify(logits, parents, draft_tokens, num_nodes, key, *, temperature: f
     logprobs float32 [B, N]: log p at the parent of each emitted token, 0 after). Stochastic drafts
     (draft_probs given, temperature > 0) run their own kernel (`kernels.tree_stochastic_pallas`)
     where the deterministic ones run `kernels.tree_verify_pallas`. Every implementation draws the
-    same samples from the same key (up to float rounding at decision boundaries). Value checks on the tree run only on
-    concrete inputs (under `jax.jit` the shapes are still checked).
+    same samples from the same key (up to float rounding at decision boundaries). Value checks on
+    the tree run only on concrete inputs (under `jax.jit` the shapes are still checked).
     """
     impl = _resolve_impl(requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify"))
     temperature = _check_temperature(temperature)

@@ -219,8 +219,9 @@ class Bench:
 
         def first(mb):
             nonlocal score
-            score, self.xla_plans["logprobs"] = compile_once(score, *args(mb))
-            return score(*args(mb))
+            call = args(mb)
+            score, self.xla_plans["logprobs"] = compile_once(score, *call)
+            return score(*call)
 
         run = lambda mb: score(*args(mb))  # noqa: E731
         _, compile_s = _timed(first, next(self.minibatches()))
@@ -245,6 +246,7 @@ class Bench:
                            self.sharding)
         opt_state, self.opt_state = self.opt_state, None  # donated: only the phase holds it
         weights, buffers, d_opt = self.head.update_args() if with_draft else (None, None, None)
+        phase = "update_draft" if with_draft else "update"
 
         def run(mb, compile_first=False):
             nonlocal opt_state, weights, d_opt, update
@@ -257,7 +259,6 @@ class Bench:
             self.params, opt_state, weights, d_opt = self.placement.pin(tuple(after), before)
             return metrics
 
-        phase = "update_draft" if with_draft else "update"
         _, compile_s = _timed(run, next(self.minibatches(with_draft)), True)
         seconds = sum(_timed(run, mb)[1] for mb in self.minibatches(with_draft))
         if with_draft:
