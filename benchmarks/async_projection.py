@@ -5,7 +5,14 @@ per-phase costs of one colocated and one async run of the same workload (`grpo_c
         --colocated coloc:2 --async async:1:1 --rollouts 256 --gpus 8 32 [--generation-speedup 1.75]
 
 `--colocated NAME:DEVICES` and `--async NAME:ROLLOUT_DEVICES:TRAINER_DEVICES` name the two runs in the
-JSON and the devices each ran on; `--rollouts` is the rollouts per step of both.
+JSON and the devices each ran on; `--rollouts` is the rollouts per step of both. When the two are
+speculative runs, `--baseline NAME` (the colocated autoregressive run of the same study, as many
+devices as --colocated) is what `async_vs_colocated_ar` divides: its measured step, which the model's
+weak scaling keeps at any N. Without it, the baseline is the fitted pair's own colocated step with
+generation at speedup 1.
+
+    python3 benchmarks/async_projection.py benchmarks/results/async_study_w_h200.json \
+        --colocated frozen:2 --async async_frozen:1:1 --baseline ar --rollouts 256 --gpus 2 8 32
 
 The model, stated so it can be argued with:
 - Weak scaling: on N GPUs a step has rollouts x N / colocated devices rollouts, so every GPU of the
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 32])
     p.add_argument("--generation-speedup", type=float, nargs="*", default=[],
                    help="measured speculative generation speedups to project too")
+    p.add_argument("--baseline", default=None, metavar="NAME",
+                   help="the colocated autoregressive run whose step async_vs_colocated_ar divides")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     try:
@@ -126,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             runs = json.load(f)
         costs = fit_costs(runs, col_name, int(col_devices), asy_name, int(rollout_devices), int(trainer_devices),
                           args.rollouts)
+        baseline = None if args.baseline is None else _field(_run(runs, args.baseline), args.baseline, "step_s")
     except (ValueError, OSError) as err:
         print(f"async_projection: {err}", file=sys.stderr)
         return 2
     rows = [project(costs, n, s) for s in [1.0, *args.generation_speedup] for n in args.gpus]
     for r in rows:  # the baseline of every row: the colocated autoregressive step on as many GPUs
-        r["async_vs_colocated_ar"] = project(costs, r["gpus"])["colocated_step_s"] / r["async_step_s"]
+        ar_step = baseline if baseline is not None else project(costs, r["gpus"])["colocated_step_s"]
+        r["async_vs_colocated_ar"] = ar_step / r["async_step_s"]
     print(f"PROJECTION (computed from {args.comparison}, not measured); {STUDY}")
     print(f"fitted: generation {costs.gen_fixed_s:.3f} s + {1e3 * costs.gen_per_row_s:.3f} ms per row, trainer "
           f"{1e3 * costs.train_per_row_s:.3f} ms per row on one GPU, {1e3 * costs.train_per_row_multi_s:.3f} on "
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"projection": "computed, not measured (benchmarks/async_projection.py docstring)",
-                       "source": args.comparison, "study": STUDY, "costs": vars(costs), "rows": rows}, f, indent=1)
+                       "source": args.comparison, "baseline": args.baseline, "study": STUDY, "costs": vars(costs), "rows": rows}, f, indent=1)
     return 0
 
 

@@ -55,3 +55,16 @@ def test_cli_writes_the_projection_and_names_bad_input(tmp_path, capsys):
     source.write_text(json.dumps(no_sync))
     assert projection.main([str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256"]) == 2
     assert "run 'async' has no sync_s" in capsys.readouterr().err
+
+
+def test_a_speculative_pair_is_also_stated_against_the_colocated_ar_run(tmp_path):
+    runs = {**RUNS, "ar": {"generation_s": 1.2, "logprob_s": 0.1, "train_s": 0.4, "step_s": 1.95}}
+    source, out = tmp_path / "compare.json", tmp_path / "projection.json"
+    source.write_text(json.dumps(runs))
+    assert projection.main([str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256",
+                            "--gpus", "2", "8", "--baseline", "ar", "--out", str(out)]) == 0
+    for row in json.loads(out.read_text())["rows"]:
+        assert row["async_vs_colocated_ar"] == pytest.approx(1.95 / row["async_step_s"])
+        assert row["async_vs_colocated"] == pytest.approx(row["colocated_step_s"] / row["async_step_s"])
+    assert projection.main([str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256",
+                            "--baseline", "nope"]) == 2
