@@ -201,12 +201,19 @@ def forward_router(
     attention_impl: str = "auto",
     moe_impl: str = "ragged_dot",
     head: bool = True,
+    compute_dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_hidden` plus the router logits of the sparse layers, float32
     [len(cfg.sparse_layers), B, T, E] (empty [0, B, T, 0] for a dense model), the input of
     `moe.load_balancing_loss`. head=False returns the last layer's output [B, T, H] in the
-    params' dtype, before the final norm, in place of the logits (`logits_from_hidden` maps it to
-    them): the trainer applies the head to the response positions alone, in chunks."""
+    compute dtype, before the final norm, in place of the logits (`logits_from_hidden` maps it to
+    them): the trainer applies the head to the response positions alone, in chunks.
+    compute_dtype: the dtype the forward computes in (None: the params'). The params keep theirs
+    (a float32 master copy, which gradients reach); each layer's weights are cast inside its
+    (rematerialised) layer function, the embedding rows after the lookup and the head where it is
+    applied. So no cast copy of the whole model exists: with remat a layer's saved input is its
+    master weights, already alive, not a compute-dtype copy of every layer held from the forward
+    to the backward pass."""
     _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
     mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
@@ -218,12 +225,15 @@ def forward_router(
         attn_mask = attn_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     cos, sin = rope_tables(cfg, positions)
 
-    use_cudnn = use_cudnn_attention(attention_impl, params["embed"].dtype, cfg.head_dim, t)
+    dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
+    cast = lambda tree: jax.tree.map(lambda w: w.astype(dtype), tree)  # noqa: E731
+    use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
     lengths = mask.sum(axis=-1).astype(jnp.int32)
     # Flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
 
     def layer_fn(layer, x):
+        layer = cast(layer)
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
             attn = jax.nn.dot_product_attention(q, k, v, mask=same_segment, is_causal=True,
@@ -235,7 +245,7 @@ def forward_router(
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
-    x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
+    x = constrain(sharding, embed(params, tokens).astype(dtype), ("batch", "seq", "act_embed"))
     hidden, routers = {}, []
     for i, layer in enumerate(params["layers"]):
         x, router_logits = layer_fn(layer, x)
@@ -246,7 +256,8 @@ def forward_router(
     routers = jnp.stack(routers) if routers else jnp.zeros((0, b, t, 0), jnp.float32)
     if not head:
         return x, _stack_hidden(hidden, hidden_layers, x), routers
-    logits = constrain(sharding, logits_from_hidden(cfg, params, x), ("batch", "seq", "vocab"))
+    head_params = cast({k: params[k] for k in ("final_norm", "embed", "lm_head") if k in params})
+    logits = constrain(sharding, logits_from_hidden(cfg, head_params, x), ("batch", "seq", "vocab"))
     return logits, _stack_hidden(hidden, hidden_layers, x), routers
 
 

@@ -29,17 +29,16 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
 
     tokens / segment_ids int32 [B, L+1] (segment 0 = padding; examples attend only within their
     segment and their positions restart at 0); weights float32 [B, L] selects the targets
-    tokens[:, 1:] that count (see `data.PackedSet`). Params are cast to `compute_dtype` for the
-    forward (gradients flow back to the float32 master copy). attention_impl, moe_impl: as `forward_hidden`.
+    tokens[:, 1:] that count (see `data.PackedSet`). The forward computes in `compute_dtype`,
+    each layer's weights cast inside its layer function (gradients flow back to the float32 master copy). attention_impl, moe_impl: as `forward_hidden`.
     sharding: the run's mesh; activations are split over its batch axes (`jaxspec.rl.loss.sequence_forward`).
     Returns (loss float32 scalar, number of counted target tokens, load-balancing loss (0 for a
     dense policy)).
     """
     inputs, targets, segments = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
-    compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    logits, _, router_logits = forward_router(cfg, compute_params, inputs, mask=segments > 0, segment_ids=segments,
+    logits, _, router_logits = forward_router(cfg, params, inputs, mask=segments > 0, segment_ids=segments,
                                               remat=remat, attention_impl=attention_impl, sharding=sharding,
-                                              moe_impl=moe_impl)
+                                              moe_impl=moe_impl, compute_dtype=compute_dtype)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     count = weights.sum()

@@ -30,8 +30,8 @@ def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segmen
     """One policy forward over packed prompt+response rows.
 
     tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
-    positions restart per sequence). Params are cast to `compute_dtype` (gradients reach the
-    float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
+    positions restart per sequence). The forward computes in `compute_dtype`, each layer's weights
+    cast inside its layer function (`forward_router`; gradients reach the float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
     outputs of the given 0-based layers, float32 router logits [len(cfg.sparse_layers), R, W, E]
     of a mixture-of-experts policy, [0, R, W, 0] for a dense one). head=False returns the last
     layer's output [R, W, H] in `compute_dtype` (before the final norm) in place of the logits: the
@@ -41,9 +41,8 @@ def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segmen
     attention cannot partition. A mixture-of-experts policy's experts run as `moe_impl="auto"`
     picks (the grouped-matmul kernels on a GPU for large calls, forward and backward).
     """
-    compute_params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    return forward_router(cfg, compute_params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
-                          sharding=sharding, head=head, moe_impl="auto")
+    return forward_router(cfg, params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
+                          sharding=sharding, head=head, moe_impl="auto", compute_dtype=compute_dtype)
 
 
 def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
