@@ -18,7 +18,7 @@ and whose policy argmax lies in the draft vocabulary; steps are weighted step_de
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -124,13 +124,29 @@ def ttt_forward(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused
     return jnp.stack(logits), jnp.stack(outs)
 
 
+class Eagle3Targets(NamedTuple):
+    """What the loss reads of the policy's logits at each position (position t predicts x_{t+1})."""
+
+    soft: jax.Array  # float32 [B, T, Vd]: softmax of the logits restricted to the draft vocabulary
+    top: jax.Array  # int32 [B, T]: the argmax over the whole policy vocabulary
+
+
+def eagle3_targets(dparams: DraftParams, target_logits: jax.Array) -> Eagle3Targets:
+    """`Eagle3Targets` of policy logits [..., V] (any leading shape, any float dtype; no gradient)."""
+    logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
+    return Eagle3Targets(soft=jax.nn.softmax(jnp.take(logits, target_ids(dparams), axis=-1), axis=-1),
+                         top=jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
 def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_hidden: jax.Array,
-                target_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, num_steps: int = 7,
+                target_logits: jax.Array | Eagle3Targets, tokens: jax.Array, loss_mask: jax.Array, num_steps: int = 7,
                 step_decay: float = 0.8, segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """TTT loss of the head on one batch of policy sequences.
 
     embed: the policy's token embedding [V, H]. aux_hidden: [3, B, T, H] policy outputs of layers
-    dcfg.aux_layer_ids. target_logits: float [B, T, V] policy logits (position t predicts x_{t+1}).
+    dcfg.aux_layer_ids. target_logits: float [B, T, V] policy logits (position t predicts x_{t+1}),
+    or their `eagle3_targets` (which is all the loss reads of them: a caller can build them a chunk
+    of positions at a time, never holding [B, T, V]).
     tokens: int32 [B, T]. loss_mask: bool [B, T], whether token j is a prediction target (e.g. a
     response token, not prompt or padding). segment_ids: int32 [B, T] when rows pack several
     sequences (`jaxspec.rl.batch.pack_rows`): the head attends and predicts within a sequence
@@ -146,20 +162,25 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
-    for name, arr, want in (("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)),
-                            ("target_logits", target_logits, (b, t, dcfg.vocab_size)),
+    if isinstance(target_logits, Eagle3Targets):
+        targets = target_logits
+        target_shapes = (("targets.soft", targets.soft, (b, t, dparams["d2t"].shape[0])),
+                         ("targets.top", targets.top, (b, t)))
+    else:
+        targets = None
+        target_shapes = (("target_logits", target_logits, (b, t, dcfg.vocab_size)),)
+    for name, arr, want in (("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)), *target_shapes,
                             ("loss_mask", loss_mask, (b, t)),
                             ("segment_ids", segment_ids, (b, t))):
         if arr is None:
             continue
         if tuple(arr.shape) != want:
             raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {want}")
-    embed, aux_hidden, target_logits = map(jax.lax.stop_gradient, (embed, aux_hidden, target_logits))
+    embed, aux_hidden = map(jax.lax.stop_gradient, (embed, aux_hidden))
+    soft_target, policy_top = jax.lax.stop_gradient(
+        eagle3_targets(dparams, target_logits) if targets is None else targets)
 
     fused = fuse(dcfg, dparams, aux_hidden)
-    target_logits = target_logits.astype(jnp.float32)
-    soft_target = jax.nn.softmax(jnp.take(target_logits, target_ids(dparams), axis=-1), axis=-1)  # [B, T, Vd]
-    policy_top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
     in_vocab = jnp.take(dparams["t2d"], policy_top)
     loss_mask = loss_mask.astype(bool)
     segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)

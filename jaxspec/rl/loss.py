@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.draft import DraftParams, Eagle3Targets, eagle3_targets
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, constrain
 from jaxspec.models.transformer import Params, forward_router, logits_from_hidden
@@ -110,6 +111,39 @@ def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_
 
     logp, entropy = jax.lax.map(chunk_logprobs, (rows, tokens))
     return logp.reshape(-1)[:positions].reshape(s, n), entropy.reshape(-1)[:positions].reshape(s, n)
+
+
+def draft_targets(cfg: ModelConfig, params: Params, hidden: jax.Array, dparams: DraftParams, *,
+                  chunk_size: int = LOGPROB_CHUNK, sharding: Sharding | None = None) -> Eagle3Targets:
+    """The online EAGLE-3 loss's `Eagle3Targets` (soft [R, W, Vd], top [R, W]) from the policy's
+    final hidden states [R, W, H] (as `response_logprobs` reads them), about `chunk_size` positions
+    at a time: the rows' next chunk_size // R columns, so a chunk keeps the rows' split over the
+    mesh. A chunk's float32 logits [R, C, V] exist only inside its step, never the [R, W, V] logits
+    of every packed position (5.6 GB for 8 rollouts x 1152 tokens of Qwen3-8B); the targets are
+    written in place into their [R, W, ...] buffers. No gradient."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+    params, hidden = jax.lax.stop_gradient((params, hidden))
+    r, w, _ = hidden.shape
+    cols = min(w, max(1, chunk_size // r))
+    chunks = -(-w // cols)
+    hidden = jnp.pad(hidden, ((0, 0), (0, chunks * cols - w), (0, 0)))
+    head = head_params(params, hidden.dtype)
+    vd = dparams["d2t"].shape[0]
+    layout = ("batch", "seq", "vocab")
+
+    def chunk_targets(i, out):
+        x = jax.lax.dynamic_slice_in_dim(hidden, i * cols, cols, axis=1)
+        x = constrain(sharding, x, ("batch", "seq", "act_embed"))
+        logits = constrain(sharding, logits_from_hidden(cfg, head, x), layout)  # [R, C, V]
+        soft, top = eagle3_targets(dparams, logits)
+        return Eagle3Targets(jax.lax.dynamic_update_slice_in_dim(out.soft, soft, i * cols, axis=1),
+                             jax.lax.dynamic_update_slice_in_dim(out.top, top, i * cols, axis=1))
+
+    empty = Eagle3Targets(constrain(sharding, jnp.zeros((r, chunks * cols, vd), jnp.float32), layout),
+                          jnp.zeros((r, chunks * cols), jnp.int32))
+    soft, top = jax.lax.fori_loop(0, chunks, chunk_targets, empty)
+    return Eagle3Targets(soft=soft[:, :w], top=top[:, :w])
 
 
 def reference_sampling(sampling: Sampling) -> Sampling:

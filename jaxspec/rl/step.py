@@ -18,13 +18,12 @@ import optax
 
 from jaxspec.draft import eagle3_loss, merge_buffers
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import Sharding, constrain
+from jaxspec.models.sharding import Sharding
 from jaxspec.models.moe import load_balancing_loss
-from jaxspec.models.transformer import logits_from_hidden
 from jaxspec.optim import clipped_adamw
 from jaxspec.rl.batch import PackedRows
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
-from jaxspec.rl.loss import (LOGPROB_CHUNK, aggregate, head_params, policy_loss, reference_sampling,
+from jaxspec.rl.loss import (LOGPROB_CHUNK, aggregate, draft_targets, policy_loss, reference_sampling,
                              response_logprobs, router_aux_weight, sequence_forward)
 from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
 from jaxspec.rollout.sampling import Sampling
@@ -75,8 +74,8 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     hidden states in chunks of `logprob_chunk` response positions (`response_logprobs`): the policy
     loss holds no float32 logits of every packed position, forward or backward. With a draft, one
     policy forward also returns the aux hidden states; the draft loss reads them and the policy's
-    logits of every position, computed detached from the final hidden states (forward only, no
-    gradient kept), so the policy gets exactly the policy-loss gradient and the head the draft-loss
+    `Eagle3Targets` at every position, built detached from the final hidden states in chunks of
+    `logprob_chunk` positions (`draft_targets`: no [R, W, V] logits; no gradient kept), so the policy gets exactly the policy-loss gradient and the head the draft-loss
     gradient; each is clipped and run through its own AdamW. The head's update is then multiplied by
     λ = draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after
     the clipping and Adam's normalisation, which would cancel a weight on the loss
@@ -109,11 +108,10 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
         total = loss
         if draft is not None:
             dparams = merge_buffers(draft_weights, draft_buffers)
-            logits = jax.lax.stop_gradient(logits_from_hidden(cfg, head_params(params, final.dtype), final))
-            logits = constrain(sharding, logits, ("batch", "seq", "vocab"))
+            targets = draft_targets(cfg, params, final, dparams, chunk_size=logprob_chunk, sharding=sharding)
             draft_loss, draft_metrics = eagle3_loss(
                 draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
-                logits, mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
+                targets, mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
                 step_decay=draft.train.step_decay, segment_ids=mb.segment_ids)
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})

@@ -194,3 +194,27 @@ def test_packed_sequences_give_the_loss_of_separate_rows(policy, head):
     np.testing.assert_allclose(packed[0], separate[0], rtol=2e-5)
     for key in ("step_loss", "top1_agreement", "positions", "counted"):
         np.testing.assert_allclose(packed[1][key], separate[1][key], rtol=2e-5, err_msg=key)
+
+
+def test_the_loss_reads_the_logits_only_through_their_targets(policy, head):
+    """eagle3_loss of precomputed `eagle3_targets` equals it of the logits, value, metrics and
+    gradient; a target of the wrong shape is named."""
+    from jaxspec.draft import Eagle3Targets, eagle3_targets, merge_buffers
+    cfg, params = policy
+    dcfg, dparams = head
+    tokens = jnp.asarray(random_tokens(6, (B, T), cfg.vocab_size))
+    logits, aux = forward_jit(cfg, params, tokens, dcfg.aux_layer_ids)
+    mask = jnp.ones((B, T), bool).at[:, :3].set(False)
+    targets = eagle3_targets(dparams, logits)
+
+    def loss(d, target):
+        return eagle3_loss(dcfg, d, params["embed"], aux, target, tokens, mask, num_steps=2)
+
+    (want, want_metrics), (got, got_metrics) = loss(dparams, logits), loss(dparams, targets)
+    assert float(got) == float(want) and float(want) > 0
+    jax.tree.map(np.testing.assert_array_equal, got_metrics, want_metrics)
+    weights, buffers = split_buffers(dparams)
+    grads = [jax.grad(lambda w, t=t: loss(merge_buffers(w, buffers), t)[0])(weights) for t in (logits, targets)]
+    jax.tree.map(np.testing.assert_array_equal, *grads)
+    with pytest.raises(ValueError, match="targets.top has shape"):
+        loss(dparams, Eagle3Targets(targets.soft, targets.top[:, :-1]))

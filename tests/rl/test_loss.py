@@ -343,3 +343,37 @@ def test_remat_saves_no_compute_dtype_copy_of_the_weights(head, capsys):
     for a, b in zip(ours[:2], reference[:2]):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 2, 1), (2, 2, 2)], ids=["one-device", "fsdp2", "data2-fsdp2-tensor2"])
+def test_draft_targets_in_chunks_equal_the_targets_of_every_position(mesh_shape):
+    """The online head's targets built a few columns of the packed rows at a time (chunks that
+    divide the width, leave a padded tail, or exceed it) equal `eagle3_targets` of the logits of
+    every position: the draft-vocabulary softmax and the argmax over the whole vocabulary, which
+    here often falls outside the draft vocabulary (40 of the 96 tokens, the most frequent of random
+    counts)."""
+    from jaxspec.draft import eagle3_targets, init_eagle3
+    from jaxspec.models import Sharding, make_mesh, shard_params
+    from jaxspec.rl.loss import draft_targets
+
+    cfg, params, packed, _ = _head_case(tie=False)
+    counts = np.random.default_rng(3).integers(0, 1000, cfg.vocab_size)
+    _, dparams = init_eagle3(cfg, jax.random.PRNGKey(1), 40, counts)
+    hidden, _, _ = sequence_forward(cfg, params, packed.tokens, packed.segment_ids, head=False)
+    want = eagle3_targets(dparams, logits_from_hidden(cfg, params, hidden))
+    in_vocab = np.asarray(dparams["t2d"])[np.asarray(want.top)]
+    assert in_vocab.any() and not in_vocab.all()
+    sharding = None
+    if mesh_shape is not None:
+        sharding = Sharding(make_mesh(*mesh_shape, devices=jax.devices()[:np.prod(mesh_shape)]))
+        params = shard_params(sharding, params)
+    rows, width = packed.tokens.shape
+    assert width % 3  # 3 columns a chunk leave a padded tail
+    for chunk in (rows, rows * 3, rows * width, 10_000):
+        fn = jax.jit(lambda p, h, d: draft_targets(cfg, p, h, d, chunk_size=chunk, sharding=sharding))
+        got = fn(params, hidden, dparams)
+        assert got.soft.shape == (rows, width, 40) and got.top.shape == (rows, width)
+        np.testing.assert_allclose(got.soft, want.soft, rtol=0, atol=1e-6, err_msg=f"chunk {chunk}")
+        np.testing.assert_array_equal(got.top, want.top, err_msg=f"chunk {chunk}")
+    with pytest.raises(ValueError, match="chunk_size"):
+        draft_targets(cfg, params, hidden, dparams, chunk_size=0)

@@ -310,3 +310,54 @@ def test_chunked_scoring_and_update_on_a_mesh_match_one_device(tiny_policy, mesh
     # gradient near Adam's eps change it by a fraction of lr, a gradient of the wrong sign by 2 lr;
     # the gradient's scale is checked by grad_norm above.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), p1, p2)
+
+
+def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
+    """The update's draft loss, with the head's targets built a few columns at a time (a chunk of 3
+    positions), is eagle3_loss of the policy's logits of every position; and its compiled
+    temporaries stay below the float32 logits [R, W, V] of every packed position, which the update
+    built whole before (XLA's analysis on CPU, nothing runs)."""
+    from jaxspec.draft import eagle3_loss, merge_buffers
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.models.transformer import logits_from_hidden
+    from jaxspec.rl.batch import PackedRows
+
+    _, cfg, _ = tiny_policy
+    params, sampling, batch = _draft_case(cfg)
+    dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2), 40)
+    weights, buffers = split_buffers(dparams)
+    online = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, learning_rate=1e-2, ttt_steps=2))
+    optim = PolicyOptimConfig(learning_rate=1e-2)
+    update = update_fn(cfg, sampling, GRPOLossConfig(), optim, "float32", False, online, logprob_chunk=3)
+    *_, metrics = update(_copy(params), policy_optimizer(optim).init(params), _copy(weights), buffers,
+                         draft_optimizer(online.train).init(weights), batch)
+    final, hidden, _ = sequence_forward(cfg, params, batch.tokens, batch.segment_ids, tuple(dcfg.aux_layer_ids),
+                                        head=False)
+    want, _ = eagle3_loss(dcfg, merge_buffers(weights, buffers), params["embed"], hidden,
+                          logits_from_hidden(cfg, params, final), batch.tokens, batch.seq_resp_mask, num_steps=2,
+                          step_decay=online.train.step_decay, segment_ids=batch.segment_ids)
+    assert float(want) > 0
+    np.testing.assert_allclose(float(metrics["draft_loss"]), float(want), rtol=1e-6)
+
+    big = ModelConfig(family="qwen3", vocab_size=8192, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=1, num_kv_heads=1, head_dim=32, max_position_embeddings=256)
+    rows, width, seqs, new_tokens = 32, 128, 32, 96
+    shape = jax.ShapeDtypeStruct
+    big_params = jax.eval_shape(lambda: init_params(big, jax.random.PRNGKey(0)))
+    big_state = jax.eval_shape(policy_optimizer(optim).init, big_params)
+    dcfg, dparams = init_eagle3(big, jax.random.PRNGKey(1), 256)
+    weights, buffers = split_buffers(dparams)
+    online = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, ttt_steps=2))
+    mb = PackedRows(tokens=shape((rows, width), jnp.int32), segment_ids=shape((rows, width), jnp.int32),
+                    resp_index=shape((seqs, new_tokens), jnp.int32), resp_tokens=shape((seqs, new_tokens), jnp.int32),
+                    advantages=shape((seqs,), jnp.float32), old_logp=shape((seqs, new_tokens), jnp.float32),
+                    loss_mask=shape((seqs, new_tokens), bool), seq_resp_mask=shape((rows, width), bool))
+
+    def temporaries(draft, *args):
+        update = update_fn(big, sampling, GRPOLossConfig(), optim, "float32", True, draft, logprob_chunk=64)
+        return update.lower(big_params, big_state, *args).compile().memory_analysis().temp_size_in_bytes
+
+    plain = temporaries(None, None, None, None, mb.replace(seq_resp_mask=None))
+    with_draft = temporaries(online, weights, buffers, draft_optimizer(online.train).init(weights), mb)
+    logits_bytes = rows * width * big.vocab_size * 4  # 128 MiB; the draft's share was 132 MiB, now 29
+    assert with_draft - plain < logits_bytes / 3, (plain, with_draft, logits_bytes)
