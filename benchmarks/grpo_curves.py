@@ -13,7 +13,8 @@ free and what they need exists:
 - GRPO with `configs/grpo_small.yaml`: `ar` and `ar_seed1` (autoregressive, train.seed 0 and 1:
   the seed-to-seed spread) as soon as the policy exists, `frozen` (EAGLE-3 k=3, frozen head) and
   `online` (the head adapted online) as soon as the head exists;
-- `--extra NAME='key=value ...'` runs after those (e.g. shorter timing-only runs).
+- `--extra NAME='key=value ...'` runs after those (e.g. shorter timing-only runs);
+- `--only NAME ...` keeps only the named runs (and the head's training only if one of them needs it).
 
 `--gpus-per-run N` gives every GRPO run N GPUs (`mesh.data=N`, colocated). `--async-runs` adds the
 asynchronous runs of a colocated-vs-async study on the same N GPUs: `async_ar`, `async_frozen` and
@@ -94,9 +95,8 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
         script = one_gpu if width == 1 else f"{mesh} || {{ rm -rf runs/small; {one_gpu}; }}"
         jobs.append(Job("pretrain", None, ["bash", "-c", script], width, stage_env,
                         results / f"{args.prefix}_pretrain.log"))
-    if not HEAD.is_dir():
-        jobs.append(Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], 1, stage_env,
-                        results / f"{args.prefix}_draft.log"))
+    draft = Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], 1, stage_env,
+                results / f"{args.prefix}_draft.log")
     common = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", "train.progress=false",
               f"train.checkpoint_every={args.checkpoint_every}"]
     runs = dict(MAIN_RUNS)
@@ -114,6 +114,13 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
             raise SystemExit(f"--extra must be NAME='key=value ...' with a new NAME, got {extra!r}")
         runs[name] = overrides
         layout[name] = colocated
+    if args.only:
+        unknown = sorted(set(args.only) - set(runs))
+        if unknown:
+            raise SystemExit(f"--only {' '.join(unknown)}: no such run (planned: {' '.join(runs)})")
+        runs = {name: overrides for name, overrides in runs.items() if name in args.only}
+    if not HEAD.is_dir() and any("spec.method=none" not in overrides for overrides in runs.values()):
+        jobs.append(draft)
     for name, overrides in runs.items():
         run_dir = Path("runs") / f"grpo-{name}"
         needs = POLICY if "spec.method=none" in overrides else HEAD
@@ -178,6 +185,8 @@ def main() -> int:
     p.add_argument("--draft-steps", type=int, default=1000)
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids (default: every GPU nvidia-smi lists)")
     p.add_argument("--extra", action="append", default=[], help="NAME='key=value ...': another GRPO run")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="run only these GRPO runs (of the planned ones, --extra included), and the stages they need")
     p.add_argument("--gpus-per-run", type=int, default=1, help="GPUs of every GRPO run (colocated: mesh.data)")
     p.add_argument("--async-runs", action="store_true", help="also the async_* runs on the same GPUs")
     p.add_argument("--rollout-gpus", type=int, default=0,

@@ -45,7 +45,7 @@ def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = grpo_curves.argparse.Namespace(results=str(tmp_path / "res"), prefix="p", draft_steps=10, steps=5,
                                           eval_every=0, checkpoint_every=5, extra=["quick=train.steps=2 x.y=1"],
-                                          gpus_per_run=1, async_runs=False, rollout_gpus=0)
+                                          gpus_per_run=1, async_runs=False, rollout_gpus=0, only=None)
     names = [j.name for j in grpo_curves.jobs_for(args, num_gpus=3)]
     assert names == ["pretrain", "draft", "ar", "ar_seed1", "frozen", "online", "quick"]
     pretrain = grpo_curves.jobs_for(args, num_gpus=3)[0]
@@ -63,7 +63,7 @@ def test_bad_extra_runs_are_refused(tmp_path, monkeypatch, extra):
     monkeypatch.chdir(tmp_path)
     args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
                                           checkpoint_every=5, extra=[extra], gpus_per_run=1, async_runs=False,
-                                          rollout_gpus=0)
+                                          rollout_gpus=0, only=None)
     with pytest.raises(SystemExit, match="--extra"):
         grpo_curves.jobs_for(args, num_gpus=1)
 
@@ -81,7 +81,7 @@ def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch
     Path("runs/draft-small/draft").mkdir(parents=True)
     args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
                                           checkpoint_every=5, extra=[], gpus_per_run=2, async_runs=True,
-                                          rollout_gpus=0)
+                                          rollout_gpus=0, only=None)
     jobs = {j.name: j for j in grpo_curves.jobs_for(args, num_gpus=4)}
     assert list(jobs) == ["ar", "ar_seed1", "frozen", "online", "async_ar", "async_frozen", "async_online"]
     assert {j.width for j in jobs.values()} == {2}
@@ -94,3 +94,16 @@ def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch
         else:
             assert (cfg.rollout.mode, cfg.mesh.rollout_devices, cfg.mesh.data) == ("colocated", 0, 2)
         assert (cfg.spec.method == "none") == ("ar" in name.split("_"))
+
+
+def test_only_keeps_the_named_runs_and_the_stages_they_need(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
+                                          checkpoint_every=5, extra=["quick=spec.method=none train.steps=2"],
+                                          gpus_per_run=1, async_runs=False, rollout_gpus=0, only=["quick", "ar"])
+    assert [j.name for j in grpo_curves.jobs_for(args, num_gpus=2)] == ["pretrain", "ar", "quick"]  # no head
+    args.only = ["frozen"]
+    assert [j.name for j in grpo_curves.jobs_for(args, num_gpus=2)] == ["pretrain", "draft", "frozen"]
+    args.only = ["frozen", "nope"]
+    with pytest.raises(SystemExit, match="--only nope: no such run"):
+        grpo_curves.jobs_for(args, num_gpus=2)
