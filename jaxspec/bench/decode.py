@@ -129,6 +129,12 @@ def main(argv: list[str]) -> int:
                 rows.append({"batch": batch, "error": out_of_memory(err)})
                 print(f"batch {batch}: {rows[-1]['error']}")
                 continue
+            if r["step_ms"] <= 0:  # the difference of two wall times drowned in their noise
+                rows.append({"batch": batch, "error": f"decode step not resolved: {args.new} new tokens took "
+                                                      f"{r['total_s']:.4f} s, 1 token {r['prefill_ms'] / 1e3:.4f} s; "
+                                                      f"raise --new or --iters"})
+                print(f"batch {batch}: {rows[-1]['error']}")
+                continue
             step_bytes = weight_read_bytes(cfg, 2, batch) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)
             row = {"batch": batch, "prompt": args.prompt, "new": args.new, **r,
                    "tokens_per_s": batch / (r["step_ms"] / 1e3),

@@ -61,8 +61,8 @@ def test_bench_decode_smoke_on_a_moe_policy(tmp_path, capsys):
     model = tmp_path / "tiny_moe.json"
     model.write_text(json.dumps(TINY_MOE))
     out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--model", str(model), "--batch", "2", "--prompt", "16", "--new", "4",
-                 "--iters", "1", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    assert main(["bench", "decode", "--model", str(model), "--batch", "2", "--prompt", "16", "--new", "32",
+                 "--iters", "3", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     [row] = result["rows"]
     cfg = ModelConfig.from_hf(TINY_MOE)
@@ -89,9 +89,26 @@ def test_a_batch_out_of_device_memory_is_an_error_row_and_the_others_run(tmp_pat
     model = tmp_path / "tiny_moe.json"
     model.write_text(json.dumps(TINY_MOE))
     out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--model", str(model), "--batch", "4", "2", "--prompt", "16", "--new", "4",
-                 "--iters", "1", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    # 32 new tokens, 3 runs each: the decode steps' time stands well clear of the two runs' noise
+    assert main(["bench", "decode", "--model", str(model), "--batch", "4", "2", "--prompt", "16", "--new", "32",
+                 "--iters", "3", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows[0] == {"batch": 4, "error": "out of device memory: RESOURCE_EXHAUSTED: Out of memory while "
                                             "trying to allocate 128.02GiB"}
     assert rows[1]["batch"] == 2 and rows[1]["step_ms"] > 0
+
+
+def test_a_step_time_lost_in_the_noise_is_an_error_row(tmp_path, monkeypatch):
+    """The step time is the difference of two wall times (N tokens, 1 token); when noise makes it
+    non-positive the batch becomes an error row, not a negative or infinite rate."""
+    from jaxspec.bench import decode
+
+    monkeypatch.setattr(decode, "run_jaxspec", lambda *args: {"step_ms": -0.36, "prefill_ms": 5.0, "total_s": 0.0046})
+    model = tmp_path / "tiny_moe.json"
+    model.write_text(json.dumps(TINY_MOE))
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model", str(model), "--batch", "2", "--prompt", "16", "--new", "4",
+                 "--iters", "1", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 2 and row["error"].startswith("decode step not resolved: 4 new tokens took 0.0046 s")
+    assert "raise --new or --iters" in row["error"]
