@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"projection": "computed, not measured (benchmarks/async_projection.py docstring)",
-                       "source": args.comparison, "baseline": args.baseline, "study": STUDY, "costs": vars(costs), "rows": rows}, f, indent=1)
+                       "source": args.comparison, "baseline": args.baseline, "study": STUDY, "costs": vars(costs),
+                       "rows": rows}, f, indent=1)
     return 0
 
 

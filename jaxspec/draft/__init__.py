@@ -9,7 +9,8 @@ from jaxspec.draft.model import (DraftParams, build_vocab_maps, fuse, init_eagle
 
 __all__ = [
     "DraftConfig", "DraftParams", "Eagle3Targets", "build_vocab_maps", "check_compatible", "default_aux_layer_ids",
-    "draft_extend", "draft_logprobs_on_target_vocab", "eagle3_loss", "eagle3_targets", "fuse", "init_draft_cache", "init_eagle3",
+    "draft_extend", "draft_logprobs_on_target_vocab", "eagle3_loss", "eagle3_targets", "fuse", "init_draft_cache",
+    "init_eagle3",
     "load_eagle3", "merge_buffers", "save_eagle3", "split_buffers", "target_ids", "to_target_ids",
     "ttt_attention", "ttt_forward",
 ]

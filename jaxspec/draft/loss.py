@@ -162,12 +162,11 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
-    if isinstance(target_logits, Eagle3Targets):
-        targets = target_logits
-        target_shapes = (("targets.soft", targets.soft, (b, t, dparams["d2t"].shape[0])),
-                         ("targets.top", targets.top, (b, t)))
+    given_targets = isinstance(target_logits, Eagle3Targets)
+    if given_targets:
+        target_shapes = (("targets.soft", target_logits.soft, (b, t, dcfg.draft_vocab_size)),
+                         ("targets.top", target_logits.top, (b, t)))
     else:
-        targets = None
         target_shapes = (("target_logits", target_logits, (b, t, dcfg.vocab_size)),)
     for name, arr, want in (("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)), *target_shapes,
                             ("loss_mask", loss_mask, (b, t)),
@@ -177,8 +176,8 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
         if tuple(arr.shape) != want:
             raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {want}")
     embed, aux_hidden = map(jax.lax.stop_gradient, (embed, aux_hidden))
-    soft_target, policy_top = jax.lax.stop_gradient(
-        eagle3_targets(dparams, target_logits) if targets is None else targets)
+    targets = target_logits if given_targets else eagle3_targets(dparams, target_logits)
+    soft_target, policy_top = jax.lax.stop_gradient(targets)
 
     fused = fuse(dcfg, dparams, aux_hidden)
     in_vocab = jnp.take(dparams["t2d"], policy_top)

@@ -141,6 +141,12 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed"], tokens, axis=0)
 
 
+def head_params(params: Params, dtype) -> Params:
+    """The params `logits_from_hidden` reads (final_norm, lm_head, embed: the head when tied), cast
+    to `dtype` (the forward's compute dtype; gradients reach the float32 master)."""
+    return {k: params[k].astype(dtype) for k in ("final_norm", "embed", "lm_head") if k in params}
+
+
 def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and LM head: x [B, T, H] -> float32 logits [B, T, V]."""
     with jax.named_scope("lm_head"):
@@ -226,14 +232,13 @@ def forward_router(
     cos, sin = rope_tables(cfg, positions)
 
     dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
-    cast = lambda tree: jax.tree.map(lambda w: w.astype(dtype), tree)  # noqa: E731
     use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
     lengths = mask.sum(axis=-1).astype(jnp.int32)
     # Flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
 
     def layer_fn(layer, x):
-        layer = cast(layer)
+        layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
             attn = jax.nn.dot_product_attention(q, k, v, mask=same_segment, is_causal=True,
@@ -256,8 +261,8 @@ def forward_router(
     routers = jnp.stack(routers) if routers else jnp.zeros((0, b, t, 0), jnp.float32)
     if not head:
         return x, _stack_hidden(hidden, hidden_layers, x), routers
-    head_params = cast({k: params[k] for k in ("final_norm", "embed", "lm_head") if k in params})
-    logits = constrain(sharding, logits_from_hidden(cfg, head_params, x), ("batch", "seq", "vocab"))
+    logits = logits_from_hidden(cfg, head_params(params, dtype), x)
+    logits = constrain(sharding, logits, ("batch", "seq", "vocab"))
     return logits, _stack_hidden(hidden, hidden_layers, x), routers
 
 

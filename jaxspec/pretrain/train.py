@@ -30,7 +30,8 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
     tokens / segment_ids int32 [B, L+1] (segment 0 = padding; examples attend only within their
     segment and their positions restart at 0); weights float32 [B, L] selects the targets
     tokens[:, 1:] that count (see `data.PackedSet`). The forward computes in `compute_dtype`,
-    each layer's weights cast inside its layer function (gradients flow back to the float32 master copy). attention_impl, moe_impl: as `forward_hidden`.
+    each layer's weights cast inside its layer function (gradients flow back to the float32 master
+    copy). attention_impl, moe_impl: as `forward_hidden`.
     sharding: the run's mesh; activations are split over its batch axes (`jaxspec.rl.loss.sequence_forward`).
     Returns (loss float32 scalar, number of counted target tokens, load-balancing loss (0 for a
     dense policy)).

@@ -17,7 +17,7 @@ import numpy as np
 from jaxspec.draft import DraftParams, Eagle3Targets, eagle3_targets
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, constrain
-from jaxspec.models.transformer import Params, forward_router, logits_from_hidden
+from jaxspec.models.transformer import Params, forward_router, head_params, logits_from_hidden
 from jaxspec.rl.config import AGGREGATIONS, GRPOLossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 
@@ -32,9 +32,10 @@ def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segmen
 
     tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
     positions restart per sequence). The forward computes in `compute_dtype`, each layer's weights
-    cast inside its layer function (`forward_router`; gradients reach the float32 master). Returns (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]:
-    outputs of the given 0-based layers, float32 router logits [len(cfg.sparse_layers), R, W, E]
-    of a mixture-of-experts policy, [0, R, W, 0] for a dense one). head=False returns the last
+    cast inside its layer function (`forward_router`; gradients reach the float32 master). Returns
+    (float32 logits [R, W, V], hidden [len(hidden_layers), R, W, H]: outputs of the given 0-based
+    layers, float32 router logits [len(cfg.sparse_layers), R, W, E] of a mixture-of-experts
+    policy, [0, R, W, 0] for a dense one). head=False returns the last
     layer's output [R, W, H] in `compute_dtype` (before the final norm) in place of the logits: the
     input of `response_logprobs`. With a `sharding`, every layer's activations are split over the
     batch axes (rows), whatever the params' layout: without the constraint the rows of an
@@ -56,12 +57,6 @@ def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
                              f"set it to null or 0, got {loss.router_aux_coef}")
         return 0.0
     return model.router_aux_loss_coef if loss.router_aux_coef is None else loss.router_aux_coef
-
-
-def head_params(params: Params, dtype) -> Params:
-    """The params `logits_from_hidden` reads (final_norm, lm_head, embed: the head when tied), cast
-    to `dtype` (the forward's compute dtype; gradients reach the float32 master)."""
-    return {k: params[k].astype(dtype) for k in ("final_norm", "embed", "lm_head") if k in params}
 
 
 def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_index: jax.Array,

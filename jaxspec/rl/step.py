@@ -75,11 +75,12 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     loss holds no float32 logits of every packed position, forward or backward. With a draft, one
     policy forward also returns the aux hidden states; the draft loss reads them and the policy's
     `Eagle3Targets` at every position, built detached from the final hidden states in chunks of
-    `logprob_chunk` positions (`draft_targets`: no [R, W, V] logits; no gradient kept), so the policy gets exactly the policy-loss gradient and the head the draft-loss
-    gradient; each is clipped and run through its own AdamW. The head's update is then multiplied by
-    λ = draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after
-    the clipping and Adam's normalisation, which would cancel a weight on the loss
-    (λ·draft.learning_rate is its effective learning rate). params / opt_state / draft weights /
+    `logprob_chunk` positions (`draft_targets`: no [R, W, V] logits; no gradient kept), so the
+    policy gets exactly the policy-loss gradient and the head the draft-loss gradient; each is
+    clipped and run through its own AdamW. The head's update is then multiplied by λ =
+    draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after the
+    clipping and Adam's normalisation, which would cancel a weight on the loss (λ·draft.learning_rate
+    is its effective learning rate). params / opt_state / draft weights /
     draft opt_state are donated.
     """
     p_opt = policy_optimizer(optim_cfg)

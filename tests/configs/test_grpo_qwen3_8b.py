@@ -57,4 +57,5 @@ def test_the_memory_plan_follows_from_the_shapes():
     assert f"weights + mu + nu, bf16 copy {(3 * 4 + 2) * head_params / 1e9:.1f} GB" in text
     chunk = LOGPROB_CHUNK * cfg.vocab_size * 4  # the chunked log-prob head's logits
     assert f"(float32 logits {LOGPROB_CHUNK} x {cfg.vocab_size},\n#           {chunk / 1e9:.1f} GB a copy)" in text
-    assert f"9216 x 32000 float32: {9216 * 32000 * 4 / 1e9:.1f} GB, not\n#           the {9216 * cfg.vocab_size * 4 / 1e9:.1f} GB" in text
+    targets, logits = 9216 * 32000 * 4 / 1e9, 9216 * cfg.vocab_size * 4 / 1e9  # the head's chunked targets
+    assert f"9216 x 32000 float32: {targets:.1f} GB, not\n#           the {logits:.1f} GB" in text
