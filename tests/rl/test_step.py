@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
-from jaxspec.rl.batch import pack_rows, training_rows
+from jaxspec.rl.batch import PackedRows, pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.models.moe import load_balancing_loss
 from jaxspec.rl.loss import loss_denominator, policy_loss, reference_sampling, response_logprobs, sequence_forward
@@ -34,6 +34,17 @@ def _draft_case(cfg):
     batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
                           old_logp=np.asarray(out.logprobs), loss_mask=batch.resp_mask)
     return params, sampling, pack_rows(batch)
+
+
+def _abstract_minibatch(rows: int, width: int, seqs: int, new_tokens: int, seq_resp_mask: bool = False):
+    """A PackedRows of shapes only (jax.ShapeDtypeStruct), to compile an update without data;
+    with seq_resp_mask, the [rows, width] mask the online draft's loss reads."""
+    shape = jax.ShapeDtypeStruct
+    return PackedRows(tokens=shape((rows, width), jnp.int32), segment_ids=shape((rows, width), jnp.int32),
+                      resp_index=shape((seqs, new_tokens), jnp.int32), resp_tokens=shape((seqs, new_tokens), jnp.int32),
+                      advantages=shape((seqs,), jnp.float32), old_logp=shape((seqs, new_tokens), jnp.float32),
+                      loss_mask=shape((seqs, new_tokens), bool),
+                      seq_resp_mask=shape((rows, width), bool) if seq_resp_mask else None)
 
 
 def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
@@ -259,19 +270,14 @@ def test_update_and_scoring_keep_no_logits_of_every_position():
     log-softmax and in the update the gradient of each: 324 MiB of the update's temporaries and
     160 MiB of the pass's at this shape, against 26 and 5 MiB chunked)."""
     from jaxspec.models.config import ModelConfig
-    from jaxspec.rl.batch import PackedRows
 
     cfg = ModelConfig(family="qwen3", vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=32, max_position_embeddings=256)
     rows, width, seqs, new_tokens = 32, 128, 32, 96
-    shape = jax.ShapeDtypeStruct
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     optim = PolicyOptimConfig(learning_rate=1e-5)
     opt_state = jax.eval_shape(policy_optimizer(optim).init, params)
-    mb = PackedRows(tokens=shape((rows, width), jnp.int32), segment_ids=shape((rows, width), jnp.int32),
-                    resp_index=shape((seqs, new_tokens), jnp.int32), resp_tokens=shape((seqs, new_tokens), jnp.int32),
-                    advantages=shape((seqs,), jnp.float32), old_logp=shape((seqs, new_tokens), jnp.float32),
-                    loss_mask=shape((seqs, new_tokens), bool))
+    mb = _abstract_minibatch(rows, width, seqs, new_tokens)
     sampling = Sampling(temperature=0.7, top_k=50, max_new_tokens=new_tokens)
     update = update_fn(cfg, sampling, GRPOLossConfig(), optim, "float32", True, None, logprob_chunk=64)
     temporaries = update.lower(params, opt_state, None, None, None, mb).compile().memory_analysis().temp_size_in_bytes
@@ -320,7 +326,6 @@ def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
     from jaxspec.draft import eagle3_loss, merge_buffers
     from jaxspec.models.config import ModelConfig
     from jaxspec.models.transformer import logits_from_hidden
-    from jaxspec.rl.batch import PackedRows
 
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)
@@ -342,16 +347,12 @@ def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
     big = ModelConfig(family="qwen3", vocab_size=8192, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=1, num_kv_heads=1, head_dim=32, max_position_embeddings=256)
     rows, width, seqs, new_tokens = 32, 128, 32, 96
-    shape = jax.ShapeDtypeStruct
     big_params = jax.eval_shape(lambda: init_params(big, jax.random.PRNGKey(0)))
     big_state = jax.eval_shape(policy_optimizer(optim).init, big_params)
     dcfg, dparams = init_eagle3(big, jax.random.PRNGKey(1), 256)
     weights, buffers = split_buffers(dparams)
     online = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, ttt_steps=2))
-    mb = PackedRows(tokens=shape((rows, width), jnp.int32), segment_ids=shape((rows, width), jnp.int32),
-                    resp_index=shape((seqs, new_tokens), jnp.int32), resp_tokens=shape((seqs, new_tokens), jnp.int32),
-                    advantages=shape((seqs,), jnp.float32), old_logp=shape((seqs, new_tokens), jnp.float32),
-                    loss_mask=shape((seqs, new_tokens), bool), seq_resp_mask=shape((rows, width), bool))
+    mb = _abstract_minibatch(rows, width, seqs, new_tokens, seq_resp_mask=True)
 
     def temporaries(draft, *args):
         update = update_fn(big, sampling, GRPOLossConfig(), optim, "float32", True, draft, logprob_chunk=64)
