@@ -33,12 +33,16 @@ def _shape(text: str) -> tuple[int, int]:
     return int(rows), int(width)
 
 
-def _report(name: str, lowered) -> None:
-    start = time.perf_counter()
-    analysis = lowered.compile().memory_analysis()
+def _report(name: str, compiled, seconds: float) -> None:
+    analysis = compiled.memory_analysis()
     print(f"{name}: temporaries {analysis.temp_size_in_bytes / 2**30:.1f} GiB, arguments "
-          f"{analysis.argument_size_in_bytes / 2**30:.1f} GiB (compiled in {time.perf_counter() - start:.0f} s)",
-          flush=True)
+          f"{analysis.argument_size_in_bytes / 2**30:.1f} GiB (compiled in {seconds:.0f} s)", flush=True)
+
+
+def _compiled(compile_fn):
+    """(compile_fn(), seconds it took)."""
+    start = time.perf_counter()
+    return compile_fn(), time.perf_counter() - start
 
 
 def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online: bool) -> None:
@@ -67,8 +71,9 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
                            loss_mask=S((sequences, new_tokens), bool))
     update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), GRPOLossConfig(), optim, "bfloat16",
                        True, draft)
-    _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}",
-            update.lower(params, opt_state, weights, buffers, draft_opt, minibatch))
+    compiled, seconds = _compiled(lambda: update.compile(params, opt_state, weights, buffers, draft_opt, minibatch))
+    for part, program in zip(("gradients", "optimizer step"), compiled):
+        _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}: {part}", program, seconds)
 
 
 def draft_step(cfg: ModelConfig, batch: int, width: int) -> None:
@@ -84,8 +89,9 @@ def draft_step(cfg: ModelConfig, batch: int, width: int) -> None:
     opt_state = jax.eval_shape(lambda w: make_optimizer(optim, 1000)[0].init(w), weights)
     rows = {"tokens": S((batch, width), jnp.int32), "loss_mask": S((batch, width), bool),
             "attn_mask": S((batch, width), bool)}
-    _report(f"draft train step {batch}x{width}",
-            train_step.lower(cfg, dcfg, optim, 1000, HeadLossConfig(), weights, opt_state, buffers, policy, rows))
+    _report(f"draft train step {batch}x{width}", *_compiled(
+        lambda: train_step.lower(cfg, dcfg, optim, 1000, HeadLossConfig(), weights, opt_state, buffers, policy,
+                                 rows).compile()))
 
 
 def main() -> None:

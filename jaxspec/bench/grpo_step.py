@@ -30,8 +30,8 @@ Each phase runs once untimed first (compilation), then is timed over the whole b
 phase starts (in_use_gb_before: what it runs next to, also on a phase that runs out of memory);
 None where the device reports no statistics (CPU). The log-prob and update programs are compiled
 ahead of their first call, so each row also gives XLA's memory plan per device (xla_plan_gb:
-arguments, outputs, outputs aliased to donated arguments, temporaries), also when the call then runs
-out of memory.
+arguments, outputs, outputs aliased to donated arguments, temporaries; for an update, of each of its
+two programs: `gradients` and `optimizer_step`), also when the call then runs out of memory.
 
 PROJECTION (computed, not measured): the speculative generation at acceptance length tau costs
 (new / tau) verification steps at the measured cost of one (the generate_spec time / its steps,
@@ -103,15 +103,19 @@ def write_random_policy(model_json: str, folder: Path, dtype: str = "bfloat16", 
 
 
 def compile_once(jitted, *args):
-    """(`jitted` compiled for `args`, XLA's memory plan of one device in GB): the arguments, the
-    outputs, the part of the outputs that reuses donated arguments, and the temporaries. Every later
-    call must have the shapes and layouts of `args` (the phases keep them)."""
+    """(`jitted` compiled for `args`, its `memory_plan`). Every later call must have the shapes and
+    layouts of `args` (the phases keep them)."""
     exe = jitted.lower(*args).compile()
+    return exe, memory_plan(exe)
+
+
+def memory_plan(exe) -> dict | None:
+    """XLA's memory plan of one device of a compiled program, in GB: the arguments, the outputs,
+    the part of the outputs that reuses donated arguments, and the temporaries (one allocation)."""
     stats = exe.memory_analysis()
     fields = (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"), ("temporaries", "temp"))
-    plan = None if stats is None else {name: round(getattr(stats, f"{field}_size_in_bytes") / 1e9, 6)
+    return None if stats is None else {name: round(getattr(stats, f"{field}_size_in_bytes") / 1e9, 6)
                                        for name, field in fields}
-    return exe, plan
 
 
 def _timed(fn, *args):
@@ -253,7 +257,9 @@ class Bench:
             packed = self.placement.rows(pack_rows(mb, self.placement.row_shards))
             before = (self.params, opt_state, weights, d_opt)
             if compile_first:  # the plan is known before the first call can run out of memory
-                update, self.xla_plans[phase] = compile_once(update, *before[:3], buffers, d_opt, packed)
+                update = update.compile(*before[:3], buffers, d_opt, packed)
+                self.xla_plans[phase] = {"gradients": memory_plan(update.gradients),
+                                         "optimizer_step": memory_plan(update.optimizer_step)}
             *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed)
             # on the input layout, as the training loop keeps it: every call runs the one compilation
             self.params, opt_state, weights, d_opt = self.placement.pin(tuple(after), before)

@@ -28,6 +28,7 @@ from jaxspec.placement import Placement, abstract
 from jaxspec.rl.batch import PackedRows, packed_row_counts
 from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
 from jaxspec.rl.online_draft import OnlineDraftState
+from jaxspec.rl.step import MinibatchUpdate
 
 Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
 
@@ -105,9 +106,16 @@ def precompile(programs: Sequence[Program], threads: int) -> Future:
 
 def _compile(programs: Sequence[Program], threads: int) -> None:
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="precompile-program") as pool:
-        compiled = [pool.submit(lambda fn, args: fn.lower(*args).compile(), fn, args) for fn, args in programs]
+        compiled = [pool.submit(_compile_one, fn, args) for fn, args in programs]
         for done in compiled:
             done.result()
+
+
+def _compile_one(fn: Callable, args: tuple) -> None:
+    if isinstance(fn, MinibatchUpdate):
+        fn.compile(*args)
+    else:
+        fn.lower(*args).compile()
 
 
 def cache_dir(setting: bool | str, run_dir: Path) -> Path | None:

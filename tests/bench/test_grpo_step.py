@@ -37,12 +37,13 @@ def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, c
     for phase in PHASES:
         assert rows[phase]["seconds"] > 0
         assert rows[phase]["peak_gb_per_device"] == [None] * 8  # CPU devices report no memory statistics
-    # XLA's plan per device: the log-prob pass donates nothing; the updates write the policy and its
-    # optimizer state over the donated inputs (all outputs but the metrics)
+    # XLA's plan per device: the log-prob pass and an update's gradients donate nothing; its optimizer
+    # step writes the policy and the optimizer states over the donated inputs
     assert rows["logprobs"]["xla_plan_gb"]["aliased"] == 0 < rows["logprobs"]["xla_plan_gb"]["arguments"]
     for phase in ("update", "update_draft"):
-        plan = rows[phase]["xla_plan_gb"]
-        assert 0.95 * plan["outputs"] <= plan["aliased"] <= plan["outputs"] <= plan["arguments"]
+        gradients, step = rows[phase]["xla_plan_gb"]["gradients"], rows[phase]["xla_plan_gb"]["optimizer_step"]
+        assert gradients["aliased"] == 0 < gradients["outputs"] <= gradients["arguments"]
+        assert 0.95 * step["outputs"] <= step["aliased"] <= step["outputs"] < step["arguments"]
     ar, spec = rows["generate_ar"], rows["generate_spec"]
     assert ar["acceptance_length"] == 1.0 and ar["loop_steps"] >= 2 * 3  # 2 sub-batches, >= new - 1 steps each
     assert 1.0 <= spec["acceptance_length"] <= 3.0  # k = 2: at most 3 tokens per verification

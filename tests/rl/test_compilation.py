@@ -154,7 +154,8 @@ def test_no_step_after_the_first_compiles(precompiled_run):
 
 def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     config, overrides, first_dir, cache, _ = precompiled_run
-    assert any(path.name.startswith("jit_update-") for path in cache.iterdir())
+    for program in ("jit_minibatch_gradients-", "jit_minibatch_step-"):  # the update's two programs
+        assert any(path.name.startswith(program) for path in cache.iterdir()), program
     jax.clear_caches()  # as in a new process
     assert train_cli("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
                   "train.precompile=false") == 0

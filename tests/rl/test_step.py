@@ -76,10 +76,10 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
 
     # A minibatch with no policy tokens (filtered groups) still trains the draft; the policy stays put.
     frozen = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
-    before, w_before = _copy(p2), _copy(w2)
-    p3, _, w3, _, m = with_draft(p2, s2, w2, buffers, d_opt2, frozen)
+    before, state_before, w_before = _copy(p2), _copy(s2), _copy(w2)
+    p3, s3, w3, _, m = with_draft(p2, s2, w2, buffers, d_opt2, frozen)
     assert float(m["tokens"]) == 0
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before, p3)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), (before, state_before), (p3, s3))
     assert not np.array_equal(np.asarray(w3["fc"]), np.asarray(w_before["fc"]))
 
 
@@ -263,6 +263,11 @@ def test_router_coefficient_on_a_dense_policy_is_refused(tiny_policy):
         update_fn(cfg, sampling, GRPOLossConfig(router_aux_coef=0.01), PolicyOptimConfig(), "float32", False, None)
 
 
+def _temporaries(update) -> int:
+    """The larger temporaries of a compiled update's two programs (gradients, optimizer step)."""
+    return max(program.memory_analysis().temp_size_in_bytes for program in update)
+
+
 def test_update_and_scoring_keep_no_logits_of_every_position():
     """The compiled update's and log-prob pass's temporaries (XLA's analysis on CPU, nothing runs)
     stay well below the float32 logits [R, W, V] of every packed position (64 MiB here), which the
@@ -280,7 +285,7 @@ def test_update_and_scoring_keep_no_logits_of_every_position():
     mb = _abstract_minibatch(rows, width, seqs, new_tokens)
     sampling = Sampling(temperature=0.7, top_k=50, max_new_tokens=new_tokens)
     update = update_fn(cfg, sampling, GRPOLossConfig(), optim, "float32", True, None, logprob_chunk=64)
-    temporaries = update.lower(params, opt_state, None, None, None, mb).compile().memory_analysis().temp_size_in_bytes
+    temporaries = _temporaries(update.compile(params, opt_state, None, None, None, mb))
     logits_bytes = rows * width * cfg.vocab_size * 4
     assert temporaries < logits_bytes / 2, (temporaries, logits_bytes)
     score = score_fn(cfg, sampling, "float32", True, logprob_chunk=64)
@@ -316,6 +321,35 @@ def test_chunked_scoring_and_update_on_a_mesh_match_one_device(tiny_policy, mesh
     # gradient near Adam's eps change it by a fraction of lr, a gradient of the wrong sign by 2 lr;
     # the gradient's scale is checked by grad_norm above.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), p1, p2)
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["policy", "online-head"])
+def test_the_gradients_leave_the_update_laid_out_like_the_params(tiny_policy, online):
+    """The update's two programs meet at the gradients, which leave the first laid out like the
+    params (fsdp-split here), as the second reads them; not as XLA would pick for an output (it
+    replicated them, the whole float32 policy on every device)."""
+    from jaxspec.models import Sharding, make_mesh, param_shardings, shard_params
+
+    _, cfg, _ = tiny_policy
+    params, sampling, batch = _draft_case(cfg)
+    sharding = Sharding(make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    params = shard_params(sharding, params)
+    optim = PolicyOptimConfig(learning_rate=1e-3)
+    draft, head = None, (None, None, None)
+    if online:
+        dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2), 40)
+        weights, buffers = split_buffers(dparams)
+        draft = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, ttt_steps=1))
+        head = (weights, buffers, draft_optimizer(draft.train).init(weights))
+    else:
+        batch = batch.replace(seq_resp_mask=None)
+    update = update_fn(cfg, sampling, GRPOLossConfig(), optim, "float32", False, draft, sharding)
+    compiled = update.compile(params, policy_optimizer(optim).init(params), *head, batch)
+    grads = compiled.gradients.output_shardings[0]
+    want = param_shardings(sharding, params)
+    split = [g for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)) if w.spec != jax.sharding.PartitionSpec()]
+    assert split, "the tiny policy has params that the fsdp rules split"
+    assert all(g.is_equivalent_to(w, len(w.spec)) for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)))
 
 
 def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
@@ -356,7 +390,7 @@ def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
 
     def temporaries(draft, *args):
         update = update_fn(big, sampling, GRPOLossConfig(), optim, "float32", True, draft, logprob_chunk=64)
-        return update.lower(big_params, big_state, *args).compile().memory_analysis().temp_size_in_bytes
+        return _temporaries(update.compile(big_params, big_state, *args))
 
     plain = temporaries(None, None, None, None, mb.replace(seq_resp_mask=None))
     with_draft = temporaries(online, weights, buffers, draft_optimizer(online.train).init(weights), mb)
