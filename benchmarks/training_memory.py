@@ -33,10 +33,10 @@ def _shape(text: str) -> tuple[int, int]:
     return int(rows), int(width)
 
 
-def _report(name: str, compiled, seconds: float) -> None:
+def _report(name: str, compiled, seconds: float, what: str = "compiled") -> None:
     analysis = compiled.memory_analysis()
     print(f"{name}: temporaries {analysis.temp_size_in_bytes / 2**30:.1f} GiB, arguments "
-          f"{analysis.argument_size_in_bytes / 2**30:.1f} GiB (compiled in {seconds:.0f} s)", flush=True)
+          f"{analysis.argument_size_in_bytes / 2**30:.1f} GiB ({what} in {seconds:.0f} s)", flush=True)
 
 
 def _compiled(compile_fn):
@@ -73,7 +73,8 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
                        True, draft)
     compiled, seconds = _compiled(lambda: update.compile(params, opt_state, weights, buffers, draft_opt, minibatch))
     for part, program in zip(("gradients", "optimizer step"), compiled):
-        _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}: {part}", program, seconds)
+        _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}: {part}", program, seconds,
+                "both programs compiled")
 
 
 def draft_step(cfg: ModelConfig, batch: int, width: int) -> None:

@@ -30,7 +30,8 @@ from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
 from jaxspec.rl.online_draft import OnlineDraftState
 from jaxspec.rl.step import MinibatchUpdate
 
-Program = tuple[Callable, tuple]  # a jitted function and the abstract arguments of one call
+# a jitted function (or a `MinibatchUpdate`, two of them) and the abstract arguments of one call
+Program = tuple[Callable, tuple]
 
 
 def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int, loss: GRPOLossConfig | None,
