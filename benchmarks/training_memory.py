@@ -45,8 +45,10 @@ def _compiled(compile_fn):
     return compile_fn(), time.perf_counter() - start
 
 
-def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online: bool) -> None:
-    """The compiled update of `jaxspec.rl.step.update_fn` on packed rows [rows, width]."""
+def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online: bool, draft_vocab: int = DRAFT_VOCAB,
+                ttt_steps: int = 7) -> None:
+    """The compiled update of `jaxspec.rl.step.update_fn` on packed rows [rows, width]; the online
+    head has a `draft_vocab`-token vocabulary and unrolls `ttt_steps` steps."""
     from jaxspec.rl.batch import PackedRows
     from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig as OnlineConfig, PolicyOptimConfig
     from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
@@ -58,9 +60,9 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
     opt_state = jax.eval_shape(lambda p: policy_optimizer(optim).init(p), params)
     draft = weights = buffers = draft_opt = None
     if online:
-        dcfg = DraftConfig.for_policy(cfg, DRAFT_VOCAB)
-        draft = OnlineDraft(dcfg=dcfg, train=OnlineConfig(online=True))
-        head = jax.eval_shape(lambda: OnlineDraftState.init(draft, init_eagle3(cfg, jax.random.key(0), DRAFT_VOCAB)[1]))
+        dcfg = DraftConfig.for_policy(cfg, draft_vocab)
+        draft = OnlineDraft(dcfg=dcfg, train=OnlineConfig(online=True, ttt_steps=ttt_steps))
+        head = jax.eval_shape(lambda: OnlineDraftState.init(draft, init_eagle3(cfg, jax.random.key(0), draft_vocab)[1]))
         weights, buffers, draft_opt = head.update_args()
     sequences = rows  # the worst case: one rollout per packed row
     minibatch = PackedRows(tokens=S((rows, width), jnp.int32), segment_ids=S((rows, width), jnp.int32),
@@ -72,9 +74,9 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
     update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), GRPOLossConfig(), optim, "bfloat16",
                        True, draft)
     compiled, seconds = _compiled(lambda: update.compile(params, opt_state, weights, buffers, draft_opt, minibatch))
-    for part, program in zip(("gradients", "optimizer step"), compiled):
+    for part, program in ((k, p) for k, p in compiled._asdict().items() if p is not None):
         _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}: {part}", program, seconds,
-                "both programs compiled")
+                "all its programs compiled")
 
 
 def draft_step(cfg: ModelConfig, batch: int, width: int) -> None:
@@ -100,13 +102,15 @@ def main() -> None:
     p.add_argument("--policy", default=None, help="HF config.json of the policy (default: the small workload's)")
     p.add_argument("--grpo", type=_shape, nargs="*", default=[], help="ROWSxWIDTH of GRPO minibatches")
     p.add_argument("--new-tokens", type=int, default=1024, help="max_new_tokens of the GRPO rollouts")
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="the online head's vocabulary")
+    p.add_argument("--ttt-steps", type=int, default=7, help="the online head's unrolled steps")
     p.add_argument("--draft", type=_shape, nargs="*", default=[], help="BATCHxWIDTH of draft train steps")
     args = p.parse_args()
     cfg = SMALL if args.policy is None else ModelConfig.from_json(args.policy)
     print(f"backend: {jax.devices()[0].device_kind}")
     for rows, width in args.grpo:
         for online in (False, True):
-            grpo_update(cfg, rows, width, args.new_tokens, online)
+            grpo_update(cfg, rows, width, args.new_tokens, online, args.draft_vocab, args.ttt_steps)
     for batch, width in args.draft:
         draft_step(cfg, batch, width)
 

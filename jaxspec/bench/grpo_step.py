@@ -27,11 +27,14 @@ The log-prob and update times include packing each minibatch on the host, as the
 Each phase runs once untimed first (compilation), then is timed over the whole batch. Memory is
 `peak_bytes_in_use` of every local device after the phase: the peak since the process started
 (a high-water mark, so the first phase that needs more raises it), and `bytes_in_use` when the
-phase starts (in_use_gb_before: what it runs next to, also on a phase that runs out of memory);
+phase starts (in_use_gb_before: what it runs next to, also on a phase that runs out of memory) with
+the largest free block of the allocator's pool then (largest_free_gb_before: what one allocation
+can get; less than the free memory when the pool is fragmented);
 None where the device reports no statistics (CPU). The log-prob and update programs are compiled
 ahead of their first call, so each row also gives XLA's memory plan per device (xla_plan_gb:
 arguments, outputs, outputs aliased to donated arguments, temporaries; for an update, of each of its
-two programs: `gradients` and `optimizer_step`), also when the call then runs out of memory.
+programs: `gradients`, `optimizer_step` and, with the draft, `draft_step`), also when the call then runs
+out of memory.
 
 PROJECTION (computed, not measured): the speculative generation at acceptance length tau costs
 (new / tau) verification steps at the measured cost of one (the generate_spec time / its steps,
@@ -80,7 +83,7 @@ def check_phases(phases: list[str]) -> None:
 
 def memory_stat(name: str) -> list[int | None]:
     """`name` of every local device's memory statistics (None: not reported, e.g. on the CPU):
-    peak_bytes_in_use (since the process started) or bytes_in_use (now)."""
+    peak_bytes_in_use (since the process started), bytes_in_use or largest_free_block_bytes (now)."""
     return [(d.memory_stats() or {}).get(name) for d in jax.local_devices()]
 
 
@@ -258,9 +261,10 @@ class Bench:
             before = (self.params, opt_state, weights, d_opt)
             if compile_first:  # the plan is known before the first call can run out of memory
                 update = update.compile(*before[:3], buffers, d_opt, packed)
-                self.xla_plans[phase] = {"gradients": memory_plan(update.gradients),
-                                         "optimizer_step": memory_plan(update.optimizer_step)}
-            *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed)
+                self.xla_plans[phase] = {name: memory_plan(program) for name, program in update._asdict().items()
+                                         if program is not None}
+            *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed,
+                                     policy_steps=bool(mb.loss_mask.any()))
             # on the input layout, as the training loop keeps it: every call runs the one compilation
             self.params, opt_state, weights, d_opt = self.placement.pin(tuple(after), before)
             return metrics
@@ -356,16 +360,17 @@ def main(argv: list[str]) -> int:
                       ("update_draft", lambda: bench.update(True)), ("checkpoint", bench.checkpoint)):
         if name not in args.phases:
             continue
-        in_use = gigabytes(memory_stat("bytes_in_use"))  # what the phase starts next to
+        before = {"in_use_gb_before": gigabytes(memory_stat("bytes_in_use")),  # what the phase starts next to
+                  "largest_free_gb_before": gigabytes(memory_stat("largest_free_block_bytes"))}
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:
             # a phase that does not fit ends the benchmark; what ran before it is still reported
-            rows.append({"phase": name, "in_use_gb_before": in_use, "xla_plan_gb": bench.xla_plans.get(name),
+            rows.append({"phase": name, **before, "xla_plan_gb": bench.xla_plans.get(name),
                          "error": out_of_memory(err)})
             print(f"{name}: {rows[-1]['error']}")
             break
-        row = {"phase": name, **phases[name], "in_use_gb_before": in_use,
+        row = {"phase": name, **phases[name], **before,
                "peak_gb_per_device": gigabytes(memory_stat("peak_bytes_in_use")),
                "xla_plan_gb": bench.xla_plans.get(name)}
         rows.append(row)
@@ -377,7 +382,7 @@ def main(argv: list[str]) -> int:
     print(f"\nKV cache per sub-batch of {args.sub_batch} rows x {args.prompt + args.new} slots: {kv / 1e9:.2f} GB "
           f"(all devices together)")
     print_table(rows, ["phase", "seconds", "first_call_s", "acceptance_length", "ms_per_loop_step",
-                       "in_use_gb_before", "peak_gb_per_device", "xla_plan_gb", "error"])
+                       "in_use_gb_before", "largest_free_gb_before", "peak_gb_per_device", "xla_plan_gb", "error"])
     if projected:
         print("\nPROJECTION (computed from the measured costs above, not measured):")
         print_table(projected, ["projection", "generate_s", "step_s", "ar_step_s", "speedup", "generation_speedup"])

@@ -92,26 +92,31 @@ def _shift(x: jax.Array, n: int) -> jax.Array:
 
 
 def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array, tokens: jax.Array,
-               num_steps: int, segment_ids: jax.Array) -> Iterator[tuple[jax.Array, jax.Array]]:
-    """Yields (float32 logits [B, T, Vd], layer output [B, T, H]) of each unrolled step in turn."""
+               num_steps: int, segment_ids: jax.Array, remat: bool = False) -> Iterator[jax.Array]:
+    """Yields the layer output [B, T, H] of each unrolled step in turn. remat: each step is
+    checkpointed, so the backward pass keeps its inputs (layer input, keys and values) and recomputes
+    its activations (the MLP's [B, T, I] among them) instead of holding them for every step."""
     b, t = tokens.shape
-    own_keys, own_values = [], []
-    hidden = fused
     base_positions = segment_positions(segment_ids)
-    for step in range(num_steps):
-        positions = base_positions + step
-        cos, sin = rope_tables(dcfg.layer_config, positions)
+
+    def step_layer(step, dparams, hidden, prefix, own):
+        cos, sin = rope_tables(dcfg.layer_config, base_positions + step)
         q, k, v = attention_inputs(dcfg, dparams, embed, _shift(tokens, 1 + step), hidden, cos, sin)
-        if step == 0:
-            prefix_k, prefix_v = k, v
-        else:
-            own_keys.append(k)
-            own_values.append(v)
-        own_k = jnp.stack(own_keys, axis=2) if own_keys else jnp.zeros((b, t, 0) + k.shape[2:], k.dtype)
-        own_v = jnp.stack(own_values, axis=2) if own_values else jnp.zeros((b, t, 0) + v.shape[2:], v.dtype)
+        prefix_k, prefix_v = prefix if prefix else (k, v)
+        own_k = jnp.stack([*own[0], k], axis=2) if prefix else jnp.zeros((b, t, 0) + k.shape[2:], k.dtype)
+        own_v = jnp.stack([*own[1], v], axis=2) if prefix else jnp.zeros((b, t, 0) + v.shape[2:], v.dtype)
         attn = ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids)
-        hidden = layer_output(dcfg, dparams, hidden, attn)
-        yield draft_logits(dcfg, dparams, hidden), hidden
+        return layer_output(dcfg, dparams, hidden, attn), k, v
+
+    hidden, prefix, own = fused, (), ((), ())
+    for step in range(num_steps):
+        layer = functools.partial(step_layer, step)
+        hidden, k, v = (jax.checkpoint(layer) if remat else layer)(dparams, hidden, prefix, own)
+        if prefix:
+            own = ((*own[0], k), (*own[1], v))
+        else:
+            prefix = (k, v)
+        yield hidden
 
 
 def ttt_forward(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array,
@@ -120,8 +125,8 @@ def ttt_forward(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused
     [num_steps, B, T, Vd], layer outputs [num_steps, B, T, H]); entry [i, b, t] predicts
     x_{t+2+i} (see the module doc). Token inputs past the sequence end are id 0."""
     segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    logits, outs = zip(*_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps, segment_ids))
-    return jnp.stack(logits), jnp.stack(outs)
+    outs = list(_ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps, segment_ids))
+    return jnp.stack([draft_logits(dcfg, dparams, out) for out in outs]), jnp.stack(outs)
 
 
 class Eagle3Targets(NamedTuple):
@@ -138,9 +143,33 @@ def eagle3_targets(dparams: DraftParams, target_logits: jax.Array) -> Eagle3Targ
                          top=jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
+def _step_cross_entropy(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, soft_target: jax.Array,
+                        policy_top: jax.Array, offset: int) -> tuple[jax.Array, jax.Array]:
+    """One TTT step's terms at each position t, from its layer output hidden [B, T, H]: the soft
+    cross-entropy (float32 [B, T]) of the head's logits at t against soft_target [B, T, Vd] at
+    t + offset, and whether the head's argmax is policy_top (int32 [B, T]) at t + offset (bool
+    [B, T]); zero / False where t + offset is past the end.
+
+    The layer output moves `offset` positions right instead of the targets left: the moved copy is
+    [B, T, H], not float32 [B, T, Vd]. Checkpointed, so the backward pass recomputes the float32
+    logits from it and the loss keeps no [B, T, Vd] array of any step.
+    """
+    def terms(dparams, hidden, soft_target):
+        t = hidden.shape[1]
+        kept = max(t - offset, 0)
+        moved = jnp.pad(hidden[:, :kept], ((0, 0), (t - kept, 0), (0, 0)))  # moved[t'] = hidden[t' - offset]
+        logits = draft_logits(dcfg, dparams, moved)
+        cross_entropy = -jnp.sum(soft_target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        top_matches = to_target_ids(dparams, jnp.argmax(logits, axis=-1)) == policy_top
+        return _shift(cross_entropy, offset), _shift(top_matches, offset)
+
+    return jax.checkpoint(terms)(dparams, hidden, soft_target)
+
+
 def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_hidden: jax.Array,
                 target_logits: jax.Array | Eagle3Targets, tokens: jax.Array, loss_mask: jax.Array, num_steps: int = 7,
-                step_decay: float = 0.8, segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                step_decay: float = 0.8, segment_ids: jax.Array | None = None, remat: bool = False
+                ) -> tuple[jax.Array, dict]:
     """TTT loss of the head on one batch of policy sequences.
 
     embed: the policy's token embedding [V, H]. aux_hidden: [3, B, T, H] policy outputs of layers
@@ -150,7 +179,8 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     tokens: int32 [B, T]. loss_mask: bool [B, T], whether token j is a prediction target (e.g. a
     response token, not prompt or padding). segment_ids: int32 [B, T] when rows pack several
     sequences (`jaxspec.rl.batch.pack_rows`): the head attends and predicts within a sequence
-    only, with rope positions restarting per sequence (default: one sequence per row).
+    only, with rope positions restarting per sequence (default: one sequence per row). remat:
+    checkpoint each unrolled step (the backward pass recomputes its activations).
     Policy inputs are detached (no gradient flows back).
     Returns (float32 scalar loss, metrics): "step_loss" [S], "top1_agreement" [S] (draft argmax
     mapped to a policy id == policy argmax, over positions whose target has loss_mask on),
@@ -185,18 +215,15 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
 
     step_losses, agreements, positions, counted_sizes = [], [], [], []
-    # One step's logits at a time: the loss never holds all num_steps x [B, T, Vd] logits at once.
-    steps = _ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps, segment_ids)
-    for step, (logits, _) in enumerate(steps):
+    steps = _ttt_steps(dcfg, dparams, embed, fused, tokens, num_steps, segment_ids, remat)
+    for step, hidden in enumerate(steps):
         target_on = _shift(loss_mask, 2 + step) & (_shift(segment_ids, 2 + step) == segment_ids)
         counted = (target_on & _shift(in_vocab, 1 + step)).astype(jnp.float32)
-        log_q = jax.nn.log_softmax(logits, axis=-1)
-        cross_entropy = -jnp.sum(_shift(soft_target, 1 + step) * log_q, axis=-1)
+        cross_entropy, top_matches = _step_cross_entropy(dcfg, dparams, hidden, soft_target, policy_top, 1 + step)
         n_counted = counted.sum()
         step_losses.append((cross_entropy * counted).sum() / jnp.maximum(n_counted, 1.0))
-        agree = to_target_ids(dparams, jnp.argmax(logits, axis=-1)) == _shift(policy_top, 1 + step)
         n_positions = target_on.sum().astype(jnp.float32)
-        agreements.append((agree & target_on).sum() / jnp.maximum(n_positions, 1.0))
+        agreements.append((top_matches & target_on).sum() / jnp.maximum(n_positions, 1.0))
         positions.append(n_positions)
         counted_sizes.append(n_counted)
     step_loss = jnp.stack(step_losses)

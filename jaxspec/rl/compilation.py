@@ -30,7 +30,7 @@ from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
 from jaxspec.rl.online_draft import OnlineDraftState
 from jaxspec.rl.step import MinibatchUpdate
 
-# a jitted function (or a `MinibatchUpdate`, two of them) and the abstract arguments of one call
+# a jitted function (or a `MinibatchUpdate`, its programs) and the abstract arguments of one call
 Program = tuple[Callable, tuple]
 
 

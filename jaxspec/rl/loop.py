@@ -323,7 +323,8 @@ class GRPORun:
                 weights, buffers, d_opt = head.update_args() if trains_draft else (None, None, None)
                 before = (state["params"], state["opt_state"], weights, d_opt)
                 *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt,
-                                   self.placement.rows(pack_rows(minibatch, self.placement.row_shards)))
+                                   self.placement.rows(pack_rows(minibatch, self.placement.row_shards)),
+                                   policy_steps=bool(minibatch.loss_mask.any()))
                 state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
                 if trains_draft:
                     head = head.with_update(weights, d_opt)

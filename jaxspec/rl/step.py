@@ -64,7 +64,8 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
 def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, optim_cfg: PolicyOptimConfig,
               compute_dtype: str, remat: bool, draft: OnlineDraft | None,
               sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK) -> MinibatchUpdate:
-    """Compiled minibatch update (the policy does not step on a minibatch without loss tokens).
+    """Compiled minibatch update (the policy does not step on a minibatch without loss tokens: the
+    caller, which packed it, says so; see `MinibatchUpdate`).
 
     (params, opt_state, draft_weights, draft_buffers, draft_opt_state, minibatch) ->
     (params, opt_state, draft_weights, draft_opt_state, metrics). With `draft` None the draft
@@ -81,7 +82,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after the
     clipping and Adam's normalisation, which would cancel a weight on the loss (λ·draft.learning_rate
     is its effective learning rate). params / opt_state / draft weights / draft opt_state are
-    donated. Two programs (`MinibatchUpdate`): the gradients, then both optimizers' steps.
+    donated. Separate programs (`MinibatchUpdate`): the gradients, then the optimizers' steps.
     """
     p_opt = policy_optimizer(optim_cfg)
     router_aux = router_aux_weight(loss_cfg, cfg)
@@ -113,7 +114,7 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
             draft_loss, draft_metrics = eagle3_loss(
                 draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
                 targets, mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
-                step_decay=draft.train.step_decay, segment_ids=mb.segment_ids)
+                step_decay=draft.train.step_decay, segment_ids=mb.segment_ids, remat=remat)
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})
             total = loss + draft_loss  # λ scales the head's update below
@@ -133,51 +134,65 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
         updates, opt_state = p_opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def minibatch_step(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads, tokens):
-        if draft is None:  # the caller skips minibatches without policy tokens
-            return (*policy_step(params, opt_state, grads), None, None)
-        # The draft trains on every minibatch; the policy steps only when it has tokens to learn
-        # from. A cond, not a select of the stepped and the old state: the select steps the policy
-        # only to throw the result away, and in the update as one program it held the stepped
-        # copy beside the old one (XLA's plan on CPU, Qwen3-8B's shapes with 8 layers, fsdp=2: the
-        # online loss's extra temporaries fell from 5.0 to 1.9 GB per device).
-        params, opt_state = jax.lax.cond(tokens > 0, policy_step, lambda p, o, g: (p, o), params, opt_state, grads)
+    def draft_step(draft_weights, draft_opt_state, draft_grads):
         updates, draft_opt_state = d_opt.update(draft_grads, draft_opt_state, draft_weights)
         updates = jax.tree.map(lambda u: draft.train.loss_weight * u, updates)
-        return params, opt_state, optax.apply_updates(draft_weights, updates), draft_opt_state
+        return optax.apply_updates(draft_weights, updates), draft_opt_state
 
-    return MinibatchUpdate(jax.jit(minibatch_gradients), jax.jit(minibatch_step, donate_argnums=(0, 1, 2, 3)))
+    def minibatch_step(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads):
+        params, opt_state = policy_step(params, opt_state, grads)
+        if draft is None:
+            return params, opt_state, None, None
+        return params, opt_state, *draft_step(draft_weights, draft_opt_state, draft_grads)
+
+    return MinibatchUpdate(jax.jit(minibatch_gradients), jax.jit(minibatch_step, donate_argnums=(0, 1, 2, 3)),
+                           jax.jit(draft_step, donate_argnums=(0, 1)) if draft is not None else None)
 
 
 class MinibatchUpdate(NamedTuple):
-    """`update_fn`'s update as two compiled programs, called as one function:
+    """`update_fn`'s update as compiled programs, called as one function:
 
     gradients (params, draft_weights, draft_buffers, minibatch) -> (grads, draft_grads, metrics)
-    optimizer_step (params, opt_state, draft_weights, draft_opt_state, grads, draft_grads, tokens) ->
-        (params, opt_state, draft_weights, draft_opt_state), the first four donated.
+    optimizer_step (params, opt_state, draft_weights, draft_opt_state, grads, draft_grads) ->
+        (params, opt_state, draft_weights, draft_opt_state), the first four donated: both steps
+    draft_step (draft_weights, draft_opt_state, draft_grads) -> (draft_weights, draft_opt_state),
+        both donated: the head's step alone, for a minibatch without policy tokens (the head trains
+        on every minibatch; the policy has nothing to learn from it). None without a draft.
 
-    Two programs so the float32 gradients (the size of the sharded policy) are buffers of their own,
-    one per leaf, between the programs: inside one program they were part of its temporaries, which
-    XLA allocates as one block (Qwen3-8B on 2 x 80 GB: 19.2 GB, which the allocator could not find
-    in one piece among 34.6 GB free). Either member may be a `jax.stages.Compiled` (`compile`).
+    Separate programs so the float32 gradients (the size of the sharded policy) are buffers of their
+    own, one per leaf, between the programs: inside one program they were part of its temporaries,
+    which XLA allocates as one block (Qwen3-8B on 2 x 80 GB: 19.2 GB, which the allocator could not
+    find in one piece among 34.6 GB free). The host, which packed the minibatch, says whether the
+    policy steps: a `lax.cond` on the device instead kept the stepped state from aliasing the donated
+    one (Qwen3-8B, fsdp=2: 86.7 GB of outputs, 22.4 of them aliased). Any member may be a
+    `jax.stages.Compiled` (`compile`).
     """
 
     gradients: Callable
     optimizer_step: Callable
+    draft_step: Callable | None = None
 
-    def __call__(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb):
+    def __call__(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb, policy_steps: bool = True):
+        """One minibatch's update; `policy_steps` False (a minibatch without policy tokens, which only
+        an update with a draft takes) steps the head alone and returns params and opt_state as given."""
+        if not policy_steps and self.draft_step is None:
+            raise ValueError("an update without a draft has nothing to step on a minibatch without policy tokens")
         grads, draft_grads, metrics = self.gradients(params, draft_weights, draft_buffers, mb)
-        stepped = self.optimizer_step(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads,
-                                      metrics["tokens"])
+        if policy_steps:
+            stepped = self.optimizer_step(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads)
+        else:
+            stepped = (params, opt_state, *self.draft_step(draft_weights, draft_opt_state, draft_grads))
         return (*stepped, metrics)
 
     def compile(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb) -> MinibatchUpdate:
-        """Both programs compiled ahead of a call with these arguments (arrays or
-        ShapeDtypeStructs with shardings); the optimizer step for the gradients program's outputs."""
+        """Every program compiled ahead of a call with these arguments (arrays or ShapeDtypeStructs
+        with shardings); the steps for the gradients program's outputs."""
         gradients = self.gradients.lower(params, draft_weights, draft_buffers, mb).compile()
         # the outputs' shapes and shardings, in the default layouts the call's arrays have
         outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), gradients.out_info)
-        grads, draft_grads, metrics = outputs
-        step = self.optimizer_step.lower(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads,
-                                         metrics["tokens"]).compile()
-        return MinibatchUpdate(gradients, step)
+        grads, draft_grads, _ = outputs
+        step = self.optimizer_step.lower(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads).compile()
+        draft_step = None
+        if self.draft_step is not None:
+            draft_step = self.draft_step.lower(draft_weights, draft_opt_state, draft_grads).compile()
+        return MinibatchUpdate(gradients, step, draft_step)

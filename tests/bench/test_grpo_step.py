@@ -44,6 +44,9 @@ def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, c
         gradients, step = rows[phase]["xla_plan_gb"]["gradients"], rows[phase]["xla_plan_gb"]["optimizer_step"]
         assert gradients["aliased"] == 0 < gradients["outputs"] <= gradients["arguments"]
         assert 0.95 * step["outputs"] <= step["aliased"] <= step["outputs"] < step["arguments"]
+    draft_step = rows["update_draft"]["xla_plan_gb"]["draft_step"]  # the head alone, on its donated state
+    assert 0.95 * draft_step["outputs"] <= draft_step["aliased"] <= draft_step["outputs"] < draft_step["arguments"]
+    assert "draft_step" not in rows["update"]["xla_plan_gb"]
     ar, spec = rows["generate_ar"], rows["generate_spec"]
     assert ar["acceptance_length"] == 1.0 and ar["loop_steps"] >= 2 * 3  # 2 sub-batches, >= new - 1 steps each
     assert 1.0 <= spec["acceptance_length"] <= 3.0  # k = 2: at most 3 tokens per verification

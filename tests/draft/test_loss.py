@@ -10,10 +10,11 @@ from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_targ
 from jaxspec.draft_training.train import eval_step, train_step
 from jaxspec.optim import make_optimizer
 from jaxspec.draft_training.config import HeadLossConfig, HeadOptimConfig
-from jaxspec.models import forward_hidden
+from jaxspec.models import ModelConfig, forward_hidden
 from jaxspec.models.attention import attention
 from jaxspec.rollout import Sampling, generate
-from tests.models.hf_reference import random_tokens
+from tests.draft.conftest import random_head
+from tests.models.hf_reference import random_params, random_tokens
 
 STEPS = 3
 B, T = 2, 12
@@ -218,3 +219,32 @@ def test_the_loss_reads_the_logits_only_through_their_targets(policy, head):
     jax.tree.map(np.testing.assert_array_equal, *grads)
     with pytest.raises(ValueError, match="targets.top has shape"):
         loss(dparams, Eagle3Targets(targets.soft, targets.top[:, :-1]))
+
+
+def test_remat_recomputes_each_step_to_the_same_loss_and_gradient_in_less_memory():
+    """remat=True (each unrolled step checkpointed) gives the loss, metrics and head gradient of
+    remat=False, and XLA's plan for the gradient holds fewer temporaries: on a layer whose MLP is
+    wide (intermediate 1024 against hidden 32, as an 8B policy's 12288 against 4096) the steps' MLP
+    activations are recomputed, not kept (XLA's CPU plan: 39.1 against 43.5 MB)."""
+    cfg = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=1024, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    params = random_params(cfg, jax.random.key(3))
+    dcfg, dparams = random_head(cfg, seed=5)
+    weights, buffers = split_buffers(dparams)
+    b, t = 4, 96
+    tokens = jnp.asarray(random_tokens(9, (b, t), cfg.vocab_size))
+    logits, aux = forward_jit(cfg, params, tokens, dcfg.aux_layer_ids)
+    mask = jnp.ones((b, t), bool)
+
+    def loss(w, remat):
+        return eagle3_loss(dcfg, {**w, **buffers}, params["embed"], aux, logits, tokens, mask, num_steps=4,
+                           remat=remat)
+
+    grad = {remat: jax.jit(jax.value_and_grad(lambda w, r=remat: loss(w, r), has_aux=True)) for remat in (False, True)}
+    (plain_loss, plain_metrics), plain_grads = grad[False](weights)
+    (remat_loss, remat_metrics), remat_grads = grad[True](weights)
+    np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), remat_metrics, plain_metrics)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), remat_grads, plain_grads)
+    temporaries = {remat: fn.lower(weights).compile().memory_analysis().temp_size_in_bytes for remat, fn in grad.items()}
+    assert temporaries[True] < 0.95 * temporaries[False], temporaries

@@ -74,10 +74,13 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
         losses.append(float(m["draft_loss"]))
     assert losses[-1] < 0.92 * losses[0] and losses == sorted(losses, reverse=True), losses
 
-    # A minibatch with no policy tokens (filtered groups) still trains the draft; the policy stays put.
+    # A minibatch with no policy tokens (filtered groups) still trains the draft; the policy stays put
+    # (the caller, which packed it, says so: an update without a draft has nothing to step).
     frozen = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
+    with pytest.raises(ValueError, match="nothing to step"):
+        plain(p1, s2, None, None, None, frozen.replace(seq_resp_mask=None), policy_steps=False)
     before, state_before, w_before = _copy(p2), _copy(s2), _copy(w2)
-    p3, s3, w3, _, m = with_draft(p2, s2, w2, buffers, d_opt2, frozen)
+    p3, s3, w3, _, m = with_draft(p2, s2, w2, buffers, d_opt2, frozen, policy_steps=False)
     assert float(m["tokens"]) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), (before, state_before), (p3, s3))
     assert not np.array_equal(np.asarray(w3["fc"]), np.asarray(w_before["fc"]))
@@ -264,8 +267,8 @@ def test_router_coefficient_on_a_dense_policy_is_refused(tiny_policy):
 
 
 def _temporaries(update) -> int:
-    """The larger temporaries of a compiled update's two programs (gradients, optimizer step)."""
-    return max(program.memory_analysis().temp_size_in_bytes for program in update)
+    """The largest temporaries of a compiled update's programs."""
+    return max(program.memory_analysis().temp_size_in_bytes for program in update if program is not None)
 
 
 def test_update_and_scoring_keep_no_logits_of_every_position():

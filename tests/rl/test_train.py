@@ -86,9 +86,9 @@ def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypat
     def counting_update_fn(*args):
         fn, with_draft = update_fn(*args), args[6] is not None  # (..., remat, draft, sharding)
 
-        def update(*inputs):
+        def update(*inputs, **options):
             calls.append((with_draft, inputs[2] is not None))
-            return fn(*inputs)
+            return fn(*inputs, **options)
         return update
 
     monkeypatch.setattr(loop, "update_fn", counting_update_fn)
