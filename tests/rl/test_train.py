@@ -76,9 +76,11 @@ def test_rollouts_read_the_policy_and_the_draft_in_the_rollout_dtype(tiny_policy
     assert {x.dtype for x in jax.tree.leaves(master)} >= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
 
 
-def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypatch):
-    """draft.train_every=2 with 2 minibatches x 2 epochs: the head's update runs on minibatches 0 and 2
-    of each step, the policy-only update on the others (unless they hold no loss tokens)."""
+@pytest.fixture
+def update_calls(monkeypatch):
+    """Every minibatch update of the training loop, as a dict: with_draft (the online head's update),
+    has_head (head arguments given), policy_steps (as the loop asked), has_tokens (the packed
+    minibatch holds loss tokens)."""
     import jaxspec.rl.loop as loop
 
     calls, update_fn = [], loop.update_fn
@@ -87,17 +89,40 @@ def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, monkeypat
         fn, with_draft = update_fn(*args), args[6] is not None  # (..., remat, draft, sharding)
 
         def update(*inputs, **options):
-            calls.append((with_draft, inputs[2] is not None))
+            calls.append({"with_draft": with_draft, "has_head": inputs[2] is not None,
+                          "policy_steps": options.get("policy_steps", True),
+                          "has_tokens": bool(np.asarray(inputs[5].loss_mask).any())})
             return fn(*inputs, **options)
         return update
 
     monkeypatch.setattr(loop, "update_fn", counting_update_fn)
+    return calls
+
+
+def test_the_head_trains_on_every_nth_minibatch(tiny_policy, tmp_path, update_calls):
+    """draft.train_every=2 with 2 minibatches x 2 epochs: the head's update runs on minibatches 0 and 2
+    of each step, the policy-only update on the others (unless they hold no loss tokens)."""
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=2)
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", "draft.train_every=2") == 0
-    assert all(with_draft == has_head for with_draft, has_head in calls)
-    assert sum(with_draft for with_draft, _ in calls) == 4 and len(calls) <= 8, calls
+    assert all(c["with_draft"] == c["has_head"] for c in update_calls)
+    assert sum(c["with_draft"] for c in update_calls) == 4 and len(update_calls) <= 8, update_calls
     records = read_metrics(tmp_path / "run")
     assert all(r["draft_loss"] > 0 and len(r["draft_top1_agreement"]) == 1 for r in records)
+
+
+def test_the_policy_steps_only_on_minibatches_with_loss_tokens(tiny_policy, tmp_path, update_calls):
+    """A reward every rollout scores 0 with loss.filter_groups: no group is informative, so no
+    minibatch holds loss tokens. The head still trains on its minibatches, the policy never steps
+    (the loop says so to the update), and no update is counted."""
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], reward="zero", steps=2, eval_every=0,
+                          checkpoint_every=2)
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "draft.train_every=2",
+                     "loss.filter_groups=true") == 0
+    assert update_calls and all(c["with_draft"] and not c["has_tokens"] and not c["policy_steps"]
+                                for c in update_calls), update_calls
+    records = read_metrics(tmp_path / "run")
+    assert [r["updates"] for r in records] == [0, 0]
+    assert all(r["draft_loss"] > 0 for r in records)
 
 
 def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
