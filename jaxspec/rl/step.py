@@ -81,7 +81,8 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     clipped and run through its own AdamW. The head's update is then multiplied by λ =
     draft.loss_weight: the head trains on L = L_policy + λ·L_draft with the weight acting after the
     clipping and Adam's normalisation, which would cancel a weight on the loss (λ·draft.learning_rate
-    is its effective learning rate). params / opt_state / draft weights / draft opt_state are
+    is its effective learning rate). remat rematerialises the policy's layers and the head's
+    unrolled steps. params / opt_state / draft weights / draft opt_state are
     donated. Separate programs (`MinibatchUpdate`): the gradients, then the optimizers' steps.
     """
     p_opt = policy_optimizer(optim_cfg)
