@@ -74,7 +74,7 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
     update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), GRPOLossConfig(), optim, "bfloat16",
                        True, draft)
     compiled, seconds = _compiled(lambda: update.compile(params, opt_state, weights, buffers, draft_opt, minibatch))
-    for part, program in ((k, p) for k, p in compiled._asdict().items() if p is not None):
+    for part, program in compiled.programs().items():
         _report(f"GRPO update {rows}x{width}, online draft {'on' if online else 'off'}: {part}", program, seconds,
                 "all its programs compiled")
 

@@ -261,8 +261,7 @@ class Bench:
             before = (self.params, opt_state, weights, d_opt)
             if compile_first:  # the plan is known before the first call can run out of memory
                 update = update.compile(*before[:3], buffers, d_opt, packed)
-                self.xla_plans[phase] = {name: memory_plan(program) for name, program in update._asdict().items()
-                                         if program is not None}
+                self.xla_plans[phase] = {name: memory_plan(program) for name, program in update.programs().items()}
             *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed,
                                      policy_steps=bool(mb.loss_mask.any()))
             # on the input layout, as the training loop keeps it: every call runs the one compilation

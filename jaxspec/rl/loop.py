@@ -315,8 +315,9 @@ class GRPORun:
             for i, rows in enumerate(minibatch_indices(num_rows, cfg.loss.minibatches, rng)):
                 minibatch = batch.take(rows)
                 trains_draft = self.online is not None and self.online.trains_on(epoch * cfg.loss.minibatches + i)
+                has_tokens = bool(minibatch.loss_mask.any())
                 if not trains_draft:
-                    if not minibatch.loss_mask.any():
+                    if not has_tokens:
                         continue
                     minibatch = minibatch.replace(seq_resp_mask=None)
                 update = self.update if trains_draft else self.policy_update
@@ -324,7 +325,7 @@ class GRPORun:
                 before = (state["params"], state["opt_state"], weights, d_opt)
                 *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt,
                                    self.placement.rows(pack_rows(minibatch, self.placement.row_shards)),
-                                   policy_steps=bool(minibatch.loss_mask.any()))
+                                   policy_steps=has_tokens)
                 state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
                 if trains_draft:
                     head = head.with_update(weights, d_opt)

@@ -185,6 +185,10 @@ class MinibatchUpdate(NamedTuple):
             stepped = (params, opt_state, *self.draft_step(draft_weights, draft_opt_state, draft_grads))
         return (*stepped, metrics)
 
+    def programs(self) -> dict[str, Callable]:
+        """The programs this update has, by name (no draft_step without a draft)."""
+        return {name: program for name, program in self._asdict().items() if program is not None}
+
     def compile(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb) -> MinibatchUpdate:
         """Every program compiled ahead of a call with these arguments (arrays or ShapeDtypeStructs
         with shardings); the steps for the gradients program's outputs."""
