@@ -29,7 +29,7 @@ Each phase runs once untimed first (compilation), then is timed over the whole b
 (a high-water mark, so the first phase that needs more raises it), and `bytes_in_use` when the
 phase starts (in_use_gb_before: what it runs next to, also on a phase that runs out of memory) with
 the largest free block of the allocator's pool then (largest_free_gb_before: what one allocation
-can get; less than the free memory when the pool is fragmented);
+can get; less than the free memory when the pool is fragmented; None under `cuda_async`);
 None where the device reports no statistics (CPU). The log-prob and update programs are compiled
 ahead of their first call, so each row also gives XLA's memory plan per device (xla_plan_gb:
 arguments, outputs, outputs aliased to donated arguments, temporaries; for an update, of each of its
@@ -45,6 +45,7 @@ decode; the projected GRPO step adds the measured log-prob pass and update with 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +86,15 @@ def memory_stat(name: str) -> list[int | None]:
     """`name` of every local device's memory statistics (None: not reported, e.g. on the CPU):
     peak_bytes_in_use (since the process started), bytes_in_use or largest_free_block_bytes (now)."""
     return [(d.memory_stats() or {}).get(name) for d in jax.local_devices()]
+
+
+def largest_free_block() -> list[int | None]:
+    """Every local device's largest free block of XLA's pool; None where unknown: the CPU, and the
+    `cuda_async` allocator (XLA_PYTHON_CLIENT_ALLOCATOR), whose pool the CUDA driver manages and
+    which reports 0."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "cuda_async":
+        return [None] * len(jax.local_devices())
+    return memory_stat("largest_free_block_bytes")
 
 
 def gigabytes(values: list[int | None]) -> list[float | None]:
@@ -360,7 +370,7 @@ def main(argv: list[str]) -> int:
         if name not in args.phases:
             continue
         before = {"in_use_gb_before": gigabytes(memory_stat("bytes_in_use")),  # what the phase starts next to
-                  "largest_free_gb_before": gigabytes(memory_stat("largest_free_block_bytes"))}
+                  "largest_free_gb_before": gigabytes(largest_free_block())}
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:

@@ -33,7 +33,7 @@ from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
-from jaxspec.rl.metrics import StageTimer, block, mean_update_metrics, rollout_step_metrics
+from jaxspec.rl.metrics import StageTimer, block, device_memory_metrics, mean_update_metrics, rollout_step_metrics
 from jaxspec.placement import Placement, cast_floats, rollout_policy
 from jaxspec.run import Batcher, truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
@@ -280,7 +280,8 @@ class GRPORun:
             with timer.stage("checkpoint"):
                 self.save()
         record.update(timer.record(), time_step_s=round(time.perf_counter() - start, 6),
-                      tokens_per_s=round(out.generated_tokens / max(timer.seconds["generation"], 1e-9), 3))
+                      tokens_per_s=round(out.generated_tokens / max(timer.seconds["generation"], 1e-9), 3),
+                      **device_memory_metrics())
         return record
 
     def _score(self, batch: TrainingRows) -> tuple[TrainingRows, dict]:

@@ -27,8 +27,11 @@ A step record (metrics.jsonl) holds
     compilations during the step and their seconds, included in the stages' times: a new shape,
     e.g. a new packed row count, compiles once); compiles_cached (programs read from the persistent
     compilation cache instead, their seconds also in time_compile_s).
-Keys starting with "time_", "tokens_per_s" and "compiles" depend on the machine and the process's
-history; everything else is a deterministic function of the config, the data and the keys.
+  device memory (GPUs; absent where devices report no statistics, e.g. the CPU), in GB of the most
+    loaded local device: memory_peak_gb (XLA's high-water mark since the process started: the step's
+    own peak once it is the largest so far), memory_in_use_gb (held at the end of the step).
+Keys starting with "time_", "tokens_per_s", "compiles" and "memory_" depend on the machine and the
+process's history; everything else is a deterministic function of the config, the data and the keys.
 """
 
 from __future__ import annotations
@@ -41,15 +44,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-TIMING_PREFIXES = ("time_", "tokens_per_s", "compiles")
+MACHINE_PREFIXES = ("time_", "tokens_per_s", "compiles", "memory_")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
 POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_mean",
                   "tis_weight_mean", "nonfinite_tokens", "entropy", "grad_norm", "router_aux_loss")
 
 
-def is_timing(key: str) -> bool:
-    return key.startswith(TIMING_PREFIXES)
+def is_machine_dependent(key: str) -> bool:
+    """Whether a record's key measures the machine (time, compilations, memory), not the run."""
+    return key.startswith(MACHINE_PREFIXES)
 
 
 class MetricsLog:
@@ -122,6 +126,16 @@ class StageTimer:
         return {**{f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()},
                 "compiles": self.compiles - self.cache_hits, "compiles_cached": self.cache_hits,
                 "time_compile_s": round(self.compile_seconds, 6)}
+
+
+def device_memory_metrics() -> dict[str, float]:
+    """{"memory_peak_gb", "memory_in_use_gb"}: the most loaded local device's XLA statistics, in GB;
+    {} where the devices report none (the CPU)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if not all(stats):
+        return {}
+    return {"memory_peak_gb": round(max(s.get("peak_bytes_in_use", 0) for s in stats) / 1e9, 3),
+            "memory_in_use_gb": round(max(s.get("bytes_in_use", 0) for s in stats) / 1e9, 3)}
 
 
 def block(tree):

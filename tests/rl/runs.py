@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from jaxspec.cli import main as jaxspec_main
-from jaxspec.rl.metrics import is_timing
+from jaxspec.rl.metrics import is_machine_dependent
 
 CONFIG = """
 policy: {{path: {policy}}}
@@ -45,7 +45,7 @@ def read_metrics(run_dir):
 
 
 def without_timings(records):
-    return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
+    return [{k: v for k, v in r.items() if not is_machine_dependent(k)} for r in records]
 
 
 def train_cli(*args) -> int:

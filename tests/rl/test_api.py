@@ -8,7 +8,7 @@ import jaxspec.rl
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.config_io import load_config
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.metrics import is_timing
+from jaxspec.rl.metrics import is_machine_dependent
 
 CONFIG = """
 policy: {{path: {policy}}}
@@ -24,7 +24,7 @@ train: {{steps: 5, checkpoint_every: 2, progress: false}}
 
 
 def _without_timings(records):
-    return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
+    return [{k: v for k, v in r.items() if not is_machine_dependent(k)} for r in records]
 
 
 def _file_records(run_dir):
