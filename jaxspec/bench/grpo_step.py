@@ -45,7 +45,6 @@ decode; the projected GRPO step adds the measured log-prob pass and update with 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import device_description, out_of_memory, print_table, write_results
+from jaxspec.bench.timing import (device_description, gigabytes, largest_free_block, memory_stat, out_of_memory,
+                                  print_table, write_results)
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
 from jaxspec.models.sharding import shard_params
@@ -80,25 +80,6 @@ def check_phases(phases: list[str]) -> None:
     for phase in phases:
         if phase in NEEDS and not set(NEEDS[phase]) & set(phases):
             raise ValueError(f"--phases: {phase} reads the results of {' or '.join(NEEDS[phase])}; add it")
-
-
-def memory_stat(name: str) -> list[int | None]:
-    """`name` of every local device's memory statistics (None: not reported, e.g. on the CPU):
-    peak_bytes_in_use (since the process started), bytes_in_use or largest_free_block_bytes (now)."""
-    return [(d.memory_stats() or {}).get(name) for d in jax.local_devices()]
-
-
-def largest_free_block() -> list[int | None]:
-    """Every local device's largest free block of XLA's pool; None where unknown: the CPU, and the
-    `cuda_async` allocator (XLA_PYTHON_CLIENT_ALLOCATOR), whose pool the CUDA driver manages and
-    which reports 0."""
-    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "cuda_async":
-        return [None] * len(jax.local_devices())
-    return memory_stat("largest_free_block_bytes")
-
-
-def gigabytes(values: list[int | None]) -> list[float | None]:
-    return [None if b is None else round(b / 1e9, 2) for b in values]
 
 
 def mesh_config(text: str) -> MeshConfig:

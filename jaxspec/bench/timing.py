@@ -1,8 +1,9 @@
-"""Timing and device-ceiling measurements shared by the benchmarks."""
+"""Timing, device-ceiling and device-memory measurements shared by the benchmarks."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -179,6 +180,25 @@ def ceilings(copy_rate: float | None = None, matmul_rate: float | None = None) -
         if "bf16_flops" in sheet:
             out["matmul_vs_datasheet"] = matmul_rate / sheet["bf16_flops"]
     return out
+
+
+def memory_stat(name: str) -> list[int | None]:
+    """`name` of every local device's memory statistics (None: not reported, e.g. on the CPU):
+    peak_bytes_in_use (since the process started), bytes_in_use or largest_free_block_bytes (now)."""
+    return [(d.memory_stats() or {}).get(name) for d in jax.local_devices()]
+
+
+def largest_free_block() -> list[int | None]:
+    """Every local device's largest free block of XLA's pool; None where unknown: the CPU, and the
+    `cuda_async` allocator (XLA_PYTHON_CLIENT_ALLOCATOR), whose pool the CUDA driver manages and
+    which reports 0."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "cuda_async":
+        return [None] * len(jax.local_devices())
+    return memory_stat("largest_free_block_bytes")
+
+
+def gigabytes(values: list[int | None]) -> list[float | None]:
+    return [None if b is None else round(b / 1e9, 2) for b in values]
 
 
 def device_description() -> str:

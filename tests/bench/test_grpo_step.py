@@ -171,17 +171,3 @@ def test_the_training_state_is_made_before_the_first_phase(model_json, phases):
             assert m.shape == p.shape and m.dtype == dtype and m.sharding.is_equivalent_to(p.sharding, p.ndim)
     assert (bench.head is not None) == ("update_draft" in phases)
 
-
-class _Device:
-    """A device whose allocator reports a pool (the statistics a GPU's BFC or cuda_async gives)."""
-
-    def memory_stats(self):
-        return {"largest_free_block_bytes": 0, "bytes_in_use": 5}
-
-
-@pytest.mark.parametrize("allocator, expected", [("cuda_async", [None, None]), ("bfc", [0, 0])])
-def test_largest_free_block_is_unknown_under_cuda_async(monkeypatch, allocator, expected):
-    from jaxspec.bench import grpo_step
-    monkeypatch.setattr(grpo_step.jax, "local_devices", lambda: [_Device(), _Device()])
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", allocator)
-    assert grpo_step.largest_free_block() == expected

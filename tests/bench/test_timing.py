@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.bench import timing
 from jaxspec.bench.timing import in_loop, in_loop_seconds, out_of_memory
 
 
@@ -75,3 +76,17 @@ def test_out_of_memory_names_the_error_and_raises_any_other():
     other = jax.errors.JaxRuntimeError("INTERNAL: a different failure")
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         out_of_memory(other)
+
+
+class _Device:
+    """A device whose allocator reports a pool (the statistics a GPU's BFC or cuda_async gives)."""
+
+    def memory_stats(self):
+        return {"largest_free_block_bytes": 0, "bytes_in_use": 5}
+
+
+@pytest.mark.parametrize("allocator, expected", [("cuda_async", [None, None]), ("bfc", [0, 0])])
+def test_largest_free_block_is_unknown_under_cuda_async(monkeypatch, allocator, expected):
+    monkeypatch.setattr(timing.jax, "local_devices", lambda: [_Device(), _Device()])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", allocator)
+    assert timing.largest_free_block() == expected

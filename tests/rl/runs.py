@@ -44,7 +44,7 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def without_timings(records):
+def without_machine_keys(records):
     return [{k: v for k, v in r.items() if not is_machine_dependent(k)} for r in records]
 
 

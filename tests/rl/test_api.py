@@ -8,7 +8,7 @@ import jaxspec.rl
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.config_io import load_config
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.metrics import is_machine_dependent
+from tests.rl.runs import without_machine_keys
 
 CONFIG = """
 policy: {{path: {policy}}}
@@ -21,10 +21,6 @@ draft: {{online: true, ttt_steps: 1}}
 eval: {{every: 2, batch_size: 4}}
 train: {{steps: 5, checkpoint_every: 2, progress: false}}
 """
-
-
-def _without_timings(records):
-    return [{k: v for k, v in r.items() if not is_machine_dependent(k)} for r in records]
 
 
 def _file_records(run_dir):
@@ -45,7 +41,7 @@ def test_train_returns_and_streams_the_cli_metrics_and_resumes(config, tmp_path)
     assert seen == [{k: v for k, v in r.items() if k != "time_unix_s"} for r in metrics]  # the log adds the clock
     assert {"reward_mean", "acceptance_length", "time_step_s", "eval_accuracy"} <= set(metrics[-1])
     assert jaxspec_main(["train", "--config", str(config), "--run-dir", str(tmp_path / "cli"), "train.steps=2"]) == 0
-    assert _without_timings(metrics) == _without_timings(_file_records(tmp_path / "cli"))
+    assert without_machine_keys(metrics) == without_machine_keys(_file_records(tmp_path / "cli"))
 
     # A loaded config works as well as a path; the resumed run returns the whole history.
     cfg = load_config(GRPOConfig, config)

@@ -16,7 +16,7 @@ from jaxspec.rl.batch import Rollouts, pack_rows, training_rows
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
-from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_timings, write_config
+from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
 
 ASYNC = ["rollout.mode=async", "mesh.rollout_devices=1"]
 # The keys only async runs write.
@@ -157,8 +157,8 @@ def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=2)
     assert train_cli("--config", config, "--run-dir", tmp_path / "colocated") == 0
     assert train_cli("--config", config, "--run-dir", tmp_path / "async", *ASYNC, "rollout.max_staleness=0") == 0
-    colocated = without_timings(read_metrics(tmp_path / "colocated"))
-    stale0 = without_timings(read_metrics(tmp_path / "async"))
+    colocated = without_machine_keys(read_metrics(tmp_path / "colocated"))
+    stale0 = without_machine_keys(read_metrics(tmp_path / "async"))
     assert [r["staleness"] for r in stale0] == [0, 0]
     assert [{k: v for k, v in r.items() if k not in ASYNC_KEYS} for r in stale0] == colocated
 
@@ -173,7 +173,7 @@ def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path, stalen
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=4, eval_every=0, checkpoint_every=4)
     overrides = {"rollout.mode": "async", "mesh.rollout_devices": 1, "rollout.max_staleness": staleness}
     train(config, tmp_path / "full", overrides=overrides)
-    full = without_timings(read_metrics(tmp_path / "full"))
+    full = without_machine_keys(read_metrics(tmp_path / "full"))
     assert [(r["staleness"], r["rollout_version"]) for r in full] == [(s - v, v) for s, v in enumerate(versions)]
 
     def terminate_after_step_3(record):
@@ -185,7 +185,7 @@ def test_resume_and_sigterm_continue_the_async_run(tiny_policy, tmp_path, stalen
                                      on_step=terminate_after_step_3)] == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["2", "3"]
     train(config, tmp_path / "split", overrides=overrides, resume=True)
-    assert without_timings(read_metrics(tmp_path / "split")) == full
+    assert without_machine_keys(read_metrics(tmp_path / "split")) == full
 
 
 @pytest.mark.parametrize("override, message", [
@@ -233,7 +233,7 @@ def test_two_processes_run_the_async_job_of_one(tiny_policy, tmp_path):
     args = ["rollout.mode=async", "mesh.data=2", "mesh.rollout_devices=2", "rollout.sub_batch=16",
             "loss.minibatches=1", "loss.ppo_epochs=1"]
     assert train_cli("--config", config, "--run-dir", tmp_path / "one", *args) == 0
-    want = without_timings(read_metrics(tmp_path / "one"))
+    want = without_machine_keys(read_metrics(tmp_path / "one"))
     assert [r["staleness"] for r in want] == [0, 1, 1]
 
     run = tmp_path / "two"
@@ -242,7 +242,7 @@ def test_two_processes_run_the_async_job_of_one(tiny_policy, tmp_path):
     assert (run / "checkpoints" / "2").is_dir()
     outputs = run_two_processes(["--config", config, "--run-dir", run, "--resume", *args], logs, devices=2)
     assert "resumed from step 2" in outputs[0]
-    got = without_timings(read_metrics(run))
+    got = without_machine_keys(read_metrics(run))
     assert [r["step"] for r in got] == [1, 2, 3]
     for w, g in zip(want, got, strict=True):
         assert (g["staleness"], g["rollout_version"]) == (w["staleness"], w["rollout_version"])

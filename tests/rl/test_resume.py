@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from safetensors.numpy import load_file
 
 from jaxspec.run import EXIT_CHECKPOINTED
-from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_timings, write_config
+from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
 from tests.run.damage import truncate_largest_data_file
 
 def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
@@ -22,7 +22,7 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
     # 6 steps, then --resume to 12: identical metrics (timings aside) and identical final weights.
     assert train_cli("--config", config, "--run-dir", tmp_path / "split", "train.steps=6") == 0
     assert train_cli("--config", config, "--run-dir", tmp_path / "split", "--resume") == 0
-    assert without_timings(read_metrics(tmp_path / "split")) == without_timings(read_metrics(full))
+    assert without_machine_keys(read_metrics(tmp_path / "split")) == without_machine_keys(read_metrics(full))
     for folder in ("policy", "draft"):
         expected = load_file(full / folder / "model.safetensors")
         got = load_file(tmp_path / "split" / folder / "model.safetensors")
@@ -42,7 +42,7 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"checkpoint {crashed / 'checkpoints' / '12'} is damaged (ValueError: OUT_OF_RANGE" in out
     assert "resumed from step 6" in out
-    assert without_timings(read_metrics(crashed)) == without_timings(read_metrics(full))
+    assert without_machine_keys(read_metrics(crashed)) == without_machine_keys(read_metrics(full))
     assert len(list((crashed / "checkpoints").glob("12.damaged-*"))) == 1
 
 
@@ -61,7 +61,7 @@ def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
     assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=8",
                   "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2") == 0
     assert "on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
-    want, got = without_timings(read_metrics(full))[7:9], without_timings(read_metrics(run))[7:9]
+    want, got = without_machine_keys(read_metrics(full))[7:9], without_machine_keys(read_metrics(run))[7:9]
     for w, g in zip(want, got, strict=True):
         assert g["step"] == w["step"] and g["data_position"] == w["data_position"]
         # Sharded reductions change float rounding, not the sampled rollouts of these steps.
@@ -79,7 +79,7 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
     outputs = run_two_processes(["--config", config, "--run-dir", run, "train.steps=2", "mesh.data=2", "mesh.fsdp=2",
                                  "mesh.tensor=2"], [tmp_path / f"process{pid}.log" for pid in range(2)], devices=4)
     assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
-    want, got = without_timings(read_metrics(full))[1:3], without_timings(read_metrics(run))[1:3]
+    want, got = without_machine_keys(read_metrics(full))[1:3], without_machine_keys(read_metrics(run))[1:3]
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
     for w, g in zip(want, got, strict=True):
         assert g["reward_mean"] == w["reward_mean"] and g["response_length_mean"] == w["response_length_mean"]

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.rl.runs import read_metrics, train_cli, without_timings, write_config
+from tests.rl.runs import read_metrics, train_cli, without_machine_keys, write_config
 
 def test_the_default_compilation_cache_is_in_the_run_dir(full_run):
     _, run_dir = full_run  # no train.compilation_cache in its config
@@ -221,7 +221,7 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
     # at steps 0 and 1 and the rollouts of step 1 each read it
     assert read_fsdp_sharded == [True] * 3 + [False] * 3
     assert copies_in_update == [0, 0]
-    sharded, gathered = (without_timings(read_metrics(tmp_path / gather)) for gather in ("false", "true"))
+    sharded, gathered = (without_machine_keys(read_metrics(tmp_path / gather)) for gather in ("false", "true"))
     assert [r["step"] for r in gathered] == [0, 1] and [set(r) for r in gathered] == [set(r) for r in sharded]
     for want, got in zip(sharded, gathered):
         for key in want:  # null (an unreached draft position) reads as nan on both sides
