@@ -175,7 +175,7 @@ class AsyncRollouts:
         ids = run.sampler.indices(run.position + (step - run.step - 1) * r_cfg.prompts_per_step)
         key = jax.random.fold_in(jax.random.fold_in(run.state["key"], step - 1), 0)  # as `GRPORun._generate`'s
         key = jax.device_put(to_host(key), self.sharding.replicated())
-        draft = None if run.draft is None else (run.draft[0], weights.draft)
+        draft = None if run.draft_cfg is None else (run.draft_cfg, weights.draft)
         spec = make_spec(run.cfg.spec, draft)
         # This process's generate calls, each with the key colocated mode gives it (`_generate_rows`).
         rows = r_cfg.prompts_per_step * r_cfg.samples_per_prompt

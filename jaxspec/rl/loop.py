@@ -67,14 +67,17 @@ class GRPORun:
             say(f"policy, optimizer state and rollouts on the mesh {dict(mesh.shape)} "
                 f"(embed sharded as {params['embed'].sharding.spec})")
         run_key, draft_key = jax.random.split(jax.random.PRNGKey(t_cfg.seed))
-        self.draft = load_draft(cfg.spec, inputs.draft_dir, self.mcfg, draft_key)
-        self.online = OnlineDraft(dcfg=self.draft[0], train=cfg.draft) if cfg.draft.online else None
+        draft = load_draft(cfg.spec, inputs.draft_dir, self.mcfg, draft_key)
+        # the draft's config; its params live in the state alone (an 8B policy's head is 1.6 GB)
+        self.draft_cfg = None if draft is None else draft[0]
+        self.online = OnlineDraft(dcfg=self.draft_cfg, train=cfg.draft) if cfg.draft.online else None
         state = {"params": params, "opt_state": policy_optimizer(cfg.optim).init(params),
                  "step": jnp.int32(0), "position": jnp.int32(0), "updates": jnp.int32(0), "key": run_key}
-        if self.draft is not None:
-            state["draft_params"] = self.draft[1]
+        if draft is not None:
+            state["draft_params"] = draft[1]
         if self.online is not None:
-            state["draft_opt_state"] = OnlineDraftState.init(self.online, self.draft[1]).opt_state
+            state["draft_opt_state"] = OnlineDraftState.init(self.online, draft[1]).opt_state
+        del draft
         if cfg.loss.kl_beta > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, params)
         # Committed to the devices like restored checkpoints are, so a resumed run in the same process
@@ -147,13 +150,13 @@ class GRPORun:
         check that it fits the device's free memory names rollout.gather_weights."""
         dtype = jnp.dtype(self.cfg.rollout.dtype)
         gather = self.cfg.rollout.gather_weights if gather is None else gather
-        draft = None if self.draft is None else cast_floats(self.state["draft_params"], dtype)
+        draft = None if self.draft_cfg is None else cast_floats(self.state["draft_params"], dtype)
         return rollout_policy(self.state["params"], dtype, self.placement.sharding, gather), draft
 
     def rollout_view(self):
         """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
         policy, draft = block(self.rollout_weights())
-        return policy, make_spec(self.cfg.spec, None if draft is None else (self.draft[0], draft))
+        return policy, make_spec(self.cfg.spec, None if draft is None else (self.draft_cfg, draft))
 
     def evaluate(self) -> dict:
         """Validation scores of the current policy on the held-out prompts."""
@@ -322,18 +325,20 @@ class GRPORun:
                         continue
                     minibatch = minibatch.replace(seq_resp_mask=None)
                 update = self.update if trains_draft else self.policy_update
+                packed = self.placement.rows(pack_rows(minibatch, self.placement.row_shards))
+                # The host packs this minibatch while the device runs the last update, and dispatches
+                # it only when that update is done: each update's gradients are as large as the
+                # policy's float32 params, and two updates in flight hold two sets (an 8B policy on
+                # 2 x 80 GB runs out of memory).
+                if in_flight is not None:
+                    metrics.append(jax.tree.map(to_host, block((state["params"], in_flight))[1]))
                 weights, buffers, d_opt = head.update_args() if trains_draft else (None, None, None)
                 before = (state["params"], state["opt_state"], weights, d_opt)
-                *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt,
-                                   self.placement.rows(pack_rows(minibatch, self.placement.row_shards)),
+                *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt, packed,
                                    policy_steps=has_tokens)
                 state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
                 if trains_draft:
                     head = head.with_update(weights, d_opt)
-                # Waiting for the update before this one (not this one) lets the host pack the next
-                # minibatch while the device runs this update, with at most two updates in flight.
-                if in_flight is not None:
-                    metrics.append(jax.tree.map(to_host, in_flight))
                 in_flight = m
         if in_flight is not None:
             metrics.append(jax.tree.map(to_host, in_flight))
@@ -350,5 +355,5 @@ class GRPORun:
         if self.online is not None:
             from jaxspec.draft import save_eagle3
 
-            save_eagle3(self.draft[0], self.state["draft_params"], self.run_dir / "draft")
+            save_eagle3(self.draft_cfg, self.state["draft_params"], self.run_dir / "draft")
             say(f"adapted EAGLE-3 draft written to {self.run_dir / 'draft'}")

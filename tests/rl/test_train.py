@@ -68,7 +68,7 @@ def test_rollouts_read_the_policy_and_the_draft_in_the_rollout_dtype(tiny_policy
     policy, spec = run.rollout_view()
     master = run.state["draft_params"]
     assert {x.dtype for x in jax.tree.leaves(policy)} == {jnp.dtype(jnp.bfloat16)}
-    assert spec.draft[0] == run.draft[0]
+    assert spec.draft[0] == run.draft_cfg
     for (path, got), want in zip(jax.tree.leaves_with_path(spec.draft[1]), jax.tree.leaves(master)):
         expected = jnp.bfloat16 if jnp.issubdtype(want.dtype, jnp.floating) else want.dtype
         assert got.dtype == expected, path
@@ -227,3 +227,35 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
         for key in want:  # null (an unreached draft position) reads as nan on both sides
             np.testing.assert_allclose(np.asarray(got[key], float), np.asarray(want[key], float), rtol=1e-5,
                                        atol=1e-6, err_msg=key)
+
+
+def test_one_update_runs_at_a_time_and_the_run_holds_its_arrays_in_its_state(tiny_policy, tmp_path, monkeypatch):
+    """Each minibatch update is dispatched only once the one before it is done (two in flight hold
+    two sets of float32 gradients: an 8B policy on 2 x 80 GB ran out of memory), and after start-up
+    the run keeps no device array outside its state (it kept the initial head, 1.6 GB on an 8B policy)."""
+    import jaxspec.rl.loop as loop
+
+    waiting, update_fn = [], loop.update_fn
+
+    def checking_update_fn(*args):
+        fn = update_fn(*args)
+
+        def update(params, *inputs, **options):
+            waiting.append(sum(not x.is_ready() for x in jax.tree.leaves(params)))
+            return fn(params, *inputs, **options)
+        return update
+
+    monkeypatch.setattr(loop, "update_fn", checking_update_fn)
+    from jaxspec.config_io import load_config
+    from jaxspec.rl.config import GRPOConfig
+    from jaxspec.rl.resources import check_inputs
+
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    cfg = load_config(GRPOConfig, config, ["loss.minibatches=4", "loss.filter_groups=false"])
+    earlier = jax.live_arrays()  # the fixtures' (held here, so no new array takes their ids)
+    run = loop.GRPORun(cfg, tmp_path / "run", False, check_inputs(cfg))
+    kept = {id(x) for x in [*earlier, *jax.tree.leaves(run.state)]}
+    outside = [(x.shape, x.dtype) for x in jax.live_arrays() if id(x) not in kept and x.size > 1]
+    assert not outside, outside
+    run.run_step()
+    assert len(waiting) == 4 * cfg.loss.ppo_epochs and not any(waiting), waiting

@@ -1,0 +1,69 @@
+"""Device memory around the phases of `jaxspec train`: what XLA's allocator holds, against the
+arrays Python holds and the run's state.
+
+Runs `jaxspec train` with the given arguments and, before and after each phase of a step
+(`_generate`, `_score`, `_optimize` of `jaxspec.rl.loop.GRPORun`), prints per local device the
+allocator's bytes in use and peak, the bytes of every live array and of the run's state, and on
+the first device the arrays outside the state by dtype and sharding. In use above the live
+arrays is memory no Python object holds; live arrays above the state are copies the run keeps,
+or other arrays over the state's own buffers where in use stays at the state; a phase's peak
+above its start is that phase's working memory (the peak is the process's, so it only grows):
+
+    PYTHONPATH=. python3 benchmarks/train_phase_memory.py --config CONFIG --run-dir DIR [key=value ...]
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+
+import jax
+
+from jaxspec.cli import main
+from jaxspec.rl import loop
+
+PHASES = ("_generate", "_score", "_optimize")
+
+
+def _bytes_on(array: jax.Array, device) -> int:
+    if device not in array.sharding.device_set:
+        return 0
+    return math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+
+
+def report(run: loop.GRPORun, tag: str) -> None:
+    arrays = jax.live_arrays()
+    state = {id(x) for x in jax.tree.leaves(run.state) if isinstance(x, jax.Array)}
+    for device in jax.local_devices():
+        stats = device.memory_stats() or {}
+        live = sum(_bytes_on(x, device) for x in arrays)
+        held = sum(_bytes_on(x, device) for x in arrays if id(x) in state)
+        print(f"{tag} device {device.id}: in use {stats.get('bytes_in_use', 0) / 1e9:.3f} GB, peak "
+              f"{stats.get('peak_bytes_in_use', 0) / 1e9:.3f}, live arrays {live / 1e9:.3f}, state {held / 1e9:.3f}",
+              flush=True)
+    outside = collections.Counter()
+    first = jax.local_devices()[0]
+    for x in arrays:
+        if id(x) not in state and _bytes_on(x, first) > 1e6:
+            outside[(str(x.dtype), str(getattr(x.sharding, "spec", x.sharding)))] += _bytes_on(x, first)
+    for (dtype, sharding), size in outside.most_common(12):
+        print(f"  {tag} outside the state, device {first.id}: {dtype} {sharding} {size / 1e9:.3f} GB", flush=True)
+
+
+def _reporting(name: str):
+    phase = getattr(loop.GRPORun, name)
+
+    def wrapped(self, *args, **kwargs):
+        report(self, f"before {name.lstrip('_')}")
+        out = phase(self, *args, **kwargs)
+        report(self, f"after {name.lstrip('_')}")
+        return out
+
+    return wrapped
+
+
+if __name__ == "__main__":
+    for name in PHASES:
+        setattr(loop.GRPORun, name, _reporting(name))
+    sys.exit(main(["train", *sys.argv[1:]]))
