@@ -7,9 +7,11 @@ allocator's bytes in use and peak, the bytes of every live array and of the run'
 the first device the arrays outside the state by dtype and sharding. In use above the live
 arrays is memory no Python object holds; live arrays above the state are copies the run keeps,
 or other arrays over the state's own buffers where in use stays at the state; a phase's peak
-above its start is that phase's working memory (the peak is the process's, so it only grows):
+above its start is that phase's working memory (the peak is the process's, so it only grows).
+Inside `_optimize`, the first `--updates` minibatch updates (default 2) also report before their
+gradients program, after it and after the optimizer step, each waited for:
 
-    PYTHONPATH=. python3 benchmarks/train_phase_memory.py --config CONFIG --run-dir DIR [key=value ...]
+    PYTHONPATH=. python3 benchmarks/train_phase_memory.py [--updates N] --config CONFIG --run-dir DIR [key=value ...]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import jax
 
 from jaxspec.cli import main
-from jaxspec.rl import loop
+from jaxspec.rl import loop, step
 
 PHASES = ("_generate", "_score", "_optimize")
 
@@ -63,7 +65,42 @@ def _reporting(name: str):
     return wrapped
 
 
+def _reporting_updates(limit: int):
+    """`MinibatchUpdate.__call__` reporting around its programs for the first `limit` calls."""
+    call, runs, calls = step.MinibatchUpdate.__call__, [], [0]
+    init = loop.GRPORun.__init__
+
+    def remember(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        runs.append(self)
+
+    def wrapped(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb, policy_steps=True):
+        calls[0] += 1
+        if calls[0] > limit:
+            return call(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb, policy_steps)
+        tag = f"update {calls[0]}"
+        report(runs[-1], f"{tag} before gradients")
+        grads, draft_grads, metrics = jax.block_until_ready(self.gradients(params, draft_weights, draft_buffers, mb))
+        report(runs[-1], f"{tag} after gradients")
+        if policy_steps:
+            stepped = self.optimizer_step(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads)
+        else:
+            stepped = (params, opt_state, *self.draft_step(draft_weights, draft_opt_state, draft_grads))
+        del grads, draft_grads
+        stepped = jax.block_until_ready(stepped)
+        report(runs[-1], f"{tag} after the optimizer step")
+        return (*stepped, metrics)
+
+    loop.GRPORun.__init__ = remember
+    step.MinibatchUpdate.__call__ = wrapped
+
+
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    updates = 2
+    if args[:1] == ["--updates"]:
+        updates, args = int(args[1]), args[2:]
     for name in PHASES:
         setattr(loop.GRPORun, name, _reporting(name))
-    sys.exit(main(["train", *sys.argv[1:]]))
+    _reporting_updates(updates)
+    sys.exit(main(["train", *args]))

@@ -43,3 +43,24 @@ def test_cast_floats_casts_and_lays_out_in_one_program():
     placed = cast_floats(tree, jnp.float32, {"w": split, "ids": NamedSharding(mesh, PartitionSpec())})
     assert placed["w"].sharding == split and {s.data.shape for s in placed["w"].addressable_shards} == {(4,)}
     assert placed["ids"].sharding.is_fully_replicated
+
+
+def test_pin_relabels_an_equivalent_layout_over_its_buffers_and_moves_the_rest():
+    """An update returns P('fsdp',) for its inputs' P('fsdp', None): the pinned leaf is the same
+    buffers under the input's sharding (a copy held a second 8B policy and optimizer state); a leaf
+    laid out otherwise moves."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    placement = Placement(MeshConfig(data=2, fsdp=4))
+    mesh = placement.sharding.mesh
+    like = {"w": jax.device_put(np.zeros((8, 3), np.float32), NamedSharding(mesh, PartitionSpec("fsdp", None))),
+            "norm": jax.device_put(np.zeros(4, np.float32), NamedSharding(mesh, PartitionSpec()))}
+    out = {"w": jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), NamedSharding(mesh, PartitionSpec("fsdp"))),
+           "norm": jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh, PartitionSpec("fsdp")))}
+    assert out["w"].sharding != like["w"].sharding  # spelled otherwise, the same layout
+    buffers = {s.device: s.data.unsafe_buffer_pointer() for s in out["w"].addressable_shards}
+    pinned = placement.pin(out, like)
+    assert pinned["w"].sharding == like["w"].sharding and pinned["norm"].sharding == like["norm"].sharding
+    assert {s.device: s.data.unsafe_buffer_pointer() for s in pinned["w"].addressable_shards} == buffers
+    np.testing.assert_array_equal(np.asarray(pinned["w"]), np.arange(24).reshape(8, 3))
+    np.testing.assert_array_equal(np.asarray(pinned["norm"]), np.arange(4))

@@ -327,9 +327,8 @@ class GRPORun:
                 update = self.update if trains_draft else self.policy_update
                 packed = self.placement.rows(pack_rows(minibatch, self.placement.row_shards))
                 # The host packs this minibatch while the device runs the last update, and dispatches
-                # it only when that update is done: each update's gradients are as large as the
-                # policy's float32 params, and two updates in flight hold two sets (an 8B policy on
-                # 2 x 80 GB runs out of memory).
+                # it only when that update is done: one update's gradients (as large as the policy's
+                # float32 params) live at a time.
                 if in_flight is not None:
                     metrics.append(jax.tree.map(to_host, block((state["params"], in_flight))[1]))
                 weights, buffers, d_opt = head.update_args() if trains_draft else (None, None, None)
@@ -337,6 +336,7 @@ class GRPORun:
                 *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt, packed,
                                    policy_steps=has_tokens)
                 state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
+                del after  # a leaf that pin moved: the copy alone lives on
                 if trains_draft:
                     head = head.with_update(weights, d_opt)
                 in_flight = m

@@ -76,6 +76,16 @@ def test_rollouts_read_the_policy_and_the_draft_in_the_rollout_dtype(tiny_policy
     assert {x.dtype for x in jax.tree.leaves(master)} >= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
 
 
+def policy_copies(params) -> float:
+    """Bytes of the live arrays split over devices and shaped like the policy's float32 matrices, in
+    units of the policy's (0 on one device)."""
+    def split(x):
+        return x.dtype == np.float32 and x.ndim > 1 and not x.sharding.is_fully_replicated
+    shaped = {x.shape for x in jax.tree.leaves(params) if split(x)}
+    size = sum(x.nbytes for x in jax.tree.leaves(params) if x.shape in shaped and split(x))
+    return sum(x.nbytes for x in jax.live_arrays() if x.shape in shaped and split(x)) / max(size, 1)
+
+
 @pytest.fixture
 def update_calls(monkeypatch):
     """Every minibatch update of the training loop, as a dict: with_draft (the online head's update),
@@ -93,7 +103,8 @@ def update_calls(monkeypatch):
             calls.append({"with_draft": with_draft, "has_head": inputs[2] is not None,
                           "policy_steps": options.get("policy_steps", True),
                           "has_tokens": bool(np.asarray(inputs[5].loss_mask).any()),
-                          "unfinished_params": sum(not x.is_ready() for x in jax.tree.leaves(inputs[0]))})
+                          "unfinished_params": sum(not x.is_ready() for x in jax.tree.leaves(inputs[0])),
+                          "policy_copies": policy_copies(inputs[0])})
             return fn(*inputs, **options)
         return update
 
@@ -232,8 +243,8 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
 
 
 def test_one_update_runs_at_a_time_and_the_run_holds_its_arrays_in_its_state(tiny_policy, tmp_path, update_calls):
-    """Each minibatch update is dispatched only once the one before it is done (two in flight hold
-    two sets of float32 gradients: an 8B policy on 2 x 80 GB ran out of memory), and after start-up
+    """Each minibatch update is dispatched only once the one before it is done (one update's float32
+    gradients live at a time), and after start-up
     the run keeps no device array outside its state (it kept the initial head, 1.6 GB on an 8B policy)."""
     import jaxspec.rl.loop as loop
     from jaxspec.config_io import load_config
@@ -250,3 +261,15 @@ def test_one_update_runs_at_a_time_and_the_run_holds_its_arrays_in_its_state(tin
     run.run_step()
     waiting = [c["unfinished_params"] for c in update_calls]
     assert len(waiting) == 4 * cfg.loss.ppo_epochs and not any(waiting), waiting
+
+
+def test_updates_on_a_mesh_hold_one_policy_and_its_moments(tiny_policy, tmp_path, update_calls):
+    """On an fsdp mesh the optimizer step returns the state sharded as P('fsdp',) where it came in as
+    P('fsdp', None): the loop keeps it on the input's sharding without a copy, and nothing holds the
+    step's outputs beside it (a copy held beside them ran Qwen3-8B on 2 x 80 GB out of memory)."""
+    config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "loss.minibatches=4",
+                     "loss.filter_groups=false", "mesh.fsdp=2") == 0
+    copies = [c["policy_copies"] for c in update_calls]
+    assert len(copies) > 1 and copies[0] > 0, copies
+    assert max(copies) == pytest.approx(copies[0]), copies  # as many as the first update, before any pin
