@@ -66,7 +66,8 @@ def _reporting(name: str):
 
 
 def _reporting_updates(limit: int):
-    """`MinibatchUpdate.__call__` reporting around its programs for the first `limit` calls."""
+    """`MinibatchUpdate.__call__` reporting around its programs for the first `limit` calls: its
+    gradients program, waited for, then the whole update once it returns (its gradients freed)."""
     call, runs, calls = step.MinibatchUpdate.__call__, [], [0]
     init = loop.GRPORun.__init__
 
@@ -74,22 +75,21 @@ def _reporting_updates(limit: int):
         init(self, *args, **kwargs)
         runs.append(self)
 
-    def wrapped(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb, policy_steps=True):
+    def wrapped(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] > limit:
-            return call(self, params, opt_state, draft_weights, draft_buffers, draft_opt_state, mb, policy_steps)
+            return call(self, *args, **kwargs)
         tag = f"update {calls[0]}"
-        report(runs[-1], f"{tag} before gradients")
-        grads, draft_grads, metrics = jax.block_until_ready(self.gradients(params, draft_weights, draft_buffers, mb))
-        report(runs[-1], f"{tag} after gradients")
-        if policy_steps:
-            stepped = self.optimizer_step(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads)
-        else:
-            stepped = (params, opt_state, *self.draft_step(draft_weights, draft_opt_state, draft_grads))
-        del grads, draft_grads
-        stepped = jax.block_until_ready(stepped)
+
+        def gradients(*inputs):
+            report(runs[-1], f"{tag} before gradients")
+            out = jax.block_until_ready(self.gradients(*inputs))
+            report(runs[-1], f"{tag} after gradients")
+            return out
+
+        out = jax.block_until_ready(call(self._replace(gradients=gradients), *args, **kwargs))
         report(runs[-1], f"{tag} after the optimizer step")
-        return (*stepped, metrics)
+        return out
 
     loop.GRPORun.__init__ = remember
     step.MinibatchUpdate.__call__ = wrapped
