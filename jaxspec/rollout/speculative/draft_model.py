@@ -82,10 +82,11 @@ class DraftModelDrafter:
             hidden = (jnp.take_along_axis(hidden, (state.count - 1)[:, None, None], axis=1) if is_first
                       else hidden[:, frontier])
             logits = logits_from_hidden(self.cfg, dparams, hidden)
-            return (self._constrain(cache), False), processed_logprobs(logits, self.sampling)
+            return (self._constrain(cache), False), logits
 
         (cache, _), tree = dynamic_tree(draft_pass, (state.cache, True), root, key, depth=self.depth,
-                                        width=self.width, num_nodes=self.num_nodes, stochastic=self.stochastic)
+                                        width=self.width, num_nodes=self.num_nodes, stochastic=self.stochastic,
+                                        process=lambda logits: processed_logprobs(logits, self.sampling))
         return state._replace(cache=cache), tree
 
     def update(self, dparams, state: Pending, verified: Verified) -> Pending:

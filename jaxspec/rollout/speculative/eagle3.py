@@ -111,12 +111,13 @@ class Eagle3Drafter:
                                                   head_len[:, None] + depth, head_len, tree_mask=mask,
                                                   active=active, sharding=self.sharding)
                 logits = logits[:, frontier]
-            return (self._constrain_cache(cache), out), processed_logprobs(logits, self.sampling)
+            return (self._constrain_cache(cache), out), logits
 
         ids = target_ids(head)
         (cache, _), tree = dynamic_tree(
             draft_pass, (state.cache, None), root, key, depth=self.depth, width=self.width,
             num_nodes=self.num_nodes, stochastic=self.stochastic,
+            process=lambda logits: processed_logprobs(logits, self.sampling),
             to_target=lambda draft_ids: to_target_ids(head, draft_ids),
             probs_to_target=lambda q: jnp.zeros((*q.shape[:-1], self.dcfg.vocab_size), q.dtype).at[..., ids].set(q))
         return state._replace(cache=cache), tree

@@ -115,12 +115,13 @@ def shifted_gumbel(parent_score: jax.Array, children: jax.Array) -> jax.Array:
 
 
 # draft_pass(carry, tokens [B, T], parents [B, T], depth [B, T], mask [B, T, T], frontier: slice) ->
-#     (carry, draft log-probs [B, F, Vd] at the nodes in `frontier`)
+#     (carry, the draft's raw logits [B, F, Vd] at the nodes in `frontier`)
 DraftPass = Callable[[object, jax.Array, jax.Array, jax.Array, jax.Array, slice], tuple[object, jax.Array]]
 
 
 def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, *, depth: int, width: int,
-                 num_nodes: int, stochastic: bool, to_target: Callable[[jax.Array], jax.Array] = lambda ids: ids,
+                 num_nodes: int, stochastic: bool, process: Callable[[jax.Array], jax.Array],
+                 to_target: Callable[[jax.Array], jax.Array] = lambda ids: ids,
                  probs_to_target: Callable[[jax.Array], jax.Array] = lambda q: q):
     """Builds an EAGLE-2 dynamic tree of `depth` levels, `width` nodes per level, pruned to `num_nodes`.
 
@@ -128,8 +129,13 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
     previous level into its top-`width` children and keeps the best `width` by score (see the
     module docstring); finally the `num_nodes` best nodes overall are kept.
     draft_pass: runs the draft over the tree built so far (nodes in level order) and returns its
-        processed log-probabilities over the draft vocabulary at the frontier's nodes; called
-        `depth` times with T = 1, 1 + width, ..., 1 + (depth - 1) * width nodes.
+        raw logits over the draft vocabulary at the frontier's nodes; called `depth` times with
+        T = 1, 1 + width, ..., 1 + (depth - 1) * width nodes.
+    process: raw logits [..., Vd] -> the draft distribution's float32 log-probabilities (the
+        rollout's `processed_logprobs`). A deterministic chain (width 1) skips it: it needs only
+        each level's most likely token, which processing keeps (temperature scales the logits,
+        top-k and top-p keep the most likely token), and its nodes need no scores (the best
+        `num_nodes` of a chain are its first).
     root int32 [B]; key: PRNG key for the stochastic draws.
     to_target: draft-vocabulary ids -> policy ids; probs_to_target: [..., Vd] -> [..., V].
     Returns (carry, DraftTree with 1 + num_nodes nodes).
@@ -153,9 +159,13 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
         start = 0 if d == 0 else 1 + (d - 1) * width
         frontier = slice(start, 1 + d * width)
         t = frontier.stop
-        carry, logq = draft_pass(carry, tokens[:, :t], parents[:, :t], node_depth[:, :t], mask[:, :t, :t], frontier)
+        carry, logits = draft_pass(carry, tokens[:, :t], parents[:, :t], node_depth[:, :t], mask[:, :t, :t], frontier)
         parent_logq, parent_score = log_q[:, frontier, None], scores[:, frontier]
-        if stochastic:
+        if width == 1 and not stochastic:  # a chain's next node: the argmax, no log-probabilities
+            ids = jnp.argmax(logits, axis=-1, keepdims=True).astype(jnp.int32)
+            child_logq = child_score = parent_logq
+        elif stochastic:
+            logq = process(logits)
             node_probs.append(jnp.exp(logq))
             if d == 0:  # one draw for all levels (level 0 reads the first of `width` rows)
                 noise = jax.random.gumbel(key, (depth, batch, width, logq.shape[-1]), jnp.float32)
@@ -164,7 +174,7 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
             child_logq = parent_logq + jnp.take_along_axis(logq, ids, axis=-1)
             child_score = shifted_gumbel(parent_score, perturbed)
         else:
-            top, ids = jax.lax.top_k(logq, width)
+            top, ids = jax.lax.top_k(process(logits), width)
             child_logq = child_score = parent_logq + top
         if width == 1:  # a chain: one candidate per level, no sort
             pick = jnp.zeros((batch, 1), jnp.int32)

@@ -29,10 +29,17 @@ def fake_logq(path) -> np.ndarray:
 
 
 def fake_pass(calls, tokens, parents, depth, mask, frontier):
-    """The same function in jnp, reading each node's path through the tree mask."""
+    """The same function's raw logits in jnp, reading each node's path through the tree mask."""
     path_sum = jnp.sum(jnp.where(mask, tokens[:, None, :], 0), axis=-1) % VOCAB
-    logits = jnp.asarray(TABLE)[path_sum, tokens][:, frontier]
-    return calls + 1, jax.nn.log_softmax(logits, axis=-1)
+    return calls + 1, jnp.asarray(TABLE)[path_sum, tokens][:, frontier]
+
+
+def log_softmax(logits):
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def unused(logits):
+    raise AssertionError("a deterministic chain needs no processed log-probabilities")
 
 
 def reference_tree(root: int, depth: int, width: int, budget: int):
@@ -58,11 +65,12 @@ def reference_tree(root: int, depth: int, width: int, budget: int):
             [nodes[n][3] for n in kept])
 
 
-@pytest.mark.parametrize("depth, width, budget", [(3, 1, 3), (3, 3, 5), (2, 4, 8)])
+@pytest.mark.parametrize("depth, width, budget", [(3, 1, 3), (4, 1, 2), (3, 3, 5), (2, 4, 8)])
 def test_greedy_dynamic_tree_matches_brute_force(depth, width, budget):
     roots = jnp.arange(VOCAB, dtype=jnp.int32)
+    process = unused if width == 1 else log_softmax  # a chain takes each level's argmax of the raw logits
     calls, tree = jax.jit(lambda r: dynamic_tree(fake_pass, 0, r, jax.random.key(0), depth=depth, width=width,
-                                                 num_nodes=budget, stochastic=False))(roots)
+                                                 num_nodes=budget, stochastic=False, process=process))(roots)
     assert int(calls) == depth and tree.draft_probs is None
     assert tree.tokens.shape == (VOCAB, 1 + budget)
     for r in range(VOCAB):
@@ -78,7 +86,7 @@ def test_stochastic_tree_is_a_valid_tree_with_draft_distributions():
     depth, width, budget = 3, 3, 6
     roots = jnp.tile(jnp.arange(VOCAB, dtype=jnp.int32), 6)
     _, tree = jax.jit(lambda r, k: dynamic_tree(fake_pass, 0, r, k, depth=depth, width=width, num_nodes=budget,
-                                                stochastic=True))(roots, jax.random.key(1))
+                                                stochastic=True, process=log_softmax))(roots, jax.random.key(1))
     tokens, parents, depths, num, q = map(np.asarray, tree)
     assert np.all(num == 1 + budget)
     distinct_shapes = set()
