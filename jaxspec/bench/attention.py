@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import add_fraction, median_seconds, print_table, read_bytes_per_second, write_results
+from jaxspec.bench.timing import (add_fraction, in_loop_seconds, median_seconds, print_table, read_bytes_per_second,
+                                  write_results)
 from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
-from kernels.ragged_attention import cache_attention_pallas, new_token_bits
+from kernels.ragged_attention import cache_attention_pallas, merge, new_token_bits, split_plan
 
 
 def attention_inputs(batch: int, t: int, heads: int, kv_heads: int, head_dim: int, max_len: int, fill: float,
@@ -48,7 +49,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--kernel-impl", choices=["pallas", "interpret"], default="pallas",
                    help="interpret runs the kernel in Pallas interpret mode (any backend, slow)")
     p.add_argument("--tune", action="store_true",
-                   help="also time the kernel alone over block sizes, warps and stages at the last shape")
+                   help="also time the kernel and its merge over block sizes, warps, stages and splits at the last "
+                        "shape, inside one compiled loop")
     p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -82,25 +84,38 @@ def main(argv: list[str]) -> int:
     print_table(rows, list(rows[0]))
     tuning = []
     if args.tune:
-        tuning = tune_kernel(q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.iters,
-                             args.kernel_impl == "interpret")
+        tuning = tune_kernel(q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.kernel_impl == "interpret")
     write_results(args.out, "attention", rows + tuning,
                   {"read_bytes_per_second": read_rate, "max_len": args.max_len})
     return 0
 
 
-def tune_kernel(q, k, v, cache_len, group: int, iters: int, interpret: bool = False) -> list[dict]:
-    """Times `cache_attention_pallas` alone over its GPU parameters for these inputs (causal new tokens)."""
+# (block_k, num_warps, num_stages, splits relative to `split_plan`'s default) that --tune times
+TUNE_GRID = tuple(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0.5, 1.0, 2.0)))
+
+
+def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TUNE_GRID) -> list[dict]:
+    """Device time of `cache_attention_pallas` and the merge of its splits for these inputs (causal
+    new tokens), inside one compiled loop (`in_loop_seconds`: a call of ~0.1 ms timed alone would
+    be mostly its dispatch), over the GPU parameters in `grid`."""
     b, t, nq, d = q.shape
     rows = max(16, 1 << (t * group - 1).bit_length())
     q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
     bits = new_token_bits(jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)), group, rows)
+    default_splits, _ = split_plan(b, nq // group, k.shape[1])
+    args = (q_rows, k, v, cache_len, bits)
     results = []
-    for block_k, num_warps, num_stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3)):
-        fn = functools.partial(cache_attention_pallas, num_new=t, block_k=block_k, num_warps=num_warps,
-                               num_stages=num_stages, interpret=interpret)
-        seconds = median_seconds(lambda: fn(q_rows, k, v, cache_len, cache_len, bits), iters=iters)
-        results.append({"kernel": "cache", "batch": b, "tokens": t, "block_k": block_k, "num_warps": num_warps,
-                        "num_stages": num_stages, "ms": seconds * 1e3})
+    for block_k, num_warps, num_stages, relative in grid:
+        splits = max(1, round(default_splits * relative))
+
+        def call(q_rows, k, v, cache_len, bits, i):
+            return merge(cache_attention_pallas(q_rows, k, v, cache_len, cache_len, bits, num_new=t, block_k=block_k,
+                                                splits=splits, num_warps=num_warps, num_stages=num_stages,
+                                                interpret=interpret))
+
+        seconds, args = in_loop_seconds(call, args, calls=20, repeats=3)
+        results.append({"kernel": "cache+merge", "batch": b, "tokens": t, "block_k": block_k, "num_warps": num_warps,
+                        "num_stages": num_stages, "splits": split_plan(b, nq // group, k.shape[1], block_k, splits)[0],
+                        "ms": seconds * 1e3})
     print_table(results, list(results[0]))
     return results

@@ -17,6 +17,15 @@ against the autoregressive decode step of the same run, with the kernels launche
 by phase and by jax op_name: at small batches a decode step is a few hundred kernels of a few
 microseconds each, so the launch count, not the bytes read, sets its time.
 
+With `--model CONFIG` instead of `--policy`, the loops run on random weights of that shape
+(`jaxspec bench decode`'s workload: random prompts of `--prompt` tokens, no eos) and EAGLE-3
+chains on a random head, which accepts next to nothing: what a step costs against the AR step,
+not what it gains. The AR step's parts are set against the bytes they must read, as rates and
+fractions of the copy bandwidth measured inside one compiled loop in the same run: the weights
+against the kernels of the "layers" and "lm_head" parts (`weights_tb_s`: the GEMMs and the
+elementwise kernels between them), the filled KV against "attention" (`attention_tb_s`: the
+kernel and its wrapper). `kernels_by_op_name` splits them further.
+
 The dump flags must reach XLA before its backend starts, so this command sets XLA_FLAGS itself
 and refuses to run in a process that has already used JAX. On GPU it also turns XLA's command
 buffers (CUDA graphs) off: a graph is traced as one event, which hides the kernels inside it.
@@ -175,13 +184,19 @@ def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|prefill).*", com
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="jaxspec bench profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--policy", help="HF folder of the policy (with tokenizer.json)")
+    source.add_argument("--model", help="model config JSON: random weights of its shape, the AR loop alone")
+    p.add_argument("--prompt", type=int, default=960, help="--model: prompt tokens per row")
+    p.add_argument("--copy-bytes", type=int, default=2 << 30, help="--model: array size of the copy-bandwidth baseline")
     p.add_argument("--draft", default=None, help="EAGLE-3 head (public layout); without it only n-gram runs")
     p.add_argument("--batch", type=int, default=64, help="rollouts (rows) per batch")
     p.add_argument("--samples", type=int, default=1,
                    help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
     p.add_argument("--new", type=int, default=256, help="max_new_tokens (a short run keeps the trace small)")
-    p.add_argument("--k", type=int, nargs="+", default=[3])
+    p.add_argument("--k", type=int, nargs="*", default=[3], help="EAGLE-3 chain depths (none: AR and n-gram only)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="--model: the random head's draft vocabulary (default min(V, 32000))")
     p.add_argument("--stage-k", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*", default=[],
                    metavar="K1,K2,...", help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)")
     p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
@@ -195,16 +210,26 @@ def main(argv: list[str]) -> int:
     return _profile(args, work)
 
 
-def _profile(args, work: Path) -> int:
+def _workload(args):
+    """(cfg, params, prompts, sampling, [(label, Spec or None)]) of the policy or the random model."""
     import jax
+    import jax.numpy as jnp
 
+    from jaxspec.bench.decode import random_prompts
     from jaxspec.bench.spec import bench_prompts, stage_label
-    from jaxspec.bench.timing import print_table, write_results
-    from jaxspec.draft import load_eagle3
-    from jaxspec.models import load_hf
-    from jaxspec.rollout import Sampling, Spec, generate
+    from jaxspec.draft import init_eagle3, load_eagle3
+    from jaxspec.models import ModelConfig, init_params, load_hf
+    from jaxspec.rollout import Sampling, Spec
     from jaxspec.tasks import ChatTokenizer
 
+    if args.model:  # random weights: the costs of the steps, not what they accept
+        cfg = ModelConfig.from_json(args.model)
+        params = init_params(cfg, jax.random.key(0), jnp.dtype(args.dtype))
+        prompts = random_prompts(cfg, args.batch, args.prompt).tolist()
+        head = init_eagle3(cfg, jax.random.key(1), args.draft_vocab, dtype=jnp.dtype(args.dtype)) if args.k else None
+        configs = [("ar", None)] + [(f"eagle3 chain k={k}, random head",
+                                     Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k]
+        return cfg, params, prompts, Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=()), configs
     cfg, params = load_hf(args.policy, dtype=args.dtype)
     tok = ChatTokenizer.from_file(args.policy)
     head = load_eagle3(args.draft, dtype=args.dtype, policy=cfg) if args.draft else None
@@ -215,7 +240,39 @@ def _profile(args, work: Path) -> int:
     configs += [(stage_label(d), Spec(method="eagle3", draft=head, num_draft_tokens=max(d), stage_draft_tokens=d))
                 for d in args.stage_k if head]
     configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
+    return cfg, params, prompts, sampling, configs
 
+
+def roofline_parts(cfg, row: dict, batch: int, prompt: int, new: int, copy_rate: float) -> dict:
+    """The AR step's weights and KV bytes (as `jaxspec bench decode` counts them, dtype bf16)
+    against the device time of the parts that read them (weights: "layers" and "lm_head", KV:
+    "attention"), as rates in TB/s and fractions of `copy_rate` (bytes per second)."""
+    from jaxspec.bench.decode import kv_read_bytes, weight_read_bytes
+    from jaxspec.bench.timing import add_fraction
+
+    parts = row["parts_ms"]
+    weights, kv = weight_read_bytes(cfg, 2, batch), kv_read_bytes(cfg, batch, prompt, new, 2)
+    matmul_ms = parts.get("layers", 0.0) + parts.get("lm_head", 0.0)
+    out = {"weights_gb": weights / 1e9, "kv_gb": kv / 1e9, "copy_tb_s": copy_rate / 1e12,
+           "copy_bound_ms": (weights + kv) / copy_rate * 1e3,
+           "weights_tb_s": weights / (matmul_ms / 1e3) / 1e12 if matmul_ms else None,
+           "attention_tb_s": kv / (parts["attention"] / 1e3) / 1e12 if parts.get("attention") else None}
+    add_fraction(out, "step_frac", (weights + kv) / (row["step_ms"] / 1e3), copy_rate,
+                 "profiled AR step: bytes per step / device time vs the in-loop copy")
+    add_fraction(out, "weights_frac", out["weights_tb_s"] and out["weights_tb_s"] * 1e12, copy_rate,
+                 "layers and LM head: weight bytes / device time vs the in-loop copy")
+    add_fraction(out, "attention_frac", out["attention_tb_s"] and out["attention_tb_s"] * 1e12, copy_rate,
+                 "attention: filled KV bytes / device time vs the in-loop copy")
+    return out
+
+
+def _profile(args, work: Path) -> int:
+    import jax
+
+    from jaxspec.bench.timing import ceilings, copy_bytes_per_second, print_table, write_results
+    from jaxspec.rollout import generate
+
+    cfg, params, prompts, sampling, configs = _workload(args)
     outputs = []
     for i, (_, spec) in enumerate(configs):
         run = lambda: generate(cfg, params, prompts, jax.random.key(0), sampling, spec=spec)  # noqa: E731
@@ -262,10 +319,16 @@ def _profile(args, work: Path) -> int:
         print("  most launched (per iteration):")
         for g in row["kernels_by_op_name"][:10]:
             print(f"  {g['launches']:6.1f} x {g['ms']:8.4f} ms  {g['op_name'][-90:]}")
-    baseline = {"policy": args.policy, "draft": args.draft, "max_new_tokens": args.new, "levels": args.levels,
-                "samples_per_prompt": args.samples,
-                "unit": "device ms per loop iteration",
+    baseline = {"policy": args.policy, "model": args.model, "draft": args.draft, "max_new_tokens": args.new,
+                "samples_per_prompt": args.samples, "unit": "device ms per loop iteration",
                 "baseline": "the autoregressive decode step of the same run"}
+    if args.model:
+        copy_rate = copy_bytes_per_second(args.copy_bytes)
+        baseline.update(ceilings(copy_rate=copy_rate), prompt_tokens=args.prompt)
+        rows[0]["roofline"] = roofline_parts(cfg, rows[0], args.batch, args.prompt, args.new, copy_rate)
+        print_table([rows[0]["roofline"]], list(rows[0]["roofline"]))
+    else:
+        baseline["levels"] = args.levels
     print()
     print_table(rows, ["config", "step_ms", "step_over_ar", "kernels_per_step", "acceptance_length", "steps"])
     write_results(args.out, "profile", rows, baseline)

@@ -17,3 +17,13 @@ def test_bench_attention_smoke(tmp_path):
     for row in rows:
         assert row["max_abs_diff"] < 1e-2  # bf16 inputs; the kernel reads only the filled slots
         assert row["xla_ms"] > 0 and row["kernel_ms"] > 0
+
+
+def test_tune_times_each_kernel_configuration_in_a_loop():
+    from jaxspec.bench.attention import attention_inputs, tune_kernel
+
+    q, k, v, cache_len = attention_inputs(2, 1, 4, 2, 16, 256, 0.5)
+    grid = [(16, 4, 2, 1.0), (32, 4, 2, 0.5)]
+    rows = tune_kernel(q, k, v, cache_len, group=2, interpret=True, grid=grid)
+    assert [(r["block_k"], r["splits"]) for r in rows] == [(16, 4), (32, 2)]  # 4 splits by default: one per 64-slot block
+    assert all(r["ms"] > 0 and r["kernel"] == "cache+merge" for r in rows)

@@ -1,5 +1,6 @@
 """`jaxspec bench profile` charges every traced kernel of the decode loops to its phase (CPU, tiny assets)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec.bench import profile
@@ -79,6 +81,42 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
         assert 0 < grouped <= row["kernels_per_step"] + 1e-9
     assert spec["kernels_per_step"] > ar["kernels_per_step"] > 0
     assert ar["step_over_ar"] == 1.0
+
+
+def test_profile_of_a_random_model_sets_its_parts_against_the_bytes_they_read(tmp_path):
+    from jaxspec.bench.decode import kv_read_bytes, weight_read_bytes
+    from jaxspec.models import ModelConfig
+
+    out, config = tmp_path / "profile.json", ASSETS / "tiny-policy" / "config.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.cli", "bench", "profile", "--model", str(config), "--batch", "2",
+         "--prompt", "16", "--new", "8", "--k", "--copy-bytes", str(1 << 20), "--trace-dir", str(tmp_path / "trace"),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]  # --k with no depth: the AR loop alone
+    assert row["config"] == "ar" and row["steps"] == 7  # every row decodes --new tokens: no eos
+    cfg, roof = ModelConfig.from_json(config), row["roofline"]
+    assert roof["weights_gb"] == pytest.approx(weight_read_bytes(cfg, 2, 2) / 1e9)
+    assert roof["kv_gb"] == pytest.approx(kv_read_bytes(cfg, 2, 16, 8, 2) / 1e9)
+    parts = row["parts_ms"]
+    assert roof["weights_tb_s"] == pytest.approx(roof["weights_gb"] / (parts["layers"] + parts["lm_head"]))
+    assert roof["attention_tb_s"] == pytest.approx(roof["kv_gb"] / parts["attention"])
+    assert roof["step_frac"] == pytest.approx(roof["copy_bound_ms"] / row["step_ms"])
+    assert 0 < roof["attention_frac"] <= 1 and 0 < roof["weights_frac"] <= 1
+    assert result["baseline"]["copy_TBps_in_loop"] == pytest.approx(roof["copy_tb_s"])
+
+
+def test_a_random_model_drafts_with_a_random_head_of_the_asked_vocabulary():
+    args = argparse.Namespace(model=str(ASSETS / "tiny-policy" / "config.json"), policy=None, batch=3, prompt=5,
+                              new=4, k=[1, 3], draft_vocab=64, dtype="float32")
+    cfg, _, prompts, sampling, configs = profile._workload(args)
+    assert [label for label, _ in configs] == ["ar", "eagle3 chain k=1, random head", "eagle3 chain k=3, random head"]
+    assert np.shape(prompts) == (3, 5) and sampling.eos_ids(cfg.eos_token_id) == () and sampling.max_new_tokens == 4
+    (_, ar), (_, k1), (_, k3) = configs
+    dcfg, _ = k3.draft
+    assert ar is None and (k1.num_draft_tokens, k3.num_draft_tokens) == (1, 3) and dcfg.draft_vocab_size == 64
 
 
 def test_profile_refuses_a_process_that_already_used_jax():
