@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--policy", help="HF folder of the policy (with tokenizer.json)")
-    source.add_argument("--model", help="model config JSON: random weights of its shape, the AR loop alone")
+    source.add_argument("--model", help="model config JSON: random weights of its shape (chains on a random head)")
     p.add_argument("--prompt", type=int, default=960, help="--model: prompt tokens per row")
     p.add_argument("--copy-bytes", type=int, default=2 << 30, help="--model: array size of the copy-bandwidth baseline")
     p.add_argument("--draft", default=None, help="EAGLE-3 head (public layout); without it only n-gram runs")
@@ -253,15 +253,16 @@ def roofline_parts(cfg, row: dict, batch: int, prompt: int, new: int, copy_rate:
     parts = row["parts_ms"]
     weights, kv = weight_read_bytes(cfg, 2, batch), kv_read_bytes(cfg, batch, prompt, new, 2)
     matmul_ms = parts.get("layers", 0.0) + parts.get("lm_head", 0.0)
+    weights_rate = weights / (matmul_ms / 1e3) if matmul_ms else None  # bytes per second
+    kv_rate = kv / (parts["attention"] / 1e3) if parts.get("attention") else None
     out = {"weights_gb": weights / 1e9, "kv_gb": kv / 1e9, "copy_tb_s": copy_rate / 1e12,
            "copy_bound_ms": (weights + kv) / copy_rate * 1e3,
-           "weights_tb_s": weights / (matmul_ms / 1e3) / 1e12 if matmul_ms else None,
-           "attention_tb_s": kv / (parts["attention"] / 1e3) / 1e12 if parts.get("attention") else None}
+           "weights_tb_s": weights_rate and weights_rate / 1e12, "attention_tb_s": kv_rate and kv_rate / 1e12}
     add_fraction(out, "step_frac", (weights + kv) / (row["step_ms"] / 1e3), copy_rate,
                  "profiled AR step: bytes per step / device time vs the in-loop copy")
-    add_fraction(out, "weights_frac", out["weights_tb_s"] and out["weights_tb_s"] * 1e12, copy_rate,
+    add_fraction(out, "weights_frac", weights_rate, copy_rate,
                  "layers and LM head: weight bytes / device time vs the in-loop copy")
-    add_fraction(out, "attention_frac", out["attention_tb_s"] and out["attention_tb_s"] * 1e12, copy_rate,
+    add_fraction(out, "attention_frac", kv_rate, copy_rate,
                  "attention: filled KV bytes / device time vs the in-loop copy")
     return out
 
