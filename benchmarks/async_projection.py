@@ -11,7 +11,7 @@ devices as --colocated) is what `async_vs_colocated_ar` divides: its measured st
 weak scaling keeps at any N. Without it, the baseline is the fitted pair's own colocated step with
 generation at speedup 1.
 
-    python3 benchmarks/async_projection.py benchmarks/results/async_study_w_h200.json \
+    python3 benchmarks/async_projection.py benchmarks/results/history/async_study_w_h200.json \
         --colocated frozen:2 --async async_frozen:1:1 --baseline ar --rollouts 256 --gpus 2 8 32
 
 The model, stated so it can be argued with:

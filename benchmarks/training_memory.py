@@ -69,7 +69,7 @@ def grpo_update(cfg: ModelConfig, rows: int, width: int, new_tokens: int, online
                            seq_resp_mask=S((rows, width), bool) if online else None,
                            resp_index=S((sequences, new_tokens), jnp.int32),
                            resp_tokens=S((sequences, new_tokens), jnp.int32), advantages=S((sequences,), jnp.float32),
-                           old_logp=S((sequences, new_tokens), jnp.float32),
+                           prox_logp=S((sequences, new_tokens), jnp.float32),
                            loss_mask=S((sequences, new_tokens), bool))
     update = update_fn(cfg, Sampling(temperature=1.0, max_new_tokens=new_tokens), GRPOLossConfig(), optim, "bfloat16",
                        True, draft)

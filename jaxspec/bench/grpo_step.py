@@ -230,7 +230,7 @@ class Bench:
             old.append(np.asarray(out))
         rng = np.random.default_rng(1)
         denominator = loss_denominator(self.rows.resp_mask, self.loss.aggregation, a.minibatches)
-        self.rows = self.rows.replace(old_logp=np.concatenate(old), loss_mask=self.rows.resp_mask,
+        self.rows = self.rows.replace(prox_logp=np.concatenate(old), loss_mask=self.rows.resp_mask,
                                       advantages=rng.standard_normal(a.batch).astype(np.float32),
                                       loss_denominator=np.full(a.batch, denominator, np.float32))
         return {"seconds": seconds, "first_call_s": compile_s}

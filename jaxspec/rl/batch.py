@@ -72,13 +72,14 @@ class TrainingRows:
       resp_mask bool [B, N]: j < length;
       seq_resp_mask bool [B, W]: positions holding response tokens (None: no online head reads it);
       advantages float32 [B]: the group-relative advantages;
-      old_logp float32 [B, N]: behaviour log-probs (the rollout's, or the trainer's recomputed);
+      prox_logp float32 [B, N]: the proximal log-probs, the clip's anchor (the trainer's
+          recomputation, or the rollout's own without loss.recompute_logprobs);
       loss_mask bool [B, N]: response tokens of the rollouts that count in the loss;
       loss_denominator float32 [B]: the step-level token count `jaxspec.rl.loss.loss_denominator`,
           repeated (None: each minibatch its own);
       ref_logp float32 [B, N]: the reference's temperature-only log-probs (loss.kl_beta > 0);
-      rollout_logp float32 [B, N]: the rollout's log-probs where old_logp is the trainer's
-          (loss.tis_cap > 0 with recomputed log-probs).
+      behaviour_logp float32 [B, N]: the rollout's log-probs where prox_logp is the trainer's
+          recomputation (`GRPOLossConfig.weighs_behaviour`).
     """
 
     tokens: np.ndarray
@@ -88,11 +89,11 @@ class TrainingRows:
     resp_mask: np.ndarray
     seq_resp_mask: np.ndarray | None = None
     advantages: np.ndarray | None = None
-    old_logp: np.ndarray | None = None
+    prox_logp: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
     loss_denominator: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
-    rollout_logp: np.ndarray | None = None
+    behaviour_logp: np.ndarray | None = None
 
     def replace(self, **fields: Any) -> TrainingRows:
         return dataclasses.replace(self, **fields)
@@ -117,8 +118,8 @@ class PackedRows:
           response token j of sequence s;
       resp_tokens int32 [S, N];
       seq_resp_mask bool [R, W]: positions holding response tokens (the online head's loss);
-      advantages float32 [S]; old_logp float32 [S, N]; loss_mask bool [S, N];
-      loss_denominator float32 [S]; ref_logp float32 [S, N]; rollout_logp float32 [S, N].
+      advantages float32 [S]; prox_logp float32 [S, N]; loss_mask bool [S, N];
+      loss_denominator float32 [S]; ref_logp float32 [S, N]; behaviour_logp float32 [S, N].
     """
 
     tokens: Any
@@ -127,11 +128,11 @@ class PackedRows:
     resp_tokens: Any
     seq_resp_mask: Any = None
     advantages: Any = None
-    old_logp: Any = None
+    prox_logp: Any = None
     loss_mask: Any = None
     loss_denominator: Any = None
     ref_logp: Any = None
-    rollout_logp: Any = None
+    behaviour_logp: Any = None
 
     def replace(self, **fields: Any) -> PackedRows:
         return dataclasses.replace(self, **fields)
@@ -245,5 +246,5 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     return PackedRows(
         tokens=packed_tokens, segment_ids=segment_ids, resp_index=(placed[:, :1] * width + columns).astype(np.int32),
         resp_tokens=rows.resp_tokens, seq_resp_mask=seq_resp_mask, advantages=rows.advantages,
-        old_logp=rows.old_logp, loss_mask=rows.loss_mask, loss_denominator=rows.loss_denominator,
-        ref_logp=rows.ref_logp, rollout_logp=rows.rollout_logp)
+        prox_logp=rows.prox_logp, loss_mask=rows.loss_mask, loss_denominator=rows.loss_denominator,
+        ref_logp=rows.ref_logp, behaviour_logp=rows.behaviour_logp)

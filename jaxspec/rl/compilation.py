@@ -39,7 +39,7 @@ def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_ne
     """The abstract `PackedRows` of S = seqs sequences in R = rows rows of width W (N = max_new),
     placed as `Placement.rows` places them, with the fields the run's step fills in: the rows alone
     (loss None: log-prob scoring) or a minibatch with `loss`'s inputs (ref_logp with loss.kl_beta >
-    0, rollout_logp with loss.tis_cap > 0) and seq_resp_mask when the online head trains on it."""
+    0, behaviour_logp with `GRPOLossConfig.weighs_behaviour`) and seq_resp_mask when the online head trains on it."""
 
     def array(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=placement.row_sharding(shape))
@@ -51,9 +51,9 @@ def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_ne
     logp = array((seqs, max_new), np.float32)
     return packed.replace(
         seq_resp_mask=array((rows, width), np.bool_) if seq_resp_mask else None,
-        advantages=array((seqs,), np.float32), old_logp=logp, loss_mask=array((seqs, max_new), np.bool_),
+        advantages=array((seqs,), np.float32), prox_logp=logp, loss_mask=array((seqs, max_new), np.bool_),
         loss_denominator=array((seqs,), np.float32), ref_logp=logp if loss.kl_beta > 0 else None,
-        rollout_logp=logp if loss.tis_cap > 0 else None)
+        behaviour_logp=logp if loss.weighs_behaviour else None)
 
 
 def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: int, shortest: int, *,

@@ -72,10 +72,12 @@ class RolloutConfig:
         t-k's update while the batches of up to k later steps are generated ahead (k weights
         copies on the rollout mesh; steps 1..k+1 use the initial weights, so are less stale);
         0 = each step's rollouts wait for the previous step's sync (the colocated run's numbers,
-        on the rollout mesh). The loss's old log-probs are the rollout's (the behaviour
-        policy's); with loss.recompute_logprobs the trainer's of the weights it starts the step
-        from replace them, logprob_mismatch_* then measures the staleness and loss.tis_cap
-        weighs it.
+        on the rollout mesh). Stale rollouts are corrected by the decoupled objective (see
+        `GRPOLossConfig`: loss.recompute_logprobs anchors the clip at the weights the step starts
+        from and weighs each token by pi_prox / pi_behaviour, capped at loss.tis_cap; without it the
+        ratio is taken against the rollout's own log-probs); logprob_mismatch_* measures the
+        staleness. loss.tis_cap 0 with loss.recompute_logprobs would drop the behaviour policy and
+        is refused in this mode.
     sub_batch: rollouts generated per `generate` call (null = the whole step's in one call). The
         KV cache is sized for one call, so this bounds the rollout's memory (e.g. 64 rows of a
         256-rollout step on 80 GB cards, `configs/grpo_qwen3_8b.yaml`); a multiple of
@@ -145,11 +147,19 @@ class GRPOLossConfig:
         - overlong_buffer)) / overlong_buffer (up to -overlong_penalty at max_new_tokens), before
         the advantages (0 = off). Accuracy metrics use the unshaped reward.
     ppo_epochs / minibatches: optimizer updates per rollout batch = ppo_epochs * minibatches.
-    recompute_logprobs: old log-probs from the trainer's forward before the first update instead
-        of the rollout's; logs the measured rollout/trainer mismatch.
-    tis_cap: truncated importance sampling of the rollout/trainer mismatch (needs
-        recompute_logprobs): each token's loss is weighted by min(exp(old_logp_trainer -
-        rollout_logp), tis_cap), as verl's tis_imp_ratio_cap (0 = off).
+    recompute_logprobs: the decoupled PPO objective (Hilton et al. 2021; AReaL): the trainer's
+        forward before the first update gives the proximal log-probs (of the weights the update
+        starts from), which anchor the ratio's clip, and each token's loss is weighted by the
+        behaviour weight pi_prox / pi_behaviour from the rollout's own log-probs (exact under
+        speculation), truncated at tis_cap. In expectation this is the on-policy gradient for
+        rollouts of any staleness (rollout.mode async) and corrects the rollout/trainer numerical
+        mismatch in colocated runs (TIS, Yao et al. 2025, as verl's tis_imp_ratio_cap). Logs the
+        mismatch (logprob_mismatch_*) and the weight (behaviour_weight_mean / _max / _capped_frac).
+        false: the ratio is taken against the rollout's log-probs directly (no weight needed).
+    tis_cap: the behaviour weight's cap (>= 1); null = uncapped; 0 = no behaviour weight: the
+        recomputed log-probs replace the rollout's and the behaviour policy is dropped, which only
+        a colocated run may do (verl's default without TIS: the mismatch is numerical there, the
+        staleness of async rollouts is not). No effect without recompute_logprobs.
     router_aux_coef: weight of the router's load-balancing loss (`jaxspec.models.moe.load_balancing_loss`,
         over each minibatch's non-padding tokens) added to the loss of a mixture-of-experts policy;
         null = the policy's router_aux_loss_coef (config.json), 0 = off. A dense policy takes only
@@ -173,8 +183,14 @@ class GRPOLossConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     recompute_logprobs: bool = False
-    tis_cap: float = 0.0
+    tis_cap: float | None = 2.0
     router_aux_coef: float | None = None
+
+    @property
+    def weighs_behaviour(self) -> bool:
+        """Whether the loss takes the rollout's log-probs as the behaviour policy's beside
+        recomputed proximal ones (the decoupled objective's weight)."""
+        return self.recompute_logprobs and self.tis_cap != 0
 
 
 @dataclasses.dataclass(frozen=True)

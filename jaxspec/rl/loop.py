@@ -247,7 +247,7 @@ class GRPORun:
         rows = training_rows(out.prompts, tokens, lengths, self.tok.pad_id, self.width)
         truncated = truncated_rollouts(tokens, lengths, cfg.rollout.max_new_tokens, self.tok.eos_id)
         keep = trained_rollouts(informative, truncated, group, cfg.loss)
-        batch = rows.replace(advantages=advantages, old_logp=out.logprobs, loss_mask=rows.resp_mask & keep[:, None],
+        batch = rows.replace(advantages=advantages, prox_logp=out.logprobs, loss_mask=rows.resp_mask & keep[:, None],
                              seq_resp_mask=None if self.online is None else rows.seq_resp_mask)
 
         record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds}
@@ -257,7 +257,7 @@ class GRPORun:
             with timer.stage("logprob"):
                 batch, measured = self._score(batch)
                 record.update(measured)
-        finite = finite_tokens(batch.loss_mask, batch.old_logp, batch.ref_logp, batch.rollout_logp)
+        finite = finite_tokens(batch.loss_mask, batch.prox_logp, batch.ref_logp, batch.behaviour_logp)
         denominator = loss_denominator(finite, cfg.loss.aggregation, cfg.loss.minibatches)
         batch = batch.replace(loss_denominator=np.full(len(advantages), denominator, np.float32))
         with timer.stage("train"):
@@ -288,20 +288,20 @@ class GRPORun:
         return record
 
     def _score(self, batch: TrainingRows) -> tuple[TrainingRows, dict]:
-        """The batch with the old log-probs recomputed by the trainer (replacing the rollout's, kept
-        as rollout_logp with loss.tis_cap > 0) and the reference log-probs, as configured; and the
-        measured rollout/trainer mismatch."""
+        """The batch with the proximal log-probs recomputed by the trainer (the rollout's kept as
+        the behaviour policy's, unless loss.tis_cap 0 drops them) and the reference log-probs, as
+        configured; and the measured rollout/trainer mismatch."""
         rows = self.placement.rows(pack_rows(batch.response_rows(), self.placement.row_shards))
         args = (rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens)
         measured = {}
         if self.cfg.loss.recompute_logprobs:
             recomputed = to_host(block(self.score(self.state["params"], *args)))
-            compared = finite_tokens(batch.resp_mask, recomputed, batch.old_logp)
-            diff = np.abs(recomputed - batch.old_logp)[compared]
+            compared = finite_tokens(batch.resp_mask, recomputed, batch.prox_logp)
+            diff = np.abs(recomputed - batch.prox_logp)[compared]
             measured = {"logprob_mismatch_max": float(diff.max(initial=0.0)),
                         "logprob_mismatch_mean": float(diff.mean()) if diff.size else 0.0}
-            batch = batch.replace(old_logp=recomputed,
-                                  rollout_logp=batch.old_logp if self.cfg.loss.tis_cap > 0 else None)
+            batch = batch.replace(prox_logp=recomputed,
+                                  behaviour_logp=batch.prox_logp if self.cfg.loss.weighs_behaviour else None)
         if self.cfg.loss.kl_beta > 0:
             batch = batch.replace(ref_logp=to_host(block(self.ref_score(self.state["ref_params"], *args))))
         return batch, measured

@@ -157,7 +157,8 @@ def aggregate(per_token: jax.Array, mask: jax.Array, aggregation: str, denominat
     "seq-mean-token-sum-norm" (Dr.GRPO): each row's token sum / N (the constant max_new_tokens),
         mean over the rows that have any token.
     denominator: when given, replaces the count the mean divides by (tokens for "token", rows with
-    tokens for the other two); `loss_denominator` gives the whole RL step's count per minibatch.
+    tokens for the other two); `loss_denominator` gives the whole RL step's count per minibatch,
+    which may be below 1 (a step of 2 tokens over 4 minibatches: 0.5) and is used as it is.
     0 when no token is set.
     """
     mask = mask.astype(jnp.float32)
@@ -174,7 +175,9 @@ def aggregate(per_token: jax.Array, mask: jax.Array, aggregation: str, denominat
         else:
             row_values = masked.sum(axis=1) / per_token.shape[1]
         numerator, count = (row_values * rows).sum(), rows.sum()
-    return numerator / jnp.maximum(count if denominator is None else denominator, 1.0)
+    if denominator is None:
+        return numerator / jnp.maximum(count, 1.0)
+    return numerator / jnp.where(denominator > 0, denominator, 1.0)
 
 
 def loss_denominator(loss_mask: np.ndarray, aggregation: str, minibatches: int) -> float:
@@ -197,44 +200,68 @@ def finite_tokens(mask, *logps):
     return mask
 
 
-def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, cfg: GRPOLossConfig,
-                ref_logp: jax.Array | None = None, rollout_logp: jax.Array | None = None,
+LOG_RATIO_CLAMP = 20.0  # nats: exp of a float32 log-ratio past ~88 is inf, and its gradient nan (verl's clamp)
+KL_CLAMP = 10.0  # the k3 estimate's range per token (verl's low_var_kl)
+
+
+def behaviour_weights(prox_logp: jax.Array, behaviour_logp: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array]:
+    """The decoupled objective's per-token weight pi_prox / pi_behaviour (not differentiated) and
+    whether the cap truncated it: float32 [B, N] log-probs (finite where used) -> (min(exp(prox -
+    behaviour), cap) float32 [B, N], capped bool [B, N]). cap None: no truncation. The log-ratio is
+    clamped to +-LOG_RATIO_CLAMP nats before the exp."""
+    log_weight = jnp.clip(prox_logp - behaviour_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weight = jnp.exp(jax.lax.stop_gradient(log_weight))
+    if cap is None:
+        return weight, jnp.zeros(weight.shape, bool)
+    return jnp.minimum(weight, cap), weight > cap
+
+
+def policy_loss(logp: jax.Array, prox_logp: jax.Array, advantages: jax.Array, mask: jax.Array, cfg: GRPOLossConfig,
+                ref_logp: jax.Array | None = None, behaviour_logp: jax.Array | None = None,
                 denominator: jax.Array | None = None, kl_logp: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped-ratio policy-gradient loss (dual-clip, truncated importance sampling) with an
+    """Decoupled clipped-ratio policy-gradient loss (Hilton et al. 2021; AReaL), dual-clip, with an
     optional k3 KL penalty.
 
-    logp / old_logp float32 [B, N]: current and behaviour (rollout or recomputed) log-probs of the
-    response tokens under the processed (top-k/top-p) distribution; advantages float32 [B];
-    mask [B, N] (1 = token counts). Per token, with ratio r = exp(logp - old_logp) and advantage A:
+    logp float32 [B, N]: the current policy's log-probs of the response tokens under the processed
+    (top-k/top-p) distribution; prox_logp float32 [B, N]: the proximal policy's, the anchor of the
+    clip (the trainer's recomputation at the weights the step starts from, or the behaviour's own
+    without recomputation); behaviour_logp float32 [B, N] or None: the log-probs of the policy that
+    sampled the tokens (the rollout's, exact under speculation) when prox_logp is a recomputation;
+    advantages float32 [B]; mask [B, N] (1 = token counts). Per token, with the log-ratios clamped to
+    +-LOG_RATIO_CLAMP nats before exp, r = exp(logp - prox_logp), A the advantage and
+    w = min(exp(prox_logp - behaviour_logp), cfg.tis_cap) (1 without behaviour_logp):
         pg = -min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A)
         pg = min(pg, -clip_ratio_c·A)           where A < 0        (dual-clip PPO; clip_ratio_c set)
-        pg = pg · min(exp(old_logp - rollout_logp), tis_cap)       (TIS; tis_cap > 0, rollout_logp given)
-        kl = exp(ref - cur) - (ref - cur) - 1                      (k3, only when kl_beta > 0)
+        pg = w · pg                                                 (w not differentiated)
+        kl = clip(exp(ref - cur) - (ref - cur) - 1, ±KL_CLAMP)     (k3, only when kl_beta > 0)
         loss_token = pg + kl_beta·kl
-    reduced by `aggregate(..., cfg.aggregation, denominator)`. ref_logp / kl_logp float32 [B, N]:
-    the reference's and the current policy's temperature-only log-probs (no top-k/top-p: finite on
-    every token, as in verl); kl_logp defaults to logp. rollout_logp float32 [B, N]: the rollout
-    engine's log-probs, when old_logp is the trainer's recomputation.
-    A token whose current, behaviour, rollout or reference log-prob is not finite (e.g. -inf when
+    reduced by `aggregate(..., cfg.aggregation, denominator)`. In expectation over tokens drawn from
+    the behaviour policy the gradient at the proximal weights is the on-policy one (up to the cap),
+    whatever the staleness. ref_logp / kl_logp float32 [B, N]: the reference's and the current
+    policy's temperature-only log-probs (no top-k/top-p: finite on every token, as in verl); kl_logp
+    defaults to logp.
+    A token whose current, proximal, behaviour or reference log-prob is not finite (e.g. -inf when
     it lies outside the trainer's top-k/top-p nucleus) is dropped from the loss and counted in
     "nonfinite_tokens"; no inf or nan reaches the loss or its gradient.
     Returns (loss, {"pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac",
-    "ratio_mean", "tis_weight_mean", "tokens", "nonfinite_tokens"}).
+    "ratio_mean", "behaviour_weight_mean", "behaviour_weight_max", "behaviour_weight_capped_frac",
+    "tokens", "nonfinite_tokens"}).
     """
     if cfg.kl_beta > 0 and ref_logp is None:
         raise ValueError("loss.kl_beta > 0 needs the reference log-probs (ref_logp)")
-    use_tis = cfg.tis_cap > 0 and rollout_logp is not None
+    if cfg.tis_cap == 0 and behaviour_logp is not None:
+        raise ValueError("loss.tis_cap 0 drops the behaviour policy; behaviour_logp must not be given")
     kl_logp = logp if kl_logp is None else kl_logp
     candidates = mask > 0
-    mask = finite_tokens(candidates, logp, old_logp, rollout_logp if use_tis else None,
+    mask = finite_tokens(candidates, logp, prox_logp, behaviour_logp,
                          *((ref_logp, kl_logp) if cfg.kl_beta > 0 else ()))
     maskf = mask.astype(jnp.float32)
 
     def safe(x):  # masked entries -> 0 before any arithmetic, so no inf reaches a gradient
         return jnp.where(mask, x, 0.0)
 
-    ratio = jnp.exp(safe(logp) - safe(old_logp))
+    ratio = jnp.exp(jnp.clip(safe(logp) - safe(prox_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     adv = advantages[:, None].astype(jnp.float32)
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg = -jnp.minimum(ratio * adv, clipped * adv)
@@ -243,15 +270,15 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         bound = -cfg.clip_ratio_c * adv
         dual = (adv < 0) & (pg > bound)
         pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
-    tis = jnp.ones_like(pg)
-    if use_tis:
-        tis = jax.lax.stop_gradient(jnp.minimum(jnp.exp(safe(old_logp) - safe(rollout_logp)), cfg.tis_cap))
-        pg = pg * tis
+    weight, capped = jnp.ones_like(pg), jnp.zeros(pg.shape, bool)
+    if behaviour_logp is not None:
+        weight, capped = behaviour_weights(safe(prox_logp), safe(behaviour_logp), cfg.tis_cap)
+        pg = pg * weight
     per_token = pg
     kl = jnp.zeros_like(pg)
     if cfg.kl_beta > 0:
-        log_ref_ratio = safe(ref_logp) - safe(kl_logp)
-        kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        log_ref_ratio = jnp.clip(safe(ref_logp) - safe(kl_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = jnp.clip(jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0, -KL_CLAMP, KL_CLAMP)
         per_token = pg + cfg.kl_beta * kl
     count = jnp.maximum(maskf.sum(), 1.0)
     metrics = {
@@ -261,7 +288,9 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         "clip_high_frac": (maskf * ((adv > 0) & (ratio > 1.0 + cfg.eps_high))).sum() / count,
         "dual_clip_frac": (maskf * dual).sum() / count,
         "ratio_mean": (maskf * ratio).sum() / count,
-        "tis_weight_mean": (maskf * tis).sum() / count,
+        "behaviour_weight_mean": (maskf * weight).sum() / count,
+        "behaviour_weight_max": jnp.max(jnp.where(mask, weight, 0.0)),
+        "behaviour_weight_capped_frac": (maskf * capped).sum() / count,
         "tokens": maskf.sum(),
         "nonfinite_tokens": (candidates & ~mask).sum().astype(jnp.float32),
     }

@@ -6,7 +6,10 @@ A step record (metrics.jsonl) holds
     acceptance_length, acceptance_rate_per_position, decode_steps, decode_steps_per_stage,
     drafted/accepted_tokens;
   trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, dual_clip_frac (negative-advantage
-    tokens held by loss.clip_ratio_c), ratio_mean, tis_weight_mean (loss.tis_cap), nonfinite_tokens
+    tokens held by loss.clip_ratio_c), ratio_mean (current / proximal policy), behaviour_weight_mean /
+    _max / _capped_frac (the decoupled objective's pi_prox / pi_behaviour after loss.tis_cap, its
+    largest value over the step's updates and the fraction of tokens the cap truncated; 1, 1, 0
+    without loss.recompute_logprobs), nonfinite_tokens
     (loss tokens dropped for a non-finite current, old, rollout or reference log-prob, per update),
     entropy, grad_norm, router_aux_loss (mixture-of-experts policies: the router's load-balancing
     loss, weighted into loss by loss.router_aux_coef), lr, updates, logprob_mismatch_max/mean
@@ -48,7 +51,8 @@ MACHINE_PREFIXES = ("time_", "tokens_per_s", "compiles", "memory_")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
 POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_mean",
-                  "tis_weight_mean", "nonfinite_tokens", "entropy", "grad_norm", "router_aux_loss")
+                  "behaviour_weight_mean", "behaviour_weight_max", "behaviour_weight_capped_frac",
+                  "nonfinite_tokens", "entropy", "grad_norm", "router_aux_loss")
 
 
 def is_machine_dependent(key: str) -> bool:
@@ -162,12 +166,14 @@ def rollout_stats(stats: dict) -> dict:
 
 
 def mean_update_metrics(updates: list[dict]) -> dict:
-    """Host means of the per-update metrics; the policy part over updates that had policy tokens."""
+    """Host means of the per-update metrics (maxima for keys ending in "_max"); the policy part over
+    updates that had policy tokens."""
     out: dict = {}
     active = [m for m in updates if float(m["tokens"]) > 0]
     for key in POLICY_METRICS:
         if active and key in active[0]:  # router_aux_loss: mixture-of-experts policies only
-            out[key] = float(np.mean([float(m[key]) for m in active]))
+            reduce = np.max if key.endswith("_max") else np.mean
+            out[key] = float(reduce([float(m[key]) for m in active]))
     draft = [m for m in updates if "draft_loss" in m]
     if draft:
         out["draft_loss"] = float(np.mean([float(m["draft_loss"]) for m in draft]))

@@ -100,8 +100,8 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
         if loss_cfg.kl_beta > 0:
             kl_logp = logprobs(reference_sampling(sampling))[0]
         denominator = None if mb.loss_denominator is None else jnp.max(mb.loss_denominator)
-        loss, metrics = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, ref_logp=mb.ref_logp,
-                                    rollout_logp=mb.rollout_logp, denominator=denominator, kl_logp=kl_logp)
+        loss, metrics = policy_loss(logp, mb.prox_logp, mb.advantages, mb.loss_mask, loss_cfg, ref_logp=mb.ref_logp,
+                                    behaviour_logp=mb.behaviour_logp, denominator=denominator, kl_logp=kl_logp)
         if cfg.sparse_layers:
             metrics["router_aux_loss"] = load_balancing_loss(router_logits, cfg.num_experts_per_tok, mb.segment_ids > 0)
             if router_aux:

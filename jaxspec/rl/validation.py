@@ -52,10 +52,12 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     need(lo.overlong_buffer <= r.max_new_tokens, "loss.overlong_buffer",
          f"must be <= rollout.max_new_tokens={r.max_new_tokens}, got {lo.overlong_buffer}")
     positive(lo, "overlong_penalty", "loss", allow_zero=True)
-    positive(lo, "tis_cap", "loss", allow_zero=True)
-    need(lo.tis_cap == 0 or lo.recompute_logprobs, "loss.tis_cap",
-         "truncated importance sampling weighs the trainer's against the rollout's log-probs; "
-         "set loss.recompute_logprobs: true")
+    need(lo.tis_cap is None or lo.tis_cap == 0 or lo.tis_cap >= 1, "loss.tis_cap",
+         f"the behaviour weight's cap must be >= 1, null (uncapped) or 0 (no weight), got {lo.tis_cap}")
+    need(not (r.mode == "async" and lo.recompute_logprobs and lo.tis_cap == 0), "loss.tis_cap",
+         "0 with loss.recompute_logprobs: true drops the behaviour policy, and rollout.mode async trains on "
+         "stale rollouts: the update would treat them as on-policy. Set loss.tis_cap to a cap >= 1 (e.g. 2) "
+         "or null, or loss.recompute_logprobs: false")
     need(lo.router_aux_coef is None or lo.router_aux_coef >= 0, "loss.router_aux_coef",
          f"must be >= 0 or null, got {lo.router_aux_coef}")
     positive(lo, "ppo_epochs", "loss")

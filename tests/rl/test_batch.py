@@ -54,7 +54,7 @@ def test_take_selects_every_given_field_and_absent_fields_stay_absent():
     prompts = [[5, 6, 7], [8], [9, 9]]
     tokens = np.array([[9, 2, 0, 0], [10, 11, 12, 13], [14, 0, 0, 0]])
     rows = training_rows(prompts, tokens, np.array([2, 4, 1]), pad_id=0, width=10)
-    rows = rows.replace(advantages=np.array([1.0, 2.0, 3.0], np.float32), old_logp=np.zeros((3, 4), np.float32),
+    rows = rows.replace(advantages=np.array([1.0, 2.0, 3.0], np.float32), prox_logp=np.zeros((3, 4), np.float32),
                         loss_mask=rows.resp_mask, seq_resp_mask=None)
     picked = rows.take(np.array([2, 0]))
     for field in dataclasses.fields(rows):
@@ -80,9 +80,9 @@ def test_precompiled_minibatch_has_the_structure_of_a_packed_one(loss, online):
     prompts, new = [[5, 6, 7], [8], [9, 9], [4]], 4
     rows = training_rows(prompts, np.full((4, new), 3), np.array([2, 4, 1, 3]), pad_id=0, width=10)
     logp = np.zeros((4, new), np.float32)
-    rows = rows.replace(advantages=np.ones(4, np.float32), old_logp=logp, loss_mask=rows.resp_mask,
+    rows = rows.replace(advantages=np.ones(4, np.float32), prox_logp=logp, loss_mask=rows.resp_mask,
                         loss_denominator=np.full(4, 8.0, np.float32),
-                        ref_logp=logp if loss.kl_beta > 0 else None, rollout_logp=logp if loss.tis_cap > 0 else None,
+                        ref_logp=logp if loss.kl_beta > 0 else None, behaviour_logp=logp if loss.weighs_behaviour else None,
                         seq_resp_mask=rows.seq_resp_mask if online else None)
     packed = pack_rows(rows)
     expected = packed_inputs(Placement(MeshConfig()), packed.tokens.shape[0], 4, 10, new, loss, seq_resp_mask=online)

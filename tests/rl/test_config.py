@@ -7,7 +7,7 @@ from jaxspec.rl.validation import validate
 
 
 @pytest.mark.parametrize("loss, message", [
-    (dict(tis_cap=2.0), "loss.tis_cap: truncated importance sampling weighs the trainer's against the rollout's"),
+    (dict(tis_cap=0.5), "loss.tis_cap: the behaviour weight's cap must be >= 1"),
     (dict(filter_groups_max_rounds=3), "loss.filter_groups_max_rounds: over-sampling refills groups"),
     (dict(filter_groups=True, filter_groups_max_rounds=0), "loss.filter_groups_max_rounds: must be > 0"),
     (dict(clip_ratio_c=0.5), "loss.clip_ratio_c: must be > 1 or null, got 0.5"),

@@ -32,7 +32,7 @@ def _draft_case(cfg):
     out = generate(cfg, params, prompts, jax.random.PRNGKey(1), sampling=sampling)
     batch = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
     batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
-                          old_logp=np.asarray(out.logprobs), loss_mask=batch.resp_mask)
+                          prox_logp=np.asarray(out.logprobs), loss_mask=batch.resp_mask)
     return params, sampling, pack_rows(batch)
 
 
@@ -119,15 +119,15 @@ def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
     batch = training_rows(prompts, tokens, lengths, pad_id=0)
     packed = pack_rows(batch)
     args = (packed.tokens, packed.segment_ids, packed.resp_index, packed.resp_tokens)
-    old_logp = np.asarray(score_fn(cfg, sampling, "float32", False)(params, *args))
+    prox_logp = np.asarray(score_fn(cfg, sampling, "float32", False)(params, *args))
     ref_logp = np.asarray(score_fn(cfg, reference_sampling(sampling), "float32", False)(params, *args))
-    assert old_logp[0, 0] == -np.inf and np.isfinite(ref_logp[batch.resp_mask]).all()
+    assert prox_logp[0, 0] == -np.inf and np.isfinite(ref_logp[batch.resp_mask]).all()
     # The policy that trains ranks the outsider first at that position: its current log-prob is finite.
     head = "embed" if cfg.tie_word_embeddings else "lm_head"
     moved = dict(params)
     moved[head] = params[head].at[(outsider if head == "embed" else (slice(None), outsider))].set(
         params[head][(int(ranked[0]) if head == "embed" else (slice(None), int(ranked[0])))] * 1.5)
-    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), old_logp=old_logp,
+    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), prox_logp=prox_logp,
                           ref_logp=ref_logp, loss_mask=batch.resp_mask, seq_resp_mask=None)
     loss_cfg = GRPOLossConfig(kl_beta=0.1, minibatches=2, ppo_epochs=2)
     optim = PolicyOptimConfig(learning_rate=1e-2)
@@ -142,7 +142,7 @@ def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
             counted.append(float(m["nonfinite_tokens"]))
     current = np.asarray(score_fn(cfg, sampling, "float32", False)(moved, *args))
     assert np.isfinite(current[0, 0])  # the dangerous case: finite now, -inf when sampled
-    first = batch.loss_mask[:4] & ~(np.isfinite(old_logp) & np.isfinite(current))[:4]
+    first = batch.loss_mask[:4] & ~(np.isfinite(prox_logp) & np.isfinite(current))[:4]
     assert counted[0] == first.sum() >= 1 and counted[2] >= 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
@@ -181,7 +181,7 @@ def _reference(cfg, params, sampling, mb):
     def policy(p):
         hidden, _, _ = sequence_forward(cfg, p, mb.tokens, mb.segment_ids, head=False)
         logp, _ = response_logprobs(cfg, p, hidden, mb.resp_index, mb.resp_tokens, sampling)
-        return policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, GRPOLossConfig())[0]
+        return policy_loss(logp, mb.prox_logp, mb.advantages, mb.loss_mask, GRPOLossConfig())[0]
 
     def router(p):
         return sequence_forward(cfg, p, mb.tokens, mb.segment_ids)[2]
@@ -200,7 +200,7 @@ def _moe_case(cfg):
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
     batch = training_rows(prompts, rng.integers(5, cfg.vocab_size, (8, 8)), rng.integers(1, 9, 8), pad_id=0)
     batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
-                          old_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32), loss_mask=batch.resp_mask,
+                          prox_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32), loss_mask=batch.resp_mask,
                           seq_resp_mask=None)
     mb = pack_rows(batch)
     assert (mb.segment_ids == 0).any()  # padding, which the router loss must leave out

@@ -24,7 +24,7 @@ def _abstract_minibatch(rows: int, width: int, seqs: int, new_tokens: int, seq_r
     shape = jax.ShapeDtypeStruct
     return PackedRows(tokens=shape((rows, width), jnp.int32), segment_ids=shape((rows, width), jnp.int32),
                       resp_index=shape((seqs, new_tokens), jnp.int32), resp_tokens=shape((seqs, new_tokens), jnp.int32),
-                      advantages=shape((seqs,), jnp.float32), old_logp=shape((seqs, new_tokens), jnp.float32),
+                      advantages=shape((seqs,), jnp.float32), prox_logp=shape((seqs, new_tokens), jnp.float32),
                       loss_mask=shape((seqs, new_tokens), bool),
                       seq_resp_mask=shape((rows, width), bool) if seq_resp_mask else None)
 

@@ -156,7 +156,7 @@ def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
         assert r["data_position"] == position
         if r["generation_rounds"] < 4:
             assert r["groups_zero_variance"] == 0
-        for key in ("loss", "pg_loss", "kl", "grad_norm", "tis_weight_mean", "dual_clip_frac", "nonfinite_tokens"):
+        for key in ("loss", "pg_loss", "kl", "grad_norm", "behaviour_weight_mean", "dual_clip_frac", "nonfinite_tokens"):
             assert np.isfinite(r[key]), (key, r)
     assert any(r["generation_rounds"] > 1 for r in records), records
 
