@@ -2,7 +2,7 @@
 
 Draws the first --num problems of a pretraining config's data section (its kinds, levels and
 `tally` settings, from data.seed) as `jaxspec pretrain` does, times their generation, and prints
-under the config's tokenizer (data.tokenizer, --tokenizer, or else a BPE of data.vocab_size
+under the workload's tokenizer (--tokenizer, else data.tokenizer, else a BPE of data.vocab_size
 trained on these problems as pretraining trains one on its corpus):
 
 * response lengths in tokens (solution + eos): percentiles and a histogram; prompt lengths;
@@ -11,7 +11,9 @@ trained on these problems as pretraining trains one on its corpus):
   (`jaxspec.tasks.workload`: an upper bound for a trained head);
 * with --sweep, the same two for other values of the tally kind's variation knob.
 
---plot writes the figures (matplotlib), --json everything printed.
+--plot writes the figures (matplotlib), --json everything printed. Generating 2000 problems of
+configs/long.yaml takes ~3 s; their entropy and ideal acceptance ~1-2 min on one CPU core (as
+long again per --sweep value).
 """
 
 from __future__ import annotations
