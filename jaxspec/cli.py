@@ -10,6 +10,7 @@ COMMANDS = {
     "generate": ("jaxspec.generate_cli", "sample rollouts from a policy and score them with a reward"),
     "draft": ("jaxspec.draft_training.cli", "draft heads: `jaxspec draft train` trains an EAGLE-3 head on policy rollouts"),
     "train": ("jaxspec.rl", "GRPO post-training with (speculative) rollouts, checkpoints and exact resume"),
+    "data": ("jaxspec.data_cli", "`jaxspec data stats`: a config's workload: lengths, entropy, ideal acceptance"),
 }
 BENCHMARKS = {
     "forward": ("jaxspec.bench.forward", "training-shaped forward/backward throughput and MFU"),

@@ -14,6 +14,7 @@ step or verification step, prefill included) against the autoregressive one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -23,18 +24,19 @@ from jaxspec.bench.timing import print_table, write_results
 from jaxspec.draft import load_eagle3
 from jaxspec.models import ModelConfig, load_hf
 from jaxspec.rollout import Sampling, Spec, generate
-from jaxspec.tasks import ChatTokenizer, generate_problems
+from jaxspec.tasks import DEFAULT_KINDS, ChatTokenizer, TallyConfig, generate_problems
 
 COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "throughput_speedup", "acceptance_length",
            "efficiency", "step_ms", "step_over_ar"]
 
 
-def bench_prompts(tok: ChatTokenizer, rows: int, samples: int, seed: int, levels) -> list[list[int]]:
-    """Token ids of `rows` chat prompts: rows / samples held-out problems of the given levels, each
-    repeated `samples` times in a row, as a GRPO batch of groups is."""
+def bench_prompts(tok: ChatTokenizer, rows: int, samples: int, seed: int, levels, kinds=DEFAULT_KINDS,
+                  tally: TallyConfig = TallyConfig()) -> list[list[int]]:
+    """Token ids of `rows` chat prompts: rows / samples held-out problems of the given levels and
+    kinds, each repeated `samples` times in a row, as a GRPO batch of groups is."""
     if samples < 1 or rows % samples:
         raise ValueError(f"--batch {rows} is not a positive multiple of --samples {samples}")
-    problems = generate_problems(rows // samples, seed=seed, levels=levels)
+    problems = generate_problems(rows // samples, seed=seed, levels=levels, kinds=kinds, tally=tally)
     return [tok.encode_prompt(pr["question"]) for pr in problems for _ in range(samples)]
 
 
@@ -96,10 +98,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--data-config", default=None, metavar="CONFIG",
+                   help="draw the problems from this pretraining config's data section (its kinds, levels and "
+                        "tally settings), e.g. configs/long.yaml for the long-answer workload; default: the "
+                        "built-in task at --levels")
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    levels, kinds, tally = args.levels, DEFAULT_KINDS, TallyConfig()
+    if args.data_config:
+        from jaxspec.config_io import load_config
+        from jaxspec.pretrain.config import PretrainConfig, validate
+
+        data_cfg = load_config(PretrainConfig, args.data_config)
+        validate(data_cfg, args.data_config)
+        levels, kinds, tally = data_cfg.data.levels, data_cfg.data.kinds, data_cfg.data.tally
 
     cfg, params = load_hf(args.policy, dtype=args.dtype)
     tok = ChatTokenizer.from_file(args.policy)
@@ -111,7 +125,7 @@ def main(argv: list[str]) -> int:
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
-        prompts = bench_prompts(tok, batch, args.samples, args.seed + batch, args.levels)
+        prompts = bench_prompts(tok, batch, args.samples, args.seed + batch, levels, kinds, tally)
         ar_seconds = None
         for label, kwargs in _configs(args):
             spec = None
@@ -141,7 +155,8 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print_table([row], COLUMNS)
     baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood,
-                "draft_model": args.draft_model, "params": cfg.num_params(), "levels": args.levels,
+                "draft_model": args.draft_model, "params": cfg.num_params(), "levels": list(levels),
+                "kinds": list(kinds), "data_config": args.data_config, "tally": dataclasses.asdict(tally),
                 "samples_per_prompt": args.samples, "temperature": 1.0, "max_new_tokens": args.new,
                 "baseline": "autoregressive generate, same run"}
     print()

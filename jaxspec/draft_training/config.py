@@ -9,7 +9,8 @@ from typing import Literal
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
-from jaxspec.tasks.generator import KINDS, MAX_LEVEL
+from jaxspec.tasks.generator import DEFAULT_KINDS, KINDS, MAX_LEVEL
+from jaxspec.tasks.tally import TallyConfig, config_errors
 
 # The policy used when a config names none (present once the embedded tiny policy is trained).
 EMBEDDED_POLICY = Path(__file__).resolve().parent.parent / "assets" / "tiny-policy"
@@ -19,7 +20,8 @@ EMBEDDED_POLICY = Path(__file__).resolve().parent.parent / "assets" / "tiny-poli
 class PromptData:
     """Where training prompts come from: generated math problems, or a prompt file.
 
-    num_prompts / seed / levels / kinds: the generated pool (`jaxspec.tasks.generate_problems`).
+    num_prompts / seed / levels / kinds / tally: the generated pool (`jaxspec.tasks.generate_problems`;
+        kind "tally" has long, heavy-tailed answers, `jaxspec.tasks.tally.TallyConfig`).
     prompts_file: a .jsonl/.json/.parquet file read with `jaxspec.tasks.load_prompts` instead
         (prompt_field / answer_field name its columns). Prompts are chat-formatted with the
         policy's tokenizer; those over max_prompt_len tokens are dropped.
@@ -28,7 +30,8 @@ class PromptData:
     num_prompts: int = 4096
     seed: int = 0
     levels: tuple[int, ...] = (1,)
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    tally: TallyConfig = TallyConfig()
     prompts_file: str | None = None
     prompt_field: str = "question"
     answer_field: str = "answer"
@@ -154,6 +157,8 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
              f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
         need(bool(d.kinds) and all(k in KINDS for k in d.kinds), f"{prefix}.kinds",
              f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+        for key, message in config_errors(d.tally):
+            need(False, f"{prefix}.tally.{key}", message)
         need(d.max_prompt_len > 0, f"{prefix}.max_prompt_len", f"must be > 0, got {d.max_prompt_len}")
     g, h, lo, o, t = cfg.generation, cfg.head, cfg.loss, cfg.optim, cfg.train
     need(g.temperature > 0, "generation.temperature", f"must be > 0 (sampled training data), got {g.temperature}")

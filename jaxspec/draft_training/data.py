@@ -29,7 +29,8 @@ def prompt_pool(data: PromptData, tok: ChatTokenizer) -> list[list[int]]:
     if data.prompts_file is not None:
         questions = [r["prompt"] for r in load_prompts(data.prompts_file, data.prompt_field, data.answer_field)]
     else:
-        questions = [p["question"] for p in generate_problems(data.num_prompts, data.seed, data.levels, data.kinds)]
+        problems = generate_problems(data.num_prompts, data.seed, data.levels, data.kinds, tally=data.tally)
+        questions = [p["question"] for p in problems]
     pool = [ids for ids in (tok.encode_prompt(q) for q in questions) if len(ids) <= data.max_prompt_len]
     if not pool:
         raise ValueError(f"every prompt is longer than max_prompt_len={data.max_prompt_len} tokens; raise it")

@@ -9,7 +9,8 @@ from typing import Literal
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
-from jaxspec.tasks.generator import KINDS, MAX_LEVEL
+from jaxspec.tasks.generator import DEFAULT_KINDS, KINDS, MAX_LEVEL
+from jaxspec.tasks.tally import TallyConfig, config_errors
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
 
 
@@ -19,7 +20,10 @@ class DataConfig:
 
     num_train / num_eval: problems in the training set / the held-out set (held-out questions never
     occur in the training set). levels: difficulty levels 1..7 (`jaxspec.tasks.MAX_LEVEL`; 6 and 7
-    have responses of up to ~1600 tokens). max_len: width of a packed training row in tokens (the
+    have responses of up to ~1600 tokens) of the built-in kinds. kinds: problem kinds drawn
+    uniformly, any of "arithmetic", "word" (the built-in task) and "tally" (long, heavy-tailed
+    worked solutions with controlled uncertainty; `tally` sets its length law and phrasing
+    variation, `jaxspec.tasks.tally.TallyConfig`). max_len: width of a packed training row in tokens (the
     model's input length); examples (prompt + solution + eos) longer than that are dropped.
     tokenizer: an existing tokenizer.json to use instead of training a byte-level BPE of
     `vocab_size` on the training corpus; eos/pad/bos_token and prompt_template then name that
@@ -30,7 +34,8 @@ class DataConfig:
     num_eval: int = 256
     seed: int = 0
     levels: tuple[int, ...] = (1, 2)
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    tally: TallyConfig = TallyConfig()
     vocab_size: int = 512
     max_len: int = 128
     tokenizer: str | None = None
@@ -128,6 +133,8 @@ def validate(cfg: PretrainConfig, source: str) -> None:
          f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
     need(bool(d.kinds) and all(k in KINDS for k in d.kinds), "data.kinds",
          f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+    for key, message in config_errors(d.tally):
+        need(False, f"data.tally.{key}", message)
     if d.tokenizer is not None and not Path(d.tokenizer).is_file():
         raise FileNotFoundError(f"{source}: data.tokenizer: file not found: {d.tokenizer}")
     need("{question}" in d.prompt_template, "data.prompt_template", "must contain '{question}'")

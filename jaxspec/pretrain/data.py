@@ -61,10 +61,10 @@ def prepare_problems(cfg: DataConfig, data_dir: Path, reuse: bool = False) -> tu
     train_file, eval_file = data_dir / "train.jsonl", data_dir / "eval.jsonl"
     if reuse and train_file.exists() and eval_file.exists():
         return _read_jsonl(train_file), _read_jsonl(eval_file)
-    train = generate_problems(cfg.num_train, cfg.seed, cfg.levels, cfg.kinds)
+    train = generate_problems(cfg.num_train, cfg.seed, cfg.levels, cfg.kinds, tally=cfg.tally)
     seen = {p["question"] for p in train}
     held_out = generate_problems(cfg.num_eval, cfg.seed + _EVAL_SEED_OFFSET, cfg.levels, cfg.kinds,
-                                 exclude_questions=seen)
+                                 exclude_questions=seen, tally=cfg.tally)
     write_problems(train_file, train)
     write_problems(eval_file, held_out)
     return train, held_out

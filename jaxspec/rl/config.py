@@ -10,7 +10,8 @@ import dataclasses
 from typing import Literal
 
 from jaxspec.placement import MeshConfig
-from jaxspec.tasks.generator import KINDS
+from jaxspec.tasks.generator import DEFAULT_KINDS
+from jaxspec.tasks.tally import TallyConfig
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
 
 
@@ -38,7 +39,8 @@ class DataConfig:
 
     train / eval: .jsonl/.json/.parquet files read with `jaxspec.tasks.load_prompts`
     (`prompt_field` / `answer_field` name the columns). When null, `num_train` / `num_eval`
-    problems of the built-in math task (`levels`, `kinds`, generated from `seed`) are written to
+    problems of the built-in math task (`levels`, `kinds`, generated from `seed`; kind "tally" is
+    the long-answer workload, `tally` its length law and phrasing variation) are written to
     <run-dir>/data/ once and read back from there; held-out questions never occur in the
     training set.
     seed: also seeds the epoch-wise shuffling of the training prompts.
@@ -51,7 +53,8 @@ class DataConfig:
     num_train: int = 2000
     num_eval: int = 64
     levels: tuple[int, ...] = (1,)
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    tally: TallyConfig = TallyConfig()
     seed: int = 0
 
 

@@ -37,12 +37,12 @@ def prompt_files(cfg: DataConfig, run_dir: Path) -> tuple[Path, Path | None]:
     train = Path(cfg.train) if cfg.train is not None else run_dir / "data" / "train.jsonl"
     held_out = Path(cfg.eval) if cfg.eval is not None else (run_dir / "data" / "eval.jsonl" if cfg.num_eval else None)
     if cfg.train is None and not train.exists():
-        problems = generate_problems(cfg.num_train, cfg.seed, cfg.levels, cfg.kinds)
+        problems = generate_problems(cfg.num_train, cfg.seed, cfg.levels, cfg.kinds, tally=cfg.tally)
         write_problems(train, problems)
     if cfg.eval is None and held_out is not None and not held_out.exists():
         seen = {r["prompt"] for r in load_prompts(train, cfg.prompt_field, cfg.answer_field)}
         write_problems(held_out, generate_problems(cfg.num_eval, cfg.seed + _EVAL_SEED_OFFSET, cfg.levels,
-                                                   cfg.kinds, exclude_questions=seen))
+                                                   cfg.kinds, exclude_questions=seen, tally=cfg.tally))
     return train, held_out
 
 

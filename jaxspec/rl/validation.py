@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxspec.config_io import requirement
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.tasks.generator import KINDS, MAX_LEVEL
+from jaxspec.tasks.tally import config_errors
 
 
 def validate(cfg: GRPOConfig, source: str) -> None:
@@ -25,6 +26,8 @@ def validate(cfg: GRPOConfig, source: str) -> None:
          f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
     need(bool(d.kinds) and all(k in KINDS for k in d.kinds), "data.kinds",
          f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+    for key, message in config_errors(d.tally):
+        need(False, f"data.tally.{key}", message)
     positive(r, "prompts_per_step", "rollout")
     need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
          f"must be >= 2 (advantages are normalised within each group), got {r.samples_per_prompt}")

@@ -2,12 +2,15 @@
 
 A problem is a dict {"question", "solution", "answer", "level", "kind"}: the solution is
 step-by-step text ending in `\\boxed{answer}`, the answer a canonical integer or fraction string
-("42", "-7", "3/4"). The same (n, seed, levels, kinds) always gives the same problems, in the same
-order, on every platform (only `random.Random(seed)` drives the choices).
+("42", "-7", "3/4"). The same (n, seed, levels, kinds, tally) always gives the same problems, in
+the same order, on every platform (only `random.Random(seed)` drives the choices).
 
-Levels are 1..MAX_LEVEL (7). Levels 1..5 have short solutions (up to ~160 tokens of the task
-tokenizer); levels 6 and 7 have long ones (~300-700 and ~900-1600 tokens) for rollouts of
-reasoning length. Adding levels never changes the problems drawn for the existing ones.
+Kinds: "arithmetic" and "word" (the built-in task, DEFAULT_KINDS) have levels 1..MAX_LEVEL (7).
+Levels 1..5 have short solutions (up to ~160 tokens of the task tokenizer); levels 6 and 7 have
+long ones (~300-700 and ~900-1600 tokens) for rollouts of reasoning length. Adding levels never
+changes the problems drawn for the existing ones. "tally" (`jaxspec.tasks.tally`) has no levels
+(its problems have level 0): its solution length follows a heavy-tailed law and its phrasing a
+variation knob, both set by a `TallyConfig` (a config's `data.tally`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from jaxspec.tasks.arithmetic import LEVELS, arithmetic_problem
+from jaxspec.tasks.phrasing import Segment
+from jaxspec.tasks.tally import TallyConfig, tally_problem
 from jaxspec.tasks.word_problems import word_problem
 
 MAX_LEVEL = max(LEVELS)
-KINDS = ("arithmetic", "word")
+KINDS = ("arithmetic", "word", "tally")
+DEFAULT_KINDS = ("arithmetic", "word")
 FIELDS = ("question", "solution", "answer", "level", "kind")
 
 
@@ -38,22 +44,47 @@ def _check(levels: Sequence[int], kinds: Sequence[str]) -> None:
         raise ValueError(f"unknown problem kinds {unknown}; expected a subset of {list(KINDS)}")
 
 
-def iter_problems(seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = KINDS) -> Iterator[dict]:
-    """Endless deterministic stream of problems; level and kind are drawn uniformly per problem."""
+def _stream(seed: int, levels: Sequence[int], kinds: Sequence[str], tally: TallyConfig, record: bool
+            ) -> Iterator[tuple[dict, list[Segment] | None]]:
+    """(problem, its solution's segments when `record`, else None); see `generate_recorded`."""
     _check(levels, kinds)
     rng = random.Random(seed)
     levels, kinds = list(levels), list(kinds)
     while True:
         level = rng.choice(levels)
         kind = rng.choice(kinds)
-        make = arithmetic_problem if kind == "arithmetic" else word_problem
-        question, solution, answer = make(rng, level)
-        yield {"question": question, "solution": solution, "answer": answer, "level": level, "kind": kind}
+        segments = None
+        if kind == "tally":
+            question, solution, answer, writer = tally_problem(rng, tally, writer_record=record)
+            level, segments = 0, writer.segments
+        else:
+            make = arithmetic_problem if kind == "arithmetic" else word_problem
+            question, solution, answer = make(rng, level)
+            if record:
+                segments = [Segment((solution,), (1.0,), solution)]
+        yield {"question": question, "solution": solution, "answer": answer, "level": level, "kind": kind}, segments
 
 
-def generate_problems(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = KINDS,
+def iter_problems(seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = DEFAULT_KINDS,
+                  tally: TallyConfig = TallyConfig()) -> Iterator[dict]:
+    """Endless deterministic stream of problems; level and kind are drawn uniformly per problem
+    (a tally problem ignores its level draw). tally: the tally kind's length law and variation."""
+    for problem, _ in _stream(seed, levels, kinds, tally, record=False):
+        yield problem
+
+
+def generate_recorded(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = DEFAULT_KINDS,
+                      tally: TallyConfig = TallyConfig()) -> list[tuple[dict, list[Segment]]]:
+    """The first `n` problems of `iter_problems(seed, ...)`, each with its solution as the
+    `jaxspec.tasks.phrasing.Segment`s it was written in: every choice point's distribution and
+    the text drawn (a built-in problem's solution is one segment of a single text)."""
+    stream = _stream(seed, levels, kinds, tally, record=True)
+    return [next(stream) for _ in range(n)]
+
+
+def generate_problems(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = DEFAULT_KINDS,
                       exclude_questions: frozenset[str] | set[str] = frozenset(),
-                      max_tries_factor: int = 50) -> list[dict]:
+                      max_tries_factor: int = 50, tally: TallyConfig = TallyConfig()) -> list[dict]:
     """The first `n` problems of `iter_problems(seed, ...)` whose question is not excluded.
 
     exclude_questions: questions to skip (e.g. the training set when building a held-out set).
@@ -63,7 +94,7 @@ def generate_problems(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kind
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     out: list[dict] = []
-    stream = iter_problems(seed, levels, kinds)
+    stream = iter_problems(seed, levels, kinds, tally)
     for _ in range(max(n * max_tries_factor, 1)):
         if len(out) == n:
             break
@@ -99,6 +130,6 @@ def write_problems(path, problems: list[dict]) -> Path:
 
 
 def write_dataset(path, n: int, seed: int, levels: Sequence[int] = (1, 2, 3),
-                  kinds: Sequence[str] = KINDS) -> Path:
+                  kinds: Sequence[str] = DEFAULT_KINDS, tally: TallyConfig = TallyConfig()) -> Path:
     """Generates `n` problems (see `generate_problems`) and writes them to `path` (by extension)."""
-    return write_problems(path, generate_problems(n, seed, levels, kinds))
+    return write_problems(path, generate_problems(n, seed, levels, kinds, tally=tally))

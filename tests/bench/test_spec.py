@@ -52,6 +52,24 @@ def test_bench_prompts_repeat_each_problem_as_a_group():
         bench_prompts(tok, 6, 4, seed=0, levels=[1])
 
 
+def test_bench_spec_draws_prompts_from_a_data_config(tmp_path):
+    """--data-config configs/long.yaml: the long-answer workload's questions (tally problems)."""
+    from jaxspec.bench.spec import bench_prompts
+    from jaxspec.tasks import ChatTokenizer, TallyConfig
+
+    tok = ChatTokenizer.from_file(ASSETS / "tiny-policy")
+    prompts = bench_prompts(tok, 4, 2, seed=0, levels=[1], kinds=("tally",), tally=TallyConfig())
+    assert prompts[0] == prompts[1] != prompts[2] == prompts[3]
+    assert all(tok.decode(ids).rstrip().endswith("days?") for ids in prompts)
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
+                 "--batch", "2", "--new", "4", "--k", "--trees", "--no-ngram", "--data-config",
+                 "configs/long.yaml", "--out", str(out)]) == 0
+    baseline = json.loads(out.read_text())["baseline"]
+    assert baseline["kinds"] == ["tally"] and baseline["data_config"] == "configs/long.yaml"
+    assert baseline["tally"]["variation"] == 0.7
+
+
 def test_bench_spec_draft_model_rows(tmp_path):
     """`--draft-model` adds a draft_model chain per `--draft-model-k`; the tiny policy drafts for
     itself here, so (drafts greedy, verification at T=1) most of its drafts are accepted."""
