@@ -148,12 +148,13 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool, exp
 
 
 def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "ragged_dot",
-            sharding: Sharding | None = None, experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+            sharding: Sharding | None = None, experts: jax.Array | None = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
-    float32); impl: the grouped matmuls' implementation (`grouped_matmul`); sharding: the mesh x
-    is laid out on, for the kernels' per-device call (see the module docstring); experts: None
-    routes every token to its top-k, integer [B, T, k] (ids in [0, E)) replays the given experts
-    (`route`)."""
+    float32, the experts each token ran on int32 [B, T, k]); impl: the grouped matmuls'
+    implementation (`grouped_matmul`); sharding: the mesh x is laid out on, for the kernels'
+    per-device call (see the module docstring); experts: None routes every token to its top-k,
+    integer [B, T, k] (ids in [0, E)) replays the given experts (`route`)."""
     P = jax.sharding.PartitionSpec
     b, t, _ = x.shape
     batch_axes, seq_axes, _ = (None,) * 3 if sharding is None else sharding.spec(("batch", "seq", "act_embed"), x.shape)
@@ -166,7 +167,7 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: s
     rows = P(batch_axes, seq_axes)
     sparse = {k: layer[k] for k in SPARSE_KEYS}
     return jax.shard_map(lambda sparse, x, experts: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl, experts),
-                         mesh=sharding.mesh, in_specs=(P(), rows, rows), out_specs=(rows, rows),
+                         mesh=sharding.mesh, in_specs=(P(), rows, rows), out_specs=(rows, rows, rows),
                          check_vma=False)(sparse, x, experts)
 
 
@@ -185,7 +186,8 @@ def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: 
     out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
     out = out * weights.reshape(-1)[order][:, None]
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
-    return unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts)
+    return (unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts),
+            experts.reshape(b, t, top_k))
 
 
 def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | None = None) -> jax.Array:

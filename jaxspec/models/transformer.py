@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.attention import attention, cache_attention
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.moe import expert_id_dtype, moe_mlp, top_experts
+from jaxspec.models.moe import expert_id_dtype, moe_mlp
 from jaxspec.models.rope import apply_rope, rope_tables
 from jaxspec.models.sharding import Sharding, constrain
 
@@ -125,17 +125,18 @@ def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
 def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array, moe_impl: str = "ragged_dot",
                       sharding: Sharding | None = None, experts: jax.Array | None = None):
     """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
-    [B, T, E] float32, or None for a dense layer); moe_impl, sharding, experts: a sparse layer's
-    grouped matmuls, the mesh and the replayed experts [B, T, k] or None (`moe.moe_mlp`)."""
+    [B, T, E] float32 and the experts each token ran on int32 [B, T, k], both None for a dense
+    layer); moe_impl, sharding, experts: a sparse layer's grouped matmuls, the mesh and the
+    replayed experts [B, T, k] or None (`moe.moe_mlp`)."""
     x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "router" in layer:
-        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding,
-                                     experts)
-        return x + out, router_logits
+        out, router_logits, experts = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl,
+                                              sharding, experts)
+        return x + out, router_logits, experts
     gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
     up = jnp.einsum("bth,hf->btf", h, layer["up"])
-    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None
+    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None, None
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -252,7 +253,7 @@ def forward_router(
                                                 key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
-        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding, layer_experts)
+        x, router_logits, _ = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding, layer_experts)
         return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
@@ -307,9 +308,9 @@ def extend(
     generating (default all); the others see only their new tokens and their outputs are
     meaningless, but their cache is not read (`cache_attention`).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H], updated cache), and
-    with record_experts a fourth output: the experts each new token's sparse layers routed it to,
+    with record_experts a fourth output: the experts each new token's sparse layers ran it on,
     [B, T, len(cfg.sparse_layers), k] in `moe.expert_id_dtype(E)` (the top-k in descending
-    probability, `moe.top_experts`).
+    probability, as `moe.route` picks them).
     Slots past cache_len[b] + T are neither read nor written.
     """
     _check_hidden_layers(cfg, hidden_layers)
@@ -327,10 +328,10 @@ def extend(
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
         attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
         # no gradient: the kernels where they apply
-        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
+        x, _, layer_experts = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
-        if record_experts and router_logits is not None:
-            experts.append(top_experts(router_logits, cfg.num_experts_per_tok).astype(expert_id_dtype(cfg.num_experts)))
+        if record_experts and layer_experts is not None:
+            experts.append(layer_experts.astype(expert_id_dtype(cfg.num_experts)))
         new_k.append(ck)
         new_v.append(cv)
         if i in hidden_layers:

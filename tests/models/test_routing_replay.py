@@ -56,7 +56,8 @@ def test_a_sparse_layer_runs_replayed_experts_weighted_by_its_router(params, nor
     layer = {k: params["layers"][0][k] for k in SPARSE_KEYS}
     x = jax.random.normal(jax.random.key(41), (3, 5, CFG.hidden_size))
     experts = _other_experts(jax.random.key(42), (3, 5, 2), CFG.num_experts)
-    own = top_experts(moe_mlp(layer, x, 2, norm_topk_prob)[1], 2)
+    _, router, own = moe_mlp(layer, x, 2, norm_topk_prob, impl)
+    np.testing.assert_array_equal(own, top_experts(router, 2))  # the experts a token ran on: its top-k
     assert np.mean(np.sort(np.asarray(own), -1) != np.sort(np.asarray(experts), -1)) > 0.5
     probe = jax.random.normal(jax.random.key(43), x.shape)
 
@@ -66,7 +67,8 @@ def test_a_sparse_layer_runs_replayed_experts_weighted_by_its_router(params, nor
     ours = jax.grad(loss, argnums=(1, 2))(
         lambda p, x: moe_mlp(p, x, 2, norm_topk_prob, impl, experts=experts.astype(jnp.uint8))[0], layer, x)
     ref = jax.grad(loss, argnums=(1, 2))(lambda p, x: _dense_replay_reference(p, x, experts, norm_topk_prob), layer, x)
-    out = moe_mlp(layer, x, 2, norm_topk_prob, impl, experts=experts)[0]
+    out, _, ran_on = moe_mlp(layer, x, 2, norm_topk_prob, impl, experts=experts)
+    np.testing.assert_array_equal(ran_on, experts)
     assert rel_max_err(out, _dense_replay_reference(layer, x, experts, norm_topk_prob)) < FP32_TOL
     for name in layer:
         assert float(jnp.max(jnp.abs(ref[0][name]))) > 0, name
