@@ -41,8 +41,8 @@ def prefill_prompts(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array, 
     [B, V] at each row's last prompt token; the outputs of `hidden_layers` over the distinct
     prompts [len(hidden_layers), U, P, H]), and with record_experts a fourth output: the experts
     each row's prompt positions were routed to, [B, P, L_sparse, k] (`jaxspec.rollout.experts`).
-    Padding never influences real tokens (causal mask),
-    and slots past a row's prompt length are overwritten before they are ever attended to.
+    Padding never influences real tokens (causal mask), and slots past a row's prompt length are
+    overwritten before they are ever attended to.
     The prompts go through the model in chunks (`prefill_chunks`) one after another, so only one
     chunk's activations are live at a time.
     """

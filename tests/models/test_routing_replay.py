@@ -16,6 +16,8 @@ from jaxspec.models.transformer import forward_router
 from tests.models.hf_reference import random_params, random_tokens, rel_max_err
 
 FP32_TOL = 1e-5
+_forward = jax.jit(forward_router, static_argnums=0)  # one compilation per shape, not one per op
+_extend = jax.jit(extend, static_argnums=0, static_argnames=("record_experts",))
 # Layers 0, 2 and 3 sparse (16 experts, top-2, renormalised: small_moe's routing), layer 1 dense.
 CFG = ModelConfig(family="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=4,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, num_experts=16,
@@ -78,9 +80,9 @@ def test_a_sparse_layer_runs_replayed_experts_weighted_by_its_router(params, nor
 
 def test_replaying_a_forwards_own_experts_changes_nothing(params):
     tokens = jnp.asarray(random_tokens(44, (2, 12), CFG.vocab_size))
-    logits, _, router = forward_router(CFG, params, tokens)
+    logits, _, router = _forward(CFG, params, tokens)
     own = jnp.moveaxis(top_experts(router, 2), 0, 2).astype(jnp.uint8)  # [B, T, L_sparse, k]
-    replayed, _, replayed_router = forward_router(CFG, params, tokens, experts=own)
+    replayed, _, replayed_router = _forward(CFG, params, tokens, experts=own)
     np.testing.assert_array_equal(replayed, logits)
     np.testing.assert_array_equal(replayed_router, router)
 
@@ -91,12 +93,12 @@ def test_a_replayed_expert_acts_at_its_own_position_and_layer(params, position, 
     position and the router logits of the layers up to it as they were, and changes the logits
     from that position on: experts[b, t, j] is sparse layer j's routing of token t."""
     tokens = jnp.asarray(random_tokens(45, (1, 12), CFG.vocab_size))
-    _, _, router = forward_router(CFG, params, tokens)
+    _, _, router = _forward(CFG, params, tokens)
     own = jnp.moveaxis(top_experts(router, 2), 0, 2)
-    base_logits, _, base_router = forward_router(CFG, params, tokens, experts=own)
+    base_logits, _, base_router = _forward(CFG, params, tokens, experts=own)
     others = [e for e in range(CFG.num_experts) if e not in np.asarray(own[0, position, layer])][:2]
     changed = own.at[0, position, layer].set(jnp.asarray(others))
-    logits, _, new_router = forward_router(CFG, params, tokens, experts=changed)
+    logits, _, new_router = _forward(CFG, params, tokens, experts=changed)
     np.testing.assert_array_equal(logits[:, :position], base_logits[:, :position])
     assert float(jnp.max(jnp.abs(logits[:, position] - base_logits[:, position]))) > 1e-4
     np.testing.assert_array_equal(new_router[:layer + 1], base_router[:layer + 1])  # the routers read no output
@@ -126,12 +128,12 @@ def test_extend_records_the_experts_the_full_forward_routes_to(num_experts):
     cfg = dataclasses.replace(CFG, num_experts=num_experts)
     params = random_params(cfg, jax.random.key(47))
     tokens = jnp.asarray(random_tokens(48, (2, 9), cfg.vocab_size))
-    _, _, router = forward_router(cfg, params, tokens)
+    _, _, router = _forward(cfg, params, tokens)
     want = np.asarray(jnp.moveaxis(top_experts(router, 2), 0, 2))  # [B, T, L_sparse, k]
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
-    _, _, cache, prefill = extend(cfg, params, init_cache(cfg, 2, 12), tokens[:, :8], positions[:, :8],
+    _, _, cache, prefill = _extend(cfg, params, init_cache(cfg, 2, 12), tokens[:, :8], positions[:, :8],
                                   jnp.zeros((2,), jnp.int32), record_experts=True)
-    _, _, _, step = extend(cfg, params, cache, tokens[:, 8:], positions[:, 8:], jnp.full((2,), 8, jnp.int32),
+    _, _, _, step = _extend(cfg, params, cache, tokens[:, 8:], positions[:, 8:], jnp.full((2,), 8, jnp.int32),
                            record_experts=True)
     assert prefill.dtype == step.dtype == expert_id_dtype(num_experts)
     assert prefill.shape == (2, 8, 3, 2) and step.shape == (2, 1, 3, 2)

@@ -60,8 +60,8 @@ def _scored(rows):
 def _replayed_reference(params, rows) -> np.ndarray:
     """float32 [B, N] log p of the response tokens from an unpacked forward of the right-padded rows
     that replays each row's record (column for column)."""
-    logits, _, _ = forward_router(CFG, params, jnp.asarray(rows.tokens), mask=jnp.asarray(rows.attn_mask),
-                                  experts=jnp.asarray(rows.experts))
+    logits, _, _ = jax.jit(forward_router, static_argnums=0)(
+        CFG, params, jnp.asarray(rows.tokens), mask=jnp.asarray(rows.attn_mask), experts=jnp.asarray(rows.experts))
     logp = processed_logprobs(jnp.take_along_axis(logits, jnp.asarray(rows.resp_index)[:, :, None], axis=1), SAMPLING)
     return np.asarray(jnp.take_along_axis(logp, jnp.asarray(rows.resp_tokens)[:, :, None], axis=2)[:, :, 0])
 
@@ -91,9 +91,9 @@ def test_the_update_replays_the_rollouts_experts_and_trains_the_router(policy, p
     """loss.routing_replay: the minibatch update's loss and gradient are those of the GRPO loss over
     an unpacked forward that replays the record; the router's gradient is not zero."""
     out, rows = rollout
-    rng = np.random.default_rng(0)
-    rows = rows.replace(advantages=rng.standard_normal(len(PROMPTS)).astype(np.float32),
-                        old_logp=np.asarray(out.logprobs), loss_mask=rows.resp_mask, seq_resp_mask=None)
+    advantages = np.random.default_rng(0).standard_normal(len(PROMPTS)).astype(np.float32)
+    rollout_logp, loss_mask = np.asarray(out.logprobs), rows.resp_mask
+    rows = rows.replace(advantages=advantages, old_logp=rollout_logp, loss_mask=loss_mask, seq_resp_mask=None)
     loss_cfg = GRPOLossConfig(routing_replay=True, router_aux_coef=0.0)
     update = update_fn(CFG, SAMPLING, loss_cfg, PolicyOptimConfig(), "float32", False, None)
     grads, _, metrics = update.gradients(perturbed, None, None, pack_rows(rows))
@@ -104,9 +104,10 @@ def test_the_update_replays_the_rollouts_experts_and_trains_the_router(policy, p
         logits = jnp.take_along_axis(logits, jnp.asarray(rows.resp_index)[:, :, None], axis=1)
         logp = jnp.take_along_axis(processed_logprobs(logits, SAMPLING), jnp.asarray(rows.resp_tokens)[:, :, None],
                                    axis=2)[:, :, 0]
-        return policy_loss(logp, rows.old_logp, rows.advantages, rows.loss_mask, loss_cfg)[0]
+        return policy_loss(logp, rollout_logp, advantages, loss_mask, loss_cfg)[0]
 
-    (want_loss, want_grads), (own_loss, _) = (jax.value_and_grad(reference_loss)(perturbed, r) for r in (True, False))
+    reference = jax.jit(jax.value_and_grad(reference_loss), static_argnums=1)
+    (want_loss, want_grads), (own_loss, _) = (reference(perturbed, r) for r in (True, False))
     assert float(metrics["loss"]) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
     assert abs(float(own_loss) - float(want_loss)) > 1e-4  # the test tells replay from the router's own routing
     for layer in (0, 2):
@@ -157,15 +158,24 @@ def test_records_are_packed_taken_and_concatenated_with_their_rows():
 
 @pytest.mark.parametrize("loss", [None, GRPOLossConfig(routing_replay=True), GRPOLossConfig()])
 def test_precompiled_inputs_hold_the_records_the_step_packs(loss):
-    """The abstract rows the trainer is compiled for hold the record (its shape and compact dtype)
-    where the step's do: scoring rows, and minibatches with loss.routing_replay."""
-    placement = Placement(MeshConfig())
-    abstract = packed_inputs(placement, 2, 4, 10, 4, loss, model=CFG)
-    if loss is not None and not loss.routing_replay:
-        assert abstract.experts is None
+    """The abstract rows the trainer is compiled for have the fields, shapes and dtypes of those the
+    step packs from rollouts that record their experts: the scoring rows (loss None) hold the
+    record, a minibatch holds it with loss.routing_replay (the step drops it otherwise)."""
+    prompts, new = [[5, 6, 7], [8], [9, 9], [4]], 4
+    rows = training_rows(prompts, np.full((4, new), 3), np.array([2, 4, 1, 3]), pad_id=0, width=10)
+    rows = rows.replace(experts=np.zeros((4, 10, 2, 2), expert_id_dtype(CFG.num_experts)))
+    if loss is None:
+        packed = pack_rows(rows.response_rows())
     else:
-        assert abstract.experts.shape == (2, 10, 2, 2) and abstract.experts.dtype == expert_id_dtype(16)
-    assert packed_inputs(placement, 2, 4, 10, 4, loss).experts is None
+        logp = np.zeros((4, new), np.float32)
+        packed = pack_rows(rows.replace(advantages=np.ones(4, np.float32), old_logp=logp, loss_mask=rows.resp_mask,
+                                        loss_denominator=np.full(4, 8.0, np.float32), seq_resp_mask=None,
+                                        experts=rows.experts if loss.routing_replay else None))
+    expected = packed_inputs(Placement(MeshConfig()), packed.tokens.shape[0], 4, 10, new, loss, model=CFG)
+    assert jax.tree.structure(packed) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(packed), jax.tree.leaves(expected)):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    assert (expected.experts is None) == (loss is not None and not loss.routing_replay)
 
 
 def test_replay_is_refused_for_a_dense_policy():
@@ -176,16 +186,16 @@ def test_replay_is_refused_for_a_dense_policy():
     assert not replays_routing(GRPOLossConfig(), dense)
 
 
-MOE_RUN = ["spec.method=ngram", "spec.draft=null", "spec.tree_width=2", "draft.online=false", "loss.kl_beta=0", "loss.ppo_epochs=1",
-           "loss.recompute_logprobs=true"]
+MOE_RUN = ["spec.method=ngram", "spec.draft=null", "spec.tree_width=2", "draft.online=false", "loss.kl_beta=0",
+           "loss.ppo_epochs=1", "loss.recompute_logprobs=true"]
 
 
 @pytest.mark.parametrize("options", [
     ["loss.routing_replay=true"],
     ["loss.routing_replay=false"],
-    ["loss.routing_replay=true", "mesh.data=2"],
+    ["loss.routing_replay=true", "mesh.data=2", "rollout.sub_batch=16"],
     ["loss.routing_replay=true", "rollout.mode=async", "mesh.rollout_devices=2"],
-], ids=["replay", "no-replay", "mesh", "async"])
+], ids=["replay", "no-replay", "mesh-sub-batches", "async"])
 def test_moe_grpo_logs_expert_disagreement(tiny_moe_policy, tmp_path, options):
     """`jaxspec train` on a mixture-of-experts policy with speculative (n-gram tree) rollouts: each step
     logs the trainer's disagreement with the rollout's experts next to the log-prob mismatch; in

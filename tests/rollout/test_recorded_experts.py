@@ -30,6 +30,7 @@ PROMPTS = [[5], [9, 11], [2, 40, 33], [17, 8, 60, 1, 4], [3] * 7, list(range(10,
 BATCH = [p for p in PROMPTS for _ in range(8)]
 SAMPLING = Sampling(temperature=1.0, top_k=8, max_new_tokens=16, eos_id=(42, 2))  # most rows stop early
 LOGPROB_TOL = 1e-5
+_forward = jax.jit(forward_router, static_argnums=0)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +59,10 @@ def check_record(params, prompts: list, out) -> None:
     sequences = [list(p) + tokens[b, :lengths[b]].tolist() for b, p in enumerate(prompts)]
     width = max(map(len, sequences))
     mask = jnp.arange(width)[None, :] < jnp.asarray([len(s) for s in sequences])[:, None]
-    _, _, router = forward_router(CFG, params, padded(sequences, width), mask=mask)
+    _, _, router = _forward(CFG, params, padded(sequences, width), mask=mask)
     own = np.asarray(jnp.moveaxis(top_experts(router, 2), 0, 2))  # [B, T, L_sparse, k]
-    logits, _, _ = forward_router(CFG, params, padded(sequences, width), mask=mask,
-                                  experts=jnp.asarray(experts[:, :width]))
+    logits, _, _ = _forward(CFG, params, padded(sequences, width), mask=mask,
+                            experts=jnp.asarray(experts[:, :width]))
     logp = np.asarray(processed_logprobs(logits, SAMPLING))
     for b, prompt in enumerate(prompts):
         fed = len(prompt) + lengths[b] - 1  # the last emitted token never goes through the policy
