@@ -36,6 +36,12 @@ interpret) overrides "auto" at trace time.
 On a mesh the kernels run per device on its rows (`jax.shard_map` over the batch axes), with the
 experts whole on every device: fsdp gathers them as it gathers every weight of a layer. A mesh
 that splits the experts (expert or tensor axis) keeps ragged_dot, which XLA partitions.
+
+Routing replay (R3): `moe_mlp(..., experts=...)` runs each token on given experts (e.g. those the
+rollout engine chose for it) instead of its own top-k; the gate weights are still the router's own
+softmax probabilities, gathered at the given experts and renormalised as norm_topk_prob says, so the
+router keeps its gradient. `top_experts` is the top-k choice `route` makes; expert ids are stored
+compactly as `expert_id_dtype`.
 """
 
 from __future__ import annotations
@@ -109,21 +115,46 @@ def _kernel_bwd(interpret, residuals, grad):
 _grouped_matmul_kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
-    """x [N, H] -> (router logits [N, E] float32, weights [N, k] in x.dtype, experts int32 [N, k])."""
+def expert_id_dtype(num_experts: int):
+    """The compact dtype of recorded expert ids: uint8 for up to 256 experts, else int16."""
+    if num_experts <= 256:
+        return jnp.dtype(jnp.uint8)
+    if num_experts <= 32768:
+        return jnp.dtype(jnp.int16)
+    raise ValueError(f"{num_experts} experts do not fit int16 expert ids")
+
+
+def top_experts(router_logits: jax.Array, top_k: int) -> jax.Array:
+    """The experts `route` picks: router logits [..., E] -> int32 [..., k], the top-k of the float32
+    softmax in descending order of probability (ties: the lower id first)."""
+    return jax.lax.top_k(jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1), top_k)[1].astype(jnp.int32)
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool, experts: jax.Array | None = None):
+    """x [N, H] -> (router logits [N, E] float32, weights [N, k] in x.dtype, experts int32 [N, k]).
+
+    experts: None picks each token's top-k experts; integer [N, k] replays the given ones (routing
+    replay), weighted by the router's probabilities at them (renormalised with norm_topk_prob)."""
     logits = jnp.dot(x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    if experts is None:
+        weights, experts = jax.lax.top_k(probs, top_k)
+    else:
+        experts = experts.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits.astype(jnp.float32), weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
 def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "ragged_dot",
-            sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
+            sharding: Sharding | None = None, experts: jax.Array | None = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
-    float32); impl: the grouped matmuls' implementation (`grouped_matmul`); sharding: the mesh x
-    is laid out on, for the kernels' per-device call (see the module docstring)."""
+    float32, the experts each token ran on int32 [B, T, k]); impl: the grouped matmuls'
+    implementation (`grouped_matmul`); sharding: the mesh x is laid out on, for the kernels'
+    per-device call (see the module docstring); experts: None routes every token to its top-k,
+    integer [B, T, k] (ids in [0, E)) replays the given experts (`route`)."""
     P = jax.sharding.PartitionSpec
     b, t, _ = x.shape
     batch_axes, seq_axes, _ = (None,) * 3 if sharding is None else sharding.spec(("batch", "seq", "act_embed"), x.shape)
@@ -132,18 +163,20 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: s
     work = layer["router"].shape[1] * b * t * top_k // shards  # token-expert assignments x experts per device
     impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding, work)
     if impl == "ragged_dot" or sharding is None or sharding.mesh.size == 1:
-        return _moe_mlp(layer, x, top_k, norm_topk_prob, impl)
+        return _moe_mlp(layer, x, top_k, norm_topk_prob, impl, experts)
     rows = P(batch_axes, seq_axes)
     sparse = {k: layer[k] for k in SPARSE_KEYS}
-    return jax.shard_map(lambda sparse, x: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl), mesh=sharding.mesh,
-                         in_specs=(P(), rows), out_specs=(rows, rows), check_vma=False)(sparse, x)
+    return jax.shard_map(lambda sparse, x, experts: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl, experts),
+                         mesh=sharding.mesh, in_specs=(P(), rows, rows), out_specs=(rows, rows, rows),
+                         check_vma=False)(sparse, x, experts)
 
 
-def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str):
+def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str, experts: jax.Array | None):
     b, t, h = x.shape
     num_experts = layer["router"].shape[1]
     flat = x.reshape(b * t, h)
-    logits, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob)
+    replayed = None if experts is None else experts.reshape(b * t, top_k)
+    logits, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob, replayed)
     assignment = experts.reshape(-1)  # [N*k]: token n's j-th expert at n*k + j
     order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
@@ -153,7 +186,8 @@ def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: 
     out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
     out = out * weights.reshape(-1)[order][:, None]
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
-    return unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts)
+    return (unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts),
+            experts.reshape(b, t, top_k))
 
 
 def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | None = None) -> jax.Array:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.attention import attention, cache_attention
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.moe import moe_mlp
+from jaxspec.models.moe import expert_id_dtype, moe_mlp
 from jaxspec.models.rope import apply_rope, rope_tables
 from jaxspec.models.sharding import Sharding, constrain
 
@@ -123,18 +123,20 @@ def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
 
 
 def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array, moe_impl: str = "ragged_dot",
-                      sharding: Sharding | None = None):
+                      sharding: Sharding | None = None, experts: jax.Array | None = None):
     """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
-    [B, T, E] float32, or None for a dense layer); moe_impl, sharding: a sparse layer's grouped
-    matmuls and the mesh (`moe.moe_mlp`)."""
+    [B, T, E] float32 and the experts each token ran on int32 [B, T, k], both None for a dense
+    layer); moe_impl, sharding, experts: a sparse layer's grouped matmuls, the mesh and the
+    replayed experts [B, T, k] or None (`moe.moe_mlp`)."""
     x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "router" in layer:
-        out, router_logits = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding)
-        return x + out, router_logits
+        out, router_logits, experts = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl,
+                                              sharding, experts)
+        return x + out, router_logits, experts
     gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
     up = jnp.einsum("bth,hf->btf", h, layer["up"])
-    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None
+    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None, None
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -208,12 +210,17 @@ def forward_router(
     moe_impl: str = "ragged_dot",
     head: bool = True,
     compute_dtype=None,
+    experts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_hidden` plus the router logits of the sparse layers, float32
     [len(cfg.sparse_layers), B, T, E] (empty [0, B, T, 0] for a dense model), the input of
-    `moe.load_balancing_loss`. head=False returns the last layer's output [B, T, H] in the
-    compute dtype, before the final norm, in place of the logits (`logits_from_hidden` maps it to
-    them): the trainer applies the head to the response positions alone, in chunks.
+    `moe.load_balancing_loss`. experts: None routes every token to its own top-k experts; integer
+    [B, T, len(cfg.sparse_layers), k] (ids in [0, E), e.g. a rollout's record) replays them:
+    sparse layer j runs token (b, t) on experts[b, t, j] with the router's own probabilities there
+    (`moe.route`); the router logits returned are the router's own either way. head=False returns
+    the last layer's output [B, T, H] in the compute dtype, before the final norm, in place of the
+    logits (`logits_from_hidden` maps it to them): the trainer applies the head to the response
+    positions alone, in chunks.
     compute_dtype: the dtype the forward computes in (None: the params'). The params keep theirs
     (a float32 master copy, which gradients reach); each layer's weights are cast inside its
     (rematerialised) layer function, the embedding rows after the lookup and the head where it is
@@ -222,6 +229,7 @@ def forward_router(
     to the backward pass."""
     _check_hidden_layers(cfg, hidden_layers)
     b, t = tokens.shape
+    _check_experts(cfg, experts, (b, t))
     mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
     if positions is None:
         positions = _default_positions(mask, segment_ids)
@@ -237,7 +245,7 @@ def forward_router(
     # Flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
 
-    def layer_fn(layer, x):
+    def layer_fn(layer, x, layer_experts):
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
@@ -245,7 +253,7 @@ def forward_router(
                                                 key_value_seq_lengths=lengths, implementation="cudnn")
         else:
             attn = attention(q, k, v, attn_mask)
-        x, router_logits = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding)
+        x, router_logits, _ = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding, layer_experts)
         return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
@@ -253,7 +261,10 @@ def forward_router(
     x = constrain(sharding, embed(params, tokens).astype(dtype), ("batch", "seq", "act_embed"))
     hidden, routers = {}, []
     for i, layer in enumerate(params["layers"]):
-        x, router_logits = layer_fn(layer, x)
+        layer_experts = None
+        if experts is not None and "router" in layer:
+            layer_experts = constrain(sharding, experts[:, :, len(routers)], ("batch", "seq", None))
+        x, router_logits = layer_fn(layer, x, layer_experts)
         if router_logits is not None:
             routers.append(router_logits)
         if i in hidden_layers:
@@ -286,7 +297,8 @@ def extend(
     active: jax.Array | None = None,
     hidden_layers: tuple[int, ...] = (),
     sharding: Sharding | None = None,
-) -> tuple[jax.Array, jax.Array, KVCache]:
+    record_experts: bool = False,
+):
     """Append T new tokens per row to the cache and run them through the model.
 
     tokens int32 [B, T]; positions int32 [B, T] (rope positions); cache_len int32 [B]: row b's
@@ -295,7 +307,10 @@ def extend(
     (default causal); every new token sees the whole valid prefix. active bool [B]: rows still
     generating (default all); the others see only their new tokens and their outputs are
     meaningless, but their cache is not read (`cache_attention`).
-    Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H], updated cache).
+    Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H], updated cache), and
+    with record_experts a fourth output: the experts each new token's sparse layers ran it on,
+    [B, T, len(cfg.sparse_layers), k] in `moe.expert_id_dtype(E)` (the top-k in descending
+    probability, as `moe.route` picks them).
     Slots past cache_len[b] + T are neither read nor written.
     """
     _check_hidden_layers(cfg, hidden_layers)
@@ -305,21 +320,41 @@ def extend(
     cos, sin = rope_tables(cfg, positions)
 
     x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
-    new_k, new_v, hidden = [], [], {}
+    new_k, new_v, hidden, experts = [], [], {}, []
     for i, layer in enumerate(params["layers"]):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         with jax.named_scope("kv_write"):
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
         attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
-        x, _ = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)  # no gradient: the kernels where they apply
+        # no gradient: the kernels where they apply
+        x, _, layer_experts = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
+        if record_experts and layer_experts is not None:
+            experts.append(layer_experts.astype(expert_id_dtype(cfg.num_experts)))
         new_k.append(ck)
         new_v.append(cv)
         if i in hidden_layers:
             hidden[i] = x
     logits = logits_from_hidden(cfg, params, x)
-    return logits, _stack_hidden(hidden, hidden_layers, x), KVCache(k=tuple(new_k), v=tuple(new_v))
+    out = logits, _stack_hidden(hidden, hidden_layers, x), KVCache(k=tuple(new_k), v=tuple(new_v))
+    if not record_experts:
+        return out
+    if not experts:
+        raise ValueError("record_experts: the policy is dense (no mixture-of-experts layers)")
+    return *out, jnp.stack(experts, axis=2)
+
+
+def _check_experts(cfg: ModelConfig, experts: jax.Array | None, rows: tuple[int, int]) -> None:
+    """ValueError unless `experts` (replayed routing) is None or [B, T, len(cfg.sparse_layers), k] integers."""
+    if experts is None:
+        return
+    want = (*rows, len(cfg.sparse_layers), cfg.num_experts_per_tok)
+    if not cfg.sparse_layers:
+        raise ValueError("experts: the policy is dense (no mixture-of-experts layers to replay routing in)")
+    if tuple(experts.shape) != want or not jnp.issubdtype(experts.dtype, jnp.integer):
+        raise ValueError(f"experts must be integer [B, T, sparse layers, top_k] = {list(want)}, got "
+                         f"{experts.dtype} {list(experts.shape)}")
 
 
 def _check_hidden_layers(cfg: ModelConfig, hidden_layers: tuple[int, ...]) -> None:

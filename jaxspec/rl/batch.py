@@ -23,7 +23,9 @@ class Rollouts:
     log-probs of its tokens); scores float64 [B] (the reward functions'); rewards float64 [B]
     (scores with the overlong penalty); stats: the generation's statistics; generated_tokens: tokens
     generated for the step (every generation round's); staleness / rollout_version
-    (rollout.mode async, else None): trained version - the batch's weights version, and that version.
+    (rollout.mode async, else None): trained version - the batch's weights version, and that version;
+    experts: the experts the rollout routed each position to, [B, P + N, L_sparse, k]
+    (`RolloutOutput.experts`), or None when not recorded (`jaxspec.rl.routing.records_experts`).
     """
 
     prompts: list
@@ -37,13 +39,15 @@ class Rollouts:
     generated_tokens: int
     staleness: int | None = None
     rollout_version: int | None = None
+    experts: np.ndarray | None = None
 
     def take(self, rows: np.ndarray) -> Rollouts:
         """The rollouts `rows` (int [B']), in that order; statistics and counts unchanged."""
         return dataclasses.replace(
             self, prompts=[self.prompts[i] for i in rows], records=[self.records[i] for i in rows],
             tokens=self.tokens[rows], lengths=self.lengths[rows], logprobs=self.logprobs[rows],
-            scores=self.scores[rows], rewards=self.rewards[rows])
+            scores=self.scores[rows], rewards=self.rewards[rows],
+            experts=None if self.experts is None else self.experts[rows])
 
     @staticmethod
     def concatenate(rounds: Sequence[Rollouts]) -> Rollouts:
@@ -54,7 +58,8 @@ class Rollouts:
             tokens=np.concatenate([r.tokens for r in rounds]), lengths=np.concatenate([r.lengths for r in rounds]),
             logprobs=np.concatenate([r.logprobs for r in rounds]), scores=np.concatenate([r.scores for r in rounds]),
             rewards=np.concatenate([r.rewards for r in rounds]),
-            generated_tokens=sum(r.generated_tokens for r in rounds))
+            generated_tokens=sum(r.generated_tokens for r in rounds),
+            experts=None if rounds[0].experts is None else np.concatenate([r.experts for r in rounds]))
 
 
 @jax.tree_util.register_dataclass
@@ -79,7 +84,9 @@ class TrainingRows:
           repeated (None: each minibatch its own);
       ref_logp float32 [B, N]: the reference's temperature-only log-probs (loss.kl_beta > 0);
       behaviour_logp float32 [B, N]: the rollout's log-probs where prox_logp is the trainer's
-          recomputation (`GRPOLossConfig.weighs_behaviour`).
+          recomputation (`GRPOLossConfig.weighs_behaviour`);
+      experts [B, W, L_sparse, k]: the experts the rollout routed each position to, column for
+          column with tokens (`jaxspec.rl.routing`; None: not recorded, or not replayed).
     """
 
     tokens: np.ndarray
@@ -94,6 +101,7 @@ class TrainingRows:
     loss_denominator: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
     behaviour_logp: np.ndarray | None = None
+    experts: np.ndarray | None = None
 
     def replace(self, **fields: Any) -> TrainingRows:
         return dataclasses.replace(self, **fields)
@@ -103,8 +111,10 @@ class TrainingRows:
         return jax.tree.map(lambda x: x[rows], self)
 
     def response_rows(self) -> TrainingRows:
-        """The token rows alone (what log-prob scoring packs): no loss inputs, no seq_resp_mask."""
-        return TrainingRows(self.tokens, self.attn_mask, self.resp_index, self.resp_tokens, self.resp_mask)
+        """The token rows and their recorded experts (what log-prob scoring packs): no loss inputs,
+        no seq_resp_mask."""
+        return TrainingRows(self.tokens, self.attn_mask, self.resp_index, self.resp_tokens, self.resp_mask,
+                            experts=self.experts)
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +129,8 @@ class PackedRows:
       resp_tokens int32 [S, N];
       seq_resp_mask bool [R, W]: positions holding response tokens (the online head's loss);
       advantages float32 [S]; prox_logp float32 [S, N]; loss_mask bool [S, N];
-      loss_denominator float32 [S]; ref_logp float32 [S, N]; behaviour_logp float32 [S, N].
+      loss_denominator float32 [S]; ref_logp float32 [S, N]; behaviour_logp float32 [S, N];
+      experts [R, W, L_sparse, k]: the recorded experts packed like the tokens (expert 0 at padding).
     """
 
     tokens: Any
@@ -133,6 +144,7 @@ class PackedRows:
     loss_denominator: Any = None
     ref_logp: Any = None
     behaviour_logp: Any = None
+    experts: Any = None
 
     def replace(self, **fields: Any) -> PackedRows:
         return dataclasses.replace(self, **fields)
@@ -219,7 +231,8 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     padding; packed, the forward costs what the tokens cost. R is the smallest `packed_row_count`
     (a multiple of `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run
     compiles the trainer for the few row counts of `packed_row_counts` only. The per-sequence
-    fields ([S] or [S, N]) pass unchanged; seq_resp_mask is packed like the tokens when given.
+    fields ([S] or [S, N]) pass unchanged; seq_resp_mask and experts are packed like the tokens when
+    given.
     """
     tokens = rows.tokens
     num_seqs, width = tokens.shape
@@ -234,6 +247,7 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     num_rows = packed_row_count(len(free), multiple_of)
     packed_tokens, segment_ids = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.int32)
     seq_resp_mask = None if rows.seq_resp_mask is None else np.zeros((num_rows, width), bool)
+    experts = None if rows.experts is None else np.zeros((num_rows, *rows.experts.shape[1:]), rows.experts.dtype)
     segment = np.zeros(num_rows, np.int32)
     for s in range(num_seqs):
         (row, start), n = placed[s], lengths[s]
@@ -242,9 +256,11 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
         segment_ids[row, start:start + n] = segment[row]
         if seq_resp_mask is not None:
             seq_resp_mask[row, start:start + n] = rows.seq_resp_mask[s, :n]
+        if experts is not None:
+            experts[row, start:start + n] = rows.experts[s, :n]
     columns = np.minimum(placed[:, 1:] + rows.resp_index, width - 1)  # past-the-end tokens stay in the row
     return PackedRows(
         tokens=packed_tokens, segment_ids=segment_ids, resp_index=(placed[:, :1] * width + columns).astype(np.int32),
         resp_tokens=rows.resp_tokens, seq_resp_mask=seq_resp_mask, advantages=rows.advantages,
         prox_logp=rows.prox_logp, loss_mask=rows.loss_mask, loss_denominator=rows.loss_denominator,
-        ref_logp=rows.ref_logp, behaviour_logp=rows.behaviour_logp)
+        ref_logp=rows.ref_logp, behaviour_logp=rows.behaviour_logp, experts=experts)

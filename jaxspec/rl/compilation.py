@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as cache
 
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.moe import expert_id_dtype
 from jaxspec.placement import Placement, abstract
 from jaxspec.rl.batch import PackedRows, packed_row_counts
 from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
@@ -35,17 +37,24 @@ Program = tuple[Callable, tuple]
 
 
 def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int, loss: GRPOLossConfig | None,
-                  seq_resp_mask: bool = False) -> PackedRows:
+                  seq_resp_mask: bool = False, model: ModelConfig | None = None) -> PackedRows:
     """The abstract `PackedRows` of S = seqs sequences in R = rows rows of width W (N = max_new),
     placed as `Placement.rows` places them, with the fields the run's step fills in: the rows alone
     (loss None: log-prob scoring) or a minibatch with `loss`'s inputs (ref_logp with loss.kl_beta >
-    0, behaviour_logp with `GRPOLossConfig.weighs_behaviour`) and seq_resp_mask when the online head trains on it."""
+    0, behaviour_logp with `GRPOLossConfig.weighs_behaviour`) and seq_resp_mask when the online head trains on it.
+    model: the mixture-of-experts policy whose rollouts record their experts (None: not recorded),
+    which the rows for scoring hold, and a minibatch with loss.routing_replay."""
 
     def array(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=placement.row_sharding(shape))
 
+    experts = None
+    if model is not None and (loss is None or loss.routing_replay):
+        experts = array((rows, width, len(model.sparse_layers), model.num_experts_per_tok),
+                        expert_id_dtype(model.num_experts))
     packed = PackedRows(tokens=array((rows, width), np.int32), segment_ids=array((rows, width), np.int32),
-                        resp_index=array((seqs, max_new), np.int32), resp_tokens=array((seqs, max_new), np.int32))
+                        resp_index=array((seqs, max_new), np.int32), resp_tokens=array((seqs, max_new), np.int32),
+                        experts=experts)
     if loss is None:
         return packed
     logp = array((seqs, max_new), np.float32)
@@ -58,25 +67,27 @@ def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_ne
 
 def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: int, shortest: int, *,
                      score: Callable, ref_score: Callable, update: Callable, policy_update: Callable | None,
-                     online: bool) -> list[Program]:
+                     online: bool, model: ModelConfig | None = None) -> list[Program]:
     """Every call of a run's packed-row programs, one per row count R: the log-prob scoring of the
     whole batch (with loss.recompute_logprobs), the reference scoring (with loss.kl_beta > 0) and
     the minibatch updates (`update` with the online head when `online`, `policy_update` without
     it), each in ascending R. state: the run's training state (arrays or their abstract values);
-    width: the packed row width; shortest: the fewest tokens of a prompt plus one response token."""
+    width: the packed row width; shortest: the fewest tokens of a prompt plus one response token;
+    model: the policy when its rollouts record their experts (`packed_inputs`), else None."""
     state = abstract(state)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
 
     def calls(seqs: int, loss: GRPOLossConfig | None, seq_resp_mask: bool = False) -> Iterator[PackedRows]:
         for rows in packed_row_counts(seqs, width, shortest, placement.row_shards):
-            yield packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask)
+            yield packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask, model)
 
     def scored(rows: PackedRows) -> tuple:
         return rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens
 
     programs = []
     if cfg.loss.recompute_logprobs:
-        programs += [(score, (state["params"], *scored(rows))) for rows in calls(batch, None)]
+        programs += [(score, (state["params"], *scored(rows), *([] if rows.experts is None else [rows.experts])))
+                     for rows in calls(batch, None)]
     if cfg.loss.kl_beta > 0:
         programs += [(ref_score, (state["ref_params"], *scored(rows))) for rows in calls(batch, None)]
     seqs = batch // cfg.loss.minibatches

@@ -167,6 +167,13 @@ class GRPOLossConfig:
         over each minibatch's non-padding tokens) added to the loss of a mixture-of-experts policy;
         null = the policy's router_aux_loss_coef (config.json), 0 = off. A dense policy takes only
         null or 0.
+    routing_replay: routing replay (R3) for a mixture-of-experts policy: the rollout records the
+        experts its router chose for every token (prompt and response, the accepted path of
+        speculative steps), and the trainer's log-prob pass (recompute_logprobs) and every update
+        run each token on those experts, their gate weights from the trainer's own router
+        (`jaxspec.rl.routing`); the reference policy (kl_beta) routes by itself. A dense policy
+        takes only false. With recompute_logprobs, a mixture-of-experts policy's steps log
+        expert_disagreement whether replay is on or off.
     Tokens with a non-finite old, rollout, reference or current log-prob (outside the trainer's
     top-k/top-p nucleus) are dropped from the loss and counted in the metric nonfinite_tokens.
     """
@@ -188,6 +195,7 @@ class GRPOLossConfig:
     recompute_logprobs: bool = False
     tis_cap: float | None = 2.0
     router_aux_coef: float | None = None
+    routing_replay: bool = False
 
     @property
     def weighs_behaviour(self) -> bool:

@@ -39,6 +39,7 @@ from jaxspec.run import Batcher, truncate_metrics
 from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+from jaxspec.rl.routing import disagreement_metrics, experts_to_width, records_experts
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout.speculative.stats import merge_stats
@@ -110,7 +111,10 @@ class GRPORun:
         if self.online is not None and self.online.skips_updates:
             self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
                                            t_cfg.remat, None, mesh)
-        self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh)
+        # a mixture-of-experts policy's rollouts record their experts for routing replay (R3)
+        self.records_experts = records_experts(cfg.loss, self.mcfg)
+        self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh,
+                              routing_replay=cfg.loss.routing_replay)
         self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat,
                                   mesh)
         self.sampler = Batcher(len(self.train_set.token_ids), r_cfg.prompts_per_step, cfg.data.seed)  # prompt ids
@@ -121,7 +125,8 @@ class GRPORun:
             shortest = min(map(len, self.train_set.token_ids)) + 1  # every rollout emits at least one token
             programs = trainer_programs(
                 cfg, self.state, self.placement, self.width, shortest, score=self.score, ref_score=self.ref_score,
-                update=self.update, policy_update=self.policy_update, online=self.online is not None)
+                update=self.update, policy_update=self.policy_update, online=self.online is not None,
+                model=self.mcfg if self.records_experts else None)
             self.precompiling = precompile(programs, t_cfg.precompile_threads)
         if self.async_rollouts is not None:
             self.async_rollouts.start(self.state, resumed=restored is not None)
@@ -179,28 +184,32 @@ class GRPORun:
         prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
         records = [self.train_set.records[i] for i in ids for _ in range(group)]
         with timer.stage("generation"):
-            tokens, lengths, logprobs, stats = self._generate_rows(prompts, policy, spec, key, sharding)
+            tokens, lengths, logprobs, experts, stats = self._generate_rows(prompts, policy, spec, key, sharding)
         with timer.stage("reward"):
             texts = decode_responses(self.tok, tokens, lengths)
             scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
         rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
                                             cfg.loss.overlong_penalty)
         return Rollouts(prompts=prompts, records=records, tokens=tokens, lengths=lengths, logprobs=logprobs,
-                        scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()))
+                        scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()),
+                        experts=experts)
 
     def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
-        """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], stats) on the host for the
-        prompts, rollout.sub_batch rows per `generate` call (all at once when null)."""
+        """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], the recorded experts [B, P + N,
+        L_sparse, k] or None (`RolloutOutput.experts`), stats) on the host for the prompts,
+        rollout.sub_batch rows per `generate` call (all at once when null)."""
         size = self.cfg.rollout.sub_batch or len(prompts)
         parts = []
         for i, start in enumerate(range(0, len(prompts), size)):
             sub_key = key if size == len(prompts) else jax.random.fold_in(key, i)
             out = block(generate(self.mcfg, policy, prompts[start:start + size], sub_key, sampling=self.sampling,
-                                 spec=spec, sharding=sharding, prompt_width=self.longest_prompt))
+                                 spec=spec, sharding=sharding, prompt_width=self.longest_prompt,
+                                 record_experts=self.records_experts))
             parts.append((to_host(out.tokens), to_host(out.lengths), to_host(out.logprobs).astype(np.float32),
-                          out.stats))
+                          None if out.experts is None else to_host(out.experts), out.stats))
         tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
-        return tokens, lengths, logprobs, merge_stats([p[3] for p in parts])
+        experts = np.concatenate([p[3] for p in parts]) if self.records_experts else None
+        return tokens, lengths, logprobs, experts, merge_stats([p[4] for p in parts])
 
     def _generate(self, timer: StageTimer) -> tuple[Rollouts, int, int]:
         """This step's rollouts (see `_rollouts`) for prompts_per_step prompts; with
@@ -245,6 +254,8 @@ class GRPORun:
         tokens, lengths, rewards = out.tokens, out.lengths, out.rewards
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
         rows = training_rows(out.prompts, tokens, lengths, self.tok.pad_id, self.width)
+        if out.experts is not None:
+            rows = rows.replace(experts=experts_to_width(out.experts, self.width))
         truncated = truncated_rollouts(tokens, lengths, cfg.rollout.max_new_tokens, self.tok.eos_id)
         keep = trained_rollouts(informative, truncated, group, cfg.loss)
         batch = rows.replace(advantages=advantages, prox_logp=out.logprobs, loss_mask=rows.resp_mask & keep[:, None],
@@ -257,6 +268,8 @@ class GRPORun:
             with timer.stage("logprob"):
                 batch, measured = self._score(batch)
                 record.update(measured)
+        if not cfg.loss.routing_replay:
+            batch = batch.replace(experts=None)  # measured; the update routes by itself
         finite = finite_tokens(batch.loss_mask, batch.prox_logp, batch.ref_logp, batch.behaviour_logp)
         denominator = loss_denominator(finite, cfg.loss.aggregation, cfg.loss.minibatches)
         batch = batch.replace(loss_denominator=np.full(len(advantages), denominator, np.float32))
@@ -290,16 +303,21 @@ class GRPORun:
     def _score(self, batch: TrainingRows) -> tuple[TrainingRows, dict]:
         """The batch with the proximal log-probs recomputed by the trainer (the rollout's kept as
         the behaviour policy's, unless loss.tis_cap 0 drops them) and the reference log-probs, as
-        configured; and the measured rollout/trainer mismatch."""
+        configured; and the measured rollout/trainer mismatch (with recorded experts, also the
+        trainer's disagreement with them, `jaxspec.rl.routing`)."""
         rows = self.placement.rows(pack_rows(batch.response_rows(), self.placement.row_shards))
         args = (rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens)
         measured = {}
         if self.cfg.loss.recompute_logprobs:
-            recomputed = to_host(block(self.score(self.state["params"], *args)))
+            if rows.experts is None:
+                recomputed = to_host(block(self.score(self.state["params"], *args)))
+            else:
+                recomputed, differing = map(to_host, block(self.score(self.state["params"], *args, rows.experts)))
+                measured.update(disagreement_metrics(differing, batch.resp_mask, len(self.mcfg.sparse_layers)))
             compared = finite_tokens(batch.resp_mask, recomputed, batch.prox_logp)
             diff = np.abs(recomputed - batch.prox_logp)[compared]
-            measured = {"logprob_mismatch_max": float(diff.max(initial=0.0)),
-                        "logprob_mismatch_mean": float(diff.mean()) if diff.size else 0.0}
+            measured.update(logprob_mismatch_max=float(diff.max(initial=0.0)),
+                            logprob_mismatch_mean=float(diff.mean()) if diff.size else 0.0)
             batch = batch.replace(prox_logp=recomputed,
                                   behaviour_logp=batch.prox_logp if self.cfg.loss.weighs_behaviour else None)
         if self.cfg.loss.kl_beta > 0:

@@ -26,7 +26,7 @@ LOGPROB_CHUNK = 1024  # response positions per chunk of the log-prob head: float
 
 def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array,
                      hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False,
-                     sharding: Sharding | None = None, head: bool = True
+                     sharding: Sharding | None = None, head: bool = True, experts: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One policy forward over packed prompt+response rows.
 
@@ -41,10 +41,12 @@ def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segmen
     batch axes (rows), whatever the params' layout: without the constraint the rows of an
     fsdp-sharded embedding table come out split along the hidden dimension, a layout cuDNN's flash
     attention cannot partition. A mixture-of-experts policy's experts run as `moe_impl="auto"`
-    picks (the grouped-matmul kernels on a GPU for large calls, forward and backward).
+    picks (the grouped-matmul kernels on a GPU for large calls, forward and backward). experts:
+    None, or integer [R, W, L_sparse, k] experts to replay (routing replay, `jaxspec.rl.routing`).
     """
     return forward_router(cfg, params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
-                          sharding=sharding, head=head, moe_impl="auto", compute_dtype=compute_dtype)
+                          sharding=sharding, head=head, moe_impl="auto", compute_dtype=compute_dtype,
+                          experts=experts)
 
 
 def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:

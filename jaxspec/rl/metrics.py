@@ -13,7 +13,10 @@ A step record (metrics.jsonl) holds
     (loss tokens dropped for a non-finite current, old, rollout or reference log-prob, per update),
     entropy, grad_norm, router_aux_loss (mixture-of-experts policies: the router's load-balancing
     loss, weighted into loss by loss.router_aux_coef), lr, updates, logprob_mismatch_max/mean
-    (loss.recompute_logprobs);
+    (loss.recompute_logprobs); expert_disagreement and expert_disagreement_tokens (a
+    mixture-of-experts policy with loss.recompute_logprobs: the fraction of (response token, sparse
+    layer) pairs, and of response tokens, whose top-k experts in the log-prob pass differ from the
+    rollout's, with or without loss.routing_replay; `jaxspec.rl.routing`);
     generation_rounds (loss.filter_groups_max_rounds), shaped_reward_mean (the rewards with
     loss.overlong_buffer's penalty; reward_mean and accuracy are the reward function's);
     draft_loss, draft_grad_norm, draft_step_loss, draft_top1_agreement (draft.online);

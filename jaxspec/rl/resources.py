@@ -20,6 +20,7 @@ from jaxspec.placement import check_devices
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig, SpecConfig
 from jaxspec.rl.loss import router_aux_weight
+from jaxspec.rl.routing import replays_routing
 from jaxspec.rollout import Spec
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
@@ -52,7 +53,7 @@ def _check_file(path: str | None, key: str) -> None:
 
 def check_inputs(cfg: GRPOConfig) -> RunInputs:
     """Resolves paths and checks them, the reward, the tokenizer, the draft/policy fit and the
-    loss's fit to the policy (loss.router_aux_coef).
+    loss's fit to the policy (loss.router_aux_coef, loss.routing_replay).
 
     Raises FileNotFoundError naming a missing file, ValueError for anything that does not fit.
     """
@@ -77,6 +78,7 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     router_aux_weight(cfg.loss, model)
+    replays_routing(cfg.loss, model)
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
     r = cfg.rollout

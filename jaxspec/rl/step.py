@@ -26,6 +26,7 @@ from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
 from jaxspec.rl.loss import (LOGPROB_CHUNK, aggregate, draft_targets, policy_loss, reference_sampling,
                              response_logprobs, router_aux_weight, sequence_forward)
 from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
+from jaxspec.rl.routing import differing_layers, replays_routing
 from jaxspec.rollout.sampling import Sampling
 
 
@@ -45,17 +46,28 @@ def learning_rate(cfg: PolicyOptimConfig) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool,
-             sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK) -> Callable:
+             sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK,
+             routing_replay: bool = False) -> Callable:
     """Compiled (params, tokens, segment_ids, resp_index, resp_tokens) of packed rows -> log p of the
     response tokens float32 [S, N] (no gradient). sharding: the run's mesh (activations split over
     its batch axes, `sequence_forward`), None on one device. logprob_chunk: response positions per
-    chunk of the head (`response_logprobs`)."""
+    chunk of the head (`response_logprobs`).
+    A sixth argument, the rollout's experts [R, W, L_sparse, k] packed like the tokens (a
+    mixture-of-experts policy), makes it return (log p, int32 [S, N] the sparse layers whose top-k
+    differs from the record at each response token's predicting position, `routing.differing_layers`);
+    routing_replay: the forward runs every token on those experts (they must be given)."""
 
-    def score(params, tokens, segment_ids, resp_index, resp_tokens):
-        hidden, _, _ = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype), remat,
-                                        sharding, head=False)
-        return response_logprobs(cfg, params, hidden, resp_index, resp_tokens, sampling, chunk_size=logprob_chunk,
+    def score(params, tokens, segment_ids, resp_index, resp_tokens, experts=None):
+        if routing_replay and experts is None:
+            raise ValueError("routing replay scores with the rollout's experts: pass them")
+        hidden, _, router_logits = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype),
+                                                    remat, sharding, head=False,
+                                                    experts=experts if routing_replay else None)
+        logp = response_logprobs(cfg, params, hidden, resp_index, resp_tokens, sampling, chunk_size=logprob_chunk,
                                  sharding=sharding)[0]
+        if experts is None:
+            return logp
+        return logp, differing_layers(router_logits, experts, resp_index, cfg.num_experts_per_tok)
 
     return jax.jit(score)
 
@@ -84,15 +96,21 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     is its effective learning rate). remat rematerialises the policy's layers and the head's
     unrolled steps. params / opt_state / draft weights / draft opt_state are
     donated. Separate programs (`MinibatchUpdate`): the gradients, then the optimizers' steps.
+    With loss.routing_replay the policy's forward runs every token on the minibatch's recorded
+    experts (`PackedRows.experts`, `jaxspec.rl.routing`).
     """
     p_opt = policy_optimizer(optim_cfg)
     router_aux = router_aux_weight(loss_cfg, cfg)
+    replay = replays_routing(loss_cfg, cfg)
     d_opt = draft_optimizer(draft.train) if draft is not None else None
     hidden_layers = tuple(draft.dcfg.aux_layer_ids) if draft is not None else ()
 
     def loss_fn(params, draft_weights, draft_buffers, mb: PackedRows):
+        if replay and mb.experts is None:
+            raise ValueError("loss.routing_replay: the minibatch holds no recorded experts (PackedRows.experts)")
         final, hidden, router_logits = sequence_forward(cfg, params, mb.tokens, mb.segment_ids, hidden_layers,
-                                                        jnp.dtype(compute_dtype), remat, sharding, head=False)
+                                                        jnp.dtype(compute_dtype), remat, sharding, head=False,
+                                                        experts=mb.experts if replay else None)
         logprobs = functools.partial(response_logprobs, cfg, params, final, mb.resp_index, mb.resp_tokens,
                                      chunk_size=logprob_chunk, sharding=sharding)
         logp, entropy = logprobs(sampling)

@@ -22,6 +22,7 @@ from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, recorded_experts_bytes, write_experts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
@@ -42,6 +43,7 @@ def generate(
     cache_dtype=None,
     sharding: Sharding | None = None,
     prompt_width: int = 1,
+    record_experts: bool = False,
 ) -> RolloutOutput:
     """Samples a continuation of every prompt from the policy.
 
@@ -54,9 +56,13 @@ def generate(
     prompt-length bucket (one compilation).
     spec: None for autoregressive decoding, or a `jaxspec.rollout.Spec` for speculative decoding
         (the same distribution; `stats` then reports acceptance, see `speculative.stats.summarize`).
+    record_experts: a mixture-of-experts policy's rollout also returns the experts its router chose
+        at every position (`RolloutOutput.experts`, `jaxspec.rollout.experts`) for routing replay;
+        False leaves the compiled programs as they are without it.
     Raises ValueError for an empty prompt list or prompt, a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
-    not fit the device's free memory, or a draft that does not fit the policy.
+    not fit the device's free memory, a draft that does not fit the policy, or record_experts
+    with a dense policy.
     """
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a jaxspec.rollout.Sampling, got {type(sampling).__name__}")
@@ -65,30 +71,35 @@ def generate(
         if not 0 <= eos < cfg.vocab_size:
             raise ValueError(f"eos_id {eos} is outside the vocabulary [0, {cfg.vocab_size})")
     sampling = dataclasses.replace(sampling, eos_id=eos_ids)
+    if record_experts and not cfg.sparse_layers:
+        raise ValueError("record_experts: the policy is dense (no mixture-of-experts layers route tokens to experts)")
     batch = group_prompts(validate_prompts(cfg, prompts, sampling.max_new_tokens), prompt_width)
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
     if spec is not None:
         return speculative_generate(cfg, params, batch, key, sampling, spec, cache_dtype=cache_dtype,
-                                    sharding=sharding)
+                                    sharding=sharding, record_experts=record_experts)
 
     longest = int(batch.row_lengths.max())
     stages = batch_stages(num_rows, sharding)
     needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct,
                                   stage_rows=sum(stages[1:]))
+    if record_experts:
+        needed += recorded_experts_bytes(cfg, sum(stages), max_len)
     check_fits(needed // cache_shards(cfg, sharding, num_rows, max_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=sampling.max_new_tokens)
 
     def put(x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
 
-    cache, logits, _ = prefill_prompts(
+    cache, logits, _, *prompt_experts = prefill_prompts(
         cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
-        put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding)
-    tokens, logprobs, lengths, stage_steps, _ = _decode(
-        cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key, sharding=sharding,
-        stages=stages)
+        put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding,
+        record_experts=record_experts)
+    tokens, logprobs, lengths, experts, stage_steps, _ = _decode(
+        cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key,
+        prompt_experts[0] if record_experts else None, sharding=sharding, stages=stages)
     stage_steps = [int(n) for n in to_host(stage_steps)]
     stats = {
         "steps": sum(stage_steps),
@@ -98,7 +109,7 @@ def generate(
         "acceptance_rate_per_position": np.zeros((0,), np.float32),
         "generated_tokens": int(to_host(lengths).sum()),
     }
-    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats)
+    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs, stats=stats, experts=experts)
 
 
 class _LoopState(NamedTuple):
@@ -111,21 +122,26 @@ class _LoopState(NamedTuple):
     lengths: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
     key: jax.Array
+    experts: jax.Array | None  # [B, S, L_sparse, k] the recorded routing (`jaxspec.rollout.experts`), or None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "sharding", "stages"), donate_argnames=("cache",))
 def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache, logits: jax.Array,
-            cache_len: jax.Array, key: jax.Array, *, sharding: Sharding | None, stages: tuple[int, ...]):
+            cache_len: jax.Array, key: jax.Array, prompt_experts: jax.Array | None, *, sharding: Sharding | None,
+            stages: tuple[int, ...]):
     """Samples up to N = sampling.max_new_tokens tokens per row.
 
-    cache: B rows, slots [0, cache_len[b]) hold row b's prompt (donated, updated in place);
-    logits float32 [B, V] for the first new token; sampling.eos_id: the resolved tuple of eos ids.
-    stages: the loop's batch sizes as rows finish (`jaxspec.rollout.stages`), stages[0] = B.
-    Returns (tokens int32 [B, N], logprobs float32 [B, N], lengths int32 [B], loop iterations
-    per stage int32 [len(stages)], the B-row cache after the first stage: returned so that it
-    updates the donated one in place).
+    cache: B rows of S slots, slots [0, cache_len[b]) hold row b's prompt (donated, updated in
+    place); logits float32 [B, V] for the first new token; sampling.eos_id: the resolved tuple of
+    eos ids. prompt_experts: None, or the prefill's record [B, P, L_sparse, k] of the prompts'
+    routing, to which each step adds its token's (`jaxspec.rollout.experts`). stages: the loop's
+    batch sizes as rows finish (`jaxspec.rollout.stages`), stages[0] = B.
+    Returns (tokens int32 [B, N], logprobs float32 [B, N], lengths int32 [B], the record [B, S,
+    L_sparse, k] or None, loop iterations per stage int32 [len(stages)], the B-row cache after
+    the first stage: returned so that it updates the donated one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
+    record = prompt_experts is not None
     pad_id = cfg.pad_token_id or 0
 
     def is_eos(tokens: jax.Array) -> jax.Array:
@@ -149,10 +165,13 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
 
     def step(state: _LoopState) -> _LoopState:
         with jax.named_scope("forward"):
-            step_logits, _, new_cache = extend(cfg, params, state.cache, state.last_token[:, None],
-                                               state.cache_len[:, None], state.cache_len, active=~state.done,
-                                               sharding=sharding)
+            step_logits, _, new_cache, *experts = extend(
+                cfg, params, state.cache, state.last_token[:, None], state.cache_len[:, None], state.cache_len,
+                active=~state.done, sharding=sharding, record_experts=record)
         new_cache = jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), new_cache)
+        if record:
+            state = state._replace(experts=write_experts(state.experts, experts[0], state.cache_len,
+                                                         ~state.done[:, None], sharding))
         key, step_key = jax.random.split(state.key)
         state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done, key=key)
         with jax.named_scope("sample"):
@@ -169,12 +188,17 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
         lengths=jnp.zeros((num_rows,), jnp.int32),
         done=jnp.zeros((num_rows,), bool),
         key=key,
+        experts=expert_buffer(prompt_experts, cache.max_len, sharding) if record else None,
     )
     state = emit(state, logits, first_key)
-    state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
-        step, state, stages, ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done"),
+    recorded = ("experts",) if record else ()
+    state, out, full_cache, stage_steps = run_in_stages(
+        step, state, stages,
+        ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done", *recorded),
         lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES),
-                                                        moved.cache)))
+                                                        moved.cache)),
+        outputs=("tokens", "logprobs", "lengths", *recorded))
     batch_axes = ("batch", None)
-    return (constrain(sharding, tokens, batch_axes), constrain(sharding, logprobs, batch_axes), lengths,
-            stage_steps, full_cache)
+    experts = constrain(sharding, out["experts"], EXPERT_AXES) if record else None
+    return (constrain(sharding, out["tokens"], batch_axes), constrain(sharding, out["logprobs"], batch_axes),
+            out["lengths"], experts, stage_steps, full_cache)

@@ -21,9 +21,18 @@ class RolloutOutput(NamedTuple):
         "acceptance_rate_per_position" (float32 [k], empty without speculation),
         "generated_tokens" (sum of lengths); speculative rollouts add "drafted_tokens" and
         "accepted_tokens" (definitions in `jaxspec.rollout.speculative.stats.summarize`).
+    experts: None, or with `generate(..., record_experts=True)` the experts a mixture-of-experts
+        policy's router chose at every position, [B, P + N, L_sparse, k] in
+        `moe.expert_id_dtype(E)` (uint8 up to 256 experts, else int16), P the padded prompt width
+        (the prompt bucket): entry [b, t, j] holds sparse layer j's top-k (descending probability)
+        at position t of row b's own sequence, its prompt at [0, p_b) and response token i at
+        p_b + i, whatever the other rows' prompt lengths. Positions [0, p_b + lengths[b] - 1) hold
+        what the policy chose there; the others (the prompt bucket's padding, the last emitted
+        token, past the response) hold unspecified ids in [0, E) (`jaxspec.rollout.experts`).
     """
 
     tokens: jax.Array
     lengths: jax.Array
     logprobs: jax.Array
     stats: dict
+    experts: jax.Array | None = None

@@ -49,18 +49,20 @@ def put_rows(full: jax.Array, rows: jax.Array, part: jax.Array) -> jax.Array:
     return full.at[rows].set(part)
 
 
-def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str, ...], place=lambda state: state):
+def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str, ...], place=lambda state: state,
+                  outputs: tuple[str, ...] = ("tokens", "logprobs", "lengths")):
     """`jax.lax.while_loop(step)` over `state` stage by stage until every row is done.
 
     step: the loop body, or a sequence of one body per stage; state: a NamedTuple of the loop whose
-    `batch_fields` are batch-major (among them done [B], tokens / logprobs [B, N], lengths [B] and
-    cache); stages: batch sizes, stages[0] = B. Between stages the running rows move into the
-    smaller batch and `place` re-lays the moved state out.
-    Returns (final state, tokens, logprobs, lengths of all B rows, the B-row cache after the
-    first stage, int32 [len(stages)] iterations run in each stage).
+    `batch_fields` are batch-major (among them done [B], the `outputs` and cache); stages: batch
+    sizes, stages[0] = B. Between stages the running rows move into the smaller batch and `place`
+    re-lays the moved state out. outputs: the batch fields that come back for all B rows (each
+    row's from the stage it finished in).
+    Returns (final state, {output field: its [B, ...] array}, the B-row cache after the first
+    stage, int32 [len(stages)] iterations run in each stage).
     """
     num_rows = state.done.shape[0]
-    tokens, logprobs, lengths = state.tokens, state.logprobs, state.lengths
+    full = {name: getattr(state, name) for name in outputs}
     origin = jnp.arange(num_rows, dtype=jnp.int32)  # row of the full batch each loop row is
     bodies = tuple(step) if isinstance(step, (list, tuple)) else (step,) * len(stages)
     stage_steps = []
@@ -78,6 +80,5 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
         stage_steps.append(steps)
         if not i:
             full_cache = state.cache
-        tokens, logprobs, lengths = (put_rows(full, origin, part) for full, part in
-                                     ((tokens, state.tokens), (logprobs, state.logprobs), (lengths, state.lengths)))
-    return state, tokens, logprobs, lengths, full_cache, jnp.stack(stage_steps)
+        full = {name: put_rows(array, origin, getattr(state, name)) for name, array in full.items()}
+    return state, full, full_cache, jnp.stack(stage_steps)

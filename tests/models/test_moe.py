@@ -268,8 +268,9 @@ def _sparse_layer(key):
 def test_moe_mlp_with_the_kernel_equals_ragged_dot(dtype):
     layer = jax.tree.map(lambda a: a.astype(dtype), _sparse_layer(jax.random.key(14)))
     x = jax.random.normal(jax.random.key(15), (3, 7, SHARDED_CFG.hidden_size)).astype(dtype)
-    want, want_router = moe_mlp(layer, x, 2, True, "ragged_dot")
-    got, router = moe_mlp(layer, x, 2, True, "interpret")
+    want, want_router, want_experts = moe_mlp(layer, x, 2, True, "ragged_dot")
+    got, router, experts = moe_mlp(layer, x, 2, True, "interpret")
+    np.testing.assert_array_equal(experts, want_experts)
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(router, want_router)
     assert rel_max_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
@@ -345,7 +346,7 @@ def test_the_kernel_runs_per_device_on_a_mesh_with_gradients(axes):
     placed = jax.device_put(x, sharding.named(("batch", "seq", "act_embed"), x.shape))
 
     def loss(layer, x, impl, sharding):
-        out, router = moe_mlp(layer, x, 2, True, impl, sharding)
+        out, router, _ = moe_mlp(layer, x, 2, True, impl, sharding)
         return jnp.sum(out * probe) + jnp.sum(router), out
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=(2, 3))

@@ -38,6 +38,8 @@ def _error_line(capsys) -> str:
     ("loss.router_aux_coef=-0.1", "loss.router_aux_coef: must be >= 0 or null, got -0.1"),
     ("loss.router_aux_coef=0.01", "loss.router_aux_coef: the policy is dense (no mixture-of-experts layers, "
                                   "no router); set it to null or 0, got 0.01"),
+    ("loss.routing_replay=true", "loss.routing_replay: the policy is dense (no mixture-of-experts layers route "
+                                 "tokens to experts); set it to false"),
     ("policy.path=/nonexistent/policy", "policy.path: policy folder not found: /nonexistent/policy"),
     ("data.train=/nonexistent/train.jsonl", "data.train: file not found: /nonexistent/train.jsonl"),
     ("reward=nope", "unknown reward 'nope'"),

@@ -11,6 +11,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, cache_bytes
 from jaxspec.rollout.output import RolloutOutput
+from jaxspec.rollout.experts import recorded_experts_bytes
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.prompts import PromptBatch
@@ -94,7 +95,8 @@ def speculative_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_
 
 
 def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, key: jax.Array, sampling: Sampling,
-                         spec: Spec, *, cache_dtype, sharding: Sharding | None) -> RolloutOutput:
+                         spec: Spec, *, cache_dtype, sharding: Sharding | None,
+                         record_experts: bool = False) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `spec`: prompts already validated and grouped into `batch`,
     `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
@@ -109,6 +111,8 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     longest = int(batch.row_lengths.max())
     needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct,
                                       sum(stages[1:]))
+    if record_experts:
+        needed += recorded_experts_bytes(cfg, sum(stages), prompt_width + max_new)
     check_fits(needed // cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
                batch=num_rows, prompt_len=longest, max_new_tokens=max_new)
 
@@ -117,12 +121,12 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
 
     prompt_tokens, prompt_lengths = put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",))
     row_prompt, row_lengths = put(batch.row_prompt, ("batch",)), put(batch.row_lengths, ("batch",))
-    cache, logits, policy_hidden = prefill_prompts(cfg, params, prompt_tokens, prompt_lengths, row_prompt,
-                                                   max_len=policy_len, cache_dtype=cache_dtype, sharding=sharding,
-                                                   hidden_layers=drafter.policy_layers)
-    tokens, logprobs, lengths, counts, stage_steps, _ = speculative_decode(
+    cache, logits, policy_hidden, *prompt_experts = prefill_prompts(
+        cfg, params, prompt_tokens, prompt_lengths, row_prompt, max_len=policy_len, cache_dtype=cache_dtype,
+        sharding=sharding, hidden_layers=drafter.policy_layers, record_experts=record_experts)
+    tokens, logprobs, lengths, experts, counts, stage_steps, _ = speculative_decode(
         cfg, sampling, drafters, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
-        row_prompt, row_lengths, key, max_depth=max_depth, draft_len=draft_len, cache_dtype=cache_dtype,
-        sharding=sharding, stages=stages)
+        row_prompt, row_lengths, key, prompt_experts[0] if record_experts else None, max_depth=max_depth,
+        draft_len=draft_len, cache_dtype=cache_dtype, sharding=sharding, stages=stages)
     return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
-                         stats=summarize(counts, lengths, max_depth, stages, stage_steps))
+                         stats=summarize(counts, lengths, max_depth, stages, stage_steps), experts=experts)

@@ -8,7 +8,9 @@ Each iteration, for every row at once:
   3. `kernels.tree_verify` accepts a path and samples the next token exactly from p;
   4. the accepted nodes' KV moves to consecutive slots, the accepted tokens and the next token
      are written to the outputs with their log-probs (an eos or max_new_tokens ends the row
-     exactly there), and the drafter is updated.
+     exactly there), and the drafter is updated. A rollout that records its routing
+     (`jaxspec.rollout.experts`) writes the accepted nodes' experts at the positions their KV
+     moves to.
 Rows accept different numbers of tokens; finished rows keep computing with frozen state until
 the loop moves the running rows into a smaller batch (`jaxspec.rollout.stages`).
 """
@@ -25,6 +27,7 @@ import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
 from jaxspec.rollout.speculative.stats import Counts, count_step
@@ -43,6 +46,7 @@ class _LoopState(NamedTuple):
     done: jax.Array  # bool [B]
     key: jax.Array
     counts: Counts
+    experts: jax.Array | None  # [B, S, L_sparse, k] the recorded routing (`jaxspec.rollout.experts`), or None
 
 
 def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCache:
@@ -74,9 +78,9 @@ def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
                                              "sharding", "stages"), donate_argnames=("cache",))
 def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Drafter, ...], params: Params, dparams,
                        cache: KVCache, logits: jax.Array, policy_hidden: jax.Array, prompt_tokens: jax.Array,
-                       prompt_lengths: jax.Array, row_prompt: jax.Array, row_lengths: jax.Array, key: jax.Array, *,
-                       max_depth: int, draft_len: int, cache_dtype, sharding: Sharding | None,
-                       stages: tuple[int, ...]):
+                       prompt_lengths: jax.Array, row_prompt: jax.Array, row_lengths: jax.Array, key: jax.Array,
+                       prompt_experts: jax.Array | None, *, max_depth: int, draft_len: int, cache_dtype,
+                       sharding: Sharding | None, stages: tuple[int, ...]):
     """Samples up to sampling.max_new_tokens tokens per row with speculative steps.
 
     cache: the policy's prefilled cache (B rows; donated), with at least N spare slots past the
@@ -87,11 +91,15 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
     the deepest. max_depth: the deepest tree level of any stage (longest acceptable run);
     draft_len: cache slots of the drafter's own cache. stages: the loop's batch sizes as rows
     finish (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
+    prompt_experts: None, or the prefill's record [B, P, L_sparse, k] of the prompts' routing, to
+    which each step adds the accepted path's (`jaxspec.rollout.experts`).
     Returns (tokens int32 [B, max_new_tokens], logprobs float32 [B, max_new_tokens], lengths int32 [B],
-    Counts, loop iterations per stage int32 [len(stages)], the B-row cache after the first stage:
-    returned so that it updates the donated one in place).
+    the record [B, P + max_new_tokens, L_sparse, k] or None, Counts, loop iterations per stage int32
+    [len(stages)], the B-row cache after the first stage: returned so that it updates the donated
+    one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
+    record = prompt_experts is not None
     pad_id = cfg.pad_token_id or 0
     eos_ids = jnp.asarray(sampling.eos_id, jnp.int32)
     width = max_depth + 1  # most tokens one step emits
@@ -107,10 +115,10 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
             draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, ~state.done,
                                           draft_key)
         with jax.named_scope("verify_forward"):
-            logits, hidden, cache = extend(
+            logits, hidden, cache, *node_experts = extend(
                 cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
                 tree_mask=None if chain else ancestor_mask(tree.parents, max_depth),
-                active=~state.done, hidden_layers=drafter.policy_layers, sharding=sharding)
+                active=~state.done, hidden_layers=drafter.policy_layers, sharding=sharding, record_experts=record)
         with jax.named_scope("verify"):
             if sampling.greedy:
                 verify_logits, temperature = logits, 0.0
@@ -139,6 +147,10 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
         if not chain:  # a chain's accepted nodes already sit at consecutive slots
             with jax.named_scope("commit"):
                 cache = commit_path(cache, state.cache_len, path)
+        experts = state.experts
+        if record:  # the accepted path's experts at the positions its KV now holds
+            path_experts = jnp.take_along_axis(node_experts[0], jnp.maximum(path, 0)[:, :, None, None], axis=1)
+            experts = write_experts(experts, path_experts, state.cache_len, active[:, None] & (path >= 0), sharding)
         return _LoopState(
             root=jnp.where(active, next_token, state.root),
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), cache),
@@ -151,6 +163,7 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
             counts=count_step(state.counts, tree.parents, tree.num_nodes, path, accepted, active),
+            experts=experts,
         )
 
     key, first_key = jax.random.split(key)
@@ -169,13 +182,17 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
         done=jnp.isin(first, eos_ids) | (max_new == 1),
         key=key,
         counts=Counts.zeros(max_depth),
+        experts=expert_buffer(prompt_experts, prompt_experts.shape[1] + max_new, sharding) if record else None,
     )
     # Between stages the running rows move with their drafter state.
-    state, tokens, logprobs, lengths, full_cache, stage_steps = run_in_stages(
+    recorded = ("experts",) if record else ()
+    state, out, full_cache, stage_steps = run_in_stages(
         [functools.partial(step, drafter) for drafter in drafters], state, stages,
-        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done"),
+        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done", *recorded),
         lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES),
-                                                        moved.cache)))
+                                                        moved.cache)),
+        outputs=("tokens", "logprobs", "lengths", *recorded))
     batch_axes = ("batch", None)
-    return (constrain(sharding, tokens, batch_axes), constrain(sharding, logprobs, batch_axes), lengths,
-            state.counts, stage_steps, full_cache)
+    experts = constrain(sharding, out["experts"], EXPERT_AXES) if record else None
+    return (constrain(sharding, out["tokens"], batch_axes), constrain(sharding, out["logprobs"], batch_axes),
+            out["lengths"], experts, state.counts, stage_steps, full_cache)
