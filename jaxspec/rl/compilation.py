@@ -9,6 +9,18 @@ background threads. The executables land in JAX's jit caches, so the loop's ordi
 them; a call whose program is still compiling waits for that compilation instead of starting
 its own.
 
+A background compilation that fails does not end the run. On a GPU, XLA's autotuner times
+candidate kernels on the device while the rollouts (and the other compilations' autotuning) run
+there, and it can reject every candidate of a fusion on a spurious check ("All configs failed
+during profiling ... Redzone mismatch") in a start that is otherwise fine. The failure is logged
+in one line naming the program and its R, and the program compiles again in the foreground
+(`compile_failed`, step 1's "precompile" stage), once step 1 has trained and its rollouts are
+done: nothing else runs on the device then. A call that needs the program earlier compiles it
+itself (JAX keeps no failed compilation). A failure that repeats in the foreground is the
+program's own, and raises. Background compilations keep the autotuner on: a program compiled
+with `xla_gpu_autotune_level` 0 runs untuned kernels for the whole run, and its compiler options
+are part of the jit cache key, so the loop's calls would compile it once more anyway.
+
 `compilation_cache` points JAX's persistent cache at a directory for the length of a run, so a
 resumed or repeated run reads its programs back instead of compiling them.
 """
@@ -18,11 +30,12 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as cache
+from tqdm import tqdm
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import expert_id_dtype
@@ -32,8 +45,16 @@ from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
 from jaxspec.rl.online_draft import OnlineDraftState
 from jaxspec.rl.step import MinibatchUpdate
 
-# a jitted function (or a `MinibatchUpdate`, its programs) and the abstract arguments of one call
-Program = tuple[Callable, tuple]
+
+class Program(NamedTuple):
+    """One call of a packed-row program, compiled ahead of the loop's: `fn` (a jitted function or
+    a `MinibatchUpdate`, its programs) on the abstract arguments `args`, whose packed rows number
+    `rows` (R); `name` says which program it is in the logs."""
+
+    name: str
+    rows: int
+    fn: Callable
+    args: tuple
 
 
 def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int, loss: GRPOLossConfig | None,
@@ -77,27 +98,31 @@ def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: 
     state = abstract(state)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
 
-    def calls(seqs: int, loss: GRPOLossConfig | None, seq_resp_mask: bool = False) -> Iterator[PackedRows]:
+    def calls(seqs: int, loss: GRPOLossConfig | None, seq_resp_mask: bool = False) -> Iterator[tuple[int, PackedRows]]:
         for rows in packed_row_counts(seqs, width, shortest, placement.row_shards):
-            yield packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask, model)
+            yield rows, packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask,
+                                      model)
 
     def scored(rows: PackedRows) -> tuple:
         return rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens
 
     programs = []
     if cfg.loss.recompute_logprobs:
-        programs += [(score, (state["params"], *scored(rows), *([] if rows.experts is None else [rows.experts])))
-                     for rows in calls(batch, None)]
+        programs += [Program("log-prob scoring", r, score,
+                             (state["params"], *scored(rows), *([] if rows.experts is None else [rows.experts])))
+                     for r, rows in calls(batch, None)]
     if cfg.loss.kl_beta > 0:
-        programs += [(ref_score, (state["ref_params"], *scored(rows))) for rows in calls(batch, None)]
+        programs += [Program("reference scoring", r, ref_score, (state["ref_params"], *scored(rows)))
+                     for r, rows in calls(batch, None)]
     seqs = batch // cfg.loss.minibatches
     if online:
         draft = OnlineDraftState.from_checkpoint(state).update_args()
-        programs += [(update, (state["params"], state["opt_state"], *draft, rows))
-                     for rows in calls(seqs, cfg.loss, seq_resp_mask=True)]
+        programs += [Program("minibatch update", r, update, (state["params"], state["opt_state"], *draft, rows))
+                     for r, rows in calls(seqs, cfg.loss, seq_resp_mask=True)]
     if policy_update is not None:
-        programs += [(policy_update, (state["params"], state["opt_state"], None, None, None, rows))
-                     for rows in calls(seqs, cfg.loss)]
+        name = "minibatch update" if not online else "policy-only update"
+        programs += [Program(name, r, policy_update, (state["params"], state["opt_state"], None, None, None, rows))
+                     for r, rows in calls(seqs, cfg.loss)]
     return programs
 
 
@@ -108,26 +133,48 @@ def precompile_enabled(setting: bool | None) -> bool:
 
 
 def precompile(programs: Sequence[Program], threads: int) -> Future:
-    """Compiles `programs` in the background, up to `threads` at once; the future completes (or
-    raises the first compilation error) when all are compiled."""
+    """Compiles `programs` in the background, up to `threads` at once. The future's result, once
+    all are done, is the list of those whose compilation raised (each logged in one line), for
+    `compile_failed`."""
     driver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
     future = driver.submit(_compile, programs, threads)
     driver.shutdown(wait=False)
     return future
 
 
-def _compile(programs: Sequence[Program], threads: int) -> None:
+def compile_failed(programs: Sequence[Program]) -> None:
+    """Compiles, one at a time in the calling thread, the programs whose background compilation
+    failed (`precompile`'s result): a second failure raises."""
+    for program in programs:
+        _compile_one(program)
+
+
+def _compile(programs: Sequence[Program], threads: int) -> list[Program]:
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="precompile-program") as pool:
-        compiled = [pool.submit(_compile_one, fn, args) for fn, args in programs]
-        for done in compiled:
-            done.result()
+        compiled = [pool.submit(_try_compile, program) for program in programs]
+        return [program for program, done in zip(programs, compiled) if not done.result()]
 
 
-def _compile_one(fn: Callable, args: tuple) -> None:
-    if isinstance(fn, MinibatchUpdate):
-        fn.compile(*args)
+def _try_compile(program: Program) -> bool:
+    """Whether `program` compiled; a failure is logged in one line (the program, its R and the
+    error's first line)."""
+    try:
+        _compile_one(program)
+        return True
+    except Exception as error:  # retried by compile_failed, which raises if it fails again
+        lines = str(error).strip().splitlines()
+        cause = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+        prefix = "" if jax.process_count() == 1 else f"process {jax.process_index()}: "
+        tqdm.write(f"{prefix}precompile: the {program.name} for R = {program.rows} packed rows failed to compile "
+                   f"({cause}); it compiles again in the foreground")
+        return False
+
+
+def _compile_one(program: Program) -> None:
+    if isinstance(program.fn, MinibatchUpdate):
+        program.fn.compile(*program.args)
     else:
-        fn.lower(*args).compile()
+        program.fn.lower(*program.args).compile()
 
 
 def cache_dir(setting: bool | str, run_dir: Path) -> Path | None:

@@ -297,7 +297,8 @@ class GRPOTrainConfig:
     tensorboard: also write TensorBoard scalars to <run-dir>/tensorboard (needs tensorboardX).
     precompile: compile the trainer for every packed row count the run can produce in background
         threads from start-up, while the first rollouts run (`jaxspec.rl.compilation`); step 1
-        waits for the rest (time_precompile_s), and no later step compiles the trainer. null = on
+        waits for the rest (time_precompile_s) and compiles again, in the foreground, any that
+        failed (logged in one line each), and no later step compiles the trainer. null = on
         with accelerators, off on the CPU (no device to overlap with, and it compiles row counts
         the run may never reach).
     precompile_threads: programs compiled at once (each compilation is single-threaded for the

@@ -28,7 +28,7 @@ from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
 from jaxspec.rl.batch import Rollouts, TrainingRows, minibatch_indices, pack_rows, row_width, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, save_config
-from jaxspec.rl.compilation import precompile, precompile_enabled, trainer_programs
+from jaxspec.rl.compilation import compile_failed, precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
 from jaxspec.rl.evaluate import decode_responses, validation_scores
@@ -276,8 +276,8 @@ class GRPORun:
         with timer.stage("train"):
             update_metrics = self._optimize(batch)
         if self.precompiling is not None:
-            with timer.stage("precompile"):
-                self.precompiling.result()
+            with timer.stage("precompile"):  # the device is idle: programs that failed in the background compile here
+                compile_failed(self.precompiling.result())
             self.precompiling = None
         self.step += 1
         self.position += consumed

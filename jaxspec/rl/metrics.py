@@ -25,7 +25,8 @@ A step record (metrics.jsonl) holds
   validation: eval_accuracy, eval_reward_mean (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
-    train.precompile: waiting for the trainer's background compilation), eval, checkpoint; time_step_s;
+    train.precompile: waiting for the trainer's background compilation, and compiling any that
+    failed there), eval, checkpoint; time_step_s;
     in async mode generation and reward are the consumed batch's seconds in the rollout worker
     (overlapping the trainer), rollout_wait the trainer's wait for it and sync the weight copy;
     tokens_per_s (generated tokens per second of generation); time_unix_s (when the record was

@@ -26,6 +26,14 @@ def reuse_across_levels(noise: reference.VerifyNoise) -> reference.VerifyNoise:
     return reference.VerifyNoise(*(jnp.broadcast_to(x[:, :1], x.shape) for x in noise))
 
 
+def siblings_share_uniform(parents):
+    """For trees of one shape (`parents`, -1 at the root): every node's uniform is its parent's, so
+    a sampled draft's siblings are all tested with one uniform (their parent's), the error of a
+    verifier that reads the uniform of the node it stands at instead of the child it tests."""
+    source = jnp.asarray([max(parent, 0) for parent in parents])
+    return lambda noise: noise._replace(uniforms=noise.uniforms[:, source])
+
+
 @contextlib.contextmanager
 def biased_noise(transform):
     original = reference.verification_noise

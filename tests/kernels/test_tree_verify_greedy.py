@@ -1,5 +1,6 @@
 """Greedy (temperature 0) verification: accept a child iff it is the argmax, emit the argmax at
-the last accepted node, report log_softmax(logits); exact cases on every implementation."""
+the last accepted node, report log_softmax(logits); exact cases on every implementation, ties
+inside a vocabulary tile and across tiles."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,9 @@ import pytest
 
 from jaxspec.rollout import Sampling, processed_logprobs
 from kernels import tree_verify
+from kernels.tree_verify_pallas import verify_pallas
+from kernels.tree_verify_reference import verify_reference
+from tests.kernels.numpy_verify import greedy_verify
 
 VOCAB, NODES = 40, 7
 PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3], np.int32)  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}; 3 -> {6}
@@ -65,3 +69,36 @@ def test_greedy_padding_ties_and_keys(impl):
         np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(a.num_accepted, [1, 0])
     np.testing.assert_array_equal(a.next_token, [tokens[3], 9])
+
+
+TIE_VOCAB, TIE_TILE = 40, 8  # 5 vocabulary tiles of 8 tokens
+
+
+@pytest.mark.parametrize("impl,programs", [("reference", None), ("interpret", 1), ("interpret", 1000)],
+                         ids=["reference", "kernel-one-split", "kernel-split-per-tile"])
+def test_greedy_ties_across_tiles_go_to_the_first_token(impl, programs):
+    """The root's largest logit is shared by tokens 12 (tile 1) and 28 (tile 3), node 2's by 5
+    (tile 0) and 37 (tile 4): the argmax is the first, 12 and 5, as np.argmax has it. Row 0 drafts
+    28 then 12 at the root (28 rejected, 12 accepted, 5 emitted after it), row 1 drafts 28 and 30
+    (both rejected, 12 emitted). The kernel compares the tiles inside one program (programs=1) or
+    one split per tile, combined afterwards (programs=1000); the reference combines its tiles."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((2, 3, TIE_VOCAB)).astype(np.float32)
+    logits[:, 0, [12, 28]] = 6.0
+    logits[:, 2, [5, 37]] = 6.0
+    parents = np.tile(np.array([-1, 0, 0], np.int32), (2, 1))
+    tokens = np.array([[0, 28, 12], [0, 28, 30]], np.int32)
+    num_nodes = np.array([3, 3], np.int32)
+    args = tuple(map(jnp.asarray, (logits, parents, tokens, num_nodes)))
+    if impl == "reference":
+        out = verify_reference(*args, jax.random.key(0), temperature=0.0, tile=TIE_TILE)
+    else:
+        out = verify_pallas(*args, jax.random.key(0), temperature=0.0, interpret=True, tile=TIE_TILE,
+                            programs=programs)
+    path, accepted, next_token, logprobs = greedy_verify(logits, parents, tokens, num_nodes)
+    np.testing.assert_array_equal(out.path, path)
+    np.testing.assert_array_equal(out.num_accepted, accepted)
+    np.testing.assert_array_equal(out.next_token, next_token)
+    np.testing.assert_allclose(out.logprobs, logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.next_token, [5, 12])
+    np.testing.assert_array_equal(out.path[:, :2], [[0, 2], [0, -1]])

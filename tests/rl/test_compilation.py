@@ -1,5 +1,6 @@
 """Compiling the trainer ahead of time and the persistent compilation cache: no stalls after step 1,
-fewer compilations in a second run."""
+fewer compilations in a second run, and a failed background compilation compiled again instead of
+ending the run."""
 
 
 import threading
@@ -9,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxspec.rl.compilation as compilation
 import jaxspec.rl.loop as loop
 from jaxspec.rl.batch import TrainingRows, pack_rows, packed_row_count, packed_row_counts
-from jaxspec.rl.compilation import cache_dir, compilation_cache, precompile
+from jaxspec.rl.compilation import Program, cache_dir, compilation_cache, compile_failed, precompile
 from jaxspec.rl.metrics import StageTimer
 from jaxspec.run import Batcher
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
-from tests.rl.runs import read_metrics, train_cli, write_config
+from tests.rl.runs import read_metrics, train_cli, without_machine_keys, write_config
 
 STEPS = 3
 
@@ -62,14 +64,48 @@ class _BarrierProgram:
         self.barrier.wait(timeout=self.timeout_s)
 
 
-def test_precompile_compiles_threads_programs_at_once():
+def test_precompile_compiles_threads_programs_at_once(capsys):
     """train.precompile_threads programs compile concurrently: each of these finishes only once 3
-    are compiling together, so fewer workers break the barrier and the future raises."""
+    are compiling together, so fewer workers break the barrier, and the future lists them failed."""
     barrier = threading.Barrier(3)
-    precompile([(_BarrierProgram(barrier, 30.0), ()) for _ in range(6)], threads=3).result(timeout=60)
+    programs = [Program("update", r, _BarrierProgram(barrier, 30.0), ()) for r in range(6)]
+    assert precompile(programs, threads=3).result(timeout=60) == []
     barrier = threading.Barrier(3)
-    with pytest.raises(threading.BrokenBarrierError):
-        precompile([(_BarrierProgram(barrier, 1.0), ()) for _ in range(3)], threads=2).result(timeout=60)
+    programs = [Program("update", r, _BarrierProgram(barrier, 1.0), ()) for r in range(3)]
+    assert precompile(programs, threads=2).result(timeout=60) == programs
+    assert capsys.readouterr().out.count("BrokenBarrierError") == 3
+
+
+class _FlakyProgram:
+    """A stand-in for a jitted function whose first `failures` compilations raise."""
+
+    def __init__(self, failures: int):
+        self.failures, self.compiled = failures, 0
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        if self.failures:
+            self.failures -= 1
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: All configs failed during profiling\nmore detail")
+        self.compiled += 1
+
+
+def test_a_failed_background_compilation_is_logged_and_compiled_again(capsys):
+    """One line names the program, its row count and the error; `compile_failed` compiles it in the
+    calling thread, and a failure that repeats there raises."""
+    fine, flaky = _FlakyProgram(0), _FlakyProgram(1)
+    programs = [Program("log-prob scoring", 12, fine, ()), Program("minibatch update", 24, flaky, ())]
+    failed = precompile(programs, threads=2).result(timeout=60)
+    assert failed == programs[1:] and (fine.compiled, flaky.compiled) == (1, 0)
+    assert capsys.readouterr().out.splitlines() == [
+        "precompile: the minibatch update for R = 24 packed rows failed to compile (JaxRuntimeError: NOT_FOUND: "
+        "All configs failed during profiling); it compiles again in the foreground"]
+    compile_failed(failed)
+    assert flaky.compiled == 1
+    with pytest.raises(jax.errors.JaxRuntimeError, match="All configs failed"):
+        compile_failed([Program("minibatch update", 24, _FlakyProgram(2), ())] * 2)
 
 
 def test_cache_dir_setting(tmp_path):
@@ -163,6 +199,36 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4
     assert jax.config.jax_compilation_cache_dir is None  # the run's cache settings end with it
+
+
+def test_a_run_whose_background_compilations_fail_goes_on_unchanged(precompiled_run, tmp_path, capsys):
+    """The fault of a GPU start (XLA's autotuner failing a background compilation beside the
+    rollouts), injected: the first compilation of the update with the online head at R = 16 rows
+    (step 1 calls it) and at R = 32 (step 2's) raises. The run logs each in one line, compiles them
+    in the foreground, and matches the run without the fault: the same metrics, and still nothing
+    compiled after step 1 (the programs come from the first run's persistent cache)."""
+    config, overrides, first_dir, _, _ = precompiled_run
+    compile_one, failed = compilation._compile_one, []
+
+    def failing_once(program):
+        if program.name == "minibatch update" and program.rows in (16, 32) and program.rows not in failed:
+            failed.append(program.rows)
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: All configs failed during profiling (injected)")
+        compile_one(program)
+
+    jax.clear_caches()
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compilation, "_compile_one", failing_once)
+        assert train_cli("--config", config, "--run-dir", tmp_path / "run", *overrides) == 0
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("precompile:")]
+    assert sorted(failed) == [16, 32] and sorted(logged) == [
+        f"precompile: the minibatch update for R = {rows} packed rows failed to compile (JaxRuntimeError: "
+        "NOT_FOUND: All configs failed during profiling (injected)); it compiles again in the foreground"
+        for rows in (16, 32)]
+    records = read_metrics(tmp_path / "run")
+    assert without_machine_keys(records) == without_machine_keys(read_metrics(first_dir))
+    assert [(r["compiles"], r["compiles_cached"]) for r in records[1:]] == [(0, 0)] * (STEPS - 1), records
 
 
 def test_gathered_rollout_weights_compile_nothing_after_the_first_step(tiny_policy, tmp_path):

@@ -127,7 +127,8 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
 
     Level 1 is the root's top-`width` children; each further level expands every node of the
     previous level into its top-`width` children and keeps the best `width` by score (see the
-    module docstring); finally the `num_nodes` best nodes overall are kept.
+    module docstring); finally the `num_nodes` best nodes overall are kept (stochastic drafts: those
+    with q > 0 alone, so a row may keep fewer).
     draft_pass: runs the draft over the tree built so far (nodes in level order) and returns its
         raw logits over the draft vocabulary at the frontier's nodes; called `depth` times with
         T = 1, 1 + width, ..., 1 + (depth - 1) * width nodes.
@@ -193,7 +194,12 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
         q = jnp.concatenate(node_probs, axis=1)
         q = jnp.concatenate([q, jnp.zeros((batch, width, q.shape[-1]), q.dtype)], axis=1)
         draft_probs = probs_to_target(q)
-    if num_nodes == depth * width:  # nothing to prune: the tree is already packed in level order
+    # Nothing to prune: the tree is already packed in level order, unless it is stochastic and wider
+    # than q's support (fewer tokens with q > 0 than `width`, e.g. under top-p): then each node's last
+    # draws are tokens with q = 0 (score -inf), which could not have been drawn and which verification
+    # would accept whenever p > 0, so only its finite nodes are kept. (A deterministic draft of such a
+    # token costs a node, never exactness.)
+    if num_nodes == depth * width and (width == 1 or not stochastic):
         return carry, DraftTree(tokens=tokens, parents=parents, depth=node_depth,
                                 num_nodes=jnp.full((batch,), total, jnp.int32), draft_probs=draft_probs)
     keep = best_nodes(scores, num_nodes)

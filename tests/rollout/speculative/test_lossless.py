@@ -23,6 +23,15 @@ error with >= 90% power (noncentral chi-square from the exact laws of the biased
 asserted by `test_power_of_the_strong_draft_test`), and noise reused across tree levels at
 p < 1e-90 (5 seeds of each draft kind; chains at T = 1) and p < 1e-20 (3 seeds; trees at T = 0.7,
 top_p = 0.9); each biased sampler is run and rejected, and the correct runs go through staged loops.
+
+Vocabulary tiles. Verification draws residual and bonus samples tile by tile (`kernels.tree_race`:
+a race between tiles, then between the winning tile's tokens); a policy's vocabulary spans many
+tiles (Qwen's 151936 tokens: 75), the tiny policy's 6 tokens one. The rollouts here therefore
+verify with tiles of RACE_TEST_TILE = 2 tokens (3 tiles; `race_tiles`), where an error in the race
+between tiles or in the token race's seed shows (with greedy drafts; sampled drafts race over the
+whole vocabulary in the reference): the 20 cases' flat distributions reveal a token race seeded
+like the tile race (a token whose tile lost the race is then rarely drawn), the strong drafts'
+peaked ones a tile race that counts the drafted tokens' mass.
 """
 
 import contextlib
@@ -33,9 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels
 from jaxspec.draft import init_eagle3
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs, stages
+from kernels.tree_verify_reference import verify_reference
 from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels
 from tests.kernels.trees import chi_square_power
 from tests.rollout.conftest import random_params
@@ -50,6 +61,7 @@ MAX_NEW = 3
 # are tested in tests/rollout/test_stages.py, and at T = 1 by the strong-draft tests below).
 NUM_SAMPLES = 6144
 EOS = 5
+RACE_TEST_TILE = 2  # verification's vocabulary tiles (`race_tiles`): 3 over the 6 tokens
 
 T1 = dict(temperature=1.0, top_k=0, top_p=1.0)
 NUCLEUS = dict(temperature=0.7, top_k=0, top_p=0.9)
@@ -64,6 +76,27 @@ CASES = [(method, shape, drafts, setting)
 def case_id(case) -> str:
     method, shape, drafts, setting = case
     return f"{method}-{shape}-{drafts}-T{setting['temperature']}-p{setting['top_p']}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def race_tiles():
+    """Every rollout of this module verifies over vocabulary tiles of RACE_TEST_TILE tokens (tree
+    verification on the CPU is the jnp reference); yields the list of the tiles each verification
+    was traced with. Jit caches are cleared on entry and exit, so every loop of the module is traced
+    with the tiles and none of other modules is."""
+    traced = []
+
+    def verify(*args, **kwargs):
+        traced.append(RACE_TEST_TILE)
+        return verify_reference(*args, tile=RACE_TEST_TILE, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "verify_reference", verify)
+        jax.clear_caches()
+        try:
+            yield traced
+        finally:
+            jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +143,7 @@ def reference(teacher_forced):
 
 
 @pytest.fixture(scope="module")
-def sampled(tiny_vocab_policy, drafts):
+def sampled(tiny_vocab_policy, drafts, race_tiles):
     """sampled(case) -> (continuations, RolloutOutput) of one speculative generate call over
     NUM_SAMPLES copies of PROMPT; cached per case."""
     cfg, params = tiny_vocab_policy
@@ -121,10 +154,12 @@ def sampled(tiny_vocab_policy, drafts):
         if key not in cache:
             method, shape, draft_sampling, setting = case
             spec = Spec(method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **SHAPES[shape])
+            traced = len(race_tiles)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
                 out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
                                Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
+            assert len(race_tiles) > traced, "each case's loop is traced, its verification over the race tiles"
             tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
             cache[key] = [tuple(row[:n]) for row, n in zip(tokens, lengths)], out
         return cache[key]

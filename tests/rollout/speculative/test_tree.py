@@ -1,4 +1,5 @@
-"""Draft trees: EAGLE-2 selection against a brute-force reference, masks, n-gram lookup, KV commit."""
+"""Draft trees: EAGLE-2 selection against a brute-force reference (raw and processed draft
+distributions: temperature and top-p), sampled children's law, masks, n-gram lookup, KV commit."""
 
 import itertools
 
@@ -8,10 +9,12 @@ import numpy as np
 import pytest
 
 from jaxspec.models import KVCache
+from jaxspec.rollout import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Verified
 from jaxspec.rollout.speculative.loop import commit_path
 from jaxspec.rollout.speculative.ngram import History, NgramDrafter
 from jaxspec.rollout.speculative.tree import ancestor_mask, dynamic_tree, shifted_gumbel
+from tests.kernels.trees import chi_square_pvalue
 
 VOCAB = 7
 TABLE = np.random.default_rng(0).normal(size=(VOCAB, VOCAB, VOCAB)).astype(np.float32)
@@ -19,8 +22,14 @@ TABLE[:, :, 4] = TABLE[:, :, 3]  # tied draft probabilities: the lower token id 
 TABLE[2, 5, 6] = -np.inf  # a token the draft excludes
 
 
-def fake_logq(path) -> np.ndarray:
-    """Draft log-probs after a node path (root first): depends on the path's sum and last token."""
+NUCLEUS = Sampling(temperature=0.7, top_p=0.8)  # rescales the scores and excludes tokens from drafting
+
+
+def fake_logq(path, sampling: Sampling | None = None) -> np.ndarray:
+    """Draft log-probs after a node path (root first): depends on the path's sum and last token;
+    the log-softmax of TABLE's raw logits, or with `sampling` their processed log-probs."""
+    if sampling is not None:
+        return np.asarray(processed_logprobs(jnp.asarray(TABLE[sum(path) % VOCAB, path[-1]]), sampling), np.float64)
     x = TABLE[sum(path) % VOCAB, path[-1]].astype(np.float64)
     finite = np.isfinite(x)
     out = np.full(VOCAB, -np.inf)
@@ -42,14 +51,15 @@ def unused(logits):
     raise AssertionError("a deterministic chain needs no processed log-probabilities")
 
 
-def reference_tree(root: int, depth: int, width: int, budget: int):
-    """Brute-force EAGLE-2 greedy tree as lists (tokens, parents, depth) in level order."""
+def reference_tree(root: int, depth: int, width: int, budget: int, sampling: Sampling | None = None):
+    """Brute-force EAGLE-2 greedy tree as lists (tokens, parents, depth) in level order, scored by
+    `fake_logq` (processed by `sampling` when given)."""
     nodes = [((root,), 0.0, -1, 0)]  # (path, score, parent, depth)
     frontier = [0]
     for d in range(1, depth + 1):
         candidates = []
         for f in frontier:
-            logq = fake_logq(nodes[f][0])
+            logq = fake_logq(nodes[f][0], sampling)
             for token in sorted(range(VOCAB), key=lambda v: (-logq[v], v))[:width]:
                 candidates.append((nodes[f][1] + logq[token], f, token))
         order = sorted(range(len(candidates)), key=lambda c: (-candidates[c][0], c))[:width]
@@ -59,22 +69,31 @@ def reference_tree(root: int, depth: int, width: int, budget: int):
             frontier.append(len(nodes))
             nodes.append((nodes[f][0] + (token,), score, f, d))
     ranked = sorted(range(1, len(nodes)), key=lambda n: (-nodes[n][1], n))
-    kept = [0] + sorted(n for n in ranked[:budget] if np.isfinite(nodes[n][1]))
+    full = budget == depth * width  # nothing pruned: tokens the draft excludes (score -inf) stay too
+    kept = [0] + sorted(n for n in ranked[:budget] if full or np.isfinite(nodes[n][1]))
     index = {n: i for i, n in enumerate(kept)}
     return ([nodes[n][0][-1] for n in kept], [index.get(nodes[n][2], -1) for n in kept],
             [nodes[n][3] for n in kept])
 
 
+def processed(sampling: Sampling | None):
+    """dynamic_tree's `process`: the rollout's processed log-probs, or a plain log-softmax."""
+    return log_softmax if sampling is None else (lambda logits: processed_logprobs(logits, sampling))
+
+
+@pytest.mark.parametrize("sampling", [None, NUCLEUS], ids=["log_softmax", "t0.7_top_p0.8"])
 @pytest.mark.parametrize("depth, width, budget", [(3, 1, 3), (4, 1, 2), (3, 3, 5), (2, 4, 8)])
-def test_greedy_dynamic_tree_matches_brute_force(depth, width, budget):
+def test_greedy_dynamic_tree_matches_brute_force(depth, width, budget, sampling):
+    """Under temperature and top-p the scores (cumulative processed log-probs) rank the nodes, and
+    tokens top-p excludes are never drafted."""
     roots = jnp.arange(VOCAB, dtype=jnp.int32)
-    process = unused if width == 1 else log_softmax  # a chain takes each level's argmax of the raw logits
+    process = unused if width == 1 else processed(sampling)  # a chain takes each level's argmax of the raw logits
     calls, tree = jax.jit(lambda r: dynamic_tree(fake_pass, 0, r, jax.random.key(0), depth=depth, width=width,
                                                  num_nodes=budget, stochastic=False, process=process))(roots)
     assert int(calls) == depth and tree.draft_probs is None
     assert tree.tokens.shape == (VOCAB, 1 + budget)
     for r in range(VOCAB):
-        tokens, parents, depths = reference_tree(r, depth, width, budget)
+        tokens, parents, depths = reference_tree(r, depth, width, budget, sampling)
         n = int(tree.num_nodes[r])
         assert n == len(tokens)
         assert np.asarray(tree.tokens[r, :n]).tolist() == tokens
@@ -82,27 +101,49 @@ def test_greedy_dynamic_tree_matches_brute_force(depth, width, budget):
         assert np.asarray(tree.depth[r, :n]).tolist() == depths
 
 
-def test_stochastic_tree_is_a_valid_tree_with_draft_distributions():
-    depth, width, budget = 3, 3, 6
+@pytest.mark.parametrize("sampling", [None, NUCLEUS], ids=["log_softmax", "t0.7_top_p0.8"])
+@pytest.mark.parametrize("depth, width, budget", [(3, 3, 6), (2, 3, 6)], ids=["pruned", "full"])
+def test_stochastic_tree_is_a_valid_tree_with_draft_distributions(depth, width, budget, sampling):
+    """q at every node with children is the processed draft distribution, and every drawn child
+    has q > 0: under top-p never a token the nucleus excludes, also in a full tree (nothing
+    pruned) whose nodes have fewer tokens with q > 0 than children to draw (the row keeps fewer)."""
     roots = jnp.tile(jnp.arange(VOCAB, dtype=jnp.int32), 6)
     _, tree = jax.jit(lambda r, k: dynamic_tree(fake_pass, 0, r, k, depth=depth, width=width, num_nodes=budget,
-                                                stochastic=True, process=log_softmax))(roots, jax.random.key(1))
+                                                stochastic=True, process=processed(sampling)))(roots,
+                                                                                               jax.random.key(1))
     tokens, parents, depths, num, q = map(np.asarray, tree)
-    assert np.all(num == 1 + budget)
+    assert np.all(num <= 1 + budget) and (sampling is not None or np.all(num == 1 + budget))
     distinct_shapes = set()
     for b in range(len(roots)):
         path = {0: (int(roots[b]),)}
         for n in range(1, num[b]):
             assert 0 <= parents[b, n] < n and depths[b, n] == depths[b, parents[b, n]] + 1
             path[n] = path[parents[b, n]] + (int(tokens[b, n]),)
-            np.testing.assert_allclose(q[b, parents[b, n]], np.exp(fake_logq(path[parents[b, n]])), rtol=1e-5,
-                                       atol=1e-7)
+            np.testing.assert_allclose(q[b, parents[b, n]], np.exp(fake_logq(path[parents[b, n]], sampling)),
+                                       rtol=1e-5, atol=1e-7)
             assert q[b, parents[b, n], tokens[b, n]] > 0, "a drawn child must have draft probability > 0"
-        children = [tuple(tokens[b, parents[b] == n][1:] if n == 0 else tokens[b, parents[b] == n])
-                    for n in range(num[b])]
+        valid = np.arange(len(parents[b])) < num[b]
+        children = [tuple(tokens[b, valid & (parents[b] == n)]) for n in range(num[b])]
         assert all(len(set(c)) == len(c) for c in children), "siblings are drawn without replacement"
         distinct_shapes.add(tuple(parents[b]))
-    assert len(distinct_shapes) > 1, "stochastic scores should give differently shaped trees"
+    assert budget == depth * width or len(distinct_shapes) > 1, "stochastic scores should give differently shaped trees"
+    if sampling is not None:
+        assert np.mean(q[:, 0] == 0) > 0.2, "top-p should exclude some of the root's tokens"
+        assert budget < depth * width or np.any(num < 1 + budget), "some node should have fewer than 3 tokens"
+
+
+@pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
+def test_stochastic_first_draw_follows_the_processed_draft(width):
+    """The root's first child (node 1, always kept) of ROWS trees with one root is drawn from the
+    processed draft distribution at the root, chains included: chi-square against it."""
+    rows, root = 20000, 2
+    _, tree = jax.jit(lambda r, k: dynamic_tree(fake_pass, 0, r, k, depth=2, width=width, num_nodes=2 * width,
+                                                stochastic=True, process=processed(NUCLEUS)))(
+        jnp.full((rows,), root, jnp.int32), jax.random.key(2))
+    q = np.exp(fake_logq((root,), NUCLEUS))
+    assert 2 <= np.count_nonzero(q) < VOCAB
+    first = [(int(t),) for t in np.asarray(tree.tokens[:, 1])]
+    assert chi_square_pvalue(first, {(y,): float(m) for y, m in enumerate(q) if m > 0}) > 1e-3
 
 
 def test_shifted_gumbel_keeps_order_and_caps_at_parent():
