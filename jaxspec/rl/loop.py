@@ -58,7 +58,7 @@ class GRPORun:
         self.train_set, self.eval_set = self._load_prompts()
         if is_main():
             save_config(cfg, run_dir)
-        self.reward_fn = get_reward(cfg.reward)
+        self.reward = get_reward(cfg.reward)
 
         self.placement = Placement(cfg.mesh)
         self.mcfg, params = load_hf(inputs.policy_dir, "float32", sharding=self.placement.sharding)
@@ -162,7 +162,7 @@ class GRPORun:
         """Validation scores of the current policy on the held-out prompts."""
         policy, spec = self.rollout_view()
         key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 1)
-        return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward_fn, self.eval_sampling, key,
+        return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward, self.eval_sampling, key,
                                  self.cfg.eval.batch_size, spec=spec, sharding=self.placement.sharding)
 
     def save(self) -> None:
@@ -181,12 +181,13 @@ class GRPORun:
         with timer.stage("generation"):
             tokens, lengths, logprobs, stats = self._generate_rows(prompts, policy, spec, key, sharding)
         with timer.stage("reward"):
-            texts = decode_responses(self.tok, tokens, lengths)
-            scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
+            grades = self.reward.grade(decode_responses(self.tok, tokens, lengths), records)
+        scores = grades.scores
         rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
                                             cfg.loss.overlong_penalty)
         return Rollouts(prompts=prompts, records=records, tokens=tokens, lengths=lengths, logprobs=logprobs,
-                        scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()))
+                        scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()),
+                        reward_failures=grades.failures)
 
     def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
         """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], stats) on the host for the
@@ -271,7 +272,8 @@ class GRPORun:
         if self.async_rollouts is not None:
             with timer.stage("sync"):
                 record["sync_bytes"] = self.async_rollouts.sync()
-        record.update(rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group))
+        record.update(rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group),
+                      reward_failures=out.reward_failures)
         if cfg.loss.overlong_buffer:
             record["shaped_reward_mean"] = float(rewards.mean())
         record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
