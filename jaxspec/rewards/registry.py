@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxspec.exits import EXIT_REWARD
 from jaxspec.rewards.latex_math import math_example_reward
 from jaxspec.rewards.math_verifier import arithmetic_reward
 from jaxspec.rewards.timed import RewardCallError, TimedCall
@@ -43,6 +44,8 @@ log = logging.getLogger("jaxspec.rewards")
 
 class RewardError(RuntimeError):
     """A reward that cannot grade: its self-test failed, or every response of a batch failed."""
+
+    exit_status = EXIT_REWARD
 
 
 @dataclasses.dataclass(frozen=True)

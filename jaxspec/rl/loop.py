@@ -27,7 +27,7 @@ from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
 from jaxspec.rl.batch import Rollouts, TrainingRows, minibatch_indices, pack_rows, row_width, training_rows
-from jaxspec.rl.checkpointing import Checkpointer, save_config
+from jaxspec.rl.checkpointing import Checkpointer, record_config
 from jaxspec.rl.compilation import precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
@@ -48,7 +48,8 @@ class GRPORun:
     """One run: prompts, policy and draft, the compiled trainer functions and the training state.
 
     `state` is the checkpointed pytree (see `checkpointing`); step / position / updates mirror its
-    counters on the host.
+    counters on the host; history holds the metrics records of the steps done before this start
+    (process 0; empty elsewhere).
     """
 
     def __init__(self, cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs):
@@ -56,8 +57,6 @@ class GRPORun:
         self.tok = inputs.tokenizer
         r_cfg, t_cfg = cfg.rollout, cfg.train
         self.train_set, self.eval_set = self._load_prompts()
-        if is_main():
-            save_config(cfg, run_dir)
         self.reward = get_reward(cfg.reward)
 
         self.placement = Placement(cfg.mesh)
@@ -91,9 +90,11 @@ class GRPORun:
         if restored is not None:
             self.state = restored
             say(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
-        if is_main():  # records after the restored step; a fresh start drops all (an attempt that never
-            # reached a checkpoint, its step-0 validation included)
-            truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None else -1)
+        record_config(cfg, run_dir, int(self.state["step"]) if restored is not None else None)
+        # the records up to the restored step (metrics.jsonl, process 0): records after it are dropped, and
+        # a fresh start drops all (an attempt that never reached a checkpoint, its step-0 validation included)
+        self.history = truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None
+                                        else -1) if is_main() else []
         self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
 
         self.sampling = Sampling(temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,

@@ -45,6 +45,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxspec.exits import StorageError
+
 MACHINE_PREFIXES = ("time_", "tokens_per_s", "compiles", "memory_")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
@@ -74,8 +76,11 @@ class MetricsLog:
         """Appends `record` with its time_unix_s (not mirrored: TensorBoard keeps its own wall time)."""
         if self._file is None:
             return
-        self._file.write(json.dumps({**record, "time_unix_s": round(time.time(), 3)}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({**record, "time_unix_s": round(time.time(), 3)}) + "\n")
+            self._file.flush()
+        except OSError as err:  # a full disk: the error names the file
+            raise StorageError(f"writing {self.path} failed: {err.strerror or err}") from err
         if self._writer is not None:
             step = int(record["step"])
             for key, value in record.items():
