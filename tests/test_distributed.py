@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.distributed import initialize_from_env
+from jaxspec.distributed import initialize_from_env, slurm_local_devices
 from jaxspec.exits import EXIT_PEER
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -102,3 +102,19 @@ def test_a_peer_that_dies_mid_run_ends_the_others_with_one_line(tmp_path, surviv
             f"jaxspec: error: process 2 of 3 stopped answering for 3 s (it died or hangs: its own log says why); "
             f"process {survivor} stops too (JAXSPEC_PEER_TIMEOUT_S sets the wait)")
         assert "Traceback" not in stderr and "@ 0x" not in stderr  # no Python or C++ stack
+
+
+@pytest.mark.parametrize("env, ids", [
+    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}, list(range(8))),
+    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, [0, 1, 2, 3]),
+    ({"SLURM_NTASKS": "16", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}, None),  # one task per GPU
+    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"}, None),  # no GPUs
+    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8", "JAX_LOCAL_DEVICE_IDS": "0"}, None),
+])
+def test_a_task_per_node_takes_every_gpu_of_its_node(monkeypatch, env, ids):
+    for key in ("SLURM_GPUS_ON_NODE", "CUDA_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS", "SLURM_NNODES",
+                "SLURM_JOB_NUM_NODES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_local_devices() == ids
