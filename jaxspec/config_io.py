@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -252,15 +253,23 @@ def load_validated(cls, validate: Callable, args) -> object:
     return cfg
 
 
-def run_command(prepare: Callable[[], object], run: Callable[[object], dict]) -> int:
+def run_command(prog: str, prepare: Callable[[], object], run: Callable[[object], dict]) -> int:
     """A training command's exit status: prepare() loads and checks everything before any compute
-    (its errors, like the run's, reach `jaxspec.cli.main`, which prints them as one line with the
-    status of their kind: `jaxspec.exits`); run(its result) trains and returns the run's summary,
-    whose "preempted" (stopped by SIGTERM, Ctrl-C or the job's time limit after checkpointing)
-    returns EXIT_CHECKPOINTED, else 0."""
-    from jaxspec.exits import EXIT_CHECKPOINTED
+    (a foreseen error prints one line `prog: error: ...` and returns the status of its kind,
+    `jaxspec.exits`); run(its result) trains and returns the run's summary, whose "preempted"
+    (stopped by SIGTERM, Ctrl-C or the job's time limit after checkpointing) returns
+    EXIT_CHECKPOINTED, else 0. The run's own errors reach `jaxspec.cli.main`, which maps them alike."""
+    from jaxspec.exits import EXIT_CHECKPOINTED, EXIT_ERROR, exit_status
 
-    return EXIT_CHECKPOINTED if run(prepare())["preempted"] else 0
+    try:
+        prepared = prepare()
+    except Exception as err:
+        status, message = exit_status(err)
+        if status == EXIT_ERROR:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return status
+    return EXIT_CHECKPOINTED if run(prepared)["preempted"] else 0
 
 
 def run_parser(prog: str, description: str, example_config: str, run_dir_holds: str):

@@ -18,8 +18,8 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command; a bad config or run directory raises before any compute (`jaxspec.cli.main`
-    prints it as one line, exit status 2). SIGTERM or Ctrl-C checkpoints at the next step and
+    """Runs the command; a bad config or run directory prints one error line and returns 2 before
+    any compute. SIGTERM or Ctrl-C checkpoints at the next step and
     returns EXIT_CHECKPOINTED (75)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -29,4 +29,4 @@ def main(argv: list[str] | None = None) -> int:
         check_run_dir(cfg, Path(args.run_dir), args.resume)
         return cfg
 
-    return run_command(prepare, lambda cfg: pretrain(cfg, args.run_dir, resume=args.resume))
+    return run_command("jaxspec pretrain", prepare, lambda cfg: pretrain(cfg, args.run_dir, resume=args.resume))

@@ -20,8 +20,9 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command. A bad config, input file, reward or run directory raises before any compute
-    (`jaxspec.cli.main` prints it as one line with the status of its kind: `jaxspec.exits`).
+    """Runs the command. A bad config, input file, reward or run directory prints one line
+    `jaxspec train: error: ...` before any compute and returns the status of its kind
+    (`jaxspec.exits`: 2, or 3 for a reward that cannot grade).
     SIGTERM, Ctrl-C or the job's time limit (JAXSPEC_STOP_BY, `jaxspec.rl.driver`) checkpoints at a
     step boundary and returns EXIT_CHECKPOINTED (75: not finished, continue with --resume)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -33,5 +34,5 @@ def main(argv: list[str] | None = None) -> int:
         check_run_dir(cfg, Path(args.run_dir), args.resume)
         return cfg, inputs
 
-    return run_command(prepare, lambda prepared: train(prepared[0], args.run_dir, resume=args.resume,
-                                                       inputs=prepared[1]))
+    return run_command("jaxspec train", prepare,
+                       lambda prepared: train(prepared[0], args.run_dir, resume=args.resume, inputs=prepared[1]))

@@ -14,6 +14,7 @@ or, as orbax writes in the background, when the next save or `close` waits for i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -40,24 +41,27 @@ class Checkpointer:
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
         self.longest_write_s: float | None = None
-        self._saving: tuple[int, float] | None = None  # (step, start) of the save in flight
+        self._in_flight: collections.deque[tuple[int, float]] = collections.deque()  # (step, start), oldest first
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, async_options=ocp.AsyncOptions(post_finalization_callback=self._written))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def _written(self) -> None:  # orbax calls it once a save is complete on disk
-        saving, self._saving = self._saving, None
-        if saving is not None:
-            self.longest_write_s = max(self.longest_write_s or 0.0, time.perf_counter() - saving[1])
+    def _written(self) -> None:  # orbax calls it once a save is complete on disk (saves complete in order)
+        if self._in_flight:
+            _, start = self._in_flight.popleft()
+            self.longest_write_s = max(self.longest_write_s or 0.0, time.perf_counter() - start)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, state: TrainState) -> None:
         step = int(state["step"])
-        previous, self._saving = self._saving, (step, time.perf_counter())  # previous: still in flight
-        with self._naming_failures(previous[0] if previous is not None else step):
-            self.manager.save(step, args=ocp.args.StandardSave(state))
+        failing = self._in_flight[0][0] if self._in_flight else step  # a failure may be the last save's
+        self._in_flight.append((step, time.perf_counter()))
+        with self._naming_failures(failing):
+            saved = self.manager.save(step, args=ocp.args.StandardSave(state))
+        if not saved:  # orbax skipped it (the step is saved already): nothing will complete
+            self._in_flight.pop()
 
     @contextlib.contextmanager
     def _naming_failures(self, step: int):
@@ -130,7 +134,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the save in flight (StorageError when it failed) and closes the manager."""
-        with self._naming_failures(self._saving[0] if self._saving is not None else self.latest_step()):
+        with self._naming_failures(self._in_flight[0][0] if self._in_flight else self.latest_step()):
             self.manager.wait_until_finished()
         self.manager.close()
 

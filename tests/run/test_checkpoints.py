@@ -91,3 +91,31 @@ def test_a_torn_last_line_is_dropped_and_a_bad_line_before_it_is_named(tmp_path)
     path.write_text('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"{path}: line 2 is not a JSON record \(Unterminated string"):
         truncate_metrics(path, 5, reports.append)
+
+
+def test_each_save_is_timed_until_it_is_on_disk(tmp_path, monkeypatch):
+    """longest_write_s measures a save from its start until orbax reports it complete in the
+    background, not only the part `save` blocks for."""
+    import time
+
+    import orbax.checkpoint as ocp
+
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=5)
+    assert checkpointer.longest_write_s is None
+    checkpointer.save(_state(1))
+    checkpointer.close()
+    assert 0 < checkpointer.longest_write_s < 60
+
+    finalize = ocp.CompositeCheckpointHandler.finalize
+
+    def slow_finalize(self, directory):  # a slow disk: the save completes 2 s after `save` returned
+        time.sleep(2.0)
+        return finalize(self, directory)
+
+    monkeypatch.setattr(ocp.CompositeCheckpointHandler, "finalize", slow_finalize)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=5)
+    start = time.perf_counter()
+    checkpointer.save(_state(2))
+    assert time.perf_counter() - start < 2.0 and checkpointer.longest_write_s is None  # still being written
+    checkpointer.close()
+    assert checkpointer.longest_write_s >= 2.0
