@@ -1,9 +1,17 @@
-"""The `jaxspec` command line: each sub-command lives in its own module with a `main(argv)`."""
+"""The `jaxspec` command line: each sub-command lives in its own module with a `main(argv)`.
+
+An error ends the output with one line `jaxspec <command>: error: ...` and an exit status of its
+kind (`jaxspec.exits`).
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
+
+from jaxspec.exits import EXIT_CHECKPOINTED, EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED, exit_status
 
 COMMANDS = {
     "pretrain": ("jaxspec.pretrain", "train a small policy from scratch on the math task; export an HF folder"),
@@ -28,34 +36,53 @@ def _usage() -> str:
     lines = ["usage: jaxspec <command> [args]", "", "commands:"]
     lines += [f"  {name:<16}{doc}" for name, (_, doc) in COMMANDS.items()]
     lines += [f"  bench {name:<10}{doc}" for name, (_, doc) in BENCHMARKS.items()]
-    lines += ["", "`jaxspec <command> --help` for a command's options."]
+    lines += ["", "`jaxspec <command> --help` for a command's options; exit statuses: `jaxspec.exits`."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs a command; returns its exit status (an error prints its one line, see the module doc)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0 if argv else EXIT_INPUT
     table, name, rest = COMMANDS, argv[0], argv[1:]
     if name == "bench":
         if not rest or rest[0] not in BENCHMARKS:
             print(f"jaxspec bench: expected one of {sorted(BENCHMARKS)}", file=sys.stderr)
-            return 2
+            return EXIT_INPUT
         table, name, rest = BENCHMARKS, rest[0], rest[1:]
     if name not in table:
         print(f"jaxspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     module = importlib.import_module(table[name][0])
     try:
         return int(module.main(rest) or 0)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"jaxspec {name}: error: {err}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (those checkpoint and return)
         print(f"jaxspec {name}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        from jaxspec.distributed import await_peer_failure
+
+        await_peer_failure(err)  # a collective that failed because a peer died: that is the error to report
+        status, message = exit_status(err)
+        if status == EXIT_ERROR:
+            traceback.print_exc()
+        print(f"jaxspec {name}: error: {message}", file=sys.stderr, flush=True)
+        return status
+
+
+def entry() -> None:
+    """The console command: `main`, then exit. After an error the process exits at once, so that
+    the error stays the last line (threads still writing a checkpoint or a log are not waited for;
+    checkpoints are atomic)."""
+    status = main()
+    if status not in (0, EXIT_CHECKPOINTED):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

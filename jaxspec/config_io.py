@@ -255,16 +255,20 @@ def load_validated(cls, validate: Callable, args) -> object:
 
 def run_command(prog: str, prepare: Callable[[], object], run: Callable[[object], dict]) -> int:
     """A training command's exit status: prepare() loads and checks everything before any compute
-    (a ValueError or FileNotFoundError prints one line `prog: error: ...` and returns 2); run(its
-    result) trains and returns the run's summary, whose "preempted" (stopped by SIGTERM or Ctrl-C
-    after checkpointing) returns EXIT_CHECKPOINTED, else 0."""
-    from jaxspec.run import EXIT_CHECKPOINTED
+    (a foreseen error prints one line `prog: error: ...` and returns the status of its kind,
+    `jaxspec.exits`); run(its result) trains and returns the run's summary, whose "preempted"
+    (stopped by SIGTERM, Ctrl-C or the job's time limit after checkpointing) returns
+    EXIT_CHECKPOINTED, else 0. The run's own errors reach `jaxspec.cli.main`, which maps them alike."""
+    from jaxspec.exits import EXIT_CHECKPOINTED, EXIT_ERROR, exit_status
 
     try:
         prepared = prepare()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        status, message = exit_status(err)
+        if status == EXIT_ERROR:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return status
     return EXIT_CHECKPOINTED if run(prepared)["preempted"] else 0
 
 
@@ -274,12 +278,9 @@ def run_parser(prog: str, description: str, example_config: str, run_dir_holds: 
     run directory receives (for the help text)."""
     import argparse
 
-    from jaxspec.run import EXIT_CHECKPOINTED
+    from jaxspec.exits import EPILOG
 
-    epilog = (f"exit status: 0 finished; {EXIT_CHECKPOINTED} stopped by SIGTERM or Ctrl-C after checkpointing "
-              f"(continue with --resume; a second Ctrl-C aborts at once); 2 a bad config or run directory; "
-              f"1 another error")
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=EPILOG)
     parser.add_argument("--config", required=True, help=f"YAML config (see {example_config})")
     parser.add_argument("--run-dir", required=True, help=f"directory for {run_dir_holds}")
     parser.add_argument("--resume", action="store_true",

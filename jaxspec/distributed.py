@@ -5,10 +5,16 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID) joins one JAX job
 runs the same loop on the same host data, the mesh spans all processes' devices, and only the
 main process writes files and prints. One process is a no-op everywhere here.
 
-Start-up waits at most JAXSPEC_PEER_TIMEOUT_S seconds (default 300) for every process to join;
-then a process whose peers never arrived exits with status 1 and one line naming the coordinator
-address, the expected number of processes and its own id (JAX cannot tell a waiting process which
-peers are missing).
+Under SLURM with one task per node (configs/slurm/grpo.sbatch), each process takes every GPU
+SLURM gave its node (SLURM_GPUS_ON_NODE, else the entries of CUDA_VISIBLE_DEVICES); with several
+tasks per node, one GPU per task (JAX's own choice, [SLURM_LOCALID]). JAX_LOCAL_DEVICE_IDS
+overrides both.
+
+JAXSPEC_PEER_TIMEOUT_S seconds (default 300) bound every wait for another process: at start-up a
+process whose peers never arrived exits with one line naming the coordinator address, the expected
+number of processes and its own id (JAX cannot tell a waiting process which peers are missing);
+during the run a process that hears nothing from a peer for that long (`jaxspec.peer_watch`: it
+died, or hangs) exits with one line naming it. Both exit with EXIT_PEER (4).
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ import threading
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from jaxspec.exits import EXIT_PEER
+from jaxspec.peer_watch import PeerWatch, await_peer_failure
+
+__all__ = ["any_process", "await_peer_failure", "barrier", "initialize_from_env", "is_main", "peer_timeout_s", "say",
+           "slurm_local_devices", "to_host"]
 
 
 def initialize_from_env() -> bool:
@@ -42,9 +54,27 @@ def initialize_from_env() -> bool:
         # JAX reads the address (the first node of the step), the count and the id from SLURM.
         _join(f"the first node of {os.environ.get('SLURM_STEP_NODELIST', 'the SLURM step')}",
               int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_PROCID", "0")),
-              "check that every task of the step started (srun's output)")
+              "check that every task of the step started (srun's output)", local_device_ids=slurm_local_devices())
         return True
     return False
+
+
+def slurm_local_devices() -> list[int] | None:
+    """The local device ids of this SLURM task: all of its node's GPUs when the step runs one task
+    per node (SLURM_GPUS_ON_NODE, else the entries of CUDA_VISIBLE_DEVICES: indices into the GPUs
+    CUDA shows the task); None (JAX's default, [SLURM_LOCALID]) with several tasks per node, without
+    GPUs, or when JAX_LOCAL_DEVICE_IDS names them."""
+    if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        return None
+    tasks = int(os.environ["SLURM_NTASKS"])
+    nodes = next((int(os.environ[k]) for k in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+                  if os.environ.get(k, "").isdigit()), None)
+    if nodes != tasks:
+        return None
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
+    count = int(gpus) if gpus.isdigit() else len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                                                  if d.strip()])
+    return list(range(count)) if count else None
 
 
 PEER_TIMEOUT_ENV = "JAXSPEC_PEER_TIMEOUT_S"
@@ -64,8 +94,9 @@ def peer_timeout_s() -> float:
 
 def _join(address: str, count: int, index: int, hint: str, **kwargs) -> None:
     """jax.distributed.initialize under a watchdog: when the job has not formed after
-    `peer_timeout_s()`, prints what is missing and exits 1. (JAX's own timeout, set later than the
-    watchdog's, aborts the process with a C++ stack trace that names no process.)"""
+    `peer_timeout_s()`, prints what is missing and exits EXIT_PEER; once joined, watches the peers
+    (`PeerWatch`). (JAX's own timeouts, set later than jaxspec's, abort the process with a C++
+    stack trace that names no process.)"""
     timeout = peer_timeout_s()
     _cpu_collectives()
     if index == 0:
@@ -79,15 +110,19 @@ def _join(address: str, count: int, index: int, hint: str, **kwargs) -> None:
     def give_up() -> None:
         print(f"jaxspec: error: process {index} of {count} waited {timeout:g} s for the job at the coordinator "
               f"{address}: {missing}; {hint}, or wait longer with {PEER_TIMEOUT_ENV}", file=sys.stderr, flush=True)
-        os._exit(1)
+        os._exit(EXIT_PEER)
 
     watchdog = threading.Timer(timeout, give_up)
     watchdog.daemon = True
     watchdog.start()
     try:
-        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + 60)
+        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + 60,
+                                   heartbeat_timeout_seconds=int(timeout) + 60)
     finally:
         watchdog.cancel()
+    from jax._src.distributed import global_state
+
+    PeerWatch(global_state.client, index, count, timeout).start()
 
 
 def _ids(ids) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from jaxspec.bench.forward import forward_flops_per_token
 from jaxspec.cli import BENCHMARKS, COMMANDS, main
+from jaxspec.exits import EXIT_INPUT
 from jaxspec.models import ModelConfig
 
 TINY_CONFIG = {
@@ -112,6 +113,6 @@ def test_generate_with_ngram_speculation_prints_the_same_responses(autoregressiv
 ])
 def test_generate_bad_argument_is_a_one_line_error(tmp_path, extra, message):
     code, out, err = _run(["generate"] + [a.format(tmp=tmp_path) for a in extra])
-    assert code == 1 and out == ""
+    assert code == EXIT_INPUT and out == ""  # as every command's bad input
     lines = err.strip().split("\n")
     assert len(lines) == 1 and re.fullmatch(rf"jaxspec generate: error: {message}", lines[0]), err

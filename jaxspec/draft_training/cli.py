@@ -25,8 +25,9 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2.
-    SIGTERM or Ctrl-C checkpoints at the next step and returns EXIT_CHECKPOINTED (75)."""
+    """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2
+    before any compute. SIGTERM or Ctrl-C checkpoints at the
+    next step and returns EXIT_CHECKPOINTED (75)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -43,5 +44,4 @@ def main(argv: list[str] | None = None) -> int:
         check_run_dir(cfg, Path(args.run_dir), args.resume)
         return cfg
 
-    return run_command("jaxspec draft train", prepare,
-                       lambda cfg: train_draft(cfg, args.run_dir, resume=args.resume))
+    return run_command("jaxspec draft train", prepare, lambda cfg: train_draft(cfg, args.run_dir, resume=args.resume))

@@ -18,8 +18,9 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command; a bad config or run directory prints one error line and returns 2.
-    SIGTERM or Ctrl-C checkpoints at the next step and returns EXIT_CHECKPOINTED (75)."""
+    """Runs the command; a bad config or run directory prints one error line and returns 2 before
+    any compute. SIGTERM or Ctrl-C checkpoints at the next step and
+    returns EXIT_CHECKPOINTED (75)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
 
     def prepare() -> PretrainConfig:

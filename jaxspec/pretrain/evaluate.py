@@ -9,7 +9,7 @@ import numpy as np
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params
-from jaxspec.rewards.math_verifier import math_reward
+from jaxspec.rewards.math_verifier import arithmetic_reward
 from jaxspec.rollout import Sampling, generate
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
@@ -17,7 +17,7 @@ from jaxspec.tasks.tokenizer import ChatTokenizer
 def greedy_accuracy(cfg: ModelConfig, params: Params, tok: ChatTokenizer, problems: list[dict],
                     max_new_tokens: int, key: jax.Array, batch_size: int = 256,
                     sharding: Sharding | None = None) -> tuple[float, list[str]]:
-    """(fraction of problems whose greedy response earns math_reward 1, the decoded responses).
+    """(fraction of problems whose greedy response earns arithmetic_reward 1, the decoded responses).
 
     Problems are decoded in batches of `batch_size`; the last batch is filled up with copies of its
     first prompt so every call has the same shape (one compilation). sharding: the mesh the params
@@ -36,7 +36,7 @@ def greedy_accuracy(cfg: ModelConfig, params: Params, tok: ChatTokenizer, proble
         out = generate(cfg, params, filled, sub, sampling=sampling, sharding=sharding)
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         responses += [tok.decode(tokens[i, :lengths[i]]) for i in range(len(chunk))]
-    scores = [math_reward(r, p["answer"]) for r, p in zip(responses, problems)]
+    scores = [arithmetic_reward(r, p["answer"]) for r, p in zip(responses, problems)]
     return float(np.mean(scores)), responses
 
 

@@ -10,9 +10,9 @@ empty box has still written its answer in the box before it).
 
 The reference answer is extracted like the built-in checker does (`extract_answer(...,
 "whole")`: a `\\boxed{}` or `#### x` marker, else the whole field) and read as LaTeX.
-`latex_math_reward` runs inside the worker process of the "math" reward (`jaxspec.rewards.timed`),
-so math-verify's own signal-based timeouts apply there, and the worker's wall-clock limit backs
-them up from any thread.
+`math_reward` is the registered "math" reward's grader; it runs inside that reward's worker process
+(`jaxspec.rewards.timed`), so math-verify's own signal-based timeouts apply there, and the worker's
+wall-clock limit backs them up from any thread.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from jaxspec.rewards.math_verifier import extract_answer, normalize_text
 PARSE_TIMEOUT_S = 5  # math-verify's per-expression limits (seconds, signal-based: the worker's main thread)
 
 
-def latex_math_reward(response: str, answer: str) -> float:
+def math_reward(response: str, answer: str) -> float:
     """1.0 when math-verify finds the response's final answer equal to the reference, else 0.0
     (also when either side yields nothing to compare). Never raises."""
     from math_verify import parse, verify
@@ -46,6 +46,6 @@ def latex_math_reward(response: str, answer: str) -> float:
         return 0.0
 
 
-def math_example_grade(response: str, example: dict) -> float:
-    """`latex_math_reward` against example["answer"] (the registered "math" reward's body)."""
-    return latex_math_reward(response, str(example["answer"]))
+def math_example_reward(response: str, example: dict) -> float:
+    """`math_reward` against example["answer"] (the registered "math" reward's body)."""
+    return math_reward(response, str(example["answer"]))

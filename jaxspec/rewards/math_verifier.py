@@ -1,4 +1,5 @@
-"""Math answer verifier: extract a final answer from free text and compare it exactly.
+"""The exact-rational answer checker (the registered "arithmetic" reward): extract a final answer
+from free text and compare it exactly.
 
 Extraction order (`extract_answer`): the contents of the last `\\boxed{...}` (nested braces
 handled), else the number (or whole line) after the last `####` (GSM8K style), else the last
@@ -164,7 +165,7 @@ def normalize_answer(text: str) -> str:
     return format_number(value) if value is not None else _clean(text)
 
 
-def math_reward(response: str, answer: str) -> float:
+def arithmetic_reward(response: str, answer: str) -> float:
     """1.0 if the response's final answer equals the reference answer, else 0.0.
 
     `answer` may itself carry a `\\boxed{}` or `#### x` marker (raw GSM8K/MATH fields); otherwise

@@ -4,90 +4,109 @@ it overruns.
 A Python thread cannot be stopped, and `signal.alarm` (math-verify's own timeout) only works on
 the main thread of the main interpreter, so a verifier that hangs on a pathological string
 (sympy simplification can run for minutes) is isolated in a process instead: this works from any
-thread. The worker is started once (spawned, so it does not inherit JAX's threads) and reused;
-after a timeout it is killed and the next call starts a fresh one.
+thread. The worker (`jaxspec.rewards.worker`) is a fresh interpreter started with
+`python -m jaxspec.rewards.worker` that imports the function by name, so it never runs the
+parent's script again (no `if __name__ == "__main__":` guard needed, and scripts read from stdin
+work). It is started on the first call and reused; after a timeout, or when it dies, the next
+call starts a fresh one.
 """
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import threading
+from multiprocessing.connection import Connection
 from typing import Any, Callable
-
-log = logging.getLogger("jaxspec.rewards")
 
 _STARTUP_S = 120.0  # importing the verifier's dependencies in a fresh process
 
 
-def _serve(conn, fn: Callable) -> None:
-    """Worker loop: receives argument tuples, answers (True, result) or (False, error text)."""
-    conn.send(("ready", None))
-    while True:
-        try:
-            args = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send((True, fn(*args)))
-        except Exception as error:  # reported to the caller, which scores 0
-            conn.send((False, f"{type(error).__name__}: {error}"))
+class RewardCallError(RuntimeError):
+    """A reward call that produced no score: it raised, overran its limit, or its worker died or
+    could not start. The message says which."""
 
 
 class TimedCall:
-    """`fn(*args)` in a worker process, cut off after `timeout_s` seconds (result None).
+    """`fn(*args)` in a worker process, cut off after `timeout_s` seconds.
 
-    fn must be importable by name (a module-level function), as it is sent to a spawned process.
-    Calls are serialised (one worker); thread-safe. An exception inside fn also returns None.
+    fn must be importable by name: a function at the top level of a module other than the script
+    being run (ValueError otherwise, at construction). Calls are serialised (one worker) and
+    thread-safe; a call that raises, overruns or loses its worker raises RewardCallError.
     """
 
     def __init__(self, fn: Callable, timeout_s: float):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if module in (None, "__main__", "__mp_main__") or "<" in qualname:
+            raise ValueError(f"{getattr(fn, '__name__', fn)!r} would run in a reward worker process, which imports "
+                             f"it by name: define it at the top level of an importable module (not in the script "
+                             f"being run, nor inside a function)")
         self.fn, self.timeout_s = fn, timeout_s
+        self._target = (module, qualname)
         self._lock = threading.Lock()
-        self._proc = self._conn = None
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.fn), daemon=True,
-                                 name=f"reward-{getattr(self.fn, '__name__', 'fn')}")
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(_STARTUP_S):
+        ours, theirs = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxspec.rewards.worker", str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"}, start_new_session=True)
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        try:
+            self._conn.send((list(sys.path), *self._target))
+            if not self._conn.poll(_STARTUP_S):
+                raise RewardCallError(f"the reward worker for {self._name} did not start within {_STARTUP_S:.0f} s")
+            ok, error = self._conn.recv()
+        except (EOFError, OSError):
+            status = self._proc.wait()
             self._stop()
-            raise RuntimeError(f"the reward worker for {self.fn!r} did not start within {_STARTUP_S:.0f} s")
-        self._conn.recv()
+            raise RewardCallError(f"the reward worker for {self._name} exited with status {status} while starting "
+                                  f"(its output above says why)") from None
+        except RewardCallError:
+            self._stop()
+            raise
+        if not ok:
+            self._stop()
+            raise RewardCallError(f"the reward worker {error}")
+
+    @property
+    def _name(self) -> str:
+        return ".".join(self._target)
 
     def _stop(self) -> None:
         if self._proc is not None:
             self._proc.kill()
-            self._proc.join()
+            self._proc.wait()
+        if self._conn is not None:
             self._conn.close()
         self._proc = self._conn = None
 
     def __call__(self, *args) -> Any:
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
+            if self._proc is None or self._proc.poll() is not None:
                 self._stop()
                 self._start()
             try:
                 self._conn.send(args)
-                if self._conn.poll(self.timeout_s):
-                    ok, value = self._conn.recv()
-                    if ok:
-                        return value
-                    log.warning("reward %s raised %s; scored 0", self.fn.__name__, value)
-                    return None
-            except (EOFError, OSError, BrokenPipeError) as error:  # the worker died (e.g. out of memory)
-                log.warning("reward %s: worker lost (%s); scored 0", self.fn.__name__, error)
+                if not self._conn.poll(self.timeout_s):
+                    self._stop()
+                    raise RewardCallError(f"exceeded {self.timeout_s:g} s on {_preview(args)} (worker restarted)")
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as error:  # the worker died (e.g. out of memory, killed)
+                status = self._proc.wait()
                 self._stop()
-                return None
-            log.warning("reward %s exceeded %.1f s on %s; scored 0 (worker restarted)", self.fn.__name__,
-                        self.timeout_s, _preview(args))
-            self._stop()
-            return None
+                raise RewardCallError(f"the reward worker died (exit status {status}: {type(error).__name__})") from None
+        if not ok:
+            raise RewardCallError(value)
+        return value
 
     def close(self) -> None:
         with self._lock:

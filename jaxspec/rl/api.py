@@ -53,7 +53,9 @@ def train(config: str | os.PathLike | GRPOConfig, run_dir: str | os.PathLike, *,
     earlier steps included): `<run_dir>/metrics.jsonl`. Keys as in `jaxspec.rl.metrics`:
     reward_mean, accuracy, acceptance_length, time_step_s, time_<phase>_s, eval_accuracy, ...
     Raises ValueError / FileNotFoundError for a bad config, input file or run directory before
-    any compute. A SIGTERM during the run checkpoints and returns the steps done so far.
+    any compute, `jaxspec.rewards.RewardError` for a reward that cannot grade (`jaxspec.exits` maps
+    each error to the CLI's exit status). A SIGTERM (or JAXSPEC_STOP_BY's time limit) during the run
+    checkpoints and returns the steps done so far.
     """
     cfg = run_config(config, overrides)
     run_dir = Path(run_dir)

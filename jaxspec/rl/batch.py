@@ -22,7 +22,8 @@ class Rollouts:
     tokens int32 [B, N]; lengths int32 [B] (tokens emitted); logprobs float32 [B, N] (the rollout's
     log-probs of its tokens); scores float64 [B] (the reward functions'); rewards float64 [B]
     (scores with the overlong penalty); stats: the generation's statistics; generated_tokens: tokens
-    generated for the step (every generation round's); staleness / rollout_version
+    generated for the step (every generation round's); reward_failures: responses whose grading
+    failed and scored 0 (every round's); staleness / rollout_version
     (rollout.mode async, else None): trained version - the batch's weights version, and that version;
     experts: the experts the rollout routed each position to, [B, P + N, L_sparse, k]
     (`RolloutOutput.experts`), or None when not recorded (`jaxspec.rl.routing.records_experts`).
@@ -37,6 +38,7 @@ class Rollouts:
     rewards: np.ndarray
     stats: dict
     generated_tokens: int
+    reward_failures: int = 0
     staleness: int | None = None
     rollout_version: int | None = None
     experts: np.ndarray | None = None
@@ -59,6 +61,7 @@ class Rollouts:
             logprobs=np.concatenate([r.logprobs for r in rounds]), scores=np.concatenate([r.scores for r in rounds]),
             rewards=np.concatenate([r.rewards for r in rounds]),
             generated_tokens=sum(r.generated_tokens for r in rounds),
+            reward_failures=sum(r.reward_failures for r in rounds),
             experts=None if rounds[0].experts is None else np.concatenate([r.experts for r in rounds]))
 
 

@@ -19,11 +19,13 @@ from pathlib import Path
 import yaml
 
 from jaxspec.config_io import to_dict
+from jaxspec.distributed import is_main, say
 from jaxspec.run import Checkpointer
 from jaxspec.run import check_run_dir as run_dir_guard
+from jaxspec.run.run_dir import flatten
 from jaxspec.rl.config import RESUMABLE_KEYS, GRPOConfig
 
-__all__ = ["Checkpointer", "check_run_dir", "save_config"]
+__all__ = ["Checkpointer", "check_run_dir", "record_config", "save_config"]
 
 
 def check_run_dir(cfg: GRPOConfig, run_dir: Path, resume: bool) -> None:
@@ -35,3 +37,24 @@ def check_run_dir(cfg: GRPOConfig, run_dir: Path, resume: bool) -> None:
 
 def save_config(cfg: GRPOConfig, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def record_config(cfg: GRPOConfig, run_dir: Path, restored_step: int | None) -> None:
+    """Writes the run's config.yaml (process 0). Resuming from `restored_step`, first says which
+    RESUMABLE_KEYS differ from the saved config ("--resume: train.steps 14 -> 20 ..."), and refuses
+    (ValueError, config.yaml unchanged) a train.steps below the steps the run has done."""
+    saved_file = run_dir / "config.yaml"
+    if restored_step is not None:
+        if cfg.train.steps < restored_step:
+            raise ValueError(f"--resume: train.steps={cfg.train.steps} but the run in {run_dir} has done "
+                             f"{restored_step} steps; give train.steps >= {restored_step} ({saved_file.name} is "
+                             f"unchanged)")
+        if saved_file.exists():
+            saved, current = flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}), flatten(to_dict(cfg))
+            changed = [f"{key} {saved[key]!r} -> {current.get(key)!r}" for key in sorted(RESUMABLE_KEYS)
+                       if key in saved and saved[key] != current.get(key)]
+            if changed:
+                say(f"--resume: {', '.join(changed)} (the run has done {restored_step} steps; {saved_file.name} "
+                    f"updated)")
+    if is_main():
+        save_config(cfg, run_dir)

@@ -20,9 +20,11 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command. A bad config, input file or run directory prints one line
-    `jaxspec train: error: ...` and returns 2 before any compute. SIGTERM or Ctrl-C checkpoints at the
-    next step boundary and returns EXIT_CHECKPOINTED (75: not finished, continue with --resume)."""
+    """Runs the command. A bad config, input file, reward or run directory prints one line
+    `jaxspec train: error: ...` before any compute and returns the status of its kind
+    (`jaxspec.exits`: 2, or 3 for a reward that cannot grade).
+    SIGTERM, Ctrl-C or the job's time limit (JAXSPEC_STOP_BY, `jaxspec.rl.driver`) checkpoints at a
+    step boundary and returns EXIT_CHECKPOINTED (75: not finished, continue with --resume)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
 
     def prepare() -> tuple:

@@ -12,8 +12,11 @@ Run directory layout:
     xla_cache/           the persistent compilation cache (train.compilation_cache: true)
 
 SIGTERM (e.g. SLURM preemption) or Ctrl-C makes the run checkpoint at the next step boundary and
-return (`jaxspec.run.StopSignals`); --resume restores the newest checkpoint that restores
-completely (`jaxspec.run.Checkpointer.resume`).
+return (`jaxspec.run.StopSignals`), and so does a time limit (JAXSPEC_STOP_BY: at the last step
+boundary from which another step and a checkpoint would still end in time, `jaxspec.run.deadline`);
+--resume restores the newest checkpoint that restores completely (`jaxspec.run.Checkpointer.resume`).
+When the run fails, the first error is the one raised: closing the checkpointer and the logs
+afterwards stays silent.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.metrics import MetricsLog
 from jaxspec.rl.resources import RunInputs, check_inputs
 from jaxspec.run import Progress, StopSignals
+from jaxspec.run.deadline import Deadline
 
 
 def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | None = None,
@@ -43,18 +47,20 @@ def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | No
     run_dir = Path(run_dir)
     inputs = check_inputs(cfg) if inputs is None else inputs
     check_run_dir(cfg, run_dir, resume)
+    deadline = Deadline.from_env()
     run_dir.mkdir(parents=True, exist_ok=True)
     with compilation_cache(cache_dir(cfg.train.compilation_cache, run_dir), cfg.train.compilation_cache_min_compile_s):
-        return _train(cfg, run_dir, resume, inputs, on_step if is_main() else None)
+        return _train(cfg, run_dir, resume, inputs, on_step if is_main() else None, deadline)
 
 
 def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
-           on_step: Callable[[dict], None] | None) -> dict:
+           on_step: Callable[[dict], None] | None, deadline: Deadline) -> dict:
     run = GRPORun(cfg, run_dir, resume, inputs)
     log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None,
                      enabled=is_main())
+    deadline.record(run.history[-3:])
     last: dict = {}
-    preempted, start, first_step = False, time.perf_counter(), run.step
+    preempted, failed, start, first_step = False, True, time.perf_counter(), run.step
     try:
         with StopSignals(announce=is_main()) as stop, Progress("grpo", cfg.train.steps, run.step,
                                                               cfg.train.progress and is_main()) as bar:
@@ -64,9 +70,10 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
                 if on_step is not None:
                     on_step(last)
                 say(f"step 0: validation accuracy {last['eval_accuracy']:.3f}")
-            while run.step < cfg.train.steps and not any_process(stop.requested):
+            while run.step < cfg.train.steps and not any_process(stop.requested or _out_of_time(deadline, run)):
                 last = run.run_step()
                 log.write(last)
+                deadline.record([last])
                 if on_step is not None:
                     on_step(last)
                 bar.update(1, reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
@@ -77,17 +84,36 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
                 preempted = True
                 if run.checkpointer.latest_step() != run.step:
                     run.save()
-                say(f"{stop.name or 'SIGTERM'}: checkpointed step {run.step} in {run_dir / 'checkpoints'}; "
-                    f"continue with --resume")
+                why = stop.name or ("SIGTERM" if not deadline.too_late() else f"time limit ({deadline.reason()})")
+                say(f"{why}: checkpointed step {run.step} in {run_dir / 'checkpoints'}; continue with --resume")
+        failed = False
     finally:
-        if run.async_rollouts is not None:
-            run.async_rollouts.close()
-        log.close()
-        run.checkpointer.close()
+        _close(run, log, quietly=failed)
     if not preempted:
         run.export()
         say(_summary(run, last, time.perf_counter() - start, first_step))
     return {"step": run.step, "preempted": preempted, "last": last, "run_dir": str(run_dir)}
+
+
+def _out_of_time(deadline: Deadline, run: GRPORun) -> bool:
+    deadline.checkpoint_written(run.checkpointer.longest_write_s)
+    return deadline.too_late()
+
+
+def _close(run: GRPORun, log: MetricsLog, quietly: bool) -> None:
+    """Closes the rollout worker, the metrics log and the checkpointer (waiting for the checkpoint
+    in flight); raises the first error, unless `quietly` (the run is failing: its first error is
+    the one to report)."""
+    closers = ([run.async_rollouts.close] if run.async_rollouts is not None else []) + [log.close,
+                                                                                       run.checkpointer.close]
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as err:
+            first = first or err
+    if first is not None and not quietly:
+        raise first
 
 
 def _summary(run: GRPORun, last: dict, seconds: float, first_step: int) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import Params
-from jaxspec.rewards.registry import RewardFn
+from jaxspec.rewards.registry import Reward
 from jaxspec.rl.data import PromptSet
 from jaxspec.rollout import Sampling, generate
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -19,10 +19,11 @@ def decode_responses(tok: ChatTokenizer, tokens: np.ndarray, lengths: np.ndarray
     return [tok.decode(tokens[i, :lengths[i]]) for i in range(tokens.shape[0])]
 
 
-def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prompts: PromptSet, reward: RewardFn,
+def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prompts: PromptSet, reward: Reward,
                       sampling: Sampling, key: jax.Array, batch_size: int, spec=None, sharding=None
                       ) -> dict[str, float]:
-    """{"eval_accuracy": fraction of prompts whose response earns reward >= 1, "eval_reward_mean"}.
+    """{"eval_accuracy": fraction of prompts whose response earns reward >= 1, "eval_reward_mean",
+    "eval_reward_failures": responses whose grading failed (scored 0)}.
 
     Prompts are decoded in batches of `batch_size`; the last batch is filled up with copies of its
     first prompt and padded to the longest prompt's bucket, so every call has the same shape (one
@@ -30,13 +31,13 @@ def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prom
     """
     size = min(batch_size, len(prompts))
     longest = max(len(ids) for ids in prompts.token_ids)  # every batch in one prompt-length bucket
-    rewards: list[float] = []
+    texts: list[str] = []
     for start in range(0, len(prompts), size):
         chunk = prompts.token_ids[start:start + size]
         key, sub = jax.random.split(key)
         out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec,
                        sharding=sharding, prompt_width=longest)
-        texts = decode_responses(tok, to_host(out.tokens), to_host(out.lengths))[:len(chunk)]
-        rewards += [reward(text, record) for text, record in zip(texts, prompts.records[start:start + size])]
-    scores = np.asarray(rewards, np.float64)
-    return {"eval_accuracy": float(np.mean(scores >= 1.0)), "eval_reward_mean": float(np.mean(scores))}
+        texts += decode_responses(tok, to_host(out.tokens), to_host(out.lengths))[:len(chunk)]
+    grades = reward.grade(texts, prompts.records)
+    return {"eval_accuracy": float(np.mean(grades.scores >= 1.0)), "eval_reward_mean": float(np.mean(grades.scores)),
+            "eval_reward_failures": grades.failures}

@@ -27,7 +27,7 @@ from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
 from jaxspec.rl.batch import Rollouts, TrainingRows, minibatch_indices, pack_rows, row_width, training_rows
-from jaxspec.rl.checkpointing import Checkpointer, save_config
+from jaxspec.rl.checkpointing import Checkpointer, record_config
 from jaxspec.rl.compilation import compile_failed, precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
@@ -49,7 +49,8 @@ class GRPORun:
     """One run: prompts, policy and draft, the compiled trainer functions and the training state.
 
     `state` is the checkpointed pytree (see `checkpointing`); step / position / updates mirror its
-    counters on the host.
+    counters on the host; history holds the metrics records of the steps done before this start
+    (process 0; empty elsewhere).
     """
 
     def __init__(self, cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs):
@@ -57,9 +58,7 @@ class GRPORun:
         self.tok = inputs.tokenizer
         r_cfg, t_cfg = cfg.rollout, cfg.train
         self.train_set, self.eval_set = self._load_prompts()
-        if is_main():
-            save_config(cfg, run_dir)
-        self.reward_fn = get_reward(cfg.reward)
+        self.reward = get_reward(cfg.reward)
 
         self.placement = Placement(cfg.mesh)
         self.mcfg, params = load_hf(inputs.policy_dir, "float32", sharding=self.placement.sharding)
@@ -92,9 +91,11 @@ class GRPORun:
         if restored is not None:
             self.state = restored
             say(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
-        if is_main():  # records after the restored step; a fresh start drops all (an attempt that never
-            # reached a checkpoint, its step-0 validation included)
-            truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None else -1)
+        record_config(cfg, run_dir, int(self.state["step"]) if restored is not None else None)
+        # the records up to the restored step (metrics.jsonl, process 0): records after it are dropped, and
+        # a fresh start drops all (an attempt that never reached a checkpoint, its step-0 validation included)
+        self.history = truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None
+                                        else -1) if is_main() else []
         self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
 
         self.sampling = Sampling(temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
@@ -167,7 +168,7 @@ class GRPORun:
         """Validation scores of the current policy on the held-out prompts."""
         policy, spec = self.rollout_view()
         key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 1)
-        return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward_fn, self.eval_sampling, key,
+        return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward, self.eval_sampling, key,
                                  self.cfg.eval.batch_size, spec=spec, sharding=self.placement.sharding)
 
     def save(self) -> None:
@@ -186,13 +187,13 @@ class GRPORun:
         with timer.stage("generation"):
             tokens, lengths, logprobs, experts, stats = self._generate_rows(prompts, policy, spec, key, sharding)
         with timer.stage("reward"):
-            texts = decode_responses(self.tok, tokens, lengths)
-            scores = np.asarray([self.reward_fn(t, r) for t, r in zip(texts, records)], np.float64)
+            grades = self.reward.grade(decode_responses(self.tok, tokens, lengths), records)
+        scores = grades.scores
         rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
                                             cfg.loss.overlong_penalty)
         return Rollouts(prompts=prompts, records=records, tokens=tokens, lengths=lengths, logprobs=logprobs,
                         scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()),
-                        experts=experts)
+                        reward_failures=grades.failures, experts=experts)
 
     def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
         """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], the recorded experts [B, P + N,
@@ -284,7 +285,8 @@ class GRPORun:
         if self.async_rollouts is not None:
             with timer.stage("sync"):
                 record["sync_bytes"] = self.async_rollouts.sync()
-        record.update(rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group))
+        record.update(rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group),
+                      reward_failures=out.reward_failures)
         if cfg.loss.overlong_buffer:
             record["shaped_reward_mean"] = float(rewards.mean())
         record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),

@@ -1,7 +1,8 @@
 """Per-step metrics: JSON lines (and optionally TensorBoard scalars), stage timers, rollout statistics.
 
 A step record (metrics.jsonl) holds
-  rollouts: reward_mean/std, accuracy (responses with reward >= 1), groups_all_correct,
+  rollouts: reward_mean/std, accuracy (responses with reward >= 1), reward_failures (responses whose
+    grading raised, overran its limit or returned a non-finite value: scored 0), groups_all_correct,
     groups_zero_variance, response_length_mean/max, truncated_frac (no eos within the budget),
     acceptance_length, acceptance_rate_per_position, decode_steps, decode_steps_per_stage,
     drafted/accepted_tokens;
@@ -22,7 +23,7 @@ A step record (metrics.jsonl) holds
     draft_loss, draft_grad_norm, draft_step_loss, draft_top1_agreement (draft.online);
     rollout.mode async: staleness (steps between the weights that generated the batch and those it
     trains), rollout_version (the former's step), sync_bytes (copied onto the rollout mesh per step);
-  validation: eval_accuracy, eval_reward_mean (when due);
+  validation: eval_accuracy, eval_reward_mean, eval_reward_failures (when due);
   wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
     train.precompile: waiting for the trainer's background compilation, and compiling any that
@@ -50,6 +51,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+
+from jaxspec.exits import StorageError
 
 MACHINE_PREFIXES = ("time_", "tokens_per_s", "compiles", "memory_")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
@@ -81,8 +84,11 @@ class MetricsLog:
         """Appends `record` with its time_unix_s (not mirrored: TensorBoard keeps its own wall time)."""
         if self._file is None:
             return
-        self._file.write(json.dumps({**record, "time_unix_s": round(time.time(), 3)}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({**record, "time_unix_s": round(time.time(), 3)}) + "\n")
+            self._file.flush()
+        except OSError as err:  # a full disk: the error names the file
+            raise StorageError(f"writing {self.path} failed: {err.strerror or err}") from err
         if self._writer is not None:
             step = int(record["step"])
             for key, value in record.items():

@@ -55,7 +55,8 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     """Resolves paths and checks them, the reward, the tokenizer, the draft/policy fit and the
     loss's fit to the policy (loss.router_aux_coef, loss.routing_replay).
 
-    Raises FileNotFoundError naming a missing file, ValueError for anything that does not fit.
+    Raises FileNotFoundError naming a missing file, ValueError for anything that does not fit,
+    RewardError when the reward fails its self-test (`jaxspec.rewards.Reward.check`).
     """
     policy_dir = Path(cfg.policy.path) if cfg.policy.path is not None else TINY_POLICY
     if not policy_dir.is_dir():
@@ -74,7 +75,7 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
                          f"vocab_size={model.vocab_size}")
     _check_file(cfg.data.train, "data.train")
     _check_file(cfg.data.eval, "data.eval")
-    get_reward(cfg.reward)
+    reward = get_reward(cfg.reward)
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     router_aux_weight(cfg.loss, model)
@@ -89,6 +90,7 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
                          f"{rows} rollouts as calls of rollout.sub_batch rows, an equal share of them on every "
                          f"process; the {calls} call(s) of {r.sub_batch or rows} rows do not split over the "
                          f"processes (e.g. rollout.sub_batch={rows // processes})")
+    reward.check()  # last: it may start the reward's worker process
     return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
                      draft_dir=draft_dir)
 

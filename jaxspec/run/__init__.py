@@ -5,7 +5,8 @@ from jaxspec.run.batcher import Batcher
 from jaxspec.run.checkpoints import Checkpointer, truncate_metrics
 from jaxspec.run.progress import Progress
 from jaxspec.run.run_dir import check_run_dir
-from jaxspec.run.signals import EXIT_CHECKPOINTED, StopSignals
+from jaxspec.exits import EXIT_CHECKPOINTED
+from jaxspec.run.signals import StopSignals
 
 __all__ = ["EXIT_CHECKPOINTED", "Batcher", "Checkpointer", "Progress", "StopSignals", "check_run_dir",
            "truncate_metrics"]

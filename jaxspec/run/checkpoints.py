@@ -6,10 +6,16 @@ resume, `Checkpointer.resume` tries the checkpoints newest first: when an older 
 newer damaged one is reported in one line and moved aside to `checkpoints/<step>.damaged-<UTC
 time>` (outside orbax's step names, so it is neither resumed from nor garbage-collected; never
 deleted). When none restores, nothing is moved and the error lists every checkpoint tried.
+
+A save that fails for a system reason (a full disk, permissions, a file-size limit) raises
+`jaxspec.exits.StorageError` naming the step, the folder and the reason, when the save is started
+or, as orbax writes in the background, when the next save or `close` waits for it.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import time
@@ -20,23 +26,53 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxspec.distributed import any_process, barrier, is_main, say
+from jaxspec.exits import StorageError, system_reason
 
 TrainState = dict
 
 
 class Checkpointer:
-    """Atomic orbax checkpoints of the training state under `directory`, keeping the last `keep`."""
+    """Atomic orbax checkpoints of the training state under `directory`, keeping the last `keep`.
+
+    longest_write_s: the longest time from a save's start until it was complete on disk (None
+    before the first completes).
+    """
 
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        self.longest_write_s: float | None = None
+        self._in_flight: collections.deque[tuple[int, float]] = collections.deque()  # (step, start), oldest first
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, async_options=ocp.AsyncOptions(post_finalization_callback=self._written))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def _written(self) -> None:  # orbax calls it once a save is complete on disk (saves complete in order)
+        if self._in_flight:
+            _, start = self._in_flight.popleft()
+            self.longest_write_s = max(self.longest_write_s or 0.0, time.perf_counter() - start)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, state: TrainState) -> None:
-        self.manager.save(int(state["step"]), args=ocp.args.StandardSave(state))
+        step = int(state["step"])
+        failing = self._in_flight[0][0] if self._in_flight else step  # a failure may be the last save's
+        self._in_flight.append((step, time.perf_counter()))
+        with self._naming_failures(failing):
+            saved = self.manager.save(step, args=ocp.args.StandardSave(state))
+        if not saved:  # orbax skipped it (the step is saved already): nothing will complete
+            self._in_flight.pop()
+
+    @contextlib.contextmanager
+    def _naming_failures(self, step: int):
+        """Re-raises a failure to write checkpoint `step` for a system reason as a StorageError."""
+        try:
+            yield
+        except Exception as err:
+            reason = system_reason(err)
+            if reason is None:
+                raise
+            raise StorageError(f"writing the checkpoint of step {step} in {self.directory} failed: {reason}") from err
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState:
         """Checkpoint `step` (default: the latest) in the structure, dtypes and shardings of `like`.
@@ -97,7 +133,9 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the save in flight (StorageError when it failed) and closes the manager."""
+        with self._naming_failures(self._in_flight[0][0] if self._in_flight else self.latest_step()):
+            self.manager.wait_until_finished()
         self.manager.close()
 
 
@@ -111,12 +149,31 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:240]}" if first else type(err).__name__
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int, report: Callable[[str], None] = say) -> list[dict]:
     """Drops the records of steps after `step` from a JSON-lines metrics file (those a resumed run
-    will redo; written by a run that died after its last checkpoint)."""
+    will redo; written by a run that died after its last checkpoint); returns the records kept.
+
+    A last line cut short (the process died while writing it) is dropped and reported in one line;
+    a line that is not a JSON record before the last raises ValueError naming the file and line.
+    """
     path = Path(path)
     if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        return []
+    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not a record")
+        except ValueError as err:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path}: line {number} is not a JSON record ({err}); repair or move the file "
+                                 f"aside to resume") from None
+            report(f"{path}: dropped its last line, cut short while it was written ({err})")
+            continue
+        if record.get("step", 0) <= step:
+            records.append((line, record))
+    path.write_text("".join(line + "\n" for line, _ in records), encoding="utf-8")
+    return [record for _, record in records]

@@ -1,15 +1,11 @@
-"""Stopping a run cleanly: SIGTERM (SLURM preemption, `kill`) and Ctrl-C, and the exit status of a
-run that checkpointed without finishing."""
+"""Stopping a run cleanly: SIGTERM (SLURM preemption, `kill`) and Ctrl-C (the exit status of a run
+that checkpointed without finishing is `jaxspec.exits.EXIT_CHECKPOINTED`)."""
 
 from __future__ import annotations
 
 import signal
 import sys
 import threading
-
-# EX_TEMPFAIL of sysexits.h: the run checkpointed at a step boundary and stopped before its last
-# step; `--resume` continues it. The SLURM script requeues its job on this status.
-EXIT_CHECKPOINTED = 75
 
 
 class StopSignals:

@@ -10,11 +10,17 @@ Files are read with `datasets.load_dataset("json" | "parquet", data_files=...)`,
 pyarrow directly where `datasets` is not installed. Answers are reduced to their final value with
 `extract_answer(..., fallback="whole")` and put in canonical form with `normalize_answer`
 ("1,234" -> "1234", "\\frac{6}{8}" -> "3/4").
+
+Bad data is refused in one line naming the file and the line (JSON lines) or record (a JSON array,
+parquet): a line that is not valid JSON, a record without the prompt or answer field, or with it
+null (`datasets` fills a field a record lacks with null).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -64,7 +70,7 @@ def _get_field(record: Mapping[str, Any], dotted: str):
     return value
 
 
-def _prompt_text(value: Any, field: str, source: str) -> str:
+def _prompt_text(value: Any, field: str) -> str:
     """A string prompt, or the content of the last user message of a chat-message list."""
     if isinstance(value, str):
         return value
@@ -72,34 +78,79 @@ def _prompt_text(value: Any, field: str, source: str) -> str:
         users = [m.get("content") for m in value if m.get("role") == "user"]
         if users and isinstance(users[-1], str):
             return users[-1]
-    raise ValueError(f"{source}: field {field!r} is neither a string nor a list of chat messages "
-                     f"with a user turn (got {type(value).__name__})")
+    raise ValueError(f"field {field!r} is neither a string nor a list of chat messages with a user turn "
+                     f"(got {type(value).__name__})")
 
 
-def _read_rows(builder: str, files: list[str], split: str):
-    """Rows of the files as dicts: a `datasets.Dataset`, or a list where `datasets` is not installed."""
+def _read_rows(builder: str, file: str):
+    """Rows of one file as dicts: a `datasets.Dataset`, or a list where `datasets` is not installed.
+    ValueError naming the file (and the line, for JSON) when it cannot be read."""
     try:
         import datasets  # lazy: only data loading needs it, and some machines lack the package
     except ImportError:
-        return _read_rows_plain(builder, files)
-    return datasets.load_dataset(builder, data_files={split: files}, split=split)
+        return _read_rows_plain(builder, file)
+    with _quiet(datasets):
+        try:
+            return datasets.load_dataset(builder, data_files={"train": [file]}, split="train")
+        except Exception as err:  # datasets wraps the reader's error in its own; find the bad line ourselves
+            if builder == "json":
+                _read_rows_plain(builder, file)
+            raise ValueError(f"{file}: cannot be read as {builder} records: {_innermost(err)}") from None
 
 
-def _read_rows_plain(builder: str, files: list[str]) -> list[dict]:
-    rows: list[dict] = []
-    for file in files:
-        if builder == "parquet":
-            import pyarrow.parquet as pq
+@contextlib.contextmanager
+def _quiet(datasets):
+    """Silences datasets' log (its error lines repeat the one error this module raises) and its
+    progress bars (a bar left without a newline would run into that error's line)."""
+    log, bars = logging.getLogger("datasets"), not datasets.are_progress_bars_disabled()
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
 
-            rows += pq.read_table(file).to_pylist()
-            continue
+
+def _innermost(err: BaseException) -> str:
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
+def _read_rows_plain(builder: str, file: str) -> list[dict]:
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(file).to_pylist()
+    with open(file, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file}: line {err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{file}: line {number}: not valid JSON ({err.msg}, column {err.colno})") from None
+    return rows
+
+
+def _where(builder: str, file: str, row: int) -> str:
+    """Where record `row` (0-based) of `file` is: its line in a JSON-lines file, else its number."""
+    if builder == "json":
         with open(file, encoding="utf-8") as f:
             text = f.read()
-        if text.lstrip().startswith("["):
-            rows += json.loads(text)
-        else:
-            rows += [json.loads(line) for line in text.splitlines() if line.strip()]
-    return rows
+        if not text.lstrip().startswith("["):
+            lines = [number for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+            return f"{file}: line {lines[row]}"
+    return f"{file}: record {row + 1}"
 
 
 def load_prompts(path_or_files: PathLike | Sequence[PathLike] | Mapping[str, Any],
@@ -125,22 +176,38 @@ def load_prompts(path_or_files: PathLike | Sequence[PathLike] | Mapping[str, Any
             raise FileNotFoundError(f"data file not found: {file}")
         if os.path.getsize(file) == 0:
             raise ValueError(f"data file is empty: {file}")
-    dataset = _read_rows(_builder(files), files, split)
-    source = ", ".join(files)
-    if len(dataset) == 0:
-        raise ValueError(f"no records in {source}")
-    available = _flat_fields(dataset[0])
-    for field in (prompt_field, answer_field):
-        if field not in available:
-            raise ValueError(f"field {field!r} not found in {source}; available fields: {available}")
+    builder = _builder(files)
     records = []
-    for i, row in enumerate(dataset):
-        try:
-            prompt, raw_answer = _get_field(row, prompt_field), _get_field(row, answer_field)
-        except KeyError as e:
-            raise ValueError(f"{source}: record {i} lacks field {e.args[0]!r}") from None
-        answer = extract_answer(str(raw_answer), fallback="whole")
+    for file in files:
+        records += _records(builder, file, prompt_field, answer_field)
+    if not records:
+        raise ValueError(f"no records in {', '.join(files)}")
+    return records
+
+
+def _records(builder: str, file: str, prompt_field: str, answer_field: str) -> list[dict]:
+    """The prompt records of one file; ValueError naming the file, line or record, and field of the
+    first one that lacks a field or has it null or empty."""
+    rows = _read_rows(builder, file)
+    records = []
+    for i, row in enumerate(rows):
+        values = {}
+        for field in (prompt_field, answer_field):
+            try:
+                values[field] = _get_field(row, field)
+            except KeyError:
+                values[field] = None
+            if values[field] is None:
+                available = list(dict.fromkeys(name for r in rows for name in _flat_fields(r)))
+                if field not in available:
+                    raise ValueError(f"field {field!r} not found in {file}; available fields: {available}")
+                raise ValueError(f"{_where(builder, file, i)}: the record has no {field!r} (or it is null)")
+        answer = extract_answer(str(values[answer_field]), fallback="whole")
         if answer is None:
-            raise ValueError(f"{source}: record {i} has an empty answer in field {answer_field!r}")
-        records.append({"prompt": _prompt_text(prompt, prompt_field, source), "answer": normalize_answer(answer)})
+            raise ValueError(f"{_where(builder, file, i)}: the record's {answer_field!r} is empty")
+        try:
+            prompt = _prompt_text(values[prompt_field], prompt_field)
+        except ValueError as err:
+            raise ValueError(f"{_where(builder, file, i)}: {err}") from None
+        records.append({"prompt": prompt, "answer": normalize_answer(answer)})
     return records

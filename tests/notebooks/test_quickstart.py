@@ -12,3 +12,16 @@ assert [by_k[k][0].stats["acceptance_length"] for k in ks] == sorted(by_k[k][0].
 assert by_k[3][0].stats["acceptance_length"] > 2.0      # the embedded head agrees with its policy
 assert len(left.patches) == max(ks) and len(right.lines) == 2  # both plots drawn
 """)
+
+
+def test_the_committed_quickstart_shows_its_figure():
+    """The committed outputs hold the acceptance and throughput figure (displayed explicitly, so a
+    re-execution under a non-interactive plotting backend keeps it)."""
+    import nbformat
+
+    from tests.notebooks.kernel import NOTEBOOKS
+
+    nb = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    plotting = [c for c in nb.cells if c.cell_type == "code" and "plt.subplots" in c.source]
+    assert len(plotting) == 1
+    assert any("image/png" in output.get("data", {}) for output in plotting[0].outputs)

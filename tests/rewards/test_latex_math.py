@@ -3,7 +3,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from jaxspec.rewards import get_reward, latex_math_reward
+from jaxspec.rewards import get_reward, math_reward
 
 # Strings real models write, with their correct grade (the exact-rational checker misgraded them).
 ISSUE_STRINGS = [
@@ -41,7 +41,7 @@ REFERENCES = [
 
 @pytest.mark.parametrize("response, answer, grade", ISSUE_STRINGS + REFERENCES)
 def test_grades(response, answer, grade):
-    assert latex_math_reward(response, answer) == grade
+    assert math_reward(response, answer) == grade
 
 
 def test_registered_math_reward_grades_in_its_worker_and_from_threads():
@@ -53,5 +53,5 @@ def test_registered_math_reward_grades_in_its_worker_and_from_threads():
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(lambda c: reward(c[0], {"answer": c[1]}), cases)) == [g for _, _, g in cases]
         direct = pool.submit(lambda: (threading.current_thread() is threading.main_thread(),
-                                      latex_math_reward(r"\boxed{2\frac{1}{2}}", "5/2"))).result()
+                                      math_reward(r"\boxed{2\frac{1}{2}}", "5/2"))).result()
     assert direct == (False, 1.0)

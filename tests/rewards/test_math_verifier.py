@@ -2,7 +2,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxspec.rewards import extract_answer, math_reward, normalize_answer, parse_number
+from jaxspec.rewards import arithmetic_reward, extract_answer, normalize_answer, parse_number
 
 
 @pytest.mark.parametrize("response, answer", [
@@ -36,7 +36,7 @@ from jaxspec.rewards import extract_answer, math_reward, normalize_answer, parse
     ("12 apples", "#### 12"),                                  # reference given in raw GSM8K form
 ])
 def test_equivalent_answers_score_one(response, answer):
-    assert math_reward(response, answer) == 1.0
+    assert arithmetic_reward(response, answer) == 1.0
 
 
 @pytest.mark.parametrize("response, answer", [
@@ -56,7 +56,7 @@ def test_equivalent_answers_score_one(response, answer):
     ("12 then 13", "12"),                                      # last number is 13
 ])
 def test_wrong_or_garbage_scores_zero(response, answer):
-    assert math_reward(response, answer) == 0.0
+    assert arithmetic_reward(response, answer) == 0.0
 
 
 def test_never_raises_on_odd_text():
@@ -64,7 +64,7 @@ def test_never_raises_on_odd_text():
            r"\boxed{\frac{}{}}", "-", ".", "$$", r"\boxed{1e400}", "9" * 400 + ".5"]
     for text in odd:
         for answer in ("1", r"\frac{1}{2}", "x"):
-            assert math_reward(text, answer) in (0.0, 1.0)
+            assert arithmetic_reward(text, answer) in (0.0, 1.0)
 
 
 def test_extract_answer_order_and_fallbacks():
@@ -100,4 +100,4 @@ def test_parse_and_normalize():
     (r"\boxed{5}\boxed{}", "5", 1.0),                          # an empty last box
 ])
 def test_issue_strings_exact_checker(response, answer, grade):
-    assert math_reward(response, answer) == grade
+    assert arithmetic_reward(response, answer) == grade

@@ -1,12 +1,16 @@
-import logging
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from jaxspec.rewards import TimedCall
-from jaxspec.rewards.latex_math import math_example_grade
+from jaxspec.rewards import RewardCallError, TimedCall
+from jaxspec.rewards.latex_math import math_example_reward
 
+REPO = str(Path(__file__).resolve().parents[2])
 PATHOLOGICAL = r"\boxed{(x+1)^{100000}}"  # sympy expands it for minutes; math-verify's own timeout misses it
 
 
@@ -14,27 +18,61 @@ def fail(text: str) -> float:
     raise ArithmeticError(f"cannot grade {text}")
 
 
-def test_a_hanging_verifier_is_cut_off_from_any_thread(caplog):
-    timed = TimedCall(math_example_grade, timeout_s=2.0)
+def test_a_hanging_verifier_is_cut_off_from_any_thread():
+    timed = TimedCall(math_example_reward, timeout_s=2.0)
     try:
         assert timed(r"\boxed{5}", {"answer": "5"}) == 1.0  # starts the worker
-        with caplog.at_level(logging.WARNING, logger="jaxspec.rewards"), ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as pool:
             start = time.perf_counter()
-            assert pool.submit(timed, PATHOLOGICAL, {"answer": "5"}).result() is None
+            with pytest.raises(RewardCallError, match=r"exceeded 2 s on .*\(worker restarted\)"):
+                pool.submit(timed, PATHOLOGICAL, {"answer": "5"}).result()
             assert time.perf_counter() - start < 10
-        assert "exceeded 2.0 s" in caplog.text
         assert timed(r"\boxed{-5}", {"answer": "-5"}) == 1.0  # a fresh worker answers the next call
     finally:
         timed.close()
 
 
-def test_errors_inside_the_worker_return_none(caplog):
+def test_the_worker_is_started_once_and_restarted_when_it_dies():
+    timed = TimedCall(math_example_reward, timeout_s=30.0)
+    try:
+        assert timed(r"\boxed{5}", {"answer": "5"}) == 1.0
+        first = timed._proc.pid
+        assert timed(r"\boxed{4}", {"answer": "5"}) == 0.0 and timed._proc.pid == first  # reused
+        timed._proc.kill()
+        timed._proc.wait()
+        assert timed(r"\boxed{5}", {"answer": "5"}) == 1.0 and timed._proc.pid != first  # a fresh one
+    finally:
+        timed.close()
+
+
+def test_errors_inside_the_worker_raise_with_their_message():
     timed = TimedCall(fail, timeout_s=30.0)
     try:
-        with caplog.at_level(logging.WARNING, logger="jaxspec.rewards"):
-            assert timed("x") is None
-        assert "ArithmeticError: cannot grade x" in caplog.text
+        with pytest.raises(RewardCallError, match="ArithmeticError: cannot grade x"):
+            timed("x")
     finally:
         timed.close()
     with pytest.raises(ValueError, match="timeout_s"):
         TimedCall(fail, 0)
+
+
+def test_a_function_the_worker_cannot_import_is_refused():
+    def local(response, example):
+        return 1.0
+
+    with pytest.raises(ValueError, match="'local' would run in a reward worker process.*top level of an importable"):
+        TimedCall(local, 5.0)
+    local.__module__, local.__qualname__ = "__main__", "local"
+    with pytest.raises(ValueError, match="not in the script being run"):
+        TimedCall(local, 5.0)
+
+
+def test_the_math_reward_grades_from_a_script_read_from_stdin():
+    """`python - <<EOF` has no importable __main__: the worker never needs it."""
+    script = ("from jaxspec.rewards import get_reward\n"
+              "reward = get_reward('math')\n"
+              "print(reward(r'So $\\boxed{\\dfrac{1}{2}}$.', {'answer': '1/2'}), reward('3', {'answer': '1/2'}))\n")
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1.0", "0.0"]

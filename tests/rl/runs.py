@@ -28,6 +28,8 @@ train: {{steps: {steps}, checkpoint_every: {checkpoint_every}, progress: false}}
 
 
 REPO = str(Path(__file__).resolve().parents[2])
+# Autoregressive rollouts and a plain loss keep a run's compilations short.
+LIGHT = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
 
 
 # `jaxspec` in a subprocess, with the test rewards (tests/rl/conftest.py) registered.

@@ -1,6 +1,9 @@
 """`jaxspec.rl.train` from Python: the CLI's run, metrics returned and streamed, resume, config errors."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -8,7 +11,7 @@ import jaxspec.rl
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.config_io import load_config
 from jaxspec.rl.config import GRPOConfig
-from tests.rl.runs import without_machine_keys
+from tests.rl.runs import REPO, without_machine_keys
 
 CONFIG = """
 policy: {{path: {policy}}}
@@ -61,3 +64,37 @@ def test_bad_overrides_and_run_dirs_raise_before_any_compute(config, tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.yaml"):
         jaxspec.rl.train(tmp_path / "missing.yaml", tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+# A user's training script as people write them: no `if __name__ == "__main__":` guard.
+UNGUARDED_SCRIPT = """
+import jaxspec.rl
+with open({marker!r}, "a") as f:
+    f.write("script body ran\\n")
+jaxspec.rl.train({config!r}, {run_dir!r})
+"""
+MATH_CONFIG = """
+data: {num_train: 8, num_eval: 0, levels: [1], kinds: [arithmetic]}
+reward: math
+rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 8}
+spec: {method: none}
+draft: {online: false}
+eval: {every: 0}
+train: {steps: 1, progress: false, compilation_cache: false}
+"""
+
+
+def test_a_script_without_a_main_guard_trains_once_with_the_math_reward(tmp_path):
+    """The math reward's worker never imports the user's script: the script body runs once, the run
+    has one step and no reward failed."""
+    (tmp_path / "math.yaml").write_text(MATH_CONFIG)
+    script = tmp_path / "train_math.py"
+    script.write_text(UNGUARDED_SCRIPT.format(marker=str(tmp_path / "marker"), config=str(tmp_path / "math.yaml"),
+                                              run_dir=str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "marker").read_text() == "script body ran\n"
+    records = _file_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1] and records[0]["reward_failures"] == 0
+    assert "Traceback" not in proc.stderr

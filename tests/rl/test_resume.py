@@ -1,8 +1,9 @@
 """`jaxspec train --resume`: exact resume, onto a mesh and over two processes, damaged checkpoints,
-SIGTERM and Ctrl-C."""
+SIGTERM and Ctrl-C, a torn metrics file, changed step counts, the job's time limit."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -11,10 +12,13 @@ import time
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
+import yaml
 from safetensors.numpy import load_file
 
+from jaxspec.exits import EXIT_INPUT
 from jaxspec.run import EXIT_CHECKPOINTED
-from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
+from tests.rl.runs import LIGHT, read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
 from tests.run.damage import truncate_largest_data_file
 
 def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
@@ -88,10 +92,6 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
     assert (run / "policy" / "model.safetensors").is_file() and (run / "checkpoints" / "2").is_dir()
 
 
-# Autoregressive rollouts and a plain loss keep a subprocess's compilations short.
-LIGHT = ["spec.method=none", "draft.online=false", "loss.recompute_logprobs=false"]
-
-
 def _signal_mid_run(config, run_dir, signum):
     """Starts `jaxspec train` in a subprocess (stdout not a terminal), sends `signum` once two steps
     are logged; returns (exit status, stdout, stderr)."""
@@ -161,3 +161,61 @@ def test_resume_on_a_new_run_dir_says_so_and_starts_fresh(tiny_policy, tmp_path,
     out = capsys.readouterr().out
     assert f"--resume: no checkpoint in {run_dir / 'checkpoints'}; starting a new run" in out
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_policy, tmp_path_factory):
+    """A finished 2-step run (checkpoints 1 and 2) of the light config."""
+    root = tmp_path_factory.mktemp("two_steps")
+    config = write_config(root / "run.yaml", tiny_policy[0], steps=2, eval_every=0, checkpoint_every=1)
+    assert train_cli("--config", config, "--run-dir", root / "run", *LIGHT) == 0
+    return config, root / "run"
+
+
+def _copy(two_steps, tmp_path):
+    config, run = two_steps
+    shutil.copytree(run, tmp_path / "run")
+    return config, tmp_path / "run"
+
+
+def _saved_steps(run) -> int:
+    return yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"]
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_changed_train_steps_is_stated(two_steps, tmp_path, capsys):
+    config, run = _copy(two_steps, tmp_path)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_mean": 0.1, "tim')  # the process died while writing the line
+    assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=3", *LIGHT) == 0
+    out = capsys.readouterr().out
+    assert (f"{run / 'metrics.jsonl'}: dropped its last line, cut short while it was written (Unterminated string "
+            f"starting at: line 1 column 33 (char 32))") in out
+    assert "--resume: train.steps 2 -> 3 (the run has done 2 steps; config.yaml updated)" in out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3] and _saved_steps(run) == 3
+
+
+def test_resuming_with_fewer_steps_than_done_is_refused(two_steps, tmp_path, capsys):
+    config, run = _copy(two_steps, tmp_path)
+    assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=1", *LIGHT) == EXIT_INPUT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"jaxspec train: error: --resume: train.steps=1 but the run in {run} has done 2 steps; give train.steps >= 2 "
+        f"(config.yaml is unchanged)")
+    assert _saved_steps(run) == 2
+
+
+def test_a_run_stops_before_its_time_limit_when_a_step_and_a_checkpoint_would_not_fit(two_steps, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """JAXSPEC_STOP_BY an hour away, steps measured at 5000 s each (the earlier start's metrics): the
+    run checkpoints and stops with EXIT_CHECKPOINTED before step 3; with a day left it trains it."""
+    config, run = _copy(two_steps, tmp_path)
+    records = [{**r, "time_step_s": 5000.0} for r in read_metrics(run)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setenv("JAXSPEC_STOP_BY", str(time.time() + 3600))
+    assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=3", *LIGHT) == EXIT_CHECKPOINTED
+    out = capsys.readouterr().out
+    assert re.search(r"time limit \(the job must stop by [-0-9: ]+ UTC \(JAXSPEC_STOP_BY\): one more step \(~5000 s\) "
+                     r"and a checkpoint \(~5000 s\) would end after it\): checkpointed step 2 in ", out), out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2] and "grpo done" not in out
+    monkeypatch.setenv("JAXSPEC_STOP_BY", str(time.time() + 86400))
+    assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=3", *LIGHT) == 0
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]

@@ -78,3 +78,44 @@ def test_truncate_metrics_keeps_records_up_to_the_step(tmp_path):
     assert path.read_text() == ""
     truncate_metrics(tmp_path / "absent.jsonl", 3)
     assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_a_torn_last_line_is_dropped_and_a_bad_line_before_it_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    reports = []
+    assert truncate_metrics(path, 5, reports.append) == [{"step": 1}, {"step": 2}]
+    assert reports == [f"{path}: dropped its last line, cut short while it was written (Unterminated string starting "
+                       f"at: line 1 column 13 (char 12))"]
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    path.write_text('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=rf"{path}: line 2 is not a JSON record \(Unterminated string"):
+        truncate_metrics(path, 5, reports.append)
+
+
+def test_each_save_is_timed_until_it_is_on_disk(tmp_path, monkeypatch):
+    """longest_write_s measures a save from its start until orbax reports it complete in the
+    background, not only the part `save` blocks for."""
+    import time
+
+    import orbax.checkpoint as ocp
+
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=5)
+    assert checkpointer.longest_write_s is None
+    checkpointer.save(_state(1))
+    checkpointer.close()
+    assert 0 < checkpointer.longest_write_s < 60
+
+    finalize = ocp.CompositeCheckpointHandler.finalize
+
+    def slow_finalize(self, directory):  # a slow disk: the save completes 2 s after `save` returned
+        time.sleep(2.0)
+        return finalize(self, directory)
+
+    monkeypatch.setattr(ocp.CompositeCheckpointHandler, "finalize", slow_finalize)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=5)
+    start = time.perf_counter()
+    checkpointer.save(_state(2))
+    assert time.perf_counter() - start < 2.0 and checkpointer.longest_write_s is None  # still being written
+    checkpointer.close()
+    assert checkpointer.longest_write_s >= 2.0

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxspec.rewards import math_reward, parse_number
+from jaxspec.rewards import arithmetic_reward, parse_number
 from jaxspec.tasks import MAX_LEVEL, generate_problems, train_tokenizer, write_dataset
 from jaxspec.tasks.arithmetic import LEVELS
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -56,7 +56,7 @@ def test_every_solution_verifies_and_is_arithmetically_right(level):
     for p in problems:
         assert p["level"] == level
         assert p["solution"].rstrip().endswith(f"\\boxed{{{p['answer']}}}.")
-        assert math_reward(p["solution"], p["answer"]) == 1.0
+        assert arithmetic_reward(p["solution"], p["answer"]) == 1.0
         assert parse_number(p["answer"]) is not None
         if p["kind"] == "arithmetic":
             _check_arithmetic(p)

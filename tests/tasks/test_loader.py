@@ -102,3 +102,37 @@ def test_reads_the_same_without_datasets(tmp_path, monkeypatch):
     if importlib.util.find_spec("pyarrow") is not None:
         parquet = write_dataset(tmp_path / "g.parquet", 10, seed=0)
         assert load_prompts(parquet) == with_datasets[1]
+
+
+@pytest.mark.parametrize("with_datasets", [True, False])
+def test_a_record_without_its_answer_is_refused_naming_file_line_and_field(tmp_path, monkeypatch, with_datasets):
+    if not with_datasets:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n\n{"question": "2+2?"}\n{"question": "3+3?", "answer": "6"}\n')
+    with pytest.raises(ValueError) as err:
+        load_prompts(path)
+    assert str(err.value) == f"{path}: line 3: the record has no 'answer' (or it is null)"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": null, "answer": "4"}\n')
+    with pytest.raises(ValueError) as err:
+        load_prompts(path)
+    assert str(err.value) == f"{path}: line 2: the record has no 'question' (or it is null)"
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": None}]))
+    with pytest.raises(ValueError) as err:
+        load_prompts(array)
+    assert str(err.value) == f"{array}: record 2: the record has no 'answer' (or it is null)"
+
+
+@pytest.mark.parametrize("with_datasets", [True, False])
+def test_a_malformed_line_is_one_error_naming_file_and_line(tmp_path, monkeypatch, capfd, with_datasets):
+    if not with_datasets:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    good = _write_jsonl(tmp_path / "good.jsonl", [{"question": "1+1?", "answer": "2"}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"\n')
+    with pytest.raises(ValueError) as err:
+        load_prompts([good, bad])
+    assert str(err.value) == f"{bad}: line 2: not valid JSON (Expecting ',' delimiter, column 35)"
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained library traceback
+    assert capfd.readouterr().err == ""  # nor datasets' log line or progress bar
