@@ -19,7 +19,7 @@ from kernels.grouped_matmul import grouped_matmul_pallas
 from tests.rollout.conftest import random_params
 from tests.rollout.speculative import test_lossless as lossless
 from tests.rollout.speculative import test_loop as loop_tests
-from tests.rollout.speculative.test_lossless import drafts, reference, sampled, teacher_forced  # noqa: F401
+from tests.rollout.speculative.test_lossless import drafts, race_tiles, reference, sampled, teacher_forced  # noqa: F401
 from tests.rollout.speculative.test_loop import (autoregressive, eos_and_reference, greedy_sampling,  # noqa: F401
                                                  speculative)
 
