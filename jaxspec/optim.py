@@ -13,7 +13,16 @@ import optax
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup to `learning_rate`, cosine decay to learning_rate * min_lr_ratio,
-    after clipping gradients to global norm `grad_clip`."""
+    after clipping gradients to global norm `grad_clip`.
+
+    learning_rate: the peak learning rate, reached after the warmup.
+    warmup_steps: optimizer steps of linear warmup from 0 (fewer than train.steps).
+    min_lr_ratio: the learning rate at the last step, as a fraction of learning_rate (in [0, 1]).
+    weight_decay: AdamW's decoupled weight decay, applied to matrices only (not to norm weights or
+    biases).
+    b1 / b2: AdamW's decay rates of the first and second moment estimates.
+    grad_clip: the global gradient norm that gradients are clipped to before AdamW.
+    """
 
     learning_rate: float = 1e-3
     warmup_steps: int = 100

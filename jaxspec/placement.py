@@ -26,9 +26,16 @@ from jaxspec.rollout.memory import check_weights_fit, weights_bytes_per_device
 class MeshConfig:
     """The device mesh (data, fsdp, tensor, expert) that the policy, its optimizer state and the
     rollouts are sharded over, built from the first data * fsdp * tensor * expert devices. All 1:
-    one device. expert splits a mixture-of-experts policy's experts (training rows are not split
-    over it). A resumed run may use another mesh (checkpoints are restored onto it).
+    one device. A resumed run may use another mesh (checkpoints are restored onto it).
 
+    data: devices that split the training rows and rollouts, each holding the whole policy (data
+    parallel).
+    fsdp: devices that split the rows too and shard the policy's embedding dimension and its
+    optimizer state over themselves (fully sharded data parallel).
+    tensor: devices that split the attention heads, MLP width and vocabulary of every layer
+    (tensor parallel); rows are not split over it.
+    expert: devices that split a mixture-of-experts policy's experts (expert parallel); training
+    rows are not split over it.
     rollout_devices: GRPO with rollout.mode async only: the last N devices form a separate rollout
     mesh (its own copy of the policy, see `jaxspec.rl.async_rollouts`); the trainer mesh is built
     from the devices before them. 0 = no rollout mesh. In a job of several processes each process

@@ -20,11 +20,14 @@ EMBEDDED_POLICY = Path(__file__).resolve().parent.parent / "assets" / "tiny-poli
 class PromptData:
     """Where training prompts come from: generated math problems, or a prompt file.
 
-    num_prompts / seed / levels / kinds / tally: the generated pool (`jaxspec.tasks.generate_problems`;
-        kind "tally" has long, heavy-tailed answers, `jaxspec.tasks.tally.TallyConfig`).
-    prompts_file: a .jsonl/.json/.parquet file read with `jaxspec.tasks.load_prompts` instead
-        (prompt_field / answer_field name its columns). Prompts are chat-formatted with the
-        policy's tokenizer; those over max_prompt_len tokens are dropped.
+    num_prompts / seed / levels / kinds: the size, seed, difficulty levels (1..7) and problem kinds of
+    the generated pool (`jaxspec.tasks.generate_problems`).
+    tally: the length law and phrasing variation of kind "tally", the long, heavy-tailed answers
+        (`jaxspec.tasks.tally.TallyConfig`).
+    prompts_file: a .jsonl/.json/.parquet file read with `jaxspec.tasks.load_prompts` instead.
+    prompt_field / answer_field: the columns of prompts_file holding the question and the answer.
+    max_prompt_len: the longest prompt in tokens (chat-formatted with the policy's tokenizer);
+        longer prompts are dropped.
     """
 
     num_prompts: int = 4096
@@ -40,9 +43,13 @@ class PromptData:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """How the frozen policy samples the responses the head learns from. batches_per_call: one
-    generate call samples this many training batches at once (its rows serve that many steps):
-    decoding a small batch leaves a GPU mostly idle, so fewer, larger calls cost less."""
+    """How the frozen policy samples the responses the head learns from.
+
+    temperature / top_p / top_k: the sampling (temperature > 0; top_p 1 and top_k 0: off).
+    max_new_tokens: the longest response in tokens.
+    batches_per_call: one generate call samples this many training batches at once (its rows serve
+    that many steps): decoding a small batch leaves a GPU mostly idle, so fewer, larger calls cost
+    less."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,8 +60,14 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-    """draft_vocab_size: default min(V, 32000), chosen as the most frequent tokens of the first
-    `vocab_count_batches` generated batches. aux_layer_ids: default (1, L/2-1, L-4), clamped.
+    """The EAGLE-3 head to train.
+
+    draft_vocab_size: the head's vocabulary, the most frequent policy tokens of the first
+    vocab_count_batches generated batches; default min(V, 32000).
+    vocab_count_batches: generated batches whose tokens are counted to choose that vocabulary
+    (they then serve as the first training batches).
+    aux_layer_ids: the three policy layers whose hidden states the head reads; default
+    (1, L/2-1, L-4), clamped.
     init: an EAGLE-3 folder to start from instead of a random head (its maps are kept)."""
 
     draft_vocab_size: int | None = None
@@ -65,6 +78,12 @@ class HeadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeadLossConfig:
+    """The training-time-test loss (`jaxspec.draft.eagle3_loss`).
+
+    num_steps: unrolled drafting steps per position, each predicting one more token ahead.
+    step_decay: weight of the i-th unrolled step's loss: step_decay**i.
+    """
+
     num_steps: int = 7
     step_decay: float = 0.8
 
@@ -84,9 +103,18 @@ class HeadOptimConfig(OptimConfig):
 class HeadTrainConfig:
     """Loop, checkpoints and export.
 
-    batch_size: rollouts per step (one response per prompt). policy_dtype: dtype of the frozen
-    policy for generation and the feature forward (the head trains in float32).
+    steps: optimizer steps.
+    batch_size: rollouts per step (one response per prompt).
+    seed: seeds the head's initial weights, the prompts drawn for each batch and their sampling.
+    policy_dtype: dtype of the frozen policy for generation and the feature forward (the head
+    trains in float32).
+    log_every: steps between training records (loss, top-1 agreement per unrolled step).
+    checkpoint_every: steps between checkpoints (the last step is always saved).
+    keep_checkpoints: checkpoints kept (the newest ones).
     export_dir: where the public-layout head goes (default <run_dir>/draft).
+    export_dtype: dtype of the exported head.
+    progress: show a progress bar (a plain line every JAXSPEC_PROGRESS_INTERVAL_S seconds when
+    stdout is not a terminal).
     """
 
     steps: int
@@ -103,8 +131,9 @@ class HeadTrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Top-1 agreement per unrolled position on `batches` fresh generated batches after training.
+    """Top-1 agreement per unrolled position on fresh generated batches after training.
 
+    batches: generated batches evaluated (0: no evaluation).
     data: the evaluation prompts (default: the training prompt section with another seed). A head
     trained out of domain is compared with an in-domain one by evaluating both on the same data.
     """
@@ -115,7 +144,9 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DraftTrainConfig:
-    """policy: HF folder of the frozen policy, with its tokenizer.json (default: the embedded
+    """An offline EAGLE-3 head training run (`jaxspec draft train --config FILE`).
+
+    policy: HF folder of the frozen policy, with its tokenizer.json (default: the embedded
     tiny policy).
 
     mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`): the frozen

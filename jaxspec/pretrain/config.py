@@ -25,9 +25,13 @@ class DataConfig:
     worked solutions with controlled uncertainty; `tally` sets its length law and phrasing
     variation, `jaxspec.tasks.tally.TallyConfig`). max_len: width of a packed training row in tokens (the
     model's input length); examples (prompt + solution + eos) longer than that are dropped.
-    tokenizer: an existing tokenizer.json to use instead of training a byte-level BPE of
-    `vocab_size` on the training corpus; eos/pad/bos_token and prompt_template then name that
-    tokenizer's special tokens and chat layout (the defaults are those of the trained BPE).
+    seed: seeds the generated problems and the shuffling of the packed rows.
+    kinds: problem kinds, a subset of `jaxspec.tasks.KINDS` ("arithmetic", "word").
+    vocab_size: size of the byte-level BPE trained on the training corpus.
+    tokenizer: an existing tokenizer.json to use instead of training that BPE.
+    eos_token / pad_token / bos_token: the tokenizer's special-token strings (the defaults are those
+    of the trained BPE; with `tokenizer`, name that file's).
+    prompt_template: the chat layout, with a `{question}` slot; the solution follows it directly.
     """
 
     num_train: int
@@ -47,11 +51,24 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """Qwen3-architecture decoder shape (the vocabulary size comes from the tokenizer).
+    """Qwen3-architecture decoder shape (the vocabulary size comes from the tokenizer); the fields
+    are `jaxspec.models.ModelConfig`'s of the same names.
 
-    num_experts > 0 makes it a Qwen3-MoE policy (`jaxspec.models.ModelConfig` fields of the same
-    names): every decoder_sparse_step-th layer routes each token to num_experts_per_tok SwiGLU experts
-    of width moe_intermediate_size, and the loss adds router_aux_loss_coef x the load-balancing loss.
+    hidden_size: width of the residual stream.
+    intermediate_size: width of each dense layer's SwiGLU MLP.
+    num_layers: decoder layers.
+    num_heads / num_kv_heads: query heads and key/value heads (grouped-query attention: num_heads a
+    multiple of num_kv_heads).
+    head_dim: width of one attention head (even: rotary embedding).
+    rope_theta: base of the rotary position embedding's frequencies.
+    tie_word_embeddings: the output head reuses the embedding matrix.
+    max_position_embeddings: longest sequence the model takes (at least data.max_len).
+    num_experts: > 0 makes it a Qwen3-MoE policy: every decoder_sparse_step-th layer routes each
+    token to num_experts_per_tok SwiGLU experts of width moe_intermediate_size, and the loss adds
+    router_aux_loss_coef x the load-balancing loss. 0: a dense policy (the expert fields unused).
+    num_experts_per_tok / moe_intermediate_size / decoder_sparse_step / router_aux_loss_coef: see
+    num_experts.
+    norm_topk_prob: renormalise the chosen experts' router probabilities to sum 1.
     """
 
     hidden_size: int
@@ -75,9 +92,12 @@ class ModelShape:
 class PretrainTrainConfig:
     """Loop, precision, evaluation, checkpointing and export.
 
+    steps: optimizer steps.
     batch_size: packed rows (of data.max_len tokens, several examples each) per optimizer step; on
         a mesh they are split over its data x fsdp devices (a multiple of that product).
-
+    seed: seeds the initial weights.
+    remat: recompute each layer's activations in the backward pass instead of keeping them (less
+    memory, more compute).
     compute_dtype: dtype of the forward/backward (params stay float32 master copies).
     attention: "auto" (cuDNN flash attention on GPU, packed segments as a mask), "xla" or "cudnn".
     moe: a mixture-of-experts policy's grouped matmuls (`jaxspec.models.moe.grouped_matmul`):
@@ -85,9 +105,16 @@ class PretrainTrainConfig:
         "ragged_dot", or "pallas" (the grouped-matmul kernels forward and backward, Triton on GPU,
         per device on its rows with the experts whole: not with mesh.expert or mesh.tensor > 1);
         "interpret" runs those kernels in Pallas interpret mode (any backend, slow).
+    log_every: steps between training records (loss, gradient norm, learning rate, tokens per second).
     eval_every: steps between greedy-accuracy evaluations on the held-out set (0: only at the end).
+    eval_max_new_tokens / eval_batch_size: the evaluation's longest response and the prompts it
+    decodes per generate call.
     checkpoint_every: steps between checkpoints (the last step is always saved).
+    keep_checkpoints: checkpoints kept (the newest ones).
     export_dir: where the HF folder goes (default: <run_dir>/policy); relative to the working dir.
+    export_dtype: dtype of the exported weights.
+    progress: show a progress bar (a plain line every JAXSPEC_PROGRESS_INTERVAL_S seconds when
+    stdout is not a terminal).
     """
 
     steps: int
@@ -110,7 +137,9 @@ class PretrainTrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
-    """mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`); e.g. data: 4
+    """A pretraining run (`jaxspec pretrain --config FILE`).
+
+    mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`); e.g. data: 4
     splits every step's rows over 4 GPUs with the params replicated, fsdp: 4 shards them too. The
     same steps on any mesh (up to float summation order); a resumed run may change it."""
 

@@ -37,13 +37,17 @@ class PolicyConfig:
 class DataConfig:
     """Training and held-out prompts.
 
-    train / eval: .jsonl/.json/.parquet files read with `jaxspec.tasks.load_prompts`
-    (`prompt_field` / `answer_field` name the columns). When null, `num_train` / `num_eval`
-    problems of the built-in math task (`levels`, `kinds`, generated from `seed`; kind "tally" is
-    the long-answer workload, `tally` its length law and phrasing variation) are written to
-    <run-dir>/data/ once and read back from there; held-out questions never occur in the
-    training set.
-    seed: also seeds the epoch-wise shuffling of the training prompts.
+    train / eval: .jsonl/.json/.parquet files read with `jaxspec.tasks.load_prompts`. When null,
+    problems of the built-in math task are written to <run-dir>/data/ once and read back from
+    there; held-out questions never occur in the training set.
+    prompt_field / answer_field: the columns of those files holding the question and the answer.
+    num_train / num_eval: problems generated when train / eval is null (num_eval 0: no held-out
+    set).
+    levels / kinds: difficulty levels (1..7) and problem kinds ("arithmetic", "word", "tally")
+        generated.
+    tally: the length law and phrasing variation of kind "tally", the long-answer workload
+        (`jaxspec.tasks.tally.TallyConfig`).
+    seed: seeds the generated problems and the epoch-wise shuffling of the training prompts.
     """
 
     train: str | None = None
@@ -62,6 +66,11 @@ class DataConfig:
 class RolloutConfig:
     """Sampling of the rollouts: prompts_per_step groups of samples_per_prompt responses each.
 
+    prompts_per_step: prompts (groups) per RL step.
+    samples_per_prompt: responses sampled per prompt (the group whose rewards set the advantages).
+    max_new_tokens: the longest response in tokens; longer ones are cut (truncated).
+    temperature / top_p / top_k: the sampling (top_p 1 and top_k 0: off); the rollouts' log-probs
+    are those of this processed distribution.
     dtype: dtype of the params copy the rollout reads ("sync" casts the float32 master params of
     the policy and the draft to it each step; with float32 it is the master params themselves,
     no copy).
@@ -124,6 +133,7 @@ class GRPOLossConfig:
 
     advantage: "std" = (r - mean) / (std + advantage_eps) within each group (unbiased std; GRPO),
         "mean" = r - mean (no scaling; Dr.GRPO).
+    advantage_eps: added to the group's reward standard deviation (advantage "std").
     eps_low / eps_high: ratio clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher when
         eps_high > eps_low).
     clip_ratio_c: dual-clip PPO: for a negative advantage the token loss is at most
@@ -209,6 +219,12 @@ class PolicyOptimConfig:
     """AdamW with global-norm gradient clipping; the learning rate warms up linearly over the
     first `warmup_steps` optimizer updates (ppo_epochs * minibatches per RL step), then stays.
 
+    learning_rate: the learning rate after the warmup.
+    warmup_steps: optimizer updates over which it rises linearly from learning_rate / warmup_steps.
+    weight_decay: AdamW's decoupled weight decay, applied to matrices only (not to norm weights or
+    biases).
+    b1 / b2: AdamW's decay rates of the first and second moment estimates.
+    grad_clip: the global gradient norm that gradients are clipped to before AdamW.
     state_dtype: dtype of AdamW's first moment (optax `mu_dtype`); bfloat16 halves it (an 8B
     policy: 16 GB instead of 33). The second moment stays float32 (optax has no dtype for it).
     """
@@ -227,11 +243,21 @@ RANDOM_DRAFT = "random"
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Speculative rollouts (`jaxspec.rollout.Spec`); method "none" samples autoregressively.
+    """Speculative rollouts (`jaxspec.rollout.Spec`).
 
+    method: "none" samples autoregressively; "eagle3" drafts with an EAGLE-3 head over the policy's
+    hidden states, "draft_model" with a smaller policy of the same vocabulary, "ngram" with
+    continuations of earlier matches of the last n tokens (no draft weights).
     draft: EAGLE-3 folder (method eagle3) or HF folder of a smaller model (draft_model). With
         eagle3, null = the embedded tiny policy's head (`jaxspec/assets/tiny-eagle3`) and "random" =
         a freshly initialised head (seeded by train.seed), e.g. to train online from scratch.
+    num_draft_tokens: draft depth k (>= 1): the longest run of draft tokens one step can accept.
+    tree_width: children expanded per node and nodes kept per depth (1 = a chain).
+    tree_budget: most draft nodes verified per step (>= tree_width); null keeps the whole
+        num_draft_tokens * tree_width tree.
+    draft_sampling: "greedy" expands the draft's most likely tokens, "stochastic" draws them from
+        the draft distribution (Gumbel-top-k); both are exact, they differ in acceptance. ngram
+        takes only "greedy".
     ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
     stage_draft_tokens: null, or the draft depth of each stage of the rollout loop (the full
         batch, then each halving as rows finish; the last entry holds for the stages past it),
@@ -252,14 +278,19 @@ class SpecConfig:
 class OnlineDraftConfig:
     """Online adaptation of the EAGLE-3 draft during RL (spec.method eagle3 only).
 
-    online: false keeps the draft frozen. loss_weight is λ in L = L_policy + λ·L_draft; L_draft
-    (`jaxspec.draft.eagle3_loss`: `ttt_steps` unrolled steps weighted `step_decay`**i) uses the
+    online: false keeps the draft frozen.
+    loss_weight: λ in L = L_policy + λ·L_draft; L_draft (`jaxspec.draft.eagle3_loss`) uses the
     policy's detached hidden states and logits of the training forward and has its own AdamW
     optimizer and gradient clipping (grad_clip). λ multiplies the head's step after the clipping
     and AdamW (which would cancel a weight on the loss): the head learns at λ·learning_rate, and
-    λ = 0 freezes it while the rollouts still use it. train_every: the head trains on every n-th minibatch update of
-    a step (the first, the (n+1)-th, ...); the others update the policy alone and skip the draft
-    loss's unrolled steps. 1 trains it on every minibatch.
+    λ = 0 freezes it while the rollouts still use it.
+    train_every: the head trains on every n-th minibatch update of a step (the first, the (n+1)-th,
+    ...); the others update the policy alone and skip the draft loss's unrolled steps. 1 trains it
+    on every minibatch.
+    ttt_steps: unrolled drafting steps of the training-time-test loss.
+    step_decay: weight of the i-th unrolled step's loss: step_decay**i.
+    learning_rate / b1 / b2 / weight_decay / grad_clip: the head's AdamW (constant learning rate)
+    and its global gradient-norm clip.
     """
 
     online: bool = False
@@ -278,8 +309,10 @@ class OnlineDraftConfig:
 class EvalConfig:
     """Validation accuracy on the held-out prompts: before training and every `every` steps.
 
-    every: 0 disables validation. temperature 0 is greedy decoding. max_new_tokens: null = the
-    rollout's. batch_size: prompts decoded per generate call.
+    every: 0 disables validation.
+    temperature: 0 is greedy decoding.
+    max_new_tokens: null = the rollout's.
+    batch_size: prompts decoded per generate call.
     """
 
     every: int = 0
@@ -292,8 +325,15 @@ class EvalConfig:
 class GRPOTrainConfig:
     """Loop, numerics, checkpoints and logging.
 
+    steps: RL steps (each: rollouts, rewards, ppo_epochs * minibatches updates).
+    seed: seeds the run's random keys (sampling, a "random" draft head) and the minibatch shuffling.
     compute_dtype: dtype of the training forward/backward (master params stay float32).
+    remat: recompute each layer's activations in the backward pass instead of keeping them (less
+    memory, more compute).
     checkpoint_every: steps between checkpoints (the last step is always saved).
+    keep_checkpoints: checkpoints kept (the newest ones).
+    progress: show a progress bar (a plain line every JAXSPEC_PROGRESS_INTERVAL_S seconds when
+    stdout is not a terminal).
     tensorboard: also write TensorBoard scalars to <run-dir>/tensorboard (needs tensorboardX).
     precompile: compile the trainer for every packed row count the run can produce in background
         threads from start-up, while the first rollouts run (`jaxspec.rl.compilation`); step 1
