@@ -47,8 +47,12 @@ class StepLaw:
          "pareto": N = min_steps + round(s * ((1 - U)^(-1 / alpha) - 1)), U uniform on [0, 1): a
              Pareto II (Lomax) law from min_steps with tail index alpha, its scale s set so that
              the median is `median` (P(N > n) falls like n^-alpha).
-    Draws outside [min_steps, max_steps] are drawn again: the law is truncated, not clipped
-    (`cdf` gives its exact distribution function).
+    median: the law's median number of days (before truncation).
+    sigma: the lognormal law's spread (the standard deviation of log N).
+    alpha: the Pareto law's tail index (smaller: a heavier tail).
+    min_steps / max_steps: the fewest and most days a problem has. Draws outside [min_steps,
+        max_steps] are drawn again: the law is truncated, not clipped (`cdf` gives its exact
+        distribution function).
     """
 
     law: Literal["lognormal", "pareto"] = "lognormal"
