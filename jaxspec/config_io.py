@@ -159,6 +159,20 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def defaults(cls: type) -> dict:
+    """The defaults of dataclass config `cls` as plain nested data (`to_dict`'s form); required
+    keys (no default) are absent, a required section holds its own keys' defaults."""
+    hints, out = typing.get_type_hints(cls), {}
+    for field in dataclasses.fields(cls):
+        if field.default is not dataclasses.MISSING:
+            out[field.name] = to_dict(field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            out[field.name] = to_dict(field.default_factory())
+        elif dataclasses.is_dataclass(hints[field.name]):
+            out[field.name] = defaults(hints[field.name])
+    return out
+
+
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 

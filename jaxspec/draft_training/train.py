@@ -49,7 +49,7 @@ _EVAL_SEED_OFFSET = 1_000_003  # evaluation prompts and rollouts never share the
 
 def check_run_dir(cfg: DraftTrainConfig, run_dir: Path, resume: bool) -> None:
     """`jaxspec.run.check_run_dir`: a resumed run keeps its policy, data, generation and head."""
-    run_dir_guard(run_dir, resume, to_dict(cfg), lambda key: key.split(".")[0] in _FIXED_SECTIONS,
+    run_dir_guard(run_dir, resume, cfg, lambda key: key.split(".")[0] in _FIXED_SECTIONS,
                   f"resume with the same {', '.join(_FIXED_SECTIONS)} settings")
 
 

@@ -52,7 +52,7 @@ def model_config(shape: ModelShape, tok: ChatTokenizer) -> ModelConfig:
 
 def check_run_dir(cfg: PretrainConfig, run_dir: Path, resume: bool) -> None:
     """`jaxspec.run.check_run_dir`: a resumed run keeps its data and model sections."""
-    run_dir_guard(run_dir, resume, to_dict(cfg), lambda key: key.split(".")[0] in ("data", "model"),
+    run_dir_guard(run_dir, resume, cfg, lambda key: key.split(".")[0] in ("data", "model"),
                   "resume with the same data and model settings")
 
 

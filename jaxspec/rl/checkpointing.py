@@ -31,7 +31,7 @@ __all__ = ["Checkpointer", "check_run_dir", "record_config", "save_config"]
 def check_run_dir(cfg: GRPOConfig, run_dir: Path, resume: bool) -> None:
     """`jaxspec.run.check_run_dir`: only RESUMABLE_KEYS (loop length, checkpoint cadence, logging)
     may differ from the run's saved config.yaml."""
-    run_dir_guard(run_dir, resume, to_dict(cfg), lambda key: key not in RESUMABLE_KEYS,
+    run_dir_guard(run_dir, resume, cfg, lambda key: key not in RESUMABLE_KEYS,
                   f"only {sorted(RESUMABLE_KEYS)} may change on resume")
 
 

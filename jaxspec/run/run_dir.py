@@ -8,6 +8,8 @@ from typing import Callable
 
 import yaml
 
+from jaxspec.config_io import defaults, to_dict
+
 
 def flatten(tree, prefix: str = "") -> dict:
     """{"section.key": value} of a nested config dict."""
@@ -19,19 +21,21 @@ def flatten(tree, prefix: str = "") -> dict:
     return out
 
 
-def check_run_dir(run_dir: Path, resume: bool, config: dict, fixed: Callable[[str], bool], hint: str) -> None:
+def check_run_dir(run_dir: Path, resume: bool, config, fixed: Callable[[str], bool], hint: str) -> None:
     """ValueError when `run_dir` holds checkpoints and `resume` is false, or when resuming with a
-    `config` (the command's config as a nested dict) whose value at a dotted key for which
-    `fixed(key)` holds differs from the run's saved config.yaml: the message names the section,
-    the key, both values and `hint` (what may change instead)."""
+    `config` (the command's dataclass config) whose value at a dotted key for which `fixed(key)`
+    holds differs from the run's saved config.yaml: the message names the section, the key, both
+    values and `hint` (what may change instead). A key the saved file lacks (added to jaxspec after
+    the run started) counts as its default, so a run resumes under a newer jaxspec unless the key
+    is set to something else."""
     checkpoints = run_dir / "checkpoints"
     if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume or choose a new --run-dir")
     saved_file = run_dir / "config.yaml"
     if not (resume and saved_file.exists()):
         return
-    saved = flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
-    current = flatten(config)
+    saved = {**flatten(defaults(type(config))), **flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})}
+    current = flatten(to_dict(config))
     changed = sorted(k for k in set(saved) | set(current) if fixed(k) and saved.get(k) != current.get(k))
     if changed:
         key = changed[0]
