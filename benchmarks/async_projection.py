@@ -65,24 +65,38 @@ def _field(run: dict, name: str, key: str) -> float:
     return float(value)
 
 
-def fit_costs(runs: dict, colocated: str, colocated_devices: int, async_run: str, rollout_devices: int,
-              trainer_devices: int, rollouts: int) -> Costs:
+def fit_costs(
+    runs: dict,
+    colocated: str,
+    colocated_devices: int,
+    async_run: str,
+    rollout_devices: int,
+    trainer_devices: int,
+    rollouts: int,
+) -> Costs:
     """The model's costs from the two runs' medians (see the module docstring)."""
     col, asy = _run(runs, colocated), _run(runs, async_run)
     col_rows, gen_rows = rollouts / colocated_devices, rollouts / rollout_devices
     col_gen, asy_gen = _field(col, colocated, "generation_s"), _field(asy, async_run, "generation_s")
     if col_rows == gen_rows:
-        raise ValueError("the two runs hold the same rows per generating device: no slope to fit; "
-                         "use a different device split for the async run")
+        raise ValueError(
+            "the two runs hold the same rows per generating device: no slope to fit; "
+            "use a different device split for the async run"
+        )
     slope = (asy_gen - col_gen) / (gen_rows - col_rows)
     trainer = _field(asy, async_run, "logprob_s") + _field(asy, async_run, "train_s")
     col_phases = col_gen + _field(col, colocated, "logprob_s") + _field(col, colocated, "train_s")
     sync = _field(asy, async_run, "sync_s")
-    return Costs(gen_fixed_s=col_gen - slope * col_rows, gen_per_row_s=slope,
-                 train_per_row_s=trainer / (rollouts / trainer_devices),
-                 train_per_row_multi_s=(col_phases - col_gen) / col_rows, sync_s=sync,
-                 colocated_other_s=_field(col, colocated, "step_s") - col_phases,
-                 overlap=_field(asy, async_run, "step_s") / max(asy_gen, trainer + sync), colocated_rows=col_rows)
+    return Costs(
+        gen_fixed_s=col_gen - slope * col_rows,
+        gen_per_row_s=slope,
+        train_per_row_s=trainer / (rollouts / trainer_devices),
+        train_per_row_multi_s=(col_phases - col_gen) / col_rows,
+        sync_s=sync,
+        colocated_other_s=_field(col, colocated, "step_s") - col_phases,
+        overlap=_field(asy, async_run, "step_s") / max(asy_gen, trainer + sync),
+        colocated_rows=col_rows,
+    )
 
 
 def generation_s(c: Costs, rows: float, speedup: float) -> float:
@@ -92,8 +106,9 @@ def generation_s(c: Costs, rows: float, speedup: float) -> float:
 def project(c: Costs, gpus: int, speedup: float = 1.0) -> dict:
     """Colocated and best-split async step seconds on `gpus` GPUs (weak scaling)."""
     rows = c.colocated_rows * gpus
-    colocated = (generation_s(c, c.colocated_rows, speedup) + c.train_per_row_multi_s * c.colocated_rows
-                 + c.colocated_other_s)
+    colocated = (
+        generation_s(c, c.colocated_rows, speedup) + c.train_per_row_multi_s * c.colocated_rows + c.colocated_other_s
+    )
     best = None
     for rollout_gpus in range(1, gpus):
         gen = generation_s(c, rows / rollout_gpus, speedup)
@@ -102,10 +117,21 @@ def project(c: Costs, gpus: int, speedup: float = 1.0) -> dict:
         trainer = per_row * rows / trainer_gpus + c.sync_s
         step = c.overlap * max(gen, trainer)
         if best is None or step < best["async_step_s"]:
-            best = {"rollout_gpus": rollout_gpus, "trainer_gpus": gpus - rollout_gpus, "async_step_s": step,
-                    "async_generation_s": gen, "async_trainer_s": trainer}
-    return {"gpus": gpus, "rollouts_per_step": rows, "generation_speedup": speedup, "colocated_step_s": colocated,
-            **best, "async_vs_colocated": colocated / best["async_step_s"]}
+            best = {
+                "rollout_gpus": rollout_gpus,
+                "trainer_gpus": gpus - rollout_gpus,
+                "async_step_s": step,
+                "async_generation_s": gen,
+                "async_trainer_s": trainer,
+            }
+    return {
+        "gpus": gpus,
+        "rollouts_per_step": rows,
+        "generation_speedup": speedup,
+        "colocated_step_s": colocated,
+        **best,
+        "async_vs_colocated": colocated / best["async_step_s"],
+    }
 
 
 def _split(text: str, parts: int, flag: str) -> list[str]:
@@ -122,10 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async", dest="async_run", required=True, metavar="NAME:ROLLOUT_DEVICES:TRAINER_DEVICES")
     p.add_argument("--rollouts", type=int, required=True, help="rollouts per step of both runs")
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--generation-speedup", type=float, nargs="*", default=[],
-                   help="measured speculative generation speedups to project too")
-    p.add_argument("--baseline", default=None, metavar="NAME",
-                   help="the colocated autoregressive run whose step async_vs_colocated_ar divides")
+    p.add_argument(
+        "--generation-speedup",
+        type=float,
+        nargs="*",
+        default=[],
+        help="measured speculative generation speedups to project too",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="NAME",
+        help="the colocated autoregressive run whose step async_vs_colocated_ar divides",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     try:
@@ -133,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         asy_name, rollout_devices, trainer_devices = _split(args.async_run, 3, "--async")
         with open(args.comparison, encoding="utf-8") as f:
             runs = json.load(f)
-        costs = fit_costs(runs, col_name, int(col_devices), asy_name, int(rollout_devices), int(trainer_devices),
-                          args.rollouts)
+        costs = fit_costs(
+            runs, col_name, int(col_devices), asy_name, int(rollout_devices), int(trainer_devices), args.rollouts
+        )
         baseline = None if args.baseline is None else _field(_run(runs, args.baseline), args.baseline, "step_s")
     except (ValueError, OSError) as err:
         print(f"async_projection: {err}", file=sys.stderr)
@@ -144,19 +180,39 @@ def main(argv: list[str] | None = None) -> int:
         ar_step = baseline if baseline is not None else project(costs, r["gpus"])["colocated_step_s"]
         r["async_vs_colocated_ar"] = ar_step / r["async_step_s"]
     print(f"PROJECTION (computed from {args.comparison}, not measured); {STUDY}")
-    print(f"fitted: generation {costs.gen_fixed_s:.3f} s + {1e3 * costs.gen_per_row_s:.3f} ms per row, trainer "
-          f"{1e3 * costs.train_per_row_s:.3f} ms per row on one GPU, {1e3 * costs.train_per_row_multi_s:.3f} on "
-          f"several, sync {costs.sync_s:.3f} s, overlap {costs.overlap:.3f}")
-    keys = ["gpus", "generation_speedup", "rollouts_per_step", "colocated_step_s", "rollout_gpus", "trainer_gpus",
-            "async_step_s", "async_vs_colocated", "async_vs_colocated_ar"]
+    print(
+        f"fitted: generation {costs.gen_fixed_s:.3f} s + {1e3 * costs.gen_per_row_s:.3f} ms per row, trainer "
+        f"{1e3 * costs.train_per_row_s:.3f} ms per row on one GPU, {1e3 * costs.train_per_row_multi_s:.3f} on "
+        f"several, sync {costs.sync_s:.3f} s, overlap {costs.overlap:.3f}"
+    )
+    keys = [
+        "gpus",
+        "generation_speedup",
+        "rollouts_per_step",
+        "colocated_step_s",
+        "rollout_gpus",
+        "trainer_gpus",
+        "async_step_s",
+        "async_vs_colocated",
+        "async_vs_colocated_ar",
+    ]
     print(" ".join(f"{k:>19}" for k in keys))
     for r in rows:
         print(" ".join(f"{r[k]:>19.3f}" if isinstance(r[k], float) else f"{r[k]:>19}" for k in keys))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"projection": "computed, not measured (benchmarks/async_projection.py docstring)",
-                       "source": args.comparison, "baseline": args.baseline, "study": STUDY, "costs": vars(costs),
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "projection": "computed, not measured (benchmarks/async_projection.py docstring)",
+                    "source": args.comparison,
+                    "baseline": args.baseline,
+                    "study": STUDY,
+                    "costs": vars(costs),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -36,8 +36,14 @@ def random_trees(rng, b: int, t: int) -> np.ndarray:
 def check_cache_attention() -> bool:
     rng = np.random.default_rng(0)
     worst = 0.0
-    for b, t, tree, max_len in [(8, 1, False, 300), (8, 4, False, 300), (8, 6, True, 1152), (4, 16, True, 500),
-                                (4, 40, True, 500), (64, 4, False, 1152)]:
+    for b, t, tree, max_len in [
+        (8, 1, False, 300),
+        (8, 4, False, 300),
+        (8, 6, True, 1152),
+        (4, 16, True, 500),
+        (4, 40, True, 500),
+        (64, 4, False, 1152),
+    ]:
         ks = jax.random.split(jax.random.key(t), 3)
         q = jax.random.normal(ks[0], (b, t, HEADS, HEAD_DIM), jnp.bfloat16)
         k = jax.random.normal(ks[1], (b, max_len, KV_HEADS, HEAD_DIM), jnp.bfloat16)
@@ -52,8 +58,10 @@ def check_cache_attention() -> bool:
         vs_dense = float(np.abs(outs["pallas"] - outs["xla"]).max())
         vs_interpret = float(np.abs(outs["pallas"] - outs["interpret"]).max())
         worst = max(worst, vs_dense, vs_interpret)
-        print(f"cache attention b={b} t={t} tree={tree} max_len={max_len}: |pallas-xla| {vs_dense:.4f} "
-              f"|pallas-interpret| {vs_interpret:.4f} finite {np.isfinite(outs['pallas']).all()}")
+        print(
+            f"cache attention b={b} t={t} tree={tree} max_len={max_len}: |pallas-xla| {vs_dense:.4f} "
+            f"|pallas-interpret| {vs_interpret:.4f} finite {np.isfinite(outs['pallas']).all()}"
+        )
     print(f"cache attention: worst {worst:.4f}: {'OK' if worst < TOLERANCE else 'MISMATCH'}")
     return worst < TOLERANCE
 
@@ -83,13 +91,20 @@ def check_ttt_attention() -> bool:
         (_, out_x), grads_x = results["xla"]
         (_, out_c), grads_c = results["cudnn"]
         out_err = float(jnp.abs(out_x.astype(jnp.float32) - out_c.astype(jnp.float32)).max())
-        grad_err = max(float(jnp.abs(gx.astype(jnp.float32) - gc.astype(jnp.float32)).max()
-                             / (jnp.abs(gx.astype(jnp.float32)).max() + 1e-6))
-                       for gx, gc in zip(grads_x, grads_c) if gx.size)
+        grad_err = max(
+            float(
+                jnp.abs(gx.astype(jnp.float32) - gc.astype(jnp.float32)).max()
+                / (jnp.abs(gx.astype(jnp.float32)).max() + 1e-6)
+            )
+            for gx, gc in zip(grads_x, grads_c)
+            if gx.size
+        )
         ok &= out_err < TOLERANCE and grad_err < TOLERANCE
-        print(f"ttt b={b} t={t} S={steps}: |cudnn-xla| out {out_err:.4f} grad rel {grad_err:.4f}; fwd+bwd xla "
-              f"{seconds['xla'] * 1e3:.2f} ms cudnn {seconds['cudnn'] * 1e3:.2f} ms "
-              f"({seconds['xla'] / seconds['cudnn']:.2f}x)")
+        print(
+            f"ttt b={b} t={t} S={steps}: |cudnn-xla| out {out_err:.4f} grad rel {grad_err:.4f}; fwd+bwd xla "
+            f"{seconds['xla'] * 1e3:.2f} ms cudnn {seconds['cudnn'] * 1e3:.2f} ms "
+            f"({seconds['xla'] / seconds['cudnn']:.2f}x)"
+        )
     print(f"ttt attention: {'OK' if ok else 'MISMATCH'}")
     return ok
 

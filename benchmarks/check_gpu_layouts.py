@@ -37,8 +37,15 @@ from pathlib import Path
 
 REL_TOL = 0.03  # bf16 rollouts and forwards: summation order differs between layouts
 ABS_TOL = 2e-3
-COMPARED = ("reward_mean", "logprob_mismatch_mean", "response_length_mean", "acceptance_length", "loss",
-            "entropy", "draft_loss")
+COMPARED = (
+    "reward_mean",
+    "logprob_mismatch_mean",
+    "response_length_mean",
+    "acceptance_length",
+    "loss",
+    "entropy",
+    "draft_loss",
+)
 
 
 def layouts(devices: int) -> list[dict]:
@@ -75,17 +82,34 @@ def parse_layout(text: str) -> dict:
 def device_count() -> int:
     """The accelerators a child process sees (this process stays on the CPU, so that it holds no
     GPU memory while the runs train)."""
-    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], env=CHILD_ENV, check=True,
-                         stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.device_count())"],
+        env=CHILD_ENV,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
     return int(out.split()[-1])
 
 
 def run_layout(mesh: dict, args, overrides: list[str], work: Path) -> dict:
     name = "x".join(f"{k}{v}" for k, v in mesh.items() if v > 1) or "1gpu"
     run_dir = work / name
-    cmd = [sys.executable, "-m", "jaxspec.cli", "train", "--config", args.config, "--run-dir", str(run_dir),
-           f"train.steps={args.steps}", "eval.every=0", f"train.checkpoint_every={args.steps}",
-           *(f"mesh.{k}={v}" for k, v in mesh.items()), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxspec.cli",
+        "train",
+        "--config",
+        args.config,
+        "--run-dir",
+        str(run_dir),
+        f"train.steps={args.steps}",
+        "eval.every=0",
+        f"train.checkpoint_every={args.steps}",
+        *(f"mesh.{k}={v}" for k, v in mesh.items()),
+        *overrides,
+    ]
     if args.policy:
         cmd.append(f"policy.path={args.policy}")
     start = time.perf_counter()
@@ -121,9 +145,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--make-policy", default=None, help="write a random small-shaped policy here first")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all)")
-    p.add_argument("--layouts", nargs="+", type=parse_layout, default=None, metavar="D,F,T",
-                   help="only these layouts, in this order; the others compare with the first when it is 1,1,1 "
-                        "(default: 1,1,1 then every layout of the devices)")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        type=parse_layout,
+        default=None,
+        metavar="D,F,T",
+        help="only these layouts, in this order; the others compare with the first when it is 1,1,1 "
+        "(default: 1,1,1 then every layout of the devices)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = p.parse_args(argv)
@@ -144,28 +174,45 @@ def main(argv: list[str]) -> int:
                 row["ok"] = row["rc"] == 0
             rows.append(row)
             first = row.get("first", {})
-            print(f"{row['layout']:18s} rc {row['rc']} {row['wall_s']:6.1f} s  "
-                  + "  ".join(f"{k} {v:.4g}" for k, v in first.items())
-                  + (f"  worst rel diff {row.get('worst_rel_diff', 0):.4f}" if "worst_rel_diff" in row else "")
-                  + ("  OK" if row["ok"] else "  FAILED"), flush=True)
+            print(
+                f"{row['layout']:18s} rc {row['rc']} {row['wall_s']:6.1f} s  "
+                + "  ".join(f"{k} {v:.4g}" for k, v in first.items())
+                + (f"  worst rel diff {row.get('worst_rel_diff', 0):.4f}" if "worst_rel_diff" in row else "")
+                + ("  OK" if row["ok"] else "  FAILED"),
+                flush=True,
+            )
             if row["rc"]:
                 print(row["error_tail"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": gpu_name(), "devices": devices,
-                                              "config": args.config, "overrides": args.overrides,
-                                              "rel_tol": REL_TOL, "abs_tol": ABS_TOL, "rows": rows}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": gpu_name(),
+                    "devices": devices,
+                    "config": args.config,
+                    "overrides": args.overrides,
+                    "rel_tol": REL_TOL,
+                    "abs_tol": ABS_TOL,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     bad = [r["layout"] for r in rows if not r["ok"]]
-    print(f"check_gpu_layouts: {len(rows) - len(bad)} of {len(rows)} layouts agree with one GPU"
-          + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+    print(
+        f"check_gpu_layouts: {len(rows) - len(bad)} of {len(rows)} layouts agree with one GPU"
+        + (f"; FAILED: {', '.join(bad)}" if bad else "")
+    )
     return 1 if bad else 0
 
 
 def gpu_name() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], stdout=subprocess.PIPE,
-                              text=True).stdout.splitlines()[0]
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], stdout=subprocess.PIPE, text=True
+        ).stdout.splitlines()[0]
     except (OSError, IndexError):
         return "unknown"
 

@@ -36,7 +36,7 @@ EXPERT_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "small_moe": (16, 8, 1024
 ROWS = (64 * 8, 256 * 8, 1024 * 8, 32768)
 TINY_SHAPES = {"tiny": (8, 2, 64, 48)}
 TINY_ROWS = (16, 96)
-TOLERANCE = 2.0 ** -7  # two bf16 roundings of the output, relative to its largest entry
+TOLERANCE = 2.0**-7  # two bf16 roundings of the output, relative to its largest entry
 
 
 def routed_group_sizes(key: jax.Array, rows: int, num_experts: int, top_k: int) -> jax.Array:
@@ -58,15 +58,20 @@ def impls(interpret: bool, tiles: dict, grad: bool) -> dict:
                 out, vjp = jax.vjp(lambda x, w: f(x, w, s), x, d if dense_weights else w)
                 probe = jnp.cos(jnp.arange(out.shape[1], dtype=jnp.float32)).astype(out.dtype)
                 return (out, *vjp(jnp.broadcast_to(probe, out.shape)))
+
             return fn
 
-        return {"kernel": with_grad(lambda x, w, s: grouped_matmul(x, w, s, kernel)),
-                "ragged_dot": with_grad(lambda x, w, s: jax.lax.ragged_dot(x, w, s)),
-                "dense": with_grad(lambda x, w, s: jnp.dot(x, w), dense_weights=True)}
+        return {
+            "kernel": with_grad(lambda x, w, s: grouped_matmul(x, w, s, kernel)),
+            "ragged_dot": with_grad(lambda x, w, s: jax.lax.ragged_dot(x, w, s)),
+            "dense": with_grad(lambda x, w, s: jnp.dot(x, w), dense_weights=True),
+        }
     kernel = functools.partial(grouped_matmul_pallas, interpret=interpret, **tiles)
-    return {"kernel": lambda x, w, s, d: kernel(x, w, s),
-            "ragged_dot": lambda x, w, s, d: jax.lax.ragged_dot(x, w, s),
-            "dense": lambda x, w, s, d: jnp.dot(x, d)}
+    return {
+        "kernel": lambda x, w, s, d: kernel(x, w, s),
+        "ragged_dot": lambda x, w, s, d: jax.lax.ragged_dot(x, w, s),
+        "dense": lambda x, w, s, d: jnp.dot(x, d),
+    }
 
 
 def temp_bytes(fn, *args) -> float:
@@ -77,19 +82,24 @@ def temp_bytes(fn, *args) -> float:
 
 def rel_err(got, want) -> float:
     """Worst over matching outputs of max |got - want| / max |want|."""
-    return max(float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()
-                     / np.abs(np.asarray(b, np.float32)).max()) for a, b in zip(jax.tree.leaves(got),
-                                                                               jax.tree.leaves(want), strict=True))
+    return max(
+        float(
+            np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()
+            / np.abs(np.asarray(b, np.float32)).max()
+        )
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
 
 
-def run_case(name: str, shape: tuple, rows: int, direction: str, fns: dict, calls: int, repeats: int,
-             grad: bool) -> bool:
+def run_case(
+    name: str, shape: tuple, rows: int, direction: str, fns: dict, calls: int, repeats: int, grad: bool
+) -> bool:
     num_experts, top_k, hidden, width = shape
     k, n = (hidden, width) if direction == "up" else (width, hidden)
     keys = jax.random.split(jax.random.key(rows + k), 3)
     sizes = routed_group_sizes(keys[0], rows, num_experts, top_k)
     x = jax.random.normal(keys[1], (rows, k), jnp.bfloat16)
-    w = (jax.random.normal(keys[2], (num_experts, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[2], (num_experts, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
     dense_w = w[0]
     want = jax.jit(fns["ragged_dot"])(x, w, sizes, dense_w)
     got = jax.jit(fns["kernel"])(x, w, sizes, dense_w)
@@ -98,11 +108,15 @@ def run_case(name: str, shape: tuple, rows: int, direction: str, fns: dict, call
     flops = (6.0 if grad else 2.0) * rows * k * n
     for impl, fn in fns.items():
         memory = temp_bytes(fn, x, w, sizes, dense_w)
-        seconds, (x, w, sizes, dense_w) = in_loop_seconds(lambda *a, fn=fn: fn(*a[:4]), (x, w, sizes, dense_w),
-                                                          calls=calls, repeats=repeats)
+        seconds, (x, w, sizes, dense_w) = in_loop_seconds(
+            lambda *a, fn=fn: fn(*a[:4]), (x, w, sizes, dense_w), calls=calls, repeats=repeats
+        )
         error = f"{err:9.2e}" if impl == "kernel" else " " * 9
-        print(f"{name:>14} {direction:>4} {num_experts:4d} {rows:6d} {k:5d} {n:5d} {impl:>10} "
-              f"{seconds * 1e3:9.3f} {flops / seconds / 1e12:8.2f} {memory / 1e6:10.1f} {error}", flush=True)
+        print(
+            f"{name:>14} {direction:>4} {num_experts:4d} {rows:6d} {k:5d} {n:5d} {impl:>10} "
+            f"{seconds * 1e3:9.3f} {flops / seconds / 1e12:8.2f} {memory / 1e6:10.1f} {error}",
+            flush=True,
+        )
     if not ok:
         print(f"MISMATCH {name} {direction} rows={rows}: kernel vs ragged_dot {err:.3e} >= {TOLERANCE:.3e}")
     return ok
@@ -124,15 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes = {s: EXPERT_SHAPES[s] for s in args.shapes or sorted(EXPERT_SHAPES)}
         rows, calls, repeats = args.rows or ROWS, args.calls, args.repeats
-    tiles = {t: getattr(args, t) for t in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-             if getattr(args, t) is not None}
+    tiles = {
+        t: getattr(args, t)
+        for t in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+        if getattr(args, t) is not None
+    }
     if args.grad and tiles:
         raise SystemExit("--grad times the gradient with the kernels' default tiles: drop the tile options")
     fns = impls(interpret=args.tiny, tiles=tiles, grad=args.grad)
-    print(f"device: {jax.devices()[0].device_kind}; {'forward + backward' if args.grad else 'forward'}; "
-          f"kernel tiles: {tiles or 'default'}")
-    print(f"{'shape':>14} {'proj':>4} {'E':>4} {'rows':>6} {'K':>5} {'N':>5} {'impl':>10} {'ms':>9} "
-          f"{'TFLOP/s':>8} {'temp MB':>10} {'rel err':>9}")
+    print(
+        f"device: {jax.devices()[0].device_kind}; {'forward + backward' if args.grad else 'forward'}; "
+        f"kernel tiles: {tiles or 'default'}"
+    )
+    print(
+        f"{'shape':>14} {'proj':>4} {'E':>4} {'rows':>6} {'K':>5} {'N':>5} {'impl':>10} {'ms':>9} "
+        f"{'TFLOP/s':>8} {'temp MB':>10} {'rel err':>9}"
+    )
     ok = True
     for name, shape in shapes.items():
         for r in rows:

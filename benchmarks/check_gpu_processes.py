@@ -25,14 +25,27 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from check_gpu_layouts import ABS_TOL, CHILD_ENV, COMPARED, REL_TOL, device_count, gpu_name
 
 
 def train_cmd(args, run_dir: Path, steps: int, overrides: list[str], resume: bool = False) -> list[str]:
-    return [sys.executable, "-m", "jaxspec.cli", "train", "--config", args.config, "--run-dir", str(run_dir),
-            f"train.steps={steps}", f"train.checkpoint_every={args.steps}", "eval.every=0", "mesh.data=1",
-            f"mesh.fsdp={args.devices}", "mesh.tensor=1", *overrides] + (["--resume"] if resume else [])
+    return [
+        sys.executable,
+        "-m",
+        "jaxspec.cli",
+        "train",
+        "--config",
+        args.config,
+        "--run-dir",
+        str(run_dir),
+        f"train.steps={steps}",
+        f"train.checkpoint_every={args.steps}",
+        "eval.every=0",
+        "mesh.data=1",
+        f"mesh.fsdp={args.devices}",
+        "mesh.tensor=1",
+        *overrides,
+    ] + (["--resume"] if resume else [])
 
 
 def run_processes(args, run_dir: Path, processes: int, steps: int, resume: bool = False) -> tuple[int, float, str]:
@@ -43,13 +56,24 @@ def run_processes(args, run_dir: Path, processes: int, steps: int, resume: bool 
     gpus_each = args.devices // processes
     procs, start = [], time.perf_counter()
     for pid in range(processes):
-        env = dict(CHILD_ENV, CUDA_VISIBLE_DEVICES=",".join(str(pid * gpus_each + g) for g in range(gpus_each)),
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={gpus_each}")  # (a CPU run's devices)
+        env = dict(
+            CHILD_ENV,
+            CUDA_VISIBLE_DEVICES=",".join(str(pid * gpus_each + g) for g in range(gpus_each)),
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={gpus_each}",
+        )  # (a CPU run's devices)
         if processes > 1:
-            env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(processes),
-                       JAX_PROCESS_ID=str(pid))
-        procs.append(subprocess.Popen(train_cmd(args, run_dir, steps, args.overrides, resume), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(pid)
+            )
+        procs.append(
+            subprocess.Popen(
+                train_cmd(args, run_dir, steps, args.overrides, resume),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate()[0] for p in procs]
     return max(abs(p.returncode) for p in procs), time.perf_counter() - start, outputs[0][-3000:]
 
@@ -77,8 +101,13 @@ def policies_agree(a: Path, b: Path) -> float:
     (_, pa), (_, pb) = load_hf(a, dtype="float32"), load_hf(b, dtype="float32")
     import jax
 
-    diffs = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()
-                                            / max(float(np.abs(np.asarray(x)).max()), 1e-12)), pa, pb)
+    diffs = jax.tree.map(
+        lambda x, y: float(
+            np.abs(np.asarray(x) - np.asarray(y)).max() / max(float(np.abs(np.asarray(x)).max()), 1e-12)
+        ),
+        pa,
+        pb,
+    )
     return max(jax.tree.leaves(diffs))
 
 
@@ -106,12 +135,22 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(work / f"p{args.devices}" / "policy")
             rc, wall, tail = run_processes(args, work / f"p{args.devices}", 1, args.steps + 2, resume=True)
             resumed = step_metrics(work / f"p{args.devices}") if rc == 0 else []
-            rows.append({"run": f"resume on 1 process, steps {args.steps + 1}-{args.steps + 2}", "rc": rc,
-                         "wall_s": wall, "steps": [r["step"] for r in resumed]})
+            rows.append(
+                {
+                    "run": f"resume on 1 process, steps {args.steps + 1}-{args.steps + 2}",
+                    "rc": rc,
+                    "wall_s": wall,
+                    "steps": [r["step"] for r in resumed],
+                }
+            )
             if rc:
                 print(tail)
-            ok = (rows[1]["metrics_agree"] and rows[1]["policy_rel_diff"] < REL_TOL and rc == 0
-                  and [r["step"] for r in resumed] == list(range(1, args.steps + 3)))
+            ok = (
+                rows[1]["metrics_agree"]
+                and rows[1]["policy_rel_diff"] < REL_TOL
+                and rc == 0
+                and [r["step"] for r in resumed] == list(range(1, args.steps + 3))
+            )
         else:
             ok = False
     finally:
@@ -119,8 +158,18 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": gpu_name(), "devices": args.devices, "config": args.config,
-                                              "overrides": args.overrides, "rows": rows}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": gpu_name(),
+                    "devices": args.devices,
+                    "config": args.config,
+                    "overrides": args.overrides,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     print(f"check_gpu_processes: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 

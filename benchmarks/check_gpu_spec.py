@@ -50,8 +50,16 @@ def random_tree(rng: np.random.Generator, nodes: int, chain: bool) -> np.ndarray
     return np.concatenate([[-1], [rng.integers(0, n) for n in range(1, nodes)]])
 
 
-def kernel_case(nodes: int, chain: bool, vocab: int, temperature: float, batch: int, seed: int,
-                interpret: bool = False, stochastic: bool = False) -> dict:
+def kernel_case(
+    nodes: int,
+    chain: bool,
+    vocab: int,
+    temperature: float,
+    batch: int,
+    seed: int,
+    interpret: bool = False,
+    stochastic: bool = False,
+) -> dict:
     from kernels.tree_stochastic_pallas import verify_stochastic_pallas
     from kernels.tree_verify_pallas import verify_pallas
     from kernels.tree_verify_reference import verify_reference
@@ -70,22 +78,31 @@ def kernel_case(nodes: int, chain: bool, vocab: int, temperature: float, batch: 
     if stochastic:  # q: a draft near the policy, whose argmax most drafted tokens are
         q = jax.nn.softmax(args[0] + 2.0 * jax.random.normal(jax.random.key(seed + 1), args[0].shape), axis=-1)
         ref = jax.device_get(verify_reference(*args, key, temperature=temperature, draft_probs=q))
-        got = jax.device_get(verify_stochastic_pallas(args[0], q, *args[1:], key, temperature=temperature,
-                                                      interpret=interpret))
+        got = jax.device_get(
+            verify_stochastic_pallas(args[0], q, *args[1:], key, temperature=temperature, interpret=interpret)
+        )
     else:
         ref = jax.device_get(verify_reference(*args, key, temperature=temperature))
         got = jax.device_get(verify_pallas(*args, key, temperature=temperature, interpret=interpret))
-    same = ((ref.path == got.path).all(1) & (ref.num_accepted == got.num_accepted)
-            & (ref.next_token == got.next_token))
+    same = (ref.path == got.path).all(1) & (ref.num_accepted == got.num_accepted) & (ref.next_token == got.next_token)
     consistent = bool((got.num_accepted == (got.path[:, 1:] >= 0).sum(1)).all())
     logprob_err = float(np.abs(np.where(same[:, None], ref.logprobs - got.logprobs, 0.0)).max())
     flipped = float(1.0 - same.mean())
     tree = ("chain" if chain else "random") + ("/q" if stochastic else "")
-    return {"check": "kernel", "nodes": nodes, "tree": tree, "vocab": vocab,
-            "temperature": temperature, "batch": batch, "flipped_rows": flipped, "consistent": consistent,
-            "logprob_err": logprob_err, "mean_accepted_reference": float(ref.num_accepted.mean()),
-            "mean_accepted_pallas": float(got.num_accepted.mean()),
-            "ok": consistent and flipped <= MAX_FLIPPED and logprob_err <= LOGPROB_TOL}
+    return {
+        "check": "kernel",
+        "nodes": nodes,
+        "tree": tree,
+        "vocab": vocab,
+        "temperature": temperature,
+        "batch": batch,
+        "flipped_rows": flipped,
+        "consistent": consistent,
+        "logprob_err": logprob_err,
+        "mean_accepted_reference": float(ref.num_accepted.mean()),
+        "mean_accepted_pallas": float(got.num_accepted.mean()),
+        "ok": consistent and flipped <= MAX_FLIPPED and logprob_err <= LOGPROB_TOL,
+    }
 
 
 def kernel_checks() -> list[dict]:
@@ -107,11 +124,14 @@ def kernel_checks() -> list[dict]:
 def rollout_configs() -> list[tuple[str, dict]]:
     """(label, Spec kwargs) of every method and shape the rollout check runs."""
     runs = [(f"eagle3 chain k={k}", {"method": "eagle3", "num_draft_tokens": k}) for k in range(1, 8)]
-    runs += [("eagle3 tree w=2 d=3", {"method": "eagle3", "num_draft_tokens": 3, "tree_width": 2}),
-             ("eagle3 tree w=3 d=4 n=8", {"method": "eagle3", "num_draft_tokens": 4, "tree_width": 3,
-                                          "tree_budget": 8})]
-    runs += [(f"eagle3 stochastic k={k}", {"method": "eagle3", "num_draft_tokens": k,
-                                           "draft_sampling": "stochastic"}) for k in (1, 3)]
+    runs += [
+        ("eagle3 tree w=2 d=3", {"method": "eagle3", "num_draft_tokens": 3, "tree_width": 2}),
+        ("eagle3 tree w=3 d=4 n=8", {"method": "eagle3", "num_draft_tokens": 4, "tree_width": 3, "tree_budget": 8}),
+    ]
+    runs += [
+        (f"eagle3 stochastic k={k}", {"method": "eagle3", "num_draft_tokens": k, "draft_sampling": "stochastic"})
+        for k in (1, 3)
+    ]
     runs += [(f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}) for k in (1, 2, 4)]
     runs += [(f"ngram chain k={k}", {"method": "ngram", "num_draft_tokens": k}) for k in (1, 3)]
     return runs
@@ -119,8 +139,12 @@ def rollout_configs() -> list[tuple[str, dict]]:
 
 def rollout_cases() -> list[tuple[float, str, dict]]:
     """(temperature, label, Spec kwargs) of every rollout the check runs, in report order."""
-    return [(temperature, label, kwargs) for temperature in (0.0, 1.0) for label, kwargs in rollout_configs()
-            if not (temperature == 0 and kwargs.get("draft_sampling") == "stochastic")]
+    return [
+        (temperature, label, kwargs)
+        for temperature in (0.0, 1.0)
+        for label, kwargs in rollout_configs()
+        if not (temperature == 0 and kwargs.get("draft_sampling") == "stochastic")
+    ]
 
 
 def rollout_runs(shard: int, shards: int) -> list[dict]:
@@ -145,10 +169,17 @@ def rollout_runs(shard: int, shards: int) -> list[dict]:
         sampling = Sampling(temperature=temperature, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id)
         spec = Spec(draft=drafts.get(kwargs["method"]), **kwargs)
         out = generate(cfg, params, prompts, jax.random.key(3), sampling, spec=spec)
-        rows.append({"index": index, "config": label, "temperature": temperature,
-                     "acceptance_length": float(out.stats["acceptance_length"]),
-                     "acceptance_per_position": np.asarray(out.stats["acceptance_rate_per_position"]).tolist(),
-                     "tokens": np.asarray(out.tokens).tolist(), "lengths": np.asarray(out.lengths).tolist()})
+        rows.append(
+            {
+                "index": index,
+                "config": label,
+                "temperature": temperature,
+                "acceptance_length": float(out.stats["acceptance_length"]),
+                "acceptance_per_position": np.asarray(out.stats["acceptance_rate_per_position"]).tolist(),
+                "tokens": np.asarray(out.tokens).tolist(),
+                "lengths": np.asarray(out.lengths).tolist(),
+            }
+        )
     return rows
 
 
@@ -163,9 +194,18 @@ def compare_rollouts(reference: list[dict], pallas: list[dict]) -> list[dict]:
         length_diff = abs(ref["acceptance_length"] - got["acceptance_length"])
         tokens_equal = ref["tokens"] == got["tokens"] and ref["lengths"] == got["lengths"]
         ok = rate_diff <= tol and length_diff <= tol and (tokens_equal or not exact)
-        rows.append({"check": "rollout", "config": ref["config"], "temperature": ref["temperature"],
-                     "acceptance_reference": ref["acceptance_length"], "acceptance_pallas": got["acceptance_length"],
-                     "rate_diff": rate_diff, "tokens_equal": tokens_equal, "ok": ok})
+        rows.append(
+            {
+                "check": "rollout",
+                "config": ref["config"],
+                "temperature": ref["temperature"],
+                "acceptance_reference": ref["acceptance_length"],
+                "acceptance_pallas": got["acceptance_length"],
+                "rate_diff": rate_diff,
+                "tokens_equal": tokens_equal,
+                "ok": ok,
+            }
+        )
     return rows
 
 
@@ -173,10 +213,19 @@ def run_impls(impls: tuple[str, ...], jobs: int) -> dict[str, list[dict]]:
     """rollout_runs() of every implementation, each split over `jobs` child processes that run at
     once (compilation dominates and is single-threaded); the implementation is chosen by
     JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop."""
-    children = [(impl, subprocess.Popen([sys.executable, __file__, "--rollouts-only", f"--shard={shard}/{jobs}"],
-                                        env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
-                                        stdout=subprocess.PIPE, text=True))
-                for impl in impls for shard in range(jobs)]
+    children = [
+        (
+            impl,
+            subprocess.Popen(
+                [sys.executable, __file__, "--rollouts-only", f"--shard={shard}/{jobs}"],
+                env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
+                stdout=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for impl in impls
+        for shard in range(jobs)
+    ]
     runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     for impl, child in children:
         out, _ = child.communicate()
@@ -204,22 +253,28 @@ def main(argv: list[str]) -> int:
         return 2
     rows = [] if args.skip_kernel else kernel_checks()
     for r in rows:
-        print(f"kernel n={r['nodes']:2d} {r['tree']:8s} V={r['vocab']:6d} T={r['temperature']}: flipped "
-              f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
-              f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_pallas']:.3f} {'OK' if r['ok'] else 'MISMATCH'}")
+        print(
+            f"kernel n={r['nodes']:2d} {r['tree']:8s} V={r['vocab']:6d} T={r['temperature']}: flipped "
+            f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
+            f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_pallas']:.3f} {'OK' if r['ok'] else 'MISMATCH'}"
+        )
     if not args.skip_rollouts:
         runs = run_impls(("reference", "pallas"), args.jobs)
         for r in compare_rollouts(runs["reference"], runs["pallas"]):
             rows.append(r)
-            print(f"rollout {r['config']:30s} T={r['temperature']}: acceptance {r['acceptance_reference']:.3f} "
-                  f"(reference) {r['acceptance_pallas']:.3f} (pallas) rate diff {r['rate_diff']:.3f} tokens equal "
-                  f"{r['tokens_equal']} {'OK' if r['ok'] else 'MISMATCH'}")
+            print(
+                f"rollout {r['config']:30s} T={r['temperature']}: acceptance {r['acceptance_reference']:.3f} "
+                f"(reference) {r['acceptance_pallas']:.3f} (pallas) rate diff {r['rate_diff']:.3f} tokens equal "
+                f"{r['tokens_equal']} {'OK' if r['ok'] else 'MISMATCH'}"
+            )
     bad = [r for r in rows if not r["ok"]]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
-    print(f"check_gpu_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
-          + (f"; MISMATCH in {len(bad)}" if bad else ""))
+    print(
+        f"check_gpu_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
+        + (f"; MISMATCH in {len(bad)}" if bad else "")
+    )
     return 1 if bad else 0
 
 

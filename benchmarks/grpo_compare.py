@@ -51,19 +51,26 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
 
     step_core = [r["time_step_s"] - r.get("time_eval_s", 0.0) - r.get("time_checkpoint_s", 0.0) for r in timed]
     out = {f"{stage}_s": median(f"time_{stage}_s") for stage in STAGES}
-    out.update(step_s=statistics.median(step_core), steps=len(steps), timed_steps=len(timed),
-               compiling_steps=sum(1 for r in steps if r.get("compiles", 0)),
-               acceptance_length=median("acceptance_length", steps),
-               response_length=median("response_length_mean", steps),
-               reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
-               reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]))
+    out.update(
+        step_s=statistics.median(step_core),
+        steps=len(steps),
+        timed_steps=len(timed),
+        compiling_steps=sum(1 for r in steps if r.get("compiles", 0)),
+        acceptance_length=median("acceptance_length", steps),
+        response_length=median("response_length_mean", steps),
+        reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
+        reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]),
+    )
     if any("staleness" in r for r in steps):  # rollout.mode async
         trainer = sum(out[f"{stage}_s"] or 0.0 for stage in ("logprob", "train", "sync"))
         out["overlap"] = out["step_s"] / max(out["generation_s"], trainer)
     out["eval_accuracy"] = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     out["reward"] = [(r["step"], r["reward_mean"]) for r in records if "reward_mean" in r]
-    out["acceptance"] = [(r["step"], r["acceptance_length"]) for r in records
-                         if r.get("acceptance_length", 1.0) > 1.0 and "time_step_s" in r]
+    out["acceptance"] = [
+        (r["step"], r["acceptance_length"])
+        for r in records
+        if r.get("acceptance_length", 1.0) > 1.0 and "time_step_s" in r
+    ]
     return out
 
 
@@ -74,14 +81,17 @@ def accuracy_gap(curve: list[tuple[int, float]], base: list[tuple[int, float]], 
     if not shared:
         return {"accuracy_gap_mean": None, "accuracy_gap_max": None, "accuracy_last5": None}
     gaps = [abs(mine[s] - theirs[s]) for s in shared]
-    return {"accuracy_gap_mean": statistics.mean(gaps), "accuracy_gap_max": max(gaps),
-            "accuracy_last5": statistics.mean(mine[s] for s in shared[-5:])}
+    return {
+        "accuracy_gap_mean": statistics.mean(gaps),
+        "accuracy_gap_max": max(gaps),
+        "accuracy_last5": statistics.mean(mine[s] for s in shared[-5:]),
+    }
 
 
 def moving_mean(points: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
     """(step, mean of the last `window` values) for every step from the window's end."""
     values = [v for _, v in points]
-    return [(points[i][0], statistics.mean(values[i + 1 - window:i + 1])) for i in range(window - 1, len(points))]
+    return [(points[i][0], statistics.mean(values[i + 1 - window : i + 1])) for i in range(window - 1, len(points))]
 
 
 def plot(runs: dict[str, dict], path: str, window: int = 10) -> None:
@@ -124,22 +134,30 @@ def main() -> None:
     print(f"timings over steps {WARMUP_STEPS + 1}-{last_step}")
     base = next(iter(runs.values()))
     eval_steps = set.intersection(*({step for step, _ in s["eval_accuracy"] if step > 0} for s in runs.values()))
-    print(f"{'run':<14}{'step_s':>9}{'gen_s':>9}{'train_s':>9}{'step x':>8}{'gen x':>8}{'accept':>8}{'resp':>7}"
-          f"{'reward':>14}{'acc last5':>10}{'|gap| mean':>11}{'max':>7}  validation accuracy")
+    print(
+        f"{'run':<14}{'step_s':>9}{'gen_s':>9}{'train_s':>9}{'step x':>8}{'gen x':>8}{'accept':>8}{'resp':>7}"
+        f"{'reward':>14}{'acc last5':>10}{'|gap| mean':>11}{'max':>7}  validation accuracy"
+    )
     for name, s in runs.items():
         s["step_speedup"] = base["step_s"] / s["step_s"]
         s["generation_speedup"] = base["generation_s"] / s["generation_s"]
         s.update(accuracy_gap(s["eval_accuracy"], base["eval_accuracy"], eval_steps))
         curve = " ".join(f"{acc:.3f}" for _, acc in s["eval_accuracy"])
-        gaps = "".join(f"{s[k]:>{w}.3f}" if s[k] is not None else f"{'-':>{w}}"
-                       for k, w in (("accuracy_last5", 10), ("accuracy_gap_mean", 11), ("accuracy_gap_max", 7)))
-        print(f"{name:<14}{s['step_s']:>9.3f}{s['generation_s']:>9.3f}{s['train_s'] or 0:>9.3f}"
-              f"{s['step_speedup']:>8.2f}{s['generation_speedup']:>8.2f}{s['acceptance_length'] or 1:>8.2f}"
-              f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}{gaps}  {curve}")
+        gaps = "".join(
+            f"{s[k]:>{w}.3f}" if s[k] is not None else f"{'-':>{w}}"
+            for k, w in (("accuracy_last5", 10), ("accuracy_gap_mean", 11), ("accuracy_gap_max", 7))
+        )
+        print(
+            f"{name:<14}{s['step_s']:>9.3f}{s['generation_s']:>9.3f}{s['train_s'] or 0:>9.3f}"
+            f"{s['step_speedup']:>8.2f}{s['generation_speedup']:>8.2f}{s['acceptance_length'] or 1:>8.2f}"
+            f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}{gaps}  {curve}"
+        )
     for name, s in runs.items():
         if "overlap" in s:
-            print(f"{name}: sync {s['sync_s']:.3f} s, waits {s['rollout_wait_s']:.3f} s for rollouts, overlap "
-                  f"{s['overlap']:.2f} (step / max(generation, logprob + train + sync); 1.00 = full overlap)")
+            print(
+                f"{name}: sync {s['sync_s']:.3f} s, waits {s['rollout_wait_s']:.3f} s for rollouts, overlap "
+                f"{s['overlap']:.2f} (step / max(generation, logprob + train + sync); 1.00 = full overlap)"
+            )
     Path(args.out).write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(runs, args.plot)

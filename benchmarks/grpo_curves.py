@@ -43,25 +43,27 @@ import time
 from pathlib import Path
 
 POLICY, HEAD = Path("runs/small/policy"), Path("runs/draft-small/draft")
-MAIN_RUNS = {"ar": "spec.method=none draft.online=false",
-             "ar_seed1": "spec.method=none draft.online=false train.seed=1",
-             "frozen": "draft.online=false",
-             "online": ""}
+MAIN_RUNS = {
+    "ar": "spec.method=none draft.online=false",
+    "ar_seed1": "spec.method=none draft.online=false train.seed=1",
+    "frozen": "draft.online=false",
+    "online": "",
+}
 ASYNC_RUNS = {f"async_{name}": MAIN_RUNS[name] for name in ("ar", "frozen", "online")}
 
 
 @dataclasses.dataclass
 class Job:
     name: str
-    needs: Path | None          # a path that must exist before the job starts
+    needs: Path | None  # a path that must exist before the job starts
     argv: list[str]
-    width: int                  # GPUs it takes
+    width: int  # GPUs it takes
     env: dict[str, str]
     log: Path
     metrics: Path | None = None  # a run's metrics.jsonl, mirrored to `copy`
     copy: Path | None = None
     process: subprocess.Popen | None = None
-    gpus: str | None = None     # CUDA_VISIBLE_DEVICES of the running job
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES of the running job
     started: float = 0.0
 
 
@@ -93,12 +95,23 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
         one_gpu = f"PRETRAIN_ARGS={shlex.quote(base_args)} {stage}"
         mesh = f"PRETRAIN_ARGS={shlex.quote(f'{base_args} mesh.data={width}')} {stage}"
         script = one_gpu if width == 1 else f"{mesh} || {{ rm -rf runs/small; {one_gpu}; }}"
-        jobs.append(Job("pretrain", None, ["bash", "-c", script], width, stage_env,
-                        results / f"{args.prefix}_pretrain.log"))
-    draft = Job("draft", POLICY, ["bash", "benchmarks/small_workload.sh", "draft"], 1, stage_env,
-                results / f"{args.prefix}_draft.log")
-    common = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", "train.progress=false",
-              f"train.checkpoint_every={args.checkpoint_every}"]
+        jobs.append(
+            Job("pretrain", None, ["bash", "-c", script], width, stage_env, results / f"{args.prefix}_pretrain.log")
+        )
+    draft = Job(
+        "draft",
+        POLICY,
+        ["bash", "benchmarks/small_workload.sh", "draft"],
+        1,
+        stage_env,
+        results / f"{args.prefix}_draft.log",
+    )
+    common = [
+        f"train.steps={args.steps}",
+        f"eval.every={args.eval_every}",
+        "train.progress=false",
+        f"train.checkpoint_every={args.checkpoint_every}",
+    ]
     runs = dict(MAIN_RUNS)
     width = args.gpus_per_run
     colocated = [f"mesh.data={width}"] if width > 1 else []
@@ -106,8 +119,12 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
     if args.async_runs:
         rollout = rollout_gpus(args)
         runs.update(ASYNC_RUNS)
-        layout.update({name: ["rollout.mode=async", f"mesh.rollout_devices={rollout}", f"mesh.data={width - rollout}"]
-                       for name in ASYNC_RUNS})
+        layout.update(
+            {
+                name: ["rollout.mode=async", f"mesh.rollout_devices={rollout}", f"mesh.data={width - rollout}"]
+                for name in ASYNC_RUNS
+            }
+        )
     for extra in args.extra:
         name, sep, overrides = extra.partition("=")
         if not sep or not name.isidentifier() or name in runs:
@@ -124,10 +141,31 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
     for name, overrides in runs.items():
         run_dir = Path("runs") / f"grpo-{name}"
         needs = POLICY if "spec.method=none" in overrides else HEAD
-        argv = [python, "-m", "jaxspec.cli", "train", "--config", "configs/grpo_small.yaml", "--run-dir",
-                str(run_dir), *common, *layout[name], *shlex.split(overrides)]
-        jobs.append(Job(name, needs, argv, width, {}, results / f"{args.prefix}_{name}.log",
-                        run_dir / "metrics.jsonl", results / f"{args.prefix}_{name}.jsonl"))
+        argv = [
+            python,
+            "-m",
+            "jaxspec.cli",
+            "train",
+            "--config",
+            "configs/grpo_small.yaml",
+            "--run-dir",
+            str(run_dir),
+            *common,
+            *layout[name],
+            *shlex.split(overrides),
+        ]
+        jobs.append(
+            Job(
+                name,
+                needs,
+                argv,
+                width,
+                {},
+                results / f"{args.prefix}_{name}.log",
+                run_dir / "metrics.jsonl",
+                results / f"{args.prefix}_{name}.jsonl",
+            )
+        )
     return jobs
 
 
@@ -151,8 +189,9 @@ def run_all(jobs: list[Job], gpus: list[str], poll_s: float) -> int:
             running.remove(job)
             rc = job.process.returncode
             failed += rc != 0
-            print(f"{stamp()} {job.name} on GPU {job.gpus}: rc={rc} after {time.time() - job.started:.0f} s",
-                  flush=True)
+            print(
+                f"{stamp()} {job.name} on GPU {job.gpus}: rc={rc} after {time.time() - job.started:.0f} s", flush=True
+            )
         busy = {g for job in running for g in job.gpus.split(",")}
         for job in list(pending):
             free = [g for g in gpus if g not in busy]
@@ -164,7 +203,7 @@ def run_all(jobs: list[Job], gpus: list[str], poll_s: float) -> int:
                     pending.remove(job)
                     failed += 1
                 continue
-            job.gpus, job.started = ",".join(free[:job.width]), time.time()
+            job.gpus, job.started = ",".join(free[: job.width]), time.time()
             env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": job.gpus}
             job.log.parent.mkdir(parents=True, exist_ok=True)
             with job.log.open("w", encoding="utf-8") as log:
@@ -172,7 +211,7 @@ def run_all(jobs: list[Job], gpus: list[str], poll_s: float) -> int:
             print(f"{stamp()} {job.name} on GPU {job.gpus}: {shlex.join(job.argv)}", flush=True)
             pending.remove(job)
             running.append(job)
-            busy.update(free[:job.width])
+            busy.update(free[: job.width])
         time.sleep(poll_s)
     return failed
 
@@ -185,12 +224,18 @@ def main() -> int:
     p.add_argument("--draft-steps", type=int, default=1000)
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids (default: every GPU nvidia-smi lists)")
     p.add_argument("--extra", action="append", default=[], help="NAME='key=value ...': another GRPO run")
-    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                   help="run only these GRPO runs (of the planned ones, --extra included), and the stages they need")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="run only these GRPO runs (of the planned ones, --extra included), and the stages they need",
+    )
     p.add_argument("--gpus-per-run", type=int, default=1, help="GPUs of every GRPO run (colocated: mesh.data)")
     p.add_argument("--async-runs", action="store_true", help="also the async_* runs on the same GPUs")
-    p.add_argument("--rollout-gpus", type=int, default=0,
-                   help="of an async run's GPUs, the ones that generate (default: half)")
+    p.add_argument(
+        "--rollout-gpus", type=int, default=0, help="of an async run's GPUs, the ones that generate (default: half)"
+    )
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--prefix", default="grpo_curves")
     p.add_argument("--poll", type=float, default=5.0, help="seconds between checks")
@@ -202,8 +247,10 @@ def main() -> int:
     if args.gpus_per_run > len(gpus):
         raise SystemExit(f"--gpus-per-run {args.gpus_per_run}: this host has {len(gpus)} GPUs ({','.join(gpus)})")
     if args.async_runs and not 0 < rollout_gpus(args) < args.gpus_per_run:
-        raise SystemExit(f"--async-runs needs rollout GPUs between 1 and --gpus-per-run - 1 "
-                         f"(--gpus-per-run {args.gpus_per_run}, --rollout-gpus {args.rollout_gpus})")
+        raise SystemExit(
+            f"--async-runs needs rollout GPUs between 1 and --gpus-per-run - 1 "
+            f"(--gpus-per-run {args.gpus_per_run}, --rollout-gpus {args.rollout_gpus})"
+        )
     jobs = jobs_for(args, len(gpus))
     print(f"{stamp()} {len(jobs)} jobs on GPUs {','.join(gpus)}", flush=True)
     failed = run_all(jobs, gpus, args.poll)
@@ -212,10 +259,20 @@ def main() -> int:
     runs = [f"{name}=runs/grpo-{name}" for name in names if (Path("runs") / f"grpo-{name}" / "metrics.jsonl").is_file()]
     if len(runs) > 1:
         with (results / f"{args.prefix}.log").open("w", encoding="utf-8") as log:
-            compare = subprocess.run([sys.executable, "benchmarks/grpo_compare.py", "--out",
-                                      str(results / f"{args.prefix}.json"), "--plot",
-                                      str(results / f"{args.prefix}.png"), *runs],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            compare = subprocess.run(
+                [
+                    sys.executable,
+                    "benchmarks/grpo_compare.py",
+                    "--out",
+                    str(results / f"{args.prefix}.json"),
+                    "--plot",
+                    str(results / f"{args.prefix}.png"),
+                    *runs,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             log.write(compare.stdout)
         print(compare.stdout, end="")
         failed += compare.returncode != 0

@@ -23,15 +23,21 @@ def hold_fraction(total_mib: int, leave_mib: int, context_mib: int) -> float:
     """The memory fraction XLA preallocates so that total - leave MiB are held in all."""
     held = total_mib - leave_mib - context_mib
     if held <= 0:
-        raise ValueError(f"--leave-mib {leave_mib}: the GPU has {total_mib} MiB, with this process's context "
-                         f"({context_mib} MiB) nothing is left to hold")
+        raise ValueError(
+            f"--leave-mib {leave_mib}: the GPU has {total_mib} MiB, with this process's context "
+            f"({context_mib} MiB) nothing is left to hold"
+        )
     return held / total_mib
 
 
 def gpu_memory_mib() -> list[int]:
     """Total memory of each visible GPU, MiB (nvidia-smi)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [int(line) for line in out.split()]
 
 
@@ -51,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     devices = jax.local_devices()
     for device in devices:
         jax.device_put(0, device).block_until_ready()
-    print(f"holding {fraction:.4f} of each of {len(devices)} GPUs, {args.leave_mib} MiB left on each; "
-          f"kill this process to release them", flush=True)
+    print(
+        f"holding {fraction:.4f} of each of {len(devices)} GPUs, {args.leave_mib} MiB left on each; "
+        f"kill this process to release them",
+        flush=True,
+    )
     while True:
         time.sleep(3600)
 

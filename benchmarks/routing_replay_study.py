@@ -28,8 +28,15 @@ import numpy as np
 
 POLICY = Path("runs/small-moe/policy")
 RUNS = {"replay": "loss.routing_replay=true", "no_replay": "loss.routing_replay=false"}
-KEYS = ("logprob_mismatch_mean", "logprob_mismatch_max", "expert_disagreement", "expert_disagreement_tokens",
-        "behaviour_weight_mean", "reward_mean", "time_step_s")
+KEYS = (
+    "logprob_mismatch_mean",
+    "logprob_mismatch_max",
+    "expert_disagreement",
+    "expert_disagreement_tokens",
+    "behaviour_weight_mean",
+    "reward_mean",
+    "time_step_s",
+)
 
 
 def gpu_ids() -> list[str]:
@@ -45,8 +52,9 @@ def summary(metrics: Path) -> dict:
     """Medians over a run's steps of KEYS (steps 1.. of metrics.jsonl; the step-0 validation skipped)."""
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if r.get("step", 0) > 0]
-    return {key: float(np.median([r[key] for r in steps if key in r])) for key in KEYS
-            if any(key in r for r in steps)} | {"steps": len(steps)}
+    return {
+        key: float(np.median([r[key] for r in steps if key in r])) for key in KEYS if any(key in r for r in steps)
+    } | {"steps": len(steps)}
 
 
 def main() -> int:
@@ -63,20 +71,47 @@ def main() -> int:
         raise SystemExit(f"needs an even number of GPUs (two runs at once), found {len(gpus)}")
     if not POLICY.is_dir():
         with (results / f"{args.prefix}_pretrain.log").open("w") as log:
-            subprocess.run(cli("pretrain", "--config", "configs/small_moe.yaml", "--run-dir", "runs/small-moe",
-                               f"train.steps={args.pretrain_steps}", f"train.checkpoint_every={args.pretrain_steps}",
-                               "train.progress=false", "data.num_eval=64", f"mesh.data={len(gpus)}"),
-                           stdout=log, stderr=subprocess.STDOUT, check=True)
+            subprocess.run(
+                cli(
+                    "pretrain",
+                    "--config",
+                    "configs/small_moe.yaml",
+                    "--run-dir",
+                    "runs/small-moe",
+                    f"train.steps={args.pretrain_steps}",
+                    f"train.checkpoint_every={args.pretrain_steps}",
+                    "train.progress=false",
+                    "data.num_eval=64",
+                    f"mesh.data={len(gpus)}",
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=True,
+            )
     half = len(gpus) // 2
     procs = {}
     for i, (name, override) in enumerate(RUNS.items()):
         run_dir = Path("runs") / f"grpo-moe-{name}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        argv = cli("train", "--config", "configs/grpo_small.yaml", "--run-dir", str(run_dir),
-                   f"policy.path={POLICY}", "spec.method=none", "draft.online=false", "eval.every=0",
-                   f"train.steps={args.steps}", "train.progress=false", "rollout.dtype=bfloat16",
-                   "train.compute_dtype=bfloat16", "loss.recompute_logprobs=true", f"mesh.data={half}", override)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * half:(i + 1) * half])}
+        argv = cli(
+            "train",
+            "--config",
+            "configs/grpo_small.yaml",
+            "--run-dir",
+            str(run_dir),
+            f"policy.path={POLICY}",
+            "spec.method=none",
+            "draft.online=false",
+            "eval.every=0",
+            f"train.steps={args.steps}",
+            "train.progress=false",
+            "rollout.dtype=bfloat16",
+            "train.compute_dtype=bfloat16",
+            "loss.recompute_logprobs=true",
+            f"mesh.data={half}",
+            override,
+        )
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * half : (i + 1) * half])}
         log = (results / f"{args.prefix}_{name}.log").open("w")
         procs[name] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), run_dir)
     failed = 0

@@ -41,9 +41,11 @@ def report(run: loop.GRPORun, tag: str) -> None:
         stats = device.memory_stats() or {}
         live = sum(_bytes_on(x, device) for x in arrays)
         held = sum(_bytes_on(x, device) for x in arrays if id(x) in state)
-        print(f"{tag} device {device.id}: in use {stats.get('bytes_in_use', 0) / 1e9:.3f} GB, peak "
-              f"{stats.get('peak_bytes_in_use', 0) / 1e9:.3f}, live arrays {live / 1e9:.3f}, state {held / 1e9:.3f}",
-              flush=True)
+        print(
+            f"{tag} device {device.id}: in use {stats.get('bytes_in_use', 0) / 1e9:.3f} GB, peak "
+            f"{stats.get('peak_bytes_in_use', 0) / 1e9:.3f}, live arrays {live / 1e9:.3f}, state {held / 1e9:.3f}",
+            flush=True,
+        )
     outside = collections.Counter()
     first = jax.local_devices()[0]
     for x in arrays:

@@ -16,7 +16,10 @@ from jaxspec.exits import EXIT_CHECKPOINTED, EXIT_ERROR, EXIT_INPUT, EXIT_INTERR
 COMMANDS = {
     "pretrain": ("jaxspec.pretrain", "train a small policy from scratch on the math task; export an HF folder"),
     "generate": ("jaxspec.generate_cli", "sample rollouts from a policy and score them with a reward"),
-    "draft": ("jaxspec.draft_training.cli", "draft heads: `jaxspec draft train` trains an EAGLE-3 head on policy rollouts"),
+    "draft": (
+        "jaxspec.draft_training.cli",
+        "draft heads: `jaxspec draft train` trains an EAGLE-3 head on policy rollouts",
+    ),
     "train": ("jaxspec.rl", "GRPO post-training with (speculative) rollouts, checkpoints and exact resume"),
     "data": ("jaxspec.data_cli", "`jaxspec data stats`: a config's workload: lengths, entropy, ideal acceptance"),
 }

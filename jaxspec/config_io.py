@@ -22,8 +22,9 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
@@ -71,10 +72,10 @@ def naming_overrides(path, overrides: Sequence[str]) -> Iterator[None]:
     except ValueError as err:
         prefix, message = f"{path}: ", str(err)
         if message.startswith(prefix):
-            key = message[len(prefix):].split(":", 1)[0]
+            key = message[len(prefix) :].split(":", 1)[0]
             where = _Source(str(path), _overridden(overrides)).of(key)
             if where != str(path):
-                raise ValueError(f"{where}: {message[len(prefix):]}") from None
+                raise ValueError(f"{where}: {message[len(prefix) :]}") from None
         raise
 
 
@@ -99,7 +100,7 @@ def set_dotted(data: dict, key: str, value: Any, source: str = "override") -> No
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ValueError(f"{source}: {'.'.join(parts[:i + 1])} is not a mapping")
+            raise ValueError(f"{source}: {'.'.join(parts[: i + 1])} is not a mapping")
         node = child
     node[parts[-1]] = value
 
@@ -122,20 +123,23 @@ class _Source:
         return self.file
 
 
-def from_dict(cls: type[T], data: Any, source: "str | _Source" = "<dict>", prefix: str = "") -> T:
+def from_dict(cls: type[T], data: Any, source: str | _Source = "<dict>", prefix: str = "") -> T:
     """Builds dataclass `cls` from nested mappings, checking keys and types (see module doc).
     source: the file name errors start with."""
     source = source if isinstance(source, _Source) else _Source(source)
     where = f"key {prefix[:-1]!r}" if prefix else "top level"
     if not isinstance(data, dict):
-        raise ValueError(f"{source.of(prefix[:-1])}: {where}: expected a mapping for {cls.__name__}, "
-                         f"got {_type_name(data)}")
+        raise ValueError(
+            f"{source.of(prefix[:-1])}: {where}: expected a mapping for {cls.__name__}, got {_type_name(data)}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ValueError(f"{source.of(prefix + str(unknown[0]))}: unknown key {prefix + str(unknown[0])!r}; "
-                         f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {sorted(fields)}")
+        raise ValueError(
+            f"{source.of(prefix + str(unknown[0]))}: unknown key {prefix + str(unknown[0])!r}; "
+            f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {sorted(fields)}"
+        )
     kwargs = {}
     for name, field in fields.items():
         key = prefix + name
@@ -186,8 +190,9 @@ def _describe(tp: Any) -> str:
 
 def _convert(tp: Any, value: Any, source: _Source, key: str) -> Any:
     def fail() -> typing.NoReturn:
-        raise ValueError(f"{source.of(key)}: key {key!r}: expected {_describe(tp)}, "
-                         f"got {_type_name(value)} ({value!r})")
+        raise ValueError(
+            f"{source.of(key)}: key {key!r}: expected {_describe(tp)}, got {_type_name(value)} ({value!r})"
+        )
 
     if tp is Any:
         return value
@@ -215,8 +220,9 @@ def _convert(tp: Any, value: Any, source: _Source, key: str) -> Any:
             fail()
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
-                raise ValueError(f"{source.of(key)}: key {key!r}: expected {len(args)} items ({_describe(tp)}), "
-                                 f"got {len(value)}")
+                raise ValueError(
+                    f"{source.of(key)}: key {key!r}: expected {len(args)} items ({_describe(tp)}), got {len(value)}"
+                )
             items = [_convert(a, v, source, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
         else:
             item_type = args[0] if args else Any
@@ -226,8 +232,10 @@ def _convert(tp: Any, value: Any, source: _Source, key: str) -> Any:
         if not isinstance(value, dict):
             fail()
         key_type, value_type = args if args else (Any, Any)
-        return {_convert(key_type, k, source, f"{key}.{k}"): _convert(value_type, v, source, f"{key}.{k}")
-                for k, v in value.items()}
+        return {
+            _convert(key_type, k, source, f"{key}.{k}"): _convert(value_type, v, source, f"{key}.{k}")
+            for k, v in value.items()
+        }
     if tp is type(None):
         if value is not None:
             fail()
@@ -297,9 +305,12 @@ def run_parser(prog: str, description: str, example_config: str, run_dir_holds: 
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=EPILOG)
     parser.add_argument("--config", required=True, help=f"YAML config (see {example_config})")
     parser.add_argument("--run-dir", required=True, help=f"directory for {run_dir_holds}")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the run's newest checkpoint that restores (damaged newer ones are "
-                             "moved aside); without a checkpoint, say so and start a new run")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the run's newest checkpoint that restores (damaged newer ones are "
+        "moved aside); without a checkpoint, say so and start a new run",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
     return parser
 

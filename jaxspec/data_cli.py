@@ -40,17 +40,31 @@ SUBCOMMANDS = ("stats",)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxspec data stats", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="pretraining config whose data section defines the workload "
-                                                   "(e.g. configs/long.yaml)")
+    p = argparse.ArgumentParser(
+        prog="jaxspec data stats", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        help="pretraining config whose data section defines the workload (e.g. configs/long.yaml)",
+    )
     p.add_argument("--num", type=int, default=2000, help="problems to draw (default 2000)")
     p.add_argument("--seed", type=int, default=None, help="seed of the problems (default: data.seed)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json to count tokens with (e.g. a pretraining run's; "
-                                                     "default: data.tokenizer, else a BPE trained on the problems)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json to count tokens with (e.g. a pretraining run's; "
+        "default: data.tokenizer, else a BPE trained on the problems)",
+    )
     p.add_argument("--max-draft", type=int, default=7, help="largest draft depth k of the ideal drafter (default 7)")
-    p.add_argument("--sweep", type=float, nargs="+", default=[], metavar="V",
-                   help="also report entropy and ideal acceptance at these values of data.tally.variation")
+    p.add_argument(
+        "--sweep",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="V",
+        help="also report entropy and ideal acceptance at these values of data.tally.variation",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the figures here (needs matplotlib)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here as JSON")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.tally.variation=0.5")
@@ -66,13 +80,19 @@ def _tokenizer(data: DataConfig, path: str | None, problems: list[dict], folder:
         origin = f"a byte-level BPE (data.vocab_size={data.vocab_size}) trained on these problems"
     else:
         origin = str(source)
-    tok = ChatTokenizer.from_file(source, eos_token=data.eos_token, pad_token=data.pad_token, bos_token=data.bos_token,
-                                  prompt_template=data.prompt_template)
+    tok = ChatTokenizer.from_file(
+        source,
+        eos_token=data.eos_token,
+        pad_token=data.pad_token,
+        bos_token=data.bos_token,
+        prompt_template=data.prompt_template,
+    )
     return tok, origin
 
 
-def _analyze(data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_draft: int,
-             expected: list[dict] | None = None) -> dict:
+def _analyze(
+    data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_draft: int, expected: list[dict] | None = None
+) -> dict:
     """`summarize` of the first `num` problems of `data` (ValueError if they differ from `expected`:
     recording the choice points must not change what is drawn)."""
     recorded = generate_recorded(num, seed, data.levels, data.kinds, data.tally)
@@ -95,26 +115,38 @@ def _fmt(stats: dict[str, float]) -> str:
 
 def _print_report(report: dict) -> None:
     main = report["analysis"]
-    print(f"workload: kinds {report['kinds']}, levels {report['levels']}" +
-          (f"; tally: {report['tally_law']}" if "tally" in report["kinds"] else ""))
-    print(f"{report['num']} problems (seed {report['seed']}) generated in {report['generate_seconds']:.2f} s; "
-          f"tokenizer: {report['tokenizer']} ({report['vocab_size']} tokens)")
+    print(
+        f"workload: kinds {report['kinds']}, levels {report['levels']}"
+        + (f"; tally: {report['tally_law']}" if "tally" in report["kinds"] else "")
+    )
+    print(
+        f"{report['num']} problems (seed {report['seed']}) generated in {report['generate_seconds']:.2f} s; "
+        f"tokenizer: {report['tokenizer']} ({report['vocab_size']} tokens)"
+    )
     print(f"response tokens (solution + eos): {_fmt(main['response_tokens'])}  mean {main['mean_response_tokens']:.0f}")
     print(f"prompt tokens: {_fmt(report['prompt_tokens'])}")
     print(f"solution lines: {_fmt(report['solution_lines'])}")
     width = max(count for _, _, count in report["histogram"])
     for low, high, count in report["histogram"]:
         print(f"  [{low:>6}, {high:>6}) {count:>6} {'#' * round(40 * count / width)}")
-    print(f"entropy: {main['entropy_per_token']:.3f} nats per response token "
-          f"({main['entropy_per_response']:.1f} nats per response)")
+    print(
+        f"entropy: {main['entropy_per_token']:.3f} nats per response token "
+        f"({main['entropy_per_response']:.1f} nats per response)"
+    )
     ks = range(1, len(main["ideal_acceptance"]) + 1)
-    print("ideal greedy drafter, acceptance length: " + "  ".join(
-        f"k={k} {a:.2f}±{e:.2f}" for k, a, e in zip(ks, main["ideal_acceptance"], main["ideal_acceptance_se"])))
+    print(
+        "ideal greedy drafter, acceptance length: "
+        + "  ".join(
+            f"k={k} {a:.2f}±{e:.2f}" for k, a, e in zip(ks, main["ideal_acceptance"], main["ideal_acceptance_se"])
+        )
+    )
     if report["sweep"]:
-        print(f"\nvariation  entropy/token  " + "  ".join(f"k={k:<3}" for k in ks))
+        print("\nvariation  entropy/token  " + "  ".join(f"k={k:<3}" for k in ks))
         for row in report["sweep"]:
-            print(f"{row['variation']:>9.3f}  {row['entropy_per_token']:>13.3f}  " +
-                  "  ".join(f"{a:5.2f}" for a in row["ideal_acceptance"]))
+            print(
+                f"{row['variation']:>9.3f}  {row['entropy_per_token']:>13.3f}  "
+                + "  ".join(f"{a:5.2f}" for a in row["ideal_acceptance"])
+            )
 
 
 def _plot(report: dict, lengths: list[int], path: str) -> None:
@@ -133,8 +165,11 @@ def _plot(report: dict, lengths: list[int], path: str) -> None:
     for name, value in report["analysis"]["response_tokens"].items():
         ax.axvline(value, color="k", lw=0.6, ls=":")
         ax.text(value, ax.get_ylim()[1] * 0.95, name, rotation=90, va="top", ha="right", fontsize=7)
-    ax.set(xlabel="response tokens (solution + eos)", ylabel="problems",
-           title=f"{report['num']} problems, kinds {', '.join(report['kinds'])}")
+    ax.set(
+        xlabel="response tokens (solution + eos)",
+        ylabel="problems",
+        title=f"{report['num']} problems, kinds {', '.join(report['kinds'])}",
+    )
     if report["sweep"]:
         variation = [row["variation"] for row in report["sweep"]]
         axes[0, 1].plot(variation, [row["entropy_per_token"] for row in report["sweep"]], "o-")
@@ -172,18 +207,37 @@ def stats(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as folder:
         tok, origin = _tokenizer(data, args.tokenizer, problems, Path(folder))
     lengths = [len(tok.encode_response(p["solution"])) for p in problems]
-    report = {"config": args.config, "overrides": args.overrides, "kinds": list(data.kinds),
-              "levels": list(data.levels), "tally": dataclasses.asdict(data.tally),
-              "tally_law": describe(data.tally), "num": args.num, "seed": seed,
-              "generate_seconds": generate_seconds, "tokenizer": origin, "vocab_size": tok.vocab_size,
-              "prompt_tokens": percentiles([len(tok.encode_prompt(p["question"])) for p in problems]),
-              "solution_lines": percentiles([p["solution"].count("\n") + 1 for p in problems]),
-              "histogram": _histogram(lengths)}
+    report = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "kinds": list(data.kinds),
+        "levels": list(data.levels),
+        "tally": dataclasses.asdict(data.tally),
+        "tally_law": describe(data.tally),
+        "num": args.num,
+        "seed": seed,
+        "generate_seconds": generate_seconds,
+        "tokenizer": origin,
+        "vocab_size": tok.vocab_size,
+        "prompt_tokens": percentiles([len(tok.encode_prompt(p["question"])) for p in problems]),
+        "solution_lines": percentiles([p["solution"].count("\n") + 1 for p in problems]),
+        "histogram": _histogram(lengths),
+    }
     start = time.perf_counter()
     report["analysis"] = _analyze(data, args.num, seed, tok, args.max_draft, expected=problems)
-    report["sweep"] = [{"variation": v, **_analyze(dataclasses.replace(
-        data, tally=dataclasses.replace(data.tally, variation=v)), args.num, seed, tok, args.max_draft)}
-        for v in args.sweep]
+    report["sweep"] = [
+        {
+            "variation": v,
+            **_analyze(
+                dataclasses.replace(data, tally=dataclasses.replace(data.tally, variation=v)),
+                args.num,
+                seed,
+                tok,
+                args.max_draft,
+            ),
+        }
+        for v in args.sweep
+    ]
     report["analyze_seconds"] = time.perf_counter() - start
     _print_report(report)
     print(f"(entropy and acceptance computed in {report['analyze_seconds']:.1f} s)")

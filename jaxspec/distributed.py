@@ -30,8 +30,17 @@ from jax.experimental import multihost_utils
 from jaxspec.exits import EXIT_PEER
 from jaxspec.peer_watch import PeerWatch, await_peer_failure
 
-__all__ = ["any_process", "await_peer_failure", "barrier", "initialize_from_env", "is_main", "peer_timeout_s", "say",
-           "slurm_local_devices", "to_host"]
+__all__ = [
+    "any_process",
+    "await_peer_failure",
+    "barrier",
+    "initialize_from_env",
+    "is_main",
+    "peer_timeout_s",
+    "say",
+    "slurm_local_devices",
+    "to_host",
+]
 
 
 def initialize_from_env() -> bool:
@@ -47,14 +56,25 @@ def initialize_from_env() -> bool:
         if missing:
             raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not")
         count, index = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
-        _join(address, count, index, "start every process with the same JAX_COORDINATOR_ADDRESS and "
-              "JAX_NUM_PROCESSES", coordinator_address=address, num_processes=count, process_id=index)
+        _join(
+            address,
+            count,
+            index,
+            "start every process with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES",
+            coordinator_address=address,
+            num_processes=count,
+            process_id=index,
+        )
         return True
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ:
         # JAX reads the address (the first node of the step), the count and the id from SLURM.
-        _join(f"the first node of {os.environ.get('SLURM_STEP_NODELIST', 'the SLURM step')}",
-              int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_PROCID", "0")),
-              "check that every task of the step started (srun's output)", local_device_ids=slurm_local_devices())
+        _join(
+            f"the first node of {os.environ.get('SLURM_STEP_NODELIST', 'the SLURM step')}",
+            int(os.environ["SLURM_NTASKS"]),
+            int(os.environ.get("SLURM_PROCID", "0")),
+            "check that every task of the step started (srun's output)",
+            local_device_ids=slurm_local_devices(),
+        )
         return True
     return False
 
@@ -67,13 +87,22 @@ def slurm_local_devices() -> list[int] | None:
     if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
         return None
     tasks = int(os.environ["SLURM_NTASKS"])
-    nodes = next((int(os.environ[k]) for k in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-                  if os.environ.get(k, "").isdigit()), None)
+    nodes = next(
+        (
+            int(os.environ[k])
+            for k in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+            if os.environ.get(k, "").isdigit()
+        ),
+        None,
+    )
     if nodes != tasks:
         return None
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
-    count = int(gpus) if gpus.isdigit() else len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-                                                  if d.strip()])
+    count = (
+        int(gpus)
+        if gpus.isdigit()
+        else len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()])
+    )
     return list(range(count)) if count else None
 
 
@@ -100,24 +129,35 @@ def _join(address: str, count: int, index: int, hint: str, **kwargs) -> None:
     timeout = peer_timeout_s()
     _cpu_collectives()
     if index == 0:
-        missing = ("process 1 did not arrive" if count == 2 else
-                   f"not all of processes {_ids(range(1, count))} arrived (JAX does not say which)")
+        missing = (
+            "process 1 did not arrive"
+            if count == 2
+            else f"not all of processes {_ids(range(1, count))} arrived (JAX does not say which)"
+        )
     else:
-        missing = ("the coordinator (process 0) did not arrive" if count == 2 else
-                   f"the coordinator (process 0) or some of processes "
-                   f"{_ids(i for i in range(1, count) if i != index)} did not arrive (JAX does not say which)")
+        missing = (
+            "the coordinator (process 0) did not arrive"
+            if count == 2
+            else f"the coordinator (process 0) or some of processes "
+            f"{_ids(i for i in range(1, count) if i != index)} did not arrive (JAX does not say which)"
+        )
 
     def give_up() -> None:
-        print(f"jaxspec: error: process {index} of {count} waited {timeout:g} s for the job at the coordinator "
-              f"{address}: {missing}; {hint}, or wait longer with {PEER_TIMEOUT_ENV}", file=sys.stderr, flush=True)
+        print(
+            f"jaxspec: error: process {index} of {count} waited {timeout:g} s for the job at the coordinator "
+            f"{address}: {missing}; {hint}, or wait longer with {PEER_TIMEOUT_ENV}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(EXIT_PEER)
 
     watchdog = threading.Timer(timeout, give_up)
     watchdog.daemon = True
     watchdog.start()
     try:
-        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + 60,
-                                   heartbeat_timeout_seconds=int(timeout) + 60)
+        jax.distributed.initialize(
+            **kwargs, initialization_timeout=int(timeout) + 60, heartbeat_timeout_seconds=int(timeout) + 60
+        )
     finally:
         watchdog.cancel()
     from jax._src.distributed import global_state

@@ -32,11 +32,13 @@ EXIT_STORAGE = 5
 EXIT_CHECKPOINTED = 75  # EX_TEMPFAIL of sysexits.h; the SLURM script requeues its job on it
 EXIT_INTERRUPTED = 130
 
-EPILOG = (f"exit status: 0 finished; {EXIT_CHECKPOINTED} stopped by SIGTERM, Ctrl-C or the job's time limit after "
-          f"checkpointing (continue with --resume; a second Ctrl-C aborts at once); {EXIT_INPUT} bad input (command "
-          f"line, config, data, policy or run directory); {EXIT_REWARD} the reward cannot grade; {EXIT_PEER} another "
-          f"process of the job did not join or stopped answering; {EXIT_STORAGE} a file could not be written or read "
-          f"(e.g. a full disk); {EXIT_ERROR} another error")
+EPILOG = (
+    f"exit status: 0 finished; {EXIT_CHECKPOINTED} stopped by SIGTERM, Ctrl-C or the job's time limit after "
+    f"checkpointing (continue with --resume; a second Ctrl-C aborts at once); {EXIT_INPUT} bad input (command "
+    f"line, config, data, policy or run directory); {EXIT_REWARD} the reward cannot grade; {EXIT_PEER} another "
+    f"process of the job did not join or stopped answering; {EXIT_STORAGE} a file could not be written or read "
+    f"(e.g. a full disk); {EXIT_ERROR} another error"
+)
 
 # How TensorStore (orbax's writer) and safetensors (Rust's io::Error) report a system error's errno.
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)|Os \{ code: (\d+)")

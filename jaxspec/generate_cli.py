@@ -60,8 +60,9 @@ def main(argv: list[str]) -> int:
         spec = Spec(method="eagle3", draft=load_eagle3(args.draft, policy=cfg), num_draft_tokens=args.num_draft_tokens)
     rows = [e for e in examples for _ in range(args.samples)]
     prompts = [tok.encode_prompt(e["question"]) for e in rows]
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                        eos_id=tok.eos_id)
+    sampling = Sampling(
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id
+    )
     start = time.perf_counter()
     out = generate(cfg, params, prompts, jax.random.key(args.seed), sampling, spec=spec)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -71,6 +72,8 @@ def main(argv: list[str]) -> int:
     scores = [reward(text, example) for text, example in zip(texts, rows)]
     for text, example, score in list(zip(texts, rows, scores))[: args.show]:
         print(f"Q: {example['question']}\nA: {text}\nreward {score} (answer {example['answer']})\n")
-    print(f"{len(rows)} responses, mean reward {np.mean(scores):.3f}, {int(lengths.sum())} tokens "
-          f"in {seconds:.1f} s (incl. compilation), acceptance length {out.stats['acceptance_length']:.2f}")
+    print(
+        f"{len(rows)} responses, mean reward {np.mean(scores):.3f}, {int(lengths.sum())} tokens "
+        f"in {seconds:.1f} s (incl. compilation), acceptance length {out.stats['acceptance_length']:.2f}"
+    )
     return 0

@@ -4,7 +4,7 @@ that pretraining and offline draft training put it on."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import optax
@@ -33,14 +33,16 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
-def clipped_adamw(learning_rate: float | Callable, *, b1: float, b2: float, weight_decay: float, grad_clip: float,
-                  mu_dtype=None) -> optax.GradientTransformation:
+def clipped_adamw(
+    learning_rate: float | Callable, *, b1: float, b2: float, weight_decay: float, grad_clip: float, mu_dtype=None
+) -> optax.GradientTransformation:
     """Global-norm gradient clipping, then AdamW (first moment in `mu_dtype`, default the params'):
     every optimizer of jaxspec (pretraining, head training, the GRPO policy and its online head).
     Only matrices are decayed (not norm weights or biases)."""
-    return optax.chain(optax.clip_by_global_norm(grad_clip),
-                       optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mu_dtype=mu_dtype,
-                                   mask=decay_mask))
+    return optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mu_dtype=mu_dtype, mask=decay_mask),
+    )
 
 
 def decay_mask(params):
@@ -51,7 +53,11 @@ def decay_mask(params):
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
     """(`clipped_adamw` on a warmup-cosine schedule over `total_steps`, the schedule)."""
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=total_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=total_steps,
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
     optimizer = clipped_adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
     return optimizer, schedule

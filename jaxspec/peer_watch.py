@@ -93,8 +93,12 @@ class PeerWatch:
                 self.client.key_value_set(_VERDICT, what, allow_overwrite=True)
             except Exception:
                 pass
-        print(f"jaxspec: error: {what} for {self.timeout:g} s (it died or hangs: its own log says why); process "
-              f"{self.index} stops too (JAXSPEC_PEER_TIMEOUT_S sets the wait)", file=sys.stderr, flush=True)
+        print(
+            f"jaxspec: error: {what} for {self.timeout:g} s (it died or hangs: its own log says why); process "
+            f"{self.index} stops too (JAXSPEC_PEER_TIMEOUT_S sets the wait)",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.index == 0:
             time.sleep(3 * self.interval)  # the others read the verdict before the store goes
         os._exit(EXIT_PEER)

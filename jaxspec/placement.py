@@ -64,17 +64,23 @@ def check_devices(cfg: MeshConfig) -> None:
     devices = cfg.devices
     expert = f" x expert={cfg.expert}" if cfg.expert != 1 else ""
     if cfg.rollout_devices and devices + cfg.rollout_devices > jax.device_count():
-        raise ValueError(f"mesh.rollout_devices: {cfg.rollout_devices} rollout devices after the trainer mesh "
-                         f"data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} ({devices} devices) "
-                         f"need {devices + cfg.rollout_devices} devices, this process sees {jax.device_count()}")
+        raise ValueError(
+            f"mesh.rollout_devices: {cfg.rollout_devices} rollout devices after the trainer mesh "
+            f"data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} ({devices} devices) "
+            f"need {devices + cfg.rollout_devices} devices, this process sees {jax.device_count()}"
+        )
     if devices > jax.device_count():
-        raise ValueError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} "
-                         f"needs {devices} devices, this process sees {jax.device_count()}")
+        raise ValueError(
+            f"mesh: data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor}{expert} "
+            f"needs {devices} devices, this process sees {jax.device_count()}"
+        )
     processes = jax.process_count()
     if cfg.rollout_devices and processes > 1 and (devices % processes or cfg.rollout_devices % processes):
-        raise ValueError(f"mesh.rollout_devices: each of the job's {processes} processes gives the same share of "
-                         f"the trainer mesh ({devices} devices) and of the {cfg.rollout_devices} rollout devices; "
-                         f"both must be multiples of {processes}")
+        raise ValueError(
+            f"mesh.rollout_devices: each of the job's {processes} processes gives the same share of "
+            f"the trainer mesh ({devices} devices) and of the {cfg.rollout_devices} rollout devices; "
+            f"both must be multiples of {processes}"
+        )
 
 
 def split_devices(cfg: MeshConfig) -> tuple[list, list]:
@@ -85,20 +91,25 @@ def split_devices(cfg: MeshConfig) -> tuple[list, list]:
     the process."""
     every = jax.devices()
     if not cfg.rollout_devices or jax.process_count() == 1:
-        return every[:cfg.devices], every[len(every) - cfg.rollout_devices:]
+        return every[: cfg.devices], every[len(every) - cfg.rollout_devices :]
     processes = jax.process_count()
     hosts = [[d for d in every if d.process_index == p] for p in range(processes)]
     train, generate = cfg.devices // processes, cfg.rollout_devices // processes
-    return ([d for local in hosts for d in local[:train]],
-            [d for local in hosts for d in local[len(local) - generate:]])
+    return (
+        [d for local in hosts for d in local[:train]],
+        [d for local in hosts for d in local[len(local) - generate :]],
+    )
 
 
 class Placement:
     def __init__(self, cfg: MeshConfig):
         devices = cfg.devices
         self.row_shards = cfg.data * cfg.fsdp  # training rows are split over these devices
-        self.sharding = None if devices == 1 else Sharding(
-            make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=split_devices(cfg)[0], expert=cfg.expert))
+        self.sharding = (
+            None
+            if devices == 1
+            else Sharding(make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=split_devices(cfg)[0], expert=cfg.expert))
+        )
 
     def state(self, state: dict) -> dict:
         """The training state committed to its devices: leaves already on the mesh stay as they
@@ -137,7 +148,8 @@ class Placement:
                 continue
             if x.sharding.is_equivalent_to(target, x.ndim):
                 leaves[i] = jax.make_array_from_single_device_arrays(
-                    x.shape, target, [shard.data for shard in x.addressable_shards])
+                    x.shape, target, [shard.data for shard in x.addressable_shards]
+                )
             else:
                 moved.append(i)
         if moved:
@@ -196,8 +208,11 @@ def rollout_policy(policy, dtype, sharding: Sharding | None, gather: bool):
     if not gather or sharding is None:
         return cast_floats(policy, dtype)
     targets = gathered_param_shardings(sharding, policy)
-    check_weights_fit(weights_bytes_per_device(policy, targets, dtype), jax.local_devices()[0].memory_stats(),
-                      "rollout.gather_weights")
+    check_weights_fit(
+        weights_bytes_per_device(policy, targets, dtype),
+        jax.local_devices()[0].memory_stats(),
+        "rollout.gather_weights",
+    )
     return cast_floats(policy, dtype, targets)
 
 
@@ -217,5 +232,6 @@ def _placer(shardings: tuple[NamedSharding, ...]):
 
 def abstract(tree):
     """ShapeDtypeStructs of the arrays in `tree`, with their shardings and weak types."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                                       weak_type=x.aval.weak_type), tree)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.aval.weak_type), tree
+    )

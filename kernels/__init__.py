@@ -23,8 +23,9 @@ IMPLS = ("auto", "pallas", "reference", "interpret")
 IMPL_ENV = "JAXSPEC_TREE_VERIFY_IMPL"
 
 
-def tree_verify(logits, parents, draft_tokens, num_nodes, key, *, temperature: float, draft_probs=None,
-                impl: str = "auto") -> VerifyResult:
+def tree_verify(
+    logits, parents, draft_tokens, num_nodes, key, *, temperature: float, draft_probs=None, impl: str = "auto"
+) -> VerifyResult:
     """Accepts a prefix path of a draft tree and emits the next token, exactly as the policy samples.
 
     logits: float [B, N, V]: policy logits at every node; node 0 is the root (the last committed
@@ -56,13 +57,23 @@ def tree_verify(logits, parents, draft_tokens, num_nodes, key, *, temperature: f
     temperature = _check_temperature(temperature)
     logits, parents, draft_tokens, num_nodes = _check_inputs(logits, parents, draft_tokens, num_nodes, draft_probs)
     if draft_probs is not None and temperature > 0 and impl != "reference":
-        return verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nodes, key,
-                                        temperature=temperature, interpret=impl == "interpret")
+        return verify_stochastic_pallas(
+            logits,
+            draft_probs,
+            parents,
+            draft_tokens,
+            num_nodes,
+            key,
+            temperature=temperature,
+            interpret=impl == "interpret",
+        )
     if impl == "reference":
-        return verify_reference(logits, parents, draft_tokens, num_nodes, key, temperature=temperature,
-                                draft_probs=draft_probs)
-    return verify_pallas(logits, parents, draft_tokens, num_nodes, key, temperature=temperature,
-                         interpret=impl == "interpret")
+        return verify_reference(
+            logits, parents, draft_tokens, num_nodes, key, temperature=temperature, draft_probs=draft_probs
+        )
+    return verify_pallas(
+        logits, parents, draft_tokens, num_nodes, key, temperature=temperature, interpret=impl == "interpret"
+    )
 
 
 def _resolve_impl(impl: str) -> str:
@@ -81,21 +92,29 @@ def _check_temperature(temperature) -> float:
 
 def _check_inputs(logits, parents, draft_tokens, num_nodes, draft_probs):
     if jnp.ndim(logits) != 3 or not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
-        raise ValueError(f"tree_verify logits must be a float array [B, N, V], got {jnp.result_type(logits)} "
-                         f"{jnp.shape(logits)}")
+        raise ValueError(
+            f"tree_verify logits must be a float array [B, N, V], got {jnp.result_type(logits)} {jnp.shape(logits)}"
+        )
     batch, n, vocab = jnp.shape(logits)
     if n < 1 or vocab < 1:
         raise ValueError(f"tree_verify logits [B, N, V] needs N >= 1 and V >= 1, got {jnp.shape(logits)}")
-    for name, value, shape in (("parents", parents, (batch, n)), ("draft_tokens", draft_tokens, (batch, n)),
-                               ("num_nodes", num_nodes, (batch,))):
+    for name, value, shape in (
+        ("parents", parents, (batch, n)),
+        ("draft_tokens", draft_tokens, (batch, n)),
+        ("num_nodes", num_nodes, (batch,)),
+    ):
         if tuple(jnp.shape(value)) != shape:
-            raise ValueError(f"tree_verify {name} must have shape {shape} (from logits [B, N, V] = "
-                             f"{tuple(jnp.shape(logits))}), got {tuple(jnp.shape(value))}")
+            raise ValueError(
+                f"tree_verify {name} must have shape {shape} (from logits [B, N, V] = "
+                f"{tuple(jnp.shape(logits))}), got {tuple(jnp.shape(value))}"
+            )
         if not jnp.issubdtype(jnp.result_type(value), jnp.integer):
             raise ValueError(f"tree_verify {name} must be an integer array, got {jnp.result_type(value)}")
     if draft_probs is not None and tuple(jnp.shape(draft_probs)) != tuple(jnp.shape(logits)):
-        raise ValueError(f"tree_verify draft_probs must have the shape of logits {tuple(jnp.shape(logits))}, "
-                         f"got {tuple(jnp.shape(draft_probs))}")
+        raise ValueError(
+            f"tree_verify draft_probs must have the shape of logits {tuple(jnp.shape(logits))}, "
+            f"got {tuple(jnp.shape(draft_probs))}"
+        )
     parents, draft_tokens, num_nodes = (jnp.asarray(x, jnp.int32) for x in (parents, draft_tokens, num_nodes))
     _check_tree_values(parents, draft_tokens, num_nodes, vocab)
     return logits, parents, draft_tokens, num_nodes
@@ -112,18 +131,23 @@ def _check_tree_values(parents, draft_tokens, num_nodes, vocab: int) -> None:
         raise ValueError(f"tree_verify num_nodes must be in [1, {n}], row {bad[0]} has {num_nodes[bad[0]]}")
     bad = np.flatnonzero(parents[:, 0] != -1)
     if bad.size:
-        raise ValueError(f"tree_verify parents[:, 0] must be -1 (node 0 is the root), row {bad[0]} has "
-                         f"{parents[bad[0], 0]}")
+        raise ValueError(
+            f"tree_verify parents[:, 0] must be -1 (node 0 is the root), row {bad[0]} has {parents[bad[0], 0]}"
+        )
     idx = np.arange(n)
     child = (idx[None, :] > 0) & (idx[None, :] < num_nodes[:, None])
     rows, nodes = np.nonzero(child & ((parents < 0) | (parents >= idx[None, :])))
     if rows.size:
-        raise ValueError(f"tree_verify parents is not a valid tree: parents[{rows[0]}, {nodes[0]}] = "
-                         f"{parents[rows[0], nodes[0]]} must be in [0, {nodes[0]})")
+        raise ValueError(
+            f"tree_verify parents is not a valid tree: parents[{rows[0]}, {nodes[0]}] = "
+            f"{parents[rows[0], nodes[0]]} must be in [0, {nodes[0]})"
+        )
     rows, nodes = np.nonzero(child & ((draft_tokens < 0) | (draft_tokens >= vocab)))
     if rows.size:
-        raise ValueError(f"tree_verify draft_tokens[{rows[0]}, {nodes[0]}] = {draft_tokens[rows[0], nodes[0]]} "
-                         f"is outside the vocabulary [0, {vocab})")
+        raise ValueError(
+            f"tree_verify draft_tokens[{rows[0]}, {nodes[0]}] = {draft_tokens[rows[0], nodes[0]]} "
+            f"is outside the vocabulary [0, {vocab})"
+        )
 
 
 __all__ = ["IMPLS", "VerifyResult", "tree_verify"]

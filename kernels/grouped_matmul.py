@@ -50,8 +50,9 @@ def tile_groups(group_sizes: jax.Array, num_tiles: int, block_m: int) -> tuple[j
     return first, jnp.where(stop > start, last, first - 1)
 
 
-def _kernel(first_ref, last_ref, ends_ref, sizes_ref, x_ref, w_ref, o_ref, *, block_m: int, block_k: int,
-            transpose_w: bool):
+def _kernel(
+    first_ref, last_ref, ends_ref, sizes_ref, x_ref, w_ref, o_ref, *, block_m: int, block_k: int, transpose_w: bool
+):
     """One (row tile, column tile) program: o [block_m, block_n] from x [block_m, K] and w [E, K, block_n]
     (w [E, block_n, K] when transpose_w)."""
     row = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
@@ -90,11 +91,22 @@ def _fit(tile: int, size: int) -> int:
     return min(tile, max(MIN_TILE, pl.next_power_of_2(size)))
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_w", "interpret", "block_m", "block_n", "block_k",
-                                             "num_warps", "num_stages"))
-def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_w: bool = False,
-                          interpret: bool = False, block_m: int | None = None, block_n: int = 128,
-                          block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+@functools.partial(
+    jax.jit, static_argnames=("transpose_w", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages")
+)
+def grouped_matmul_pallas(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_w: bool = False,
+    interpret: bool = False,
+    block_m: int | None = None,
+    block_n: int = 128,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> jax.Array:
     """x [M, K] (rows sorted by group), w [E, K, N] of x's dtype, group_sizes int [E] (sum <= M) ->
     [M, N] in x's dtype: `jax.lax.ragged_dot(x, w, group_sizes)`, accumulated in float32. With
     transpose_w, w is [E, N, K] and each group's rows multiply w[g].T (a gradient's dX).
@@ -106,8 +118,10 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     num_groups = w.shape[0]
     k_w, n = (w.shape[2], w.shape[1]) if transpose_w else w.shape[1:]
     if k_w != k or group_sizes.shape != (num_groups,):
-        raise ValueError(f"grouped matmul needs x [M, K], w [E, {'N, K' if transpose_w else 'K, N'}], group_sizes "
-                         f"[E]; got x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
+        raise ValueError(
+            f"grouped matmul needs x [M, K], w [E, {'N, K' if transpose_w else 'K, N'}], group_sizes "
+            f"[E]; got x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}"
+        )
     if x.dtype != w.dtype:
         raise ValueError(f"grouped matmul needs one dtype for x and w, got x {x.dtype}, w {w.dtype}")
     block_m = tile_rows(m, num_groups) if block_m is None else block_m
@@ -123,13 +137,22 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     first, last = tile_groups(sizes, num_tiles, block_m)
     per_tile = pl.BlockSpec((None,), lambda i, j: (i,))
     per_group = pl.BlockSpec((num_groups,), lambda i, j: (0,))
-    w_spec = (pl.BlockSpec((num_groups, block_n, k_padded), lambda i, j: (0, j, 0)) if transpose_w
-              else pl.BlockSpec((num_groups, k_padded, block_n), lambda i, j: (0, 0, j)))
+    w_spec = (
+        pl.BlockSpec((num_groups, block_n, k_padded), lambda i, j: (0, j, 0))
+        if transpose_w
+        else pl.BlockSpec((num_groups, k_padded, block_n), lambda i, j: (0, 0, j))
+    )
     out = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_k=block_k, transpose_w=transpose_w),
         grid=(num_tiles, n_padded // block_n),
-        in_specs=[per_tile, per_tile, per_group, per_group,
-                  pl.BlockSpec((block_m, k_padded), lambda i, j: (i, 0)), w_spec],
+        in_specs=[
+            per_tile,
+            per_tile,
+            per_group,
+            per_group,
+            pl.BlockSpec((block_m, k_padded), lambda i, j: (i, 0)),
+            w_spec,
+        ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((x.shape[0], n_padded), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -158,11 +181,19 @@ def _per_group_kernel(ends_ref, sizes_ref, x_ref, y_ref, o_ref, *, block_m: int)
     o_ref[...] = lax.fori_loop(first, stop, step, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages"))
-def grouped_transposed_matmul_pallas(x: jax.Array, y: jax.Array, group_sizes: jax.Array, *,
-                                     interpret: bool = False, block_m: int = 64, block_n: int = 128,
-                                     block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+def grouped_transposed_matmul_pallas(
+    x: jax.Array,
+    y: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    interpret: bool = False,
+    block_m: int = 64,
+    block_n: int = 128,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> jax.Array:
     """x [M, K], y [M, N] of one dtype (rows sorted by group), group_sizes int [E] (sum <= M) ->
     [E, K, N] in x's dtype: out[g] = x[rows of g].T @ y[rows of g] (0 for an empty group),
     accumulated in float32: the gradient of a grouped matmul's weights (x the input, y the
@@ -171,8 +202,10 @@ def grouped_transposed_matmul_pallas(x: jax.Array, y: jax.Array, group_sizes: ja
     n = y.shape[1]
     (num_groups,) = group_sizes.shape
     if y.shape[0] != m or x.dtype != y.dtype:
-        raise ValueError(f"grouped transposed matmul needs x [M, K], y [M, N] of one dtype; got x {x.dtype} "
-                         f"{x.shape}, y {y.dtype} {y.shape}")
+        raise ValueError(
+            f"grouped transposed matmul needs x [M, K], y [M, N] of one dtype; got x {x.dtype} "
+            f"{x.shape}, y {y.dtype} {y.shape}"
+        )
     block_n, block_k = _fit(block_n, n), _fit(block_k, k)
     _tiles(block_m=block_m, block_n=block_n, block_k=block_k)
     pad_m, pad_k, pad_n = -m % block_m, -k % block_k, -n % block_n
@@ -183,8 +216,12 @@ def grouped_transposed_matmul_pallas(x: jax.Array, y: jax.Array, group_sizes: ja
     out = pl.pallas_call(
         functools.partial(_per_group_kernel, block_m=block_m),
         grid=(num_groups, x.shape[1] // block_k, y.shape[1] // block_n),
-        in_specs=[per_group, per_group, pl.BlockSpec((x.shape[0], block_k), lambda g, i, j: (0, i)),
-                  pl.BlockSpec((y.shape[0], block_n), lambda g, i, j: (0, j))],
+        in_specs=[
+            per_group,
+            per_group,
+            pl.BlockSpec((x.shape[0], block_k), lambda g, i, j: (0, i)),
+            pl.BlockSpec((y.shape[0], block_n), lambda g, i, j: (0, j)),
+        ],
         out_specs=pl.BlockSpec((None, block_k, block_n), lambda g, i, j: (g, i, j)),
         out_shape=jax.ShapeDtypeStruct((num_groups, x.shape[1], y.shape[1]), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -61,8 +61,9 @@ def new_token_bits(tree_mask: jax.Array, group: int, rows: int) -> jax.Array:
     return jnp.pad(bits, ((0, 0), (0, rows - t * group), (0, 0))).transpose(0, 2, 1)
 
 
-def _visible(slot: jax.Array, prefix_len: jax.Array, new_start: jax.Array, words: list[jax.Array],
-             num_new: int, max_len: int) -> jax.Array:
+def _visible(
+    slot: jax.Array, prefix_len: jax.Array, new_start: jax.Array, words: list[jax.Array], num_new: int, max_len: int
+) -> jax.Array:
     """bool [R, K]: which of the cache slots int32 [K] each query row sees, given its bits
     words[w] int32 [R] (see `new_token_bits`). Shared by the kernel and the reference."""
     rel = jnp.where(slot < max_len, slot - new_start, -1)  # new tokens past the last slot were dropped
@@ -75,8 +76,22 @@ def _visible(slot: jax.Array, prefix_len: jax.Array, new_start: jax.Array, words
     return sees
 
 
-def _kernel(prefix_ref, start_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k: int,
-            blocks_per_split: int, num_new: int, scale: float):
+def _kernel(
+    prefix_ref,
+    start_ref,
+    bits_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    *,
+    block_k: int,
+    blocks_per_split: int,
+    num_new: int,
+    scale: float,
+):
     """One (sequence, kv head, split) program: q [R, D] against the split's visible slots."""
     prefix_len, new_start = prefix_ref[...], start_ref[...]
     words = [bits_ref[w, :] for w in range(bits_ref.shape[0])]
@@ -106,16 +121,20 @@ def _kernel(prefix_ref, start_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, 
         o = rescale[:, None] * o + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return o, m_next, rescale * l + p.sum(axis=1)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
     o, m, l = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
 
 
-def split_plan(batch: int, kv_heads: int, max_len: int, block_k: int = BLOCK_K,
-               splits: int | None = None) -> tuple[int, int]:
+def split_plan(
+    batch: int, kv_heads: int, max_len: int, block_k: int = BLOCK_K, splits: int | None = None
+) -> tuple[int, int]:
     """(splits, KV blocks per split) for a [batch, max_len, kv_heads, D] cache; `splits` asks for
     a number of splits (default: enough for TARGET_PROGRAMS programs), at most one per block."""
     num_blocks = pl.cdiv(max_len, block_k)
@@ -126,12 +145,22 @@ def split_plan(batch: int, kv_heads: int, max_len: int, block_k: int = BLOCK_K,
     return pl.cdiv(num_blocks, per_split), per_split
 
 
-@functools.partial(jax.jit, static_argnames=("num_new", "interpret", "block_k", "splits", "num_warps",
-                                             "num_stages"))
-def cache_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, prefix_len: jax.Array,
-                           new_start: jax.Array, new_bits: jax.Array, *, num_new: int, interpret: bool = False,
-                           block_k: int = BLOCK_K, splits: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> Partials:
+@functools.partial(jax.jit, static_argnames=("num_new", "interpret", "block_k", "splits", "num_warps", "num_stages"))
+def cache_attention_pallas(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    prefix_len: jax.Array,
+    new_start: jax.Array,
+    new_bits: jax.Array,
+    *,
+    num_new: int,
+    interpret: bool = False,
+    block_k: int = BLOCK_K,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Partials:
     """Partials of q [B, Nk, R, D] over k/v_cache [B, S, Nk, D]: row b's query rows see slots
     [0, prefix_len[b]) and, of the num_new slots from new_start[b] (both int32 [B]), those their
     bits new_bits int32 [B, W, R] name (`new_token_bits`).
@@ -142,22 +171,33 @@ def cache_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     batch, kv_heads, rows, head_dim = q.shape
     max_len, words = k_cache.shape[1], new_bits.shape[1]
     splits, per_split = split_plan(batch, kv_heads, max_len, block_k, splits)
-    kernel = functools.partial(_kernel, block_k=block_k, blocks_per_split=per_split, num_new=num_new,
-                               scale=head_dim ** -0.5)
+    kernel = functools.partial(
+        _kernel, block_k=block_k, blocks_per_split=per_split, num_new=num_new, scale=head_dim**-0.5
+    )
     per_row = pl.BlockSpec((None,), lambda b, h, s: (b,))
     cache_spec = pl.BlockSpec((None, max_len, None, head_dim), lambda b, h, s: (b, 0, h, 0))
     row_stats = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
-        in_specs=[per_row, per_row, pl.BlockSpec((None, words, rows), lambda b, h, s: (b, 0, 0)),
-                  pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-                  cache_spec, cache_spec],
-        out_specs=[pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-                   row_stats, row_stats],
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32)],
+        in_specs=[
+            per_row,
+            per_row,
+            pl.BlockSpec((None, words, rows), lambda b, h, s: (b, 0, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            row_stats,
+            row_stats,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_cache_attention",
@@ -165,9 +205,18 @@ def cache_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return Partials(o, m, l)
 
 
-def cache_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, prefix_len: jax.Array,
-                              new_start: jax.Array, new_bits: jax.Array, *, num_new: int, block_k: int = BLOCK_K,
-                              splits: int | None = None) -> Partials:
+def cache_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    prefix_len: jax.Array,
+    new_start: jax.Array,
+    new_bits: jax.Array,
+    *,
+    num_new: int,
+    block_k: int = BLOCK_K,
+    splits: int | None = None,
+) -> Partials:
     """`cache_attention_pallas`'s partials with jnp, reading every slot (masked), split as the
     kernel splits the cache for this `block_k` and `splits`."""
     batch, kv_heads, rows, head_dim = q.shape
@@ -175,8 +224,10 @@ def cache_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     splits, blocks_per_split = split_plan(batch, kv_heads, max_len, block_k, splits)
     per_split = blocks_per_split * block_k
     slot = jnp.arange(max_len, dtype=jnp.int32)
-    visible = jax.vmap(lambda n, s, bits: _visible(slot, n, s, list(bits), num_new, max_len))(prefix_len, new_start, new_bits)
-    scores = jnp.einsum("bkrd,bskd->bkrs", q, k_cache, preferred_element_type=jnp.float32) * head_dim ** -0.5
+    visible = jax.vmap(lambda n, s, bits: _visible(slot, n, s, list(bits), num_new, max_len))(
+        prefix_len, new_start, new_bits
+    )
+    scores = jnp.einsum("bkrd,bskd->bkrs", q, k_cache, preferred_element_type=jnp.float32) * head_dim**-0.5
     scores = jnp.where(visible[:, None], scores, -jnp.inf)
     pad = splits * per_split - max_len
     scores = jnp.pad(scores, ((0, 0),) * 3 + ((0, pad),), constant_values=-jnp.inf)

@@ -51,9 +51,27 @@ def _at(values, index, lanes):
     return jnp.sum(jnp.where(lanes[None, :] == index[:, None], values[None, :], 0), axis=1)
 
 
-def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, parents_ref, tokens_ref,
-                   num_nodes_ref, uniforms_ref, path_ref, accepted_ref, next_ref, logprobs_ref,
-                   *, temperature: float, nodes: int, splits: int, vocab: int, padded: int):
+def _decide_kernel(
+    peak_ref,
+    total_ref,
+    candidates_ref,
+    sample_ref,
+    logits_ref,
+    parents_ref,
+    tokens_ref,
+    num_nodes_ref,
+    uniforms_ref,
+    path_ref,
+    accepted_ref,
+    next_ref,
+    logprobs_ref,
+    *,
+    temperature: float,
+    nodes: int,
+    splits: int,
+    vocab: int,
+    padded: int,
+):
     lanes = jnp.arange(padded, dtype=jnp.int32)
     valid = lanes < nodes
     node = jnp.minimum(lanes, nodes - 1)  # a safe load index for the padding lanes
@@ -63,8 +81,12 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
         return jnp.where(valid, plgpu.load(ref.at[index]), fill)
 
     # Combine the vocabulary splits as `combine_blocks` does: the top, then the rescaled sums.
-    top = lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, load(peak_ref, node * splits + s, -jnp.inf)),
-                        jnp.full((padded,), -jnp.inf, jnp.float32))
+    top = lax.fori_loop(
+        0,
+        splits,
+        lambda s, m: jnp.maximum(m, load(peak_ref, node * splits + s, -jnp.inf)),
+        jnp.full((padded,), -jnp.inf, jnp.float32),
+    )
     shift = jnp.where(top == -jnp.inf, 0.0, top)
 
     def fold(s, carry):
@@ -94,8 +116,15 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
         chosen = jnp.where(first < NO_INDEX, first, -1)
     else:
         sibling = is_child[:, None] & is_child[None, :] & (parent[:, None] == parent[None, :])  # [m, j]
-        repeated = jnp.max(jnp.where(sibling & ~later & (lanes[None, :] != lanes[:, None])
-                                     & (token[None, :] == token[:, None]), 1, 0), axis=1) > 0
+        repeated = (
+            jnp.max(
+                jnp.where(
+                    sibling & ~later & (lanes[None, :] != lanes[:, None]) & (token[None, :] == token[:, None]), 1, 0
+                ),
+                axis=1,
+            )
+            > 0
+        )
         prob = jnp.where(is_child & ~repeated, jnp.exp(child_logp), 0.0)
         running = jnp.sum(jnp.where(sibling & ~later, prob[None, :], 0.0), axis=1)  # over j <= m
         children_mass = jnp.sum(jnp.where(child_of, prob[None, :], 0.0), axis=1)
@@ -111,8 +140,7 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
         current, path, logprobs = carry
         nxt = jnp.where(current >= 0, jnp.sum(jnp.where(lanes == current, chosen, 0)), -1)
         path = jnp.where((lanes == d) & (nxt >= 0), nxt, path)
-        logprobs = jnp.where((lanes == d - 1) & (nxt >= 0), jnp.sum(jnp.where(lanes == nxt, child_logp, 0.0)),
-                             logprobs)
+        logprobs = jnp.where((lanes == d - 1) & (nxt >= 0), jnp.sum(jnp.where(lanes == nxt, child_logp, 0.0)), logprobs)
         return jnp.where(nxt >= 0, nxt, -1), path, logprobs
 
     path = jnp.where(lanes == 0, 0, -1)
@@ -129,8 +157,21 @@ def _decide_kernel(peak_ref, total_ref, candidates_ref, sample_ref, logits_ref, 
     next_ref[...] = next_token
 
 
-def decide_pallas(peak, total, candidates, sample, logits, parents, draft_tokens, num_nodes, uniforms,
-                  temperature: float, *, interpret: bool = False, num_warps: int = 4) -> VerifyResult:
+def decide_pallas(
+    peak,
+    total,
+    candidates,
+    sample,
+    logits,
+    parents,
+    draft_tokens,
+    num_nodes,
+    uniforms,
+    temperature: float,
+    *,
+    interpret: bool = False,
+    num_warps: int = 4,
+) -> VerifyResult:
     """`VerifyResult` from the node-statistics kernel's partials (float32 [B, N, S]: per split, max
     of x = logits * inv_t and the sums of exp(x - max) over all / candidate tokens), each node's
     sample (int32 [B, N], `NodeStats.sample`), logits [B, N, V], the tree (parents, draft_tokens
@@ -138,13 +179,31 @@ def decide_pallas(peak, total, candidates, sample, logits, parents, draft_tokens
     batch, n, vocab = logits.shape
     splits, padded = peak.shape[-1], max(pl.next_power_of_2(n), MIN_LANES)
     flat = lambda x: x.reshape(batch, n * splits)  # noqa: E731
-    kernel = functools.partial(_decide_kernel, temperature=temperature, nodes=n, splits=splits, vocab=vocab,
-                               padded=padded)
+    kernel = functools.partial(
+        _decide_kernel, temperature=temperature, nodes=n, splits=splits, vocab=vocab, padded=padded
+    )
     row = row_spec
     return per_row_verify_call(
-        kernel, n, padded, [row(n * splits)] * 3 + [row(n), row(n * vocab), row(n), row(n), SCALAR_SPEC, row(n)],
-        (flat(peak), flat(total), flat(candidates), sample, logits.reshape(batch, n * vocab), parents, draft_tokens,
-         num_nodes, uniforms), name="tree_verify_decide", interpret=interpret, num_warps=num_warps, num_stages=1)
+        kernel,
+        n,
+        padded,
+        [row(n * splits)] * 3 + [row(n), row(n * vocab), row(n), row(n), SCALAR_SPEC, row(n)],
+        (
+            flat(peak),
+            flat(total),
+            flat(candidates),
+            sample,
+            logits.reshape(batch, n * vocab),
+            parents,
+            draft_tokens,
+            num_nodes,
+            uniforms,
+        ),
+        name="tree_verify_decide",
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=1,
+    )
 
 
 SCALAR_SPEC = pl.BlockSpec((None,), lambda b: (b,))  # one value per row
@@ -155,8 +214,18 @@ def row_spec(size: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, size), lambda b: (b, 0))
 
 
-def per_row_verify_call(kernel, nodes: int, padded: int, in_specs: list, args: tuple, *, name: str, interpret: bool,
-                        num_warps: int, num_stages: int) -> VerifyResult:
+def per_row_verify_call(
+    kernel,
+    nodes: int,
+    padded: int,
+    in_specs: list,
+    args: tuple,
+    *,
+    name: str,
+    interpret: bool,
+    num_warps: int,
+    num_stages: int,
+) -> VerifyResult:
     """`kernel` run as one program per row (grid = the batch, args [B, ...]) writing a
     `VerifyResult`: path and logprobs on `padded` node lanes (sliced back to `nodes`), num_accepted
     and next_token one value per row."""
@@ -166,8 +235,12 @@ def per_row_verify_call(kernel, nodes: int, padded: int, in_specs: list, args: t
         grid=(batch,),
         in_specs=in_specs,
         out_specs=[row_spec(padded), SCALAR_SPEC, SCALAR_SPEC, row_spec(padded)],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, padded), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, padded), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, padded), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,

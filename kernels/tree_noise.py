@@ -2,8 +2,8 @@
 
 Each (row b, node n) gets hashed seeds from the key, and each token or vocabulary tile its own
 uniform from a hash of (seed, index), so the Pallas kernel regenerates exactly the noise the
-reference uses, one tile at a time, without a PRNG state. All arithmetic is int32 with wrap-around multiplication and logical shifts, which
-lowers the same way in XLA and in Triton.
+reference uses, one tile at a time, without a PRNG state. All arithmetic is int32 with wrap-around
+multiplication and logical shifts, which lowers the same way in XLA and in Triton.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ def inverse_temperature(temperature: float) -> np.float32:
     return np.float32(1.0 if temperature == 0 else 1.0 / temperature)
 
 
-def sample_in_tile(logits, winner_tile, parents, draft_tokens, num_nodes, token_seeds, temperature: float,
-                   tile: int) -> jax.Array:
+def sample_in_tile(
+    logits, winner_tile, parents, draft_tokens, num_nodes, token_seeds, temperature: float, tile: int
+) -> jax.Array:
     """int32 [B, N]: the token race inside each node's winning tile (int32 [B, N]); logits [B, N, V]."""
     vocab = logits.shape[-1]
     start = winner_tile * tile

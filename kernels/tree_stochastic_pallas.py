@@ -33,8 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.tree_decide_pallas import (MIN_LANES, NO_INDEX, SCALAR_SPEC, load_row_tree, per_row_verify_call,
-                                       row_spec)
+from kernels.tree_decide_pallas import MIN_LANES, NO_INDEX, SCALAR_SPEC, load_row_tree, per_row_verify_call, row_spec
 from kernels.tree_noise import race_noise
 from kernels.tree_race import inverse_temperature
 from kernels.tree_verify_reference import VerifyResult, rejection_update, stochastic_normalisers, verification_noise
@@ -50,16 +49,36 @@ def _pick(values, lanes, k):
 def _residual(scaled, q, token, lse, q_total, rejected, r_totals, q_totals, count, lanes):
     """(r_j, q_j) at `token` (any shape; scaled = logits * inv_t, q = raw draft probs, float32)
     after `count` rejections at a node whose lse and sum(q) are given."""
+
     def reject(k, rq):
-        return rejection_update(*rq, token == _pick(rejected, lanes, k), _pick(r_totals, lanes, k),
-                                _pick(q_totals, lanes, k))
+        return rejection_update(
+            *rq, token == _pick(rejected, lanes, k), _pick(r_totals, lanes, k), _pick(q_totals, lanes, k)
+        )
 
     return lax.fori_loop(0, count, reject, (jnp.exp(scaled - lse), q / q_total))
 
 
-def _stochastic_kernel(logits_ref, q_ref, lse_ref, q_total_ref, parents_ref, tokens_ref, num_nodes_ref, uniforms_ref,
-                       seeds_ref, path_ref, accepted_ref, next_ref, logprobs_ref,
-                       *, temperature: float, nodes: int, vocab: int, padded: int, tile: int):
+def _stochastic_kernel(
+    logits_ref,
+    q_ref,
+    lse_ref,
+    q_total_ref,
+    parents_ref,
+    tokens_ref,
+    num_nodes_ref,
+    uniforms_ref,
+    seeds_ref,
+    path_ref,
+    accepted_ref,
+    next_ref,
+    logprobs_ref,
+    *,
+    temperature: float,
+    nodes: int,
+    vocab: int,
+    padded: int,
+    tile: int,
+):
     lanes = jnp.arange(padded, dtype=jnp.int32)
     inv_t = inverse_temperature(temperature)
     num_tiles = pl.cdiv(vocab, tile)
@@ -80,6 +99,7 @@ def _stochastic_kernel(logits_ref, q_ref, lse_ref, q_total_ref, parents_ref, tok
 
     def rejection_pass(node, x, lse, q_total, state, tiles):
         """(R, Q) of rejecting token x at node: sums of (r_j - q_j)+ and of q_j with x zeroed."""
+
         def body(t, carry):
             v, scaled, q = tile_at(node, t)
             r, q = _residual(scaled, q, v, lse, q_total, *state, lanes)
@@ -105,20 +125,40 @@ def _stochastic_kernel(logits_ref, q_ref, lse_ref, q_total_ref, parents_ref, tok
         at_count = reject & (lanes == count)
         logprobs = jnp.where(accept & (lanes == depth), scaled_x - lse, logprobs)
         path = jnp.where(accept & (lanes == depth + 1), m, path)
-        return (jnp.where(accept, m, cur), jnp.where(test, m, last), depth + accept.astype(jnp.int32),
-                done | ~test, jnp.where(accept, _pick(node_lse, lanes, m), lse),
-                jnp.where(accept, _pick(node_q_total, lanes, m), q_total),
-                jnp.where(at_count, x, rejected), jnp.where(at_count, r_total, r_totals),
-                jnp.where(at_count, q_total_x, q_totals), jnp.where(accept, 0, count + reject.astype(jnp.int32)),
-                path, logprobs)
+        return (
+            jnp.where(accept, m, cur),
+            jnp.where(test, m, last),
+            depth + accept.astype(jnp.int32),
+            done | ~test,
+            jnp.where(accept, _pick(node_lse, lanes, m), lse),
+            jnp.where(accept, _pick(node_q_total, lanes, m), q_total),
+            jnp.where(at_count, x, rejected),
+            jnp.where(at_count, r_total, r_totals),
+            jnp.where(at_count, q_total_x, q_totals),
+            jnp.where(accept, 0, count + reject.astype(jnp.int32)),
+            path,
+            logprobs,
+        )
 
     zeros = jnp.zeros((padded,), jnp.float32)
     zero_i = jnp.int32(0)
-    carry = (zero_i, zero_i, zero_i, jnp.bool_(False), _pick(node_lse, lanes, 0),
-             _pick(node_q_total, lanes, 0), jnp.zeros((padded,), jnp.int32),
-             zeros, zeros, zero_i, jnp.where(lanes == 0, 0, -1), zeros)
+    carry = (
+        zero_i,
+        zero_i,
+        zero_i,
+        jnp.bool_(False),
+        _pick(node_lse, lanes, 0),
+        _pick(node_q_total, lanes, 0),
+        jnp.zeros((padded,), jnp.int32),
+        zeros,
+        zeros,
+        zero_i,
+        jnp.where(lanes == 0, 0, -1),
+        zeros,
+    )
     cur, _, depth, _, lse, q_total, rejected, r_totals, q_totals, count, path, logprobs = lax.fori_loop(
-        0, nodes - 1, step, carry)
+        0, nodes - 1, step, carry
+    )
 
     # The emitted token: a flat Gumbel race over r_j at the last node (the first best on ties).
     seed = _pick(seeds, lanes, cur)
@@ -143,9 +183,20 @@ def _stochastic_kernel(logits_ref, q_ref, lse_ref, q_total_ref, parents_ref, tok
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "interpret", "tile", "num_warps", "num_stages"))
-def verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nodes, key, *, temperature: float,
-                             interpret: bool = False, tile: int = STOCHASTIC_TILE, num_warps: int = 4,
-                             num_stages: int = 2) -> VerifyResult:
+def verify_stochastic_pallas(
+    logits,
+    draft_probs,
+    parents,
+    draft_tokens,
+    num_nodes,
+    key,
+    *,
+    temperature: float,
+    interpret: bool = False,
+    tile: int = STOCHASTIC_TILE,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> VerifyResult:
     """Stochastic-draft verification (temperature > 0): every node's normalisers in XLA
     (`stochastic_normalisers`), then the walk in one Pallas program per row; arguments as
     `kernels.tree_verify` (already validated), draft_probs float [B, N, V] (any float dtype, each
@@ -160,12 +211,28 @@ def verify_stochastic_pallas(logits, draft_probs, parents, draft_tokens, num_nod
     padded = max(pl.next_power_of_2(n), MIN_LANES)
     noise = verification_noise(key, batch, n)
     lse, q_total = stochastic_normalisers(logits, draft_probs, temperature)
-    kernel = functools.partial(_stochastic_kernel, temperature=temperature, nodes=n, vocab=vocab, padded=padded,
-                               tile=tile)
+    kernel = functools.partial(
+        _stochastic_kernel, temperature=temperature, nodes=n, vocab=vocab, padded=padded, tile=tile
+    )
     row = row_spec
     return per_row_verify_call(
-        kernel, n, padded,
+        kernel,
+        n,
+        padded,
         [row(n * vocab), row(n * vocab), row(n), row(n), row(n), row(n), SCALAR_SPEC, row(n), row(n)],
-        (logits.reshape(batch, n * vocab), draft_probs.reshape(batch, n * vocab), lse, q_total, parents, draft_tokens,
-         num_nodes, noise.uniforms, noise.token_seeds),
-        name="tree_verify_stochastic", interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+        (
+            logits.reshape(batch, n * vocab),
+            draft_probs.reshape(batch, n * vocab),
+            lse,
+            q_total,
+            parents,
+            draft_tokens,
+            num_nodes,
+            noise.uniforms,
+            noise.token_seeds,
+        ),
+        name="tree_verify_stochastic",
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -85,8 +85,9 @@ class NodeStats(NamedTuple):
     sample: jax.Array
 
 
-def combine_blocks(block_max, block_total, block_candidates, block_score, sample_block,
-                   temperature: float) -> NodeStats:
+def combine_blocks(
+    block_max, block_total, block_candidates, block_score, sample_block, temperature: float
+) -> NodeStats:
     """`NodeStats` from per-block reductions [B, N, K] (vocabulary tiles, or a kernel's splits).
 
     block_max: max of x = logits * inv_t in the block; block_total / block_candidates: sum of
@@ -104,8 +105,9 @@ def combine_blocks(block_max, block_total, block_candidates, block_score, sample
     return NodeStats(lse, jnp.sum(block_candidates * scale, axis=-1) / total, sample)
 
 
-def node_stats_reference(logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float,
-                         tile: int = RACE_TILE) -> NodeStats:
+def node_stats_reference(
+    logits, parents, draft_tokens, num_nodes, noise: VerifyNoise, temperature: float, tile: int = RACE_TILE
+) -> NodeStats:
     """`NodeStats` from jnp reductions over the whole [B, N, V] logits, viewed as tiles of `tile`
     tokens (padded with -inf), in the kernel's arithmetic (exp2 of log2-scaled differences)."""
     batch, n, vocab = logits.shape
@@ -124,8 +126,19 @@ def node_stats_reference(logits, parents, draft_tokens, num_nodes, noise: Verify
         child = jnp.pad(child_token_mask(parents, draft_tokens, num_nodes, vocab), pad).reshape(x.shape)
         tile_candidates = jnp.sum(jnp.where(child, 0.0, weights), axis=-1)
     score = tile_scores(tile_max, tile_candidates, tile_id, noise.tile_seeds[..., None], temperature)
-    sample_tile = lambda winner: sample_in_tile(logits, winner, parents, draft_tokens, num_nodes,  # noqa: E731
-                                                noise.token_seeds, temperature, tile)
+
+    def sample_tile(winner):
+        return sample_in_tile(
+            logits,
+            winner,
+            parents,
+            draft_tokens,
+            num_nodes,  # noqa: E731
+            noise.token_seeds,
+            temperature,
+            tile,
+        )
+
     return combine_blocks(tile_max, tile_total, tile_candidates, score, sample_tile, temperature)
 
 
@@ -198,8 +211,9 @@ def assemble(logits, lse, child_logp, path, num_accepted, next_token, inv_t) -> 
     return VerifyResult(path, num_accepted, next_token.astype(jnp.int32), logprobs)
 
 
-def verify_from_stats(stats: NodeStats, logits, parents, draft_tokens, num_nodes, uniforms,
-                      temperature) -> VerifyResult:
+def verify_from_stats(
+    stats: NodeStats, logits, parents, draft_tokens, num_nodes, uniforms, temperature
+) -> VerifyResult:
     """Deterministic-draft or greedy verification given the per-node reductions."""
     inv_t = inverse_temperature(temperature)
     is_child, parent, _ = tree_structure(parents, num_nodes)
@@ -228,8 +242,9 @@ def stochastic_normalisers(logits, draft_probs, temperature: float) -> tuple[jax
     return jax.nn.logsumexp(scaled, axis=-1), jnp.sum(draft_probs.astype(jnp.float32), axis=-1)
 
 
-def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uniforms, seeds,
-                      temperature) -> VerifyResult:
+def verify_stochastic(
+    logits, draft_probs, parents, draft_tokens, num_nodes, uniforms, seeds, temperature
+) -> VerifyResult:
     """Verification of children drawn from q = draft_probs without replacement (temperature > 0)."""
     batch, n, vocab = logits.shape
     inv_t = inverse_temperature(temperature)
@@ -261,8 +276,12 @@ def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uni
         race = jnp.where(s["r"] > 0, jnp.log2(s["r"]) + race_noise(seeds[rows, cur][:, None], tokens), -jnp.inf)
         rejected = tokens[None, :] == x[:, None]
         r_rejected, q_rejected = rejection_update(
-            s["r"], s["q"], rejected, jnp.sum(jnp.maximum(s["r"] - s["q"], 0.0), axis=-1, keepdims=True),
-            jnp.sum(jnp.where(rejected, 0.0, s["q"]), axis=-1, keepdims=True))
+            s["r"],
+            s["q"],
+            rejected,
+            jnp.sum(jnp.maximum(s["r"] - s["q"], 0.0), axis=-1, keepdims=True),
+            jnp.sum(jnp.where(rejected, 0.0, s["q"]), axis=-1, keepdims=True),
+        )
         a, j = accept[:, None], reject[:, None]
         return {
             "cur": jnp.where(accept, m, cur),
@@ -276,16 +295,24 @@ def verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, uni
         }
 
     root = jnp.zeros((batch,), jnp.int32)
-    state = {"cur": root, "last": root, "r": p_at(root), "q": q_at(root),
-             "path": jnp.full((batch, n), -1, jnp.int32).at[:, 0].set(0), "depth": root,
-             "next": root, "done": jnp.zeros((batch,), bool)}
+    state = {
+        "cur": root,
+        "last": root,
+        "r": p_at(root),
+        "q": q_at(root),
+        "path": jnp.full((batch, n), -1, jnp.int32).at[:, 0].set(0),
+        "depth": root,
+        "next": root,
+        "done": jnp.zeros((batch,), bool),
+    }
     state = lax.while_loop(unfinished, step, state)
     return assemble(logits, lse, child_logp, state["path"], state["depth"], state["next"], inv_t)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "tile"))
-def verify_reference(logits, parents, draft_tokens, num_nodes, key, *, temperature: float, draft_probs=None,
-                     tile: int = RACE_TILE) -> VerifyResult:
+def verify_reference(
+    logits, parents, draft_tokens, num_nodes, key, *, temperature: float, draft_probs=None, tile: int = RACE_TILE
+) -> VerifyResult:
     """Reference tree verification (arguments as `kernels.tree_verify`, already validated).
 
     tile: vocabulary tile of the two-level residual race (a power of 2): it selects which sample a
@@ -294,7 +321,8 @@ def verify_reference(logits, parents, draft_tokens, num_nodes, key, *, temperatu
     batch, n, _ = logits.shape
     noise = verification_noise(key, batch, n)
     if draft_probs is not None and temperature > 0:
-        return verify_stochastic(logits, draft_probs, parents, draft_tokens, num_nodes, noise.uniforms,
-                                 noise.token_seeds, temperature)
+        return verify_stochastic(
+            logits, draft_probs, parents, draft_tokens, num_nodes, noise.uniforms, noise.token_seeds, temperature
+        )
     stats = node_stats_reference(logits, parents, draft_tokens, num_nodes, noise, temperature, tile)
     return verify_from_stats(stats, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature)

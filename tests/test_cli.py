@@ -13,14 +13,24 @@ from jaxspec.exits import EXIT_INPUT
 from jaxspec.models import ModelConfig
 
 TINY_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
-    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 8, "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
 # Greedy, so a speculative run must print exactly the same responses.
 GENERATE = ["generate", "--num-problems", "3", "--max-new-tokens", "24", "--temperature", "0", "--show", "3"]
-SUMMARY = re.compile(r"^3 responses, mean reward (\d\.\d{3}), (\d+) tokens in [\d.]+ s \(incl\. compilation\), "
-                     r"acceptance length (\d+\.\d\d)$")
+SUMMARY = re.compile(
+    r"^3 responses, mean reward (\d\.\d{3}), (\d+) tokens in [\d.]+ s \(incl\. compilation\), "
+    r"acceptance length (\d+\.\d\d)$"
+)
 
 
 def test_help_lists_every_command(capsys):
@@ -48,8 +58,22 @@ def test_bench_forward_writes_json(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_CONFIG))
     out = tmp_path / "results" / "forward.json"
-    argv = ["bench", "forward", "--model", str(config), "--batch", "1", "--seq", "16", "--iters", "1",
-            "--matmul-size", "64", "--out", str(out)]
+    argv = [
+        "bench",
+        "forward",
+        "--model",
+        str(config),
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--iters",
+        "1",
+        "--matmul-size",
+        "64",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert "measured bf16 matmul rate" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -106,11 +130,14 @@ def test_generate_with_ngram_speculation_prints_the_same_responses(autoregressiv
     assert float(summary.group(3)) >= 1.0
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--policy", "{tmp}/missing"], r"checkpoint folder not found: .*missing"),
-    (["--spec-method", "eagle3"], r"--draft is required with --spec-method eagle3"),
-    (["--num-problems", "0"], r"--num-problems must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policy", "{tmp}/missing"], r"checkpoint folder not found: .*missing"),
+        (["--spec-method", "eagle3"], r"--draft is required with --spec-method eagle3"),
+        (["--num-problems", "0"], r"--num-problems must be >= 1, got 0"),
+    ],
+)
 def test_generate_bad_argument_is_a_one_line_error(tmp_path, extra, message):
     code, out, err = _run(["generate"] + [a.format(tmp=tmp_path) for a in extra])
     assert code == EXIT_INPUT and out == ""  # as every command's bad input

@@ -12,13 +12,28 @@ SHORT = ["data.tally.steps.median=8", "data.tally.steps.sigma=0.4", "data.tally.
 
 def test_stats_prints_lengths_entropy_and_acceptance(tmp_path, capsys):
     out = tmp_path / "report.json"
-    argv = ["data", "stats", "--config", "configs/long.yaml", "--num", "40", "--max-draft", "4", "--sweep", "0", "1",
-            "--json", str(out), *SHORT]
+    argv = [
+        "data",
+        "stats",
+        "--config",
+        "configs/long.yaml",
+        "--num",
+        "40",
+        "--max-draft",
+        "4",
+        "--sweep",
+        "0",
+        "1",
+        "--json",
+        str(out),
+        *SHORT,
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert re.search(r"^40 problems \(seed 0\) generated in [\d.]+ s; tokenizer: a byte-level BPE", text, re.M)
-    assert re.search(r"^response tokens \(solution \+ eos\): p10 \d+  p50 \d+  p90 \d+  p99 \d+  max \d+  mean \d+$",
-                     text, re.M)
+    assert re.search(
+        r"^response tokens \(solution \+ eos\): p10 \d+  p50 \d+  p90 \d+  p99 \d+  max \d+  mean \d+$", text, re.M
+    )
     assert re.search(r"^entropy: \d\.\d{3} nats per response token", text, re.M)
     assert re.search(r"^ideal greedy drafter, acceptance length: k=1 [\d.]+±[\d.]+ .* k=4 [\d.]+±[\d.]+$", text, re.M)
     report = json.loads(out.read_text())
@@ -35,20 +50,37 @@ def test_stats_prints_lengths_entropy_and_acceptance(tmp_path, capsys):
 def test_stats_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "figures" / "workload.png"
-    argv = ["data", "stats", "--config", "configs/long.yaml", "--num", "20", "--sweep", "0.5", "--plot", str(plot),
-            *SHORT]
+    argv = [
+        "data",
+        "stats",
+        "--config",
+        "configs/long.yaml",
+        "--num",
+        "20",
+        "--sweep",
+        "0.5",
+        "--plot",
+        str(plot),
+        *SHORT,
+    ]
     assert main(argv) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"figures: {plot}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sweep", "1.5"], "--sweep: variation values must be in [0, 1], got [1.5]"),
-    (["--num", "0"], "--num must be >= 1, got 0"),
-    (["data.tally.variation=2"], "command-line override 'data.tally.variation=2': data.tally.variation: must be in"),
-    (["data.tally.stepz.median=3"], "unknown key 'data.tally.stepz'"),
-    (["--tokenizer", "absent/tokenizer.json"], "--tokenizer: file not found: absent/tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sweep", "1.5"], "--sweep: variation values must be in [0, 1], got [1.5]"),
+        (["--num", "0"], "--num must be >= 1, got 0"),
+        (
+            ["data.tally.variation=2"],
+            "command-line override 'data.tally.variation=2': data.tally.variation: must be in",
+        ),
+        (["data.tally.stepz.median=3"], "unknown key 'data.tally.stepz'"),
+        (["--tokenizer", "absent/tokenizer.json"], "--tokenizer: file not found: absent/tokenizer.json"),
+    ],
+)
 def test_bad_input_is_refused_naming_it(args, message, capsys):
     assert main(["data", "stats", "--config", "configs/long.yaml", *args]) == 1
     err = capsys.readouterr().err

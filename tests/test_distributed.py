@@ -25,18 +25,39 @@ def _free_port() -> int:
 
 def test_a_process_whose_peer_never_starts_exits_with_a_clear_error(tmp_path):
     address = f"localhost:{_free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2",
-           "JAX_PROCESS_ID": "0", "JAXSPEC_PEER_TIMEOUT_S": "3"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COORDINATOR_ADDRESS": address,
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": "0",
+        "JAXSPEC_PEER_TIMEOUT_S": "3",
+    }
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "train", "--config", "configs/grpo_tiny.yaml",
-                           "--run-dir", str(tmp_path / "run")], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxspec.cli",
+            "train",
+            "--config",
+            "configs/grpo_tiny.yaml",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == EXIT_PEER, proc.stderr
     assert time.perf_counter() - start < 60
     assert proc.stderr.strip().splitlines()[-1] == (
         f"jaxspec: error: process 0 of 2 waited 3 s for the job at the coordinator {address}: process 1 did not "
         f"arrive; start every process with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, or wait "
-        f"longer with JAXSPEC_PEER_TIMEOUT_S")
+        f"longer with JAXSPEC_PEER_TIMEOUT_S"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -87,10 +108,25 @@ def test_a_peer_that_dies_mid_run_ends_the_others_with_one_line(tmp_path, surviv
     address = f"localhost:{_free_port()}"
     procs = []
     for index in range(3):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "3",
-               "JAX_PROCESS_ID": str(index), "JAXSPEC_PEER_TIMEOUT_S": "3", "PYTHONPATH": REPO}
-        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "peer_probe.py"), "2", survivors_wait],
-                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COORDINATOR_ADDRESS": address,
+            "JAX_NUM_PROCESSES": "3",
+            "JAX_PROCESS_ID": str(index),
+            "JAXSPEC_PEER_TIMEOUT_S": "3",
+            "PYTHONPATH": REPO,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(tmp_path / "peer_probe.py"), "2", survivors_wait],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     start = time.perf_counter()
     outputs = [p.communicate(timeout=120) for p in procs]
     assert time.perf_counter() - start < 60
@@ -100,20 +136,32 @@ def test_a_peer_that_dies_mid_run_ends_the_others_with_one_line(tmp_path, surviv
         assert procs[survivor].returncode == EXIT_PEER, stderr
         assert stderr.strip().splitlines()[-1] == (
             f"jaxspec: error: process 2 of 3 stopped answering for 3 s (it died or hangs: its own log says why); "
-            f"process {survivor} stops too (JAXSPEC_PEER_TIMEOUT_S sets the wait)")
+            f"process {survivor} stops too (JAXSPEC_PEER_TIMEOUT_S sets the wait)"
+        )
         assert "Traceback" not in stderr and "@ 0x" not in stderr  # no Python or C++ stack
 
 
-@pytest.mark.parametrize("env, ids", [
-    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}, list(range(8))),
-    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, [0, 1, 2, 3]),
-    ({"SLURM_NTASKS": "16", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}, None),  # one task per GPU
-    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"}, None),  # no GPUs
-    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8", "JAX_LOCAL_DEVICE_IDS": "0"}, None),
-])
+@pytest.mark.parametrize(
+    "env, ids",
+    [
+        ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}, list(range(8))),
+        ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, [0, 1, 2, 3]),
+        ({"SLURM_NTASKS": "16", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}, None),  # one task per GPU
+        ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"}, None),  # no GPUs
+        (
+            {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8", "JAX_LOCAL_DEVICE_IDS": "0"},
+            None,
+        ),
+    ],
+)
 def test_a_task_per_node_takes_every_gpu_of_its_node(monkeypatch, env, ids):
-    for key in ("SLURM_GPUS_ON_NODE", "CUDA_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS", "SLURM_NNODES",
-                "SLURM_JOB_NUM_NODES"):
+    for key in (
+        "SLURM_GPUS_ON_NODE",
+        "CUDA_VISIBLE_DEVICES",
+        "JAX_LOCAL_DEVICE_IDS",
+        "SLURM_NNODES",
+        "SLURM_JOB_NUM_NODES",
+    ):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

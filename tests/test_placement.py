@@ -16,10 +16,16 @@ def test_expert_axis_builds_a_mesh_that_splits_experts_not_rows():
     assert placement.row_sharding((4, 3)).spec[0] == "data"
 
 
-@pytest.mark.parametrize("mesh, match", [
-    (MeshConfig(expert=0), "mesh.expert: must be > 0, got 0"),
-    (MeshConfig(data=2, expert=8), "mesh: data=2 x fsdp=1 x tensor=1 x expert=8 needs 16 devices, this process sees 8"),
-])
+@pytest.mark.parametrize(
+    "mesh, match",
+    [
+        (MeshConfig(expert=0), "mesh.expert: must be > 0, got 0"),
+        (
+            MeshConfig(data=2, expert=8),
+            "mesh: data=2 x fsdp=1 x tensor=1 x expert=8 needs 16 devices, this process sees 8",
+        ),
+    ],
+)
 def test_check_devices_rejects_bad_expert_axis(mesh, match):
     assert jax.device_count() == 8
     with pytest.raises(ValueError, match=match):
@@ -53,10 +59,14 @@ def test_pin_relabels_an_equivalent_layout_over_its_buffers_and_moves_the_rest()
 
     placement = Placement(MeshConfig(data=2, fsdp=4))
     mesh = placement.sharding.mesh
-    like = {"w": jax.device_put(np.zeros((8, 3), np.float32), NamedSharding(mesh, PartitionSpec("fsdp", None))),
-            "norm": jax.device_put(np.zeros(4, np.float32), NamedSharding(mesh, PartitionSpec()))}
-    out = {"w": jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), NamedSharding(mesh, PartitionSpec("fsdp"))),
-           "norm": jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh, PartitionSpec("fsdp")))}
+    like = {
+        "w": jax.device_put(np.zeros((8, 3), np.float32), NamedSharding(mesh, PartitionSpec("fsdp", None))),
+        "norm": jax.device_put(np.zeros(4, np.float32), NamedSharding(mesh, PartitionSpec())),
+    }
+    out = {
+        "w": jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), NamedSharding(mesh, PartitionSpec("fsdp"))),
+        "norm": jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh, PartitionSpec("fsdp"))),
+    }
     assert out["w"].sharding != like["w"].sharding  # spelled otherwise, the same layout
     buffers = {s.device: s.data.unsafe_buffer_pointer() for s in out["w"].addressable_shards}
     pinned = placement.pin(out, like)

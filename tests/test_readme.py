@@ -13,7 +13,7 @@ def python_blocks(section: str) -> list[str]:
     text = README.read_text(encoding="utf-8")
     start = text.index(f"## {section}\n")
     end = text.find("\n## ", start + 1)
-    return re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], flags=re.S)
+    return re.findall(r"```python\n(.*?)```", text[start : end if end > 0 else None], flags=re.S)
 
 
 def test_use_from_python_snippet_runs(capsys):

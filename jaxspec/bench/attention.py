@@ -18,15 +18,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import (add_fraction, in_loop_seconds, median_seconds, print_table, read_bytes_per_second,
-                                  write_results)
+from jaxspec.bench.timing import (
+    add_fraction,
+    in_loop_seconds,
+    median_seconds,
+    print_table,
+    read_bytes_per_second,
+    write_results,
+)
 from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
 from kernels.ragged_attention import cache_attention_pallas, merge, new_token_bits, split_plan
 
 
-def attention_inputs(batch: int, t: int, heads: int, kv_heads: int, head_dim: int, max_len: int, fill: float,
-                     seed: int = 0):
+def attention_inputs(
+    batch: int, t: int, heads: int, kv_heads: int, head_dim: int, max_len: int, fill: float, seed: int = 0
+):
     """(q [B, T, Nq, D], k and v caches [B, S, Nk, D] in bf16, cache_len int32 [B])."""
     ks = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(ks[0], (batch, t, heads, head_dim), jnp.bfloat16)
@@ -39,18 +46,29 @@ def attention_inputs(batch: int, t: int, heads: int, kv_heads: int, head_dim: in
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="jaxspec bench attention", description=__doc__)
-    p.add_argument("--model", nargs="+", default=["configs/models/qwen3-8b.json"],
-                   help="model config JSON(s) (HF config.json layout) giving the head shapes")
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=["configs/models/qwen3-8b.json"],
+        help="model config JSON(s) (HF config.json layout) giving the head shapes",
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4], help="new tokens per row (T)")
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--fill", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--kernel-impl", choices=["pallas", "interpret"], default="pallas",
-                   help="interpret runs the kernel in Pallas interpret mode (any backend, slow)")
-    p.add_argument("--tune", action="store_true",
-                   help="also time the kernel and its merge over block sizes, warps, stages and splits at the last "
-                        "shape, inside one compiled loop")
+    p.add_argument(
+        "--kernel-impl",
+        choices=["pallas", "interpret"],
+        default="pallas",
+        help="interpret runs the kernel in Pallas interpret mode (any backend, slow)",
+    )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="also time the kernel and its merge over block sizes, warps, stages and splits at the last "
+        "shape, inside one compiled loop",
+    )
     p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -62,8 +80,9 @@ def main(argv: list[str]) -> int:
         for batch in args.batch:
             for t in args.tokens:
                 for fill in args.fill:
-                    q, k, v, cache_len = attention_inputs(batch, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                          args.max_len, fill)
+                    q, k, v, cache_len = attention_inputs(
+                        batch, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.max_len, fill
+                    )
                     times, outs = {}, {}
                     for impl in ("xla", args.kernel_impl):
                         fn = jax.jit(functools.partial(cache_attention, impl=impl))
@@ -71,22 +90,32 @@ def main(argv: list[str]) -> int:
                         times[impl] = median_seconds(lambda: fn(q, k, v, cache_len), iters=args.iters)
                     err = float(jnp.max(jnp.abs(outs["xla"] - outs[args.kernel_impl])))
                     filled = int(jnp.sum(cache_len + t)) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-                    rows.append({
-                        "model": Path(model).stem, "batch": batch, "tokens": t, "fill": fill,
-                        "xla_ms": times["xla"] * 1e3, "kernel_ms": times[args.kernel_impl] * 1e3,
-                        "speedup": times["xla"] / times[args.kernel_impl],
-                        "max_abs_diff": err,
-                    })
-                    add_fraction(rows[-1], "roofline", filled / times[args.kernel_impl], read_rate,
-                                 f"attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate")
+                    rows.append(
+                        {
+                            "model": Path(model).stem,
+                            "batch": batch,
+                            "tokens": t,
+                            "fill": fill,
+                            "xla_ms": times["xla"] * 1e3,
+                            "kernel_ms": times[args.kernel_impl] * 1e3,
+                            "speedup": times["xla"] / times[args.kernel_impl],
+                            "max_abs_diff": err,
+                        }
+                    )
+                    add_fraction(
+                        rows[-1],
+                        "roofline",
+                        filled / times[args.kernel_impl],
+                        read_rate,
+                        f"attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate",
+                    )
                     print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))
     tuning = []
     if args.tune:
         tuning = tune_kernel(q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.kernel_impl == "interpret")
-    write_results(args.out, "attention", rows + tuning,
-                  {"read_bytes_per_second": read_rate, "max_len": args.max_len})
+    write_results(args.out, "attention", rows + tuning, {"read_bytes_per_second": read_rate, "max_len": args.max_len})
     return 0
 
 
@@ -109,13 +138,35 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
         splits = max(1, round(default_splits * relative))
 
         def call(q_rows, k, v, cache_len, bits, i):
-            return merge(cache_attention_pallas(q_rows, k, v, cache_len, cache_len, bits, num_new=t, block_k=block_k,
-                                                splits=splits, num_warps=num_warps, num_stages=num_stages,
-                                                interpret=interpret))
+            return merge(
+                cache_attention_pallas(
+                    q_rows,
+                    k,
+                    v,
+                    cache_len,
+                    cache_len,
+                    bits,
+                    num_new=t,
+                    block_k=block_k,
+                    splits=splits,
+                    num_warps=num_warps,
+                    num_stages=num_stages,
+                    interpret=interpret,
+                )
+            )
 
         seconds, args = in_loop_seconds(call, args, calls=20, repeats=3)
-        results.append({"kernel": "cache+merge", "batch": b, "tokens": t, "block_k": block_k, "num_warps": num_warps,
-                        "num_stages": num_stages, "splits": split_plan(b, nq // group, k.shape[1], block_k, splits)[0],
-                        "ms": seconds * 1e3})
+        results.append(
+            {
+                "kernel": "cache+merge",
+                "batch": b,
+                "tokens": t,
+                "block_k": block_k,
+                "num_warps": num_warps,
+                "num_stages": num_stages,
+                "splits": split_plan(b, nq // group, k.shape[1], block_k, splits)[0],
+                "ms": seconds * 1e3,
+            }
+        )
     print_table(results, list(results[0]))
     return results

@@ -30,8 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, median_seconds, out_of_memory,
-                                  print_table, write_results)
+from jaxspec.bench.timing import (
+    add_fraction,
+    ceilings,
+    copy_bytes_per_second,
+    median_seconds,
+    out_of_memory,
+    print_table,
+    write_results,
+)
 from jaxspec.models import ModelConfig, init_params, load_hf
 from jaxspec.models.moe import distinct_experts, expected_distinct_experts
 from jaxspec.models.transformer import forward_router
@@ -81,9 +88,23 @@ def run_jaxspec(cfg: ModelConfig, params, batch: int, prompt: int, new: int, ite
 
 
 def run_peer(args, out_json: Path, weights_dir: str | None) -> dict:
-    cmd = [sys.executable, "-m", "jaxspec.bench.decode_transformers", "--model", args.model,
-           "--batch", *map(str, args.batch), "--prompt", str(args.prompt), "--new", str(args.peer_new),
-           "--device", args.peer_device, "--out", str(out_json)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxspec.bench.decode_transformers",
+        "--model",
+        args.model,
+        "--batch",
+        *map(str, args.batch),
+        "--prompt",
+        str(args.prompt),
+        "--new",
+        str(args.peer_new),
+        "--device",
+        args.peer_device,
+        "--out",
+        str(out_json),
+    ]
     if weights_dir:
         cmd += ["--save-weights", weights_dir]
     env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
@@ -130,33 +151,65 @@ def main(argv: list[str]) -> int:
                 print(f"batch {batch}: {rows[-1]['error']}")
                 continue
             if r["step_ms"] <= 0:  # the difference of two wall times drowned in their noise
-                rows.append({"batch": batch, "error": f"decode step not resolved: {args.new} new tokens took "
-                                                      f"{r['total_s']:.4f} s, 1 token {r['prefill_ms'] / 1e3:.4f} s; "
-                                                      f"raise --new or --iters"})
+                rows.append(
+                    {
+                        "batch": batch,
+                        "error": f"decode step not resolved: {args.new} new tokens took "
+                        f"{r['total_s']:.4f} s, 1 token {r['prefill_ms'] / 1e3:.4f} s; "
+                        f"raise --new or --iters",
+                    }
+                )
                 print(f"batch {batch}: {rows[-1]['error']}")
                 continue
             step_bytes = weight_read_bytes(cfg, 2, batch) + kv_read_bytes(cfg, batch, args.prompt, args.new, 2)
-            row = {"batch": batch, "prompt": args.prompt, "new": args.new, **r,
-                   "tokens_per_s": batch / (r["step_ms"] / 1e3),
-                   "bytes_per_step_gb": step_bytes / 1e9,
-                   "achieved_tb_s": step_bytes / (r["step_ms"] / 1e3) / 1e12}
+            row = {
+                "batch": batch,
+                "prompt": args.prompt,
+                "new": args.new,
+                **r,
+                "tokens_per_s": batch / (r["step_ms"] / 1e3),
+                "bytes_per_step_gb": step_bytes / 1e9,
+                "achieved_tb_s": step_bytes / (r["step_ms"] / 1e3) / 1e12,
+            }
             if cfg.num_experts:
                 row["experts_expected"] = expected_experts(cfg, batch)
                 row["experts_measured"] = measured_experts(cfg, params, random_prompts(cfg, batch, args.prompt))
-            add_fraction(row, "roofline_frac", step_bytes / (r["step_ms"] / 1e3), copy_bw,
-                         f"decode batch {batch}: bytes per step / step time vs the in-loop copy bandwidth")
+            add_fraction(
+                row,
+                "roofline_frac",
+                step_bytes / (r["step_ms"] / 1e3),
+                copy_bw,
+                f"decode batch {batch}: bytes per step / step time vs the in-loop copy bandwidth",
+            )
             if batch in peer:
                 row["hf_step_ms"] = peer[batch].get("step_ms")
                 row["speedup_vs_hf"] = (row["hf_step_ms"] / row["step_ms"]) if row["hf_step_ms"] else None
             rows.append(row)
             print_table([row], list(row))
-    baseline = {**ceilings(copy_rate=copy_bw), "copy_tb_s": copy_bw / 1e12, "model": args.model,
-                "params": cfg.num_params(), "active_params": cfg.num_params(active=True),
-                "peer": args.peer, "peer_new_tokens": args.peer_new,
-                "roofline": "bytes per step / (copy bandwidth: bytes read + written per second)"}
+    baseline = {
+        **ceilings(copy_rate=copy_bw),
+        "copy_tb_s": copy_bw / 1e12,
+        "model": args.model,
+        "params": cfg.num_params(),
+        "active_params": cfg.num_params(active=True),
+        "peer": args.peer,
+        "peer_new_tokens": args.peer_new,
+        "roofline": "bytes per step / (copy bandwidth: bytes read + written per second)",
+    }
     print(f"\n{args.model}: copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)")
-    print_table(rows, ["batch", "step_ms", "tokens_per_s", "bytes_per_step_gb", "achieved_tb_s", "roofline_frac",
-                       "hf_step_ms", "speedup_vs_hf"] + (["experts_expected", "experts_measured"] if cfg.num_experts
-                                                         else []))
+    print_table(
+        rows,
+        [
+            "batch",
+            "step_ms",
+            "tokens_per_s",
+            "bytes_per_step_gb",
+            "achieved_tb_s",
+            "roofline_frac",
+            "hf_step_ms",
+            "speedup_vs_hf",
+        ]
+        + (["experts_expected", "experts_measured"] if cfg.num_experts else []),
+    )
     write_results(args.out, "decode", rows, baseline)
     return 0

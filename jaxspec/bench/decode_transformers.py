@@ -55,9 +55,18 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.iters + 1):
             sync()
             start = time.perf_counter()
-            model.generate(batch_ids, attention_mask=torch.ones_like(batch_ids), max_new_tokens=new,
-                           min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           cache_implementation="static", pad_token_id=0)
+            model.generate(
+                batch_ids,
+                attention_mask=torch.ones_like(batch_ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                cache_implementation="static",
+                pad_token_id=0,
+            )
             sync()
             if i:
                 times.append(time.perf_counter() - start)
@@ -74,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         print(f"transformers {transformers.__version__} batch {batch}: {rows[-1]}", flush=True)
-    Path(args.out).write_text(json.dumps({"peer": "transformers", "version": transformers.__version__,
-                                          "rows": rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"peer": "transformers", "version": transformers.__version__, "rows": rows}, indent=2)
+    )
     return 0
 
 

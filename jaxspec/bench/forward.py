@@ -14,8 +14,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxspec.bench.timing import (add_fraction, ceilings, matmul_flops_per_second, median_seconds, print_table,
-                                  write_results)
+from jaxspec.bench.timing import (
+    add_fraction,
+    ceilings,
+    matmul_flops_per_second,
+    median_seconds,
+    print_table,
+    write_results,
+)
 from jaxspec.models import ModelConfig, forward, init_params
 
 
@@ -47,7 +53,9 @@ def main(argv: list[str]) -> int:
 
     @jax.jit
     def fwd(params, tokens):
-        return forward(cfg, params, tokens, attention_impl=args.attention)[:, -1]  # the full logits stay inside the program
+        return forward(cfg, params, tokens, attention_impl=args.attention)[
+            :, -1
+        ]  # the full logits stay inside the program
 
     def loss(params, tokens):
         logits = forward(cfg, params, tokens[:, :-1], remat=True, attention_impl=args.attention)
@@ -60,15 +68,30 @@ def main(argv: list[str]) -> int:
         tokens = jax.random.randint(jax.random.key(batch), (batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
         flops = forward_flops_per_token(cfg, args.seq) * batch * args.seq
         t = median_seconds(lambda: fwd(params, tokens[:, :-1]), iters=args.iters)
-        rows.append({"pass": "forward", "batch": batch, "seq": args.seq, "ms": 1e3 * t,
-                     "tokens_per_s": batch * args.seq / t})
+        rows.append(
+            {"pass": "forward", "batch": batch, "seq": args.seq, "ms": 1e3 * t, "tokens_per_s": batch * args.seq / t}
+        )
         add_fraction(rows[-1], "mfu", flops / t, peak, f"forward batch {batch}: FLOP/s / matmul rate")
         if not args.no_backward:
             t = median_seconds(lambda: grad_step(params, tokens), iters=args.iters)
-            rows.append({"pass": "fwd+bwd", "batch": batch, "seq": args.seq, "ms": 1e3 * t,
-                         "tokens_per_s": batch * args.seq / t})
+            rows.append(
+                {
+                    "pass": "fwd+bwd",
+                    "batch": batch,
+                    "seq": args.seq,
+                    "ms": 1e3 * t,
+                    "tokens_per_s": batch * args.seq / t,
+                }
+            )
             add_fraction(rows[-1], "mfu", 3 * flops / t, peak, f"fwd+bwd batch {batch}: FLOP/s / matmul rate")
-    baseline = {**ceilings(matmul_rate=peak), "attention": args.attention, "matmul_tflops": peak / 1e12, "params": cfg.num_params(), "model": args.model, "dtype": args.dtype}
+    baseline = {
+        **ceilings(matmul_rate=peak),
+        "attention": args.attention,
+        "matmul_tflops": peak / 1e12,
+        "params": cfg.num_params(),
+        "model": args.model,
+        "dtype": args.dtype,
+    }
     print(f"measured bf16 matmul rate: {peak / 1e12:.1f} TFLOP/s; params {cfg.num_params() / 1e9:.2f} B")
     print_table(rows, ["pass", "batch", "seq", "ms", "tokens_per_s", "mfu"])
     write_results(args.out, "forward", rows, baseline)

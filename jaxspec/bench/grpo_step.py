@@ -53,15 +53,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.timing import (device_description, gigabytes, largest_free_block, memory_stat, out_of_memory,
-                                  print_table, write_results)
+from jaxspec.bench.timing import (
+    device_description,
+    gigabytes,
+    largest_free_block,
+    memory_stat,
+    out_of_memory,
+    print_table,
+    write_results,
+)
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
 from jaxspec.models.sharding import shard_params
 from jaxspec.placement import MeshConfig, Placement, cast_floats, check_devices, rollout_policy
 from jaxspec.rl.batch import pack_rows, training_rows
-from jaxspec.rl.config import OnlineDraftConfig
-from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
+from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
 from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
@@ -71,8 +77,7 @@ from jaxspec.run import Checkpointer
 PROJECTED_ACCEPTANCE = (2.5, 3.0, 3.3)  # measured on `small` (~2.9) and the EAGLE-3 paper's range
 PHASES = ("generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint")
 # the phase whose results a phase reads: their log-probs, an optimizer state
-NEEDS = {"update": ("logprobs",), "update_draft": ("logprobs",),
-         "checkpoint": ("update", "update_draft")}
+NEEDS = {"update": ("logprobs",), "update_draft": ("logprobs",), "checkpoint": ("update", "update_draft")}
 
 
 def check_phases(phases: list[str]) -> None:
@@ -108,8 +113,11 @@ def memory_plan(exe) -> dict | None:
     the part of the outputs that reuses donated arguments, and the temporaries (one allocation)."""
     stats = exe.memory_analysis()
     fields = (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"), ("temporaries", "temp"))
-    return None if stats is None else {name: round(getattr(stats, f"{field}_size_in_bytes") / 1e9, 6)
-                                       for name, field in fields}
+    return (
+        None
+        if stats is None
+        else {name: round(getattr(stats, f"{field}_size_in_bytes") / 1e9, 6) for name, field in fields}
+    )
 
 
 def _timed(fn, *args):
@@ -162,8 +170,10 @@ class Bench:
         """(policy, head params) as the rollout reads them: cast to --rollout-dtype; the policy
         gathered over the batch axes with --gather-weights (as `GRPORun.rollout_weights`)."""
         dtype = jnp.dtype(self.args.rollout_dtype)
-        return (rollout_policy(self.params, dtype, self.sharding, self.args.gather_weights),
-                cast_floats(self.dparams, dtype))
+        return (
+            rollout_policy(self.params, dtype, self.sharding, self.args.gather_weights),
+            cast_floats(self.dparams, dtype),
+        )
 
     def generation(self, spec: bool) -> dict:
         """Every sub-batch once; the first also once before (compilation)."""
@@ -172,9 +182,17 @@ class Bench:
         spec_cfg = Spec(method="eagle3", draft=(self.dcfg, dparams), num_draft_tokens=a.k) if spec else None
 
         def run(i):
-            rows = self.prompts[i * a.sub_batch:(i + 1) * a.sub_batch]
-            return generate(self.cfg, params, rows, jax.random.key(i), self.sampling, spec_cfg,
-                            sharding=self.sharding, prompt_width=a.prompt)
+            rows = self.prompts[i * a.sub_batch : (i + 1) * a.sub_batch]
+            return generate(
+                self.cfg,
+                params,
+                rows,
+                jax.random.key(i),
+                self.sampling,
+                spec_cfg,
+                sharding=self.sharding,
+                prompt_width=a.prompt,
+            )
 
         _, compile_s = _timed(lambda: run(0).tokens)
         seconds, steps, accepted, outs = 0.0, 0, [], []
@@ -189,8 +207,13 @@ class Bench:
         if not spec:
             tokens, lengths = (np.concatenate(x) for x in zip(*outs))
             self.rows = training_rows(self.prompts, tokens, lengths, pad_id=0)
-        return {"seconds": seconds, "first_call_s": compile_s, "loop_steps": steps,
-                "ms_per_loop_step": 1e3 * seconds / max(steps, 1), "acceptance_length": float(np.mean(accepted))}
+        return {
+            "seconds": seconds,
+            "first_call_s": compile_s,
+            "loop_steps": steps,
+            "ms_per_loop_step": 1e3 * seconds / max(steps, 1),
+            "acceptance_length": float(np.mean(accepted)),
+        }
 
     def random_rollouts(self) -> None:
         """Rows of random response tokens, each `--new` long: what generate_ar leaves (no eos)."""
@@ -230,9 +253,12 @@ class Bench:
             old.append(np.asarray(out))
         rng = np.random.default_rng(1)
         denominator = loss_denominator(self.rows.resp_mask, self.loss.aggregation, a.minibatches)
-        self.rows = self.rows.replace(prox_logp=np.concatenate(old), loss_mask=self.rows.resp_mask,
-                                      advantages=rng.standard_normal(a.batch).astype(np.float32),
-                                      loss_denominator=np.full(a.batch, denominator, np.float32))
+        self.rows = self.rows.replace(
+            prox_logp=np.concatenate(old),
+            loss_mask=self.rows.resp_mask,
+            advantages=rng.standard_normal(a.batch).astype(np.float32),
+            loss_denominator=np.full(a.batch, denominator, np.float32),
+        )
         return {"seconds": seconds, "first_call_s": compile_s}
 
     def update(self, with_draft: bool) -> dict:
@@ -240,8 +266,9 @@ class Bench:
         the previous update phase left."""
         a = self.args
         draft = self.online if with_draft else None
-        update = update_fn(self.cfg, self.sampling, self.loss, self.optim, a.compute_dtype, a.remat, draft,
-                           self.sharding)
+        update = update_fn(
+            self.cfg, self.sampling, self.loss, self.optim, a.compute_dtype, a.remat, draft, self.sharding
+        )
         opt_state, self.opt_state = self.opt_state, None  # donated: only the phase holds it
         weights, buffers, d_opt = self.head.update_args() if with_draft else (None, None, None)
         phase = "update_draft" if with_draft else "update"
@@ -253,8 +280,9 @@ class Bench:
             if compile_first:  # the plan is known before the first call can run out of memory
                 update = update.compile(*before[:3], buffers, d_opt, packed)
                 self.xla_plans[phase] = {name: memory_plan(program) for name, program in update.programs().items()}
-            *after, metrics = update(self.params, opt_state, weights, buffers, d_opt, packed,
-                                     policy_steps=bool(mb.loss_mask.any()))
+            *after, metrics = update(
+                self.params, opt_state, weights, buffers, d_opt, packed, policy_steps=bool(mb.loss_mask.any())
+            )
             # on the input layout, as the training loop keeps it: every call runs the one compilation
             self.params, opt_state, weights, d_opt = self.placement.pin(tuple(after), before)
             return metrics
@@ -285,15 +313,23 @@ def projection(phases: dict, new: int, taus: list[float]) -> list[dict]:
     rows = []
     for tau in taus:
         generation = phases["sub_batches"] * (new / tau) * spec["ms_per_loop_step"] / 1e3
-        rows.append({"projection": f"tau={tau}", "generate_s": generation, "step_s": generation + rest,
-                     "ar_step_s": ar_step, "speedup": ar_step / (generation + rest),
-                     "generation_speedup": ar["seconds"] / generation})
+        rows.append(
+            {
+                "projection": f"tau={tau}",
+                "generate_s": generation,
+                "step_s": generation + rest,
+                "ar_step_s": ar_step,
+                "speedup": ar_step / (generation + rest),
+                "generation_speedup": ar["seconds"] / generation,
+            }
+        )
     return rows
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxspec bench grpo-step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxspec bench grpo-step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--policy", help="HF folder of the policy (default: random weights of --model)")
     source.add_argument("--model", default="configs/models/qwen3-8b.json")
@@ -306,20 +342,40 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--minibatches", type=int, default=8)
-    p.add_argument("--ttt-steps", type=int, default=OnlineDraftConfig.ttt_steps,
-                   help="unrolled steps of the online draft loss (draft.ttt_steps)")
+    p.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=OnlineDraftConfig.ttt_steps,
+        help="unrolled steps of the online draft loss (draft.ttt_steps)",
+    )
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--gather-weights", action=argparse.BooleanOptionalAction, default=False,
-                   help="rollouts read the policy gathered over the batch axes (rollout.gather_weights)")
-    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default=PolicyOptimConfig.state_dtype,
-                   help="dtype of AdamW's first moment (optim.state_dtype)")
+    p.add_argument(
+        "--gather-weights",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rollouts read the policy gathered over the batch axes (rollout.gather_weights)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        choices=["float32", "bfloat16"],
+        default=PolicyOptimConfig.state_dtype,
+        help="dtype of AdamW's first moment (optim.state_dtype)",
+    )
     p.add_argument("--acceptance", type=float, default=None, help="a measured acceptance length to project too")
-    p.add_argument("--write-policy", metavar="DIR",
-                   help="only write random bfloat16 weights in the shape of --model as an HF folder, then exit")
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
-                   help="the phases to run, in the usual order (default: all)")
+    p.add_argument(
+        "--write-policy",
+        metavar="DIR",
+        help="only write random bfloat16 weights in the shape of --model as an HF folder, then exit",
+    )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=list(PHASES),
+        help="the phases to run, in the usual order (default: all)",
+    )
     p.add_argument("--out", default=None)
     return p
 
@@ -333,53 +389,95 @@ def main(argv: list[str]) -> int:
     check_phases(args.phases)
     for name in ("sub_batch", "minibatches"):
         if args.batch % getattr(args, name):
-            raise ValueError(f"--batch {args.batch} is not a multiple of --{name.replace('_', '-')} "
-                             f"{getattr(args, name)}")
+            raise ValueError(
+                f"--batch {args.batch} is not a multiple of --{name.replace('_', '-')} {getattr(args, name)}"
+            )
 
     bench = Bench(args)
     cfg = bench.cfg
-    print(f"{device_description()}: {len(jax.local_devices())} local devices, mesh {args.mesh}; policy "
-          f"{cfg.num_params() / 1e9:.2f}B params; {args.batch} rollouts of {args.prompt} + {args.new} tokens in "
-          f"sub-batches of {args.sub_batch}; rollout weights {'gathered' if args.gather_weights else 'sharded'}, "
-          f"AdamW mu in {args.state_dtype}")
+    print(
+        f"{device_description()}: {len(jax.local_devices())} local devices, mesh {args.mesh}; policy "
+        f"{cfg.num_params() / 1e9:.2f}B params; {args.batch} rollouts of {args.prompt} + {args.new} tokens in "
+        f"sub-batches of {args.sub_batch}; rollout weights {'gathered' if args.gather_weights else 'sharded'}, "
+        f"AdamW mu in {args.state_dtype}"
+    )
     phases: dict = {"sub_batches": args.batch // args.sub_batch}
     rows = []
-    for name, run in (("generate_ar", lambda: bench.generation(spec=False)),
-                      ("generate_spec", lambda: bench.generation(spec=True)),
-                      ("logprobs", bench.logprobs), ("update", lambda: bench.update(False)),
-                      ("update_draft", lambda: bench.update(True)), ("checkpoint", bench.checkpoint)):
+    for name, run in (
+        ("generate_ar", lambda: bench.generation(spec=False)),
+        ("generate_spec", lambda: bench.generation(spec=True)),
+        ("logprobs", bench.logprobs),
+        ("update", lambda: bench.update(False)),
+        ("update_draft", lambda: bench.update(True)),
+        ("checkpoint", bench.checkpoint),
+    ):
         if name not in args.phases:
             continue
-        before = {"in_use_gb_before": gigabytes(memory_stat("bytes_in_use")),  # what the phase starts next to
-                  "largest_free_gb_before": gigabytes(largest_free_block())}
+        before = {
+            "in_use_gb_before": gigabytes(memory_stat("bytes_in_use")),  # what the phase starts next to
+            "largest_free_gb_before": gigabytes(largest_free_block()),
+        }
         try:
             phases[name] = run()
         except jax.errors.JaxRuntimeError as err:
             # a phase that does not fit ends the benchmark; what ran before it is still reported
-            rows.append({"phase": name, **before, "xla_plan_gb": bench.xla_plans.get(name),
-                         "error": out_of_memory(err)})
+            rows.append(
+                {"phase": name, **before, "xla_plan_gb": bench.xla_plans.get(name), "error": out_of_memory(err)}
+            )
             print(f"{name}: {rows[-1]['error']}")
             break
-        row = {"phase": name, **phases[name], **before,
-               "peak_gb_per_device": gigabytes(memory_stat("peak_bytes_in_use")),
-               "xla_plan_gb": bench.xla_plans.get(name)}
+        row = {
+            "phase": name,
+            **phases[name],
+            **before,
+            "peak_gb_per_device": gigabytes(memory_stat("peak_bytes_in_use")),
+            "xla_plan_gb": bench.xla_plans.get(name),
+        }
         rows.append(row)
         print_table([row], list(row))
     kv = cache_bytes(cfg, args.sub_batch, args.prompt + args.new, jnp.dtype(args.rollout_dtype))
     taus = list(PROJECTED_ACCEPTANCE) + ([args.acceptance] if args.acceptance else [])
     measured = all(name in phases for name in ("generate_ar", "generate_spec", "logprobs", "update_draft"))
     projected = projection(phases, args.new, taus) if measured else []
-    print(f"\nKV cache per sub-batch of {args.sub_batch} rows x {args.prompt + args.new} slots: {kv / 1e9:.2f} GB "
-          f"(all devices together)")
-    print_table(rows, ["phase", "seconds", "first_call_s", "acceptance_length", "ms_per_loop_step",
-                       "in_use_gb_before", "largest_free_gb_before", "peak_gb_per_device", "xla_plan_gb", "error"])
+    print(
+        f"\nKV cache per sub-batch of {args.sub_batch} rows x {args.prompt + args.new} slots: {kv / 1e9:.2f} GB "
+        f"(all devices together)"
+    )
+    print_table(
+        rows,
+        [
+            "phase",
+            "seconds",
+            "first_call_s",
+            "acceptance_length",
+            "ms_per_loop_step",
+            "in_use_gb_before",
+            "largest_free_gb_before",
+            "peak_gb_per_device",
+            "xla_plan_gb",
+            "error",
+        ],
+    )
     if projected:
         print("\nPROJECTION (computed from the measured costs above, not measured):")
         print_table(projected, ["projection", "generate_s", "step_s", "ar_step_s", "speedup", "generation_speedup"])
-    write_results(args.out, "grpo_step", rows + projected,
-                  {"model": args.policy or args.model, "mesh": args.mesh, "batch": args.batch,
-                   "sub_batch": args.sub_batch, "prompt": args.prompt, "new": args.new, "k": args.k,
-                   "gather_weights": args.gather_weights, "state_dtype": args.state_dtype,
-                   "kv_cache_bytes_per_sub_batch": kv, "params": cfg.num_params(),
-                   "projection": "generate = sub_batches * (new / tau) * measured ms per speculative step"})
+    write_results(
+        args.out,
+        "grpo_step",
+        rows + projected,
+        {
+            "model": args.policy or args.model,
+            "mesh": args.mesh,
+            "batch": args.batch,
+            "sub_batch": args.sub_batch,
+            "prompt": args.prompt,
+            "new": args.new,
+            "k": args.k,
+            "gather_weights": args.gather_weights,
+            "state_dtype": args.state_dtype,
+            "kv_cache_bytes_per_sub_batch": kv,
+            "params": cfg.num_params(),
+            "projection": "generate = sub_batches * (new / tau) * measured ms per speculative step",
+        },
+    )
     return 0

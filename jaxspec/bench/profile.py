@@ -106,8 +106,9 @@ class Kernel(NamedTuple):
     launches: int
 
 
-def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str],
-                 modules: dict[str, str] = LOOP_MODULES) -> list[Kernel]:
+def kernel_times(
+    trace_dir: Path, scopes: dict[tuple[int, str], str], modules: dict[str, str] = LOOP_MODULES
+) -> list[Kernel]:
     """Every kernel of the programs named in `modules` ({HLO module: program label}; default the
     loop programs "ar", "spec", "prefill") in a trace, longest first.
 
@@ -119,8 +120,9 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str],
     launches: dict[tuple[str, str, str], int] = collections.defaultdict(int)
     for path in Path(trace_dir).rglob("*.xplane.pb"):
         data = ProfileData.from_file(str(path))
-        planes = [p for p in data.planes if p.name.startswith("/device:")] or \
-            [p for p in data.planes if p.name == "/host:CPU"]
+        planes = [p for p in data.planes if p.name.startswith("/device:")] or [
+            p for p in data.planes if p.name == "/host:CPU"
+        ]
         for plane in planes:
             for line in plane.lines:
                 for event in line.events:
@@ -148,8 +150,10 @@ def by_op_name(kernels: list[Kernel], steps: int) -> list[dict]:
         name = re.sub(r"^jit\([^)]*\)/(stage\d+/)?while/body/", "", k.op_name)
         groups[name][0] += k.ns
         groups[name][1] += k.launches
-    return [{"op_name": name, "launches": n / steps, "ms": t / 1e6 / steps}
-            for name, (t, n) in sorted(groups.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))]
+    return [
+        {"op_name": name, "launches": n / steps, "ms": t / 1e6 / steps}
+        for name, (t, n) in sorted(groups.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))
+    ]
 
 
 def by_stage(kernels: list[Kernel], stage_rows: list[int], stage_steps: list[int]) -> list[dict]:
@@ -161,10 +165,16 @@ def by_stage(kernels: list[Kernel], stage_rows: list[int], stage_steps: list[int
         if m:
             ns[int(m.group(1))] += k.ns
             launches[int(m.group(1))] += k.launches
-    return [{"rows": rows, "iterations": steps, "ms": ns[i] / 1e6,
-             "ms_per_iteration": ns[i] / 1e6 / steps if steps else 0.0,
-             "kernels_per_iteration": launches[i] / steps if steps else 0.0}
-            for i, (rows, steps) in enumerate(zip(stage_rows, stage_steps))]
+    return [
+        {
+            "rows": rows,
+            "iterations": steps,
+            "ms": ns[i] / 1e6,
+            "ms_per_iteration": ns[i] / 1e6 / steps if steps else 0.0,
+            "kernels_per_iteration": launches[i] / steps if steps else 0.0,
+        }
+        for i, (rows, steps) in enumerate(zip(stage_rows, stage_steps))
+    ]
 
 
 def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|prefill).*", command: str = "bench profile") -> None:
@@ -173,17 +183,22 @@ def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|prefill).*", com
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        raise ValueError(f"jaxspec {command} must start before anything in this process has used JAX "
-                         "(it sets XLA_FLAGS to dump the optimized HLO)")
+        raise ValueError(
+            f"jaxspec {command} must start before anything in this process has used JAX "
+            "(it sets XLA_FLAGS to dump the optimized HLO)"
+        )
     flags = os.environ.get("XLA_FLAGS", "")
     # Without command buffers (CUDA graphs) every kernel is traced under its own HLO name.
-    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
-                               f"--xla_dump_hlo_module_re={module_re} --xla_gpu_enable_command_buffer=").strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
+        f"--xla_dump_hlo_module_re={module_re} --xla_gpu_enable_command_buffer="
+    ).strip()
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxspec bench profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxspec bench profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--policy", help="HF folder of the policy (with tokenizer.json)")
     source.add_argument("--model", help="model config JSON: random weights of its shape (chains on a random head)")
@@ -191,14 +206,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--copy-bytes", type=int, default=2 << 30, help="--model: array size of the copy-bandwidth baseline")
     p.add_argument("--draft", default=None, help="EAGLE-3 head (public layout); without it only n-gram runs")
     p.add_argument("--batch", type=int, default=64, help="rollouts (rows) per batch")
-    p.add_argument("--samples", type=int, default=1,
-                   help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts",
+    )
     p.add_argument("--new", type=int, default=256, help="max_new_tokens (a short run keeps the trace small)")
     p.add_argument("--k", type=int, nargs="*", default=[3], help="EAGLE-3 chain depths (none: AR and n-gram only)")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="--model: the random head's draft vocabulary (default min(V, 32000))")
-    p.add_argument("--stage-k", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*", default=[],
-                   metavar="K1,K2,...", help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="--model: the random head's draft vocabulary (default min(V, 32000))",
+    )
+    p.add_argument(
+        "--stage-k",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        nargs="*",
+        default=[],
+        metavar="K1,K2,...",
+        help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
+    )
     p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16")
@@ -227,8 +256,9 @@ def _workload(args):
         params = init_params(cfg, jax.random.key(0), jnp.dtype(args.dtype))
         prompts = random_prompts(cfg, args.batch, args.prompt).tolist()
         head = init_eagle3(cfg, jax.random.key(1), args.draft_vocab, dtype=jnp.dtype(args.dtype)) if args.k else None
-        configs = [("ar", None)] + [(f"eagle3 chain k={k}, random head",
-                                     Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k]
+        configs = [("ar", None)] + [
+            (f"eagle3 chain k={k}, random head", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k
+        ]
         return cfg, params, prompts, Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=()), configs
     cfg, params = load_hf(args.policy, dtype=args.dtype)
     tok = ChatTokenizer.from_file(args.policy)
@@ -237,8 +267,11 @@ def _workload(args):
     prompts = bench_prompts(tok, args.batch, args.samples, args.seed, args.levels)
     configs = [("ar", None)]
     configs += [(f"eagle3 chain k={k}", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k if head]
-    configs += [(stage_label(d), Spec(method="eagle3", draft=head, num_draft_tokens=max(d), stage_draft_tokens=d))
-                for d in args.stage_k if head]
+    configs += [
+        (stage_label(d), Spec(method="eagle3", draft=head, num_draft_tokens=max(d), stage_draft_tokens=d))
+        for d in args.stage_k
+        if head
+    ]
     configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
     return cfg, params, prompts, sampling, configs
 
@@ -255,15 +288,31 @@ def roofline_parts(cfg, row: dict, batch: int, prompt: int, new: int, copy_rate:
     matmul_ms = parts.get("layers", 0.0) + parts.get("lm_head", 0.0)
     weights_rate = weights / (matmul_ms / 1e3) if matmul_ms else None  # bytes per second
     kv_rate = kv / (parts["attention"] / 1e3) if parts.get("attention") else None
-    out = {"weights_gb": weights / 1e9, "kv_gb": kv / 1e9, "copy_tb_s": copy_rate / 1e12,
-           "copy_bound_ms": (weights + kv) / copy_rate * 1e3,
-           "weights_tb_s": weights_rate and weights_rate / 1e12, "attention_tb_s": kv_rate and kv_rate / 1e12}
-    add_fraction(out, "step_frac", (weights + kv) / (row["step_ms"] / 1e3), copy_rate,
-                 "profiled AR step: bytes per step / device time vs the in-loop copy")
-    add_fraction(out, "weights_frac", weights_rate, copy_rate,
-                 "layers and LM head: weight bytes / device time vs the in-loop copy")
-    add_fraction(out, "attention_frac", kv_rate, copy_rate,
-                 "attention: filled KV bytes / device time vs the in-loop copy")
+    out = {
+        "weights_gb": weights / 1e9,
+        "kv_gb": kv / 1e9,
+        "copy_tb_s": copy_rate / 1e12,
+        "copy_bound_ms": (weights + kv) / copy_rate * 1e3,
+        "weights_tb_s": weights_rate and weights_rate / 1e12,
+        "attention_tb_s": kv_rate and kv_rate / 1e12,
+    }
+    add_fraction(
+        out,
+        "step_frac",
+        (weights + kv) / (row["step_ms"] / 1e3),
+        copy_rate,
+        "profiled AR step: bytes per step / device time vs the in-loop copy",
+    )
+    add_fraction(
+        out,
+        "weights_frac",
+        weights_rate,
+        copy_rate,
+        "layers and LM head: weight bytes / device time vs the in-loop copy",
+    )
+    add_fraction(
+        out, "attention_frac", kv_rate, copy_rate, "attention: filled KV bytes / device time vs the in-loop copy"
+    )
     return out
 
 
@@ -298,31 +347,48 @@ def _profile(args, work: Path) -> int:
         total_ms = sum(loop.values()) / 1e6 / steps
         top = [{"ms": k.ns / 1e6 / steps, "op": k.op, "op_name": k.op_name} for k in loop_kernels][:TOP_KERNELS]
         ar_step_ms = total_ms if spec is None else ar_step_ms
-        row = {"config": label, "batch": args.batch, "steps": steps,
-               "acceptance_length": float(out.stats["acceptance_length"]),
-               "step_ms": total_ms, "step_over_ar": total_ms / ar_step_ms,
-               "prefill_ms": sum(k.ns for k in kernels if k.program == "prefill") / 1e6,
-               "kernels_per_step": sum(launches.values()) / steps,
-               "phase_kernels_per_step": {ph: n / steps for ph, n in sorted(launches.items())},
-               "phases_ms": _by(loop, 0, steps), "parts_ms": _by(loop, 1, steps),
-               "phase_parts_ms": {f"{ph}/{pa}": ns / 1e6 / steps for (ph, pa), ns in sorted(loop.items())},
-               "top_kernels": top, "kernels_by_op_name": by_op_name(loop_kernels, steps)[:TOP_OP_NAMES],
-               "stages": by_stage(loop_kernels, out.stats["stage_rows"], out.stats["stage_steps"])}
+        row = {
+            "config": label,
+            "batch": args.batch,
+            "steps": steps,
+            "acceptance_length": float(out.stats["acceptance_length"]),
+            "step_ms": total_ms,
+            "step_over_ar": total_ms / ar_step_ms,
+            "prefill_ms": sum(k.ns for k in kernels if k.program == "prefill") / 1e6,
+            "kernels_per_step": sum(launches.values()) / steps,
+            "phase_kernels_per_step": {ph: n / steps for ph, n in sorted(launches.items())},
+            "phases_ms": _by(loop, 0, steps),
+            "parts_ms": _by(loop, 1, steps),
+            "phase_parts_ms": {f"{ph}/{pa}": ns / 1e6 / steps for (ph, pa), ns in sorted(loop.items())},
+            "top_kernels": top,
+            "kernels_by_op_name": by_op_name(loop_kernels, steps)[:TOP_OP_NAMES],
+            "stages": by_stage(loop_kernels, out.stats["stage_rows"], out.stats["stage_steps"]),
+        }
         rows.append(row)
-        print(f"\n{label}: {total_ms:.3f} device ms per iteration ({row['step_over_ar']:.2f}x the AR step), "
-              f"{row['kernels_per_step']:.0f} kernels per iteration, {steps} iterations, "
-              f"acceptance {row['acceptance_length']:.2f}")
-        print_table([{"phase/part": k, "ms": v, "share": v / total_ms} for k, v in row["phase_parts_ms"].items()],
-                    ["phase/part", "ms", "share"])
+        print(
+            f"\n{label}: {total_ms:.3f} device ms per iteration ({row['step_over_ar']:.2f}x the AR step), "
+            f"{row['kernels_per_step']:.0f} kernels per iteration, {steps} iterations, "
+            f"acceptance {row['acceptance_length']:.2f}"
+        )
+        print_table(
+            [{"phase/part": k, "ms": v, "share": v / total_ms} for k, v in row["phase_parts_ms"].items()],
+            ["phase/part", "ms", "share"],
+        )
         print_table(row["stages"], ["rows", "iterations", "ms", "ms_per_iteration", "kernels_per_iteration"])
         for k in top[:8]:
             print(f"  {k['ms']:8.4f} ms  {k['op']:<32} {k['op_name'][-90:]}")
         print("  most launched (per iteration):")
         for g in row["kernels_by_op_name"][:10]:
             print(f"  {g['launches']:6.1f} x {g['ms']:8.4f} ms  {g['op_name'][-90:]}")
-    baseline = {"policy": args.policy, "model": args.model, "draft": args.draft, "max_new_tokens": args.new,
-                "samples_per_prompt": args.samples, "unit": "device ms per loop iteration",
-                "baseline": "the autoregressive decode step of the same run"}
+    baseline = {
+        "policy": args.policy,
+        "model": args.model,
+        "draft": args.draft,
+        "max_new_tokens": args.new,
+        "samples_per_prompt": args.samples,
+        "unit": "device ms per loop iteration",
+        "baseline": "the autoregressive decode step of the same run",
+    }
     if args.model:
         copy_rate = copy_bytes_per_second(args.copy_bytes)
         baseline.update(ceilings(copy_rate=copy_rate), prompt_tokens=args.prompt)

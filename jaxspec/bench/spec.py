@@ -26,12 +26,29 @@ from jaxspec.models import ModelConfig, load_hf
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import DEFAULT_KINDS, ChatTokenizer, TallyConfig, generate_problems
 
-COLUMNS = ["batch", "config", "seconds", "tokens_per_s", "speedup", "throughput_speedup", "acceptance_length",
-           "efficiency", "step_ms", "step_over_ar"]
+COLUMNS = [
+    "batch",
+    "config",
+    "seconds",
+    "tokens_per_s",
+    "speedup",
+    "throughput_speedup",
+    "acceptance_length",
+    "efficiency",
+    "step_ms",
+    "step_over_ar",
+]
 
 
-def bench_prompts(tok: ChatTokenizer, rows: int, samples: int, seed: int, levels, kinds=DEFAULT_KINDS,
-                  tally: TallyConfig = TallyConfig()) -> list[list[int]]:
+def bench_prompts(
+    tok: ChatTokenizer,
+    rows: int,
+    samples: int,
+    seed: int,
+    levels,
+    kinds=DEFAULT_KINDS,
+    tally: TallyConfig = TallyConfig(),
+) -> list[list[int]]:
     """Token ids of `rows` chat prompts: rows / samples held-out problems of the given levels and
     kinds, each repeated `samples` times in a row, as a GRPO batch of groups is."""
     if samples < 1 or rows % samples:
@@ -48,8 +65,10 @@ def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelC
     """(config, params) of a draft model folder; ValueError unless it shares the policy's vocabulary."""
     cfg, params = load_hf(path, dtype=dtype)
     if cfg.vocab_size != policy.vocab_size:
-        raise ValueError(f"--draft-model {path}: vocabulary of {cfg.vocab_size} tokens, the policy's has "
-                         f"{policy.vocab_size} (a draft model needs the policy's tokenizer)")
+        raise ValueError(
+            f"--draft-model {path}: vocabulary of {cfg.vocab_size} tokens, the policy's has "
+            f"{policy.vocab_size} (a draft model needs the policy's tokenizer)"
+        )
     return cfg, params
 
 
@@ -61,17 +80,23 @@ def _configs(args) -> list[tuple[str, dict]]:
         for k in args.k:
             runs.append((f"{label} chain k={k}", {"method": label, "num_draft_tokens": k}))
     for depths in args.stage_k:
-        runs.append((stage_label(depths),
-                     {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths}))
+        runs.append(
+            (stage_label(depths), {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths})
+        )
     for width, depth, budget in args.trees:
-        runs.append((f"eagle3 tree w={width} d={depth} n={budget}",
-                     {"method": "eagle3", "num_draft_tokens": depth, "tree_width": width, "tree_budget": budget}))
+        runs.append(
+            (
+                f"eagle3 tree w={width} d={depth} n={budget}",
+                {"method": "eagle3", "num_draft_tokens": depth, "tree_width": width, "tree_budget": budget},
+            )
+        )
     if args.draft_model:
         for k in args.draft_model_k:
             runs.append((f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}))
     if args.stochastic:
-        runs.append(("eagle3 chain k=3 stochastic", {"method": "eagle3", "num_draft_tokens": 3,
-                                                      "draft_sampling": "stochastic"}))
+        runs.append(
+            ("eagle3 chain k=3 stochastic", {"method": "eagle3", "num_draft_tokens": 3, "draft_sampling": "stochastic"})
+        )
     if not args.no_ngram:
         runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
     return runs
@@ -82,26 +107,49 @@ def main(argv: list[str]) -> int:
     p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
     p.add_argument("--draft", required=True, help="EAGLE-3 head trained in-domain (public layout)")
     p.add_argument("--draft-ood", default=None, help="EAGLE-3 head trained out of domain")
-    p.add_argument("--draft-model", default=None,
-                   help="HF folder of a smaller policy with the policy's tokenizer (method draft_model)")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="HF folder of a smaller policy with the policy's tokenizer (method draft_model)",
+    )
     p.add_argument("--draft-model-k", type=int, nargs="+", default=[3], help="draft depths of the draft model")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="rollouts (rows) per batch")
-    p.add_argument("--samples", type=int, default=1,
-                   help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts",
+    )
     p.add_argument("--new", type=int, default=1024, help="max_new_tokens")
-    p.add_argument("--k", type=int, nargs="*", default=[1, 2, 3, 4, 5, 7],
-                   help="EAGLE-3 chain depths (none: no chains)")
-    p.add_argument("--trees", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
-                   default=[(2, 4, 8), (3, 5, 16)], help="width,depth,budget triples")
-    p.add_argument("--stage-k", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*", default=[],
-                   metavar="K1,K2,...", help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)")
+    p.add_argument(
+        "--k", type=int, nargs="*", default=[1, 2, 3, 4, 5, 7], help="EAGLE-3 chain depths (none: no chains)"
+    )
+    p.add_argument(
+        "--trees",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        nargs="*",
+        default=[(2, 4, 8), (3, 5, 16)],
+        help="width,depth,budget triples",
+    )
+    p.add_argument(
+        "--stage-k",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        nargs="*",
+        default=[],
+        metavar="K1,K2,...",
+        help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
+    )
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument("--data-config", default=None, metavar="CONFIG",
-                   help="draw the problems from this pretraining config's data section (its kinds, levels and "
-                        "tally settings), e.g. configs/long.yaml for the long-answer workload; default: the "
-                        "built-in task at --levels")
+    p.add_argument(
+        "--data-config",
+        default=None,
+        metavar="CONFIG",
+        help="draw the problems from this pretraining config's data section (its kinds, levels and "
+        "tally settings), e.g. configs/long.yaml for the long-answer workload; default: the "
+        "built-in task at --levels",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
@@ -131,8 +179,9 @@ def main(argv: list[str]) -> int:
             spec = None
             if kwargs:
                 method = kwargs.pop("method")
-                spec = Spec(method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method),
-                            **kwargs)
+                spec = Spec(
+                    method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method), **kwargs
+                )
             key = jax.random.key(0)
             run = lambda: generate(cfg, params, prompts, key, sampling, spec=spec)  # noqa: E731
             jax.block_until_ready(run().tokens)  # compile + warm up
@@ -146,19 +195,39 @@ def main(argv: list[str]) -> int:
             if spec is None:
                 ar_seconds, ar_step_ms, ar_rate = seconds, step_ms, tokens / seconds
             speedup = ar_seconds / seconds
-            row = {"batch": batch, "config": label, "seconds": seconds, "tokens": tokens,
-                   "tokens_per_s": tokens / seconds, "speedup": speedup,
-                   "throughput_speedup": tokens / seconds / ar_rate, "acceptance_length": acc,
-                   "efficiency": speedup / acc, "step_ms": step_ms, "step_over_ar": step_ms / ar_step_ms,
-                   "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
-                   "stage_rows": out.stats["stage_rows"], "stage_steps": out.stats["stage_steps"]}
+            row = {
+                "batch": batch,
+                "config": label,
+                "seconds": seconds,
+                "tokens": tokens,
+                "tokens_per_s": tokens / seconds,
+                "speedup": speedup,
+                "throughput_speedup": tokens / seconds / ar_rate,
+                "acceptance_length": acc,
+                "efficiency": speedup / acc,
+                "step_ms": step_ms,
+                "step_over_ar": step_ms / ar_step_ms,
+                "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
+                "stage_rows": out.stats["stage_rows"],
+                "stage_steps": out.stats["stage_steps"],
+            }
             rows.append(row)
             print_table([row], COLUMNS)
-    baseline = {"policy": args.policy, "draft": args.draft, "draft_ood": args.draft_ood,
-                "draft_model": args.draft_model, "params": cfg.num_params(), "levels": list(levels),
-                "kinds": list(kinds), "data_config": args.data_config, "tally": dataclasses.asdict(tally),
-                "samples_per_prompt": args.samples, "temperature": 1.0, "max_new_tokens": args.new,
-                "baseline": "autoregressive generate, same run"}
+    baseline = {
+        "policy": args.policy,
+        "draft": args.draft,
+        "draft_ood": args.draft_ood,
+        "draft_model": args.draft_model,
+        "params": cfg.num_params(),
+        "levels": list(levels),
+        "kinds": list(kinds),
+        "data_config": args.data_config,
+        "tally": dataclasses.asdict(tally),
+        "samples_per_prompt": args.samples,
+        "temperature": 1.0,
+        "max_new_tokens": args.new,
+        "baseline": "autoregressive generate, same run",
+    }
     print()
     print_table(rows, COLUMNS)
     write_results(args.out, "spec", rows, baseline)

@@ -104,10 +104,19 @@ def build_steps(cfg: ModelConfig, dcfg):
     def verify(cache, params, tokens, cache_len, key):  # tokens int32 [B, N]
         n = tokens.shape[1]
         parents, depth, num_nodes = chain(*tokens.shape)
-        logits, hidden, cache = extend(cfg, params, cache, tokens, cache_len[:, None] + depth, cache_len,
-                                       tree_mask=ancestor_mask(parents, n - 1), hidden_layers=aux)
-        result = kernels.tree_verify(processed_logprobs(logits, SAMPLING), parents, tokens, num_nodes, key,
-                                     temperature=1.0)
+        logits, hidden, cache = extend(
+            cfg,
+            params,
+            cache,
+            tokens,
+            cache_len[:, None] + depth,
+            cache_len,
+            tree_mask=ancestor_mask(parents, n - 1),
+            hidden_layers=aux,
+        )
+        result = kernels.tree_verify(
+            processed_logprobs(logits, SAMPLING), parents, tokens, num_nodes, key, temperature=1.0
+        )
         return (result.path, result.next_token, result.logprobs, hidden), cache
 
     @jax.jit
@@ -117,8 +126,9 @@ def build_steps(cfg: ModelConfig, dcfg):
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def draft(dcache, dparams, embed, tokens, hidden_in, head_len):  # tokens [B], hidden_in [B, H]
-        logits, out, dcache = draft_extend(dcfg, dparams, embed, dcache, tokens[:, None], hidden_in[:, None],
-                                           head_len[:, None], head_len)
+        logits, out, dcache = draft_extend(
+            dcfg, dparams, embed, dcache, tokens[:, None], hidden_in[:, None], head_len[:, None], head_len
+        )
         top = jnp.argmax(processed_logprobs(logits[:, 0], SAMPLING), axis=-1)
         return (to_target_ids(dparams, top), out), dcache
 
@@ -128,9 +138,11 @@ def build_steps(cfg: ModelConfig, dcfg):
 
 def _stateful(step, state: dict, name: str, *args):
     """A call of `step(state[name], *args)` that keeps the returned cache for the next call."""
+
     def call():
         out, state[name] = step(state[name], *args)
         return out
+
     return call
 
 
@@ -144,10 +156,13 @@ def time_model(cfg, dcfg, params, dparams, batch: int, context: int, nodes: list
     state = {"cache": init_cache(cfg, batch, max_len, DTYPE), "dcache": init_draft_cache(dcfg, batch, max_len, DTYPE)}
     ms = lambda fn: 1e3 * median_seconds(fn, iters=iters)  # noqa: E731
     aux = jnp.asarray(0.02 * rng.standard_normal((3, batch, 1, cfg.hidden_size), np.float32), DTYPE)
-    out = {"decode": ms(_stateful(decode, state, "cache", params, tokens[:, 0], cache_len, key)),
-           "draft": ms(_stateful(draft, state, "dcache", dparams, params["embed"], tokens[:, 0], aux[0, :, 0],
-                                 cache_len)),
-           "fuse": ms(lambda: fuse_step(dparams, aux)), "verify": {}, "kernel": {}}
+    out = {
+        "decode": ms(_stateful(decode, state, "cache", params, tokens[:, 0], cache_len, key)),
+        "draft": ms(_stateful(draft, state, "dcache", dparams, params["embed"], tokens[:, 0], aux[0, :, 0], cache_len)),
+        "fuse": ms(lambda: fuse_step(dparams, aux)),
+        "verify": {},
+        "kernel": {},
+    }
     for n in nodes:
         out["verify"][n] = ms(_stateful(verify, state, "cache", params, tokens[:, :n], cache_len, key))
     del state
@@ -170,15 +185,20 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
     name = Path(path).stem
     vd = min(args.draft_vocab, cfg.vocab_size)
     head_shapes = jax.eval_shape(lambda: init_eagle3(cfg, jax.random.key(0), vd, dtype=DTYPE)[1])
-    weights = cfg.num_params() * jnp.dtype(DTYPE).itemsize + sum(x.size * x.dtype.itemsize
-                                                                for x in jax.tree.leaves(head_shapes))
+    weights = cfg.num_params() * jnp.dtype(DTYPE).itemsize + sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(head_shapes)
+    )
     dcfg, rows, fits = DraftConfig.for_policy(cfg, vd), [], []
     for batch in args.batch:
         base = {"model": name, "batch": batch, "context": args.context}
         try:
-            check_fits(needed_bytes(cfg, dcfg, weights, batch, args.context + max(nodes), max(nodes)),
-                       device_memory_stats(), batch=batch, prompt_len=args.context,
-                       max_new_tokens=max(nodes))
+            check_fits(
+                needed_bytes(cfg, dcfg, weights, batch, args.context + max(nodes), max(nodes)),
+                device_memory_stats(),
+                batch=batch,
+                prompt_len=args.context,
+                max_new_tokens=max(nodes),
+            )
             fits.append(batch)
         except ValueError as err:
             print(f"{name} batch {batch}: skipped, weights + caches would not fit ({err})")
@@ -197,17 +217,42 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
             print(f"{name} batch {batch}: skipped, out of device memory")
             rows.append({**base, "kind": "skipped", "reason": "RESOURCE_EXHAUSTED"})
             continue
-        rows.append({**base, "kind": "step", "decode_ms": t["decode"], "draft_ms": t["draft"], "fuse_ms": t["fuse"],
-                     **experts_touched(cfg, "experts_decode", batch)})
-        rows += [{**base, "kind": "verify", "nodes": n, "verify_ms": t["verify"][n], "kernel_ms": t["kernel"][n],
-                  "verify_over_decode": t["verify"][n] / t["decode"],
-                  **experts_touched(cfg, "experts_verify", batch * n)} for n in nodes]
+        rows.append(
+            {
+                **base,
+                "kind": "step",
+                "decode_ms": t["decode"],
+                "draft_ms": t["draft"],
+                "fuse_ms": t["fuse"],
+                **experts_touched(cfg, "experts_decode", batch),
+            }
+        )
+        rows += [
+            {
+                **base,
+                "kind": "verify",
+                "nodes": n,
+                "verify_ms": t["verify"][n],
+                "kernel_ms": t["kernel"][n],
+                "verify_over_decode": t["verify"][n] / t["decode"],
+                **experts_touched(cfg, "experts_verify", batch * n),
+            }
+            for n in nodes
+        ]
         for k in sorted(acceptance):
             acc_batch = batch if batch in acceptance[k] else next(iter(acceptance[k]))
             tau = acceptance[k][acc_batch]
-            rows.append({**base, "kind": "projection", "k": k, "acceptance_length": tau, "acceptance_batch": acc_batch,
-                         "decode_ms": t["decode"],
-                         **project(k, tau, t["decode"], t["draft"], t["fuse"], t["verify"][k + 1])})
+            rows.append(
+                {
+                    **base,
+                    "kind": "projection",
+                    "k": k,
+                    "acceptance_length": tau,
+                    "acceptance_batch": acc_batch,
+                    "decode_ms": t["decode"],
+                    **project(k, tau, t["decode"], t["draft"], t["fuse"], t["verify"][k + 1]),
+                }
+            )
     del params, dparams
     return rows
 
@@ -225,19 +270,38 @@ def print_model(name: str, rows: list[dict]) -> None:
     if pick("step"):
         moe = "experts_decode" in pick("step")[0]
         print_table(pick("step"), ["batch", "context", "decode_ms", "draft_ms", "fuse_ms"] + ["experts_decode"] * moe)
-        print_table(pick("verify"), ["batch", "nodes", "verify_ms", "kernel_ms", "verify_over_decode"]
-                    + ["experts_verify"] * moe)
+        print_table(
+            pick("verify"),
+            ["batch", "nodes", "verify_ms", "kernel_ms", "verify_over_decode"] + ["experts_verify"] * moe,
+        )
     if pick("projection"):
         print(f"{name}: PROJECTION (not measured): speedup = decode * tau / (k*draft + fuse + verify(k+1))")
-        print_table(pick("projection"), ["batch", "k", "acceptance_length", "acceptance_batch", "step_ms",
-                                         "ms_per_token", "decode_ms", "speedup", "efficiency"])
+        print_table(
+            pick("projection"),
+            [
+                "batch",
+                "k",
+                "acceptance_length",
+                "acceptance_batch",
+                "step_ms",
+                "ms_per_token",
+                "decode_ms",
+                "speedup",
+                "efficiency",
+            ],
+        )
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxspec bench spec-cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", default=["configs/models/qwen3-1.7b.json", "configs/models/qwen3-8b.json"],
-                   help="HF config.json files giving the policy shapes")
+    p = argparse.ArgumentParser(
+        prog="jaxspec bench spec-cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=["configs/models/qwen3-1.7b.json", "configs/models/qwen3-8b.json"],
+        help="HF config.json files giving the policy shapes",
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     p.add_argument("--context", type=int, default=1024, help="tokens already in every row's KV cache")
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16], help="verification node counts N")
@@ -258,14 +322,22 @@ def main(argv: list[str]) -> int:
         rows += run_model(args, path, acceptance, nodes)
         print_model(Path(path).stem, rows)
     params = {Path(m).stem: ModelConfig.from_json(m).num_params() for m in args.model}
-    baseline = {"models": args.model, "params": params,
-                "dtype": "bfloat16", "context": args.context, "nodes": nodes, "draft_vocab": args.draft_vocab,
-                "temperature": SAMPLING.temperature, "acceptance": args.acceptance, "iters": args.iters,
-                "tree_verify": os.environ.get(kernels.IMPL_ENV) or ("pallas" if jax.default_backend() == "gpu"
-                                                                    else "reference"),
-                "device_bytes_limit": (device_memory_stats() or {}).get("bytes_limit"),
-                "baseline": "decode: one autoregressive decode step at the same batch and context, same run",
-                "projection": "computed, not measured: speedup = decode * tau / (k*draft + fuse + verify(k+1)), "
-                              "efficiency = speedup / tau"}
+    baseline = {
+        "models": args.model,
+        "params": params,
+        "dtype": "bfloat16",
+        "context": args.context,
+        "nodes": nodes,
+        "draft_vocab": args.draft_vocab,
+        "temperature": SAMPLING.temperature,
+        "acceptance": args.acceptance,
+        "iters": args.iters,
+        "tree_verify": os.environ.get(kernels.IMPL_ENV)
+        or ("pallas" if jax.default_backend() == "gpu" else "reference"),
+        "device_bytes_limit": (device_memory_stats() or {}).get("bytes_limit"),
+        "baseline": "decode: one autoregressive decode step at the same batch and context, same run",
+        "projection": "computed, not measured: speedup = decode * tau / (k*draft + fuse + verify(k+1)), "
+        "efficiency = speedup / tau",
+    }
     write_results(args.out, "spec-cost", rows, baseline)
     return 0

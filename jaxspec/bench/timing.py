@@ -7,8 +7,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +46,21 @@ def in_loop(fn: Callable[..., object], calls: int) -> Callable[..., tuple]:
         def body(i, args):
             out = fn(*args, i)
             zero = 0.0 * sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(out))
-            return tuple(x if corner is None else jax.lax.dynamic_update_slice(
-                x, (corner + zero).astype(x.dtype).reshape((1,) * x.ndim), (0,) * x.ndim)
-                for x, corner in zip(args, corners))
+            return tuple(
+                x
+                if corner is None
+                else jax.lax.dynamic_update_slice(
+                    x, (corner + zero).astype(x.dtype).reshape((1,) * x.ndim), (0,) * x.ndim
+                )
+                for x, corner in zip(args, corners)
+            )
 
         return jax.lax.fori_loop(0, calls, body, args)
 
     return jax.jit(program, donate_argnums=0)
 
 
-def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20,
-                    repeats: int = 5) -> tuple[float, tuple]:
+def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20, repeats: int = 5) -> tuple[float, tuple]:
     """(seconds per iteration of `in_loop(fn, calls)` (median over `repeats` runs, each blocked on
     once), args' to use in place of the donated args): the device time of a call inside a compiled
     loop, plus the loop's own cost per iteration (time an `fn` that does nothing to subtract it).
@@ -75,8 +79,8 @@ def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20,
 # and writes together), the first matching substring of `jax.Device.device_kind` wins.
 DATASHEET: tuple[tuple[str, dict], ...] = (
     ("H100 PCIe", {"bf16_flops": 756e12, "hbm_bytes_per_s": 2.0e12}),
-    ("H100", {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12}),   # SXM5 80 GB (HBM3)
-    ("H200", {"bf16_flops": 989e12, "hbm_bytes_per_s": 4.8e12}),    # SXM 141 GB (HBM3e)
+    ("H100", {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12}),  # SXM5 80 GB (HBM3)
+    ("H200", {"bf16_flops": 989e12, "hbm_bytes_per_s": 4.8e12}),  # SXM 141 GB (HBM3e)
 )
 
 
@@ -131,13 +135,14 @@ def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, 
     x = jax.random.normal(kx, (n, n), dtype)
     w = (jax.random.normal(kw, (n, n), jnp.float32) / n**0.5).astype(dtype)
     chained = _looped(lambda v: v @ w, x, calls, repeats)
-    independent, _ = in_loop_seconds(lambda a, b, i: a @ b, (jax.random.normal(kx, (n, n), dtype), w),
-                                     calls=calls, repeats=repeats)
+    independent, _ = in_loop_seconds(
+        lambda a, b, i: a @ b, (jax.random.normal(kx, (n, n), dtype), w), calls=calls, repeats=repeats
+    )
     return 2 * n**3 / min(chained, independent)
 
 
 def out_of_memory(err: jax.errors.JaxRuntimeError) -> str:
-    """"out of device memory: <the error's first line>" for a device out-of-memory error, for a
+    """ "out of device memory: <the error's first line>" for a device out-of-memory error, for a
     result row that records a shape that does not fit; any other runtime error is raised again."""
     if "RESOURCE_EXHAUSTED" not in str(err):
         raise err
@@ -149,8 +154,10 @@ def roofline_fraction(achieved: float, ceiling: float, what: str) -> float:
     work or the ceiling was counted wrong, never a result."""
     frac = achieved / ceiling
     if not frac <= 1.0:
-        raise ValueError(f"{what}: {frac:.3f} of the measured ceiling ({achieved:.4g} of {ceiling:.4g} per s) "
-                         f"is above 1.0: a measurement bug")
+        raise ValueError(
+            f"{what}: {frac:.3f} of the measured ceiling ({achieved:.4g} of {ceiling:.4g} per s) "
+            f"is above 1.0: a measurement bug"
+        )
     return frac
 
 
@@ -210,8 +217,14 @@ def write_results(path: str | None, name: str, rows: list[dict], baseline: dict)
     """Writes {"benchmark", "device", "jax", "baseline", "rows"} as JSON when a path is given."""
     if not path:
         return
-    out = {"benchmark": name, "device": device_description(), "jax": jax.__version__,
-           "python": platform.python_version(), "baseline": baseline, "rows": rows}
+    out = {
+        "benchmark": name,
+        "device": device_description(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "baseline": baseline,
+        "rows": rows,
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
 

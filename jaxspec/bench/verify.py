@@ -30,14 +30,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
-from jaxspec.bench.timing import (add_fraction, ceilings, copy_bytes_per_second, in_loop_seconds, median_seconds,
-                                  out_of_memory, print_table, write_results)
+from jaxspec.bench.timing import (
+    add_fraction,
+    ceilings,
+    copy_bytes_per_second,
+    in_loop_seconds,
+    median_seconds,
+    out_of_memory,
+    print_table,
+    write_results,
+)
 from kernels.tree_stochastic_pallas import verify_stochastic_pallas
 from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
 from kernels.tree_verify_reference import verify_reference
 
-VERIFY_MODULES = {"jit_verify_pallas": "kernel", "jit_verify_stochastic_pallas": "kernel",
-                  "jit_verify_reference": "reference"}  # HLO module: program
+VERIFY_MODULES = {
+    "jit_verify_pallas": "kernel",
+    "jit_verify_stochastic_pallas": "kernel",
+    "jit_verify_reference": "reference",
+}  # HLO module: program
 PROFILE_CALLS = 10
 
 
@@ -82,9 +93,11 @@ def traced_kernels(trace_dir: Path, scopes: dict[tuple[int, str], str], program:
     and the longest kernels."""
     kernels = [k for k in kernel_times(trace_dir, scopes, VERIFY_MODULES) if k.program == program]
     per_call = lambda ns: ns / 1e6 / PROFILE_CALLS  # noqa: E731
-    traced = {"traced_ms": per_call(sum(k.ns for k in kernels)),
-              "launches": sum(k.launches for k in kernels) / PROFILE_CALLS,
-              "top": [{"ms": per_call(k.ns), "op": k.op, "op_name": k.op_name} for k in kernels[:8]]}
+    traced = {
+        "traced_ms": per_call(sum(k.ns for k in kernels)),
+        "launches": sum(k.launches for k in kernels) / PROFILE_CALLS,
+        "top": [{"ms": per_call(k.ns), "op": k.op, "op_name": k.op_name} for k in kernels[:8]],
+    }
     if program == "kernel":
         traced["node_stats_ms"] = per_call(sum(k.ns for k in kernels if "tree_verify_node_stats" in k.op_name))
     return traced
@@ -96,17 +109,27 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--stochastic", action="store_true",
-                   help="stochastic drafts (draft_probs): the stochastic-draft kernel; --tile is its tile")
+    p.add_argument(
+        "--stochastic",
+        action="store_true",
+        help="stochastic drafts (draft_probs): the stochastic-draft kernel; --tile is its tile",
+    )
     p.add_argument("--iters", type=int, default=20, help="calls per timing (in one loop, or blocking)")
     p.add_argument("--tile", type=int, default=2048, help="vocabulary tile of the kernel (a power of 2)")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
-    p.add_argument("--programs", type=int, default=TARGET_PROGRAMS,
-                   help="about how many (row, node, vocabulary split) programs the kernel runs")
+    p.add_argument(
+        "--programs",
+        type=int,
+        default=TARGET_PROGRAMS,
+        help="about how many (row, node, vocabulary split) programs the kernel runs",
+    )
     p.add_argument("--copy-bytes", type=int, default=None, help="buffer size of the copy-bandwidth baseline")
-    p.add_argument("--profile", action="store_true",
-                   help="trace each implementation and report device time by kernel (command buffers off)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace each implementation and report device time by kernel (command buffers off)",
+    )
     p.add_argument("--out", default=None, help="write JSON results here")
     args = p.parse_args(argv)
     if args.tile < 1 or args.tile & (args.tile - 1):
@@ -130,23 +153,53 @@ def main(argv: list[str]) -> int:
             make_inputs = lambda shape=shape, seed=seed, q_shape=q_shape: (  # noqa: E731  (arguments, never constants)
                 jax.random.normal(seed, shape, jnp.float32),
                 jax.nn.softmax(2.0 * jax.random.normal(jax.random.fold_in(seed, 1), q_shape, jnp.float32), axis=-1),
-                *random_trees(*shape, seed=shape[1]), jax.random.key(0))
+                *random_trees(*shape, seed=shape[1]),
+                jax.random.key(0),
+            )
 
             def kernel_call(logits, q, parents, tokens, num_nodes, key, i=0):
                 key = jax.random.fold_in(key, i)
                 if args.stochastic:
-                    return verify_stochastic_pallas(logits, q, parents, tokens, num_nodes, key,
-                                                    temperature=args.temperature, interpret=not gpu, tile=args.tile,
-                                                    num_warps=args.num_warps, num_stages=args.num_stages)
-                return verify_pallas(logits, parents, tokens, num_nodes, key, temperature=args.temperature,
-                                     interpret=not gpu, tile=args.tile, num_warps=args.num_warps,
-                                     num_stages=args.num_stages, programs=args.programs)
+                    return verify_stochastic_pallas(
+                        logits,
+                        q,
+                        parents,
+                        tokens,
+                        num_nodes,
+                        key,
+                        temperature=args.temperature,
+                        interpret=not gpu,
+                        tile=args.tile,
+                        num_warps=args.num_warps,
+                        num_stages=args.num_stages,
+                    )
+                return verify_pallas(
+                    logits,
+                    parents,
+                    tokens,
+                    num_nodes,
+                    key,
+                    temperature=args.temperature,
+                    interpret=not gpu,
+                    tile=args.tile,
+                    num_warps=args.num_warps,
+                    num_stages=args.num_stages,
+                    programs=args.programs,
+                )
 
             reference_call = lambda logits, q, parents, tokens, num_nodes, key, i=0: verify_reference(  # noqa: E731
-                logits, parents, tokens, num_nodes, jax.random.fold_in(key, i), temperature=args.temperature,
-                tile=args.tile, draft_probs=q if args.stochastic else None)
+                logits,
+                parents,
+                tokens,
+                num_nodes,
+                jax.random.fold_in(key, i),
+                temperature=args.temperature,
+                tile=args.tile,
+                draft_probs=q if args.stochastic else None,
+            )
             loop_call = lambda logits, q, parents, tokens, num_nodes, key, i: jax.random.key_data(  # noqa: E731
-                jax.random.fold_in(key, i))
+                jax.random.fold_in(key, i)
+            )
             inputs = make_inputs()
             t_loop, inputs = _in_loop(loop_call, inputs, args.iters, make_inputs)  # the loop's own cost
             t_kernel, inputs = _in_loop(kernel_call, inputs, args.iters, make_inputs)
@@ -155,28 +208,52 @@ def main(argv: list[str]) -> int:
             logits = inputs[0]
             kernel = lambda a=inputs: kernel_call(*a)  # noqa: E731
             reference = lambda a=inputs: reference_call(*a)  # noqa: E731
-            lat_kernel, lat_reference = (_timed(lambda f=f: median_seconds(f, iters=args.iters))
-                                         for f in (kernel, reference))
+            lat_kernel, lat_reference = (
+                _timed(lambda f=f: median_seconds(f, iters=args.iters)) for f in (kernel, reference)
+            )
             agree = None
             if t_kernel is not None and t_reference is not None:
                 a, b = kernel(), reference()
-                same = [np.all(np.asarray(x) == np.asarray(y), axis=tuple(range(1, np.ndim(x))))
-                        for x, y in zip(a[:3], b[:3])]
+                same = [
+                    np.all(np.asarray(x) == np.asarray(y), axis=tuple(range(1, np.ndim(x))))
+                    for x, y in zip(a[:3], b[:3])
+                ]
                 agree = float(np.mean(np.logical_and.reduce(same)))
             nbytes = logits.nbytes + (inputs[1].nbytes if args.stochastic else 0)
-            scaled = lambda t, unit: None if t is None else unit(t)
-            ratio = lambda num, den: None if None in (num, den) else num / den
-            ms = lambda t: 1e3 * t
-            rows.append({"batch": batch, "nodes": nodes, "vocab": args.vocab, "loop_ms": scaled(t_loop, ms),
-                         "kernel_ms": scaled(t_kernel, ms), "reference_ms": scaled(t_reference, ms),
-                         "speedup": ratio(t_reference, t_kernel),
-                         "kernel_latency_ms": scaled(lat_kernel, ms), "reference_latency_ms": scaled(lat_reference, ms),
-                         "latency_speedup": ratio(lat_reference, lat_kernel),
-                         "kernel_GBps": scaled(t_kernel, lambda t: nbytes / t / 1e9),
-                         "reference_GBps": scaled(t_reference, lambda t: nbytes / t / 1e9),
-                         "agree": agree})
-            add_fraction(rows[-1], "kernel_vs_copy", scaled(t_kernel, lambda t: nbytes / t), copy_rate,
-                         f"verify batch {batch} nodes {nodes}: logits bytes per second / copy bandwidth")
+
+            def scaled(t, unit):
+                return None if t is None else unit(t)
+
+            def ratio(num, den):
+                return None if None in (num, den) else num / den
+
+            def ms(t):
+                return 1e3 * t
+
+            rows.append(
+                {
+                    "batch": batch,
+                    "nodes": nodes,
+                    "vocab": args.vocab,
+                    "loop_ms": scaled(t_loop, ms),
+                    "kernel_ms": scaled(t_kernel, ms),
+                    "reference_ms": scaled(t_reference, ms),
+                    "speedup": ratio(t_reference, t_kernel),
+                    "kernel_latency_ms": scaled(lat_kernel, ms),
+                    "reference_latency_ms": scaled(lat_reference, ms),
+                    "latency_speedup": ratio(lat_reference, lat_kernel),
+                    "kernel_GBps": scaled(t_kernel, lambda t: nbytes / t / 1e9),
+                    "reference_GBps": scaled(t_reference, lambda t: nbytes / t / 1e9),
+                    "agree": agree,
+                }
+            )
+            add_fraction(
+                rows[-1],
+                "kernel_vs_copy",
+                scaled(t_kernel, lambda t: nbytes / t),
+                copy_rate,
+                f"verify batch {batch} nodes {nodes}: logits bytes per second / copy bandwidth",
+            )
             if work is not None:
                 trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")
                 trace_calls(reference, work / f"trace_{batch}_{nodes}_reference")
@@ -187,19 +264,54 @@ def main(argv: list[str]) -> int:
             for name in ("kernel", "reference"):
                 traced = traced_kernels(work / f"trace_{row['batch']}_{row['nodes']}_{name}", scopes, name)
                 row.update({f"{name}_{k}": v for k, v in traced.items()})
-    baseline = {**ceilings(copy_rate=copy_rate), "copy_GBps": copy_rate / 1e9, "copy_bytes": copy_bytes, "temperature": args.temperature,
-                "draft_probs": args.stochastic, "tile": args.tile, "num_warps": args.num_warps,
-                "num_stages": args.num_stages, "programs": args.programs,
-                "kernel": ("stochastic-" if args.stochastic else "") + ("pallas" if gpu else "pallas-interpret"),
-                "timing": "in_loop_seconds, minus loop_ms"}
+    baseline = {
+        **ceilings(copy_rate=copy_rate),
+        "copy_GBps": copy_rate / 1e9,
+        "copy_bytes": copy_bytes,
+        "temperature": args.temperature,
+        "draft_probs": args.stochastic,
+        "tile": args.tile,
+        "num_warps": args.num_warps,
+        "num_stages": args.num_stages,
+        "programs": args.programs,
+        "kernel": ("stochastic-" if args.stochastic else "") + ("pallas" if gpu else "pallas-interpret"),
+        "timing": "in_loop_seconds, minus loop_ms",
+    }
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")
-    print_table(rows, ["batch", "nodes", "vocab", "loop_ms", "kernel_ms", "reference_ms", "speedup",
-                       "kernel_latency_ms", "reference_latency_ms", "latency_speedup", "kernel_GBps", "kernel_vs_copy",
-                       "agree"])
+    print_table(
+        rows,
+        [
+            "batch",
+            "nodes",
+            "vocab",
+            "loop_ms",
+            "kernel_ms",
+            "reference_ms",
+            "speedup",
+            "kernel_latency_ms",
+            "reference_latency_ms",
+            "latency_speedup",
+            "kernel_GBps",
+            "kernel_vs_copy",
+            "agree",
+        ],
+    )
     if work is not None:
         print(f"device time per call by kernel ({PROFILE_CALLS} traced calls, command buffers off):")
-        print_table(rows, ["batch", "nodes", "kernel_ms", "kernel_traced_ms", "kernel_node_stats_ms",
-                           "kernel_launches", "reference_ms", "reference_traced_ms", "reference_launches"])
+        print_table(
+            rows,
+            [
+                "batch",
+                "nodes",
+                "kernel_ms",
+                "kernel_traced_ms",
+                "kernel_node_stats_ms",
+                "kernel_launches",
+                "reference_ms",
+                "reference_traced_ms",
+                "reference_launches",
+            ],
+        )
         baseline["command_buffers"] = False
     write_results(args.out, "verify", rows, baseline)
     return 0

@@ -30,8 +30,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxspec.distributed import is_main, to_host
 from jaxspec.atomic import atomic_folder
+from jaxspec.distributed import is_main, to_host
 from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.model import DraftParams
 from jaxspec.models.config import ModelConfig
@@ -60,8 +60,12 @@ def _tensor_table(dcfg: DraftConfig) -> dict[str, tuple[tuple[str, ...], tuple[i
         "midlayer.input_layernorm.weight": (("midlayer", "input_norm"), (h,), same, same),
         "midlayer.hidden_norm.weight": (("midlayer", "hidden_norm"), (h,), same, same),
         "midlayer.post_attention_layernorm.weight": (("midlayer", "mlp_norm"), (h,), same, same),
-        "midlayer.self_attn.o_proj.weight": (("midlayer", "o"), (h, nq * d), lambda w: w.T.reshape(nq, d, h),
-                                             lambda p: p.reshape(nq * d, h).T),
+        "midlayer.self_attn.o_proj.weight": (
+            ("midlayer", "o"),
+            (h, nq * d),
+            lambda w: w.T.reshape(nq, d, h),
+            lambda p: p.reshape(nq * d, h).T,
+        ),
         "midlayer.mlp.gate_proj.weight": (("midlayer", "gate"), (f, h), transpose, transpose),
         "midlayer.mlp.up_proj.weight": (("midlayer", "up"), (f, h), transpose, transpose),
         "midlayer.mlp.down_proj.weight": (("midlayer", "down"), (h, f), transpose, transpose),
@@ -96,9 +100,9 @@ def _hf_config(dcfg: DraftConfig, dtype_name: str) -> dict:
         "mlp_bias": False,
         "torch_dtype": dtype_name,
         # A head that names no layers keeps following its policy's defaults when reloaded.
-        "eagle_config": {"use_aux_hidden_state": True} if dcfg.aux_layer_ids is None else
-                        {"eagle_aux_hidden_state_layer_ids": list(dcfg.aux_layer_ids),
-                         "use_aux_hidden_state": True},
+        "eagle_config": {"use_aux_hidden_state": True}
+        if dcfg.aux_layer_ids is None
+        else {"eagle_aux_hidden_state_layer_ids": list(dcfg.aux_layer_ids), "use_aux_hidden_state": True},
     }
 
 
@@ -109,21 +113,32 @@ def _draft_config(hf: dict, source: str) -> DraftConfig:
     if hf.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{source}: num_hidden_layers={hf['num_hidden_layers']}; only 1-layer heads are supported")
     if hf.get("target_hidden_size") not in (None, hf.get("hidden_size")):
-        raise ValueError(f"{source}: target_hidden_size={hf['target_hidden_size']} differs from hidden_size="
-                         f"{hf.get('hidden_size')}; heads whose fc maps another width are not supported")
+        raise ValueError(
+            f"{source}: target_hidden_size={hf['target_hidden_size']} differs from hidden_size="
+            f"{hf.get('hidden_size')}; heads whose fc maps another width are not supported"
+        )
     # The layer itself is a Llama layer: reuse the policy config reader for defaults and rope.
-    layer = ModelConfig.from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                 "num_hidden_layers": 1}, source=source)
+    layer = ModelConfig.from_hf(
+        {**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1}, source=source
+    )
     eagle = hf.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get("eagle_aux_hidden_state_layer_ids")
     if aux is not None:
         aux = tuple(aux)
     return DraftConfig(
-        hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size, num_heads=layer.num_heads,
-        num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, vocab_size=layer.vocab_size,
-        draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size), aux_layer_ids=aux,
-        rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta, rope_scaling=layer.rope_scaling,
-        max_position_embeddings=layer.max_position_embeddings)
+        hidden_size=layer.hidden_size,
+        intermediate_size=layer.intermediate_size,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        vocab_size=layer.vocab_size,
+        draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size),
+        aux_layer_ids=aux,
+        rms_norm_eps=layer.rms_norm_eps,
+        rope_theta=layer.rope_theta,
+        rope_scaling=layer.rope_scaling,
+        max_position_embeddings=layer.max_position_embeddings,
+    )
 
 
 def save_eagle3(dcfg: DraftConfig, dparams: DraftParams, path, dtype=None) -> None:
@@ -194,8 +209,9 @@ def load_eagle3(path, dtype="float32", policy: ModelConfig | None = None) -> tup
     shapes |= {"d2t": (dcfg.draft_vocab_size,), "t2d": (dcfg.vocab_size,)}
     for name, shape in shapes.items():
         if tuple(host[name].shape) != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(host[name].shape)}, expected {shape} "
-                             f"from config.json")
+            raise ValueError(
+                f"{path}: tensor {name} has shape {tuple(host[name].shape)}, expected {shape} from config.json"
+            )
     _check_maps(dcfg, host["d2t"], host["t2d"], str(path))
 
     target = np.dtype(jnp.dtype(dtype))
@@ -217,5 +233,7 @@ def _check_maps(dcfg: DraftConfig, d2t: np.ndarray, t2d: np.ndarray, source: str
         raise ValueError(f"{source}: d2t maps draft ids outside the policy vocabulary [0, {dcfg.vocab_size})")
     marked = np.flatnonzero(t2d)
     if len(np.unique(ids)) != len(ids) or not np.array_equal(np.sort(ids), marked):
-        raise ValueError(f"{source}: d2t and t2d disagree: d2t reaches {len(np.unique(ids))} distinct policy "
-                         f"ids, t2d marks {len(marked)}, and they must be the same set")
+        raise ValueError(
+            f"{source}: d2t and t2d disagree: d2t reaches {len(np.unique(ids))} distinct policy "
+            f"ids, t2d marks {len(marked)}, and they must be the same set"
+        )

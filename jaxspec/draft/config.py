@@ -68,7 +68,7 @@ class DraftConfig:
         if any(i < 0 for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids must be >= 0 (layer outputs), got {list(self.aux_layer_ids)}")
 
-    def for_layers_of(self, cfg: ModelConfig) -> "DraftConfig":
+    def for_layers_of(self, cfg: ModelConfig) -> DraftConfig:
         """This head with its aux layers resolved for policy `cfg`: itself when it names them, else
         with the policy's default layers (1, L/2 - 1, L - 4), as published EAGLE-3 loaders do."""
         if self.aux_layer_ids is not None:
@@ -80,26 +80,42 @@ class DraftConfig:
         """The head's decoder layer as a one-layer Llama `ModelConfig`: what the shared rope and
         MLP helpers of `jaxspec.models` read (eps, rope, shapes)."""
         return ModelConfig(
-            family="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps)
+            family="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+        )
 
     @classmethod
-    def for_policy(cls, cfg: ModelConfig, draft_vocab_size: int | None = None,
-                   aux_layer_ids: tuple[int, ...] | None = None) -> "DraftConfig":
+    def for_policy(
+        cls, cfg: ModelConfig, draft_vocab_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None
+    ) -> DraftConfig:
         """A head with the policy's layer shapes, rope and norm eps.
 
         draft_vocab_size: default min(V, 32000). aux_layer_ids: default `default_aux_layer_ids`.
         """
         dcfg = cls(
-            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size,
             draft_vocab_size=min(cfg.vocab_size, MAX_DRAFT_VOCAB) if draft_vocab_size is None else draft_vocab_size,
             aux_layer_ids=default_aux_layer_ids(cfg.num_layers) if aux_layer_ids is None else tuple(aux_layer_ids),
-            rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-            max_position_embeddings=cfg.max_position_embeddings)
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
         check_compatible(cfg, dcfg)
         return dcfg
 
@@ -109,9 +125,11 @@ def check_compatible(cfg: ModelConfig, dcfg: DraftConfig) -> None:
     if dcfg.hidden_size != cfg.hidden_size:
         raise ValueError(f"hidden_size: the draft head has {dcfg.hidden_size}, the policy has {cfg.hidden_size}")
     if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(f"vocab_size: the draft head targets a vocabulary of {dcfg.vocab_size}, "
-                         f"the policy has {cfg.vocab_size}")
+        raise ValueError(
+            f"vocab_size: the draft head targets a vocabulary of {dcfg.vocab_size}, the policy has {cfg.vocab_size}"
+        )
     bad = [i for i in dcfg.aux_layer_ids or () if not 0 <= i < cfg.num_layers]  # None: the defaults, in range
     if bad:
-        raise ValueError(f"aux_layer_ids: {list(dcfg.aux_layer_ids)} name layers outside the policy's "
-                         f"[0, {cfg.num_layers})")
+        raise ValueError(
+            f"aux_layer_ids: {list(dcfg.aux_layer_ids)} name layers outside the policy's [0, {cfg.num_layers})"
+        )

@@ -24,10 +24,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft.config import DraftConfig
-from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
-                                 target_ids, to_target_ids)
-from jaxspec.models.rope import rope_tables
+from jaxspec.draft.model import (
+    DraftParams,
+    attention_inputs,
+    check_embed,
+    draft_logits,
+    fuse,
+    layer_output,
+    target_ids,
+    to_target_ids,
+)
 from jaxspec.models.attention import attention, cache_attention, cache_attention_mask
+from jaxspec.models.rope import rope_tables
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import KVCache
 
@@ -105,8 +113,10 @@ def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, t
         "hidden_in": (hidden_in.shape, (b, t, dcfg.hidden_size)),
         "positions": (positions.shape, (b, t)),
         "cache_len": (cache_len.shape, (b,)),
-        "cache": ((len(cache.k), *cache.k[0].shape[:1], *cache.k[0].shape[2:]),
-                  (1, b, dcfg.num_kv_heads, dcfg.head_dim)),
+        "cache": (
+            (len(cache.k), *cache.k[0].shape[:1], *cache.k[0].shape[2:]),
+            (1, b, dcfg.num_kv_heads, dcfg.head_dim),
+        ),
     }
     if tree_mask is not None:
         expected["tree_mask"] = (tree_mask.shape, (b, t, t))

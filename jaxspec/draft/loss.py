@@ -18,20 +18,36 @@ and whose policy argmax lies in the draft vocabulary; steps are weighted step_de
 from __future__ import annotations
 
 import functools
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.draft.config import DraftConfig
-from jaxspec.draft.model import (DraftParams, attention_inputs, check_embed, draft_logits, fuse, layer_output,
-                                 target_ids, to_target_ids)
+from jaxspec.draft.model import (
+    DraftParams,
+    attention_inputs,
+    check_embed,
+    draft_logits,
+    fuse,
+    layer_output,
+    target_ids,
+    to_target_ids,
+)
 from jaxspec.models.rope import rope_tables
 from jaxspec.models.transformer import segment_positions, use_cudnn_attention
 
 
-def ttt_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, own_k: jax.Array,
-                  own_v: jax.Array, segment_ids: jax.Array, impl: str = "auto") -> jax.Array:
+def ttt_attention(
+    q: jax.Array,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    own_k: jax.Array,
+    own_v: jax.Array,
+    segment_ids: jax.Array,
+    impl: str = "auto",
+) -> jax.Array:
     """Attention of one TTT step over the step-0 keys and the query's own later-step keys.
 
     q [B, T, Nq, D]; prefix_k/v [B, T, Nk, D], the step-0 keys, seen causally (s <= t) within
@@ -54,7 +70,7 @@ def _factored_ttt_attention(q, prefix_k, prefix_v, own_k, own_v, segment_ids) ->
     b, t, nq, d = q.shape
     nk = prefix_k.shape[2]
     qg = q.reshape(b, t, nk, nq // nk, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     prefix = jnp.einsum("btkgd,bskd->bkgts", qg, prefix_k, preferred_element_type=jnp.float32) * scale
     prefix = jnp.where(_causal_in_segment(segment_ids)[:, None, None], prefix, jnp.finfo(jnp.float32).min)
     own = jnp.einsum("btkgd,btskd->bkgts", qg, own_k, preferred_element_type=jnp.float32) * scale
@@ -91,8 +107,16 @@ def _shift(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(x[:, n:], pad)
 
 
-def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array, tokens: jax.Array,
-               num_steps: int, segment_ids: jax.Array, remat: bool = False) -> Iterator[jax.Array]:
+def _ttt_steps(
+    dcfg: DraftConfig,
+    dparams: DraftParams,
+    embed: jax.Array,
+    fused: jax.Array,
+    tokens: jax.Array,
+    num_steps: int,
+    segment_ids: jax.Array,
+    remat: bool = False,
+) -> Iterator[jax.Array]:
     """Yields the layer output [B, T, H] of each unrolled step in turn. remat: each step is
     checkpointed, so the backward pass keeps its inputs (layer input, keys and values) and recomputes
     its activations (the MLP's [B, T, I] among them) instead of holding them for every step."""
@@ -119,8 +143,9 @@ def _ttt_steps(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused:
         yield hidden
 
 
-def ttt_forward(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array,
-                tokens: jax.Array, num_steps: int) -> tuple[jax.Array, jax.Array]:
+def ttt_forward(
+    dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, fused: jax.Array, tokens: jax.Array, num_steps: int
+) -> tuple[jax.Array, jax.Array]:
     """The unrolled head: fused features [B, T, H], int32 tokens [B, T] -> (float32 logits
     [num_steps, B, T, Vd], layer outputs [num_steps, B, T, H]); entry [i, b, t] predicts
     x_{t+2+i} (see the module doc). Token inputs past the sequence end are id 0."""
@@ -139,12 +164,20 @@ class Eagle3Targets(NamedTuple):
 def eagle3_targets(dparams: DraftParams, target_logits: jax.Array) -> Eagle3Targets:
     """`Eagle3Targets` of policy logits [..., V] (any leading shape, any float dtype; no gradient)."""
     logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
-    return Eagle3Targets(soft=jax.nn.softmax(jnp.take(logits, target_ids(dparams), axis=-1), axis=-1),
-                         top=jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return Eagle3Targets(
+        soft=jax.nn.softmax(jnp.take(logits, target_ids(dparams), axis=-1), axis=-1),
+        top=jnp.argmax(logits, axis=-1).astype(jnp.int32),
+    )
 
 
-def _step_cross_entropy(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, soft_target: jax.Array,
-                        policy_top: jax.Array, offset: int) -> tuple[jax.Array, jax.Array]:
+def _step_cross_entropy(
+    dcfg: DraftConfig,
+    dparams: DraftParams,
+    hidden: jax.Array,
+    soft_target: jax.Array,
+    policy_top: jax.Array,
+    offset: int,
+) -> tuple[jax.Array, jax.Array]:
     """One TTT step's terms at each position t, from its layer output hidden [B, T, H]: the soft
     cross-entropy (float32 [B, T]) of the head's logits at t against soft_target [B, T, Vd] at
     t + offset, and whether the head's argmax is policy_top (int32 [B, T]) at t + offset (bool
@@ -154,6 +187,7 @@ def _step_cross_entropy(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Arr
     [B, T, H], not float32 [B, T, Vd]. Checkpointed, so the backward pass recomputes the float32
     logits from it and the loss keeps no [B, T, Vd] array of any step.
     """
+
     def terms(dparams, hidden, soft_target):
         t = hidden.shape[1]
         kept = max(t - offset, 0)
@@ -166,10 +200,19 @@ def _step_cross_entropy(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Arr
     return jax.checkpoint(terms)(dparams, hidden, soft_target)
 
 
-def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_hidden: jax.Array,
-                target_logits: jax.Array | Eagle3Targets, tokens: jax.Array, loss_mask: jax.Array, num_steps: int = 7,
-                step_decay: float = 0.8, segment_ids: jax.Array | None = None, remat: bool = False
-                ) -> tuple[jax.Array, dict]:
+def eagle3_loss(
+    dcfg: DraftConfig,
+    dparams: DraftParams,
+    embed: jax.Array,
+    aux_hidden: jax.Array,
+    target_logits: jax.Array | Eagle3Targets,
+    tokens: jax.Array,
+    loss_mask: jax.Array,
+    num_steps: int = 7,
+    step_decay: float = 0.8,
+    segment_ids: jax.Array | None = None,
+    remat: bool = False,
+) -> tuple[jax.Array, dict]:
     """TTT loss of the head on one batch of policy sequences.
 
     embed: the policy's token embedding [V, H]. aux_hidden: [3, B, T, H] policy outputs of layers
@@ -194,13 +237,18 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
     b, t = tokens.shape
     given_targets = isinstance(target_logits, Eagle3Targets)
     if given_targets:
-        target_shapes = (("targets.soft", target_logits.soft, (b, t, dcfg.draft_vocab_size)),
-                         ("targets.top", target_logits.top, (b, t)))
+        target_shapes = (
+            ("targets.soft", target_logits.soft, (b, t, dcfg.draft_vocab_size)),
+            ("targets.top", target_logits.top, (b, t)),
+        )
     else:
         target_shapes = (("target_logits", target_logits, (b, t, dcfg.vocab_size)),)
-    for name, arr, want in (("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)), *target_shapes,
-                            ("loss_mask", loss_mask, (b, t)),
-                            ("segment_ids", segment_ids, (b, t))):
+    for name, arr, want in (
+        ("aux_hidden", aux_hidden, (3, b, t, dcfg.hidden_size)),
+        *target_shapes,
+        ("loss_mask", loss_mask, (b, t)),
+        ("segment_ids", segment_ids, (b, t)),
+    ):
         if arr is None:
             continue
         if tuple(arr.shape) != want:
@@ -228,6 +276,10 @@ def eagle3_loss(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, aux_h
         counted_sizes.append(n_counted)
     step_loss = jnp.stack(step_losses)
     loss = jnp.sum(step_loss * step_decay ** jnp.arange(num_steps, dtype=jnp.float32))
-    metrics = {"step_loss": step_loss, "top1_agreement": jnp.stack(agreements).astype(jnp.float32),
-               "positions": jnp.stack(positions), "counted": jnp.stack(counted_sizes)}
+    metrics = {
+        "step_loss": step_loss,
+        "top1_agreement": jnp.stack(agreements).astype(jnp.float32),
+        "positions": jnp.stack(positions),
+        "counted": jnp.stack(counted_sizes),
+    }
     return loss, metrics

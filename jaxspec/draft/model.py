@@ -60,9 +60,16 @@ def build_vocab_maps(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, n
     return (chosen - np.arange(draft_vocab_size)).astype(np.int32), t2d
 
 
-def init_eagle3(cfg: ModelConfig, key: jax.Array, draft_vocab_size: int | None = None, token_counts=None, *,
-                aux_layer_ids: tuple[int, ...] | None = None, dtype=jnp.float32,
-                std: float = 0.02) -> tuple[DraftConfig, DraftParams]:
+def init_eagle3(
+    cfg: ModelConfig,
+    key: jax.Array,
+    draft_vocab_size: int | None = None,
+    token_counts=None,
+    *,
+    aux_layer_ids: tuple[int, ...] | None = None,
+    dtype=jnp.float32,
+    std: float = 0.02,
+) -> tuple[DraftConfig, DraftParams]:
     """A random EAGLE-3 head for policy `cfg`.
 
     draft_vocab_size: default min(V, 32000). token_counts: int [V] policy-token counts of the
@@ -73,8 +80,9 @@ def init_eagle3(cfg: ModelConfig, key: jax.Array, draft_vocab_size: int | None =
     if token_counts is None:
         token_counts = np.zeros(dcfg.vocab_size, np.int64)  # ties -> the first Vd ids
     elif np.shape(token_counts) != (dcfg.vocab_size,):
-        raise ValueError(f"token_counts has shape {np.shape(token_counts)}, expected the policy vocabulary "
-                         f"({dcfg.vocab_size},)")
+        raise ValueError(
+            f"token_counts has shape {np.shape(token_counts)}, expected the policy vocabulary ({dcfg.vocab_size},)"
+        )
     d2t, t2d = build_vocab_maps(token_counts, dcfg.draft_vocab_size)
     weights = _random_weights(dcfg, key, jnp.dtype(dtype), float(std))
     return dcfg, merge_buffers(weights, {"d2t": jnp.asarray(d2t), "t2d": jnp.asarray(t2d)})
@@ -85,16 +93,31 @@ def _random_weights(dcfg: DraftConfig, key: jax.Array, dtype, std: float) -> Dra
     """The float leaves of a head: matrices normal(0, std), norm weights 1. All matrices are cut
     from one normal draw (one small program to compile)."""
     h, f, d, nq, nk = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim, dcfg.num_heads, dcfg.num_kv_heads
-    shapes = {"fc": (3 * h, h), "q": (2 * h, nq, d), "k": (2 * h, nk, d), "v": (2 * h, nk, d), "o": (nq, d, h),
-              "gate": (h, f), "up": (h, f), "down": (f, h), "lm_head": (h, dcfg.draft_vocab_size)}
+    shapes = {
+        "fc": (3 * h, h),
+        "q": (2 * h, nq, d),
+        "k": (2 * h, nk, d),
+        "v": (2 * h, nk, d),
+        "o": (nq, d, h),
+        "gate": (h, f),
+        "up": (h, f),
+        "down": (f, h),
+        "lm_head": (h, dcfg.draft_vocab_size),
+    }
     sizes = [math.prod(shape) for shape in shapes.values()]
     flat = std * jax.random.normal(key, (sum(sizes),), jnp.float32)
     offsets = np.cumsum([0] + sizes)
-    m = {name: flat[offsets[i]:offsets[i + 1]].reshape(shape).astype(dtype)
-         for i, (name, shape) in enumerate(shapes.items())}
+    m = {
+        name: flat[offsets[i] : offsets[i + 1]].reshape(shape).astype(dtype)
+        for i, (name, shape) in enumerate(shapes.items())
+    }
     ones = jnp.ones((h,), dtype)
-    midlayer = {"input_norm": ones, "hidden_norm": ones, "mlp_norm": ones,
-                **{name: m[name] for name in ("q", "k", "v", "o", "gate", "up", "down")}}
+    midlayer = {
+        "input_norm": ones,
+        "hidden_norm": ones,
+        "mlp_norm": ones,
+        **{name: m[name] for name in ("q", "k", "v", "o", "gate", "up", "down")},
+    }
     return {"fc": m["fc"], "midlayer": midlayer, "norm": ones, "lm_head": m["lm_head"]}
 
 
@@ -125,37 +148,56 @@ def check_embed(dcfg: DraftConfig, embed: jax.Array) -> None:
     if embed.ndim != 2:
         raise ValueError(f"embed must be the policy's [vocab_size, hidden_size] embedding, got shape {embed.shape}")
     if embed.shape[1] != dcfg.hidden_size:
-        raise ValueError(f"hidden_size: the draft head has {dcfg.hidden_size}, the policy embedding has "
-                         f"{embed.shape[1]}")
+        raise ValueError(
+            f"hidden_size: the draft head has {dcfg.hidden_size}, the policy embedding has {embed.shape[1]}"
+        )
     if embed.shape[0] != dcfg.vocab_size:
-        raise ValueError(f"vocab_size: the draft head targets a vocabulary of {dcfg.vocab_size}, the policy "
-                         f"embedding has {embed.shape[0]}")
+        raise ValueError(
+            f"vocab_size: the draft head targets a vocabulary of {dcfg.vocab_size}, the policy "
+            f"embedding has {embed.shape[0]}"
+        )
 
 
 def fuse(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:
     """fc of the policy's aux hidden states: aux [3, B, T, H] (layers low, mid, high) -> [B, T, H]
     in the head's dtype."""
     if dcfg.aux_layer_ids is None:
-        raise ValueError("the EAGLE-3 head names no policy layers (its config.json has no "
-                         "eagle_aux_hidden_state_layer_ids): resolve them for the policy with "
-                         "dcfg.for_layers_of(policy_cfg) or load_eagle3(path, policy=policy_cfg)")
+        raise ValueError(
+            "the EAGLE-3 head names no policy layers (its config.json has no "
+            "eagle_aux_hidden_state_layer_ids): resolve them for the policy with "
+            "dcfg.for_layers_of(policy_cfg) or load_eagle3(path, policy=policy_cfg)"
+        )
     if aux.ndim != 4 or aux.shape[0] != 3 or aux.shape[-1] != dcfg.hidden_size:
-        raise ValueError(f"aux must be [3, B, T, hidden_size={dcfg.hidden_size}] (the policy's outputs of "
-                         f"layers {list(dcfg.aux_layer_ids)}), got shape {aux.shape}")
+        raise ValueError(
+            f"aux must be [3, B, T, hidden_size={dcfg.hidden_size}] (the policy's outputs of "
+            f"layers {list(dcfg.aux_layer_ids)}), got shape {aux.shape}"
+        )
     fc = dparams["fc"]
     stacked = jnp.concatenate([aux[0], aux[1], aux[2]], axis=-1).astype(fc.dtype)  # [B, T, 3H]
     return jnp.einsum("btc,ch->bth", stacked, fc)
 
 
-def attention_inputs(dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, tokens: jax.Array,
-                     hidden: jax.Array, cos: jax.Array, sin: jax.Array):
+def attention_inputs(
+    dcfg: DraftConfig,
+    dparams: DraftParams,
+    embed: jax.Array,
+    tokens: jax.Array,
+    hidden: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+):
     """Rotated q [B, T, Nq, D] and k, unrotated v [B, T, Nk, D] of the layer for int32 tokens
     [B, T] and hidden inputs [B, T, H]; cos/sin from `rope_tables(dcfg.layer_config, positions)`."""
     layer = dparams["midlayer"]
     dtype = dparams["fc"].dtype
     emb = jax.lax.stop_gradient(jnp.take(embed, tokens, axis=0)).astype(dtype)
-    x = jnp.concatenate([rms_norm(emb, layer["input_norm"], dcfg.rms_norm_eps),
-                         rms_norm(hidden.astype(dtype), layer["hidden_norm"], dcfg.rms_norm_eps)], axis=-1)
+    x = jnp.concatenate(
+        [
+            rms_norm(emb, layer["input_norm"], dcfg.rms_norm_eps),
+            rms_norm(hidden.astype(dtype), layer["hidden_norm"], dcfg.rms_norm_eps),
+        ],
+        axis=-1,
+    )
     q = jnp.einsum("btc,cnd->btnd", x, layer["q"])
     k = jnp.einsum("btc,cnd->btnd", x, layer["k"])
     v = jnp.einsum("btc,cnd->btnd", x, layer["v"])

@@ -6,22 +6,27 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
-from jaxspec.draft_training.train import check_run_dir, train_draft
 from jaxspec.draft_training.config import DraftTrainConfig, validate
+from jaxspec.draft_training.train import check_run_dir, train_draft
 from jaxspec.placement import check_devices
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
 
 def _train_parser():
-    return run_parser("jaxspec draft train", "Train an EAGLE-3 draft head against a frozen policy that generates "
-                      "its own training data, and export it in the public EAGLE-3 layout.",
-                      "configs/draft_tiny.yaml", "checkpoints, metrics and the export")
+    return run_parser(
+        "jaxspec draft train",
+        "Train an EAGLE-3 draft head against a frozen policy that generates "
+        "its own training data, and export it in the public EAGLE-3 layout.",
+        "configs/draft_tiny.yaml",
+        "checkpoints, metrics and the export",
+    )
 
 
 def _usage() -> str:
     return "usage: jaxspec draft <verb> [args]\n\nverbs:\n" + "\n".join(
-        f"  {verb:<8}{doc}" for verb, doc in VERBS.items())
+        f"  {verb:<8}{doc}" for verb, doc in VERBS.items()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

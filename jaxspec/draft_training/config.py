@@ -184,10 +184,16 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
         if d is None:
             continue
         need(d.num_prompts > 0, f"{prefix}.num_prompts", f"must be > 0, got {d.num_prompts}")
-        need(bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels), f"{prefix}.levels",
-             f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
-        need(bool(d.kinds) and all(k in KINDS for k in d.kinds), f"{prefix}.kinds",
-             f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+        need(
+            bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels),
+            f"{prefix}.levels",
+            f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}",
+        )
+        need(
+            bool(d.kinds) and all(k in KINDS for k in d.kinds),
+            f"{prefix}.kinds",
+            f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}",
+        )
         for key, message in config_errors(d.tally):
             need(False, f"{prefix}.tally.{key}", message)
         need(d.max_prompt_len > 0, f"{prefix}.max_prompt_len", f"must be > 0, got {d.max_prompt_len}")
@@ -197,14 +203,20 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
     need(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
     need(g.max_new_tokens > 0, "generation.max_new_tokens", f"must be > 0, got {g.max_new_tokens}")
     need(g.batches_per_call > 0, "generation.batches_per_call", f"must be > 0, got {g.batches_per_call}")
-    need(h.draft_vocab_size is None or h.draft_vocab_size > 0, "head.draft_vocab_size",
-         f"must be > 0, got {h.draft_vocab_size}")
+    need(
+        h.draft_vocab_size is None or h.draft_vocab_size > 0,
+        "head.draft_vocab_size",
+        f"must be > 0, got {h.draft_vocab_size}",
+    )
     need(h.vocab_count_batches > 0, "head.vocab_count_batches", f"must be > 0, got {h.vocab_count_batches}")
     need(lo.num_steps > 0, "loss.num_steps", f"must be > 0, got {lo.num_steps}")
     need(0 < lo.step_decay <= 1, "loss.step_decay", f"must be in (0, 1], got {lo.step_decay}")
     need(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
-    need(0 <= o.warmup_steps < t.steps, "optim.warmup_steps", f"must be in [0, train.steps={t.steps}), "
-                                                              f"got {o.warmup_steps}")
+    need(
+        0 <= o.warmup_steps < t.steps,
+        "optim.warmup_steps",
+        f"must be in [0, train.steps={t.steps}), got {o.warmup_steps}",
+    )
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     need(o.grad_clip > 0, "optim.grad_clip", f"must be > 0, got {o.grad_clip}")
     need(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
@@ -216,5 +228,8 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
     for axis in ("data", "fsdp", "tensor"):
         need(getattr(cfg.mesh, axis) > 0, f"mesh.{axis}", f"must be > 0, got {getattr(cfg.mesh, axis)}")
     row_shards = cfg.mesh.data * cfg.mesh.fsdp
-    need(t.batch_size % row_shards == 0, "train.batch_size",
-         f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices")
+    need(
+        t.batch_size % row_shards == 0,
+        "train.batch_size",
+        f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices",
+    )

@@ -58,12 +58,26 @@ class RolloutSource:
     """Batches of policy rollouts addressed by step number (deterministic given the seed).
     sharding: the mesh the policy is sharded over; the rollouts' rows are split over its batch axes."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, tok: ChatTokenizer, pool: list[list[int]],
-                 generation: GenerationConfig, max_prompt_len: int, batch_size: int, seed: int,
-                 sharding: Sharding | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        tok: ChatTokenizer,
+        pool: list[list[int]],
+        generation: GenerationConfig,
+        max_prompt_len: int,
+        batch_size: int,
+        seed: int,
+        sharding: Sharding | None = None,
+    ):
         self.cfg, self.params, self.tok, self.pool, self.sharding = cfg, params, tok, pool, sharding
-        self.sampling = Sampling(temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,
-                                 max_new_tokens=generation.max_new_tokens, eos_id=tok.eos_id)
+        self.sampling = Sampling(
+            temperature=generation.temperature,
+            top_p=generation.top_p,
+            top_k=generation.top_k,
+            max_new_tokens=generation.max_new_tokens,
+            eos_id=tok.eos_id,
+        )
         self.width = max_prompt_len + generation.max_new_tokens
         self.batch_size, self.seed, self.per_call = batch_size, seed, generation.batches_per_call
         self._group: tuple[int, dict[str, np.ndarray]] | None = None  # the last group generated
@@ -90,9 +104,9 @@ class RolloutSource:
         for b, (prompt, n) in enumerate(zip(prompts, lengths)):
             p = len(prompt)
             tokens[b, :p] = prompt
-            tokens[b, p:p + n] = responses[b, :n]
-            loss_mask[b, p:p + n] = True
-            attn_mask[b, :p + n] = True
+            tokens[b, p : p + n] = responses[b, :n]
+            loss_mask[b, p : p + n] = True
+            attn_mask[b, : p + n] = True
         return {"tokens": tokens, "loss_mask": loss_mask, "attn_mask": attn_mask}
 
 

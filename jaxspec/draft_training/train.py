@@ -49,22 +49,39 @@ _EVAL_SEED_OFFSET = 1_000_003  # evaluation prompts and rollouts never share the
 
 def check_run_dir(cfg: DraftTrainConfig, run_dir: Path, resume: bool) -> None:
     """`jaxspec.run.check_run_dir`: a resumed run keeps its policy, data, generation and head."""
-    run_dir_guard(run_dir, resume, cfg, lambda key: key.split(".")[0] in _FIXED_SECTIONS,
-                  f"resume with the same {', '.join(_FIXED_SECTIONS)} settings")
+    run_dir_guard(
+        run_dir,
+        resume,
+        cfg,
+        lambda key: key.split(".")[0] in _FIXED_SECTIONS,
+        f"resume with the same {', '.join(_FIXED_SECTIONS)} settings",
+    )
 
 
 def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict, sharding: Sharding | None):
     """Policy logits [B, W, V] and aux hidden states [3, B, W, H] of a batch (no gradient); on a
     mesh the activations are split over its batch axes like the rows."""
-    logits, aux = forward_hidden(cfg, policy, batch["tokens"], dcfg.aux_layer_ids, mask=batch["attn_mask"],
-                                 sharding=sharding)
+    logits, aux = forward_hidden(
+        cfg, policy, batch["tokens"], dcfg.aux_layer_ids, mask=batch["attn_mask"], sharding=sharding
+    )
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(aux)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("sharding",), donate_argnums=(5, 6))
-def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: HeadOptimConfig, total_steps: int, loss: HeadLossConfig,
-               weights: dict, opt_state, buffers: dict, policy: Params, batch: dict, *,
-               sharding: Sharding | None = None):
+def train_step(
+    cfg: ModelConfig,
+    dcfg: DraftConfig,
+    optim: HeadOptimConfig,
+    total_steps: int,
+    loss: HeadLossConfig,
+    weights: dict,
+    opt_state,
+    buffers: dict,
+    policy: Params,
+    batch: dict,
+    *,
+    sharding: Sharding | None = None,
+):
     """One AdamW step of the head: -> (weights, opt_state, metrics). The policy is read only;
     weights and opt_state are donated. batch: {"tokens", "loss_mask", "attn_mask"} [B, W].
     sharding: the run's mesh (None on one device)."""
@@ -72,8 +89,17 @@ def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: HeadOptimConfig, tota
     logits, aux = _features(cfg, dcfg, policy, batch, sharding)
 
     def loss_fn(w):
-        return eagle3_loss(dcfg, merge_buffers(w, buffers), policy["embed"], aux, logits, batch["tokens"],
-                           batch["loss_mask"], loss.num_steps, loss.step_decay)
+        return eagle3_loss(
+            dcfg,
+            merge_buffers(w, buffers),
+            policy["embed"],
+            aux,
+            logits,
+            batch["tokens"],
+            batch["loss_mask"],
+            loss.num_steps,
+            loss.step_decay,
+        )
 
     (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
     updates, opt_state = optimizer.update(grads, opt_state, weights)
@@ -82,12 +108,29 @@ def train_step(cfg: ModelConfig, dcfg: DraftConfig, optim: HeadOptimConfig, tota
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("sharding",))
-def eval_step(cfg: ModelConfig, dcfg: DraftConfig, loss: HeadLossConfig, dparams: dict, policy: Params, batch: dict, *,
-              sharding: Sharding | None = None):
+def eval_step(
+    cfg: ModelConfig,
+    dcfg: DraftConfig,
+    loss: HeadLossConfig,
+    dparams: dict,
+    policy: Params,
+    batch: dict,
+    *,
+    sharding: Sharding | None = None,
+):
     """(loss, metrics) of the head on a batch, without an update."""
     logits, aux = _features(cfg, dcfg, policy, batch, sharding)
-    return eagle3_loss(dcfg, dparams, policy["embed"], aux, logits, batch["tokens"], batch["loss_mask"],
-                       loss.num_steps, loss.step_decay)
+    return eagle3_loss(
+        dcfg,
+        dparams,
+        policy["embed"],
+        aux,
+        logits,
+        batch["tokens"],
+        batch["loss_mask"],
+        loss.num_steps,
+        loss.step_decay,
+    )
 
 
 def _device_batch(batch: RolloutBatch, placement: Placement) -> dict:
@@ -105,16 +148,18 @@ def _floats(values) -> list[float]:
     return [round(float(v), 6) for v in np.asarray(values)]
 
 
-def _initial_head(cfg: ModelConfig, run: DraftTrainConfig, source: RolloutSource, run_dir: Path,
-                  resume: bool) -> tuple[DraftConfig, dict, dict[int, RolloutBatch]]:
+def _initial_head(
+    cfg: ModelConfig, run: DraftTrainConfig, source: RolloutSource, run_dir: Path, resume: bool
+) -> tuple[DraftConfig, dict, dict[int, RolloutBatch]]:
     """(dcfg, dparams, pre-generated batches by step): a fresh head takes its vocabulary from
     the token counts of the first batches, which then serve as the first training batches."""
     head = run.head
     if head.init is not None:
         dcfg, dparams = load_eagle3(head.init, policy=cfg)
         if head.aux_layer_ids is not None and tuple(head.aux_layer_ids) != dcfg.aux_layer_ids:
-            raise ValueError(f"head.aux_layer_ids={list(head.aux_layer_ids)} differs from {head.init}'s "
-                             f"{list(dcfg.aux_layer_ids)}")
+            raise ValueError(
+                f"head.aux_layer_ids={list(head.aux_layer_ids)} differs from {head.init}'s {list(dcfg.aux_layer_ids)}"
+            )
         return dcfg, dparams, {}
     key = jax.random.fold_in(jax.random.key(run.train.seed), 1)
     counts_file = run_dir / "token_counts.npy"
@@ -128,22 +173,43 @@ def _initial_head(cfg: ModelConfig, run: DraftTrainConfig, source: RolloutSource
     return dcfg, dparams, batches
 
 
-def evaluate(cfg: ModelConfig, dcfg: DraftConfig, dparams: dict, policy: Params, tok: ChatTokenizer,
-             run: DraftTrainConfig, placement: Placement) -> dict:
+def evaluate(
+    cfg: ModelConfig,
+    dcfg: DraftConfig,
+    dparams: dict,
+    policy: Params,
+    tok: ChatTokenizer,
+    run: DraftTrainConfig,
+    placement: Placement,
+) -> dict:
     """Mean loss and top-1 agreement per unrolled position on fresh batches of `run.eval.data`."""
     data = run.eval.data or dataclasses.replace(run.data, seed=run.data.seed + _EVAL_SEED_OFFSET)
-    source = RolloutSource(cfg, policy, tok, prompt_pool(data, tok), run.generation, data.max_prompt_len,
-                           run.train.batch_size, run.train.seed + _EVAL_SEED_OFFSET, placement.sharding)
+    source = RolloutSource(
+        cfg,
+        policy,
+        tok,
+        prompt_pool(data, tok),
+        run.generation,
+        data.max_prompt_len,
+        run.train.batch_size,
+        run.train.seed + _EVAL_SEED_OFFSET,
+        placement.sharding,
+    )
     losses, agreements, weights = [], [], []
     for i in range(run.eval.batches):
-        loss, metrics = eval_step(cfg, dcfg, run.loss, dparams, policy, _device_batch(source.batch(i), placement),
-                                  sharding=placement.sharding)
+        loss, metrics = eval_step(
+            cfg, dcfg, run.loss, dparams, policy, _device_batch(source.batch(i), placement), sharding=placement.sharding
+        )
         losses.append(float(loss))
         agreements.append(np.asarray(metrics["top1_agreement"]) * np.asarray(metrics["positions"]))
         weights.append(np.asarray(metrics["positions"]))
     agreement = np.sum(agreements, axis=0) / np.maximum(np.sum(weights, axis=0), 1)
-    return {"eval_loss": float(np.mean(losses)), "eval_top1_agreement": _floats(agreement),
-            "eval_positions": int(np.sum(weights, axis=0)[0]), "eval_batches": run.eval.batches}
+    return {
+        "eval_loss": float(np.mean(losses)),
+        "eval_top1_agreement": _floats(agreement),
+        "eval_positions": int(np.sum(weights, axis=0)[0]),
+        "eval_batches": run.eval.batches,
+    }
 
 
 def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
@@ -169,16 +235,26 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
     if placement.sharding is not None:
         policy = shard_params(placement.sharding, policy)
         print(f"training on the mesh {dict(placement.sharding.mesh.shape)}")
-    source = RolloutSource(cfg, policy, tok, prompt_pool(run.data, tok), run.generation, run.data.max_prompt_len,
-                           t.batch_size, t.seed, placement.sharding)
+    source = RolloutSource(
+        cfg,
+        policy,
+        tok,
+        prompt_pool(run.data, tok),
+        run.generation,
+        run.data.max_prompt_len,
+        t.batch_size,
+        t.seed,
+        placement.sharding,
+    )
     dcfg, dparams, pregenerated = _initial_head(cfg, run, source, run_dir, resume)
     check_compatible(cfg, dcfg)
     weights, buffers = split_buffers(dparams)
     optimizer, schedule = make_optimizer(run.optim, t.steps)
     # The head, its optimizer state and the step replicated over the mesh; a checkpoint is restored
     # onto this layout, whatever mesh wrote it.
-    state = placement.state({"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights),
-                             "step": jnp.int32(0)})
+    state = placement.state(
+        {"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights), "step": jnp.int32(0)}
+    )
     layout = abstract((state["weights"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
     restored = checkpointer.resume(state) if resume else None
@@ -186,22 +262,37 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
         state = restored
         print(f"resumed from step {int(state['step'])}")
     weights, buffers, opt_state, step = state["weights"], state["buffers"], state["opt_state"], int(state["step"])
-    print(f"draft head: vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size}, aux layers "
-          f"{list(dcfg.aux_layer_ids)}; {len(source.pool)} prompts")
+    print(
+        f"draft head: vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size}, aux layers "
+        f"{list(dcfg.aux_layer_ids)}; {len(source.pool)} prompts"
+    )
 
     start = time.perf_counter()
     truncate_metrics(run_dir / "metrics.jsonl", step)
     result: dict = {"preempted": False}
-    with open(run_dir / "metrics.jsonl", "a") as metrics_file, StopSignals() as stop, Progress(
-            "draft", t.steps, step, t.progress) as bar:
+    with (
+        open(run_dir / "metrics.jsonl", "a") as metrics_file,
+        StopSignals() as stop,
+        Progress("draft", t.steps, step, t.progress) as bar,
+    ):
         window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
         while step < t.steps and not stop.requested:
             gen_start = time.perf_counter()
             batch = pregenerated.pop(step, None) or source.batch(step)
             window["generate_s"] += time.perf_counter() - gen_start
-            weights, opt_state, out = train_step(cfg, dcfg, run.optim, t.steps, run.loss, weights, opt_state,
-                                                 buffers, policy, _device_batch(batch, placement),
-                                                 sharding=placement.sharding)
+            weights, opt_state, out = train_step(
+                cfg,
+                dcfg,
+                run.optim,
+                t.steps,
+                run.loss,
+                weights,
+                opt_state,
+                buffers,
+                policy,
+                _device_batch(batch, placement),
+                sharding=placement.sharding,
+            )
             weights, opt_state = placement.pin((weights, opt_state), layout)
             jax.block_until_ready(out)  # so that the next batch's time is generation alone
             step += 1
@@ -209,20 +300,32 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
             record = None
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - window["start"]
-                record = {"step": step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-                          "lr": float(schedule(step - 1)), "step_loss": _floats(out["step_loss"]),
-                          "top1_agreement": _floats(out["top1_agreement"]),
-                          "response_tokens_per_s": window["tokens"] / elapsed,
-                          "generate_fraction": window["generate_s"] / elapsed,
-                          "elapsed_s": time.perf_counter() - start}
+                record = {
+                    "step": step,
+                    "loss": float(out["loss"]),
+                    "grad_norm": float(out["grad_norm"]),
+                    "lr": float(schedule(step - 1)),
+                    "step_loss": _floats(out["step_loss"]),
+                    "top1_agreement": _floats(out["top1_agreement"]),
+                    "response_tokens_per_s": window["tokens"] / elapsed,
+                    "generate_fraction": window["generate_s"] / elapsed,
+                    "elapsed_s": time.perf_counter() - start,
+                }
                 _log(metrics_file, record)
                 result["loss"] = record["loss"]
                 window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
-            bar.update(1, **({} if record is None else {"loss": f"{record['loss']:.3f}",
-                                                        "top1": f"{record['top1_agreement'][0]:.2f}"}))
+            bar.update(
+                1,
+                **(
+                    {}
+                    if record is None
+                    else {"loss": f"{record['loss']:.3f}", "top1": f"{record['top1_agreement'][0]:.2f}"}
+                ),
+            )
             if step % t.checkpoint_every == 0 or step == t.steps or (stop.requested and step < t.steps):
-                checkpointer.save({"weights": weights, "buffers": buffers, "opt_state": opt_state,
-                                   "step": jnp.int32(step)})
+                checkpointer.save(
+                    {"weights": weights, "buffers": buffers, "opt_state": opt_state, "step": jnp.int32(step)}
+                )
         dparams = merge_buffers(weights, buffers)
         result |= {"step": step, "train_seconds": time.perf_counter() - start, "preempted": step < t.steps}
         if result["preempted"]:
@@ -238,6 +341,8 @@ def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
     save_eagle3(dcfg, dparams, export_dir, dtype=t.export_dtype)
     result["export_dir"] = str(export_dir)
     agreement = f", eval top-1 agreement {result['eval_top1_agreement'][0]:.3f}" if run.eval.batches else ""
-    print(f"draft train done: {step} steps in {result['train_seconds']:.1f} s, final loss "
-          f"{result.get('loss', float('nan')):.4f}{agreement}; exported draft head to {export_dir}")
+    print(
+        f"draft train done: {step} steps in {result['train_seconds']:.1f} s, final loss "
+        f"{result.get('loss', float('nan')):.4f}{agreement}; exported draft head to {export_dir}"
+    )
     return result

@@ -4,11 +4,35 @@ from jaxspec.models.checkpoint import load_hf, load_tokenizer, save_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import load_balancing_loss
 from jaxspec.models.sharding import Sharding, make_mesh, param_shardings, shard_params
-from jaxspec.models.transformer import (KVCache, Params, cache_bytes, extend, forward, forward_hidden,
-                                        forward_router, init_cache, init_params)
+from jaxspec.models.transformer import (
+    KVCache,
+    Params,
+    cache_bytes,
+    extend,
+    forward,
+    forward_hidden,
+    forward_router,
+    init_cache,
+    init_params,
+)
 
 __all__ = [
-    "KVCache", "ModelConfig", "Params", "Sharding", "cache_bytes", "extend", "forward", "forward_hidden",
-    "forward_router", "init_cache", "init_params", "load_balancing_loss", "load_hf", "load_tokenizer", "make_mesh",
-    "param_shardings", "save_hf", "shard_params",
+    "KVCache",
+    "ModelConfig",
+    "Params",
+    "Sharding",
+    "cache_bytes",
+    "extend",
+    "forward",
+    "forward_hidden",
+    "forward_router",
+    "init_cache",
+    "init_params",
+    "load_balancing_loss",
+    "load_hf",
+    "load_tokenizer",
+    "make_mesh",
+    "param_shardings",
+    "save_hf",
+    "shard_params",
 ]

@@ -38,15 +38,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     nk = k.shape[2]
     with jax.named_scope("attention"):
         qg = q.reshape(b, t, nk, nq // nk, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
         return out.reshape(b, t, nq, d).astype(q.dtype)
 
 
-def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
-                         tree_mask: jax.Array | None = None, active: jax.Array | None = None) -> jax.Array:
+def cache_attention_mask(
+    cache_len: jax.Array,
+    num_new: int,
+    max_len: int,
+    tree_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
+) -> jax.Array:
     """Which cache slots each of `num_new` tokens written at slots cache_len[b] + t may attend to.
 
     cache_len int32 [B]; tree_mask bool [B, T, T] among the new tokens (default causal); active
@@ -62,9 +67,17 @@ def cache_attention_mask(cache_len: jax.Array, num_new: int, max_len: int,
     return in_prefix[:, None, :] | (in_new[:, None, :] & new_visible)
 
 
-def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_len: jax.Array,
-                    tree_mask: jax.Array | None = None, *, active: jax.Array | None = None,
-                    sharding: Sharding | None = None, impl: str = "auto") -> jax.Array:
+def cache_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_len: jax.Array,
+    tree_mask: jax.Array | None = None,
+    *,
+    active: jax.Array | None = None,
+    sharding: Sharding | None = None,
+    impl: str = "auto",
+) -> jax.Array:
     """Attention of T new tokens over a cache that already holds their keys and values.
 
     q [B, T, Nq, D]; k/v_cache [B, S, Nk, D] with row b's prefix in slots [0, cache_len[b]) and
@@ -81,8 +94,10 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
         mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask, active)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"cache attention impl {impl!r} needs one dtype for q and the cache, got q {q.dtype}, "
-                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+        raise ValueError(
+            f"cache attention impl {impl!r} needs one dtype for q and the cache, got q {q.dtype}, "
+            f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
     b, t, nq, d = q.shape
     nk = k_cache.shape[2]
     group = nq // nk
@@ -92,15 +107,16 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_
         q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
         bits = new_token_bits(_tree_mask(b, t, tree_mask), group, rows)
-        parts = _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, cache_len, bits, t, sharding,
-                                impl == "interpret")
-        out = merge(parts)[:, :, :t * group]  # [B, Nk, T*G, D]
+        parts = _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, cache_len, bits, t, sharding, impl == "interpret")
+        out = merge(parts)[:, :, : t * group]  # [B, Nk, T*G, D]
         return out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)
 
 
-def _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, new_start, bits, num_new: int,
-                    sharding: Sharding | None, interpret: bool) -> Partials:
+def _sharded_kernel(
+    q_rows, k_cache, v_cache, prefix_len, new_start, bits, num_new: int, sharding: Sharding | None, interpret: bool
+) -> Partials:
     """The kernel per device shard of the batch and kv-head axes of the cache."""
+
     def kernel(q, k, v, n, s, w):
         return cache_attention_pallas(q, k, v, n, s, w, num_new=num_new, interpret=interpret)
 
@@ -109,10 +125,13 @@ def _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, new_start, bits, num_n
     batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
     P = jax.sharding.PartitionSpec
     cache_spec, rows_spec = P(batch_axes, None, head_axes, None), P(batch_axes, head_axes)
-    return jax.shard_map(kernel, mesh=sharding.mesh,
-                         in_specs=(rows_spec, cache_spec, cache_spec, P(batch_axes), P(batch_axes), P(batch_axes)),
-                         out_specs=Partials(rows_spec, rows_spec, rows_spec), check_vma=False,
-                         )(q_rows, k_cache, v_cache, prefix_len, new_start, bits)
+    return jax.shard_map(
+        kernel,
+        mesh=sharding.mesh,
+        in_specs=(rows_spec, cache_spec, cache_spec, P(batch_axes), P(batch_axes), P(batch_axes)),
+        out_specs=Partials(rows_spec, rows_spec, rows_spec),
+        check_vma=False,
+    )(q_rows, k_cache, v_cache, prefix_len, new_start, bits)
 
 
 def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> str:
@@ -128,9 +147,14 @@ def _kernel_applies(q: jax.Array, k_cache: jax.Array, sharding: Sharding | None)
     nk = k_cache.shape[2]
     if sharding is not None and sharding.spec(KV_CACHE_AXES, k_cache.shape)[1] is not None:
         return False
-    return (jax.default_backend() == "gpu" and q.dtype == k_cache.dtype
-            and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16) and d >= 16 and d == _pow2(d)
-            and t * (nq // nk) <= MAX_KERNEL_ROWS)
+    return (
+        jax.default_backend() == "gpu"
+        and q.dtype == k_cache.dtype
+        and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)
+        and d >= 16
+        and d == _pow2(d)
+        and t * (nq // nk) <= MAX_KERNEL_ROWS
+    )
 
 
 def _tree_mask(b: int, t: int, tree_mask: jax.Array | None) -> jax.Array:

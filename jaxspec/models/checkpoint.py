@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxspec.distributed import is_main, to_host
 from jaxspec.atomic import atomic_folder
+from jaxspec.distributed import is_main, to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, param_axes
 from jaxspec.models.transformer import Params
@@ -57,8 +57,14 @@ class _Converter:
 
 def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
     """Maps HF tensor name -> (path into params, converter)."""
-    h, f, d, nq, nk, v = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads,
-                          cfg.num_kv_heads, cfg.vocab_size)
+    h, f, d, nq, nk, v = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.head_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.vocab_size,
+    )
     ident = _Converter
 
     def proj(n):  # [n*D, H] <-> [H, n, D]
@@ -84,19 +90,25 @@ def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
             "self_attn.q_proj.weight": ("q", proj(nq)),
             "self_attn.k_proj.weight": ("k", proj(nk)),
             "self_attn.v_proj.weight": ("v", proj(nk)),
-            "self_attn.o_proj.weight": ("o", _Converter((h, nq * d), lambda w: w.T.reshape(nq, d, h),
-                                                        lambda p: p.reshape(nq * d, h).T)),
+            "self_attn.o_proj.weight": (
+                "o",
+                _Converter((h, nq * d), lambda w: w.T.reshape(nq, d, h), lambda p: p.reshape(nq * d, h).T),
+            ),
             "mlp.gate_proj.weight": ("gate", linear(f, h)),
             "mlp.up_proj.weight": ("up", linear(f, h)),
             "mlp.down_proj.weight": ("down", linear(h, f)),
         }
         if cfg.attention_bias:
-            layer |= {"self_attn.q_proj.bias": ("q_bias", bias(nq)),
-                      "self_attn.k_proj.bias": ("k_bias", bias(nk)),
-                      "self_attn.v_proj.bias": ("v_bias", bias(nk))}
+            layer |= {
+                "self_attn.q_proj.bias": ("q_bias", bias(nq)),
+                "self_attn.k_proj.bias": ("k_bias", bias(nk)),
+                "self_attn.v_proj.bias": ("v_bias", bias(nk)),
+            }
         if cfg.qk_norm:
-            layer |= {"self_attn.q_norm.weight": ("q_norm", ident((d,), lambda w: w, lambda p: p)),
-                      "self_attn.k_norm.weight": ("k_norm", ident((d,), lambda w: w, lambda p: p))}
+            layer |= {
+                "self_attn.q_norm.weight": ("q_norm", ident((d,), lambda w: w, lambda p: p)),
+                "self_attn.k_norm.weight": ("k_norm", ident((d,), lambda w: w, lambda p: p)),
+            }
         if cfg.is_sparse_layer(i):
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
                 del layer[name]
@@ -115,8 +127,11 @@ def _expert_converters(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, _Conv
     table = {}
     for j in range(cfg.num_experts):
         pre = f"model.layers.{i}.mlp.experts.{j}."
-        for proj, leaf, shape in (("gate_proj", "experts_gate", (fe, h)), ("up_proj", "experts_up", (fe, h)),
-                                  ("down_proj", "experts_down", (h, fe))):
+        for proj, leaf, shape in (
+            ("gate_proj", "experts_gate", (fe, h)),
+            ("up_proj", "experts_up", (fe, h)),
+            ("down_proj", "experts_down", (h, fe)),
+        ):
             table[pre + proj + ".weight"] = (("layers", i, leaf, j), _Converter(shape, lambda w: w.T, lambda p: p.T))
     return table
 
@@ -192,11 +207,15 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
     missing = sorted(set(table) - available)
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(n for n in available - set(table)
-                        if not _IGNORED.match(n) and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    unexpected = sorted(
+        n
+        for n in available - set(table)
+        if not _IGNORED.match(n) and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
     if unexpected:
-        raise ValueError(f"{path}: unexpected tensors {unexpected[:5]} for a {cfg.family} model "
-                         f"with {cfg.num_layers} layers")
+        raise ValueError(
+            f"{path}: unexpected tensors {unexpected[:5]} for a {cfg.family} model with {cfg.num_layers} layers"
+        )
 
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     stacks: dict[tuple, list] = {}  # stacked expert leaf -> its host slices read so far
@@ -231,8 +250,7 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
 def _place(host: np.ndarray, tree_path: tuple, sharding: Sharding | None) -> jax.Array:
     if sharding is None:
         return jax.device_put(host)
-    keys = tuple(jax.tree_util.SequenceKey(p) if isinstance(p, int) else jax.tree_util.DictKey(p)
-                 for p in tree_path)
+    keys = tuple(jax.tree_util.SequenceKey(p) if isinstance(p, int) else jax.tree_util.DictKey(p) for p in tree_path)
     named = sharding.named(param_axes(keys), host.shape)
     return jax.make_array_from_callback(host.shape, named, lambda idx: host[idx])
 
@@ -250,8 +268,9 @@ def _get(tree, path: tuple):
     return tree
 
 
-def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=None,
-            max_shard_bytes: int = 4 << 30) -> None:
+def save_hf(
+    cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=None, max_shard_bytes: int = 4 << 30
+) -> None:
     """Writes an HF folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
     dtype defaults to the params' dtype. Shards above `max_shard_bytes` get an index json. The
@@ -270,8 +289,10 @@ def save_hf(cfg: ModelConfig, params: Params, path, dtype=None, tokenizer_file=N
             return hosts[tree_path[:-1]][tree_path[-1]]
         return to_host(_get(params, tree_path))
 
-    tensors = {name: np.ascontiguousarray(conv.to_hf(host(tree_path).astype(np_dtype)))
-               for name, (tree_path, conv) in _converters(cfg).items()}
+    tensors = {
+        name: np.ascontiguousarray(conv.to_hf(host(tree_path).astype(np_dtype)))
+        for name, (tree_path, conv) in _converters(cfg).items()
+    }
     if not is_main():
         return
     with atomic_folder(path) as tmp:

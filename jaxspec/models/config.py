@@ -69,16 +69,19 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in _MODEL_TYPES:
             raise ValueError(f"unsupported model family {self.family!r}; expected one of {sorted(_MODEL_TYPES)}")
-        for name, value in (("attention_bias", self.family == "qwen2"),
-                            ("qk_norm", self.family in ("qwen3", "qwen3_moe"))):
+        for name, value in (
+            ("attention_bias", self.family == "qwen2"),
+            ("qk_norm", self.family in ("qwen3", "qwen3_moe")),
+        ):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
             elif bool(getattr(self, name)) != value:
-                raise ValueError(f"{name}={getattr(self, name)} is not supported for family {self.family!r} "
-                                 f"(it is always {value} there)")
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is not supported for family {self.family!r} "
+                    f"(it is always {value} there)"
+                )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         self._check_moe()
         rope_type = self.rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -91,18 +94,19 @@ class ModelConfig:
                 raise ValueError(f"num_experts={self.num_experts} needs family 'qwen3_moe', not {self.family!r}")
             return
         if self.num_experts < 0 or self.decoder_sparse_step < 1:
-            raise ValueError(f"num_experts={self.num_experts} must be >= 0 and decoder_sparse_step="
-                             f"{self.decoder_sparse_step} >= 1")
+            raise ValueError(
+                f"num_experts={self.num_experts} must be >= 0 and decoder_sparse_step={self.decoder_sparse_step} >= 1"
+            )
         if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
-                             f"{self.num_experts}]")
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
 
     def is_sparse_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts (HF Qwen3MoeDecoderLayer's rule)."""
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -142,7 +146,7 @@ class ModelConfig:
     # ---------------------------------------------------------------- HF config.json
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
         family = None
@@ -154,7 +158,8 @@ class ModelConfig:
         if family is None:
             raise ValueError(
                 f"{source}: unsupported architecture {archs or model_type!r}; "
-                f"jaxspec supports {sorted(SUPPORTED_ARCHITECTURES)}")
+                f"jaxspec supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"{source}: missing required key {key!r}")
@@ -163,12 +168,12 @@ class ModelConfig:
         if hf.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         if family != "qwen2" and hf.get("attention_bias"):
-            raise ValueError(f"{source}: attention_bias=true is not supported for {family} "
-                             "(it adds biases to q/k/v and o_proj)")
+            raise ValueError(
+                f"{source}: attention_bias=true is not supported for {family} (it adds biases to q/k/v and o_proj)"
+            )
         num_heads = hf["num_attention_heads"]
         # Defaults of the transformers config classes for keys a config.json may omit.
-        head_dim = hf.get("head_dim") or (128 if family in ("qwen3", "qwen3_moe")
-                                          else hf["hidden_size"] // num_heads)
+        head_dim = hf.get("head_dim") or (128 if family in ("qwen3", "qwen3_moe") else hf["hidden_size"] // num_heads)
         default_max_positions = 2048 if family == "llama" else 32768
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling") or {}
@@ -232,12 +237,17 @@ class ModelConfig:
         if self.family == "llama":
             out["mlp_bias"] = False
         if self.family == "qwen3_moe":
-            out |= {"attention_bias": False, "num_experts": self.num_experts,
-                    "num_experts_per_tok": self.num_experts_per_tok,
-                    "moe_intermediate_size": self.moe_intermediate_size,
-                    "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
-                    "norm_topk_prob": self.norm_topk_prob, "router_aux_loss_coef": self.router_aux_loss_coef,
-                    "output_router_logits": False}
+            out |= {
+                "attention_bias": False,
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers),
+                "norm_topk_prob": self.norm_topk_prob,
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+                "output_router_logits": False,
+            }
         if self.family in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
@@ -245,7 +255,7 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_json(cls, path) -> "ModelConfig":
+    def from_json(cls, path) -> ModelConfig:
         with open(path) as f:
             return cls.from_hf(json.load(f), source=str(path))
 
@@ -255,14 +265,18 @@ def _moe_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     num_local_experts); defaults as in transformers' Qwen3MoeConfig."""
     num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
     if "num_experts" in hf and "num_local_experts" in hf and hf["num_experts"] != hf["num_local_experts"]:
-        raise ValueError(f"{source}: num_experts={hf['num_experts']} contradicts "
-                         f"num_local_experts={hf['num_local_experts']}")
-    return dict(num_experts=num_experts, num_experts_per_tok=hf.get("num_experts_per_tok", 8),
-                moe_intermediate_size=hf.get("moe_intermediate_size", 768),
-                decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+        raise ValueError(
+            f"{source}: num_experts={hf['num_experts']} contradicts num_local_experts={hf['num_local_experts']}"
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
 
 
 def _freeze(v):

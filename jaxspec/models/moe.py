@@ -80,8 +80,10 @@ def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None
     if impl == "auto" and not dtypes_match:
         return "ragged_dot"
     if chosen != "ragged_dot" and split:
-        raise ValueError(f"moe grouped matmul {chosen!r} runs on whole experts, but the mesh splits them over "
-                         f"{split}: use ragged_dot")
+        raise ValueError(
+            f"moe grouped matmul {chosen!r} runs on whole experts, but the mesh splits them over "
+            f"{split}: use ragged_dot"
+        )
     return chosen
 
 
@@ -147,9 +149,15 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool, exp
     return logits.astype(jnp.float32), weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "ragged_dot",
-            sharding: Sharding | None = None, experts: jax.Array | None = None
-            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def moe_mlp(
+    layer: dict,
+    x: jax.Array,
+    top_k: int,
+    norm_topk_prob: bool,
+    impl: str = "ragged_dot",
+    sharding: Sharding | None = None,
+    experts: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
     float32, the experts each token ran on int32 [B, T, k]); impl: the grouped matmuls'
     implementation (`grouped_matmul`); sharding: the mesh x is laid out on, for the kernels'
@@ -166,9 +174,13 @@ def moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: s
         return _moe_mlp(layer, x, top_k, norm_topk_prob, impl, experts)
     rows = P(batch_axes, seq_axes)
     sparse = {k: layer[k] for k in SPARSE_KEYS}
-    return jax.shard_map(lambda sparse, x, experts: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl, experts),
-                         mesh=sharding.mesh, in_specs=(P(), rows, rows), out_specs=(rows, rows, rows),
-                         check_vma=False)(sparse, x, experts)
+    return jax.shard_map(
+        lambda sparse, x, experts: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl, experts),
+        mesh=sharding.mesh,
+        in_specs=(P(), rows, rows),
+        out_specs=(rows, rows, rows),
+        check_vma=False,
+    )(sparse, x, experts)
 
 
 def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str, experts: jax.Array | None):
@@ -186,8 +198,11 @@ def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: 
     out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
     out = out * weights.reshape(-1)[order][:, None]
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
-    return (unsorted.reshape(b, t, top_k, h).sum(axis=2), logits.reshape(b, t, num_experts),
-            experts.reshape(b, t, top_k))
+    return (
+        unsorted.reshape(b, t, top_k, h).sum(axis=2),
+        logits.reshape(b, t, num_experts),
+        experts.reshape(b, t, top_k),
+    )
 
 
 def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | None = None) -> jax.Array:
@@ -203,8 +218,9 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | 
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     _, experts = jax.lax.top_k(probs, top_k)
     chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=-2)  # [L, B, T, E]
-    weight = (jnp.ones(router_logits.shape[1:3], jnp.float32) if mask is None
-              else mask.astype(jnp.float32))[None, :, :, None]
+    weight = (jnp.ones(router_logits.shape[1:3], jnp.float32) if mask is None else mask.astype(jnp.float32))[
+        None, :, :, None
+    ]
     rows = router_logits.shape[0] * jnp.sum(weight)
     tokens_per_expert = jnp.sum(chosen * weight, axis=(0, 1, 2)) / rows
     prob_per_expert = jnp.sum(probs * weight, axis=(0, 1, 2)) / rows

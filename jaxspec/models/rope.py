@@ -110,7 +110,7 @@ def _dynamic_inv_freq(cfg: ModelConfig, inv: jnp.ndarray, seq_len: jnp.ndarray) 
     seq = jnp.maximum(seq_len.astype(jnp.float32), original)
     base = cfg.rope_theta * ((factor * seq / original) - (factor - 1)) ** (dim / (dim - 2))
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
-    scaled = 1.0 / (base ** exponents)
+    scaled = 1.0 / (base**exponents)
     return jnp.where(seq_len > original, scaled, inv)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -65,15 +65,15 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None,
-              expert: int = 1) -> Mesh:
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None, expert: int = 1) -> Mesh:
     """Mesh with axes (data, fsdp, tensor) and, when expert != 1, expert; one size may be -1 to take
     the remaining devices. (Without experts the mesh keeps the three axes of dense policies.)"""
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor, expert]
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor} "
-                         f"expert={expert}")
+        raise ValueError(
+            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor} expert={expert}"
+        )
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -83,7 +83,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
         raise ValueError(
             f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x expert={sizes[3]} needs "
             f"{math.prod(sizes)} devices, "
-            f"have {len(devices)}")
+            f"have {len(devices)}"
+        )
     if sizes[3] == 1:
         return Mesh(np.asarray(devices).reshape(sizes[:3]), MESH_AXES[:3])
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
@@ -135,7 +136,8 @@ def param_axes(path: tuple) -> tuple[str, ...]:
 def param_shardings(sharding: Sharding, params_shapes) -> object:
     """Pytree of NamedShardings matching a params pytree (arrays or ShapeDtypeStructs)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: sharding.named(param_axes(path), leaf.shape), params_shapes)
+        lambda path, leaf: sharding.named(param_axes(path), leaf.shape), params_shapes
+    )
 
 
 def gathered_param_shardings(sharding: Sharding, params_shapes) -> object:

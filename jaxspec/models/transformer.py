@@ -77,19 +77,28 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
     for i in range(cfg.num_layers):
         layer = {
             "attn_norm": jnp.ones((h,), dtype),
-            "q": normal((h, nq, d)), "k": normal((h, nk, d)), "v": normal((h, nk, d)),
+            "q": normal((h, nq, d)),
+            "k": normal((h, nk, d)),
+            "v": normal((h, nk, d)),
             "o": normal((nq, d, h)),
             "mlp_norm": jnp.ones((h,), dtype),
         }
         if cfg.is_sparse_layer(i):
             e, fe = cfg.num_experts, cfg.moe_intermediate_size
-            layer |= {"router": normal((h, e)), "experts_gate": normal((e, h, fe)),
-                      "experts_up": normal((e, h, fe)), "experts_down": normal((e, fe, h))}
+            layer |= {
+                "router": normal((h, e)),
+                "experts_gate": normal((e, h, fe)),
+                "experts_up": normal((e, h, fe)),
+                "experts_down": normal((e, fe, h)),
+            }
         else:
             layer |= {"gate": normal((h, f)), "up": normal((h, f)), "down": normal((f, h))}
         if cfg.attention_bias:
-            layer |= {"q_bias": jnp.zeros((nq, d), dtype), "k_bias": jnp.zeros((nk, d), dtype),
-                      "v_bias": jnp.zeros((nk, d), dtype)}
+            layer |= {
+                "q_bias": jnp.zeros((nq, d), dtype),
+                "k_bias": jnp.zeros((nk, d), dtype),
+                "v_bias": jnp.zeros((nk, d), dtype),
+            }
         if cfg.qk_norm:
             layer |= {"q_norm": jnp.ones((d,), dtype), "k_norm": jnp.ones((d,), dtype)}
         layers.append(layer)
@@ -122,8 +131,15 @@ def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.Array, moe_impl: str = "ragged_dot",
-                      sharding: Sharding | None = None, experts: jax.Array | None = None):
+def _attn_out_and_mlp(
+    cfg: ModelConfig,
+    layer: Params,
+    x: jax.Array,
+    attn: jax.Array,
+    moe_impl: str = "ragged_dot",
+    sharding: Sharding | None = None,
+    experts: jax.Array | None = None,
+):
     """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
     [B, T, E] float32 and the experts each token ran on int32 [B, T, k], both None for a dense
     layer); moe_impl, sharding, experts: a sparse layer's grouped matmuls, the mesh and the
@@ -131,8 +147,9 @@ def _attn_out_and_mlp(cfg: ModelConfig, layer: Params, x: jax.Array, attn: jax.A
     x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "router" in layer:
-        out, router_logits, experts = moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl,
-                                              sharding, experts)
+        out, router_logits, experts = moe_mlp(
+            layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts
+        )
         return x + out, router_logits, experts
     gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
     up = jnp.einsum("bth,hf->btf", h, layer["up"])
@@ -177,8 +194,9 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - start_idx
 
 
-def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden_layers: tuple[int, ...] = (),
-                   **kwargs) -> tuple[jax.Array, jax.Array]:
+def forward_hidden(
+    cfg: ModelConfig, params: Params, tokens: jax.Array, hidden_layers: tuple[int, ...] = (), **kwargs
+) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward returning logits and chosen layers' outputs.
 
     tokens int32 [B, T]; mask bool [B, T] (False = right padding: each row's valid tokens come
@@ -249,8 +267,9 @@ def forward_router(
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         q, k, v = _qkv(cfg, layer, x, cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
-            attn = jax.nn.dot_product_attention(q, k, v, mask=same_segment, is_causal=True,
-                                                key_value_seq_lengths=lengths, implementation="cudnn")
+            attn = jax.nn.dot_product_attention(
+                q, k, v, mask=same_segment, is_causal=True, key_value_seq_lengths=lengths, implementation="cudnn"
+            )
         else:
             attn = attention(q, k, v, attn_mask)
         x, router_logits, _ = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding, layer_experts)
@@ -353,8 +372,10 @@ def _check_experts(cfg: ModelConfig, experts: jax.Array | None, rows: tuple[int,
     if not cfg.sparse_layers:
         raise ValueError("experts: the policy is dense (no mixture-of-experts layers to replay routing in)")
     if tuple(experts.shape) != want or not jnp.issubdtype(experts.dtype, jnp.integer):
-        raise ValueError(f"experts must be integer [B, T, sparse layers, top_k] = {list(want)}, got "
-                         f"{experts.dtype} {list(experts.shape)}")
+        raise ValueError(
+            f"experts must be integer [B, T, sparse layers, top_k] = {list(want)}, got "
+            f"{experts.dtype} {list(experts.shape)}"
+        )
 
 
 def _check_hidden_layers(cfg: ModelConfig, hidden_layers: tuple[int, ...]) -> None:
@@ -377,6 +398,10 @@ def use_cudnn_attention(impl: str, dtype, head_dim: int, seq_len: int) -> bool:
     if impl not in ("auto", "xla", "cudnn"):
         raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
     if impl == "auto":
-        return (jax.default_backend() == "gpu" and head_dim % 8 == 0 and seq_len % 64 == 0
-                and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+        return (
+            jax.default_backend() == "gpu"
+            and head_dim % 8 == 0
+            and seq_len % 64 == 0
+            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        )
     return impl == "cudnn"

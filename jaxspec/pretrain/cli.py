@@ -12,9 +12,12 @@ from jaxspec.pretrain.run import check_run_dir, pretrain
 
 
 def _parser():
-    return run_parser("jaxspec pretrain", "Generate the math corpus, train a tokenizer and a Qwen3 policy from "
-                      "scratch, and export it as an HF folder.", "configs/tiny.yaml",
-                      "data, checkpoints, metrics, export")
+    return run_parser(
+        "jaxspec pretrain",
+        "Generate the math corpus, train a tokenizer and a Qwen3 policy from scratch, and export it as an HF folder.",
+        "configs/tiny.yaml",
+        "data, checkpoints, metrics, export",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

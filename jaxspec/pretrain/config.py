@@ -158,34 +158,52 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
     need(d.num_train > 0, "data.num_train", f"must be > 0, got {d.num_train}")
     need(d.num_eval >= 0, "data.num_eval", f"must be >= 0, got {d.num_eval}")
-    need(bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels), "data.levels",
-         f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}")
-    need(bool(d.kinds) and all(k in KINDS for k in d.kinds), "data.kinds",
-         f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}")
+    need(
+        bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels),
+        "data.levels",
+        f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}",
+    )
+    need(
+        bool(d.kinds) and all(k in KINDS for k in d.kinds),
+        "data.kinds",
+        f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}",
+    )
     for key, message in config_errors(d.tally):
         need(False, f"data.tally.{key}", message)
     if d.tokenizer is not None and not Path(d.tokenizer).is_file():
         raise FileNotFoundError(f"{source}: data.tokenizer: file not found: {d.tokenizer}")
     need("{question}" in d.prompt_template, "data.prompt_template", "must contain '{question}'")
     need(d.max_len >= 16, "data.max_len", f"must be >= 16, got {d.max_len}")
-    need(d.max_len <= m.max_position_embeddings, "data.max_len",
-         f"{d.max_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    need(
+        d.max_len <= m.max_position_embeddings,
+        "data.max_len",
+        f"{d.max_len} exceeds model.max_position_embeddings={m.max_position_embeddings}",
+    )
     for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         need(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
-    need(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
-         f"{m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}")
+    need(
+        m.num_heads % m.num_kv_heads == 0,
+        "model.num_heads",
+        f"{m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}",
+    )
     need(m.head_dim % 2 == 0, "model.head_dim", f"must be even (rotary embedding), got {m.head_dim}")
     need(m.num_experts >= 0, "model.num_experts", f"must be >= 0, got {m.num_experts}")
     if m.num_experts:
-        need(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
-             f"must be in [1, model.num_experts={m.num_experts}], got {m.num_experts_per_tok}")
+        need(
+            1 <= m.num_experts_per_tok <= m.num_experts,
+            "model.num_experts_per_tok",
+            f"must be in [1, model.num_experts={m.num_experts}], got {m.num_experts_per_tok}",
+        )
         need(m.moe_intermediate_size > 0, "model.moe_intermediate_size", f"must be > 0, got {m.moe_intermediate_size}")
         need(m.decoder_sparse_step > 0, "model.decoder_sparse_step", f"must be > 0, got {m.decoder_sparse_step}")
         need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", f"must be >= 0, got {m.router_aux_loss_coef}")
     need(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    need(0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
-         f"must be in [0, train.steps={t.steps}), got {o.warmup_steps}")
+    need(
+        0 <= o.warmup_steps < t.steps,
+        "optim.warmup_steps",
+        f"must be in [0, train.steps={t.steps}), got {o.warmup_steps}",
+    )
     need(o.grad_clip > 0, "optim.grad_clip", f"must be > 0, got {o.grad_clip}")
     need(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
     need(t.batch_size > 0, "train.batch_size", f"must be > 0, got {t.batch_size}")
@@ -198,9 +216,15 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     for axis in ("data", "fsdp", "tensor"):
         need(getattr(cfg.mesh, axis) > 0, f"mesh.{axis}", f"must be > 0, got {getattr(cfg.mesh, axis)}")
     need(cfg.mesh.rollout_devices == 0, "mesh.rollout_devices", "a rollout mesh is for GRPO's rollout.mode async")
-    need(t.moe in ("auto", "ragged_dot") or cfg.mesh.expert == cfg.mesh.tensor == 1, "train.moe",
-         f"{t.moe!r} runs on whole experts: it needs mesh.expert = mesh.tensor = 1, got expert={cfg.mesh.expert}, "
-         f"tensor={cfg.mesh.tensor}")
+    need(
+        t.moe in ("auto", "ragged_dot") or cfg.mesh.expert == cfg.mesh.tensor == 1,
+        "train.moe",
+        f"{t.moe!r} runs on whole experts: it needs mesh.expert = mesh.tensor = 1, got expert={cfg.mesh.expert}, "
+        f"tensor={cfg.mesh.tensor}",
+    )
     row_shards = cfg.mesh.data * cfg.mesh.fsdp
-    need(t.batch_size % row_shards == 0, "train.batch_size",
-         f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices")
+    need(
+        t.batch_size % row_shards == 0,
+        "train.batch_size",
+        f"{t.batch_size} rows do not split over mesh.data x mesh.fsdp = {row_shards} devices",
+    )

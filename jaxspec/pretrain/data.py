@@ -63,8 +63,9 @@ def prepare_problems(cfg: DataConfig, data_dir: Path, reuse: bool = False) -> tu
         return _read_jsonl(train_file), _read_jsonl(eval_file)
     train = generate_problems(cfg.num_train, cfg.seed, cfg.levels, cfg.kinds, tally=cfg.tally)
     seen = {p["question"] for p in train}
-    held_out = generate_problems(cfg.num_eval, cfg.seed + _EVAL_SEED_OFFSET, cfg.levels, cfg.kinds,
-                                 exclude_questions=seen, tally=cfg.tally)
+    held_out = generate_problems(
+        cfg.num_eval, cfg.seed + _EVAL_SEED_OFFSET, cfg.levels, cfg.kinds, exclude_questions=seen, tally=cfg.tally
+    )
     write_problems(train_file, train)
     write_problems(eval_file, held_out)
     return train, held_out
@@ -85,14 +86,20 @@ def prepare_tokenizer(cfg: DataConfig, train: list[dict], path: Path, reuse: boo
         else:
             texts = (text for p in train for text in (p["question"], p["solution"]))
             train_tokenizer(texts, cfg.vocab_size, path)
-    return ChatTokenizer.from_file(path, eos_token=cfg.eos_token, pad_token=cfg.pad_token, bos_token=cfg.bos_token,
-                                   prompt_template=cfg.prompt_template)
+    return ChatTokenizer.from_file(
+        path,
+        eos_token=cfg.eos_token,
+        pad_token=cfg.pad_token,
+        bos_token=cfg.bos_token,
+        prompt_template=cfg.prompt_template,
+    )
 
 
 def encode_examples(problems: list[dict], tok: ChatTokenizer) -> list[tuple[list[int], int]]:
     """(prompt + solution + eos token ids, prompt length) per problem, in the chat format."""
     prompts = tok.tokenizer.encode_batch(
-        [tok.prompt_template.format(question=p["question"]) for p in problems], add_special_tokens=False)
+        [tok.prompt_template.format(question=p["question"]) for p in problems], add_special_tokens=False
+    )
     responses = tok.tokenizer.encode_batch([p["solution"] for p in problems], add_special_tokens=False)
     return [(prompt.ids + response.ids + [tok.eos_id], len(prompt.ids)) for prompt, response in zip(prompts, responses)]
 
@@ -126,10 +133,11 @@ def pack(examples: list[tuple[list[int], int]], max_len: int, pad_id: int, seed:
         offset = 0
         for segment, (ids, prompt_len) in enumerate(row, start=1):
             n = len(ids)
-            tokens[r, offset:offset + n] = ids
-            segment_ids[r, offset:offset + n] = segment
+            tokens[r, offset : offset + n] = ids
+            segment_ids[r, offset : offset + n] = segment
             # input t predicts token t + 1: response tokens sit at [offset + prompt_len, offset + n)
-            weights[r, offset + max(prompt_len, 1) - 1:offset + n - 1] = 1.0
+            weights[r, offset + max(prompt_len, 1) - 1 : offset + n - 1] = 1.0
             offset += n
-    return PackedSet(tokens=tokens, segment_ids=segment_ids, weights=weights,
-                     num_examples=len(examples) - dropped, dropped=dropped)
+    return PackedSet(
+        tokens=tokens, segment_ids=segment_ids, weights=weights, num_examples=len(examples) - dropped, dropped=dropped
+    )

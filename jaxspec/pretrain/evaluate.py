@@ -14,9 +14,16 @@ from jaxspec.rollout import Sampling, generate
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
-def greedy_accuracy(cfg: ModelConfig, params: Params, tok: ChatTokenizer, problems: list[dict],
-                    max_new_tokens: int, key: jax.Array, batch_size: int = 256,
-                    sharding: Sharding | None = None) -> tuple[float, list[str]]:
+def greedy_accuracy(
+    cfg: ModelConfig,
+    params: Params,
+    tok: ChatTokenizer,
+    problems: list[dict],
+    max_new_tokens: int,
+    key: jax.Array,
+    batch_size: int = 256,
+    sharding: Sharding | None = None,
+) -> tuple[float, list[str]]:
     """(fraction of problems whose greedy response earns arithmetic_reward 1, the decoded responses).
 
     Problems are decoded in batches of `batch_size`; the last batch is filled up with copies of its
@@ -30,12 +37,12 @@ def greedy_accuracy(cfg: ModelConfig, params: Params, tok: ChatTokenizer, proble
     size = min(batch_size, len(prompts))
     responses: list[str] = []
     for start in range(0, len(prompts), size):
-        chunk = prompts[start:start + size]
+        chunk = prompts[start : start + size]
         filled = chunk + [chunk[0]] * (size - len(chunk))
         key, sub = jax.random.split(key)
         out = generate(cfg, params, filled, sub, sampling=sampling, sharding=sharding)
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-        responses += [tok.decode(tokens[i, :lengths[i]]) for i in range(len(chunk))]
+        responses += [tok.decode(tokens[i, : lengths[i]]) for i in range(len(chunk))]
     scores = [arithmetic_reward(r, p["answer"]) for r, p in zip(responses, problems)]
     return float(np.mean(scores)), responses
 

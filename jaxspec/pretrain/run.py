@@ -24,12 +24,12 @@ from jaxspec.models.checkpoint import save_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import shard_params
 from jaxspec.models.transformer import init_params
+from jaxspec.optim import make_optimizer
+from jaxspec.placement import Placement, abstract
 from jaxspec.pretrain.config import ModelShape, PretrainConfig
 from jaxspec.pretrain.data import encode_examples, pack, prepare_problems, prepare_tokenizer
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
-from jaxspec.optim import make_optimizer
 from jaxspec.pretrain.train import make_train_step
-from jaxspec.placement import Placement, abstract
 from jaxspec.run import Batcher, Checkpointer, Progress, StopSignals, truncate_metrics
 from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -37,23 +37,47 @@ from jaxspec.tasks.tokenizer import ChatTokenizer
 
 def model_config(shape: ModelShape, tok: ChatTokenizer) -> ModelConfig:
     """Qwen3 (or Qwen3-MoE) config of `shape` over the tokenizer's vocabulary and special-token ids."""
-    moe = {} if not shape.num_experts else dict(
-        num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, decoder_sparse_step=shape.decoder_sparse_step,
-        norm_topk_prob=shape.norm_topk_prob, router_aux_loss_coef=shape.router_aux_loss_coef)
+    moe = (
+        {}
+        if not shape.num_experts
+        else dict(
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            decoder_sparse_step=shape.decoder_sparse_step,
+            norm_topk_prob=shape.norm_topk_prob,
+            router_aux_loss_coef=shape.router_aux_loss_coef,
+        )
+    )
     return ModelConfig(
-        family="qwen3_moe" if shape.num_experts else "qwen3", vocab_size=tok.vocab_size, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings, rope_theta=shape.rope_theta, qk_norm=True,
-        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id, **moe)
+        family="qwen3_moe" if shape.num_experts else "qwen3",
+        vocab_size=tok.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta,
+        qk_norm=True,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        **moe,
+    )
 
 
 def check_run_dir(cfg: PretrainConfig, run_dir: Path, resume: bool) -> None:
     """`jaxspec.run.check_run_dir`: a resumed run keeps its data and model sections."""
-    run_dir_guard(run_dir, resume, cfg, lambda key: key.split(".")[0] in ("data", "model"),
-                  "resume with the same data and model settings")
+    run_dir_guard(
+        run_dir,
+        resume,
+        cfg,
+        lambda key: key.split(".")[0] in ("data", "model"),
+        "resume with the same data and model settings",
+    )
 
 
 def _log(file, record: dict) -> None:
@@ -74,9 +98,11 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
     data = pack(encode_examples(train_problems, tok), cfg.data.max_len, tok.pad_id, cfg.data.seed)
     mcfg = model_config(cfg.model, tok)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    print(f"policy: {mcfg.num_params() / 1e6:.2f}M params, vocab {mcfg.vocab_size}; "
-          f"{data.num_examples} training examples in {len(data)} packed rows ({data.dropped} over max_len dropped), "
-          f"{len(eval_problems)} held out")
+    print(
+        f"policy: {mcfg.num_params() / 1e6:.2f}M params, vocab {mcfg.vocab_size}; "
+        f"{data.num_examples} training examples in {len(data)} packed rows ({data.dropped} over max_len dropped), "
+        f"{len(eval_problems)} held out"
+    )
 
     optimizer, schedule = make_optimizer(cfg.optim, t_cfg.steps)
     placement = Placement(cfg.mesh)
@@ -92,8 +118,15 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
     params, key = jax.jit(initial_params)(jax.random.PRNGKey(t_cfg.seed))
     if placement.sharding is not None:
         params = shard_params(placement.sharding, params)
-    state = placement.state({"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
-                             "position": jnp.int32(0), "key": key})
+    state = placement.state(
+        {
+            "params": params,
+            "opt_state": optimizer.init(params),
+            "step": jnp.int32(0),
+            "position": jnp.int32(0),
+            "key": key,
+        }
+    )
     layout = abstract((state["params"], state["opt_state"]))
     checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
     restored = checkpointer.resume(state) if resume else None
@@ -104,28 +137,47 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
     step, position = int(state["step"]), int(state["position"])
 
     compute_dtype = jnp.dtype(t_cfg.compute_dtype)
-    train_step = make_train_step(mcfg, optimizer, compute_dtype, t_cfg.remat, t_cfg.attention, placement.sharding,
-                                 t_cfg.moe)
+    train_step = make_train_step(
+        mcfg, optimizer, compute_dtype, t_cfg.remat, t_cfg.attention, placement.sharding, t_cfg.moe
+    )
     batcher = Batcher(len(data), t_cfg.batch_size, cfg.data.seed)
     result: dict = {"export_dir": None, "eval_accuracy": None}
 
     def evaluate(at_step: int) -> float:
         nonlocal key
         key, sub = jax.random.split(key)
-        accuracy, _ = greedy_accuracy(mcfg, cast_params(params, compute_dtype), tok, eval_problems,
-                                      t_cfg.eval_max_new_tokens, sub, t_cfg.eval_batch_size, placement.sharding)
+        accuracy, _ = greedy_accuracy(
+            mcfg,
+            cast_params(params, compute_dtype),
+            tok,
+            eval_problems,
+            t_cfg.eval_max_new_tokens,
+            sub,
+            t_cfg.eval_batch_size,
+            placement.sharding,
+        )
         _log(metrics, {"step": at_step, "eval_accuracy": accuracy, "eval_problems": len(eval_problems)})
         print(f"step {at_step}: greedy accuracy {accuracy:.3f} on {len(eval_problems)} held-out problems")
         return accuracy
 
     def save() -> None:
-        checkpointer.save({"params": params, "opt_state": opt_state, "step": jnp.int32(step),
-                           "position": jnp.int32(position), "key": key})
+        checkpointer.save(
+            {
+                "params": params,
+                "opt_state": opt_state,
+                "step": jnp.int32(step),
+                "position": jnp.int32(position),
+                "key": key,
+            }
+        )
 
     start = time.perf_counter()
     truncate_metrics(run_dir / "metrics.jsonl", step)
-    with open(run_dir / "metrics.jsonl", "a") as metrics, StopSignals() as stop, Progress(
-            "pretrain", t_cfg.steps, step, t_cfg.progress) as bar:
+    with (
+        open(run_dir / "metrics.jsonl", "a") as metrics,
+        StopSignals() as stop,
+        Progress("pretrain", t_cfg.steps, step, t_cfg.progress) as bar,
+    ):
         window_start, window_tokens = time.perf_counter(), 0
         while step < t_cfg.steps and not stop.requested:
             batch = data.take(batcher.indices(position))
@@ -138,9 +190,14 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
             if step % t_cfg.log_every == 0 or step == t_cfg.steps:
                 loss = float(out["loss"])
                 elapsed = time.perf_counter() - window_start
-                record = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]),
-                          "lr": float(schedule(step - 1)), "tokens_per_s": window_tokens / elapsed,
-                          "elapsed_s": time.perf_counter() - start}
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "grad_norm": float(out["grad_norm"]),
+                    "lr": float(schedule(step - 1)),
+                    "tokens_per_s": window_tokens / elapsed,
+                    "elapsed_s": time.perf_counter() - start,
+                }
                 if mcfg.sparse_layers:
                     record["router_aux_loss"] = float(out["router_aux_loss"])
                 _log(metrics, record)
@@ -160,8 +217,9 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
             result["eval_accuracy"] = evaluate(step)
     checkpointer.close()
     seconds = time.perf_counter() - start
-    result.update(step=step, position=position, train_seconds=seconds, num_params=mcfg.num_params(),
-                  preempted=step < t_cfg.steps)
+    result.update(
+        step=step, position=position, train_seconds=seconds, num_params=mcfg.num_params(), preempted=step < t_cfg.steps
+    )
     if result["preempted"]:
         print(f"{stop.name}: checkpointed step {step} in {run_dir / 'checkpoints'}; continue with --resume")
         return result
@@ -170,7 +228,8 @@ def pretrain(cfg: PretrainConfig, run_dir, resume: bool = False) -> dict:
     save_hf(mcfg, params, export_dir, dtype=t_cfg.export_dtype, tokenizer_file=run_dir / "tokenizer.json")
     result["export_dir"] = str(export_dir)
     accuracy = "" if result["eval_accuracy"] is None else f", greedy accuracy {result['eval_accuracy']:.3f}"
-    print(f"pretrain done: {step} steps in {seconds:.1f} s, final loss {result.get('loss', float('nan')):.4f}"
-          f"{accuracy}; exported policy to {export_dir}")
+    print(
+        f"pretrain done: {step} steps in {seconds:.1f} s, final loss {result.get('loss', float('nan')):.4f}"
+        f"{accuracy}; exported policy to {export_dir}"
+    )
     return result
-

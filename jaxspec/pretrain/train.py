@@ -7,7 +7,7 @@ consumed) and the run's PRNG key (raw uint32 [2]).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +19,18 @@ from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, forward_router
 
 
-def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array, weights: jax.Array,
-                  compute_dtype=jnp.float32, remat: bool = False, attention_impl: str = "auto",
-                  sharding: Sharding | None = None,
-                  moe_impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array, jax.Array]:
+def response_loss(
+    cfg: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    weights: jax.Array,
+    compute_dtype=jnp.float32,
+    remat: bool = False,
+    attention_impl: str = "auto",
+    sharding: Sharding | None = None,
+    moe_impl: str = "ragged_dot",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Mean next-token cross-entropy over response tokens of packed rows, plus
     cfg.router_aux_loss_coef x the router's load-balancing loss over the non-padding tokens for a
     mixture-of-experts policy.
@@ -37,9 +45,18 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
     dense policy)).
     """
     inputs, targets, segments = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
-    logits, _, router_logits = forward_router(cfg, params, inputs, mask=segments > 0, segment_ids=segments,
-                                              remat=remat, attention_impl=attention_impl, sharding=sharding,
-                                              moe_impl=moe_impl, compute_dtype=compute_dtype)
+    logits, _, router_logits = forward_router(
+        cfg,
+        params,
+        inputs,
+        mask=segments > 0,
+        segment_ids=segments,
+        remat=remat,
+        attention_impl=attention_impl,
+        sharding=sharding,
+        moe_impl=moe_impl,
+        compute_dtype=compute_dtype,
+    )
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     count = weights.sum()
@@ -50,15 +67,31 @@ def response_loss(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_i
     return loss + cfg.router_aux_loss_coef * aux, count, aux
 
 
-def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype,
-                    remat: bool, attention_impl: str = "auto", sharding: Sharding | None = None,
-                    moe_impl: str = "ragged_dot") -> Callable:
+def make_train_step(
+    cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    compute_dtype,
+    remat: bool,
+    attention_impl: str = "auto",
+    sharding: Sharding | None = None,
+    moe_impl: str = "ragged_dot",
+) -> Callable:
     """Jitted (params, opt_state, batch) -> (params, opt_state, metrics); donates params/opt_state."""
 
     def step(params, opt_state, batch):
         def loss_fn(p):
-            return response_loss(cfg, p, batch["tokens"], batch["segment_ids"], batch["weights"],
-                                 compute_dtype, remat, attention_impl, sharding, moe_impl)
+            return response_loss(
+                cfg,
+                p,
+                batch["tokens"],
+                batch["segment_ids"],
+                batch["weights"],
+                compute_dtype,
+                remat,
+                attention_impl,
+                sharding,
+                moe_impl,
+            )
 
         def with_aux(p):
             loss, count, router_aux = loss_fn(p)
@@ -68,7 +101,10 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, c
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "target_tokens": count,
-                                   "router_aux_loss": router_aux}
+        return (
+            params,
+            opt_state,
+            {"loss": loss, "grad_norm": grad_norm, "target_tokens": count, "router_aux_loss": router_aux},
+        )
 
     return jax.jit(step, donate_argnums=(0, 1))

@@ -105,7 +105,7 @@ def _group(s: str, start: int) -> tuple[str, int] | None:
     for i in range(start, len(s)):
         depth += {"{": 1, "}": -1}.get(s[i], 0)
         if depth == 0:
-            return s[start + 1:i], i + 1
+            return s[start + 1 : i], i + 1
     return None
 
 

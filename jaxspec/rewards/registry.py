@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -89,13 +89,18 @@ class Reward:
         results = [self.score(r, e) for r, e in zip(responses, examples)]
         failures = [why for _, why in results if why is not None]
         if failures and len(failures) == len(results):
-            raise RewardError(f"reward {self.name!r} failed on all {len(results)} responses of a batch "
-                              f"(the first: {failures[0]})")
+            raise RewardError(
+                f"reward {self.name!r} failed on all {len(results)} responses of a batch (the first: {failures[0]})"
+            )
         if failures:
-            log.warning("reward %s failed on %d of %d responses, scored 0 (the first: %s)", self.name, len(failures),
-                        len(results), failures[0])
-        return Grades(np.asarray([v for v, _ in results], np.float64), len(failures),
-                      failures[0] if failures else None)
+            log.warning(
+                "reward %s failed on %d of %d responses, scored 0 (the first: %s)",
+                self.name,
+                len(failures),
+                len(results),
+                failures[0],
+            )
+        return Grades(np.asarray([v for v, _ in results], np.float64), len(failures), failures[0] if failures else None)
 
     def check(self) -> None:
         """Grades the registered known answers; RewardError naming the first one that scores wrong
@@ -104,16 +109,19 @@ class Reward:
             value, failure = self.score(response, example)
             if failure is not None or value != expected:
                 why = f" because grading failed: {failure}" if failure else ""
-                raise RewardError(f"reward {self.name!r} cannot grade: its self-test scored {value:g} instead of "
-                                  f"{expected:g} for {response!r} against the answer {example['answer']!r}{why}")
+                raise RewardError(
+                    f"reward {self.name!r} cannot grade: its self-test scored {value:g} instead of "
+                    f"{expected:g} for {response!r} against the answer {example['answer']!r}{why}"
+                )
 
 
 _REGISTRY: dict[str, tuple[RewardFn, float | None, tuple[Check, ...]]] = {}
 _MADE: dict[str, Reward] = {}  # one Reward (and worker) per name, made on first use
 
 
-def register_reward(name: str, timeout_s: float | None = None,
-                    checks: Sequence[Check] = ()) -> Callable[[RewardFn], RewardFn]:
+def register_reward(
+    name: str, timeout_s: float | None = None, checks: Sequence[Check] = ()
+) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering `fn` under `name`; re-registering a name raises ValueError.
     timeout_s: run it in a worker process, cut off (score 0) after that many seconds.
     checks: (response, example, expected score) triples `Reward.check` grades before a run."""
@@ -144,13 +152,16 @@ def registered_rewards() -> list[str]:
 
 
 HALF = {"prompt": "What is 1 / 2?", "answer": "1/2"}  # as `load_prompts` writes a reference answer
-register_reward("math", timeout_s=MATH_TIMEOUT_S,
-                checks=[(r"So the answer is $\boxed{\dfrac{1}{2}}$.", HALF, 1.0),
-                        (r"So the answer is $\boxed{2}$.", HALF, 0.0)])(math_example_reward)
+register_reward(
+    "math",
+    timeout_s=MATH_TIMEOUT_S,
+    checks=[(r"So the answer is $\boxed{\dfrac{1}{2}}$.", HALF, 1.0), (r"So the answer is $\boxed{2}$.", HALF, 0.0)],
+)(math_example_reward)
 
 
-@register_reward("arithmetic", checks=[(r"So the answer is \boxed{0.5}.", HALF, 1.0),
-                                       (r"So the answer is \boxed{2}.", HALF, 0.0)])
+@register_reward(
+    "arithmetic", checks=[(r"So the answer is \boxed{0.5}.", HALF, 1.0), (r"So the answer is \boxed{2}.", HALF, 0.0)]
+)
 def arithmetic_example_reward(response: str, example: dict) -> float:
     """`arithmetic_reward` (exact rationals) against `example["answer"]`."""
     return arithmetic_reward(response, str(example["answer"]))

@@ -18,8 +18,9 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 _STARTUP_S = 120.0  # importing the verifier's dependencies in a fresh process
 
@@ -42,9 +43,11 @@ class TimedCall:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
         if module in (None, "__main__", "__mp_main__") or "<" in qualname:
-            raise ValueError(f"{getattr(fn, '__name__', fn)!r} would run in a reward worker process, which imports "
-                             f"it by name: define it at the top level of an importable module (not in the script "
-                             f"being run, nor inside a function)")
+            raise ValueError(
+                f"{getattr(fn, '__name__', fn)!r} would run in a reward worker process, which imports "
+                f"it by name: define it at the top level of an importable module (not in the script "
+                f"being run, nor inside a function)"
+            )
         self.fn, self.timeout_s = fn, timeout_s
         self._target = (module, qualname)
         self._lock = threading.Lock()
@@ -55,8 +58,12 @@ class TimedCall:
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxspec.rewards.worker", str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"}, start_new_session=True)
+                [sys.executable, "-m", "jaxspec.rewards.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                start_new_session=True,
+            )
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
@@ -68,8 +75,10 @@ class TimedCall:
         except (EOFError, OSError):
             status = self._proc.wait()
             self._stop()
-            raise RewardCallError(f"the reward worker for {self._name} exited with status {status} while starting "
-                                  f"(its output above says why)") from None
+            raise RewardCallError(
+                f"the reward worker for {self._name} exited with status {status} while starting "
+                f"(its output above says why)"
+            ) from None
         except RewardCallError:
             self._stop()
             raise
@@ -103,7 +112,9 @@ class TimedCall:
             except (EOFError, OSError) as error:  # the worker died (e.g. out of memory, killed)
                 status = self._proc.wait()
                 self._stop()
-                raise RewardCallError(f"the reward worker died (exit status {status}: {type(error).__name__})") from None
+                raise RewardCallError(
+                    f"the reward worker died (exit status {status}: {type(error).__name__})"
+                ) from None
         if not ok:
             raise RewardCallError(value)
         return value

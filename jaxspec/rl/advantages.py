@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_advantages(rewards: np.ndarray, group_size: int, mode: str = "std", eps: float = 1e-6
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def group_advantages(
+    rewards: np.ndarray, group_size: int, mode: str = "std", eps: float = 1e-6
+) -> tuple[np.ndarray, np.ndarray]:
     """Advantages of G groups of `group_size` consecutive responses.
 
     rewards: float [G * group_size], the samples of one prompt adjacent.
@@ -28,4 +29,3 @@ def group_advantages(rewards: np.ndarray, group_size: int, mode: str = "std", ep
         scale = np.where(informative[:, None], groups.std(axis=1, ddof=1, keepdims=True) + eps, 1.0)
         centred = centred / scale
     return centred.reshape(-1).astype(np.float32), informative
-

@@ -1,23 +1,24 @@
 """`jaxspec.rl.train`: GRPO from Python (a notebook, a script), the same run as `jaxspec train`.
 
-    import jaxspec.rl
-    metrics = jaxspec.rl.train("configs/grpo_tiny.yaml", "runs/nb", overrides={"train.steps": 4})
-    metrics = jaxspec.rl.train("configs/grpo_tiny.yaml", "runs/nb", overrides={"train.steps": 8}, resume=True)
+import jaxspec.rl
+metrics = jaxspec.rl.train("configs/grpo_tiny.yaml", "runs/nb", overrides={"train.steps": 4})
+metrics = jaxspec.rl.train("configs/grpo_tiny.yaml", "runs/nb", overrides={"train.steps": 8}, resume=True)
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from jaxspec.config_io import from_dict, load_config, set_dotted, to_dict
 from jaxspec.rl import driver
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.validation import validate
 from jaxspec.rl.resources import check_inputs
+from jaxspec.rl.validation import validate
 
 
 def run_config(config: str | os.PathLike | GRPOConfig, overrides: Mapping[str, Any] | None = None) -> GRPOConfig:
@@ -40,9 +41,14 @@ def run_config(config: str | os.PathLike | GRPOConfig, overrides: Mapping[str, A
     return cfg
 
 
-def train(config: str | os.PathLike | GRPOConfig, run_dir: str | os.PathLike, *,
-          overrides: Mapping[str, Any] | None = None, resume: bool = False,
-          on_step: Callable[[dict], None] | None = None) -> list[dict]:
+def train(
+    config: str | os.PathLike | GRPOConfig,
+    run_dir: str | os.PathLike,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    resume: bool = False,
+    on_step: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Runs (resume=True: continues from its latest checkpoint) GRPO into `run_dir`; what
     `jaxspec train --config CONFIG --run-dir RUN_DIR [--resume] key=value ...` runs.
 

@@ -134,11 +134,14 @@ class AsyncRollouts:
         copy, which is what those batches will use."""
         if not self.max_staleness:
             return {}
-        slots = ([b.weights for b in self.in_flight] + [self.weights] * self.max_staleness)[:self.max_staleness]
-        rollout = {str(i): {"policy": w.policy, **({} if w.draft is None else {"draft": w.draft})}
-                   for i, w in enumerate(slots)}
-        return {"rollout": self.hosts.global_view(rollout),
-                **self.run.placement.state({"rollout_version": np.asarray([w.version for w in slots], np.int32)})}
+        slots = ([b.weights for b in self.in_flight] + [self.weights] * self.max_staleness)[: self.max_staleness]
+        rollout = {
+            str(i): {"policy": w.policy, **({} if w.draft is None else {"draft": w.draft})} for i, w in enumerate(slots)
+        }
+        return {
+            "rollout": self.hosts.global_view(rollout),
+            **self.run.placement.state({"rollout_version": np.asarray([w.version for w in slots], np.int32)}),
+        }
 
     def start(self, state: dict, resumed: bool) -> None:
         """Copies the trainer's weights onto the rollout mesh; after a resume with max_staleness
@@ -160,8 +163,9 @@ class AsyncRollouts:
         """Copies the update's weights onto the rollout mesh (once the run's step counter advanced);
         returns the bytes copied (the policy's, and the draft's when it trains online)."""
         self.weights = self.copy(self.run.step)
-        return sum(x.nbytes for x in jax.tree.leaves((self.weights.policy,
-                                                      self.weights.draft if self.run.online else None)))
+        return sum(
+            x.nbytes for x in jax.tree.leaves((self.weights.policy, self.weights.draft if self.run.online else None))
+        )
 
     def _submit(self, weights: RolloutWeights) -> None:
         """Queues the batch of step next_step, generated with `weights` (not past train.steps: the
@@ -185,8 +189,14 @@ class AsyncRollouts:
 
         def work():
             seconds = _StageSeconds()
-            out = merge([run._rollouts(ids[i * size:(i + 1) * size], weights.policy, spec, call_key, seconds,
-                                       sharding=self.sharding) for i, call_key in zip(calls, keys)])
+            out = merge(
+                [
+                    run._rollouts(
+                        ids[i * size : (i + 1) * size], weights.policy, spec, call_key, seconds, sharding=self.sharding
+                    )
+                    for i, call_key in zip(calls, keys)
+                ]
+            )
             return out, seconds.seconds
 
         self.in_flight.append(_Batch(step, weights, self._worker.submit(work)))
@@ -206,8 +216,9 @@ class AsyncRollouts:
             out = self.hosts.gather(out)
         for name, value in seconds.items():
             timer.seconds[name] = timer.seconds.get(name, 0.0) + value
-        out = dataclasses.replace(out, staleness=self.run.step - batch.weights.version,
-                                  rollout_version=batch.weights.version)
+        out = dataclasses.replace(
+            out, staleness=self.run.step - batch.weights.version, rollout_version=batch.weights.version
+        )
         return out, self.run.cfg.rollout.prompts_per_step, 1
 
     def close(self) -> None:

@@ -5,7 +5,8 @@ packing of a minibatch's rows into few full-width rows for the trainer's forward
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -46,23 +47,34 @@ class Rollouts:
     def take(self, rows: np.ndarray) -> Rollouts:
         """The rollouts `rows` (int [B']), in that order; statistics and counts unchanged."""
         return dataclasses.replace(
-            self, prompts=[self.prompts[i] for i in rows], records=[self.records[i] for i in rows],
-            tokens=self.tokens[rows], lengths=self.lengths[rows], logprobs=self.logprobs[rows],
-            scores=self.scores[rows], rewards=self.rewards[rows],
-            experts=None if self.experts is None else self.experts[rows])
+            self,
+            prompts=[self.prompts[i] for i in rows],
+            records=[self.records[i] for i in rows],
+            tokens=self.tokens[rows],
+            lengths=self.lengths[rows],
+            logprobs=self.logprobs[rows],
+            scores=self.scores[rows],
+            rewards=self.rewards[rows],
+            experts=None if self.experts is None else self.experts[rows],
+        )
 
     @staticmethod
     def concatenate(rounds: Sequence[Rollouts]) -> Rollouts:
         """The rollouts of several generation rounds one after the other: the first round's
         statistics, every round's generated tokens."""
         return dataclasses.replace(
-            rounds[0], prompts=[p for r in rounds for p in r.prompts], records=[x for r in rounds for x in r.records],
-            tokens=np.concatenate([r.tokens for r in rounds]), lengths=np.concatenate([r.lengths for r in rounds]),
-            logprobs=np.concatenate([r.logprobs for r in rounds]), scores=np.concatenate([r.scores for r in rounds]),
+            rounds[0],
+            prompts=[p for r in rounds for p in r.prompts],
+            records=[x for r in rounds for x in r.records],
+            tokens=np.concatenate([r.tokens for r in rounds]),
+            lengths=np.concatenate([r.lengths for r in rounds]),
+            logprobs=np.concatenate([r.logprobs for r in rounds]),
+            scores=np.concatenate([r.scores for r in rounds]),
             rewards=np.concatenate([r.rewards for r in rounds]),
             generated_tokens=sum(r.generated_tokens for r in rounds),
             reward_failures=sum(r.reward_failures for r in rounds),
-            experts=None if rounds[0].experts is None else np.concatenate([r.experts for r in rounds]))
+            experts=None if rounds[0].experts is None else np.concatenate([r.experts for r in rounds]),
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -116,8 +128,9 @@ class TrainingRows:
     def response_rows(self) -> TrainingRows:
         """The token rows and their recorded experts (what log-prob scoring packs): no loss inputs,
         no seq_resp_mask."""
-        return TrainingRows(self.tokens, self.attn_mask, self.resp_index, self.resp_tokens, self.resp_mask,
-                            experts=self.experts)
+        return TrainingRows(
+            self.tokens, self.attn_mask, self.resp_index, self.resp_tokens, self.resp_mask, experts=self.experts
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -161,8 +174,9 @@ def row_width(longest_prompt: int, max_new_tokens: int) -> int:
     return prompt_bucket(longest_prompt) + max_new_tokens
 
 
-def training_rows(prompts: Sequence[Sequence[int]], tokens: np.ndarray, lengths: np.ndarray, pad_id: int,
-                  width: int | None = None) -> TrainingRows:
+def training_rows(
+    prompts: Sequence[Sequence[int]], tokens: np.ndarray, lengths: np.ndarray, pad_id: int, width: int | None = None
+) -> TrainingRows:
     """Prompt + response rows for the trainer's forward: the row fields of `TrainingRows`
     (seq_resp_mask included), no loss inputs yet.
 
@@ -182,8 +196,8 @@ def training_rows(prompts: Sequence[Sequence[int]], tokens: np.ndarray, lengths:
     resp_mask = j[None, :] < lengths[:, None]
     resp_tokens = np.where(resp_mask, tokens, pad_id).astype(np.int32)
     for b, prompt in enumerate(prompts):
-        rows[b, :prompt_lens[b]] = prompt
-        rows[b, prompt_lens[b]:prompt_lens[b] + max_new] = resp_tokens[b]
+        rows[b, : prompt_lens[b]] = prompt
+        rows[b, prompt_lens[b] : prompt_lens[b] + max_new] = resp_tokens[b]
     positions = np.arange(width)
     total = prompt_lens + lengths
     return TrainingRows(
@@ -255,15 +269,24 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     for s in range(num_seqs):
         (row, start), n = placed[s], lengths[s]
         segment[row] += 1
-        packed_tokens[row, start:start + n] = tokens[s, :n]
-        segment_ids[row, start:start + n] = segment[row]
+        packed_tokens[row, start : start + n] = tokens[s, :n]
+        segment_ids[row, start : start + n] = segment[row]
         if seq_resp_mask is not None:
-            seq_resp_mask[row, start:start + n] = rows.seq_resp_mask[s, :n]
+            seq_resp_mask[row, start : start + n] = rows.seq_resp_mask[s, :n]
         if experts is not None:
-            experts[row, start:start + n] = rows.experts[s, :n]
+            experts[row, start : start + n] = rows.experts[s, :n]
     columns = np.minimum(placed[:, 1:] + rows.resp_index, width - 1)  # past-the-end tokens stay in the row
     return PackedRows(
-        tokens=packed_tokens, segment_ids=segment_ids, resp_index=(placed[:, :1] * width + columns).astype(np.int32),
-        resp_tokens=rows.resp_tokens, seq_resp_mask=seq_resp_mask, advantages=rows.advantages,
-        prox_logp=rows.prox_logp, loss_mask=rows.loss_mask, loss_denominator=rows.loss_denominator,
-        ref_logp=rows.ref_logp, behaviour_logp=rows.behaviour_logp, experts=experts)
+        tokens=packed_tokens,
+        segment_ids=segment_ids,
+        resp_index=(placed[:, :1] * width + columns).astype(np.int32),
+        resp_tokens=rows.resp_tokens,
+        seq_resp_mask=seq_resp_mask,
+        advantages=rows.advantages,
+        prox_logp=rows.prox_logp,
+        loss_mask=rows.loss_mask,
+        loss_denominator=rows.loss_denominator,
+        ref_logp=rows.ref_logp,
+        behaviour_logp=rows.behaviour_logp,
+        experts=experts,
+    )

@@ -20,10 +20,10 @@ import yaml
 
 from jaxspec.config_io import to_dict
 from jaxspec.distributed import is_main, say
+from jaxspec.rl.config import RESUMABLE_KEYS, GRPOConfig
 from jaxspec.run import Checkpointer
 from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.run.run_dir import flatten
-from jaxspec.rl.config import RESUMABLE_KEYS, GRPOConfig
 
 __all__ = ["Checkpointer", "check_run_dir", "record_config", "save_config"]
 
@@ -31,8 +31,13 @@ __all__ = ["Checkpointer", "check_run_dir", "record_config", "save_config"]
 def check_run_dir(cfg: GRPOConfig, run_dir: Path, resume: bool) -> None:
     """`jaxspec.run.check_run_dir`: only RESUMABLE_KEYS (loop length, checkpoint cadence, logging)
     may differ from the run's saved config.yaml."""
-    run_dir_guard(run_dir, resume, cfg, lambda key: key not in RESUMABLE_KEYS,
-                  f"only {sorted(RESUMABLE_KEYS)} may change on resume")
+    run_dir_guard(
+        run_dir,
+        resume,
+        cfg,
+        lambda key: key not in RESUMABLE_KEYS,
+        f"only {sorted(RESUMABLE_KEYS)} may change on resume",
+    )
 
 
 def save_config(cfg: GRPOConfig, run_dir: Path) -> None:
@@ -46,15 +51,25 @@ def record_config(cfg: GRPOConfig, run_dir: Path, restored_step: int | None) -> 
     saved_file = run_dir / "config.yaml"
     if restored_step is not None:
         if cfg.train.steps < restored_step:
-            raise ValueError(f"--resume: train.steps={cfg.train.steps} but the run in {run_dir} has done "
-                             f"{restored_step} steps; give train.steps >= {restored_step} ({saved_file.name} is "
-                             f"unchanged)")
+            raise ValueError(
+                f"--resume: train.steps={cfg.train.steps} but the run in {run_dir} has done "
+                f"{restored_step} steps; give train.steps >= {restored_step} ({saved_file.name} is "
+                f"unchanged)"
+            )
         if saved_file.exists():
-            saved, current = flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}), flatten(to_dict(cfg))
-            changed = [f"{key} {saved[key]!r} -> {current.get(key)!r}" for key in sorted(RESUMABLE_KEYS)
-                       if key in saved and saved[key] != current.get(key)]
+            saved, current = (
+                flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}),
+                flatten(to_dict(cfg)),
+            )
+            changed = [
+                f"{key} {saved[key]!r} -> {current.get(key)!r}"
+                for key in sorted(RESUMABLE_KEYS)
+                if key in saved and saved[key] != current.get(key)
+            ]
             if changed:
-                say(f"--resume: {', '.join(changed)} (the run has done {restored_step} steps; {saved_file.name} "
-                    f"updated)")
+                say(
+                    f"--resume: {', '.join(changed)} (the run has done {restored_step} steps; {saved_file.name} "
+                    f"updated)"
+                )
     if is_main():
         save_config(cfg, run_dir)

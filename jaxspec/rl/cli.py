@@ -9,14 +9,18 @@ from jaxspec.config_io import load_validated, run_command, run_parser
 from jaxspec.distributed import initialize_from_env
 from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.validation import validate
 from jaxspec.rl.driver import train
 from jaxspec.rl.resources import check_inputs
+from jaxspec.rl.validation import validate
 
 
 def _parser():
-    return run_parser("jaxspec train", "GRPO post-training of a policy with (optionally speculative) rollouts, "
-                      "in one JAX program.", "configs/grpo_tiny.yaml", "checkpoints, metrics and the trained policy")
+    return run_parser(
+        "jaxspec train",
+        "GRPO post-training of a policy with (optionally speculative) rollouts, in one JAX program.",
+        "configs/grpo_tiny.yaml",
+        "checkpoints, metrics and the trained policy",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,5 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         check_run_dir(cfg, Path(args.run_dir), args.resume)
         return cfg, inputs
 
-    return run_command("jaxspec train", prepare,
-                       lambda prepared: train(prepared[0], args.run_dir, resume=args.resume, inputs=prepared[1]))
+    return run_command(
+        "jaxspec train",
+        prepare,
+        lambda prepared: train(prepared[0], args.run_dir, resume=args.resume, inputs=prepared[1]),
+    )

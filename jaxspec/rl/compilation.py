@@ -28,9 +28,10 @@ resumed or repeated run reads its programs back instead of compiling them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -57,8 +58,16 @@ class Program(NamedTuple):
     args: tuple
 
 
-def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_new: int, loss: GRPOLossConfig | None,
-                  seq_resp_mask: bool = False, model: ModelConfig | None = None) -> PackedRows:
+def packed_inputs(
+    placement: Placement,
+    rows: int,
+    seqs: int,
+    width: int,
+    max_new: int,
+    loss: GRPOLossConfig | None,
+    seq_resp_mask: bool = False,
+    model: ModelConfig | None = None,
+) -> PackedRows:
     """The abstract `PackedRows` of S = seqs sequences in R = rows rows of width W (N = max_new),
     placed as `Placement.rows` places them, with the fields the run's step fills in: the rows alone
     (loss None: log-prob scoring) or a minibatch with `loss`'s inputs (ref_logp with loss.kl_beta >
@@ -71,24 +80,44 @@ def packed_inputs(placement: Placement, rows: int, seqs: int, width: int, max_ne
 
     experts = None
     if model is not None and (loss is None or loss.routing_replay):
-        experts = array((rows, width, len(model.sparse_layers), model.num_experts_per_tok),
-                        expert_id_dtype(model.num_experts))
-    packed = PackedRows(tokens=array((rows, width), np.int32), segment_ids=array((rows, width), np.int32),
-                        resp_index=array((seqs, max_new), np.int32), resp_tokens=array((seqs, max_new), np.int32),
-                        experts=experts)
+        experts = array(
+            (rows, width, len(model.sparse_layers), model.num_experts_per_tok), expert_id_dtype(model.num_experts)
+        )
+    packed = PackedRows(
+        tokens=array((rows, width), np.int32),
+        segment_ids=array((rows, width), np.int32),
+        resp_index=array((seqs, max_new), np.int32),
+        resp_tokens=array((seqs, max_new), np.int32),
+        experts=experts,
+    )
     if loss is None:
         return packed
     logp = array((seqs, max_new), np.float32)
     return packed.replace(
         seq_resp_mask=array((rows, width), np.bool_) if seq_resp_mask else None,
-        advantages=array((seqs,), np.float32), prox_logp=logp, loss_mask=array((seqs, max_new), np.bool_),
-        loss_denominator=array((seqs,), np.float32), ref_logp=logp if loss.kl_beta > 0 else None,
-        behaviour_logp=logp if loss.weighs_behaviour else None)
+        advantages=array((seqs,), np.float32),
+        prox_logp=logp,
+        loss_mask=array((seqs, max_new), np.bool_),
+        loss_denominator=array((seqs,), np.float32),
+        ref_logp=logp if loss.kl_beta > 0 else None,
+        behaviour_logp=logp if loss.weighs_behaviour else None,
+    )
 
 
-def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: int, shortest: int, *,
-                     score: Callable, ref_score: Callable, update: Callable, policy_update: Callable | None,
-                     online: bool, model: ModelConfig | None = None) -> list[Program]:
+def trainer_programs(
+    cfg: GRPOConfig,
+    state: dict,
+    placement: Placement,
+    width: int,
+    shortest: int,
+    *,
+    score: Callable,
+    ref_score: Callable,
+    update: Callable,
+    policy_update: Callable | None,
+    online: bool,
+    model: ModelConfig | None = None,
+) -> list[Program]:
     """Every call of a run's packed-row programs, one per row count R: the log-prob scoring of the
     whole batch (with loss.recompute_logprobs), the reference scoring (with loss.kl_beta > 0) and
     the minibatch updates (`update` with the online head when `online`, `policy_update` without
@@ -100,29 +129,43 @@ def trainer_programs(cfg: GRPOConfig, state: dict, placement: Placement, width: 
 
     def calls(seqs: int, loss: GRPOLossConfig | None, seq_resp_mask: bool = False) -> Iterator[tuple[int, PackedRows]]:
         for rows in packed_row_counts(seqs, width, shortest, placement.row_shards):
-            yield rows, packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask,
-                                      model)
+            yield (
+                rows,
+                packed_inputs(placement, rows, seqs, width, cfg.rollout.max_new_tokens, loss, seq_resp_mask, model),
+            )
 
     def scored(rows: PackedRows) -> tuple:
         return rows.tokens, rows.segment_ids, rows.resp_index, rows.resp_tokens
 
     programs = []
     if cfg.loss.recompute_logprobs:
-        programs += [Program("log-prob scoring", r, score,
-                             (state["params"], *scored(rows), *([] if rows.experts is None else [rows.experts])))
-                     for r, rows in calls(batch, None)]
+        programs += [
+            Program(
+                "log-prob scoring",
+                r,
+                score,
+                (state["params"], *scored(rows), *([] if rows.experts is None else [rows.experts])),
+            )
+            for r, rows in calls(batch, None)
+        ]
     if cfg.loss.kl_beta > 0:
-        programs += [Program("reference scoring", r, ref_score, (state["ref_params"], *scored(rows)))
-                     for r, rows in calls(batch, None)]
+        programs += [
+            Program("reference scoring", r, ref_score, (state["ref_params"], *scored(rows)))
+            for r, rows in calls(batch, None)
+        ]
     seqs = batch // cfg.loss.minibatches
     if online:
         draft = OnlineDraftState.from_checkpoint(state).update_args()
-        programs += [Program("minibatch update", r, update, (state["params"], state["opt_state"], *draft, rows))
-                     for r, rows in calls(seqs, cfg.loss, seq_resp_mask=True)]
+        programs += [
+            Program("minibatch update", r, update, (state["params"], state["opt_state"], *draft, rows))
+            for r, rows in calls(seqs, cfg.loss, seq_resp_mask=True)
+        ]
     if policy_update is not None:
         name = "minibatch update" if not online else "policy-only update"
-        programs += [Program(name, r, policy_update, (state["params"], state["opt_state"], None, None, None, rows))
-                     for r, rows in calls(seqs, cfg.loss)]
+        programs += [
+            Program(name, r, policy_update, (state["params"], state["opt_state"], None, None, None, rows))
+            for r, rows in calls(seqs, cfg.loss)
+        ]
     return programs
 
 
@@ -165,8 +208,10 @@ def _try_compile(program: Program) -> bool:
         lines = str(error).strip().splitlines()
         cause = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
         prefix = "" if jax.process_count() == 1 else f"process {jax.process_index()}: "
-        tqdm.write(f"{prefix}precompile: the {program.name} for R = {program.rows} packed rows failed to compile "
-                   f"({cause}); it compiles again in the foreground")
+        tqdm.write(
+            f"{prefix}precompile: the {program.name} for R = {program.rows} packed rows failed to compile "
+            f"({cause}); it compiles again in the foreground"
+        )
         return False
 
 
@@ -193,8 +238,11 @@ def compilation_cache(path: Path | None, min_compile_s: float) -> Iterator[None]
     if path is None:
         yield
         return
-    settings = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": min_compile_s,
-                "jax_persistent_cache_min_entry_size_bytes": -1}
+    settings = {
+        "jax_compilation_cache_dir": str(path),
+        "jax_persistent_cache_min_compile_time_secs": min_compile_s,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
     previous = {name: getattr(jax.config, name) for name in settings}
     _configure(settings)
     try:

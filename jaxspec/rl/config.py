@@ -384,8 +384,20 @@ class GRPOConfig:
 
 
 # Keys a resumed run may change: they steer the loop's length and bookkeeping, not the training.
-RESUMABLE_KEYS = frozenset({
-    "train.steps", "train.progress", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
-    "train.precompile", "train.precompile_threads", "train.compilation_cache", "train.compilation_cache_min_compile_s",
-    "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert",
-})
+RESUMABLE_KEYS = frozenset(
+    {
+        "train.steps",
+        "train.progress",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.tensorboard",
+        "train.precompile",
+        "train.precompile_threads",
+        "train.compilation_cache",
+        "train.compilation_cache_min_compile_s",
+        "mesh.data",
+        "mesh.fsdp",
+        "mesh.tensor",
+        "mesh.expert",
+    }
+)

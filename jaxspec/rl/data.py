@@ -41,8 +41,17 @@ def prompt_files(cfg: DataConfig, run_dir: Path) -> tuple[Path, Path | None]:
         write_problems(train, problems)
     if cfg.eval is None and held_out is not None and not held_out.exists():
         seen = {r["prompt"] for r in load_prompts(train, cfg.prompt_field, cfg.answer_field)}
-        write_problems(held_out, generate_problems(cfg.num_eval, cfg.seed + _EVAL_SEED_OFFSET, cfg.levels,
-                                                   cfg.kinds, exclude_questions=seen, tally=cfg.tally))
+        write_problems(
+            held_out,
+            generate_problems(
+                cfg.num_eval,
+                cfg.seed + _EVAL_SEED_OFFSET,
+                cfg.levels,
+                cfg.kinds,
+                exclude_questions=seen,
+                tally=cfg.tally,
+            ),
+        )
     return train, held_out
 
 
@@ -58,6 +67,7 @@ def check_prompt_lengths(prompts: PromptSet, source: Path, max_new_tokens: int, 
     """ValueError when the longest prompt plus max_new_tokens exceeds the policy's context."""
     longest = max(len(ids) for ids in prompts.token_ids)
     if longest + max_new_tokens > max_positions:
-        raise ValueError(f"{source}: the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} "
-                         f"that exceeds the policy's max_position_embeddings={max_positions}")
-
+        raise ValueError(
+            f"{source}: the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} "
+            f"that exceeds the policy's max_position_embeddings={max_positions}"
+        )

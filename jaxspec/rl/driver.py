@@ -22,8 +22,8 @@ afterwards stays silent.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from jaxspec.distributed import any_process, is_main, say
 from jaxspec.rl.checkpointing import check_run_dir
@@ -36,8 +36,13 @@ from jaxspec.run import Progress, StopSignals
 from jaxspec.run.deadline import Deadline
 
 
-def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | None = None,
-          on_step: Callable[[dict], None] | None = None) -> dict:
+def train(
+    cfg: GRPOConfig,
+    run_dir,
+    resume: bool = False,
+    inputs: RunInputs | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> dict:
     """Runs (or resumes) GRPO for cfg.train.steps steps.
 
     inputs: the result of `check_inputs(cfg)` when the caller already checked the config.
@@ -53,17 +58,26 @@ def train(cfg: GRPOConfig, run_dir, resume: bool = False, inputs: RunInputs | No
         return _train(cfg, run_dir, resume, inputs, on_step if is_main() else None, deadline)
 
 
-def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
-           on_step: Callable[[dict], None] | None, deadline: Deadline) -> dict:
+def _train(
+    cfg: GRPOConfig,
+    run_dir: Path,
+    resume: bool,
+    inputs: RunInputs,
+    on_step: Callable[[dict], None] | None,
+    deadline: Deadline,
+) -> dict:
     run = GRPORun(cfg, run_dir, resume, inputs)
-    log = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None,
-                     enabled=is_main())
+    log = MetricsLog(
+        run_dir / "metrics.jsonl", run_dir / "tensorboard" if cfg.train.tensorboard else None, enabled=is_main()
+    )
     deadline.record(run.history[-3:])
     last: dict = {}
     preempted, failed, start, first_step = False, True, time.perf_counter(), run.step
     try:
-        with StopSignals(announce=is_main()) as stop, Progress("grpo", cfg.train.steps, run.step,
-                                                              cfg.train.progress and is_main()) as bar:
+        with (
+            StopSignals(announce=is_main()) as stop,
+            Progress("grpo", cfg.train.steps, run.step, cfg.train.progress and is_main()) as bar,
+        ):
             if run.eval_set is not None and run.step == 0:
                 last = {"step": 0, **run.evaluate()}
                 log.write(last)
@@ -76,8 +90,13 @@ def _train(cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs,
                 deadline.record([last])
                 if on_step is not None:
                     on_step(last)
-                bar.update(1, reward=f"{last['reward_mean']:.3f}", acc=f"{last['accuracy']:.2f}",
-                           accept=f"{last['acceptance_length']:.2f}", step_s=f"{last['time_step_s']:.1f}")
+                bar.update(
+                    1,
+                    reward=f"{last['reward_mean']:.3f}",
+                    acc=f"{last['accuracy']:.2f}",
+                    accept=f"{last['acceptance_length']:.2f}",
+                    step_s=f"{last['time_step_s']:.1f}",
+                )
                 if "eval_accuracy" in last:
                     say(f"step {run.step}: validation accuracy {last['eval_accuracy']:.3f}")
             if run.step < cfg.train.steps:
@@ -104,8 +123,10 @@ def _close(run: GRPORun, log: MetricsLog, quietly: bool) -> None:
     """Closes the rollout worker, the metrics log and the checkpointer (waiting for the checkpoint
     in flight); raises the first error, unless `quietly` (the run is failing: its first error is
     the one to report)."""
-    closers = ([run.async_rollouts.close] if run.async_rollouts is not None else []) + [log.close,
-                                                                                       run.checkpointer.close]
+    closers = ([run.async_rollouts.close] if run.async_rollouts is not None else []) + [
+        log.close,
+        run.checkpointer.close,
+    ]
     first = None
     for close in closers:
         try:
@@ -120,8 +141,10 @@ def _summary(run: GRPORun, last: dict, seconds: float, first_step: int) -> str:
     """The end-of-run line: steps, wall time, the last step's reward and acceptance, the outputs."""
     parts = [f"grpo done: {run.step} steps ({run.step - first_step} in this process) in {seconds:.1f} s"]
     if "reward_mean" in last:
-        parts.append(f"final reward {last['reward_mean']:.3f}, accuracy {last['accuracy']:.2f}, "
-                     f"acceptance length {last['acceptance_length']:.2f}")
+        parts.append(
+            f"final reward {last['reward_mean']:.3f}, accuracy {last['accuracy']:.2f}, "
+            f"acceptance length {last['acceptance_length']:.2f}"
+        )
     outputs = f"policy in {run.run_dir / 'policy'}"
     if run.online is not None:
         outputs += f", draft in {run.run_dir / 'draft'}"

@@ -16,12 +16,21 @@ from jaxspec.tasks.tokenizer import ChatTokenizer
 
 def decode_responses(tok: ChatTokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
     """Text of each row's emitted tokens (eos and special tokens removed)."""
-    return [tok.decode(tokens[i, :lengths[i]]) for i in range(tokens.shape[0])]
+    return [tok.decode(tokens[i, : lengths[i]]) for i in range(tokens.shape[0])]
 
 
-def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prompts: PromptSet, reward: Reward,
-                      sampling: Sampling, key: jax.Array, batch_size: int, spec=None, sharding=None
-                      ) -> dict[str, float]:
+def validation_scores(
+    cfg: ModelConfig,
+    params: Params,
+    tok: ChatTokenizer,
+    prompts: PromptSet,
+    reward: Reward,
+    sampling: Sampling,
+    key: jax.Array,
+    batch_size: int,
+    spec=None,
+    sharding=None,
+) -> dict[str, float]:
     """{"eval_accuracy": fraction of prompts whose response earns reward >= 1, "eval_reward_mean",
     "eval_reward_failures": responses whose grading failed (scored 0)}.
 
@@ -33,11 +42,22 @@ def validation_scores(cfg: ModelConfig, params: Params, tok: ChatTokenizer, prom
     longest = max(len(ids) for ids in prompts.token_ids)  # every batch in one prompt-length bucket
     texts: list[str] = []
     for start in range(0, len(prompts), size):
-        chunk = prompts.token_ids[start:start + size]
+        chunk = prompts.token_ids[start : start + size]
         key, sub = jax.random.split(key)
-        out = generate(cfg, params, chunk + [chunk[0]] * (size - len(chunk)), sub, sampling=sampling, spec=spec,
-                       sharding=sharding, prompt_width=longest)
-        texts += decode_responses(tok, to_host(out.tokens), to_host(out.lengths))[:len(chunk)]
+        out = generate(
+            cfg,
+            params,
+            chunk + [chunk[0]] * (size - len(chunk)),
+            sub,
+            sampling=sampling,
+            spec=spec,
+            sharding=sharding,
+            prompt_width=longest,
+        )
+        texts += decode_responses(tok, to_host(out.tokens), to_host(out.lengths))[: len(chunk)]
     grades = reward.grade(texts, prompts.records)
-    return {"eval_accuracy": float(np.mean(grades.scores >= 1.0)), "eval_reward_mean": float(np.mean(grades.scores)),
-            "eval_reward_failures": grades.failures}
+    return {
+        "eval_accuracy": float(np.mean(grades.scores >= 1.0)),
+        "eval_reward_mean": float(np.mean(grades.scores)),
+        "eval_reward_failures": grades.failures,
+    }

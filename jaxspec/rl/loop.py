@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxspec.distributed import barrier, is_main, say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
+from jaxspec.placement import Placement, cast_floats, rollout_policy
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
@@ -34,15 +35,14 @@ from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, pr
 from jaxspec.rl.evaluate import decode_responses, validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import StageTimer, block, device_memory_metrics, mean_update_metrics, rollout_step_metrics
-from jaxspec.placement import Placement, cast_floats, rollout_policy
-from jaxspec.run import Batcher, truncate_metrics
-from jaxspec.rl.resources import RunInputs, load_draft, make_spec
-from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
+from jaxspec.rl.resources import RunInputs, load_draft, make_spec
 from jaxspec.rl.routing import disagreement_metrics, experts_to_width, records_experts
+from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout.speculative.stats import merge_stats
+from jaxspec.run import Batcher, truncate_metrics
 
 
 class GRPORun:
@@ -64,15 +64,23 @@ class GRPORun:
         self.mcfg, params = load_hf(inputs.policy_dir, "float32", sharding=self.placement.sharding)
         if self.placement.sharding is not None:
             mesh = self.placement.sharding.mesh
-            say(f"policy, optimizer state and rollouts on the mesh {dict(mesh.shape)} "
-                f"(embed sharded as {params['embed'].sharding.spec})")
+            say(
+                f"policy, optimizer state and rollouts on the mesh {dict(mesh.shape)} "
+                f"(embed sharded as {params['embed'].sharding.spec})"
+            )
         run_key, draft_key = jax.random.split(jax.random.PRNGKey(t_cfg.seed))
         draft = load_draft(cfg.spec, inputs.draft_dir, self.mcfg, draft_key)
         # the draft's config; its params live in the state alone (an 8B policy's head is 1.6 GB)
         self.draft_cfg = None if draft is None else draft[0]
         self.online = OnlineDraft(dcfg=self.draft_cfg, train=cfg.draft) if cfg.draft.online else None
-        state = {"params": params, "opt_state": policy_optimizer(cfg.optim).init(params),
-                 "step": jnp.int32(0), "position": jnp.int32(0), "updates": jnp.int32(0), "key": run_key}
+        state = {
+            "params": params,
+            "opt_state": policy_optimizer(cfg.optim).init(params),
+            "step": jnp.int32(0),
+            "position": jnp.int32(0),
+            "updates": jnp.int32(0),
+            "key": run_key,
+        }
         if draft is not None:
             state["draft_params"] = draft[1]
         if self.online is not None:
@@ -94,30 +102,44 @@ class GRPORun:
         record_config(cfg, run_dir, int(self.state["step"]) if restored is not None else None)
         # the records up to the restored step (metrics.jsonl, process 0): records after it are dropped, and
         # a fresh start drops all (an attempt that never reached a checkpoint, its step-0 validation included)
-        self.history = truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None
-                                        else -1) if is_main() else []
+        self.history = (
+            truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None else -1)
+            if is_main()
+            else []
+        )
         self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
 
-        self.sampling = Sampling(temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
-                                 max_new_tokens=r_cfg.max_new_tokens, eos_id=self.tok.eos_id)
-        self.eval_sampling = Sampling(temperature=cfg.eval.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
-                                      max_new_tokens=cfg.eval.max_new_tokens or r_cfg.max_new_tokens,
-                                      eos_id=self.tok.eos_id)
+        self.sampling = Sampling(
+            temperature=r_cfg.temperature,
+            top_p=r_cfg.top_p,
+            top_k=r_cfg.top_k,
+            max_new_tokens=r_cfg.max_new_tokens,
+            eos_id=self.tok.eos_id,
+        )
+        self.eval_sampling = Sampling(
+            temperature=cfg.eval.temperature,
+            top_p=r_cfg.top_p,
+            top_k=r_cfg.top_k,
+            max_new_tokens=cfg.eval.max_new_tokens or r_cfg.max_new_tokens,
+            eos_id=self.tok.eos_id,
+        )
         mesh = self.placement.sharding
-        self.update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat,
-                                self.online, mesh)
+        self.update = update_fn(
+            self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat, self.online, mesh
+        )
         # The update of minibatches that do not train the head: all of them without an online head,
         # those it skips with draft.train_every > 1; None when it trains on every minibatch.
         self.policy_update = self.update if self.online is None else None
         if self.online is not None and self.online.skips_updates:
-            self.policy_update = update_fn(self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype,
-                                           t_cfg.remat, None, mesh)
+            self.policy_update = update_fn(
+                self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat, None, mesh
+            )
         # a mixture-of-experts policy's rollouts record their experts for routing replay (R3)
         self.records_experts = records_experts(cfg.loss, self.mcfg)
-        self.score = score_fn(self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh,
-                              routing_replay=cfg.loss.routing_replay)
-        self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat,
-                                  mesh)
+        self.score = score_fn(
+            self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh, routing_replay=cfg.loss.routing_replay
+        )
+        self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat, mesh)
         self.sampler = Batcher(len(self.train_set.token_ids), r_cfg.prompts_per_step, cfg.data.seed)  # prompt ids
         self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
         self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
@@ -125,9 +147,18 @@ class GRPORun:
         if precompile_enabled(t_cfg.precompile):
             shortest = min(map(len, self.train_set.token_ids)) + 1  # every rollout emits at least one token
             programs = trainer_programs(
-                cfg, self.state, self.placement, self.width, shortest, score=self.score, ref_score=self.ref_score,
-                update=self.update, policy_update=self.policy_update, online=self.online is not None,
-                model=self.mcfg if self.records_experts else None)
+                cfg,
+                self.state,
+                self.placement,
+                self.width,
+                shortest,
+                score=self.score,
+                ref_score=self.ref_score,
+                update=self.update,
+                policy_update=self.policy_update,
+                online=self.online is not None,
+                model=self.mcfg if self.records_experts else None,
+            )
             self.precompiling = precompile(programs, t_cfg.precompile_threads)
         if self.async_rollouts is not None:
             self.async_rollouts.start(self.state, resumed=restored is not None)
@@ -143,8 +174,7 @@ class GRPORun:
         if eval_file is None or not cfg.eval.every:
             return train_set, None
         eval_set = load_prompt_set(eval_file, cfg.data, self.tok)
-        check_prompt_lengths(eval_set, eval_file, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                             max_positions)
+        check_prompt_lengths(eval_set, eval_file, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, max_positions)
         return train_set, eval_set
 
     def rollout_weights(self, gather: bool | None = None):
@@ -168,12 +198,25 @@ class GRPORun:
         """Validation scores of the current policy on the held-out prompts."""
         policy, spec = self.rollout_view()
         key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 1)
-        return validation_scores(self.mcfg, policy, self.tok, self.eval_set, self.reward, self.eval_sampling, key,
-                                 self.cfg.eval.batch_size, spec=spec, sharding=self.placement.sharding)
+        return validation_scores(
+            self.mcfg,
+            policy,
+            self.tok,
+            self.eval_set,
+            self.reward,
+            self.eval_sampling,
+            key,
+            self.cfg.eval.batch_size,
+            spec=spec,
+            sharding=self.placement.sharding,
+        )
 
     def save(self) -> None:
-        self.state.update(self.placement.state({"step": np.int32(self.step), "position": np.int32(self.position),
-                                                "updates": np.int32(self.updates)}))
+        self.state.update(
+            self.placement.state(
+                {"step": np.int32(self.step), "position": np.int32(self.position), "updates": np.int32(self.updates)}
+            )
+        )
         if self.async_rollouts is not None:
             self.state.update(self.async_rollouts.checkpoint_entries())
         self.checkpointer.save(self.state)
@@ -189,11 +232,22 @@ class GRPORun:
         with timer.stage("reward"):
             grades = self.reward.grade(decode_responses(self.tok, tokens, lengths), records)
         scores = grades.scores
-        rewards = scores + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer,
-                                            cfg.loss.overlong_penalty)
-        return Rollouts(prompts=prompts, records=records, tokens=tokens, lengths=lengths, logprobs=logprobs,
-                        scores=scores, rewards=rewards, stats=stats, generated_tokens=int(lengths.sum()),
-                        reward_failures=grades.failures, experts=experts)
+        rewards = scores + overlong_penalty(
+            lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer, cfg.loss.overlong_penalty
+        )
+        return Rollouts(
+            prompts=prompts,
+            records=records,
+            tokens=tokens,
+            lengths=lengths,
+            logprobs=logprobs,
+            scores=scores,
+            rewards=rewards,
+            stats=stats,
+            generated_tokens=int(lengths.sum()),
+            reward_failures=grades.failures,
+            experts=experts,
+        )
 
     def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
         """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], the recorded experts [B, P + N,
@@ -203,11 +257,28 @@ class GRPORun:
         parts = []
         for i, start in enumerate(range(0, len(prompts), size)):
             sub_key = key if size == len(prompts) else jax.random.fold_in(key, i)
-            out = block(generate(self.mcfg, policy, prompts[start:start + size], sub_key, sampling=self.sampling,
-                                 spec=spec, sharding=sharding, prompt_width=self.longest_prompt,
-                                 record_experts=self.records_experts))
-            parts.append((to_host(out.tokens), to_host(out.lengths), to_host(out.logprobs).astype(np.float32),
-                          None if out.experts is None else to_host(out.experts), out.stats))
+            out = block(
+                generate(
+                    self.mcfg,
+                    policy,
+                    prompts[start : start + size],
+                    sub_key,
+                    sampling=self.sampling,
+                    spec=spec,
+                    sharding=sharding,
+                    prompt_width=self.longest_prompt,
+                    record_experts=self.records_experts,
+                )
+            )
+            parts.append(
+                (
+                    to_host(out.tokens),
+                    to_host(out.lengths),
+                    to_host(out.logprobs).astype(np.float32),
+                    None if out.experts is None else to_host(out.experts),
+                    out.stats,
+                )
+            )
         tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
         experts = np.concatenate([p[3] for p in parts]) if self.records_experts else None
         return tokens, lengths, logprobs, experts, merge_stats([p[4] for p in parts])
@@ -233,8 +304,9 @@ class GRPORun:
 
         while len(rounds) < cfg.loss.filter_groups_max_rounds and informative().sum() < cfg.rollout.prompts_per_step:
             ids = self.sampler.indices(self.position + consumed)
-            rounds.append(self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer,
-                                         self.placement.sharding))
+            rounds.append(
+                self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer, self.placement.sharding)
+            )
             consumed += len(ids)
         del policy
         if len(rounds) == 1:
@@ -259,8 +331,12 @@ class GRPORun:
             rows = rows.replace(experts=experts_to_width(out.experts, self.width))
         truncated = truncated_rollouts(tokens, lengths, cfg.rollout.max_new_tokens, self.tok.eos_id)
         keep = trained_rollouts(informative, truncated, group, cfg.loss)
-        batch = rows.replace(advantages=advantages, prox_logp=out.logprobs, loss_mask=rows.resp_mask & keep[:, None],
-                             seq_resp_mask=None if self.online is None else rows.seq_resp_mask)
+        batch = rows.replace(
+            advantages=advantages,
+            prox_logp=out.logprobs,
+            loss_mask=rows.resp_mask & keep[:, None],
+            seq_resp_mask=None if self.online is None else rows.seq_resp_mask,
+        )
 
         record = {"step": self.step + 1, "data_position": self.position + consumed, "generation_rounds": rounds}
         if out.rollout_version is not None:
@@ -285,21 +361,29 @@ class GRPORun:
         if self.async_rollouts is not None:
             with timer.stage("sync"):
                 record["sync_bytes"] = self.async_rollouts.sync()
-        record.update(rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group),
-                      reward_failures=out.reward_failures)
+        record.update(
+            rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group),
+            reward_failures=out.reward_failures,
+        )
         if cfg.loss.overlong_buffer:
             record["shaped_reward_mean"] = float(rewards.mean())
-        record.update(updates=self.updates, lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
-                      **mean_update_metrics(update_metrics))
+        record.update(
+            updates=self.updates,
+            lr=float(learning_rate(cfg.optim)(max(self.updates - 1, 0))),
+            **mean_update_metrics(update_metrics),
+        )
         if self.eval_set is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
             with timer.stage("eval"):
                 record.update(self.evaluate())
         if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
             with timer.stage("checkpoint"):
                 self.save()
-        record.update(timer.record(), time_step_s=round(time.perf_counter() - start, 6),
-                      tokens_per_s=round(out.generated_tokens / max(timer.seconds["generation"], 1e-9), 3),
-                      **device_memory_metrics())
+        record.update(
+            timer.record(),
+            time_step_s=round(time.perf_counter() - start, 6),
+            tokens_per_s=round(out.generated_tokens / max(timer.seconds["generation"], 1e-9), 3),
+            **device_memory_metrics(),
+        )
         return record
 
     def _score(self, batch: TrainingRows) -> tuple[TrainingRows, dict]:
@@ -318,10 +402,13 @@ class GRPORun:
                 measured.update(disagreement_metrics(differing, batch.resp_mask, len(self.mcfg.sparse_layers)))
             compared = finite_tokens(batch.resp_mask, recomputed, batch.prox_logp)
             diff = np.abs(recomputed - batch.prox_logp)[compared]
-            measured.update(logprob_mismatch_max=float(diff.max(initial=0.0)),
-                            logprob_mismatch_mean=float(diff.mean()) if diff.size else 0.0)
-            batch = batch.replace(prox_logp=recomputed,
-                                  behaviour_logp=batch.prox_logp if self.cfg.loss.weighs_behaviour else None)
+            measured.update(
+                logprob_mismatch_max=float(diff.max(initial=0.0)),
+                logprob_mismatch_mean=float(diff.mean()) if diff.size else 0.0,
+            )
+            batch = batch.replace(
+                prox_logp=recomputed, behaviour_logp=batch.prox_logp if self.cfg.loss.weighs_behaviour else None
+            )
         if self.cfg.loss.kl_beta > 0:
             batch = batch.replace(ref_logp=to_host(block(self.ref_score(self.state["ref_params"], *args))))
         return batch, measured
@@ -353,8 +440,9 @@ class GRPORun:
                     metrics.append(jax.tree.map(to_host, block((state["params"], in_flight))[1]))
                 weights, buffers, d_opt = head.update_args() if trains_draft else (None, None, None)
                 before = (state["params"], state["opt_state"], weights, d_opt)
-                *after, m = update(state["params"], state["opt_state"], weights, buffers, d_opt, packed,
-                                   policy_steps=has_tokens)
+                *after, m = update(
+                    state["params"], state["opt_state"], weights, buffers, d_opt, packed, policy_steps=has_tokens
+                )
                 state["params"], state["opt_state"], weights, d_opt = self.placement.pin(tuple(after), before)
                 del after  # a leaf that pin moved: the copy alone lives on
                 if trains_draft:

@@ -24,10 +24,18 @@ from jaxspec.rollout.sampling import Sampling, processed_logprobs
 LOGPROB_CHUNK = 1024  # response positions per chunk of the log-prob head: float32 logits [1024, V]
 
 
-def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array,
-                     hidden_layers: tuple[int, ...] = (), compute_dtype=jnp.float32, remat: bool = False,
-                     sharding: Sharding | None = None, head: bool = True, experts: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sequence_forward(
+    cfg: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    hidden_layers: tuple[int, ...] = (),
+    compute_dtype=jnp.float32,
+    remat: bool = False,
+    sharding: Sharding | None = None,
+    head: bool = True,
+    experts: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One policy forward over packed prompt+response rows.
 
     tokens int32 [R, W]; segment_ids int32 [R, W] (each sequence attends within itself; rope
@@ -44,9 +52,19 @@ def sequence_forward(cfg: ModelConfig, params: Params, tokens: jax.Array, segmen
     picks (the grouped-matmul kernels on a GPU for large calls, forward and backward). experts:
     None, or integer [R, W, L_sparse, k] experts to replay (routing replay, `jaxspec.rl.routing`).
     """
-    return forward_router(cfg, params, tokens, hidden_layers, segment_ids=segment_ids, remat=remat,
-                          sharding=sharding, head=head, moe_impl="auto", compute_dtype=compute_dtype,
-                          experts=experts)
+    return forward_router(
+        cfg,
+        params,
+        tokens,
+        hidden_layers,
+        segment_ids=segment_ids,
+        remat=remat,
+        sharding=sharding,
+        head=head,
+        moe_impl="auto",
+        compute_dtype=compute_dtype,
+        experts=experts,
+    )
 
 
 def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
@@ -55,15 +73,25 @@ def router_aux_weight(loss: GRPOLossConfig, model: ModelConfig) -> float:
     the key for a non-zero weight on a dense policy (it has no router)."""
     if not model.sparse_layers:
         if loss.router_aux_coef:
-            raise ValueError(f"loss.router_aux_coef: the policy is dense (no mixture-of-experts layers, no router); "
-                             f"set it to null or 0, got {loss.router_aux_coef}")
+            raise ValueError(
+                f"loss.router_aux_coef: the policy is dense (no mixture-of-experts layers, no router); "
+                f"set it to null or 0, got {loss.router_aux_coef}"
+            )
         return 0.0
     return model.router_aux_loss_coef if loss.router_aux_coef is None else loss.router_aux_coef
 
 
-def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_index: jax.Array,
-                      resp_tokens: jax.Array, sampling: Sampling, *, chunk_size: int = LOGPROB_CHUNK,
-                      sharding: Sharding | None = None) -> tuple[jax.Array, jax.Array]:
+def response_logprobs(
+    cfg: ModelConfig,
+    params: Params,
+    hidden: jax.Array,
+    resp_index: jax.Array,
+    resp_tokens: jax.Array,
+    sampling: Sampling,
+    *,
+    chunk_size: int = LOGPROB_CHUNK,
+    sharding: Sharding | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Log-probability of each response token under the processed distribution p, from the final
     hidden states, chunk by chunk: no [R, W, V] or [S, N, V] float32 tensor exists.
 
@@ -110,8 +138,15 @@ def response_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, resp_
     return logp.reshape(-1)[:positions].reshape(s, n), entropy.reshape(-1)[:positions].reshape(s, n)
 
 
-def draft_targets(cfg: ModelConfig, params: Params, hidden: jax.Array, dparams: DraftParams, *,
-                  chunk_size: int = LOGPROB_CHUNK, sharding: Sharding | None = None) -> Eagle3Targets:
+def draft_targets(
+    cfg: ModelConfig,
+    params: Params,
+    hidden: jax.Array,
+    dparams: DraftParams,
+    *,
+    chunk_size: int = LOGPROB_CHUNK,
+    sharding: Sharding | None = None,
+) -> Eagle3Targets:
     """The online EAGLE-3 loss's `Eagle3Targets` (soft [R, W, Vd], top [R, W]) from the policy's
     final hidden states [R, W, H] (as `response_logprobs` reads them), about `chunk_size` positions
     at a time: the rows' next chunk_size // R columns, so a chunk keeps the rows' split over the
@@ -134,11 +169,15 @@ def draft_targets(cfg: ModelConfig, params: Params, hidden: jax.Array, dparams: 
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
         logits = constrain(sharding, logits_from_hidden(cfg, head, x), layout)  # [R, C, V]
         soft, top = eagle3_targets(dparams, logits)
-        return Eagle3Targets(jax.lax.dynamic_update_slice_in_dim(out.soft, soft, i * cols, axis=1),
-                             jax.lax.dynamic_update_slice_in_dim(out.top, top, i * cols, axis=1))
+        return Eagle3Targets(
+            jax.lax.dynamic_update_slice_in_dim(out.soft, soft, i * cols, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(out.top, top, i * cols, axis=1),
+        )
 
-    empty = Eagle3Targets(constrain(sharding, jnp.zeros((r, chunks * cols, vd), jnp.float32), layout),
-                          jnp.zeros((r, chunks * cols), jnp.int32))
+    empty = Eagle3Targets(
+        constrain(sharding, jnp.zeros((r, chunks * cols, vd), jnp.float32), layout),
+        jnp.zeros((r, chunks * cols), jnp.int32),
+    )
     soft, top = jax.lax.fori_loop(0, chunks, chunk_targets, empty)
     return Eagle3Targets(soft=soft[:, :w], top=top[:, :w])
 
@@ -149,8 +188,9 @@ def reference_sampling(sampling: Sampling) -> Sampling:
     return dataclasses.replace(sampling, top_p=1.0, top_k=0)
 
 
-def aggregate(per_token: jax.Array, mask: jax.Array, aggregation: str, denominator: jax.Array | None = None
-              ) -> jax.Array:
+def aggregate(
+    per_token: jax.Array, mask: jax.Array, aggregation: str, denominator: jax.Array | None = None
+) -> jax.Array:
     """Reduces [B, N] token values over the tokens where mask [B, N] is set.
 
     "token" (DAPO; verl's token-mean): sum over all tokens / number of tokens.
@@ -206,7 +246,9 @@ LOG_RATIO_CLAMP = 20.0  # nats: exp of a float32 log-ratio past ~88 is inf, and 
 KL_CLAMP = 10.0  # the k3 estimate's range per token (verl's low_var_kl)
 
 
-def behaviour_weights(prox_logp: jax.Array, behaviour_logp: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array]:
+def behaviour_weights(
+    prox_logp: jax.Array, behaviour_logp: jax.Array, cap: float | None
+) -> tuple[jax.Array, jax.Array]:
     """The decoupled objective's per-token weight pi_prox / pi_behaviour (not differentiated) and
     whether the cap truncated it: float32 [B, N] log-probs (finite where used) -> (min(exp(prox -
     behaviour), cap) float32 [B, N], capped bool [B, N]). cap None: no truncation. The log-ratio is
@@ -218,10 +260,17 @@ def behaviour_weights(prox_logp: jax.Array, behaviour_logp: jax.Array, cap: floa
     return jnp.minimum(weight, cap), weight > cap
 
 
-def policy_loss(logp: jax.Array, prox_logp: jax.Array, advantages: jax.Array, mask: jax.Array, cfg: GRPOLossConfig,
-                ref_logp: jax.Array | None = None, behaviour_logp: jax.Array | None = None,
-                denominator: jax.Array | None = None, kl_logp: jax.Array | None = None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def policy_loss(
+    logp: jax.Array,
+    prox_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    cfg: GRPOLossConfig,
+    ref_logp: jax.Array | None = None,
+    behaviour_logp: jax.Array | None = None,
+    denominator: jax.Array | None = None,
+    kl_logp: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoupled clipped-ratio policy-gradient loss (Hilton et al. 2021; AReaL), dual-clip, with an
     optional k3 KL penalty.
 
@@ -256,8 +305,7 @@ def policy_loss(logp: jax.Array, prox_logp: jax.Array, advantages: jax.Array, ma
         raise ValueError("loss.tis_cap 0 drops the behaviour policy; behaviour_logp must not be given")
     kl_logp = logp if kl_logp is None else kl_logp
     candidates = mask > 0
-    mask = finite_tokens(candidates, logp, prox_logp, behaviour_logp,
-                         *((ref_logp, kl_logp) if cfg.kl_beta > 0 else ()))
+    mask = finite_tokens(candidates, logp, prox_logp, behaviour_logp, *((ref_logp, kl_logp) if cfg.kl_beta > 0 else ()))
     maskf = mask.astype(jnp.float32)
 
     def safe(x):  # masked entries -> 0 before any arithmetic, so no inf reaches a gradient

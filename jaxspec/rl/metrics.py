@@ -57,9 +57,22 @@ from jaxspec.exits import StorageError
 MACHINE_PREFIXES = ("time_", "tokens_per_s", "compiles", "memory_")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per persistent-cache read
-POLICY_METRICS = ("loss", "pg_loss", "kl", "clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_mean",
-                  "behaviour_weight_mean", "behaviour_weight_max", "behaviour_weight_capped_frac",
-                  "nonfinite_tokens", "entropy", "grad_norm", "router_aux_loss")
+POLICY_METRICS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clip_low_frac",
+    "clip_high_frac",
+    "dual_clip_frac",
+    "ratio_mean",
+    "behaviour_weight_mean",
+    "behaviour_weight_max",
+    "behaviour_weight_capped_frac",
+    "nonfinite_tokens",
+    "entropy",
+    "grad_norm",
+    "router_aux_loss",
+)
 
 
 def is_machine_dependent(key: str) -> bool:
@@ -137,9 +150,12 @@ class StageTimer:
         stops counting."""
         jax.monitoring.unregister_event_duration_listener(self._on_event)
         jax.monitoring.unregister_event_listener(self._on_cache_hit)
-        return {**{f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()},
-                "compiles": self.compiles - self.cache_hits, "compiles_cached": self.cache_hits,
-                "time_compile_s": round(self.compile_seconds, 6)}
+        return {
+            **{f"time_{name}_s": round(value, 6) for name, value in self.seconds.items()},
+            "compiles": self.compiles - self.cache_hits,
+            "compiles_cached": self.cache_hits,
+            "time_compile_s": round(self.compile_seconds, 6),
+        }
 
 
 def device_memory_metrics() -> dict[str, float]:
@@ -148,8 +164,10 @@ def device_memory_metrics() -> dict[str, float]:
     stats = [d.memory_stats() for d in jax.local_devices()]
     if not all(stats):
         return {}
-    return {"memory_peak_gb": round(max(s.get("peak_bytes_in_use", 0) for s in stats) / 1e9, 3),
-            "memory_in_use_gb": round(max(s.get("bytes_in_use", 0) for s in stats) / 1e9, 3)}
+    return {
+        "memory_peak_gb": round(max(s.get("peak_bytes_in_use", 0) for s in stats) / 1e9, 3),
+        "memory_in_use_gb": round(max(s.get("bytes_in_use", 0) for s in stats) / 1e9, 3),
+    }
 
 
 def block(tree):
@@ -164,9 +182,11 @@ def rollout_stats(stats: dict) -> dict:
     decode_steps_per_stage: loop iterations at each of the loop's batch sizes (`stage_rows`).
     drafted_tokens / accepted_tokens: present for speculative rollouts.
     """
-    out = {"acceptance_length": float(stats.get("acceptance_length", 1.0)),
-           "decode_steps": int(stats.get("steps", 0)),
-           "decode_steps_per_stage": [int(n) for n in stats.get("stage_steps", ())]}
+    out = {
+        "acceptance_length": float(stats.get("acceptance_length", 1.0)),
+        "decode_steps": int(stats.get("steps", 0)),
+        "decode_steps_per_stage": [int(n) for n in stats.get("stage_steps", ())],
+    }
     per_position = np.asarray(stats.get("acceptance_rate_per_position", ()), np.float64).reshape(-1)
     out["acceptance_rate_per_position"] = [round(float(x), 6) if np.isfinite(x) else None for x in per_position]
     for key in ("drafted_tokens", "accepted_tokens"):
@@ -193,8 +213,9 @@ def mean_update_metrics(updates: list[dict]) -> dict:
     return out
 
 
-def rollout_step_metrics(rewards: np.ndarray, informative: np.ndarray, lengths: np.ndarray, truncated: np.ndarray,
-                         stats: dict, group: int) -> dict:
+def rollout_step_metrics(
+    rewards: np.ndarray, informative: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, stats: dict, group: int
+) -> dict:
     """The rollout part of a step record: rewards float [B], informative bool [B / group] (groups
     with unequal rewards), lengths int [B], truncated bool [B], the rollout's `stats`."""
     return {

@@ -21,12 +21,13 @@ from jaxspec.optim import clipped_adamw
 from jaxspec.rl.config import OnlineDraftConfig
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def draft_optimizer(cfg: OnlineDraftConfig) -> optax.GradientTransformation:
     """The draft head's own `clipped_adamw` (constant learning rate); `jaxspec.rl.step.update_fn`
     multiplies its updates by draft.loss_weight."""
-    return clipped_adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                         grad_clip=cfg.grad_clip)
+    return clipped_adamw(
+        cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip
+    )
 
 
 class OnlineDraft(NamedTuple):

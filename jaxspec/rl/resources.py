@@ -62,17 +62,21 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     if not policy_dir.is_dir():
         what = "policy.path" if cfg.policy.path is not None else "policy.path (null: the embedded tiny policy)"
         raise FileNotFoundError(f"{what}: policy folder not found: {policy_dir}")
-    model = ModelConfig.from_hf(_read_json(policy_dir / "config.json", "policy.path"),
-                                source=str(policy_dir / "config.json"))
+    model = ModelConfig.from_hf(
+        _read_json(policy_dir / "config.json", "policy.path"), source=str(policy_dir / "config.json")
+    )
     tokenizer_file = Path(cfg.policy.tokenizer) if cfg.policy.tokenizer is not None else policy_dir
     tokenizer_file = tokenizer_file / "tokenizer.json" if tokenizer_file.is_dir() else tokenizer_file
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"policy.tokenizer: tokenizer file not found: {tokenizer_file}")
-    tok = ChatTokenizer.from_file(tokenizer_file, cfg.policy.eos_token, cfg.policy.pad_token, cfg.policy.bos_token,
-                                  cfg.policy.prompt_template)
+    tok = ChatTokenizer.from_file(
+        tokenizer_file, cfg.policy.eos_token, cfg.policy.pad_token, cfg.policy.bos_token, cfg.policy.prompt_template
+    )
     if tok.vocab_size > model.vocab_size:
-        raise ValueError(f"policy.tokenizer: {tokenizer_file} has {tok.vocab_size} tokens, more than the policy's "
-                         f"vocab_size={model.vocab_size}")
+        raise ValueError(
+            f"policy.tokenizer: {tokenizer_file} has {tok.vocab_size} tokens, more than the policy's "
+            f"vocab_size={model.vocab_size}"
+        )
     _check_file(cfg.data.train, "data.train")
     _check_file(cfg.data.eval, "data.eval")
     reward = get_reward(cfg.reward)
@@ -86,13 +90,16 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
     rows, processes = r.prompts_per_step * r.samples_per_prompt, jax.process_count()
     calls = rows // (r.sub_batch or rows)
     if r.mode == "async" and processes > 1 and calls % processes:
-        raise ValueError(f"rollout.sub_batch: rollout.mode async over {processes} processes generates the step's "
-                         f"{rows} rollouts as calls of rollout.sub_batch rows, an equal share of them on every "
-                         f"process; the {calls} call(s) of {r.sub_batch or rows} rows do not split over the "
-                         f"processes (e.g. rollout.sub_batch={rows // processes})")
+        raise ValueError(
+            f"rollout.sub_batch: rollout.mode async over {processes} processes generates the step's "
+            f"{rows} rollouts as calls of rollout.sub_batch rows, an equal share of them on every "
+            f"process; the {calls} call(s) of {r.sub_batch or rows} rows do not split over the "
+            f"processes (e.g. rollout.sub_batch={rows // processes})"
+        )
     reward.check()  # last: it may start the reward's worker process
-    return RunInputs(policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file,
-                     draft_dir=draft_dir)
+    return RunInputs(
+        policy_dir=policy_dir, model=model, tokenizer=tok, tokenizer_file=tokenizer_file, draft_dir=draft_dir
+    )
 
 
 def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:
@@ -110,8 +117,10 @@ def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:
     if spec.draft is None and spec.method == "eagle3":
         draft_dir = TINY_EAGLE3
         if not draft_dir.is_dir():
-            raise FileNotFoundError(f"spec.draft (null: the embedded tiny EAGLE-3 head): draft folder not found: "
-                                    f"{draft_dir}; name a head folder or use spec.draft: {RANDOM_DRAFT}")
+            raise FileNotFoundError(
+                f"spec.draft (null: the embedded tiny EAGLE-3 head): draft folder not found: "
+                f"{draft_dir}; name a head folder or use spec.draft: {RANDOM_DRAFT}"
+            )
     else:
         draft_dir = Path(spec.draft)
         if not draft_dir.is_dir():
@@ -120,17 +129,22 @@ def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:
     if spec.method == "eagle3":
         for key, want in (("hidden_size", model.hidden_size), ("vocab_size", model.vocab_size)):
             if draft.get(key) != want:
-                raise ValueError(f"spec.draft: {draft_dir} does not fit the policy: {key} is {draft.get(key)} "
-                                 f"in the draft, {want} in the policy")
+                raise ValueError(
+                    f"spec.draft: {draft_dir} does not fit the policy: {key} is {draft.get(key)} "
+                    f"in the draft, {want} in the policy"
+                )
         aux = (draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
         if any(not 0 <= i < model.num_layers for i in aux):
-            raise ValueError(f"spec.draft: {draft_dir} reads policy layers {aux}, but the policy has "
-                             f"{model.num_layers} layers")
+            raise ValueError(
+                f"spec.draft: {draft_dir} reads policy layers {aux}, but the policy has {model.num_layers} layers"
+            )
     else:
         draft_model = ModelConfig.from_hf(draft, source=str(draft_dir / "config.json"))
         if draft_model.vocab_size != model.vocab_size:
-            raise ValueError(f"spec.draft: {draft_dir} does not fit the policy: vocab_size is "
-                             f"{draft_model.vocab_size} in the draft model, {model.vocab_size} in the policy")
+            raise ValueError(
+                f"spec.draft: {draft_dir} does not fit the policy: vocab_size is "
+                f"{draft_model.vocab_size} in the draft model, {model.vocab_size} in the policy"
+            )
     return draft_dir
 
 
@@ -157,6 +171,13 @@ def make_spec(spec: SpecConfig, draft) -> Spec | None:
     """The `jaxspec.rollout.Spec` of this step (the draft's current params), or None."""
     if spec.method == "none":
         return None
-    return Spec(method=spec.method, draft=draft, num_draft_tokens=spec.num_draft_tokens, tree_width=spec.tree_width,
-                tree_budget=spec.tree_budget, draft_sampling=spec.draft_sampling, ngram_sizes=spec.ngram_sizes,
-                stage_draft_tokens=spec.stage_draft_tokens)
+    return Spec(
+        method=spec.method,
+        draft=draft,
+        num_draft_tokens=spec.num_draft_tokens,
+        tree_width=spec.tree_width,
+        tree_budget=spec.tree_budget,
+        draft_sampling=spec.draft_sampling,
+        ngram_sizes=spec.ngram_sizes,
+        stage_draft_tokens=spec.stage_draft_tokens,
+    )

@@ -55,7 +55,8 @@ class RolloutHosts:
         def copy(x, sharding):
             replica = x.addressable_shards[0].data
             return jax.make_array_from_single_device_arrays(
-                x.shape, sharding, [jax.device_put(replica, d) for d in sharding.mesh.devices.flat])
+                x.shape, sharding, [jax.device_put(replica, d) for d in sharding.mesh.devices.flat]
+            )
 
         return jax.tree.map(copy, replicated, shardings)
 
@@ -82,9 +83,9 @@ class RolloutHosts:
         data = np.frombuffer(pickle.dumps(out), np.uint8)
         sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int32)).reshape(-1)
         padded = np.zeros(int(sizes.max()), np.uint8)
-        padded[:data.size] = data
+        padded[: data.size] = data
         parts = multihost_utils.process_allgather(padded)
-        return merge([pickle.loads(parts[p, :sizes[p]].tobytes()) for p in range(self.processes)])
+        return merge([pickle.loads(parts[p, : sizes[p]].tobytes()) for p in range(self.processes)])
 
 
 def merge(parts: list[Rollouts]) -> Rollouts:

@@ -31,8 +31,10 @@ from jaxspec.rl.config import GRPOLossConfig
 def replays_routing(loss: GRPOLossConfig, model: ModelConfig) -> bool:
     """loss.routing_replay; ValueError naming the key for a dense policy (no experts to replay)."""
     if loss.routing_replay and not model.sparse_layers:
-        raise ValueError("loss.routing_replay: the policy is dense (no mixture-of-experts layers route tokens to "
-                         "experts); set it to false")
+        raise ValueError(
+            "loss.routing_replay: the policy is dense (no mixture-of-experts layers route tokens to "
+            "experts); set it to false"
+        )
     return loss.routing_replay
 
 
@@ -61,8 +63,10 @@ def disagreement_metrics(differing: np.ndarray, resp_mask: np.ndarray, num_spars
     counts = np.asarray(differing)[np.asarray(resp_mask, bool)]
     if not counts.size:
         return {"expert_disagreement": 0.0, "expert_disagreement_tokens": 0.0}
-    return {"expert_disagreement": float(counts.sum() / (counts.size * num_sparse_layers)),
-            "expert_disagreement_tokens": float(np.mean(counts > 0))}
+    return {
+        "expert_disagreement": float(counts.sum() / (counts.size * num_sparse_layers)),
+        "expert_disagreement_tokens": float(np.mean(counts > 0)),
+    }
 
 
 def experts_to_width(experts: np.ndarray, width: int) -> np.ndarray:

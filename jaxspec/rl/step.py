@@ -10,7 +10,8 @@ gives every field's dtype and shape).
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,24 +19,38 @@ import optax
 
 from jaxspec.draft import eagle3_loss, merge_buffers
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.sharding import Sharding, param_shardings
 from jaxspec.models.moe import load_balancing_loss
+from jaxspec.models.sharding import Sharding, param_shardings
 from jaxspec.optim import clipped_adamw
 from jaxspec.rl.batch import PackedRows
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
-from jaxspec.rl.loss import (LOGPROB_CHUNK, aggregate, draft_targets, policy_loss, reference_sampling,
-                             response_logprobs, router_aux_weight, sequence_forward)
+from jaxspec.rl.loss import (
+    LOGPROB_CHUNK,
+    aggregate,
+    draft_targets,
+    policy_loss,
+    reference_sampling,
+    response_logprobs,
+    router_aux_weight,
+    sequence_forward,
+)
 from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
 from jaxspec.rl.routing import differing_layers, replays_routing
 from jaxspec.rollout.sampling import Sampling
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def policy_optimizer(cfg: PolicyOptimConfig) -> optax.GradientTransformation:
     """`clipped_adamw` (first moment in `cfg.state_dtype`); lr warms up linearly over
     `warmup_steps` updates."""
-    return clipped_adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                         grad_clip=cfg.grad_clip, mu_dtype=jnp.dtype(cfg.state_dtype))
+    return clipped_adamw(
+        learning_rate(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        mu_dtype=jnp.dtype(cfg.state_dtype),
+    )
 
 
 def learning_rate(cfg: PolicyOptimConfig) -> Callable:
@@ -44,10 +59,16 @@ def learning_rate(cfg: PolicyOptimConfig) -> Callable:
     return optax.linear_schedule(cfg.learning_rate / cfg.warmup_steps, cfg.learning_rate, cfg.warmup_steps - 1)
 
 
-@functools.lru_cache(maxsize=None)
-def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bool,
-             sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK,
-             routing_replay: bool = False) -> Callable:
+@functools.cache
+def score_fn(
+    cfg: ModelConfig,
+    sampling: Sampling,
+    compute_dtype: str,
+    remat: bool,
+    sharding: Sharding | None = None,
+    logprob_chunk: int = LOGPROB_CHUNK,
+    routing_replay: bool = False,
+) -> Callable:
     """Compiled (params, tokens, segment_ids, resp_index, resp_tokens) of packed rows -> log p of the
     response tokens float32 [S, N] (no gradient). sharding: the run's mesh (activations split over
     its batch axes, `sequence_forward`), None on one device. logprob_chunk: response positions per
@@ -60,11 +81,21 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
     def score(params, tokens, segment_ids, resp_index, resp_tokens, experts=None):
         if routing_replay and experts is None:
             raise ValueError("routing replay scores with the rollout's experts: pass them")
-        hidden, _, router_logits = sequence_forward(cfg, params, tokens, segment_ids, (), jnp.dtype(compute_dtype),
-                                                    remat, sharding, head=False,
-                                                    experts=experts if routing_replay else None)
-        logp = response_logprobs(cfg, params, hidden, resp_index, resp_tokens, sampling, chunk_size=logprob_chunk,
-                                 sharding=sharding)[0]
+        hidden, _, router_logits = sequence_forward(
+            cfg,
+            params,
+            tokens,
+            segment_ids,
+            (),
+            jnp.dtype(compute_dtype),
+            remat,
+            sharding,
+            head=False,
+            experts=experts if routing_replay else None,
+        )
+        logp = response_logprobs(
+            cfg, params, hidden, resp_index, resp_tokens, sampling, chunk_size=logprob_chunk, sharding=sharding
+        )[0]
         if experts is None:
             return logp
         return logp, differing_layers(router_logits, experts, resp_index, cfg.num_experts_per_tok)
@@ -72,10 +103,18 @@ def score_fn(cfg: ModelConfig, sampling: Sampling, compute_dtype: str, remat: bo
     return jax.jit(score)
 
 
-@functools.lru_cache(maxsize=None)
-def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, optim_cfg: PolicyOptimConfig,
-              compute_dtype: str, remat: bool, draft: OnlineDraft | None,
-              sharding: Sharding | None = None, logprob_chunk: int = LOGPROB_CHUNK) -> MinibatchUpdate:
+@functools.cache
+def update_fn(
+    cfg: ModelConfig,
+    sampling: Sampling,
+    loss_cfg: GRPOLossConfig,
+    optim_cfg: PolicyOptimConfig,
+    compute_dtype: str,
+    remat: bool,
+    draft: OnlineDraft | None,
+    sharding: Sharding | None = None,
+    logprob_chunk: int = LOGPROB_CHUNK,
+) -> MinibatchUpdate:
     """Compiled minibatch update (the policy does not step on a minibatch without loss tokens: the
     caller, which packed it, says so; see `MinibatchUpdate`).
 
@@ -108,18 +147,44 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
     def loss_fn(params, draft_weights, draft_buffers, mb: PackedRows):
         if replay and mb.experts is None:
             raise ValueError("loss.routing_replay: the minibatch holds no recorded experts (PackedRows.experts)")
-        final, hidden, router_logits = sequence_forward(cfg, params, mb.tokens, mb.segment_ids, hidden_layers,
-                                                        jnp.dtype(compute_dtype), remat, sharding, head=False,
-                                                        experts=mb.experts if replay else None)
-        logprobs = functools.partial(response_logprobs, cfg, params, final, mb.resp_index, mb.resp_tokens,
-                                     chunk_size=logprob_chunk, sharding=sharding)
+        final, hidden, router_logits = sequence_forward(
+            cfg,
+            params,
+            mb.tokens,
+            mb.segment_ids,
+            hidden_layers,
+            jnp.dtype(compute_dtype),
+            remat,
+            sharding,
+            head=False,
+            experts=mb.experts if replay else None,
+        )
+        logprobs = functools.partial(
+            response_logprobs,
+            cfg,
+            params,
+            final,
+            mb.resp_index,
+            mb.resp_tokens,
+            chunk_size=logprob_chunk,
+            sharding=sharding,
+        )
         logp, entropy = logprobs(sampling)
         kl_logp = None
         if loss_cfg.kl_beta > 0:
             kl_logp = logprobs(reference_sampling(sampling))[0]
         denominator = None if mb.loss_denominator is None else jnp.max(mb.loss_denominator)
-        loss, metrics = policy_loss(logp, mb.prox_logp, mb.advantages, mb.loss_mask, loss_cfg, ref_logp=mb.ref_logp,
-                                    behaviour_logp=mb.behaviour_logp, denominator=denominator, kl_logp=kl_logp)
+        loss, metrics = policy_loss(
+            logp,
+            mb.prox_logp,
+            mb.advantages,
+            mb.loss_mask,
+            loss_cfg,
+            ref_logp=mb.ref_logp,
+            behaviour_logp=mb.behaviour_logp,
+            denominator=denominator,
+            kl_logp=kl_logp,
+        )
         if cfg.sparse_layers:
             metrics["router_aux_loss"] = load_balancing_loss(router_logits, cfg.num_experts_per_tok, mb.segment_ids > 0)
             if router_aux:
@@ -131,9 +196,18 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
             dparams = merge_buffers(draft_weights, draft_buffers)
             targets = draft_targets(cfg, params, final, dparams, chunk_size=logprob_chunk, sharding=sharding)
             draft_loss, draft_metrics = eagle3_loss(
-                draft.dcfg, dparams, jax.lax.stop_gradient(params["embed"]), jax.lax.stop_gradient(hidden),
-                targets, mb.tokens, mb.seq_resp_mask, num_steps=draft.train.ttt_steps,
-                step_decay=draft.train.step_decay, segment_ids=mb.segment_ids, remat=remat)
+                draft.dcfg,
+                dparams,
+                jax.lax.stop_gradient(params["embed"]),
+                jax.lax.stop_gradient(hidden),
+                targets,
+                mb.tokens,
+                mb.seq_resp_mask,
+                num_steps=draft.train.ttt_steps,
+                step_decay=draft.train.step_decay,
+                segment_ids=mb.segment_ids,
+                remat=remat,
+            )
             metrics["draft_loss"] = draft_loss
             metrics.update({f"draft_{k}": v for k, v in draft_metrics.items()})
             total = loss + draft_loss  # λ scales the head's update below
@@ -164,8 +238,11 @@ def update_fn(cfg: ModelConfig, sampling: Sampling, loss_cfg: GRPOLossConfig, op
             return params, opt_state, None, None
         return params, opt_state, *draft_step(draft_weights, draft_opt_state, draft_grads)
 
-    return MinibatchUpdate(jax.jit(minibatch_gradients), jax.jit(minibatch_step, donate_argnums=(0, 1, 2, 3)),
-                           jax.jit(draft_step, donate_argnums=(0, 1)) if draft is not None else None)
+    return MinibatchUpdate(
+        jax.jit(minibatch_gradients),
+        jax.jit(minibatch_step, donate_argnums=(0, 1, 2, 3)),
+        jax.jit(draft_step, donate_argnums=(0, 1)) if draft is not None else None,
+    )
 
 
 class MinibatchUpdate(NamedTuple):
@@ -212,9 +289,13 @@ class MinibatchUpdate(NamedTuple):
         with shardings); the steps for the gradients program's outputs."""
         gradients = self.gradients.lower(params, draft_weights, draft_buffers, mb).compile()
         # the outputs' shapes and shardings, in the default layouts the call's arrays have
-        outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), gradients.out_info)
+        outputs = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), gradients.out_info
+        )
         grads, draft_grads, _ = outputs
-        step = self.optimizer_step.lower(params, opt_state, draft_weights, draft_opt_state, grads, draft_grads).compile()
+        step = self.optimizer_step.lower(
+            params, opt_state, draft_weights, draft_opt_state, grads, draft_grads
+        ).compile()
         draft_step = None
         if self.draft_step is not None:
             draft_step = self.draft_step.lower(draft_weights, draft_opt_state, draft_grads).compile()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,28 +79,59 @@ def generate(
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
     if spec is not None:
-        return speculative_generate(cfg, params, batch, key, sampling, spec, cache_dtype=cache_dtype,
-                                    sharding=sharding, record_experts=record_experts)
+        return speculative_generate(
+            cfg,
+            params,
+            batch,
+            key,
+            sampling,
+            spec,
+            cache_dtype=cache_dtype,
+            sharding=sharding,
+            record_experts=record_experts,
+        )
 
     longest = int(batch.row_lengths.max())
     stages = batch_stages(num_rows, sharding)
-    needed = rollout_memory_bytes(cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct,
-                                  stage_rows=sum(stages[1:]))
+    needed = rollout_memory_bytes(
+        cfg, num_rows, longest, sampling.max_new_tokens, cache_dtype, batch.num_distinct, stage_rows=sum(stages[1:])
+    )
     if record_experts:
         needed += recorded_experts_bytes(cfg, sum(stages), max_len)
-    check_fits(needed // cache_shards(cfg, sharding, num_rows, max_len), jax.local_devices()[0].memory_stats(),
-               batch=num_rows, prompt_len=longest, max_new_tokens=sampling.max_new_tokens)
+    check_fits(
+        needed // cache_shards(cfg, sharding, num_rows, max_len),
+        jax.local_devices()[0].memory_stats(),
+        batch=num_rows,
+        prompt_len=longest,
+        max_new_tokens=sampling.max_new_tokens,
+    )
 
     def put(x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
 
     cache, logits, _, *prompt_experts = prefill_prompts(
-        cfg, params, put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",)),
-        put(batch.row_prompt, ("batch",)), max_len=max_len, cache_dtype=cache_dtype, sharding=sharding,
-        record_experts=record_experts)
+        cfg,
+        params,
+        put(batch.tokens, ("batch", "seq")),
+        put(batch.lengths, ("batch",)),
+        put(batch.row_prompt, ("batch",)),
+        max_len=max_len,
+        cache_dtype=cache_dtype,
+        sharding=sharding,
+        record_experts=record_experts,
+    )
     tokens, logprobs, lengths, experts, stage_steps, _ = _decode(
-        cfg, sampling, params, cache, logits, put(batch.row_lengths, ("batch",)), key,
-        prompt_experts[0] if record_experts else None, sharding=sharding, stages=stages)
+        cfg,
+        sampling,
+        params,
+        cache,
+        logits,
+        put(batch.row_lengths, ("batch",)),
+        key,
+        prompt_experts[0] if record_experts else None,
+        sharding=sharding,
+        stages=stages,
+    )
     stage_steps = [int(n) for n in to_host(stage_steps)]
     stats = {
         "steps": sum(stage_steps),
@@ -126,9 +158,19 @@ class _LoopState(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "sharding", "stages"), donate_argnames=("cache",))
-def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache, logits: jax.Array,
-            cache_len: jax.Array, key: jax.Array, prompt_experts: jax.Array | None, *, sharding: Sharding | None,
-            stages: tuple[int, ...]):
+def _decode(
+    cfg: ModelConfig,
+    sampling: Sampling,
+    params: Params,
+    cache: KVCache,
+    logits: jax.Array,
+    cache_len: jax.Array,
+    key: jax.Array,
+    prompt_experts: jax.Array | None,
+    *,
+    sharding: Sharding | None,
+    stages: tuple[int, ...],
+):
     """Samples up to N = sampling.max_new_tokens tokens per row.
 
     cache: B rows of S slots, slots [0, cache_len[b]) hold row b's prompt (donated, updated in
@@ -166,12 +208,21 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
     def step(state: _LoopState) -> _LoopState:
         with jax.named_scope("forward"):
             step_logits, _, new_cache, *experts = extend(
-                cfg, params, state.cache, state.last_token[:, None], state.cache_len[:, None], state.cache_len,
-                active=~state.done, sharding=sharding, record_experts=record)
+                cfg,
+                params,
+                state.cache,
+                state.last_token[:, None],
+                state.cache_len[:, None],
+                state.cache_len,
+                active=~state.done,
+                sharding=sharding,
+                record_experts=record,
+            )
         new_cache = jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), new_cache)
         if record:
-            state = state._replace(experts=write_experts(state.experts, experts[0], state.cache_len,
-                                                         ~state.done[:, None], sharding))
+            state = state._replace(
+                experts=write_experts(state.experts, experts[0], state.cache_len, ~state.done[:, None], sharding)
+            )
         key, step_key = jax.random.split(state.key)
         state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done, key=key)
         with jax.named_scope("sample"):
@@ -193,12 +244,22 @@ def _decode(cfg: ModelConfig, sampling: Sampling, params: Params, cache: KVCache
     state = emit(state, logits, first_key)
     recorded = ("experts",) if record else ()
     state, out, full_cache, stage_steps = run_in_stages(
-        step, state, stages,
+        step,
+        state,
+        stages,
         ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done", *recorded),
-        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES),
-                                                        moved.cache)),
-        outputs=("tokens", "logprobs", "lengths", *recorded))
+        lambda moved: moved._replace(
+            cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), moved.cache)
+        ),
+        outputs=("tokens", "logprobs", "lengths", *recorded),
+    )
     batch_axes = ("batch", None)
     experts = constrain(sharding, out["experts"], EXPERT_AXES) if record else None
-    return (constrain(sharding, out["tokens"], batch_axes), constrain(sharding, out["logprobs"], batch_axes),
-            out["lengths"], experts, stage_steps, full_cache)
+    return (
+        constrain(sharding, out["tokens"], batch_axes),
+        constrain(sharding, out["logprobs"], batch_axes),
+        out["lengths"],
+        experts,
+        stage_steps,
+        full_cache,
+    )

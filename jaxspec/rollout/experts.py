@@ -40,12 +40,12 @@ def expert_buffer(prompt_experts: jax.Array, positions: int, sharding: Sharding 
     return constrain(sharding, jnp.pad(prompt_experts, ((0, 0), (0, pad), (0, 0), (0, 0))), EXPERT_AXES)
 
 
-def write_experts(record: jax.Array, experts: jax.Array, start: jax.Array, written: jax.Array,
-                   sharding: Sharding | None) -> jax.Array:
+def write_experts(
+    record: jax.Array, experts: jax.Array, start: jax.Array, written: jax.Array, sharding: Sharding | None
+) -> jax.Array:
     """`record` [B, S, L_sparse, k] with experts [B, T, L_sparse, k] written at positions start[b] + t
     (start int32 [B]) where written bool [B, T] is set; positions past S are dropped."""
     rows = jnp.arange(record.shape[0])[:, None]
     positions = start[:, None] + jnp.arange(experts.shape[1], dtype=jnp.int32)[None, :]
     positions = jnp.where(written, positions, record.shape[1])
-    return constrain(sharding, record.at[rows, positions].set(experts.astype(record.dtype), mode="drop"),
-                     EXPERT_AXES)
+    return constrain(sharding, record.at[rows, positions].set(experts.astype(record.dtype), mode="drop"), EXPERT_AXES)

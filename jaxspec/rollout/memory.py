@@ -27,8 +27,15 @@ def prefill_chunks(num_prompts: int) -> tuple[int, int]:
     return chunk, -(-num_prompts // chunk)
 
 
-def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int,
-                         cache_dtype=jnp.float32, num_distinct: int | None = None, stage_rows: int = 0) -> int:
+def rollout_memory_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    cache_dtype=jnp.float32,
+    num_distinct: int | None = None,
+    stage_rows: int = 0,
+) -> int:
     """Bytes of device memory a rollout allocates beyond the params (after shape bucketing).
 
     batch: rows B; prompt_len: longest prompt (padded to its bucket P); max_new_tokens: N;
@@ -45,17 +52,22 @@ def rollout_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_
         [B, Nq, P + N], MLP [B, 2F], and the outputs tokens/log-probs [B, N].
     """
     if batch < 1 or prompt_len < 1 or max_new_tokens < 1:
-        raise ValueError(
-            f"batch={batch}, prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must all be >= 1")
+        raise ValueError(f"batch={batch}, prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must all be >= 1")
     p = prompt_bucket(prompt_len)
     s = p + max_new_tokens
     chunk, num_chunks = prefill_chunks(count_bucket(batch if num_distinct is None else num_distinct, batch))
     batch_cache = cache_bytes(cfg, batch, s, cache_dtype)
-    prefill = (cache_bytes(cfg, chunk * num_chunks, p, cache_dtype) + batch_cache
-               + _F32 * chunk * p * (2 * cfg.num_heads * p + 2 * cfg.intermediate_size + cfg.hidden_size))
-    decode = (batch_cache + cache_bytes(cfg, stage_rows, s, cache_dtype)
-              + _F32 * batch * (4 * cfg.vocab_size + 2 * cfg.num_heads * s + 2 * cfg.intermediate_size)
-              + 2 * _F32 * batch * max_new_tokens)
+    prefill = (
+        cache_bytes(cfg, chunk * num_chunks, p, cache_dtype)
+        + batch_cache
+        + _F32 * chunk * p * (2 * cfg.num_heads * p + 2 * cfg.intermediate_size + cfg.hidden_size)
+    )
+    decode = (
+        batch_cache
+        + cache_bytes(cfg, stage_rows, s, cache_dtype)
+        + _F32 * batch * (4 * cfg.vocab_size + 2 * cfg.num_heads * s + 2 * cfg.intermediate_size)
+        + 2 * _F32 * batch * max_new_tokens
+    )
     return max(prefill, decode)
 
 
@@ -76,7 +88,8 @@ def check_fits(needed: int, memory_stats: dict | None, *, batch: int, prompt_len
         raise ValueError(
             f"rollout with batch={batch}, prompt length={prompt_len} (bucket {prompt_bucket(prompt_len)}), "
             f"max_new_tokens={max_new_tokens} needs {needed} bytes per device, but the device has only "
-            f"{free} bytes free (bytes_limit {limit}); lower the batch, prompt length or max_new_tokens")
+            f"{free} bytes free (bytes_limit {limit}); lower the batch, prompt length or max_new_tokens"
+        )
 
 
 def weights_bytes_per_device(params, shardings, dtype) -> int:
@@ -98,5 +111,7 @@ def check_weights_fit(needed: int, memory_stats: dict | None, what: str) -> None
     free_limit = device_free_bytes(memory_stats)
     if free_limit is not None and needed > free_limit[0]:
         free, limit = free_limit
-        raise ValueError(f"{what}: the rollout copy of the policy needs {needed / 1e9:.2f} GB per device, but the "
-                         f"device has only {free / 1e9:.2f} GB free (bytes_limit {limit / 1e9:.2f} GB); set {what}: false")
+        raise ValueError(
+            f"{what}: the rollout copy of the policy needs {needed / 1e9:.2f} GB per device, but the "
+            f"device has only {free / 1e9:.2f} GB free (bytes_limit {limit / 1e9:.2f} GB); set {what}: false"
+        )

@@ -23,17 +23,28 @@ def cache_shards(cfg: ModelConfig, sharding: Sharding | None, batch: int, max_le
     spec = sharding.spec(KV_CACHE_AXES, (batch, max_len, cfg.num_kv_heads, cfg.head_dim))
     shards = 1
     for part in spec:
-        for axis in (part if isinstance(part, tuple) else (part,)):
+        for axis in part if isinstance(part, tuple) else (part,):
             if axis is not None:
                 shards *= sharding.mesh.shape[axis]
     return shards
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "cache_dtype", "sharding", "hidden_layers",
-                                             "record_experts"))
-def prefill_prompts(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-             row_prompt: jax.Array, *, max_len: int, cache_dtype, sharding: Sharding | None,
-             hidden_layers: tuple[int, ...] = (), record_experts: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "max_len", "cache_dtype", "sharding", "hidden_layers", "record_experts")
+)
+def prefill_prompts(
+    cfg: ModelConfig,
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    row_prompt: jax.Array,
+    *,
+    max_len: int,
+    cache_dtype,
+    sharding: Sharding | None,
+    hidden_layers: tuple[int, ...] = (),
+    record_experts: bool = False,
+):
     """Runs the distinct prompts and lays their KV out per batch row.
 
     prompt_tokens int32 [U, P] right-padded; prompt_lengths int32 [U]; row_prompt int32 [B].
@@ -61,8 +72,16 @@ def prefill_prompts(cfg: ModelConfig, params: Params, prompt_tokens: jax.Array, 
         cache = init_cache(cfg, chunk, width, cache_dtype)
         # Only the last layer's output is used: the full [C, P, V] logits are dead code under jit.
         _, hidden, cache, *experts = extend(
-            cfg, params, cache, chunk_tokens, positions, jnp.zeros((chunk,), jnp.int32),
-            hidden_layers=(*hidden_layers, cfg.num_layers - 1), sharding=sharding, record_experts=record_experts)
+            cfg,
+            params,
+            cache,
+            chunk_tokens,
+            positions,
+            jnp.zeros((chunk,), jnp.int32),
+            hidden_layers=(*hidden_layers, cfg.num_layers - 1),
+            sharding=sharding,
+            record_experts=record_experts,
+        )
         last = jnp.take_along_axis(hidden[-1], (chunk_lengths - 1)[:, None, None], axis=1)  # [C, 1, H]
         return cache, logits_from_hidden(cfg, params, last)[:, 0], hidden[:-1], experts
 

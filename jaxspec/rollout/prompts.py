@@ -6,7 +6,8 @@ number of distinct prompts inside a bucket reuse the compiled programs.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,12 +65,12 @@ def validate_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new
         bad = (ids < 0) | (ids >= cfg.vocab_size)
         if bad.any():
             j = int(np.argmax(bad))
-            raise ValueError(
-                f"prompts[{i}][{j}] = {int(ids[j])} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise ValueError(f"prompts[{i}][{j}] = {int(ids[j])} is outside the vocabulary [0, {cfg.vocab_size})")
         if ids.size + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"prompts[{i}] has {ids.size} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
-                f"model context max_position_embeddings={cfg.max_position_embeddings}")
+                f"model context max_position_embeddings={cfg.max_position_embeddings}"
+            )
         checked.append(tuple(ids.tolist()))
     return checked
 
@@ -85,7 +86,12 @@ def group_prompts(prompts: Sequence[tuple[int, ...]], min_width: int = 1) -> Pro
     tokens = np.zeros((num_rows, width), np.int32)
     lengths = np.ones((num_rows,), np.int32)
     for u, p in enumerate(distinct):
-        tokens[u, :len(p)] = p
+        tokens[u, : len(p)] = p
         lengths[u] = len(p)
-    return PromptBatch(tokens=tokens, lengths=lengths, row_prompt=row_prompt, row_lengths=lengths[row_prompt],
-                       num_distinct=len(distinct))
+    return PromptBatch(
+        tokens=tokens,
+        lengths=lengths,
+        row_prompt=row_prompt,
+        row_lengths=lengths[row_prompt],
+        num_distinct=len(distinct),
+    )

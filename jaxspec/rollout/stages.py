@@ -28,8 +28,9 @@ def batch_stages(num_rows: int, sharding: Sharding | None = None, min_rows: int 
     min_rows = MIN_STAGE_ROWS if min_rows is None else min_rows
     shards = 1 if sharding is None else sharding.mesh.shape["data"] * sharding.mesh.shape["fsdp"]
     sizes = [num_rows]
-    while len(sizes) < MAX_STAGES and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= min_rows \
-            and (sizes[-1] // 2) % shards == 0:
+    while (
+        len(sizes) < MAX_STAGES and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= min_rows and (sizes[-1] // 2) % shards == 0
+    ):
         sizes.append(sizes[-1] // 2)
     return tuple(sizes)
 
@@ -49,8 +50,14 @@ def put_rows(full: jax.Array, rows: jax.Array, part: jax.Array) -> jax.Array:
     return full.at[rows].set(part)
 
 
-def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str, ...], place=lambda state: state,
-                  outputs: tuple[str, ...] = ("tokens", "logprobs", "lengths")):
+def run_in_stages(
+    step,
+    state,
+    stages: tuple[int, ...],
+    batch_fields: tuple[str, ...],
+    place=lambda state: state,
+    outputs: tuple[str, ...] = ("tokens", "logprobs", "lengths"),
+):
     """`jax.lax.while_loop(step)` over `state` stage by stage until every row is done.
 
     step: the loop body, or a sequence of one body per stage; state: a NamedTuple of the loop whose
@@ -74,9 +81,11 @@ def run_in_stages(step, state, stages: tuple[int, ...], batch_fields: tuple[str,
                 state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
         with jax.named_scope(f"stage{i}"):  # lets a profile charge kernels to their stage
-            state, steps = jax.lax.while_loop(lambda c, n=next_size: jnp.sum(~c[0].done) > n,
-                                              lambda c, body=bodies[i]: (body(c[0]), c[1] + 1),
-                                              (state, jnp.zeros((), jnp.int32)))
+            state, steps = jax.lax.while_loop(
+                lambda c, n=next_size: jnp.sum(~c[0].done) > n,
+                lambda c, body=bodies[i]: (body(c[0]), c[1] + 1),
+                (state, jnp.zeros((), jnp.int32)),
+            )
         stage_steps.append(steps)
         if not i:
             full_cache = state.cache

@@ -1,12 +1,19 @@
 """What every training command shares around its loop: the run directory's guard, checkpoints and
 resume, batches by data position, stop signals and exit statuses, metrics files, progress output."""
 
+from jaxspec.exits import EXIT_CHECKPOINTED
 from jaxspec.run.batcher import Batcher
 from jaxspec.run.checkpoints import Checkpointer, truncate_metrics
 from jaxspec.run.progress import Progress
 from jaxspec.run.run_dir import check_run_dir
-from jaxspec.exits import EXIT_CHECKPOINTED
 from jaxspec.run.signals import StopSignals
 
-__all__ = ["EXIT_CHECKPOINTED", "Batcher", "Checkpointer", "Progress", "StopSignals", "check_run_dir",
-           "truncate_metrics"]
+__all__ = [
+    "EXIT_CHECKPOINTED",
+    "Batcher",
+    "Checkpointer",
+    "Progress",
+    "StopSignals",
+    "check_run_dir",
+    "truncate_metrics",
+]

@@ -19,8 +19,8 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -43,7 +43,8 @@ class Checkpointer:
         self.longest_write_s: float | None = None
         self._in_flight: collections.deque[tuple[int, float]] = collections.deque()  # (step, start), oldest first
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, async_options=ocp.AsyncOptions(post_finalization_callback=self._written))
+            max_to_keep=keep, create=True, async_options=ocp.AsyncOptions(post_finalization_callback=self._written)
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def _written(self) -> None:  # orbax calls it once a save is complete on disk (saves complete in order)
@@ -113,8 +114,9 @@ class Checkpointer:
                 return state
             damaged.append((step, reason or "failed on another process"))
         tried = "; ".join(f"{self.directory / str(step)}: {reason}" for step, reason in damaged)
-        raise ValueError(f"--resume: no checkpoint in {self.directory} restores (tried {tried}); "
-                         f"nothing was moved or deleted")
+        raise ValueError(
+            f"--resume: no checkpoint in {self.directory} restores (tried {tried}); nothing was moved or deleted"
+        )
 
     def _move_aside(self, damaged: list[tuple[int, str]], restored: int, report: Callable[[str], None]) -> None:
         if not damaged:
@@ -127,8 +129,9 @@ class Checkpointer:
                 aside, copies = folder.with_name(f"{step}.damaged-{stamp}-{copies}"), copies + 1
             if is_main():
                 os.replace(folder, aside)
-            report(f"checkpoint {folder} is damaged ({reason}); moved it to {aside.name}, resuming from step "
-                   f"{restored}")
+            report(
+                f"checkpoint {folder} is damaged ({reason}); moved it to {aside.name}, resuming from step {restored}"
+            )
         barrier("damaged checkpoints moved aside")
         self.manager.reload()
 
@@ -159,8 +162,9 @@ def truncate_metrics(path: Path, step: int, report: Callable[[str], None] = say)
     path = Path(path)
     if not path.exists():
         return []
-    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if line.strip()]
+    lines = [
+        (number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()
+    ]
     records = []
     for i, (number, line) in enumerate(lines):
         try:
@@ -169,8 +173,9 @@ def truncate_metrics(path: Path, step: int, report: Callable[[str], None] = say)
                 raise ValueError(f"a {type(record).__name__}, not a record")
         except ValueError as err:
             if i + 1 < len(lines):
-                raise ValueError(f"{path}: line {number} is not a JSON record ({err}); repair or move the file "
-                                 f"aside to resume") from None
+                raise ValueError(
+                    f"{path}: line {number} is not a JSON record ({err}); repair or move the file aside to resume"
+                ) from None
             report(f"{path}: dropped its last line, cut short while it was written ({err})")
             continue
         if record.get("step", 0) <= step:

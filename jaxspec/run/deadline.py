@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 STOP_BY_ENV = "JAXSPEC_STOP_BY"
 _RECENT_STEPS = 3
@@ -38,8 +38,10 @@ class Deadline:
         try:
             return cls(float(raw))
         except ValueError:
-            raise ValueError(f"{STOP_BY_ENV}={raw!r}: expected the time to stop by, in seconds since the epoch "
-                             f"(e.g. $(date -d '2 hours' +%s))") from None
+            raise ValueError(
+                f"{STOP_BY_ENV}={raw!r}: expected the time to stop by, in seconds since the epoch "
+                f"(e.g. $(date -d '2 hours' +%s))"
+            ) from None
 
     def record(self, records: Iterable[dict]) -> None:
         """Takes the step times of metrics records (time_step_s)."""
@@ -64,5 +66,7 @@ class Deadline:
         at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.stop_by))
         if not self.step_seconds:
             return f"the job must stop by {at} ({STOP_BY_ENV}), which has passed"
-        return (f"the job must stop by {at} ({STOP_BY_ENV}): one more step (~{step:.0f} s) and a checkpoint "
-                f"(~{checkpoint:.0f} s) would end after it")
+        return (
+            f"the job must stop by {at} ({STOP_BY_ENV}): one more step (~{step:.0f} s) and a checkpoint "
+            f"(~{checkpoint:.0f} s) would end after it"
+        )

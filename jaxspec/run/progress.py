@@ -21,8 +21,15 @@ INTERVAL_ENV = "JAXSPEC_PROGRESS_INTERVAL_S"
 class Progress:
     """Step counter of one loop. enabled=False (train.progress false, or not process 0) shows nothing."""
 
-    def __init__(self, desc: str, total: int, initial: int = 0, enabled: bool = True,
-                 interval_s: float | None = None, terminal: bool | None = None):
+    def __init__(
+        self,
+        desc: str,
+        total: int,
+        initial: int = 0,
+        enabled: bool = True,
+        interval_s: float | None = None,
+        terminal: bool | None = None,
+    ):
         self.desc, self.total, self.step, self.enabled = desc, total, initial, enabled
         self.interval_s = float(os.environ.get(INTERVAL_ENV, "30")) if interval_s is None else interval_s
         terminal = sys.stderr.isatty() if terminal is None else terminal
@@ -44,14 +51,17 @@ class Progress:
         if self._last_line is None or now - self._last_line >= self.interval_s or self.step >= self.total:
             self._last_line = now
             detail = " ".join(f"{k}={v}" for k, v in fields.items())
-            print(f"{self.desc}: step {self.step}/{self.total} ({100 * self.step // max(self.total, 1)}%), "
-                  f"{now - self._start:.1f} s{', ' + detail if detail else ''}", flush=True)
+            print(
+                f"{self.desc}: step {self.step}/{self.total} ({100 * self.step // max(self.total, 1)}%), "
+                f"{now - self._start:.1f} s{', ' + detail if detail else ''}",
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

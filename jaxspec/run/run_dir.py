@@ -3,8 +3,8 @@ overwritten without --resume, and no run resumes under settings that would chang
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -39,5 +39,7 @@ def check_run_dir(run_dir: Path, resume: bool, config, fixed: Callable[[str], bo
     changed = sorted(k for k in set(saved) | set(current) if fixed(k) and saved.get(k) != current.get(k))
     if changed:
         key = changed[0]
-        raise ValueError(f"--resume: {key} is {current.get(key)!r} but the run in {run_dir} used {saved.get(key)!r} "
-                         f"(the {key.split('.')[0]} section differs from the run's {saved_file.name}); {hint}")
+        raise ValueError(
+            f"--resume: {key} is {current.get(key)!r} but the run in {run_dir} used {saved.get(key)!r} "
+            f"(the {key.split('.')[0]} section differs from the run's {saved_file.name}); {hint}"
+        )

@@ -23,7 +23,7 @@ class StopSignals:
         self._announce = announce
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -35,8 +35,11 @@ class StopSignals:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             if self._announce:
-                print("Ctrl-C: checkpointing at the end of this step and stopping (Ctrl-C again aborts at once)",
-                      file=sys.stderr, flush=True)
+                print(
+                    "Ctrl-C: checkpointing at the end of this step and stopping (Ctrl-C again aborts at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():

@@ -63,8 +63,8 @@ class Num:
 @dataclasses.dataclass(frozen=True)
 class Op:
     op: str
-    left: "Num | Op"
-    right: "Num | Op"
+    left: Num | Op
+    right: Num | Op
 
 
 Expr = Num | Op

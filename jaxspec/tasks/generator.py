@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from jaxspec.tasks.arithmetic import LEVELS, arithmetic_problem
 from jaxspec.tasks.phrasing import Segment
@@ -44,8 +44,9 @@ def _check(levels: Sequence[int], kinds: Sequence[str]) -> None:
         raise ValueError(f"unknown problem kinds {unknown}; expected a subset of {list(KINDS)}")
 
 
-def _stream(seed: int, levels: Sequence[int], kinds: Sequence[str], tally: TallyConfig, record: bool
-            ) -> Iterator[tuple[dict, list[Segment] | None]]:
+def _stream(
+    seed: int, levels: Sequence[int], kinds: Sequence[str], tally: TallyConfig, record: bool
+) -> Iterator[tuple[dict, list[Segment] | None]]:
     """(problem, its solution's segments when `record`, else None); see `generate_recorded`."""
     _check(levels, kinds)
     rng = random.Random(seed)
@@ -65,16 +66,25 @@ def _stream(seed: int, levels: Sequence[int], kinds: Sequence[str], tally: Tally
         yield {"question": question, "solution": solution, "answer": answer, "level": level, "kind": kind}, segments
 
 
-def iter_problems(seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = DEFAULT_KINDS,
-                  tally: TallyConfig = TallyConfig()) -> Iterator[dict]:
+def iter_problems(
+    seed: int,
+    levels: Sequence[int] = (1, 2, 3),
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    tally: TallyConfig = TallyConfig(),
+) -> Iterator[dict]:
     """Endless deterministic stream of problems; level and kind are drawn uniformly per problem
     (a tally problem ignores its level draw). tally: the tally kind's length law and variation."""
     for problem, _ in _stream(seed, levels, kinds, tally, record=False):
         yield problem
 
 
-def generate_recorded(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = DEFAULT_KINDS,
-                      tally: TallyConfig = TallyConfig()) -> list[tuple[dict, list[Segment]]]:
+def generate_recorded(
+    n: int,
+    seed: int,
+    levels: Sequence[int] = (1, 2, 3),
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    tally: TallyConfig = TallyConfig(),
+) -> list[tuple[dict, list[Segment]]]:
     """The first `n` problems of `iter_problems(seed, ...)`, each with its solution as the
     `jaxspec.tasks.phrasing.Segment`s it was written in: every choice point's distribution and
     the text drawn (a built-in problem's solution is one segment of a single text)."""
@@ -82,9 +92,15 @@ def generate_recorded(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kind
     return [next(stream) for _ in range(n)]
 
 
-def generate_problems(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kinds: Sequence[str] = DEFAULT_KINDS,
-                      exclude_questions: frozenset[str] | set[str] = frozenset(),
-                      max_tries_factor: int = 50, tally: TallyConfig = TallyConfig()) -> list[dict]:
+def generate_problems(
+    n: int,
+    seed: int,
+    levels: Sequence[int] = (1, 2, 3),
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    exclude_questions: frozenset[str] | set[str] = frozenset(),
+    max_tries_factor: int = 50,
+    tally: TallyConfig = TallyConfig(),
+) -> list[dict]:
     """The first `n` problems of `iter_problems(seed, ...)` whose question is not excluded.
 
     exclude_questions: questions to skip (e.g. the training set when building a held-out set).
@@ -102,8 +118,10 @@ def generate_problems(n: int, seed: int, levels: Sequence[int] = (1, 2, 3), kind
         if problem["question"] not in exclude_questions:
             out.append(problem)
     if len(out) < n:
-        raise ValueError(f"only {len(out)} of {n} problems are new for levels {list(levels)}; "
-                         f"the problem space is too small for a held-out set of this size")
+        raise ValueError(
+            f"only {len(out)} of {n} problems are new for levels {list(levels)}; "
+            f"the problem space is too small for a held-out set of this size"
+        )
     return out
 
 
@@ -118,9 +136,18 @@ def write_problems(path, problems: list[dict]) -> Path:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pa.Table.from_pylist(problems, schema=pa.schema([
-            ("question", pa.string()), ("solution", pa.string()), ("answer", pa.string()),
-            ("level", pa.int32()), ("kind", pa.string())]))
+        table = pa.Table.from_pylist(
+            problems,
+            schema=pa.schema(
+                [
+                    ("question", pa.string()),
+                    ("solution", pa.string()),
+                    ("answer", pa.string()),
+                    ("level", pa.int32()),
+                    ("kind", pa.string()),
+                ]
+            ),
+        )
         pq.write_table(table, path)
     else:
         with open(path, "w", encoding="utf-8") as f:
@@ -129,7 +156,13 @@ def write_problems(path, problems: list[dict]) -> Path:
     return path
 
 
-def write_dataset(path, n: int, seed: int, levels: Sequence[int] = (1, 2, 3),
-                  kinds: Sequence[str] = DEFAULT_KINDS, tally: TallyConfig = TallyConfig()) -> Path:
+def write_dataset(
+    path,
+    n: int,
+    seed: int,
+    levels: Sequence[int] = (1, 2, 3),
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    tally: TallyConfig = TallyConfig(),
+) -> Path:
     """Generates `n` problems (see `generate_problems`) and writes them to `path` (by extension)."""
     return write_problems(path, generate_problems(n, seed, levels, kinds, tally=tally))

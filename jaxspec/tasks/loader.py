@@ -22,8 +22,9 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from jaxspec.rewards.math_verifier import extract_answer, normalize_answer
 
@@ -78,8 +79,9 @@ def _prompt_text(value: Any, field: str) -> str:
         users = [m.get("content") for m in value if m.get("role") == "user"]
         if users and isinstance(users[-1], str):
             return users[-1]
-    raise ValueError(f"field {field!r} is neither a string nor a list of chat messages with a user turn "
-                     f"(got {type(value).__name__})")
+    raise ValueError(
+        f"field {field!r} is neither a string nor a list of chat messages with a user turn (got {type(value).__name__})"
+    )
 
 
 def _read_rows(builder: str, file: str):
@@ -153,9 +155,12 @@ def _where(builder: str, file: str, row: int) -> str:
     return f"{file}: record {row + 1}"
 
 
-def load_prompts(path_or_files: PathLike | Sequence[PathLike] | Mapping[str, Any],
-                 prompt_field: str = "question", answer_field: str = "answer",
-                 split: str | None = None) -> list[dict]:
+def load_prompts(
+    path_or_files: PathLike | Sequence[PathLike] | Mapping[str, Any],
+    prompt_field: str = "question",
+    answer_field: str = "answer",
+    split: str | None = None,
+) -> list[dict]:
     """Reads prompt records: [{"prompt": str, "answer": str (canonical)}] in file order.
 
     path_or_files: one file, a list of files, or {split_name: file(s)}; .json/.jsonl/.parquet.

@@ -22,22 +22,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from typing import Union
 
 
 @dataclasses.dataclass(frozen=True)
 class Alt:
     """A choice point: options[0] is the canonical phrasing."""
 
-    options: tuple["Expr", ...]
+    options: tuple[Expr, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Seq:
-    parts: tuple["Expr", ...]
+    parts: tuple[Expr, ...]
 
 
-Expr = Union[str, Alt, Seq]
+Expr = str | Alt | Seq
 
 
 def alt(*options: Expr) -> Expr:
@@ -79,8 +78,7 @@ def distribution(expr: Expr, variation: float) -> tuple[tuple[str, float], ...]:
             texts = tuple((a + b, p * q) for a, p in texts for b, q in distribution(part, variation))
         return texts
     probs = option_probs(len(expr.options), variation)
-    return tuple((text, p * q) for option, p in zip(expr.options, probs)
-                 for text, q in distribution(option, variation))
+    return tuple((text, p * q) for option, p in zip(expr.options, probs) for text, q in distribution(option, variation))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,8 +110,7 @@ def describe(cfg: TallyConfig) -> str:
     """One line: the step law and the variation."""
     s = cfg.steps
     shape = f"sigma {s.sigma:g}" if s.law == "lognormal" else f"alpha {s.alpha:g}"
-    return (f"{s.law} days (median {s.median:g}, {shape}) in [{s.min_steps}, {s.max_steps}], "
-            f"variation {cfg.variation:g}")
+    return f"{s.law} days (median {s.median:g}, {shape}) in [{s.min_steps}, {s.max_steps}], variation {cfg.variation:g}"
 
 
 def config_errors(cfg: TallyConfig) -> list[tuple[str, str]]:
@@ -124,8 +123,12 @@ def config_errors(cfg: TallyConfig) -> list[tuple[str, str]]:
     if s.max_steps < s.min_steps:
         errors.append(("steps.max_steps", f"must be >= steps.min_steps={s.min_steps}, got {s.max_steps}"))
     if not s.min_steps <= s.median <= s.max_steps:
-        errors.append(("steps.median", f"must be in [steps.min_steps, steps.max_steps] = "
-                                       f"[{s.min_steps}, {s.max_steps}], got {s.median}"))
+        errors.append(
+            (
+                "steps.median",
+                f"must be in [steps.min_steps, steps.max_steps] = [{s.min_steps}, {s.max_steps}], got {s.median}",
+            )
+        )
     elif s.law == "pareto" and s.median == s.min_steps:
         errors.append(("steps.median", f"must exceed steps.min_steps={s.min_steps} for the pareto law"))
     if s.law == "lognormal" and s.sigma <= 0:
@@ -148,15 +151,22 @@ _START = alt("Start:", "We start at", "It starts at", "At first it is")
 _OPENER = alt("Day", "On day", "For day", "Then day", "Next, day", "Now day", "At day", "Moving on, day")
 _MARK = alt(":", ",", ";", " now,")
 _ASIDE = alt("", " today", " this time")
-_ACTION = {1: alt(" we add", " add", " it gains", " plus", " it goes up by", " we get"),
-           -1: alt(" we subtract", " subtract", " it loses", " minus", " it goes down by", " we lose")}
+_ACTION = {
+    1: alt(" we add", " add", " it gains", " plus", " it goes up by", " we get"),
+    -1: alt(" we subtract", " subtract", " it loses", " minus", " it goes down by", " we lose"),
+}
 _JOINER = alt(" and", ",", " then", ";")
 _PAUSE = alt(",", ";", " -")
-_CONNECTOR = alt(" so we get", " which gives", " that makes", " leaving", " for a total of", " and now we have",
-                 " giving")
+_CONNECTOR = alt(
+    " so we get", " which gives", " that makes", " leaving", " for a total of", " and now we have", " giving"
+)
 _EQUALS = alt(" =", " is", " makes")
-_ENDING = alt(".\n", seq(".", alt(" Good", " Okay", " Fine", " Right", " Next"), alt(".", "!"), "\n"),
-              seq(". That", alt(" checks out", " looks right", " seems fine"), ".\n"), ", as expected.\n")
+_ENDING = alt(
+    ".\n",
+    seq(".", alt(" Good", " Okay", " Fine", " Right", " Next"), alt(".", "!"), "\n"),
+    seq(". That", alt(" checks out", " looks right", " seems fine"), ".\n"),
+    ", as expected.\n",
+)
 
 
 def _term(t: int) -> str:
@@ -228,8 +238,7 @@ def _unit(unit: str, amount: int) -> str:
     return unit[:-1] if abs(amount) == 1 else unit
 
 
-def tally_problem(rng: random.Random, cfg: TallyConfig, writer_record: bool = False
-                  ) -> tuple[str, str, str, Writer]:
+def tally_problem(rng: random.Random, cfg: TallyConfig, writer_record: bool = False) -> tuple[str, str, str, Writer]:
     """(question, worked solution ending in \\boxed{answer}, answer, the writer that wrote it).
 
     writer_record: keep every choice point's distribution in the writer (`Writer.segments`).
@@ -261,6 +270,12 @@ def tally_problem(rng: random.Random, cfg: TallyConfig, writer_record: bool = Fa
         out.write(_equation(value, terms))
         out.write(_ENDING)
         value += sum(terms)
-    out.write(alt(*(seq(lead, f"\\boxed{{{value}}}.") for lead in (
-        "The answer is ", "So the answer is ", "Final answer: ", f"After {days} days it is "))))
+    out.write(
+        alt(
+            *(
+                seq(lead, f"\\boxed{{{value}}}.")
+                for lead in ("The answer is ", "So the answer is ", "Final answer: ", f"After {days} days it is ")
+            )
+        )
+    )
     return question, out.text, str(value), out

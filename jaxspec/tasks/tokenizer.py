@@ -13,8 +13,8 @@ needs the eos/pad token strings (and a prompt template using that tokenizer's ow
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -38,14 +38,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path=None) -> Tokeniz
     if vocab_size < minimum:
         raise ValueError(f"vocab_size={vocab_size} is below the byte-level minimum {minimum}")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        # one digit per pre-token, keeping a leading space with it (" 12" -> " 1", "2")
-        pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            # one digit per pre-token, keeping a leading space with it (" 12" -> " 1", "2")
+            pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -64,8 +70,14 @@ class ChatTokenizer:
     prompt_template: str = PROMPT_TEMPLATE
 
     @classmethod
-    def from_file(cls, path, eos_token: str = EOS, pad_token: str = PAD, bos_token: str | None = BOS,
-                  prompt_template: str = PROMPT_TEMPLATE) -> "ChatTokenizer":
+    def from_file(
+        cls,
+        path,
+        eos_token: str = EOS,
+        pad_token: str = PAD,
+        bos_token: str | None = BOS,
+        prompt_template: str = PROMPT_TEMPLATE,
+    ) -> ChatTokenizer:
         """Loads a tokenizer.json (or a folder holding one); token strings must be in its vocab."""
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
@@ -81,10 +93,13 @@ class ChatTokenizer:
                 raise ValueError(f"{file}: {name} {token!r} is not in the vocabulary")
             return tid
 
-        return cls(tokenizer=tokenizer, eos_id=token_id("eos_token", eos_token),
-                   pad_id=token_id("pad_token", pad_token),
-                   bos_id=None if bos_token is None else token_id("bos_token", bos_token),
-                   prompt_template=prompt_template)
+        return cls(
+            tokenizer=tokenizer,
+            eos_id=token_id("eos_token", eos_token),
+            pad_id=token_id("pad_token", pad_token),
+            bos_id=None if bos_token is None else token_id("bos_token", bos_token),
+            prompt_template=prompt_template,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -104,5 +119,5 @@ class ChatTokenizer:
         """Text of `ids` up to (not including) the first eos; special tokens are dropped."""
         ids = [int(i) for i in ids]
         if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
+            ids = ids[: ids.index(self.eos_id)]
         return self.tokenizer.decode(ids, skip_special_tokens=True)

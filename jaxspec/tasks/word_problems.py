@@ -16,16 +16,35 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 from jaxspec.rewards.math_verifier import format_number
 
-_NAMES = (("Ana", "She", "her"), ("Ben", "He", "his"), ("Chen", "He", "his"), ("Dara", "She", "her"),
-          ("Eli", "He", "his"), ("Fatima", "She", "her"), ("Goran", "He", "his"), ("Hana", "She", "her"),
-          ("Ivan", "He", "his"), ("Jun", "She", "her"), ("Kofi", "He", "his"), ("Lena", "She", "her"))
-_ITEMS = (("notebook", "notebooks"), ("pen", "pens"), ("apple", "apples"), ("ticket", "tickets"),
-          ("book", "books"), ("cup", "cups"), ("shirt", "shirts"), ("plant", "plants"))
+_NAMES = (
+    ("Ana", "She", "her"),
+    ("Ben", "He", "his"),
+    ("Chen", "He", "his"),
+    ("Dara", "She", "her"),
+    ("Eli", "He", "his"),
+    ("Fatima", "She", "her"),
+    ("Goran", "He", "his"),
+    ("Hana", "She", "her"),
+    ("Ivan", "He", "his"),
+    ("Jun", "She", "her"),
+    ("Kofi", "He", "his"),
+    ("Lena", "She", "her"),
+)
+_ITEMS = (
+    ("notebook", "notebooks"),
+    ("pen", "pens"),
+    ("apple", "apples"),
+    ("ticket", "tickets"),
+    ("book", "books"),
+    ("cup", "cups"),
+    ("shirt", "shirts"),
+    ("plant", "plants"),
+)
 _VEHICLES = ("car", "train", "bus", "cyclist", "boat", "truck")
 _RELATIVES = ("mother", "father", "aunt", "uncle", "grandmother", "grandfather")
 _THINGS = ("cookies", "marbles", "stickers", "candies", "cards", "coins")
@@ -61,8 +80,11 @@ def shopping(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
     bill = next(b for b in _BILLS if b > total)
     change = bill - total
     lines.append(f"The change is {bill} - {total} = {change} dollars.")
-    return (f"{question}. {name} pays with a ${bill} bill. How many dollars of change does {name} get?",
-            lines, Fraction(change))
+    return (
+        f"{question}. {name} pays with a ${bill} bill. How many dollars of change does {name} get?",
+        lines,
+        Fraction(change),
+    )
 
 
 def rates(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
@@ -77,8 +99,12 @@ def rates(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
         s2, h2 = rng.randint(2, 3 * _hi(level)), rng.randint(2, 9)
         d2 = s2 * h2
         lines += [f"Then it travels {s2} * {h2} = {d2} km.", f"In total: {d1} + {d2} = {d1 + d2} km."]
-        return (f"{question} for {h1} hours and then at {s2} km per hour for {h2} hours. "
-                f"How many km does it travel in total?", lines, Fraction(d1 + d2))
+        return (
+            f"{question} for {h1} hours and then at {s2} km per hour for {h2} hours. "
+            f"How many km does it travel in total?",
+            lines,
+            Fraction(d1 + d2),
+        )
     rate = rng.randint(2, _hi(level) // 2)
     already = rng.randint(1, 5 * _hi(level))
     if level == 3:
@@ -87,10 +113,16 @@ def rates(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
         remaining = rng.randint(rate + 1, 10 * _hi(level))
     capacity = already + remaining
     minutes = Fraction(remaining, rate)
-    lines = [f"The tank still needs {capacity} - {already} = {remaining} liters.",
-             f"At {rate} liters per minute that takes {remaining} / {rate} = {_f(minutes)} minutes."]
-    return (f"A pump fills {rate} liters per minute. A tank holds {capacity} liters and already contains "
-            f"{already} liters. How many minutes does it take to fill the tank?", lines, minutes)
+    lines = [
+        f"The tank still needs {capacity} - {already} = {remaining} liters.",
+        f"At {rate} liters per minute that takes {remaining} / {rate} = {_f(minutes)} minutes.",
+    ]
+    return (
+        f"A pump fills {rate} liters per minute. A tank holds {capacity} liters and already contains "
+        f"{already} liters. How many minutes does it take to fill the tank?",
+        lines,
+        minutes,
+    )
 
 
 def ages(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
@@ -99,8 +131,12 @@ def ages(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
     a = rng.randint(3, max(9, _hi(level) // 2))
     if level == 1:
         d = rng.randint(2, 30)
-        return (f"{name} is {a} years old. {poss.capitalize()} {relative} is {d} years older. "
-                f"How old is {poss} {relative}?", [f"{a} + {d} = {a + d}."], Fraction(a + d))
+        return (
+            f"{name} is {a} years old. {poss.capitalize()} {relative} is {d} years older. "
+            f"How old is {poss} {relative}?",
+            [f"{a} + {d} = {a + d}."],
+            Fraction(a + d),
+        )
     k, y = rng.randint(2, 5), rng.randint(2, 20)
     b = a * k
     lines = [f"{poss.capitalize()} {relative} is {a} * {k} = {b} years old."]
@@ -108,9 +144,11 @@ def ages(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
     if level == 2:
         lines.append(f"In {y} years: {b} + {y} = {b + y}.")
         return f"{question} How old will {poss} {relative} be in {y} years?", lines, Fraction(b + y)
-    lines += [f"In {y} years {name} will be {a} + {y} = {a + y}.",
-              f"In {y} years {poss} {relative} will be {b} + {y} = {b + y}.",
-              f"Together: {a + y} + {b + y} = {a + b + 2 * y}."]
+    lines += [
+        f"In {y} years {name} will be {a} + {y} = {a + y}.",
+        f"In {y} years {poss} {relative} will be {b} + {y} = {b + y}.",
+        f"Together: {a + y} + {b + y} = {a + b + 2 * y}.",
+    ]
     return (f"{question} What will the sum of their ages be in {y} years?", lines, Fraction(a + b + 2 * y))
 
 
@@ -121,25 +159,33 @@ def splitting(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]
     if level == 1:
         q = rng.randint(1, 9)
         n = k * q
-        return (f"{n} {things} are shared equally among {k} friends. How many {things} does each friend get?",
-                [f"{n} / {k} = {q}."], Fraction(q))
+        return (
+            f"{n} {things} are shared equally among {k} friends. How many {things} does each friend get?",
+            [f"{n} / {k} = {q}."],
+            Fraction(q),
+        )
     if level == 2:
         q, e = rng.randint(1, _hi(level)), rng.randint(1, _hi(level))
         rest = k * q
         n = rest + e
-        return (f"{name} has {n} {things} and gives {e} to a teacher. {pron} shares the rest equally among "
-                f"{k} friends. How many {things} does each friend get?",
-                [f"{n} - {e} = {rest} are left.", f"{rest} / {k} = {q}."], Fraction(q))
+        return (
+            f"{name} has {n} {things} and gives {e} to a teacher. {pron} shares the rest equally among "
+            f"{k} friends. How many {things} does each friend get?",
+            [f"{n} - {e} = {rest} are left.", f"{rest} / {k} = {q}."],
+            Fraction(q),
+        )
     drunk = rng.randint(1, _hi(level))
     rest = rng.randint(1, 3 * _hi(level))
     while rest % k == 0:
         rest += 1
     total = rest + drunk
     share = Fraction(rest, k)
-    return (f"{name} has {total} liters of juice, drinks {drunk} liters and pours the rest equally into {k} "
-            f"bottles. How many liters are in each bottle?",
-            [f"{total} - {drunk} = {rest} liters are left.", f"{rest} / {k} = {_f(share)} liters per bottle."],
-            share)
+    return (
+        f"{name} has {total} liters of juice, drinks {drunk} liters and pours the rest equally into {k} "
+        f"bottles. How many liters are in each bottle?",
+        [f"{total} - {drunk} = {rest} liters are left.", f"{rest} / {k} = {_f(share)} liters per bottle."],
+        share,
+    )
 
 
 def percentages(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
@@ -151,8 +197,10 @@ def percentages(rng: random.Random, level: int) -> tuple[str, list[str], Fractio
         return (f"What is {pct}% of {price}?", [f"{pct}% of {price} is {price} * {pct} / 100 = {_f(off)}."], off)
     (item, _) = rng.choice(_ITEMS)
     sale = price - off
-    lines = [f"The discount is {price} * {pct} / 100 = {_f(off)} dollars.",
-             f"The sale price is {price} - {_f(off)} = {_f(sale)} dollars."]
+    lines = [
+        f"The discount is {price} * {pct} / 100 = {_f(off)} dollars.",
+        f"The sale price is {price} - {_f(off)} = {_f(sale)} dollars.",
+    ]
     question = f"A {item} costs ${price} and is on sale for {pct}% off."
     if level == 2:
         return f"{question} What is the sale price in dollars?", lines, sale
@@ -175,13 +223,20 @@ def temperatures(rng: random.Random, level: int) -> tuple[str, list[str], Fracti
         return f"{question} What is the temperature now?", lines, Fraction(now)
     r = rng.randint(1, 2 * _hi(level))
     lines = [f"After the drop: {t} - {d} = {now} degrees.", f"After the rise: {now} + {r} = {now + r} degrees."]
-    return (f"{question} In the morning it rises by {r} degrees. What is the temperature in the morning?",
-            lines, Fraction(now + r))
+    return (
+        f"{question} In the morning it rises by {r} degrees. What is the temperature in the morning?",
+        lines,
+        Fraction(now + r),
+    )
 
 
 TEMPLATES: dict[str, Template] = {
-    "shopping": shopping, "rates": rates, "ages": ages, "splitting": splitting,
-    "percentages": percentages, "temperatures": temperatures,
+    "shopping": shopping,
+    "rates": rates,
+    "ages": ages,
+    "splitting": splitting,
+    "percentages": percentages,
+    "temperatures": temperatures,
 }
 
 # Range of days (hours) simulated by the long levels; the solution has one line per day.
@@ -215,9 +270,13 @@ def savings(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
     spend = rng.randint(earn + 1, earn * every)  # at most what a period earns: never below `start`
     days = rng.randint(*_DAYS[level])
     lines, end = _simulate("Day", start, days, every, earn, -spend)
-    return (f"{name} has {start} dollars in {poss} jar. Each day {pron.lower()} puts in {earn} dollars, and every "
-            f"{every} days {pron.lower()} also takes out {spend} dollars. How many dollars are in the jar after "
-            f"{days} days?", lines, Fraction(end))
+    return (
+        f"{name} has {start} dollars in {poss} jar. Each day {pron.lower()} puts in {earn} dollars, and every "
+        f"{every} days {pron.lower()} also takes out {spend} dollars. How many dollars are in the jar after "
+        f"{days} days?",
+        lines,
+        Fraction(end),
+    )
 
 
 def stock(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
@@ -227,9 +286,12 @@ def stock(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
     delivered = rng.randint(sold * every, sold * every + 50)
     days = rng.randint(*_DAYS[level])
     lines, end = _simulate("Day", start, days, every, -sold, delivered)
-    return (f"A shop has {start} {items}. It sells {sold} {items} each day, and every {every} days a delivery "
-            f"brings {delivered} more. How many {items} does the shop have after {days} days?",
-            lines, Fraction(end))
+    return (
+        f"A shop has {start} {items}. It sells {sold} {items} each day, and every {every} days a delivery "
+        f"brings {delivered} more. How many {items} does the shop have after {days} days?",
+        lines,
+        Fraction(end),
+    )
 
 
 def weather(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
@@ -237,9 +299,13 @@ def weather(rng: random.Random, level: int) -> tuple[str, list[str], Fraction]:
     rise = rng.randint(max(1, drop * every - 5), drop * every + 5)  # the net drift per period stays small
     hours = rng.randint(*_DAYS[level])
     lines, end = _simulate("Hour", start, hours, every, -drop, rise)
-    return (f"At midnight the temperature is {start} degrees. Each hour it drops by {drop} degrees, and every "
-            f"{every} hours a warm wind raises it by {rise} degrees. What is the temperature after {hours} "
-            f"hours?", lines, Fraction(end))
+    return (
+        f"At midnight the temperature is {start} degrees. Each hour it drops by {drop} degrees, and every "
+        f"{every} hours a warm wind raises it by {rise} degrees. What is the temperature after {hours} "
+        f"hours?",
+        lines,
+        Fraction(end),
+    )
 
 
 LONG_TEMPLATES: dict[str, Template] = {"savings": savings, "stock": stock, "weather": weather}

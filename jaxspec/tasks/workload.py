@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class ResponseStats:
 def _prefix_free(alternatives: Sequence[tuple[int, ...]]) -> bool:
     """No tuple is a prefix of another (in sorted order a prefix directly precedes an extension)."""
     ordered = sorted(alternatives)
-    return all(b[:len(a)] != a for a, b in zip(ordered, ordered[1:]))
+    return all(b[: len(a)] != a for a, b in zip(ordered, ordered[1:]))
 
 
 def _argmax_flags(dist: TokenDist, drawn: tuple[int, ...]) -> list[bool]:
@@ -144,8 +144,9 @@ class SegmentTokenizer:
             probs = np.array([p for p in dist.values() if p > 0])
             nll = -np.log(probs)
             entropy = float(probs @ nll)
-            block = _Block(dist, entropy, float(probs @ (nll - entropy) ** 2),
-                           float(sum(p * len(a) for a, p in dist.items())))
+            block = _Block(
+                dist, entropy, float(probs @ (nll - entropy) ** 2), float(sum(p * len(a) for a, p in dist.items()))
+            )
         if len(self._blocks) >= _CACHE_LIMIT:
             self._blocks.clear()
         self._blocks[keys] = block
@@ -172,10 +173,13 @@ def analyze_response(segments: Sequence[Segment], tokens: SegmentTokenizer) -> R
     drawn_tokens = [t for piece in pieces for t in piece]
     whole = tok.encode("".join(s.drawn for s in segments))
     if whole != drawn_tokens:
-        at = next((i for i, (a, b) in enumerate(zip(whole, drawn_tokens)) if a != b),
-                  min(len(whole), len(drawn_tokens)))
-        raise ValueError(f"the response does not tokenize as its segments do (first difference at token {at}): "
-                         f"a choice boundary is not a pre-token boundary of this tokenizer")
+        at = next(
+            (i for i, (a, b) in enumerate(zip(whole, drawn_tokens)) if a != b), min(len(whole), len(drawn_tokens))
+        )
+        raise ValueError(
+            f"the response does not tokenize as its segments do (first difference at token {at}): "
+            f"a choice boundary is not a pre-token boundary of this tokenizer"
+        )
     keys = [(s.texts, s.probs) for s in segments] + [_EOS]
     pieces.append((tok.eos_id,))
     flags: list[bool] = []
@@ -193,8 +197,14 @@ def analyze_response(segments: Sequence[Segment], tokens: SegmentTokenizer) -> R
         entropy, variance, length = entropy + block.entropy, variance + block.variance, length + block.length
         logprob += path_logprob
         i = j
-    return ResponseStats(tokens=np.asarray(drawn_tokens + [tok.eos_id], np.int32), argmax=np.asarray(flags, bool),
-                         entropy=entropy, entropy_var=variance, expected_length=length, logprob=logprob)
+    return ResponseStats(
+        tokens=np.asarray(drawn_tokens + [tok.eos_id], np.int32),
+        argmax=np.asarray(flags, bool),
+        entropy=entropy,
+        entropy_var=variance,
+        expected_length=length,
+        logprob=logprob,
+    )
 
 
 def verification_steps(argmax: np.ndarray, k: int) -> int:
@@ -236,8 +246,12 @@ def summarize(responses: Sequence[ResponseStats], max_draft: int = 7) -> dict:
         raise ValueError("summarize needs at least one response")
     lengths = [len(r.tokens) for r in responses]
     acceptance = [ideal_acceptance(responses, k) for k in range(1, max_draft + 1)]
-    return {"responses": len(responses), "response_tokens": percentiles(lengths),
-            "mean_response_tokens": float(np.mean(lengths)),
-            "entropy_per_token": sum(r.entropy for r in responses) / sum(r.expected_length for r in responses),
-            "entropy_per_response": float(np.mean([r.entropy for r in responses])),
-            "ideal_acceptance": [a for a, _ in acceptance], "ideal_acceptance_se": [e for _, e in acceptance]}
+    return {
+        "responses": len(responses),
+        "response_tokens": percentiles(lengths),
+        "mean_response_tokens": float(np.mean(lengths)),
+        "entropy_per_token": sum(r.entropy for r in responses) / sum(r.expected_length for r in responses),
+        "entropy_per_response": float(np.mean([r.entropy for r in responses])),
+        "ideal_acceptance": [a for a, _ in acceptance],
+        "ideal_acceptance_se": [e for _, e in acceptance],
+    }

@@ -12,10 +12,22 @@ from jaxspec.models import ModelConfig
 from jaxspec.models.moe import distinct_experts, expected_distinct_experts
 
 TINY_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 128, "tie_word_embeddings": False, "num_experts": 16,
-    "num_experts_per_tok": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": True,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "mlp_only_layers": [1],
+    "norm_topk_prob": True,
 }
 
 
@@ -33,8 +45,17 @@ def test_weight_read_bytes_counts_the_experts_a_step_touches():
     assert weight_read_bytes(cfg, 2, 1) == pytest.approx((cfg.num_params(active=True) - embed) * 2)
     assert weight_read_bytes(cfg, 2, 10_000) == pytest.approx((cfg.num_params() - embed) * 2)
     assert expected_experts(cfg, 4) == pytest.approx(16 * (1 - (12 / 16) ** 4))
-    dense = ModelConfig(family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    dense = ModelConfig(
+        family="qwen3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     assert weight_read_bytes(dense, 2, 64) == (dense.num_params() - 128 * 64) * 2
 
 
@@ -63,8 +84,31 @@ def test_bench_decode_smoke_on_a_moe_policy(tmp_path, capsys):
     out = tmp_path / "decode.json"
     # 96 new tokens, median of 5: on a busy 2-core runner 32 tokens x 3 took as long as 1 token
     # (the step is the difference of two wall times, and the bench makes an unresolved one an error row)
-    assert main(["bench", "decode", "--model", str(model), "--batch", "2", "--prompt", "16", "--new", "96",
-                 "--iters", "5", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                str(model),
+                "--batch",
+                "2",
+                "--prompt",
+                "16",
+                "--new",
+                "96",
+                "--iters",
+                "5",
+                "--peer",
+                "none",
+                "--copy-bytes",
+                "1048576",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     [row] = result["rows"]
     cfg = ModelConfig.from_hf(TINY_MOE)
@@ -92,11 +136,37 @@ def test_a_batch_out_of_device_memory_is_an_error_row_and_the_others_run(tmp_pat
     model.write_text(json.dumps(TINY_MOE))
     out = tmp_path / "decode.json"
     # 32 new tokens, 3 runs each: the decode steps' time stands well clear of the two runs' noise
-    assert main(["bench", "decode", "--model", str(model), "--batch", "4", "2", "--prompt", "16", "--new", "32",
-                 "--iters", "3", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                str(model),
+                "--batch",
+                "4",
+                "2",
+                "--prompt",
+                "16",
+                "--new",
+                "32",
+                "--iters",
+                "3",
+                "--peer",
+                "none",
+                "--copy-bytes",
+                "1048576",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
-    assert rows[0] == {"batch": 4, "error": "out of device memory: RESOURCE_EXHAUSTED: Out of memory while "
-                                            "trying to allocate 128.02GiB"}
+    assert rows[0] == {
+        "batch": 4,
+        "error": "out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 128.02GiB",
+    }
     assert rows[1]["batch"] == 2 and rows[1]["step_ms"] > 0
 
 
@@ -109,8 +179,31 @@ def test_a_step_time_lost_in_the_noise_is_an_error_row(tmp_path, monkeypatch):
     model = tmp_path / "tiny_moe.json"
     model.write_text(json.dumps(TINY_MOE))
     out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--model", str(model), "--batch", "2", "--prompt", "16", "--new", "4",
-                 "--iters", "1", "--peer", "none", "--copy-bytes", "1048576", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                str(model),
+                "--batch",
+                "2",
+                "--prompt",
+                "16",
+                "--new",
+                "4",
+                "--iters",
+                "1",
+                "--peer",
+                "none",
+                "--copy-bytes",
+                "1048576",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["error"].startswith("decode step not resolved: 4 new tokens took 0.0046 s")
     assert "raise --new or --iters" in row["error"]

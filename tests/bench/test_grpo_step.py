@@ -9,10 +9,22 @@ import pytest
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.models import ModelConfig, load_hf
 
-TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "eos_token_id": 2}
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
 PHASES = ["generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint"]
 
 
@@ -25,9 +37,39 @@ def model_json(tmp_path):
 
 def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, capsys):
     out = tmp_path / "grpo_step.json"
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--mesh", "1,2,1", "--batch", "4",
-                         "--sub-batch", "2", "--prompt", "4", "--new", "4", "--minibatches", "2", "--k", "2",
-                         "--draft-vocab", "32", "--ttt-steps", "1", "--acceptance", "2.0", "--out", str(out)]) == 0
+    assert (
+        jaxspec_main(
+            [
+                "bench",
+                "grpo-step",
+                "--model",
+                str(model_json),
+                "--mesh",
+                "1,2,1",
+                "--batch",
+                "4",
+                "--sub-batch",
+                "2",
+                "--prompt",
+                "4",
+                "--new",
+                "4",
+                "--minibatches",
+                "2",
+                "--k",
+                "2",
+                "--draft-vocab",
+                "32",
+                "--ttt-steps",
+                "1",
+                "--acceptance",
+                "2.0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "PROJECTION (computed from the measured costs above, not measured)" in printed
     assert "KV cache per sub-batch of 2 rows x 8 slots" in printed
@@ -82,9 +124,35 @@ def test_a_phase_out_of_memory_ends_the_run_with_the_phases_before_it(model_json
 
     monkeypatch.setattr(grpo_step.Bench, "update", out_of_memory)
     out = tmp_path / "grpo_step.json"
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "2", "--sub-batch", "2",
-                         "--prompt", "4", "--new", "4", "--minibatches", "1", "--k", "1", "--draft-vocab", "32",
-                         "--ttt-steps", "1", "--out", str(out)]) == 0
+    assert (
+        jaxspec_main(
+            [
+                "bench",
+                "grpo-step",
+                "--model",
+                str(model_json),
+                "--batch",
+                "2",
+                "--sub-batch",
+                "2",
+                "--prompt",
+                "4",
+                "--new",
+                "4",
+                "--minibatches",
+                "1",
+                "--k",
+                "1",
+                "--draft-vocab",
+                "32",
+                "--ttt-steps",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["phase"] for r in rows] == ["generate_ar", "generate_spec", "logprobs", "update"]
     assert rows[-1]["error"].startswith("out of device memory: RESOURCE_EXHAUSTED")
@@ -121,10 +189,40 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
     monkeypatch.setattr(grpo_step, "generate", recording_generate)
     monkeypatch.setattr(grpo_step, "policy_optimizer", recording_optimizer)
     out = tmp_path / "grpo_step.json"
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--mesh", "1,2,1", "--batch", "2",
-                         "--sub-batch", "2", "--prompt", "4", "--new", "4", "--minibatches", "1", "--k", "1",
-                         "--draft-vocab", "32", "--ttt-steps", "1", "--gather-weights", "--state-dtype", "bfloat16",
-                         "--out", str(out)]) == 0
+    assert (
+        jaxspec_main(
+            [
+                "bench",
+                "grpo-step",
+                "--model",
+                str(model_json),
+                "--mesh",
+                "1,2,1",
+                "--batch",
+                "2",
+                "--sub-batch",
+                "2",
+                "--prompt",
+                "4",
+                "--new",
+                "4",
+                "--minibatches",
+                "1",
+                "--k",
+                "1",
+                "--draft-vocab",
+                "32",
+                "--ttt-steps",
+                "1",
+                "--gather-weights",
+                "--state-dtype",
+                "bfloat16",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert read_fsdp_sharded and not any(read_fsdp_sharded)
     assert set(mu_dtypes) == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # mu bf16, nu float32
     baseline = json.loads(out.read_text())["baseline"]
@@ -134,9 +232,33 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
 
 def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path, capsys):
     out = tmp_path / "grpo_step.json"
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "2", "--sub-batch", "2",
-                         "--prompt", "4", "--new", "4", "--minibatches", "1", "--draft-vocab", "32", "--phases", "generate_ar",
-                         "--out", str(out)]) == 0
+    assert (
+        jaxspec_main(
+            [
+                "bench",
+                "grpo-step",
+                "--model",
+                str(model_json),
+                "--batch",
+                "2",
+                "--sub-batch",
+                "2",
+                "--prompt",
+                "4",
+                "--new",
+                "4",
+                "--minibatches",
+                "1",
+                "--draft-vocab",
+                "32",
+                "--phases",
+                "generate_ar",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["generate_ar"]
     assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--phases", "generate_ar", "update"]) == 1
     assert "--phases: update reads the results of logprobs; add it" in capsys.readouterr().err
@@ -144,9 +266,35 @@ def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path
 
 def test_training_phases_without_generation_read_full_length_random_rollouts(model_json, tmp_path):
     out = tmp_path / "grpo_step.json"
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "4", "--sub-batch", "2",
-                         "--prompt", "4", "--new", "6", "--minibatches", "2", "--draft-vocab", "32",
-                         "--phases", "logprobs", "update_draft", "checkpoint", "--out", str(out)]) == 0
+    assert (
+        jaxspec_main(
+            [
+                "bench",
+                "grpo-step",
+                "--model",
+                str(model_json),
+                "--batch",
+                "4",
+                "--sub-batch",
+                "2",
+                "--prompt",
+                "4",
+                "--new",
+                "6",
+                "--minibatches",
+                "2",
+                "--draft-vocab",
+                "32",
+                "--phases",
+                "logprobs",
+                "update_draft",
+                "checkpoint",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["phase"] for r in rows] == ["logprobs", "update_draft", "checkpoint"]
     assert all(r["seconds"] > 0 for r in rows)
@@ -161,13 +309,27 @@ def test_the_training_state_is_made_before_the_first_phase(model_json, phases):
 
     from jaxspec.bench import grpo_step
 
-    args = grpo_step.parser().parse_args(["--model", str(model_json), "--mesh", "1,2,1", "--batch", "2",
-                                          "--sub-batch", "2", "--draft-vocab", "32", "--state-dtype", "bfloat16",
-                                          "--phases", *phases])
+    args = grpo_step.parser().parse_args(
+        [
+            "--model",
+            str(model_json),
+            "--mesh",
+            "1,2,1",
+            "--batch",
+            "2",
+            "--sub-batch",
+            "2",
+            "--draft-vocab",
+            "32",
+            "--state-dtype",
+            "bfloat16",
+            "--phases",
+            *phases,
+        ]
+    )
     bench = grpo_step.Bench(args)
     mu, nu = bench.opt_state[1][0].mu, bench.opt_state[1][0].nu
     for moment, dtype in ((mu, "bfloat16"), (nu, "float32")):
         for p, m in zip(jax.tree.leaves(bench.params), jax.tree.leaves(moment)):
             assert m.shape == p.shape and m.dtype == dtype and m.sharding.is_equivalent_to(p.sharding, p.ndim)
     assert (bench.head is not None) == ("update_draft" in phases)
-

@@ -28,10 +28,12 @@ def test_stages_collect_the_kernels_of_their_loops():
     def kernel(op_name, ns, launches):
         return profile.Kernel("spec", "fusion", op_name, ns, launches)
 
-    kernels = [kernel("jit(speculative_decode)/stage0/while/body/propose/dot_general", 4e6, 20),
-               kernel("jit(speculative_decode)/stage1/while/body/verify_forward/add", 3e6, 30),
-               kernel("jit(speculative_decode)/stage1/while/body/verify/exp", 1e6, 10),
-               kernel("jit(speculative_decode)/stage_move/gather", 5e6, 1)]
+    kernels = [
+        kernel("jit(speculative_decode)/stage0/while/body/propose/dot_general", 4e6, 20),
+        kernel("jit(speculative_decode)/stage1/while/body/verify_forward/add", 3e6, 30),
+        kernel("jit(speculative_decode)/stage1/while/body/verify/exp", 1e6, 10),
+        kernel("jit(speculative_decode)/stage_move/gather", 5e6, 1),
+    ]
     first, second, third = profile.by_stage(kernels, [8, 4, 2], [2, 4, 0])
     assert (first["rows"], first["ms"], first["ms_per_iteration"], first["kernels_per_iteration"]) == (8, 4, 2, 10)
     assert (second["rows"], second["ms"], second["ms_per_iteration"], second["kernels_per_iteration"]) == (4, 4, 1, 10)
@@ -48,7 +50,8 @@ def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
         "  %x = f32[2] parameter(0)\n"
         '  %y = f32[2] add(%x, %x), metadata={op_name="jit(_decode)/while/body/sample/add"}\n'
         "  ROOT %fusion.3 = f32[2] fusion(%y), kind=kLoop, calls=%fused_computation.1\n"
-        "}\n")
+        "}\n"
+    )
     scopes = profile.op_scopes(tmp_path)
     assert scopes[(7, "y")] == "jit(_decode)/while/body/sample/add"
     assert profile.classify(scopes[(7, "fusion.3")]) == ("forward", "attention")
@@ -57,11 +60,38 @@ def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
 def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxspec.cli", "bench", "profile", "--policy", str(ASSETS / "tiny-policy"),
-         "--draft", str(ASSETS / "tiny-eagle3"), "--batch", "4", "--samples", "2", "--new", "8", "--levels", "1",
-         "--k", "2", "--stage-k", "1,2",
-         "--trace-dir", str(tmp_path / "trace"), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        [
+            sys.executable,
+            "-m",
+            "jaxspec.cli",
+            "bench",
+            "profile",
+            "--policy",
+            str(ASSETS / "tiny-policy"),
+            "--draft",
+            str(ASSETS / "tiny-eagle3"),
+            "--batch",
+            "4",
+            "--samples",
+            "2",
+            "--new",
+            "8",
+            "--levels",
+            "1",
+            "--k",
+            "2",
+            "--stage-k",
+            "1,2",
+            "--trace-dir",
+            str(tmp_path / "trace"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=1/2 by stage", "ngram chain k=3"}
@@ -89,10 +119,33 @@ def test_profile_of_a_random_model_sets_its_parts_against_the_bytes_they_read(tm
 
     out, config = tmp_path / "profile.json", ASSETS / "tiny-policy" / "config.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxspec.cli", "bench", "profile", "--model", str(config), "--batch", "2",
-         "--prompt", "16", "--new", "8", "--k", "--copy-bytes", str(1 << 20), "--trace-dir", str(tmp_path / "trace"),
-         "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        [
+            sys.executable,
+            "-m",
+            "jaxspec.cli",
+            "bench",
+            "profile",
+            "--model",
+            str(config),
+            "--batch",
+            "2",
+            "--prompt",
+            "16",
+            "--new",
+            "8",
+            "--k",
+            "--copy-bytes",
+            str(1 << 20),
+            "--trace-dir",
+            str(tmp_path / "trace"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     (row,) = result["rows"]  # --k with no depth: the AR loop alone
@@ -109,8 +162,16 @@ def test_profile_of_a_random_model_sets_its_parts_against_the_bytes_they_read(tm
 
 
 def test_a_random_model_drafts_with_a_random_head_of_the_asked_vocabulary():
-    args = argparse.Namespace(model=str(ASSETS / "tiny-policy" / "config.json"), policy=None, batch=3, prompt=5,
-                              new=4, k=[1, 3], draft_vocab=64, dtype="float32")
+    args = argparse.Namespace(
+        model=str(ASSETS / "tiny-policy" / "config.json"),
+        policy=None,
+        batch=3,
+        prompt=5,
+        new=4,
+        k=[1, 3],
+        draft_vocab=64,
+        dtype="float32",
+    )
     cfg, _, prompts, sampling, configs = profile._workload(args)
     assert [label for label, _ in configs] == ["ar", "eagle3 chain k=1, random head", "eagle3 chain k=3, random head"]
     assert np.shape(prompts) == (3, 5) and sampling.eos_ids(cfg.eos_token_id) == () and sampling.max_new_tokens == 4

@@ -16,9 +16,32 @@ ASSETS = Path(jaxspec.__file__).parent / "assets"
 
 def test_bench_spec_smoke(tmp_path):
     out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
-                 "--batch", "4", "--new", "16", "--k", "2", "--trees", "--stage-k", "2,3", "--levels", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--policy",
+                str(ASSETS / "tiny-policy"),
+                "--draft",
+                str(ASSETS / "tiny-eagle3"),
+                "--batch",
+                "4",
+                "--new",
+                "16",
+                "--k",
+                "2",
+                "--trees",
+                "--stage-k",
+                "2,3",
+                "--levels",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["benchmark"] == "spec" and result["baseline"]["max_new_tokens"] == 16
     rows = {r["config"]: r for r in result["rows"]}
@@ -62,9 +85,30 @@ def test_bench_spec_draws_prompts_from_a_data_config(tmp_path):
     assert prompts[0] == prompts[1] != prompts[2] == prompts[3]
     assert all(tok.decode(ids).rstrip().endswith("days?") for ids in prompts)
     out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
-                 "--batch", "2", "--new", "4", "--k", "--trees", "--no-ngram", "--data-config",
-                 "configs/long.yaml", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--policy",
+                str(ASSETS / "tiny-policy"),
+                "--draft",
+                str(ASSETS / "tiny-eagle3"),
+                "--batch",
+                "2",
+                "--new",
+                "4",
+                "--k",
+                "--trees",
+                "--no-ngram",
+                "--data-config",
+                "configs/long.yaml",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     baseline = json.loads(out.read_text())["baseline"]
     assert baseline["kinds"] == ["tally"] and baseline["data_config"] == "configs/long.yaml"
     assert baseline["tally"]["variation"] == 0.7
@@ -74,9 +118,34 @@ def test_bench_spec_draft_model_rows(tmp_path):
     """`--draft-model` adds a draft_model chain per `--draft-model-k`; the tiny policy drafts for
     itself here, so (drafts greedy, verification at T=1) most of its drafts are accepted."""
     out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
-                 "--draft-model", str(ASSETS / "tiny-policy"), "--draft-model-k", "2", "--batch", "4", "--new", "16",
-                 "--k", "--trees", "--no-ngram", "--levels", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--policy",
+                str(ASSETS / "tiny-policy"),
+                "--draft",
+                str(ASSETS / "tiny-eagle3"),
+                "--draft-model",
+                str(ASSETS / "tiny-policy"),
+                "--draft-model-k",
+                "2",
+                "--batch",
+                "4",
+                "--new",
+                "16",
+                "--k",
+                "--trees",
+                "--no-ngram",
+                "--levels",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["baseline"]["draft_model"] == str(ASSETS / "tiny-policy")
     rows = {r["config"]: r for r in result["rows"]}
@@ -90,11 +159,39 @@ def test_bench_spec_rejects_a_draft_model_with_another_vocabulary(tmp_path, caps
     from tests.models.hf_reference import random_params
 
     cfg, _ = load_hf(ASSETS / "tiny-policy")
-    other = ModelConfig(family="qwen3", vocab_size=cfg.vocab_size + 1, hidden_size=16, intermediate_size=32,
-                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    other = ModelConfig(
+        family="qwen3",
+        vocab_size=cfg.vocab_size + 1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     save_hf(other, random_params(other, jax.random.key(0)), tmp_path / "other")
-    assert main(["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3"),
-                 "--draft-model", str(tmp_path / "other"), "--batch", "4", "--new", "4", "--levels", "1"]) == 1
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--policy",
+                str(ASSETS / "tiny-policy"),
+                "--draft",
+                str(ASSETS / "tiny-eagle3"),
+                "--draft-model",
+                str(tmp_path / "other"),
+                "--batch",
+                "4",
+                "--new",
+                "4",
+                "--levels",
+                "1",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert f"--draft-model {tmp_path / 'other'}: vocabulary of {cfg.vocab_size + 1} tokens" in err
     assert f"the policy's has {cfg.vocab_size}" in err

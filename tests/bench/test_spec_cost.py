@@ -8,9 +8,17 @@ from jaxspec.bench import spec_cost
 from jaxspec.cli import main
 
 TINY = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 128, "tie_word_embeddings": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
 }
 # k=1 at the benchmarked batch (preferred over batch 8); k=3 only at another batch (the fallback);
 # the rest is not an "eagle3 chain k=K" row with K <= 7 and is ignored.
@@ -31,8 +39,32 @@ def test_bench_spec_cost_smoke(tmp_path, capsys):
     acceptance = tmp_path / "spec.json"
     acceptance.write_text(json.dumps({"benchmark": "spec", "rows": ACCEPTANCE}))
     out = tmp_path / "spec_cost.json"
-    assert main(["bench", "spec-cost", "--model", str(model), "--batch", "2", "--context", "16", "--nodes", "2", "4",
-                 "--draft-vocab", "32", "--iters", "2", "--acceptance", str(acceptance), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec-cost",
+                "--model",
+                str(model),
+                "--batch",
+                "2",
+                "--context",
+                "16",
+                "--nodes",
+                "2",
+                "4",
+                "--draft-vocab",
+                "32",
+                "--iters",
+                "2",
+                "--acceptance",
+                str(acceptance),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "PROJECTION" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["benchmark"] == "spec-cost" and result["device"].startswith("cpu")
@@ -45,7 +77,7 @@ def test_bench_spec_cost_smoke(tmp_path, capsys):
     assert min(step["decode_ms"], step["draft_ms"], step["fuse_ms"]) > 0
     verify = {r["nodes"]: r for r in rows["verify"]}
     assert sorted(verify) == [2, 4]
-    for n, r in verify.items():
+    for r in verify.values():
         assert r["verify_ms"] > 0 and r["kernel_ms"] > 0
         assert r["verify_over_decode"] == pytest.approx(r["verify_ms"] / step["decode_ms"])
 
@@ -66,8 +98,28 @@ def test_bench_spec_cost_skips_what_does_not_fit(tmp_path, monkeypatch, capsys):
     model.write_text(json.dumps(TINY))
     monkeypatch.setattr(spec_cost, "device_memory_stats", lambda: {"bytes_limit": 1 << 14, "bytes_in_use": 0})
     out = tmp_path / "spec_cost.json"
-    assert main(["bench", "spec-cost", "--model", str(model), "--batch", "1", "64", "--context", "16",
-                 "--nodes", "2", "--draft-vocab", "32", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec-cost",
+                "--model",
+                str(model),
+                "--batch",
+                "1",
+                "64",
+                "--context",
+                "16",
+                "--nodes",
+                "2",
+                "--draft-vocab",
+                "32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "skipped" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["kind"], r["batch"]) for r in rows] == [("skipped", 1), ("skipped", 64)]
@@ -76,11 +128,42 @@ def test_bench_spec_cost_skips_what_does_not_fit(tmp_path, monkeypatch, capsys):
 
 def test_bench_spec_cost_reports_experts_touched_on_a_moe_policy(tmp_path):
     model = tmp_path / "tiny_moe.json"
-    model.write_text(json.dumps(TINY | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                                        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}))
+    model.write_text(
+        json.dumps(
+            TINY
+            | {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+            }
+        )
+    )
     out = tmp_path / "spec_cost.json"
-    assert main(["bench", "spec-cost", "--model", str(model), "--batch", "2", "--context", "16", "--nodes", "4",
-                 "--draft-vocab", "32", "--iters", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec-cost",
+                "--model",
+                str(model),
+                "--batch",
+                "2",
+                "--context",
+                "16",
+                "--nodes",
+                "4",
+                "--draft-vocab",
+                "32",
+                "--iters",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     [step] = [r for r in rows if r["kind"] == "step"]
     [verify] = [r for r in rows if r["kind"] == "verify"]

@@ -72,7 +72,9 @@ def test_a_roofline_fraction_above_one_is_an_error_row():
 
 def test_out_of_memory_names_the_error_and_raises_any_other():
     err = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB\nmore")
-    assert out_of_memory(err) == "out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB"
+    assert (
+        out_of_memory(err) == "out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB"
+    )
     other = jax.errors.JaxRuntimeError("INTERNAL: a different failure")
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         out_of_memory(other)

@@ -10,8 +10,10 @@ from tests.benchmarks.scripts import load_script
 projection = load_script("async_projection")
 
 # a colocated run on 2 devices (128 rows each) and an async 1 + 1 run of 256 rollouts per step
-RUNS = {"coloc": {"generation_s": 0.7, "logprob_s": 0.1, "train_s": 0.4, "step_s": 1.3},
-        "async": {"generation_s": 1.0, "logprob_s": 0.2, "train_s": 0.5, "sync_s": 0.02, "step_s": 1.05}}
+RUNS = {
+    "coloc": {"generation_s": 0.7, "logprob_s": 0.1, "train_s": 0.4, "step_s": 1.3},
+    "async": {"generation_s": 1.0, "logprob_s": 0.2, "train_s": 0.5, "sync_s": 0.02, "step_s": 1.05},
+}
 
 
 def fitted():
@@ -44,8 +46,26 @@ def test_cli_writes_the_projection_and_names_bad_input(tmp_path, capsys):
     source = tmp_path / "compare.json"
     source.write_text(json.dumps(RUNS))
     out = tmp_path / "projection.json"
-    assert projection.main([str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256",
-                            "--gpus", "8", "--generation-speedup", "1.5", "--out", str(out)]) == 0
+    assert (
+        projection.main(
+            [
+                str(source),
+                "--colocated",
+                "coloc:2",
+                "--async",
+                "async:1:1",
+                "--rollouts",
+                "256",
+                "--gpus",
+                "8",
+                "--generation-speedup",
+                "1.5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert [r["generation_speedup"] for r in result["rows"]] == [1.0, 1.5]
     assert "not measured" in result["projection"] and "PROJECTION" in capsys.readouterr().out
@@ -61,10 +81,33 @@ def test_a_speculative_pair_is_also_stated_against_the_colocated_ar_run(tmp_path
     runs = {**RUNS, "ar": {"generation_s": 1.2, "logprob_s": 0.1, "train_s": 0.4, "step_s": 1.95}}
     source, out = tmp_path / "compare.json", tmp_path / "projection.json"
     source.write_text(json.dumps(runs))
-    assert projection.main([str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256",
-                            "--gpus", "2", "8", "--baseline", "ar", "--out", str(out)]) == 0
+    assert (
+        projection.main(
+            [
+                str(source),
+                "--colocated",
+                "coloc:2",
+                "--async",
+                "async:1:1",
+                "--rollouts",
+                "256",
+                "--gpus",
+                "2",
+                "8",
+                "--baseline",
+                "ar",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     for row in json.loads(out.read_text())["rows"]:
         assert row["async_vs_colocated_ar"] == pytest.approx(1.95 / row["async_step_s"])
         assert row["async_vs_colocated"] == pytest.approx(row["colocated_step_s"] / row["async_step_s"])
-    assert projection.main([str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256",
-                            "--baseline", "nope"]) == 2
+    assert (
+        projection.main(
+            [str(source), "--colocated", "coloc:2", "--async", "async:1:1", "--rollouts", "256", "--baseline", "nope"]
+        )
+        == 2
+    )

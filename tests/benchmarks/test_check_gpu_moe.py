@@ -18,8 +18,9 @@ def test_tiny_run_prints_every_implementation_and_agrees(capsys):
     assert check_gpu_moe.main(["--tiny", "--rows", "32"]) == 0
     out = capsys.readouterr().out
     lines = [line.split() for line in out.splitlines() if line.strip().startswith("tiny")]
-    assert [(line[1], line[6]) for line in lines] == [(d, impl) for d in ("up", "down")
-                                                      for impl in ("kernel", "ragged_dot", "dense")]
+    assert [(line[1], line[6]) for line in lines] == [
+        (d, impl) for d in ("up", "down") for impl in ("kernel", "ragged_dot", "dense")
+    ]
     assert all(float(line[7]) > 0 for line in lines)  # milliseconds
     assert "OK: the kernel equals ragged_dot" in out
 

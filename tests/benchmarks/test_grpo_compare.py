@@ -19,9 +19,19 @@ def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1
             break
         for step in range(10 * i + 1, 10 * i + 11):
             compiles = 1 if step in compiles_at else 0
-            rows.append({"step": step, "time_step_s": step_s + 100.0 * compiles, "time_generation_s": generation_s,
-                         "time_logprob_s": 0.1, "time_train_s": 0.3, "compiles": compiles, "reward_mean": 0.5,
-                         "acceptance_length": acceptance, "response_length_mean": 200.0})
+            rows.append(
+                {
+                    "step": step,
+                    "time_step_s": step_s + 100.0 * compiles,
+                    "time_generation_s": generation_s,
+                    "time_logprob_s": 0.1,
+                    "time_train_s": 0.3,
+                    "compiles": compiles,
+                    "reward_mean": 0.5,
+                    "acceptance_length": acceptance,
+                    "response_length_mean": 200.0,
+                }
+            )
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -34,8 +44,11 @@ def test_accuracy_gap_over_shared_steps():
     assert gap["accuracy_gap_mean"] == pytest.approx(0.03)
     assert gap["accuracy_gap_max"] == pytest.approx(0.04)
     assert gap["accuracy_last5"] == pytest.approx(0.54)
-    assert grpo_compare.accuracy_gap(run, base, set()) == {"accuracy_gap_mean": None, "accuracy_gap_max": None,
-                                                           "accuracy_last5": None}
+    assert grpo_compare.accuracy_gap(run, base, set()) == {
+        "accuracy_gap_mean": None,
+        "accuracy_gap_max": None,
+        "accuracy_last5": None,
+    }
 
 
 def test_summary_skips_warmup_and_compiling_steps(tmp_path):
@@ -50,8 +63,9 @@ def test_main_compares_against_the_first_run(tmp_path, monkeypatch, capsys):
     spec = write_run(tmp_path / "spec", 1.0, 0.5, [0.50, 0.53, 0.52, 0.58], acceptance=3.5)
     short = write_run(tmp_path / "short", 1.2, 0.8, [0.50, 0.52, 0.50])  # two evaluations after step 0
     out = tmp_path / "summary.json"
-    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--out", str(out), f"ar={ar}", f"spec={spec}",
-                                      f"short={short}"])
+    monkeypatch.setattr(
+        sys, "argv", ["grpo_compare.py", "--out", str(out), f"ar={ar}", f"spec={spec}", f"short={short}"]
+    )
     grpo_compare.main()
     result = json.loads(out.read_text())
     assert result["spec"]["step_speedup"] == pytest.approx(1.5)
@@ -79,8 +93,9 @@ def test_async_runs_report_the_overlap(tmp_path, monkeypatch, capsys):
     colocated = write_run(tmp_path / "colocated", 1.5, 1.0, [0.5, 0.5])
     assert "overlap" not in grpo_compare.summarize(grpo_compare.load(colocated))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--out", str(tmp_path / "out.json"), f"colocated={colocated}",
-                                      f"async={run}"])
+    monkeypatch.setattr(
+        sys, "argv", ["grpo_compare.py", "--out", str(tmp_path / "out.json"), f"colocated={colocated}", f"async={run}"]
+    )
     grpo_compare.main()
     assert "async: sync 0.200 s, waits 0.500 s for rollouts, overlap 1.10" in capsys.readouterr().out
 

@@ -13,23 +13,39 @@ grpo_curves = load_script("grpo_curves")
 def job(name, tmp_path, code, needs=None, width=1, metrics=False):
     """A job that runs `code` in Python; it can read its GPUs from CUDA_VISIBLE_DEVICES."""
     run_dir = tmp_path / f"run-{name}"
-    return grpo_curves.Job(name, needs, [sys.executable, "-c", code], width, {"RUN_DIR": str(run_dir)},
-                           tmp_path / "logs" / f"{name}.log", run_dir / "metrics.jsonl" if metrics else None,
-                           tmp_path / "results" / f"{name}.jsonl" if metrics else None)
+    return grpo_curves.Job(
+        name,
+        needs,
+        [sys.executable, "-c", code],
+        width,
+        {"RUN_DIR": str(run_dir)},
+        tmp_path / "logs" / f"{name}.log",
+        run_dir / "metrics.jsonl" if metrics else None,
+        tmp_path / "results" / f"{name}.jsonl" if metrics else None,
+    )
 
 
-RECORD = ("import os, pathlib; d = pathlib.Path(os.environ['RUN_DIR']); d.mkdir(parents=True, exist_ok=True); "
-          "(d / 'gpus').write_text(os.environ['CUDA_VISIBLE_DEVICES']); ")
+RECORD = (
+    "import os, pathlib; d = pathlib.Path(os.environ['RUN_DIR']); d.mkdir(parents=True, exist_ok=True); "
+    "(d / 'gpus').write_text(os.environ['CUDA_VISIBLE_DEVICES']); "
+)
 
 
 def test_jobs_wait_for_their_inputs_and_get_free_gpus(tmp_path):
     made = tmp_path / "policy"
     (tmp_path / "results").mkdir()
     jobs = [
-        job("pretrain", tmp_path, RECORD + f"import time; time.sleep(0.3); pathlib.Path({str(made)!r}).mkdir()",
-            width=2),
-        job("run", tmp_path, RECORD + f"assert pathlib.Path({str(made)!r}).is_dir(); "
-            "(d / 'metrics.jsonl').write_text('{\"step\": 1}\\n')", needs=made, metrics=True),
+        job(
+            "pretrain", tmp_path, RECORD + f"import time; time.sleep(0.3); pathlib.Path({str(made)!r}).mkdir()", width=2
+        ),
+        job(
+            "run",
+            tmp_path,
+            RECORD + f"assert pathlib.Path({str(made)!r}).is_dir(); "
+            "(d / 'metrics.jsonl').write_text('{\"step\": 1}\\n')",
+            needs=made,
+            metrics=True,
+        ),
         job("fails", tmp_path, "raise SystemExit(3)", needs=made),
         job("orphan", tmp_path, "pass", needs=tmp_path / "never"),
     ]
@@ -43,9 +59,19 @@ def test_jobs_wait_for_their_inputs_and_get_free_gpus(tmp_path):
 
 def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = grpo_curves.argparse.Namespace(results=str(tmp_path / "res"), prefix="p", draft_steps=10, steps=5,
-                                          eval_every=0, checkpoint_every=5, extra=["quick=train.steps=2 x.y=1"],
-                                          gpus_per_run=1, async_runs=False, rollout_gpus=0, only=None)
+    args = grpo_curves.argparse.Namespace(
+        results=str(tmp_path / "res"),
+        prefix="p",
+        draft_steps=10,
+        steps=5,
+        eval_every=0,
+        checkpoint_every=5,
+        extra=["quick=train.steps=2 x.y=1"],
+        gpus_per_run=1,
+        async_runs=False,
+        rollout_gpus=0,
+        only=None,
+    )
     names = [j.name for j in grpo_curves.jobs_for(args, num_gpus=3)]
     assert names == ["pretrain", "draft", "ar", "ar_seed1", "frozen", "online", "quick"]
     pretrain = grpo_curves.jobs_for(args, num_gpus=3)[0]
@@ -61,9 +87,19 @@ def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
 @pytest.mark.parametrize("extra", ["noequals", "ar=x=1", "bad-name=x=1"])
 def test_bad_extra_runs_are_refused(tmp_path, monkeypatch, extra):
     monkeypatch.chdir(tmp_path)
-    args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
-                                          checkpoint_every=5, extra=[extra], gpus_per_run=1, async_runs=False,
-                                          rollout_gpus=0, only=None)
+    args = grpo_curves.argparse.Namespace(
+        results="res",
+        prefix="p",
+        draft_steps=10,
+        steps=5,
+        eval_every=0,
+        checkpoint_every=5,
+        extra=[extra],
+        gpus_per_run=1,
+        async_runs=False,
+        rollout_gpus=0,
+        only=None,
+    )
     with pytest.raises(SystemExit, match="--extra"):
         grpo_curves.jobs_for(args, num_gpus=1)
 
@@ -79,14 +115,24 @@ def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     Path("runs/small/policy").mkdir(parents=True)
     Path("runs/draft-small/draft").mkdir(parents=True)
-    args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
-                                          checkpoint_every=5, extra=[], gpus_per_run=2, async_runs=True,
-                                          rollout_gpus=0, only=None)
+    args = grpo_curves.argparse.Namespace(
+        results="res",
+        prefix="p",
+        draft_steps=10,
+        steps=5,
+        eval_every=0,
+        checkpoint_every=5,
+        extra=[],
+        gpus_per_run=2,
+        async_runs=True,
+        rollout_gpus=0,
+        only=None,
+    )
     jobs = {j.name: j for j in grpo_curves.jobs_for(args, num_gpus=4)}
     assert list(jobs) == ["ar", "ar_seed1", "frozen", "online", "async_ar", "async_frozen", "async_online"]
     assert {j.width for j in jobs.values()} == {2}
     for name, job in jobs.items():
-        overrides = job.argv[job.argv.index("--run-dir") + 2:]
+        overrides = job.argv[job.argv.index("--run-dir") + 2 :]
         cfg = load_config(GRPOConfig, repo / "configs" / "grpo_small.yaml", overrides)
         validate(cfg, "grpo_small.yaml")
         if name.startswith("async_"):
@@ -98,9 +144,19 @@ def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch
 
 def test_only_keeps_the_named_runs_and_the_stages_they_need(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = grpo_curves.argparse.Namespace(results="res", prefix="p", draft_steps=10, steps=5, eval_every=0,
-                                          checkpoint_every=5, extra=["quick=spec.method=none train.steps=2"],
-                                          gpus_per_run=1, async_runs=False, rollout_gpus=0, only=["quick", "ar"])
+    args = grpo_curves.argparse.Namespace(
+        results="res",
+        prefix="p",
+        draft_steps=10,
+        steps=5,
+        eval_every=0,
+        checkpoint_every=5,
+        extra=["quick=spec.method=none train.steps=2"],
+        gpus_per_run=1,
+        async_runs=False,
+        rollout_gpus=0,
+        only=["quick", "ar"],
+    )
     assert [j.name for j in grpo_curves.jobs_for(args, num_gpus=2)] == ["pretrain", "ar", "quick"]  # no head
     args.only = ["frozen"]
     assert [j.name for j in grpo_curves.jobs_for(args, num_gpus=2)] == ["pretrain", "draft", "frozen"]

@@ -45,8 +45,11 @@ def test_the_memory_plan_follows_from_the_shapes():
     assert f"`rollout_memory_bytes`) {rollout / 1e9:.1f} GB" in text and per_gpu(rollout) in text
     small = rollout_memory_bytes(cfg, 64, 128, 1024, jnp.bfloat16, num_distinct=8, stage_rows=32)
     assert f"sub-batches of 64 rows: {small / 1e9:.1f} GB over both, {per_gpu(small)} per GPU" in text
-    head_bytes = (3 * 4 + 2) * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
-        jax.eval_shape(lambda: init_eagle3(cfg, jax.random.key(0), 32000)[1])) if x.dtype.kind == "f")
+    head_bytes = (3 * 4 + 2) * sum(
+        int(np.prod(x.shape))
+        for x in jax.tree.leaves(jax.eval_shape(lambda: init_eagle3(cfg, jax.random.key(0), 32000)[1]))
+        if x.dtype.kind == "f"
+    )
     resident = (4 + 2 + 4) * params / 2 + head_bytes  # master, bf16 mu, nu over fsdp=2; the head replicated
     assert f"= resident                              {resident / 1e9:.1f} GB" in text
     gathered, sharded = (resident + copy + small / 2 for copy in (2 * params, params))

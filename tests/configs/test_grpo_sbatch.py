@@ -62,9 +62,15 @@ def _stub(path: Path, text: str) -> None:
 
 
 def _slurm_env(bin_dir: Path, gpus: int, job_id: int = 4242, restart_count: int = 0) -> dict:
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(job_id),
-            "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": str(gpus), "SLURM_CPUS_PER_TASK": "32",
-            "SLURM_RESTART_COUNT": str(restart_count)}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_GPUS_ON_NODE": str(gpus),
+        "SLURM_CPUS_PER_TASK": "32",
+        "SLURM_RESTART_COUNT": str(restart_count),
+    }
 
 
 @pytest.fixture
@@ -75,20 +81,31 @@ def slurm(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = {"srun": tmp_path / "srun.calls", "scontrol": tmp_path / "scontrol.calls"}
-    _stub(bin_dir / "srun", f"""#!/bin/bash
-echo "$* | stop by ${{JAXSPEC_STOP_BY:-unset}}" >> {calls['srun']}
-n=$(wc -l < {calls['srun']})
+    _stub(
+        bin_dir / "srun",
+        f"""#!/bin/bash
+echo "$* | stop by ${{JAXSPEC_STOP_BY:-unset}}" >> {calls["srun"]}
+n=$(wc -l < {calls["srun"]})
 statuses=($SRUN_STATUSES)
 exit "${{statuses[$((n - 1))]}}"
-""")
+""",
+    )
     _stub(bin_dir / "scontrol", f'#!/bin/bash\necho "$*" >> {calls["scontrol"]}\n')
     _stub(bin_dir / "squeue", f'#!/bin/bash\n[ "$*" = "-h -j 4242 -o %e" ] && echo "${{SQUEUE_END:-{END}}}"\n')
 
     def start(statuses, restart_count=0, gpus=4, end=END):
-        env = {**_slurm_env(bin_dir, gpus, restart_count=restart_count),
-               "SRUN_STATUSES": " ".join(map(str, statuses)), "SQUEUE_END": end}
-        proc = subprocess.run(["bash", str(SCRIPT), "configs/grpo_small.yaml", str(tmp_path / "run"),
-                               "train.steps=500"], env=env, capture_output=True, text=True, timeout=60)
+        env = {
+            **_slurm_env(bin_dir, gpus, restart_count=restart_count),
+            "SRUN_STATUSES": " ".join(map(str, statuses)),
+            "SQUEUE_END": end,
+        }
+        proc = subprocess.run(
+            ["bash", str(SCRIPT), "configs/grpo_small.yaml", str(tmp_path / "run"), "train.steps=500"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         recorded = {name: path.read_text().splitlines() if path.exists() else [] for name, path in calls.items()}
         for path in calls.values():
             path.unlink(missing_ok=True)
@@ -98,8 +115,10 @@ exit "${{statuses[$((n - 1))]}}"
 
 
 def _srun_line(run_dir, devices: int, stop_by: str) -> str:
-    return (f"--kill-on-bad-exit=0 --cpus-per-task=32 jaxspec train --config configs/grpo_small.yaml --run-dir "
-            f"{run_dir} --resume mesh.data=1 mesh.fsdp={devices} mesh.tensor=1 train.steps=500 | stop by {stop_by}")
+    return (
+        f"--kill-on-bad-exit=0 --cpus-per-task=32 jaxspec train --config configs/grpo_small.yaml --run-dir "
+        f"{run_dir} --resume mesh.data=1 mesh.fsdp={devices} mesh.tensor=1 train.steps=500 | stop by {stop_by}"
+    )
 
 
 def test_a_checkpointed_run_requeues_and_the_finished_one_does_not(slurm, tmp_path):
@@ -153,15 +172,24 @@ def test_every_task_takes_every_gpu_of_its_node_and_the_mesh_spans_them_all(tmp_
     bin_dir.mkdir()
     out.mkdir()
     _stub(bin_dir / "srun", TASKS_SRUN.replace("/usr/bin/env python3", sys.executable))
-    _stub(bin_dir / "jaxspec", PROBE_JAXSPEC.replace("/usr/bin/env python3", sys.executable).format(
-        repo=str(REPO), out=str(out)))
+    _stub(
+        bin_dir / "jaxspec",
+        PROBE_JAXSPEC.replace("/usr/bin/env python3", sys.executable).format(repo=str(REPO), out=str(out)),
+    )
     _stub(bin_dir / "squeue", "#!/bin/bash\n")
     job_id = _job_id_with_free_port()
     env = {**_slurm_env(bin_dir, gpus, job_id=job_id), "JAXSPEC_PEER_TIMEOUT_S": "60"}
-    proc = subprocess.run(["bash", str(SCRIPT), "configs/grpo_small.yaml", str(tmp_path / "run")], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "configs/grpo_small.yaml", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     reports = [json.loads((out / f"process{i}.json").read_text()) for i in range(2)]
     every = ",".join(map(str, range(gpus)))  # the CUDA device ids each process keeps: all of its node's
-    assert reports == [{"local": gpus, "global": 2 * gpus, "visible": every, "mesh": 2 * gpus,
-                        "mesh_processes": [0, 1]}] * 2
+    assert (
+        reports
+        == [{"local": gpus, "global": 2 * gpus, "visible": every, "mesh": 2 * gpus, "mesh_processes": [0, 1]}] * 2
+    )

@@ -26,10 +26,12 @@ SHORT_LAW = ["data.tally.steps.median=6", "data.tally.steps.sigma=0.3", "data.ta
 
 
 def _load(name, overrides=()):
-    cls, validate = {"long.yaml": (PretrainConfig, validate_pretrain),
-                     "long_medium.yaml": (PretrainConfig, validate_pretrain),
-                     "draft_long.yaml": (DraftTrainConfig, validate_draft),
-                     "grpo_long.yaml": (GRPOConfig, validate_grpo)}[name]
+    cls, validate = {
+        "long.yaml": (PretrainConfig, validate_pretrain),
+        "long_medium.yaml": (PretrainConfig, validate_pretrain),
+        "draft_long.yaml": (DraftTrainConfig, validate_draft),
+        "grpo_long.yaml": (GRPOConfig, validate_grpo),
+    }[name]
     cfg = load_config(cls, CONFIGS / name, list(overrides))
     validate(cfg, name)
     return cfg
@@ -46,14 +48,21 @@ def tally_tok(tmp_path_factory):
 
 
 def test_the_configs_validate_and_share_one_workload():
-    long, medium, draft, grpo = (_load(n) for n in ("long.yaml", "long_medium.yaml", "draft_long.yaml",
-                                                    "grpo_long.yaml"))
+    long, medium, draft, grpo = (
+        _load(n) for n in ("long.yaml", "long_medium.yaml", "draft_long.yaml", "grpo_long.yaml")
+    )
     for data in (long.data, medium.data, draft.data, draft.eval.data, grpo.data):
         assert data.kinds == ("tally",) and data.tally == long.data.tally
     assert long.data.tally.variation == 0.7
     assert medium.data == long.data
-    assert (medium.model.hidden_size, medium.model.num_layers, medium.model.num_heads, medium.model.num_kv_heads,
-            medium.model.head_dim, medium.model.intermediate_size) == (2048, 28, 16, 8, 128, 6144)  # Qwen3-1.7B
+    assert (
+        medium.model.hidden_size,
+        medium.model.num_layers,
+        medium.model.num_heads,
+        medium.model.num_kv_heads,
+        medium.model.head_dim,
+        medium.model.intermediate_size,
+    ) == (2048, 28, 16, 8, 128, 6144)  # Qwen3-1.7B
     assert (long.model.hidden_size, long.model.num_layers) == (1024, 16)  # the `small` policy's shape
     for cfg in (long, medium):
         assert cfg.data.max_len < cfg.model.max_position_embeddings
@@ -67,8 +76,10 @@ def test_the_longest_answers_the_law_allows_fit_a_packed_row(tally_tok):
     prompts fit draft_long's max_prompt_len."""
     long, draft = _load("long.yaml"), _load("draft_long.yaml")
     steps = long.data.tally.steps
-    longest = dataclasses.replace(long.data.tally, steps=StepLaw(median=steps.max_steps, sigma=1e-9,
-                                                                 min_steps=steps.max_steps, max_steps=steps.max_steps))
+    longest = dataclasses.replace(
+        long.data.tally,
+        steps=StepLaw(median=steps.max_steps, sigma=1e-9, min_steps=steps.max_steps, max_steps=steps.max_steps),
+    )
     for p in generate_problems(8, seed=1, kinds=("tally",), tally=longest):
         tokens = len(tally_tok.encode_prompt(p["question"])) + len(tally_tok.encode_response(p["solution"]))
         assert 16384 < tokens <= long.data.max_len
@@ -98,10 +109,15 @@ def test_every_command_generates_the_configured_workload(tmp_path, tally_tok):
     assert all(3 <= _days(tally_tok.decode(ids).split("\n")[1]) <= 9 for ids in pool)
 
 
-@pytest.mark.parametrize("name, key", [("long.yaml", "data.tally.variation"),
-                                       ("grpo_long.yaml", "data.tally.variation"),
-                                       ("draft_long.yaml", "data.tally.variation"),
-                                       ("draft_long.yaml", "eval.data.tally.variation")])
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("long.yaml", "data.tally.variation"),
+        ("grpo_long.yaml", "data.tally.variation"),
+        ("draft_long.yaml", "data.tally.variation"),
+        ("draft_long.yaml", "eval.data.tally.variation"),
+    ],
+)
 def test_a_bad_tally_value_names_its_key(name, key):
     with pytest.raises(ValueError, match=rf"{re.escape(key)}: must be in \[0, 1\], got 1.5"):
         _load(name, [f"{key}=1.5"])

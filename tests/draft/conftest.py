@@ -41,8 +41,18 @@ def random_head(cfg: ModelConfig, seed: int, draft_vocab_size: int = DRAFT_VOCAB
 @pytest.fixture(scope="session")
 def policy():
     """Qwen3, 4 layers (aux layers (1, 1, 0)), grouped-query attention, vocabulary 61."""
-    cfg = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=4,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, rope_theta=500.0)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        rope_theta=500.0,
+    )
     return cfg, random_params(cfg, jax.random.key(3))
 
 

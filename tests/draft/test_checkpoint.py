@@ -14,8 +14,16 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama import modeling_llama as llama
 
-from jaxspec.draft import (DraftConfig, check_compatible, default_aux_layer_ids, draft_extend, fuse,
-                           init_draft_cache, load_eagle3, save_eagle3)
+from jaxspec.draft import (
+    DraftConfig,
+    check_compatible,
+    default_aux_layer_ids,
+    draft_extend,
+    fuse,
+    init_draft_cache,
+    load_eagle3,
+    save_eagle3,
+)
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import Sampling, Spec, generate
 from tests.models.hf_reference import random_tokens, rel_max_err
@@ -56,8 +64,11 @@ class TorchEagle3(nn.Module):
         self.midlayer.input_layernorm = llama.LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.midlayer.hidden_norm = llama.LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.midlayer.self_attn = llama.LlamaAttention(config, layer_idx=0)
-        for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads),
-                            ("v_proj", config.num_key_value_heads)):  # attention reads 2H features
+        for name, heads in (
+            ("q_proj", config.num_attention_heads),
+            ("k_proj", config.num_key_value_heads),
+            ("v_proj", config.num_key_value_heads),
+        ):  # attention reads 2H features
             setattr(self.midlayer.self_attn, name, nn.Linear(2 * h, heads * config.head_dim, bias=False))
         self.midlayer.post_attention_layernorm = llama.LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.midlayer.mlp = llama.LlamaMLP(config)
@@ -71,8 +82,9 @@ class TorchEagle3(nn.Module):
         """One pass of the layer: (logits [B, T, Vd], pre-norm output [B, T, H])."""
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
-        attn, _ = layer.self_attn(x, position_embeddings=self.rotary(hidden, positions), attention_mask=mask,
-                                  cache=cache)
+        attn, _ = layer.self_attn(
+            x, position_embeddings=self.rotary(hidden, positions), attention_mask=mask, cache=cache
+        )
         h = hidden + attn
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(out)), out
@@ -80,9 +92,18 @@ class TorchEagle3(nn.Module):
 
 def _hand_written_head(path, seed: int):
     """Writes config.json and model.safetensors of a random TorchEagle3 by hand; returns it."""
-    config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=500.0)
+    config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500.0,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = TorchEagle3(config, draft_vocab_size=40).eval()
@@ -90,20 +111,41 @@ def _hand_written_head(path, seed: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.3 * noise if name.endswith("norm.weight") else
-                    noise if name == "embed_tokens.weight" else noise / p.shape[1] ** 0.5)
+            p.copy_(
+                1.0 + 0.3 * noise
+                if name.endswith("norm.weight")
+                else noise
+                if name == "embed_tokens.weight"
+                else noise / p.shape[1] ** 0.5
+            )
         kept = torch.sort(torch.randperm(61, generator=gen)[:40]).values
         model.d2t.copy_(kept - torch.arange(40))
         model.t2d[kept] = True
     path.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if "rotary" not in k},
-              str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 32,
-        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 500.0, "max_position_embeddings": 128,
-        "vocab_size": 61, "draft_vocab_size": 40, "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0]}}))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items() if "rotary" not in k}, str(path / "model.safetensors")
+    )
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "num_hidden_layers": 1,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500.0,
+                "max_position_embeddings": 128,
+                "vocab_size": 61,
+                "draft_vocab_size": 40,
+                "torch_dtype": "float32",
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0]},
+            }
+        )
+    )
     return model
 
 
@@ -123,23 +165,45 @@ def test_hand_written_checkpoint_matches_torch_reference(tmp_path):
     cache = DynamicCache(config=model.midlayer.self_attn.config)
     with torch.no_grad():
         fused_ref = model.fc(torch.from_numpy(np.concatenate(list(aux), axis=-1)))
-        ref_logits, ref_out = model.step(torch.from_numpy(tokens[:, :t].astype(np.int64)), fused_ref,
-                                         torch.from_numpy(positions.astype(np.int64)), cache, causal)
+        ref_logits, ref_out = model.step(
+            torch.from_numpy(tokens[:, :t].astype(np.int64)),
+            fused_ref,
+            torch.from_numpy(positions.astype(np.int64)),
+            cache,
+            causal,
+        )
 
     dcache = init_draft_cache(dcfg, b, 16)
     fused = fuse(dcfg, dparams, jnp.asarray(aux))
     assert rel_max_err(fused, fused_ref.numpy()) < TOL
-    logits, out, dcache = extend_jit(dcfg, dparams, embed, dcache, jnp.asarray(tokens[:, :t]), fused,
-                                       jnp.asarray(positions, jnp.int32), jnp.zeros((b,), jnp.int32))
+    logits, out, dcache = extend_jit(
+        dcfg,
+        dparams,
+        embed,
+        dcache,
+        jnp.asarray(tokens[:, :t]),
+        fused,
+        jnp.asarray(positions, jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+    )
     assert rel_max_err(logits, ref_logits.numpy()) < TOL
     for i in range(2):  # the recursion: last output and the next token at the next position
         ref_hidden, hidden = ref_out[:, -1:], out[:, -1:]
-        token = tokens[:, t + i:t + i + 1]
+        token = tokens[:, t + i : t + i + 1]
         with torch.no_grad():
-            ref_logits, ref_out = model.step(torch.from_numpy(token.astype(np.int64)), ref_hidden,
-                                             torch.full((b, 1), t + i), cache, None)
-        logits, out, dcache = extend_jit(dcfg, dparams, embed, dcache, jnp.asarray(token), hidden,
-                                           jnp.full((b, 1), t + i, jnp.int32), jnp.full((b,), t + i, jnp.int32))
+            ref_logits, ref_out = model.step(
+                torch.from_numpy(token.astype(np.int64)), ref_hidden, torch.full((b, 1), t + i), cache, None
+            )
+        logits, out, dcache = extend_jit(
+            dcfg,
+            dparams,
+            embed,
+            dcache,
+            jnp.asarray(token),
+            hidden,
+            jnp.full((b, 1), t + i, jnp.int32),
+            jnp.full((b,), t + i, jnp.int32),
+        )
         assert rel_max_err(logits, ref_logits.numpy()) < TOL, i
 
 
@@ -163,9 +227,11 @@ def test_malformed_checkpoints_raise_clear_errors(tmp_path, head):
         load_eagle3(tmp_path / "missing")
     bad = {**dparams, "lm_head": dparams["lm_head"][:, :39]}
     small_cfg = DraftConfig(**{**dcfg.__dict__, "draft_vocab_size": 39})
-    save_eagle3(small_cfg, {**bad, "d2t": dparams["d2t"][:39],
-                            "t2d": dparams["t2d"].at[np.flatnonzero(dparams["t2d"])[-1]].set(False)},
-                tmp_path / "head")
+    save_eagle3(
+        small_cfg,
+        {**bad, "d2t": dparams["d2t"][:39], "t2d": dparams["t2d"].at[np.flatnonzero(dparams["t2d"])[-1]].set(False)},
+        tmp_path / "head",
+    )
     config_file = tmp_path / "head" / "config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "draft_vocab_size": 40}))
@@ -205,9 +271,17 @@ def test_head_without_layer_ids_takes_the_policy_defaults_at_first_use(tmp_path,
     # The rollout resolves them from the policy it drafts for: the same draws as the explicit head.
     prompts = [[1, 5, 9, 4], [2, 7]]
     sampling = Sampling(temperature=1.0, max_new_tokens=8)
-    outs = [generate(cfg, params, prompts, jax.random.key(0), sampling,
-                     spec=Spec(method="eagle3", draft=draft, num_draft_tokens=2))
-            for draft in ((unresolved, loaded), (dcfg, dparams))]
+    outs = [
+        generate(
+            cfg,
+            params,
+            prompts,
+            jax.random.key(0),
+            sampling,
+            spec=Spec(method="eagle3", draft=draft, num_draft_tokens=2),
+        )
+        for draft in ((unresolved, loaded), (dcfg, dparams))
+    ]
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].logprobs, outs[1].logprobs)
     assert outs[0].stats["acceptance_length"] == outs[1].stats["acceptance_length"]

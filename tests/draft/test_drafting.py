@@ -10,8 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.draft import (draft_extend, draft_logprobs_on_target_vocab, fuse, init_draft_cache, to_target_ids,
-                           ttt_forward)
+from jaxspec.draft import (
+    draft_extend,
+    draft_logprobs_on_target_vocab,
+    fuse,
+    init_draft_cache,
+    to_target_ids,
+    ttt_forward,
+)
 from jaxspec.models import forward_hidden
 from tests.models.hf_reference import random_tokens, rel_max_err
 
@@ -41,8 +47,16 @@ def _prefill(policy, head, tokens, fused):
     """Entries j = 0..PREFILL-1 (token x_{j+1}, hidden f_j, position j) for both rows."""
     dcfg, dparams = head
     positions = jnp.broadcast_to(jnp.arange(PREFILL, dtype=jnp.int32), (2, PREFILL))
-    return extend_jit(dcfg, dparams, policy[1]["embed"], init_draft_cache(dcfg, 2, MAX_LEN), tokens[:, 1:PREFILL + 1],
-                      fused[:, :PREFILL], positions, jnp.zeros((2,), jnp.int32))
+    return extend_jit(
+        dcfg,
+        dparams,
+        policy[1]["embed"],
+        init_draft_cache(dcfg, 2, MAX_LEN),
+        tokens[:, 1 : PREFILL + 1],
+        fused[:, :PREFILL],
+        positions,
+        jnp.zeros((2,), jnp.int32),
+    )
 
 
 def _rows(x, cols):
@@ -65,8 +79,9 @@ def test_teacher_forced_chain_reproduces_every_ttt_step(policy, head, reference)
     for step in range(1, STEPS):
         cache_len = jnp.asarray(ROWS_END + step, jnp.int32)
         step_tokens = _rows(tokens, ROWS_END + 1 + step)
-        logits, hidden, cache = extend_jit(dcfg, dparams, policy[1]["embed"], cache, step_tokens, hidden,
-                                           cache_len[:, None], cache_len)
+        logits, hidden, cache = extend_jit(
+            dcfg, dparams, policy[1]["embed"], cache, step_tokens, hidden, cache_len[:, None], cache_len
+        )
         for b, t in enumerate(ROWS_END):
             assert rel_max_err(logits[b, 0], ttt_logits[step, b, t]) < TOL, (step, b)
             assert rel_max_err(hidden[b, 0], ttt_outs[step, b, t]) < TOL, (step, b)
@@ -85,23 +100,42 @@ def test_tree_block_with_masks_equals_separate_branches(policy, head, reference)
     grandchild = jnp.asarray([[7], [51]], jnp.int32)
 
     pair_logits, pair_hidden, pair_cache = extend_jit(
-        dcfg, dparams, embed, cache, siblings, jnp.repeat(parent_hidden, 2, axis=1),
-        jnp.repeat(base_len[:, None], 2, axis=1), base_len, tree_mask=jnp.broadcast_to(jnp.eye(2, dtype=bool),
-                                                                                        (2, 2, 2)))
+        dcfg,
+        dparams,
+        embed,
+        cache,
+        siblings,
+        jnp.repeat(parent_hidden, 2, axis=1),
+        jnp.repeat(base_len[:, None], 2, axis=1),
+        base_len,
+        tree_mask=jnp.broadcast_to(jnp.eye(2, dtype=bool), (2, 2, 2)),
+    )
     for i in range(2):
-        alone_logits, alone_hidden, alone_cache = extend_jit(dcfg, dparams, embed, cache, siblings[:, i:i + 1],
-                                                             parent_hidden, base_len[:, None], base_len)
-        assert rel_max_err(pair_logits[:, i:i + 1], alone_logits) < TOL
+        alone_logits, alone_hidden, alone_cache = extend_jit(
+            dcfg, dparams, embed, cache, siblings[:, i : i + 1], parent_hidden, base_len[:, None], base_len
+        )
+        assert rel_max_err(pair_logits[:, i : i + 1], alone_logits) < TOL
     # alone_* now hold the second branch drafted on its own.
-    ref_logits, _, _ = extend_jit(dcfg, dparams, embed, alone_cache, grandchild, alone_hidden,
-                                  base_len[:, None] + 1, base_len + 1)
+    ref_logits, _, _ = extend_jit(
+        dcfg, dparams, embed, alone_cache, grandchild, alone_hidden, base_len[:, None] + 1, base_len + 1
+    )
     prefix_mask = jnp.broadcast_to(jnp.arange(MAX_LEN) != base_len[:, None], (1, 2, MAX_LEN)).transpose(1, 0, 2)
-    tree_logits, _, _ = extend_jit(dcfg, dparams, embed, pair_cache, grandchild, pair_hidden[:, 1:],
-                                   base_len[:, None] + 1, base_len + 2, prefix_mask=prefix_mask)
+    tree_logits, _, _ = extend_jit(
+        dcfg,
+        dparams,
+        embed,
+        pair_cache,
+        grandchild,
+        pair_hidden[:, 1:],
+        base_len[:, None] + 1,
+        base_len + 2,
+        prefix_mask=prefix_mask,
+    )
     assert rel_max_err(tree_logits, ref_logits) < TOL
     # Without the prefix mask the first sibling leaks into the grandchild's attention.
-    leaky, _, _ = extend_jit(dcfg, dparams, embed, pair_cache, grandchild, pair_hidden[:, 1:],
-                             base_len[:, None] + 1, base_len + 2)
+    leaky, _, _ = extend_jit(
+        dcfg, dparams, embed, pair_cache, grandchild, pair_hidden[:, 1:], base_len[:, None] + 1, base_len + 2
+    )
     assert rel_max_err(leaky, ref_logits) > 1e-3
 
 

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.draft.loss import _flash_ttt_attention
 from jaxspec.draft import eagle3_loss, fuse, init_eagle3, split_buffers, to_target_ids, ttt_attention, ttt_forward
-from jaxspec.draft_training.train import eval_step, train_step
-from jaxspec.optim import make_optimizer
+from jaxspec.draft.loss import _flash_ttt_attention
 from jaxspec.draft_training.config import HeadLossConfig, HeadOptimConfig
+from jaxspec.draft_training.train import eval_step, train_step
 from jaxspec.models import ModelConfig, forward_hidden
 from jaxspec.models.attention import attention
+from jaxspec.optim import make_optimizer
 from jaxspec.rollout import Sampling, generate
 from tests.draft.conftest import random_head
 from tests.models.hf_reference import random_params, random_tokens
@@ -43,9 +43,11 @@ def test_ttt_attention_equals_dense_attention_under_the_ttt_mask(step):
     keys = jax.random.split(jax.random.PRNGKey(step), 5)
     q = jax.random.normal(keys[0], (b, t, nq, d))
     ks = [jax.random.normal(keys[1], (b, t, nk, d))] + [
-        jax.random.normal(jax.random.fold_in(keys[2], j), (b, t, nk, d)) for j in range(step)]
+        jax.random.normal(jax.random.fold_in(keys[2], j), (b, t, nk, d)) for j in range(step)
+    ]
     vs = [jax.random.normal(keys[3], (b, t, nk, d))] + [
-        jax.random.normal(jax.random.fold_in(keys[4], j), (b, t, nk, d)) for j in range(step)]
+        jax.random.normal(jax.random.fold_in(keys[4], j), (b, t, nk, d)) for j in range(step)
+    ]
     segments = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 3]], jnp.int32)
     mask = np.broadcast_to(_ttt_mask(step, t), (b, t, (step + 1) * t)).copy()
     same = np.asarray(segments)[:, :, None] == np.asarray(segments)[:, None, :]
@@ -67,10 +69,12 @@ def test_loss_and_metrics_match_a_loop_over_positions(policy, head):
     loss_mask[0, 3:12] = True
     loss_mask[1, 5:9] = True
     policy_logits, aux = forward_jit(cfg, params, tokens, dcfg.aux_layer_ids)
-    loss, metrics = loss_jit(dcfg, dparams, params["embed"], aux, policy_logits, tokens, jnp.asarray(loss_mask),
-                             STEPS, 0.8)
-    draft, _ = jax.jit(ttt_forward, static_argnums=(0, 5))(dcfg, dparams, params["embed"],
-                                                           fuse(dcfg, dparams, aux), tokens, STEPS)
+    loss, metrics = loss_jit(
+        dcfg, dparams, params["embed"], aux, policy_logits, tokens, jnp.asarray(loss_mask), STEPS, 0.8
+    )
+    draft, _ = jax.jit(ttt_forward, static_argnums=(0, 5))(
+        dcfg, dparams, params["embed"], fuse(dcfg, dparams, aux), tokens, STEPS
+    )
     draft, policy_logits = np.asarray(draft, np.float64), np.asarray(policy_logits, np.float64)
     t2d = np.asarray(dparams["t2d"])
     kept = np.flatnonzero(t2d)  # policy id of each draft id
@@ -93,7 +97,7 @@ def test_loss_and_metrics_match_a_loop_over_positions(policy, head):
                 log_q = draft[i, row, pos] - np.log(np.sum(np.exp(draft[i, row, pos])))
                 terms.append(-np.sum(p * log_q))
         step_loss = np.mean(terms) if terms else 0.0
-        expected_total += 0.8 ** i * step_loss
+        expected_total += 0.8**i * step_loss
         np.testing.assert_allclose(metrics["step_loss"][i], step_loss, rtol=1e-5)
         np.testing.assert_allclose(metrics["counted"][i], len(terms))
         np.testing.assert_allclose(metrics["positions"][i], positions)
@@ -107,8 +111,9 @@ def test_no_gradient_reaches_the_policy_inputs(policy, head):
     tokens = jnp.asarray(random_tokens(5, (B, T), cfg.vocab_size))
     logits, aux = forward_jit(cfg, params, tokens, dcfg.aux_layer_ids)
     mask = jnp.ones((B, T), bool)
-    grads = jax.jit(jax.grad(lambda e, a, l: eagle3_loss(dcfg, dparams, e, a, l, tokens, mask, num_steps=2)[0],
-                             argnums=(0, 1, 2)))(params["embed"], aux, logits)
+    grads = jax.jit(
+        jax.grad(lambda e, a, l: eagle3_loss(dcfg, dparams, e, a, l, tokens, mask, num_steps=2)[0], argnums=(0, 1, 2))
+    )(params["embed"], aux, logits)
     for g in grads:
         assert not np.any(np.asarray(g))
 
@@ -152,8 +157,9 @@ def test_training_lowers_the_loss_and_beats_a_random_head(peaked_policy, rollout
     losses = []
     for i in range(40):
         rows = slice(16 * (i % 3), 16 * (i % 3 + 1))
-        weights, opt_state, out = train_step(cfg, dcfg, optim, 40, loss, weights, opt_state, buffers, params,
-                                             {k: v[rows] for k, v in train.items()})
+        weights, opt_state, out = train_step(
+            cfg, dcfg, optim, 40, loss, weights, opt_state, buffers, params, {k: v[rows] for k, v in train.items()}
+        )
         losses.append(float(out["loss"]))
     _, after = eval_step(cfg, dcfg, loss, {**weights, **buffers}, params, held_out)
     before, after = np.asarray(before["top1_agreement"]), np.asarray(after["top1_agreement"])
@@ -174,24 +180,35 @@ def test_packed_sequences_give_the_loss_of_separate_rows(policy, head):
     tokens = np.zeros((3, t), np.int32)
     loss_mask = np.zeros((3, t), bool)
     for i, (seq, mask) in enumerate(zip(seqs, masks)):
-        tokens[i, :len(seq)], loss_mask[i, :len(seq)] = seq, mask
+        tokens[i, : len(seq)], loss_mask[i, : len(seq)] = seq, mask
     attn = jnp.asarray(np.arange(t)[None, :] < np.array(lengths)[:, None])
     logits, aux = forward_jit(cfg, params, jnp.asarray(tokens), dcfg.aux_layer_ids, mask=attn)
-    separate = loss_jit(dcfg, dparams, params["embed"], aux, logits, jnp.asarray(tokens), jnp.asarray(loss_mask),
-                        STEPS, 0.8)
+    separate = loss_jit(
+        dcfg, dparams, params["embed"], aux, logits, jnp.asarray(tokens), jnp.asarray(loss_mask), STEPS, 0.8
+    )
 
     width = sum(lengths) + 2  # two padding slots at the end
     packed_tokens = np.zeros((1, width), np.int32)
     packed_mask = np.zeros((1, width), bool)
     segment_ids = np.zeros((1, width), np.int32)
-    packed_tokens[0, :sum(lengths)] = np.concatenate(seqs)
-    packed_mask[0, :sum(lengths)] = np.concatenate(masks)
-    segment_ids[0, :sum(lengths)] = np.repeat([1, 2, 3], lengths)
-    logits, aux = jax.jit(forward_hidden, static_argnums=(0, 3))(cfg, params, jnp.asarray(packed_tokens),
-                                                                 dcfg.aux_layer_ids, segment_ids=jnp.asarray(segment_ids))
+    packed_tokens[0, : sum(lengths)] = np.concatenate(seqs)
+    packed_mask[0, : sum(lengths)] = np.concatenate(masks)
+    segment_ids[0, : sum(lengths)] = np.repeat([1, 2, 3], lengths)
+    logits, aux = jax.jit(forward_hidden, static_argnums=(0, 3))(
+        cfg, params, jnp.asarray(packed_tokens), dcfg.aux_layer_ids, segment_ids=jnp.asarray(segment_ids)
+    )
     packed = jax.jit(eagle3_loss, static_argnums=(0, 7, 8))(
-        dcfg, dparams, params["embed"], aux, logits, jnp.asarray(packed_tokens), jnp.asarray(packed_mask), STEPS, 0.8,
-        jnp.asarray(segment_ids))
+        dcfg,
+        dparams,
+        params["embed"],
+        aux,
+        logits,
+        jnp.asarray(packed_tokens),
+        jnp.asarray(packed_mask),
+        STEPS,
+        0.8,
+        jnp.asarray(segment_ids),
+    )
     np.testing.assert_allclose(packed[0], separate[0], rtol=2e-5)
     for key in ("step_loss", "top1_agreement", "positions", "counted"):
         np.testing.assert_allclose(packed[1][key], separate[1][key], rtol=2e-5, err_msg=key)
@@ -201,6 +218,7 @@ def test_the_loss_reads_the_logits_only_through_their_targets(policy, head):
     """eagle3_loss of precomputed `eagle3_targets` equals it of the logits, value, metrics and
     gradient; a target of the wrong shape is named."""
     from jaxspec.draft import Eagle3Targets, eagle3_targets, merge_buffers
+
     cfg, params = policy
     dcfg, dparams = head
     tokens = jnp.asarray(random_tokens(6, (B, T), cfg.vocab_size))
@@ -226,8 +244,17 @@ def test_remat_recomputes_each_step_to_the_same_loss_and_gradient_in_less_memory
     remat=False, and XLA's plan for the gradient holds fewer temporaries: on a layer whose MLP is
     wide (intermediate 1024 against hidden 32, as an 8B policy's 12288 against 4096) the steps' MLP
     activations are recomputed, not kept (XLA's CPU plan: 39.1 against 43.5 MB)."""
-    cfg = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=1024, num_layers=4,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     params = random_params(cfg, jax.random.key(3))
     dcfg, dparams = random_head(cfg, seed=5)
     weights, buffers = split_buffers(dparams)
@@ -237,8 +264,7 @@ def test_remat_recomputes_each_step_to_the_same_loss_and_gradient_in_less_memory
     mask = jnp.ones((b, t), bool)
 
     def loss(w, remat):
-        return eagle3_loss(dcfg, {**w, **buffers}, params["embed"], aux, logits, tokens, mask, num_steps=4,
-                           remat=remat)
+        return eagle3_loss(dcfg, {**w, **buffers}, params["embed"], aux, logits, tokens, mask, num_steps=4, remat=remat)
 
     grad = {remat: jax.jit(jax.value_and_grad(lambda w, r=remat: loss(w, r), has_aux=True)) for remat in (False, True)}
     (plain_loss, plain_metrics), plain_grads = grad[False](weights)
@@ -246,5 +272,7 @@ def test_remat_recomputes_each_step_to_the_same_loss_and_gradient_in_less_memory
     np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), remat_metrics, plain_metrics)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), remat_grads, plain_grads)
-    temporaries = {remat: fn.lower(weights).compile().memory_analysis().temp_size_in_bytes for remat, fn in grad.items()}
+    temporaries = {
+        remat: fn.lower(weights).compile().memory_analysis().temp_size_in_bytes for remat, fn in grad.items()
+    }
     assert temporaries[True] < 0.95 * temporaries[False], temporaries

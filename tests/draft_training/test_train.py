@@ -25,8 +25,7 @@ from tests.run.damage import empty_metadata
 CONFIG = "configs/draft_tiny.yaml"
 
 
-@pytest.mark.parametrize("path", ["configs/draft_tiny.yaml", "configs/draft_tiny_ood.yaml",
-                                  "configs/draft_small.yaml"])
+@pytest.mark.parametrize("path", ["configs/draft_tiny.yaml", "configs/draft_tiny_ood.yaml", "configs/draft_small.yaml"])
 def test_shipped_configs_are_valid(path):
     validate(load_config(DraftTrainConfig, path), path)
 
@@ -38,20 +37,49 @@ def policy_dir(tmp_path_factory):
     problems = generate_problems(200, seed=0, levels=(1,))
     train_tokenizer((t for p in problems for t in (p["question"], p["solution"])), 300, folder / "tokenizer.json")
     tok = ChatTokenizer.from_file(folder / "tokenizer.json")
-    cfg = ModelConfig(family="qwen3", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-                      eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
     save_hf(cfg, random_params(cfg, jax.random.key(0)), folder / "policy", tokenizer_file=folder / "tokenizer.json")
     return folder / "policy", cfg
 
 
 def _args(run_dir, policy, *extra):
-    return ["draft", "train", "--config", CONFIG, "--run-dir", str(run_dir), f"policy={policy}",
-            "train.batch_size=8", "train.log_every=2", "train.checkpoint_every=2", "train.progress=false",
-            "generation.max_new_tokens=12", "data.num_prompts=64", "head.vocab_count_batches=2",
-            "head.draft_vocab_size=100", "loss.num_steps=2", "optim.warmup_steps=1", "eval.batches=1",
-            "data.max_prompt_len=48", "eval.data.num_prompts=16", "eval.data.max_prompt_len=48",
-            "generation.batches_per_call=3", *extra]
+    return [
+        "draft",
+        "train",
+        "--config",
+        CONFIG,
+        "--run-dir",
+        str(run_dir),
+        f"policy={policy}",
+        "train.batch_size=8",
+        "train.log_every=2",
+        "train.checkpoint_every=2",
+        "train.progress=false",
+        "generation.max_new_tokens=12",
+        "data.num_prompts=64",
+        "head.vocab_count_batches=2",
+        "head.draft_vocab_size=100",
+        "loss.num_steps=2",
+        "optim.warmup_steps=1",
+        "eval.batches=1",
+        "data.max_prompt_len=48",
+        "eval.data.num_prompts=16",
+        "eval.data.max_prompt_len=48",
+        "generation.batches_per_call=3",
+        *extra,
+    ]
 
 
 def _metrics(run_dir):
@@ -62,8 +90,11 @@ def test_rollouts_are_sampled_a_group_of_batches_per_call(policy_dir):
     """With batches_per_call=3, steps 3..5 are the three slices of one generate call, and any step
     comes out the same whether or not the steps before it were drawn (resume needs that)."""
     policy, cfg = policy_dir
-    run = load_config(DraftTrainConfig, CONFIG, [f"policy={policy}", "generation.max_new_tokens=12",
-                                                 "generation.batches_per_call=3", "data.max_prompt_len=48"])
+    run = load_config(
+        DraftTrainConfig,
+        CONFIG,
+        [f"policy={policy}", "generation.max_new_tokens=12", "generation.batches_per_call=3", "data.max_prompt_len=48"],
+    )
     tok = ChatTokenizer.from_file(policy)
     params = load_hf(policy)[1]
     pool = prompt_pool(run.data, tok)
@@ -136,8 +167,12 @@ def test_a_mesh_trains_the_same_steps(tmp_path, policy_dir, capsys):
     policy, cfg = policy_dir
     single, mesh = tmp_path / "single", tmp_path / "mesh"
     assert jaxspec_main(_args(single, policy, "train.steps=4", "eval.batches=0")) == 0
-    assert jaxspec_main(_args(mesh, policy, "train.steps=4", "eval.batches=0", "mesh.data=2", "mesh.fsdp=2",
-                              "mesh.tensor=2")) == 0
+    assert (
+        jaxspec_main(
+            _args(mesh, policy, "train.steps=4", "eval.batches=0", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+        )
+        == 0
+    )
     assert "training on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
     losses = [[r["loss"] for r in _metrics(d)] for d in (single, mesh)]
     assert len(losses[0]) == 2
@@ -146,8 +181,11 @@ def test_a_mesh_trains_the_same_steps(tmp_path, policy_dir, capsys):
 
     def assert_head_matches(folder):
         _, ours = load_eagle3(folder, policy=cfg)
-        jax.tree_util.tree_map_with_path(lambda path, a, b: np.testing.assert_allclose(
-            a, b, atol=2e-4, err_msg=jax.tree_util.keystr(path)), ours, reference)
+        jax.tree_util.tree_map_with_path(
+            lambda path, a, b: np.testing.assert_allclose(a, b, atol=2e-4, err_msg=jax.tree_util.keystr(path)),
+            ours,
+            reference,
+        )
 
     assert_head_matches(mesh / "draft")
 

@@ -68,7 +68,7 @@ def test_bf16_inputs_round_like_ragged_dot():
     got = grouped_matmul_pallas(x, w, sizes, interpret=True)
     exact = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
     assert got.dtype == jnp.bfloat16
-    bf16_rounding = 2.0 ** -8
+    bf16_rounding = 2.0**-8
     assert np.all(np.abs(np.asarray(got, np.float32) - exact) <= bf16_rounding * np.abs(exact) + 1e-6)
     assert rel_err(got, jax.lax.ragged_dot(x, w, sizes)) < bf16_rounding
 
@@ -114,10 +114,10 @@ def test_transposed_matmul_sums_each_groups_rows(dtype):
     got = grouped_transposed_matmul_pallas(x, y, jnp.asarray(sizes), interpret=True, block_m=16)
     ends = np.cumsum(sizes)
     xs, ys = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    want = np.stack([xs[e - s:e].T @ ys[e - s:e] for s, e in zip(sizes, ends)])
+    want = np.stack([xs[e - s : e].T @ ys[e - s : e] for s, e in zip(sizes, ends)])
     assert got.shape == (7, 40, 24) and got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got)[sizes == 0], 0.0)
-    assert rel_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
+    assert rel_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0**-7)
 
 
 @pytest.mark.parametrize("shape", [(128, 512, 2048, 768), (16, 2048, 1024, 1536)])  # E, rows, K, N
@@ -125,6 +125,7 @@ def test_the_gpu_kernels_are_valid_triton_modules(shape):
     """Forward, dX and dW kernels as a GPU compiles them (an i1 loop bound once failed there only)."""
     from jaxspec.models.moe import grouped_matmul
     from tests.kernels.triton_ir import verify_triton
+
     e, rows, k, n = shape
     x, w = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((e,), jnp.int32)

@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from kernels import ragged_attention
-from kernels.ragged_attention import (cache_attention_pallas, cache_attention_reference, merge, new_token_bits,
-                                      split_plan)
+from kernels.ragged_attention import (
+    cache_attention_pallas,
+    cache_attention_reference,
+    merge,
+    new_token_bits,
+    split_plan,
+)
 from tests.kernels.triton_ir import verify_triton
 
 KV_HEADS, HEAD_DIM = 2, 32
@@ -36,7 +41,7 @@ def visible_slots(prefix_len, new_start, tree, group, rows, max_len) -> np.ndarr
     b, t, _ = tree.shape
     out = np.zeros((b, rows, max_len), bool)
     for i in range(b):
-        out[i, :, :prefix_len[i]] = True
+        out[i, :, : prefix_len[i]] = True
         for r in range(t * group):
             for j in range(t):
                 if tree[i, r // group, j] and new_start[i] + j < max_len:
@@ -54,11 +59,14 @@ def test_new_token_bits():
     assert not unpacked[:, 80:].any()
 
 
-@pytest.mark.parametrize("splits,block_k,t", [
-    (None, 64, 1),   # the default plan: one block per split at this batch; decode steps
-    (1, 32, 4),      # one program per row and head loops over all blocks (the online softmax rescales)
-    (3, 16, 5),      # several blocks per split, the last split short; new tokens across a block edge
-])
+@pytest.mark.parametrize(
+    "splits,block_k,t",
+    [
+        (None, 64, 1),  # the default plan: one block per split at this batch; decode steps
+        (1, 32, 4),  # one program per row and head loops over all blocks (the online softmax rescales)
+        (3, 16, 5),  # several blocks per split, the last split short; new tokens across a block edge
+    ],
+)
 def test_kernel_partials_equal_reference(splits, block_k, t):
     max_len, group = 200, 2
     rows = max(16, 1 << (t * group - 1).bit_length())
@@ -77,8 +85,8 @@ def test_kernel_partials_equal_reference(splits, block_k, t):
 
 
 def test_split_plan():
-    assert split_plan(256, 8, 1000) == (1, 16)          # 2048 programs already
-    assert split_plan(1, 8, 1000) == (16, 1)            # at most one split per block
+    assert split_plan(256, 8, 1000) == (1, 16)  # 2048 programs already
+    assert split_plan(1, 8, 1000) == (16, 1)  # at most one split per block
     assert split_plan(16, 8, 4096, splits=5) == (5, 13)  # 64 blocks in 5 splits of 13
     assert split_plan(16, 8, 4096, splits=100) == (64, 1)
 
@@ -89,8 +97,13 @@ def test_merged_partials_are_attention_over_the_visible_slots():
     new_start, prefix_len = np.array([5, 147, 77]), np.array([5, 147, 0])
     tree = random_tree_masks(batch, t, seed=4)
     bits = new_token_bits(jnp.asarray(tree), group, rows)
-    out = np.asarray(merge(cache_attention_pallas(q, k, v, jnp.asarray(prefix_len), jnp.asarray(new_start), bits,
-                                                  num_new=t, interpret=True, splits=2)))
+    out = np.asarray(
+        merge(
+            cache_attention_pallas(
+                q, k, v, jnp.asarray(prefix_len), jnp.asarray(new_start), bits, num_new=t, interpret=True, splits=2
+            )
+        )
+    )
     visible = visible_slots(prefix_len, new_start, tree, group, rows, max_len)
     for b in range(batch):
         for h in range(KV_HEADS):
@@ -101,8 +114,7 @@ def test_merged_partials_are_attention_over_the_visible_slots():
                     continue
                 scores = np.asarray(k[b, seen, h]) @ np.asarray(q[b, h, r]) / np.sqrt(HEAD_DIM)
                 p = np.exp(scores - scores.max())
-                np.testing.assert_allclose(out[b, h, r], p / p.sum() @ np.asarray(v[b, seen, h]), rtol=1e-5,
-                                           atol=1e-5)
+                np.testing.assert_allclose(out[b, h, r], p / p.sum() @ np.asarray(v[b, seen, h]), rtol=1e-5, atol=1e-5)
 
 
 def test_slots_no_row_sees_are_not_read():
@@ -113,8 +125,21 @@ def test_slots_no_row_sees_are_not_read():
     # row 0: past its new tokens; row 1 (finished): its prefix and past its new tokens
     poisoned_k = k.at[0, 42:].set(jnp.nan).at[1, :100].set(jnp.nan).at[1, 102:].set(jnp.nan)
     poisoned_v = v.at[0, 42:].set(jnp.inf).at[1, :100].set(jnp.inf).at[1, 102:].set(jnp.inf)
-    attend = lambda k, v: merge(cache_attention_pallas(q, k, v, prefix_len, new_start, bits, num_new=t,  # noqa: E731
-                                                       interpret=True))
+
+    def attend(k, v):
+        return merge(
+            cache_attention_pallas(
+                q,
+                k,
+                v,
+                prefix_len,
+                new_start,
+                bits,
+                num_new=t,  # noqa: E731
+                interpret=True,
+            )
+        )
+
     np.testing.assert_array_equal(attend(poisoned_k, poisoned_v), attend(k, v))
 
 
@@ -134,16 +159,32 @@ def test_programs_read_only_the_blocks_up_to_each_rows_length(monkeypatch, split
     needed = np.zeros((2, max_len), bool)
     needed[0, :48], needed[1, 96:112] = True, True
     poison = jnp.asarray(~needed)[:, :, None, None]
-    attend = lambda k, v: merge(cache_attention_pallas(q, k, v, prefix_len, new_start, bits, num_new=t,  # noqa: E731
-                                                       interpret=True, block_k=block_k, splits=splits))
+
+    def attend(k, v):
+        return merge(
+            cache_attention_pallas(
+                q,
+                k,
+                v,
+                prefix_len,
+                new_start,
+                bits,
+                num_new=t,  # noqa: E731
+                interpret=True,
+                block_k=block_k,
+                splits=splits,
+            )
+        )
+
     want = attend(k, v)
 
     def whole_block(ref, mask=None, other=None, **_):
         return ref[...]
 
     plgpu = ragged_attention.plgpu
-    monkeypatch.setattr(ragged_attention, "plgpu", SimpleNamespace(load=whole_block, dot=plgpu.dot,
-                                                                   CompilerParams=plgpu.CompilerParams))
+    monkeypatch.setattr(
+        ragged_attention, "plgpu", SimpleNamespace(load=whole_block, dot=plgpu.dot, CompilerParams=plgpu.CompilerParams)
+    )
     jax.clear_caches()  # trace the kernel again with unmasked loads
     try:
         got = attend(jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v))
@@ -164,5 +205,15 @@ def test_the_gpu_kernel_is_a_valid_triton_module(head_dim, num_new, group, max_l
     cache = jax.ShapeDtypeStruct((batch, max_len, KV_HEADS, head_dim), bf16)
     per_row = jax.ShapeDtypeStruct((batch,), i32)
     attend = lambda *args: cache_attention_pallas(*args, num_new=num_new, block_k=block_k, splits=splits)  # noqa: E731
-    assert verify_triton(attend, jax.ShapeDtypeStruct((batch, KV_HEADS, rows, head_dim), bf16), cache, cache,
-                         per_row, per_row, jax.ShapeDtypeStruct((batch, -(-num_new // 32), rows), i32)) == 1
+    assert (
+        verify_triton(
+            attend,
+            jax.ShapeDtypeStruct((batch, KV_HEADS, rows, head_dim), bf16),
+            cache,
+            cache,
+            per_row,
+            per_row,
+            jax.ShapeDtypeStruct((batch, -(-num_new // 32), rows), i32),
+        )
+        == 1
+    )

@@ -34,15 +34,43 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
     for seed in range(5):
         noise = verification_noise(jax.random.key(seed), BATCH, NODES)
         peak, total, candidates, best, best_tile = split_partials_pallas(
-            logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE,
-            programs=4 * BATCH * NODES)
+            logits,
+            parents,
+            tokens,
+            num_nodes,
+            noise,
+            temperature,
+            interpret=True,
+            tile=TILE,
+            programs=4 * BATCH * NODES,
+        )
         assert best.shape[-1] >= 3
-        sample = node_stats_pallas(logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE,
-                                   programs=4 * BATCH * NODES).sample
+        sample = node_stats_pallas(
+            logits,
+            parents,
+            tokens,
+            num_nodes,
+            noise,
+            temperature,
+            interpret=True,
+            tile=TILE,
+            programs=4 * BATCH * NODES,
+        ).sample
         stats = combine_blocks(peak, total, candidates, best, lambda winner: sample, temperature)
         want = verify_from_stats(stats, logits, parents, tokens, num_nodes, noise.uniforms, temperature)
-        got = decide_pallas(peak, total, candidates, sample, logits, parents, tokens, num_nodes, noise.uniforms,
-                            temperature, interpret=True)
+        got = decide_pallas(
+            peak,
+            total,
+            candidates,
+            sample,
+            logits,
+            parents,
+            tokens,
+            num_nodes,
+            noise.uniforms,
+            temperature,
+            interpret=True,
+        )
         for name, w, g in zip(want._fields, want, got):
             assert g.shape == w.shape, name
             if name == "logprobs":
@@ -62,6 +90,18 @@ def test_the_gpu_kernel_is_a_valid_triton_module(nodes, vocab, splits, temperatu
     partial = jax.ShapeDtypeStruct((batch, nodes, splits), f32)
     per_node = lambda dtype: jax.ShapeDtypeStruct((batch, nodes), dtype)  # noqa: E731
     decide = lambda *args: decide_pallas(*args, temperature)  # noqa: E731
-    assert verify_triton(decide, partial, partial, partial, per_node(i32),
-                         jax.ShapeDtypeStruct((batch, nodes, vocab), f32), per_node(i32), per_node(i32),
-                         jax.ShapeDtypeStruct((batch,), i32), per_node(f32)) == 1
+    assert (
+        verify_triton(
+            decide,
+            partial,
+            partial,
+            partial,
+            per_node(i32),
+            jax.ShapeDtypeStruct((batch, nodes, vocab), f32),
+            per_node(i32),
+            per_node(i32),
+            jax.ShapeDtypeStruct((batch,), i32),
+            per_node(f32),
+        )
+        == 1
+    )

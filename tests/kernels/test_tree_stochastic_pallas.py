@@ -12,8 +12,8 @@ import pytest
 from kernels import tree_verify
 from kernels.tree_stochastic_pallas import verify_stochastic_pallas
 from kernels.tree_verify_reference import verify_reference
-from tests.kernels.triton_ir import verify_triton
 from tests.kernels.trees import random_parents_and_tokens
+from tests.kernels.triton_ir import verify_triton
 
 BATCH, NODES, TILE = 8, 9, 64
 NUM_NODES = np.array([9, 9, 6, 4, 1, 2, 9, 7], np.int32)
@@ -44,8 +44,13 @@ def stochastic_forest(seed: int, vocab: int, chain: bool, dtype):
         for n in range(1, NODES):
             if rng.random() < 0.5:
                 logits[b, parents[b, n], tokens[b, n]] = 5.0 + 3.0 * rng.random()
-    return (jnp.asarray(logits, dtype), jnp.asarray(q, dtype), jnp.asarray(parents), jnp.asarray(tokens),
-            jnp.asarray(NUM_NODES))
+    return (
+        jnp.asarray(logits, dtype),
+        jnp.asarray(q, dtype),
+        jnp.asarray(parents),
+        jnp.asarray(tokens),
+        jnp.asarray(NUM_NODES),
+    )
 
 
 def assert_same(got, want):
@@ -62,15 +67,22 @@ def assert_same(got, want):
 def test_kernel_equals_reference(chain, vocab, temperature, dtype):
     """Same key -> identical paths, counts, next tokens (log-probs up to rounding), over many keys."""
     logits, q, parents, tokens, num_nodes = stochastic_forest(vocab + chain, vocab, chain, dtype)
-    first_child = np.array([np.flatnonzero((np.asarray(parents[b]) == 0) & (np.arange(NODES) > 0)
-                                           & (np.arange(NODES) < NUM_NODES[b]))[:1].tolist() or [-1]
-                            for b in range(BATCH)])[:, 0]
+    first_child = np.array(
+        [
+            np.flatnonzero((np.asarray(parents[b]) == 0) & (np.arange(NODES) > 0) & (np.arange(NODES) < NUM_NODES[b]))[
+                :1
+            ].tolist()
+            or [-1]
+            for b in range(BATCH)
+        ]
+    )[:, 0]
     accepted, later_sibling = [], False
     for seed in range(8):
         key = jax.random.key(seed)
         want = verify_reference(logits, parents, tokens, num_nodes, key, temperature=temperature, draft_probs=q)
-        got = verify_stochastic_pallas(logits, q, parents, tokens, num_nodes, key, temperature=temperature,
-                                       interpret=True, tile=TILE)
+        got = verify_stochastic_pallas(
+            logits, q, parents, tokens, num_nodes, key, temperature=temperature, interpret=True, tile=TILE
+        )
         assert_same(got, want)
         accepted.append(np.asarray(want.num_accepted))
         path1 = np.asarray(want.path)[:, 1]
@@ -91,10 +103,12 @@ def test_padding_values_are_ignored():
     junk_tokens = jnp.where(padding, -5, tokens)
     for seed in range(3):
         key = jax.random.key(seed)
-        clean = verify_stochastic_pallas(logits, q, parents, tokens, num_nodes, key, temperature=1.0, interpret=True,
-                                         tile=TILE)
-        junk = verify_stochastic_pallas(logits, q, junk_parents, junk_tokens, num_nodes, key, temperature=1.0,
-                                        interpret=True, tile=TILE)
+        clean = verify_stochastic_pallas(
+            logits, q, parents, tokens, num_nodes, key, temperature=1.0, interpret=True, tile=TILE
+        )
+        junk = verify_stochastic_pallas(
+            logits, q, junk_parents, junk_tokens, num_nodes, key, temperature=1.0, interpret=True, tile=TILE
+        )
         assert_same(junk, clean)
 
 
@@ -147,7 +161,12 @@ def test_triton_module_verifies():
     """The kernel lowered for CUDA (bf16 logits, Qwen's vocabulary) parses and verifies: one module."""
     batch, n, vocab = 4, 7, 151936
     fn = functools.partial(verify_stochastic_pallas, temperature=0.7)
-    args = (jax.ShapeDtypeStruct((batch, n, vocab), jnp.bfloat16), jax.ShapeDtypeStruct((batch, n, vocab), jnp.float32),
-            jax.ShapeDtypeStruct((batch, n), jnp.int32), jax.ShapeDtypeStruct((batch, n), jnp.int32),
-            jax.ShapeDtypeStruct((batch,), jnp.int32), jax.random.key(0))
+    args = (
+        jax.ShapeDtypeStruct((batch, n, vocab), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, n, vocab), jnp.float32),
+        jax.ShapeDtypeStruct((batch, n), jnp.int32),
+        jax.ShapeDtypeStruct((batch, n), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.random.key(0),
+    )
     assert verify_triton(fn, *args) == 1

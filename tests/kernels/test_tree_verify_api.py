@@ -18,20 +18,23 @@ def valid_args():
     return logits, parents, tokens, jnp.array([4, 3], jnp.int32)
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda a: (a[0][0],) + a[1:], "logits must be a float array"),
-    (lambda a: (a[0].astype(jnp.int32),) + a[1:], "logits must be a float array"),
-    (lambda a: (a[0], a[1][:, :3]) + a[2:], "parents must have shape"),
-    (lambda a: a[:2] + (a[2][:1],) + a[3:], "draft_tokens must have shape"),
-    (lambda a: a[:3] + (jnp.array([4, 3, 1]),), "num_nodes must have shape"),
-    (lambda a: (a[0], a[1].astype(jnp.float32)) + a[2:], "parents must be an integer array"),
-    (lambda a: a[:3] + (jnp.array([4, 5]),), r"num_nodes must be in \[1, 4\]"),
-    (lambda a: a[:3] + (jnp.array([0, 3]),), r"num_nodes must be in \[1, 4\]"),
-    (lambda a: (a[0], a[1].at[1, 0].set(0)) + a[2:], r"parents\[:, 0\] must be -1"),
-    (lambda a: (a[0], a[1].at[0, 2].set(2)) + a[2:], r"parents\[0, 2\] = 2 must be in \[0, 2\)"),
-    (lambda a: (a[0], a[1].at[1, 1].set(-1)) + a[2:], r"parents\[1, 1\] = -1"),
-    (lambda a: a[:2] + (a[2].at[0, 3].set(V),) + a[3:], r"draft_tokens\[0, 3\] = 16 is outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: (a[0][0],) + a[1:], "logits must be a float array"),
+        (lambda a: (a[0].astype(jnp.int32),) + a[1:], "logits must be a float array"),
+        (lambda a: (a[0], a[1][:, :3]) + a[2:], "parents must have shape"),
+        (lambda a: a[:2] + (a[2][:1],) + a[3:], "draft_tokens must have shape"),
+        (lambda a: a[:3] + (jnp.array([4, 3, 1]),), "num_nodes must have shape"),
+        (lambda a: (a[0], a[1].astype(jnp.float32)) + a[2:], "parents must be an integer array"),
+        (lambda a: a[:3] + (jnp.array([4, 5]),), r"num_nodes must be in \[1, 4\]"),
+        (lambda a: a[:3] + (jnp.array([0, 3]),), r"num_nodes must be in \[1, 4\]"),
+        (lambda a: (a[0], a[1].at[1, 0].set(0)) + a[2:], r"parents\[:, 0\] must be -1"),
+        (lambda a: (a[0], a[1].at[0, 2].set(2)) + a[2:], r"parents\[0, 2\] = 2 must be in \[0, 2\)"),
+        (lambda a: (a[0], a[1].at[1, 1].set(-1)) + a[2:], r"parents\[1, 1\] = -1"),
+        (lambda a: a[:2] + (a[2].at[0, 3].set(V),) + a[3:], r"draft_tokens\[0, 3\] = 16 is outside the vocabulary"),
+    ],
+)
 def test_invalid_inputs_name_the_argument(change, message):
     with pytest.raises(ValueError, match=message):
         tree_verify(*change(valid_args()), jax.random.key(0), temperature=1.0)
@@ -42,22 +45,24 @@ def test_padding_values_are_not_checked():
     is the one with well-formed padding."""
     logits, parents, tokens, num = valid_args()
     clean = tree_verify(logits, parents, tokens, num, jax.random.key(0), temperature=1.0)
-    junk = tree_verify(logits, parents.at[1, 3].set(7), tokens.at[1, 3].set(-5), num, jax.random.key(0),
-                       temperature=1.0)
+    junk = tree_verify(
+        logits, parents.at[1, 3].set(7), tokens.at[1, 3].set(-5), num, jax.random.key(0), temperature=1.0
+    )
     for want, got in zip(clean, junk):
         np.testing.assert_array_equal(got, want)
 
 
 def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
-    """"auto" runs the Pallas kernel when JAX's default backend is a GPU, the reference elsewhere;
+    """ "auto" runs the Pallas kernel when JAX's default backend is a GPU, the reference elsewhere;
     sampled drafts (draft_probs, temperature > 0) run their own kernel where the others run theirs,
     and the reference when it is asked for, by argument or environment (what runs on the GPU
     itself is not testable on CPU: only the choice is)."""
     calls = []
     monkeypatch.setattr(kernels, "verify_pallas", lambda *a, **kw: calls.append(("pallas", kw["interpret"])))
     monkeypatch.setattr(kernels, "verify_reference", lambda *a, **kw: calls.append(("reference", None)))
-    monkeypatch.setattr(kernels, "verify_stochastic_pallas",
-                        lambda *a, **kw: calls.append(("stochastic", kw["interpret"])))
+    monkeypatch.setattr(
+        kernels, "verify_stochastic_pallas", lambda *a, **kw: calls.append(("stochastic", kw["interpret"]))
+    )
     args = valid_args()
     q = jnp.ones_like(args[0])
     tree_verify(*args, jax.random.key(0), temperature=1.0)
@@ -73,9 +78,18 @@ def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
     monkeypatch.setenv(kernels.IMPL_ENV, "reference")
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
-    assert calls == [("reference", None), ("reference", None), ("stochastic", True), ("pallas", False),
-                     ("stochastic", False), ("stochastic", False), ("reference", None), ("pallas", False),
-                     ("stochastic", False), ("reference", None)]
+    assert calls == [
+        ("reference", None),
+        ("reference", None),
+        ("stochastic", True),
+        ("pallas", False),
+        ("stochastic", False),
+        ("stochastic", False),
+        ("reference", None),
+        ("pallas", False),
+        ("stochastic", False),
+        ("reference", None),
+    ]
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), True, "1.0"])

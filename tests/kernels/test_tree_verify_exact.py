@@ -14,9 +14,23 @@ import pytest
 
 from kernels import tree_verify
 from kernels.tree_verify_reference import verify_reference
-from tests.kernels.trees import (CHAIN3, IRREGULAR, SINGLE, WIDE2_DEEP2, PrefixPolicy, chi_square_pvalue, complete,
-                                 emitted_sequences, per_row_arrays, prefixes, sampled_trees,
-                                 sequence_distribution, top_tokens_tree, tree_arrays, tree_walk_distribution)
+from tests.kernels.trees import (
+    CHAIN3,
+    IRREGULAR,
+    SINGLE,
+    WIDE2_DEEP2,
+    PrefixPolicy,
+    chi_square_pvalue,
+    complete,
+    emitted_sequences,
+    per_row_arrays,
+    prefixes,
+    sampled_trees,
+    sequence_distribution,
+    top_tokens_tree,
+    tree_arrays,
+    tree_walk_distribution,
+)
 
 VOCAB = 5
 SAMPLES = 20000
@@ -29,14 +43,14 @@ def check_structure_and_logprobs(result, parents, tokens, policy, temperature, r
     parents = np.asarray(parents)
     for b in range(rows):
         k = count[b]
-        assert path[b, 0] == 0 and np.all(path[b, k + 1:] == -1) and np.all(path[b, 1:k + 1] >= 0)
+        assert path[b, 0] == 0 and np.all(path[b, k + 1 :] == -1) and np.all(path[b, 1 : k + 1] >= 0)
         assert all(parents[b, path[b, i]] == path[b, i - 1] for i in range(1, k + 1))
         paths = prefixes(parents[b], tokens[b])
-        nodes = path[b, :k + 1]
+        nodes = path[b, : k + 1]
         emitted = [tokens[b, n] for n in nodes[1:]] + [nxt[b]]
         want = [np.log(policy.probs(paths[n], temperature)[y]) for n, y in zip(nodes, emitted)]
-        np.testing.assert_allclose(logprobs[b, :k + 1], want, rtol=1e-5, atol=1e-5)
-        assert np.all(logprobs[b, k + 1:] == 0)
+        np.testing.assert_allclose(logprobs[b, : k + 1], want, rtol=1e-5, atol=1e-5)
+        assert np.all(logprobs[b, k + 1 :] == 0)
 
 
 DETERMINISTIC = [
@@ -96,7 +110,7 @@ def test_chi_square_rejects_the_divide_by_q_bias():
 SAMPLED_IMPLS = ["reference", "interpret"]  # the jnp reference and the stochastic-draft kernel (interpret mode)
 KERNEL_LAW_CASES = ("chain3", "irregular_t0.7", "wide2_deep2_top_p")  # the kernel's (it equals the reference)
 STOCHASTIC = [
-    ("chain3", CHAIN3, 1.0, 1.0),         # standard speculative sampling
+    ("chain3", CHAIN3, 1.0, 1.0),  # standard speculative sampling
     ("wide2_deep2", WIDE2_DEEP2, 1.0, 1.0),
     ("single", SINGLE, 1.0, 1.0),
     ("irregular_t0.7", IRREGULAR, 0.7, 1.0),
@@ -104,11 +118,16 @@ STOCHASTIC = [
 ]
 
 
-@pytest.mark.parametrize("name,parents,temperature,top_p,impl",
-                         [c + (impl,) for c in STOCHASTIC for impl in SAMPLED_IMPLS
-                          if impl == "reference" or c[0] in KERNEL_LAW_CASES],
-                         ids=[f"{c[0]}-{impl}" for c in STOCHASTIC for impl in SAMPLED_IMPLS
-                              if impl == "reference" or c[0] in KERNEL_LAW_CASES])
+@pytest.mark.parametrize(
+    "name,parents,temperature,top_p,impl",
+    [c + (impl,) for c in STOCHASTIC for impl in SAMPLED_IMPLS if impl == "reference" or c[0] in KERNEL_LAW_CASES],
+    ids=[
+        f"{c[0]}-{impl}"
+        for c in STOCHASTIC
+        for impl in SAMPLED_IMPLS
+        if impl == "reference" or c[0] in KERNEL_LAW_CASES
+    ],
+)
 def test_sampled_drafts_are_lossless(name, parents, temperature, top_p, impl):
     """Children drawn from q without replacement (numpy), verified, then completed by the policy to
     a fixed length: the whole sequence must follow the policy's autoregressive law."""
@@ -116,8 +135,9 @@ def test_sampled_drafts_are_lossless(name, parents, temperature, top_p, impl):
     policy, draft = PrefixPolicy(VOCAB, seed=21, top_p=top_p), PrefixPolicy(VOCAB, seed=22)
     tokens = sampled_trees(draft, parents, SAMPLES, rng)
     logits, par, tok, num, q = per_row_arrays(policy, draft, parents, tokens)
-    result = tree_verify(logits, par, tok, num, jax.random.key(100 + len(name)), temperature=temperature,
-                         draft_probs=q, impl=impl)
+    result = tree_verify(
+        logits, par, tok, num, jax.random.key(100 + len(name)), temperature=temperature, draft_probs=q, impl=impl
+    )
     depth = max(len(p) for p in prefixes(parents, tokens[0]))
     seqs = complete(policy, emitted_sequences(result, tok), depth + 1, temperature, rng)
     assert chi_square_pvalue(seqs, sequence_distribution(policy, depth + 1, temperature)) > 1e-3

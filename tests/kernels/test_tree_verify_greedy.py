@@ -33,25 +33,36 @@ def greedy_case(argmax_path):
 
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
-@pytest.mark.parametrize("argmax_path,accepted", [
-    ((0, 1, 3, 6), 3),   # all accepted down to a leaf: bonus token = argmax at the leaf
-    ((0, 2, 5), 2),      # second sibling accepted
-    ((0,), 0),           # all rejected at the root
-    ((0, 1), 1),         # accepted node whose children are all rejected
-])
+@pytest.mark.parametrize(
+    "argmax_path,accepted",
+    [
+        ((0, 1, 3, 6), 3),  # all accepted down to a leaf: bonus token = argmax at the leaf
+        ((0, 2, 5), 2),  # second sibling accepted
+        ((0,), 0),  # all rejected at the root
+        ((0, 1), 1),  # accepted node whose children are all rejected
+    ],
+)
 def test_greedy_paths(impl, argmax_path, accepted):
     logits, tokens = greedy_case(argmax_path)
-    out = tree_verify(jnp.asarray(logits)[None], jnp.asarray(PARENTS)[None], jnp.asarray(tokens)[None],
-                      jnp.array([NODES], jnp.int32), jax.random.key(0), temperature=0.0, impl=impl)
+    out = tree_verify(
+        jnp.asarray(logits)[None],
+        jnp.asarray(PARENTS)[None],
+        jnp.asarray(tokens)[None],
+        jnp.array([NODES], jnp.int32),
+        jax.random.key(0),
+        temperature=0.0,
+        impl=impl,
+    )
     path = list(argmax_path) + [-1] * (NODES - len(argmax_path))
     np.testing.assert_array_equal(out.path[0], path)
     assert int(out.num_accepted[0]) == accepted
     assert int(out.next_token[0]) == 39
     want = processed_logprobs(jnp.asarray(logits), Sampling(temperature=0.0))
     emitted = [tokens[n] for n in argmax_path[1:]] + [39]
-    np.testing.assert_allclose(out.logprobs[0, :accepted + 1], [want[n, y] for n, y in zip(argmax_path, emitted)],
-                               rtol=1e-6, atol=1e-6)
-    assert np.all(np.asarray(out.logprobs[0, accepted + 1:]) == 0)
+    np.testing.assert_allclose(
+        out.logprobs[0, : accepted + 1], [want[n, y] for n, y in zip(argmax_path, emitted)], rtol=1e-6, atol=1e-6
+    )
+    assert np.all(np.asarray(out.logprobs[0, accepted + 1 :]) == 0)
 
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
@@ -74,8 +85,11 @@ def test_greedy_padding_ties_and_keys(impl):
 TIE_VOCAB, TIE_TILE = 40, 8  # 5 vocabulary tiles of 8 tokens
 
 
-@pytest.mark.parametrize("impl,programs", [("reference", None), ("interpret", 1), ("interpret", 1000)],
-                         ids=["reference", "kernel-one-split", "kernel-split-per-tile"])
+@pytest.mark.parametrize(
+    "impl,programs",
+    [("reference", None), ("interpret", 1), ("interpret", 1000)],
+    ids=["reference", "kernel-one-split", "kernel-split-per-tile"],
+)
 def test_greedy_ties_across_tiles_go_to_the_first_token(impl, programs):
     """The root's largest logit is shared by tokens 12 (tile 1) and 28 (tile 3), node 2's by 5
     (tile 0) and 37 (tile 4): the argmax is the first, 12 and 5, as np.argmax has it. Row 0 drafts
@@ -93,8 +107,7 @@ def test_greedy_ties_across_tiles_go_to_the_first_token(impl, programs):
     if impl == "reference":
         out = verify_reference(*args, jax.random.key(0), temperature=0.0, tile=TIE_TILE)
     else:
-        out = verify_pallas(*args, jax.random.key(0), temperature=0.0, interpret=True, tile=TIE_TILE,
-                            programs=programs)
+        out = verify_pallas(*args, jax.random.key(0), temperature=0.0, interpret=True, tile=TIE_TILE, programs=programs)
     path, accepted, next_token, logprobs = greedy_verify(logits, parents, tokens, num_nodes)
     np.testing.assert_array_equal(out.path, path)
     np.testing.assert_array_equal(out.num_accepted, accepted)

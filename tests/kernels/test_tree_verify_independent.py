@@ -60,8 +60,9 @@ def test_greedy_outcome_and_logprobs(impl):
         if impl == "reference":
             result = verify_reference(*args, jax.random.key(0), temperature=0.0, tile=TILE)
         else:
-            result = verify_pallas(*args, jax.random.key(0), temperature=0.0, interpret=True, tile=TILE,
-                                   programs=PROGRAMS)
+            result = verify_pallas(
+                *args, jax.random.key(0), temperature=0.0, interpret=True, tile=TILE, programs=PROGRAMS
+            )
         path, accepted, nxt, logprobs = greedy_verify(logits, parents, tokens, num_nodes)
         np.testing.assert_array_equal(result.path, path)
         np.testing.assert_array_equal(result.num_accepted, accepted)

@@ -59,8 +59,9 @@ def test_vocabulary_splits_do_not_change_the_stats(programs):
     logits, parents, tokens, num_nodes = random_forest(3)
     noise = verification_noise(jax.random.key(5), BATCH, NODES)
     want = node_stats_reference(logits, parents, tokens, num_nodes, noise, 1.0, tile=TILE)
-    got = node_stats_pallas(logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE,
-                            programs=programs)
+    got = node_stats_pallas(
+        logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE, programs=programs
+    )
     np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got.residual_mass, want.residual_mass, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(got.sample, want.sample)
@@ -78,8 +79,9 @@ def test_node_without_residual_mass_samples_like_the_reference(programs):
     logits = logits.at[0, 0].set(row)
     noise = verification_noise(jax.random.key(7), BATCH, NODES)
     want = node_stats_reference(logits, parents, tokens, num_nodes, noise, 1.0, tile=TILE)
-    got = node_stats_pallas(logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE,
-                            programs=programs)
+    got = node_stats_pallas(
+        logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE, programs=programs
+    )
     assert want.residual_mass[0, 0] == 0.0 and got.residual_mass[0, 0] == 0.0 and want.sample[0, 0] == 0
     np.testing.assert_array_equal(got.sample, want.sample)
 
@@ -92,8 +94,7 @@ def test_kernel_verification_equals_reference(temperature):
     for seed in range(6):
         key = jax.random.key(seed)
         want = verify_reference(logits, parents, tokens, num_nodes, key, temperature=temperature, tile=TILE)
-        got = verify_pallas(logits, parents, tokens, num_nodes, key, temperature=temperature, interpret=True,
-                            tile=TILE)
+        got = verify_pallas(logits, parents, tokens, num_nodes, key, temperature=temperature, interpret=True, tile=TILE)
         for name, w, g in zip(want._fields, want, got):
             if name == "logprobs":
                 np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
@@ -113,8 +114,8 @@ def test_kernel_all_accepted_and_all_rejected_chains():
     logits = rng.standard_normal((2, n, vocab)).astype(np.float32)
     tokens = np.array([[0, 11, 22, 33, 44], [0, 55, 66, 77, 88]], np.int32)
     for node in range(n - 1):
-        logits[0, node, tokens[0, node + 1]] = 40.0      # p ~ 1
-        logits[1, node, tokens[1, node + 1]] = -np.inf   # p = 0
+        logits[0, node, tokens[0, node + 1]] = 40.0  # p ~ 1
+        logits[1, node, tokens[1, node + 1]] = -np.inf  # p = 0
     parents = np.tile(np.arange(-1, n - 1, dtype=np.int32), (2, 1))
     args = [jnp.asarray(x) for x in (logits, parents, tokens, np.full(2, n, np.int32))]
     for impl in ("reference", "interpret"):
@@ -123,7 +124,7 @@ def test_kernel_all_accepted_and_all_rejected_chains():
         np.testing.assert_array_equal(out.path, [[0, 1, 2, 3, 4], [0, -1, -1, -1, -1]])
         assert out.next_token[1] != tokens[1, 1]
         lp = np.asarray(out.logprobs)
-        np.testing.assert_allclose(lp[0, :n - 1], 0.0, atol=1e-5)  # log p ~ 0 for the certain drafts
+        np.testing.assert_allclose(lp[0, : n - 1], 0.0, atol=1e-5)  # log p ~ 0 for the certain drafts
         assert np.all(np.isfinite(lp[:, 0]))
 
 
@@ -146,5 +147,14 @@ def test_the_gpu_kernels_are_valid_triton_modules(nodes, vocab, dtype, temperatu
     (greedy verification reads the policy's logits, sampled verification float32 log-probs)."""
     tree = jax.ShapeDtypeStruct((batch, nodes), jnp.int32)
     verify = lambda *args: verify_pallas(*args, temperature=temperature)  # noqa: E731
-    assert verify_triton(verify, jax.ShapeDtypeStruct((batch, nodes, vocab), dtype), tree, tree,
-                         jax.ShapeDtypeStruct((batch,), jnp.int32), jax.random.key(0)) == 2
+    assert (
+        verify_triton(
+            verify,
+            jax.ShapeDtypeStruct((batch, nodes, vocab), dtype),
+            tree,
+            tree,
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.random.key(0),
+        )
+        == 2
+    )

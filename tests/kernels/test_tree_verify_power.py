@@ -46,9 +46,21 @@ import pytest
 from kernels import tree_verify
 from kernels.tree_verify_pallas import verify_pallas
 from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels, siblings_share_uniform
-from tests.kernels.trees import (CHAIN3, WIDE2_DEEP2, PrefixPolicy, chi_square_power, chi_square_pvalue, complete,
-                                 emitted_sequences, per_row_arrays, sampled_trees, sequence_distribution,
-                                 top_tokens_tree, tree_arrays, tree_walk_distribution)
+from tests.kernels.trees import (
+    CHAIN3,
+    WIDE2_DEEP2,
+    PrefixPolicy,
+    chi_square_power,
+    chi_square_pvalue,
+    complete,
+    emitted_sequences,
+    per_row_arrays,
+    sampled_trees,
+    sequence_distribution,
+    top_tokens_tree,
+    tree_arrays,
+    tree_walk_distribution,
+)
 
 ALPHA = 1e-3
 VOCAB = 4

@@ -34,8 +34,7 @@ ROWS = 32768
 ALPHA = 1e-3
 
 
-def sibling_law(p, q, accept_scale: float = 1.0, shared_uniform: bool = False,
-                renormalised: bool = True) -> np.ndarray:
+def sibling_law(p, q, accept_scale: float = 1.0, shared_uniform: bool = False, renormalised: bool = True) -> np.ndarray:
     """float64 [V]: exact law of the first token emitted at a node with policy p [V] and two
     children drawn from q [V] without replacement, under the sequential rule (accept x_k iff
     u_k * q_k(x_k) < r_k(x_k); on rejection r_{k+1} = norm((r_k - q_k)+); after both, a sample
@@ -53,8 +52,9 @@ def sibling_law(p, q, accept_scale: float = 1.0, shared_uniform: bool = False,
         for x2 in np.flatnonzero(q2):
             a2 = min(1.0, accept_scale * r2[x2] / q2[x2])
             # P(reject x1, accept x2), P(reject both) for independent or shared uniforms
-            second, neither = (max(0.0, a2 - a1), 1.0 - max(a1, a2)) if shared_uniform else \
-                ((1.0 - a1) * a2, (1.0 - a1) * (1.0 - a2))
+            second, neither = (
+                (max(0.0, a2 - a1), 1.0 - max(a1, a2)) if shared_uniform else ((1.0 - a1) * a2, (1.0 - a1) * (1.0 - a2))
+            )
             out[x2] += q[x1] * q2[x2] * second
             if r3.sum() > 0:
                 out += q[x1] * q2[x2] * neither * r3 / r3.sum()
@@ -69,8 +69,10 @@ def test_the_test_sees_the_three_errors():
     """The correct rule emits p; each wrong one is rejected with the power in the module docstring."""
     np.testing.assert_allclose(sibling_law(P, Q), P, atol=1e-12)
     exact = as_law(P)
-    powers = [chi_square_power(exact, as_law(sibling_law(P, Q, **wrong)), ROWS, ALPHA)
-              for wrong in (dict(shared_uniform=True), dict(accept_scale=1.02), dict(renormalised=False))]
+    powers = [
+        chi_square_power(exact, as_law(sibling_law(P, Q, **wrong)), ROWS, ALPHA)
+        for wrong in (dict(shared_uniform=True), dict(accept_scale=1.02), dict(renormalised=False))
+    ]
     assert powers[0] > 1 - 1e-12 and powers[1] > 0.999 and powers[2] > 1 - 1e-12, powers
 
 
@@ -106,16 +108,18 @@ def sibling_rows(seed: int):
 def first_tokens(result, tokens) -> list[tuple[int]]:
     """Per row: the accepted child's token, or the residual sample when both were rejected."""
     child = np.asarray(result.path)[:, 1]
-    first = np.where(child > 0, np.asarray(tokens)[np.arange(len(child)), np.maximum(child, 0)],
-                     np.asarray(result.next_token))
+    first = np.where(
+        child > 0, np.asarray(tokens)[np.arange(len(child)), np.maximum(child, 0)], np.asarray(result.next_token)
+    )
     return [(int(y),) for y in first]
 
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_two_sampled_siblings_emit_the_policy_law(impl):
     logits, parents, tokens, num_nodes, q = sibling_rows(seed=0)
-    result = tree_verify(logits, parents, tokens, num_nodes, jax.random.key(11), temperature=1.0, draft_probs=q,
-                         impl=impl)
+    result = tree_verify(
+        logits, parents, tokens, num_nodes, jax.random.key(11), temperature=1.0, draft_probs=q, impl=impl
+    )
     assert chi_square_pvalue(first_tokens(result, tokens), as_law(P)) > ALPHA
     assert np.mean(np.asarray(result.path)[:, 1] == 2) > 0.02, "the second sibling is accepted in 2.8% of the rows"
 
@@ -126,6 +130,7 @@ def test_wrong_siblings_rules_are_rejected(wrong):
     logits, parents, tokens, num_nodes, q = sibling_rows(seed=0)
     noise = siblings_share_uniform(PARENTS) if wrong == "siblings share a uniform" else accept_more(0.02)
     with biased_noise(noise):
-        result = tree_verify(logits, parents, tokens, num_nodes, jax.random.key(11), temperature=1.0, draft_probs=q,
-                             impl="reference")
+        result = tree_verify(
+            logits, parents, tokens, num_nodes, jax.random.key(11), temperature=1.0, draft_probs=q, impl="reference"
+        )
     assert chi_square_pvalue(first_tokens(result, tokens), as_law(P)) < ALPHA

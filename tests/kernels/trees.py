@@ -11,11 +11,11 @@ from scipy import stats
 
 from jaxspec.rollout import Sampling, processed_logprobs
 
-CHAIN3 = (-1, 0, 1, 2)             # root -> 1 -> 2 -> 3
+CHAIN3 = (-1, 0, 1, 2)  # root -> 1 -> 2 -> 3
 WIDE2_DEEP2 = (-1, 0, 0, 1, 1, 2, 2)  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5, 6}
-SINGLE = (-1,)                     # no drafts: plain sampling
+SINGLE = (-1,)  # no drafts: plain sampling
 IRREGULAR = (-1, 0, 1, 0, 1, 3, 2)  # root -> {1, 3}; 1 -> {2, 4}; 3 -> {5}; 2 -> {6}
-WIDTH = 7                          # every test tree is padded to this many nodes (one compiled shape)
+WIDTH = 7  # every test tree is padded to this many nodes (one compiled shape)
 
 
 class PrefixPolicy:
@@ -67,20 +67,31 @@ def padded(policy: PrefixPolicy, logits, parents, tokens, q, width: int):
     batch, n = tokens.shape
     extra = width - n
     decoy_logits = np.stack([policy.logits((-1, i)) for i in range(extra)]) if extra else np.zeros((0, policy.vocab))
-    pad = lambda x, fill: np.concatenate([x, np.broadcast_to(fill, (batch, extra) + x.shape[2:])], axis=1)
+
+    def pad(x, fill):
+        return np.concatenate([x, np.broadcast_to(fill, (batch, extra) + x.shape[2:])], axis=1)
+
     best = np.argmax(logits[:, 0], axis=-1)[:, None]
-    arrays = (pad(logits, decoy_logits.astype(np.float32)), pad(parents, np.int32(0)),
-              np.concatenate([tokens, np.broadcast_to(best, (batch, extra)).astype(np.int32)], axis=1),
-              np.full((batch,), n, np.int32), None if q is None else pad(q, np.float32(1.0 / policy.vocab)))
+    arrays = (
+        pad(logits, decoy_logits.astype(np.float32)),
+        pad(parents, np.int32(0)),
+        np.concatenate([tokens, np.broadcast_to(best, (batch, extra)).astype(np.int32)], axis=1),
+        np.full((batch,), n, np.int32),
+        None if q is None else pad(q, np.float32(1.0 / policy.vocab)),
+    )
     return tuple(None if x is None else jnp.asarray(x) for x in arrays)
 
 
-def tree_arrays(policy: PrefixPolicy, parents, tokens, batch: int, draft: PrefixPolicy | None = None,
-                width: int = WIDTH):
+def tree_arrays(
+    policy: PrefixPolicy, parents, tokens, batch: int, draft: PrefixPolicy | None = None, width: int = WIDTH
+):
     """(logits [B, W, V], parents [B, W], tokens [B, W], num_nodes [B], q [B, W, V] or None) for
     `batch` copies of one tree padded to `width` nodes; q is the draft's softmax at each node."""
     paths = prefixes(parents, tokens)
-    tile = lambda x: np.broadcast_to(x, (batch,) + np.shape(x))
+
+    def tile(x):
+        return np.broadcast_to(x, (batch,) + np.shape(x))
+
     logits = tile(np.stack([policy.logits(p) for p in paths]))
     q = None if draft is None else tile(np.stack([draft.probs(p, 1.0) for p in paths]).astype(np.float32))
     return padded(policy, logits, tile(np.asarray(parents, np.int32)), tile(np.asarray(tokens, np.int32)), q, width)
@@ -90,12 +101,14 @@ def emitted_sequences(result, tokens) -> list[tuple[int, ...]]:
     """Per row of a VerifyResult: accepted draft tokens, then next_token."""
     path, count, nxt = (np.asarray(x) for x in (result.path, result.num_accepted, result.next_token))
     tokens = np.asarray(tokens)
-    return [tuple(int(tokens[b, path[b, i]]) for i in range(1, count[b] + 1)) + (int(nxt[b]),)
-            for b in range(path.shape[0])]
+    return [
+        tuple(int(tokens[b, path[b, i]]) for i in range(1, count[b] + 1)) + (int(nxt[b]),) for b in range(path.shape[0])
+    ]
 
 
-def tree_walk_distribution(policy: PrefixPolicy, parents, tokens, temperature: float,
-                           accept_scale: float = 1.0) -> dict[tuple, float]:
+def tree_walk_distribution(
+    policy: PrefixPolicy, parents, tokens, temperature: float, accept_scale: float = 1.0
+) -> dict[tuple, float]:
     """Exact law of the emitted sequence for a fixed (deterministic) draft tree: the policy samples
     token by token from the root and stops after the first token that is not a child of the node it
     is at. Float64, from the definition.
@@ -123,6 +136,7 @@ def tree_walk_distribution(policy: PrefixPolicy, parents, tokens, temperature: f
         for y in range(policy.vocab):
             if p[y] > 0 and y not in by_token:
                 out[paths[node] + (y,)] = mass * p[y] * (1.0 - taken) / residual
+
     visit(0, 1.0)
     return out
 
@@ -196,7 +210,7 @@ def sampled_trees(draft: PrefixPolicy, parents, batch: int, rng: np.random.Gener
         for prefix, rows in _grouped_prefixes(tokens, nodes):
             with np.errstate(divide="ignore"):
                 keys = np.log(draft.probs(prefix, 1.0)) + rng.gumbel(size=(len(rows), draft.vocab))
-            tokens[rows[:, None], np.asarray(kids[n])[None, :]] = np.argsort(-keys, axis=1)[:, :len(kids[n])]
+            tokens[rows[:, None], np.asarray(kids[n])[None, :]] = np.argsort(-keys, axis=1)[:, : len(kids[n])]
     return tokens
 
 
@@ -236,8 +250,7 @@ def chi_square_pvalue(seqs, probs: dict[tuple, float]) -> float:
     return float(stats.chisquare(observed, expected).pvalue)
 
 
-def chi_square_power(probs: dict[tuple, float], alternative: dict[tuple, float], samples: int,
-                     alpha: float) -> float:
+def chi_square_power(probs: dict[tuple, float], alternative: dict[tuple, float], samples: int, alpha: float) -> float:
     """Probability that `chi_square_pvalue` of `samples` draws from `alternative` is below alpha
     when testing against `probs` (same pooling of bins expected below 5): the noncentral
     chi-square approximation, noncentrality samples * sum((alt - p)^2 / p) over the bins, for the

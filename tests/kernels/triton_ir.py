@@ -19,7 +19,9 @@ def triton_modules(fn, *args) -> list[bytes]:
         for region in op.regions:
             for block in region.blocks:
                 for inner in block.operations:
-                    config = inner.attributes["mhlo.backend_config"] if "mhlo.backend_config" in inner.attributes else None
+                    config = (
+                        inner.attributes["mhlo.backend_config"] if "mhlo.backend_config" in inner.attributes else None
+                    )
                     if inner.name == "stablehlo.custom_call" and config is not None and "ir" in config:
                         modules.append(ir.StringAttr(config["ir"]).value_bytes)
                     walk(inner)

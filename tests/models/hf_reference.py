@@ -28,9 +28,17 @@ CONFIG_CLASSES = {
 def hf_config(family: str, **overrides) -> transformers.PretrainedConfig:
     """A tiny config of `family` (hidden 32, 4 heads / 2 KV heads, 2 layers, vocab 97; qwen3_moe: 4
     experts of width 16, 2 per token)."""
-    kwargs = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     kwargs.update(overrides)
     if family == "qwen3_moe":  # 4 experts of width 16, 2 per token
         kwargs = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) | kwargs
@@ -74,9 +82,11 @@ def _torch_ints(x) -> torch.Tensor:
 def hf_logits(model, tokens, attention_mask=None, position_ids=None) -> np.ndarray:
     """float32 logits [B, T, V] of the torch model for int tokens [B, T]."""
     with torch.no_grad():
-        out = model(input_ids=_torch_ints(tokens),
-                    attention_mask=None if attention_mask is None else _torch_ints(attention_mask),
-                    position_ids=None if position_ids is None else _torch_ints(position_ids))
+        out = model(
+            input_ids=_torch_ints(tokens),
+            attention_mask=None if attention_mask is None else _torch_ints(attention_mask),
+            position_ids=None if position_ids is None else _torch_ints(position_ids),
+        )
     return out.logits.float().numpy()
 
 
@@ -97,7 +107,7 @@ def rel_max_err(actual, reference) -> float:
 def random_tokens(seed: int, shape: tuple[int, ...], vocab_size: int) -> np.ndarray:
     """int32 tokens in [0, vocab_size); drawn at one fixed size so every shape shares one compile."""
     pool = jax.random.randint(jax.random.key(seed), (_POOL,), 0, vocab_size, jnp.int32)
-    return np.asarray(pool)[:math.prod(shape)].reshape(shape)
+    return np.asarray(pool)[: math.prod(shape)].reshape(shape)
 
 
 _POOL = 4096

@@ -70,8 +70,9 @@ def test_inactive_rows_read_no_prefix(impl):
     want_active = cache_attention(q, k, v, cache_len, mask, impl="xla")
     np.testing.assert_allclose(got[np.asarray(active)], want_active[np.asarray(active)], rtol=1e-5, atol=1e-5)
     slots = cache_len[:, None] + jnp.arange(t)[None, :]
-    moved_k, moved_v = (jnp.zeros_like(x).at[:, :t].set(jnp.take_along_axis(x, slots[:, :, None, None], axis=1))
-                        for x in (k, v))
+    moved_k, moved_v = (
+        jnp.zeros_like(x).at[:, :t].set(jnp.take_along_axis(x, slots[:, :, None, None], axis=1)) for x in (k, v)
+    )
     want_inactive = cache_attention(q, moved_k, moved_v, jnp.zeros_like(cache_len), mask, impl="xla")
     inactive = ~np.asarray(active)
     np.testing.assert_allclose(got[inactive], want_inactive[inactive], rtol=1e-5, atol=1e-5)
@@ -118,15 +119,30 @@ def test_dtype_mismatch_is_refused():
 def test_extend_uses_the_implementation_from_the_environment(monkeypatch):
     """A verification-shaped extend (4 new tokens after a prefill) gives the same logits with
     JAXSPEC_CACHE_ATTENTION=interpret as with xla."""
-    cfg = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=64)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=64,
+    )
     params = random_params(cfg, jax.random.key(3))
     tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size)
     prefix = jnp.asarray([5, 8], jnp.int32)
 
     def run():
-        _, _, cache = extend(cfg, params, init_cache(cfg, 2, 32), tokens[:, :8],
-                             jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.zeros((2,), jnp.int32))
+        _, _, cache = extend(
+            cfg,
+            params,
+            init_cache(cfg, 2, 32),
+            tokens[:, :8],
+            jnp.broadcast_to(jnp.arange(8), (2, 8)),
+            jnp.zeros((2,), jnp.int32),
+        )
         logits, _, _ = extend(cfg, params, cache, tokens[:, 8:], prefix[:, None] + jnp.arange(4), prefix)
         return logits
 

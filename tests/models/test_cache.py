@@ -25,8 +25,18 @@ forward_jit = jax.jit(forward_hidden, static_argnums=(0, 3))
 @pytest.fixture(scope="module")
 def model():
     """Qwen3 (q/k norms) with grouped-query attention (4 query heads over 2 KV heads)."""
-    cfg = ModelConfig(family="qwen3", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=500.0)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=500.0,
+    )
     return cfg, random_params(cfg, jax.random.key(1))
 
 
@@ -41,8 +51,9 @@ def _prefill(cfg, params, tokens, lengths):
     Slots lengths[b]..BLOCK-1 of row b then hold stale entries that later calls must ignore.
     """
     positions = jnp.broadcast_to(jnp.arange(BLOCK, dtype=jnp.int32), (2, BLOCK))
-    logits, _, cache = extend_jit(cfg, params, init_cache(cfg, 2, MAX_LEN), jnp.asarray(tokens[:, :BLOCK]),
-                                  positions, jnp.zeros((2,), jnp.int32))
+    logits, _, cache = extend_jit(
+        cfg, params, init_cache(cfg, 2, MAX_LEN), jnp.asarray(tokens[:, :BLOCK]), positions, jnp.zeros((2,), jnp.int32)
+    )
     return logits, cache, jnp.asarray(lengths, jnp.int32)
 
 
@@ -58,15 +69,22 @@ def test_prefill_block_and_decode_reproduce_full_forward(model):
 
     rows = np.arange(2)[:, None]
     block = lengths[:, None] + np.arange(BLOCK)[None, :]
-    logits, _, cache = extend_jit(cfg, params, cache, jnp.asarray(tokens[rows, block]),
-                                  jnp.asarray(block, jnp.int32), cache_len)
+    logits, _, cache = extend_jit(
+        cfg, params, cache, jnp.asarray(tokens[rows, block]), jnp.asarray(block, jnp.int32), cache_len
+    )
     assert rel_max_err(logits, ref[rows, block]) < TOL
     cache_len = cache_len + BLOCK
 
     while int(cache_len.max()) < SEQ:
         pos = np.asarray(cache_len)
-        logits, _, cache = extend_jit(cfg, params, cache, jnp.asarray(tokens[np.arange(2), pos][:, None]),
-                                      jnp.asarray(pos[:, None], jnp.int32), cache_len)
+        logits, _, cache = extend_jit(
+            cfg,
+            params,
+            cache,
+            jnp.asarray(tokens[np.arange(2), pos][:, None]),
+            jnp.asarray(pos[:, None], jnp.int32),
+            cache_len,
+        )
         assert logits.shape == (2, 1, cfg.vocab_size)
         assert rel_max_err(logits[:, 0], ref[np.arange(2), pos]) < TOL, pos
         cache_len = cache_len + 1
@@ -99,8 +117,16 @@ def test_tree_extension_matches_each_root_to_node_path(model):
 
     _, cache, cache_len = _prefill(cfg, params, prefix, prefix_lens)
     positions = jnp.asarray(prefix_lens[:, None] + depth, jnp.int32)
-    logits, hidden, _ = extend_jit(cfg, params, cache, jnp.asarray(nodes), positions, cache_len,
-                                   tree_mask=jnp.asarray(tree_mask), hidden_layers=(1, 0))
+    logits, hidden, _ = extend_jit(
+        cfg,
+        params,
+        cache,
+        jnp.asarray(nodes),
+        positions,
+        cache_len,
+        tree_mask=jnp.asarray(tree_mask),
+        hidden_layers=(1, 0),
+    )
     assert hidden.shape == (2, 2, BLOCK, cfg.hidden_size)
 
     # Reference for node i: a causal forward over prefix + root-to-node path (ancestors precede
@@ -108,8 +134,8 @@ def test_tree_extension_matches_each_root_to_node_path(model):
     for i in range(BLOCK):
         paths = np.zeros((2, SEQ), np.int32)
         for b in range(2):
-            seq = np.concatenate([prefix[b, :prefix_lens[b]], nodes[b][np.flatnonzero(tree_mask[b, i])]])
-            paths[b, :len(seq)] = seq
+            seq = np.concatenate([prefix[b, : prefix_lens[b]], nodes[b][np.flatnonzero(tree_mask[b, i])]])
+            paths[b, : len(seq)] = seq
         ref_logits, ref_hidden = _reference(cfg, params, paths)
         last = prefix_lens + depth[:, i]
         assert rel_max_err(logits[:, i], ref_logits[np.arange(2), last]) < TOL, i
@@ -121,11 +147,15 @@ def test_tree_extension_matches_each_root_to_node_path(model):
 
 def _fill(cache: KVCache, key, where) -> KVCache:
     """Overwrites the slots where `where` [B, S] is True with large random values."""
+
     def garbage(x, k):
         return jnp.where(where[:, :, None, None], 100.0 * jax.random.normal(k, x.shape, x.dtype), x)
+
     keys = jax.random.split(key, 2 * len(cache.k))
-    return KVCache(k=tuple(garbage(x, k) for x, k in zip(cache.k, keys[::2])),
-                   v=tuple(garbage(x, k) for x, k in zip(cache.v, keys[1::2])))
+    return KVCache(
+        k=tuple(garbage(x, k) for x, k in zip(cache.k, keys[::2])),
+        v=tuple(garbage(x, k) for x, k in zip(cache.v, keys[1::2])),
+    )
 
 
 def test_slots_outside_the_new_block_are_neither_read_past_nor_written(model):
@@ -141,8 +171,9 @@ def test_slots_outside_the_new_block_are_neither_read_past_nor_written(model):
     outs = []
     for seed in (10, 11):
         filled = _fill(cache, jax.random.key(seed), stale)
-        logits, _, updated = extend_jit(cfg, params, filled, jnp.asarray(tokens[rows, new]),
-                                        jnp.asarray(new, jnp.int32), cache_len)
+        logits, _, updated = extend_jit(
+            cfg, params, filled, jnp.asarray(tokens[rows, new]), jnp.asarray(new, jnp.int32), cache_len
+        )
         for before, after in zip(filled.k + filled.v, updated.k + updated.v):
             np.testing.assert_array_equal(np.asarray(after)[~written], np.asarray(before)[~written])
         outs.append((logits, updated))
@@ -159,13 +190,21 @@ def test_init_cache_shapes_and_bytes(model):
     cache = init_cache(cfg, 3, 10, jnp.bfloat16)
     assert (cache.batch, cache.max_len) == (3, 10)
     assert len(cache.k) == len(cache.v) == cfg.num_layers
-    assert all(x.shape == (3, 10, cfg.num_kv_heads, cfg.head_dim) and x.dtype == jnp.bfloat16
-               for x in cache.k + cache.v)
+    assert all(
+        x.shape == (3, 10, cfg.num_kv_heads, cfg.head_dim) and x.dtype == jnp.bfloat16 for x in cache.k + cache.v
+    )
     assert cache_bytes(cfg, 3, 10, jnp.bfloat16) == sum(x.nbytes for x in cache.k + cache.v)
 
 
 def test_extend_rejects_hidden_layer_out_of_range(model):
     cfg, params = model
     with pytest.raises(ValueError, match="hidden layer id 2 outside"):
-        extend(cfg, params, init_cache(cfg, 2, MAX_LEN), jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
-               jnp.zeros((2,), jnp.int32), hidden_layers=(2,))
+        extend(
+            cfg,
+            params,
+            init_cache(cfg, 2, MAX_LEN),
+            jnp.zeros((2, 1), jnp.int32),
+            jnp.zeros((2, 1), jnp.int32),
+            jnp.zeros((2,), jnp.int32),
+            hidden_layers=(2,),
+        )

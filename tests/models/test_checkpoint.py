@@ -13,30 +13,71 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxspec.models import ModelConfig, forward, load_hf, load_tokenizer, save_hf
-from tests.models.hf_reference import (hf_config, hf_logits, perturbed_model, random_params, random_tokens,
-                                       rel_max_err)
+from tests.models.hf_reference import hf_config, hf_logits, perturbed_model, random_params, random_tokens, rel_max_err
 
 FP32_TOL = 1e-5  # relative to max |logit|
 SEQ = 20
 
 CONFIGS = {
-    "qwen2_gqa": ModelConfig(family="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
-                             num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
-                             rope_theta=1000.0, eos_token_id=(3, 5), pad_token_id=0),
-    "qwen3_tied": ModelConfig(family="qwen3", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
-                              num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
-                              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    "llama_yarn": ModelConfig(family="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
-                              num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-                              rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 64),
-                                            ("rope_type", "yarn"))),
-    "llama_llama3_mha": ModelConfig(family="llama", vocab_size=97, hidden_size=32, intermediate_size=48,
-                                    num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
-                                    max_position_embeddings=64, rope_theta=10000.0,
-                                    rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
-                                                  ("low_freq_factor", 1.0),
-                                                  ("original_max_position_embeddings", 64),
-                                                  ("rope_type", "llama3"))),
+    "qwen2_gqa": ModelConfig(
+        family="qwen2",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=1000.0,
+        eos_token_id=(3, 5),
+        pad_token_id=0,
+    ),
+    "qwen3_tied": ModelConfig(
+        family="qwen3",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "llama_yarn": ModelConfig(
+        family="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 64), ("rope_type", "yarn")),
+    ),
+    "llama_llama3_mha": ModelConfig(
+        family="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rope_scaling=(
+            ("factor", 8.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 64),
+            ("rope_type", "llama3"),
+        ),
+    ),
 }
 
 
@@ -68,8 +109,13 @@ def test_save_hf_loads_in_transformers_with_matching_logits(saved):
     tokens = random_tokens(0, (2, SEQ), cfg.vocab_size)
     assert rel_max_err(forward(cfg, params, tokens), hf_logits(model, tokens)) < FP32_TOL
     positions = np.broadcast_to(np.arange(SEQ) + 150, (2, SEQ)).astype(np.int32)  # past the rope's old context
-    assert rel_max_err(forward(cfg, params, tokens, positions=jnp.asarray(positions)),
-                       hf_logits(model, tokens, position_ids=positions)) < FP32_TOL
+    assert (
+        rel_max_err(
+            forward(cfg, params, tokens, positions=jnp.asarray(positions)),
+            hf_logits(model, tokens, position_ids=positions),
+        )
+        < FP32_TOL
+    )
 
 
 def test_save_hf_round_trip_is_exact(saved):

@@ -14,10 +14,17 @@ ROPES = {
     "default": dict(rope_type="default", rope_theta=1e6),
     "linear": dict(rope_type="linear", factor=2.0, rope_theta=1e4),
     "dynamic": dict(rope_type="dynamic", factor=3.0, rope_theta=1e4),
-    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e4,
-                 beta_fast=16.0, beta_slow=2.0),
-    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=16, rope_theta=5e5),
+    "yarn": dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e4, beta_fast=16.0, beta_slow=2.0
+    ),
+    "llama3": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+        rope_theta=5e5,
+    ),
 }
 FAMILY_OVERRIDES = {
     "qwen2": dict(tie_word_embeddings=True, eos_token_id=[3, 4]),
@@ -33,8 +40,11 @@ def test_from_hf_to_hf_round_trip_through_transformers(family, rope):
     cfg = ModelConfig.from_hf(hf.to_dict())
     assert cfg.family == family
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (97, 32, 48, 2)
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (hf.num_attention_heads, hf.num_key_value_heads,
-                                                              getattr(hf, "head_dim", None) or 8)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        getattr(hf, "head_dim", None) or 8,
+    )
     assert cfg.rms_norm_eps == hf.rms_norm_eps and cfg.tie_word_embeddings == hf.tie_word_embeddings
     assert cfg.rope_theta == ROPES[rope]["rope_theta"]
     expected_rope = {k: v for k, v in hf.rope_parameters.items() if k != "rope_theta"}
@@ -48,9 +58,20 @@ def test_from_hf_to_hf_round_trip_through_transformers(family, rope):
 
 
 def test_to_hf_writes_token_ids_and_dtype():
-    cfg = ModelConfig(family="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=32, eos_token_id=(3, 4),
-                      bos_token_id=1, pad_token_id=0)
+    cfg = ModelConfig(
+        family="qwen2",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_position_embeddings=32,
+        eos_token_id=(3, 4),
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     out = cfg.to_hf("bfloat16")
     assert out["eos_token_id"] == [3, 4] and out["bos_token_id"] == 1 and out["pad_token_id"] == 0
     assert out["torch_dtype"] == out["dtype"] == "bfloat16"
@@ -61,25 +82,61 @@ def test_to_hf_writes_token_ids_and_dtype():
 
 
 LEGACY = {  # transformers 4.x style: top-level rope_theta, rope_scaling with "type" or "rope_type"
-    "linear_type_key": ({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}},
-                        5e5, {"rope_type": "linear", "factor": 2.0}),
-    "llama3": ({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0,
-                                                    "original_max_position_embeddings": 8192}},
-               5e5, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192}),
+    "linear_type_key": (
+        {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        5e5,
+        {"rope_type": "linear", "factor": 2.0},
+    ),
+    "llama3": (
+        {
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+        5e5,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "no_scaling": ({"rope_theta": 1e6, "rope_scaling": None}, 1e6, {"rope_type": "default"}),
     "nothing": ({}, 10000.0, {"rope_type": "default"}),
-    "v5_parameters": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                           "original_max_position_embeddings": 32768}},
-                      1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    "v5_parameters": (
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 1e6,
+                "original_max_position_embeddings": 32768,
+            }
+        },
+        1e6,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    ),
 }
 
 
 def _llama_dict(**extra):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 32,
-            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 131072, **extra}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(LEGACY))
@@ -96,9 +153,15 @@ def test_rope_config_styles_parse_like_transformers(name):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_omitted_keys_take_the_transformers_defaults(family):
-    minimal = {"architectures": [ARCHITECTURES[family]],
-               "vocab_size": 50, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
-               "num_attention_heads": 4, "num_key_value_heads": 2}
+    minimal = {
+        "architectures": [ARCHITECTURES[family]],
+        "vocab_size": 50,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     cfg = ModelConfig.from_hf(minimal)
     hf = CONFIG_CLASSES[family](**minimal)
     assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
@@ -141,12 +204,21 @@ def test_other_unsupported_settings_are_rejected():
 
 
 def test_constructor_validation():
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=4, num_kv_heads=2,
-                head_dim=2, max_position_embeddings=32)
+    base = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+        max_position_embeddings=32,
+    )
     assert ModelConfig(family="qwen3", **base).qk_norm is True
     assert ModelConfig(family="qwen2", **base).attention_bias is True
-    assert ModelConfig(family="llama", **base) == ModelConfig(family="llama", attention_bias=False, qk_norm=False,
-                                                              **base)
+    assert ModelConfig(family="llama", **base) == ModelConfig(
+        family="llama", attention_bias=False, qk_norm=False, **base
+    )
     with pytest.raises(ValueError, match="qk_norm"):
         ModelConfig(family="qwen3", qk_norm=False, **base)
     with pytest.raises(ValueError, match="attention_bias"):
@@ -160,14 +232,17 @@ def test_constructor_validation():
     hash(ModelConfig(family="llama", rope_scaling=(("factor", 2.0), ("rope_type", "linear")), **base))
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("qwen2", dict()),
-    ("qwen2", dict(tie_word_embeddings=True)),
-    ("qwen3", dict(head_dim=24)),
-    ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
-    ("llama", dict(num_hidden_layers=3)),
-    ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),
-])
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("qwen2", dict()),
+        ("qwen2", dict(tie_word_embeddings=True)),
+        ("qwen3", dict(head_dim=24)),
+        ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+        ("llama", dict(num_hidden_layers=3)),
+        ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    ],
+)
 def test_num_params_equals_transformers(family, overrides):
     hf = hf_config(family, **overrides)
     model = perturbed_model(hf, seed=0)

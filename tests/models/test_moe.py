@@ -13,8 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from jaxspec.models import ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh, save_hf, shard_params
 from jaxspec.models.moe import grouped_matmul, load_balancing_loss, moe_mlp, route
 from jaxspec.models.transformer import forward_router
-from tests.models.hf_reference import (hf_config, hf_logits, random_params, random_tokens, saved_checkpoint,
-                                       rel_max_err)
+from tests.models.hf_reference import hf_config, hf_logits, random_params, random_tokens, rel_max_err, saved_checkpoint
 
 FP32_TOL = 1e-5  # relative to max |logit|
 SHARDED_TOL = 5e-6  # sharded reductions add partial sums in another order (observed ~4e-7)
@@ -23,20 +22,25 @@ SEQ = 20
 CASES = {  # qwen3_moe config overrides (default: 4 experts, 2 per token, every layer sparse)
     "e4_k2": dict(),
     "e4_k2_norm_topk": dict(norm_topk_prob=True),
-    "e8_k3_mlp_only_0_tied": dict(num_experts=8, num_experts_per_tok=3, mlp_only_layers=[0],
-                                  tie_word_embeddings=True),
-    "e6_k1_step2_4_layers": dict(num_experts=6, num_experts_per_tok=1, decoder_sparse_step=2,
-                                 num_hidden_layers=4),
-    "e16_k4_norm_topk_step2_mlp_only_3": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-                                              decoder_sparse_step=2, mlp_only_layers=[3], num_hidden_layers=4),
+    "e8_k3_mlp_only_0_tied": dict(num_experts=8, num_experts_per_tok=3, mlp_only_layers=[0], tie_word_embeddings=True),
+    "e6_k1_step2_4_layers": dict(num_experts=6, num_experts_per_tok=1, decoder_sparse_step=2, num_hidden_layers=4),
+    "e16_k4_norm_topk_step2_mlp_only_3": dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        num_hidden_layers=4,
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request, tmp_path_factory):
     """(name, HF model, folder it was saved to by transformers)."""
-    return saved_checkpoint(tmp_path_factory, request.param, "qwen3_moe", CASES[request.param],
-                            seed=sorted(CASES).index(request.param))
+    return saved_checkpoint(
+        tmp_path_factory, request.param, "qwen3_moe", CASES[request.param], seed=sorted(CASES).index(request.param)
+    )
 
 
 def test_fp32_logits_match_transformers(checkpoint):
@@ -44,8 +48,9 @@ def test_fp32_logits_match_transformers(checkpoint):
     cfg, params = load_hf(path)
     hf = model.config
     assert cfg.family == "qwen3_moe" and cfg.num_experts == hf.num_experts
-    assert cfg.sparse_layers == tuple(i for i, layer in enumerate(model.model.layers)
-                                      if type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock"), name
+    assert cfg.sparse_layers == tuple(
+        i for i, layer in enumerate(model.model.layers) if type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    ), name
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
     tokens = random_tokens(1, (2, SEQ), cfg.vocab_size)
     ref = hf_logits(model, tokens)
@@ -59,21 +64,30 @@ def test_router_logits_and_load_balancing_loss_match_transformers(checkpoint):
     tokens = random_tokens(2, (2, SEQ), cfg.vocab_size)
     mask = np.arange(SEQ)[None, :] < np.asarray([[SEQ], [13]])
     with torch.no_grad():
-        out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)), output_router_logits=True,
-                    attention_mask=torch.from_numpy(mask.astype(np.int64)))
+        out = model(
+            input_ids=torch.from_numpy(tokens.astype(np.int64)),
+            output_router_logits=True,
+            attention_mask=torch.from_numpy(mask.astype(np.int64)),
+        )
     _, _, router = forward_router(cfg, params, tokens, mask=jnp.asarray(mask))
     assert router.shape == (len(cfg.sparse_layers), 2, SEQ, cfg.num_experts)
     # HF's router logits are [B*T, E] per sparse layer; padded positions differ (HF masks their keys too).
     ref_router = np.stack([r.numpy().reshape(2, SEQ, -1) for r in out.router_logits])
     assert rel_max_err(router[:, mask], ref_router[:, mask]) < FP32_TOL, name
-    ref_loss = load_balancing_loss_func(tuple(torch.from_numpy(ref_router.reshape(len(router), 2 * SEQ, -1))),
-                                        cfg.num_experts, cfg.num_experts_per_tok, torch.from_numpy(mask))
+    ref_loss = load_balancing_loss_func(
+        tuple(torch.from_numpy(ref_router.reshape(len(router), 2 * SEQ, -1))),
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        torch.from_numpy(mask),
+    )
     loss = load_balancing_loss(router, cfg.num_experts_per_tok, jnp.asarray(mask))
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5), name
-    unmasked = load_balancing_loss_func(tuple(torch.from_numpy(ref_router.reshape(len(router), 2 * SEQ, -1))),
-                                        cfg.num_experts, cfg.num_experts_per_tok)
+    unmasked = load_balancing_loss_func(
+        tuple(torch.from_numpy(ref_router.reshape(len(router), 2 * SEQ, -1))), cfg.num_experts, cfg.num_experts_per_tok
+    )
     assert float(load_balancing_loss(jnp.asarray(ref_router), cfg.num_experts_per_tok)) == pytest.approx(
-        float(unmasked), rel=1e-5)
+        float(unmasked), rel=1e-5
+    )
 
 
 def test_load_balancing_loss_is_top_k_under_balanced_routing():
@@ -87,9 +101,18 @@ def test_load_balancing_loss_is_top_k_under_balanced_routing():
 
 
 def test_save_hf_round_trip_loads_in_transformers(tmp_path):
-    cfg = ModelConfig.from_hf(hf_config("qwen3_moe", num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
-                                        mlp_only_layers=[1], num_hidden_layers=4, norm_topk_prob=True).to_dict()
-                              | {"architectures": ["Qwen3MoeForCausalLM"]})
+    cfg = ModelConfig.from_hf(
+        hf_config(
+            "qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            mlp_only_layers=[1],
+            num_hidden_layers=4,
+            norm_topk_prob=True,
+        ).to_dict()
+        | {"architectures": ["Qwen3MoeForCausalLM"]}
+    )
     params = random_params(cfg, jax.random.key(3))
     save_hf(cfg, params, tmp_path / "ckpt")
     names = set(load_file(tmp_path / "ckpt" / "model.safetensors"))
@@ -99,8 +122,9 @@ def test_save_hf_round_trip_loads_in_transformers(tmp_path):
     assert loaded_cfg == cfg
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert model.config.num_experts == 8 and model.config.mlp_only_layers == [1]
     tokens = random_tokens(4, (2, SEQ), cfg.vocab_size)
     assert rel_max_err(forward(cfg, params, tokens), hf_logits(model, tokens)) < FP32_TOL
@@ -114,8 +138,10 @@ def test_load_hf_reads_fused_expert_tensors(tmp_path):
     tensors = load_file(tmp_path / "split" / "model.safetensors")
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}.mlp.experts."
-        per = {p: np.stack([tensors.pop(f"{pre}{j}.{p}.weight") for j in range(4)]) for p in ("gate_proj", "up_proj",
-                                                                                          "down_proj")}
+        per = {
+            p: np.stack([tensors.pop(f"{pre}{j}.{p}.weight") for j in range(4)])
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
         tensors[pre + "gate_up_proj"] = np.concatenate([per["gate_proj"], per["up_proj"]], axis=1)
         tensors[pre + "down_proj"] = per["down_proj"]
     (tmp_path / "fused").mkdir()
@@ -140,34 +166,50 @@ def test_load_hf_rejects_missing_expert(tmp_path):
         load_hf(tmp_path / "ckpt")
 
 
-BASE = dict(family="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+BASE = dict(
+    family="qwen3_moe",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=16), "num_experts_per_tok=5"),
-    (dict(num_experts=4, num_experts_per_tok=0, moe_intermediate_size=16), "num_experts_per_tok=0"),
-    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=0), "moe_intermediate_size=0"),
-    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, decoder_sparse_step=0),
-     "decoder_sparse_step=0"),
-    (dict(family="qwen3", num_experts=4), "num_experts=4 needs family 'qwen3_moe'"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=16), "num_experts_per_tok=5"),
+        (dict(num_experts=4, num_experts_per_tok=0, moe_intermediate_size=16), "num_experts_per_tok=0"),
+        (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=0), "moe_intermediate_size=0"),
+        (
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, decoder_sparse_step=0),
+            "decoder_sparse_step=0",
+        ),
+        (dict(family="qwen3", num_experts=4), "num_experts=4 needs family 'qwen3_moe'"),
+    ],
+)
 def test_bad_moe_config_raises(fields, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**(BASE | fields))
 
 
 def test_from_hf_rejects_contradicting_expert_counts():
-    hf = hf_config("qwen3_moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
-                                              "num_local_experts": 8}
+    hf = hf_config("qwen3_moe").to_dict() | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": 4,
+        "num_local_experts": 8,
+    }
     with pytest.raises(ValueError, match="config.json: num_experts=4 contradicts num_local_experts=8"):
         ModelConfig.from_hf(hf)
 
 
 # ----------------------------------------------------------------------------- expert parallelism
 
-SHARDED_CFG = ModelConfig(**BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                          mlp_only_layers=(0,))
+SHARDED_CFG = ModelConfig(**BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(0,))
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +244,9 @@ def test_expert_sharded_extend_matches_unsharded(unsharded):
     step = jax.jit(extend, static_argnums=0, static_argnames=("sharding",))
     ref_logits, _, _ = step(SHARDED_CFG, params, cache, tokens[:, :6], positions, cache_len)
     sharding = Sharding(make_mesh(data=2, fsdp=1, expert=4))
-    logits, _, _ = step(SHARDED_CFG, shard_params(sharding, params), cache, tokens[:, :6], positions, cache_len,
-                        sharding=sharding)
+    logits, _, _ = step(
+        SHARDED_CFG, shard_params(sharding, params), cache, tokens[:, :6], positions, cache_len, sharding=sharding
+    )
     assert rel_max_err(logits, ref_logits) < SHARDED_TOL
 
 
@@ -214,10 +257,14 @@ def _dense_moe_reference(layer, x, top_k, norm_topk_prob):
     """Every expert on every token, weighted by a [N, E] gate matrix that is zero off the top-k."""
     flat = x.reshape(-1, x.shape[-1])
     _, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob)
-    gates = jnp.zeros((flat.shape[0], layer["router"].shape[1])).at[jnp.arange(flat.shape[0])[:, None], experts].set(
-        weights)
+    gates = (
+        jnp.zeros((flat.shape[0], layer["router"].shape[1]))
+        .at[jnp.arange(flat.shape[0])[:, None], experts]
+        .set(weights)
+    )
     hidden = jax.nn.silu(jnp.einsum("nh,ehi->eni", flat, layer["experts_gate"])) * jnp.einsum(
-        "nh,ehi->eni", flat, layer["experts_up"])
+        "nh,ehi->eni", flat, layer["experts_up"]
+    )
     out = jnp.einsum("eni,eih,ne->nh", hidden, layer["experts_down"], gates)
     return out.reshape(x.shape)
 
@@ -273,7 +320,7 @@ def test_moe_mlp_with_the_kernel_equals_ragged_dot(dtype):
     np.testing.assert_array_equal(experts, want_experts)
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(router, want_router)
-    assert rel_max_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0 ** -7)
+    assert rel_max_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0**-7)
 
 
 def test_grouped_matmul_gradients_through_the_kernels_equal_ragged_dots():
@@ -365,7 +412,9 @@ def test_a_mesh_that_splits_the_experts_keeps_ragged_dot():
     x = jax.random.normal(jax.random.key(26), (4, 3, SHARDED_CFG.hidden_size))
     sharding = Sharding(make_mesh(data=2, fsdp=1, expert=4))
     assert "pallas_call" not in str(jax.make_jaxpr(lambda l, x: moe_mlp(l, x, 2, True, "auto", sharding))(layer, x))
-    with pytest.raises(ValueError, match=r"'interpret' runs on whole experts, but the mesh splits them over \['expert'\]"):
+    with pytest.raises(
+        ValueError, match=r"'interpret' runs on whole experts, but the mesh splits them over \['expert'\]"
+    ):
         moe_mlp(layer, x, 2, True, "interpret", sharding)
 
 
@@ -374,6 +423,7 @@ def test_auto_picks_the_kernel_on_gpus_where_the_experts_stay_whole(monkeypatch)
     calls of KERNEL_MIN_WORK experts x rows or more, ragged_dot for smaller ones, on other backends,
     for mismatched dtypes and on meshes that split the experts."""
     from jaxspec.models import moe
+
     monkeypatch.delenv("JAXSPEC_MOE_MATMUL", raising=False)
     assert moe.resolve_impl("auto", True) == "ragged_dot"  # this CPU
     monkeypatch.setattr(moe, "on_gpu", lambda: True)

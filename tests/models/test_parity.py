@@ -9,8 +9,15 @@ import pytest
 
 from jaxspec.models import forward, forward_hidden, load_hf
 from jaxspec.models.transformer import rms_norm
-from tests.models.hf_reference import (hf_config, hf_hidden_states, hf_logits, perturbed_model, random_tokens,
-                                       rel_max_err, saved_checkpoint)
+from tests.models.hf_reference import (
+    hf_config,
+    hf_hidden_states,
+    hf_logits,
+    perturbed_model,
+    random_tokens,
+    rel_max_err,
+    saved_checkpoint,
+)
 
 FP32_TOL = 1e-5  # relative to max |logit|
 # bf16 weights and activations against the fp32 reference: a sanity bound that catches a wrong
@@ -28,25 +35,67 @@ CASES = {
     "qwen3_head_dim24_mqa": ("qwen3", dict(num_key_value_heads=1, head_dim=24)),
     "qwen3_tied_3_layers": ("qwen3", dict(tie_word_embeddings=True, num_hidden_layers=3)),
     "llama_mha": ("llama", dict(num_key_value_heads=4)),
-    "llama_gqa4_tied_vocab131": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=4,
-                                               tie_word_embeddings=True, vocab_size=131)),
+    "llama_gqa4_tied_vocab131": (
+        "llama",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=4, tie_word_embeddings=True, vocab_size=131),
+    ),
     "llama_linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=3.0, rope_theta=500.0))),
-    "llama_dynamic": ("llama", dict(max_position_embeddings=12,
-                                    rope_parameters=dict(rope_type="dynamic", factor=2.5, rope_theta=100.0))),
-    "llama_yarn": ("llama", dict(max_position_embeddings=4096, rope_parameters=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0))),
+    "llama_dynamic": (
+        "llama",
+        dict(max_position_embeddings=12, rope_parameters=dict(rope_type="dynamic", factor=2.5, rope_theta=100.0)),
+    ),
+    "llama_yarn": (
+        "llama",
+        dict(
+            max_position_embeddings=4096,
+            rope_parameters=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0
+            ),
+        ),
+    ),
     # factor differs from max_position_embeddings / original_max_position_embeddings (2048 / 1024)
-    "llama_yarn_factor_not_ratio": ("llama", dict(max_position_embeddings=2048, rope_parameters=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0,
-        beta_fast=16.0, beta_slow=2.0))),
-    "llama_yarn_mscale": ("llama", dict(max_position_embeddings=256, rope_parameters=dict(
-        rope_type="yarn", factor=8.0, rope_theta=10000.0, mscale=0.8, mscale_all_dim=0.5))),
-    "llama_yarn_attention_factor": ("llama", dict(rope_parameters=dict(
-        rope_type="yarn", factor=2.0, rope_theta=10000.0, attention_factor=1.3, truncate=False))),
+    "llama_yarn_factor_not_ratio": (
+        "llama",
+        dict(
+            max_position_embeddings=2048,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=1024,
+                rope_theta=10000.0,
+                beta_fast=16.0,
+                beta_slow=2.0,
+            ),
+        ),
+    ),
+    "llama_yarn_mscale": (
+        "llama",
+        dict(
+            max_position_embeddings=256,
+            rope_parameters=dict(rope_type="yarn", factor=8.0, rope_theta=10000.0, mscale=0.8, mscale_all_dim=0.5),
+        ),
+    ),
+    "llama_yarn_attention_factor": (
+        "llama",
+        dict(
+            rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=10000.0, attention_factor=1.3, truncate=False)
+        ),
+    ),
     # head_dim 8, theta 1e4: wavelengths 6.3, 63, 628, 6283 hit the kept, smoothed and scaled bands
-    "llama_llama3": ("llama", dict(max_position_embeddings=512, rope_parameters=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64, rope_theta=10000.0))),
+    "llama_llama3": (
+        "llama",
+        dict(
+            max_position_embeddings=512,
+            rope_parameters=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+                rope_theta=10000.0,
+            ),
+        ),
+    ),
 }
 
 
@@ -81,8 +130,9 @@ def test_fp32_logits_match_transformers_at_offset_positions(checkpoint):
     assert rel_max_err(ours, ref) < FP32_TOL, name
 
 
-@pytest.mark.parametrize("checkpoint", sorted(n for n, (_, o) in CASES.items() if "rope_parameters" in o),
-                         indirect=True)
+@pytest.mark.parametrize(
+    "checkpoint", sorted(n for n, (_, o) in CASES.items() if "rope_parameters" in o), indirect=True
+)
 def test_rope_scaling_changes_logits(checkpoint):
     """Guards the parity tests above: the scaled rope must differ measurably from the default one."""
     name, _, path = checkpoint
@@ -154,7 +204,7 @@ def test_right_padding_mask_matches_unpadded_rows(qwen3):
     mask = np.arange(SEQ)[None, :] < np.asarray(lengths)[:, None]
     padded = forward(cfg, params, tokens, mask=jnp.asarray(mask))
     for row, n in enumerate(lengths):
-        alone = hf_logits(model, tokens[row:row + 1, :n])
+        alone = hf_logits(model, tokens[row : row + 1, :n])
         assert rel_max_err(padded[row, :n], alone[0]) < FP32_TOL, row
 
 
@@ -168,10 +218,10 @@ def test_left_padding_mask_with_positions_matches_unpadded_rows(qwen3):
     positions = np.maximum(np.arange(SEQ)[None, :] - pad[:, None], 0).astype(np.int32)
     ours = forward(cfg, params, tokens, mask=jnp.asarray(mask), positions=jnp.asarray(positions))
     for row, n in enumerate(lengths):
-        alone = hf_logits(model, tokens[row:row + 1, SEQ - n:])
-        assert rel_max_err(ours[row, SEQ - n:], alone[0]) < FP32_TOL, row
+        alone = hf_logits(model, tokens[row : row + 1, SEQ - n :])
+        assert rel_max_err(ours[row, SEQ - n :], alone[0]) < FP32_TOL, row
     unmasked = forward(cfg, params, tokens, positions=jnp.asarray(positions))
-    assert rel_max_err(unmasked[1, SEQ - 6:], hf_logits(model, tokens[1:, SEQ - 6:])[0]) > 1e-3
+    assert rel_max_err(unmasked[1, SEQ - 6 :], hf_logits(model, tokens[1:, SEQ - 6 :])[0]) > 1e-3
 
 
 def test_segment_ids_match_separate_forwards(qwen3):
@@ -184,8 +234,8 @@ def test_segment_ids_match_separate_forwards(qwen3):
     for row, lens in enumerate(segment_lengths):
         start = 0
         for n in lens:
-            alone = hf_logits(model, tokens[row:row + 1, start:start + n])
-            assert rel_max_err(packed[row, start:start + n], alone[0]) < FP32_TOL, (row, start)
+            alone = hf_logits(model, tokens[row : row + 1, start : start + n])
+            assert rel_max_err(packed[row, start : start + n], alone[0]) < FP32_TOL, (row, start)
             start += n
 
 
@@ -195,8 +245,7 @@ def test_segment_ids_with_padding_and_explicit_positions(qwen3):
     tokens = random_tokens(10, (2, SEQ), cfg.vocab_size)
     segment_ids = jnp.asarray([[0] * 6 + [1] * 10 + [2] * 4, [0] * 15 + [1] * 5], jnp.int32)
     mask = jnp.asarray([[True] * 16 + [False] * 4, [True] * 17 + [False] * 3])
-    positions = jnp.asarray([list(range(6)) + list(range(10)) + [0] * 4, list(range(15)) + list(range(5))],
-                            jnp.int32)
+    positions = jnp.asarray([list(range(6)) + list(range(10)) + [0] * 4, list(range(15)) + list(range(5))], jnp.int32)
     implicit = forward(cfg, params, tokens, mask=mask, segment_ids=segment_ids)
     explicit = forward(cfg, params, tokens, mask=mask, segment_ids=segment_ids, positions=positions)
     np.testing.assert_array_equal(np.asarray(implicit[0, :16]), np.asarray(explicit[0, :16]))

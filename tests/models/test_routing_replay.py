@@ -19,9 +19,22 @@ FP32_TOL = 1e-5
 _forward = jax.jit(forward_router, static_argnums=0)  # one compilation per shape, not one per op
 _extend = jax.jit(extend, static_argnums=0, static_argnames=("record_experts",))
 # Layers 0, 2 and 3 sparse (16 experts, top-2, renormalised: small_moe's routing), layer 1 dense.
-CFG = ModelConfig(family="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=4,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, num_experts=16,
-                  num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=(1,))
+CFG = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    norm_topk_prob=True,
+    mlp_only_layers=(1,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +59,8 @@ def _dense_replay_reference(layer, x, experts, norm_topk_prob):
     if norm_topk_prob:
         gates = gates / gates.sum(axis=-1, keepdims=True)
     hidden = jax.nn.silu(jnp.einsum("nh,ehi->eni", flat, layer["experts_gate"])) * jnp.einsum(
-        "nh,ehi->eni", flat, layer["experts_up"])
+        "nh,ehi->eni", flat, layer["experts_up"]
+    )
     return jnp.einsum("eni,eih,ne->nh", hidden, layer["experts_down"], gates).reshape(x.shape)
 
 
@@ -67,7 +81,8 @@ def test_a_sparse_layer_runs_replayed_experts_weighted_by_its_router(params, nor
         return jnp.sum(fn(layer, x) * probe)
 
     ours = jax.grad(loss, argnums=(1, 2))(
-        lambda p, x: moe_mlp(p, x, 2, norm_topk_prob, impl, experts=experts.astype(jnp.uint8))[0], layer, x)
+        lambda p, x: moe_mlp(p, x, 2, norm_topk_prob, impl, experts=experts.astype(jnp.uint8))[0], layer, x
+    )
     ref = jax.grad(loss, argnums=(1, 2))(lambda p, x: _dense_replay_reference(p, x, experts, norm_topk_prob), layer, x)
     out, _, ran_on = moe_mlp(layer, x, 2, norm_topk_prob, impl, experts=experts)
     np.testing.assert_array_equal(ran_on, experts)
@@ -101,7 +116,7 @@ def test_a_replayed_expert_acts_at_its_own_position_and_layer(params, position, 
     logits, _, new_router = _forward(CFG, params, tokens, experts=changed)
     np.testing.assert_array_equal(logits[:, :position], base_logits[:, :position])
     assert float(jnp.max(jnp.abs(logits[:, position] - base_logits[:, position]))) > 1e-4
-    np.testing.assert_array_equal(new_router[:layer + 1], base_router[:layer + 1])  # the routers read no output
+    np.testing.assert_array_equal(new_router[: layer + 1], base_router[: layer + 1])  # the routers read no output
     np.testing.assert_array_equal(new_router[:, :, :position], base_router[:, :, :position])
 
 
@@ -111,14 +126,30 @@ def test_replayed_experts_must_fit_the_policy(params):
         forward_router(CFG, params, tokens, experts=jnp.zeros((2, 6, 4, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"got float32"):
         forward_router(CFG, params, tokens, experts=jnp.zeros((2, 6, 3, 2), jnp.float32))
-    dense = ModelConfig(family="qwen3", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=1,
-                        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    dense = ModelConfig(
+        family="qwen3",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     dense_params = random_params(dense, jax.random.key(46))
     with pytest.raises(ValueError, match="experts: the policy is dense"):
         forward_router(dense, dense_params, tokens, experts=jnp.zeros((2, 6, 0, 1), jnp.int32))
     with pytest.raises(ValueError, match="record_experts: the policy is dense"):
-        extend(dense, dense_params, init_cache(dense, 2, 8), tokens, jnp.zeros((2, 6), jnp.int32),
-               jnp.zeros((2,), jnp.int32), record_experts=True)
+        extend(
+            dense,
+            dense_params,
+            init_cache(dense, 2, 8),
+            tokens,
+            jnp.zeros((2, 6), jnp.int32),
+            jnp.zeros((2,), jnp.int32),
+            record_experts=True,
+        )
 
 
 @pytest.mark.parametrize("num_experts", [16, 300])
@@ -131,10 +162,18 @@ def test_extend_records_the_experts_the_full_forward_routes_to(num_experts):
     _, _, router = _forward(cfg, params, tokens)
     want = np.asarray(jnp.moveaxis(top_experts(router, 2), 0, 2))  # [B, T, L_sparse, k]
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
-    _, _, cache, prefill = _extend(cfg, params, init_cache(cfg, 2, 12), tokens[:, :8], positions[:, :8],
-                                  jnp.zeros((2,), jnp.int32), record_experts=True)
-    _, _, _, step = _extend(cfg, params, cache, tokens[:, 8:], positions[:, 8:], jnp.full((2,), 8, jnp.int32),
-                           record_experts=True)
+    _, _, cache, prefill = _extend(
+        cfg,
+        params,
+        init_cache(cfg, 2, 12),
+        tokens[:, :8],
+        positions[:, :8],
+        jnp.zeros((2,), jnp.int32),
+        record_experts=True,
+    )
+    _, _, _, step = _extend(
+        cfg, params, cache, tokens[:, 8:], positions[:, 8:], jnp.full((2,), 8, jnp.int32), record_experts=True
+    )
     assert prefill.dtype == step.dtype == expert_id_dtype(num_experts)
     assert prefill.shape == (2, 8, 3, 2) and step.shape == (2, 1, 3, 2)
     np.testing.assert_array_equal(np.concatenate([prefill, step], axis=1), want)
@@ -163,12 +202,16 @@ def test_replay_on_a_mesh_equals_one_device(params, axes, impl):
 
     step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(3, 4))
     (_, want), want_grads = step(params, tokens, experts, "ragged_dot", None)
-    devices = jax.devices()[:2 * axes.get("expert", 1)]
+    devices = jax.devices()[: 2 * axes.get("expert", 1)]
     sharding = Sharding(make_mesh(**({"fsdp": 1} | axes), devices=devices))
     rows = sharding.named(("batch", None), tokens.shape)
-    (_, got), grads = step(shard_params(sharding, params), jax.device_put(tokens, rows),
-                           jax.device_put(experts, sharding.named(("batch", None, None, None), experts.shape)),
-                           impl, sharding)
+    (_, got), grads = step(
+        shard_params(sharding, params),
+        jax.device_put(tokens, rows),
+        jax.device_put(experts, sharding.named(("batch", None, None, None), experts.shape)),
+        impl,
+        sharding,
+    )
     assert rel_max_err(got, want) < FP32_TOL
     for name in SPARSE_KEYS:
         assert rel_max_err(grads["layers"][2][name], want_grads["layers"][2][name]) < FP32_TOL, name

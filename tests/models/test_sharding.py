@@ -6,8 +6,19 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.models import (KVCache, ModelConfig, Sharding, extend, forward, init_cache, load_hf, make_mesh,
-                            param_shardings, save_hf, shard_params)
+from jaxspec.models import (
+    KVCache,
+    ModelConfig,
+    Sharding,
+    extend,
+    forward,
+    init_cache,
+    load_hf,
+    make_mesh,
+    param_shardings,
+    save_hf,
+    shard_params,
+)
 from jaxspec.models.sharding import KV_CACHE_AXES
 from tests.models.hf_reference import random_params, random_tokens, rel_max_err
 
@@ -17,8 +28,17 @@ BATCH, SEQ = 8, 16
 
 # hidden 32, 4 query heads, 2 KV heads, MLP 48, vocab 97: some dims divide the mesh axes, some
 # (vocab always, KV heads under tensor=4/8, query heads under tensor=8) must fall back to replication.
-CFG = ModelConfig(family="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+CFG = ModelConfig(
+    family="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +71,20 @@ def test_make_mesh_expert_axis():
         make_mesh(1, 2, 1, expert=3)
 
 
-@pytest.mark.parametrize("sizes,expected", [((2, -1, 1), (2, 4, 1)), ((1, -1, 8), (1, 1, 8)),
-                                            ((-1, 2, 2), (2, 2, 2))])
+@pytest.mark.parametrize("sizes,expected", [((2, -1, 1), (2, 4, 1)), ((1, -1, 8), (1, 1, 8)), ((-1, 2, 2), (2, 2, 2))])
 def test_make_mesh_fills_one_axis(sizes, expected):
     assert tuple(make_mesh(*sizes).shape.values()) == expected
 
 
-@pytest.mark.parametrize("sizes,words", [((3, 3, 1), ["data=3", "fsdp=3", "tensor=1", "9", "8"]),
-                                         ((2, 2, 1), ["data=2", "fsdp=2", "4", "8"]),
-                                         ((3, -1, 1), ["3", "8"]),
-                                         ((-1, -1, 2), ["data=-1", "fsdp=-1"])])
+@pytest.mark.parametrize(
+    "sizes,words",
+    [
+        ((3, 3, 1), ["data=3", "fsdp=3", "tensor=1", "9", "8"]),
+        ((2, 2, 1), ["data=2", "fsdp=2", "4", "8"]),
+        ((3, -1, 1), ["3", "8"]),
+        ((-1, -1, 2), ["data=-1", "fsdp=-1"]),
+    ],
+)
 def test_make_mesh_impossible_shapes(sizes, words):
     with pytest.raises(ValueError) as err:
         make_mesh(*sizes)
@@ -114,13 +138,19 @@ def test_param_specs_on_one_axis_meshes(checkpoint, shape):
     sharded = shard_params(Sharding(make_mesh(*shape)), params)
     specs = {k: _leaf(sharded, k).sharding.spec for k in [("embed",), ("layers", 0, "q"), ("layers", 0, "gate")]}
     if shape == (1, 8, 1):  # hidden 32 over fsdp=8
-        assert specs == {("embed",): P(None, "fsdp"), ("layers", 0, "q"): P("fsdp", None, None),
-                         ("layers", 0, "gate"): P("fsdp", None)}
+        assert specs == {
+            ("embed",): P(None, "fsdp"),
+            ("layers", 0, "q"): P("fsdp", None, None),
+            ("layers", 0, "gate"): P("fsdp", None),
+        }
     elif shape == (8, 1, 1):  # data parallel only: params replicated
         assert all(spec == P(*[None] * len(spec)) for spec in specs.values())
     else:  # tensor=8: 4 heads fall back to replication, MLP 48 splits
-        assert specs == {("embed",): P(None, None), ("layers", 0, "q"): P(None, None, None),
-                         ("layers", 0, "gate"): P(None, "tensor")}
+        assert specs == {
+            ("embed",): P(None, None),
+            ("layers", 0, "q"): P(None, None, None),
+            ("layers", 0, "gate"): P(None, "tensor"),
+        }
 
 
 def test_spec_rejects_mismatched_rank():
@@ -157,17 +187,25 @@ def test_sharded_extend_matches_unsharded(checkpoint):
     cache = init_cache(CFG, BATCH, 16)  # a stand-in prefix in slots 0..4
     cache = KVCache(k=tuple(x.at[:, :5].set(0.5) for x in cache.k), v=tuple(x.at[:, :5].set(-0.25) for x in cache.v))
     step = jax.jit(extend, static_argnums=0, static_argnames=("sharding", "hidden_layers"))
-    ref_logits, ref_hidden, ref_cache = step(CFG, params, cache, jnp.asarray(tokens), positions, cache_len,
-                                             hidden_layers=(0,))
+    ref_logits, ref_hidden, ref_cache = step(
+        CFG, params, cache, jnp.asarray(tokens), positions, cache_len, hidden_layers=(0,)
+    )
 
     sharding = Sharding(make_mesh(2, 2, 2))
     _, sharded_params = load_hf(path, sharding=sharding)
     cache_sharding = sharding.named(KV_CACHE_AXES, cache.k[0].shape)
     assert cache_sharding.spec == P(("data", "fsdp"), None, "tensor", None)
     sharded_cache = jax.device_put(cache, cache_sharding)
-    logits, hidden, new_cache = step(CFG, sharded_params, sharded_cache,
-                                     jax.device_put(tokens, sharding.named(("batch", "seq"), tokens.shape)),
-                                     positions, cache_len, hidden_layers=(0,), sharding=sharding)
+    logits, hidden, new_cache = step(
+        CFG,
+        sharded_params,
+        sharded_cache,
+        jax.device_put(tokens, sharding.named(("batch", "seq"), tokens.shape)),
+        positions,
+        cache_len,
+        hidden_layers=(0,),
+        sharding=sharding,
+    )
     assert rel_max_err(logits, ref_logits) < TOL
     assert rel_max_err(hidden, ref_hidden) < TOL
     for got, want in zip(new_cache.k + new_cache.v, ref_cache.k + ref_cache.v):

@@ -20,8 +20,13 @@ def run_notebook(name: str, checks: str, timeout_s: int = 300) -> None:
     nb.cells.append(nbformat.v4.new_code_cell(checks))
     repo = str(NOTEBOOKS.parent)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])]),
-               JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1", MPLBACKEND="agg")
-    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    env.update(
+        PYTHONPATH=os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        JAX_PLATFORMS="cpu",
+        JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+        MPLBACKEND="agg",
+    )
+    client = NotebookClient(
+        nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
     client.execute(env=env)

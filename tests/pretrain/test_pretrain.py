@@ -12,7 +12,6 @@ import pytest
 from safetensors.numpy import load_file
 
 import jaxspec
-
 from jaxspec.config_io import load_config
 from jaxspec.models import ModelConfig, forward, forward_router, init_params, load_balancing_loss, load_hf, moe
 from jaxspec.pretrain import main
@@ -223,17 +222,30 @@ def test_existing_run_needs_resume_and_same_data(first_run, capsys):
 
 
 def test_packed_loss_equals_per_example_loss_on_response_tokens():
-    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32, qk_norm=True)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+        qk_norm=True,
+    )
     rng = np.random.default_rng(0)
     # random values of every param (host RNG: no per-shape compilation of jax.random)
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
-                          jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)))
+    params = jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
+        jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)),
+    )
     examples = [(rng.integers(5, 40, n).tolist(), p) for n, p in [(9, 3), (11, 5), (4, 1), (7, 6), (12, 2)]]
     packed = pack(examples, max_len=20, pad_id=0, seed=1)
     assert packed.num_examples == 5 and packed.dropped == 0 and len(packed) >= 3
     loss, count, router_aux = jax.jit(response_loss, static_argnums=0)(
-        cfg, params, jnp.asarray(packed.tokens), jnp.asarray(packed.segment_ids), jnp.asarray(packed.weights))
+        cfg, params, jnp.asarray(packed.tokens), jnp.asarray(packed.segment_ids), jnp.asarray(packed.weights)
+    )
     # reference: one example per row, right-padded (causal attention never sees the padding)
     width = max(len(ids) for ids, _ in examples)
     rows = np.array([ids + [0] * (width - len(ids)) for ids, _ in examples], np.int32)
@@ -261,7 +273,7 @@ def test_pack_layout():
             ids = tokens[where].tolist()
             rows.append(ids)
             prompt_len = dict((tuple(e), p) for e, p in examples)[tuple(ids)]
-            counted = np.flatnonzero(weights[where[0]:where[-1]]) + where[0] + 1  # target positions
+            counted = np.flatnonzero(weights[where[0] : where[-1]]) + where[0] + 1  # target positions
             assert counted.tolist() == list(range(where[0] + prompt_len, where[-1] + 1))
         assert not tokens[segments == 0].any()
         assert weights[segments[:-1] == 0].sum() == 0
@@ -270,18 +282,25 @@ def test_pack_layout():
 
 def test_packed_set_takes_rows():
     n, width = 10, 5
-    data = PackedSet(tokens=np.arange(n * width, dtype=np.int32).reshape(n, width),
-                     segment_ids=np.arange(n * width, dtype=np.int32).reshape(n, width) + 1,
-                     weights=np.arange(n * (width - 1), dtype=np.float32).reshape(n, width - 1),
-                     num_examples=n, dropped=0)
+    data = PackedSet(
+        tokens=np.arange(n * width, dtype=np.int32).reshape(n, width),
+        segment_ids=np.arange(n * width, dtype=np.int32).reshape(n, width) + 1,
+        weights=np.arange(n * (width - 1), dtype=np.float32).reshape(n, width - 1),
+        num_examples=n,
+        dropped=0,
+    )
     rows = np.array([7, 2, 2])
     batch = data.take(rows)
     for name in ("tokens", "segment_ids", "weights"):
         np.testing.assert_array_equal(batch[name], getattr(data, name)[rows])
 
 
-MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
-       "model.router_aux_loss_coef=0.01"]
+MOE = [
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=32",
+    "model.router_aux_loss_coef=0.01",
+]
 
 
 def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys, monkeypatch):
@@ -297,10 +316,27 @@ def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys,
         return weight_grad(*args, **kwargs)
 
     monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", counted_weight_grad)
-    for name, mesh in (("one", []), ("expert", ["mesh.data=2", "mesh.expert=2"]), ("kernel", ["train.moe=interpret", "mesh.data=2"])):
+    for name, mesh in (
+        ("one", []),
+        ("expert", ["mesh.data=2", "mesh.expert=2"]),
+        ("kernel", ["train.moe=interpret", "mesh.data=2"]),
+    ):
         runs[name] = tmp_path / name
-        assert main(["--config", str(config), "--run-dir", str(runs[name]), "train.steps=8", "train.eval_every=0",
-                     *MOE, *mesh]) == 0
+        assert (
+            main(
+                [
+                    "--config",
+                    str(config),
+                    "--run-dir",
+                    str(runs[name]),
+                    "train.steps=8",
+                    "train.eval_every=0",
+                    *MOE,
+                    *mesh,
+                ]
+            )
+            == 0
+        )
     assert "training on the mesh {'data': 2, 'fsdp': 1, 'tensor': 1, 'expert': 2}" in capsys.readouterr().out
     assert weight_grads and set(weight_grads) == {"kernel"}
     records = [r for r in _metrics(runs["one"]) if "loss" in r]
@@ -317,39 +353,64 @@ def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys,
 
 
 def test_moe_response_loss_adds_the_weighted_router_loss():
-    cfg = ModelConfig(family="qwen3_moe", vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32, num_experts=4,
-                      num_experts_per_tok=2, moe_intermediate_size=8, router_aux_loss_coef=0.5)
+    cfg = ModelConfig(
+        family="qwen3_moe",
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        router_aux_loss_coef=0.5,
+    )
     rng = np.random.default_rng(1)
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
-                          jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)))
+    params = jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
+        jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)),
+    )
     packed = pack([(rng.integers(5, 40, n).tolist(), 2) for n in (9, 6, 12)], max_len=16, pad_id=0, seed=1)
     tokens, segments, weights = map(jnp.asarray, (packed.tokens, packed.segment_ids, packed.weights))
     loss, _, aux = jax.jit(response_loss, static_argnums=0)(cfg, params, tokens, segments, weights)
     plain = dataclasses.replace(cfg, router_aux_loss_coef=0.0)
     ce, _, _ = jax.jit(response_loss, static_argnums=0)(plain, params, tokens, segments, weights)
-    _, _, router = forward_router(cfg, params, tokens[:, :-1], mask=segments[:, :-1] > 0,
-                                  segment_ids=segments[:, :-1])
+    _, _, router = forward_router(cfg, params, tokens[:, :-1], mask=segments[:, :-1] > 0, segment_ids=segments[:, :-1])
     assert float(aux) == pytest.approx(float(load_balancing_loss(router, 2, segments[:, :-1] > 0)), rel=1e-6)
     assert float(loss) == pytest.approx(float(ce) + 0.5 * float(aux), rel=1e-6)
 
 
 def test_small_moe_is_small_with_experts_of_the_same_active_width():
-    small, moe = (load_config(PretrainConfig, Path(__file__).resolve().parents[2] / "configs" / name)
-                  for name in ("small.yaml", "small_moe.yaml"))
+    small, moe = (
+        load_config(PretrainConfig, Path(__file__).resolve().parents[2] / "configs" / name)
+        for name in ("small.yaml", "small_moe.yaml")
+    )
     assert (moe.data, moe.optim, moe.train) == (small.data, small.optim, small.train)
-    moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "router_aux_loss_coef")
+    moe_fields = (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "router_aux_loss_coef",
+    )
     assert dataclasses.replace(moe.model, **{f: getattr(small.model, f) for f in moe_fields}) == small.model
     assert moe.model.num_experts_per_tok * moe.model.moe_intermediate_size == small.model.intermediate_size
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.num_experts_per_tok=5", "model.num_experts_per_tok: must be in [1, model.num_experts=4], got 5"),
-    ("model.moe_intermediate_size=0", "model.moe_intermediate_size: must be > 0, got 0"),
-    ("train.moe=pallas mesh.data=2 mesh.expert=2", "train.moe: 'pallas' runs on whole experts: it needs "
-                                                  "mesh.expert = mesh.tensor = 1, got expert=2, tensor=1"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.num_experts_per_tok=5", "model.num_experts_per_tok: must be in [1, model.num_experts=4], got 5"),
+        ("model.moe_intermediate_size=0", "model.moe_intermediate_size: must be > 0, got 0"),
+        (
+            "train.moe=pallas mesh.data=2 mesh.expert=2",
+            "train.moe: 'pallas' runs on whole experts: it needs mesh.expert = mesh.tensor = 1, got expert=2, tensor=1",
+        ),
+    ],
+)
 def test_bad_moe_shape_is_rejected(tmp_path, capsys, override, message):
     config = tmp_path / "tiny.yaml"
     config.write_text(CONFIG)

@@ -64,7 +64,8 @@ def always_zero(response: str, example: dict) -> float:
 
 register_reward("test_half_or_fail")(half_or_fail)
 register_reward("test_always_zero", checks=[("right", {"answer": "1"}, 1.0), ("wrong", {"answer": "1"}, 0.0)])(
-    always_zero)
+    always_zero
+)
 
 
 def test_a_batch_counts_its_failures_in_one_warning_and_a_batch_of_failures_stops(caplog):
@@ -74,10 +75,15 @@ def test_a_batch_counts_its_failures_in_one_warning_and_a_batch_of_failures_stop
     np.testing.assert_array_equal(grades.scores, [1.0, 0.0, 0.0, 0.0])
     assert grades.failures == 2 and grades.first_failure == "KeyError: 'garbled'"
     assert caplog.text.count("WARNING") == 1
-    assert "reward test_half_or_fail failed on 2 of 4 responses, scored 0 (the first: KeyError: 'garbled')" in caplog.text
+    assert (
+        "reward test_half_or_fail failed on 2 of 4 responses, scored 0 (the first: KeyError: 'garbled')" in caplog.text
+    )
     assert reward.grade(["right", "wrong"], [{}] * 2).failures == 0
-    with pytest.raises(RewardError, match=r"reward 'test_half_or_fail' failed on all 2 responses of a batch "
-                                          r"\(the first: KeyError: 'x'\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'test_half_or_fail' failed on all 2 responses of a batch "
+        r"\(the first: KeyError: 'x'\)",
+    ):
         reward.grade(["x", "y"], [{}] * 2)
 
 
@@ -87,6 +93,9 @@ def test_the_built_in_rewards_pass_their_self_test(name):
 
 
 def test_a_reward_that_cannot_grade_fails_its_self_test():
-    with pytest.raises(RewardError, match=r"reward 'test_always_zero' cannot grade: its self-test scored 0 instead of 1 "
-                                          r"for 'right' against the answer '1'"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'test_always_zero' cannot grade: its self-test scored 0 instead of 1 "
+        r"for 'right' against the answer '1'",
+    ):
         get_reward("test_always_zero").check()

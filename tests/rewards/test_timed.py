@@ -69,10 +69,19 @@ def test_a_function_the_worker_cannot_import_is_refused():
 
 def test_the_math_reward_grades_from_a_script_read_from_stdin():
     """`python - <<EOF` has no importable __main__: the worker never needs it."""
-    script = ("from jaxspec.rewards import get_reward\n"
-              "reward = get_reward('math')\n"
-              "print(reward(r'So $\\boxed{\\dfrac{1}{2}}$.', {'answer': '1/2'}), reward('3', {'answer': '1/2'}))\n")
-    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    script = (
+        "from jaxspec.rewards import get_reward\n"
+        "reward = get_reward('math')\n"
+        "print(reward(r'So $\\boxed{\\dfrac{1}{2}}$.', {'answer': '1/2'}), reward('3', {'answer': '1/2'}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1.0", "0.0"]

@@ -14,10 +14,18 @@ from jaxspec.rewards.registry import register_reward, registered_rewards
 from jaxspec.tasks import ChatTokenizer, generate_problems, train_tokenizer
 from tests.rl.runs import train_cli, write_config
 
-SHAPE = ModelShape(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                   max_position_embeddings=256)
-MOE_SHAPE = dataclasses.replace(SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                router_aux_loss_coef=0.05)
+SHAPE = ModelShape(
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+MOE_SHAPE = dataclasses.replace(
+    SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.05
+)
 
 
 def digit_fraction(response: str, example: dict) -> float:

@@ -37,8 +37,11 @@ RUN_WITH_TEST_REWARDS = "import sys, tests.rl.conftest; from jaxspec.cli import 
 
 
 def write_config(path, policy, reward="digit_fraction", steps=12, eval_every=6, checkpoint_every=6):
-    path.write_text(CONFIG.format(policy=policy, reward=reward, steps=steps, eval_every=eval_every,
-                                  checkpoint_every=checkpoint_every))
+    path.write_text(
+        CONFIG.format(
+            policy=policy, reward=reward, steps=steps, eval_every=eval_every, checkpoint_every=checkpoint_every
+        )
+    )
     return str(path)
 
 
@@ -64,12 +67,25 @@ def run_two_processes(args: list, logs: list, devices: int) -> list[str]:
     procs = []
     for pid in range(2):
         # PYTHONFAULTHANDLER: a process stopped with SIGABRT prints every thread's Python stack.
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-               "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
-               "JAX_PROCESS_ID": str(pid), "PYTHONFAULTHANDLER": "1"}
+        env = {
+            **os.environ,
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+            "PYTHONFAULTHANDLER": "1",
+        }
         with open(logs[pid], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", *map(str, args)],
-                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RUN_WITH_TEST_REWARDS, "train", *map(str, args)],
+                    env=env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     deadline = time.time() + 480
     while time.time() < deadline and any(p.poll() is None for p in procs):
         time.sleep(1)

@@ -89,10 +89,19 @@ def test_a_script_without_a_main_guard_trains_once_with_the_math_reward(tmp_path
     has one step and no reward failed."""
     (tmp_path / "math.yaml").write_text(MATH_CONFIG)
     script = tmp_path / "train_math.py"
-    script.write_text(UNGUARDED_SCRIPT.format(marker=str(tmp_path / "marker"), config=str(tmp_path / "math.yaml"),
-                                              run_dir=str(tmp_path / "run")))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
+    script.write_text(
+        UNGUARDED_SCRIPT.format(
+            marker=str(tmp_path / "marker"), config=str(tmp_path / "math.yaml"), run_dir=str(tmp_path / "run")
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "marker").read_text() == "script body ran\n"
     records = _file_records(tmp_path / "run")

@@ -54,8 +54,12 @@ def test_take_selects_every_given_field_and_absent_fields_stay_absent():
     prompts = [[5, 6, 7], [8], [9, 9]]
     tokens = np.array([[9, 2, 0, 0], [10, 11, 12, 13], [14, 0, 0, 0]])
     rows = training_rows(prompts, tokens, np.array([2, 4, 1]), pad_id=0, width=10)
-    rows = rows.replace(advantages=np.array([1.0, 2.0, 3.0], np.float32), prox_logp=np.zeros((3, 4), np.float32),
-                        loss_mask=rows.resp_mask, seq_resp_mask=None)
+    rows = rows.replace(
+        advantages=np.array([1.0, 2.0, 3.0], np.float32),
+        prox_logp=np.zeros((3, 4), np.float32),
+        loss_mask=rows.resp_mask,
+        seq_resp_mask=None,
+    )
     picked = rows.take(np.array([2, 0]))
     for field in dataclasses.fields(rows):
         value = getattr(rows, field.name)
@@ -72,18 +76,29 @@ def test_take_selects_every_given_field_and_absent_fields_stay_absent():
         rows.advantages = None
 
 
-@pytest.mark.parametrize("loss, online", [(GRPOLossConfig(), False), (GRPOLossConfig(kl_beta=0.1), True),
-                                          (GRPOLossConfig(recompute_logprobs=True, tis_cap=2.0), False)])
+@pytest.mark.parametrize(
+    "loss, online",
+    [
+        (GRPOLossConfig(), False),
+        (GRPOLossConfig(kl_beta=0.1), True),
+        (GRPOLossConfig(recompute_logprobs=True, tis_cap=2.0), False),
+    ],
+)
 def test_precompiled_minibatch_has_the_structure_of_a_packed_one(loss, online):
     """The abstract minibatch the trainer is compiled for ahead of time has the fields, shapes and
     dtypes of the minibatch the step packs, so the step reuses that compilation."""
     prompts, new = [[5, 6, 7], [8], [9, 9], [4]], 4
     rows = training_rows(prompts, np.full((4, new), 3), np.array([2, 4, 1, 3]), pad_id=0, width=10)
     logp = np.zeros((4, new), np.float32)
-    rows = rows.replace(advantages=np.ones(4, np.float32), prox_logp=logp, loss_mask=rows.resp_mask,
-                        loss_denominator=np.full(4, 8.0, np.float32),
-                        ref_logp=logp if loss.kl_beta > 0 else None, behaviour_logp=logp if loss.weighs_behaviour else None,
-                        seq_resp_mask=rows.seq_resp_mask if online else None)
+    rows = rows.replace(
+        advantages=np.ones(4, np.float32),
+        prox_logp=logp,
+        loss_mask=rows.resp_mask,
+        loss_denominator=np.full(4, 8.0, np.float32),
+        ref_logp=logp if loss.kl_beta > 0 else None,
+        behaviour_logp=logp if loss.weighs_behaviour else None,
+        seq_resp_mask=rows.seq_resp_mask if online else None,
+    )
     packed = pack_rows(rows)
     expected = packed_inputs(Placement(MeshConfig()), packed.tokens.shape[0], 4, 10, new, loss, seq_resp_mask=online)
     assert jax.tree.structure(packed) == jax.tree.structure(expected)
@@ -97,12 +112,20 @@ def test_precompiled_minibatch_has_the_structure_of_a_packed_one(loss, online):
 def test_rollouts_of_several_rounds_keep_the_selected_ones():
     """DAPO's refill: the rounds concatenated, then the kept rows; the first round's statistics and
     every round's generated tokens."""
+
     def round_(offset, stats):
         lengths = np.array([1, 2]) + offset
-        return Rollouts(prompts=[[offset], [offset + 1]], records=[{"i": offset}, {"i": offset + 1}],
-                        tokens=np.arange(4).reshape(2, 2) + offset, lengths=lengths,
-                        logprobs=np.full((2, 2), -offset, np.float32), scores=np.array([0.0, 1.0]) + offset,
-                        rewards=np.array([0.5, 1.5]) + offset, stats=stats, generated_tokens=int(lengths.sum()))
+        return Rollouts(
+            prompts=[[offset], [offset + 1]],
+            records=[{"i": offset}, {"i": offset + 1}],
+            tokens=np.arange(4).reshape(2, 2) + offset,
+            lengths=lengths,
+            logprobs=np.full((2, 2), -offset, np.float32),
+            scores=np.array([0.0, 1.0]) + offset,
+            rewards=np.array([0.5, 1.5]) + offset,
+            stats=stats,
+            generated_tokens=int(lengths.sum()),
+        )
 
     first, second = round_(0, {"steps": 3}), round_(10, {"steps": 5})
     kept = Rollouts.concatenate([first, second]).take(np.array([3, 0]))

@@ -2,7 +2,6 @@
 fewer compilations in a second run, and a failed background compilation compiled again instead of
 ending the run."""
 
-
 import threading
 
 import jax
@@ -33,9 +32,13 @@ def test_packed_row_counts_hold_every_packing():
             for _ in range(20):
                 lengths = rng.integers(low, high + 1, size=16)
                 attn_mask = np.arange(width)[None, :] < lengths[:, None]
-                rows = TrainingRows(tokens=np.ones((16, width), np.int32), attn_mask=attn_mask,
-                                    resp_index=np.zeros((16, 2), np.int32), resp_tokens=np.zeros((16, 2), np.int32),
-                                    resp_mask=np.ones((16, 2), bool))
+                rows = TrainingRows(
+                    tokens=np.ones((16, width), np.int32),
+                    attn_mask=attn_mask,
+                    resp_index=np.zeros((16, 2), np.int32),
+                    resp_tokens=np.zeros((16, 2), np.int32),
+                    resp_mask=np.ones((16, 2), bool),
+                )
                 seen.add(pack_rows(rows, multiple_of).tokens.shape[0])
         assert seen <= set(counts) and {counts[0], counts[-1]} <= seen, (multiple_of, seen, counts)
 
@@ -101,7 +104,8 @@ def test_a_failed_background_compilation_is_logged_and_compiled_again(capsys):
     assert failed == programs[1:] and (fine.compiled, flaky.compiled) == (1, 0)
     assert capsys.readouterr().out.splitlines() == [
         "precompile: the minibatch update for R = 24 packed rows failed to compile (JaxRuntimeError: NOT_FOUND: "
-        "All configs failed during profiling); it compiles again in the foreground"]
+        "All configs failed during profiling); it compiles again in the foreground"
+    ]
     compile_failed(failed)
     assert flaky.compiled == 1
     with pytest.raises(jax.errors.JaxRuntimeError, match="All configs failed"):
@@ -148,13 +152,19 @@ def precompiled_run(tiny_policy, tmp_path_factory):
     """STEPS steps of the shared run config (online draft, log-prob recomputation, KL) from cleared jit
     caches, one minibatch per epoch (the head trains on the first epoch's; the second runs the
     policy-only update: both programs are precompiled), the trainer precompiled by
-    train.precompile_threads = 2 workers and every program written to a persistent cache. Returns (config, overrides, run dir, cache dir, the (sequences, packed rows)
-    of each step's packings)."""
+    train.precompile_threads = 2 workers and every program written to a persistent cache. Returns
+    (config, overrides, run dir, cache dir, the (sequences, packed rows) of each step's packings)."""
     root = tmp_path_factory.mktemp("precompiled")
     config = write_config(root / "run.yaml", tiny_policy[0], steps=STEPS, eval_every=0, checkpoint_every=STEPS)
-    overrides = [f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
-                 "draft.train_every=2", "train.precompile=true", "train.precompile_threads=2", f"train.compilation_cache={root / 'cache'}",
-                 "train.compilation_cache_min_compile_s=0"]
+    overrides = [
+        f"data.train={_prompt_file(root / 'train.jsonl', tiny_policy[0])}",
+        "loss.minibatches=1",
+        "draft.train_every=2",
+        "train.precompile=true",
+        "train.precompile_threads=2",
+        f"train.compilation_cache={root / 'cache'}",
+        "train.compilation_cache_min_compile_s=0",
+    ]
     rows_per_step, precompile_threads = [], []
     run_step, pack, start_precompile = loop.GRPORun.run_step, loop.pack_rows, loop.precompile
 
@@ -171,8 +181,11 @@ def precompiled_run(tiny_policy, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop.GRPORun, "run_step", counting_step)
         patch.setattr(loop, "pack_rows", counting_pack)
-        patch.setattr(loop, "precompile", lambda programs, threads: (
-            precompile_threads.append(threads), start_precompile(programs, threads))[1])
+        patch.setattr(
+            loop,
+            "precompile",
+            lambda programs, threads: (precompile_threads.append(threads), start_precompile(programs, threads))[1],
+        )
         assert train_cli("--config", config, "--run-dir", root / "run", *overrides) == 0
     assert precompile_threads == [2], "train.precompile_threads sets the compiling workers"
     return config, overrides, root / "run", root / "cache", rows_per_step
@@ -193,8 +206,12 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     for program in ("jit_minibatch_gradients-", "jit_minibatch_step-"):  # the update's two programs
         assert any(path.name.startswith(program) for path in cache.iterdir()), program
     jax.clear_caches()  # as in a new process
-    assert train_cli("--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1",
-                  "train.precompile=false") == 0
+    assert (
+        train_cli(
+            "--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1", "train.precompile=false"
+        )
+        == 0
+    )
     first, second = read_metrics(first_dir)[0], read_metrics(tmp_path / "second")[0]
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4
@@ -225,7 +242,8 @@ def test_a_run_whose_background_compilations_fail_goes_on_unchanged(precompiled_
     assert sorted(failed) == [16, 32] and sorted(logged) == [
         f"precompile: the minibatch update for R = {rows} packed rows failed to compile (JaxRuntimeError: "
         "NOT_FOUND: All configs failed during profiling (injected)); it compiles again in the foreground"
-        for rows in (16, 32)]
+        for rows in (16, 32)
+    ]
     records = read_metrics(tmp_path / "run")
     assert without_machine_keys(records) == without_machine_keys(read_metrics(first_dir))
     assert [(r["compiles"], r["compiles_cached"]) for r in records[1:]] == [(0, 0)] * (STEPS - 1), records
@@ -238,9 +256,18 @@ def test_gathered_rollout_weights_compile_nothing_after_the_first_step(tiny_poli
     compiles programs of its own (slices)."""
     steps = STEPS
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=steps, eval_every=0, checkpoint_every=steps)
-    overrides = [f"data.train={_prompt_file(tmp_path / 'train.jsonl', tiny_policy[0])}", "loss.minibatches=1",
-                 "spec.method=none", "draft.online=false", "loss.kl_beta=0", "train.precompile=true",
-                 "train.compilation_cache=false", "mesh.fsdp=2", "rollout.dtype=bfloat16", "rollout.gather_weights=true"]
+    overrides = [
+        f"data.train={_prompt_file(tmp_path / 'train.jsonl', tiny_policy[0])}",
+        "loss.minibatches=1",
+        "spec.method=none",
+        "draft.online=false",
+        "loss.kl_beta=0",
+        "train.precompile=true",
+        "train.compilation_cache=false",
+        "mesh.fsdp=2",
+        "rollout.dtype=bfloat16",
+        "rollout.gather_weights=true",
+    ]
     jax.clear_caches()
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", *overrides) == 0
     records = read_metrics(tmp_path / "run")

@@ -113,8 +113,9 @@ def test_nonfinite_logprobs_are_masked_and_counted():
     ref, rollout = logp + 0.1, old - 0.05
     cfg = GRPOLossConfig(kl_beta=0.1, tis_cap=2.0)
     bad = [(0, 0), (0, 2), (1, 0), (1, 1)]
-    inf_old, inf_ref, inf_rollout, inf_cur = (x.at[i, j].set(-jnp.inf) for x, (i, j) in
-                                               zip((old, ref, rollout, logp), bad))
+    inf_old, inf_ref, inf_rollout, inf_cur = (
+        x.at[i, j].set(-jnp.inf) for x, (i, j) in zip((old, ref, rollout, logp), bad)
+    )
     clean = mask.at[tuple(np.array(bad).T)].set(False)
 
     def loss(cur, m, old_, ref_, rollout_):
@@ -189,8 +190,14 @@ def _bandit_gradients(staleness: int, cfg: GRPOLossConfig, weigh_behaviour: bool
 
     def sample_loss(theta, arm, prox_lp, behaviour_lp, adv):
         logp = jax.nn.log_softmax(theta)[arm]
-        return policy_loss(logp[None, None], prox_lp[None, None], adv[None], jnp.ones((1, 1), bool), cfg,
-                           behaviour_logp=behaviour_lp[None, None] if weigh_behaviour else None)[0]
+        return policy_loss(
+            logp[None, None],
+            prox_lp[None, None],
+            adv[None],
+            jnp.ones((1, 1), bool),
+            cfg,
+            behaviour_logp=behaviour_lp[None, None] if weigh_behaviour else None,
+        )[0]
 
     per_sample = jax.vmap(jax.grad(sample_loss), (None, 0, 0, 0, 0))(prox_logits, arms, prox, behaviour, advantage)
     probs = jax.nn.softmax(prox_logits)
@@ -221,7 +228,9 @@ def test_dr_grpo_constant_length_normaliser():
     logp, old, adv, mask = _case()
     loss = policy_loss(logp, old, adv, mask, GRPOLossConfig(aggregation="seq-mean-token-sum-norm"))[0]
     assert float(loss) == pytest.approx((-2.88 / 3 + 2.3 / 3) / 2, abs=1e-6)
-    grad = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, GRPOLossConfig(aggregation="seq-mean-token-sum-norm"))[0])
+    grad = jax.grad(
+        lambda lp: policy_loss(lp, old, adv, mask, GRPOLossConfig(aggregation="seq-mean-token-sum-norm"))[0]
+    )
     np.testing.assert_allclose(grad(logp), [[0, -1.1 / 6, -0.5 / 6], [0, 1.5 / 6, 0], [0, 0, 0]], atol=1e-6)
     with pytest.raises(ValueError, match="aggregation"):
         policy_loss(logp, old, adv, mask, GRPOLossConfig(aggregation="mean"))
@@ -240,8 +249,10 @@ def test_step_level_normaliser_over_minibatches(aggregation):
     cfg = GRPOLossConfig(aggregation=aggregation)
     whole = float(policy_loss(logp, old, adv, mask, cfg)[0])
     denominator = loss_denominator(mask, aggregation, 2)
-    halves = [float(policy_loss(logp[s], old[s], adv[s], mask[s], cfg, denominator=denominator)[0])
-              for s in (slice(0, 4), slice(4, 8))]
+    halves = [
+        float(policy_loss(logp[s], old[s], adv[s], mask[s], cfg, denominator=denominator)[0])
+        for s in (slice(0, 4), slice(4, 8))
+    ]
     assert np.mean(halves) == pytest.approx(whole, rel=1e-5)
     own = [float(policy_loss(logp[s], old[s], adv[s], mask[s], cfg)[0]) for s in (slice(0, 4), slice(4, 8))]
     if aggregation == "token":  # per-minibatch means weigh the 8 tokens of the first half like the 14 of the second
@@ -254,8 +265,11 @@ def test_router_aux_weight_defaults_to_the_policys_coefficient(tiny_policy, tiny
     assert router_aux_weight(GRPOLossConfig(), moe) == moe.router_aux_loss_coef == 0.05
     assert router_aux_weight(GRPOLossConfig(router_aux_coef=0.3), moe) == 0.3
     assert router_aux_weight(GRPOLossConfig(router_aux_coef=0.0), moe) == 0.0
-    assert router_aux_weight(GRPOLossConfig(), dense) == router_aux_weight(GRPOLossConfig(router_aux_coef=0.0),
-                                                                           dense) == 0.0
+    assert (
+        router_aux_weight(GRPOLossConfig(), dense)
+        == router_aux_weight(GRPOLossConfig(router_aux_coef=0.0), dense)
+        == 0.0
+    )
     with pytest.raises(ValueError, match=r"loss.router_aux_coef: the policy is dense .* got 0.01"):
         router_aux_weight(GRPOLossConfig(router_aux_coef=0.01), dense)
 
@@ -263,8 +277,18 @@ def test_router_aux_weight_defaults_to_the_policys_coefficient(tiny_policy, tiny
 def _head_case(tie: bool):
     """(cfg, params, packed rows of 6 random rollouts of up to 7 new tokens, resp_tokens [6, 7]: half the
     tokens the policy's most likely ones, so that top-k / top-p keep them, half random)."""
-    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
     params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
     rng = np.random.default_rng(0)
     prompts = [[1, 3, 50, 60, 4], [1, 3, 70, 4], [1, 5, 4]] * 2
@@ -285,8 +309,12 @@ def _unchunked_logprobs(cfg, params, hidden, resp_index, resp_tokens, sampling):
     return logp, -probs.sum(-1)
 
 
-SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5), Sampling(temperature=1.0, top_p=0.8),
-             Sampling(temperature=0.9, top_k=20, top_p=0.9)]
+SAMPLINGS = [
+    Sampling(temperature=1.0),
+    Sampling(temperature=0.7, top_k=5),
+    Sampling(temperature=1.0, top_p=0.8),
+    Sampling(temperature=0.9, top_k=20, top_p=0.9),
+]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk", "topp", "topk-topp"])
@@ -296,15 +324,17 @@ def test_chunked_logprobs_equal_the_unchunked_head(sampling):
     position; the head=False forward is the logits' input."""
     cfg, params, packed, resp_tokens = _head_case(tie=False)
     hidden, _, _ = sequence_forward(cfg, params, packed.tokens, packed.segment_ids, head=False)
-    np.testing.assert_array_equal(logits_from_hidden(cfg, params, hidden),
-                                  sequence_forward(cfg, params, packed.tokens, packed.segment_ids)[0])
+    np.testing.assert_array_equal(
+        logits_from_hidden(cfg, params, hidden), sequence_forward(cfg, params, packed.tokens, packed.segment_ids)[0]
+    )
     want_logp, want_entropy = _unchunked_logprobs(cfg, params, hidden, packed.resp_index, resp_tokens, sampling)
     assert np.isfinite(np.asarray(want_logp)).sum() >= 21
     if sampling.top_k or sampling.top_p < 1:
         assert np.isneginf(np.asarray(want_logp)).any()  # the filter excludes some of the random tokens
     for chunk in (1, 7, 16, 42, 1000):
-        logp, entropy = response_logprobs(cfg, params, hidden, packed.resp_index, resp_tokens, sampling,
-                                          chunk_size=chunk)
+        logp, entropy = response_logprobs(
+            cfg, params, hidden, packed.resp_index, resp_tokens, sampling, chunk_size=chunk
+        )
         assert logp.shape == entropy.shape == (6, 7)
         np.testing.assert_allclose(logp, want_logp, rtol=0, atol=1e-5, err_msg=f"chunk {chunk}")
         np.testing.assert_allclose(entropy, want_entropy, rtol=0, atol=1e-5, err_msg=f"chunk {chunk}")
@@ -325,6 +355,7 @@ def test_chunked_logprobs_have_the_unchunked_gradient(tie):
             hidden, _, _ = sequence_forward(cfg, p, packed.tokens, packed.segment_ids, head=False)
             logp, entropy = logprobs(p, hidden)
             return jnp.sum(jnp.where(jnp.isfinite(logp), logp, 0.0) * weights) + entropy.sum()
+
         return jax.jit(jax.grad(f))(params)
 
     def unchunked(p, hidden):  # the entropy is not differentiated: a constant in the reference
@@ -333,8 +364,16 @@ def test_chunked_logprobs_have_the_unchunked_gradient(tie):
 
     want = objective(unchunked)
     for chunk in (16, 42):
-        got = objective(functools.partial(response_logprobs, cfg, resp_index=packed.resp_index,
-                                          resp_tokens=resp_tokens, sampling=sampling, chunk_size=chunk))
+        got = objective(
+            functools.partial(
+                response_logprobs,
+                cfg,
+                resp_index=packed.resp_index,
+                resp_tokens=resp_tokens,
+                sampling=sampling,
+                chunk_size=chunk,
+            )
+        )
         assert float(optax.tree.norm(want)) > 0
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
 
@@ -344,12 +383,14 @@ def test_the_trainer_forward_runs_large_expert_calls_through_the_kernels_on_gpus
     (4 experts x top-2: 262144 experts x rows) takes the grouped-matmul kernels, forward and
     gradient; on this CPU it keeps ragged_dot."""
     from jaxspec.models import moe
+
     cfg, params = tiny_moe_policy[1], tiny_moe_policy[2]
     tokens = jax.ShapeDtypeStruct((4, 8192), jnp.int32)
 
     def jaxpr() -> str:
         def loss(p, t):
             return sequence_forward(cfg, p, t, jnp.ones_like(t), head=False)[0].astype(jnp.float32).sum()
+
         return str(jax.make_jaxpr(jax.grad(loss))(params, tokens))
 
     assert "pallas_call" not in jaxpr()
@@ -371,8 +412,18 @@ def test_remat_saves_no_compute_dtype_copy_of_the_weights(head, capsys):
 
     from jax.ad_checkpoint import print_saved_residuals
 
-    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     params = init_params(cfg, jax.random.key(0), jnp.float32)
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
     segments = jnp.ones((2, 32), jnp.int32).at[1, 20:].set(2)
@@ -417,7 +468,7 @@ def test_draft_targets_in_chunks_equal_the_targets_of_every_position(mesh_shape)
     assert in_vocab.any() and not in_vocab.all()
     sharding = None
     if mesh_shape is not None:
-        sharding = Sharding(make_mesh(*mesh_shape, devices=jax.devices()[:np.prod(mesh_shape)]))
+        sharding = Sharding(make_mesh(*mesh_shape, devices=jax.devices()[: np.prod(mesh_shape)]))
         params = shard_params(sharding, params)
     rows, width = packed.tokens.shape
     assert width % 3  # 3 columns a chunk leave a padded tail
@@ -464,6 +515,17 @@ def test_a_step_with_fewer_tokens_than_minibatches_keeps_the_whole_step_gradient
     denominator = loss_denominator(mask, "token", 4)
     assert denominator == 0.5
     whole = jax.grad(lambda lp: policy_loss(lp, prox, adv, mask, cfg)[0])(logp)
-    parts = sum(jax.grad(lambda lp: policy_loss(lp[i:i + 1], prox[i:i + 1], adv[i:i + 1], mask[i:i + 1], cfg,
-                                                denominator=jnp.float32(denominator))[0])(logp) for i in range(4))
+    parts = sum(
+        jax.grad(
+            lambda lp: policy_loss(
+                lp[i : i + 1],
+                prox[i : i + 1],
+                adv[i : i + 1],
+                mask[i : i + 1],
+                cfg,
+                denominator=jnp.float32(denominator),
+            )[0]
+        )(logp)
+        for i in range(4)
+    )
     np.testing.assert_allclose(np.asarray(parts) / 4, whole, rtol=1e-6)

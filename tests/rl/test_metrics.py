@@ -49,8 +49,9 @@ class _Device:
 
 
 def test_device_memory_is_the_most_loaded_devices(monkeypatch):
-    monkeypatch.setattr(metrics.jax, "local_devices", lambda: [_Device(70 * 10**9, 40 * 10**9),
-                                                               _Device(72 * 10**9, 39 * 10**9)])
+    monkeypatch.setattr(
+        metrics.jax, "local_devices", lambda: [_Device(70 * 10**9, 40 * 10**9), _Device(72 * 10**9, 39 * 10**9)]
+    )
     record = device_memory_metrics()
     assert record == {"memory_peak_gb": 72.0, "memory_in_use_gb": 40.0}
     assert all(is_machine_dependent(k) for k in record)

@@ -21,6 +21,7 @@ from jaxspec.run import EXIT_CHECKPOINTED
 from tests.rl.runs import LIGHT, read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
 from tests.run.damage import truncate_largest_data_file
 
+
 def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
     config, full = full_run
     # 6 steps, then --resume to 12: identical metrics (timings aside) and identical final weights.
@@ -62,8 +63,20 @@ def test_resume_onto_a_mesh_continues_the_run(full_run, tmp_path, capsys):
     for folder in ("checkpoints/12", "policy", "draft"):
         shutil.rmtree(run / folder)
     (run / "metrics.jsonl").write_text("\n".join((full / "metrics.jsonl").read_text().splitlines()[:7]) + "\n")
-    assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=8",
-                  "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2") == 0
+    assert (
+        train_cli(
+            "--config",
+            config,
+            "--run-dir",
+            run,
+            "--resume",
+            "train.steps=8",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+        )
+        == 0
+    )
     assert "on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in capsys.readouterr().out
     want, got = without_machine_keys(read_metrics(full))[7:9], without_machine_keys(read_metrics(run))[7:9]
     for w, g in zip(want, got, strict=True):
@@ -80,8 +93,11 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
     the same rollouts and rewards as the single-device run, one metrics file, one exported policy."""
     config, full = full_run
     run = tmp_path / "mp"
-    outputs = run_two_processes(["--config", config, "--run-dir", run, "train.steps=2", "mesh.data=2", "mesh.fsdp=2",
-                                 "mesh.tensor=2"], [tmp_path / f"process{pid}.log" for pid in range(2)], devices=4)
+    outputs = run_two_processes(
+        ["--config", config, "--run-dir", run, "train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        [tmp_path / f"process{pid}.log" for pid in range(2)],
+        devices=4,
+    )
     assert "trained policy written" in outputs[0] and "trained policy written" not in outputs[1]
     want, got = without_machine_keys(read_metrics(full))[1:3], without_machine_keys(read_metrics(run))[1:3]
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
@@ -95,10 +111,24 @@ def test_two_processes_run_one_job_on_a_shared_mesh(full_run, tmp_path):
 def _signal_mid_run(config, run_dir, signum):
     """Starts `jaxspec train` in a subprocess (stdout not a terminal), sends `signum` once two steps
     are logged; returns (exit status, stdout, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "train", "--config", config, "--run-dir",
-                             str(run_dir), *LIGHT, "train.progress=true"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_PROGRESS_INTERVAL_S": "0"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxspec.cli",
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            str(run_dir),
+            *LIGHT,
+            "train.progress=true",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_PROGRESS_INTERVAL_S": "0"},
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -112,8 +142,9 @@ def _signal_mid_run(config, run_dir, signum):
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_75(tiny_policy, tmp_path):
-    config = write_config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0,
-                     checkpoint_every=1000)
+    config = write_config(
+        tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=100000, eval_every=0, checkpoint_every=1000
+    )
     run_dir = tmp_path / "run"
     returncode, stdout, stderr = _signal_mid_run(config, run_dir, signal.SIGTERM)
     assert returncode == EXIT_CHECKPOINTED == 75, stderr
@@ -131,8 +162,9 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_75(tiny_policy, tmp_path
 
 
 def test_ctrl_c_checkpoints_and_resume_continues_the_metrics(tiny_policy, tmp_path, capsys):
-    config = write_config(tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=1000, eval_every=0,
-                     checkpoint_every=1000)
+    config = write_config(
+        tmp_path / "long.yaml", tiny_policy[0], reward="math", steps=1000, eval_every=0, checkpoint_every=1000
+    )
     run_dir = tmp_path / "run"
     returncode, stdout, stderr = _signal_mid_run(config, run_dir, signal.SIGINT)
     assert returncode == EXIT_CHECKPOINTED, stderr
@@ -142,8 +174,9 @@ def test_ctrl_c_checkpoints_and_resume_continues_the_metrics(tiny_policy, tmp_pa
     done = len(read_metrics(run_dir))
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [done] and done >= 2
     # stdout is a pipe: progress comes as plain lines, one per step with a 0 s interval
-    assert [line.split("/")[0] for line in stdout.splitlines() if line.startswith("grpo: step ")] == \
-        [f"grpo: step {s}" for s in range(1, done + 1)]
+    assert [line.split("/")[0] for line in stdout.splitlines() if line.startswith("grpo: step ")] == [
+        f"grpo: step {s}" for s in range(1, done + 1)
+    ]
     assert train_cli("--config", config, "--run-dir", run_dir, "--resume", f"train.steps={done + 2}", *LIGHT) == 0
     out = capsys.readouterr().out
     assert f"resumed from step {done}" in out
@@ -188,8 +221,10 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_changed_train_steps_is_stated
         f.write('{"step": 3, "reward_mean": 0.1, "tim')  # the process died while writing the line
     assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=3", *LIGHT) == 0
     out = capsys.readouterr().out
-    assert (f"{run / 'metrics.jsonl'}: dropped its last line, cut short while it was written (Unterminated string "
-            f"starting at: line 1 column 33 (char 32))") in out
+    assert (
+        f"{run / 'metrics.jsonl'}: dropped its last line, cut short while it was written (Unterminated string "
+        f"starting at: line 1 column 33 (char 32))"
+    ) in out
     assert "--resume: train.steps 2 -> 3 (the run has done 2 steps; config.yaml updated)" in out
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3] and _saved_steps(run) == 3
 
@@ -199,12 +234,14 @@ def test_resuming_with_fewer_steps_than_done_is_refused(two_steps, tmp_path, cap
     assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=1", *LIGHT) == EXIT_INPUT
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"jaxspec train: error: --resume: train.steps=1 but the run in {run} has done 2 steps; give train.steps >= 2 "
-        f"(config.yaml is unchanged)")
+        f"(config.yaml is unchanged)"
+    )
     assert _saved_steps(run) == 2
 
 
-def test_a_run_stops_before_its_time_limit_when_a_step_and_a_checkpoint_would_not_fit(two_steps, tmp_path, capsys,
-                                                                                       monkeypatch):
+def test_a_run_stops_before_its_time_limit_when_a_step_and_a_checkpoint_would_not_fit(
+    two_steps, tmp_path, capsys, monkeypatch
+):
     """JAXSPEC_STOP_BY an hour away, steps measured at 5000 s each (the earlier start's metrics): the
     run checkpoints and stops with EXIT_CHECKPOINTED before step 3; with a day left it trains it."""
     config, run = _copy(two_steps, tmp_path)
@@ -213,8 +250,11 @@ def test_a_run_stops_before_its_time_limit_when_a_step_and_a_checkpoint_would_no
     monkeypatch.setenv("JAXSPEC_STOP_BY", str(time.time() + 3600))
     assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=3", *LIGHT) == EXIT_CHECKPOINTED
     out = capsys.readouterr().out
-    assert re.search(r"time limit \(the job must stop by [-0-9: ]+ UTC \(JAXSPEC_STOP_BY\): one more step \(~5000 s\) "
-                     r"and a checkpoint \(~5000 s\) would end after it\): checkpointed step 2 in ", out), out
+    assert re.search(
+        r"time limit \(the job must stop by [-0-9: ]+ UTC \(JAXSPEC_STOP_BY\): one more step \(~5000 s\) "
+        r"and a checkpoint \(~5000 s\) would end after it\): checkpointed step 2 in ",
+        out,
+    ), out
     assert [r["step"] for r in read_metrics(run)] == [1, 2] and "grpo done" not in out
     monkeypatch.setenv("JAXSPEC_STOP_BY", str(time.time() + 86400))
     assert train_cli("--config", config, "--run-dir", run, "--resume", "train.steps=3", *LIGHT) == 0

@@ -45,8 +45,9 @@ def perturbed(policy):
 @pytest.fixture(scope="module", params=["autoregressive", "eagle3-tree"])
 def rollout(request, policy):
     """(RolloutOutput, training rows with the record) of 16 rows, autoregressive or an EAGLE-3 tree."""
-    out = generate(CFG, policy, PROMPTS, jax.random.key(4), SAMPLING, spec=specs(policy)[request.param],
-                   record_experts=True)
+    out = generate(
+        CFG, policy, PROMPTS, jax.random.key(4), SAMPLING, spec=specs(policy)[request.param], record_experts=True
+    )
     width = row_width(20, SAMPLING.max_new_tokens)
     rows = training_rows(PROMPTS, np.asarray(out.tokens), np.asarray(out.lengths), CFG.pad_token_id, width)
     return out, rows.replace(experts=experts_to_width(np.asarray(out.experts), width))
@@ -61,13 +62,15 @@ def _replayed_reference(params, rows) -> np.ndarray:
     """float32 [B, N] log p of the response tokens from an unpacked forward of the right-padded rows
     that replays each row's record (column for column)."""
     logits, _, _ = jax.jit(forward_router, static_argnums=0)(
-        CFG, params, jnp.asarray(rows.tokens), mask=jnp.asarray(rows.attn_mask), experts=jnp.asarray(rows.experts))
+        CFG, params, jnp.asarray(rows.tokens), mask=jnp.asarray(rows.attn_mask), experts=jnp.asarray(rows.experts)
+    )
     logp = processed_logprobs(jnp.take_along_axis(logits, jnp.asarray(rows.resp_index)[:, :, None], axis=1), SAMPLING)
     return np.asarray(jnp.take_along_axis(logp, jnp.asarray(rows.resp_tokens)[:, :, None], axis=2)[:, :, 0])
 
 
 def test_replayed_trainer_logprobs_equal_the_rollouts_and_perturbed_weights_keep_its_experts(
-        policy, perturbed, rollout):
+    policy, perturbed, rollout
+):
     out, rows = rollout
     mask = rows.resp_mask
     _, args = _scored(rows)
@@ -99,11 +102,17 @@ def test_the_update_replays_the_rollouts_experts_and_trains_the_router(policy, p
     grads, _, metrics = update.gradients(perturbed, None, None, pack_rows(rows))
 
     def reference_loss(params, replayed):
-        logits, _, _ = forward_router(CFG, params, jnp.asarray(rows.tokens), mask=jnp.asarray(rows.attn_mask),
-                                      experts=jnp.asarray(rows.experts) if replayed else None)
+        logits, _, _ = forward_router(
+            CFG,
+            params,
+            jnp.asarray(rows.tokens),
+            mask=jnp.asarray(rows.attn_mask),
+            experts=jnp.asarray(rows.experts) if replayed else None,
+        )
         logits = jnp.take_along_axis(logits, jnp.asarray(rows.resp_index)[:, :, None], axis=1)
-        logp = jnp.take_along_axis(processed_logprobs(logits, SAMPLING), jnp.asarray(rows.resp_tokens)[:, :, None],
-                                   axis=2)[:, :, 0]
+        logp = jnp.take_along_axis(
+            processed_logprobs(logits, SAMPLING), jnp.asarray(rows.resp_tokens)[:, :, None], axis=2
+        )[:, :, 0]
         return policy_loss(logp, behaviour_logp, advantages, loss_mask, loss_cfg)[0]
 
     reference = jax.jit(jax.value_and_grad(reference_loss), static_argnums=1)
@@ -132,7 +141,8 @@ def test_differing_layers_compare_top_k_sets_at_the_predicting_positions():
     counts = np.asarray(differing_layers(jnp.asarray(logits), jnp.asarray(recorded), jnp.asarray([[0, 1, 2]]), 2))
     assert counts.tolist() == [[0, 1, 2]]
     assert disagreement_metrics(counts, np.array([[True, True, True]]), 2) == pytest.approx(
-        {"expert_disagreement": 3 / 6, "expert_disagreement_tokens": 2 / 3})
+        {"expert_disagreement": 3 / 6, "expert_disagreement_tokens": 2 / 3}
+    )
     assert disagreement_metrics(counts, np.array([[True, False, False]]), 2)["expert_disagreement"] == 0.0
 
 
@@ -148,9 +158,18 @@ def test_records_are_packed_taken_and_concatenated_with_their_rows():
     np.testing.assert_array_equal(packed.experts[0], np.concatenate([record[0, :5], record[1, :5]]))
     np.testing.assert_array_equal(packed.experts[1], np.concatenate([record[2, :5], np.zeros((5, 2, 2))]))
     np.testing.assert_array_equal(rows.take(np.array([2, 0])).experts, record[[2, 0], :10])
-    rollouts = Rollouts(prompts=prompts, records=[{}] * 3, tokens=tokens, lengths=np.array([2, 4, 1]),
-                        logprobs=np.zeros((3, 4), np.float32), scores=np.zeros(3), rewards=np.zeros(3), stats={},
-                        generated_tokens=7, experts=record)
+    rollouts = Rollouts(
+        prompts=prompts,
+        records=[{}] * 3,
+        tokens=tokens,
+        lengths=np.array([2, 4, 1]),
+        logprobs=np.zeros((3, 4), np.float32),
+        scores=np.zeros(3),
+        rewards=np.zeros(3),
+        stats={},
+        generated_tokens=7,
+        experts=record,
+    )
     kept = Rollouts.concatenate([rollouts, rollouts.take(np.array([1]))]).take(np.array([3, 0]))
     np.testing.assert_array_equal(kept.experts, record[[1, 0]])
     np.testing.assert_array_equal(experts_to_width(record, 24)[:, 20:], 0)
@@ -168,9 +187,16 @@ def test_precompiled_inputs_hold_the_records_the_step_packs(loss):
         packed = pack_rows(rows.response_rows())
     else:
         logp = np.zeros((4, new), np.float32)
-        packed = pack_rows(rows.replace(advantages=np.ones(4, np.float32), prox_logp=logp, loss_mask=rows.resp_mask,
-                                        loss_denominator=np.full(4, 8.0, np.float32), seq_resp_mask=None,
-                                        experts=rows.experts if loss.routing_replay else None))
+        packed = pack_rows(
+            rows.replace(
+                advantages=np.ones(4, np.float32),
+                prox_logp=logp,
+                loss_mask=rows.resp_mask,
+                loss_denominator=np.full(4, 8.0, np.float32),
+                seq_resp_mask=None,
+                experts=rows.experts if loss.routing_replay else None,
+            )
+        )
     expected = packed_inputs(Placement(MeshConfig()), packed.tokens.shape[0], 4, 10, new, loss, model=CFG)
     assert jax.tree.structure(packed) == jax.tree.structure(expected)
     for got, want in zip(jax.tree.leaves(packed), jax.tree.leaves(expected)):
@@ -179,23 +205,35 @@ def test_precompiled_inputs_hold_the_records_the_step_packs(loss):
 
 
 def test_replay_is_refused_for_a_dense_policy():
-    dense = dataclasses.replace(CFG, family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
-                                mlp_only_layers=())
+    dense = dataclasses.replace(
+        CFG, family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, mlp_only_layers=()
+    )
     with pytest.raises(ValueError, match="loss.routing_replay: the policy is dense"):
         replays_routing(GRPOLossConfig(routing_replay=True), dense)
     assert not replays_routing(GRPOLossConfig(), dense)
 
 
-MOE_RUN = ["spec.method=ngram", "spec.draft=null", "spec.tree_width=2", "draft.online=false", "loss.kl_beta=0",
-           "loss.ppo_epochs=1", "loss.recompute_logprobs=true"]
+MOE_RUN = [
+    "spec.method=ngram",
+    "spec.draft=null",
+    "spec.tree_width=2",
+    "draft.online=false",
+    "loss.kl_beta=0",
+    "loss.ppo_epochs=1",
+    "loss.recompute_logprobs=true",
+]
 
 
-@pytest.mark.parametrize("options", [
-    ["loss.routing_replay=true"],
-    ["loss.routing_replay=false"],
-    ["loss.routing_replay=true", "mesh.data=2", "rollout.sub_batch=16"],
-    ["loss.routing_replay=true", "rollout.mode=async", "mesh.rollout_devices=2"],
-], ids=["replay", "no-replay", "mesh-sub-batches", "async"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["loss.routing_replay=true"],
+        ["loss.routing_replay=false"],
+        ["loss.routing_replay=true", "mesh.data=2", "rollout.sub_batch=16"],
+        ["loss.routing_replay=true", "rollout.mode=async", "mesh.rollout_devices=2"],
+    ],
+    ids=["replay", "no-replay", "mesh-sub-batches", "async"],
+)
 def test_moe_grpo_logs_expert_disagreement(tiny_moe_policy, tmp_path, options):
     """`jaxspec train` on a mixture-of-experts policy with speculative (n-gram tree) rollouts: each step
     logs the trainer's disagreement with the rollout's experts next to the log-prob mismatch; in

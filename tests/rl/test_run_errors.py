@@ -20,14 +20,22 @@ ONE_STEP = [*LIGHT, "train.steps=1", "eval.every=0", "data.num_eval=0", "train.c
 def _last_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("jaxspec train: error: "), err
-    return err[-1][len("jaxspec train: error: "):]
+    return err[-1][len("jaxspec train: error: ") :]
 
 
-@pytest.mark.parametrize("lines, error", [
-    (['{"question": "1+1?", "answer": "2"}', '{"question": "2+2?"}'], "line 2: the record has no 'answer' (or it is null)"),
-    (['{"question": "1+1?", "answer": "2"}', '{"question": "2+2?", "answer": "4"'],
-     "line 2: not valid JSON (Expecting ',' delimiter, column 35)"),
-])
+@pytest.mark.parametrize(
+    "lines, error",
+    [
+        (
+            ['{"question": "1+1?", "answer": "2"}', '{"question": "2+2?"}'],
+            "line 2: the record has no 'answer' (or it is null)",
+        ),
+        (
+            ['{"question": "1+1?", "answer": "2"}', '{"question": "2+2?", "answer": "4"'],
+            "line 2: not valid JSON (Expecting ',' delimiter, column 35)",
+        ),
+    ],
+)
 def test_bad_data_is_refused_naming_file_line_and_field(tiny_policy, tmp_path, capsys, lines, error):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(lines) + "\n")
@@ -64,8 +72,10 @@ if "test_always_zero_grader" not in registered_rewards():
 def test_a_reward_that_cannot_grade_stops_the_run_before_it_starts(tiny_policy, tmp_path, capsys):
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], reward="test_always_zero_grader")
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", *ONE_STEP) == EXIT_REWARD
-    assert _last_line(capsys) == ("reward 'test_always_zero_grader' cannot grade: its self-test scored 0 instead of 1 "
-                                  "for '\\\\boxed{2}' against the answer '2'")
+    assert _last_line(capsys) == (
+        "reward 'test_always_zero_grader' cannot grade: its self-test scored 0 instead of 1 "
+        "for '\\\\boxed{2}' against the answer '2'"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -76,12 +86,14 @@ def test_reward_failures_are_counted_and_a_batch_of_failures_stops_the_run(tiny_
         assert train_cli("--config", config, "--run-dir", tmp_path / "some", *ONE_STEP) == 0
     assert [r["reward_failures"] for r in read_metrics(tmp_path / "some")] == [10]  # calls 3, 6, ..., 30 of 32
     assert [r.message for r in caplog.records] == [
-        "reward test_every_third_fails failed on 10 of 32 responses, scored 0 (the first: KeyError: 'no such field')"]
+        "reward test_every_third_fails failed on 10 of 32 responses, scored 0 (the first: KeyError: 'no such field')"
+    ]
 
     config = write_config(tmp_path / "all.yaml", tiny_policy[0], reward="test_always_fails")
     assert train_cli("--config", config, "--run-dir", tmp_path / "all", *ONE_STEP) == EXIT_REWARD
-    assert _last_line(capsys) == ("reward 'test_always_fails' failed on all 32 responses of a batch (the first: "
-                                  "KeyError: 'solution')")
+    assert _last_line(capsys) == (
+        "reward 'test_always_fails' failed on all 32 responses of a batch (the first: KeyError: 'solution')"
+    )
     assert not (tmp_path / "all" / "checkpoints" / "1").exists()
 
 
@@ -92,11 +104,29 @@ def test_a_full_disk_is_the_last_line_of_a_failed_run(tiny_policy, tmp_path):
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], reward="arithmetic")
     run = tmp_path / "run"
     limit_kib = 64  # above the config, data and metrics files; below the checkpoint's arrays
-    command = [sys.executable, "-m", "jaxspec.cli", "train", "--config", config, "--run-dir", str(run), *ONE_STEP,
-               "train.steps=2", "train.compilation_cache=false"]
-    proc = subprocess.run(["bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "bash", *command], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    command = [
+        sys.executable,
+        "-m",
+        "jaxspec.cli",
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        str(run),
+        *ONE_STEP,
+        "train.steps=2",
+        "train.compilation_cache=false",
+    ]
+    proc = subprocess.run(
+        ["bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "bash", *command],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == EXIT_STORAGE, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"jaxspec train: error: writing the checkpoint of step 1 in {run / 'checkpoints'} failed: File too large")
+        f"jaxspec train: error: writing the checkpoint of step 1 in {run / 'checkpoints'} failed: File too large"
+    )
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][:1] == [1]

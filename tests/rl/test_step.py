@@ -11,9 +11,9 @@ import pytest
 
 from jaxspec.draft import init_eagle3, split_buffers
 from jaxspec.models import init_params
+from jaxspec.models.moe import load_balancing_loss
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
-from jaxspec.models.moe import load_balancing_loss
 from jaxspec.rl.loss import loss_denominator, policy_loss, reference_sampling, response_logprobs, sequence_forward
 from jaxspec.rl.online_draft import OnlineDraft, draft_optimizer
 from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
@@ -31,8 +31,11 @@ def _draft_case(cfg):
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
     out = generate(cfg, params, prompts, jax.random.PRNGKey(1), sampling=sampling)
     batch = training_rows(prompts, np.asarray(out.tokens), np.asarray(out.lengths), pad_id=0)
-    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
-                          prox_logp=np.asarray(out.logprobs), loss_mask=batch.resp_mask)
+    batch = batch.replace(
+        advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
+        prox_logp=np.asarray(out.logprobs),
+        loss_mask=batch.resp_mask,
+    )
     return params, sampling, pack_rows(batch)
 
 
@@ -42,7 +45,9 @@ def test_online_draft_trains_without_touching_the_policy_gradient(tiny_policy):
     loss_cfg, optim = GRPOLossConfig(), PolicyOptimConfig(learning_rate=1e-2)
     dcfg, dparams = init_eagle3(cfg, jax.random.PRNGKey(2))
     weights, buffers = split_buffers(dparams)
-    online = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, loss_weight=1.0, learning_rate=1e-2, ttt_steps=1))
+    online = OnlineDraft(
+        dcfg=dcfg, train=OnlineDraftConfig(online=True, loss_weight=1.0, learning_rate=1e-2, ttt_steps=1)
+    )
 
     plain = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
     with_draft = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, online)
@@ -94,7 +99,7 @@ def test_draft_loss_weight_scales_the_head_update(tiny_policy):
         deltas[weight] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, weights)
     for leaf in jax.tree.leaves(deltas[0.0]):
         assert not leaf.any()
-    norm = {w: float(np.sqrt(sum((leaf ** 2).sum() for leaf in jax.tree.leaves(d)))) for w, d in deltas.items()}
+    norm = {w: float(np.sqrt(sum((leaf**2).sum() for leaf in jax.tree.leaves(d)))) for w, d in deltas.items()}
     assert norm[1.0] > 0
     assert norm[10.0] == pytest.approx(10 * norm[1.0], rel=1e-3)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 10 * b, rtol=1e-3, atol=1e-9), deltas[10.0], deltas[1.0])
@@ -125,10 +130,18 @@ def test_a_token_outside_the_nucleus_keeps_the_weights_finite(tiny_policy):
     # The policy that trains ranks the outsider first at that position: its current log-prob is finite.
     head = "embed" if cfg.tie_word_embeddings else "lm_head"
     moved = dict(params)
-    moved[head] = params[head].at[(outsider if head == "embed" else (slice(None), outsider))].set(
-        params[head][(int(ranked[0]) if head == "embed" else (slice(None), int(ranked[0])))] * 1.5)
-    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32), prox_logp=prox_logp,
-                          ref_logp=ref_logp, loss_mask=batch.resp_mask, seq_resp_mask=None)
+    moved[head] = (
+        params[head]
+        .at[(outsider if head == "embed" else (slice(None), outsider))]
+        .set(params[head][(int(ranked[0]) if head == "embed" else (slice(None), int(ranked[0])))] * 1.5)
+    )
+    batch = batch.replace(
+        advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
+        prox_logp=prox_logp,
+        ref_logp=ref_logp,
+        loss_mask=batch.resp_mask,
+        seq_resp_mask=None,
+    )
     loss_cfg = GRPOLossConfig(kl_beta=0.1, minibatches=2, ppo_epochs=2)
     optim = PolicyOptimConfig(learning_rate=1e-2)
     update = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)
@@ -199,9 +212,12 @@ def _moe_case(cfg):
     rng = np.random.default_rng(0)
     prompts = [[1, 3, 50, 60, 4]] * 4 + [[1, 3, 70, 4]] * 4
     batch = training_rows(prompts, rng.integers(5, cfg.vocab_size, (8, 8)), rng.integers(1, 9, 8), pad_id=0)
-    batch = batch.replace(advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
-                          prox_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32), loss_mask=batch.resp_mask,
-                          seq_resp_mask=None)
+    batch = batch.replace(
+        advantages=np.array([1, -1, 0.5, -0.5, 1, 1, -1, -1], np.float32),
+        prox_logp=rng.uniform(-7, -5, (8, 8)).astype(np.float32),
+        loss_mask=batch.resp_mask,
+        seq_resp_mask=None,
+    )
     mb = pack_rows(batch)
     assert (mb.segment_ids == 0).any()  # padding, which the router loss must leave out
     return params, sampling, mb
@@ -240,11 +256,17 @@ def test_moe_update_with_router_coefficient_zero_is_the_policy_loss_update(tiny_
     updates, want_state = opt.update(_reference(cfg, params, sampling, mb)[1], opt_state, params)
     want = optax.apply_updates(params, updates)
     got, got_state, *_ = update_fn(cfg, sampling, loss_cfg, optim, "float32", False, None)(
-        _copy(params), _copy(opt_state), None, None, None, mb)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7),
-                 (got, got_state), (want, want_state))
-    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(got),
-                                                                                   jax.tree.leaves(params)))
+        _copy(params), _copy(opt_state), None, None, None, mb
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7),
+        (got, got_state),
+        (want, want_state),
+    )
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params))
+    )
     assert moved > 1e-4  # the tolerance is far below one step
 
 

@@ -22,11 +22,16 @@ def _abstract_minibatch(rows: int, width: int, seqs: int, new_tokens: int, seq_r
     """A PackedRows of shapes only (jax.ShapeDtypeStruct), to compile an update without data;
     with seq_resp_mask, the [rows, width] mask the online draft's loss reads."""
     shape = jax.ShapeDtypeStruct
-    return PackedRows(tokens=shape((rows, width), jnp.int32), segment_ids=shape((rows, width), jnp.int32),
-                      resp_index=shape((seqs, new_tokens), jnp.int32), resp_tokens=shape((seqs, new_tokens), jnp.int32),
-                      advantages=shape((seqs,), jnp.float32), prox_logp=shape((seqs, new_tokens), jnp.float32),
-                      loss_mask=shape((seqs, new_tokens), bool),
-                      seq_resp_mask=shape((rows, width), bool) if seq_resp_mask else None)
+    return PackedRows(
+        tokens=shape((rows, width), jnp.int32),
+        segment_ids=shape((rows, width), jnp.int32),
+        resp_index=shape((seqs, new_tokens), jnp.int32),
+        resp_tokens=shape((seqs, new_tokens), jnp.int32),
+        advantages=shape((seqs,), jnp.float32),
+        prox_logp=shape((seqs, new_tokens), jnp.float32),
+        loss_mask=shape((seqs, new_tokens), bool),
+        seq_resp_mask=shape((rows, width), bool) if seq_resp_mask else None,
+    )
 
 
 def _temporaries(update) -> int:
@@ -42,8 +47,17 @@ def test_update_and_scoring_keep_no_logits_of_every_position():
     160 MiB of the pass's at this shape, against 26 and 5 MiB chunked)."""
     from jaxspec.models.config import ModelConfig
 
-    cfg = ModelConfig(family="qwen3", vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=1, num_kv_heads=1, head_dim=32, max_position_embeddings=256)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=4096,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
     rows, width, seqs, new_tokens = 32, 128, 32, 96
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     optim = PolicyOptimConfig(learning_rate=1e-5)
@@ -68,7 +82,7 @@ def test_chunked_scoring_and_update_on_a_mesh_match_one_device(tiny_policy, mesh
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)
     batch = batch.replace(seq_resp_mask=None)
-    sharding = Sharding(make_mesh(*mesh_shape, devices=jax.devices()[:np.prod(mesh_shape)]))
+    sharding = Sharding(make_mesh(*mesh_shape, devices=jax.devices()[: np.prod(mesh_shape)]))
     args = (batch.tokens, batch.segment_ids, batch.resp_index, batch.resp_tokens)
     assert batch.resp_index.size % 12
     want = score_fn(cfg, sampling, "float32", False, logprob_chunk=12)(params, *args)
@@ -134,18 +148,43 @@ def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
     online = OnlineDraft(dcfg=dcfg, train=OnlineDraftConfig(online=True, learning_rate=1e-2, ttt_steps=2))
     optim = PolicyOptimConfig(learning_rate=1e-2)
     update = update_fn(cfg, sampling, GRPOLossConfig(), optim, "float32", False, online, logprob_chunk=3)
-    *_, metrics = update(_copy(params), policy_optimizer(optim).init(params), _copy(weights), buffers,
-                         draft_optimizer(online.train).init(weights), batch)
-    final, hidden, _ = sequence_forward(cfg, params, batch.tokens, batch.segment_ids, tuple(dcfg.aux_layer_ids),
-                                        head=False)
-    want, _ = eagle3_loss(dcfg, merge_buffers(weights, buffers), params["embed"], hidden,
-                          logits_from_hidden(cfg, params, final), batch.tokens, batch.seq_resp_mask, num_steps=2,
-                          step_decay=online.train.step_decay, segment_ids=batch.segment_ids)
+    *_, metrics = update(
+        _copy(params),
+        policy_optimizer(optim).init(params),
+        _copy(weights),
+        buffers,
+        draft_optimizer(online.train).init(weights),
+        batch,
+    )
+    final, hidden, _ = sequence_forward(
+        cfg, params, batch.tokens, batch.segment_ids, tuple(dcfg.aux_layer_ids), head=False
+    )
+    want, _ = eagle3_loss(
+        dcfg,
+        merge_buffers(weights, buffers),
+        params["embed"],
+        hidden,
+        logits_from_hidden(cfg, params, final),
+        batch.tokens,
+        batch.seq_resp_mask,
+        num_steps=2,
+        step_decay=online.train.step_decay,
+        segment_ids=batch.segment_ids,
+    )
     assert float(want) > 0
     np.testing.assert_allclose(float(metrics["draft_loss"]), float(want), rtol=1e-6)
 
-    big = ModelConfig(family="qwen3", vocab_size=8192, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=1, num_kv_heads=1, head_dim=32, max_position_embeddings=256)
+    big = ModelConfig(
+        family="qwen3",
+        vocab_size=8192,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
     rows, width, seqs, new_tokens = 32, 128, 32, 96
     big_params = jax.eval_shape(lambda: init_params(big, jax.random.PRNGKey(0)))
     big_state = jax.eval_shape(policy_optimizer(optim).init, big_params)

@@ -7,6 +7,7 @@ import pytest
 
 from tests.rl.runs import read_metrics, train_cli, without_machine_keys, write_config
 
+
 def test_the_default_compilation_cache_is_in_the_run_dir(full_run):
     _, run_dir = full_run  # no train.compilation_cache in its config
     assert any(path.name.startswith("jit_") for path in (run_dir / "xla_cache").iterdir())
@@ -79,8 +80,10 @@ def test_rollouts_read_the_policy_and_the_draft_in_the_rollout_dtype(tiny_policy
 def policy_copies(params) -> float:
     """Bytes of the live arrays split over devices and shaped like the policy's float32 matrices, in
     units of the policy's (0 on one device)."""
+
     def split(x):
         return x.dtype == np.float32 and x.ndim > 1 and not x.sharding.is_fully_replicated
+
     shaped = {x.shape for x in jax.tree.leaves(params) if split(x)}
     size = sum(x.nbytes for x in jax.tree.leaves(params) if x.shape in shaped and split(x))
     return sum(x.nbytes for x in jax.live_arrays() if x.shape in shaped and split(x)) / max(size, 1)
@@ -100,12 +103,18 @@ def update_calls(monkeypatch):
         fn, with_draft = update_fn(*args), args[6] is not None  # (..., remat, draft, sharding)
 
         def update(*inputs, **options):
-            calls.append({"with_draft": with_draft, "has_head": inputs[2] is not None,
-                          "policy_steps": options.get("policy_steps", True),
-                          "has_tokens": bool(np.asarray(inputs[5].loss_mask).any()),
-                          "unfinished_params": sum(not x.is_ready() for x in jax.tree.leaves(inputs[0])),
-                          "policy_copies": policy_copies(inputs[0])})
+            calls.append(
+                {
+                    "with_draft": with_draft,
+                    "has_head": inputs[2] is not None,
+                    "policy_steps": options.get("policy_steps", True),
+                    "has_tokens": bool(np.asarray(inputs[5].loss_mask).any()),
+                    "unfinished_params": sum(not x.is_ready() for x in jax.tree.leaves(inputs[0])),
+                    "policy_copies": policy_copies(inputs[0]),
+                }
+            )
             return fn(*inputs, **options)
+
         return update
 
     monkeypatch.setattr(loop, "update_fn", counting_update_fn)
@@ -127,12 +136,16 @@ def test_the_policy_steps_only_on_minibatches_with_loss_tokens(tiny_policy, tmp_
     """A reward every rollout scores 0 with loss.filter_groups: no group is informative, so no
     minibatch holds loss tokens. The head still trains on its minibatches, the policy never steps
     (the loop says so to the update), and no update is counted."""
-    config = write_config(tmp_path / "run.yaml", tiny_policy[0], reward="zero", steps=2, eval_every=0,
-                          checkpoint_every=2)
-    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "draft.train_every=2",
-                     "loss.filter_groups=true") == 0
-    assert update_calls and all(c["with_draft"] and not c["has_tokens"] and not c["policy_steps"]
-                                for c in update_calls), update_calls
+    config = write_config(
+        tmp_path / "run.yaml", tiny_policy[0], reward="zero", steps=2, eval_every=0, checkpoint_every=2
+    )
+    assert (
+        train_cli("--config", config, "--run-dir", tmp_path / "run", "draft.train_every=2", "loss.filter_groups=true")
+        == 0
+    )
+    assert update_calls and all(
+        c["with_draft"] and not c["has_tokens"] and not c["policy_steps"] for c in update_calls
+    ), update_calls
     records = read_metrics(tmp_path / "run")
     assert [r["updates"] for r in records] == [0, 0]
     assert all(r["draft_loss"] > 0 for r in records)
@@ -144,10 +157,18 @@ def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
     advances by every prompt generated, and the batch keeps its size. The run also uses top-k
     sampling from bf16 rollouts with recomputed log-probs, TIS, dual-clip and Dr.GRPO's
     normaliser: every loss metric is finite and the dropped-token count is reported."""
-    config = write_config(tmp_path / "run.yaml", tiny_policy[0], reward="rare_hash", steps=3, eval_every=0,
-                     checkpoint_every=3)
-    options = ["spec.method=none", "draft.online=false", "loss.filter_groups_max_rounds=4", "rollout.top_k=8",
-               "rollout.dtype=bfloat16", "loss.tis_cap=2.0", "loss.aggregation=seq-mean-token-sum-norm"]
+    config = write_config(
+        tmp_path / "run.yaml", tiny_policy[0], reward="rare_hash", steps=3, eval_every=0, checkpoint_every=3
+    )
+    options = [
+        "spec.method=none",
+        "draft.online=false",
+        "loss.filter_groups_max_rounds=4",
+        "rollout.top_k=8",
+        "rollout.dtype=bfloat16",
+        "loss.tis_cap=2.0",
+        "loss.aggregation=seq-mean-token-sum-norm",
+    ]
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", *options) == 0
     records = read_metrics(tmp_path / "run")
     position = 0
@@ -156,7 +177,15 @@ def test_dapo_dynamic_sampling_refills_the_batch(tiny_policy, tmp_path):
         assert r["data_position"] == position
         if r["generation_rounds"] < 4:
             assert r["groups_zero_variance"] == 0
-        for key in ("loss", "pg_loss", "kl", "grad_norm", "behaviour_weight_mean", "dual_clip_frac", "nonfinite_tokens"):
+        for key in (
+            "loss",
+            "pg_loss",
+            "kl",
+            "grad_norm",
+            "behaviour_weight_mean",
+            "dual_clip_frac",
+            "nonfinite_tokens",
+        ):
             assert np.isfinite(r[key]), (key, r)
     assert any(r["generation_rounds"] > 1 for r in records), records
 
@@ -228,8 +257,10 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=1, checkpoint_every=1)
     options = ["mesh.fsdp=2", "mesh.tensor=2", "rollout.dtype=bfloat16"]
     for gather in ("false", "true"):
-        assert train_cli("--config", config, "--run-dir", tmp_path / gather, *options,
-                         f"rollout.gather_weights={gather}") == 0
+        assert (
+            train_cli("--config", config, "--run-dir", tmp_path / gather, *options, f"rollout.gather_weights={gather}")
+            == 0
+        )
     # embed [vocab, embed] is split over fsdp in the master weights, not in the copy; validation
     # at steps 0 and 1 and the rollouts of step 1 each read it
     assert read_fsdp_sharded == [True] * 3 + [False] * 3
@@ -238,8 +269,9 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
     assert [r["step"] for r in gathered] == [0, 1] and [set(r) for r in gathered] == [set(r) for r in sharded]
     for want, got in zip(sharded, gathered):
         for key in want:  # null (an unreached draft position) reads as nan on both sides
-            np.testing.assert_allclose(np.asarray(got[key], float), np.asarray(want[key], float), rtol=1e-5,
-                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(
+                np.asarray(got[key], float), np.asarray(want[key], float), rtol=1e-5, atol=1e-6, err_msg=key
+            )
 
 
 def test_one_update_runs_at_a_time_and_the_run_holds_its_arrays_in_its_state(tiny_policy, tmp_path, update_calls):
@@ -268,8 +300,18 @@ def test_updates_on_a_mesh_hold_one_policy_and_its_moments(tiny_policy, tmp_path
     P('fsdp', None): the loop keeps it on the input's sharding without a copy, and nothing holds the
     step's outputs beside it (a copy held beside them ran Qwen3-8B on 2 x 80 GB out of memory)."""
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
-    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "loss.minibatches=4",
-                     "loss.filter_groups=false", "mesh.fsdp=2") == 0
+    assert (
+        train_cli(
+            "--config",
+            config,
+            "--run-dir",
+            tmp_path / "run",
+            "loss.minibatches=4",
+            "loss.filter_groups=false",
+            "mesh.fsdp=2",
+        )
+        == 0
+    )
     copies = [c["policy_copies"] for c in update_calls]
     assert len(copies) > 1 and copies[0] > 0, copies
     assert max(copies) == pytest.approx(copies[0]), copies  # as many as the first update, before any pin

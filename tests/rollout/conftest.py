@@ -15,8 +15,11 @@ def random_params(cfg: ModelConfig, seed: int, std: float):
 
     def draw(path, leaf):
         name = path[-1].key
-        values = 1 + 0.1 * rng.standard_normal(leaf.shape) if name.endswith("norm") else (
-            std * rng.standard_normal(leaf.shape))
+        values = (
+            1 + 0.1 * rng.standard_normal(leaf.shape)
+            if name.endswith("norm")
+            else (std * rng.standard_normal(leaf.shape))
+        )
         return jnp.asarray(values, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
@@ -28,14 +31,34 @@ def tiny_vocab_policy():
 
     std 0.2 makes next-token distributions clearly non-uniform and far from one-hot.
     """
-    cfg = ModelConfig(family="qwen3", vocab_size=6, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, eos_token_id=5)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=6,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        eos_token_id=5,
+    )
     return cfg, random_params(cfg, seed=1, std=0.2)
 
 
 @pytest.fixture(scope="session")
 def policy():
     """A Llama-style policy with vocabulary 61, a pad id, and no eos in its config."""
-    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=48, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=12, max_position_embeddings=96, pad_token_id=7)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        max_position_embeddings=96,
+        pad_token_id=7,
+    )
     return cfg, random_params(cfg, seed=2, std=0.2)

@@ -51,7 +51,7 @@ def padded(sequences, width: int) -> jnp.ndarray:
     """Right-pads token lists with 0 to int32 [len(sequences), width]."""
     out = np.zeros((len(sequences), width), np.int32)
     for i, seq in enumerate(sequences):
-        out[i, :len(seq)] = seq
+        out[i, : len(seq)] = seq
     return jnp.asarray(out)
 
 

@@ -58,10 +58,15 @@ def draw(tiny_vocab_policy):
         if key not in cache:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(rollout_stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
-                out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
-                               Sampling(max_new_tokens=MAX_NEW, **setting))
+                out = generate(
+                    cfg,
+                    params,
+                    [list(PROMPT)] * NUM_SAMPLES,
+                    jax.random.key(7),
+                    Sampling(max_new_tokens=MAX_NEW, **setting),
+                )
             tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
-            seqs = [tuple(int(t) for t in tokens[i, :lengths[i]]) for i in range(NUM_SAMPLES)]
+            seqs = [tuple(int(t) for t in tokens[i, : lengths[i]]) for i in range(NUM_SAMPLES)]
             cache[key] = seqs, tokens, lengths, logprobs
         return cache[key]
 
@@ -123,8 +128,13 @@ def test_a_3_percent_temperature_error_is_detected(tiny_vocab_policy, temperatur
     probs = exact_continuations(cfg, params, T1, POWER_PROMPT)
     hot = exact_continuations(cfg, params, dict(T1, temperature=1.03), POWER_PROMPT)
     assert chi_square_power(probs, hot, POWER_SAMPLES, 1e-3) >= 0.9
-    out = generate(cfg, params, [list(POWER_PROMPT)] * POWER_SAMPLES + [list(FILLER_PROMPT)] * POWER_SAMPLES,
-                   jax.random.key(5), Sampling(max_new_tokens=MAX_NEW, temperature=temperature))
+    out = generate(
+        cfg,
+        params,
+        [list(POWER_PROMPT)] * POWER_SAMPLES + [list(FILLER_PROMPT)] * POWER_SAMPLES,
+        jax.random.key(5),
+        Sampling(max_new_tokens=MAX_NEW, temperature=temperature),
+    )
     tokens, lengths = (np.asarray(x)[:POWER_SAMPLES].tolist() for x in (out.tokens, out.lengths))
     pvalue = chi_square_pvalue([tuple(r[:n]) for r, n in zip(tokens, lengths)], probs)
     if temperature == 1.0:

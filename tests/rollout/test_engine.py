@@ -79,8 +79,7 @@ def test_eos_stops_exactly(policy, greedy_ref):
     eos_a = row0[_first_new(row0, 2)]
     eos_b = next(row1[k] for k in range(1, MAX_NEW) if row1[k] not in row1[:k] and row1[k] != eos_a)
     eos = (eos_a, eos_b)
-    out = generate(cfg, params, BATCH, jax.random.key(0),
-                   Sampling(temperature=0.0, max_new_tokens=MAX_NEW, eos_id=eos))
+    out = generate(cfg, params, BATCH, jax.random.key(0), Sampling(temperature=0.0, max_new_tokens=MAX_NEW, eos_id=eos))
     tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
     for r, prompt in enumerate(BATCH):
         full, full_lp = greedy_ref[PROMPTS.index(prompt)]
@@ -101,7 +100,7 @@ def test_logprobs_match_teacher_forced_recomputation(policy):
     tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
     assert (lengths < MAX_NEW).any() and (lengths == MAX_NEW).any()
     assert len({tuple(tokens[r]) for r in (0, 3, 5)}) > 1, "copies of one prompt must be sampled independently"
-    seqs = [prompt + tokens[r, :lengths[r]].tolist() for r, prompt in enumerate(BATCH)]
+    seqs = [prompt + tokens[r, : lengths[r]].tolist() for r, prompt in enumerate(BATCH)]
     recomputed = np.asarray(processed_logprobs(full_forward(cfg, params, padded(seqs, 20 + MAX_NEW)), sampling))
     for r, prompt in enumerate(BATCH):
         n, p = lengths[r], len(prompt)
@@ -155,17 +154,28 @@ def test_chunked_prefill_matches_one_pass_over_all_prompts(policy):
     prompts = _distinct_prompts(PREFILL_CHUNK + 8, seed=4)  # two chunks, the second completed with filler
     tokens, lengths = padded(prompts, 16), jnp.asarray([len(p) for p in prompts], jnp.int32)
     row_prompt = jnp.asarray(np.random.default_rng(5).integers(0, len(prompts), 50), jnp.int32)
-    cache, logits, hidden = engine.prefill_prompts(cfg, params, tokens, lengths, row_prompt, max_len=24,
-                                            cache_dtype=jnp.float32, sharding=None, hidden_layers=(1, 0))
+    cache, logits, hidden = engine.prefill_prompts(
+        cfg,
+        params,
+        tokens,
+        lengths,
+        row_prompt,
+        max_len=24,
+        cache_dtype=jnp.float32,
+        sharding=None,
+        hidden_layers=(1, 0),
+    )
 
     num = len(prompts)
     positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (num, 16))
     _, _, want_cache = jax.jit(extend, static_argnums=0)(
-        cfg, params, init_cache(cfg, num, 24), tokens, positions, jnp.zeros((num,), jnp.int32))
+        cfg, params, init_cache(cfg, num, 24), tokens, positions, jnp.zeros((num,), jnp.int32)
+    )
     want_logits, want_hidden = jax.jit(forward_hidden, static_argnums=(0, 3))(cfg, params, tokens, (1, 0))
     last = np.asarray(lengths) - 1
-    np.testing.assert_allclose(logits, np.asarray(want_logits)[np.asarray(row_prompt), last[row_prompt]],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        logits, np.asarray(want_logits)[np.asarray(row_prompt), last[row_prompt]], rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(hidden, want_hidden, rtol=1e-5, atol=1e-5)
     assert hidden.shape == (2, num, 16, cfg.hidden_size)
     for got, want in zip((*cache.k, *cache.v), (*want_cache.k, *want_cache.v)):
@@ -178,25 +188,28 @@ def test_more_distinct_prompts_than_a_chunk_equal_two_halves(policy):
     distinct = _distinct_prompts(PREFILL_CHUNK + 8, seed=6)
     half = len(distinct) // 2
     # Each half repeats four of its own prompts: same shapes for both halves, fewer than a chunk.
-    first, second = distinct[:half] + distinct[:4], distinct[half:] + distinct[half:half + 4]
+    first, second = distinct[:half] + distinct[:4], distinct[half:] + distinct[half : half + 4]
     whole = generate(cfg, params, first + second, jax.random.key(0), GREEDY)
     parts = [generate(cfg, params, rows, jax.random.key(0), GREEDY) for rows in (first, second)]
     np.testing.assert_array_equal(whole.tokens, np.concatenate([p.tokens for p in parts]))
     np.testing.assert_allclose(whole.logprobs, np.concatenate([p.logprobs for p in parts]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("prompts, kwargs, match", [
-    ([], {}, "prompts is empty"),
-    ("hello", {}, "prompts must be"),
-    ([[1, 2], []], {}, r"prompts\[1\] is empty"),
-    ([[1, 61]], {}, r"prompts\[0\]\[1\] = 61 is outside the vocabulary"),
-    ([[3], [-1]], {}, r"prompts\[1\]\[0\] = -1"),
-    ([[1.5, 2.0]], {}, r"prompts\[0\] must hold integer"),
-    ([[1] * 89], {}, r"prompts\[0\] has 89 tokens.*max_new_tokens=8.*max_position_embeddings=96"),
-    ([[1]], dict(spec="eagle3"), "spec"),
-    ([[1]], dict(sampling={"temperature": 1.0}), "sampling must be"),
-    ([[1]], dict(sampling=Sampling(max_new_tokens=8, eos_id=61)), "eos_id 61"),
-])
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ([], {}, "prompts is empty"),
+        ("hello", {}, "prompts must be"),
+        ([[1, 2], []], {}, r"prompts\[1\] is empty"),
+        ([[1, 61]], {}, r"prompts\[0\]\[1\] = 61 is outside the vocabulary"),
+        ([[3], [-1]], {}, r"prompts\[1\]\[0\] = -1"),
+        ([[1.5, 2.0]], {}, r"prompts\[0\] must hold integer"),
+        ([[1] * 89], {}, r"prompts\[0\] has 89 tokens.*max_new_tokens=8.*max_position_embeddings=96"),
+        ([[1]], dict(spec="eagle3"), "spec"),
+        ([[1]], dict(sampling={"temperature": 1.0}), "sampling must be"),
+        ([[1]], dict(sampling=Sampling(max_new_tokens=8, eos_id=61)), "eos_id 61"),
+    ],
+)
 def test_bad_input_raises(policy, prompts, kwargs, match):
     cfg, params = policy
     kwargs = {"sampling": GREEDY, **kwargs}

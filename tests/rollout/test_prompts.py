@@ -4,8 +4,9 @@ import pytest
 from jaxspec.rollout.prompts import count_bucket, group_prompts, prompt_bucket
 
 
-@pytest.mark.parametrize("length, bucket", [
-    (1, 16), (16, 16), (17, 32), (33, 64), (1000, 1024), (1024, 1024), (1025, 2048), (3000, 3072)])
+@pytest.mark.parametrize(
+    "length, bucket", [(1, 16), (16, 16), (17, 32), (33, 64), (1000, 1024), (1024, 1024), (1025, 2048), (3000, 3072)]
+)
 def test_prompt_bucket(length, bucket):
     assert prompt_bucket(length) == bucket
 
@@ -24,8 +25,8 @@ def test_identical_prompts_are_prefilled_once():
     assert batch.tokens.shape == (4, 16) and batch.tokens.dtype == np.int32
     np.testing.assert_array_equal(batch.lengths, [3, 1, 2, 1])  # the 4th row is filler
     for u, prompt in enumerate((a, b, c)):
-        assert batch.tokens[u, :len(prompt)].tolist() == list(prompt)
-        assert not batch.tokens[u, len(prompt):].any()
+        assert batch.tokens[u, : len(prompt)].tolist() == list(prompt)
+        assert not batch.tokens[u, len(prompt) :].any()
 
 
 def test_min_width_sets_the_bucket():

@@ -39,7 +39,10 @@ def test_processed_logprobs_keeps_ties_with_kth_largest_and_shape():
 def test_top_p_keeps_smallest_prefix_reaching_mass():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     logits = jnp.log(jnp.asarray(probs, jnp.float32))
-    kept = lambda top_p: np.isfinite(np.asarray(processed_logprobs(logits, Sampling(top_p=top_p)))).sum()
+
+    def kept(top_p):
+        return np.isfinite(np.asarray(processed_logprobs(logits, Sampling(top_p=top_p)))).sum()
+
     assert kept(0.1) == 1  # the most likely token always stays
     assert kept(0.79) == 2
     assert kept(0.81) == 3
@@ -65,18 +68,21 @@ def test_choose_tokens_greedy_reports_unscaled_logprob():
     np.testing.assert_allclose(logprobs, jax.nn.log_softmax(logits)[jnp.arange(2), tokens], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(max_new_tokens=True), "max_new_tokens"),
-    (dict(eos_id=-3), "eos_id"),
-    (dict(eos_id=(1, "2")), "eos_id"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(eos_id=-3), "eos_id"),
+        (dict(eos_id=(1, "2")), "eos_id"),
+    ],
+)
 def test_invalid_sampling_fields_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Sampling(**kwargs)

@@ -31,8 +31,9 @@ def _speculative_on_one_device_and_on_a_mesh(policy, spec, sampling):
     cfg, params = policy
     sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2))
     want = generate(cfg, params, PROMPTS, jax.random.key(0), sampling, spec=spec)
-    got = generate(cfg, shard_params(sharding, params), PROMPTS, jax.random.key(0), sampling, spec=spec,
-                   sharding=sharding)
+    got = generate(
+        cfg, shard_params(sharding, params), PROMPTS, jax.random.key(0), sampling, spec=spec, sharding=sharding
+    )
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
@@ -48,8 +49,9 @@ def test_sharded_speculative_rollout_matches_unsharded(policy):
     from jaxspec.draft import init_eagle3
     from jaxspec.rollout import Spec
 
-    spec = Spec("eagle3", init_eagle3(policy[0], jax.random.key(5), std=0.3), num_draft_tokens=3, tree_width=2,
-                tree_budget=4)
+    spec = Spec(
+        "eagle3", init_eagle3(policy[0], jax.random.key(5), std=0.3), num_draft_tokens=3, tree_width=2, tree_budget=4
+    )
     _speculative_on_one_device_and_on_a_mesh(policy, spec, Sampling(temperature=0.0, max_new_tokens=6, eos_id=(13,)))
 
 
@@ -63,10 +65,12 @@ def test_sharded_staged_rollout_with_a_draft_depth_per_stage_matches_unsharded(p
     monkeypatch.setattr(stages, "MIN_STAGE_ROWS", 4)
     assert stages.batch_stages(len(PROMPTS), Sharding(make_mesh(data=2, fsdp=2, tensor=2))) == (8, 4)
     assert stages.batch_stages(len(PROMPTS)) == (8, 4)
-    spec = Spec("eagle3", init_eagle3(policy[0], jax.random.key(5), std=0.3), num_draft_tokens=3,
-                stage_draft_tokens=(1, 3))
+    spec = Spec(
+        "eagle3", init_eagle3(policy[0], jax.random.key(5), std=0.3), num_draft_tokens=3, stage_draft_tokens=(1, 3)
+    )
     _, want = _speculative_on_one_device_and_on_a_mesh(
-        policy, spec, Sampling(temperature=0.0, max_new_tokens=12, eos_id=(3,)))
+        policy, spec, Sampling(temperature=0.0, max_new_tokens=12, eos_id=(3,))
+    )
     assert min(want.stats["stage_steps"]) > 0
 
 
@@ -76,7 +80,7 @@ def test_rollout_from_the_gathered_copy_matches_the_fsdp_sharded_one(policy, ten
     the same tokens and log-probs as the fsdp-sharded copy, greedy and sampled with one key, rows
     still split over the batch axes; every device holds the whole policy / tensor."""
     cfg, params = policy
-    sharding = Sharding(make_mesh(data=1, fsdp=2, tensor=tensor, devices=jax.devices()[:2 * tensor]))
+    sharding = Sharding(make_mesh(data=1, fsdp=2, tensor=tensor, devices=jax.devices()[: 2 * tensor]))
     sharded = cast_floats(shard_params(sharding, params), jnp.bfloat16)
     gathered = cast_floats(sharded, jnp.bfloat16, gathered_param_shardings(sharding, sharded))
     for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(gathered)):

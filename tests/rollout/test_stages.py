@@ -37,9 +37,16 @@ def small_stages(monkeypatch):
     assert stages.batch_stages(len(BATCH)) == (8, 4, 2)
 
 
-METHODS = ["ar", "eagle3-chain", "ngram-tree", "draft_model-chain",
-           # a draft depth per stage: shallower and deeper than the first stage's
-           "eagle3-chain-depth-per-stage", "ngram-tree-depth-per-stage", "draft_model-chain-depth-per-stage"]
+METHODS = [
+    "ar",
+    "eagle3-chain",
+    "ngram-tree",
+    "draft_model-chain",
+    # a draft depth per stage: shallower and deeper than the first stage's
+    "eagle3-chain-depth-per-stage",
+    "ngram-tree-depth-per-stage",
+    "draft_model-chain-depth-per-stage",
+]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -47,16 +54,20 @@ def test_staged_greedy_rollouts_equal_the_reference(policy, reference_and_eos, s
     cfg, params = policy
     reference, eos = reference_and_eos
     head = init_eagle3(cfg, jax.random.key(5), std=0.3)
-    spec = {"ar": None,
-            "eagle3-chain": Spec("eagle3", head, num_draft_tokens=3),
-            "ngram-tree": Spec("ngram", num_draft_tokens=3, tree_width=2),
-            "draft_model-chain": Spec("draft_model", (cfg, params), num_draft_tokens=3),
-            "eagle3-chain-depth-per-stage": Spec("eagle3", head, num_draft_tokens=4, stage_draft_tokens=(2, 4, 1)),
-            "ngram-tree-depth-per-stage": Spec("ngram", num_draft_tokens=3, tree_width=2, stage_draft_tokens=(1, 3)),
-            "draft_model-chain-depth-per-stage": Spec("draft_model", (cfg, params), num_draft_tokens=5,
-                                                      stage_draft_tokens=(5, 2))}[method]
-    out = generate(cfg, params, BATCH, jax.random.key(0), Sampling(temperature=0.0, max_new_tokens=MAX_NEW,
-                                                                  eos_id=eos), spec=spec)
+    spec = {
+        "ar": None,
+        "eagle3-chain": Spec("eagle3", head, num_draft_tokens=3),
+        "ngram-tree": Spec("ngram", num_draft_tokens=3, tree_width=2),
+        "draft_model-chain": Spec("draft_model", (cfg, params), num_draft_tokens=3),
+        "eagle3-chain-depth-per-stage": Spec("eagle3", head, num_draft_tokens=4, stage_draft_tokens=(2, 4, 1)),
+        "ngram-tree-depth-per-stage": Spec("ngram", num_draft_tokens=3, tree_width=2, stage_draft_tokens=(1, 3)),
+        "draft_model-chain-depth-per-stage": Spec(
+            "draft_model", (cfg, params), num_draft_tokens=5, stage_draft_tokens=(5, 2)
+        ),
+    }[method]
+    out = generate(
+        cfg, params, BATCH, jax.random.key(0), Sampling(temperature=0.0, max_new_tokens=MAX_NEW, eos_id=eos), spec=spec
+    )
     tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
     for r, prompt in enumerate(BATCH):
         full, full_lp = reference[PROMPTS.index(prompt)]

@@ -3,8 +3,10 @@
 
 def truncate_largest_data_file(folder) -> None:
     """Cuts the largest TensorStore data file of checkpoint `folder` to half its length."""
-    data = max((p for p in (folder / "default").rglob("*") if p.is_file() and p.parent.name == "d"),
-               key=lambda p: p.stat().st_size)
+    data = max(
+        (p for p in (folder / "default").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
 
 

@@ -11,8 +11,10 @@ from tests.run.damage import empty_metadata, truncate_largest_data_file
 
 
 def _state(step: int) -> dict:
-    return {"params": {"w": jnp.arange(4096, dtype=jnp.float32) * step, "b": jnp.full((3,), step, jnp.float32)},
-            "step": jnp.int32(step)}
+    return {
+        "params": {"w": jnp.arange(4096, dtype=jnp.float32) * step, "b": jnp.full((3,), step, jnp.float32)},
+        "step": jnp.int32(step),
+    }
 
 
 def _run(directory, steps=(10, 20)) -> Checkpointer:
@@ -85,8 +87,10 @@ def test_a_torn_last_line_is_dropped_and_a_bad_line_before_it_is_named(tmp_path)
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
     reports = []
     assert truncate_metrics(path, 5, reports.append) == [{"step": 1}, {"step": 2}]
-    assert reports == [f"{path}: dropped its last line, cut short while it was written (Unterminated string starting "
-                       f"at: line 1 column 13 (char 12))"]
+    assert reports == [
+        f"{path}: dropped its last line, cut short while it was written (Unterminated string starting "
+        f"at: line 1 column 13 (char 12))"
+    ]
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     path.write_text('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"{path}: line 2 is not a JSON record \(Unterminated string"):

@@ -37,8 +37,11 @@ def test_no_stop_by_never_stops_and_a_bad_one_is_named(monkeypatch):
     deadline.record([{"time_step_s": 1e9}])
     assert not deadline.too_late()
     monkeypatch.setenv("JAXSPEC_STOP_BY", "2024-05-01T12:00")
-    with pytest.raises(ValueError, match=r"JAXSPEC_STOP_BY='2024-05-01T12:00': expected the time to stop by, in "
-                                         r"seconds since the epoch"):
+    with pytest.raises(
+        ValueError,
+        match=r"JAXSPEC_STOP_BY='2024-05-01T12:00': expected the time to stop by, in "
+        r"seconds since the epoch",
+    ):
         Deadline.from_env()
     monkeypatch.setenv("JAXSPEC_STOP_BY", "1700000000")
     assert Deadline.from_env().stop_by == 1.7e9

@@ -16,8 +16,11 @@ def test_plain_lines_once_per_interval_and_at_the_end(capsys):
         for _ in range(3):
             bar.update(1, loss="1.234")
     out = capsys.readouterr().out.splitlines()
-    assert [line.split(",")[0] for line in out] == ["draft: step 1/3 (33%)", "draft: step 2/3 (66%)",
-                                                    "draft: step 3/3 (100%)"]
+    assert [line.split(",")[0] for line in out] == [
+        "draft: step 1/3 (33%)",
+        "draft: step 2/3 (66%)",
+        "draft: step 3/3 (100%)",
+    ]
     assert all(line.endswith(" s, loss=1.234") for line in out)
 
 

@@ -34,7 +34,8 @@ def test_a_changed_training_key_is_refused_and_a_resumable_one_is_not(tmp_path):
     run_dir = _saved_run(tmp_path, cfg)
     check_run_dir(GRPOConfig(train=GRPOTrainConfig(steps=8)), run_dir, resume=True)
     with pytest.raises(ValueError, match="--resume: loss.tis_cap is None but the run in .* used 2.0"):
-        check_run_dir(GRPOConfig(train=GRPOTrainConfig(steps=4), loss=GRPOLossConfig(tis_cap=None)), run_dir,
-                      resume=True)
+        check_run_dir(
+            GRPOConfig(train=GRPOTrainConfig(steps=4), loss=GRPOLossConfig(tis_cap=None)), run_dir, resume=True
+        )
     with pytest.raises(ValueError, match="already holds checkpoints; pass --resume"):
         check_run_dir(cfg, run_dir, resume=False)

@@ -21,9 +21,11 @@ def test_levels_1_to_5_output_is_pinned():
     # Pins the generator output of levels 1..5 (both kinds): the committed tiny policy and every
     # dataset built so far depend on it, so new levels or templates must not change these draws.
     assert _digest(generate_problems(200, seed=0, levels=[1, 2, 3, 4, 5])) == (
-        "39ebbdfec4d99ad6019db9369aa89ca18709ff82f84eb6105a3dc30e6700446b")
+        "39ebbdfec4d99ad6019db9369aa89ca18709ff82f84eb6105a3dc30e6700446b"
+    )
     assert _digest(generate_problems(2000, seed=5, levels=[1, 2, 3, 4, 5])) == (
-        "440e632b89487501c38e0fb544ab6bc74a1537e2420f548df1dd4299bfdacb9d")
+        "440e632b89487501c38e0fb544ab6bc74a1537e2420f548df1dd4299bfdacb9d"
+    )
 
 
 def test_same_seed_same_bytes_different_seed_differs(tmp_path):
@@ -148,7 +150,8 @@ def test_long_levels_are_deterministic_and_mix_both_kinds():
     assert problems == generate_problems(40, seed=1, levels=LONG_LEVELS)
     assert problems != generate_problems(40, seed=2, levels=LONG_LEVELS)
     assert {(p["level"], p["kind"]) for p in problems} == {
-        (level, kind) for level in LONG_LEVELS for kind in ("arithmetic", "word")}
+        (level, kind) for level in LONG_LEVELS for kind in ("arithmetic", "word")
+    }
 
 
 @pytest.fixture(scope="module")

@@ -24,22 +24,38 @@ def test_generated_files_jsonl_and_parquet(tmp_path):
 
 
 def test_gsm8k_style(tmp_path):
-    path = _write_jsonl(tmp_path / "gsm8k.jsonl", [
-        {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
-        {"question": "A big sum?", "answer": "Add them.\n#### 1,234"},
-    ])
+    path = _write_jsonl(
+        tmp_path / "gsm8k.jsonl",
+        [
+            {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+            {"question": "A big sum?", "answer": "Add them.\n#### 1,234"},
+        ],
+    )
     records = load_prompts(path, prompt_field="question", answer_field="answer")
-    assert records == [{"prompt": "Tom has 3 apples and buys 4 more. How many?", "answer": "7"},
-                       {"prompt": "A big sum?", "answer": "1234"}]
+    assert records == [
+        {"prompt": "Tom has 3 apples and buys 4 more. How many?", "answer": "7"},
+        {"prompt": "A big sum?", "answer": "1234"},
+    ]
 
 
 def test_math_style(tmp_path):
-    path = _write_jsonl(tmp_path / "math.jsonl", [
-        {"problem": "Compute $\\frac{3}{8} + \\frac{3}{8}$.", "level": "Level 2", "type": "Prealgebra",
-         "solution": "We add: $\\frac{3}{8}+\\frac{3}{8} = \\boxed{\\frac{3}{4}}$."},
-        {"problem": "What is $\\sqrt{2}\\cdot 1$?", "level": "Level 1", "type": "Algebra",
-         "solution": "It is $\\boxed{\\sqrt{2}}$."},
-    ])
+    path = _write_jsonl(
+        tmp_path / "math.jsonl",
+        [
+            {
+                "problem": "Compute $\\frac{3}{8} + \\frac{3}{8}$.",
+                "level": "Level 2",
+                "type": "Prealgebra",
+                "solution": "We add: $\\frac{3}{8}+\\frac{3}{8} = \\boxed{\\frac{3}{4}}$.",
+            },
+            {
+                "problem": "What is $\\sqrt{2}\\cdot 1$?",
+                "level": "Level 1",
+                "type": "Algebra",
+                "solution": "It is $\\boxed{\\sqrt{2}}$.",
+            },
+        ],
+    )
     records = load_prompts(path, prompt_field="problem", answer_field="solution")
     assert [r["answer"] for r in records] == ["3/4", "\\sqrt{2}"]
     assert records[0]["prompt"].startswith("Compute")
@@ -47,18 +63,26 @@ def test_math_style(tmp_path):
 
 def test_dapo_style_dotted_fields_and_chat_prompts(tmp_path):
     rows = [
-        {"data_source": "math_dapo",
-         "prompt": [{"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": "Solve 2+2. Put the answer after 'Answer:'."}],
-         "reward_model": {"ground_truth": "4", "style": "rule-math"}},
-        {"data_source": "math_dapo",
-         "prompt": [{"role": "user", "content": "Half of 3?"}],
-         "reward_model": {"ground_truth": "\\frac{3}{2}", "style": "rule-math"}},
+        {
+            "data_source": "math_dapo",
+            "prompt": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Solve 2+2. Put the answer after 'Answer:'."},
+            ],
+            "reward_model": {"ground_truth": "4", "style": "rule-math"},
+        },
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": "Half of 3?"}],
+            "reward_model": {"ground_truth": "\\frac{3}{2}", "style": "rule-math"},
+        },
     ]
     path = _write_jsonl(tmp_path / "dapo.jsonl", rows)
     records = load_prompts(path, prompt_field="prompt", answer_field="reward_model.ground_truth")
-    assert records == [{"prompt": "Solve 2+2. Put the answer after 'Answer:'.", "answer": "4"},
-                       {"prompt": "Half of 3?", "answer": "3/2"}]
+    assert records == [
+        {"prompt": "Solve 2+2. Put the answer after 'Answer:'.", "answer": "4"},
+        {"prompt": "Half of 3?", "answer": "3/2"},
+    ]
 
 
 def test_several_files_and_splits(tmp_path):
@@ -92,8 +116,10 @@ def test_errors_name_the_problem(tmp_path):
 
 
 def test_reads_the_same_without_datasets(tmp_path, monkeypatch):
-    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}},
-            {"prompt": [{"role": "user", "content": "half of 3?"}], "reward_model": {"ground_truth": "1.5"}}]
+    rows = [
+        {"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}},
+        {"prompt": [{"role": "user", "content": "half of 3?"}], "reward_model": {"ground_truth": "1.5"}},
+    ]
     jsonl = _write_jsonl(tmp_path / "d.jsonl", rows)
     generated = write_dataset(tmp_path / "g.jsonl", 10, seed=0)
     with_datasets = [load_prompts(jsonl, "prompt", "reward_model.ground_truth"), load_prompts(generated)]
@@ -109,7 +135,9 @@ def test_a_record_without_its_answer_is_refused_naming_file_line_and_field(tmp_p
     if not with_datasets:
         monkeypatch.setitem(sys.modules, "datasets", None)
     path = tmp_path / "d.jsonl"
-    path.write_text('{"question": "1+1?", "answer": "2"}\n\n{"question": "2+2?"}\n{"question": "3+3?", "answer": "6"}\n')
+    path.write_text(
+        '{"question": "1+1?", "answer": "2"}\n\n{"question": "2+2?"}\n{"question": "3+3?", "answer": "6"}\n'
+    )
     with pytest.raises(ValueError) as err:
         load_prompts(path)
     assert str(err.value) == f"{path}: line 3: the record has no 'answer' (or it is null)"

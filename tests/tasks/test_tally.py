@@ -76,8 +76,10 @@ def _simulate(question: str) -> list[int]:
     """The value after each day, from the question's text alone (independent of the generator)."""
     start = int(re.search(r"starts at (-?\d+)", question).group(1))
     rules = [(1, re.search(r"Each day it goes (up|down) by (\d+)", question).groups())]
-    rules += [(int(p), (d, a)) for p, d, a in re.findall(r"[Ee]very (\d+) days it (?:also )?goes (up|down) by (\d+)",
-                                                         question)]
+    rules += [
+        (int(p), (d, a))
+        for p, d, a in re.findall(r"[Ee]very (\d+) days it (?:also )?goes (up|down) by (\d+)", question)
+    ]
     days = int(re.search(r"after (\d+) days\?$", question).group(1))
     values, value = [], start
     for day in range(1, days + 1):
@@ -114,7 +116,7 @@ def test_every_phrasing_grades_right_and_a_wrong_answer_in_any_grades_zero():
     that is right line by line and earns reward 1; every phrasing of the answer line with the
     answer off by one earns 0 (the `arithmetic` reward, as GRPO calls it)."""
     reward = get_reward("arithmetic")
-    for (problem, segments) in generate_recorded(6, seed=5, kinds=("tally",), tally=SHORT):
+    for problem, segments in generate_recorded(6, seed=5, kinds=("tally",), tally=SHORT):
         values = _simulate(problem["question"])
         drawn = [s.drawn for s in segments]
         assert "".join(drawn) == problem["solution"]
@@ -122,7 +124,7 @@ def test_every_phrasing_grades_right_and_a_wrong_answer_in_any_grades_zero():
         phrasings = 0
         for i, segment in enumerate(segments):
             for text in segment.texts:
-                solution = "".join(drawn[:i] + [text] + drawn[i + 1:])
+                solution = "".join(drawn[:i] + [text] + drawn[i + 1 :])
                 _check_lines(solution, values)
                 assert reward(solution, example) == 1.0
                 phrasings += 1
@@ -153,8 +155,14 @@ def test_variation_zero_writes_the_canonical_solution():
     for p in generate_problems(20, seed=2, kinds=("tally",), tally=cfg):
         lines = p["solution"].splitlines()
         assert lines[0].startswith("Start: ") and lines[-1].startswith("The answer is \\boxed{")
-        assert all(re.fullmatch(r"Day \d+: we (add|subtract) \d+( and we (add|subtract) \d+)*, so we get -?\d+"
-                                r"( [+-] \d+)+ = -?\d+\.", line) for line in lines[1:-1]), lines[:3]
+        assert all(
+            re.fullmatch(
+                r"Day \d+: we (add|subtract) \d+( and we (add|subtract) \d+)*, so we get -?\d+"
+                r"( [+-] \d+)+ = -?\d+\.",
+                line,
+            )
+            for line in lines[1:-1]
+        ), lines[:3]
 
 
 def test_config_errors_name_the_key():

@@ -48,8 +48,9 @@ def test_other_tokenizers_and_errors(tmp_path, trained):
     tok, _ = trained
     path = tmp_path / "tokenizer.json"
     tok.tokenizer.save(str(path))
-    custom = ChatTokenizer.from_file(tmp_path, eos_token="<|user|>", pad_token="<|eos|>", bos_token=None,
-                                     prompt_template="Q: {question}\nA:")
+    custom = ChatTokenizer.from_file(
+        tmp_path, eos_token="<|user|>", pad_token="<|eos|>", bos_token=None, prompt_template="Q: {question}\nA:"
+    )
     assert (custom.eos_id, custom.pad_id, custom.bos_id) == (3, 2, None)
     assert custom.decode(custom.encode_prompt("hi")) == "Q: hi\nA:"
     with pytest.raises(ValueError, match="eos_token '<\\|end\\|>'"):

@@ -14,15 +14,21 @@ from jaxspec.tasks.generator import generate_recorded
 from jaxspec.tasks.phrasing import Segment, alt, draw, option_probs
 from jaxspec.tasks.tally import StepLaw, TallyConfig
 from jaxspec.tasks.tokenizer import ChatTokenizer
-from jaxspec.tasks.workload import (SegmentTokenizer, analyze_response, ideal_acceptance, summarize,
-                                    verification_steps)
+from jaxspec.tasks.workload import SegmentTokenizer, analyze_response, ideal_acceptance, summarize, verification_steps
 
 SHORT = TallyConfig(steps=StepLaw(median=10, sigma=0.5, min_steps=3, max_steps=30), variation=0.7)
 
 # Segments whose token tuples are not prefix-free on their own (" 1" / " 12", an empty option,
 # " we add" / " we add it"), with two texts alike in the last one.
-TEXTS = [("Day", "On day"), (" 1", " 12"), (":", ",", ""), (" we add", " we add it", " plus"), (" 5", " 7"),
-         (".\n", "!\n", ". Good.\n"), ("The end.", "Fin.", "The end.")]
+TEXTS = [
+    ("Day", "On day"),
+    (" 1", " 12"),
+    (":", ",", ""),
+    (" we add", " we add it", " plus"),
+    (" 5", " 7"),
+    (".\n", "!\n", ". Good.\n"),
+    ("The end.", "Fin.", "The end."),
+]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +241,8 @@ def test_sampled_responses_follow_the_reported_distribution(tally_tok):
     def z(segments_of):
         stats = [analyze_response(s, tokens) for s in segments_of]
         return (sum(-s.logprob for s in stats) - sum(s.entropy for s in stats)) / math.sqrt(
-            sum(s.entropy_var for s in stats))
+            sum(s.entropy_var for s in stats)
+        )
 
     at_07 = _first_problems(0.7, seeds)
     assert abs(z(at_07)) < 5

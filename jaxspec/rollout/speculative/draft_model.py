@@ -57,15 +57,26 @@ class DraftModelDrafter:
         return min(self.depth, self.num_nodes) + 1
 
     def init(self, dparams, prefill: Prefill) -> Pending:
-        cache, _, _ = prefill_prompts(self.cfg, dparams, prefill.prompt_tokens, prefill.prompt_lengths,
-                                      prefill.row_prompt, max_len=prefill.max_len, cache_dtype=prefill.cache_dtype,
-                                      sharding=self.sharding)
+        cache, _, _ = prefill_prompts(
+            self.cfg,
+            dparams,
+            prefill.prompt_tokens,
+            prefill.prompt_lengths,
+            prefill.row_prompt,
+            max_len=prefill.max_len,
+            cache_dtype=prefill.cache_dtype,
+            sharding=self.sharding,
+        )
         batch = prefill.first_token.shape[0]
-        return Pending(cache=cache, tokens=jnp.zeros((batch, self.chunk), jnp.int32).at[:, 0].set(prefill.first_token),
-                       count=jnp.ones((batch,), jnp.int32))
+        return Pending(
+            cache=cache,
+            tokens=jnp.zeros((batch, self.chunk), jnp.int32).at[:, 0].set(prefill.first_token),
+            count=jnp.ones((batch,), jnp.int32),
+        )
 
-    def propose(self, dparams, state: Pending, root: jax.Array, cache_len: jax.Array, active: jax.Array,
-                key: jax.Array) -> tuple[Pending, DraftTree]:
+    def propose(
+        self, dparams, state: Pending, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
+    ) -> tuple[Pending, DraftTree]:
         last_layer = (self.cfg.num_layers - 1,)
 
         def draft_pass(first, tokens, parents, depth, mask, frontier):
@@ -76,23 +87,47 @@ class DraftModelDrafter:
                 positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
             else:
                 start, positions = cache_len, cache_len[:, None] + depth
-            _, hidden, cache = extend(self.cfg, dparams, cache, tokens, positions, start, tree_mask=mask, active=active,
-                                      hidden_layers=last_layer, sharding=self.sharding)
+            _, hidden, cache = extend(
+                self.cfg,
+                dparams,
+                cache,
+                tokens,
+                positions,
+                start,
+                tree_mask=mask,
+                active=active,
+                hidden_layers=last_layer,
+                sharding=self.sharding,
+            )
             hidden = hidden[0]
-            hidden = (jnp.take_along_axis(hidden, (state.count - 1)[:, None, None], axis=1) if is_first
-                      else hidden[:, frontier])
+            hidden = (
+                jnp.take_along_axis(hidden, (state.count - 1)[:, None, None], axis=1)
+                if is_first
+                else hidden[:, frontier]
+            )
             logits = logits_from_hidden(self.cfg, dparams, hidden)
             return (self._constrain(cache), False), logits
 
-        (cache, _), tree = dynamic_tree(draft_pass, (state.cache, True), root, key, depth=self.depth,
-                                        width=self.width, num_nodes=self.num_nodes, stochastic=self.stochastic,
-                                        process=lambda logits: processed_logprobs(logits, self.sampling))
+        (cache, _), tree = dynamic_tree(
+            draft_pass,
+            (state.cache, True),
+            root,
+            key,
+            depth=self.depth,
+            width=self.width,
+            num_nodes=self.num_nodes,
+            stochastic=self.stochastic,
+            process=lambda logits: processed_logprobs(logits, self.sampling),
+        )
         return state._replace(cache=cache), tree
 
     def update(self, dparams, state: Pending, verified: Verified) -> Pending:
         active = verified.active
-        return Pending(cache=state.cache, tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
-                       count=jnp.where(active, verified.num_accepted + 1, state.count))
+        return Pending(
+            cache=state.cache,
+            tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
+            count=jnp.where(active, verified.num_accepted + 1, state.count),
+        )
 
     def _constrain(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda buf: constrain(self.sharding, buf, KV_CACHE_AXES), cache)

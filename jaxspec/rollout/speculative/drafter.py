@@ -78,8 +78,9 @@ class Drafter(Protocol):
 
     def init(self, dparams, prefill: Prefill): ...
 
-    def propose(self, dparams, state, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
-                ) -> tuple[object, DraftTree]:
+    def propose(
+        self, dparams, state, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
+    ) -> tuple[object, DraftTree]:
         """A tree for every row from its root int32 [B] at policy slot cache_len int32 [B]. Rows
         that are not active bool [B] have finished: their trees are discarded, so a drafter need
         not read their caches."""

@@ -68,8 +68,9 @@ class Eagle3Drafter:
         next_tokens = jnp.concatenate([prompts[:, 1:], jnp.zeros((num_prompts, 1), prompts.dtype)], axis=1)
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
         cache = init_draft_cache(self.dcfg, num_prompts, width, prefill.cache_dtype)
-        _, _, cache = draft_extend(self.dcfg, head, embed, cache, next_tokens, fused, positions,
-                                   jnp.zeros((num_prompts,), jnp.int32))
+        _, _, cache = draft_extend(
+            self.dcfg, head, embed, cache, next_tokens, fused, positions, jnp.zeros((num_prompts,), jnp.int32)
+        )
 
         def to_rows(buf: jax.Array) -> jax.Array:  # [U, P, Nk, D] -> [B, max_len, Nk, D]
             rows = jnp.take(buf, prefill.row_prompt, axis=0)
@@ -77,11 +78,12 @@ class Eagle3Drafter:
 
         root_hidden = fused[prefill.row_prompt, prefill.row_lengths - 1]
         batch, chunk = root_hidden.shape[0], self.chunk
-        return HeadState(cache=KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v))),
-                         tokens=jnp.zeros((batch, chunk), jnp.int32).at[:, 0].set(prefill.first_token),
-                         hidden=jnp.zeros((batch, chunk, root_hidden.shape[-1]), root_hidden.dtype).at[:, 0].set(
-                             root_hidden),
-                         count=jnp.ones((batch,), jnp.int32))
+        return HeadState(
+            cache=KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v))),
+            tokens=jnp.zeros((batch, chunk), jnp.int32).at[:, 0].set(prefill.first_token),
+            hidden=jnp.zeros((batch, chunk, root_hidden.shape[-1]), root_hidden.dtype).at[:, 0].set(root_hidden),
+            count=jnp.ones((batch,), jnp.int32),
+        )
 
     @property
     def chunk(self) -> int:
@@ -89,8 +91,9 @@ class Eagle3Drafter:
         any width, so loop stages that draft to different depths share the state of the deepest."""
         return min(self.depth, self.num_nodes) + 1
 
-    def propose(self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, active: jax.Array,
-                key: jax.Array) -> tuple[HeadState, DraftTree]:
+    def propose(
+        self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
+    ) -> tuple[HeadState, DraftTree]:
         head, embed = dparams["head"], dparams["embed"]
         head_len = cache_len - 1  # the root's entry
         root_hidden = state.root_hidden()
@@ -100,35 +103,64 @@ class Eagle3Drafter:
             if previous_out is None:  # the pending chunk, its last valid entry the root's
                 start = head_len - (state.count - 1)
                 positions = start[:, None] + jnp.arange(state.tokens.shape[1], dtype=jnp.int32)
-                logits, out, cache = draft_extend(self.dcfg, head, embed, cache, state.tokens, state.hidden,
-                                                  positions, start, active=active, sharding=self.sharding)
+                logits, out, cache = draft_extend(
+                    self.dcfg,
+                    head,
+                    embed,
+                    cache,
+                    state.tokens,
+                    state.hidden,
+                    positions,
+                    start,
+                    active=active,
+                    sharding=self.sharding,
+                )
                 last = (state.count - 1)[:, None, None]
                 logits, out = jnp.take_along_axis(logits, last, axis=1), jnp.take_along_axis(out, last, axis=1)
             else:
                 parent_out = jnp.take_along_axis(previous_out, jnp.maximum(parents, 0)[:, :, None], axis=1)
                 hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden[:, None], parent_out)
-                logits, out, cache = draft_extend(self.dcfg, head, embed, cache, tokens, hidden_in,
-                                                  head_len[:, None] + depth, head_len, tree_mask=mask,
-                                                  active=active, sharding=self.sharding)
+                logits, out, cache = draft_extend(
+                    self.dcfg,
+                    head,
+                    embed,
+                    cache,
+                    tokens,
+                    hidden_in,
+                    head_len[:, None] + depth,
+                    head_len,
+                    tree_mask=mask,
+                    active=active,
+                    sharding=self.sharding,
+                )
                 logits = logits[:, frontier]
             return (self._constrain_cache(cache), out), logits
 
         ids = target_ids(head)
         (cache, _), tree = dynamic_tree(
-            draft_pass, (state.cache, None), root, key, depth=self.depth, width=self.width,
-            num_nodes=self.num_nodes, stochastic=self.stochastic,
+            draft_pass,
+            (state.cache, None),
+            root,
+            key,
+            depth=self.depth,
+            width=self.width,
+            num_nodes=self.num_nodes,
+            stochastic=self.stochastic,
             process=lambda logits: processed_logprobs(logits, self.sampling),
             to_target=lambda draft_ids: to_target_ids(head, draft_ids),
-            probs_to_target=lambda q: jnp.zeros((*q.shape[:-1], self.dcfg.vocab_size), q.dtype).at[..., ids].set(q))
+            probs_to_target=lambda q: jnp.zeros((*q.shape[:-1], self.dcfg.vocab_size), q.dtype).at[..., ids].set(q),
+        )
         return state._replace(cache=cache), tree
 
     def update(self, dparams, state: HeadState, verified: Verified) -> HeadState:
         fused = fuse(self.dcfg, dparams["head"], verified.hidden)  # [B, E, H]: features of the committed tokens
         active = verified.active
-        return HeadState(cache=state.cache,
-                         tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
-                         hidden=jnp.where(active[:, None, None], fused.astype(state.hidden.dtype), state.hidden),
-                         count=jnp.where(active, verified.num_accepted + 1, state.count))
+        return HeadState(
+            cache=state.cache,
+            tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
+            hidden=jnp.where(active[:, None, None], fused.astype(state.hidden.dtype), state.hidden),
+            count=jnp.where(active, verified.num_accepted + 1, state.count),
+        )
 
     def _constrain(self, buf: jax.Array) -> jax.Array:
         return constrain(self.sharding, buf, KV_CACHE_AXES)

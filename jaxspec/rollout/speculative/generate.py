@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, cache_bytes
-from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.experts import recorded_experts_bytes
-from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
+from jaxspec.rollout.output import RolloutOutput
+from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
@@ -27,8 +27,9 @@ from jaxspec.rollout.stages import batch_stages
 _F32 = 4
 
 
-def make_drafter(cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spec,
-                 sharding: Sharding | None = None) -> tuple[Drafter, object]:
+def make_drafter(
+    cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spec, sharding: Sharding | None = None
+) -> tuple[Drafter, object]:
     """(drafter, the pytree its methods take as dparams) for policy `cfg`; ValueError when the
     draft does not fit the policy (naming the mismatched dimension)."""
     if not isinstance(spec, Spec):
@@ -39,28 +40,36 @@ def make_drafter(cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spe
     dcfg, dparams = spec.draft
     if spec.method == "draft_model":
         if dcfg.vocab_size != cfg.vocab_size:
-            raise ValueError(f"Spec.draft: the draft model's vocab_size {dcfg.vocab_size} differs from the "
-                             f"policy's {cfg.vocab_size}; draft_model needs the same vocabulary")
+            raise ValueError(
+                f"Spec.draft: the draft model's vocab_size {dcfg.vocab_size} differs from the "
+                f"policy's {cfg.vocab_size}; draft_model needs the same vocabulary"
+            )
         _check_width(spec, dcfg.vocab_size)
-        return DraftModelDrafter(cfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding,
-                                 **shape), dparams
+        return DraftModelDrafter(
+            cfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape
+        ), dparams
     from jaxspec.draft import DraftConfig, check_compatible
     from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter
 
     if not isinstance(dcfg, DraftConfig):
-        raise ValueError(f"Spec.draft[0] must be a jaxspec.draft.DraftConfig for method='eagle3', "
-                         f"got {type(dcfg).__name__}")
+        raise ValueError(
+            f"Spec.draft[0] must be a jaxspec.draft.DraftConfig for method='eagle3', got {type(dcfg).__name__}"
+        )
     try:
         check_compatible(cfg, dcfg)
     except ValueError as err:
         raise ValueError(f"Spec.draft: the EAGLE-3 head does not fit the policy: {err}") from None
     dcfg = dcfg.for_layers_of(cfg)  # a head that names no aux layers reads the policy's defaults
     if dparams["lm_head"].shape != (dcfg.hidden_size, dcfg.draft_vocab_size):
-        raise ValueError(f"Spec.draft: lm_head has shape {dparams['lm_head'].shape}, the head's config says "
-                         f"(hidden_size, draft_vocab_size) = ({dcfg.hidden_size}, {dcfg.draft_vocab_size})")
+        raise ValueError(
+            f"Spec.draft: lm_head has shape {dparams['lm_head'].shape}, the head's config says "
+            f"(hidden_size, draft_vocab_size) = ({dcfg.hidden_size}, {dcfg.draft_vocab_size})"
+        )
     _check_width(spec, dcfg.draft_vocab_size)
-    return (Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape),
-            {"head": dparams, "embed": params["embed"]})
+    return (
+        Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape),
+        {"head": dparams, "embed": params["embed"]},
+    )
 
 
 def _check_width(spec: Spec, draft_vocab: int) -> None:
@@ -68,8 +77,16 @@ def _check_width(spec: Spec, draft_vocab: int) -> None:
         raise ValueError(f"Spec.tree_width={spec.tree_width} exceeds the draft vocabulary ({draft_vocab} tokens)")
 
 
-def speculative_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int, spec: Spec,
-                             cache_dtype, num_distinct: int, stage_rows: int = 0) -> int:
+def speculative_memory_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    spec: Spec,
+    cache_dtype,
+    num_distinct: int,
+    stage_rows: int = 0,
+) -> int:
     """Device bytes a speculative rollout allocates beyond the params (an estimate).
 
     The autoregressive estimate (`rollout_memory_bytes`) with the cache grown by the tree's spare
@@ -80,8 +97,7 @@ def speculative_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_
     """
     nodes = 1 + spec.num_tree_nodes
     extra = nodes + spec.num_draft_tokens * spec.tree_width
-    needed = rollout_memory_bytes(cfg, batch, prompt_len, max_new_tokens + extra, cache_dtype, num_distinct,
-                                  stage_rows)
+    needed = rollout_memory_bytes(cfg, batch, prompt_len, max_new_tokens + extra, cache_dtype, num_distinct, stage_rows)
     slots = prompt_len + max_new_tokens + extra
     per_node = 4 * cfg.vocab_size + 2 * cfg.num_heads * slots + 2 * cfg.intermediate_size
     needed += _F32 * batch * (nodes - 1) * per_node
@@ -94,9 +110,18 @@ def speculative_memory_bytes(cfg: ModelConfig, batch: int, prompt_len: int, max_
     return needed
 
 
-def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, key: jax.Array, sampling: Sampling,
-                         spec: Spec, *, cache_dtype, sharding: Sharding | None,
-                         record_experts: bool = False) -> RolloutOutput:
+def speculative_generate(
+    cfg: ModelConfig,
+    params: Params,
+    batch: PromptBatch,
+    key: jax.Array,
+    sampling: Sampling,
+    spec: Spec,
+    *,
+    cache_dtype,
+    sharding: Sharding | None,
+    record_experts: bool = False,
+) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `spec`: prompts already validated and grouped into `batch`,
     `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
@@ -109,12 +134,18 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     policy_len = prompt_width + max_new + 1 + spec.num_tree_nodes  # the verify forward writes N slots
     draft_len = prompt_width + max_new + 1 + spec.num_draft_tokens * spec.tree_width  # the drafter's tree
     longest = int(batch.row_lengths.max())
-    needed = speculative_memory_bytes(cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct,
-                                      sum(stages[1:]))
+    needed = speculative_memory_bytes(
+        cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct, sum(stages[1:])
+    )
     if record_experts:
         needed += recorded_experts_bytes(cfg, sum(stages), prompt_width + max_new)
-    check_fits(needed // cache_shards(cfg, sharding, num_rows, policy_len), jax.local_devices()[0].memory_stats(),
-               batch=num_rows, prompt_len=longest, max_new_tokens=max_new)
+    check_fits(
+        needed // cache_shards(cfg, sharding, num_rows, policy_len),
+        jax.local_devices()[0].memory_stats(),
+        batch=num_rows,
+        prompt_len=longest,
+        max_new_tokens=max_new,
+    )
 
     def put(x, axes: tuple[str, ...]) -> jax.Array:
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding.named(axes, x.shape))
@@ -122,11 +153,42 @@ def speculative_generate(cfg: ModelConfig, params: Params, batch: PromptBatch, k
     prompt_tokens, prompt_lengths = put(batch.tokens, ("batch", "seq")), put(batch.lengths, ("batch",))
     row_prompt, row_lengths = put(batch.row_prompt, ("batch",)), put(batch.row_lengths, ("batch",))
     cache, logits, policy_hidden, *prompt_experts = prefill_prompts(
-        cfg, params, prompt_tokens, prompt_lengths, row_prompt, max_len=policy_len, cache_dtype=cache_dtype,
-        sharding=sharding, hidden_layers=drafter.policy_layers, record_experts=record_experts)
+        cfg,
+        params,
+        prompt_tokens,
+        prompt_lengths,
+        row_prompt,
+        max_len=policy_len,
+        cache_dtype=cache_dtype,
+        sharding=sharding,
+        hidden_layers=drafter.policy_layers,
+        record_experts=record_experts,
+    )
     tokens, logprobs, lengths, experts, counts, stage_steps, _ = speculative_decode(
-        cfg, sampling, drafters, params, dparams, cache, logits, policy_hidden, prompt_tokens, prompt_lengths,
-        row_prompt, row_lengths, key, prompt_experts[0] if record_experts else None, max_depth=max_depth,
-        draft_len=draft_len, cache_dtype=cache_dtype, sharding=sharding, stages=stages)
-    return RolloutOutput(tokens=tokens, lengths=lengths, logprobs=logprobs,
-                         stats=summarize(counts, lengths, max_depth, stages, stage_steps), experts=experts)
+        cfg,
+        sampling,
+        drafters,
+        params,
+        dparams,
+        cache,
+        logits,
+        policy_hidden,
+        prompt_tokens,
+        prompt_lengths,
+        row_prompt,
+        row_lengths,
+        key,
+        prompt_experts[0] if record_experts else None,
+        max_depth=max_depth,
+        draft_len=draft_len,
+        cache_dtype=cache_dtype,
+        sharding=sharding,
+        stages=stages,
+    )
+    return RolloutOutput(
+        tokens=tokens,
+        lengths=lengths,
+        logprobs=logprobs,
+        stats=summarize(counts, lengths, max_depth, stages, stage_steps),
+        experts=experts,
+    )

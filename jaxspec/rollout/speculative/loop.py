@@ -74,13 +74,33 @@ def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "drafters", "max_depth", "draft_len", "cache_dtype",
-                                             "sharding", "stages"), donate_argnames=("cache",))
-def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Drafter, ...], params: Params, dparams,
-                       cache: KVCache, logits: jax.Array, policy_hidden: jax.Array, prompt_tokens: jax.Array,
-                       prompt_lengths: jax.Array, row_prompt: jax.Array, row_lengths: jax.Array, key: jax.Array,
-                       prompt_experts: jax.Array | None, *, max_depth: int, draft_len: int, cache_dtype,
-                       sharding: Sharding | None, stages: tuple[int, ...]):
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "sampling", "drafters", "max_depth", "draft_len", "cache_dtype", "sharding", "stages"),
+    donate_argnames=("cache",),
+)
+def speculative_decode(
+    cfg: ModelConfig,
+    sampling: Sampling,
+    drafters: tuple[Drafter, ...],
+    params: Params,
+    dparams,
+    cache: KVCache,
+    logits: jax.Array,
+    policy_hidden: jax.Array,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    row_prompt: jax.Array,
+    row_lengths: jax.Array,
+    key: jax.Array,
+    prompt_experts: jax.Array | None,
+    *,
+    max_depth: int,
+    draft_len: int,
+    cache_dtype,
+    sharding: Sharding | None,
+    stages: tuple[int, ...],
+):
     """Samples up to sampling.max_new_tokens tokens per row with speculative steps.
 
     cache: the policy's prefilled cache (B rows; donated), with at least N spare slots past the
@@ -112,25 +132,43 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
         with jax.named_scope("propose"):
-            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, ~state.done,
-                                          draft_key)
+            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, ~state.done, draft_key)
         with jax.named_scope("verify_forward"):
             logits, hidden, cache, *node_experts = extend(
-                cfg, params, state.cache, tree.tokens, state.cache_len[:, None] + tree.depth, state.cache_len,
+                cfg,
+                params,
+                state.cache,
+                tree.tokens,
+                state.cache_len[:, None] + tree.depth,
+                state.cache_len,
                 tree_mask=None if chain else ancestor_mask(tree.parents, max_depth),
-                active=~state.done, hidden_layers=drafter.policy_layers, sharding=sharding, record_experts=record)
+                active=~state.done,
+                hidden_layers=drafter.policy_layers,
+                sharding=sharding,
+                record_experts=record,
+            )
         with jax.named_scope("verify"):
             if sampling.greedy:
                 verify_logits, temperature = logits, 0.0
             else:
                 verify_logits, temperature = processed_logprobs(logits, sampling), 1.0
-            result = kernels.tree_verify(verify_logits, tree.parents, tree.tokens, tree.num_nodes, verify_key,
-                                         temperature=temperature, draft_probs=tree.draft_probs)
+            result = kernels.tree_verify(
+                verify_logits,
+                tree.parents,
+                tree.tokens,
+                tree.num_nodes,
+                verify_key,
+                temperature=temperature,
+                draft_probs=tree.draft_probs,
+            )
         # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
         path = _pad_to(result.path[:, :width], width, 1, -1)
         accepted, next_token = result.num_accepted, result.next_token
-        committed = _pad_to(tree.tokens[:, :width], width, 1, 0) if chain else \
-            jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+        committed = (
+            _pad_to(tree.tokens[:, :width], width, 1, 0)
+            if chain
+            else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+        )
         emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((loop_rows, 1), jnp.int32)], axis=1)
         emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
         eos = jnp.isin(emitted, eos_ids) & (steps <= accepted[:, None])
@@ -138,12 +176,24 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
         active = ~state.done
         count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
-        node_hidden = _pad_to(hidden[:, :, :width], width, 2, 0) if chain or hidden.shape[0] == 0 else (
-            jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
+        node_hidden = (
+            _pad_to(hidden[:, :, :width], width, 2, 0)
+            if chain or hidden.shape[0] == 0
+            else (jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
+        )
         with jax.named_scope("draft_update"):
-            draft = drafter.update(dparams, draft, Verified(committed=committed, next_root=next_token,
-                                                            num_accepted=accepted, cache_len=state.cache_len,
-                                                            hidden=node_hidden, active=active))
+            draft = drafter.update(
+                dparams,
+                draft,
+                Verified(
+                    committed=committed,
+                    next_root=next_token,
+                    num_accepted=accepted,
+                    cache_len=state.cache_len,
+                    hidden=node_hidden,
+                    active=active,
+                ),
+            )
         if not chain:  # a chain's accepted nodes already sit at consecutive slots
             with jax.named_scope("commit"):
                 cache = commit_path(cache, state.cache_len, path)
@@ -157,8 +207,9 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
             tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
-            logprobs=state.logprobs.at[rows, slots].set(_pad_to(result.logprobs[:, :width], width, 1, 0.0),
-                                                         mode="drop"),
+            logprobs=state.logprobs.at[rows, slots].set(
+                _pad_to(result.logprobs[:, :width], width, 1, 0.0), mode="drop"
+            ),
             lengths=state.lengths + count,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
@@ -168,9 +219,17 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
 
     key, first_key = jax.random.split(key)
     first, first_logprob = choose_tokens(first_key, logits, sampling)
-    prefill = Prefill(prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths, row_prompt=row_prompt,
-                      row_lengths=row_lengths, first_token=first, policy_hidden=policy_hidden, max_len=draft_len,
-                      cache_dtype=cache_dtype, sharding=sharding)
+    prefill = Prefill(
+        prompt_tokens=prompt_tokens,
+        prompt_lengths=prompt_lengths,
+        row_prompt=row_prompt,
+        row_lengths=row_lengths,
+        first_token=first,
+        policy_hidden=policy_hidden,
+        max_len=draft_len,
+        cache_dtype=cache_dtype,
+        sharding=sharding,
+    )
     state = _LoopState(
         root=first,
         cache=cache,
@@ -187,12 +246,23 @@ def speculative_decode(cfg: ModelConfig, sampling: Sampling, drafters: tuple[Dra
     # Between stages the running rows move with their drafter state.
     recorded = ("experts",) if record else ()
     state, out, full_cache, stage_steps = run_in_stages(
-        [functools.partial(step, drafter) for drafter in drafters], state, stages,
+        [functools.partial(step, drafter) for drafter in drafters],
+        state,
+        stages,
         ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done", *recorded),
-        lambda moved: moved._replace(cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES),
-                                                        moved.cache)),
-        outputs=("tokens", "logprobs", "lengths", *recorded))
+        lambda moved: moved._replace(
+            cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), moved.cache)
+        ),
+        outputs=("tokens", "logprobs", "lengths", *recorded),
+    )
     batch_axes = ("batch", None)
     experts = constrain(sharding, out["experts"], EXPERT_AXES) if record else None
-    return (constrain(sharding, out["tokens"], batch_axes), constrain(sharding, out["logprobs"], batch_axes),
-            out["lengths"], experts, state.counts, stage_steps, full_cache)
+    return (
+        constrain(sharding, out["tokens"], batch_axes),
+        constrain(sharding, out["logprobs"], batch_axes),
+        out["lengths"],
+        experts,
+        state.counts,
+        stage_steps,
+        full_cache,
+    )

@@ -39,13 +39,14 @@ class NgramDrafter:
 
     def init(self, dparams, prefill: Prefill) -> History:
         prompts = jnp.take(prefill.prompt_tokens, prefill.row_prompt, axis=0)
-        tokens = jnp.zeros((prompts.shape[0], prefill.max_len), jnp.int32).at[:, :prompts.shape[1]].set(prompts)
+        tokens = jnp.zeros((prompts.shape[0], prefill.max_len), jnp.int32).at[:, : prompts.shape[1]].set(prompts)
         rows = jnp.arange(prompts.shape[0])
         tokens = tokens.at[rows, prefill.row_lengths].set(prefill.first_token)
         return History(tokens=tokens, length=prefill.row_lengths + 1)
 
-    def propose(self, dparams, history: History, root: jax.Array, cache_len: jax.Array, active: jax.Array,
-                key: jax.Array) -> tuple[History, DraftTree]:
+    def propose(
+        self, dparams, history: History, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
+    ) -> tuple[History, DraftTree]:
         h, length = history.tokens, history.length
         batch, slots = h.shape
         ends = jnp.arange(slots, dtype=jnp.int32)[None, :]  # a match's last position j
@@ -73,8 +74,9 @@ class NgramDrafter:
         # Candidate node 1 + b * depth + d: branch b's d-th continuation token.
         offsets = jnp.arange(self.depth, dtype=jnp.int32)[None, :]
         positions = jnp.concatenate([s[:, None] + offsets for s in starts], axis=1)  # [B, W * depth]
-        valid = jnp.concatenate([f[:, None] & (s[:, None] + offsets <= length[:, None] - 1)
-                                 for s, f in zip(starts, found)], axis=1)
+        valid = jnp.concatenate(
+            [f[:, None] & (s[:, None] + offsets <= length[:, None] - 1) for s, f in zip(starts, found)], axis=1
+        )
         valid &= jnp.cumsum(valid, axis=1) <= self.num_nodes
         d = np.tile(np.arange(self.depth), self.width)
         candidate_parents = np.where(d == 0, 0, np.arange(1, 1 + self.width * self.depth) - 1)
@@ -82,10 +84,13 @@ class NgramDrafter:
         tree = select_nodes(
             keep=jnp.concatenate([ones, valid], axis=1),
             tokens=jnp.concatenate([root[:, None], at(positions)], axis=1),
-            parents=jnp.broadcast_to(jnp.asarray(np.concatenate([[-1], candidate_parents]), jnp.int32),
-                                     valid.shape[:1] + (valid.shape[1] + 1,)),
-            depth=jnp.broadcast_to(jnp.asarray(np.concatenate([[0], d + 1]), jnp.int32),
-                                   valid.shape[:1] + (valid.shape[1] + 1,)),
+            parents=jnp.broadcast_to(
+                jnp.asarray(np.concatenate([[-1], candidate_parents]), jnp.int32),
+                valid.shape[:1] + (valid.shape[1] + 1,),
+            ),
+            depth=jnp.broadcast_to(
+                jnp.asarray(np.concatenate([[0], d + 1]), jnp.int32), valid.shape[:1] + (valid.shape[1] + 1,)
+            ),
             num_out=1 + self.num_nodes,
         )
         return history, tree
@@ -98,5 +103,7 @@ class NgramDrafter:
         new = new_tokens(verified)
         write = verified.active[:, None] & (steps <= accepted)
         slots = jnp.where(write, history.length[:, None] + steps, history.tokens.shape[1])
-        return History(tokens=history.tokens.at[rows, slots].set(new, mode="drop"),
-                       length=history.length + jnp.where(verified.active, verified.num_accepted + 1, 0))
+        return History(
+            tokens=history.tokens.at[rows, slots].set(new, mode="drop"),
+            length=history.length + jnp.where(verified.active, verified.num_accepted + 1, 0),
+        )

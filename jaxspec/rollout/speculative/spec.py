@@ -62,8 +62,9 @@ class Spec:
         if not _is_int(self.tree_width) or self.tree_width < 1:
             raise ValueError(f"Spec.tree_width must be an integer >= 1, got {self.tree_width!r}")
         if self.tree_budget is not None and (not _is_int(self.tree_budget) or self.tree_budget < self.tree_width):
-            raise ValueError(f"Spec.tree_budget must be None or an integer >= tree_width={self.tree_width}, "
-                             f"got {self.tree_budget!r}")
+            raise ValueError(
+                f"Spec.tree_budget must be None or an integer >= tree_width={self.tree_width}, got {self.tree_budget!r}"
+            )
         sizes = tuple(self.ngram_sizes) if isinstance(self.ngram_sizes, (list, tuple)) else None
         if not sizes or not all(_is_int(n) and n >= 1 for n in sizes):
             raise ValueError(f"Spec.ngram_sizes must be a non-empty tuple of integers >= 1, got {self.ngram_sizes!r}")
@@ -71,8 +72,10 @@ class Spec:
         if self.stage_draft_tokens is not None:
             depths = tuple(self.stage_draft_tokens) if isinstance(self.stage_draft_tokens, (list, tuple)) else None
             if not depths or not all(_is_int(k) and 1 <= k <= self.num_draft_tokens for k in depths):
-                raise ValueError(f"Spec.stage_draft_tokens must be None or a non-empty tuple of integers in "
-                                 f"1..num_draft_tokens={self.num_draft_tokens}, got {self.stage_draft_tokens!r}")
+                raise ValueError(
+                    f"Spec.stage_draft_tokens must be None or a non-empty tuple of integers in "
+                    f"1..num_draft_tokens={self.num_draft_tokens}, got {self.stage_draft_tokens!r}"
+                )
             object.__setattr__(self, "stage_draft_tokens", tuple(int(k) for k in depths))
         object.__setattr__(self, "num_draft_tokens", int(self.num_draft_tokens))
         object.__setattr__(self, "tree_width", int(self.tree_width))
@@ -82,14 +85,20 @@ class Spec:
             if self.draft is not None:
                 raise ValueError("Spec.draft must be None for method='ngram' (it drafts from the token history)")
             if self.draft_sampling != "greedy":
-                raise ValueError("Spec.draft_sampling must be 'greedy' for method='ngram' (its drafts have no "
-                                 "distribution to sample from)")
+                raise ValueError(
+                    "Spec.draft_sampling must be 'greedy' for method='ngram' (its drafts have no "
+                    "distribution to sample from)"
+                )
         elif not (isinstance(self.draft, tuple) and len(self.draft) == 2):
-            raise ValueError(f"Spec.draft must be a (config, params) pair for method={self.method!r}, "
-                             f"got {type(self.draft).__name__}")
+            raise ValueError(
+                f"Spec.draft must be a (config, params) pair for method={self.method!r}, "
+                f"got {type(self.draft).__name__}"
+            )
         elif self.method == "draft_model" and not isinstance(self.draft[0], ModelConfig):
-            raise ValueError(f"Spec.draft[0] must be a jaxspec.models.ModelConfig for method='draft_model', "
-                             f"got {type(self.draft[0]).__name__}")
+            raise ValueError(
+                f"Spec.draft[0] must be a jaxspec.models.ModelConfig for method='draft_model', "
+                f"got {type(self.draft[0]).__name__}"
+            )
 
     @property
     def num_tree_nodes(self) -> int:

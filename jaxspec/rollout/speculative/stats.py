@@ -29,14 +29,19 @@ class Counts(NamedTuple):
     accepted_at: jax.Array
 
     @classmethod
-    def zeros(cls, max_depth: int) -> "Counts":
+    def zeros(cls, max_depth: int) -> Counts:
         scalar = jnp.zeros((), jnp.int32)
-        return cls(scalar, scalar, scalar, jnp.zeros((max_depth,), jnp.int32),
-                   jnp.zeros((max_depth,), jnp.int32))
+        return cls(scalar, scalar, scalar, jnp.zeros((max_depth,), jnp.int32), jnp.zeros((max_depth,), jnp.int32))
 
 
-def count_step(counts: Counts, parents: jax.Array, num_nodes: jax.Array, path: jax.Array, num_accepted: jax.Array,
-               active: jax.Array) -> Counts:
+def count_step(
+    counts: Counts,
+    parents: jax.Array,
+    num_nodes: jax.Array,
+    path: jax.Array,
+    num_accepted: jax.Array,
+    active: jax.Array,
+) -> Counts:
     """Adds one verification step. parents int32 [B, N]; num_nodes int32 [B]; path int32 [B, K + 1]
     (accepted node ids from the root, -1 after); num_accepted int32 [B]; active bool [B]."""
     num = parents.shape[1]
@@ -56,8 +61,7 @@ def count_step(counts: Counts, parents: jax.Array, num_nodes: jax.Array, path: j
     )
 
 
-def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int, ...], stage_steps: jax.Array
-              ) -> dict:
+def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int, ...], stage_steps: jax.Array) -> dict:
     """The `RolloutOutput.stats` dict of a speculative rollout (K = depth, the tree's deepest level)
     whose loop ran stage_steps int32 [len(stages)] iterations at each batch size in `stages`.
 
@@ -100,9 +104,12 @@ def merge_stats(parts: list[dict]) -> dict:
     `RolloutOutput.stats` dict: counts add, the ratios are recomputed from the summed counts, and
     `steps` / `stage_steps` add up the calls' loop iterations (the loops ran one after another)."""
     first = parts[0]
-    out = {"steps": sum(p["steps"] for p in parts), "stage_rows": first["stage_rows"],
-           "stage_steps": [sum(n) for n in zip(*(p["stage_steps"] for p in parts))],
-           "generated_tokens": sum(p["generated_tokens"] for p in parts)}
+    out = {
+        "steps": sum(p["steps"] for p in parts),
+        "stage_rows": first["stage_rows"],
+        "stage_steps": [sum(n) for n in zip(*(p["stage_steps"] for p in parts))],
+        "generated_tokens": sum(p["generated_tokens"] for p in parts),
+    }
     if "verified_row_steps" not in first:  # autoregressive
         return {**first, **out}
     row_steps = sum(p["verified_row_steps"] for p in parts)
@@ -111,8 +118,13 @@ def merge_stats(parts: list[dict]) -> dict:
     accepted_at = np.sum([p["accepted_at"] for p in parts], axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         rates = np.where(tested > 0, accepted_at / tested, np.nan).astype(np.float32)
-    return {**out, "acceptance_length": (accepted + row_steps) / row_steps if row_steps else 1.0,
-            "acceptance_rate_per_position": rates,
-            "drafted_tokens": sum(p["drafted_tokens"] for p in parts), "accepted_tokens": accepted,
-            "verified_row_steps": row_steps, "tested_at": [int(n) for n in tested],
-            "accepted_at": [int(n) for n in accepted_at]}
+    return {
+        **out,
+        "acceptance_length": (accepted + row_steps) / row_steps if row_steps else 1.0,
+        "acceptance_rate_per_position": rates,
+        "drafted_tokens": sum(p["drafted_tokens"] for p in parts),
+        "accepted_tokens": accepted,
+        "verified_row_steps": row_steps,
+        "tested_at": [int(n) for n in tested],
+        "accepted_at": [int(n) for n in accepted_at],
+    }

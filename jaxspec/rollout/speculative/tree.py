@@ -21,7 +21,8 @@ a prefix of its draw order, and multi-draft verification with q stays exact.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,14 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     return mask
 
 
-def select_nodes(keep: jax.Array, tokens: jax.Array, parents: jax.Array, depth: jax.Array, num_out: int,
-                 draft_probs: jax.Array | None = None) -> DraftTree:
+def select_nodes(
+    keep: jax.Array,
+    tokens: jax.Array,
+    parents: jax.Array,
+    depth: jax.Array,
+    num_out: int,
+    draft_probs: jax.Array | None = None,
+) -> DraftTree:
     """Packs the kept nodes of candidate trees into the first slots of an N = `num_out` tree.
 
     keep bool [B, M] (node 0, the root, must be kept; kept nodes' parents are kept; at most
@@ -93,7 +100,7 @@ def best_nodes(scores: jax.Array, count: int) -> jax.Array:
     precede children (so the kept set is connected); -inf marks nodes that are never kept.
     """
     rows = jnp.arange(scores.shape[0])[:, None]
-    ranked = jnp.argsort(-scores.at[:, 0].set(jnp.inf), axis=1, stable=True)[:, :count + 1]
+    ranked = jnp.argsort(-scores.at[:, 0].set(jnp.inf), axis=1, stable=True)[:, : count + 1]
     return jnp.zeros(scores.shape, bool).at[rows, ranked].set(True) & (scores > -jnp.inf)
 
 
@@ -119,10 +126,20 @@ def shifted_gumbel(parent_score: jax.Array, children: jax.Array) -> jax.Array:
 DraftPass = Callable[[object, jax.Array, jax.Array, jax.Array, jax.Array, slice], tuple[object, jax.Array]]
 
 
-def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, *, depth: int, width: int,
-                 num_nodes: int, stochastic: bool, process: Callable[[jax.Array], jax.Array],
-                 to_target: Callable[[jax.Array], jax.Array] = lambda ids: ids,
-                 probs_to_target: Callable[[jax.Array], jax.Array] = lambda q: q):
+def dynamic_tree(
+    draft_pass: DraftPass,
+    carry,
+    root: jax.Array,
+    key: jax.Array,
+    *,
+    depth: int,
+    width: int,
+    num_nodes: int,
+    stochastic: bool,
+    process: Callable[[jax.Array], jax.Array],
+    to_target: Callable[[jax.Array], jax.Array] = lambda ids: ids,
+    probs_to_target: Callable[[jax.Array], jax.Array] = lambda q: q,
+):
     """Builds an EAGLE-2 dynamic tree of `depth` levels, `width` nodes per level, pruned to `num_nodes`.
 
     Level 1 is the root's top-`width` children; each further level expands every node of the
@@ -170,7 +187,7 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
             node_probs.append(jnp.exp(logq))
             if d == 0:  # one draw for all levels (level 0 reads the first of `width` rows)
                 noise = jax.random.gumbel(key, (depth, batch, width, logq.shape[-1]), jnp.float32)
-            perturbed = parent_logq + logq + noise[d, :, :logq.shape[1]]
+            perturbed = parent_logq + logq + noise[d, :, : logq.shape[1]]
             perturbed, ids = jax.lax.top_k(perturbed, width)  # [B, F, W] the first W draws
             child_logq = parent_logq + jnp.take_along_axis(logq, ids, axis=-1)
             child_score = shifted_gumbel(parent_score, perturbed)
@@ -200,7 +217,12 @@ def dynamic_tree(draft_pass: DraftPass, carry, root: jax.Array, key: jax.Array, 
     # would accept whenever p > 0, so only its finite nodes are kept. (A deterministic draft of such a
     # token costs a node, never exactness.)
     if num_nodes == depth * width and (width == 1 or not stochastic):
-        return carry, DraftTree(tokens=tokens, parents=parents, depth=node_depth,
-                                num_nodes=jnp.full((batch,), total, jnp.int32), draft_probs=draft_probs)
+        return carry, DraftTree(
+            tokens=tokens,
+            parents=parents,
+            depth=node_depth,
+            num_nodes=jnp.full((batch,), total, jnp.int32),
+            draft_probs=draft_probs,
+        )
     keep = best_nodes(scores, num_nodes)
     return carry, select_nodes(keep, tokens, parents, node_depth, 1 + num_nodes, draft_probs)

@@ -32,34 +32,57 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
     logits, _ = ttt_forward(dcfg, head, params["embed"], fused, seqs, num_steps=1)
     predicted = np.asarray(to_target_ids(head, jnp.argmax(logits[0], axis=-1)))  # [B, T]: guesses x_{t+2}
 
-    drafter = Eagle3Drafter(dcfg=dcfg, sampling=Sampling(temperature=0.0, max_new_tokens=16), depth=DEPTH,
-                            width=1, num_nodes=DEPTH, stochastic=False)
+    drafter = Eagle3Drafter(
+        dcfg=dcfg,
+        sampling=Sampling(temperature=0.0, max_new_tokens=16),
+        depth=DEPTH,
+        width=1,
+        num_nodes=DEPTH,
+        stochastic=False,
+    )
     dparams = {"head": head, "embed": params["embed"]}
     lengths = np.asarray(PROMPT_LENGTHS)
     prompt_width = 8
     prompts = jnp.where(jnp.arange(prompt_width)[None] < lengths[:, None], seqs[:, :prompt_width], 0)
     _, prompt_aux = forward_hidden(cfg, params, prompts, dcfg.aux_layer_ids)
     rows = np.arange(len(lengths))
-    prefill = dict(prompt_tokens=prompts, prompt_lengths=jnp.asarray(lengths), row_prompt=jnp.asarray(rows),
-                   row_lengths=jnp.asarray(lengths), first_token=seqs[rows, lengths], policy_hidden=prompt_aux)
-    init = jax.jit(lambda dparams, arrays: drafter.init(dparams, Prefill(
-        **arrays, max_len=TOTAL + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None)))
+    prefill = dict(
+        prompt_tokens=prompts,
+        prompt_lengths=jnp.asarray(lengths),
+        row_prompt=jnp.asarray(rows),
+        row_lengths=jnp.asarray(lengths),
+        first_token=seqs[rows, lengths],
+        policy_hidden=prompt_aux,
+    )
+    init = jax.jit(
+        lambda dparams, arrays: drafter.init(
+            dparams, Prefill(**arrays, max_len=TOTAL + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None)
+        )
+    )
     state = init(dparams, prefill)
     propose, update = jax.jit(drafter.propose), jax.jit(drafter.update)
     all_rows = jnp.ones(len(rows), bool)
 
     root_index = lengths.copy()  # the root x_p sits at index p (= the policy's cache length)
     for accepted in ([0, 2, 3], [3, 0, 1], [1, 1, 0]):
-        state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows,
-                              jax.random.key(0))
+        state, tree = propose(
+            dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows, jax.random.key(0)
+        )
         np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
         accepted = np.asarray(accepted)
         window = root_index[:, None] + np.arange(DEPTH + 1)  # [root, the next DEPTH tokens]
-        state = update(dparams, state, Verified(
-            committed=seqs[rows[:, None], window], next_root=seqs[rows, root_index + accepted + 1],
-            num_accepted=jnp.asarray(accepted), cache_len=jnp.asarray(root_index),
-            hidden=aux[:, rows[:, None], window], active=jnp.ones(len(rows), bool)))
+        state = update(
+            dparams,
+            state,
+            Verified(
+                committed=seqs[rows[:, None], window],
+                next_root=seqs[rows, root_index + accepted + 1],
+                num_accepted=jnp.asarray(accepted),
+                cache_len=jnp.asarray(root_index),
+                hidden=aux[:, rows[:, None], window],
+                active=jnp.ones(len(rows), bool),
+            ),
+        )
         root_index = root_index + accepted + 1
-    state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows,
-                          jax.random.key(0))
+    state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])

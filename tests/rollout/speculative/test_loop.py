@@ -26,8 +26,9 @@ def eos_and_reference(policy):
     cfg, params = policy
     reference = greedy_reference(cfg, params, PROMPTS, MAX_NEW)
     tokens = reference[0][0]
-    eos = next(tokens[i] for i in range(6, MAX_NEW - 4)
-               if tokens[i] not in tokens[:i] and (i - 1) % (K + 1) not in (K,))
+    eos = next(
+        tokens[i] for i in range(6, MAX_NEW - 4) if tokens[i] not in tokens[:i] and (i - 1) % (K + 1) not in (K,)
+    )
     return eos, reference
 
 
@@ -56,8 +57,10 @@ def specs(policy):
 @pytest.fixture(scope="module")
 def speculative(policy, greedy_sampling):
     cfg, params = policy
-    return {name: generate(cfg, params, BATCH, jax.random.key(1), greedy_sampling, spec=spec)
-            for name, spec in specs(policy).items()}
+    return {
+        name: generate(cfg, params, BATCH, jax.random.key(1), greedy_sampling, spec=spec)
+        for name, spec in specs(policy).items()
+    }
 
 
 @pytest.mark.parametrize("name", ["draft_model-self-chain", "eagle3-chain", "ngram-tree"])
@@ -104,8 +107,14 @@ def test_no_recompilation_within_buckets(policy, greedy_sampling, speculative):
     cfg, params = policy
     spec = specs(policy)["ngram-tree"]
     compiled = loop.speculative_decode._cache_size()
-    generate(cfg, params, [[1, 2, 3, 1, 2], [9] * 30, [4, 4], [6], [1, 2, 3, 1, 2]], jax.random.key(2),
-             greedy_sampling, spec=spec)  # same batch size, prompt bucket and distinct-prompt bucket
+    generate(
+        cfg,
+        params,
+        [[1, 2, 3, 1, 2], [9] * 30, [4, 4], [6], [1, 2, 3, 1, 2]],
+        jax.random.key(2),
+        greedy_sampling,
+        spec=spec,
+    )  # same batch size, prompt bucket and distinct-prompt bucket
     assert loop.speculative_decode._cache_size() == compiled
 
 
@@ -115,21 +124,26 @@ def _spec_error(policy, spec_kwargs):
     generate(cfg, params, [[1, 2]], jax.random.key(0), Sampling(max_new_tokens=4), spec=spec)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(method="medusa"), "Spec.method"),
-    (dict(method="ngram", draft_sampling="top_p"), "Spec.draft_sampling"),
-    (dict(method="ngram", draft_sampling="stochastic"), "draft_sampling must be 'greedy' for method='ngram'"),
-    (dict(method="ngram", num_draft_tokens=0), "Spec.num_draft_tokens"),
-    (dict(method="ngram", tree_width=0), "Spec.tree_width"),
-    (dict(method="ngram", tree_width=3, tree_budget=2), "tree_budget must be None or an integer >= tree_width=3"),
-    (dict(method="ngram", ngram_sizes=(2, 0)), "Spec.ngram_sizes"),
-    (dict(method="ngram", num_draft_tokens=3, stage_draft_tokens=(3, 4)),
-     r"stage_draft_tokens must be None or a non-empty tuple of integers in 1..num_draft_tokens=3, got \(3, 4\)"),
-    (dict(method="ngram", stage_draft_tokens=()), "Spec.stage_draft_tokens"),
-    (dict(method="ngram", draft=(1, 2)), "Spec.draft must be None"),
-    (dict(method="draft_model"), r"Spec.draft must be a \(config, params\) pair"),
-    (dict(method="draft_model", draft=("cfg", {})), "Spec.draft\\[0\\] must be a jaxspec.models.ModelConfig"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="medusa"), "Spec.method"),
+        (dict(method="ngram", draft_sampling="top_p"), "Spec.draft_sampling"),
+        (dict(method="ngram", draft_sampling="stochastic"), "draft_sampling must be 'greedy' for method='ngram'"),
+        (dict(method="ngram", num_draft_tokens=0), "Spec.num_draft_tokens"),
+        (dict(method="ngram", tree_width=0), "Spec.tree_width"),
+        (dict(method="ngram", tree_width=3, tree_budget=2), "tree_budget must be None or an integer >= tree_width=3"),
+        (dict(method="ngram", ngram_sizes=(2, 0)), "Spec.ngram_sizes"),
+        (
+            dict(method="ngram", num_draft_tokens=3, stage_draft_tokens=(3, 4)),
+            r"stage_draft_tokens must be None or a non-empty tuple of integers in 1..num_draft_tokens=3, got \(3, 4\)",
+        ),
+        (dict(method="ngram", stage_draft_tokens=()), "Spec.stage_draft_tokens"),
+        (dict(method="ngram", draft=(1, 2)), "Spec.draft must be None"),
+        (dict(method="draft_model"), r"Spec.draft must be a \(config, params\) pair"),
+        (dict(method="draft_model", draft=("cfg", {})), "Spec.draft\\[0\\] must be a jaxspec.models.ModelConfig"),
+    ],
+)
 def test_bad_spec_raises(policy, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _spec_error(policy, kwargs)
@@ -137,25 +151,43 @@ def test_bad_spec_raises(policy, kwargs, match):
 
 def test_draft_that_does_not_fit_the_policy_raises(policy):
     cfg, params = policy
-    small = ModelConfig(family="llama", vocab_size=60, hidden_size=16, intermediate_size=32, num_layers=1,
-                        num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=96)
+    small = ModelConfig(
+        family="llama",
+        vocab_size=60,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=96,
+    )
     small_params = jax.eval_shape(lambda: init_params(small, jax.random.key(0)))
     with pytest.raises(ValueError, match="vocab_size 60 differs from the policy's 61"):
         _spec_error(policy, dict(method="draft_model", draft=(small, small_params)))
-    other = ModelConfig(family="llama", vocab_size=61, hidden_size=40, intermediate_size=32, num_layers=4,
-                        num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=96)
+    other = ModelConfig(
+        family="llama",
+        vocab_size=61,
+        hidden_size=40,
+        intermediate_size=32,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=96,
+    )
     head = init_eagle3(other, jax.random.key(0))
     with pytest.raises(ValueError, match="EAGLE-3 head does not fit the policy: hidden_size"):
         _spec_error(policy, dict(method="eagle3", draft=head))
     with pytest.raises(ValueError, match="Spec.tree_width=5 exceeds the draft vocabulary \\(4 tokens\\)"):
-        _spec_error(policy, dict(method="eagle3", draft=init_eagle3(cfg, jax.random.key(0), draft_vocab_size=4),
-                                 tree_width=5))
+        _spec_error(
+            policy, dict(method="eagle3", draft=init_eagle3(cfg, jax.random.key(0), draft_vocab_size=4), tree_width=5)
+        )
     with pytest.raises(ValueError, match="spec must be a jaxspec.rollout.Spec"):
         generate(cfg, params, [[1, 2]], jax.random.key(0), Sampling(max_new_tokens=4), spec="ngram")
 
 
-def test_stochastic_drafts_through_the_verification_kernel_are_token_identical(policy, greedy_sampling,
-                                                                               monkeypatch):
+def test_stochastic_drafts_through_the_verification_kernel_are_token_identical(policy, greedy_sampling, monkeypatch):
     """Sampled EAGLE-3 trees at T=1 give the same rollout with the stochastic-draft
     kernel (JAXSPEC_TREE_VERIFY_IMPL=interpret) as with the jnp reference, from the same key."""
     import dataclasses

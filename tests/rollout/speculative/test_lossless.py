@@ -50,8 +50,7 @@ from kernels.tree_verify_reference import verify_reference
 from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels
 from tests.kernels.trees import chi_square_power
 from tests.rollout.conftest import random_params
-from tests.rollout.reference import (continuation_probs, full_forward, padded, reference_probs,
-                                     speculative_chain_law)
+from tests.rollout.reference import continuation_probs, full_forward, padded, reference_probs, speculative_chain_law
 from tests.rollout.test_distribution import chi_square_pvalue
 
 PROMPT = (2, 1, 3, 1, 4, 2, 3, 2, 1)
@@ -65,12 +64,18 @@ RACE_TEST_TILE = 2  # verification's vocabulary tiles (`race_tiles`): 3 over the
 
 T1 = dict(temperature=1.0, top_k=0, top_p=1.0)
 NUCLEUS = dict(temperature=0.7, top_k=0, top_p=0.9)
-SHAPES = {"chain": dict(num_draft_tokens=2, tree_width=1),
-          "tree": dict(num_draft_tokens=2, tree_width=2, tree_budget=3)}
+SHAPES = {
+    "chain": dict(num_draft_tokens=2, tree_width=1),
+    "tree": dict(num_draft_tokens=2, tree_width=2, tree_budget=3),
+}
 SETTINGS = (T1, NUCLEUS)
-CASES = [(method, shape, drafts, setting)
-         for method in ("draft_model", "eagle3", "ngram") for shape in SHAPES
-         for drafts in (("greedy",) if method == "ngram" else ("greedy", "stochastic")) for setting in SETTINGS]
+CASES = [
+    (method, shape, drafts, setting)
+    for method in ("draft_model", "eagle3", "ngram")
+    for shape in SHAPES
+    for drafts in (("greedy",) if method == "ngram" else ("greedy", "stochastic"))
+    for setting in SETTINGS
+]
 
 
 def case_id(case) -> str:
@@ -104,10 +109,18 @@ def drafts(tiny_vocab_policy):
     """Weak drafts for the tiny policy: a 1-layer random model and a random EAGLE-3 head whose
     reduced vocabulary (4 of 6 tokens) leaves out the eos and token 0."""
     cfg, _ = tiny_vocab_policy
-    draft_cfg = ModelConfig(family="qwen3", vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=1,
-                            num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
-    head = init_eagle3(cfg, jax.random.key(11), draft_vocab_size=4, token_counts=np.array([0, 9, 9, 9, 9, 1]),
-                       std=0.3)
+    draft_cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=6,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    head = init_eagle3(cfg, jax.random.key(11), draft_vocab_size=4, token_counts=np.array([0, 9, 9, 9, 9, 1]), std=0.3)
     return {"draft_model": (draft_cfg, random_params(draft_cfg, seed=3, std=0.5)), "eagle3": head, "ngram": None}
 
 
@@ -157,8 +170,14 @@ def sampled(tiny_vocab_policy, drafts, race_tiles):
             traced = len(race_tiles)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
-                out = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7),
-                               Sampling(max_new_tokens=MAX_NEW, **setting), spec=spec)
+                out = generate(
+                    cfg,
+                    params,
+                    [list(PROMPT)] * NUM_SAMPLES,
+                    jax.random.key(7),
+                    Sampling(max_new_tokens=MAX_NEW, **setting),
+                    spec=spec,
+                )
             assert len(race_tiles) > traced, "each case's loop is traced, its verification over the race tiles"
             tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
             cache[key] = [tuple(row[:n]) for row, n in zip(tokens, lengths)], out
@@ -236,6 +255,7 @@ def peaked(tiny_vocab_policy):
         def probs(prefix):
             r = row[prefix + (0,) * (2 - len(prefix))]
             return reference_probs(logits[r, len(PROMPT) - 1 + len(prefix)], temperature, 0, 1.0)
+
         return probs
 
     exact = continuation_probs(policy_logits, row, len(PROMPT), EOS, T1)
@@ -248,8 +268,11 @@ def sampler_laws(peaked, drafts: str):
     q = (lambda prefix: None) if drafts == "greedy" else draft(1.0)
     correct = speculative_chain_law(policy(1.0), q, MAX_NEW, EOS)  # lossless: the policy's own law
     assert max(abs(correct[seq] - p) for seq, p in exact.items()) < 1e-12
-    return (exact, speculative_chain_law(policy(1.0), q, MAX_NEW, EOS, accept_scale=1.02),
-            speculative_chain_law(policy(1.03), q, MAX_NEW, EOS))
+    return (
+        exact,
+        speculative_chain_law(policy(1.0), q, MAX_NEW, EOS, accept_scale=1.02),
+        speculative_chain_law(policy(1.03), q, MAX_NEW, EOS),
+    )
 
 
 @pytest.mark.parametrize("drafts", POWER_DRAFTS)
@@ -270,15 +293,22 @@ def test_strong_draft_rollouts_detect_small_biases(peaked, drafts, sampler):
     so the loop moves into its halved batches); each biased sampler (`tests.kernels.biased_verifier`,
     or the temperature) is rejected at p < ALPHA. Biased runs skip staging (one compiled loop)."""
     cfg, params, sharp, exact, _, _ = peaked
-    spec = Spec("draft_model", (cfg, params if drafts == "greedy" else sharp), draft_sampling=drafts,
-                num_draft_tokens=2)
+    spec = Spec(
+        "draft_model", (cfg, params if drafts == "greedy" else sharp), draft_sampling=drafts, num_draft_tokens=2
+    )
     temperature = 1.03 if sampler == "temperature+3%" else 1.0
     noise = {"accept+2%": accept_more(0.02), "noise-reused": reuse_across_levels}.get(sampler)
     with pytest.MonkeyPatch.context() as patch, biased_noise(noise) if noise else contextlib.nullcontext():
         if sampler != "correct":
             patch.setattr(stages, "MIN_STAGE_ROWS", POWER_SAMPLES)
-        out = generate(cfg, params, [list(PROMPT)] * POWER_SAMPLES, jax.random.key(3),
-                       Sampling(max_new_tokens=MAX_NEW, temperature=temperature), spec=spec)
+        out = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * POWER_SAMPLES,
+            jax.random.key(3),
+            Sampling(max_new_tokens=MAX_NEW, temperature=temperature),
+            spec=spec,
+        )
     tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
     pvalue = chi_square_pvalue([tuple(r[:n]) for r, n in zip(tokens, lengths)], exact)
     if sampler == "correct":
@@ -297,12 +327,20 @@ def test_strong_draft_trees_under_nucleus_sampling(peaked, drafts, sampler):
     cfg, params, sharp, _, _, _ = peaked
     probs = continuation_probs(*peaked_teacher_forced(cfg, params), len(PROMPT), EOS, NUCLEUS)
     spec = Spec("draft_model", (cfg, params if drafts == "greedy" else sharp), draft_sampling=drafts, **SHAPES["tree"])
-    with pytest.MonkeyPatch.context() as patch, \
-            biased_noise(reuse_across_levels) if sampler != "correct" else contextlib.nullcontext():
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        biased_noise(reuse_across_levels) if sampler != "correct" else contextlib.nullcontext(),
+    ):
         if sampler != "correct":
             patch.setattr(stages, "MIN_STAGE_ROWS", POWER_SAMPLES)
-        out = generate(cfg, params, [list(PROMPT)] * POWER_SAMPLES, jax.random.key(4),
-                       Sampling(max_new_tokens=MAX_NEW, **NUCLEUS), spec=spec)
+        out = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * POWER_SAMPLES,
+            jax.random.key(4),
+            Sampling(max_new_tokens=MAX_NEW, **NUCLEUS),
+            spec=spec,
+        )
     tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
     pvalue = chi_square_pvalue([tuple(r[:n]) for r, n in zip(tokens, lengths)], probs)
     if sampler == "correct":

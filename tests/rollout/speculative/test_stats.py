@@ -61,8 +61,14 @@ def test_counts_and_rates_equal_an_independent_count():
 
 def test_rates_are_nan_where_no_draft_was_tested():
     path = jnp.asarray([[0, -1, -1, -1]], jnp.int32)
-    counts = count_step(Counts.zeros(DEPTH), jnp.asarray([[-1, 0, 1, 0, 0, 0]], jnp.int32), jnp.asarray([2]),
-                        path, jnp.asarray([0]), jnp.asarray([True]))
+    counts = count_step(
+        Counts.zeros(DEPTH),
+        jnp.asarray([[-1, 0, 1, 0, 0, 0]], jnp.int32),
+        jnp.asarray([2]),
+        path,
+        jnp.asarray([0]),
+        jnp.asarray([True]),
+    )
     stats = summarize(counts, jnp.asarray([1]), DEPTH, (1,), jnp.asarray([1]))
     np.testing.assert_array_equal(stats["acceptance_rate_per_position"], [0.0, np.nan, np.nan])
     assert stats["acceptance_length"] == 1.0
@@ -72,17 +78,43 @@ def test_merged_statistics_are_those_of_the_summed_counts():
     """Two calls' statistics combine from their counts, not by averaging their ratios."""
     from jaxspec.rollout.speculative.stats import merge_stats
 
-    a = {"steps": 10, "stage_rows": [4, 2], "stage_steps": [6, 4], "generated_tokens": 50, "acceptance_length": 2.0,
-         "acceptance_rate_per_position": np.asarray([0.5, 0.5]), "drafted_tokens": 40, "accepted_tokens": 20,
-         "verified_row_steps": 20, "tested_at": [20, 10], "accepted_at": [10, 5]}
-    b = {"steps": 5, "stage_rows": [4, 2], "stage_steps": [5, 0], "generated_tokens": 40, "acceptance_length": 5.0,
-         "acceptance_rate_per_position": np.asarray([1.0, np.nan]), "drafted_tokens": 10, "accepted_tokens": 8,
-         "verified_row_steps": 2, "tested_at": [2, 0], "accepted_at": [2, 0]}
+    a = {
+        "steps": 10,
+        "stage_rows": [4, 2],
+        "stage_steps": [6, 4],
+        "generated_tokens": 50,
+        "acceptance_length": 2.0,
+        "acceptance_rate_per_position": np.asarray([0.5, 0.5]),
+        "drafted_tokens": 40,
+        "accepted_tokens": 20,
+        "verified_row_steps": 20,
+        "tested_at": [20, 10],
+        "accepted_at": [10, 5],
+    }
+    b = {
+        "steps": 5,
+        "stage_rows": [4, 2],
+        "stage_steps": [5, 0],
+        "generated_tokens": 40,
+        "acceptance_length": 5.0,
+        "acceptance_rate_per_position": np.asarray([1.0, np.nan]),
+        "drafted_tokens": 10,
+        "accepted_tokens": 8,
+        "verified_row_steps": 2,
+        "tested_at": [2, 0],
+        "accepted_at": [2, 0],
+    }
     m = merge_stats([a, b])
     assert m["acceptance_length"] == (20 + 8 + 20 + 2) / (20 + 2)  # not the mean of 2.0 and 5.0
     np.testing.assert_allclose(m["acceptance_rate_per_position"], [12 / 22, 5 / 10])
     assert (m["steps"], m["stage_steps"], m["generated_tokens"]) == (15, [11, 4], 90)
     assert (m["drafted_tokens"], m["accepted_tokens"], m["tested_at"]) == (50, 28, [22, 10])
-    ar = {"steps": 3, "stage_rows": [2], "stage_steps": [3], "generated_tokens": 6, "acceptance_length": 1.0,
-          "acceptance_rate_per_position": np.zeros((0,))}
+    ar = {
+        "steps": 3,
+        "stage_rows": [2],
+        "stage_steps": [3],
+        "generated_tokens": 6,
+        "acceptance_length": 1.0,
+        "acceptance_rate_per_position": np.zeros((0,)),
+    }
     assert merge_stats([ar, ar])["steps"] == 6 and merge_stats([ar, ar])["acceptance_length"] == 1.0

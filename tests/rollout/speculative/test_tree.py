@@ -72,8 +72,7 @@ def reference_tree(root: int, depth: int, width: int, budget: int, sampling: Sam
     full = budget == depth * width  # nothing pruned: tokens the draft excludes (score -inf) stay too
     kept = [0] + sorted(n for n in ranked[:budget] if full or np.isfinite(nodes[n][1]))
     index = {n: i for i, n in enumerate(kept)}
-    return ([nodes[n][0][-1] for n in kept], [index.get(nodes[n][2], -1) for n in kept],
-            [nodes[n][3] for n in kept])
+    return ([nodes[n][0][-1] for n in kept], [index.get(nodes[n][2], -1) for n in kept], [nodes[n][3] for n in kept])
 
 
 def processed(sampling: Sampling | None):
@@ -88,8 +87,19 @@ def test_greedy_dynamic_tree_matches_brute_force(depth, width, budget, sampling)
     tokens top-p excludes are never drafted."""
     roots = jnp.arange(VOCAB, dtype=jnp.int32)
     process = unused if width == 1 else processed(sampling)  # a chain takes each level's argmax of the raw logits
-    calls, tree = jax.jit(lambda r: dynamic_tree(fake_pass, 0, r, jax.random.key(0), depth=depth, width=width,
-                                                 num_nodes=budget, stochastic=False, process=process))(roots)
+    calls, tree = jax.jit(
+        lambda r: dynamic_tree(
+            fake_pass,
+            0,
+            r,
+            jax.random.key(0),
+            depth=depth,
+            width=width,
+            num_nodes=budget,
+            stochastic=False,
+            process=process,
+        )
+    )(roots)
     assert int(calls) == depth and tree.draft_probs is None
     assert tree.tokens.shape == (VOCAB, 1 + budget)
     for r in range(VOCAB):
@@ -108,9 +118,11 @@ def test_stochastic_tree_is_a_valid_tree_with_draft_distributions(depth, width, 
     has q > 0: under top-p never a token the nucleus excludes, also in a full tree (nothing
     pruned) whose nodes have fewer tokens with q > 0 than children to draw (the row keeps fewer)."""
     roots = jnp.tile(jnp.arange(VOCAB, dtype=jnp.int32), 6)
-    _, tree = jax.jit(lambda r, k: dynamic_tree(fake_pass, 0, r, k, depth=depth, width=width, num_nodes=budget,
-                                                stochastic=True, process=processed(sampling)))(roots,
-                                                                                               jax.random.key(1))
+    _, tree = jax.jit(
+        lambda r, k: dynamic_tree(
+            fake_pass, 0, r, k, depth=depth, width=width, num_nodes=budget, stochastic=True, process=processed(sampling)
+        )
+    )(roots, jax.random.key(1))
     tokens, parents, depths, num, q = map(np.asarray, tree)
     assert np.all(num <= 1 + budget) and (sampling is not None or np.all(num == 1 + budget))
     distinct_shapes = set()
@@ -119,8 +131,9 @@ def test_stochastic_tree_is_a_valid_tree_with_draft_distributions(depth, width, 
         for n in range(1, num[b]):
             assert 0 <= parents[b, n] < n and depths[b, n] == depths[b, parents[b, n]] + 1
             path[n] = path[parents[b, n]] + (int(tokens[b, n]),)
-            np.testing.assert_allclose(q[b, parents[b, n]], np.exp(fake_logq(path[parents[b, n]], sampling)),
-                                       rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(
+                q[b, parents[b, n]], np.exp(fake_logq(path[parents[b, n]], sampling)), rtol=1e-5, atol=1e-7
+            )
             assert q[b, parents[b, n], tokens[b, n]] > 0, "a drawn child must have draft probability > 0"
         valid = np.arange(len(parents[b])) < num[b]
         children = [tuple(tokens[b, valid & (parents[b] == n)]) for n in range(num[b])]
@@ -137,9 +150,11 @@ def test_stochastic_first_draw_follows_the_processed_draft(width):
     """The root's first child (node 1, always kept) of ROWS trees with one root is drawn from the
     processed draft distribution at the root, chains included: chi-square against it."""
     rows, root = 20000, 2
-    _, tree = jax.jit(lambda r, k: dynamic_tree(fake_pass, 0, r, k, depth=2, width=width, num_nodes=2 * width,
-                                                stochastic=True, process=processed(NUCLEUS)))(
-        jnp.full((rows,), root, jnp.int32), jax.random.key(2))
+    _, tree = jax.jit(
+        lambda r, k: dynamic_tree(
+            fake_pass, 0, r, k, depth=2, width=width, num_nodes=2 * width, stochastic=True, process=processed(NUCLEUS)
+        )
+    )(jnp.full((rows,), root, jnp.int32), jax.random.key(2))
     q = np.exp(fake_logq((root,), NUCLEUS))
     assert 2 <= np.count_nonzero(q) < VOCAB
     first = [(int(t),) for t in np.asarray(tree.tokens[:, 1])]
@@ -172,15 +187,15 @@ def reference_ngram(history, sizes, depth, width, budget):
     """Python n-gram lookup: best (longest n, most recent) matches with distinct first tokens."""
     length = len(history)
     matches = []
-    for rank, n in enumerate(sizes):
+    for n in sizes:
         for j in range(length - 2, n - 2, -1):
-            if history[j - n + 1:j + 1] == history[length - n:]:
+            if history[j - n + 1 : j + 1] == history[length - n :]:
                 matches.append(j)
     branches, firsts = [], set()
     for j in matches:
         if history[j + 1] not in firsts and len(branches) < width:
             firsts.add(history[j + 1])
-            branches.append(history[j + 1:j + 1 + depth])
+            branches.append(history[j + 1 : j + 1 + depth])
     tokens, parents = [history[-1]], [-1]
     for chain in branches:
         for d, token in enumerate(chain):
@@ -199,7 +214,7 @@ def test_ngram_proposals_match_python_lookup(sizes, depth, width, budget):
     slots = 24
     tokens = np.zeros((len(histories), slots), np.int32)
     for b, h in enumerate(histories):
-        tokens[b, :len(h)] = h
+        tokens[b, : len(h)] = h
     lengths = jnp.asarray([len(h) for h in histories], jnp.int32)
     drafter = NgramDrafter(sizes=sizes, depth=depth, width=width, num_nodes=budget)
     roots = jnp.asarray([h[-1] for h in histories], jnp.int32)
@@ -216,9 +231,14 @@ def test_ngram_proposals_match_python_lookup(sizes, depth, width, budget):
 def test_ngram_history_appends_accepted_tokens_and_next_root():
     drafter = NgramDrafter(sizes=(1,), depth=2, width=1, num_nodes=2)
     history = History(jnp.asarray([[4, 5, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], jnp.int32), jnp.asarray([2, 1]))
-    verified = Verified(committed=jnp.asarray([[5, 2, 3], [1, 9, 9]], jnp.int32), next_root=jnp.asarray([6, 7]),
-                        num_accepted=jnp.asarray([2, 0]), cache_len=jnp.asarray([1, 0]),
-                        hidden=jnp.zeros((0, 2, 3, 4)), active=jnp.asarray([True, True]))
+    verified = Verified(
+        committed=jnp.asarray([[5, 2, 3], [1, 9, 9]], jnp.int32),
+        next_root=jnp.asarray([6, 7]),
+        num_accepted=jnp.asarray([2, 0]),
+        cache_len=jnp.asarray([1, 0]),
+        hidden=jnp.zeros((0, 2, 3, 4)),
+        active=jnp.asarray([True, True]),
+    )
     out = drafter.update(None, history, verified)
     assert np.asarray(out.tokens).tolist() == [[4, 5, 2, 3, 6, 0], [1, 7, 0, 0, 0, 0]]
     assert np.asarray(out.length).tolist() == [5, 2]

@@ -65,12 +65,21 @@ def draft_and_verify(key, *, width: int, num_nodes: int, top_p: float):
     and their verification against the policy at temperature 1."""
     draft_key, verify_key = jax.random.split(key)
     sampling = Sampling(temperature=1.0, top_p=top_p)
-    _, tree = dynamic_tree(draft_pass, None, jnp.zeros((ROWS,), jnp.int32), draft_key, depth=DEPTH, width=width,
-                           num_nodes=num_nodes, stochastic=True,
-                           process=lambda logits: processed_logprobs(logits, sampling))
+    _, tree = dynamic_tree(
+        draft_pass,
+        None,
+        jnp.zeros((ROWS,), jnp.int32),
+        draft_key,
+        depth=DEPTH,
+        width=width,
+        num_nodes=num_nodes,
+        stochastic=True,
+        process=lambda logits: processed_logprobs(logits, sampling),
+    )
     logits = POLICY_LOGITS[path_code(tree.tokens, ancestor_mask(tree.parents, DEPTH), tree.depth)]
-    result = tree_verify(logits, tree.parents, tree.tokens, tree.num_nodes, verify_key, temperature=1.0,
-                         draft_probs=tree.draft_probs)
+    result = tree_verify(
+        logits, tree.parents, tree.tokens, tree.num_nodes, verify_key, temperature=1.0, draft_probs=tree.draft_probs
+    )
     return tree, result
 
 
