@@ -112,8 +112,9 @@ def kernel_times(
     """Every kernel of the programs named in `modules` ({HLO module: program label}; default the
     loop programs "ar", "spec", "prefill") in a trace, longest first.
 
-    Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, whose
-    while/conditional thunks enclose their bodies and are skipped)."""
+    Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, where a
+    while/conditional/call thunk that encloses its body's ops on its thread is skipped; a call
+    XLA compiled into one kernel encloses none and counts)."""
     from jax.profiler import ProfileData
 
     ns: dict[tuple[str, str, str], float] = collections.defaultdict(float)
@@ -125,16 +126,27 @@ def kernel_times(
         ]
         for plane in planes:
             for line in plane.lines:
-                for event in line.events:
-                    stats = dict(event.stats)
-                    program = modules.get(str(stats.get("hlo_module")))
-                    op = stats.get("hlo_op")
-                    if program is None or op is None or "program_id" not in stats or _CONTROL.match(str(op)):
-                        continue
-                    key = (program, str(op), scopes.get((int(stats["program_id"]), str(op)), ""))
-                    ns[key] += event.duration_ns
+                for program, op, program_id, duration_ns in _leaf_ops(line, modules):
+                    key = (program, op, scopes.get((program_id, op), ""))
+                    ns[key] += duration_ns
                     launches[key] += 1
     return sorted((Kernel(*key, ns[key], launches[key]) for key in ns), key=lambda k: -k.ns)
+
+
+def _leaf_ops(line, modules: dict[str, str]) -> list[tuple[str, str, int, float]]:
+    """(program label, HLO op, program id, duration ns) of each op event on one trace line of a
+    program in `modules`, less the control thunks that enclose other op events."""
+    events = []
+    for event in line.events:
+        stats = dict(event.stats)
+        program = modules.get(str(stats.get("hlo_module")))
+        if program is not None and stats.get("hlo_op") is not None and "program_id" in stats:
+            events.append((event.start_ns, event.duration_ns, program, str(stats["hlo_op"]),
+                           int(stats["program_id"])))
+    events.sort(key=lambda e: (e[0], -e[1]))  # an enclosing thunk before the ops it starts with
+    return [(program, op, program_id, duration)
+            for i, (start, duration, program, op, program_id) in enumerate(events)
+            if not (_CONTROL.match(op) and i + 1 < len(events) and events[i + 1][0] < start + duration)]
 
 
 def phase_part(kernel: Kernel) -> tuple[str, str]:

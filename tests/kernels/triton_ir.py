@@ -8,11 +8,17 @@ import jax
 from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as triton_dialect
 
+# The GPU the modules are lowered for: JAX 0.12 takes the compute capability from the mesh's
+# abstract device when no GPU is attached (older JAX falls back to 9.0, an H100/H200's, by itself).
+_H200 = jax.sharding.AbstractMesh((1,), ("gpu",), (jax.sharding.AxisType.Explicit,),
+                                  abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "cuda"))
+
 
 def triton_modules(fn, *args) -> list[bytes]:
     """The serialized Triton module of every Pallas kernel in `fn(*args)` lowered for CUDA (args may
     be jax.ShapeDtypeStruct)."""
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with jax.sharding.use_abstract_mesh(_H200):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     modules = []
 
     def walk(op):
