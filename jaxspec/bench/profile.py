@@ -141,12 +141,13 @@ def _leaf_ops(line, modules: dict[str, str]) -> list[tuple[str, str, int, float]
         stats = dict(event.stats)
         program = modules.get(str(stats.get("hlo_module")))
         if program is not None and stats.get("hlo_op") is not None and "program_id" in stats:
-            events.append((event.start_ns, event.duration_ns, program, str(stats["hlo_op"]),
-                           int(stats["program_id"])))
+            events.append((event.start_ns, event.duration_ns, program, str(stats["hlo_op"]), int(stats["program_id"])))
     events.sort(key=lambda e: (e[0], -e[1]))  # an enclosing thunk before the ops it starts with
-    return [(program, op, program_id, duration)
-            for i, (start, duration, program, op, program_id) in enumerate(events)
-            if not (_CONTROL.match(op) and i + 1 < len(events) and events[i + 1][0] < start + duration)]
+    return [
+        (program, op, program_id, duration)
+        for i, (start, duration, program, op, program_id) in enumerate(events)
+        if not (_CONTROL.match(op) and i + 1 < len(events) and events[i + 1][0] < start + duration)
+    ]
 
 
 def phase_part(kernel: Kernel) -> tuple[str, str]:

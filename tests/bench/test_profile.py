@@ -61,14 +61,25 @@ def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
 def test_control_thunks_that_enclose_ops_are_skipped_and_compiled_calls_count():
     """On CPU a while thunk encloses its body's ops on its thread; a call XLA compiled into one
     kernel (a "small call") encloses none and is itself the kernel."""
+
     def event(op, start, duration, module="jit__decode"):
         stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
         return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
 
-    line = SimpleNamespace(events=[event("while.2", 0, 100), event("fusion.1", 10, 30), event("call.4", 50, 40),
-                                   event("call.5", 200, 60), event("add.7", 300, 5, module="jit_other")])
-    assert profile._leaf_ops(line, {"jit__decode": "ar"}) == [("ar", "fusion.1", 3, 30), ("ar", "call.4", 3, 40),
-                                                              ("ar", "call.5", 3, 60)]
+    line = SimpleNamespace(
+        events=[
+            event("while.2", 0, 100),
+            event("fusion.1", 10, 30),
+            event("call.4", 50, 40),
+            event("call.5", 200, 60),
+            event("add.7", 300, 5, module="jit_other"),
+        ]
+    )
+    assert profile._leaf_ops(line, {"jit__decode": "ar"}) == [
+        ("ar", "fusion.1", 3, 30),
+        ("ar", "call.4", 3, 40),
+        ("ar", "call.5", 3, 60),
+    ]
 
 
 def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):

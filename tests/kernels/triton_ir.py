@@ -10,8 +10,12 @@ from jax._src.lib.triton import dialect as triton_dialect
 
 # The GPU the modules are lowered for: JAX 0.12 takes the compute capability from the mesh's
 # abstract device when no GPU is attached (older JAX falls back to 9.0, an H100/H200's, by itself).
-_H200 = jax.sharding.AbstractMesh((1,), ("gpu",), (jax.sharding.AxisType.Explicit,),
-                                  abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "cuda"))
+_H200 = jax.sharding.AbstractMesh(
+    (1,),
+    ("gpu",),
+    (jax.sharding.AxisType.Explicit,),
+    abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "cuda"),
+)
 
 
 def triton_modules(fn, *args) -> list[bytes]:
