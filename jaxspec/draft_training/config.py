@@ -9,8 +9,8 @@ from typing import Literal
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
-from jaxspec.tasks.generator import DEFAULT_KINDS, KINDS, MAX_LEVEL
-from jaxspec.tasks.tally import TallyConfig, config_errors
+from jaxspec.tasks.generator import DEFAULT_KINDS, problem_config_errors
+from jaxspec.tasks.tally import TallyConfig
 
 # The policy used when a config names none (present once the embedded tiny policy is trained).
 EMBEDDED_POLICY = Path(__file__).resolve().parent.parent / "assets" / "tiny-policy"
@@ -184,18 +184,8 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
         if d is None:
             continue
         need(d.num_prompts > 0, f"{prefix}.num_prompts", f"must be > 0, got {d.num_prompts}")
-        need(
-            bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels),
-            f"{prefix}.levels",
-            f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}",
-        )
-        need(
-            bool(d.kinds) and all(k in KINDS for k in d.kinds),
-            f"{prefix}.kinds",
-            f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}",
-        )
-        for key, message in config_errors(d.tally):
-            need(False, f"{prefix}.tally.{key}", message)
+        for key, message in problem_config_errors(d.levels, d.kinds, d.tally):
+            need(False, f"{prefix}.{key}", message)
         need(d.max_prompt_len > 0, f"{prefix}.max_prompt_len", f"must be > 0, got {d.max_prompt_len}")
     g, h, lo, o, t = cfg.generation, cfg.head, cfg.loss, cfg.optim, cfg.train
     need(g.temperature > 0, "generation.temperature", f"must be > 0 (sampled training data), got {g.temperature}")

@@ -9,8 +9,8 @@ from typing import Literal
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
-from jaxspec.tasks.generator import DEFAULT_KINDS, KINDS, MAX_LEVEL
-from jaxspec.tasks.tally import TallyConfig, config_errors
+from jaxspec.tasks.generator import DEFAULT_KINDS, problem_config_errors
+from jaxspec.tasks.tally import TallyConfig
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
 
 
@@ -26,7 +26,7 @@ class DataConfig:
     variation, `jaxspec.tasks.tally.TallyConfig`). max_len: width of a packed training row in tokens (the
     model's input length); examples (prompt + solution + eos) longer than that are dropped.
     seed: seeds the generated problems and the shuffling of the packed rows.
-    kinds: problem kinds, a subset of `jaxspec.tasks.KINDS` ("arithmetic", "word").
+    kinds: problem kinds, a subset of `jaxspec.tasks.KINDS` ("arithmetic", "word", "tally").
     vocab_size: size of the byte-level BPE trained on the training corpus.
     tokenizer: an existing tokenizer.json to use instead of training that BPE.
     eos_token / pad_token / bos_token: the tokenizer's special-token strings (the defaults are those
@@ -158,18 +158,8 @@ def validate(cfg: PretrainConfig, source: str) -> None:
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
     need(d.num_train > 0, "data.num_train", f"must be > 0, got {d.num_train}")
     need(d.num_eval >= 0, "data.num_eval", f"must be >= 0, got {d.num_eval}")
-    need(
-        bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels),
-        "data.levels",
-        f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}",
-    )
-    need(
-        bool(d.kinds) and all(k in KINDS for k in d.kinds),
-        "data.kinds",
-        f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}",
-    )
-    for key, message in config_errors(d.tally):
-        need(False, f"data.tally.{key}", message)
+    for key, message in problem_config_errors(d.levels, d.kinds, d.tally):
+        need(False, f"data.{key}", message)
     if d.tokenizer is not None and not Path(d.tokenizer).is_file():
         raise FileNotFoundError(f"{source}: data.tokenizer: file not found: {d.tokenizer}")
     need("{question}" in d.prompt_template, "data.prompt_template", "must contain '{question}'")

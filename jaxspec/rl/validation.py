@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from jaxspec.config_io import requirement
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.tasks.generator import KINDS, MAX_LEVEL
-from jaxspec.tasks.tally import config_errors
+from jaxspec.tasks.generator import problem_config_errors
 
 
 def validate(cfg: GRPOConfig, source: str) -> None:
@@ -22,18 +21,8 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     if d.train is None:
         positive(d, "num_train", "data")
     positive(d, "num_eval", "data", allow_zero=True)
-    need(
-        bool(d.levels) and all(1 <= lv <= MAX_LEVEL for lv in d.levels),
-        "data.levels",
-        f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(d.levels)}",
-    )
-    need(
-        bool(d.kinds) and all(k in KINDS for k in d.kinds),
-        "data.kinds",
-        f"must be a non-empty subset of {list(KINDS)}, got {list(d.kinds)}",
-    )
-    for key, message in config_errors(d.tally):
-        need(False, f"data.tally.{key}", message)
+    for key, message in problem_config_errors(d.levels, d.kinds, d.tally):
+        need(False, f"data.{key}", message)
     positive(r, "prompts_per_step", "rollout")
     need(
         r.samples_per_prompt >= 2,

@@ -22,13 +22,24 @@ from pathlib import Path
 
 from jaxspec.tasks.arithmetic import LEVELS, arithmetic_problem
 from jaxspec.tasks.phrasing import Segment
-from jaxspec.tasks.tally import TallyConfig, tally_problem
+from jaxspec.tasks.tally import TallyConfig, config_errors, tally_problem
 from jaxspec.tasks.word_problems import word_problem
 
 MAX_LEVEL = max(LEVELS)
 KINDS = ("arithmetic", "word", "tally")
 DEFAULT_KINDS = ("arithmetic", "word")
 FIELDS = ("question", "solution", "answer", "level", "kind")
+
+
+def problem_config_errors(levels: Sequence[int], kinds: Sequence[str], tally: TallyConfig) -> list[tuple[str, str]]:
+    """(key under a data section, message) for every out-of-range setting of the generated
+    problems: `levels`, `kinds` and the `tally` section (`jaxspec.tasks.tally.config_errors`)."""
+    errors = []
+    if not (levels and all(1 <= lv <= MAX_LEVEL for lv in levels)):
+        errors.append(("levels", f"must be a non-empty list of levels in 1..{MAX_LEVEL}, got {list(levels)}"))
+    if not (kinds and all(k in KINDS for k in kinds)):
+        errors.append(("kinds", f"must be a non-empty subset of {list(KINDS)}, got {list(kinds)}"))
+    return errors + [(f"tally.{key}", message) for key, message in config_errors(tally)]
 
 
 def _check(levels: Sequence[int], kinds: Sequence[str]) -> None:
