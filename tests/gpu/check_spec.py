@@ -1,6 +1,7 @@
 """GPU check of speculative verification: the Pallas kernels against the jnp reference, on the GPU.
 
-    python3 benchmarks/check_gpu_spec.py [--out FILE.json] [--jobs 6]    # exit 0 when every check agrees
+    pytest -m gpu tests/gpu/test_spec.py                         # the check, as tests
+    python3 -m tests.gpu.check_spec [--out FILE.json] [--jobs 6]  # every row printed; exit 0 when all agree
 
 Run it on a GPU after every change to kernels/ or the rollout loop: interpret mode on the CPU runs
 the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton) program.
@@ -27,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # The kernel check and each rollout process allocate what they use: JAX's default of taking 75% of
 # the GPU at start-up would leave a rollout process nothing beside its parent.
@@ -41,6 +43,7 @@ LOGPROB_TOL = 2e-3
 RATE_TOL = 0.02
 NEW_TOKENS = 64
 ROLLOUT_ROWS = 16
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_tree(rng: np.random.Generator, nodes: int, chain: bool) -> np.ndarray:
@@ -217,7 +220,8 @@ def run_impls(impls: tuple[str, ...], jobs: int) -> dict[str, list[dict]]:
         (
             impl,
             subprocess.Popen(
-                [sys.executable, __file__, "--rollouts-only", f"--shard={shard}/{jobs}"],
+                [sys.executable, "-m", "tests.gpu.check_spec", "--rollouts-only", f"--shard={shard}/{jobs}"],
+                cwd=ROOT,
                 env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
                 stdout=subprocess.PIPE,
                 text=True,
@@ -249,7 +253,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rollout_runs(shard, shards)))
         return 0
     if jax.default_backend() != "gpu":
-        print(f"check_gpu_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
+        print(f"check_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
         return 2
     rows = [] if args.skip_kernel else kernel_checks()
     for r in rows:
@@ -272,7 +276,7 @@ def main(argv: list[str]) -> int:
         with open(args.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
     print(
-        f"check_gpu_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
+        f"check_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
         + (f"; MISMATCH in {len(bad)}" if bad else "")
     )
     return 1 if bad else 0

@@ -1,6 +1,7 @@
 """GPU check of the attention paths that only run on a GPU, against the paths the CPU tests cover.
 
-    python3 benchmarks/check_gpu_attention.py [cache] [ttt]    # both by default; exit 0 when they agree
+    pytest -m gpu tests/gpu/test_attention.py                  # the check, as tests
+    python3 -m tests.gpu.check_attention [cache] [ttt]         # both by default; exit 0 when they agree
 
 cache: `cache_attention`'s Triton kernel (impl "pallas") against the dense masked path and the
 kernel in interpret mode, in bf16 with the small policy's heads: decode steps, chains, random

@@ -1,12 +1,13 @@
 """GPU check of multi-process training: N processes x 1 GPU against 1 process x N GPUs.
 
-    python3 benchmarks/check_gpu_processes.py [--config configs/grpo_tiny.yaml] [--steps 4]
+    pytest -m gpu tests/gpu/test_processes.py    # the check, as a test
+    python3 -m tests.gpu.check_processes [--config configs/grpo_tiny.yaml] [--steps 4]
         [--out FILE.json] [key=value ...]
 
 Runs `jaxspec train` with the mesh fsdp=N once as one process that sees the N GPUs and once as N
 processes of one GPU each (CUDA_VISIBLE_DEVICES, and JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES
 / JAX_PROCESS_ID as a launcher on several hosts would set them), from the same seed, and compares
-every step's metrics (`check_gpu_layouts.REL_TOL`). Then the N-process run resumes from its last
+every step's metrics (`check_layouts.REL_TOL`). Then the N-process run resumes from its last
 checkpoint as one process for two more steps (another process count, the same mesh), and the
 policy folder written by the N processes is loaded back and compared with the one-process run's
 (`save_hf` of a policy sharded across processes writes one HF folder).
@@ -25,7 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from check_gpu_layouts import ABS_TOL, CHILD_ENV, COMPARED, REL_TOL, device_count, gpu_name
+
+from tests.gpu.check_layouts import ABS_TOL, CHILD_ENV, COMPARED, REL_TOL, device_count, gpu_name
 
 
 def train_cmd(args, run_dir: Path, steps: int, overrides: list[str], resume: bool = False) -> list[str]:
@@ -170,7 +172,7 @@ def main(argv: list[str]) -> int:
                 indent=1,
             )
         )
-    print(f"check_gpu_processes: {'OK' if ok else 'FAILED'}")
+    print(f"check_processes: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

@@ -1,9 +1,10 @@
 """GPU check and timing of a mixture-of-experts layer's grouped matmuls: the Pallas kernel
 (`kernels.grouped_matmul`) against `jax.lax.ragged_dot` and a dense matmul of the same useful FLOPs.
 
-    python3 benchmarks/check_gpu_moe.py [--rows 512 2048 8192 32768] [--block-m 64 ...]
-    python3 benchmarks/check_gpu_moe.py --grad     # forward + backward (dX, dW) of each
-    python3 benchmarks/check_gpu_moe.py --tiny     # CPU smoke run: tiny shapes, interpret mode
+    pytest -m gpu tests/gpu/test_moe.py                  # the check, as tests
+    python3 -m tests.gpu.check_moe [--rows 512 2048 8192 32768] [--block-m 64 ...]
+    python3 -m tests.gpu.check_moe --grad     # forward + backward (dX, dW) of each
+    python3 -m tests.gpu.check_moe --tiny     # CPU smoke run: tiny shapes, interpret mode
 
 Shapes: Qwen3-30B-A3B's experts (E=128, top-8, hidden D=2048, expert width F=768) and small_moe's
 (E=16, D=1024, F=1536), each projection direction (D -> F as gate/up, F -> D as down), rows = the

@@ -1,6 +1,7 @@
 """GPU check of the mesh layouts: a few GRPO steps on every (data, fsdp, tensor) layout of the GPUs.
 
-    python3 benchmarks/check_gpu_layouts.py --config configs/grpo_small.yaml [--policy DIR]
+    pytest -m gpu tests/gpu/test_layouts.py      # the check on configs/grpo_tiny.yaml, as a test
+    python3 -m tests.gpu.check_layouts --config configs/grpo_small.yaml [--policy DIR]
         [--make-policy DIR] [--steps 2] [--layouts D,F,T ...] [--out FILE.json] [key=value ...]
 
 Runs `jaxspec train` (a child process per layout, each from a fresh run directory and the same
@@ -65,7 +66,7 @@ def make_policy(path: Path) -> None:
     from jaxspec.models import ModelConfig, init_params, save_hf
 
     tiny = ModelConfig.from_json(tiny_policy_path() / "config.json")
-    small = ModelConfig.from_json(Path(__file__).resolve().parent.parent / "configs/models/small-policy.json")
+    small = ModelConfig.from_json(Path(__file__).resolve().parents[2] / "configs/models/small-policy.json")
     cfg = dataclasses.replace(small, vocab_size=tiny.vocab_size)
     save_hf(cfg, init_params(cfg, jax.random.key(0)), path, tokenizer_file=tiny_policy_path() / "tokenizer.json")
 
@@ -202,7 +203,7 @@ def main(argv: list[str]) -> int:
         )
     bad = [r["layout"] for r in rows if not r["ok"]]
     print(
-        f"check_gpu_layouts: {len(rows) - len(bad)} of {len(rows)} layouts agree with one GPU"
+        f"check_layouts: {len(rows) - len(bad)} of {len(rows)} layouts agree with one GPU"
         + (f"; FAILED: {', '.join(bad)}" if bad else "")
     )
     return 1 if bad else 0

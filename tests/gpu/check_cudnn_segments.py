@@ -1,7 +1,8 @@
 """GPU check before a packed-row pretraining run: flash attention (cuDNN) with segment ids gives
 the masked XLA attention's logits and gradients.
 
-    python3 benchmarks/check_cudnn_segments.py     # exit 0 when they agree, 3 when they do not
+    pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test
+    python3 -m tests.gpu.check_cudnn_segments         # exit 0 when they agree, 3 when they do not
 """
 
 import sys
