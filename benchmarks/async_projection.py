@@ -1,7 +1,7 @@
 """PROJECTION (computed, not measured): colocated vs asynchronous GRPO steps on N GPUs, from the
 per-phase costs of one colocated and one async run of the same workload (`grpo_compare.py` JSON).
 
-    python3 benchmarks/async_projection.py benchmarks/results/async_overlap_u_h100.json \
+    python3 benchmarks/async_projection.py benchmarks/results/u_h100x4/async_overlap_u_h100.json \
         --colocated coloc:2 --async async:1:1 --rollouts 256 --gpus 8 32 [--generation-speedup 1.75]
 
 `--colocated NAME:DEVICES` and `--async NAME:ROLLOUT_DEVICES:TRAINER_DEVICES` name the two runs in the
@@ -11,7 +11,7 @@ devices as --colocated) is what `async_vs_colocated_ar` divides: its measured st
 weak scaling keeps at any N. Without it, the baseline is the fitted pair's own colocated step with
 generation at speedup 1.
 
-    python3 benchmarks/async_projection.py benchmarks/results/history/async_study_w_h200.json \
+    python3 benchmarks/async_projection.py benchmarks/results/<campaign>/async_study.json \
         --colocated frozen:2 --async async_frozen:1:1 --baseline ar --rollouts 256 --gpus 2 8 32
 
 The model, stated so it can be argued with:

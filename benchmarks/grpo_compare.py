@@ -1,7 +1,7 @@
 """Side-by-side summary of GRPO runs that differ only in how rollouts are generated.
 
-    python3 benchmarks/grpo_compare.py --out benchmarks/results/grpo_small.json \
-        --plot benchmarks/results/grpo_small.png ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
+    python3 benchmarks/grpo_compare.py --out benchmarks/results/<campaign>/grpo_small.json \
+        --plot benchmarks/results/<campaign>/grpo_small.png ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
 
 Reads each run's metrics.jsonl. Step times are medians over the steps that every run reached
 (runs of different lengths compare the same prompts), after the first two (compile and warm-up),

@@ -1,7 +1,7 @@
 """The GRPO experiment with one run per GPU: accuracy curves of AR and speculative rollouts.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=.92 python3 benchmarks/grpo_curves.py --steps 200 --eval-every 10 \
-        --results benchmarks/results --prefix grpo_curves
+        --results benchmarks/results/<campaign> --prefix grpo_curves
 
 Jobs, each on one GPU of this host (CUDA_VISIBLE_DEVICES), started in order as soon as a GPU is
 free and what they need exists:
@@ -23,7 +23,7 @@ with `mesh.data`), compared with the colocated ones in the same summary. The asy
 on a 4-GPU host (two runs at a time):
 
     python3 benchmarks/grpo_curves.py --steps 100 --eval-every 10 --gpus-per-run 2 --async-runs \
-        --prefix async_study
+        --results benchmarks/results/<campaign> --prefix async_study
 
 Each run's metrics are copied to RESULTS/PREFIX_NAME.jsonl every few seconds (so a run cut short
 still leaves its curve), logs to RESULTS/PREFIX_NAME.log, and at the end `grpo_compare.py` writes

@@ -1,7 +1,7 @@
 """Makes each local GPU a smaller card for memory: holds all but `--leave-mib` MiB of every GPU
 until killed, so that a run beside it meets the smaller card's physical limit. XLA's memory
 fraction alone caps XLA's pool, not the CUDA driver's pools beside it (under `cuda_async` they
-grew 24 GB past the cap on an H200, BENCHMARKS.md lease Z).
+grew 24 GB past the cap on an H200, benchmarks/LABLOG.md lease Z).
 
     python3 benchmarks/hold_device_memory.py --leave-mib 81559 &   # an H100 80GB's 81,559 MiB
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.539 jaxspec train ...         # 0.95 x 81,559 MiB of an H200's

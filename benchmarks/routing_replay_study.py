@@ -1,7 +1,8 @@
 """Routing replay (R3) on a mixture-of-experts policy in bf16: the rollout/trainer log-prob mismatch
 and expert disagreement with and without replay, measured side by side.
 
-    python3 benchmarks/routing_replay_study.py --pretrain-steps 300 --steps 10 --prefix routing_replay
+    python3 benchmarks/routing_replay_study.py --pretrain-steps 300 --steps 10 --results benchmarks/results/<campaign> \
+        --prefix routing_replay
 
 Pretrains `configs/small_moe.yaml` on every GPU (skipped when runs/small-moe/policy exists), then
 runs two GRPO runs of `configs/grpo_small.yaml` on that policy at once, each on half of the GPUs

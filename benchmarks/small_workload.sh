@@ -3,7 +3,7 @@
 # its tokenizer, train in-domain and out-of-domain EAGLE-3 heads on its own rollouts, time
 # speculative vs autoregressive rollouts, the speculative cost model on Qwen3 shapes, and GRPO with
 # and without speculation.
-#   RESULTS=benchmarks/results bash benchmarks/small_workload.sh [stage ...]
+#   RESULTS=benchmarks/results/<campaign> bash benchmarks/small_workload.sh [stage ...]
 # Stages (default: all, in this order): pretrain draft_model draft draft_ood verify spec cost grpo decode8b;
 # check (the GPU-only attention paths against the CPU-tested ones), cost_small (needs pretrain),
 # profile (needs pretrain and draft) and attention only when named.
@@ -28,11 +28,11 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
-      check=0; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/check_cudnn_segments.py || check=$?
+      check=0; python3 -m tests.gpu.check_cudnn_segments || check=$?
       case $check in
         0) attention=() ;;
         3) attention=(train.attention=xla train.remat=true) ;;
-        *) echo "benchmarks/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
+        *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
       esac
       jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" "${pretrain_args[@]}" 2>&1 \
         | tee "$RESULTS/pretrain_small.log" ;;
@@ -47,7 +47,7 @@ for stage in "${stages[@]}"; do
         train.steps="$OOD_STEPS" 'data.levels=[1]' 'data.kinds=[arithmetic]' 2>&1 \
         | tee "$RESULTS/draft_small_ood.log" ;;
     check)
-      python3 benchmarks/check_gpu_attention.py 2>&1 | tee "$RESULTS/gpu_attention_check.log" ;;
+      python3 -m tests.gpu.check_attention 2>&1 | tee "$RESULTS/gpu_attention_check.log" ;;
     verify)
       jaxspec bench verify --out "$RESULTS/verify.json" 2>&1 | tee "$RESULTS/verify.log" ;;
     spec)

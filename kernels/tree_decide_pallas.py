@@ -13,7 +13,7 @@ Nodes are padded to a power of 2 of at least `MIN_LANES` inside the program (Tri
 shapes); every gather from a vector is a one-hot sum over the padded nodes, which is exact (one
 term is not 0). The floor matters: compiled for an H200, the program of a 2-node tree (a k=1
 chain, padded to 2 lanes) reported no accepted token while its path held one, so every k=1
-rollout accepted nothing (`benchmarks/check_gpu_spec.py` is the guard). In interpret
+rollout accepted nothing (`tests/gpu/test_spec.py` is the guard). In interpret
 mode the arithmetic is the jnp reference's; compiled, only float summation order and library
 transcendentals can differ, which can only change a decision within rounding of a boundary.
 """

@@ -11,7 +11,7 @@ decisions and walks down the tree. Per token the first kernel does one exp2 and 
 child of the node, so it streams at memory speed; the per-token hash and logs of a flat Gumbel
 race are only spent on one tile per node. (Drawing that race inside the streaming loop instead,
 on the leading tile kept in registers or behind a branch, slowed the kernel on an H100:
-BENCHMARKS.md.)
+benchmarks/LABLOG.md.)
 
 In interpret mode the arithmetic is the reference's, so the two return identical results for the
 same key and tile (normalisers up to float summation order). Compiled, library and XLA

@@ -53,7 +53,7 @@ def test_site_builds_in_strict_mode(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "<code>rollout.max_staleness</code>" in (site / "configuration/train/index.html").read_text("utf-8")
     assert "jaxspec.rollout.generate" in (site / "api/rollout/index.html").read_text("utf-8")
-    assert (site / "benchmarks/results/grpo_small_frozen.png").is_file()  # a figure BENCHMARKS.md shows
+    assert (site / "benchmarks/results/l_h200x4/grpo_curves_l_lr2e6.png").is_file()  # a figure BENCHMARKS.md shows
 
 
 def reference_rows(cls) -> dict[str, dict[str, str]]:

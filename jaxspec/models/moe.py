@@ -29,7 +29,7 @@ experts and a call's experts x rows (token-expert assignments per device) reach
 compiled loop) ragged_dot was faster at E x rows 8192 and 32768 (small_moe at 512 and 2048 rows:
 2.5x, 1.3x), the kernel from 65536 on (Qwen3-30B-A3B at 512 rows 1.1x, at 2048 3.0x, at 32768 21x;
 small_moe at 32768 4.1x), with outputs equal to ragged_dot's and no [E, rows, K] temporaries; a
-30B-A3B verification step went from 3.2x to 1.4x a decode step (`benchmarks/check_gpu_moe.py`,
+30B-A3B verification step went from 3.2x to 1.4x a decode step (`tests/gpu/check_moe.py`,
 BENCHMARKS.md lease U). The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot, pallas,
 interpret) overrides "auto" at trace time.
 

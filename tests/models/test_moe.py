@@ -419,7 +419,7 @@ def test_a_mesh_that_splits_the_experts_keeps_ragged_dot():
 
 
 def test_auto_picks_the_kernel_on_gpus_where_the_experts_stay_whole(monkeypatch):
-    """auto = the grouped-matmul kernels on a GPU (validated there: benchmarks/check_gpu_moe.py) for
+    """auto = the grouped-matmul kernels on a GPU (validated there: tests/gpu/test_moe.py) for
     calls of KERNEL_MIN_WORK experts x rows or more, ragged_dot for smaller ones, on other backends,
     for mismatched dtypes and on meshes that split the experts."""
     from jaxspec.models import moe

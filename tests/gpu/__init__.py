@@ -1,0 +1,9 @@
+"""GPU correctness checks: the compiled kernels and multi-GPU paths against what the CPU tests cover.
+
+Tests marked `gpu` are skipped where JAX's backend is not a GPU; on a GPU machine, from the
+repository root, `pytest -m gpu tests/gpu` runs them (tests/conftest.py then leaves the session on
+the GPUs, compiled as the CLI compiles). Each check_*.py module holds one check's logic and is also
+its command (`python3 -m tests.gpu.check_spec --out FILE.json`), which prints every case and the
+timings a measurement campaign records; the unmarked tests here run the checks' own cases on the
+CPU in interpret mode, with a wrong kernel as the negative control.
+"""

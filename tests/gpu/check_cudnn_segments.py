@@ -1,0 +1,67 @@
+"""GPU check before a packed-row pretraining run: flash attention (cuDNN) with segment ids gives
+the masked XLA attention's logits and gradients.
+
+    pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test
+    python3 -m tests.gpu.check_cudnn_segments         # exit 0 when they agree, 3 when they do not
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models import ModelConfig, forward, init_params
+
+
+def main() -> int:
+    if jax.default_backend() != "gpu":
+        print("no GPU: training attention is XLA's, nothing to check")
+        return 0
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 512, (2, 256)), jnp.int32)
+    segments = np.zeros((2, 256), np.int32)
+    segments[0, :100], segments[0, 100:230] = 1, 2
+    segments[1, :256] = 1
+    segments = jnp.asarray(segments)
+
+    def loss(p, impl):
+        logits = forward(cfg, p, tokens, mask=segments > 0, segment_ids=segments, attention_impl=impl)
+        return jnp.where((segments > 0)[..., None], logits, 0.0).astype(jnp.float32).sum() / 1e4, logits
+
+    results = {
+        impl: jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, impl)
+        for impl in ("xla", "cudnn")
+    }
+    (_, lx), gx = results["xla"]
+    (_, lc), gc = results["cudnn"]
+    valid = np.asarray(segments > 0)
+    logit_err = float(np.abs(np.asarray(lx)[valid] - np.asarray(lc)[valid]).max())
+    grad_err = max(
+        float(
+            jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / (jnp.abs(a.astype(jnp.float32)).max() + 1e-6)
+        )
+        for a, b in zip(jax.tree.leaves(gx), jax.tree.leaves(gc))
+    )
+    ok = logit_err < 0.1 and grad_err < 0.05
+    print(
+        f"cudnn vs xla with segment ids: max logit diff {logit_err:.4f}, max relative grad diff {grad_err:.4f}: "
+        f"{'OK' if ok else 'MISMATCH'}"
+    )
+    return 0 if ok else 3  # not 1, which a failure to run (e.g. an ImportError) also gives
+
+
+if __name__ == "__main__":
+    sys.exit(main())

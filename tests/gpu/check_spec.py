@@ -1,0 +1,286 @@
+"""GPU check of speculative verification: the Pallas kernels against the jnp reference, on the GPU.
+
+    pytest -m gpu tests/gpu/test_spec.py                         # the check, as tests
+    python3 -m tests.gpu.check_spec [--out FILE.json] [--jobs 6]  # every row printed; exit 0 when all agree
+
+Run it on a GPU after every change to kernels/ or the rollout loop: interpret mode on the CPU runs
+the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton) program.
+
+kernel: `verify_pallas` compiled against `verify_reference` on the same random trees and key, for
+chains of 1 to 15 drafts and random trees of up to 16 nodes, greedy and T=1, a vocabulary of one
+race tile and of many; and `verify_stochastic_pallas` (stochastic drafts, tree "chain/q" or
+"random/q") the same way, at T=1 and 0.7, vocabularies of 512 and 151936 tokens: the accepted path,
+its length and the next token must be equal (float rounding can flip a decision that lands on a
+boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
+must be consistent (num_accepted equals the path's accepted nodes).
+rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
+on the embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
+run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with pallas, in `--jobs` child processes each (the
+choice is made when the rollout loop is traced). Greedy tokens must be equal; acceptance length
+and acceptance per position within `RATE_TOL` at T=1 (same key and noise: equal unless a boundary
+decision flipped), exactly at T=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The kernel check and each rollout process allocate what they use: JAX's default of taking 75% of
+# the GPU at start-up would leave a rollout process nothing beside its parent.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+MAX_FLIPPED = 0.002  # fraction of kernel-check rows whose decisions may differ through float rounding
+LOGPROB_TOL = 2e-3
+RATE_TOL = 0.02
+NEW_TOKENS = 64
+ROLLOUT_ROWS = 16
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def random_tree(rng: np.random.Generator, nodes: int, chain: bool) -> np.ndarray:
+    """parents int [nodes]: -1 at the root; a chain, or each node under a random earlier node."""
+    if chain:
+        return np.arange(-1, nodes - 1)
+    return np.concatenate([[-1], [rng.integers(0, n) for n in range(1, nodes)]])
+
+
+def kernel_case(
+    nodes: int,
+    chain: bool,
+    vocab: int,
+    temperature: float,
+    batch: int,
+    seed: int,
+    interpret: bool = False,
+    stochastic: bool = False,
+) -> dict:
+    from kernels.tree_stochastic_pallas import verify_stochastic_pallas
+    from kernels.tree_verify_pallas import verify_pallas
+    from kernels.tree_verify_reference import verify_reference
+
+    rng = np.random.default_rng(seed)
+    logits = (5.0 * rng.standard_normal((batch, nodes, vocab))).astype(np.float32)
+    parents = np.stack([random_tree(rng, nodes, chain) for _ in range(batch)]).astype(np.int32)
+    # Drafts that are often right: each node's token is its parent's argmax for 60% of the nodes.
+    tokens = rng.integers(0, vocab, (batch, nodes)).astype(np.int32)
+    argmax_at_parent = np.argmax(np.take_along_axis(logits, np.maximum(parents, 0)[..., None], axis=1), axis=-1)
+    tokens = np.where(rng.random((batch, nodes)) < 0.6, argmax_at_parent, tokens).astype(np.int32)
+    num_nodes = rng.integers(max(1, nodes // 2), nodes + 1, batch).astype(np.int32)
+    num_nodes[0] = nodes
+    args = tuple(jnp.asarray(x) for x in (logits, parents, tokens, num_nodes))
+    key = jax.random.key(seed)
+    if stochastic:  # q: a draft near the policy, whose argmax most drafted tokens are
+        q = jax.nn.softmax(args[0] + 2.0 * jax.random.normal(jax.random.key(seed + 1), args[0].shape), axis=-1)
+        ref = jax.device_get(verify_reference(*args, key, temperature=temperature, draft_probs=q))
+        got = jax.device_get(
+            verify_stochastic_pallas(args[0], q, *args[1:], key, temperature=temperature, interpret=interpret)
+        )
+    else:
+        ref = jax.device_get(verify_reference(*args, key, temperature=temperature))
+        got = jax.device_get(verify_pallas(*args, key, temperature=temperature, interpret=interpret))
+    same = (ref.path == got.path).all(1) & (ref.num_accepted == got.num_accepted) & (ref.next_token == got.next_token)
+    consistent = bool((got.num_accepted == (got.path[:, 1:] >= 0).sum(1)).all())
+    logprob_err = float(np.abs(np.where(same[:, None], ref.logprobs - got.logprobs, 0.0)).max())
+    flipped = float(1.0 - same.mean())
+    tree = ("chain" if chain else "random") + ("/q" if stochastic else "")
+    return {
+        "check": "kernel",
+        "nodes": nodes,
+        "tree": tree,
+        "vocab": vocab,
+        "temperature": temperature,
+        "batch": batch,
+        "flipped_rows": flipped,
+        "consistent": consistent,
+        "logprob_err": logprob_err,
+        "mean_accepted_reference": float(ref.num_accepted.mean()),
+        "mean_accepted_pallas": float(got.num_accepted.mean()),
+        "ok": consistent and flipped <= MAX_FLIPPED and logprob_err <= LOGPROB_TOL,
+    }
+
+
+def kernel_checks() -> list[dict]:
+    rows = []
+    for vocab in (512, 32768):
+        for temperature in (0.0, 1.0):
+            for nodes in range(2, 17):
+                rows.append(kernel_case(nodes, True, vocab, temperature, 256, seed=nodes))
+            for nodes in (3, 5, 8, 16):
+                rows.append(kernel_case(nodes, False, vocab, temperature, 256, seed=100 + nodes))
+    for vocab in (512, 151936):  # stochastic drafts (draft_probs), their own kernel
+        for nodes in (2, 4, 16):
+            rows.append(kernel_case(nodes, True, vocab, 1.0, 256, seed=200 + nodes, stochastic=True))
+        for nodes in (5, 16):
+            rows.append(kernel_case(nodes, False, vocab, 0.7, 256, seed=300 + nodes, stochastic=True))
+    return rows
+
+
+def rollout_configs() -> list[tuple[str, dict]]:
+    """(label, Spec kwargs) of every method and shape the rollout check runs."""
+    runs = [(f"eagle3 chain k={k}", {"method": "eagle3", "num_draft_tokens": k}) for k in range(1, 8)]
+    runs += [
+        ("eagle3 tree w=2 d=3", {"method": "eagle3", "num_draft_tokens": 3, "tree_width": 2}),
+        ("eagle3 tree w=3 d=4 n=8", {"method": "eagle3", "num_draft_tokens": 4, "tree_width": 3, "tree_budget": 8}),
+    ]
+    runs += [
+        (f"eagle3 stochastic k={k}", {"method": "eagle3", "num_draft_tokens": k, "draft_sampling": "stochastic"})
+        for k in (1, 3)
+    ]
+    runs += [(f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}) for k in (1, 2, 4)]
+    runs += [(f"ngram chain k={k}", {"method": "ngram", "num_draft_tokens": k}) for k in (1, 3)]
+    return runs
+
+
+def rollout_cases() -> list[tuple[float, str, dict]]:
+    """(temperature, label, Spec kwargs) of every rollout the check runs, in report order."""
+    return [
+        (temperature, label, kwargs)
+        for temperature in (0.0, 1.0)
+        for label, kwargs in rollout_configs()
+        if not (temperature == 0 and kwargs.get("draft_sampling") == "stochastic")
+    ]
+
+
+def rollout_runs(shard: int, shards: int) -> list[dict]:
+    """Cases shard, shard + shards, ... of rollout_cases() under the implementation the environment
+    selects, each row tagged with its case index."""
+    from jaxspec.assets import tiny_policy_path
+    from jaxspec.draft import load_eagle3
+    from jaxspec.models import load_hf
+    from jaxspec.rollout import Sampling, Spec, generate
+    from jaxspec.tasks import ChatTokenizer, generate_problems
+
+    path = tiny_policy_path()
+    cfg, params = load_hf(path, dtype="float32")
+    tok = ChatTokenizer.from_file(path)
+    drafts = {"eagle3": load_eagle3(path.parent / "tiny-eagle3", policy=cfg), "draft_model": (cfg, params)}
+    problems = generate_problems(ROLLOUT_ROWS, seed=7, levels=[1, 2])
+    prompts = [tok.encode_prompt(p["question"]) for p in problems]
+    rows = []
+    for index, (temperature, label, kwargs) in enumerate(rollout_cases()):
+        if index % shards != shard:
+            continue
+        sampling = Sampling(temperature=temperature, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id)
+        spec = Spec(draft=drafts.get(kwargs["method"]), **kwargs)
+        out = generate(cfg, params, prompts, jax.random.key(3), sampling, spec=spec)
+        rows.append(
+            {
+                "index": index,
+                "config": label,
+                "temperature": temperature,
+                "acceptance_length": float(out.stats["acceptance_length"]),
+                "acceptance_per_position": np.asarray(out.stats["acceptance_rate_per_position"]).tolist(),
+                "tokens": np.asarray(out.tokens).tolist(),
+                "lengths": np.asarray(out.lengths).tolist(),
+            }
+        )
+    return rows
+
+
+def compare_rollouts(reference: list[dict], pallas: list[dict]) -> list[dict]:
+    rows = []
+    for ref, got in zip(reference, pallas, strict=True):
+        exact = ref["temperature"] == 0
+        tol = 0.0 if exact else RATE_TOL
+        rate_ref = np.nan_to_num(np.asarray(ref["acceptance_per_position"], float), nan=-1.0)
+        rate_got = np.nan_to_num(np.asarray(got["acceptance_per_position"], float), nan=-1.0)
+        rate_diff = float(np.abs(rate_ref - rate_got).max()) if rate_ref.size else 0.0
+        length_diff = abs(ref["acceptance_length"] - got["acceptance_length"])
+        tokens_equal = ref["tokens"] == got["tokens"] and ref["lengths"] == got["lengths"]
+        ok = rate_diff <= tol and length_diff <= tol and (tokens_equal or not exact)
+        rows.append(
+            {
+                "check": "rollout",
+                "config": ref["config"],
+                "temperature": ref["temperature"],
+                "acceptance_reference": ref["acceptance_length"],
+                "acceptance_pallas": got["acceptance_length"],
+                "rate_diff": rate_diff,
+                "tokens_equal": tokens_equal,
+                "ok": ok,
+            }
+        )
+    return rows
+
+
+def run_impls(impls: tuple[str, ...], jobs: int) -> dict[str, list[dict]]:
+    """rollout_runs() of every implementation, each split over `jobs` child processes that run at
+    once (compilation dominates and is single-threaded); the implementation is chosen by
+    JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop."""
+    children = [
+        (
+            impl,
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.gpu.check_spec", "--rollouts-only", f"--shard={shard}/{jobs}"],
+                cwd=ROOT,
+                env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
+                stdout=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for impl in impls
+        for shard in range(jobs)
+    ]
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+    for impl, child in children:
+        out, _ = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"rollout child ({impl}) exited {child.returncode}")
+        runs[impl] += json.loads(out.strip().splitlines()[-1])
+    return {impl: sorted(rows, key=lambda r: r["index"]) for impl, rows in runs.items()}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="write every row as JSON here")
+    p.add_argument("--rollouts-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
+    p.add_argument("--jobs", type=int, default=6, help="rollout processes per implementation, run at once")
+    p.add_argument("--skip-rollouts", action="store_true", help="only the kernel check")
+    p.add_argument("--skip-kernel", action="store_true", help="only the rollout check")
+    args = p.parse_args(argv)
+    if args.rollouts_only:
+        shard, shards = (int(x) for x in args.shard.split("/"))
+        print(json.dumps(rollout_runs(shard, shards)))
+        return 0
+    if jax.default_backend() != "gpu":
+        print(f"check_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
+        return 2
+    rows = [] if args.skip_kernel else kernel_checks()
+    for r in rows:
+        print(
+            f"kernel n={r['nodes']:2d} {r['tree']:8s} V={r['vocab']:6d} T={r['temperature']}: flipped "
+            f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
+            f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_pallas']:.3f} {'OK' if r['ok'] else 'MISMATCH'}"
+        )
+    if not args.skip_rollouts:
+        runs = run_impls(("reference", "pallas"), args.jobs)
+        for r in compare_rollouts(runs["reference"], runs["pallas"]):
+            rows.append(r)
+            print(
+                f"rollout {r['config']:30s} T={r['temperature']}: acceptance {r['acceptance_reference']:.3f} "
+                f"(reference) {r['acceptance_pallas']:.3f} (pallas) rate diff {r['rate_diff']:.3f} tokens equal "
+                f"{r['tokens_equal']} {'OK' if r['ok'] else 'MISMATCH'}"
+            )
+    bad = [r for r in rows if not r["ok"]]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    print(
+        f"check_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
+        + (f"; MISMATCH in {len(bad)}" if bad else "")
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,11 @@
+"""tests/gpu/check_cudnn_segments.py on a GPU: flash attention (cuDNN) over packed rows with segment ids
+gives the masked XLA attention's logits and gradients."""
+
+import pytest
+
+from tests.gpu import check_cudnn_segments
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_with_segments_agrees_with_xla():
+    assert check_cudnn_segments.main() == 0

@@ -1,0 +1,51 @@
+"""tests/gpu/check_moe.py: on a GPU, the grouped-matmul kernels against ragged_dot at Qwen3-30B-A3B's
+and small_moe's expert shapes, forward and backward; on the CPU, routed group sizes and a run at tiny
+shapes (kernel in interpret mode)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.models import moe
+from tests.gpu import check_moe
+
+
+@pytest.mark.gpu
+def test_kernels_equal_ragged_dot_forward():
+    assert check_moe.main(["--rows", "512", "2048", "32768", "--calls", "2", "--repeats", "1"]) == 0
+
+
+@pytest.mark.gpu
+def test_kernels_equal_ragged_dot_forward_and_backward():
+    assert check_moe.main(["--grad", "--rows", "2048", "32768", "--calls", "2", "--repeats", "1"]) == 0
+
+
+def test_routed_group_sizes_count_top_k_distinct_experts_per_token():
+    sizes = np.asarray(check_moe.routed_group_sizes(jax.random.key(0), 64 * 8, 128, 8))
+    assert sizes.shape == (128,) and sizes.sum() == 512 and sizes.max() <= 64  # each token picks an expert once
+
+
+def test_tiny_run_prints_every_implementation_and_agrees(capsys):
+    assert check_moe.main(["--tiny", "--rows", "32"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines() if line.strip().startswith("tiny")]
+    assert [(line[1], line[6]) for line in lines] == [
+        (d, impl) for d in ("up", "down") for impl in ("kernel", "ragged_dot", "dense")
+    ]
+    assert all(float(line[7]) > 0 for line in lines)  # milliseconds
+    assert "OK: the kernel equals ragged_dot" in out
+
+
+def test_a_wrong_kernel_fails_the_check(monkeypatch, capsys):
+    kernel = check_moe.grouped_matmul_pallas
+    monkeypatch.setattr(check_moe, "grouped_matmul_pallas", lambda *a, **k: kernel(*a, **k) * 1.05)
+    assert check_moe.main(["--tiny", "--rows", "16"]) == 1
+    assert "MISMATCH tiny up rows=16" in capsys.readouterr().out
+
+
+def test_grad_run_checks_the_weight_gradient(monkeypatch, capsys):
+    assert check_moe.main(["--tiny", "--grad", "--rows", "16"]) == 0
+    assert "forward + backward" in capsys.readouterr().out
+    weight_grad = moe.grouped_transposed_matmul_pallas
+    monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", lambda *a, **k: weight_grad(*a, **k) * 1.05)
+    assert check_moe.main(["--tiny", "--grad", "--rows", "16"]) == 1
