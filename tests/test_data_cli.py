@@ -82,7 +82,7 @@ def test_stats_plots(tmp_path, capsys):
     ],
 )
 def test_bad_input_is_refused_naming_it(args, message, capsys):
-    assert main(["data", "stats", "--config", "configs/long.yaml", *args]) == 1
+    assert main(["data", "stats", "--config", "configs/long.yaml", *args]) == 2  # bad input (jaxspec.exits)
     err = capsys.readouterr().err
     assert err.startswith("jaxspec data: error: ") and message in err
 
@@ -92,5 +92,5 @@ def test_usage(capsys):
     assert "usage: jaxspec data {stats}" in capsys.readouterr().err
     assert main(["data", "plot"]) == 2
     assert main(["data", "--help"]) == 0
-    assert main(["data", "stats", "--config", "missing.yaml"]) == 1
+    assert main(["data", "stats", "--config", "missing.yaml"]) == 2
     assert "config file not found: missing.yaml" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_write_policy_writes_the_config_shape(model_json, tmp_path):
 
 
 def test_batch_must_split_into_sub_batches(model_json, capsys):
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "6", "--sub-batch", "4"]) == 1
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--batch", "6", "--sub-batch", "4"]) == 2
     assert "--batch 6 is not a multiple of --sub-batch 4" in capsys.readouterr().err
 
 
@@ -260,7 +260,7 @@ def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path
         == 0
     )
     assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["generate_ar"]
-    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--phases", "generate_ar", "update"]) == 1
+    assert jaxspec_main(["bench", "grpo-step", "--model", str(model_json), "--phases", "generate_ar", "update"]) == 2
     assert "--phases: update reads the results of logprobs; add it" in capsys.readouterr().err
 
 

@@ -190,7 +190,7 @@ def test_bench_spec_rejects_a_draft_model_with_another_vocabulary(tmp_path, caps
                 "1",
             ]
         )
-        == 1
+        == 2
     )
     err = capsys.readouterr().err
     assert f"--draft-model {tmp_path / 'other'}: vocabulary of {cfg.vocab_size + 1} tokens" in err
