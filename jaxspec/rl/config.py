@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 from jaxspec.placement import MeshConfig
+from jaxspec.rollout import SpecConfig
 from jaxspec.tasks.generator import DEFAULT_KINDS
 from jaxspec.tasks.tally import TallyConfig
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
@@ -238,40 +239,7 @@ class PolicyOptimConfig:
     state_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-RANDOM_DRAFT = "random"
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Speculative rollouts (`jaxspec.rollout.Spec`).
-
-    method: "none" samples autoregressively; "eagle3" drafts with an EAGLE-3 head over the policy's
-    hidden states, "draft_model" with a smaller policy of the same vocabulary, "ngram" with
-    continuations of earlier matches of the last n tokens (no draft weights).
-    draft: EAGLE-3 folder (method eagle3) or HF folder of a smaller model (draft_model). With
-        eagle3, null = the embedded tiny policy's head (`jaxspec/assets/tiny-eagle3`) and "random" =
-        a freshly initialised head (seeded by train.seed), e.g. to train online from scratch.
-    num_draft_tokens: draft depth k (>= 1): the longest run of draft tokens one step can accept.
-    tree_width: children expanded per node and nodes kept per depth (1 = a chain).
-    tree_budget: most draft nodes verified per step (>= tree_width); null keeps the whole
-        num_draft_tokens * tree_width tree.
-    draft_sampling: "greedy" expands the draft's most likely tokens, "stochastic" draws them from
-        the draft distribution (Gumbel-top-k); both are exact, they differ in acceptance. ngram
-        takes only "greedy".
-    ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
-    stage_draft_tokens: null, or the draft depth of each stage of the rollout loop (the full
-        batch, then each halving as rows finish; the last entry holds for the stages past it),
-        each at most num_draft_tokens, e.g. [3, 5, 7] with num_draft_tokens 7.
-    """
-
-    method: Literal["none", "eagle3", "draft_model", "ngram"] = "none"
-    draft: str | None = None
-    num_draft_tokens: int = 3
-    tree_width: int = 1
-    tree_budget: int | None = None
-    draft_sampling: Literal["greedy", "stochastic"] = "greedy"
-    ngram_sizes: tuple[int, ...] = (3, 2, 1)
-    stage_draft_tokens: tuple[int, ...] | None = None
+RANDOM_DRAFT = "random"  # spec.draft: a freshly initialised EAGLE-3 head
 
 
 @dataclasses.dataclass(frozen=True)

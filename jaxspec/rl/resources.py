@@ -18,10 +18,10 @@ from jaxspec.assets import TINY_EAGLE3, TINY_POLICY
 from jaxspec.models.config import ModelConfig
 from jaxspec.placement import check_devices
 from jaxspec.rewards.registry import get_reward
-from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig, SpecConfig
+from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig
 from jaxspec.rl.loss import router_aux_weight
 from jaxspec.rl.routing import replays_routing
-from jaxspec.rollout import Spec
+from jaxspec.rollout import Spec, SpecConfig
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
@@ -169,15 +169,4 @@ def load_draft(spec: SpecConfig, draft_dir: Path | None, model: ModelConfig, key
 
 def make_spec(spec: SpecConfig, draft) -> Spec | None:
     """The `jaxspec.rollout.Spec` of this step (the draft's current params), or None."""
-    if spec.method == "none":
-        return None
-    return Spec(
-        method=spec.method,
-        draft=draft,
-        num_draft_tokens=spec.num_draft_tokens,
-        tree_width=spec.tree_width,
-        tree_budget=spec.tree_budget,
-        draft_sampling=spec.draft_sampling,
-        ngram_sizes=spec.ngram_sizes,
-        stage_draft_tokens=spec.stage_draft_tokens,
-    )
+    return None if spec.method == "none" else Spec.from_config(spec, draft)

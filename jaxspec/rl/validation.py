@@ -98,25 +98,8 @@ def validate(cfg: GRPOConfig, source: str) -> None:
     positive(o, "warmup_steps", "optim", allow_zero=True)
     positive(o, "weight_decay", "optim", allow_zero=True)
     positive(o, "grad_clip", "optim")
-    positive(s, "num_draft_tokens", "spec")
-    positive(s, "tree_width", "spec")
-    need(
-        s.tree_budget is None or s.tree_budget >= s.tree_width,
-        "spec.tree_budget",
-        f"must be null or >= spec.tree_width={s.tree_width}, got {s.tree_budget}",
-    )
-    need(
-        bool(s.ngram_sizes) and all(n > 0 for n in s.ngram_sizes),
-        "spec.ngram_sizes",
-        f"must be a non-empty list of sizes > 0, got {list(s.ngram_sizes)}",
-    )
-    need(
-        s.stage_draft_tokens is None
-        or (bool(s.stage_draft_tokens) and all(1 <= k <= s.num_draft_tokens for k in s.stage_draft_tokens)),
-        "spec.stage_draft_tokens",
-        f"must be null or a non-empty list of depths in 1..spec.num_draft_tokens={s.num_draft_tokens}, "
-        f"got {list(s.stage_draft_tokens or ())}",
-    )
+    for key, message in s.errors():
+        need(False, key, message)
     need(
         s.method != "draft_model" or s.draft is not None,
         "spec.draft",

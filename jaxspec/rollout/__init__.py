@@ -3,6 +3,6 @@
 from jaxspec.rollout.engine import RolloutOutput, generate
 from jaxspec.rollout.memory import rollout_memory_bytes
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
-from jaxspec.rollout.speculative import Spec
+from jaxspec.rollout.speculative import Spec, SpecConfig
 
-__all__ = ["RolloutOutput", "Sampling", "Spec", "generate", "processed_logprobs", "rollout_memory_bytes"]
+__all__ = ["RolloutOutput", "Sampling", "Spec", "SpecConfig", "generate", "processed_logprobs", "rollout_memory_bytes"]

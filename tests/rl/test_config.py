@@ -4,6 +4,7 @@ import pytest
 
 from jaxspec.rl.config import GRPOConfig, GRPOLossConfig, GRPOTrainConfig
 from jaxspec.rl.validation import validate
+from jaxspec.rollout import Spec, SpecConfig
 
 
 @pytest.mark.parametrize(
@@ -34,3 +35,26 @@ def test_algorithm_options_accepted():
         aggregation="seq-mean-token-sum-norm",
     )
     validate(dataclasses.replace(GRPOConfig(train=GRPOTrainConfig(steps=1)), loss=loss), "run.yaml")
+
+
+@pytest.mark.parametrize(
+    "settings, key",
+    [
+        (dict(draft_sampling="stochastic"), "draft_sampling"),
+        (dict(num_draft_tokens=0), "num_draft_tokens"),
+        (dict(tree_width=0), "tree_width"),
+        (dict(tree_width=3, tree_budget=2), "tree_budget"),
+        (dict(ngram_sizes=(2, 0)), "ngram_sizes"),
+        (dict(num_draft_tokens=3, stage_draft_tokens=(3, 4)), "stage_draft_tokens"),
+        (dict(stage_draft_tokens=()), "stage_draft_tokens"),
+    ],
+)
+def test_a_config_file_and_a_spec_refuse_the_same_settings(settings, key):
+    """One check: speculation settings that `jaxspec train` refuses before any compute are those a
+    `jaxspec.rollout.Spec` refuses, naming the same key (ngram with stochastic drafts included)."""
+    settings = {"method": "ngram", **settings}
+    cfg = GRPOConfig(train=GRPOTrainConfig(steps=1), spec=SpecConfig(**settings))
+    with pytest.raises(ValueError, match=rf"^run\.yaml: spec\.{key}: "):
+        validate(cfg, "run.yaml")
+    with pytest.raises(ValueError, match=rf"^Spec\.{key} "):
+        Spec(**settings)

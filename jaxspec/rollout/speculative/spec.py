@@ -1,9 +1,10 @@
-"""`Spec`: how speculative rollouts draft and verify (method, draft, tree shape)."""
+"""How speculative rollouts draft and verify: the settings (`SpecConfig`, also the `spec` section of
+a `jaxspec train` config) and `Spec`, those settings beside the draft's weights."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -13,92 +14,110 @@ METHODS = ("eagle3", "draft_model", "ngram")
 DRAFT_SAMPLINGS = ("greedy", "stochastic")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Spec:
-    """Speculative decoding settings for `jaxspec.rollout.generate(..., spec=Spec(...))`.
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings: the `spec` section of a `jaxspec train` config, and what a
+    `jaxspec.rollout.Spec` holds beside the draft's weights. Frozen and hashable (equal settings
+    are equal); `errors` is their one range check.
 
-    method: "eagle3" (an EAGLE-3 head over the policy's hidden states), "draft_model" (a smaller
-        policy with the same vocabulary) or "ngram" (continuations of earlier matches of the last
-        n tokens in prompt + response; no draft weights).
-    draft: eagle3: (dcfg, dparams) from `jaxspec.draft`; draft_model: (ModelConfig, params);
-        ngram: None.
+    method: "none" samples autoregressively (config files; `generate` takes spec=None for that);
+        "eagle3" drafts with an EAGLE-3 head over the policy's hidden states, "draft_model" with a
+        smaller policy of the same vocabulary, "ngram" with continuations of earlier matches of the
+        last n tokens in prompt + response (no draft weights).
+    draft (config files): EAGLE-3 folder (method eagle3) or HF folder of a smaller model
+        (draft_model). With eagle3, null = the embedded tiny policy's head
+        (`jaxspec/assets/tiny-eagle3`) and "random" = a freshly initialised head (seeded by
+        train.seed), e.g. to train online from scratch. A `Spec` holds the weights instead (its
+        settings leave this null).
     num_draft_tokens: draft depth k (>= 1): the longest run of draft tokens one step can accept.
     tree_width: children expanded per node and nodes kept per depth (1 = a chain).
-    tree_budget: most draft nodes verified per step (>= tree_width); None keeps the whole
-        k * tree_width tree. Every verification step runs 1 + min(tree_budget, k * tree_width)
-        tree nodes through the policy.
-    draft_sampling: "greedy": children are the draft's top-`tree_width` tokens (deterministic);
-        "stochastic": children are drawn from the draft distribution without replacement
-        (Gumbel-top-k). Both are exact; they differ only in how often drafts are accepted.
-        ngram drafts are deterministic, so ngram takes only "greedy".
+    tree_budget: most draft nodes verified per step (>= tree_width); null keeps the whole
+        num_draft_tokens * tree_width tree. Every verification step runs
+        1 + min(tree_budget, num_draft_tokens * tree_width) tree nodes through the policy.
+    draft_sampling: "greedy" expands the draft's top-`tree_width` tokens (deterministic),
+        "stochastic" draws them from the draft distribution without replacement (Gumbel-top-k);
+        both are exact, they differ only in how often drafts are accepted. ngram drafts are
+        deterministic, so ngram takes only "greedy".
     ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
-    stage_draft_tokens: None, or the draft depth of each stage of the decode loop
+    stage_draft_tokens: null, or the draft depth of each stage of the decode loop
         (`jaxspec.rollout.stages.batch_stages`: the full batch B, then B/2 and B/4 while they hold
         at least 32 rows; the last entry holds for the stages past it, entries past the last stage
-        go unused), each in 1..num_draft_tokens. A verification step's policy forward
-        costs more per draft token the more rows it runs, so large batches favour short drafts and
-        the small batches of the long-answer tail favour long ones (e.g. (3, 5, 7) with
-        num_draft_tokens=7). None drafts num_draft_tokens at every stage.
-
-    Equality is identity (the draft holds arrays).
+        go unused), each in 1..num_draft_tokens. A verification step's policy forward costs more
+        per draft token the more rows it runs, so large batches favour short drafts and the small
+        batches of the long-answer tail favour long ones (e.g. [3, 5, 7] with num_draft_tokens 7).
+        null drafts num_draft_tokens at every stage.
     """
 
-    method: str
-    draft: Any = None
+    method: Literal["none", "eagle3", "draft_model", "ngram"] = "none"
+    draft: str | None = None
     num_draft_tokens: int = 3
     tree_width: int = 1
     tree_budget: int | None = None
-    draft_sampling: str = "greedy"
+    draft_sampling: Literal["greedy", "stochastic"] = "greedy"
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
     stage_draft_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"Spec.method must be one of {METHODS}, got {self.method!r}")
-        if self.draft_sampling not in DRAFT_SAMPLINGS:
-            raise ValueError(f"Spec.draft_sampling must be one of {DRAFT_SAMPLINGS}, got {self.draft_sampling!r}")
-        if not _is_int(self.num_draft_tokens) or self.num_draft_tokens < 1:
-            raise ValueError(f"Spec.num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}")
-        if not _is_int(self.tree_width) or self.tree_width < 1:
-            raise ValueError(f"Spec.tree_width must be an integer >= 1, got {self.tree_width!r}")
-        if self.tree_budget is not None and (not _is_int(self.tree_budget) or self.tree_budget < self.tree_width):
-            raise ValueError(
-                f"Spec.tree_budget must be None or an integer >= tree_width={self.tree_width}, got {self.tree_budget!r}"
-            )
-        sizes = tuple(self.ngram_sizes) if isinstance(self.ngram_sizes, (list, tuple)) else None
-        if not sizes or not all(_is_int(n) and n >= 1 for n in sizes):
-            raise ValueError(f"Spec.ngram_sizes must be a non-empty tuple of integers >= 1, got {self.ngram_sizes!r}")
-        object.__setattr__(self, "ngram_sizes", tuple(int(n) for n in sizes))
-        if self.stage_draft_tokens is not None:
-            depths = tuple(self.stage_draft_tokens) if isinstance(self.stage_draft_tokens, (list, tuple)) else None
-            if not depths or not all(_is_int(k) and 1 <= k <= self.num_draft_tokens for k in depths):
-                raise ValueError(
-                    f"Spec.stage_draft_tokens must be None or a non-empty tuple of integers in "
-                    f"1..num_draft_tokens={self.num_draft_tokens}, got {self.stage_draft_tokens!r}"
-                )
-            object.__setattr__(self, "stage_draft_tokens", tuple(int(k) for k in depths))
-        object.__setattr__(self, "num_draft_tokens", int(self.num_draft_tokens))
-        object.__setattr__(self, "tree_width", int(self.tree_width))
-        if self.tree_budget is not None:
-            object.__setattr__(self, "tree_budget", int(self.tree_budget))
-        if self.method == "ngram":
-            if self.draft is not None:
-                raise ValueError("Spec.draft must be None for method='ngram' (it drafts from the token history)")
-            if self.draft_sampling != "greedy":
-                raise ValueError(
-                    "Spec.draft_sampling must be 'greedy' for method='ngram' (its drafts have no "
-                    "distribution to sample from)"
-                )
-        elif not (isinstance(self.draft, tuple) and len(self.draft) == 2):
-            raise ValueError(
-                f"Spec.draft must be a (config, params) pair for method={self.method!r}, "
-                f"got {type(self.draft).__name__}"
-            )
-        elif self.method == "draft_model" and not isinstance(self.draft[0], ModelConfig):
-            raise ValueError(
-                f"Spec.draft[0] must be a jaxspec.models.ModelConfig for method='draft_model', "
-                f"got {type(self.draft[0]).__name__}"
-            )
+        # Python callers may pass lists and numpy integers: keep the settings plain and hashable.
+        for name in ("num_draft_tokens", "tree_width", "tree_budget"):
+            if isinstance(getattr(self, name), np.integer):
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("ngram_sizes", "stage_draft_tokens"):
+            if isinstance(getattr(self, name), (list, tuple)):
+                items = (int(v) if isinstance(v, np.integer) else v for v in getattr(self, name))
+                object.__setattr__(self, name, tuple(items))
+
+    def errors(self, prefix: str = "spec.", null: str = "null") -> list[tuple[str, str]]:
+        """(key, message) for every setting out of range or of the wrong type, the key `prefix` +
+        the field's name ("spec.tree_budget" in a config file, "Spec.tree_budget" for `Spec`);
+        `null` spells None in the messages. The draft is checked where it is given: a config
+        file's folder by `jaxspec train` before any compute, weights by `Spec`."""
+        errors = []
+
+        def need(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                errors.append((prefix + name, message))
+
+        need(
+            self.method in ("none", *METHODS),
+            "method",
+            f"must be one of {list(METHODS)} (or 'none': no speculation), got {self.method!r}",
+        )
+        need(
+            self.draft_sampling in DRAFT_SAMPLINGS,
+            "draft_sampling",
+            f"must be one of {list(DRAFT_SAMPLINGS)}, got {self.draft_sampling!r}",
+        )
+        need(
+            self.method != "ngram" or self.draft_sampling == "greedy",
+            "draft_sampling",
+            "must be 'greedy' for method='ngram' (its drafts have no distribution to sample from)",
+        )
+        for name in ("num_draft_tokens", "tree_width"):
+            value = getattr(self, name)
+            need(_is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        budget, width, k = self.tree_budget, self.tree_width, self.num_draft_tokens
+        need(budget is None or _is_int(budget), "tree_budget", f"must be {null} or an integer, got {budget!r}")
+        need(
+            not (_is_int(budget) and _is_int(width)) or budget >= width,
+            "tree_budget",
+            f"must be {null} or >= {prefix}tree_width={width}, got {budget}",
+        )
+        sizes = self.ngram_sizes
+        need(
+            isinstance(sizes, tuple) and bool(sizes) and all(_is_int(n) and n >= 1 for n in sizes),
+            "ngram_sizes",
+            f"must be a non-empty list of integers >= 1, got {_shown(sizes)}",
+        )
+        depths = self.stage_draft_tokens
+        need(
+            depths is None
+            or not _is_int(k)  # reported above
+            or (isinstance(depths, tuple) and bool(depths) and all(_is_int(d) and 1 <= d <= k for d in depths)),
+            "stage_draft_tokens",
+            f"must be {null} or a non-empty list of depths in 1..{prefix}num_draft_tokens={k}, got {_shown(depths)}",
+        )
+        return errors
 
     @property
     def num_tree_nodes(self) -> int:
@@ -106,7 +125,7 @@ class Spec:
         return self.tree_nodes(self.num_draft_tokens)
 
     def tree_nodes(self, depth: int) -> int:
-        """Draft nodes of this spec's tree drafted `depth` levels deep."""
+        """Draft nodes of this tree shape drafted `depth` levels deep."""
         full = depth * self.tree_width
         return full if self.tree_budget is None else min(self.tree_budget, full)
 
@@ -116,14 +135,75 @@ class Spec:
         return tuple(depths[min(i, len(depths) - 1)] for i in range(num_stages))
 
     @property
-    def max_accepted(self) -> int:
-        """Most draft tokens one step can accept: the deepest path of a tree of this shape."""
-        return min(self.num_draft_tokens, self.num_tree_nodes)
-
-    @property
     def stochastic(self) -> bool:
         return self.draft_sampling == "stochastic"
 
 
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class Spec:
+    """Speculative decoding for `jaxspec.rollout.generate(..., spec=Spec(...))`:
+
+        Spec(method, draft=None, *, num_draft_tokens=3, tree_width=1, tree_budget=None,
+             draft_sampling="greedy", ngram_sizes=(3, 2, 1), stage_draft_tokens=None)
+
+    method and the keyword settings are those of `SpecConfig` (method "none" is spec=None);
+    `Spec.from_config` takes a `SpecConfig` whole. Raises ValueError naming the setting
+    ("Spec.tree_budget ...") that is out of range, or a draft that does not suit the method.
+
+    config: the settings (`SpecConfig`; its `draft` is None). A Spec reads as them too:
+        spec.num_draft_tokens is spec.config.num_draft_tokens.
+    draft: the draft's weights: eagle3: (dcfg, dparams) from `jaxspec.draft`; draft_model:
+        (ModelConfig, params); ngram: None.
+
+    Equality is identity (the draft holds arrays).
+    """
+
+    config: SpecConfig
+    draft: Any
+
+    def __init__(self, method: str, draft: Any = None, **settings):
+        config = SpecConfig(method=method, **settings)
+        errors = config.errors(prefix="Spec.", null="None")
+        if errors:
+            key, message = errors[0]
+            raise ValueError(f"{key} {message}")
+        if config.method == "none":
+            raise ValueError(f"Spec.method must be one of {list(METHODS)}; spec=None samples autoregressively")
+        if config.method == "ngram":
+            if draft is not None:
+                raise ValueError("Spec.draft must be None for method='ngram' (it drafts from the token history)")
+        elif not (isinstance(draft, tuple) and len(draft) == 2):
+            raise ValueError(
+                f"Spec.draft must be a (config, params) pair for method={config.method!r}, got {type(draft).__name__}"
+            )
+        elif config.method == "draft_model" and not isinstance(draft[0], ModelConfig):
+            raise ValueError(
+                f"Spec.draft[0] must be a jaxspec.models.ModelConfig for method='draft_model', "
+                f"got {type(draft[0]).__name__}"
+            )
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "draft", draft)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "config":  # not a setting (or not built yet: copies)
+            raise AttributeError(f"'Spec' object has no attribute {name!r}")
+        try:
+            return getattr(self.config, name)
+        except AttributeError:
+            raise AttributeError(f"'Spec' object has no attribute {name!r}") from None
+
+    @classmethod
+    def from_config(cls, config: SpecConfig, draft: Any = None) -> Spec:
+        """The Spec of `config`'s settings drafting with the weights `draft` (config.draft, where a
+        config file names the draft's folder, is not read)."""
+        settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "draft"}
+        return cls(draft=draft, **settings)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """A list or tuple as a config file writes it ([3, 2]); anything else as its repr."""
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)

@@ -132,11 +132,15 @@ def _spec_error(policy, spec_kwargs):
         (dict(method="ngram", draft_sampling="stochastic"), "draft_sampling must be 'greedy' for method='ngram'"),
         (dict(method="ngram", num_draft_tokens=0), "Spec.num_draft_tokens"),
         (dict(method="ngram", tree_width=0), "Spec.tree_width"),
-        (dict(method="ngram", tree_width=3, tree_budget=2), "tree_budget must be None or an integer >= tree_width=3"),
+        (
+            dict(method="ngram", tree_width=3, tree_budget=2),
+            "Spec.tree_budget must be None or >= Spec.tree_width=3, got 2",
+        ),
         (dict(method="ngram", ngram_sizes=(2, 0)), "Spec.ngram_sizes"),
         (
             dict(method="ngram", num_draft_tokens=3, stage_draft_tokens=(3, 4)),
-            r"stage_draft_tokens must be None or a non-empty tuple of integers in 1..num_draft_tokens=3, got \(3, 4\)",
+            r"Spec.stage_draft_tokens must be None or a non-empty list of depths in 1..Spec.num_draft_tokens=3, "
+            r"got \[3, 4\]",
         ),
         (dict(method="ngram", stage_draft_tokens=()), "Spec.stage_draft_tokens"),
         (dict(method="ngram", draft=(1, 2)), "Spec.draft must be None"),
