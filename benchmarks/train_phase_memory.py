@@ -1,8 +1,9 @@
 """Device memory around the phases of `jaxspec train`: what XLA's allocator holds, against the
 arrays Python holds and the run's state.
 
-Runs `jaxspec train` with the given arguments and, before and after each phase of a step
-(`_generate`, `_score`, `_optimize` of `jaxspec.rl.loop.GRPORun`), prints per local device the
+Runs `jaxspec train` with the given arguments and, before and after each phase of a step (generate:
+`ColocatedRollouts.next_batch` of `jaxspec.rl.rollout_source`; score, optimize: `_score`, `_optimize` of
+`jaxspec.rl.loop.GRPORun`), prints per local device the
 allocator's bytes in use and peak, the bytes of every live array and of the run's state, and on
 the first device the arrays outside the state by dtype and sharding. In use above the live
 arrays is memory no Python object holds; live arrays above the state are copies the run keeps,
@@ -24,8 +25,15 @@ import jax
 
 from jaxspec.cli import main
 from jaxspec.rl import loop, step
+from jaxspec.rl.rollout_source import ColocatedRollouts
 
-PHASES = ("_generate", "_score", "_optimize")
+# (class, method, the phase's name)
+PHASES = (
+    (ColocatedRollouts, "next_batch", "generate"),
+    (loop.GRPORun, "_score", "score"),
+    (loop.GRPORun, "_optimize", "optimize"),
+)
+RUNS: list[loop.GRPORun] = []  # the run being measured (the report reads its state)
 
 
 def _bytes_on(array: jax.Array, device) -> int:
@@ -55,27 +63,32 @@ def report(run: loop.GRPORun, tag: str) -> None:
         print(f"  {tag} outside the state, device {first.id}: {dtype} {sharding} {size / 1e9:.3f} GB", flush=True)
 
 
-def _reporting(name: str):
-    phase = getattr(loop.GRPORun, name)
+def _reporting(owner, method: str, phase: str):
+    call = getattr(owner, method)
 
     def wrapped(self, *args, **kwargs):
-        report(self, f"before {name.lstrip('_')}")
-        out = phase(self, *args, **kwargs)
-        report(self, f"after {name.lstrip('_')}")
+        report(RUNS[-1], f"before {phase}")
+        out = call(self, *args, **kwargs)
+        report(RUNS[-1], f"after {phase}")
         return out
 
     return wrapped
 
 
-def _reporting_updates(limit: int):
-    """`MinibatchUpdate.__call__` reporting around its programs for the first `limit` calls: its
-    gradients program, waited for, then the whole update once it returns (its gradients freed)."""
-    call, runs, calls = step.MinibatchUpdate.__call__, [], [0]
+def _remembering_runs():
     init = loop.GRPORun.__init__
 
     def remember(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        runs.append(self)
+        RUNS.append(self)
+
+    loop.GRPORun.__init__ = remember
+
+
+def _reporting_updates(limit: int):
+    """`MinibatchUpdate.__call__` reporting around its programs for the first `limit` calls: its
+    gradients program, waited for, then the whole update once it returns (its gradients freed)."""
+    call, calls = step.MinibatchUpdate.__call__, [0]
 
     def wrapped(self, *args, **kwargs):
         calls[0] += 1
@@ -84,16 +97,15 @@ def _reporting_updates(limit: int):
         tag = f"update {calls[0]}"
 
         def gradients(*inputs):
-            report(runs[-1], f"{tag} before gradients")
+            report(RUNS[-1], f"{tag} before gradients")
             out = jax.block_until_ready(self.gradients(*inputs))
-            report(runs[-1], f"{tag} after gradients")
+            report(RUNS[-1], f"{tag} after gradients")
             return out
 
         out = jax.block_until_ready(call(self._replace(gradients=gradients), *args, **kwargs))
-        report(runs[-1], f"{tag} after the optimizer step")
+        report(RUNS[-1], f"{tag} after the optimizer step")
         return out
 
-    loop.GRPORun.__init__ = remember
     step.MinibatchUpdate.__call__ = wrapped
 
 
@@ -102,7 +114,8 @@ if __name__ == "__main__":
     updates = 2
     if args[:1] == ["--updates"]:
         updates, args = int(args[1]), args[2:]
-    for name in PHASES:
-        setattr(loop.GRPORun, name, _reporting(name))
+    _remembering_runs()
+    for owner, method, phase in PHASES:
+        setattr(owner, method, _reporting(owner, method, phase))
     _reporting_updates(updates)
     sys.exit(main(["train", *args]))

@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
-from jaxspec.draft_training.config import DraftTrainConfig, validate
-from jaxspec.draft_training.train import check_run_dir, train_draft
+from jaxspec.draft_training.config import FIXED_ON_RESUME, DraftTrainConfig, validate
+from jaxspec.draft_training.train import train_draft
 from jaxspec.placement import check_devices
+from jaxspec.run import check_run_dir
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
@@ -31,8 +32,8 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs `jaxspec draft <verb>`; a bad config or run directory prints one error line and returns 2
-    before any compute. SIGTERM or Ctrl-C checkpoints at the
-    next step and returns EXIT_CHECKPOINTED (75)."""
+    before any compute. SIGTERM, Ctrl-C or the job's time limit (JAXSPEC_STOP_BY) checkpoints at
+    the next step and returns EXIT_CHECKPOINTED (75)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_validated(DraftTrainConfig, validate, args)
         check_devices(cfg.mesh)
         cfg.policy_path()
-        check_run_dir(cfg, Path(args.run_dir), args.resume)
+        check_run_dir(Path(args.run_dir), args.resume, cfg, FIXED_ON_RESUME)
         return cfg
 
     return run_command("jaxspec draft train", prepare, lambda cfg: train_draft(cfg, args.run_dir, resume=args.resume))

@@ -9,6 +9,7 @@ from typing import Literal
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
+from jaxspec.run.run_dir import FixedKeys
 from jaxspec.tasks.generator import DEFAULT_KINDS, problem_config_errors
 from jaxspec.tasks.tally import TallyConfig
 
@@ -173,6 +174,10 @@ class DraftTrainConfig:
             hint = "" if self.policy else " (no `policy` given and the embedded tiny policy is not built)"
             raise FileNotFoundError(f"policy folder not found: {path}{hint}")
         return path
+
+
+# What a resumed run keeps from its saved config.yaml (`jaxspec.run.check_run_dir`).
+FIXED_ON_RESUME = FixedKeys(sections=("policy", "data", "generation", "head"))
 
 
 def validate(cfg: DraftTrainConfig, source: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import time
 from pathlib import Path
 
@@ -27,11 +26,12 @@ import optax
 import yaml
 
 from jaxspec.config_io import to_dict
+from jaxspec.distributed import say
 from jaxspec.draft.checkpoint import load_eagle3, save_eagle3
 from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.loss import eagle3_loss
 from jaxspec.draft.model import init_eagle3, merge_buffers, split_buffers
-from jaxspec.draft_training.config import DraftTrainConfig, HeadLossConfig, HeadOptimConfig
+from jaxspec.draft_training.config import FIXED_ON_RESUME, DraftTrainConfig, HeadLossConfig, HeadOptimConfig
 from jaxspec.draft_training.data import RolloutBatch, RolloutSource, count_tokens, prompt_pool
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
@@ -39,23 +39,10 @@ from jaxspec.models.sharding import Sharding, shard_params
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
 from jaxspec.placement import Placement, abstract
-from jaxspec.run import Checkpointer, Progress, StopSignals, truncate_metrics
-from jaxspec.run import check_run_dir as run_dir_guard
+from jaxspec.run import Checkpointer, RunLoop, check_run_dir
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
-_FIXED_SECTIONS = ("policy", "data", "generation", "head")
 _EVAL_SEED_OFFSET = 1_000_003  # evaluation prompts and rollouts never share the training stream
-
-
-def check_run_dir(cfg: DraftTrainConfig, run_dir: Path, resume: bool) -> None:
-    """`jaxspec.run.check_run_dir`: a resumed run keeps its policy, data, generation and head."""
-    run_dir_guard(
-        run_dir,
-        resume,
-        cfg,
-        lambda key: key.split(".")[0] in _FIXED_SECTIONS,
-        f"resume with the same {', '.join(_FIXED_SECTIONS)} settings",
-    )
 
 
 def _features(cfg: ModelConfig, dcfg: DraftConfig, policy: Params, batch: dict, sharding: Sharding | None):
@@ -139,11 +126,6 @@ def _device_batch(batch: RolloutBatch, placement: Placement) -> dict:
     return jax.tree.map(jnp.asarray, rows) if placement.sharding is None else placement.rows(rows)
 
 
-def _log(file, record: dict) -> None:
-    file.write(json.dumps(record) + "\n")
-    file.flush()
-
-
 def _floats(values) -> list[float]:
     return [round(float(v), 6) for v in np.asarray(values)]
 
@@ -213,136 +195,164 @@ def evaluate(
 
 
 def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
-    """Trains (or resumes) a head and exports it. Returns {"export_dir", "step", "preempted",
-    "eval_*", ...}. SIGTERM or Ctrl-C checkpoints at the next step and returns with preempted
-    True, without evaluating or exporting."""
+    """Trains (or resumes) a head and exports it (`jaxspec.run.RunLoop`). Returns {"export_dir",
+    "step", "preempted", "eval_*", ...}. SIGTERM, Ctrl-C or the job's time limit checkpoints at the
+    next step and returns with preempted True, without evaluating or exporting."""
     run_dir = Path(run_dir)
-    check_run_dir(run, run_dir, resume)
-    policy_dir = run.policy_path()
-    cfg, policy = load_hf(policy_dir, dtype=run.train.policy_dtype)
-    tok = ChatTokenizer.from_file(policy_dir)
-    if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"{policy_dir}: tokenizer has {tok.vocab_size} tokens, the policy only {cfg.vocab_size}")
-    if run.head.init is None:  # fail on head settings the policy cannot take before generating data
-        try:
-            DraftConfig.for_policy(cfg, run.head.draft_vocab_size, run.head.aux_layer_ids)
-        except ValueError as err:
-            raise ValueError(f"head: {err}") from None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(run), sort_keys=False))
-    t = run.train
-    placement = Placement(run.mesh)
-    if placement.sharding is not None:
-        policy = shard_params(placement.sharding, policy)
-        print(f"training on the mesh {dict(placement.sharding.mesh.shape)}")
-    source = RolloutSource(
-        cfg,
-        policy,
-        tok,
-        prompt_pool(run.data, tok),
-        run.generation,
-        run.data.max_prompt_len,
-        t.batch_size,
-        t.seed,
-        placement.sharding,
-    )
-    dcfg, dparams, pregenerated = _initial_head(cfg, run, source, run_dir, resume)
-    check_compatible(cfg, dcfg)
-    weights, buffers = split_buffers(dparams)
-    optimizer, schedule = make_optimizer(run.optim, t.steps)
-    # The head, its optimizer state and the step replicated over the mesh; a checkpoint is restored
-    # onto this layout, whatever mesh wrote it.
-    state = placement.state(
-        {"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights), "step": jnp.int32(0)}
-    )
-    layout = abstract((state["weights"], state["opt_state"]))
-    checkpointer = Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
-    restored = checkpointer.resume(state) if resume else None
-    if restored is not None:
-        state = restored
-        print(f"resumed from step {int(state['step'])}")
-    weights, buffers, opt_state, step = state["weights"], state["buffers"], state["opt_state"], int(state["step"])
-    print(
-        f"draft head: vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size}, aux layers "
-        f"{list(dcfg.aux_layer_ids)}; {len(source.pool)} prompts"
-    )
+    check_run_dir(run_dir, resume, run, FIXED_ON_RESUME)
+    loop = RunLoop(run_dir, progress=run.train.progress, time_stamps=False)
+    training = DraftTrainRun(run, run_dir, resume)
+    outcome = loop.run(training)
+    training.result |= {"step": training.step, "train_seconds": outcome.seconds, "preempted": not outcome.finished}
+    return training.result
 
-    start = time.perf_counter()
-    truncate_metrics(run_dir / "metrics.jsonl", step)
-    result: dict = {"preempted": False}
-    with (
-        open(run_dir / "metrics.jsonl", "a") as metrics_file,
-        StopSignals() as stop,
-        Progress("draft", t.steps, step, t.progress) as bar,
-    ):
-        window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
-        while step < t.steps and not stop.requested:
-            gen_start = time.perf_counter()
-            batch = pregenerated.pop(step, None) or source.batch(step)
-            window["generate_s"] += time.perf_counter() - gen_start
-            weights, opt_state, out = train_step(
-                cfg,
-                dcfg,
-                run.optim,
-                t.steps,
-                run.loss,
-                weights,
-                opt_state,
-                buffers,
-                policy,
-                _device_batch(batch, placement),
-                sharding=placement.sharding,
+
+class DraftTrainRun:
+    """One head-training run's part of `jaxspec.run.RunLoop`: the frozen policy and its rollouts,
+    the head's training state (restored when resuming), its steps, final evaluation and export.
+
+    The training state: weights (the head's trained params), buffers (its fixed vocabulary maps),
+    opt_state, step. result: what `train_draft` returns (loss: the last logged loss, eval_*).
+    """
+
+    name = "draft"
+
+    def __init__(self, run: DraftTrainConfig, run_dir: Path, resume: bool):
+        self.config, self.run_dir, t = run, run_dir, run.train
+        self.steps = t.steps
+        policy_dir = run.policy_path()
+        self.cfg, policy = load_hf(policy_dir, dtype=t.policy_dtype)
+        self.tok = ChatTokenizer.from_file(policy_dir)
+        if self.tok.vocab_size > self.cfg.vocab_size:
+            raise ValueError(
+                f"{policy_dir}: tokenizer has {self.tok.vocab_size} tokens, the policy only {self.cfg.vocab_size}"
             )
-            weights, opt_state = placement.pin((weights, opt_state), layout)
-            jax.block_until_ready(out)  # so that the next batch's time is generation alone
-            step += 1
-            window["tokens"] += batch.response_tokens
-            record = None
-            if step % t.log_every == 0 or step == t.steps:
-                elapsed = time.perf_counter() - window["start"]
-                record = {
-                    "step": step,
-                    "loss": float(out["loss"]),
-                    "grad_norm": float(out["grad_norm"]),
-                    "lr": float(schedule(step - 1)),
-                    "step_loss": _floats(out["step_loss"]),
-                    "top1_agreement": _floats(out["top1_agreement"]),
-                    "response_tokens_per_s": window["tokens"] / elapsed,
-                    "generate_fraction": window["generate_s"] / elapsed,
-                    "elapsed_s": time.perf_counter() - start,
-                }
-                _log(metrics_file, record)
-                result["loss"] = record["loss"]
-                window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
-            bar.update(
-                1,
-                **(
-                    {}
-                    if record is None
-                    else {"loss": f"{record['loss']:.3f}", "top1": f"{record['top1_agreement'][0]:.2f}"}
-                ),
-            )
-            if step % t.checkpoint_every == 0 or step == t.steps or (stop.requested and step < t.steps):
-                checkpointer.save(
-                    {"weights": weights, "buffers": buffers, "opt_state": opt_state, "step": jnp.int32(step)}
-                )
-        dparams = merge_buffers(weights, buffers)
-        result |= {"step": step, "train_seconds": time.perf_counter() - start, "preempted": step < t.steps}
-        if result["preempted"]:
-            print(f"{stop.name}: checkpointed step {step} in {run_dir / 'checkpoints'}; continue with --resume")
-        elif run.eval.batches:
-            result |= evaluate(cfg, dcfg, dparams, policy, tok, run, placement)
-            _log(metrics_file, {"step": step, **{k: v for k, v in result.items() if k.startswith("eval_")}})
-            print(f"step {step}: eval top-1 agreement per position {result['eval_top1_agreement']}")
-    checkpointer.close()
-    if result["preempted"]:
-        return result
-    export_dir = Path(t.export_dir) if t.export_dir else run_dir / "draft"
-    save_eagle3(dcfg, dparams, export_dir, dtype=t.export_dtype)
-    result["export_dir"] = str(export_dir)
-    agreement = f", eval top-1 agreement {result['eval_top1_agreement'][0]:.3f}" if run.eval.batches else ""
-    print(
-        f"draft train done: {step} steps in {result['train_seconds']:.1f} s, final loss "
-        f"{result.get('loss', float('nan')):.4f}{agreement}; exported draft head to {export_dir}"
-    )
-    return result
+        if run.head.init is None:  # fail on head settings the policy cannot take before generating data
+            try:
+                DraftConfig.for_policy(self.cfg, run.head.draft_vocab_size, run.head.aux_layer_ids)
+            except ValueError as err:
+                raise ValueError(f"head: {err}") from None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(run), sort_keys=False))
+        self.placement = Placement(run.mesh)
+        if self.placement.sharding is not None:
+            policy = shard_params(self.placement.sharding, policy)
+            say(f"training on the mesh {dict(self.placement.sharding.mesh.shape)}")
+        self.policy = policy
+        self.source = RolloutSource(
+            self.cfg,
+            policy,
+            self.tok,
+            prompt_pool(run.data, self.tok),
+            run.generation,
+            run.data.max_prompt_len,
+            t.batch_size,
+            t.seed,
+            self.placement.sharding,
+        )
+        self.dcfg, dparams, self.pregenerated = _initial_head(self.cfg, run, self.source, run_dir, resume)
+        check_compatible(self.cfg, self.dcfg)
+        weights, buffers = split_buffers(dparams)
+        optimizer, self.schedule = make_optimizer(run.optim, t.steps)
+        # The head, its optimizer state and the step replicated over the mesh; a checkpoint is restored
+        # onto this layout, whatever mesh wrote it.
+        state = self.placement.state(
+            {"weights": weights, "buffers": buffers, "opt_state": optimizer.init(weights), "step": jnp.int32(0)}
+        )
+        self.layout = abstract((state["weights"], state["opt_state"]))
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
+        restored = self.checkpointer.resume(state) if resume else None
+        self.resumed = restored is not None
+        if restored is not None:
+            state = restored
+            say(f"resumed from step {int(state['step'])}")
+        self.weights, self.buffers, self.opt_state = state["weights"], state["buffers"], state["opt_state"]
+        self.step = int(state["step"])
+        say(
+            f"draft head: vocabulary {self.dcfg.draft_vocab_size} of {self.dcfg.vocab_size}, aux layers "
+            f"{list(self.dcfg.aux_layer_ids)}; {len(self.source.pool)} prompts"
+        )
+        self.result: dict = {"preempted": False}
+        self._start = time.perf_counter()
+        self._window = {"start": self._start, "tokens": 0, "generate_s": 0.0}  # since the last record
+
+    def run_step(self) -> tuple[list[dict], dict[str, str]]:
+        """One update of the head on a fresh batch of rollouts; a record every train.log_every
+        steps, a checkpoint every train.checkpoint_every."""
+        run, t, window = self.config, self.config.train, self._window
+        gen_start = time.perf_counter()
+        batch = self.pregenerated.pop(self.step, None) or self.source.batch(self.step)
+        window["generate_s"] += time.perf_counter() - gen_start
+        self.weights, self.opt_state, out = train_step(
+            self.cfg,
+            self.dcfg,
+            run.optim,
+            t.steps,
+            run.loss,
+            self.weights,
+            self.opt_state,
+            self.buffers,
+            self.policy,
+            _device_batch(batch, self.placement),
+            sharding=self.placement.sharding,
+        )
+        self.weights, self.opt_state = self.placement.pin((self.weights, self.opt_state), self.layout)
+        jax.block_until_ready(out)  # so that the next batch's time is generation alone
+        self.step += 1
+        window["tokens"] += batch.response_tokens
+        records, fields = [], {}
+        if self.step % t.log_every == 0 or self.step == t.steps:
+            elapsed = time.perf_counter() - window["start"]
+            record = {
+                "step": self.step,
+                "loss": float(out["loss"]),
+                "grad_norm": float(out["grad_norm"]),
+                "lr": float(self.schedule(self.step - 1)),
+                "step_loss": _floats(out["step_loss"]),
+                "top1_agreement": _floats(out["top1_agreement"]),
+                "response_tokens_per_s": window["tokens"] / elapsed,
+                "generate_fraction": window["generate_s"] / elapsed,
+                "elapsed_s": time.perf_counter() - self._start,
+            }
+            records.append(record)
+            self.result["loss"] = record["loss"]
+            self._window = {"start": time.perf_counter(), "tokens": 0, "generate_s": 0.0}
+            fields = {"loss": f"{record['loss']:.3f}", "top1": f"{record['top1_agreement'][0]:.2f}"}
+        if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+            self.save()
+        return records, fields
+
+    def save(self) -> None:
+        self.checkpointer.save(
+            {
+                "weights": self.weights,
+                "buffers": self.buffers,
+                "opt_state": self.opt_state,
+                "step": jnp.int32(self.step),
+            }
+        )
+
+    def evaluate(self, final: bool) -> dict | None:
+        """The head's loss and agreement on fresh batches after the last step (eval.batches > 0)."""
+        if not final or not self.config.eval.batches:
+            return None
+        dparams = merge_buffers(self.weights, self.buffers)
+        self.result |= evaluate(self.cfg, self.dcfg, dparams, self.policy, self.tok, self.config, self.placement)
+        say(f"step {self.step}: eval top-1 agreement per position {self.result['eval_top1_agreement']}")
+        return {"step": self.step, **{k: v for k, v in self.result.items() if k.startswith("eval_")}}
+
+    def export(self, seconds: float) -> None:
+        t = self.config.train
+        export_dir = Path(t.export_dir) if t.export_dir else self.run_dir / "draft"
+        save_eagle3(self.dcfg, merge_buffers(self.weights, self.buffers), export_dir, dtype=t.export_dtype)
+        self.result["export_dir"] = str(export_dir)
+        agreement = (
+            f", eval top-1 agreement {self.result['eval_top1_agreement'][0]:.3f}" if self.config.eval.batches else ""
+        )
+        say(
+            f"draft train done: {self.step} steps in {seconds:.1f} s, final loss "
+            f"{self.result.get('loss', float('nan')):.4f}{agreement}; exported draft head to {export_dir}"
+        )
+
+    def close(self) -> None:
+        """Nothing beyond the checkpointer."""

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
 from jaxspec.placement import check_devices
-from jaxspec.pretrain.config import PretrainConfig, validate
-from jaxspec.pretrain.run import check_run_dir, pretrain
+from jaxspec.pretrain.config import FIXED_ON_RESUME, PretrainConfig, validate
+from jaxspec.pretrain.run import pretrain
+from jaxspec.run import check_run_dir
 
 
 def _parser():
@@ -22,14 +23,14 @@ def _parser():
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; a bad config or run directory prints one error line and returns 2 before
-    any compute. SIGTERM or Ctrl-C checkpoints at the next step and
-    returns EXIT_CHECKPOINTED (75)."""
+    any compute. SIGTERM, Ctrl-C or the job's time limit (JAXSPEC_STOP_BY) checkpoints at the next
+    step and returns EXIT_CHECKPOINTED (75)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
 
     def prepare() -> PretrainConfig:
         cfg = load_validated(PretrainConfig, validate, args)
         check_devices(cfg.mesh)
-        check_run_dir(cfg, Path(args.run_dir), args.resume)
+        check_run_dir(Path(args.run_dir), args.resume, cfg, FIXED_ON_RESUME)
         return cfg
 
     return run_command("jaxspec pretrain", prepare, lambda cfg: pretrain(cfg, args.run_dir, resume=args.resume))

@@ -9,6 +9,7 @@ from typing import Literal
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
 from jaxspec.placement import MeshConfig
+from jaxspec.run.run_dir import FixedKeys
 from jaxspec.tasks.generator import DEFAULT_KINDS, problem_config_errors
 from jaxspec.tasks.tally import TallyConfig
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
@@ -148,6 +149,10 @@ class PretrainConfig:
     optim: OptimConfig
     train: PretrainTrainConfig
     mesh: MeshConfig = MeshConfig()
+
+
+# What a resumed run keeps from its saved config.yaml (`jaxspec.run.check_run_dir`).
+FIXED_ON_RESUME = FixedKeys(sections=("data", "model"))
 
 
 def validate(cfg: PretrainConfig, source: str) -> None:

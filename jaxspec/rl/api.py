@@ -15,9 +15,7 @@ from typing import Any
 
 from jaxspec.config_io import from_dict, load_config, set_dotted, to_dict
 from jaxspec.rl import driver
-from jaxspec.rl.checkpointing import check_run_dir
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.resources import check_inputs
 from jaxspec.rl.validation import validate
 
 
@@ -65,9 +63,7 @@ def train(
     """
     cfg = run_config(config, overrides)
     run_dir = Path(run_dir)
-    inputs = check_inputs(cfg)
-    check_run_dir(cfg, run_dir, resume)
-    driver.train(cfg, run_dir, resume=resume, inputs=inputs, on_step=on_step)
+    driver.train(cfg, run_dir, resume=resume, on_step=on_step)
     metrics_file = run_dir / "metrics.jsonl"
     if not metrics_file.is_file():
         return []

@@ -54,10 +54,12 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.sharding import param_shardings
-from jaxspec.rl.batch import Rollouts
+from jaxspec.placement import MeshConfig, Placement
+from jaxspec.rl.config import RolloutConfig
 from jaxspec.rl.metrics import StageTimer, block
-from jaxspec.rl.resources import make_spec
 from jaxspec.rl.rollout_hosts import RolloutHosts, merge
+from jaxspec.rl.rollout_source import RolloutCast, RolloutGenerator, RolloutSource, StepRollouts
+from jaxspec.run import Batcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +93,31 @@ class _StageSeconds:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-class AsyncRollouts:
-    """The rollout mesh, its weights copy and the queue of batches in flight of one `GRPORun`."""
+class AsyncRollouts(RolloutSource):
+    """rollout.mode async: the rollout mesh, its weights copy and the queue of batches in flight.
 
-    def __init__(self, run):
-        self.run = run
-        self.hosts = RolloutHosts(run.cfg.mesh)
+    generator: the generation and grading; cast: the trainer's weights as the rollout reads them;
+    sampler: the prompt ids of a data position; rollout, mesh: the config sections; steps:
+    train.steps; placement: the trainer mesh; draft_trains: whether the draft's weights change
+    (draft.online; a frozen draft is copied once).
+    """
+
+    def __init__(
+        self,
+        generator: RolloutGenerator,
+        cast: RolloutCast,
+        sampler: Batcher,
+        rollout: RolloutConfig,
+        mesh: MeshConfig,
+        steps: int,
+        placement: Placement,
+        draft_trains: bool,
+    ):
+        self.generator, self.cast, self.sampler, self.rollout = generator, cast, sampler, rollout
+        self.steps, self.placement, self.draft_trains = steps, placement, draft_trains
+        self.hosts = RolloutHosts(mesh)
         self.sharding = self.hosts.sharding  # this process's rollout devices
-        self.max_staleness = run.cfg.rollout.max_staleness
+        self.max_staleness = rollout.max_staleness
         # The batches of the steps after the one training, oldest first: max_staleness of them
         # between steps once the pipeline is primed (those past train.steps are not generated but
         # keep their weights for the checkpoint).
@@ -107,22 +126,22 @@ class AsyncRollouts:
         self.next_step = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
 
-    def copy(self, version: int) -> RolloutWeights:
-        """The run's current weights, cast to rollout.dtype, copied onto the rollout mesh (which
+    def copy(self, state: dict, version: int) -> RolloutWeights:
+        """The weights of `state`, cast to rollout.dtype, copied onto the rollout mesh (which
         replicates them by itself: not gathered on the trainer mesh first)."""
-        policy, draft = self.run.rollout_weights(gather=False)
-        trainer = self.run.placement.sharding
+        policy, draft = self.cast.weights(state, gather=False)
+        trainer = self.cast.sharding
         policy = self.hosts.put(policy, param_shardings(self.sharding, policy), trainer)
-        if self.weights is not None and self.run.online is None:
+        if self.weights is not None and not self.draft_trains:
             draft = self.weights.draft  # a frozen draft is copied once
         elif draft is not None:
             draft = self.hosts.put(draft, jax.tree.map(lambda _: self.sharding.replicated(), draft), trainer)
         return RolloutWeights(*block((policy, draft)), version)
 
-    def template(self) -> dict:
-        """The checkpoint entries of a fresh run (`checkpoint_entries` of version 0), which tell a
+    def initial_entries(self, state: dict) -> dict:
+        """The checkpoint entries of a new run (`checkpoint_entries` of version 0), which tell a
         resume where to restore them: onto the rollout mesh."""
-        self.weights = self.copy(0)
+        self.weights = self.copy(state, 0)
         return self.checkpoint_entries()
 
     def checkpoint_entries(self) -> dict:
@@ -130,8 +149,9 @@ class AsyncRollouts:
         the weights copy of the (i+1)-th batch after the trained step (generated or, past
         train.steps, the copy it would be generated with, so that a run extended by --resume with
         more train.steps continues as if it had been longer from the start); none with
-        max_staleness 0. Before the pipeline is primed (a fresh run) every slot holds the current
-        copy, which is what those batches will use."""
+        max_staleness 0. Before the pipeline is primed (a new run) every slot holds the current
+        copy, which is what those batches will use. Taken after each batch, so that the state
+        keeps no copy alive that no batch needs."""
         if not self.max_staleness:
             return {}
         slots = ([b.weights for b in self.in_flight] + [self.weights] * self.max_staleness)[: self.max_staleness]
@@ -140,14 +160,13 @@ class AsyncRollouts:
         }
         return {
             "rollout": self.hosts.global_view(rollout),
-            **self.run.placement.state({"rollout_version": np.asarray([w.version for w in slots], np.int32)}),
+            **self.placement.state({"rollout_version": np.asarray([w.version for w in slots], np.int32)}),
         }
 
-    def start(self, state: dict, resumed: bool) -> None:
+    def start(self, state: dict, step: int, position: int, resumed: bool) -> None:
         """Copies the trainer's weights onto the rollout mesh; after a resume with max_staleness
         >= 1, queues the batches that were in flight at the checkpoint with the weights they used."""
-        step = self.run.step
-        self.weights = self.copy(step)
+        self.weights = self.copy(state, step)
         self.next_step = step + 1
         if resumed and step > 0 and self.max_staleness > 0:
             versions = [int(v) for v in to_host(state["rollout_version"])]
@@ -156,32 +175,35 @@ class AsyncRollouts:
             for i, version in enumerate(versions):
                 saved = restored[str(i)]
                 weights = copies.setdefault(version, RolloutWeights(saved["policy"], saved.get("draft"), version))
-                self._submit(weights)
-        state.update(self.checkpoint_entries())  # no longer holds the template's or a restored copy
+                self._submit(weights, state, step, position)
 
-    def sync(self) -> int:
-        """Copies the update's weights onto the rollout mesh (once the run's step counter advanced);
-        returns the bytes copied (the policy's, and the draft's when it trains online)."""
-        self.weights = self.copy(self.run.step)
+    def update_weights(self, state: dict, step: int, timer: StageTimer) -> dict:
+        """{"sync_bytes": bytes copied} (`sync`), timed as the "sync" stage."""
+        with timer.stage("sync"):
+            return {"sync_bytes": self.sync(state, step)}
+
+    def sync(self, state: dict, step: int) -> int:
+        """Copies the weights of `state` after `step` steps onto the rollout mesh; returns the
+        bytes copied (the policy's, and the draft's when it trains online)."""
+        self.weights = self.copy(state, step)
         return sum(
-            x.nbytes for x in jax.tree.leaves((self.weights.policy, self.weights.draft if self.run.online else None))
+            x.nbytes for x in jax.tree.leaves((self.weights.policy, self.weights.draft if self.draft_trains else None))
         )
 
-    def _submit(self, weights: RolloutWeights) -> None:
+    def _submit(self, weights: RolloutWeights, state: dict, step: int, position: int) -> None:
         """Queues the batch of step next_step, generated with `weights` (not past train.steps: the
-        run would wait for it at the end)."""
-        run, step = self.run, self.next_step
+        run would wait for it at the end); step / position: the run's counters now."""
+        batch_step = self.next_step
         self.next_step += 1
-        if step > run.cfg.train.steps:
-            self.in_flight.append(_Batch(step, weights, None))
+        if batch_step > self.steps:
+            self.in_flight.append(_Batch(batch_step, weights, None))
             return
-        r_cfg = run.cfg.rollout
-        ids = run.sampler.indices(run.position + (step - run.step - 1) * r_cfg.prompts_per_step)
-        key = jax.random.fold_in(jax.random.fold_in(run.state["key"], step - 1), 0)  # as `GRPORun._generate`'s
+        r_cfg = self.rollout
+        ids = self.sampler.indices(position + (batch_step - step - 1) * r_cfg.prompts_per_step)
+        key = jax.random.fold_in(jax.random.fold_in(state["key"], batch_step - 1), 0)  # as in colocated mode
         key = jax.device_put(to_host(key), self.sharding.replicated())
-        draft = None if run.draft_cfg is None else (run.draft_cfg, weights.draft)
-        spec = make_spec(run.cfg.spec, draft)
-        # This process's generate calls, each with the key colocated mode gives it (`_generate_rows`).
+        spec = self.cast.spec_of(weights.draft)
+        # This process's generate calls, each with the key colocated mode gives it (`RolloutGenerator`).
         rows = r_cfg.prompts_per_step * r_cfg.samples_per_prompt
         size = (r_cfg.sub_batch or rows) // r_cfg.samples_per_prompt  # prompts per call
         calls = self.hosts.calls(rows, r_cfg.sub_batch)
@@ -191,7 +213,7 @@ class AsyncRollouts:
             seconds = _StageSeconds()
             out = merge(
                 [
-                    run._rollouts(
+                    self.generator.rollouts(
                         ids[i * size : (i + 1) * size], weights.policy, spec, call_key, seconds, sharding=self.sharding
                     )
                     for i, call_key in zip(calls, keys)
@@ -199,27 +221,24 @@ class AsyncRollouts:
             )
             return out, seconds.seconds
 
-        self.in_flight.append(_Batch(step, weights, self._worker.submit(work)))
+        self.in_flight.append(_Batch(batch_step, weights, self._worker.submit(work)))
 
-    def next_batch(self, timer: StageTimer) -> tuple[Rollouts, int, int]:
-        """The rollouts of the step the run is about to train (as `GRPORun._generate` returns them,
-        with their staleness and rollout_version), once the batches up to max_staleness steps
-        ahead are queued. timer gets the batch's generation and reward seconds (measured in the
-        worker, overlapped with the trainer) and rollout_wait (the trainer waiting for it)."""
-        while self.next_step <= self.run.step + 1 + self.max_staleness:
-            self._submit(self.weights)
+    def next_batch(self, state: dict, step: int, position: int, timer: StageTimer) -> StepRollouts:
+        """The rollouts of step `step` + 1 (with their staleness and rollout_version), once the
+        batches up to max_staleness steps ahead are queued. timer gets the batch's generation and
+        reward seconds (measured in the worker, overlapped with the trainer) and rollout_wait (the
+        trainer waiting for it)."""
+        while self.next_step <= step + 1 + self.max_staleness:
+            self._submit(self.weights, state, step, position)
         batch = self.in_flight.popleft()
-        assert batch.step == self.run.step + 1, (batch.step, self.run.step)
-        self.run.state.update(self.checkpoint_entries())  # keeps no copy alive that no batch needs
+        assert batch.step == step + 1, (batch.step, step)
         with timer.stage("rollout_wait"):
             out, seconds = batch.result.result()
             out = self.hosts.gather(out)
         for name, value in seconds.items():
             timer.seconds[name] = timer.seconds.get(name, 0.0) + value
-        out = dataclasses.replace(
-            out, staleness=self.run.step - batch.weights.version, rollout_version=batch.weights.version
-        )
-        return out, self.run.cfg.rollout.prompts_per_step, 1
+        out = dataclasses.replace(out, staleness=step - batch.weights.version, rollout_version=batch.weights.version)
+        return StepRollouts(out, self.rollout.prompts_per_step, 1)
 
     def close(self) -> None:
         """Drops the batches not started and waits for the one generating."""

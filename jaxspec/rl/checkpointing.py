@@ -1,4 +1,5 @@
-"""The run directory and the checkpointed training state of a GRPO run.
+"""The run directory's config and the checkpointed training state of a GRPO run (the run directory's
+guard: `jaxspec.run.check_run_dir` with `jaxspec.rl.config.FIXED_ON_RESUME`).
 
 State pytree (orbax `CheckpointManager`, atomic: a checkpoint directory appears only once complete):
     params, opt_state                 float32 policy and its optimizer state
@@ -22,22 +23,9 @@ from jaxspec.config_io import to_dict
 from jaxspec.distributed import is_main, say
 from jaxspec.rl.config import RESUMABLE_KEYS, GRPOConfig
 from jaxspec.run import Checkpointer
-from jaxspec.run import check_run_dir as run_dir_guard
 from jaxspec.run.run_dir import flatten
 
-__all__ = ["Checkpointer", "check_run_dir", "record_config", "save_config"]
-
-
-def check_run_dir(cfg: GRPOConfig, run_dir: Path, resume: bool) -> None:
-    """`jaxspec.run.check_run_dir`: only RESUMABLE_KEYS (loop length, checkpoint cadence, logging)
-    may differ from the run's saved config.yaml."""
-    run_dir_guard(
-        run_dir,
-        resume,
-        cfg,
-        lambda key: key not in RESUMABLE_KEYS,
-        f"only {sorted(RESUMABLE_KEYS)} may change on resume",
-    )
+__all__ = ["Checkpointer", "record_config", "save_config"]
 
 
 def save_config(cfg: GRPOConfig, run_dir: Path) -> None:

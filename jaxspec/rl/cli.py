@@ -7,11 +7,11 @@ from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
 from jaxspec.distributed import initialize_from_env
-from jaxspec.rl.checkpointing import check_run_dir
-from jaxspec.rl.config import GRPOConfig
+from jaxspec.rl.config import FIXED_ON_RESUME, GRPOConfig
 from jaxspec.rl.driver import train
 from jaxspec.rl.resources import check_inputs
 from jaxspec.rl.validation import validate
+from jaxspec.run import check_run_dir
 
 
 def _parser():
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         initialize_from_env()  # several processes (SLURM tasks, JAX_COORDINATOR_ADDRESS): one job
         cfg = load_validated(GRPOConfig, validate, args)
         inputs = check_inputs(cfg)
-        check_run_dir(cfg, Path(args.run_dir), args.resume)
+        check_run_dir(Path(args.run_dir), args.resume, cfg, FIXED_ON_RESUME)
         return cfg, inputs
 
     return run_command(

@@ -11,6 +11,7 @@ from typing import Literal
 
 from jaxspec.placement import MeshConfig
 from jaxspec.rollout import SpecConfig
+from jaxspec.run.run_dir import FixedKeys
 from jaxspec.tasks.generator import DEFAULT_KINDS
 from jaxspec.tasks.tally import TallyConfig
 from jaxspec.tasks.tokenizer import BOS, EOS, PAD, PROMPT_TEMPLATE
@@ -369,3 +370,5 @@ RESUMABLE_KEYS = frozenset(
         "mesh.expert",
     }
 )
+# What a resumed run keeps from its saved config.yaml (`jaxspec.run.check_run_dir`).
+FIXED_ON_RESUME = FixedKeys(all_but=RESUMABLE_KEYS)

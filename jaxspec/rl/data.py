@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jaxspec.rl.config import DataConfig
+from jaxspec.distributed import barrier, is_main
+from jaxspec.rl.config import DataConfig, GRPOConfig
 from jaxspec.tasks.generator import generate_problems, write_problems
 from jaxspec.tasks.loader import load_prompts
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -71,3 +72,22 @@ def check_prompt_lengths(prompts: PromptSet, source: Path, max_new_tokens: int, 
             f"{source}: the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} "
             f"that exceeds the policy's max_position_embeddings={max_positions}"
         )
+
+
+def run_prompts(
+    cfg: GRPOConfig, run_dir: Path, tok: ChatTokenizer, max_positions: int
+) -> tuple[PromptSet, PromptSet | None]:
+    """(the training prompts, the validation prompts or None without eval.every) of a run, checked
+    to fit the policy's max_positions with their responses. Process 0 generates the prompt files
+    once; the other processes read them."""
+    if is_main():
+        prompt_files(cfg.data, run_dir)
+    barrier("prompt files")
+    train_file, eval_file = prompt_files(cfg.data, run_dir)
+    train_set = load_prompt_set(train_file, cfg.data, tok)
+    check_prompt_lengths(train_set, train_file, cfg.rollout.max_new_tokens, max_positions)
+    if eval_file is None or not cfg.eval.every:
+        return train_set, None
+    eval_set = load_prompt_set(eval_file, cfg.data, tok)
+    check_prompt_lengths(eval_set, eval_file, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, max_positions)
+    return train_set, eval_set

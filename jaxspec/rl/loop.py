@@ -1,11 +1,12 @@
 """One synchronous GRPO step on a run's state (`GRPORun`): rollouts -> rewards -> advantages ->
 policy (and draft) updates, validation and checkpoints when due; `jaxspec.rl.driver` runs the steps.
 
-The policy that generates and the policy that trains are the same arrays: "sync" is a no-op in
-float32 and a cast of the policy and the draft with rollout.dtype bfloat16 (rollout.mode async
-generates on separate devices from a copy instead: `jaxspec.rl.async_rollouts`); with
-rollout.gather_weights on a mesh, the policy's cast is also gathered over the batch axes (data,
-fsdp), one all-gather per step instead of one per decode step, and freed before the update. All
+The step's rollouts come from the run's one `RolloutSource` (`jaxspec.rl.rollout_source`), chosen
+from rollout.mode by `rollout_source` when the run starts: colocated generates from the trainer's
+own weights ("sync" is a no-op in float32 and a cast of the policy and the draft with rollout.dtype
+bfloat16; with rollout.gather_weights on a mesh, the policy's cast is also gathered over the batch
+axes (data, fsdp), one all-gather per step instead of one per decode step, and freed before the
+update); async generates on separate devices from a copy (`jaxspec.rl.async_rollouts`). All
 randomness of step s comes from fold_in(key, s), and prompts from the saved data position, so a
 resumed run repeats an uninterrupted one exactly. Launched as several processes (see
 `jaxspec.distributed`), every process runs the same steps on the same host data over one mesh;
@@ -15,49 +16,80 @@ process 0 alone writes files.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.distributed import barrier, is_main, say, to_host
+from jaxspec.distributed import say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
-from jaxspec.placement import Placement, cast_floats, rollout_policy
+from jaxspec.placement import Placement
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
-from jaxspec.rl.batch import Rollouts, TrainingRows, minibatch_indices, pack_rows, row_width, training_rows
+from jaxspec.rl.batch import TrainingRows, minibatch_indices, pack_rows, row_width, training_rows
 from jaxspec.rl.checkpointing import Checkpointer, record_config
 from jaxspec.rl.compilation import compile_failed, precompile, precompile_enabled, trainer_programs
 from jaxspec.rl.config import GRPOConfig
-from jaxspec.rl.data import PromptSet, check_prompt_lengths, load_prompt_set, prompt_files
-from jaxspec.rl.evaluate import decode_responses, validation_scores
+from jaxspec.rl.data import run_prompts
+from jaxspec.rl.evaluate import validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
 from jaxspec.rl.metrics import StageTimer, block, device_memory_metrics, mean_update_metrics, rollout_step_metrics
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
-from jaxspec.rl.resources import RunInputs, load_draft, make_spec
+from jaxspec.rl.resources import RunInputs, load_draft
+from jaxspec.rl.rollout_source import (
+    ColocatedRollouts,
+    RolloutCast,
+    RolloutGenerator,
+    RolloutSetup,
+    RolloutSource,
+)
 from jaxspec.rl.routing import disagreement_metrics, experts_to_width, records_experts
-from jaxspec.rl.shaping import overlong_penalty, select_groups, trained_rollouts, truncated_rollouts
+from jaxspec.rl.shaping import trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
-from jaxspec.rollout import Sampling, generate
-from jaxspec.rollout.speculative.stats import merge_stats
-from jaxspec.run import Batcher, truncate_metrics
+from jaxspec.rollout import Sampling
+from jaxspec.run import Batcher
+
+
+def rollout_source(setup: RolloutSetup) -> RolloutSource:
+    """The run's rollout source for rollout.mode: the one place the mode is read at run time."""
+    if setup.rollout.mode == "async":
+        return AsyncRollouts(
+            setup.generator,
+            setup.cast,
+            setup.sampler,
+            setup.rollout,
+            setup.mesh,
+            setup.steps,
+            setup.placement,
+            setup.draft_trains,
+        )
+    return ColocatedRollouts(setup.generator, setup.cast, setup.sampler, setup.rollout, setup.loss)
 
 
 class GRPORun:
     """One run: prompts, policy and draft, the compiled trainer functions and the training state.
 
     `state` is the checkpointed pytree (see `checkpointing`); step / position / updates mirror its
-    counters on the host; history holds the metrics records of the steps done before this start
-    (process 0; empty elsewhere).
+    counters on the host; resumed: whether it was restored from a checkpoint; rollouts: where the
+    steps' rollouts come from (`make_rollouts` of the run's `RolloutSetup`: `rollout_source`, or a
+    stand-in).
     """
 
-    def __init__(self, cfg: GRPOConfig, run_dir: Path, resume: bool, inputs: RunInputs):
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        run_dir: Path,
+        resume: bool,
+        inputs: RunInputs,
+        make_rollouts: Callable[[RolloutSetup], RolloutSource] = rollout_source,
+    ):
         self.cfg, self.run_dir, self.inputs = cfg, run_dir, inputs
         self.tok = inputs.tokenizer
         r_cfg, t_cfg = cfg.rollout, cfg.train
-        self.train_set, self.eval_set = self._load_prompts()
+        self.train_set, self.eval_set = run_prompts(cfg, run_dir, self.tok, inputs.model.max_position_embeddings)
         self.reward = get_reward(cfg.reward)
 
         self.placement = Placement(cfg.mesh)
@@ -91,23 +123,6 @@ class GRPORun:
         # Committed to the devices like restored checkpoints are, so a resumed run in the same process
         # hits the compilation caches of a fresh one.
         self.state = self.placement.state(state)
-        self.async_rollouts = AsyncRollouts(self) if r_cfg.mode == "async" else None  # the rollout mesh
-        if self.async_rollouts is not None:
-            self.state.update(self.async_rollouts.template())
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
-        restored = self.checkpointer.resume(self.state) if resume else None
-        if restored is not None:
-            self.state = restored
-            say(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
-        record_config(cfg, run_dir, int(self.state["step"]) if restored is not None else None)
-        # the records up to the restored step (metrics.jsonl, process 0): records after it are dropped, and
-        # a fresh start drops all (an attempt that never reached a checkpoint, its step-0 validation included)
-        self.history = (
-            truncate_metrics(run_dir / "metrics.jsonl", int(self.state["step"]) if restored is not None else -1)
-            if is_main()
-            else []
-        )
-        self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
 
         self.sampling = Sampling(
             temperature=r_cfg.temperature,
@@ -123,6 +138,45 @@ class GRPORun:
             max_new_tokens=cfg.eval.max_new_tokens or r_cfg.max_new_tokens,
             eos_id=self.tok.eos_id,
         )
+        # a mixture-of-experts policy's rollouts record their experts for routing replay (R3)
+        self.records_experts = records_experts(cfg.loss, self.mcfg)
+        self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
+        self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
+        self.cast = RolloutCast(r_cfg.dtype, r_cfg.gather_weights, self.placement.sharding, cfg.spec, self.draft_cfg)
+        generator = RolloutGenerator(
+            self.mcfg,
+            self.sampling,
+            self.train_set,
+            self.reward,
+            self.tok,
+            prompt_width=self.longest_prompt,
+            record_experts=self.records_experts,
+            rollout=r_cfg,
+            loss=cfg.loss,
+        )
+        self.rollouts = make_rollouts(
+            RolloutSetup(
+                rollout=r_cfg,
+                loss=cfg.loss,
+                mesh=cfg.mesh,
+                steps=t_cfg.steps,
+                generator=generator,
+                cast=self.cast,
+                sampler=Batcher(len(self.train_set.token_ids), r_cfg.prompts_per_step, cfg.data.seed),
+                placement=self.placement,
+                draft_trains=self.online is not None,
+            )
+        )
+        self.state.update(self.rollouts.initial_entries(self.state))
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", t_cfg.keep_checkpoints)
+        restored = self.checkpointer.resume(self.state) if resume else None
+        self.resumed = restored is not None
+        if restored is not None:
+            self.state = restored
+            say(f"resumed from step {int(self.state['step'])} (data position {int(self.state['position'])})")
+        record_config(cfg, run_dir, int(self.state["step"]) if restored is not None else None)
+        self.step, self.position, self.updates = (int(self.state[k]) for k in ("step", "position", "updates"))
+
         mesh = self.placement.sharding
         self.update = update_fn(
             self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat, self.online, mesh
@@ -134,15 +188,10 @@ class GRPORun:
             self.policy_update = update_fn(
                 self.mcfg, self.sampling, cfg.loss, cfg.optim, t_cfg.compute_dtype, t_cfg.remat, None, mesh
             )
-        # a mixture-of-experts policy's rollouts record their experts for routing replay (R3)
-        self.records_experts = records_experts(cfg.loss, self.mcfg)
         self.score = score_fn(
             self.mcfg, self.sampling, t_cfg.compute_dtype, t_cfg.remat, mesh, routing_replay=cfg.loss.routing_replay
         )
         self.ref_score = score_fn(self.mcfg, reference_sampling(self.sampling), t_cfg.compute_dtype, t_cfg.remat, mesh)
-        self.sampler = Batcher(len(self.train_set.token_ids), r_cfg.prompts_per_step, cfg.data.seed)  # prompt ids
-        self.longest_prompt = max(len(ids) for ids in self.train_set.token_ids)  # one rollout shape for every step
-        self.width = row_width(self.longest_prompt, r_cfg.max_new_tokens)
         self.precompiling = None
         if precompile_enabled(t_cfg.precompile):
             shortest = min(map(len, self.train_set.token_ids)) + 1  # every rollout emits at least one token
@@ -160,39 +209,13 @@ class GRPORun:
                 model=self.mcfg if self.records_experts else None,
             )
             self.precompiling = precompile(programs, t_cfg.precompile_threads)
-        if self.async_rollouts is not None:
-            self.async_rollouts.start(self.state, resumed=restored is not None)
-
-    def _load_prompts(self) -> tuple[PromptSet, PromptSet | None]:
-        cfg, max_positions = self.cfg, self.inputs.model.max_position_embeddings
-        if is_main():  # generates the prompt files once; the other processes read them
-            prompt_files(cfg.data, self.run_dir)
-        barrier("prompt files")
-        train_file, eval_file = prompt_files(cfg.data, self.run_dir)
-        train_set = load_prompt_set(train_file, cfg.data, self.tok)
-        check_prompt_lengths(train_set, train_file, cfg.rollout.max_new_tokens, max_positions)
-        if eval_file is None or not cfg.eval.every:
-            return train_set, None
-        eval_set = load_prompt_set(eval_file, cfg.data, self.tok)
-        check_prompt_lengths(eval_set, eval_file, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, max_positions)
-        return train_set, eval_set
-
-    def rollout_weights(self, gather: bool | None = None):
-        """(policy params, draft params or None) as the rollout reads them: the draft's float
-        weights are cast to rollout.dtype with the policy's (its integer and boolean vocabulary
-        maps stay as they are). gather (None: rollout.gather_weights): on a mesh, the policy copy
-        is gathered over the batch axes in the cast's program (`gathered_param_shardings`: whole
-        on every device, or its tensor slice), so that the decode steps read local weights; the
-        check that it fits the device's free memory names rollout.gather_weights."""
-        dtype = jnp.dtype(self.cfg.rollout.dtype)
-        gather = self.cfg.rollout.gather_weights if gather is None else gather
-        draft = None if self.draft_cfg is None else cast_floats(self.state["draft_params"], dtype)
-        return rollout_policy(self.state["params"], dtype, self.placement.sharding, gather), draft
+        self.rollouts.start(self.state, self.step, self.position, resumed=self.resumed)
+        self.state.update(self.rollouts.checkpoint_entries())
 
     def rollout_view(self):
-        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage."""
-        policy, draft = block(self.rollout_weights())
-        return policy, make_spec(self.cfg.spec, None if draft is None else (self.draft_cfg, draft))
+        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage
+        (`RolloutCast.view`)."""
+        return self.cast.view(self.state)
 
     def evaluate(self) -> dict:
         """Validation scores of the current policy on the held-out prompts."""
@@ -217,113 +240,16 @@ class GRPORun:
                 {"step": np.int32(self.step), "position": np.int32(self.position), "updates": np.int32(self.updates)}
             )
         )
-        if self.async_rollouts is not None:
-            self.state.update(self.async_rollouts.checkpoint_entries())
+        self.state.update(self.rollouts.checkpoint_entries())
         self.checkpointer.save(self.state)
-
-    def _rollouts(self, ids: np.ndarray, policy, spec, key, timer: StageTimer, sharding) -> Rollouts:
-        """samples_per_prompt rollouts of each prompt id and their rewards (B = len(ids) * group).
-        sharding: the mesh that generates (where `policy` lives)."""
-        cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
-        prompts = [self.train_set.token_ids[i] for i in ids for _ in range(group)]
-        records = [self.train_set.records[i] for i in ids for _ in range(group)]
-        with timer.stage("generation"):
-            tokens, lengths, logprobs, experts, stats = self._generate_rows(prompts, policy, spec, key, sharding)
-        with timer.stage("reward"):
-            grades = self.reward.grade(decode_responses(self.tok, tokens, lengths), records)
-        scores = grades.scores
-        rewards = scores + overlong_penalty(
-            lengths, cfg.rollout.max_new_tokens, cfg.loss.overlong_buffer, cfg.loss.overlong_penalty
-        )
-        return Rollouts(
-            prompts=prompts,
-            records=records,
-            tokens=tokens,
-            lengths=lengths,
-            logprobs=logprobs,
-            scores=scores,
-            rewards=rewards,
-            stats=stats,
-            generated_tokens=int(lengths.sum()),
-            reward_failures=grades.failures,
-            experts=experts,
-        )
-
-    def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
-        """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], the recorded experts [B, P + N,
-        L_sparse, k] or None (`RolloutOutput.experts`), stats) on the host for the prompts,
-        rollout.sub_batch rows per `generate` call (all at once when null)."""
-        size = self.cfg.rollout.sub_batch or len(prompts)
-        parts = []
-        for i, start in enumerate(range(0, len(prompts), size)):
-            sub_key = key if size == len(prompts) else jax.random.fold_in(key, i)
-            out = block(
-                generate(
-                    self.mcfg,
-                    policy,
-                    prompts[start : start + size],
-                    sub_key,
-                    sampling=self.sampling,
-                    spec=spec,
-                    sharding=sharding,
-                    prompt_width=self.longest_prompt,
-                    record_experts=self.records_experts,
-                )
-            )
-            parts.append(
-                (
-                    to_host(out.tokens),
-                    to_host(out.lengths),
-                    to_host(out.logprobs).astype(np.float32),
-                    None if out.experts is None else to_host(out.experts),
-                    out.stats,
-                )
-            )
-        tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
-        experts = np.concatenate([p[3] for p in parts]) if self.records_experts else None
-        return tokens, lengths, logprobs, experts, merge_stats([p[4] for p in parts])
-
-    def _generate(self, timer: StageTimer) -> tuple[Rollouts, int, int]:
-        """This step's rollouts (see `_rollouts`) for prompts_per_step prompts; with
-        loss.filter_groups_max_rounds > 1 (DAPO dynamic sampling) further batches of prompts are
-        generated until prompts_per_step informative groups are found or the rounds run out, and
-        prompts_per_step groups are kept (`select_groups`). Returns (rollouts, prompts consumed,
-        generation rounds); the statistics are those of the first round, generated_tokens counts
-        every round's."""
-        cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
-        with timer.stage("sync"):
-            policy, spec = self.rollout_view()
-        key = jax.random.fold_in(jax.random.fold_in(self.state["key"], self.step), 0)
-        ids = self.sampler.indices(self.position)
-        rounds = [self._rollouts(ids, policy, spec, key, timer, self.placement.sharding)]
-        consumed = len(ids)
-
-        def informative():
-            rewards = np.concatenate([r.rewards for r in rounds])
-            return group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)[1]
-
-        while len(rounds) < cfg.loss.filter_groups_max_rounds and informative().sum() < cfg.rollout.prompts_per_step:
-            ids = self.sampler.indices(self.position + consumed)
-            rounds.append(
-                self._rollouts(ids, policy, spec, jax.random.fold_in(key, len(rounds)), timer, self.placement.sharding)
-            )
-            consumed += len(ids)
-        del policy
-        if len(rounds) == 1:
-            return rounds[0], consumed, 1
-        groups = select_groups(informative(), cfg.rollout.prompts_per_step)
-        rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
-        return Rollouts.concatenate(rounds).take(rows), consumed, len(rounds)
 
     def run_step(self) -> dict:
         """One RL step: rollouts, rewards, advantages, updates, then validation / checkpoint when due.
         Returns the step's metrics record."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
         start, timer = time.perf_counter(), StageTimer()
-        if self.async_rollouts is None:
-            out, consumed, rounds = self._generate(timer)
-        else:
-            out, consumed, rounds = self.async_rollouts.next_batch(timer)
+        out, consumed, rounds = self.rollouts.next_batch(self.state, self.step, self.position, timer)
+        self.state.update(self.rollouts.checkpoint_entries())  # keeps no rollout copy alive that no batch needs
         tokens, lengths, rewards = out.tokens, out.lengths, out.rewards
         advantages, informative = group_advantages(rewards, group, cfg.loss.advantage, cfg.loss.advantage_eps)
         rows = training_rows(out.prompts, tokens, lengths, self.tok.pad_id, self.width)
@@ -358,9 +284,7 @@ class GRPORun:
             self.precompiling = None
         self.step += 1
         self.position += consumed
-        if self.async_rollouts is not None:
-            with timer.stage("sync"):
-                record["sync_bytes"] = self.async_rollouts.sync()
+        record.update(self.rollouts.update_weights(self.state, self.step, timer))
         record.update(
             rollout_step_metrics(out.scores, informative, lengths, truncated, out.stats, group),
             reward_failures=out.reward_failures,

@@ -1,4 +1,5 @@
-"""Per-step metrics: JSON lines (and optionally TensorBoard scalars), stage timers, rollout statistics.
+"""A GRPO step's metrics: what its record holds, stage timers, rollout statistics (the records are
+written by `jaxspec.run.MetricsLog`, with their time_unix_s, and optionally mirrored to TensorBoard).
 
 A step record (metrics.jsonl) holds
   rollouts: reward_mean/std, accuracy (responses with reward >= 1), reward_failures (responses whose
@@ -45,14 +46,10 @@ process's history; everything else is a deterministic function of the config, th
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
-
-from jaxspec.exits import StorageError
 
 MACHINE_PREFIXES = ("time_", "tokens_per_s", "compiles", "memory_")
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per compilation or persistent-cache read
@@ -78,46 +75,6 @@ POLICY_METRICS = (
 def is_machine_dependent(key: str) -> bool:
     """Whether a record's key measures the machine (time, compilations, memory), not the run."""
     return key.startswith(MACHINE_PREFIXES)
-
-
-class MetricsLog:
-    """Appends one JSON object per line to `path`; mirrors numeric scalars to TensorBoard if asked.
-    With enabled=False (the other processes of a multi-process job) it writes nothing."""
-
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, enabled: bool = True):
-        self.path = Path(path)
-        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
-        self._writer = None
-        if enabled and tensorboard_dir is not None:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(str(tensorboard_dir))
-
-    def write(self, record: dict) -> None:
-        """Appends `record` with its time_unix_s (not mirrored: TensorBoard keeps its own wall time)."""
-        if self._file is None:
-            return
-        try:
-            self._file.write(json.dumps({**record, "time_unix_s": round(time.time(), 3)}) + "\n")
-            self._file.flush()
-        except OSError as err:  # a full disk: the error names the file
-            raise StorageError(f"writing {self.path} failed: {err.strerror or err}") from err
-        if self._writer is not None:
-            step = int(record["step"])
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, value, step)
-                elif isinstance(value, list):
-                    for i, item in enumerate(value):
-                        if item is not None:
-                            self._writer.add_scalar(f"{key}/{i}", item, step)
-            self._writer.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._writer is not None:
-            self._writer.close()
 
 
 class StageTimer:

@@ -89,7 +89,7 @@ class RolloutHosts:
 
 
 def merge(parts: list[Rollouts]) -> Rollouts:
-    """Rollouts of consecutive row blocks (`GRPORun._rollouts` outputs) as one, with the blocks'
+    """Rollouts of consecutive row blocks (`RolloutGenerator.rollouts` outputs) as one, with the blocks'
     statistics merged."""
     if len(parts) == 1:
         return parts[0]

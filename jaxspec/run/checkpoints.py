@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -150,35 +149,3 @@ def _reason(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     first = lines[0] if lines else ""
     return f"{type(err).__name__}: {first[:240]}" if first else type(err).__name__
-
-
-def truncate_metrics(path: Path, step: int, report: Callable[[str], None] = say) -> list[dict]:
-    """Drops the records of steps after `step` from a JSON-lines metrics file (those a resumed run
-    will redo; written by a run that died after its last checkpoint); returns the records kept.
-
-    A last line cut short (the process died while writing it) is dropped and reported in one line;
-    a line that is not a JSON record before the last raises ValueError naming the file and line.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    lines = [
-        (number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()
-    ]
-    records = []
-    for i, (number, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError(f"a {type(record).__name__}, not a record")
-        except ValueError as err:
-            if i + 1 < len(lines):
-                raise ValueError(
-                    f"{path}: line {number} is not a JSON record ({err}); repair or move the file aside to resume"
-                ) from None
-            report(f"{path}: dropped its last line, cut short while it was written ({err})")
-            continue
-        if record.get("step", 0) <= step:
-            records.append((line, record))
-    path.write_text("".join(line + "\n" for line, _ in records), encoding="utf-8")
-    return [record for _, record in records]

@@ -3,7 +3,7 @@ seconds; configs/slurm/grpo.sbatch sets it from the job's end time) checkpoints 
 last step boundary from which one more step and a checkpoint would still finish in time.
 
 The estimates are measured, never configured: a step takes as long as the longest of the last
-three (this process's, or those of the run's metrics.jsonl from earlier starts), a checkpoint as
+three (this process's, or the time_step_s of the run's metrics.jsonl from earlier starts), a checkpoint as
 long as the longest one measured from its start until it was complete on disk (orbax writes in the
 background), or as a step when none was measured yet. Before any step is known the run only stops
 when the time is already up.
@@ -44,8 +44,12 @@ class Deadline:
             ) from None
 
     def record(self, records: Iterable[dict]) -> None:
-        """Takes the step times of metrics records (time_step_s)."""
+        """Takes the step times of metrics records (time_step_s: an earlier start's)."""
         self.step_seconds.extend(float(r["time_step_s"]) for r in records if "time_step_s" in r)
+
+    def step_took(self, seconds: float) -> None:
+        """Takes the time of a step measured in this process."""
+        self.step_seconds.append(seconds)
 
     def checkpoint_written(self, seconds: float | None) -> None:
         """Takes the longest complete checkpoint write measured so far (None: none yet)."""

@@ -208,7 +208,7 @@ def test_mesh_must_split_the_batch_and_fit_the_devices(tmp_path, policy_dir, cap
 
 
 def test_sigterm_checkpoints_and_resume_writes_each_step_once(tmp_path, policy_dir, monkeypatch, capsys):
-    import jaxspec.draft_training.train as train_module
+    import jaxspec.run.loop as train_module
 
     class SigtermAtStep3(train_module.Progress):
         def update(self, steps=1, **fields):

@@ -90,7 +90,7 @@ def test_resume_continues_from_checkpoint_exactly(first_run, tmp_path, capsys):
 def test_sigterm_checkpoints_and_resume_finishes_the_same_run(first_run, tmp_path, monkeypatch, capsys):
     """SIGTERM during step 5: the run checkpoints step 5 and exits 75 without exporting; --resume
     ends in the uninterrupted run's weights and metrics."""
-    import jaxspec.pretrain.run as run_module
+    import jaxspec.run.loop as run_module
 
     class SigtermAtStep5(run_module.Progress):
         def update(self, steps=1, **fields):

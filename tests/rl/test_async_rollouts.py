@@ -79,23 +79,23 @@ def test_rollouts_use_the_weights_of_max_staleness_updates_before(tiny_policy, t
         steps=steps,
     )
     consumed, versions = [], [jax.tree.map(np.asarray, run.state["params"])]
-    next_batch = run.async_rollouts.next_batch
+    next_batch = run.rollouts.next_batch
 
-    def recording_next_batch(timer):
-        out = next_batch(timer)
+    def recording_next_batch(*args):
+        out = next_batch(*args)
         consumed.append(out[0])
         return out
 
-    run.async_rollouts.next_batch = recording_next_batch
+    run.rollouts.next_batch = recording_next_batch
     trainer_devices = {d for x in jax.tree.leaves(run.state["params"]) for d in x.devices()}
     records = []
     for _ in range(steps):
         records.append(run.run_step())
         versions.append(jax.tree.map(np.asarray, run.state["params"]))
-        copy = run.async_rollouts.weights
+        copy = run.rollouts.weights
         assert copy.version == run.step
         # the next k steps' batches were queued before this step's update, with older weights
-        queued = [(b.step, b.weights.version, b.result is not None) for b in run.async_rollouts.in_flight]
+        queued = [(b.step, b.weights.version, b.result is not None) for b in run.rollouts.in_flight]
         assert queued == [
             (t, max(0, t - 1 - staleness), t <= steps) for t in range(run.step + 1, run.step + 1 + staleness)
         ], queued
@@ -106,7 +106,7 @@ def test_rollouts_use_the_weights_of_max_staleness_updates_before(tiny_policy, t
         ):
             assert got.devices() == set(jax.devices()[-2:]) and not got.devices() & trainer_devices
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    run.async_rollouts.close()
+    run.rollouts.close()
 
     measured = [_generating_version(run, out, versions) for out in consumed]
     assert measured == [max(0, t - 1 - staleness) for t in range(1, steps + 1)]
@@ -137,19 +137,19 @@ def test_stale_rollouts_are_weighted_by_the_proximal_over_the_behaviour_policy(t
         steps=3,
     )
     consumed, versions = [], [jax.tree.map(np.asarray, run.state["params"])]
-    next_batch = run.async_rollouts.next_batch
+    next_batch = run.rollouts.next_batch
 
-    def recording_next_batch(timer):
-        out = next_batch(timer)
+    def recording_next_batch(*args):
+        out = next_batch(*args)
         consumed.append(out[0])
         return out
 
-    run.async_rollouts.next_batch = recording_next_batch
+    run.rollouts.next_batch = recording_next_batch
     records = []
     for _ in range(3):
         records.append(run.run_step())
         versions.append(jax.tree.map(np.asarray, run.state["params"]))
-    run.async_rollouts.close()
+    run.rollouts.close()
     for step, (record, out) in enumerate(zip(records, consumed)):
         prox, mask = _trainer_logprobs(run, out, versions[step])
         behaviour, _ = _trainer_logprobs(run, out, versions[out.rollout_version])
@@ -177,7 +177,7 @@ def test_the_importance_ratio_is_1_when_stale_rollouts_come_from_unchanged_weigh
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, learning_rate=0.0))
     run = GRPORun(cfg, tmp_path / "run", False, check_inputs(cfg))
     records = [run.run_step() for _ in range(3)]
-    run.async_rollouts.close()
+    run.rollouts.close()
     assert [r["staleness"] for r in records] == [0, 1, 2]
     for r in records:
         assert abs(r["ratio_mean"] - 1) < 1e-6 and r["clip_low_frac"] == r["clip_high_frac"] == 0, r
@@ -195,26 +195,28 @@ def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path, 
     """From one trainer device or a sharded trainer mesh to the replicated rollout copy (with
     rollout.gather_weights too, which applies to the trainer mesh's validation alone: the sync
     gathers nothing on the trainer mesh)."""
-    import jaxspec.rl.loop as loop
+    import jaxspec.rl.rollout_source as rollout_source
 
     run = _run(tiny_policy, tmp_path, "rollout.mode=async", *mesh, "rollout.dtype=bfloat16")
     rollout_devices = set(jax.devices()[-run.cfg.mesh.rollout_devices :])
     run.state["params"] = jax.tree.map(lambda x: x * 1.5, run.state["params"])  # an "update"
     run.step += 1
-    cast_floats, gathered = loop.cast_floats, []
+    cast_floats, gathered = rollout_source.cast_floats, []
     monkeypatch.setattr(
-        loop,
+        rollout_source,
         "cast_floats",
         lambda tree, dtype, shardings=None: (
             gathered.append(shardings is not None),
             cast_floats(tree, dtype, shardings),
         )[1],
     )
-    assert run.async_rollouts.sync() == sum(x.size * 2 for x in jax.tree.leaves(run.state["params"])) + sum(
+    assert run.rollouts.sync(run.state, run.step) == sum(
+        x.size * 2 for x in jax.tree.leaves(run.state["params"])
+    ) + sum(
         x.nbytes if not jnp.issubdtype(x.dtype, jnp.floating) else x.size * 2
         for x in jax.tree.leaves(run.state["draft_params"])
     )
-    copy = run.async_rollouts.weights
+    copy = run.rollouts.weights
     for got, want in zip(
         jax.tree.leaves((copy.policy, copy.draft)), jax.tree.leaves((run.state["params"], run.state["draft_params"]))
     ):
@@ -222,16 +224,16 @@ def test_the_sync_casts_to_the_rollout_dtype_bit_for_bit(tiny_policy, tmp_path, 
         assert got.dtype == expected and got.devices() == rollout_devices and got.sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(expected)))
     assert gathered and not any(gathered)
-    run.async_rollouts.close()
+    run.rollouts.close()
 
 
 def test_a_frozen_draft_is_copied_once(tiny_policy, tmp_path):
     run = _run(tiny_policy, tmp_path, *ASYNC, "draft.online=false")
-    draft = run.async_rollouts.weights.draft
+    draft = run.rollouts.weights.draft
     run.step += 1
-    assert run.async_rollouts.sync() == sum(x.nbytes for x in jax.tree.leaves(run.state["params"]))
-    assert run.async_rollouts.weights.draft is draft and run.async_rollouts.weights.version == 1
-    run.async_rollouts.close()
+    assert run.rollouts.sync(run.state, run.step) == sum(x.nbytes for x in jax.tree.leaves(run.state["params"]))
+    assert run.rollouts.weights.draft is draft and run.rollouts.weights.version == 1
+    run.rollouts.close()
 
 
 def test_staleness_0_repeats_the_colocated_run(tiny_policy, tmp_path):

@@ -195,16 +195,16 @@ def test_rollout_sub_batches_bound_each_generate_call(tiny_policy, tmp_path, mon
     groups, keys folded per call), and the record's acceptance statistics are the two calls'
     counts combined."""
     import jaxspec.rl.evaluate as evaluate
-    import jaxspec.rl.loop as loop
+    import jaxspec.rl.rollout_source as rollout_source
 
-    calls, generate = [], loop.generate
+    calls, generate = [], rollout_source.generate
 
     def recording_generate(cfg, params, prompts, key, **kwargs):
         out = generate(cfg, params, prompts, key, **kwargs)
         calls.append((len(prompts), prompts, out.stats))
         return out
 
-    monkeypatch.setattr(loop, "generate", recording_generate)
+    monkeypatch.setattr(rollout_source, "generate", recording_generate)
     monkeypatch.setattr(evaluate, "generate", recording_generate)
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", "rollout.sub_batch=16") == 0
@@ -238,8 +238,9 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
 
     import jaxspec.rl.evaluate as evaluate
     import jaxspec.rl.loop as loop
+    import jaxspec.rl.rollout_source as rollout_source
 
-    generate, optimize = loop.generate, loop.GRPORun._optimize
+    generate, optimize = rollout_source.generate, loop.GRPORun._optimize
     read_fsdp_sharded, copies_in_update = [], []
 
     def recording_generate(cfg, params, *args, **kwargs):
@@ -251,7 +252,7 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
         copies_in_update.append(sum(x.shape == embed.shape and x.dtype == jnp.bfloat16 for x in jax.live_arrays()))
         return optimize(run, batch)
 
-    monkeypatch.setattr(loop, "generate", recording_generate)
+    monkeypatch.setattr(rollout_source, "generate", recording_generate)
     monkeypatch.setattr(evaluate, "generate", recording_generate)
     monkeypatch.setattr(loop.GRPORun, "_optimize", recording_optimize)
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=1, checkpoint_every=1)

@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from jaxspec.config_io import to_dict
-from jaxspec.rl.checkpointing import check_run_dir
-from jaxspec.rl.config import GRPOConfig, GRPOLossConfig, GRPOTrainConfig
+from jaxspec.rl.config import FIXED_ON_RESUME, GRPOConfig, GRPOLossConfig, GRPOTrainConfig
+from jaxspec.run import check_run_dir
 
 
 def _saved_run(tmp_path, cfg: GRPOConfig, drop: tuple[str, ...] = ()):
@@ -23,19 +23,22 @@ def _saved_run(tmp_path, cfg: GRPOConfig, drop: tuple[str, ...] = ()):
 def test_a_key_added_after_the_run_started_resumes_at_its_default(tmp_path):
     cfg = GRPOConfig(train=GRPOTrainConfig(steps=4))
     run_dir = _saved_run(tmp_path, cfg, drop=("loss.routing_replay", "data.tally"))
-    check_run_dir(cfg, run_dir, resume=True)
+    check_run_dir(run_dir, True, cfg, FIXED_ON_RESUME)
     changed = GRPOConfig(train=GRPOTrainConfig(steps=4), loss=GRPOLossConfig(routing_replay=True))
     with pytest.raises(ValueError, match="--resume: loss.routing_replay is True but the run in .* used False"):
-        check_run_dir(changed, run_dir, resume=True)
+        check_run_dir(run_dir, True, changed, FIXED_ON_RESUME)
 
 
 def test_a_changed_training_key_is_refused_and_a_resumable_one_is_not(tmp_path):
     cfg = GRPOConfig(train=GRPOTrainConfig(steps=4))
     run_dir = _saved_run(tmp_path, cfg)
-    check_run_dir(GRPOConfig(train=GRPOTrainConfig(steps=8)), run_dir, resume=True)
+    check_run_dir(run_dir, True, GRPOConfig(train=GRPOTrainConfig(steps=8)), FIXED_ON_RESUME)
     with pytest.raises(ValueError, match="--resume: loss.tis_cap is None but the run in .* used 2.0"):
         check_run_dir(
-            GRPOConfig(train=GRPOTrainConfig(steps=4), loss=GRPOLossConfig(tis_cap=None)), run_dir, resume=True
+            run_dir,
+            True,
+            GRPOConfig(train=GRPOTrainConfig(steps=4), loss=GRPOLossConfig(tis_cap=None)),
+            FIXED_ON_RESUME,
         )
     with pytest.raises(ValueError, match="already holds checkpoints; pass --resume"):
-        check_run_dir(cfg, run_dir, resume=False)
+        check_run_dir(run_dir, False, cfg, FIXED_ON_RESUME)
