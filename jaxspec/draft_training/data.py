@@ -54,7 +54,7 @@ class RolloutBatch:
         return int(self.loss_mask.sum())
 
 
-class RolloutSource:
+class RolloutBatches:
     """Batches of policy rollouts addressed by step number (deterministic given the seed).
     sharding: the mesh the policy is sharded over; the rollouts' rows are split over its batch axes."""
 

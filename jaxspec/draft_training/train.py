@@ -32,7 +32,7 @@ from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.loss import eagle3_loss
 from jaxspec.draft.model import init_eagle3, merge_buffers, split_buffers
 from jaxspec.draft_training.config import FIXED_ON_RESUME, DraftTrainConfig, HeadLossConfig, HeadOptimConfig
-from jaxspec.draft_training.data import RolloutBatch, RolloutSource, count_tokens, prompt_pool
+from jaxspec.draft_training.data import RolloutBatch, RolloutBatches, count_tokens, prompt_pool
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, shard_params
@@ -131,7 +131,7 @@ def _floats(values) -> list[float]:
 
 
 def _initial_head(
-    cfg: ModelConfig, run: DraftTrainConfig, source: RolloutSource, run_dir: Path, resume: bool
+    cfg: ModelConfig, run: DraftTrainConfig, source: RolloutBatches, run_dir: Path, resume: bool
 ) -> tuple[DraftConfig, dict, dict[int, RolloutBatch]]:
     """(dcfg, dparams, pre-generated batches by step): a fresh head takes its vocabulary from
     the token counts of the first batches, which then serve as the first training batches."""
@@ -166,7 +166,7 @@ def evaluate(
 ) -> dict:
     """Mean loss and top-1 agreement per unrolled position on fresh batches of `run.eval.data`."""
     data = run.eval.data or dataclasses.replace(run.data, seed=run.data.seed + _EVAL_SEED_OFFSET)
-    source = RolloutSource(
+    source = RolloutBatches(
         cfg,
         policy,
         tok,
@@ -239,7 +239,7 @@ class DraftTrainRun:
             policy = shard_params(self.placement.sharding, policy)
             say(f"training on the mesh {dict(self.placement.sharding.mesh.shape)}")
         self.policy = policy
-        self.source = RolloutSource(
+        self.source = RolloutBatches(
             self.cfg,
             policy,
             self.tok,

@@ -14,7 +14,7 @@ from jaxspec.cli import main as jaxspec_main
 from jaxspec.config_io import load_config
 from jaxspec.draft import build_vocab_maps, load_eagle3
 from jaxspec.draft_training.config import DraftTrainConfig, validate
-from jaxspec.draft_training.data import RolloutSource, prompt_pool
+from jaxspec.draft_training.data import RolloutBatches, prompt_pool
 from jaxspec.models import ModelConfig, load_hf, save_hf
 from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import generate_problems, train_tokenizer
@@ -101,7 +101,7 @@ def test_rollouts_are_sampled_a_group_of_batches_per_call(policy_dir):
     calls = []
 
     def source():
-        src = RolloutSource(cfg, params, tok, pool, run.generation, run.data.max_prompt_len, 4, seed=7)
+        src = RolloutBatches(cfg, params, tok, pool, run.generation, run.data.max_prompt_len, 4, seed=7)
         generate_group = src._generate
         src._generate = lambda group: calls.append(group) or generate_group(group)
         return src
