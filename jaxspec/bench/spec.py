@@ -8,7 +8,11 @@ their own lengths, so the ratio of tokens per second, `throughput_speedup`, is g
 acceptance length (tokens emitted per verification step and row, the accepted drafts + 1) and
 speculation efficiency = speedup / acceptance length (1.0 would mean a verification step costs no
 more than one decode step and drafting is free), and the wall time of one loop iteration (decode
-step or verification step, prefill included) against the autoregressive one.
+step or verification step, prefill included) against the autoregressive one. What the rollouts
+are is reported beside: accuracy (the task's reward at temperature 1), the policy's entropy per
+response token (estimated as the mean -log p of the sampled tokens, nats) and the response
+lengths (percentiles; every row's length in the JSON, from which the rows still running at each
+decode step follow).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 from jaxspec.bench.timing import print_table, write_results
 from jaxspec.draft import load_eagle3
 from jaxspec.models import ModelConfig, load_hf
+from jaxspec.rewards.math_verifier import arithmetic_reward
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import DEFAULT_KINDS, ChatTokenizer, TallyConfig, generate_problems
 
@@ -37,7 +42,22 @@ COLUMNS = [
     "efficiency",
     "step_ms",
     "step_over_ar",
+    "accuracy",
+    "nats_per_token",
+    "length_p50",
+    "length_p99",
 ]
+
+
+def bench_problems(
+    rows: int, samples: int, seed: int, levels, kinds=DEFAULT_KINDS, tally: TallyConfig = TallyConfig()
+) -> list[dict]:
+    """`rows` task problems: rows / samples held-out problems of the given levels and kinds, each
+    repeated `samples` times in a row, as a GRPO batch of groups is."""
+    if samples < 1 or rows % samples:
+        raise ValueError(f"--batch {rows} is not a positive multiple of --samples {samples}")
+    problems = generate_problems(rows // samples, seed=seed, levels=levels, kinds=kinds, tally=tally)
+    return [pr for pr in problems for _ in range(samples)]
 
 
 def bench_prompts(
@@ -49,12 +69,31 @@ def bench_prompts(
     kinds=DEFAULT_KINDS,
     tally: TallyConfig = TallyConfig(),
 ) -> list[list[int]]:
-    """Token ids of `rows` chat prompts: rows / samples held-out problems of the given levels and
-    kinds, each repeated `samples` times in a row, as a GRPO batch of groups is."""
-    if samples < 1 or rows % samples:
-        raise ValueError(f"--batch {rows} is not a positive multiple of --samples {samples}")
-    problems = generate_problems(rows // samples, seed=seed, levels=levels, kinds=kinds, tally=tally)
-    return [tok.encode_prompt(pr["question"]) for pr in problems for _ in range(samples)]
+    """Token ids of the chat prompts of `bench_problems`."""
+    return [tok.encode_prompt(pr["question"]) for pr in bench_problems(rows, samples, seed, levels, kinds, tally)]
+
+
+def rollout_summary(tok: ChatTokenizer, problems: list[dict], tokens, logprobs, lengths) -> dict:
+    """What a batch of T=1 rollouts is: accuracy (the arithmetic reward of each decoded response
+    against its problem's answer), nats per response token (mean -log p of the sampled tokens:
+    an unbiased estimate of the policy's entropy per token on its own rollouts), length
+    percentiles and every row's length. tokens int32 [B, N], logprobs float32 [B, N] (0 past a
+    row's end), lengths int32 [B]."""
+    tokens, logprobs, lengths = np.asarray(tokens), np.asarray(logprobs), np.asarray(lengths)
+    rewards = [
+        arithmetic_reward(tok.decode(row[:n].tolist()), str(pr["answer"]))
+        for row, n, pr in zip(tokens, lengths, problems, strict=True)
+    ]
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {
+        "accuracy": float(np.mean(rewards)),
+        "nats_per_token": float(-logprobs.sum() / max(int(lengths.sum()), 1)),
+        "length_p50": float(p50),
+        "length_p90": float(p90),
+        "length_p99": float(p99),
+        "length_max": int(lengths.max()),
+        "lengths": lengths.tolist(),
+    }
 
 
 def stage_label(depths: tuple[int, ...]) -> str:
@@ -173,7 +212,8 @@ def main(argv: list[str]) -> int:
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
-        prompts = bench_prompts(tok, batch, args.samples, args.seed + batch, levels, kinds, tally)
+        problems = bench_problems(batch, args.samples, args.seed + batch, levels, kinds, tally)
+        prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
         ar_seconds = None
         for label, kwargs in _configs(args):
             spec = None
@@ -210,6 +250,7 @@ def main(argv: list[str]) -> int:
                 "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
                 "stage_rows": out.stats["stage_rows"],
                 "stage_steps": out.stats["stage_steps"],
+                **rollout_summary(tok, problems, out.tokens, out.logprobs, out.lengths),
             }
             rows.append(row)
             print_table([row], COLUMNS)

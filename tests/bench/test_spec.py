@@ -195,3 +195,23 @@ def test_bench_spec_rejects_a_draft_model_with_another_vocabulary(tmp_path, caps
     err = capsys.readouterr().err
     assert f"--draft-model {tmp_path / 'other'}: vocabulary of {cfg.vocab_size + 1} tokens" in err
     assert f"the policy's has {cfg.vocab_size}" in err
+
+
+def test_rollout_summary_grades_answers_and_estimates_entropy_from_the_sampled_tokens():
+    from jaxspec.bench.spec import bench_problems, rollout_summary
+    from jaxspec.tasks import ChatTokenizer
+
+    tok = ChatTokenizer.from_file(ASSETS / "tiny-policy")
+    problems = bench_problems(2, 1, seed=0, levels=[1])
+    right = tok.encode_response(problems[0]["solution"])
+    wrong = tok.encode(f"So the answer is \\boxed{{{int(float(problems[1]['answer'])) + 1}}}.")
+    width = max(len(right), len(wrong)) + 3
+    tokens = np.zeros((2, width), np.int32)
+    tokens[0, : len(right)], tokens[1, : len(wrong)] = right, wrong
+    lengths = np.array([len(right), len(wrong)], np.int32)
+    logprobs = np.zeros((2, width), np.float32)
+    logprobs[0, : len(right)], logprobs[1, : len(wrong)] = -0.5, -2.0
+    summary = rollout_summary(tok, problems, tokens, logprobs, lengths)
+    assert summary["accuracy"] == 0.5  # the reference solution scores 1, an answer off by one 0
+    assert summary["nats_per_token"] == pytest.approx((0.5 * len(right) + 2.0 * len(wrong)) / lengths.sum())
+    assert summary["lengths"] == lengths.tolist() and summary["length_max"] == lengths.max()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The long-answer workload (configs/long.yaml, the `tally` task) on one GPU, end to end: pretrain
+# the policy, train its EAGLE-3 head on the policy's own T=1 rollouts, then time speculative vs
+# autoregressive rollouts on RL-shaped batches of long, heavy-tailed answers.
+#   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
+# Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU) when named.
+# Intermediate checkpoints live under runs/ (not committed). Environment knobs:
+#   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
+#   problems whose answer does not fit, so the policy never sees the longest answers),
+#   PRETRAIN_BATCH (rows per step; default keeps ~61k tokens a step), HEAD_STEPS (1000),
+#   SPEC_BATCH (256), SPEC_SAMPLES (8: GRPO's group size), SPEC_NEW (8192), SPEC_K ("3 7": the
+#   k=7 chain's acceptance per position gives the acceptance length at every k <= 7), PRETRAIN_ARGS
+#   and HEAD_ARGS (extra dotted.key=value overrides).
+set -euo pipefail
+RESULTS=${RESULTS:-benchmarks/results}
+PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
+PRETRAIN_MAX_LEN=${PRETRAIN_MAX_LEN:-30720}
+PRETRAIN_BATCH=${PRETRAIN_BATCH:-$((61440 / PRETRAIN_MAX_LEN))}
+HEAD_STEPS=${HEAD_STEPS:-1000}
+SPEC_BATCH=${SPEC_BATCH:-256}
+SPEC_SAMPLES=${SPEC_SAMPLES:-8}
+SPEC_NEW=${SPEC_NEW:-8192}
+SPEC_K=${SPEC_K:-3 7}
+read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
+read -r -a head_args <<< "${HEAD_ARGS:-}"
+mkdir -p "$RESULTS" runs
+jaxspec() { python3 -m jaxspec.cli "$@"; }
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(pretrain head spec)
+for stage in "${stages[@]}"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case "$stage" in
+    stats)  # the length law and phrasing entropy of the data itself
+      jaxspec data stats --config configs/long.yaml --num 2000 --json "$RESULTS/long_data_stats.json" 2>&1 \
+        | tee "$RESULTS/long_data_stats.log" ;;
+    pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
+      check=0; python3 -m tests.gpu.check_cudnn_segments || check=$?
+      case $check in
+        0) attention=() ;;
+        3) attention=(train.attention=xla train.remat=true) ;;
+        *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
+      esac
+      jaxspec pretrain --config configs/long.yaml --run-dir runs/long train.progress=false \
+        train.steps="$PRETRAIN_STEPS" data.max_len="$PRETRAIN_MAX_LEN" train.batch_size="$PRETRAIN_BATCH" \
+        data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" 2>&1 | tee "$RESULTS/pretrain_long.log" ;;
+    head)
+      jaxspec draft train --config configs/draft_long.yaml --run-dir runs/draft-long \
+        train.steps="$HEAD_STEPS" train.progress=false "${head_args[@]}" 2>&1 | tee "$RESULTS/draft_long.log" ;;
+    spec)
+      # shellcheck disable=SC2086
+      jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/long.yaml \
+        --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k $SPEC_K --trees \
+        --out "$RESULTS/spec_long.json" 2>&1 | tee "$RESULTS/spec_long.log" ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"
