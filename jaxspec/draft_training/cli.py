@@ -8,8 +8,8 @@ from pathlib import Path
 from jaxspec.config_io import load_validated, run_command, run_parser
 from jaxspec.draft_training.config import FIXED_ON_RESUME, DraftTrainConfig, validate
 from jaxspec.draft_training.train import train_draft
-from jaxspec.placement import check_devices
 from jaxspec.run import check_run_dir
+from jaxspec.run.placement import check_devices
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 

@@ -38,8 +38,8 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, shard_params
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
-from jaxspec.placement import Placement, abstract
 from jaxspec.run import Checkpointer, RunLoop, check_run_dir
+from jaxspec.run.placement import Placement, abstract
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 _EVAL_SEED_OFFSET = 1_000_003  # evaluation prompts and rollouts never share the training stream

@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
-from jaxspec.placement import check_devices
 from jaxspec.pretrain.config import FIXED_ON_RESUME, PretrainConfig, validate
 from jaxspec.pretrain.run import pretrain
 from jaxspec.run import check_run_dir
+from jaxspec.run.placement import check_devices
 
 
 def _parser():

@@ -2,7 +2,7 @@
 
 The last mesh.rollout_devices devices form the rollout mesh (data = N: the rollout copy of the
 policy and of the draft replicated on each, the rollout rows and KV caches split over them); the
-trainer mesh (`jaxspec.placement.Placement`) is built from the devices before them. After each
+trainer mesh (`jaxspec.run.placement.Placement`) is built from the devices before them. After each
 update, `sync` casts the trainer's float32 weights to rollout.dtype on the trainer mesh and copies
 them onto the rollout mesh with `jax.device_put` (device to device, no host round trip): that copy
 is the weights "version" of the step (version s = the weights after s steps).
@@ -54,12 +54,12 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.sharding import param_shardings
-from jaxspec.placement import MeshConfig, Placement
 from jaxspec.rl.config import RolloutConfig
 from jaxspec.rl.metrics import StageTimer, block
 from jaxspec.rl.rollout_hosts import RolloutHosts, merge
 from jaxspec.rl.rollout_source import RolloutCast, RolloutGenerator, RolloutSource, StepRollouts
 from jaxspec.run import Batcher
+from jaxspec.run.placement import MeshConfig, Placement
 
 
 @dataclasses.dataclass(frozen=True)

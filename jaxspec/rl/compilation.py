@@ -40,11 +40,11 @@ from tqdm import tqdm
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import expert_id_dtype
-from jaxspec.placement import Placement, abstract
 from jaxspec.rl.batch import PackedRows, packed_row_counts
 from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
 from jaxspec.rl.online_draft import OnlineDraftState
 from jaxspec.rl.step import MinibatchUpdate
+from jaxspec.run.placement import Placement, abstract
 
 
 class Program(NamedTuple):

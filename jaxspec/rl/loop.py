@@ -25,7 +25,6 @@ import numpy as np
 
 from jaxspec.distributed import say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
-from jaxspec.placement import Placement
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
@@ -51,6 +50,7 @@ from jaxspec.rl.shaping import trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling
 from jaxspec.run import Batcher
+from jaxspec.run.placement import Placement
 
 
 def rollout_source(setup: RolloutSetup) -> RolloutSource:

@@ -27,7 +27,6 @@ import numpy as np
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
-from jaxspec.placement import MeshConfig, Placement, cast_floats, rollout_policy
 from jaxspec.rewards.registry import Reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import Rollouts
@@ -40,6 +39,7 @@ from jaxspec.rl.shaping import overlong_penalty, select_groups
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout.speculative.stats import merge_stats
 from jaxspec.run import Batcher
+from jaxspec.run.placement import MeshConfig, Placement, cast_floats, rollout_policy
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
