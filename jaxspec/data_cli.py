@@ -12,7 +12,7 @@ trained on these problems as pretraining trains one on its corpus):
 * with --sweep, the same two for other values of the tally kind's variation knob.
 
 --plot writes the figures (matplotlib), --json everything printed. Generating 2000 problems of
-configs/long.yaml takes ~3 s; their entropy and ideal acceptance ~1-2 min on one CPU core (as
+configs/pretrain_long.yaml takes ~3 s; their entropy and ideal acceptance ~1-2 min on one CPU core (as
 long again per --sweep value).
 """
 
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         required=True,
-        help="pretraining config whose data section defines the workload (e.g. configs/long.yaml)",
+        help="pretraining config whose data section defines the workload (e.g. configs/pretrain_long.yaml)",
     )
     p.add_argument("--num", type=int, default=2000, help="problems to draw (default 2000)")
     p.add_argument("--seed", type=int, default=None, help="seed of the problems (default: data.seed)")

@@ -19,7 +19,7 @@ def _train_parser():
         "jaxspec draft train",
         "Train an EAGLE-3 draft head against a frozen policy that generates "
         "its own training data, and export it in the public EAGLE-3 layout.",
-        "configs/draft_tiny.yaml",
+        "configs/head_tiny.yaml",
         "checkpoints, metrics and the export",
     )
 

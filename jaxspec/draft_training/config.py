@@ -1,4 +1,4 @@
-"""Configuration of an offline EAGLE-3 training run (one YAML file; see configs/draft_tiny.yaml)."""
+"""Configuration of an offline EAGLE-3 training run (one YAML file; see configs/head_tiny.yaml)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ def _parser():
     return run_parser(
         "jaxspec pretrain",
         "Generate the math corpus, train a tokenizer and a Qwen3 policy from scratch, and export it as an HF folder.",
-        "configs/tiny.yaml",
+        "configs/pretrain_tiny.yaml",
         "data, checkpoints, metrics, export",
     )
 

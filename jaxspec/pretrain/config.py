@@ -1,4 +1,4 @@
-"""Configuration of a pretraining run (one YAML file; see configs/tiny.yaml)."""
+"""Configuration of a pretraining run (one YAML file; see configs/pretrain_tiny.yaml)."""
 
 from __future__ import annotations
 
