@@ -91,7 +91,7 @@ def _tokenizer(data: DataConfig, path: str | None, problems: list[dict], folder:
 
 
 def _analyze(
-    data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_draft: int, expected: list[dict] | None = None
+    data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_depth: int, expected: list[dict] | None = None
 ) -> dict:
     """`summarize` of the first `num` problems of `data` (ValueError if they differ from `expected`:
     recording the choice points must not change what is drawn)."""
@@ -99,7 +99,7 @@ def _analyze(
     if expected is not None and [p for p, _ in recorded] != expected:
         raise ValueError("the recorded problems differ from the generated ones (generation is not deterministic)")
     tokens = SegmentTokenizer(tok)
-    return summarize([analyze_response(segments, tokens) for _, segments in recorded], max_draft)
+    return summarize([analyze_response(segments, tokens) for _, segments in recorded], max_depth)
 
 
 def _histogram(lengths: list[int]) -> list[tuple[int, int, int]]:
