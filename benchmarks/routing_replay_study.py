@@ -4,7 +4,7 @@ and expert disagreement with and without replay, measured side by side.
     python3 benchmarks/routing_replay_study.py --pretrain-steps 300 --steps 10 --results benchmarks/results/<campaign> \
         --prefix routing_replay
 
-Pretrains `configs/small_moe.yaml` on every GPU (skipped when runs/small-moe/policy exists), then
+Pretrains `configs/pretrain_small_moe.yaml` on every GPU (skipped when runs/small-moe/policy exists), then
 runs two GRPO runs of `configs/grpo_small.yaml` on that policy at once, each on half of the GPUs
 (mesh.data), with AR rollouts in bf16 and recomputed log-probs in the trainer's bf16:
 `loss.routing_replay` true and false. Each step of each run logs logprob_mismatch_mean / _max,
@@ -76,7 +76,7 @@ def main() -> int:
                 cli(
                     "pretrain",
                     "--config",
-                    "configs/small_moe.yaml",
+                    "configs/pretrain_small_moe.yaml",
                     "--run-dir",
                     "runs/small-moe",
                     f"train.steps={args.pretrain_steps}",

@@ -34,16 +34,16 @@ for stage in "${stages[@]}"; do
         3) attention=(train.attention=xla train.remat=true) ;;
         *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
       esac
-      jaxspec pretrain --config configs/small.yaml --run-dir runs/small train.progress=false "${attention[@]}" "${pretrain_args[@]}" 2>&1 \
+      jaxspec pretrain --config configs/pretrain_small.yaml --run-dir runs/small train.progress=false "${attention[@]}" "${pretrain_args[@]}" 2>&1 \
         | tee "$RESULTS/pretrain_small.log" ;;
     draft_model)  # the same problems with the policy's tokenizer (written when its pretraining starts)
-      jaxspec pretrain --config configs/draft_model_small.yaml --run-dir runs/draft-model-small train.progress=false \
+      jaxspec pretrain --config configs/pretrain_draft_model_small.yaml --run-dir runs/draft-model-small train.progress=false \
         2>&1 | tee "$RESULTS/pretrain_draft_model_small.log" ;;
     draft)
-      jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small \
+      jaxspec draft train --config configs/head_small.yaml --run-dir runs/draft-small \
         train.steps="$DRAFT_STEPS" 2>&1 | tee "$RESULTS/draft_small.log" ;;
     draft_ood)  # short level-1 arithmetic only; evaluated on the full in-domain mix
-      jaxspec draft train --config configs/draft_small.yaml --run-dir runs/draft-small-ood \
+      jaxspec draft train --config configs/head_small.yaml --run-dir runs/draft-small-ood \
         train.steps="$OOD_STEPS" 'data.levels=[1]' 'data.kinds=[arithmetic]' 2>&1 \
         | tee "$RESULTS/draft_small_ood.log" ;;
     check)

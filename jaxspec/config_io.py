@@ -1,6 +1,6 @@
 """Strict YAML -> nested frozen dataclass loading, shared by every command.
 
-    cfg = load_config(PretrainConfig, "configs/tiny.yaml", overrides=["train.steps=100"])
+    cfg = load_config(PretrainConfig, "configs/pretrain_tiny.yaml", overrides=["train.steps=100"])
 
 Rules: every key in the file must be a field of the dataclass (unknown keys are errors, with the
 dotted key and the file named); values must match the field's annotation (int, float (an int is

@@ -12,7 +12,7 @@ trained on these problems as pretraining trains one on its corpus):
 * with --sweep, the same two for other values of the tally kind's variation knob.
 
 --plot writes the figures (matplotlib), --json everything printed. Generating 2000 problems of
-configs/long.yaml takes ~3 s; their entropy and ideal acceptance ~1-2 min on one CPU core (as
+configs/pretrain_long.yaml takes ~3 s; their entropy and ideal acceptance ~1-2 min on one CPU core (as
 long again per --sweep value).
 """
 
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         required=True,
-        help="pretraining config whose data section defines the workload (e.g. configs/long.yaml)",
+        help="pretraining config whose data section defines the workload (e.g. configs/pretrain_long.yaml)",
     )
     p.add_argument("--num", type=int, default=2000, help="problems to draw (default 2000)")
     p.add_argument("--seed", type=int, default=None, help="seed of the problems (default: data.seed)")
@@ -91,7 +91,7 @@ def _tokenizer(data: DataConfig, path: str | None, problems: list[dict], folder:
 
 
 def _analyze(
-    data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_draft: int, expected: list[dict] | None = None
+    data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_depth: int, expected: list[dict] | None = None
 ) -> dict:
     """`summarize` of the first `num` problems of `data` (ValueError if they differ from `expected`:
     recording the choice points must not change what is drawn)."""
@@ -99,7 +99,7 @@ def _analyze(
     if expected is not None and [p for p, _ in recorded] != expected:
         raise ValueError("the recorded problems differ from the generated ones (generation is not deterministic)")
     tokens = SegmentTokenizer(tok)
-    return summarize([analyze_response(segments, tokens) for _, segments in recorded], max_draft)
+    return summarize([analyze_response(segments, tokens) for _, segments in recorded], max_depth)
 
 
 def _histogram(lengths: list[int]) -> list[tuple[int, int, int]]:

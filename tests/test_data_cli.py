@@ -16,7 +16,7 @@ def test_stats_prints_lengths_entropy_and_acceptance(tmp_path, capsys):
         "data",
         "stats",
         "--config",
-        "configs/long.yaml",
+        "configs/pretrain_long.yaml",
         "--num",
         "40",
         "--max-draft",
@@ -54,7 +54,7 @@ def test_stats_plots(tmp_path, capsys):
         "data",
         "stats",
         "--config",
-        "configs/long.yaml",
+        "configs/pretrain_long.yaml",
         "--num",
         "20",
         "--sweep",
@@ -82,7 +82,7 @@ def test_stats_plots(tmp_path, capsys):
     ],
 )
 def test_bad_input_is_refused_naming_it(args, message, capsys):
-    assert main(["data", "stats", "--config", "configs/long.yaml", *args]) == 2  # bad input (jaxspec.exits)
+    assert main(["data", "stats", "--config", "configs/pretrain_long.yaml", *args]) == 2  # bad input (jaxspec.exits)
     err = capsys.readouterr().err
     assert err.startswith("jaxspec data: error: ") and message in err
 

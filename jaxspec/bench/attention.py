@@ -26,9 +26,9 @@ from jaxspec.bench.timing import (
     read_bytes_per_second,
     write_results,
 )
+from jaxspec.kernels.ragged_attention import cache_attention_pallas, merge, new_token_bits, split_plan
 from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
-from kernels.ragged_attention import cache_attention_pallas, merge, new_token_bits, split_plan
 
 
 def attention_inputs(

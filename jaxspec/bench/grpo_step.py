@@ -65,7 +65,6 @@ from jaxspec.bench.timing import (
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, cache_bytes, init_params, load_hf, save_hf
 from jaxspec.models.sharding import shard_params
-from jaxspec.placement import MeshConfig, Placement, cast_floats, check_devices, rollout_policy
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig, OnlineDraftConfig, PolicyOptimConfig
 from jaxspec.rl.loss import loss_denominator
@@ -73,6 +72,7 @@ from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
 from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.run import Checkpointer
+from jaxspec.run.placement import MeshConfig, Placement, cast_floats, check_devices, rollout_policy
 
 PROJECTED_ACCEPTANCE = (2.5, 3.0, 3.3)  # measured on `small` (~2.9) and the EAGLE-3 paper's range
 PHASES = ("generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint")

@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
         default=None,
         metavar="CONFIG",
         help="draw the problems from this pretraining config's data section (its kinds, levels and "
-        "tally settings), e.g. configs/long.yaml for the long-answer workload; default: the "
+        "tally settings), e.g. configs/pretrain_long.yaml for the long-answer workload; default: the "
         "built-in task at --levels",
     )
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")

@@ -11,7 +11,7 @@ warm-up (milliseconds):
   decode      one autoregressive step: `extend` of 1 token + `choose_tokens` (processed log-probs,
               sampling at temperature 1), as `jaxspec.rollout.engine` runs it.
   verify(N)   one policy `extend` of N chain nodes (ancestor tree mask, the head's 3 aux layers
-              returned) + processed log-probs of all N nodes + `kernels.tree_verify`;
+              returned) + processed log-probs of all N nodes + `jaxspec.kernels.tree_verify`;
               kernel(N) is `tree_verify` alone on float32 log-probs [B, N, V].
   draft       one head step (`draft_extend` of 1 token) + processed log-probs over the draft
               vocabulary + top-1 mapped to policy ids.
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
+from jaxspec import kernels
 from jaxspec.bench.timing import median_seconds, out_of_memory, print_table, write_results
 from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, init_eagle3, to_target_ids
 from jaxspec.models import ModelConfig, cache_bytes, extend, init_cache, init_params

@@ -40,9 +40,9 @@ from jaxspec.bench.timing import (
     print_table,
     write_results,
 )
-from kernels.tree_stochastic_pallas import verify_stochastic_pallas
-from kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
-from kernels.tree_verify_reference import verify_reference
+from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
+from jaxspec.kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
+from jaxspec.kernels.tree_verify_reference import verify_reference
 
 VERIFY_MODULES = {
     "jit_verify_pallas": "kernel",

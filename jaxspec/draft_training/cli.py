@@ -7,9 +7,9 @@ from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
 from jaxspec.draft_training.config import FIXED_ON_RESUME, DraftTrainConfig, validate
-from jaxspec.draft_training.train import train_draft
-from jaxspec.placement import check_devices
+from jaxspec.draft_training.train import train_head
 from jaxspec.run import check_run_dir
+from jaxspec.run.placement import check_devices
 
 VERBS = {"train": "train an EAGLE-3 head on the policy's own rollouts; export it in the public layout"}
 
@@ -19,7 +19,7 @@ def _train_parser():
         "jaxspec draft train",
         "Train an EAGLE-3 draft head against a frozen policy that generates "
         "its own training data, and export it in the public EAGLE-3 layout.",
-        "configs/draft_tiny.yaml",
+        "configs/head_tiny.yaml",
         "checkpoints, metrics and the export",
     )
 
@@ -50,4 +50,4 @@ def main(argv: list[str] | None = None) -> int:
         check_run_dir(Path(args.run_dir), args.resume, cfg, FIXED_ON_RESUME)
         return cfg
 
-    return run_command("jaxspec draft train", prepare, lambda cfg: train_draft(cfg, args.run_dir, resume=args.resume))
+    return run_command("jaxspec draft train", prepare, lambda cfg: train_head(cfg, args.run_dir, resume=args.resume))

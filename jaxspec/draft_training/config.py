@@ -1,4 +1,4 @@
-"""Configuration of an offline EAGLE-3 training run (one YAML file; see configs/draft_tiny.yaml)."""
+"""Configuration of an offline EAGLE-3 training run (one YAML file; see configs/head_tiny.yaml)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
-from jaxspec.placement import MeshConfig
+from jaxspec.run.placement import MeshConfig
 from jaxspec.run.run_dir import FixedKeys
 from jaxspec.tasks.generator import DEFAULT_KINDS, problem_config_errors
 from jaxspec.tasks.tally import TallyConfig
@@ -150,7 +150,7 @@ class DraftTrainConfig:
     policy: HF folder of the frozen policy, with its tokenizer.json (default: the embedded
     tiny policy).
 
-    mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`): the frozen
+    mesh: the devices of this process that train (`jaxspec.run.placement.MeshConfig`): the frozen
     policy is sharded by the model's rules (fsdp, tensor), the head and its optimizer state are
     replicated, and each step's rows (and the rollouts that make them) are split over data x fsdp
     devices (train.batch_size a multiple of that product). The same steps on any mesh (up to float

@@ -38,8 +38,8 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding, shard_params
 from jaxspec.models.transformer import Params, forward_hidden
 from jaxspec.optim import make_optimizer
-from jaxspec.placement import Placement, abstract
 from jaxspec.run import Checkpointer, RunLoop, check_run_dir
+from jaxspec.run.placement import Placement, abstract
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 _EVAL_SEED_OFFSET = 1_000_003  # evaluation prompts and rollouts never share the training stream
@@ -194,7 +194,7 @@ def evaluate(
     }
 
 
-def train_draft(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
+def train_head(run: DraftTrainConfig, run_dir, resume: bool = False) -> dict:
     """Trains (or resumes) a head and exports it (`jaxspec.run.RunLoop`). Returns {"export_dir",
     "step", "preempted", "eval_*", ...}. SIGTERM, Ctrl-C or the job's time limit checkpoints at the
     next step and returns with preempted True, without evaluating or exporting."""
@@ -212,7 +212,7 @@ class DraftTrainRun:
     the head's training state (restored when resuming), its steps, final evaluation and export.
 
     The training state: weights (the head's trained params), buffers (its fixed vocabulary maps),
-    opt_state, step. result: what `train_draft` returns (loss: the last logged loss, eval_*).
+    opt_state, step. result: what `train_head` returns (loss: the last logged loss, eval_*).
     """
 
     name = "draft"

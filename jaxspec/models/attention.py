@@ -5,7 +5,7 @@ draft head's passes): T new tokens per row attend to their row's valid cache pre
 tree mask, to each other. Two implementations with the same semantics:
 
 * "xla": dense scores over every cache slot, masked (`attention` + `cache_attention_mask`);
-* "pallas": one `kernels.ragged_attention` kernel over the prefix and the new tokens (KV blocks
+* "pallas": one `jaxspec.kernels.ragged_attention` kernel over the prefix and the new tokens (KV blocks
   read only up to each row's last new token, the tree mask applied inside), then a merge of its
   partials across cache splits. On GPU for 16-bit caches; it reads a fraction length / max_len of
   the cache that the dense path reads in full.
@@ -19,9 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kernels.dispatch import requested_impl
+from jaxspec.kernels.ragged_attention import Partials, cache_attention_pallas, merge, new_token_bits
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
-from kernels.dispatch import requested_impl
-from kernels.ragged_attention import Partials, cache_attention_pallas, merge, new_token_bits
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 IMPL_ENV = "JAXSPEC_CACHE_ATTENTION"

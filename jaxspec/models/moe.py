@@ -14,7 +14,7 @@ token sums its k weighted expert outputs.
 The grouped matmuls have two implementations with one semantics (`grouped_matmul`):
 
 * "ragged_dot": `jax.lax.ragged_dot`, the training path (XLA differentiates it);
-* "pallas": the `kernels.grouped_matmul` kernels (Triton on GPU), which read only the experts that
+* "pallas": the `jaxspec.kernels.grouped_matmul` kernels (Triton on GPU), which read only the experts that
   rows pick and compute only their rows; differentiable (dX: the kernel on the transposed experts,
   dW: a grouped x.T @ dY kernel), but training does not select it by default. "interpret" runs
   them in Pallas interpret mode.
@@ -52,9 +52,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kernels.dispatch import requested_impl
+from jaxspec.kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas
 from jaxspec.models.sharding import Sharding
-from kernels.dispatch import requested_impl
-from kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas
 
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
 IMPLS = ("auto", "ragged_dot", "pallas", "interpret")

@@ -6,17 +6,17 @@ import sys
 from pathlib import Path
 
 from jaxspec.config_io import load_validated, run_command, run_parser
-from jaxspec.placement import check_devices
 from jaxspec.pretrain.config import FIXED_ON_RESUME, PretrainConfig, validate
 from jaxspec.pretrain.run import pretrain
 from jaxspec.run import check_run_dir
+from jaxspec.run.placement import check_devices
 
 
 def _parser():
     return run_parser(
         "jaxspec pretrain",
         "Generate the math corpus, train a tokenizer and a Qwen3 policy from scratch, and export it as an HF folder.",
-        "configs/tiny.yaml",
+        "configs/pretrain_tiny.yaml",
         "data, checkpoints, metrics, export",
     )
 

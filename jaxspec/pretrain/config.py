@@ -1,4 +1,4 @@
-"""Configuration of a pretraining run (one YAML file; see configs/tiny.yaml)."""
+"""Configuration of a pretraining run (one YAML file; see configs/pretrain_tiny.yaml)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 from jaxspec.config_io import requirement
 from jaxspec.optim import OptimConfig
-from jaxspec.placement import MeshConfig
+from jaxspec.run.placement import MeshConfig
 from jaxspec.run.run_dir import FixedKeys
 from jaxspec.tasks.generator import DEFAULT_KINDS, problem_config_errors
 from jaxspec.tasks.tally import TallyConfig
@@ -140,7 +140,7 @@ class PretrainTrainConfig:
 class PretrainConfig:
     """A pretraining run (`jaxspec pretrain --config FILE`).
 
-    mesh: the devices of this process that train (`jaxspec.placement.MeshConfig`); e.g. data: 4
+    mesh: the devices of this process that train (`jaxspec.run.placement.MeshConfig`); e.g. data: 4
     splits every step's rows over 4 GPUs with the params replicated, fsdp: 4 shards them too. The
     same steps on any mesh (up to float summation order); a resumed run may change it."""
 

@@ -25,12 +25,12 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import shard_params
 from jaxspec.models.transformer import init_params
 from jaxspec.optim import make_optimizer
-from jaxspec.placement import Placement, abstract
 from jaxspec.pretrain.config import FIXED_ON_RESUME, ModelShape, PretrainConfig
 from jaxspec.pretrain.data import encode_examples, pack, prepare_problems, prepare_tokenizer
 from jaxspec.pretrain.evaluate import cast_params, greedy_accuracy
 from jaxspec.pretrain.train import make_train_step
 from jaxspec.run import Batcher, Checkpointer, RunLoop, check_run_dir
+from jaxspec.run.placement import Placement, abstract
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 

@@ -2,7 +2,7 @@
 
 The last mesh.rollout_devices devices form the rollout mesh (data = N: the rollout copy of the
 policy and of the draft replicated on each, the rollout rows and KV caches split over them); the
-trainer mesh (`jaxspec.placement.Placement`) is built from the devices before them. After each
+trainer mesh (`jaxspec.run.placement.Placement`) is built from the devices before them. After each
 update, `sync` casts the trainer's float32 weights to rollout.dtype on the trainer mesh and copies
 them onto the rollout mesh with `jax.device_put` (device to device, no host round trip): that copy
 is the weights "version" of the step (version s = the weights after s steps).
@@ -54,12 +54,12 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.sharding import param_shardings
-from jaxspec.placement import MeshConfig, Placement
 from jaxspec.rl.config import RolloutConfig
-from jaxspec.rl.metrics import StageTimer, block
+from jaxspec.rl.metrics import PhaseTimer, block
 from jaxspec.rl.rollout_hosts import RolloutHosts, merge
 from jaxspec.rl.rollout_source import RolloutCast, RolloutGenerator, RolloutSource, StepRollouts
 from jaxspec.run import Batcher
+from jaxspec.run.placement import MeshConfig, Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,18 +76,18 @@ class RolloutWeights:
 class _Batch:
     step: int  # the RL step (1-based) that trains on it
     weights: RolloutWeights
-    result: Future | None  # (Rollouts, {stage: seconds}); None past train.steps (never generated)
+    result: Future | None  # (Rollouts, {phase: seconds}); None past train.steps (never generated)
 
 
-class _StageSeconds:
-    """Seconds per stage of one batch in the worker thread (`StageTimer.stage` without the
+class _PhaseSeconds:
+    """Seconds per phase of one batch in the worker thread (`PhaseTimer.phase` without the
     compilation counters, which the main thread's timer counts for the whole process)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def stage(self, name: str):
+    def phase(self, name: str):
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
@@ -177,9 +177,9 @@ class AsyncRollouts(RolloutSource):
                 weights = copies.setdefault(version, RolloutWeights(saved["policy"], saved.get("draft"), version))
                 self._submit(weights, state, step, position)
 
-    def update_weights(self, state: dict, step: int, timer: StageTimer) -> dict:
-        """{"sync_bytes": bytes copied} (`sync`), timed as the "sync" stage."""
-        with timer.stage("sync"):
+    def update_weights(self, state: dict, step: int, timer: PhaseTimer) -> dict:
+        """{"sync_bytes": bytes copied} (`sync`), timed as the "sync" phase."""
+        with timer.phase("sync"):
             return {"sync_bytes": self.sync(state, step)}
 
     def sync(self, state: dict, step: int) -> int:
@@ -210,7 +210,7 @@ class AsyncRollouts(RolloutSource):
         keys = [key] if size == len(ids) else [jax.random.fold_in(key, i) for i in calls]
 
         def work():
-            seconds = _StageSeconds()
+            seconds = _PhaseSeconds()
             out = merge(
                 [
                     self.generator.rollouts(
@@ -223,7 +223,7 @@ class AsyncRollouts(RolloutSource):
 
         self.in_flight.append(_Batch(batch_step, weights, self._worker.submit(work)))
 
-    def next_batch(self, state: dict, step: int, position: int, timer: StageTimer) -> StepRollouts:
+    def next_batch(self, state: dict, step: int, position: int, timer: PhaseTimer) -> StepRollouts:
         """The rollouts of step `step` + 1 (with their staleness and rollout_version), once the
         batches up to max_staleness steps ahead are queued. timer gets the batch's generation and
         reward seconds (measured in the worker, overlapped with the trainer) and rollout_wait (the
@@ -232,7 +232,7 @@ class AsyncRollouts(RolloutSource):
             self._submit(self.weights, state, step, position)
         batch = self.in_flight.popleft()
         assert batch.step == step + 1, (batch.step, step)
-        with timer.stage("rollout_wait"):
+        with timer.phase("rollout_wait"):
             out, seconds = batch.result.result()
             out = self.hosts.gather(out)
         for name, value in seconds.items():

@@ -14,7 +14,7 @@ candidate kernels on the device while the rollouts (and the other compilations' 
 there, and it can reject every candidate of a fusion on a spurious check ("All configs failed
 during profiling ... Redzone mismatch") in a start that is otherwise fine. The failure is logged
 in one line naming the program and its R, and the program compiles again in the foreground
-(`compile_failed`, step 1's "precompile" stage), once step 1 has trained and its rollouts are
+(`compile_failed`, step 1's "precompile" phase), once step 1 has trained and its rollouts are
 done: nothing else runs on the device then. A call that needs the program earlier compiles it
 itself (JAX keeps no failed compilation). A failure that repeats in the foreground is the
 program's own, and raises. Background compilations keep the autotuner on: a program compiled
@@ -40,11 +40,11 @@ from tqdm import tqdm
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import expert_id_dtype
-from jaxspec.placement import Placement, abstract
 from jaxspec.rl.batch import PackedRows, packed_row_counts
 from jaxspec.rl.config import GRPOConfig, GRPOLossConfig
 from jaxspec.rl.online_draft import OnlineDraftState
 from jaxspec.rl.step import MinibatchUpdate
+from jaxspec.run.placement import Placement, abstract
 
 
 class Program(NamedTuple):

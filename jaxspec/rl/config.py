@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxspec.placement import MeshConfig
 from jaxspec.rollout import SpecConfig
+from jaxspec.run.placement import MeshConfig
 from jaxspec.run.run_dir import FixedKeys
 from jaxspec.tasks.generator import DEFAULT_KINDS
 from jaxspec.tasks.tally import TallyConfig

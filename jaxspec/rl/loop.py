@@ -25,7 +25,6 @@ import numpy as np
 
 from jaxspec.distributed import say, to_host
 from jaxspec.models.checkpoint import load_hf, save_hf
-from jaxspec.placement import Placement
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.async_rollouts import AsyncRollouts
@@ -36,7 +35,7 @@ from jaxspec.rl.config import GRPOConfig
 from jaxspec.rl.data import run_prompts
 from jaxspec.rl.evaluate import validation_scores
 from jaxspec.rl.loss import finite_tokens, loss_denominator, reference_sampling
-from jaxspec.rl.metrics import StageTimer, block, device_memory_metrics, mean_update_metrics, rollout_step_metrics
+from jaxspec.rl.metrics import PhaseTimer, block, device_memory_metrics, mean_update_metrics, rollout_step_metrics
 from jaxspec.rl.online_draft import OnlineDraft, OnlineDraftState
 from jaxspec.rl.resources import RunInputs, load_draft
 from jaxspec.rl.rollout_source import (
@@ -51,6 +50,7 @@ from jaxspec.rl.shaping import trained_rollouts, truncated_rollouts
 from jaxspec.rl.step import learning_rate, policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling
 from jaxspec.run import Batcher
+from jaxspec.run.placement import Placement
 
 
 def rollout_source(setup: RolloutSetup) -> RolloutSource:
@@ -213,7 +213,7 @@ class GRPORun:
         self.state.update(self.rollouts.checkpoint_entries())
 
     def rollout_view(self):
-        """(policy params as the rollout reads them, this step's Spec or None): the "sync" stage
+        """(policy params as the rollout reads them, this step's Spec or None): the "sync" phase
         (`RolloutCast.view`)."""
         return self.cast.view(self.state)
 
@@ -247,7 +247,7 @@ class GRPORun:
         """One RL step: rollouts, rewards, advantages, updates, then validation / checkpoint when due.
         Returns the step's metrics record."""
         cfg, group = self.cfg, self.cfg.rollout.samples_per_prompt
-        start, timer = time.perf_counter(), StageTimer()
+        start, timer = time.perf_counter(), PhaseTimer()
         out, consumed, rounds = self.rollouts.next_batch(self.state, self.step, self.position, timer)
         self.state.update(self.rollouts.checkpoint_entries())  # keeps no rollout copy alive that no batch needs
         tokens, lengths, rewards = out.tokens, out.lengths, out.rewards
@@ -268,7 +268,7 @@ class GRPORun:
         if out.rollout_version is not None:
             record.update(staleness=out.staleness, rollout_version=out.rollout_version)
         if cfg.loss.recompute_logprobs or cfg.loss.kl_beta > 0:
-            with timer.stage("logprob"):
+            with timer.phase("logprob"):
                 batch, measured = self._score(batch)
                 record.update(measured)
         if not cfg.loss.routing_replay:
@@ -276,10 +276,10 @@ class GRPORun:
         finite = finite_tokens(batch.loss_mask, batch.prox_logp, batch.ref_logp, batch.behaviour_logp)
         denominator = loss_denominator(finite, cfg.loss.aggregation, cfg.loss.minibatches)
         batch = batch.replace(loss_denominator=np.full(len(advantages), denominator, np.float32))
-        with timer.stage("train"):
+        with timer.phase("train"):
             update_metrics = self._optimize(batch)
         if self.precompiling is not None:
-            with timer.stage("precompile"):  # the device is idle: programs that failed in the background compile here
+            with timer.phase("precompile"):  # the device is idle: programs that failed in the background compile here
                 compile_failed(self.precompiling.result())
             self.precompiling = None
         self.step += 1
@@ -297,10 +297,10 @@ class GRPORun:
             **mean_update_metrics(update_metrics),
         )
         if self.eval_set is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
-            with timer.stage("eval"):
+            with timer.phase("eval"):
                 record.update(self.evaluate())
         if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
-            with timer.stage("checkpoint"):
+            with timer.phase("checkpoint"):
                 self.save()
         record.update(
             timer.record(),

@@ -1,4 +1,4 @@
-"""A GRPO step's metrics: what its record holds, stage timers, rollout statistics (the records are
+"""A GRPO step's metrics: what its record holds, phase timers, rollout statistics (the records are
 written by `jaxspec.run.MetricsLog`, with their time_unix_s, and optionally mirrored to TensorBoard).
 
 A step record (metrics.jsonl) holds
@@ -25,7 +25,7 @@ A step record (metrics.jsonl) holds
     rollout.mode async: staleness (steps between the weights that generated the batch and those it
     trains), rollout_version (the former's step), sync_bytes (copied onto the rollout mesh per step);
   validation: eval_accuracy, eval_reward_mean, eval_reward_failures (when due);
-  wall clock: time_<stage>_s for sync, generation, reward, logprob, train (the policy update and,
+  wall clock: time_<phase>_s for sync, generation, reward, logprob, train (the policy update and,
     with draft.online, the draft update that shares its forward), precompile (step 1 with
     train.precompile: waiting for the trainer's background compilation, and compiling any that
     failed there), eval, checkpoint; time_step_s;
@@ -33,7 +33,7 @@ A step record (metrics.jsonl) holds
     (overlapping the trainer), rollout_wait the trainer's wait for it and sync the weight copy;
     tokens_per_s (generated tokens per second of generation); time_unix_s (when the record was
     written, seconds since the epoch: lines up runs that share a host); compiles and time_compile_s (XLA
-    compilations during the step and their seconds, included in the stages' times: a new shape,
+    compilations during the step and their seconds, included in the phases' times: a new shape,
     e.g. a new packed row count, compiles once); compiles_cached (programs read from the persistent
     compilation cache instead, their seconds also in time_compile_s).
   device memory (GPUs; absent where devices report no statistics, e.g. the CPU), in GB of the most
@@ -77,8 +77,8 @@ def is_machine_dependent(key: str) -> bool:
     return key.startswith(MACHINE_PREFIXES)
 
 
-class StageTimer:
-    """Accumulates wall-clock seconds per named stage (block on device results inside a stage), and
+class PhaseTimer:
+    """Accumulates wall-clock seconds per named phase of a step (block on device results inside a phase), and
     counts the XLA compilations (and persistent-cache reads) that happen until `record`."""
 
     def __init__(self):
@@ -97,13 +97,13 @@ class StageTimer:
             self.cache_hits += 1
 
     @contextlib.contextmanager
-    def stage(self, name: str):
+    def phase(self, name: str):
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def record(self) -> dict[str, float]:
-        """{"time_<stage>_s": seconds, "compiles": n, "compiles_cached": n, "time_compile_s": seconds};
+        """{"time_<phase>_s": seconds, "compiles": n, "compiles_cached": n, "time_compile_s": seconds};
         stops counting."""
         jax.monitoring.unregister_event_duration_listener(self._on_event)
         jax.monitoring.unregister_event_listener(self._on_cache_hit)
@@ -128,7 +128,7 @@ def device_memory_metrics() -> dict[str, float]:
 
 
 def block(tree):
-    """Waits for every array in `tree` (so a stage's time includes its device work)."""
+    """Waits for every array in `tree` (so a phase's time includes its device work)."""
     return jax.block_until_ready(tree)
 
 

@@ -16,12 +16,12 @@ import jax
 
 from jaxspec.assets import TINY_EAGLE3, TINY_POLICY
 from jaxspec.models.config import ModelConfig
-from jaxspec.placement import check_devices
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig
 from jaxspec.rl.loss import router_aux_weight
 from jaxspec.rl.routing import replays_routing
 from jaxspec.rollout import Spec, SpecConfig
+from jaxspec.run.placement import check_devices
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 

@@ -1,6 +1,6 @@
 """The rollout devices of an async GRPO job over one or several processes (`jaxspec.rl.async_rollouts`).
 
-Each process generates on its own rollout devices (`jaxspec.placement.split_devices`: its last
+Each process generates on its own rollout devices (`jaxspec.run.placement.split_devices`: its last
 local devices), a mesh local to the process, so that the rollout thread runs no program shared
 with another process: programs with cross-process collectives that two threads launch in
 different orders on different processes mismatch (CPU collectives abort, "Is there a distributed
@@ -29,9 +29,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxspec.models.sharding import Sharding, make_mesh
-from jaxspec.placement import MeshConfig, split_devices
 from jaxspec.rl.batch import Rollouts
 from jaxspec.rollout.speculative.stats import merge_stats
+from jaxspec.run.placement import MeshConfig, split_devices
 
 
 class RolloutHosts:

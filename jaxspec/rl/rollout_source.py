@@ -3,7 +3,7 @@
 
 colocated (`ColocatedRollouts`): the step's rollouts are generated when the step asks for them, on
     the trainer mesh, from the trainer's current weights as the rollout reads them (`RolloutCast`:
-    the "sync" stage); with loss.filter_groups_max_rounds > 1 further rounds of prompts until
+    the "sync" phase); with loss.filter_groups_max_rounds > 1 further rounds of prompts until
     enough groups are informative.
 async (`jaxspec.rl.async_rollouts.AsyncRollouts`): generated ahead on the rollout devices from a
     copy of the weights that `update_weights` refreshes after each update.
@@ -27,19 +27,19 @@ import numpy as np
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import Sharding
-from jaxspec.placement import MeshConfig, Placement, cast_floats, rollout_policy
 from jaxspec.rewards.registry import Reward
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import Rollouts
 from jaxspec.rl.config import GRPOLossConfig, RolloutConfig, SpecConfig
 from jaxspec.rl.data import PromptSet
 from jaxspec.rl.evaluate import decode_responses
-from jaxspec.rl.metrics import StageTimer, block
+from jaxspec.rl.metrics import PhaseTimer, block
 from jaxspec.rl.resources import make_spec
 from jaxspec.rl.shaping import overlong_penalty, select_groups
 from jaxspec.rollout import Sampling, generate
 from jaxspec.rollout.speculative.stats import merge_stats
 from jaxspec.run import Batcher
+from jaxspec.run.placement import MeshConfig, Placement, cast_floats, rollout_policy
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
 
@@ -65,11 +65,11 @@ class RolloutSource(Protocol):
     def start(self, state: dict, step: int, position: int, resumed: bool) -> None:
         """Begins from `state` (restored from a checkpoint when `resumed`)."""
 
-    def next_batch(self, state: dict, step: int, position: int, timer: StageTimer) -> StepRollouts:
-        """The rollouts step `step` + 1 trains on; timer gets the stages they took."""
+    def next_batch(self, state: dict, step: int, position: int, timer: PhaseTimer) -> StepRollouts:
+        """The rollouts step `step` + 1 trains on; timer gets the phases they took."""
         ...
 
-    def update_weights(self, state: dict, step: int, timer: StageTimer) -> dict:
+    def update_weights(self, state: dict, step: int, timer: PhaseTimer) -> dict:
         """Takes the weights of `state` after the update of step `step`; returns the step record's
         entries about it ({} for none)."""
         return {}
@@ -144,14 +144,14 @@ class RolloutGenerator:
 
     def rollouts(self, ids: np.ndarray, policy, spec, key: jax.Array, timer, sharding: Sharding | None) -> Rollouts:
         """samples_per_prompt rollouts of each prompt id and their rewards (B = len(ids) * group).
-        policy / spec: the weights that generate, on the mesh `sharding`; timer: a `StageTimer` (or
-        any object with its `stage`), which gets the generation and reward seconds."""
+        policy / spec: the weights that generate, on the mesh `sharding`; timer: a `PhaseTimer` (or
+        any object with its `phase`), which gets the generation and reward seconds."""
         group = self.rollout.samples_per_prompt
         prompts = [self.prompts.token_ids[i] for i in ids for _ in range(group)]
         records = [self.prompts.records[i] for i in ids for _ in range(group)]
-        with timer.stage("generation"):
+        with timer.phase("generation"):
             tokens, lengths, logprobs, experts, stats = self._generate_rows(prompts, policy, spec, key, sharding)
-        with timer.stage("reward"):
+        with timer.phase("reward"):
             grades = self.reward.grade(decode_responses(self.tok, tokens, lengths), records)
         scores = grades.scores
         rewards = scores + overlong_penalty(
@@ -241,14 +241,14 @@ class ColocatedRollouts(RolloutSource):
     ):
         self.generator, self.cast, self.sampler, self.rollout, self.loss = generator, cast, sampler, rollout, loss
 
-    def next_batch(self, state: dict, step: int, position: int, timer: StageTimer) -> StepRollouts:
+    def next_batch(self, state: dict, step: int, position: int, timer: PhaseTimer) -> StepRollouts:
         """prompts_per_step prompts' rollouts; with loss.filter_groups_max_rounds > 1 (DAPO dynamic
         sampling) further batches of prompts are generated until prompts_per_step informative
         groups are found or the rounds run out, and prompts_per_step groups are kept
         (`select_groups`). The statistics are those of the first round, generated_tokens counts
         every round's."""
         group, wanted = self.rollout.samples_per_prompt, self.rollout.prompts_per_step
-        with timer.stage("sync"):
+        with timer.phase("sync"):
             policy, spec = self.cast.view(state)
         key = jax.random.fold_in(jax.random.fold_in(state["key"], step), 0)
         ids = self.sampler.indices(position)

@@ -1,6 +1,6 @@
-"""What every training command shares around its loop: the run directory's guard, checkpoints and
-resume, batches by data position, stop signals and exit statuses, metrics files, progress output,
-and the loop itself (`RunLoop`)."""
+"""What every training command shares around its loop: where its arrays live (`jaxspec.run.placement`:
+one device or a mesh), the run directory's guard, checkpoints and resume, batches by data position,
+stop signals and exit statuses, metrics files, progress output, and the loop itself (`RunLoop`)."""
 
 from jaxspec.exits import EXIT_CHECKPOINTED
 from jaxspec.run.batcher import Batcher

@@ -234,18 +234,18 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (10, 50, 90, 99, 
     return {("max" if q == 100 else f"p{q:g}"): float(v) for q, v in zip(qs, points)}
 
 
-def summarize(responses: Sequence[ResponseStats], max_draft: int = 7) -> dict:
+def summarize(responses: Sequence[ResponseStats], max_depth: int = 7) -> dict:
     """Token lengths, entropy and ideal acceptance of a workload's sampled responses.
 
     Returns {"responses", "response_tokens": percentiles (solution + eos), "mean_response_tokens",
     "entropy_per_token" (nats: sum of H(Y | x) over sum of E[T | x]), "entropy_per_response"
-    (mean H(Y | x), nats), "ideal_acceptance": [length at k = 1..max_draft],
+    (mean H(Y | x), nats), "ideal_acceptance": [length at k = 1..max_depth (the draft depth)],
     "ideal_acceptance_se": [their standard errors]}.
     """
     if not responses:
         raise ValueError("summarize needs at least one response")
     lengths = [len(r.tokens) for r in responses]
-    acceptance = [ideal_acceptance(responses, k) for k in range(1, max_draft + 1)]
+    acceptance = [ideal_acceptance(responses, k) for k in range(1, max_depth + 1)]
     return {
         "responses": len(responses),
         "response_tokens": percentiles(lengths),

@@ -76,7 +76,7 @@ def test_bench_prompts_repeat_each_problem_as_a_group():
 
 
 def test_bench_spec_draws_prompts_from_a_data_config(tmp_path):
-    """--data-config configs/long.yaml: the long-answer workload's questions (tally problems)."""
+    """--data-config configs/pretrain_long.yaml: the long-answer workload's questions (tally problems)."""
     from jaxspec.bench.spec import bench_prompts
     from jaxspec.tasks import ChatTokenizer, TallyConfig
 
@@ -102,7 +102,7 @@ def test_bench_spec_draws_prompts_from_a_data_config(tmp_path):
                 "--trees",
                 "--no-ngram",
                 "--data-config",
-                "configs/long.yaml",
+                "configs/pretrain_long.yaml",
                 "--out",
                 str(out),
             ]
@@ -110,7 +110,7 @@ def test_bench_spec_draws_prompts_from_a_data_config(tmp_path):
         == 0
     )
     baseline = json.loads(out.read_text())["baseline"]
-    assert baseline["kinds"] == ["tally"] and baseline["data_config"] == "configs/long.yaml"
+    assert baseline["kinds"] == ["tally"] and baseline["data_config"] == "configs/pretrain_long.yaml"
     assert baseline["tally"]["variation"] == 0.7
 
 

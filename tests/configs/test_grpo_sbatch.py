@@ -45,7 +45,7 @@ sys.path.insert(0, {repo!r})
 from jaxspec.distributed import initialize_from_env
 initialize_from_env()
 import jax
-from jaxspec.placement import MeshConfig, Placement
+from jaxspec.run.placement import MeshConfig, Placement
 mesh = dict(a.split("=") for a in sys.argv if a.startswith("mesh."))
 placement = Placement(MeshConfig(**{{k[5:]: int(v) for k, v in mesh.items()}}))
 devices = placement.sharding.mesh.devices.reshape(-1)

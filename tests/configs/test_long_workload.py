@@ -1,4 +1,4 @@
-"""The long-answer workload's configs (long, long_medium, draft_long, grpo_long): they validate,
+"""The long-answer workload's configs (pretrain_long, pretrain_long_medium, head_long, grpo_long): they validate,
 describe one data distribution, fit its longest answers, and their data sections reach the
 generator of every command; a bad tally value is refused naming its key."""
 
@@ -27,9 +27,9 @@ SHORT_LAW = ["data.tally.steps.median=6", "data.tally.steps.sigma=0.3", "data.ta
 
 def _load(name, overrides=()):
     cls, validate = {
-        "long.yaml": (PretrainConfig, validate_pretrain),
-        "long_medium.yaml": (PretrainConfig, validate_pretrain),
-        "draft_long.yaml": (DraftTrainConfig, validate_draft),
+        "pretrain_long.yaml": (PretrainConfig, validate_pretrain),
+        "pretrain_long_medium.yaml": (PretrainConfig, validate_pretrain),
+        "head_long.yaml": (DraftTrainConfig, validate_draft),
         "grpo_long.yaml": (GRPOConfig, validate_grpo),
     }[name]
     cfg = load_config(cls, CONFIGS / name, list(overrides))
@@ -39,8 +39,8 @@ def _load(name, overrides=()):
 
 @pytest.fixture(scope="module")
 def tally_tok(tmp_path_factory):
-    """The BPE `jaxspec pretrain` trains on configs/long.yaml's corpus (here on 200 of its problems)."""
-    data = _load("long.yaml").data
+    """The BPE `jaxspec pretrain` trains on configs/pretrain_long.yaml's corpus (here on 200 of its problems)."""
+    data = _load("pretrain_long.yaml").data
     problems = generate_problems(200, data.seed, data.levels, data.kinds, tally=data.tally)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     train_tokenizer((t for p in problems for t in (p["question"], p["solution"])), data.vocab_size, path)
@@ -49,7 +49,7 @@ def tally_tok(tmp_path_factory):
 
 def test_the_configs_validate_and_share_one_workload():
     long, medium, draft, grpo = (
-        _load(n) for n in ("long.yaml", "long_medium.yaml", "draft_long.yaml", "grpo_long.yaml")
+        _load(n) for n in ("pretrain_long.yaml", "pretrain_long_medium.yaml", "head_long.yaml", "grpo_long.yaml")
     )
     for data in (long.data, medium.data, draft.data, draft.eval.data, grpo.data):
         assert data.kinds == ("tally",) and data.tally == long.data.tally
@@ -73,8 +73,8 @@ def test_the_configs_validate_and_share_one_workload():
 
 def test_the_longest_answers_the_law_allows_fit_a_packed_row(tally_tok):
     """Problems of max_steps days (the law's longest) fit data.max_len with their prompt, and the
-    prompts fit draft_long's max_prompt_len."""
-    long, draft = _load("long.yaml"), _load("draft_long.yaml")
+    prompts fit head_long's max_prompt_len."""
+    long, draft = _load("pretrain_long.yaml"), _load("head_long.yaml")
     steps = long.data.tally.steps
     longest = dataclasses.replace(
         long.data.tally,
@@ -93,7 +93,7 @@ def _days(question):
 
 def test_every_command_generates_the_configured_workload(tmp_path, tally_tok):
     """pretrain, draft train and train generate tally problems of the configured law."""
-    long = _load("long.yaml", SHORT_LAW + ["data.num_train=20", "data.num_eval=4"])
+    long = _load("pretrain_long.yaml", SHORT_LAW + ["data.num_train=20", "data.num_eval=4"])
     train, held_out = prepare_problems(long.data, tmp_path / "pretrain")
     assert {p["kind"] for p in train + held_out} == {"tally"}
     assert all(3 <= _days(p["question"]) <= 9 for p in train + held_out)
@@ -103,7 +103,7 @@ def test_every_command_generates_the_configured_workload(tmp_path, tally_tok):
     records = load_prompts(train_file) + load_prompts(eval_file)
     assert len(records) == 15 and all(3 <= _days(r["prompt"]) <= 9 for r in records)
 
-    draft = _load("draft_long.yaml", SHORT_LAW + ["data.num_prompts=10"])
+    draft = _load("head_long.yaml", SHORT_LAW + ["data.num_prompts=10"])
     pool = prompt_pool(draft.data, tally_tok)
     assert len(pool) == 10
     assert all(3 <= _days(tally_tok.decode(ids).split("\n")[1]) <= 9 for ids in pool)
@@ -112,10 +112,10 @@ def test_every_command_generates_the_configured_workload(tmp_path, tally_tok):
 @pytest.mark.parametrize(
     "name, key",
     [
-        ("long.yaml", "data.tally.variation"),
+        ("pretrain_long.yaml", "data.tally.variation"),
         ("grpo_long.yaml", "data.tally.variation"),
-        ("draft_long.yaml", "data.tally.variation"),
-        ("draft_long.yaml", "eval.data.tally.variation"),
+        ("head_long.yaml", "data.tally.variation"),
+        ("head_long.yaml", "eval.data.tally.variation"),
     ],
 )
 def test_a_bad_tally_value_names_its_key(name, key):

@@ -22,10 +22,10 @@ from jaxspec.tasks.tokenizer import ChatTokenizer
 from tests.models.hf_reference import random_params
 from tests.run.damage import empty_metadata
 
-CONFIG = "configs/draft_tiny.yaml"
+CONFIG = "configs/head_tiny.yaml"
 
 
-@pytest.mark.parametrize("path", ["configs/draft_tiny.yaml", "configs/draft_tiny_ood.yaml", "configs/draft_small.yaml"])
+@pytest.mark.parametrize("path", ["configs/head_tiny.yaml", "configs/head_tiny_ood.yaml", "configs/head_small.yaml"])
 def test_shipped_configs_are_valid(path):
     validate(load_config(DraftTrainConfig, path), path)
 

@@ -1,5 +1,5 @@
 """GPU check and timing of a mixture-of-experts layer's grouped matmuls: the Pallas kernel
-(`kernels.grouped_matmul`) against `jax.lax.ragged_dot` and a dense matmul of the same useful FLOPs.
+(`jaxspec.kernels.grouped_matmul`) against `jax.lax.ragged_dot` and a dense matmul of the same useful FLOPs.
 
     pytest -m gpu tests/gpu/test_moe.py                  # the check, as tests
     python3 -m tests.gpu.check_moe [--rows 512 2048 8192 32768] [--block-m 64 ...]
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.timing import in_loop_seconds
+from jaxspec.kernels.grouped_matmul import grouped_matmul_pallas
 from jaxspec.models.moe import grouped_matmul
-from kernels.grouped_matmul import grouped_matmul_pallas
 
 EXPERT_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "small_moe": (16, 8, 1024, 1536)}  # E, top-k, D, F
 ROWS = (64 * 8, 256 * 8, 1024 * 8, 32768)

@@ -3,7 +3,7 @@
     pytest -m gpu tests/gpu/test_spec.py                         # the check, as tests
     python3 -m tests.gpu.check_spec [--out FILE.json] [--jobs 6]  # every row printed; exit 0 when all agree
 
-Run it on a GPU after every change to kernels/ or the rollout loop: interpret mode on the CPU runs
+Run it on a GPU after every change to jaxspec/kernels/ or the rollout loop: interpret mode on the CPU runs
 the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton) program.
 
 kernel: `verify_pallas` compiled against `verify_reference` on the same random trees and key, for
@@ -63,9 +63,9 @@ def kernel_case(
     interpret: bool = False,
     stochastic: bool = False,
 ) -> dict:
-    from kernels.tree_stochastic_pallas import verify_stochastic_pallas
-    from kernels.tree_verify_pallas import verify_pallas
-    from kernels.tree_verify_reference import verify_reference
+    from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
+    from jaxspec.kernels.tree_verify_pallas import verify_pallas
+    from jaxspec.kernels.tree_verify_reference import verify_reference
 
     rng = np.random.default_rng(seed)
     logits = (5.0 * rng.standard_normal((batch, nodes, vocab))).astype(np.float32)

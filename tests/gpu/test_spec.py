@@ -4,7 +4,7 @@ against the jnp reference; on the CPU, the kernel check's stochastic-draft cases
 import jax.numpy as jnp
 import pytest
 
-import kernels.tree_stochastic_pallas as stochastic
+import jaxspec.kernels.tree_stochastic_pallas as stochastic
 from tests.gpu import check_spec
 
 

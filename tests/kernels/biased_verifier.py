@@ -1,5 +1,5 @@
 """Deliberately wrong verifiers for negative controls and power checks: the noise of
-`kernels.tree_verify_reference` (the verifier's only source of randomness) passed through a
+`jaxspec.kernels.tree_verify_reference` (the verifier's only source of randomness) passed through a
 transform while a `with biased_noise(...)` block runs (jit caches are cleared on entry and exit,
 so every verifier traced inside sees the wrong noise and none outside does)."""
 
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import kernels.tree_verify_reference as reference
+import jaxspec.kernels.tree_verify_reference as reference
 
 
 def accept_more(bias: float):

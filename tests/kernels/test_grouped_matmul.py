@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas, tile_groups, tile_rows
+from jaxspec.kernels.grouped_matmul import (
+    grouped_matmul_pallas,
+    grouped_transposed_matmul_pallas,
+    tile_groups,
+    tile_rows,
+)
 
 FP32_TOL = 1e-5  # relative to max |out|
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import ragged_attention
-from kernels.ragged_attention import (
+from jaxspec.kernels import ragged_attention
+from jaxspec.kernels.ragged_attention import (
     cache_attention_pallas,
     cache_attention_reference,
     merge,

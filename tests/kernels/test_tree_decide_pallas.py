@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.tree_decide_pallas import decide_pallas
-from kernels.tree_verify_pallas import node_stats_pallas, split_partials_pallas
-from kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
+from jaxspec.kernels.tree_decide_pallas import decide_pallas
+from jaxspec.kernels.tree_verify_pallas import node_stats_pallas, split_partials_pallas
+from jaxspec.kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
 from tests.kernels.trees import random_parents_and_tokens
 from tests.kernels.triton_ir import verify_triton
 

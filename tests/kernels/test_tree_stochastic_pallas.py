@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import tree_verify
-from kernels.tree_stochastic_pallas import verify_stochastic_pallas
-from kernels.tree_verify_reference import verify_reference
+from jaxspec.kernels import tree_verify
+from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
+from jaxspec.kernels.tree_verify_reference import verify_reference
 from tests.kernels.trees import random_parents_and_tokens
 from tests.kernels.triton_ir import verify_triton
 

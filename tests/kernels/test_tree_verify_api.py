@@ -1,12 +1,12 @@
-"""`kernels.tree_verify`: input validation, implementation dispatch, use under jit."""
+"""`jaxspec.kernels.tree_verify`: input validation, implementation dispatch, use under jit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import tree_verify
+from jaxspec import kernels
+from jaxspec.kernels import tree_verify
 
 B, N, V = 2, 4, 16
 

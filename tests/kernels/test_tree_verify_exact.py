@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from kernels import tree_verify
-from kernels.tree_verify_reference import verify_reference
+from jaxspec.kernels import tree_verify
+from jaxspec.kernels.tree_verify_reference import verify_reference
 from tests.kernels.trees import (
     CHAIN3,
     IRREGULAR,

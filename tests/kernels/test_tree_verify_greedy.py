@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.kernels import tree_verify
+from jaxspec.kernels.tree_verify_pallas import verify_pallas
+from jaxspec.kernels.tree_verify_reference import verify_reference
 from jaxspec.rollout import Sampling, processed_logprobs
-from kernels import tree_verify
-from kernels.tree_verify_pallas import verify_pallas
-from kernels.tree_verify_reference import verify_reference
 from tests.kernels.numpy_verify import greedy_verify
 
 VOCAB, NODES = 40, 7

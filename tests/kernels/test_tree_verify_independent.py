@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
-from kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
+from jaxspec.kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
+from jaxspec.kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
 from tests.kernels.numpy_verify import emitted_law, greedy_verify, lse_and_residual
 from tests.kernels.trees import chi_square_pvalue, emitted_sequences, random_parents_and_tokens
 

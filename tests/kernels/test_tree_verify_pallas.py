@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import tree_verify
-from kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
-from kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
+from jaxspec.kernels import tree_verify
+from jaxspec.kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
+from jaxspec.kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
 from tests.kernels.trees import random_parents_and_tokens
 from tests.kernels.triton_ir import verify_triton
 

@@ -14,7 +14,7 @@ p < ALPHA, each of these wrong verifiers:
 Power comes from strong drafts (acceptance decisions at every level are frequent and their
 probabilities far from 0 and 1) and many rows in one vectorised call. The verifiers are biased
 through their noise (`tests.kernels.biased_verifier`); the jnp reference is what
-`kernels.tree_verify` runs on CPU and for sampled drafts on every backend under "auto". The Pallas
+`jaxspec.kernels.tree_verify` runs on CPU and for sampled drafts on every backend under "auto". The Pallas
 kernels draw the same samples from the same key (tests/kernels/test_tree_verify_pallas.py,
 tests/kernels/test_tree_stochastic_pallas.py), but a few keys agreeing does not show that every
 decision agrees: an error that moves only the decisions within 2% of their threshold passes
@@ -43,8 +43,8 @@ import jax
 import numpy as np
 import pytest
 
-from kernels import tree_verify
-from kernels.tree_verify_pallas import verify_pallas
+from jaxspec.kernels import tree_verify
+from jaxspec.kernels.tree_verify_pallas import verify_pallas
 from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels, siblings_share_uniform
 from tests.kernels.trees import (
     CHAIN3,

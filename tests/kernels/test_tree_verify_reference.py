@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kernels.tree_verify_reference import walk
+from jaxspec.kernels.tree_verify_reference import walk
 
 
 def walked_in_python(chosen: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import tree_verify
+from jaxspec.kernels import tree_verify
 from tests.kernels.biased_verifier import accept_more, biased_noise, siblings_share_uniform
 from tests.kernels.trees import chi_square_power, chi_square_pvalue
 

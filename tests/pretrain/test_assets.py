@@ -10,7 +10,7 @@ from jaxspec.pretrain.data import prepare_problems
 from jaxspec.pretrain.evaluate import greedy_accuracy
 from jaxspec.tasks import ChatTokenizer
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "pretrain_tiny.yaml"
 
 
 def test_embedded_tiny_policy_solves_some_held_out_problems(tmp_path):

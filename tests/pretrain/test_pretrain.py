@@ -39,7 +39,7 @@ def _metrics(run_dir):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrain")
-    config = root / "tiny.yaml"
+    config = root / "pretrain_tiny.yaml"
     config.write_text(CONFIG)
     run_dir = root / "run"
     assert main(["--config", str(config), "--run-dir", str(run_dir)]) == 0
@@ -186,29 +186,29 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, capsys):
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "small.yaml", "small_moe.yaml"])
+@pytest.mark.parametrize("name", ["pretrain_tiny.yaml", "pretrain_small.yaml", "pretrain_small_moe.yaml"])
 def test_shipped_configs_are_valid(name):
     path = Path(__file__).resolve().parents[2] / "configs" / name
     cfg = load_config(PretrainConfig, path)
     validate(cfg, str(path))
-    if name != "tiny.yaml":  # the long levels' examples (up to ~1700 tokens) fit a row; ~32k tokens a step
+    if name != "pretrain_tiny.yaml":  # the long levels' examples (up to ~1700 tokens) fit a row; ~32k tokens a step
         assert cfg.data.levels == tuple(range(1, MAX_LEVEL + 1))
         assert cfg.data.max_len == 2048 and cfg.data.max_len * cfg.train.batch_size == 32768
 
 
 def test_draft_model_config_trains_on_the_policy_data_with_its_tokenizer():
-    """configs/draft_model_small.yaml: the small policy's problems, packing and tokenizer, a
+    """configs/pretrain_draft_model_small.yaml: the small policy's problems, packing and tokenizer, a
     smaller model (valid once the policy's run has written its tokenizer)."""
     root = Path(__file__).resolve().parents[2] / "configs"
-    policy = load_config(PretrainConfig, root / "small.yaml")
-    draft = load_config(PretrainConfig, root / "draft_model_small.yaml")
+    policy = load_config(PretrainConfig, root / "pretrain_small.yaml")
+    draft = load_config(PretrainConfig, root / "pretrain_draft_model_small.yaml")
     assert draft.data.tokenizer == "runs/small/tokenizer.json"
     same = ("num_train", "num_eval", "seed", "levels", "kinds", "max_len")
     assert [getattr(draft.data, f) for f in same] == [getattr(policy.data, f) for f in same]
     assert (draft.train.steps, draft.train.batch_size) == (policy.train.steps, policy.train.batch_size)
     assert draft.model.num_layers < policy.model.num_layers and draft.model.hidden_size < policy.model.hidden_size
     with pytest.raises(FileNotFoundError, match="data.tokenizer: file not found: runs/small/tokenizer.json"):
-        validate(draft, "draft_model_small.yaml")
+        validate(draft, "pretrain_draft_model_small.yaml")
     tokenizer = Path(jaxspec.__file__).parent / "assets" / "tiny-policy" / "tokenizer.json"
     validate(dataclasses.replace(draft, data=dataclasses.replace(draft.data, tokenizer=str(tokenizer))), "x")
 
@@ -306,7 +306,7 @@ MOE = [
 def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys, monkeypatch):
     """One device, and the same steps with the experts split over 2 devices (expert parallelism)
     and with the grouped-matmul kernels (interpret mode, rows over 2 devices) in place of ragged_dot."""
-    config = tmp_path / "tiny.yaml"
+    config = tmp_path / "pretrain_tiny.yaml"
     config.write_text(CONFIG)
     runs, weight_grads = {}, []
     weight_grad = moe.grouped_transposed_matmul_pallas  # runs in the kernels' backward pass only
@@ -386,7 +386,7 @@ def test_moe_response_loss_adds_the_weighted_router_loss():
 def test_small_moe_is_small_with_experts_of_the_same_active_width():
     small, moe = (
         load_config(PretrainConfig, Path(__file__).resolve().parents[2] / "configs" / name)
-        for name in ("small.yaml", "small_moe.yaml")
+        for name in ("pretrain_small.yaml", "pretrain_small_moe.yaml")
     )
     assert (moe.data, moe.optim, moe.train) == (small.data, small.optim, small.train)
     moe_fields = (
@@ -412,7 +412,7 @@ def test_small_moe_is_small_with_experts_of_the_same_active_width():
     ],
 )
 def test_bad_moe_shape_is_rejected(tmp_path, capsys, override, message):
-    config = tmp_path / "tiny.yaml"
+    config = tmp_path / "pretrain_tiny.yaml"
     config.write_text(CONFIG)
     assert main(["--config", str(config), "--run-dir", str(tmp_path / "run"), *MOE, *override.split()]) == 2
     assert message in capsys.readouterr().err

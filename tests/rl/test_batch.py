@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.placement import MeshConfig, Placement
 from jaxspec.rl.batch import PackedRows, Rollouts, minibatch_indices, pack_rows, training_rows
 from jaxspec.rl.compilation import packed_inputs
 from jaxspec.rl.config import GRPOLossConfig
+from jaxspec.run.placement import MeshConfig, Placement
 
 
 def test_training_rows_layout():

@@ -13,7 +13,7 @@ import jaxspec.rl.compilation as compilation
 import jaxspec.rl.loop as loop
 from jaxspec.rl.batch import TrainingRows, pack_rows, packed_row_count, packed_row_counts
 from jaxspec.rl.compilation import Program, cache_dir, compilation_cache, compile_failed, precompile
-from jaxspec.rl.metrics import StageTimer
+from jaxspec.rl.metrics import PhaseTimer
 from jaxspec.run import Batcher
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
 from tests.rl.runs import read_metrics, train_cli, without_machine_keys, write_config
@@ -124,7 +124,7 @@ def test_cached_programs_are_read_back_not_compiled(tmp_path):
         f(np.ones(6, np.float32)).block_until_ready()
         assert any(path.name.startswith("jit_") for path in tmp_path.iterdir())
         jax.clear_caches()
-        timer = StageTimer()
+        timer = PhaseTimer()
         f(np.ones(6, np.float32)).block_until_ready()
         record = timer.record()
     assert record["compiles"] == 0 and record["compiles_cached"] == 1

@@ -1,20 +1,20 @@
-"""Step metrics: the stage timer's compilation count, the devices' memory."""
+"""Step metrics: the phase timer's compilation count, the devices' memory."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.rl import metrics
-from jaxspec.rl.metrics import StageTimer, device_memory_metrics, is_machine_dependent
+from jaxspec.rl.metrics import PhaseTimer, device_memory_metrics, is_machine_dependent
 
 
-def test_stage_timer_counts_the_compilations_of_its_step():
+def test_phase_timer_counts_the_compilations_of_its_step():
     f = jax.jit(lambda x: jnp.sin(x) * 3)
-    timer = StageTimer()
-    with timer.stage("first"):
+    timer = PhaseTimer()
+    with timer.phase("first"):
         f(np.ones(3, np.float32)).block_until_ready()  # compiles
         f(np.ones(3, np.float32)).block_until_ready()  # cached
-    with timer.stage("second"):
+    with timer.phase("second"):
         f(np.ones(5, np.float32)).block_until_ready()  # a new shape compiles again
     record = timer.record()
     assert record["compiles"] == 2 and 0 < record["time_compile_s"] <= record["time_first_s"] + record["time_second_s"]

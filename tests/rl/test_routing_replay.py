@@ -13,7 +13,6 @@ import pytest
 
 from jaxspec.models.moe import expert_id_dtype
 from jaxspec.models.transformer import forward_router
-from jaxspec.placement import MeshConfig, Placement
 from jaxspec.rl.batch import Rollouts, pack_rows, row_width, training_rows
 from jaxspec.rl.compilation import packed_inputs
 from jaxspec.rl.config import GRPOLossConfig, PolicyOptimConfig
@@ -21,6 +20,7 @@ from jaxspec.rl.loss import policy_loss
 from jaxspec.rl.routing import differing_layers, disagreement_metrics, experts_to_width, replays_routing
 from jaxspec.rl.step import score_fn, update_fn
 from jaxspec.rollout import generate, processed_logprobs
+from jaxspec.run.placement import MeshConfig, Placement
 from tests.rl.runs import read_metrics, train_cli, write_config
 from tests.rollout.conftest import random_params
 from tests.rollout.test_recorded_experts import BATCH, CFG, SAMPLING, specs

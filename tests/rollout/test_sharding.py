@@ -5,8 +5,8 @@ import pytest
 
 from jaxspec.models import Sharding, make_mesh, shard_params
 from jaxspec.models.sharding import gathered_param_shardings
-from jaxspec.placement import cast_floats
 from jaxspec.rollout import Sampling, generate
+from jaxspec.run.placement import cast_floats
 
 PROMPTS = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [5, 9, 11], [30] * 12, [1], [5, 9, 11], [44, 2], [1]]
 

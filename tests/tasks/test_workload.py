@@ -261,7 +261,7 @@ def test_variation_sets_entropy_and_acceptance(tally_tok):
         cfg = dataclasses.replace(SHORT, variation=variation)
         recorded = generate_recorded(60, seed=3, kinds=("tally",), tally=cfg)
         responses = [analyze_response(segments, tokens) for _, segments in recorded]
-        curve.append(summarize(responses, max_draft=7))
+        curve.append(summarize(responses, max_depth=7))
         if variation == 0.0:
             assert all(r.argmax.all() and r.entropy == 0.0 for r in responses)
             for k in range(1, 8):

@@ -5,7 +5,7 @@ Each iteration, for every row at once:
   2. one policy forward (`extend`) runs all tree nodes with a tree attention mask (a node sees
      the prefix and its ancestors) at positions cache_len + depth, writing their KV at slots
      cache_len .. cache_len + N - 1;
-  3. `kernels.tree_verify` accepts a path and samples the next token exactly from p;
+  3. `jaxspec.kernels.tree_verify` accepts a path and samples the next token exactly from p;
   4. the accepted nodes' KV moves to consecutive slots, the accepted tokens and the next token
      are written to the outputs with their log-probs (an eos or max_new_tokens ends the row
      exactly there), and the drafter is updated. A rollout that records its routing
@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-import kernels
+from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend

@@ -196,8 +196,8 @@ def test_stochastic_drafts_through_the_verification_kernel_are_token_identical(p
     kernel (JAXSPEC_TREE_VERIFY_IMPL=interpret) as with the jnp reference, from the same key."""
     import dataclasses
 
-    import kernels
-    import kernels.tree_stochastic_pallas as stochastic
+    import jaxspec.kernels.tree_stochastic_pallas as stochastic
+    from jaxspec import kernels
 
     cfg, params = policy
     head = init_eagle3(cfg, jax.random.key(5), std=0.3)

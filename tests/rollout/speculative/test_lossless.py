@@ -24,7 +24,7 @@ asserted by `test_power_of_the_strong_draft_test`), and noise reused across tree
 p < 1e-90 (5 seeds of each draft kind; chains at T = 1) and p < 1e-20 (3 seeds; trees at T = 0.7,
 top_p = 0.9); each biased sampler is run and rejected, and the correct runs go through staged loops.
 
-Vocabulary tiles. Verification draws residual and bonus samples tile by tile (`kernels.tree_race`:
+Vocabulary tiles. Verification draws residual and bonus samples tile by tile (`jaxspec.kernels.tree_race`:
 a race between tiles, then between the winning tile's tokens); a policy's vocabulary spans many
 tiles (Qwen's 151936 tokens: 75), the tiny policy's 6 tokens one. The rollouts here therefore
 verify with tiles of RACE_TEST_TILE = 2 tokens (3 tiles; `race_tiles`), where an error in the race
@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+from jaxspec import kernels
 from jaxspec.draft import init_eagle3
+from jaxspec.kernels.tree_verify_reference import verify_reference
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs, stages
-from kernels.tree_verify_reference import verify_reference
 from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels
 from tests.kernels.trees import chi_square_power
 from tests.rollout.conftest import random_params

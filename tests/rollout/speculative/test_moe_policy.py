@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jaxspec.draft import init_eagle3
+from jaxspec.kernels.grouped_matmul import grouped_matmul_pallas
 from jaxspec.models import ModelConfig, Sharding, make_mesh, moe, shard_params
 from jaxspec.rollout import Spec, generate
-from kernels.grouped_matmul import grouped_matmul_pallas
 from tests.rollout.conftest import random_params
 from tests.rollout.speculative import test_loop as loop_tests
 from tests.rollout.speculative import test_lossless as lossless

@@ -1,4 +1,4 @@
-"""Stochastic EAGLE-2 trees drafted by `dynamic_tree` and verified by `kernels.tree_verify` emit
+"""Stochastic EAGLE-2 trees drafted by `dynamic_tree` and verified by `jaxspec.kernels.tree_verify` emit
 the policy's law exactly, in the two shapes where drafting itself can break exactness.
 
 - Pruned across a level (2 deep, 2 wide: the second level keeps the best 2 of its 4 candidates):
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.kernels import tree_verify
 from jaxspec.rollout import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.tree import ancestor_mask, dynamic_tree
-from kernels import tree_verify
 from tests.kernels.trees import PrefixPolicy, chi_square_pvalue, complete, emitted_sequences, sequence_distribution
 
 VOCAB, DEPTH, ROWS, ALPHA = 5, 2, 100_000, 1e-3

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxspec.models.memory import check_weights_fit, weights_bytes_per_device
 from jaxspec.models.sharding import Sharding, gathered_param_shardings, make_mesh
-from jaxspec.rollout.memory import check_weights_fit, weights_bytes_per_device
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Verification of stochastic drafts in a Pallas kernel (Triton on GPU), one program per row.
 
 Children drawn from q without replacement are verified by the sequential rule of
-`kernels.tree_verify_reference.verify_stochastic`: at the current node the next untested child x
+`jaxspec.kernels.tree_verify_reference.verify_stochastic`: at the current node the next untested child x
 is accepted iff u * q_j(x) < r_j(x); on rejection r_{j+1} = norm((r_j - q_j)+) and q_{j+1} = q_j
 with x zeroed, renormalised; after the last rejected child the emitted token is a flat Gumbel race
 over r_j (the node's token seed). The reference carries r_j and q_j over the whole vocabulary; the
@@ -33,10 +33,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.tree_decide_pallas import MIN_LANES, NO_INDEX, SCALAR_SPEC, load_row_tree, per_row_verify_call, row_spec
-from kernels.tree_noise import race_noise
-from kernels.tree_race import inverse_temperature
-from kernels.tree_verify_reference import VerifyResult, rejection_update, stochastic_normalisers, verification_noise
+from jaxspec.kernels.tree_decide_pallas import (
+    MIN_LANES,
+    NO_INDEX,
+    SCALAR_SPEC,
+    load_row_tree,
+    per_row_verify_call,
+    row_spec,
+)
+from jaxspec.kernels.tree_noise import race_noise
+from jaxspec.kernels.tree_race import inverse_temperature
+from jaxspec.kernels.tree_verify_reference import (
+    VerifyResult,
+    rejection_update,
+    stochastic_normalisers,
+    verification_noise,
+)
 
 STOCHASTIC_TILE = 1024  # vocabulary tokens per step of a pass (a speed knob: it never changes a sample)
 
@@ -199,7 +211,7 @@ def verify_stochastic_pallas(
 ) -> VerifyResult:
     """Stochastic-draft verification (temperature > 0): every node's normalisers in XLA
     (`stochastic_normalisers`), then the walk in one Pallas program per row; arguments as
-    `kernels.tree_verify` (already validated), draft_probs float [B, N, V] (any float dtype, each
+    `jaxspec.kernels.tree_verify` (already validated), draft_probs float [B, N, V] (any float dtype, each
     node's q up to normalisation). The same key gives `verify_reference`'s result. tile (a power of
     2), num_warps and num_stages tune the GPU program and never change a result."""
     if temperature <= 0:

@@ -28,9 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.tree_noise import LOG2E
-from kernels.tree_race import inverse_temperature
-from kernels.tree_verify_reference import VerifyResult
+from jaxspec.kernels.tree_noise import LOG2E
+from jaxspec.kernels.tree_race import inverse_temperature
+from jaxspec.kernels.tree_verify_reference import VerifyResult
 
 NO_INDEX = 1 << 30  # "no index" for min-reductions over node indices
 MIN_LANES = 16  # the fewest padded node lanes a program runs with (see the module docstring)

@@ -2,11 +2,11 @@
 
 The kernel streams each node's logits once, in vocabulary tiles, computing per tile its maximum,
 its sum of exp(x - max) over all tokens and over the candidate tokens (not children of the node),
-and the tile's race score of the two-level residual race (`kernels.tree_race`); it folds these
+and the tile's race score of the two-level residual race (`jaxspec.kernels.tree_race`); it folds these
 online into per-(row, node, split) partials. The grid is (rows, nodes, vocabulary splits): splits
 keep the GPU busy when rows x nodes is small. jnp then draws the token race inside each node's
 winning tile (one tile re-read per node), and a second kernel, one program per row
-(`kernels.tree_decide_pallas`), combines the splits' normalisers, makes the reference's sibling
+(`jaxspec.kernels.tree_decide_pallas`), combines the splits' normalisers, makes the reference's sibling
 decisions and walks down the tree. Per token the first kernel does one exp2 and a compare per
 child of the node, so it streams at memory speed; the per-token hash and logs of a flat Gumbel
 race are only spent on one tile per node. (Drawing that race inside the streaming loop instead,
@@ -19,7 +19,7 @@ transcendentals may differ in the last bit, which can only change a decision tha
 rounding of a boundary.
 
 Stochastic drafts (draft_probs given) do not use this kernel: their residual update needs whole
-vocabulary vectors per tested child, and `kernels.tree_verify` sends them to the jnp reference.
+vocabulary vectors per tested child, and `jaxspec.kernels.tree_verify` sends them to the jnp reference.
 """
 
 from __future__ import annotations
@@ -32,11 +32,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.tree_decide_pallas import decide_pallas
-from kernels.tree_noise import LOG2E
-from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, sample_in_tile, tile_scores
-from kernels.tree_structure import children_lists
-from kernels.tree_verify_reference import NodeStats, VerifyNoise, VerifyResult, combine_blocks, verification_noise
+from jaxspec.kernels.tree_decide_pallas import decide_pallas
+from jaxspec.kernels.tree_noise import LOG2E
+from jaxspec.kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, sample_in_tile, tile_scores
+from jaxspec.kernels.tree_structure import children_lists
+from jaxspec.kernels.tree_verify_reference import (
+    NodeStats,
+    VerifyNoise,
+    VerifyResult,
+    combine_blocks,
+    verification_noise,
+)
 
 TARGET_PROGRAMS = 2048  # enough (row, node, split) programs to fill a GPU when rows x nodes is small
 
@@ -218,8 +224,8 @@ def verify_pallas(
 ) -> VerifyResult:
     """Deterministic-draft or greedy tree verification: the vocabulary pass in a Pallas kernel
     (`split_partials_pallas`), the token race inside each node's winning tile in jnp, and the
-    decisions and walk in a second Pallas kernel, one program per row (`kernels.tree_decide_pallas`);
-    arguments as `kernels.tree_verify`, already validated; no draft_probs. tile, num_warps,
+    decisions and walk in a second Pallas kernel, one program per row (`jaxspec.kernels.tree_decide_pallas`);
+    arguments as `jaxspec.kernels.tree_verify`, already validated; no draft_probs. tile, num_warps,
     num_stages and programs (about how many (row, node, vocabulary split) programs the vocabulary
     pass runs) tune the GPU kernel; tile also selects the sample a key gives (see
     `verify_reference`), programs does not."""

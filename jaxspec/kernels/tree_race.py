@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels.tree_noise import LOG2E, race_noise
-from kernels.tree_structure import child_tile_mask
+from jaxspec.kernels.tree_noise import LOG2E, race_noise
+from jaxspec.kernels.tree_structure import child_tile_mask
 
 RACE_TILE = 2048  # default tile; the law of the sample does not depend on it, the sample does
 

@@ -1,6 +1,6 @@
 """Exact (lossless) verification of a draft token tree against the policy: the pure-jnp reference.
 
-Conventions shared by the reference and the Pallas path (see `kernels.tree_verify` for the
+Conventions shared by the reference and the Pallas path (see `jaxspec.kernels.tree_verify` for the
 argument contract): node 0 is the root, node n > 0 is a draft token whose parent is
 `parents[b, n] < n`; siblings are verified in increasing node index; p at a node is
 `softmax(logits * (1 / temperature))` (temperature 0: greedy, log-probs from `log_softmax(logits)`).
@@ -11,7 +11,7 @@ Unconditionally that accepts x_k with probability p(x_k), so one uniform u per n
 whole sibling list: the accepted child is the first whose running sum of p over siblings exceeds
 u * (children's mass + residual mass); past all of them every child is rejected and the emitted
 token is the residual sample, drawn from p restricted to the tokens that are not children (for a
-leaf: from p itself, the bonus sample) by the two-level Gumbel race of `kernels.tree_race`. A
+leaf: from p itself, the bonus sample) by the two-level Gumbel race of `jaxspec.kernels.tree_race`. A
 repeated sibling token has r_k = 0 there. Because each node's decision uses its own noise, every
 node's outcome is computed at once and the walk down the tree only follows pointers.
 
@@ -19,10 +19,10 @@ Stochastic drafts (children drawn from q without replacement, in node order): th
 rule q_k(x) = q(x)·1[x not drawn before] / (1 − Σ_{j<k} q(x_j)), accept with
 min(1, r_k(x_k) / q_k(x_k)), on rejection r_{k+1} = norm((r_k − q_k)⁺), and after the last
 rejected child the emitted token is sampled from r_{K+1} (a flat Gumbel race); a
-`lax.while_loop` walks the tree carrying r and q_k over the vocabulary (`kernels.tree_verify`'s
-"auto" uses this path on the CPU; `kernels.tree_stochastic_pallas` is the GPU kernel).
+`lax.while_loop` walks the tree carrying r and q_k over the vocabulary (`jaxspec.kernels.tree_verify`'s
+"auto" uses this path on the CPU; `jaxspec.kernels.tree_stochastic_pallas` is the GPU kernel).
 
-Noise (all from the key, through the counter-based hash of `kernels.tree_noise`): one uniform per
+Noise (all from the key, through the counter-based hash of `jaxspec.kernels.tree_noise`): one uniform per
 node (the deterministic decision at a parent, the stochastic test of a child) and Gumbel noise per
 (row, node, tile) and per (row, node, token), which the Pallas kernel regenerates identically.
 """
@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.tree_noise import LOG2E, node_hashes, race_noise, uniform_from_bits
-from kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, sample_in_tile, tile_scores
-from kernels.tree_structure import child_token_mask, tree_structure
+from jaxspec.kernels.tree_noise import LOG2E, node_hashes, race_noise, uniform_from_bits
+from jaxspec.kernels.tree_race import RACE_TILE, inverse_temperature, race_tile, sample_in_tile, tile_scores
+from jaxspec.kernels.tree_structure import child_token_mask, tree_structure
 
 
 class VerifyResult(NamedTuple):
@@ -313,7 +313,7 @@ def verify_stochastic(
 def verify_reference(
     logits, parents, draft_tokens, num_nodes, key, *, temperature: float, draft_probs=None, tile: int = RACE_TILE
 ) -> VerifyResult:
-    """Reference tree verification (arguments as `kernels.tree_verify`, already validated).
+    """Reference tree verification (arguments as `jaxspec.kernels.tree_verify`, already validated).
 
     tile: vocabulary tile of the two-level residual race (a power of 2): it selects which sample a
     key gives, never the law; the Pallas path gives the same samples for the same tile.

@@ -3,7 +3,7 @@
 `tree_verify` is the exact (lossless) verification of a draft token tree against the policy's
 processed distribution; it dispatches to the Pallas kernel on GPU and to the jnp reference on
 CPU (override with `impl=` or the JAXSPEC_TREE_VERIFY_IMPL environment variable); stochastic drafts
-run their own kernel (`kernels.tree_stochastic_pallas`) the same way.
+run their own kernel (`jaxspec.kernels.tree_stochastic_pallas`) the same way.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.dispatch import requested_impl
-from kernels.tree_stochastic_pallas import verify_stochastic_pallas
-from kernels.tree_verify_pallas import verify_pallas
-from kernels.tree_verify_reference import VerifyResult, verify_reference
+from jaxspec.kernels.dispatch import requested_impl
+from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
+from jaxspec.kernels.tree_verify_pallas import verify_pallas
+from jaxspec.kernels.tree_verify_reference import VerifyResult, verify_reference
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 IMPL_ENV = "JAXSPEC_TREE_VERIFY_IMPL"
@@ -48,8 +48,8 @@ def tree_verify(
 
     Returns a `VerifyResult` (path int32 [B, N], num_accepted int32 [B], next_token int32 [B],
     logprobs float32 [B, N]: log p at the parent of each emitted token, 0 after). Stochastic drafts
-    (draft_probs given, temperature > 0) run their own kernel (`kernels.tree_stochastic_pallas`)
-    where the deterministic ones run `kernels.tree_verify_pallas`. Every implementation draws the
+    (draft_probs given, temperature > 0) run their own kernel (`jaxspec.kernels.tree_stochastic_pallas`)
+    where the deterministic ones run `jaxspec.kernels.tree_verify_pallas`. Every implementation draws the
     same samples from the same key (up to float rounding at decision boundaries). Value checks on
     the tree run only on concrete inputs (under `jax.jit` the shapes are still checked).
     """

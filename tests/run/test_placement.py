@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.placement import MeshConfig, Placement, check_devices
+from jaxspec.run.placement import MeshConfig, Placement, check_devices
 
 
 def test_expert_axis_builds_a_mesh_that_splits_experts_not_rows():
@@ -37,7 +37,7 @@ def test_cast_floats_casts_and_lays_out_in_one_program():
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxspec.models import make_mesh
-    from jaxspec.placement import cast_floats
+    from jaxspec.run.placement import cast_floats
 
     tree = {"w": jnp.arange(8, dtype=jnp.float32), "ids": jnp.arange(4)}
     assert cast_floats(tree, jnp.float32) is tree  # nothing to change: no copy
