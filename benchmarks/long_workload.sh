@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long-answer workload (configs/long.yaml, the `tally` task) on one GPU, end to end: pretrain
+# The long-answer workload (configs/pretrain_long.yaml, the `tally` task) on one GPU, end to end: pretrain
 # the policy, train its EAGLE-3 head on the policy's own T=1 rollouts, then time speculative vs
 # autoregressive rollouts on RL-shaped batches of long, heavy-tailed answers.
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
@@ -31,7 +31,7 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     stats)  # the length law and phrasing entropy of the data itself
-      jaxspec data stats --config configs/long.yaml --num 2000 --json "$RESULTS/long_data_stats.json" 2>&1 \
+      jaxspec data stats --config configs/pretrain_long.yaml --num 2000 --json "$RESULTS/long_data_stats.json" 2>&1 \
         | tee "$RESULTS/long_data_stats.log" ;;
     pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
       check=0; python3 -m tests.gpu.check_cudnn_segments || check=$?
@@ -40,15 +40,15 @@ for stage in "${stages[@]}"; do
         3) attention=(train.attention=xla train.remat=true) ;;
         *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
       esac
-      jaxspec pretrain --config configs/long.yaml --run-dir runs/long train.progress=false \
+      jaxspec pretrain --config configs/pretrain_long.yaml --run-dir runs/long train.progress=false \
         train.steps="$PRETRAIN_STEPS" data.max_len="$PRETRAIN_MAX_LEN" train.batch_size="$PRETRAIN_BATCH" \
         data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" 2>&1 | tee "$RESULTS/pretrain_long.log" ;;
     head)
-      jaxspec draft train --config configs/draft_long.yaml --run-dir runs/draft-long \
+      jaxspec draft train --config configs/head_long.yaml --run-dir runs/draft-long \
         train.steps="$HEAD_STEPS" train.progress=false "${head_args[@]}" 2>&1 | tee "$RESULTS/draft_long.log" ;;
     spec)
       # shellcheck disable=SC2086
-      jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/long.yaml \
+      jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
         --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k $SPEC_K --trees \
         --out "$RESULTS/spec_long.json" 2>&1 | tee "$RESULTS/spec_long.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
