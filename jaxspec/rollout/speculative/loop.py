@@ -29,7 +29,7 @@ from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
-from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
+from jaxspec.rollout.speculative.drafter import Drafter, Pooled, Prefill, Verified
 from jaxspec.rollout.speculative.stats import Counts, count_step
 from jaxspec.rollout.speculative.tree import ancestor_mask
 from jaxspec.rollout.stages import run_in_stages
@@ -39,7 +39,8 @@ class _LoopState(NamedTuple):
     root: jax.Array  # int32 [B]: last committed token, not yet in the cache
     cache: KVCache
     cache_len: jax.Array  # int32 [B]: filled slots = position of root
-    draft: object  # the drafter's state
+    draft: object  # the drafter's state (its batch-major part, `Pooled.rows`, when it has a pool)
+    draft_pool: object  # the call-wide part of a `Pooled` drafter state (never moved), or None
     tokens: jax.Array  # int32 [B, max_new]
     logprobs: jax.Array  # float32 [B, max_new]
     lengths: jax.Array  # int32 [B]
@@ -132,7 +133,8 @@ def speculative_decode(
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
         with jax.named_scope("propose"):
-            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, ~state.done, draft_key)
+            draft = state.draft if state.draft_pool is None else Pooled(state.draft, state.draft_pool)
+            draft, tree = drafter.propose(dparams, draft, state.root, state.cache_len, ~state.done, draft_key)
         with jax.named_scope("verify_forward"):
             logits, hidden, cache, *node_experts = extend(
                 cfg,
@@ -194,6 +196,7 @@ def speculative_decode(
                     active=active,
                 ),
             )
+        draft, draft_pool = (draft, None) if state.draft_pool is None else draft
         if not chain:  # a chain's accepted nodes already sit at consecutive slots
             with jax.named_scope("commit"):
                 cache = commit_path(cache, state.cache_len, path)
@@ -206,6 +209,7 @@ def speculative_decode(
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), cache),
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
+            draft_pool=draft_pool,
             tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
             logprobs=state.logprobs.at[rows, slots].set(
                 _pad_to(result.logprobs[:, :width], width, 1, 0.0), mode="drop"
@@ -230,11 +234,14 @@ def speculative_decode(
         cache_dtype=cache_dtype,
         sharding=sharding,
     )
+    draft = deepest.init(dparams, prefill)
+    draft, draft_pool = (draft.rows, draft.pool) if isinstance(draft, Pooled) else (draft, None)
     state = _LoopState(
         root=first,
         cache=cache,
         cache_len=row_lengths.astype(jnp.int32),
-        draft=deepest.init(dparams, prefill),
+        draft=draft,
+        draft_pool=draft_pool,
         tokens=jnp.full((num_rows, max_new), pad_id, jnp.int32).at[:, 0].set(first),
         logprobs=jnp.zeros((num_rows, max_new), jnp.float32).at[:, 0].set(first_logprob),
         lengths=jnp.ones((num_rows,), jnp.int32),
