@@ -16,6 +16,7 @@ from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
 from jaxspec.rollout.speculative.drafter import Drafter
 from jaxspec.rollout.speculative.loop import speculative_decode
@@ -73,6 +74,20 @@ def make_drafter(
     return (
         Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape),
         {"head": dparams, "embed": params["embed"]},
+    )
+
+
+def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
+    """The loop's depth-choice settings of `spec` (None: spec.adaptive is off)."""
+    if not spec.adaptive:
+        return None
+    return AdaptiveDepth(
+        tree_width=spec.tree_width,
+        tree_budget=spec.tree_budget,
+        verify_token_cost=float(spec.verify_token_cost),
+        draft_token_cost=float(spec.draft_token_cost),
+        decay=float(spec.adaptive_decay),
+        probe_interval=spec.adaptive_probe,
     )
 
 
@@ -194,6 +209,7 @@ def speculative_generate(
         cache_dtype=cache_dtype,
         sharding=sharding,
         stages=stages,
+        adaptive=adaptive_depth(spec),
     )
     return RolloutOutput(
         tokens=tokens,

@@ -52,6 +52,19 @@ class SpecConfig:
         `jaxspec train` sets its samples per prompt).
     suffix_history: earlier responses per prompt that `jaxspec train` keeps for the suffix drafter
         (>= 0; 0 keeps none).
+    adaptive: false drafts the full depth at every loop iteration; true chooses each iteration's
+        depth, 0 (a plain autoregressive step) included, from the acceptance measured so far and
+        the cost model below (`jaxspec.rollout.speculative.adaptive`; the statistics count the
+        iterations of each depth and the autoregressive ones).
+    verify_token_cost: the adaptive cost model: what each verified draft node adds to a decode
+        step's cost, in decode steps (>= 0). `jaxspec bench spec-cost` measures it at a batch size:
+        (verify(N) / decode - 1) / (N - 1). Near 0 at small batches, larger at large ones.
+    draft_token_cost: the adaptive cost model: the cost of drafting one tree level, in decode
+        steps (>= 0; bench spec-cost's draft / decode for eagle3; about 0 for ngram and suffix).
+    adaptive_decay: weight of the earlier measurements in the running acceptance rates, in
+        [0, 1) (0: the last iteration's alone).
+    adaptive_probe: after this many autoregressive iterations in a row, one iteration drafts
+        again (>= 1), so drafts that became useful are noticed.
     stage_draft_tokens: null, or the draft depth of each stage of the decode loop
         (`jaxspec.rollout.stages.batch_stages`: the full batch B, then B/2 and B/4 while they hold
         at least 32 rows; the last entry holds for the stages past it, entries past the last stage
@@ -72,6 +85,11 @@ class SpecConfig:
     suffix_candidates: int = 16
     suffix_group_rows: int | None = None
     suffix_history: int = 0
+    adaptive: bool = False
+    verify_token_cost: float = 0.1
+    draft_token_cost: float = 0.0
+    adaptive_decay: float = 0.7
+    adaptive_probe: int = 16
     stage_draft_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -84,6 +102,7 @@ class SpecConfig:
             "suffix_candidates",
             "suffix_group_rows",
             "suffix_history",
+            "adaptive_probe",
         ):
             if isinstance(getattr(self, name), np.integer):
                 object.__setattr__(self, name, int(getattr(self, name)))
@@ -129,6 +148,14 @@ class SpecConfig:
         )
         history = self.suffix_history
         need(_is_int(history) and history >= 0, "suffix_history", f"must be an integer >= 0, got {history!r}")
+        need(isinstance(self.adaptive, bool), "adaptive", f"must be true or false, got {self.adaptive!r}")
+        for name in ("verify_token_cost", "draft_token_cost"):
+            value = getattr(self, name)
+            need(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+        decay = self.adaptive_decay
+        need(_is_number(decay) and 0 <= decay < 1, "adaptive_decay", f"must be a number in [0, 1), got {decay!r}")
+        probe = self.adaptive_probe
+        need(_is_int(probe) and probe >= 1, "adaptive_probe", f"must be an integer >= 1, got {probe!r}")
         budget, width, k = self.tree_budget, self.tree_width, self.num_draft_tokens
         need(budget is None or _is_int(budget), "tree_budget", f"must be {null} or an integer, got {budget!r}")
         need(
@@ -178,7 +205,9 @@ class Spec:
 
         Spec(method, draft=None, *, num_draft_tokens=3, tree_width=1, tree_budget=None,
              draft_sampling="greedy", ngram_sizes=(3, 2, 1), suffix_max_match=8,
-             suffix_candidates=16, suffix_group_rows=None, suffix_history=0, stage_draft_tokens=None)
+             suffix_candidates=16, suffix_group_rows=None, suffix_history=0, adaptive=False,
+             verify_token_cost=0.1, draft_token_cost=0.0, adaptive_decay=0.7, adaptive_probe=16,
+             stage_draft_tokens=None)
 
     method and the keyword settings are those of `SpecConfig` (method "none" is spec=None);
     `Spec.from_config` takes a `SpecConfig` whole. Raises ValueError naming the setting
@@ -242,6 +271,10 @@ class Spec:
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _shown(value) -> str:

@@ -226,6 +226,41 @@ def test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teache
     assert stats["acceptance_rate_per_position"].shape == (SHAPES[case[1]]["num_draft_tokens"],)
 
 
+@pytest.mark.parametrize("setting", SETTINGS, ids=["T1", "nucleus"])
+def test_adaptive_loops_sample_exactly(tiny_vocab_policy, drafts, reference, setting):
+    """An adaptive loop (`spec.adaptive`) mixes drafting and autoregressive iterations: the weak
+    EAGLE-3 head's sampled tree (2 deep, 3 nodes) is drafted first (rates start at 1: 3 tokens for
+    1 + 3 * 0.6 steps), then its measured acceptance does not pay at a verify cost of 0.6 per node
+    (decay 0: the last iteration's rate alone), so each row's last token, where it needs one, comes
+    from an autoregressive iteration. The rollouts follow the exact law."""
+    cfg, params = tiny_vocab_policy
+    probs, _ = reference(setting)
+    spec = Spec(
+        "eagle3",
+        drafts["eagle3"],
+        draft_sampling="stochastic",
+        **SHAPES["tree"],
+        adaptive=True,
+        verify_token_cost=0.6,
+        adaptive_decay=0.0,
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
+        out = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * NUM_SAMPLES,
+            jax.random.key(8),
+            Sampling(max_new_tokens=MAX_NEW, **setting),
+            spec=spec,
+        )
+    tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
+    seqs = [tuple(row[:n]) for row, n in zip(tokens, lengths)]
+    assert out.stats["depth_steps"] == [1, 0, 1] and out.stats["fallback_steps"] == 1, out.stats
+    assert 0 < out.stats["accepted_tokens"] < out.stats["drafted_tokens"]
+    assert chi_square_pvalue(seqs, probs) > 1e-3
+
+
 def test_chi_square_rejects_a_wrong_distribution(reference, sampled):
     """Negative control: the same samples against the exact distribution at another temperature."""
     seqs, _ = sampled(("draft_model", "tree", "stochastic", T1))
