@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--spec-method", choices=["none", "ngram", "eagle3"], default="none")
+    p.add_argument("--spec-method", choices=["none", "ngram", "suffix", "eagle3"], default="none")
     p.add_argument("--draft", default=None, help="EAGLE-3 head folder for --spec-method eagle3")
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -52,8 +52,8 @@ def main(argv: list[str]) -> int:
     else:
         examples = generate_problems(args.num_problems, seed=args.seed, levels=args.levels)
     spec = None
-    if args.spec_method == "ngram":
-        spec = Spec(method="ngram", num_draft_tokens=args.num_draft_tokens)
+    if args.spec_method in ("ngram", "suffix"):  # suffix: each problem's --samples rows are one group
+        spec = Spec(method=args.spec_method, num_draft_tokens=args.num_draft_tokens)
     elif args.spec_method == "eagle3":
         from jaxspec.draft import load_eagle3
 

@@ -6,7 +6,8 @@ A step record (metrics.jsonl) holds
     grading raised, overran its limit or returned a non-finite value: scored 0), groups_all_correct,
     groups_zero_variance, response_length_mean/max, truncated_frac (no eos within the budget),
     acceptance_length, acceptance_rate_per_position, decode_steps, decode_steps_per_stage,
-    drafted/accepted_tokens;
+    drafted/accepted_tokens, decode_steps_per_depth and fallback_steps (loop iterations that drafted
+    0, 1, ... levels, and those of depth 0: spec.adaptive's autoregressive fallback);
   trainer: loss, pg_loss, kl, clip_low_frac, clip_high_frac, dual_clip_frac (negative-advantage
     tokens held by loss.clip_ratio_c), ratio_mean (current / proximal policy), behaviour_weight_mean /
     _max / _capped_frac (the decoupled objective's pi_prox / pi_behaviour after loss.tis_cap, its
@@ -137,7 +138,8 @@ def rollout_stats(stats: dict) -> dict:
 
     acceptance_rate_per_position: a list with null where no step tested that depth.
     decode_steps_per_stage: loop iterations at each of the loop's batch sizes (`stage_rows`).
-    drafted_tokens / accepted_tokens: present for speculative rollouts.
+    drafted_tokens / accepted_tokens, decode_steps_per_depth / fallback_steps: present for
+    speculative rollouts.
     """
     out = {
         "acceptance_length": float(stats.get("acceptance_length", 1.0)),
@@ -146,9 +148,11 @@ def rollout_stats(stats: dict) -> dict:
     }
     per_position = np.asarray(stats.get("acceptance_rate_per_position", ()), np.float64).reshape(-1)
     out["acceptance_rate_per_position"] = [round(float(x), 6) if np.isfinite(x) else None for x in per_position]
-    for key in ("drafted_tokens", "accepted_tokens"):
+    for key in ("drafted_tokens", "accepted_tokens", "fallback_steps"):
         if key in stats:
             out[key] = int(stats[key])
+    if "depth_steps" in stats:
+        out["decode_steps_per_depth"] = [int(n) for n in stats["depth_steps"]]
     return out
 
 

@@ -106,9 +106,9 @@ def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:
     """Checks that the draft exists and fits the policy (from its config.json); the draft folder."""
     if spec.method == "none":
         return None
-    if spec.method == "ngram":
+    if spec.method in ("ngram", "suffix"):
         if spec.draft is not None:
-            raise ValueError("spec.draft: method ngram drafts from the token history and takes no draft")
+            raise ValueError(f"spec.draft: method {spec.method} drafts from the token history and takes no draft")
         return None
     if spec.draft == RANDOM_DRAFT:
         if spec.method != "eagle3":
@@ -149,9 +149,9 @@ def check_spec(spec: SpecConfig, model: ModelConfig) -> Path | None:
 
 
 def load_draft(spec: SpecConfig, draft_dir: Path | None, model: ModelConfig, key: jax.Array):
-    """(config, params) of the draft, or None (no speculation, or ngram). draft_dir: from
+    """(config, params) of the draft, or None (no speculation, ngram or suffix). draft_dir: from
     `check_spec` (None with method eagle3: a head initialised from `key`)."""
-    if spec.method in ("none", "ngram"):
+    if spec.method in ("none", "ngram", "suffix"):
         return None
     if spec.method == "draft_model":
         from jaxspec.models.checkpoint import load_hf

@@ -35,8 +35,9 @@ from jaxspec.rl.data import PromptSet
 from jaxspec.rl.evaluate import decode_responses
 from jaxspec.rl.metrics import PhaseTimer, block
 from jaxspec.rl.resources import make_spec
+from jaxspec.rl.response_history import ResponseHistory
 from jaxspec.rl.shaping import overlong_penalty, select_groups
-from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.rollout.speculative.stats import merge_stats
 from jaxspec.run import Batcher
 from jaxspec.run.placement import MeshConfig, Placement, cast_floats, rollout_policy
@@ -141,16 +142,19 @@ class RolloutGenerator:
     ):
         self.model, self.sampling, self.prompts, self.reward, self.tok = model, sampling, prompts, reward, tokenizer
         self.prompt_width, self.record_experts, self.rollout, self.loss = prompt_width, record_experts, rollout, loss
+        self.history: ResponseHistory | None = None  # made by the first suffix-drafting call
 
     def rollouts(self, ids: np.ndarray, policy, spec, key: jax.Array, timer, sharding: Sharding | None) -> Rollouts:
         """samples_per_prompt rollouts of each prompt id and their rewards (B = len(ids) * group).
         policy / spec: the weights that generate, on the mesh `sharding`; timer: a `PhaseTimer` (or
-        any object with its `phase`), which gets the generation and reward seconds."""
+        any object with its `phase`), which gets the generation and reward seconds. A suffix
+        drafter drafts from each group's other rows and the prompt's earlier responses
+        (`ResponseHistory`, spec.suffix_history of them), to which these are added."""
         group = self.rollout.samples_per_prompt
         prompts = [self.prompts.token_ids[i] for i in ids for _ in range(group)]
         records = [self.prompts.records[i] for i in ids for _ in range(group)]
         with timer.phase("generation"):
-            tokens, lengths, logprobs, experts, stats = self._generate_rows(prompts, policy, spec, key, sharding)
+            tokens, lengths, logprobs, experts, stats = self._generate_rows(ids, prompts, policy, spec, key, sharding)
         with timer.phase("reward"):
             grades = self.reward.grade(decode_responses(self.tok, tokens, lengths), records)
         scores = grades.scores
@@ -171,11 +175,12 @@ class RolloutGenerator:
             experts=experts,
         )
 
-    def _generate_rows(self, prompts: list, policy, spec, key, sharding) -> tuple:
+    def _generate_rows(self, ids: np.ndarray, prompts: list, policy, spec, key, sharding) -> tuple:
         """(tokens int32 [B, N], lengths [B], logprobs float32 [B, N], the recorded experts [B, P + N,
         L_sparse, k] or None (`RolloutOutput.experts`), stats) on the host for the prompts,
         rollout.sub_batch rows per `generate` call (all at once when null)."""
         size = self.rollout.sub_batch or len(prompts)
+        group = self.rollout.samples_per_prompt
         parts = []
         for i, start in enumerate(range(0, len(prompts), size)):
             sub_key = key if size == len(prompts) else jax.random.fold_in(key, i)
@@ -186,7 +191,7 @@ class RolloutGenerator:
                     prompts[start : start + size],
                     sub_key,
                     sampling=self.sampling,
-                    spec=spec,
+                    spec=self._call_spec(spec, ids[start // group : (start + size) // group]),
                     sharding=sharding,
                     prompt_width=self.prompt_width,
                     record_experts=self.record_experts,
@@ -203,7 +208,19 @@ class RolloutGenerator:
             )
         tokens, lengths, logprobs = (np.concatenate([p[j] for p in parts]) for j in range(3))
         experts = np.concatenate([p[3] for p in parts]) if self.record_experts else None
+        if self.history is not None:
+            self.history.add(ids, tokens, lengths)
         return tokens, lengths, logprobs, experts, merge_stats([p[4] for p in parts])
+
+    def _call_spec(self, spec, ids: np.ndarray):
+        """`spec` for one `generate` call of the groups of prompts `ids`: a suffix drafter's groups
+        are the samples_per_prompt rows of each prompt, and it reads their earlier responses."""
+        if spec is None or spec.method != "suffix":
+            return spec
+        if self.history is None:
+            self.history = ResponseHistory(spec.suffix_history, self.rollout.max_new_tokens)
+        config = dataclasses.replace(spec.config, suffix_group_rows=self.rollout.samples_per_prompt)
+        return Spec.from_config(config, self.history.of(ids) if spec.suffix_history else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,16 @@ def test_algorithm_options_accepted():
         (dict(ngram_sizes=(2, 0)), "ngram_sizes"),
         (dict(num_draft_tokens=3, stage_draft_tokens=(3, 4)), "stage_draft_tokens"),
         (dict(stage_draft_tokens=()), "stage_draft_tokens"),
+        (dict(method="suffix", draft_sampling="stochastic"), "draft_sampling"),
+        (dict(method="suffix", suffix_max_match=0), "suffix_max_match"),
+        (dict(method="suffix", suffix_candidates=0), "suffix_candidates"),
+        (dict(method="suffix", suffix_group_rows=0), "suffix_group_rows"),
+        (dict(method="suffix", suffix_history=-1), "suffix_history"),
+        (dict(adaptive="yes"), "adaptive"),
+        (dict(verify_token_cost=-0.1), "verify_token_cost"),
+        (dict(draft_token_cost="cheap"), "draft_token_cost"),
+        (dict(adaptive_decay=1.0), "adaptive_decay"),
+        (dict(adaptive_probe=0), "adaptive_probe"),
     ],
 )
 def test_a_config_file_and_a_spec_refuse_the_same_settings(settings, key):

@@ -7,6 +7,13 @@ A drafter is a frozen (hashable) dataclass holding only static settings, so it c
     state, tree = drafter.propose(dparams, state, root, cache_len, active, key)
     state = drafter.update(dparams, state, verified)          # after each verification
 
+A state may be `Pooled(rows, pool)`: the loop moves `rows` (batch-major) with its rows into a
+smaller stage batch and keeps `pool` (call-wide, e.g. every row's tokens by original row) as is.
+
+A drafter whose `propose` returns its state unchanged says so with `propose_keeps_state = True`;
+an autoregressive iteration of an adaptive loop then skips it (others run a depth-1 proposal to
+keep their state in step, e.g. an EAGLE-3 head's pending entries).
+
 `drafter.policy_layers` lists the policy layers whose outputs `update` receives in
 `verified.hidden` (empty when the drafter does not read the policy's hidden states).
 """
@@ -41,6 +48,14 @@ class Prefill(NamedTuple):
     max_len: int
     cache_dtype: object
     sharding: Sharding | None
+
+
+class Pooled(NamedTuple):
+    """A drafter state in two parts: rows (batch-major: moves with its rows between loop stages)
+    and pool (call-wide: the loop never moves it)."""
+
+    rows: object
+    pool: object
 
 
 class Verified(NamedTuple):

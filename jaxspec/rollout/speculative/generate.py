@@ -16,12 +16,14 @@ from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
 from jaxspec.rollout.speculative.drafter import Drafter
 from jaxspec.rollout.speculative.loop import speculative_decode
 from jaxspec.rollout.speculative.ngram import NgramDrafter
 from jaxspec.rollout.speculative.spec import Spec
 from jaxspec.rollout.speculative.stats import summarize
+from jaxspec.rollout.speculative.suffix import SuffixDrafter, suffix_sources
 from jaxspec.rollout.stages import batch_stages
 
 _F32 = 4
@@ -31,12 +33,15 @@ def make_drafter(
     cfg: ModelConfig, params: Params, sampling: Sampling, spec: Spec, sharding: Sharding | None = None
 ) -> tuple[Drafter, object]:
     """(drafter, the pytree its methods take as dparams) for policy `cfg`; ValueError when the
-    draft does not fit the policy (naming the mismatched dimension)."""
+    draft does not fit the policy (naming the mismatched dimension). The suffix drafter's dparams
+    depend on the call's rows: `speculative_generate` makes them (`suffix_sources`)."""
     if not isinstance(spec, Spec):
         raise ValueError(f"spec must be a jaxspec.rollout.Spec or None, got {type(spec).__name__}")
     shape = dict(depth=spec.num_draft_tokens, width=spec.tree_width, num_nodes=spec.num_tree_nodes)
     if spec.method == "ngram":
         return NgramDrafter(sizes=spec.ngram_sizes, **shape), None
+    if spec.method == "suffix":
+        return SuffixDrafter(max_match=spec.suffix_max_match, num_candidates=spec.suffix_candidates, **shape), None
     dcfg, dparams = spec.draft
     if spec.method == "draft_model":
         if dcfg.vocab_size != cfg.vocab_size:
@@ -69,6 +74,20 @@ def make_drafter(
     return (
         Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape),
         {"head": dparams, "embed": params["embed"]},
+    )
+
+
+def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
+    """The loop's depth-choice settings of `spec` (None: spec.adaptive is off)."""
+    if not spec.adaptive:
+        return None
+    return AdaptiveDepth(
+        tree_width=spec.tree_width,
+        tree_budget=spec.tree_budget,
+        verify_token_cost=float(spec.verify_token_cost),
+        draft_token_cost=float(spec.draft_token_cost),
+        decay=float(spec.adaptive_decay),
+        probe_interval=spec.adaptive_probe,
     )
 
 
@@ -125,6 +144,8 @@ def speculative_generate(
     """`jaxspec.rollout.generate` with `spec`: prompts already validated and grouped into `batch`,
     `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
+    if spec.method == "suffix":
+        dparams = suffix_sources(spec.draft, batch.row_prompt, spec.suffix_group_rows, cfg.vocab_size)
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     stages = batch_stages(num_rows, sharding)
     depths = spec.stage_depths(len(stages))
@@ -137,6 +158,10 @@ def speculative_generate(
     needed = speculative_memory_bytes(
         cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct, sum(stages[1:])
     )
+    if spec.method == "suffix":  # the sources gathered per step, and the buffers matched over them
+        history = dparams.history.tokens.shape
+        slots = (1 + dparams.siblings.shape[1]) * draft_len + history[1] * history[2]
+        needed += 4 * _F32 * num_rows * slots
     if record_experts:
         needed += recorded_experts_bytes(cfg, sum(stages), prompt_width + max_new)
     check_fits(
@@ -184,6 +209,7 @@ def speculative_generate(
         cache_dtype=cache_dtype,
         sharding=sharding,
         stages=stages,
+        adaptive=adaptive_depth(spec),
     )
     return RolloutOutput(
         tokens=tokens,

@@ -12,11 +12,14 @@ Each iteration, for every row at once:
      (`jaxspec.rollout.experts`) writes the accepted nodes' experts at the positions their KV
      moves to.
 Rows accept different numbers of tokens; finished rows keep computing with frozen state until
-the loop moves the running rows into a smaller batch (`jaxspec.rollout.stages`).
+the loop moves the running rows into a smaller batch (`jaxspec.rollout.stages`). An adaptive loop
+(`jaxspec.rollout.speculative.adaptive`) runs each iteration at a depth chosen from the acceptance
+measured so far, depth 0 being an autoregressive step (the root verified alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -29,9 +32,10 @@ from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
-from jaxspec.rollout.speculative.drafter import Drafter, Prefill, Verified
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
+from jaxspec.rollout.speculative.drafter import Drafter, Pooled, Prefill, Verified
 from jaxspec.rollout.speculative.stats import Counts, count_step
-from jaxspec.rollout.speculative.tree import ancestor_mask
+from jaxspec.rollout.speculative.tree import DraftTree, ancestor_mask
 from jaxspec.rollout.stages import run_in_stages
 
 
@@ -39,7 +43,8 @@ class _LoopState(NamedTuple):
     root: jax.Array  # int32 [B]: last committed token, not yet in the cache
     cache: KVCache
     cache_len: jax.Array  # int32 [B]: filled slots = position of root
-    draft: object  # the drafter's state
+    draft: object  # the drafter's state (its batch-major part, `Pooled.rows`, when it has a pool)
+    draft_pool: object  # the call-wide part of a `Pooled` drafter state (never moved), or None
     tokens: jax.Array  # int32 [B, max_new]
     logprobs: jax.Array  # float32 [B, max_new]
     lengths: jax.Array  # int32 [B]
@@ -47,6 +52,7 @@ class _LoopState(NamedTuple):
     key: jax.Array
     counts: Counts
     experts: jax.Array | None  # [B, S, L_sparse, k] the recorded routing (`jaxspec.rollout.experts`), or None
+    depths: DepthState | None  # an adaptive loop's measured acceptance (`adaptive`), or None
 
 
 def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCache:
@@ -67,6 +73,14 @@ def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCach
     return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
+def _root_alone(root: jax.Array) -> DraftTree:
+    """The tree of an autoregressive step: the root int32 [B], no draft nodes."""
+    column = jnp.zeros((root.shape[0], 1), jnp.int32)
+    return DraftTree(
+        tokens=root[:, None], parents=column - 1, depth=column, num_nodes=column[:, 0] + 1, draft_probs=None
+    )
+
+
 def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
     """`x` padded with `value` to `size` entries along `axis` (a shallower stage's tree)."""
     pad = [(0, 0)] * x.ndim
@@ -76,7 +90,17 @@ def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "sampling", "drafters", "max_depth", "draft_len", "cache_dtype", "sharding", "stages"),
+    static_argnames=(
+        "cfg",
+        "sampling",
+        "drafters",
+        "max_depth",
+        "draft_len",
+        "cache_dtype",
+        "sharding",
+        "stages",
+        "adaptive",
+    ),
     donate_argnames=("cache",),
 )
 def speculative_decode(
@@ -100,6 +124,7 @@ def speculative_decode(
     cache_dtype,
     sharding: Sharding | None,
     stages: tuple[int, ...],
+    adaptive: AdaptiveDepth | None = None,
 ):
     """Samples up to sampling.max_new_tokens tokens per row with speculative steps.
 
@@ -112,7 +137,8 @@ def speculative_decode(
     draft_len: cache slots of the drafter's own cache. stages: the loop's batch sizes as rows
     finish (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
     prompt_experts: None, or the prefill's record [B, P, L_sparse, k] of the prompts' routing, to
-    which each step adds the accepted path's (`jaxspec.rollout.experts`).
+    which each step adds the accepted path's (`jaxspec.rollout.experts`). adaptive: None drafts
+    every stage's depth at every iteration; settings choose each iteration's depth (`adaptive`).
     Returns (tokens int32 [B, max_new_tokens], logprobs float32 [B, max_new_tokens], lengths int32 [B],
     the record [B, P + max_new_tokens, L_sparse, k] or None, Counts, loop iterations per stage int32
     [len(stages)], the B-row cache after the first stage: returned so that it updates the donated
@@ -127,12 +153,20 @@ def speculative_decode(
     deepest = max(drafters, key=lambda d: d.depth)
     chain = deepest.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
 
-    def step(drafter: Drafter, state: _LoopState) -> _LoopState:
+    def step(drafter: Drafter, state: _LoopState, drafts: bool = True) -> _LoopState:
+        """One iteration; drafts=False verifies the root alone (an autoregressive step)."""
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
         with jax.named_scope("propose"):
-            draft, tree = drafter.propose(dparams, state.draft, state.root, state.cache_len, ~state.done, draft_key)
+            draft = state.draft if state.draft_pool is None else Pooled(state.draft, state.draft_pool)
+            if drafts:
+                draft, tree = drafter.propose(dparams, draft, state.root, state.cache_len, ~state.done, draft_key)
+            else:
+                if not getattr(drafter, "propose_keeps_state", False):  # e.g. a head's pending entries
+                    one = dataclasses.replace(drafter, depth=1, num_nodes=1)
+                    draft, _ = one.propose(dparams, draft, state.root, state.cache_len, ~state.done, draft_key)
+                tree = _root_alone(state.root)
         with jax.named_scope("verify_forward"):
             logits, hidden, cache, *node_experts = extend(
                 cfg,
@@ -194,6 +228,7 @@ def speculative_decode(
                     active=active,
                 ),
             )
+        draft, draft_pool = (draft, None) if state.draft_pool is None else draft
         if not chain:  # a chain's accepted nodes already sit at consecutive slots
             with jax.named_scope("commit"):
                 cache = commit_path(cache, state.cache_len, path)
@@ -206,6 +241,7 @@ def speculative_decode(
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), cache),
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
+            draft_pool=draft_pool,
             tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
             logprobs=state.logprobs.at[rows, slots].set(
                 _pad_to(result.logprobs[:, :width], width, 1, 0.0), mode="drop"
@@ -213,9 +249,23 @@ def speculative_decode(
             lengths=state.lengths + count,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
-            counts=count_step(state.counts, tree.parents, tree.num_nodes, path, accepted, active),
+            counts=count_step(state.counts, tree.parents, tree.num_nodes, path, accepted, active)._replace(
+                depth_steps=state.counts.depth_steps.at[drafter.depth if drafts else 0].add(1)
+            ),
             experts=experts,
+            depths=state.depths,
         )
+
+    def adaptive_step(drafter: Drafter, state: _LoopState) -> _LoopState:
+        """One iteration at the depth `adaptive.choose` picks among the stage's candidates."""
+        depths = candidate_depths(drafter.depth)
+        branches = [
+            functools.partial(step, dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)), drafts=d > 0)
+            for d in depths
+        ]
+        index = choose(adaptive, state.depths, depths)
+        new = jax.lax.switch(index, branches, state)
+        return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, index > 0))
 
     key, first_key = jax.random.split(key)
     first, first_logprob = choose_tokens(first_key, logits, sampling)
@@ -230,23 +280,27 @@ def speculative_decode(
         cache_dtype=cache_dtype,
         sharding=sharding,
     )
+    draft = deepest.init(dparams, prefill)
+    draft, draft_pool = (draft.rows, draft.pool) if isinstance(draft, Pooled) else (draft, None)
     state = _LoopState(
         root=first,
         cache=cache,
         cache_len=row_lengths.astype(jnp.int32),
-        draft=deepest.init(dparams, prefill),
+        draft=draft,
+        draft_pool=draft_pool,
         tokens=jnp.full((num_rows, max_new), pad_id, jnp.int32).at[:, 0].set(first),
         logprobs=jnp.zeros((num_rows, max_new), jnp.float32).at[:, 0].set(first_logprob),
         lengths=jnp.ones((num_rows,), jnp.int32),
         done=jnp.isin(first, eos_ids) | (max_new == 1),
         key=key,
-        counts=Counts.zeros(max_depth),
+        counts=Counts.zeros(max_depth, deepest.depth),
         experts=expert_buffer(prompt_experts, prompt_experts.shape[1] + max_new, sharding) if record else None,
+        depths=None if adaptive is None else DepthState.start(max_depth),
     )
     # Between stages the running rows move with their drafter state.
     recorded = ("experts",) if record else ()
     state, out, full_cache, stage_steps = run_in_stages(
-        [functools.partial(step, drafter) for drafter in drafters],
+        [functools.partial(step if adaptive is None else adaptive_step, drafter) for drafter in drafters],
         state,
         stages,
         ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done", *recorded),

@@ -36,6 +36,7 @@ class NgramDrafter:
     width: int
     num_nodes: int
     policy_layers: tuple[int, ...] = ()
+    propose_keeps_state = True  # `propose` returns its state as it was (an autoregressive step may skip it)
 
     def init(self, dparams, prefill: Prefill) -> History:
         prompts = jnp.take(prefill.prompt_tokens, prefill.row_prompt, axis=0)

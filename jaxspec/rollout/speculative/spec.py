@@ -9,8 +9,10 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.rollout.speculative.suffix import SuffixHistory
 
-METHODS = ("eagle3", "draft_model", "ngram")
+METHODS = ("eagle3", "draft_model", "ngram", "suffix")
+HISTORY_FREE = ("ngram", "suffix")  # methods that draft from tokens, without weights
 DRAFT_SAMPLINGS = ("greedy", "stochastic")
 
 
@@ -23,7 +25,10 @@ class SpecConfig:
     method: "none" samples autoregressively (config files; `generate` takes spec=None for that);
         "eagle3" drafts with an EAGLE-3 head over the policy's hidden states, "draft_model" with a
         smaller policy of the same vocabulary, "ngram" with continuations of earlier matches of the
-        last n tokens in prompt + response (no draft weights).
+        last n tokens in prompt + response (no draft weights), "suffix" with the most frequent
+        continuations of the longest match of the row's last tokens in its own tokens, the other
+        rows of its GRPO group and earlier answers to its prompt
+        (`jaxspec.rollout.speculative.suffix`; no draft weights).
     draft (config files): EAGLE-3 folder (method eagle3) or HF folder of a smaller model
         (draft_model). With eagle3, null = the embedded tiny policy's head
         (`jaxspec/assets/tiny-eagle3`) and "random" = a freshly initialised head (seeded by
@@ -36,9 +41,30 @@ class SpecConfig:
         1 + min(tree_budget, num_draft_tokens * tree_width) tree nodes through the policy.
     draft_sampling: "greedy" expands the draft's top-`tree_width` tokens (deterministic),
         "stochastic" draws them from the draft distribution without replacement (Gumbel-top-k);
-        both are exact, they differ only in how often drafts are accepted. ngram drafts are
-        deterministic, so ngram takes only "greedy".
+        both are exact, they differ only in how often drafts are accepted. ngram and suffix drafts
+        are deterministic, so they take only "greedy".
     ngram_sizes: suffix lengths the ngram drafter looks up, in order of preference.
+    suffix_max_match: longest run of a row's last tokens the suffix drafter matches (>= 1).
+    suffix_candidates: matches (of the longest length found) whose continuations make the suffix
+        drafter's tree, counted per continuation (>= 1).
+    suffix_group_rows: rows of one GRPO group: the rows carrying one prompt fall, in row order,
+        into groups of this many rows that draft from each other (null: all rows of a prompt;
+        `jaxspec train` sets its samples per prompt).
+    suffix_history: earlier responses per prompt that `jaxspec train` keeps for the suffix drafter
+        (>= 0; 0 keeps none).
+    adaptive: false drafts the full depth at every loop iteration; true chooses each iteration's
+        depth, 0 (a plain autoregressive step) included, from the acceptance measured so far and
+        the cost model below (`jaxspec.rollout.speculative.adaptive`; the statistics count the
+        iterations of each depth and the autoregressive ones).
+    verify_token_cost: the adaptive cost model: what each verified draft node adds to a decode
+        step's cost, in decode steps (>= 0). `jaxspec bench spec-cost` measures it at a batch size:
+        (verify(N) / decode - 1) / (N - 1). Near 0 at small batches, larger at large ones.
+    draft_token_cost: the adaptive cost model: the cost of drafting one tree level, in decode
+        steps (>= 0; bench spec-cost's draft / decode for eagle3; about 0 for ngram and suffix).
+    adaptive_decay: weight of the earlier measurements in the running acceptance rates, in
+        [0, 1) (0: the last iteration's alone).
+    adaptive_probe: after this many autoregressive iterations in a row, one iteration drafts
+        again (>= 1), so drafts that became useful are noticed.
     stage_draft_tokens: null, or the draft depth of each stage of the decode loop
         (`jaxspec.rollout.stages.batch_stages`: the full batch B, then B/2 and B/4 while they hold
         at least 32 rows; the last entry holds for the stages past it, entries past the last stage
@@ -48,18 +74,36 @@ class SpecConfig:
         null drafts num_draft_tokens at every stage.
     """
 
-    method: Literal["none", "eagle3", "draft_model", "ngram"] = "none"
+    method: Literal["none", "eagle3", "draft_model", "ngram", "suffix"] = "none"
     draft: str | None = None
     num_draft_tokens: int = 3
     tree_width: int = 1
     tree_budget: int | None = None
     draft_sampling: Literal["greedy", "stochastic"] = "greedy"
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
+    suffix_max_match: int = 8
+    suffix_candidates: int = 16
+    suffix_group_rows: int | None = None
+    suffix_history: int = 0
+    adaptive: bool = False
+    verify_token_cost: float = 0.1
+    draft_token_cost: float = 0.0
+    adaptive_decay: float = 0.7
+    adaptive_probe: int = 16
     stage_draft_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         # Python callers may pass lists and numpy integers: keep the settings plain and hashable.
-        for name in ("num_draft_tokens", "tree_width", "tree_budget"):
+        for name in (
+            "num_draft_tokens",
+            "tree_width",
+            "tree_budget",
+            "suffix_max_match",
+            "suffix_candidates",
+            "suffix_group_rows",
+            "suffix_history",
+            "adaptive_probe",
+        ):
             if isinstance(getattr(self, name), np.integer):
                 object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("ngram_sizes", "stage_draft_tokens"):
@@ -89,13 +133,29 @@ class SpecConfig:
             f"must be one of {list(DRAFT_SAMPLINGS)}, got {self.draft_sampling!r}",
         )
         need(
-            self.method != "ngram" or self.draft_sampling == "greedy",
+            self.method not in HISTORY_FREE or self.draft_sampling == "greedy",
             "draft_sampling",
-            "must be 'greedy' for method='ngram' (its drafts have no distribution to sample from)",
+            f"must be 'greedy' for method={self.method!r} (its drafts have no distribution to sample from)",
         )
-        for name in ("num_draft_tokens", "tree_width"):
+        for name in ("num_draft_tokens", "tree_width", "suffix_max_match", "suffix_candidates"):
             value = getattr(self, name)
             need(_is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        rows = self.suffix_group_rows
+        need(
+            rows is None or (_is_int(rows) and rows >= 1),
+            "suffix_group_rows",
+            f"must be {null} or an integer >= 1, got {rows!r}",
+        )
+        history = self.suffix_history
+        need(_is_int(history) and history >= 0, "suffix_history", f"must be an integer >= 0, got {history!r}")
+        need(isinstance(self.adaptive, bool), "adaptive", f"must be true or false, got {self.adaptive!r}")
+        for name in ("verify_token_cost", "draft_token_cost"):
+            value = getattr(self, name)
+            need(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+        decay = self.adaptive_decay
+        need(_is_number(decay) and 0 <= decay < 1, "adaptive_decay", f"must be a number in [0, 1), got {decay!r}")
+        probe = self.adaptive_probe
+        need(_is_int(probe) and probe >= 1, "adaptive_probe", f"must be an integer >= 1, got {probe!r}")
         budget, width, k = self.tree_budget, self.tree_width, self.num_draft_tokens
         need(budget is None or _is_int(budget), "tree_budget", f"must be {null} or an integer, got {budget!r}")
         need(
@@ -144,7 +204,10 @@ class Spec:
     """Speculative decoding for `jaxspec.rollout.generate(..., spec=Spec(...))`:
 
         Spec(method, draft=None, *, num_draft_tokens=3, tree_width=1, tree_budget=None,
-             draft_sampling="greedy", ngram_sizes=(3, 2, 1), stage_draft_tokens=None)
+             draft_sampling="greedy", ngram_sizes=(3, 2, 1), suffix_max_match=8,
+             suffix_candidates=16, suffix_group_rows=None, suffix_history=0, adaptive=False,
+             verify_token_cost=0.1, draft_token_cost=0.0, adaptive_decay=0.7, adaptive_probe=16,
+             stage_draft_tokens=None)
 
     method and the keyword settings are those of `SpecConfig` (method "none" is spec=None);
     `Spec.from_config` takes a `SpecConfig` whole. Raises ValueError naming the setting
@@ -153,7 +216,8 @@ class Spec:
     config: the settings (`SpecConfig`; its `draft` is None). A Spec reads as them too:
         spec.num_draft_tokens is spec.config.num_draft_tokens.
     draft: the draft's weights: eagle3: (dcfg, dparams) from `jaxspec.draft`; draft_model:
-        (ModelConfig, params); ngram: None.
+        (ModelConfig, params); ngram: None; suffix: None, or the earlier responses to the call's
+        prompts (`jaxspec.rollout.speculative.suffix.SuffixHistory`).
 
     Equality is identity (the draft holds arrays).
     """
@@ -172,6 +236,11 @@ class Spec:
         if config.method == "ngram":
             if draft is not None:
                 raise ValueError("Spec.draft must be None for method='ngram' (it drafts from the token history)")
+        elif config.method == "suffix":
+            if draft is not None and not isinstance(draft, SuffixHistory):
+                raise ValueError(
+                    f"Spec.draft must be None or a SuffixHistory for method='suffix', got {type(draft).__name__}"
+                )
         elif not (isinstance(draft, tuple) and len(draft) == 2):
             raise ValueError(
                 f"Spec.draft must be a (config, params) pair for method={config.method!r}, got {type(draft).__name__}"
@@ -202,6 +271,10 @@ class Spec:
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _shown(value) -> str:

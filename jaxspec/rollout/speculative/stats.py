@@ -20,6 +20,8 @@ class Counts(NamedTuple):
     reached: int32 [K]: steps whose accepted path got to depth i (i = 0 is the root) at a node
         that has at least one draft child, i.e. a depth-(i + 1) draft was tested.
     accepted_at: int32 [K]: steps that accepted a depth-(i + 1) draft.
+    depth_steps: int32 [D + 1] (D: the deepest draft): loop iterations that drafted d levels (d = 0: autoregressive
+        iterations of an adaptive loop, `jaxspec.rollout.speculative.adaptive`).
     """
 
     row_steps: jax.Array
@@ -27,11 +29,16 @@ class Counts(NamedTuple):
     accepted: jax.Array
     reached: jax.Array
     accepted_at: jax.Array
+    depth_steps: jax.Array
 
     @classmethod
-    def zeros(cls, max_depth: int) -> Counts:
+    def zeros(cls, max_depth: int, max_draft_depth: int | None = None) -> Counts:
+        """No steps yet: K = max_depth (the longest acceptable run), depth_steps for draft depths up
+        to max_draft_depth (default K; deeper than K where a tree budget cuts the runs)."""
         scalar = jnp.zeros((), jnp.int32)
-        return cls(scalar, scalar, scalar, jnp.zeros((max_depth,), jnp.int32), jnp.zeros((max_depth,), jnp.int32))
+        depths = jnp.zeros((max_depth,), jnp.int32)
+        draft_depths = max_depth if max_draft_depth is None else max_draft_depth
+        return cls(scalar, scalar, scalar, depths, depths, jnp.zeros((draft_depths + 1,), jnp.int32))
 
 
 def count_step(
@@ -58,6 +65,7 @@ def count_step(
         accepted=counts.accepted + jnp.sum(act * num_accepted),
         reached=counts.reached + jnp.sum(act[:, None] * reached, axis=0),
         accepted_at=counts.accepted_at + jnp.sum(act[:, None] * accepted_at, axis=0),
+        depth_steps=counts.depth_steps,
     )
 
 
@@ -74,6 +82,9 @@ def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int,
         one of those drafts was accepted; NaN where no step tested that depth.
     drafted_tokens, accepted_tokens: draft nodes verified and draft tokens accepted.
     generated_tokens: sum of lengths.
+    depth_steps: loop iterations that drafted 0, 1, ..., D levels (D: the deepest draft) (0: an adaptive loop's
+        autoregressive fallback, `jaxspec.rollout.speculative.adaptive`); fallback_steps: those of
+        depth 0.
     verified_row_steps, tested_at, accepted_at: the counts behind the two ratios ((row, step)
         pairs verified; per depth, steps that tested a draft there and steps that accepted one),
         so that the statistics of several rollouts combine exactly (`merge_stats`).
@@ -96,6 +107,8 @@ def summarize(counts: Counts, lengths: jax.Array, depth: int, stages: tuple[int,
         "verified_row_steps": row_steps,
         "tested_at": [int(n) for n in np.asarray(counts.reached)[:depth]],
         "accepted_at": [int(n) for n in np.asarray(counts.accepted_at)[:depth]],
+        "depth_steps": [int(n) for n in np.asarray(counts.depth_steps)],
+        "fallback_steps": int(counts.depth_steps[0]),
     }
 
 
@@ -127,4 +140,6 @@ def merge_stats(parts: list[dict]) -> dict:
         "verified_row_steps": row_steps,
         "tested_at": [int(n) for n in tested],
         "accepted_at": [int(n) for n in accepted_at],
+        "depth_steps": [int(n) for n in np.sum([p["depth_steps"] for p in parts], axis=0)],
+        "fallback_steps": sum(p["fallback_steps"] for p in parts),
     }

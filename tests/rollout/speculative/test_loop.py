@@ -51,6 +51,8 @@ def specs(policy):
         "draft_model-self-chain": Spec("draft_model", (cfg, params), num_draft_tokens=K),
         "eagle3-chain": Spec("eagle3", head, num_draft_tokens=K),
         "ngram-tree": Spec("ngram", num_draft_tokens=K, tree_width=2),
+        # Rows 0 and 3, 1 and 4 carry one prompt: a group each, drafting from each other.
+        "suffix-tree": Spec("suffix", num_draft_tokens=K, tree_width=2),
     }
 
 
@@ -63,7 +65,7 @@ def speculative(policy, greedy_sampling):
     }
 
 
-@pytest.mark.parametrize("name", ["draft_model-self-chain", "eagle3-chain", "ngram-tree"])
+@pytest.mark.parametrize("name", ["draft_model-self-chain", "eagle3-chain", "ngram-tree", "suffix-tree"])
 def test_greedy_speculation_equals_greedy_autoregressive(speculative, autoregressive, eos_and_reference, name):
     eos, reference = eos_and_reference
     out = speculative[name]

@@ -8,12 +8,12 @@ prompt whose tokens are followed by varying tokens), so rejections, residual sam
 tokens and max_new_tokens truncation all occur.
 
 Every method x {chain, tree} x {greedy, stochastic drafts} x {T=1, T=0.7 with top_p=0.9} runs
-(the n-gram drafter has no draft distribution, so it drafts greedily only): 20 cases, each its
+(the n-gram and suffix drafters have no draft distribution, so they draft greedily only): 24 cases, each its
 own compiled decode loop (every one differs in a static argument: method, tree shape, draft
 sampling or `Sampling`); the exact distribution and the trainer's log-probs are computed once per
 setting.
 
-Power. Those 20 cases guard every method and tree shape end to end, but the tiny policy's flat
+Power. Those 24 cases guard every method and tree shape end to end, but the tiny policy's flat
 distributions and the weak drafts make small errors nearly invisible to them: at NUM_SAMPLES their
 chi-square test has 90% power against a temperature error of about 14% at T = 1 (`chi_square_power`
 from the exact laws) and little against acceptance errors. Small biases are the job of the
@@ -29,7 +29,7 @@ a race between tiles, then between the winning tile's tokens); a policy's vocabu
 tiles (Qwen's 151936 tokens: 75), the tiny policy's 6 tokens one. The rollouts here therefore
 verify with tiles of RACE_TEST_TILE = 2 tokens (3 tiles; `race_tiles`), where an error in the race
 between tiles or in the token race's seed shows (with greedy drafts; sampled drafts race over the
-whole vocabulary in the reference): the 20 cases' flat distributions reveal a token race seeded
+whole vocabulary in the reference): the 24 cases' flat distributions reveal a token race seeded
 like the tile race (a token whose tile lost the race is then rarely drawn), the strong drafts'
 peaked ones a tile race that counts the drafted tokens' mass.
 """
@@ -71,9 +71,9 @@ SHAPES = {
 SETTINGS = (T1, NUCLEUS)
 CASES = [
     (method, shape, drafts, setting)
-    for method in ("draft_model", "eagle3", "ngram")
+    for method in ("draft_model", "eagle3", "ngram", "suffix")
     for shape in SHAPES
-    for drafts in (("greedy",) if method == "ngram" else ("greedy", "stochastic"))
+    for drafts in (("greedy",) if method in ("ngram", "suffix") else ("greedy", "stochastic"))
     for setting in SETTINGS
 ]
 
@@ -121,7 +121,12 @@ def drafts(tiny_vocab_policy):
         max_position_embeddings=64,
     )
     head = init_eagle3(cfg, jax.random.key(11), draft_vocab_size=4, token_counts=np.array([0, 9, 9, 9, 9, 1]), std=0.3)
-    return {"draft_model": (draft_cfg, random_params(draft_cfg, seed=3, std=0.5)), "eagle3": head, "ngram": None}
+    return {
+        "draft_model": (draft_cfg, random_params(draft_cfg, seed=3, std=0.5)),
+        "eagle3": head,
+        "ngram": None,
+        "suffix": None,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +171,11 @@ def sampled(tiny_vocab_policy, drafts, race_tiles):
         key = case_id(case)
         if key not in cache:
             method, shape, draft_sampling, setting = case
-            spec = Spec(method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **SHAPES[shape])
+            # The suffix drafter's rows draft from groups of 8 rows (of NUM_SAMPLES copies of PROMPT).
+            group = dict(suffix_group_rows=8) if method == "suffix" else {}
+            spec = Spec(
+                method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **group, **SHAPES[shape]
+            )
             traced = len(race_tiles)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
@@ -215,6 +224,41 @@ def test_speculative_samples_follow_exact_distribution(tiny_vocab_policy, teache
     assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
     assert 1.0 < stats["acceptance_length"] < 1 + SHAPES[case[1]]["num_draft_tokens"]
     assert stats["acceptance_rate_per_position"].shape == (SHAPES[case[1]]["num_draft_tokens"],)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["T1", "nucleus"])
+def test_adaptive_loops_sample_exactly(tiny_vocab_policy, drafts, reference, setting):
+    """An adaptive loop (`spec.adaptive`) mixes drafting and autoregressive iterations: the weak
+    EAGLE-3 head's sampled tree (2 deep, 3 nodes) is drafted first (rates start at 1: 3 tokens for
+    1 + 3 * 0.6 steps), then its measured acceptance does not pay at a verify cost of 0.6 per node
+    (decay 0: the last iteration's rate alone), so each row's last token, where it needs one, comes
+    from an autoregressive iteration. The rollouts follow the exact law."""
+    cfg, params = tiny_vocab_policy
+    probs, _ = reference(setting)
+    spec = Spec(
+        "eagle3",
+        drafts["eagle3"],
+        draft_sampling="stochastic",
+        **SHAPES["tree"],
+        adaptive=True,
+        verify_token_cost=0.6,
+        adaptive_decay=0.0,
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
+        out = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * NUM_SAMPLES,
+            jax.random.key(8),
+            Sampling(max_new_tokens=MAX_NEW, **setting),
+            spec=spec,
+        )
+    tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
+    seqs = [tuple(row[:n]) for row, n in zip(tokens, lengths)]
+    assert out.stats["depth_steps"] == [1, 0, 1] and out.stats["fallback_steps"] == 1, out.stats
+    assert 0 < out.stats["accepted_tokens"] < out.stats["drafted_tokens"]
+    assert chi_square_pvalue(seqs, probs) > 1e-3
 
 
 def test_chi_square_rejects_a_wrong_distribution(reference, sampled):

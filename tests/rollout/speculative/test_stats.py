@@ -90,6 +90,8 @@ def test_merged_statistics_are_those_of_the_summed_counts():
         "verified_row_steps": 20,
         "tested_at": [20, 10],
         "accepted_at": [10, 5],
+        "depth_steps": [2, 1, 7],
+        "fallback_steps": 2,
     }
     b = {
         "steps": 5,
@@ -103,12 +105,15 @@ def test_merged_statistics_are_those_of_the_summed_counts():
         "verified_row_steps": 2,
         "tested_at": [2, 0],
         "accepted_at": [2, 0],
+        "depth_steps": [0, 0, 5],
+        "fallback_steps": 0,
     }
     m = merge_stats([a, b])
     assert m["acceptance_length"] == (20 + 8 + 20 + 2) / (20 + 2)  # not the mean of 2.0 and 5.0
     np.testing.assert_allclose(m["acceptance_rate_per_position"], [12 / 22, 5 / 10])
     assert (m["steps"], m["stage_steps"], m["generated_tokens"]) == (15, [11, 4], 90)
     assert (m["drafted_tokens"], m["accepted_tokens"], m["tested_at"]) == (50, 28, [22, 10])
+    assert (m["depth_steps"], m["fallback_steps"]) == ([2, 1, 12], 2)
     ar = {
         "steps": 3,
         "stage_rows": [2],

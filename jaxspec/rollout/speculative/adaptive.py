@@ -1,0 +1,97 @@
+"""Draft depth chosen per loop iteration from the acceptance measured so far and a cost model, so
+that speculation falls back to plain autoregressive steps where its drafts do not pay.
+
+Each iteration of a stage that drafts k levels runs one of the depths `candidate_depths(k)`
+(0, then the powers of two below k, then k); depth 0 verifies the root alone, i.e. it is an
+autoregressive step through the same loop. With a_i the running (exponentially decayed) rate at
+which a tested depth-i draft is accepted, a depth-d step is expected to emit
+E(d) = 1 + a_1 + a_1 a_2 + ... + a_1...a_d tokens per row and to cost
+C(d) = 1 + d * draft_token_cost + nodes(d) * verify_token_cost decode steps (nodes(d): the draft
+nodes of a depth-d tree); the loop runs the depth of largest E(d) / C(d) (ties: the shallower).
+Rates start at 1 (draft first) and move only at the depths a step tested, so after
+`probe_interval` autoregressive iterations in a row one iteration drafts at the smallest depth
+again, to notice drafts that have become useful.
+
+The choice depends only on earlier iterations' outcomes, never on the current one's random draws,
+so every rollout is still distributed exactly as the policy samples it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.rollout.speculative.stats import Counts
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDepth:
+    """The loop's static settings for choosing depths (`SpecConfig`'s adaptive keys and tree shape).
+
+    tree_width, tree_budget: the tree's shape (`SpecConfig`); verify_token_cost, draft_token_cost:
+    the cost model, in decode steps; decay: weight of the old rate in each update (0: the last
+    iteration's rate alone); probe_interval: autoregressive iterations after which one drafts.
+    """
+
+    tree_width: int
+    tree_budget: int | None
+    verify_token_cost: float
+    draft_token_cost: float
+    decay: float
+    probe_interval: int
+
+    def nodes(self, depth: int) -> int:
+        full = depth * self.tree_width
+        return full if self.tree_budget is None else min(self.tree_budget, full)
+
+    def cost(self, depth: int) -> float:
+        """Decode steps one iteration at `depth` costs."""
+        return 1.0 + depth * self.draft_token_cost + self.nodes(depth) * self.verify_token_cost
+
+
+class DepthState(NamedTuple):
+    """rates float32 [K]: running acceptance rate of a tested draft at each depth (1 until tested);
+    since_draft int32 scalar: iterations since the last one that drafted."""
+
+    rates: jax.Array
+    since_draft: jax.Array
+
+    @classmethod
+    def start(cls, max_depth: int) -> DepthState:
+        return cls(jnp.ones((max_depth,), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def candidate_depths(depth: int) -> tuple[int, ...]:
+    """Depths an iteration of a stage drafting `depth` levels may run: 0, powers of two below
+    `depth`, and `depth`."""
+    powers = [1 << i for i in range(depth.bit_length()) if (1 << i) < depth]
+    return (0, *powers, depth)
+
+
+def choose(settings: AdaptiveDepth, state: DepthState, depths: tuple[int, ...]) -> jax.Array:
+    """int32 scalar: the index into `depths` (ascending, depths[0] = 0) this iteration runs."""
+    reach = jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.cumprod(state.rates)])  # [K + 1]
+    expected = jnp.cumsum(reach)  # expected[d] = E(d)
+    # A tree budget below its depth caps the run a step can accept at K = len(rates).
+    value = jnp.stack([expected[min(d, state.rates.shape[0])] / settings.cost(d) for d in depths])
+    best = jnp.argmax(value).astype(jnp.int32)  # the first (shallowest) of equal values
+    probe = (best == 0) & (state.since_draft + 1 >= settings.probe_interval)
+    return jnp.where(probe, 1, best).astype(jnp.int32)
+
+
+def observe(
+    settings: AdaptiveDepth, state: DepthState, before: Counts, after: Counts, drafted: jax.Array
+) -> DepthState:
+    """The state after an iteration whose statistics moved from `before` to `after`; drafted: bool
+    scalar, whether it drafted (depth > 0)."""
+    tested = after.reached - before.reached
+    accepted = after.accepted_at - before.accepted_at
+    rate = accepted / jnp.maximum(tested, 1)
+    moved = settings.decay * state.rates + (1.0 - settings.decay) * rate
+    return DepthState(
+        rates=jnp.where(tested > 0, moved, state.rates),
+        since_draft=jnp.where(drafted, 0, state.since_draft + 1),
+    )

@@ -1,0 +1,93 @@
+"""Adaptive draft depth: a loop whose drafts are never accepted falls back to autoregressive
+iterations (counted) and still samples exactly; one whose drafts are always accepted keeps its
+depth. (Exactness of the mixed loop at T = 1 and under nucleus sampling: the chi-square tests of
+`test_lossless.py`, cases "adaptive".)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.rollout import Sampling, Spec, generate
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose
+
+K = 3
+MAX_NEW = 40
+
+
+def settings(**changes) -> AdaptiveDepth:
+    base = dict(
+        tree_width=1, tree_budget=None, verify_token_cost=0.1, draft_token_cost=0.0, decay=0.5, probe_interval=8
+    )
+    return AdaptiveDepth(**{**base, **changes})
+
+
+def test_candidate_depths():
+    assert candidate_depths(1) == (0, 1)
+    assert candidate_depths(3) == (0, 1, 2, 3)
+    assert candidate_depths(7) == (0, 1, 2, 4, 7)
+
+
+def test_the_choice_weighs_expected_tokens_against_cost():
+    depths = candidate_depths(K)
+    state = DepthState(jnp.ones((K,), jnp.float32), jnp.zeros((), jnp.int32))
+    assert int(choose(settings(), state, depths)) == 3  # 4 tokens for 1.3 steps
+    useless = state._replace(rates=jnp.zeros((K,), jnp.float32))
+    assert int(choose(settings(), useless, depths)) == 0
+    # 1 + 0.5 + 0.25 tokens: depth 1 (1.5 / 1.4) beats depth 2 (1.75 / 1.8) at a verify cost of 0.4.
+    half = state._replace(rates=jnp.full((K,), 0.5, jnp.float32))
+    assert int(choose(settings(verify_token_cost=0.4), half, depths)) == 1
+    assert int(choose(settings(verify_token_cost=0.0), half, depths)) == 3
+    # Free drafting of a useless draft is no better than none: ties go to the autoregressive step.
+    assert int(choose(settings(verify_token_cost=0.0), useless, depths)) == 0
+    probing = useless._replace(since_draft=jnp.asarray(7, jnp.int32))
+    assert int(choose(settings(), probing, depths)) == 1
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(policy):
+    cfg, params = policy
+    prompts = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
+    sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    # The policy with its logits negated drafts its least likely token: never accepted at T = 0.
+    contrary = dict(params, lm_head=-params["lm_head"])
+    adaptive = dict(adaptive=True, verify_token_cost=0.1, adaptive_decay=0.5, adaptive_probe=8)
+    runs = {"ar": generate(cfg, params, prompts, jax.random.key(0), sampling)}
+    for name, draft in (("never", contrary), ("always", params)):
+        spec = Spec("draft_model", (cfg, draft), num_draft_tokens=K, **adaptive)
+        runs[name] = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec)
+    # A drafter whose proposals leave its state as it was: its autoregressive iterations skip them.
+    spec = Spec("suffix", num_draft_tokens=K, tree_width=2, **adaptive)
+    runs["suffix"] = generate(cfg, params, prompts + prompts, jax.random.key(1), sampling, spec=spec)
+    runs["ar-twice"] = generate(cfg, params, prompts + prompts, jax.random.key(0), sampling)
+    return runs
+
+
+def test_a_draft_never_accepted_falls_back_to_autoregressive_steps(greedy_runs):
+    out, ar = greedy_runs["never"], greedy_runs["ar"]
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    np.testing.assert_allclose(out.logprobs, ar.logprobs, rtol=1e-5, atol=1e-5)
+    stats = out.stats
+    assert stats["accepted_tokens"] == 0
+    steps, depths = stats["steps"], stats["depth_steps"]
+    assert sum(depths) == steps and stats["fallback_steps"] == depths[0]
+    # Rate a_1 halves per failed step from 1 (a_2, a_3 stay untested at 1): depth 3 pays while
+    # (1 + 3 a_1) / 1.3 >= max(1, (1 + a_1) / 1.1), i.e. for 4 steps; then autoregressive steps,
+    # every 8th of them a depth-1 probe (which fails, so the rate stays below the cost).
+    assert depths == [31, 4, 0, 4], stats
+    assert steps == MAX_NEW - 1  # one token per step
+
+
+def test_an_adaptive_suffix_loop_equals_autoregressive_decoding(greedy_runs):
+    out, ar = greedy_runs["suffix"], greedy_runs["ar-twice"]
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    np.testing.assert_allclose(out.logprobs, ar.logprobs, rtol=1e-5, atol=1e-5)
+    assert sum(out.stats["depth_steps"]) == out.stats["steps"]
+
+
+def test_a_draft_always_accepted_keeps_its_depth(greedy_runs):
+    out, ar = greedy_runs["always"], greedy_runs["ar"]
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    stats = out.stats
+    assert stats["depth_steps"] == [0, 0, 0, stats["steps"]] and stats["fallback_steps"] == 0
+    assert stats["acceptance_length"] == K + 1
