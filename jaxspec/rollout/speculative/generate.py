@@ -19,6 +19,7 @@ from jaxspec.rollout.sampling import Sampling
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
 from jaxspec.rollout.speculative.drafter import Drafter
+from jaxspec.rollout.speculative.hybrid import HybridSources, hybrid_drafter
 from jaxspec.rollout.speculative.loop import speculative_decode
 from jaxspec.rollout.speculative.ngram import NgramDrafter
 from jaxspec.rollout.speculative.spec import Spec
@@ -42,7 +43,7 @@ def make_drafter(
         return NgramDrafter(sizes=spec.ngram_sizes, **shape), None
     if spec.method == "suffix":
         return SuffixDrafter(max_match=spec.suffix_max_match, num_candidates=spec.suffix_candidates, **shape), None
-    dcfg, dparams = spec.draft
+    dcfg, dparams = spec.draft[:2]
     if spec.method == "draft_model":
         if dcfg.vocab_size != cfg.vocab_size:
             raise ValueError(
@@ -71,10 +72,11 @@ def make_drafter(
             f"(hidden_size, draft_vocab_size) = ({dcfg.hidden_size}, {dcfg.draft_vocab_size})"
         )
     _check_width(spec, dcfg.draft_vocab_size)
-    return (
-        Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape),
-        {"head": dparams, "embed": params["embed"]},
-    )
+    drafter = Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape)
+    head_params = {"head": dparams, "embed": params["embed"]}
+    if spec.suffix_branches:
+        return hybrid_drafter(drafter, spec), head_params
+    return drafter, head_params
 
 
 def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
@@ -82,7 +84,7 @@ def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
     if not spec.adaptive:
         return None
     return AdaptiveDepth(
-        tree_width=spec.tree_width,
+        tree_width=spec.tree_width * spec.num_sources,
         tree_budget=spec.tree_budget,
         verify_token_cost=float(spec.verify_token_cost),
         draft_token_cost=float(spec.draft_token_cost),
@@ -144,8 +146,10 @@ def speculative_generate(
     """`jaxspec.rollout.generate` with `spec`: prompts already validated and grouped into `batch`,
     `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
-    if spec.method == "suffix":
-        dparams = suffix_sources(spec.draft, batch.row_prompt, spec.suffix_group_rows, cfg.vocab_size)
+    if spec.drafts_suffixes:
+        history = spec.draft if spec.method == "suffix" else (spec.draft[2:] or (None,))[0]
+        sources = suffix_sources(history, batch.row_prompt, spec.suffix_group_rows, cfg.vocab_size)
+        dparams = sources if spec.method == "suffix" else HybridSources(dparams, sources)
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     stages = batch_stages(num_rows, sharding)
     depths = spec.stage_depths(len(stages))
@@ -158,9 +162,9 @@ def speculative_generate(
     needed = speculative_memory_bytes(
         cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct, sum(stages[1:])
     )
-    if spec.method == "suffix":  # the sources gathered per step, and the buffers matched over them
-        history = dparams.history.tokens.shape
-        slots = (1 + dparams.siblings.shape[1]) * draft_len + history[1] * history[2]
+    if spec.drafts_suffixes:  # the sources gathered per step, and the buffers matched over them
+        history = sources.history.tokens.shape
+        slots = (1 + sources.siblings.shape[1]) * draft_len + history[1] * history[2]
         needed += 4 * _F32 * num_rows * slots
     if record_experts:
         needed += recorded_experts_bytes(cfg, sum(stages), prompt_width + max_new)

@@ -51,7 +51,13 @@ class SpecConfig:
         into groups of this many rows that draft from each other (null: all rows of a prompt;
         `jaxspec train` sets its samples per prompt).
     suffix_history: earlier responses per prompt that `jaxspec train` keeps for the suffix drafter
-        (>= 0; 0 keeps none).
+        and for suffix_branches (>= 0; 0 keeps none).
+    suffix_branches: method eagle3 only: true drafts hybrid trees, the head's tree and the suffix
+        drafter's (the suffix_* keys) merged into one with each token path once
+        (`jaxspec.rollout.speculative.hybrid`); each row's node budget is split between the two
+        per step by their measured acceptance (running rates, adaptive_decay). Deterministic
+        drafts only (draft_sampling "greedy"); tree_width applies to both sources, and a null
+        tree_budget keeps both whole trees (2 * num_draft_tokens * tree_width nodes).
     adaptive: false drafts the full depth at every loop iteration; true chooses each iteration's
         depth, 0 (a plain autoregressive step) included, from the acceptance measured so far and
         the cost model below (`jaxspec.rollout.speculative.adaptive`; the statistics count the
@@ -61,8 +67,8 @@ class SpecConfig:
         (verify(N) / decode - 1) / (N - 1). Near 0 at small batches, larger at large ones.
     draft_token_cost: the adaptive cost model: the cost of drafting one tree level, in decode
         steps (>= 0; bench spec-cost's draft / decode for eagle3; about 0 for ngram and suffix).
-    adaptive_decay: weight of the earlier measurements in the running acceptance rates, in
-        [0, 1) (0: the last iteration's alone).
+    adaptive_decay: weight of the earlier measurements in the running acceptance rates (of the
+        adaptive depth and of the suffix_branches split), in [0, 1) (0: the last iteration's alone).
     adaptive_probe: after this many autoregressive iterations in a row, one iteration drafts
         again (>= 1), so drafts that became useful are noticed.
     stage_draft_tokens: null, or the draft depth of each stage of the decode loop
@@ -85,6 +91,7 @@ class SpecConfig:
     suffix_candidates: int = 16
     suffix_group_rows: int | None = None
     suffix_history: int = 0
+    suffix_branches: bool = False
     adaptive: bool = False
     verify_token_cost: float = 0.1
     draft_token_cost: float = 0.0
@@ -149,6 +156,19 @@ class SpecConfig:
         history = self.suffix_history
         need(_is_int(history) and history >= 0, "suffix_history", f"must be an integer >= 0, got {history!r}")
         need(isinstance(self.adaptive, bool), "adaptive", f"must be true or false, got {self.adaptive!r}")
+        branches = self.suffix_branches
+        need(isinstance(branches, bool), "suffix_branches", f"must be true or false, got {branches!r}")
+        need(
+            branches is not True or self.method == "eagle3",
+            "suffix_branches",
+            f"adds suffix branches to an EAGLE-3 head's tree: needs method 'eagle3', got {self.method!r}",
+        )
+        need(
+            branches is not True or self.draft_sampling == "greedy",
+            "draft_sampling",
+            "must be 'greedy' with suffix_branches (sampled head drafts beside deterministic suffix "
+            "drafts are not verified exactly)",
+        )
         for name in ("verify_token_cost", "draft_token_cost"):
             value = getattr(self, name)
             need(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
@@ -186,13 +206,23 @@ class SpecConfig:
 
     def tree_nodes(self, depth: int) -> int:
         """Draft nodes of this tree shape drafted `depth` levels deep."""
-        full = depth * self.tree_width
+        full = depth * self.tree_width * self.num_sources
         return full if self.tree_budget is None else min(self.tree_budget, full)
 
     def stage_depths(self, num_stages: int) -> tuple[int, ...]:
         """The draft depth of each of `num_stages` loop stages."""
         depths = self.stage_draft_tokens or (self.num_draft_tokens,)
         return tuple(depths[min(i, len(depths) - 1)] for i in range(num_stages))
+
+    @property
+    def num_sources(self) -> int:
+        """Draft trees merged into the verified one: 2 with suffix_branches, else 1."""
+        return 2 if self.suffix_branches is True else 1
+
+    @property
+    def drafts_suffixes(self) -> bool:
+        """Whether the drafter reads the suffix sources (method suffix, or suffix_branches)."""
+        return self.method == "suffix" or self.suffix_branches is True
 
     @property
     def stochastic(self) -> bool:
@@ -205,7 +235,8 @@ class Spec:
 
         Spec(method, draft=None, *, num_draft_tokens=3, tree_width=1, tree_budget=None,
              draft_sampling="greedy", ngram_sizes=(3, 2, 1), suffix_max_match=8,
-             suffix_candidates=16, suffix_group_rows=None, suffix_history=0, adaptive=False,
+             suffix_candidates=16, suffix_group_rows=None, suffix_history=0,
+             suffix_branches=False, adaptive=False,
              verify_token_cost=0.1, draft_token_cost=0.0, adaptive_decay=0.7, adaptive_probe=16,
              stage_draft_tokens=None)
 
@@ -215,9 +246,10 @@ class Spec:
 
     config: the settings (`SpecConfig`; its `draft` is None). A Spec reads as them too:
         spec.num_draft_tokens is spec.config.num_draft_tokens.
-    draft: the draft's weights: eagle3: (dcfg, dparams) from `jaxspec.draft`; draft_model:
-        (ModelConfig, params); ngram: None; suffix: None, or the earlier responses to the call's
-        prompts (`jaxspec.rollout.speculative.suffix.SuffixHistory`).
+    draft: the draft's weights: eagle3: (dcfg, dparams) from `jaxspec.draft` (with
+        suffix_branches, optionally a third item: the earlier responses to the call's prompts, a
+        `SuffixHistory`); draft_model: (ModelConfig, params); ngram: None; suffix: None, or the
+        earlier responses to the call's prompts (`jaxspec.rollout.speculative.suffix.SuffixHistory`).
 
     Equality is identity (the draft holds arrays).
     """
@@ -240,6 +272,12 @@ class Spec:
             if draft is not None and not isinstance(draft, SuffixHistory):
                 raise ValueError(
                     f"Spec.draft must be None or a SuffixHistory for method='suffix', got {type(draft).__name__}"
+                )
+        elif config.suffix_branches and isinstance(draft, tuple) and len(draft) == 3:
+            if draft[2] is not None and not isinstance(draft[2], SuffixHistory):
+                raise ValueError(
+                    f"Spec.draft[2] must be None or a SuffixHistory (the suffix branches' earlier responses), "
+                    f"got {type(draft[2]).__name__}"
                 )
         elif not (isinstance(draft, tuple) and len(draft) == 2):
             raise ValueError(

@@ -214,6 +214,7 @@ class SuffixDrafter:
             parents=jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parents.reshape(batch, -1)], axis=1),
             depth=jnp.broadcast_to(jnp.asarray(levels), (batch, levels.size)),
             num_out=1 + self.num_nodes,
+            scores=scores,
         )
 
     def update(self, sources: SuffixSources, state: Pooled, verified: Verified) -> Pooled:

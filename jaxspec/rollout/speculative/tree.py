@@ -36,6 +36,9 @@ class DraftTree(NamedTuple):
     depth: int32 [B, N] (0 at the root). num_nodes: int32 [B] nodes in use, root included.
     draft_probs: float32 [B, N, V] the draft distribution q each node's children were drawn from
         (stochastic drafts), or None (deterministic drafts).
+    scores: float32 [B, N] the scores the drafter kept its nodes by (never larger at a child than
+        at its parent; -inf past num_nodes), or None; a hybrid tree (`hybrid`) keeps a source's
+        nodes in this order.
     """
 
     tokens: jax.Array
@@ -43,6 +46,7 @@ class DraftTree(NamedTuple):
     depth: jax.Array
     num_nodes: jax.Array
     draft_probs: jax.Array | None
+    scores: jax.Array | None = None
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
@@ -67,13 +71,14 @@ def select_nodes(
     depth: jax.Array,
     num_out: int,
     draft_probs: jax.Array | None = None,
+    scores: jax.Array | None = None,
 ) -> DraftTree:
     """Packs the kept nodes of candidate trees into the first slots of an N = `num_out` tree.
 
     keep bool [B, M] (node 0, the root, must be kept; kept nodes' parents are kept; at most
     num_out per row). tokens, parents (indices into M, -1 at the root), depth: int32 [B, M], in
     an order where parents precede children and siblings come in draft order, which the packed
-    tree keeps. draft_probs float32 [B, M, V] or None.
+    tree keeps. draft_probs float32 [B, M, V] or None; scores float32 [B, M] or None.
     """
     rows = jnp.arange(keep.shape[0])[:, None]
     new_index = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1
@@ -90,6 +95,7 @@ def select_nodes(
         depth=pack(depth, 0),
         num_nodes=keep.sum(axis=1, dtype=jnp.int32),
         draft_probs=None if draft_probs is None else pack(draft_probs, 0.0),
+        scores=None if scores is None else pack(scores, -jnp.inf),
     )
 
 
@@ -223,6 +229,7 @@ def dynamic_tree(
             depth=node_depth,
             num_nodes=jnp.full((batch,), total, jnp.int32),
             draft_probs=draft_probs,
+            scores=scores,
         )
     keep = best_nodes(scores, num_nodes)
-    return carry, select_nodes(keep, tokens, parents, node_depth, 1 + num_nodes, draft_probs)
+    return carry, select_nodes(keep, tokens, parents, node_depth, 1 + num_nodes, draft_probs, scores)
