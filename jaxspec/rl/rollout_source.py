@@ -214,13 +214,15 @@ class RolloutGenerator:
 
     def _call_spec(self, spec, ids: np.ndarray):
         """`spec` for one `generate` call of the groups of prompts `ids`: a suffix drafter's groups
-        are the samples_per_prompt rows of each prompt, and it reads their earlier responses."""
-        if spec is None or spec.method != "suffix":
+        (method suffix, or spec.suffix_branches) are the samples_per_prompt rows of each prompt, and
+        it reads their earlier responses."""
+        if spec is None or not spec.drafts_suffixes:
             return spec
         if self.history is None:
             self.history = ResponseHistory(spec.suffix_history, self.rollout.max_new_tokens)
         config = dataclasses.replace(spec.config, suffix_group_rows=self.rollout.samples_per_prompt)
-        return Spec.from_config(config, self.history.of(ids) if spec.suffix_history else None)
+        history = self.history.of(ids) if spec.suffix_history else None
+        return Spec.from_config(config, history if spec.method == "suffix" else (*spec.draft[:2], history))
 
 
 @dataclasses.dataclass(frozen=True)

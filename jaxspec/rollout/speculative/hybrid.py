@@ -153,7 +153,7 @@ class HybridDrafter:
             flat(rows.num_nodes),
             jnp.repeat(new_tokens(verified), 2, axis=0),
             jnp.repeat(verified.num_accepted + 1, 2),
-            self.depth,
+            size - 1,  # no deeper than the trees hold (an autoregressive iteration's drafter has depth 0)
         ).reshape(batch, 2)
         moved = self.decay * rows.rates + (1.0 - self.decay) * matched.astype(jnp.float32)
         rows = rows._replace(
