@@ -8,12 +8,13 @@ prompt whose tokens are followed by varying tokens), so rejections, residual sam
 tokens and max_new_tokens truncation all occur.
 
 Every method x {chain, tree} x {greedy, stochastic drafts} x {T=1, T=0.7 with top_p=0.9} runs
-(the n-gram and suffix drafters have no draft distribution, so they draft greedily only): 24 cases, each its
+(the n-gram and suffix drafters have no draft distribution, so they draft greedily only; so do hybrid
+trees, the EAGLE-3 head's branches merged with suffix branches): 28 cases, each its
 own compiled decode loop (every one differs in a static argument: method, tree shape, draft
 sampling or `Sampling`); the exact distribution and the trainer's log-probs are computed once per
 setting.
 
-Power. Those 24 cases guard every method and tree shape end to end, but the tiny policy's flat
+Power. Those 28 cases guard every method and tree shape end to end, but the tiny policy's flat
 distributions and the weak drafts make small errors nearly invisible to them: at NUM_SAMPLES their
 chi-square test has 90% power against a temperature error of about 14% at T = 1 (`chi_square_power`
 from the exact laws) and little against acceptance errors. Small biases are the job of the
@@ -29,7 +30,7 @@ a race between tiles, then between the winning tile's tokens); a policy's vocabu
 tiles (Qwen's 151936 tokens: 75), the tiny policy's 6 tokens one. The rollouts here therefore
 verify with tiles of RACE_TEST_TILE = 2 tokens (3 tiles; `race_tiles`), where an error in the race
 between tiles or in the token race's seed shows (with greedy drafts; sampled drafts race over the
-whole vocabulary in the reference): the 24 cases' flat distributions reveal a token race seeded
+whole vocabulary in the reference): the 28 cases' flat distributions reveal a token race seeded
 like the tile race (a token whose tile lost the race is then rarely drawn), the strong drafts'
 peaked ones a tile race that counts the drafted tokens' mass.
 """
@@ -71,9 +72,9 @@ SHAPES = {
 SETTINGS = (T1, NUCLEUS)
 CASES = [
     (method, shape, drafts, setting)
-    for method in ("draft_model", "eagle3", "ngram", "suffix")
+    for method in ("draft_model", "eagle3", "ngram", "suffix", "hybrid")
     for shape in SHAPES
-    for drafts in (("greedy",) if method in ("ngram", "suffix") else ("greedy", "stochastic"))
+    for drafts in (("greedy",) if method in ("ngram", "suffix", "hybrid") else ("greedy", "stochastic"))
     for setting in SETTINGS
 ]
 
@@ -126,6 +127,7 @@ def drafts(tiny_vocab_policy):
         "eagle3": head,
         "ngram": None,
         "suffix": None,
+        "hybrid": head,
     }
 
 
@@ -171,10 +173,18 @@ def sampled(tiny_vocab_policy, drafts, race_tiles):
         key = case_id(case)
         if key not in cache:
             method, shape, draft_sampling, setting = case
-            # The suffix drafter's rows draft from groups of 8 rows (of NUM_SAMPLES copies of PROMPT).
-            group = dict(suffix_group_rows=8) if method == "suffix" else {}
+            # Suffix drafts come from groups of 8 rows (of NUM_SAMPLES copies of PROMPT); hybrid trees
+            # merge them with the EAGLE-3 head's.
+            group = dict(suffix_group_rows=8) if method in ("suffix", "hybrid") else {}
+            hybrid = dict(suffix_branches=True) if method == "hybrid" else {}
             spec = Spec(
-                method, drafts[method], draft_sampling=draft_sampling, ngram_sizes=(2, 1), **group, **SHAPES[shape]
+                "eagle3" if method == "hybrid" else method,
+                drafts[method],
+                draft_sampling=draft_sampling,
+                ngram_sizes=(2, 1),
+                **group,
+                **hybrid,
+                **SHAPES[shape],
             )
             traced = len(race_tiles)
             with pytest.MonkeyPatch.context() as patch:
