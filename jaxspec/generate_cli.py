@@ -33,6 +33,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--spec-method", choices=["none", "ngram", "suffix", "eagle3"], default="none")
     p.add_argument("--draft", default=None, help="EAGLE-3 head folder for --spec-method eagle3")
+    p.add_argument(
+        "--suffix-branches",
+        action="store_true",
+        help="--spec-method eagle3: hybrid trees, the head's and suffix branches from each problem's --samples rows",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=3, help="responses to print")
@@ -42,6 +47,8 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.spec_method == "eagle3" and not args.draft:
         raise ValueError("--draft is required with --spec-method eagle3")
+    if args.suffix_branches and args.spec_method != "eagle3":
+        raise ValueError(f"--suffix-branches needs --spec-method eagle3, got {args.spec_method}")
 
     policy = args.policy or tiny_policy_path()
     cfg, params = load_hf(policy)
@@ -57,7 +64,12 @@ def main(argv: list[str]) -> int:
     elif args.spec_method == "eagle3":
         from jaxspec.draft import load_eagle3
 
-        spec = Spec(method="eagle3", draft=load_eagle3(args.draft, policy=cfg), num_draft_tokens=args.num_draft_tokens)
+        spec = Spec(
+            method="eagle3",
+            draft=load_eagle3(args.draft, policy=cfg),
+            num_draft_tokens=args.num_draft_tokens,
+            suffix_branches=args.suffix_branches,
+        )
     rows = [e for e in examples for _ in range(args.samples)]
     prompts = [tok.encode_prompt(e["question"]) for e in rows]
     sampling = Sampling(

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from jaxspec.assets import tiny_eagle3_path
 from jaxspec.bench.forward import forward_flops_per_token
 from jaxspec.cli import BENCHMARKS, COMMANDS, main
 from jaxspec.exits import EXIT_INPUT
@@ -130,11 +131,22 @@ def test_generate_with_ngram_speculation_prints_the_same_responses(autoregressiv
     assert float(summary.group(3)) >= 1.0
 
 
+def test_generate_with_hybrid_trees_prints_the_same_responses(autoregressive):
+    """--suffix-branches: the embedded head's tree merged with suffix branches (one row per
+    problem: they match its own prompt and response)."""
+    draft = str(tiny_eagle3_path())
+    responses, summary = _run_generate(["--spec-method", "eagle3", "--draft", draft, "--suffix-branches"])
+    assert responses == autoregressive[0]
+    assert summary.group(1, 2) == autoregressive[1].group(1, 2)
+    assert float(summary.group(3)) > 1.0
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--policy", "{tmp}/missing"], r"checkpoint folder not found: .*missing"),
         (["--spec-method", "eagle3"], r"--draft is required with --spec-method eagle3"),
+        (["--spec-method", "ngram", "--suffix-branches"], r"--suffix-branches needs --spec-method eagle3, got ngram"),
         (["--num-problems", "0"], r"--num-problems must be >= 1, got 0"),
     ],
 )
