@@ -1,7 +1,8 @@
 """Earlier responses per prompt for the suffix drafter: the latest `size` of each prompt, in a
-fixed shape; a GRPO run with spec.method suffix keeps them across steps."""
+fixed shape; a GRPO run with spec.method suffix or spec.suffix_branches keeps them across steps."""
 
 import numpy as np
+import pytest
 
 from jaxspec.config_io import load_config
 from jaxspec.rl import driver
@@ -27,7 +28,15 @@ def test_the_latest_responses_of_each_prompt_are_kept():
     assert none.of([1]).tokens.shape == (1, 0, 4)
 
 
-def test_a_suffix_drafting_run_drafts_from_the_responses_of_earlier_steps(tiny_policy, tmp_path):
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["spec.method=suffix", "spec.draft=null"],
+        ["spec.method=eagle3", "spec.draft=random", "spec.suffix_branches=true"],  # hybrid trees
+    ],
+    ids=["suffix", "hybrid"],
+)
+def test_a_suffix_drafting_run_drafts_from_the_responses_of_earlier_steps(tiny_policy, tmp_path, method):
     """Two steps over 4 prompts (the second step meets them again): the run keeps each prompt's 2
     latest responses, drafts from its groups' rows and that history, and records the iterations
     per draft depth."""
@@ -38,7 +47,7 @@ def test_a_suffix_drafting_run_drafts_from_the_responses_of_earlier_steps(tiny_p
         generators.append(setup.generator)
         return rollout_source(setup)
 
-    options = [*LIGHT, "data.num_train=4", "spec.method=suffix", "spec.draft=null", "spec.suffix_history=2"]
+    options = [*LIGHT, "data.num_train=4", *method, "spec.suffix_history=2"]
     driver.train(load_config(GRPOConfig, config, options), tmp_path / "run", make_rollouts=source)
     history = generators[0].history
     kept = history.of(sorted(history._responses))
