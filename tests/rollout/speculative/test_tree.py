@@ -123,7 +123,9 @@ def test_stochastic_tree_is_a_valid_tree_with_draft_distributions(depth, width, 
             fake_pass, 0, r, k, depth=depth, width=width, num_nodes=budget, stochastic=True, process=processed(sampling)
         )
     )(roots, jax.random.key(1))
-    tokens, parents, depths, num, q = map(np.asarray, tree)
+    tokens, parents, depths, num, q = (
+        np.asarray(x) for x in (tree.tokens, tree.parents, tree.depth, tree.num_nodes, tree.draft_probs)
+    )
     assert np.all(num <= 1 + budget) and (sampling is not None or np.all(num == 1 + budget))
     distinct_shapes = set()
     for b in range(len(roots)):
