@@ -146,7 +146,10 @@ class HybridDrafter:
         rows = state.rows
         suffix_state = suffix.update(sources.suffix, Pooled(rows.suffix_rows, state.pool), verified)
         batch, _, size = rows.tokens.shape
-        flat = lambda x: x.reshape(batch * 2, *x.shape[2:])  # noqa: E731 - [B, 2, ...] -> [2B, ...]
+
+        def flat(x: jax.Array) -> jax.Array:  # [B, 2, ...] -> [2B, ...]
+            return x.reshape(batch * 2, *x.shape[2:])
+
         matched = accepted_depth(
             flat(rows.tokens),
             flat(rows.parents),
