@@ -1,0 +1,141 @@
+"""Speculative rollouts on the slot engine (`generate(..., spec=Spec("eagle3", ...), slots=S)`).
+
+On the embedded tiny policy and its trained EAGLE-3 head (acceptance well above 1, so accepted
+runs, eos inside runs and truncation all occur): greedy autoregressive and greedy EAGLE-3 chains
+give the staged engine's tokens for 1, 3 and 8 slots, trees for 3, and through preemptions of a
+pool too small for all rows; sampled EAGLE-3 rows are the same for any slot count. On the
+6-token policy with a weak random head (rejections, residual samples and bonus tokens): the
+sampled continuations follow the exact distribution (the chi-square test of
+tests/rollout/test_distribution.py; its power is stated there), and a wrong temperature is
+rejected.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
+from jaxspec.draft import init_eagle3, load_eagle3
+from jaxspec.models import load_hf
+from jaxspec.rollout import Sampling, Spec, generate
+from jaxspec.tasks import ChatTokenizer, generate_problems
+from tests.rollout.test_distribution import NUCLEUS, NUM_SAMPLES, PROMPT, T1, chi_square_pvalue, exact_continuations
+
+MAX_NEW = 40
+CHAIN = dict(num_draft_tokens=3)
+TREE = dict(num_draft_tokens=3, tree_width=2, tree_budget=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(cfg, params, EAGLE-3 head, rows: 6 math prompts twice each, greedy Sampling, sampled Sampling)."""
+    path = tiny_policy_path()
+    cfg, params = load_hf(path, dtype="float32")
+    tok = ChatTokenizer.from_file(path)
+    prompts = [tok.encode_prompt(p["question"]) for p in generate_problems(6, seed=7, levels=[1, 2])]
+    rows = [p for p in prompts for _ in range(2)]
+    greedy = Sampling(temperature=0.0, max_new_tokens=MAX_NEW, eos_id=tok.eos_id)
+    sampled = Sampling(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=tok.eos_id)
+    return cfg, params, load_eagle3(tiny_eagle3_path(), policy=cfg), rows, greedy, sampled
+
+
+@pytest.fixture(scope="module")
+def staged(tiny):
+    """The staged engine's greedy autoregressive rollout (unbounded: a dense cache for every row)."""
+    cfg, params, _, rows, greedy, _ = tiny
+    return generate(cfg, params, rows, jax.random.key(0), greedy)
+
+
+def assert_same_rollout(out, reference):
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    np.testing.assert_array_equal(out.lengths, reference.lengths)
+    np.testing.assert_allclose(out.logprobs, reference.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_greedy_autoregressive_slots_equal_the_staged_engine(tiny, staged, count):
+    cfg, params, _, rows, greedy, _ = tiny
+    assert len(set(np.asarray(staged.lengths).tolist())) > 2 and int(staged.lengths.min()) < MAX_NEW  # eos rows
+    assert_same_rollout(generate(cfg, params, rows, jax.random.key(0), greedy, slots=count), staged)
+
+
+@pytest.mark.parametrize(("shape", "count"), [("chain", 1), ("chain", 3), ("chain", 8), ("tree", 3)])
+def test_greedy_eagle3_slots_equal_the_staged_engine(tiny, staged, shape, count):
+    cfg, params, head, rows, greedy, _ = tiny
+    spec = Spec("eagle3", head, **(CHAIN if shape == "chain" else TREE))
+    out = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec, slots=count)
+    assert_same_rollout(out, staged)
+    assert out.stats["acceptance_length"] > 2.0, out.stats  # the head's drafts are accepted
+
+
+def test_greedy_eagle3_through_preemptions_equals_the_staged_engine(tiny, staged):
+    cfg, params, head, rows, greedy, _ = tiny
+    out = generate(
+        cfg,
+        params,
+        rows,
+        jax.random.key(0),
+        greedy,
+        spec=Spec("eagle3", head, **CHAIN),
+        slots=4,
+        kv_pages=24,
+        page_size=4,
+    )
+    assert out.stats["preemptions"] > 0 and out.stats["peak_kv_pages"] <= 24
+    assert_same_rollout(out, staged)
+
+
+def test_sampled_eagle3_rows_do_not_depend_on_the_slot_count(tiny):
+    cfg, params, head, rows, _, sampled = tiny
+    spec = Spec("eagle3", head, **CHAIN)
+    one, four = (generate(cfg, params, rows, jax.random.key(4), sampled, spec=spec, slots=n) for n in (1, 4))
+    assert one.stats["acceptance_length"] > 1.5
+    np.testing.assert_array_equal(four.tokens, one.tokens)
+    np.testing.assert_allclose(four.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_other_drafters_are_refused_on_slots(tiny):
+    cfg, params, _, rows, greedy, _ = tiny
+    with pytest.raises(ValueError, match="spec.method='ngram': not available with slots yet"):
+        generate(cfg, params, rows, jax.random.key(0), greedy, spec=Spec("ngram"), slots=2)
+
+
+@pytest.fixture(scope="module")
+def chain_draws(tiny_vocab_policy):
+    """{setting name: continuations} of NUM_SAMPLES copies of PROMPT, EAGLE-3 chains of 2 through 256
+    slots, drafted by a weak random head."""
+    cfg, params = tiny_vocab_policy
+    head = init_eagle3(cfg, jax.random.key(11), std=0.3)
+    spec = Spec("eagle3", head, num_draft_tokens=2)
+    out = {}
+    for name, setting in (("T1", T1), ("nucleus", NUCLEUS)):
+        run = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * NUM_SAMPLES,
+            jax.random.key(7),
+            Sampling(max_new_tokens=3, **setting),
+            spec=spec,
+            slots=256,
+        )
+        tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
+        out[name] = [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
+    return out
+
+
+@pytest.mark.parametrize("name", ["T1", "nucleus"])
+def test_eagle3_chain_slot_samples_follow_the_exact_distribution(tiny_vocab_policy, chain_draws, name):
+    cfg, params = tiny_vocab_policy
+    probs = exact_continuations(cfg, params, {"T1": T1, "nucleus": NUCLEUS}[name])
+    seqs, run = chain_draws[name]
+    assert 1.0 < run.stats["acceptance_length"] < 2.5, run.stats  # drafts both accepted and rejected
+    assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
+    assert chi_square_pvalue(seqs, probs) > 1e-3
+    total = np.array([np.log(probs[s]) for s in seqs])
+    np.testing.assert_allclose(np.asarray(run.logprobs).sum(axis=1), total, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_slot_chi_square_rejects_a_wrong_temperature(tiny_vocab_policy, chain_draws):
+    cfg, params = tiny_vocab_policy
+    wrong = exact_continuations(cfg, params, dict(T1, temperature=0.7))
+    assert chi_square_pvalue(chain_draws["T1"][0], wrong) < 1e-6
