@@ -38,6 +38,7 @@ def _error_line(capsys) -> str:
             "error: command-line override 'rollout.samples_per_prompt=1': rollout.samples_per_prompt: must be >= 2",
         ),
         ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
+        ("rollout.slots=0", "rollout.slots: must be null or an integer >= 1 (decode slots), got 0"),
         (
             "loss.aggregation=mean",
             "key 'loss.aggregation': expected one of ['token', 'sequence', 'seq-mean-token-sum-norm']",
