@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxspec.models import Sharding, make_mesh, shard_params
 from jaxspec.rollout import Sampling, generate, slots
 from tests.rollout.test_distribution import (
     NUCLEUS,
@@ -100,6 +101,15 @@ def test_a_pool_smaller_than_one_row_is_refused_with_its_sizes(policy):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=2, kv_pages=6, page_size=4)
     with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=0)
+
+
+def test_a_mesh_gives_the_same_rollout(policy, greedy_batch):  # noqa: F811
+    """Params sharded over a (data, fsdp, tensor) mesh, as the trainer passes them: the same tokens."""
+    cfg, params = policy
+    sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2))
+    out = generate(cfg, shard_params(sharding, params), BATCH, jax.random.key(0), GREEDY, sharding=sharding, slots=4)
+    np.testing.assert_array_equal(out.tokens, greedy_batch.tokens)
+    np.testing.assert_allclose(out.logprobs, greedy_batch.logprobs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ runs, eos inside runs and truncation all occur): greedy autoregressive and greed
 give the staged engine's tokens for 1, 3 and 8 slots, trees for 3, and through preemptions of a
 pool too small for all rows; sampled EAGLE-3 rows are the same for any slot count. On the
 6-token policy with a weak random head (rejections, residual samples and bonus tokens): the
-sampled continuations follow the exact distribution (the chi-square test of
+sampled continuations of chains (T = 1; T = 0.7 with top_p 0.9) and trees (T = 1) follow the
+exact distribution (the chi-square test of
 tests/rollout/test_distribution.py; its power is stated there), and a wrong temperature is
 rejected.
 """
@@ -100,22 +101,28 @@ def test_other_drafters_are_refused_on_slots(tiny):
         generate(cfg, params, rows, jax.random.key(0), greedy, spec=Spec("ngram"), slots=2)
 
 
+DRAWS = {  # name: (Spec settings, Sampling settings)
+    "chain-T1": (dict(num_draft_tokens=2), T1),
+    "chain-nucleus": (dict(num_draft_tokens=2), NUCLEUS),
+    "tree-T1": (dict(num_draft_tokens=2, tree_width=2, tree_budget=3), T1),
+}
+
+
 @pytest.fixture(scope="module")
-def chain_draws(tiny_vocab_policy):
-    """{setting name: continuations} of NUM_SAMPLES copies of PROMPT, EAGLE-3 chains of 2 through 256
-    slots, drafted by a weak random head."""
+def slot_draws(tiny_vocab_policy):
+    """{name: (continuations, RolloutOutput)} of NUM_SAMPLES copies of PROMPT through 256 slots for
+    every entry of DRAWS, drafted by a weak random EAGLE-3 head."""
     cfg, params = tiny_vocab_policy
     head = init_eagle3(cfg, jax.random.key(11), std=0.3)
-    spec = Spec("eagle3", head, num_draft_tokens=2)
     out = {}
-    for name, setting in (("T1", T1), ("nucleus", NUCLEUS)):
+    for name, (shape, setting) in DRAWS.items():
         run = generate(
             cfg,
             params,
             [list(PROMPT)] * NUM_SAMPLES,
             jax.random.key(7),
             Sampling(max_new_tokens=3, **setting),
-            spec=spec,
+            spec=Spec("eagle3", head, **shape),
             slots=256,
         )
         tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
@@ -123,11 +130,11 @@ def chain_draws(tiny_vocab_policy):
     return out
 
 
-@pytest.mark.parametrize("name", ["T1", "nucleus"])
-def test_eagle3_chain_slot_samples_follow_the_exact_distribution(tiny_vocab_policy, chain_draws, name):
+@pytest.mark.parametrize("name", list(DRAWS))
+def test_eagle3_slot_samples_follow_the_exact_distribution(tiny_vocab_policy, slot_draws, name):
     cfg, params = tiny_vocab_policy
-    probs = exact_continuations(cfg, params, {"T1": T1, "nucleus": NUCLEUS}[name])
-    seqs, run = chain_draws[name]
+    probs = exact_continuations(cfg, params, DRAWS[name][1])
+    seqs, run = slot_draws[name]
     assert 1.0 < run.stats["acceptance_length"] < 2.5, run.stats  # drafts both accepted and rejected
     assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
     assert chi_square_pvalue(seqs, probs) > 1e-3
@@ -135,7 +142,7 @@ def test_eagle3_chain_slot_samples_follow_the_exact_distribution(tiny_vocab_poli
     np.testing.assert_allclose(np.asarray(run.logprobs).sum(axis=1), total, rtol=1e-4, atol=1e-4)
 
 
-def test_eagle3_slot_chi_square_rejects_a_wrong_temperature(tiny_vocab_policy, chain_draws):
+def test_eagle3_slot_chi_square_rejects_a_wrong_temperature(tiny_vocab_policy, slot_draws):
     cfg, params = tiny_vocab_policy
     wrong = exact_continuations(cfg, params, dict(T1, temperature=0.7))
-    assert chi_square_pvalue(chain_draws["T1"][0], wrong) < 1e-6
+    assert chi_square_pvalue(slot_draws["chain-T1"][0], wrong) < 1e-6
