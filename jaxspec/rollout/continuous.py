@@ -83,14 +83,15 @@ def slot_generate(
         prompt_len=int(batch.row_lengths.max()),
         max_new_tokens=sampling.max_new_tokens,
     )
-    prompts = Prompts(*(jnp.asarray(x) for x in (batch.tokens, batch.row_prompt, batch.row_lengths)))
+    prompts = Prompts.of(batch)
     state = _loop(cfg, sampling, layout, cache_dtype, params, prompts, key)
     return slot_output(layout, state, cache_dtype)
 
 
 def slot_output(layout: Layout, state: LoopState, cache_dtype) -> RolloutOutput:
     """The `RolloutOutput` of a finished slot loop; stats add "slots", "kv_pages" (the pool),
-    "page_size", "peak_kv_pages" (most pages in use at once), "prefill_chunks" and "preemptions"."""
+    "page_size", "peak_kv_pages" (most pages in use at once), "prefill_chunks", "preemptions" and
+    "prefix_pages_shared" (pages rows took from their prompt's prefix cache instead of prefilling)."""
     counters = {name: int(to_host(v)) for name, v in state.counters.items()}
     lengths = state.lengths
     stats = {
@@ -106,6 +107,7 @@ def slot_output(layout: Layout, state: LoopState, cache_dtype) -> RolloutOutput:
         "peak_kv_pages": counters["peak_pages"],
         "prefill_chunks": counters["prefill_chunks"],
         "preemptions": counters["preemptions"],
+        "prefix_pages_shared": counters["prefix_pages_shared"],
     }
     return RolloutOutput(tokens=state.tokens, lengths=lengths, logprobs=state.logprobs, stats=stats)
 
@@ -142,5 +144,5 @@ def _loop(
         jnp.zeros((layout.slots, layout.pages_per_slot), jnp.int32),
         cache_dtype,
     )
-    state = initial_state(layout, cache, cfg.pad_token_id or 0)
+    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0)
     return run_slots(layout, state, prompts, decode, prefill)

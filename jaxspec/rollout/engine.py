@@ -71,8 +71,9 @@ def generate(
         measurements show the slot engine faster everywhere. An integer S streams the rows through
         S decode slots over a paged KV cache in one compiled loop (`jaxspec.rollout.slots`):
         finished rows free their pages and slots for the next pending rows, so memory follows the
-        live tokens; row r's token i is drawn with fold_in(fold_in(key, r), i), so in float32 the
-        same key gives the same tokens for any S. Not yet with record_experts.
+        live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
+        token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
+        same tokens for any S. Autoregressive or spec method "eagle3"; not yet with record_experts.
     kv_pages: with slots, the page pool (default: every slot's longest sequence, which never
         preempts); a smaller pool preempts the newest rows when it runs short and resumes them
         exactly. page_size: token positions per page.

@@ -25,10 +25,11 @@ next token: exactly the distribution its next decode step had. Every draw of row
 uses `fold_in(fold_in(key, r), i)`, whatever the slot, the slot count or preemptions, so in
 float32 the same key gives the same tokens for any S (up to float rounding of batched matmuls).
 
-Not yet: rows of a GRPO group each prefill their prompt into their own pages (no prefix
-sharing); record_experts; laying the pools out by `KV_CACHE_AXES` on a mesh (XLA propagates the
-params' sharding). The staged dense engine (`jaxspec.rollout.engine`, slots=None) stays the
-default until GPU measurements show this one faster everywhere.
+Rows of one prompt (a GRPO group) share the pages of its prefix (`jaxspec.rollout.prefix_cache`):
+it is prefilled once while rows of the prompt are live. Not yet: record_experts; laying the
+pools out by `KV_CACHE_AXES` on a mesh (XLA propagates the params' sharding). The staged dense
+engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this
+one faster everywhere.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ import jax.numpy as jnp
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import NO_PAGE, PagedKVCache
 from jaxspec.models.transformer import Params, extend, logits_from_hidden
+from jaxspec.rollout import prefix_cache
 from jaxspec.rollout.page_pool import PagePool, allocate, newest_to_evict, pages_for, release
+from jaxspec.rollout.prefix_cache import PrefixCache
 from jaxspec.rollout.sampling import Sampling, processed_logprobs, sample
 
 DEFAULT_PAGE_SIZE = 16  # token positions per page
@@ -58,7 +61,8 @@ class Layout:
     rows: B rows of the call; slots: S; max_new: N; page_size; pages_per_slot: M, page-table
     entries per slot; num_pages: the pool; chunk: context tokens per prefill lane and iteration;
     lanes: prefill lanes per iteration; lookahead: positions past its length one decode step
-    writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps).
+    writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps); prefix_pages:
+    the most pages a prompt's rows share (`jaxspec.rollout.prefix_cache`).
     """
 
     rows: int
@@ -70,6 +74,7 @@ class Layout:
     chunk: int
     lanes: int
     lookahead: int
+    prefix_pages: int
 
 
 def plan_layout(
@@ -102,7 +107,8 @@ def plan_layout(
         )
     chunk = min(MAX_PREFILL_CHUNK, prompt_width)
     lanes = min(slots, max(1, PREFILL_TOKENS // chunk))
-    return Layout(rows, slots, max_new, page_size, per_slot, num_pages, chunk, lanes, lookahead)
+    prefix = (prompt_width - 1) // page_size
+    return Layout(rows, slots, max_new, page_size, per_slot, num_pages, chunk, lanes, lookahead, prefix)
 
 
 class LoopState(NamedTuple):
@@ -111,8 +117,10 @@ class LoopState(NamedTuple):
     Per slot (S): row int32 (-1 = free), decoding bool (else prefilling), ctx_len (context tokens
     its prefill writes), prefilled (context tokens written so far), cache_len (decoding: positions
     in the cache = prompt + emitted - 1), last (decoding: the last emitted token, not yet in the
-    cache), admitted (admission order). counters: int32 scalars "steps", "prefill_chunks",
-    "preemptions", "peak_pages". draft: the drafter's per-slot state, or None."""
+    cache), admitted (admission order). pool: the `PagePool`, whose page table is the one in
+    effect (the cache's is set where it is used). prefix: the `PrefixCache`. counters: int32
+    scalars "steps", "prefill_chunks", "preemptions", "peak_pages", "prefix_pages_shared". draft:
+    the drafter's per-slot state, or None."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -130,17 +138,24 @@ class LoopState(NamedTuple):
     next_admit: jax.Array
     pool: PagePool
     cache: PagedKVCache
+    prefix: PrefixCache
     counters: dict
     draft: object
 
 
 class Prompts(NamedTuple):
-    """The call's prompts on device: tokens int32 [U, P] distinct prompts, row_prompt int32 [B],
-    row_lengths int32 [B] (`jaxspec.rollout.prompts.PromptBatch`)."""
+    """The call's prompts on device: tokens int32 [U, P] distinct prompts, lengths int32 [U],
+    row_prompt int32 [B], row_lengths int32 [B] (`jaxspec.rollout.prompts.PromptBatch`)."""
 
     tokens: jax.Array
+    lengths: jax.Array
     row_prompt: jax.Array
     row_lengths: jax.Array
+
+    @classmethod
+    def of(cls, batch) -> Prompts:
+        """The device arrays of a `PromptBatch`."""
+        return cls(*(jnp.asarray(x) for x in (batch.tokens, batch.lengths, batch.row_prompt, batch.row_lengths)))
 
 
 def row_keys(key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
@@ -198,10 +213,15 @@ def emit(
 def make_room(state: LoopState, layout: Layout) -> LoopState:
     """Gives every decoding slot the pages of its next step, preempting the newest rows first
     when the pool runs short (module docstring, step 1)."""
-    pool, size = state.pool, layout.page_size
+    size = layout.page_size
     occupied = state.row >= 0
-    need = jnp.where(state.decoding, jnp.maximum(0, pages_for(state.cache_len + layout.lookahead, size) - pool.held), 0)
-    evict = newest_to_evict(state.admitted, occupied, pool.held, need, pool.num_free)
+    need = jnp.where(
+        state.decoding, jnp.maximum(0, pages_for(state.cache_len + layout.lookahead, size) - state.pool.held), 0
+    )
+    # under pressure the prefix cache lets go first: its pages stay only where rows hold them
+    state = prefix_cache.drop(state, jnp.broadcast_to(need.sum() > state.pool.num_free, state.prefix.ready.shape))
+    pool = state.pool
+    evict = newest_to_evict(state.admitted, occupied, pool, need)
     order = jnp.argsort(jnp.where(evict, -state.admitted, jnp.iinfo(jnp.int32).max), stable=True)  # newest first
     count = evict.sum(dtype=jnp.int32)
     i = jnp.arange(layout.slots, dtype=jnp.int32)
@@ -271,7 +291,7 @@ def prefill_chunk(
     """Writes the next `chunk` context tokens of the oldest prefilling slots (`lanes` of them); a
     slot whose context this completes samples its row's next token and starts decoding (module
     docstring, step 4). A no-op (skipped by `lax.cond`) when no slot is prefilling."""
-    prefilling = (state.row >= 0) & ~state.decoding
+    prefilling = (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
 
     def run(state: LoopState) -> LoopState:
         big = jnp.iinfo(jnp.int32).max
@@ -353,8 +373,10 @@ def run_slots(
 
     def body(state: LoopState) -> LoopState:
         state = admit(make_room(state, layout), layout, prompts)
+        state = prefix_cache.attach(state, layout, prompts)
         state = jax.lax.cond(jnp.any(state.decoding & (state.row >= 0)), decode, lambda s: s, state)
-        state = release_finished(prefill(state), layout)
+        state = prefix_cache.publish(prefill(state), layout, prompts)
+        state = prefix_cache.drop_finished(release_finished(state, layout), prompts)
         in_use = layout.num_pages - state.pool.num_free
         counters = state.counters
         return state._replace(
@@ -368,7 +390,7 @@ def run_slots(
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
-def initial_state(layout: Layout, cache: PagedKVCache, pad_id: int, draft=None) -> LoopState:
+def initial_state(layout: Layout, prompts: Prompts, cache: PagedKVCache, pad_id: int, draft=None) -> LoopState:
     """Every row pending (queue 0..B-1), every slot free, every page in the pool."""
     b, s = layout.rows, layout.slots
     zeros = jnp.zeros((s,), jnp.int32)
@@ -389,6 +411,10 @@ def initial_state(layout: Layout, cache: PagedKVCache, pad_id: int, draft=None) 
         next_admit=jnp.zeros((), jnp.int32),
         pool=PagePool.create(layout.num_pages, s, layout.pages_per_slot),
         cache=cache,
-        counters={name: jnp.zeros((), jnp.int32) for name in ("steps", "prefill_chunks", "preemptions", "peak_pages")},
+        prefix=PrefixCache.create(prompts.tokens.shape[0], layout.prefix_pages),
+        counters={
+            name: jnp.zeros((), jnp.int32)
+            for name in ("steps", "prefill_chunks", "preemptions", "peak_pages", "prefix_pages_shared")
+        },
         draft=draft,
     )

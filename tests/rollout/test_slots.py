@@ -1,10 +1,10 @@
 """Autoregressive rollouts on the slot engine (`generate(..., slots=S)`).
 
-Greedy tokens equal the staged engine's for any slot count; sampled rows are the same for any
-slot count and through preemptions (row r's token i is drawn with a key of (r, i) alone); a
-pool too small for all rows at once completes every row exactly; the sampled continuations
-follow the exact processed distribution (the chi-square test of test_distribution.py, whose power
-is stated there).
+Greedy tokens equal the staged engine's for any slot count, with the rows of a prompt sharing
+its prefix pages; sampled rows are the same for any slot count and through preemptions (row r's
+token i is drawn with a key of (r, i) alone); a pool too small for all rows at once completes
+every row exactly; the sampled continuations follow the exact processed distribution (the
+chi-square test of test_distribution.py, whose power is stated there).
 """
 
 import jax
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models import Sharding, make_mesh, shard_params
-from jaxspec.rollout import Sampling, generate, slots
+from jaxspec.rollout import Sampling, generate, prefix_cache, slots
 from tests.rollout.test_distribution import (
     NUCLEUS,
     NUM_SAMPLES,
@@ -21,7 +21,7 @@ from tests.rollout.test_distribution import (
     chi_square_pvalue,
     exact_continuations,
 )
-from tests.rollout.test_engine import BATCH, GREEDY, MAX_NEW, greedy_batch  # noqa: F401  (fixture)
+from tests.rollout.test_engine import BATCH, GREEDY, MAX_NEW, PROMPTS, greedy_batch  # noqa: F401  (fixture)
 
 SAMPLED = Sampling(temperature=1.0, top_p=0.95, max_new_tokens=MAX_NEW, eos_id=(3, 11))
 ROWS = BATCH * 3  # 18 rows
@@ -101,6 +101,49 @@ def test_a_pool_smaller_than_one_row_is_refused_with_its_sizes(policy):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=2, kv_pages=6, page_size=4)
     with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=0)
+
+
+GROUPS = [p for p in PROMPTS for _ in range(4)]  # GRPO-like: 3 prompts, 4 rows each
+
+
+@pytest.fixture(scope="module")
+def staged_groups(policy):
+    cfg, params = policy
+    return generate(cfg, params, GROUPS, jax.random.key(0), GREEDY)
+
+
+@pytest.mark.parametrize(("count", "kv_pages"), [(3, None), (12, None), (4, 10)])
+def test_rows_of_a_prompt_share_its_prefix_pages(policy, staged_groups, count, kv_pages):
+    """Pages of 4 positions: prompt lengths 3, 7 and 20 share 0, 1 and 4 pages, so the 3 later rows
+    of each group take 0 + 3 x 1 + 3 x 4 = 15 pages from the prefix cache, also when all 12 rows are
+    admitted at once (the later ones wait for the first to write the prefix) and through
+    preemptions in a pool of 10 pages; the tokens are the staged engine's."""
+    cfg, params = policy
+    out = generate(cfg, params, GROUPS, jax.random.key(0), GREEDY, slots=count, kv_pages=kv_pages, page_size=4)
+    assert out.stats["prefix_pages_shared"] == 15, out.stats
+    assert (out.stats["preemptions"] > 0) == (kv_pages is not None)
+    np.testing.assert_array_equal(out.tokens, staged_groups.tokens)
+    np.testing.assert_allclose(out.logprobs, staged_groups.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_shared_prefix_would_be_caught(policy, staged_groups):
+    """Negative control of the prefix-sharing test: rows attached to the pages cached for the next
+    prompt (none where it has none) produce other tokens."""
+    cfg, params = policy
+    attach = prefix_cache.attach
+
+    def wrong_prompt(state, layout, prompts):
+        shifted = state.prefix._replace(pages=jax.numpy.roll(state.prefix.pages, -1, axis=0))
+        return attach(state._replace(prefix=shifted), layout, prompts)._replace(prefix=state.prefix)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefix_cache, "attach", wrong_prompt)
+        jax.clear_caches()
+        try:
+            out = generate(cfg, params, GROUPS, jax.random.key(0), GREEDY, slots=3, page_size=4)
+        finally:
+            jax.clear_caches()
+    assert not np.array_equal(out.tokens, staged_groups.tokens)
 
 
 def test_a_mesh_gives_the_same_rollout(policy, greedy_batch):  # noqa: F811

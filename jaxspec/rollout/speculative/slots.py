@@ -4,7 +4,8 @@ Each decode step of the slot loop is one draft-and-verify step of every decoding
 (`loop.speculative_step`, the same proposal, verification forward, exact acceptance and commit
 as the staged loop, on the paged cache). The EAGLE-3 head's own KV cache is a one-layer paged
 cache that shares the policy's page tables (head entry j at position j, so the pages a slot
-holds cover both), and its pending chunk (`eagle3.HeadState`) is per slot. The prefill lanes
+holds cover both, and rows that share a prompt's prefix pages share the head's entries there),
+and its pending chunk (`eagle3.HeadState`) is per slot. The prefill lanes
 also run the head over each chunk (entry j pairs the policy's fused features at position j with
 context token j + 1); the chunk that completes a context leaves the root's entry pending, as
 `Eagle3Drafter.init` does after a prefill.
@@ -111,7 +112,7 @@ def slot_speculative_generate(
         prompt_len=longest,
         max_new_tokens=sampling.max_new_tokens,
     )
-    prompts = Prompts(*(jnp.asarray(x) for x in (batch.tokens, batch.row_prompt, batch.row_lengths)))
+    prompts = Prompts.of(batch)
     max_depth = min(spec.num_draft_tokens, spec.num_tree_nodes)
     state = _loop(cfg, sampling, layout, cache_dtype, drafter, max_depth, params, dparams, prompts, key)
     out = slot_output(layout, state, cache_dtype)
@@ -242,7 +243,7 @@ def _loop(
         hidden=jnp.zeros((layout.slots, drafter.chunk, dcfg.hidden_size), head["fc"].dtype),  # `fuse`'s dtype
         count=jnp.ones((layout.slots,), jnp.int32),
     )
-    state = initial_state(layout, cache, cfg.pad_token_id or 0, SpecSlots(head_state, Counts.zeros(max_depth)))
+    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, SpecSlots(head_state, Counts.zeros(max_depth)))
     return run_slots(layout, state, prompts, decode, prefill)
 
 
