@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import init_paged_cache, paged_cache_bytes
+from jaxspec.models.paged import NO_PAGE, init_paged_cache, paged_cache_bytes
 from jaxspec.models.transformer import Params, extend
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.output import RolloutOutput
@@ -141,7 +141,7 @@ def _loop(
         cfg.head_dim,
         layout.num_pages,
         layout.page_size,
-        jnp.zeros((layout.slots, layout.pages_per_slot), jnp.int32),
+        jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32),  # the pool's is set where used
         cache_dtype,
     )
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0)

@@ -6,19 +6,23 @@ the outputs). The pending-row queue, the free-page stack and the page tables are
 (`jaxspec.rollout.page_pool`). Each iteration:
 
 1. **room**: every decoding slot gets the pages its next step writes (`lookahead` positions past
-   its length). When the free pages do not suffice, the newest rows are preempted
+   its length). When the free pages do not suffice, the prefix cache lets go of its pages
+   and then, if still short, the newest rows are preempted
    (`page_pool.newest_to_evict`): their pages return to the pool and they go back to the front
    of the queue with their tokens so far. The oldest row is never preempted (one row's longest
    sequence always fits: checked before the loop), so every row finishes.
 2. **admit**: free slots take the next pending rows, in queue order, while the pool holds the
-   pages of their context (prompt + tokens so far) plus one step's pages for every running row.
+   pages of their context (prompt + tokens so far) plus one step's pages for every running row;
+   an admitted row whose prompt's prefix is cached takes its pages (`prefix_cache.attach`).
 3. **decode**: one step of every decoding slot (a token, or a speculative draft-and-verify step).
 4. **prefill**: a fixed-size chunk of `chunk` context tokens (the prompt bucket, at most
    `MAX_PREFILL_CHUNK`) of each of `lanes` admitted slots (the oldest first; `PREFILL_TOKENS`
    tokens in all) is written to the cache: prefill runs in chunks interleaved with decoding.
    The chunk that completes a context samples the row's next token from its last logits, and
-   the slot decodes from the next iteration on.
-5. **release**: slots whose row has finished return their pages to the pool.
+   the slot decodes from the next iteration on. Prefixes written are cached
+   (`prefix_cache.publish`).
+5. **release**: slots whose row has finished return their pages to the pool, and the cache
+   lets go of the prefixes of prompts whose rows have all finished.
 
 A row resumed after preemption re-prefills its prompt and its tokens so far, then samples its
 next token: exactly the distribution its next decode step had. Every draw of row r's token i

@@ -230,7 +230,7 @@ def _loop(
             cfg, params, sampling, layout, prompts, key, state, drafter.policy_layers, on_prefill, on_start
         )
 
-    table = jnp.zeros((layout.slots, layout.pages_per_slot), jnp.int32)
+    table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)  # set where used
     cache = init_paged_cache(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, table, cache_dtype
     )
