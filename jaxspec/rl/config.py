@@ -116,10 +116,9 @@ class RolloutConfig:
         through S decode slots over a paged KV cache (`jaxspec.rollout.slots`): a finished row's
         pages and slot go to the next pending row at once, so long-tailed rollouts keep S rows
         running, the memory follows the live tokens (the pool holds S rows' longest sequences)
-        and a group's rows share their prompt's pages.
-        The same key gives the same rollouts for any S. Autoregressive or spec.method eagle3; not
-        with routing replay of a mixture-of-experts policy yet. null stays the default until GPU
-        measurements show the slot engine faster everywhere.
+        and a group's rows share their prompt's pages. The same key gives the same rollouts for
+        any S. Not with routing replay of a mixture-of-experts policy yet. null stays the default
+        until GPU measurements show the slot engine faster everywhere.
     """
 
     prompts_per_step: int = 8

@@ -44,12 +44,6 @@ def validate(cfg: GRPOConfig, source: str) -> None:
             "rollout.slots",
             f"must be null or an integer >= 1 (decode slots), got {r.slots!r}",
         )
-        need(
-            s.method in ("none", "eagle3"),
-            "rollout.slots",
-            f"runs autoregressive or spec.method eagle3 rollouts, not spec.method {s.method!r} "
-            "(set rollout.slots: null)",
-        )
     need(
         r.temperature > 0,
         "rollout.temperature",

@@ -73,7 +73,8 @@ def generate(
         finished rows free their pages and slots for the next pending rows, so memory follows the
         live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
         token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
-        same tokens for any S. Autoregressive or spec method "eagle3"; not yet with record_experts.
+        same tokens for any S. Autoregressive or speculative (every drafter); not yet with
+        record_experts.
     kv_pages: with slots, the page pool (default: every slot's longest sequence, which never
         preempts); a smaller pool preempts the newest rows when it runs short and resumes them
         exactly. page_size: token positions per page.

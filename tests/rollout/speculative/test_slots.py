@@ -2,8 +2,10 @@
 
 On the embedded tiny policy and its trained EAGLE-3 head (acceptance well above 1, so accepted
 runs, eos inside runs and truncation all occur): greedy autoregressive and greedy EAGLE-3 chains
-give the staged engine's tokens for 1, 3 and 8 slots, trees for 3, and through preemptions of a
-pool too small for all rows; sampled EAGLE-3 rows are the same for any slot count. On the
+give the staged engine's tokens for 1, 3 and 8 slots and through preemptions of a pool too small
+for all rows; every drafter (EAGLE-3 chains and trees, a draft model, n-gram trees) drafts and
+accepts on 3 slots exactly what it does in the staged loop; sampled EAGLE-3 rows are the same for
+any slot count. On the
 6-token policy with a weak random head (rejections, residual samples and bonus tokens): the
 sampled continuations of chains (T = 1; T = 0.7 with top_p 0.9) and trees (T = 1) follow the
 exact distribution (the chi-square test of
@@ -60,13 +62,43 @@ def test_greedy_autoregressive_slots_equal_the_staged_engine(tiny, staged, count
     assert_same_rollout(generate(cfg, params, rows, jax.random.key(0), greedy, slots=count), staged)
 
 
-@pytest.mark.parametrize(("shape", "count"), [("chain", 1), ("chain", 3), ("chain", 8), ("tree", 3)])
-def test_greedy_eagle3_slots_equal_the_staged_engine(tiny, staged, shape, count):
+@pytest.mark.parametrize("count", [1, 8])
+def test_greedy_eagle3_slots_equal_the_staged_engine(tiny, staged, count):
     cfg, params, head, rows, greedy, _ = tiny
-    spec = Spec("eagle3", head, **(CHAIN if shape == "chain" else TREE))
-    out = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec, slots=count)
+    out = generate(cfg, params, rows, jax.random.key(0), greedy, spec=Spec("eagle3", head, **CHAIN), slots=count)
     assert_same_rollout(out, staged)
     assert out.stats["acceptance_length"] > 2.0, out.stats  # the head's drafts are accepted
+
+
+def specs(tiny) -> dict:
+    """Greedy-drafting specs of every drafter: the trained head (chains, trees), the policy with
+    its weights perturbed as a draft model (often but not always agreeing), n-gram trees."""
+    cfg, params, head, *_ = tiny
+    noise = iter(jax.random.split(jax.random.key(9), len(jax.tree.leaves(params))))
+    perturbed = jax.tree.map(lambda w: w + 0.02 * jax.random.normal(next(noise), w.shape, w.dtype), params)
+    return {
+        "eagle3-chain": Spec("eagle3", head, **CHAIN),
+        "eagle3-tree": Spec("eagle3", head, **TREE),
+        "draft_model-chain": Spec("draft_model", (cfg, perturbed), **CHAIN),
+        "ngram-tree": Spec("ngram", num_draft_tokens=3, tree_width=2),
+    }
+
+
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "draft_model-chain", "ngram-tree"])
+def test_slots_draft_exactly_what_the_staged_loop_drafts(tiny, staged, name):
+    """Greedy drafts depend only on a row's own history, so 3 slots (no preemption) draft and
+    accept exactly the tokens the staged loop does: the drafter's state per slot (prefilled in
+    the prefill lanes, started with the row's context, prefix pages shared) is the staged one's.
+    The tokens are the autoregressive ones."""
+    cfg, params, _, rows, greedy, _ = tiny
+    spec = specs(tiny)[name]
+    want = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec)
+    got = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec, slots=3, page_size=8)
+    assert_same_rollout(got, staged)
+    assert got.stats["prefix_pages_shared"] > 0 and got.stats["preemptions"] == 0
+    assert 0 < want.stats["accepted_tokens"] < want.stats["drafted_tokens"], want.stats
+    for count in ("accepted_tokens", "drafted_tokens", "verified_row_steps"):
+        assert got.stats[count] == want.stats[count], (count, got.stats, want.stats)
 
 
 def test_greedy_eagle3_through_preemptions_equals_the_staged_engine(tiny, staged):
@@ -93,12 +125,6 @@ def test_sampled_eagle3_rows_do_not_depend_on_the_slot_count(tiny):
     assert one.stats["acceptance_length"] > 1.5
     np.testing.assert_array_equal(four.tokens, one.tokens)
     np.testing.assert_allclose(four.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
-
-
-def test_other_drafters_are_refused_on_slots(tiny):
-    cfg, params, _, rows, greedy, _ = tiny
-    with pytest.raises(ValueError, match="spec.method='ngram': not available with slots yet"):
-        generate(cfg, params, rows, jax.random.key(0), greedy, spec=Spec("ngram"), slots=2)
 
 
 DRAWS = {  # name: (Spec settings, Sampling settings)
