@@ -7,8 +7,8 @@ for all rows; every drafter (EAGLE-3 chains and trees, a draft model, n-gram tre
 accepts on 3 slots exactly what it does in the staged loop; sampled EAGLE-3 rows are the same for
 any slot count. On the
 6-token policy with a weak random head (rejections, residual samples and bonus tokens): the
-sampled continuations of chains (T = 1; T = 0.7 with top_p 0.9) and trees (T = 1) follow the
-exact distribution (the chi-square test of
+sampled continuations of chains (T = 1; T = 0.7 with top_p 0.9), trees (T = 1) and trees of
+stochastic drafts (T = 0.7 with top_p 0.9) follow the exact distribution (the chi-square test of
 tests/rollout/test_distribution.py; its power is stated there), and a wrong temperature is
 rejected.
 """
@@ -131,6 +131,10 @@ DRAWS = {  # name: (Spec settings, Sampling settings)
     "chain-T1": (dict(num_draft_tokens=2), T1),
     "chain-nucleus": (dict(num_draft_tokens=2), NUCLEUS),
     "tree-T1": (dict(num_draft_tokens=2, tree_width=2, tree_budget=3), T1),
+    "stochastic-tree-nucleus": (
+        dict(num_draft_tokens=2, tree_width=2, tree_budget=3, draft_sampling="stochastic"),
+        NUCLEUS,
+    ),
 }
 
 
