@@ -16,11 +16,15 @@ new step boundary, so its later sampled tokens are a different (equally exact) d
 rollouts are the same through preemptions. Stochastic drafts draw their noise per loop
 iteration (exact, but not independent of the slot count).
 
-Not yet on slots: occupancy-dependent draft depth (`stage_draft_tokens`: one depth throughout).
+Draft depth by occupancy: `Spec.stage_draft_tokens` entry i is the depth while the decoding
+slots are at most S / 2^i and more than S / 2^(i + 1) (`occupancy_sizes`), the staged loop's
+stages generalised; each depth is one branch of a `lax.switch`. The depth then depends on how
+many rows run beside a row, so its sampled tokens depend on S (still exact).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -66,10 +70,19 @@ _F32 = 4
 
 
 class SpecSlots(NamedTuple):
-    """The drafter's per-slot state (`slot_drafters`) and the acceptance `Counts`."""
+    """The drafter's per-slot state (`slot_drafters`), the acceptance `Counts` and the decode
+    steps run at each draft depth, int32 [len(depths)]."""
 
     draft: object
     counts: Counts
+    depth_steps: jax.Array
+
+
+def occupancy_sizes(slots: int, num_depths: int) -> tuple[int, ...]:
+    """Occupancy brackets of the draft depths: S, S/2, S/4, ... (`Spec.stage_draft_tokens` entry i
+    drafts while at most sizes[i] and more than sizes[i + 1] slots decode, as stage i of the staged
+    loop does with its batch)."""
+    return tuple(slots >> i for i in range(num_depths))
 
 
 def slot_speculative_generate(
@@ -88,6 +101,8 @@ def slot_speculative_generate(
     """`jaxspec.rollout.generate` with `spec` and `slots`: prompts already validated and grouped
     into `batch`, `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec)
+    depths = spec.stage_depths(len(spec.stage_draft_tokens or (spec.num_draft_tokens,)))
+    drafters = tuple(dataclasses.replace(drafter, depth=d, num_nodes=spec.tree_nodes(d)) for d in depths)
     num_rows, width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     longest = int(batch.row_lengths.max())
     lookahead = 1 + spec.num_draft_tokens * spec.tree_width  # the verify forward's and the drafts' tree writes
@@ -110,22 +125,24 @@ def slot_speculative_generate(
         max_new_tokens=sampling.max_new_tokens,
     )
     prompts = Prompts.of(batch)
-    max_depth = min(spec.num_draft_tokens, spec.num_tree_nodes)
-    state = _loop(cfg, sampling, layout, cache_dtype, drafter, max_depth, width, params, dparams, prompts, key)
+    max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
+    state = _loop(cfg, sampling, layout, cache_dtype, drafters, max_depth, width, params, dparams, prompts, key)
     out = slot_output(layout, state, cache_dtype)
-    stats = summarize(state.draft.counts, state.lengths, max_depth, (layout.slots,), jnp.asarray([out.stats["steps"]]))
-    return out._replace(stats={**stats, **{k: v for k, v in out.stats.items() if k not in stats}})
+    sizes = occupancy_sizes(layout.slots, len(depths))
+    stats = summarize(state.draft.counts, state.lengths, max_depth, sizes, state.draft.depth_steps)
+    loop_stats = {k: v for k, v in out.stats.items() if k not in stats}
+    return out._replace(stats={**stats, **loop_stats, "loop_iterations": out.stats["steps"]})
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "sampling", "layout", "cache_dtype", "drafter", "max_depth", "prompt_width")
+    jax.jit, static_argnames=("cfg", "sampling", "layout", "cache_dtype", "drafters", "max_depth", "prompt_width")
 )
 def _loop(
     cfg: ModelConfig,
     sampling: Sampling,
     layout: Layout,
     cache_dtype,
-    drafter,
+    drafters: tuple,
     max_depth: int,
     prompt_width: int,
     params: Params,
@@ -133,11 +150,22 @@ def _loop(
     prompts: Prompts,
     key,
 ) -> LoopState:
-    """The whole speculative rollout of `prompts` on the slot engine."""
+    """The whole speculative rollout of `prompts` on the slot engine. drafters: one per draft depth
+    (`occupancy_sizes`), alike but for their depth; their state is made by the deepest."""
+    drafter = max(drafters, key=lambda d: d.depth)
     chain = drafter.width == 1
     verify_key, draft_key = jax.random.split(jax.random.fold_in(key, 1))
+    sizes = jnp.asarray(occupancy_sizes(layout.slots, len(drafters))[1:], jnp.int32)
 
     def decode(state: LoopState) -> LoopState:
+        active = state.decoding & (state.row >= 0)
+        index = jnp.sum(active.sum() <= sizes)  # the occupancy bracket
+        steps = state.draft.depth_steps.at[index].add(1)
+        branches = [functools.partial(decode_with, d) for d in drafters]
+        state = branches[0](state) if len(branches) == 1 else jax.lax.switch(index, branches, state)
+        return state._replace(draft=state.draft._replace(depth_steps=steps))
+
+    def decode_with(drafter, state: LoopState) -> LoopState:
         active, view = decoding_view(state)
         spec_state = state.draft
         row = jnp.clip(state.row, 0, layout.rows - 1)
@@ -180,7 +208,7 @@ def _loop(
             cache=state.cache._replace(k=out.cache.k, v=out.cache.v),
             cache_len=state.cache_len + jnp.where(active, out.accepted + 1, 0),
             last=jnp.where(active, out.next_token, state.last),
-            draft=SpecSlots(draft=keep_table(out.draft, spec_state.draft), counts=counts),
+            draft=spec_state._replace(draft=keep_table(out.draft, spec_state.draft), counts=counts),
         )
 
     on_prefill = prefill_hook(drafter, dparams, layout, prompts)
@@ -196,5 +224,6 @@ def _loop(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, table, cache_dtype
     )
     draft = empty_state(drafter, dparams, layout, prompt_width + layout.max_new, cache_dtype)
-    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, SpecSlots(draft, Counts.zeros(max_depth)))
+    spec_state = SpecSlots(draft, Counts.zeros(max_depth), jnp.zeros((len(drafters),), jnp.int32))
+    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, spec_state)
     return run_slots(layout, state, prompts, decode, prefill)

@@ -4,8 +4,8 @@ On the embedded tiny policy and its trained EAGLE-3 head (acceptance well above 
 runs, eos inside runs and truncation all occur): greedy autoregressive and greedy EAGLE-3 chains
 give the staged engine's tokens for 1, 3 and 8 slots and through preemptions of a pool too small
 for all rows; every drafter (EAGLE-3 chains and trees, a draft model, n-gram trees) drafts and
-accepts on 3 slots exactly what it does in the staged loop; sampled EAGLE-3 rows are the same for
-any slot count. On the
+accepts on 3 slots exactly what it does in the staged loop; the draft depth follows the
+occupancy (stage_draft_tokens); sampled EAGLE-3 rows are the same for any slot count. On the
 6-token policy with a weak random head (rejections, residual samples and bonus tokens): the
 sampled continuations of chains (T = 1; T = 0.7 with top_p 0.9), trees (T = 1) and trees of
 stochastic drafts (T = 0.7 with top_p 0.9) follow the exact distribution (the chi-square test of
@@ -116,6 +116,17 @@ def test_greedy_eagle3_through_preemptions_equals_the_staged_engine(tiny, staged
     )
     assert out.stats["preemptions"] > 0 and out.stats["peak_kv_pages"] <= 24
     assert_same_rollout(out, staged)
+
+
+def test_draft_depth_follows_occupancy(tiny, staged):
+    """stage_draft_tokens [1, 3] on 8 slots: depth 1 while more than 4 slots decode, then 3; both
+    run, and the tokens are the autoregressive ones."""
+    cfg, params, head, rows, greedy, _ = tiny
+    spec = Spec("eagle3", head, num_draft_tokens=3, stage_draft_tokens=[1, 3])
+    out = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec, slots=8)
+    assert_same_rollout(out, staged)
+    assert out.stats["stage_rows"] == [8, 4] and min(out.stats["stage_steps"]) > 0, out.stats
+    assert out.stats["acceptance_rate_per_position"].shape == (3,)
 
 
 def test_sampled_eagle3_rows_do_not_depend_on_the_slot_count(tiny):
