@@ -7,7 +7,9 @@ them publishes them to the prefix cache (`publish`), which holds them while rows
 unfinished; a row of u admitted later takes them in place of its own first k_u pages and
 prefills only the rest (`attach`). A row admitted while an older row of its prompt is writing
 the prefix waits for it (`waiting`) instead of writing it again. Under page pressure the cache
-lets go of every prefix before any row is preempted (`drop`); rows then prefill on their own.
+lets go of every prefix before any row is preempted (`drop`), and when the next pending row does
+not fit it lets go of the prefixes no running row holds (`orphans`); rows then prefill on their
+own.
 """
 
 from __future__ import annotations
@@ -110,6 +112,14 @@ def drop(state, which: jax.Array):
             pages=jnp.where(which[:, None], NO_PAGE, state.prefix.pages), ready=state.prefix.ready & ~which
         ),
     )
+
+
+def orphans(state, layout, prompts) -> jax.Array:
+    """bool [U]: cached prefixes that no occupied slot holds (the cache alone keeps their pages)."""
+    u, _ = _slot_prompts(state, layout, prompts)
+    num_prompts = state.prefix.ready.shape[0]
+    held = jnp.zeros((num_prompts,), bool).at[jnp.where(state.row >= 0, u, num_prompts)].set(True, mode="drop")
+    return state.prefix.ready & ~held
 
 
 def drop_finished(state, prompts):

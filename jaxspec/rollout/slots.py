@@ -243,8 +243,9 @@ def make_room(state: LoopState, layout: Layout) -> LoopState:
 
 def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     """Free slots take the next pending rows while the pool holds their context's pages plus one
-    step's pages for every running row (module docstring, step 2)."""
-    pool, j = state.pool, jnp.arange(layout.slots, dtype=jnp.int32)
+    step's pages for every running row (module docstring, step 2). When the next row does not
+    fit, the prefix cache first lets go of the prefixes no running row holds."""
+    j = jnp.arange(layout.slots, dtype=jnp.int32)
     free = state.row < 0
     position = state.head + j
     candidate = state.queue[jnp.clip(position, 0, layout.rows - 1)]
@@ -252,6 +253,9 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     pages = pages_for(ctx, layout.page_size)
     running = jnp.sum(~free, dtype=jnp.int32)
     headroom = pages_for(layout.lookahead, layout.page_size) * (running + j)
+    short = (state.head < layout.rows) & jnp.any(free) & (pages[0] + headroom[0] > state.pool.num_free)
+    state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
+    pool = state.pool
     ok = (position < layout.rows) & (j < free.sum()) & (jnp.cumsum(pages) + headroom <= pool.num_free)
     count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
     free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
