@@ -85,10 +85,10 @@ def slot_generate(
     )
     prompts = Prompts.of(batch)
     state = _loop(cfg, sampling, layout, cache_dtype, params, prompts, key)
-    return slot_output(layout, state, cache_dtype)
+    return slot_output(layout, state)
 
 
-def slot_output(layout: Layout, state: LoopState, cache_dtype) -> RolloutOutput:
+def slot_output(layout: Layout, state: LoopState) -> RolloutOutput:
     """The `RolloutOutput` of a finished slot loop; stats add "slots", "kv_pages" (the pool),
     "page_size", "peak_kv_pages" (most pages in use at once), "prefill_chunks", "preemptions" and
     "prefix_pages_shared" (pages rows took from their prompt's prefix cache instead of prefilling)."""

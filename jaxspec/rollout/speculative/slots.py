@@ -127,7 +127,7 @@ def slot_speculative_generate(
     prompts = Prompts.of(batch)
     max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
     state = _loop(cfg, sampling, layout, cache_dtype, drafters, max_depth, width, params, dparams, prompts, key)
-    out = slot_output(layout, state, cache_dtype)
+    out = slot_output(layout, state)
     sizes = occupancy_sizes(layout.slots, len(depths))
     stats = summarize(state.draft.counts, state.lengths, max_depth, sizes, state.draft.depth_steps)
     loop_stats = {k: v for k, v in out.stats.items() if k not in stats}
