@@ -35,6 +35,7 @@ from jaxspec.draft.model import (
     to_target_ids,
 )
 from jaxspec.models.attention import attention, cache_attention, cache_attention_mask
+from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.rope import rope_tables
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import KVCache
@@ -64,6 +65,7 @@ def draft_extend(
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Appends T entries per row to the head's cache and runs them through the head.
 
+    cache: the head's one-layer `KVCache`, or a `PagedKVCache` whose slot b is row b.
     embed: the policy's token embedding [V, H] (frozen). tokens: int32 [B, T] policy token ids.
     hidden_in: [B, T, H], `fuse(...)` of the policy's aux features or a previous `hidden_out`.
     positions: int32 [B, T] rope positions. cache_len: int32 [B]; entries go to slots
@@ -80,6 +82,12 @@ def draft_extend(
     b, t = tokens.shape
     cos, sin = rope_tables(dcfg.layer_config, positions)
     q, k, v = attention_inputs(dcfg, dparams, embed, tokens, hidden_in, cos, sin)
+    if isinstance(cache, PagedKVCache):
+        if prefix_mask is not None:
+            raise ValueError("prefix_mask: a paged cache takes none (its tree drafting sees the whole prefix)")
+        attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active)
+        out = layer_output(dcfg, dparams, hidden_in, attn)
+        return draft_logits(dcfg, dparams, out), out, cache._replace(k=(ck,), v=(cv,))
     rows = jnp.arange(b)[:, None]
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     with jax.named_scope("kv_write"):
@@ -114,7 +122,7 @@ def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, t
         "positions": (positions.shape, (b, t)),
         "cache_len": (cache_len.shape, (b,)),
         "cache": (
-            (len(cache.k), *cache.k[0].shape[:1], *cache.k[0].shape[2:]),
+            (len(cache.k), cache.batch, *cache.k[0].shape[2:]),
             (1, b, dcfg.num_kv_heads, dcfg.head_dim),
         ),
     }

@@ -3,6 +3,7 @@
 from jaxspec.models.checkpoint import load_hf, load_tokenizer, save_hf
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import load_balancing_loss
+from jaxspec.models.paged import PagedKVCache, init_paged_cache
 from jaxspec.models.sharding import Sharding, make_mesh, param_shardings, shard_params
 from jaxspec.models.transformer import (
     KVCache,
@@ -19,6 +20,7 @@ from jaxspec.models.transformer import (
 __all__ = [
     "KVCache",
     "ModelConfig",
+    "PagedKVCache",
     "Params",
     "Sharding",
     "cache_bytes",
@@ -27,6 +29,7 @@ __all__ = [
     "forward_hidden",
     "forward_router",
     "init_cache",
+    "init_paged_cache",
     "init_params",
     "load_balancing_loss",
     "load_hf",

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxspec.models.attention import attention, cache_attention
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import expert_id_dtype, moe_mlp
+from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.rope import apply_rope, rope_tables
 from jaxspec.models.sharding import Sharding, constrain
 
@@ -320,6 +321,8 @@ def extend(
 ):
     """Append T new tokens per row to the cache and run them through the model.
 
+    cache: a dense `KVCache`, or a `PagedKVCache` whose slot b is row b (`jaxspec.models.paged`;
+    the same semantics, positions in place of slots, returned with the same page table).
     tokens int32 [B, T]; positions int32 [B, T] (rope positions); cache_len int32 [B]: row b's
     valid prefix occupies slots [0, cache_len[b]) and the new tokens are written to slots
     cache_len[b] + t. tree_mask bool [B, T, T] says which new tokens each new token sees
@@ -342,10 +345,13 @@ def extend(
     new_k, new_v, hidden, experts = [], [], {}, []
     for i, layer in enumerate(params["layers"]):
         q, k, v = _qkv(cfg, layer, x, cos, sin)
-        with jax.named_scope("kv_write"):
-            ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
-            cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
-        attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
+        if isinstance(cache, PagedKVCache):
+            attn, ck, cv = write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active)
+        else:
+            with jax.named_scope("kv_write"):
+                ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
+                cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
+            attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
         # no gradient: the kernels where they apply
         x, _, layer_experts = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
@@ -356,7 +362,7 @@ def extend(
         if i in hidden_layers:
             hidden[i] = x
     logits = logits_from_hidden(cfg, params, x)
-    out = logits, _stack_hidden(hidden, hidden_layers, x), KVCache(k=tuple(new_k), v=tuple(new_v))
+    out = logits, _stack_hidden(hidden, hidden_layers, x), cache._replace(k=tuple(new_k), v=tuple(new_v))
     if not record_experts:
         return out
     if not experts:

@@ -111,6 +111,14 @@ class RolloutConfig:
         the resident state and the KV cache. Validation reads the same copy. No effect on one
         device; in rollout.mode async it applies to validation alone (the rollout mesh holds its
         own replicated copy).
+    slots: null generates each call's rows on the staged engine (a dense KV cache of prompt +
+        max_new_tokens for every row, the batch halved as rows finish); an integer S streams them
+        through S decode slots over a paged KV cache (`jaxspec.rollout.slots`): a finished row's
+        pages and slot go to the next pending row at once, so long-tailed rollouts keep S rows
+        running, the memory follows the live tokens (the pool holds S rows' longest sequences)
+        and a group's rows share their prompt's pages. The same key gives the same rollouts for
+        any S. Not with routing replay of a mixture-of-experts policy yet. null stays the default
+        until GPU measurements show the slot engine faster everywhere.
     """
 
     prompts_per_step: int = 8
@@ -124,6 +132,7 @@ class RolloutConfig:
     max_staleness: int = 1
     sub_batch: int | None = None
     gather_weights: bool = False
+    slots: int | None = None
 
 
 AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")

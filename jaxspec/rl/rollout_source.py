@@ -195,6 +195,7 @@ class RolloutGenerator:
                     sharding=sharding,
                     prompt_width=self.prompt_width,
                     record_experts=self.record_experts,
+                    slots=self.rollout.slots,
                 )
             )
             parts.append(

@@ -38,6 +38,12 @@ def validate(cfg: GRPOConfig, source: str) -> None:
             f"must be a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}) "
             f"that divides the step's {rollouts} rollouts, got {r.sub_batch}",
         )
+    if r.slots is not None:
+        need(
+            isinstance(r.slots, int) and not isinstance(r.slots, bool) and r.slots >= 1,
+            "rollout.slots",
+            f"must be null or an integer >= 1 (decode slots), got {r.slots!r}",
+        )
     need(
         r.temperature > 0,
         "rollout.temperature",

@@ -23,13 +23,16 @@ from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.rollout.continuous import slot_generate
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, recorded_experts_bytes, write_experts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
+from jaxspec.rollout.slots import DEFAULT_PAGE_SIZE
 from jaxspec.rollout.speculative.generate import speculative_generate
+from jaxspec.rollout.speculative.slots import slot_speculative_generate
 from jaxspec.rollout.stages import batch_stages, run_in_stages
 
 
@@ -45,6 +48,9 @@ def generate(
     sharding: Sharding | None = None,
     prompt_width: int = 1,
     record_experts: bool = False,
+    slots: int | None = None,
+    kv_pages: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
 ) -> RolloutOutput:
     """Samples a continuation of every prompt from the policy.
 
@@ -60,7 +66,20 @@ def generate(
     record_experts: a mixture-of-experts policy's rollout also returns the experts its router chose
         at every position (`RolloutOutput.experts`, `jaxspec.rollout.experts`) for routing replay;
         False leaves the compiled programs as they are without it.
-    Raises ValueError for an empty prompt list or prompt, a token or eos id outside the
+    slots: None runs the staged engine (a dense KV cache [B, P + N] for every row, the batch
+        halved as rows finish; `jaxspec.rollout.stages`), which stays the default until GPU
+        measurements show the slot engine faster everywhere. An integer S streams the rows through
+        S decode slots over a paged KV cache in one compiled loop (`jaxspec.rollout.slots`):
+        finished rows free their pages and slots for the next pending rows, so memory follows the
+        live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
+        token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
+        same tokens for any S. Autoregressive or speculative (every drafter); not yet with
+        record_experts.
+    kv_pages: with slots, the page pool (default: every slot's longest sequence, which never
+        preempts); a smaller pool preempts the newest rows when it runs short and resumes them
+        exactly. page_size: token positions per page.
+    Raises ValueError for an empty prompt list or prompt, a kv_pages pool that cannot hold one
+    row's longest sequence, a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
     not fit the device's free memory, a draft that does not fit the policy, or record_experts
     with a dense policy.
@@ -78,6 +97,13 @@ def generate(
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
+    if slots is not None:
+        if record_experts:
+            raise ValueError("record_experts: not available with slots (the slot engine records no routing yet)")
+        paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size)
+        if spec is not None:
+            return slot_speculative_generate(cfg, params, batch, key, sampling, spec, **paged)
+        return slot_generate(cfg, params, batch, key, sampling, **paged)
     if spec is not None:
         return speculative_generate(
             cfg,

@@ -38,6 +38,7 @@ def _error_line(capsys) -> str:
             "error: command-line override 'rollout.samples_per_prompt=1': rollout.samples_per_prompt: must be >= 2",
         ),
         ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
+        ("rollout.slots=0", "rollout.slots: must be null or an integer >= 1 (decode slots), got 0"),
         (
             "loss.aggregation=mean",
             "key 'loss.aggregation': expected one of ['token', 'sequence', 'seq-mean-token-sum-norm']",
@@ -75,6 +76,16 @@ def test_bad_config_fails_before_compute_with_one_line(tiny_policy, tmp_path, ca
     config = write_config(tmp_path / "run.yaml", tiny_policy[0])
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", override) == 2
     assert message in _error_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_slots_with_a_routing_record_are_refused(tiny_moe_policy, tmp_path, capsys):
+    """A mixture-of-experts policy whose loss replays its routing needs rollouts that record it,
+    which the slot engine does not yet: refused before compute, naming rollout.slots."""
+    config = write_config(tmp_path / "run.yaml", tiny_moe_policy[0])
+    options = ["rollout.slots=8", "loss.routing_replay=true"]
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *options) == 2
+    assert "rollout.slots: the slot engine records no routing yet" in _error_line(capsys)
     assert not (tmp_path / "run").exists()
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.paged import PagedKVCache, page_of
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import KVCache, Params, extend
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
@@ -55,8 +56,8 @@ class _LoopState(NamedTuple):
     depths: DepthState | None  # an adaptive loop's measured acceptance (`adaptive`), or None
 
 
-def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCache:
-    """Moves the KV of accepted tree nodes to consecutive slots.
+def commit_path(cache: KVCache | PagedKVCache, cache_len: jax.Array, path: jax.Array) -> KVCache | PagedKVCache:
+    """Moves the KV of accepted tree nodes to consecutive slots (positions, in a paged cache).
 
     The verification forward wrote node n of row b at slot cache_len[b] + n; path int32 [B, E]
     lists accepted node ids from the root (-1 after). Afterwards slot cache_len[b] + i holds
@@ -66,11 +67,20 @@ def commit_path(cache: KVCache, cache_len: jax.Array, path: jax.Array) -> KVCach
     offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
     src = cache_len[:, None] + jnp.where(path >= 0, path, offsets)
     dst = cache_len[:, None] + offsets
+    if isinstance(cache, PagedKVCache):  # positions through the page table
+        src_page, src_offset = page_of(cache.page_table, src, cache.page_size)
+        dst_page, dst_offset = page_of(cache.page_table, dst, cache.page_size)
+        src_page = jnp.clip(src_page, 0, cache.num_pages - 1)  # a position with no page is never committed
 
-    def move(buf: jax.Array) -> jax.Array:
-        return buf.at[rows, dst].set(buf[rows, src], mode="drop")
+        def move(buf: jax.Array) -> jax.Array:
+            return buf.at[dst_page, dst_offset].set(buf[src_page, src_offset], mode="drop")
 
-    return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    else:
+
+        def move(buf: jax.Array) -> jax.Array:
+            return buf.at[rows, dst].set(buf[rows, src], mode="drop")
+
+    return cache._replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
 def _root_alone(root: jax.Array) -> DraftTree:
@@ -86,6 +96,128 @@ def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad, constant_values=value)
+
+
+class StepOutcome(NamedTuple):
+    """One draft-and-verify step of B rows (W = max_depth + 1, the most tokens a step emits).
+
+    cache, draft: the policy's cache (accepted nodes' KV at consecutive positions) and the
+    drafter's state after the step; tree: the verified `DraftTree`; path int32 [B, W] accepted
+    node ids from the root (-1 after); emitted int32 [B, W]: the accepted drafts then the next
+    token (entry `accepted`), 0 after; logprobs float32 [B, W] log p of each emitted token, 0
+    after; accepted int32 [B] draft tokens accepted; next_token int32 [B] the next root;
+    node_experts: the tree nodes' routing [B, N, L_sparse, k] when recorded, else None.
+    """
+
+    cache: object
+    draft: object
+    tree: object
+    path: jax.Array
+    emitted: jax.Array
+    logprobs: jax.Array
+    accepted: jax.Array
+    next_token: jax.Array
+    node_experts: jax.Array | None
+
+
+def speculative_step(
+    cfg: ModelConfig,
+    params: Params,
+    sampling: Sampling,
+    drafter: Drafter,
+    dparams,
+    cache,
+    draft,
+    root: jax.Array,
+    cache_len: jax.Array,
+    active: jax.Array,
+    draft_key: jax.Array,
+    verify,
+    *,
+    max_depth: int,
+    chain: bool,
+    sharding: Sharding | None = None,
+    record: bool = False,
+    drafts: bool = True,
+) -> StepOutcome:
+    """Steps 1-4 of the module docstring for rows root int32 [B] at cache_len int32 [B], the rows
+    in active bool [B] still generating. cache: a dense `KVCache` or a `PagedKVCache`.
+    verify(verify_logits [B, N, V], tree, temperature) -> `kernels.VerifyResult`: the exact
+    acceptance (`kernels.tree_verify` with the step's key or keys). chain: the deepest drafter
+    drafts chains (node n is node n - 1's only child); drafts=False verifies the root alone (an
+    autoregressive step through the same code)."""
+    width = max_depth + 1
+    loop_rows = root.shape[0]
+    steps = jnp.arange(width, dtype=jnp.int32)[None, :]
+    with jax.named_scope("propose"):
+        if drafts:
+            draft, tree = drafter.propose(dparams, draft, root, cache_len, active, draft_key)
+        else:
+            if not getattr(drafter, "propose_keeps_state", False):  # e.g. a head's pending entries
+                one = dataclasses.replace(drafter, depth=1, num_nodes=1)
+                draft, _ = one.propose(dparams, draft, root, cache_len, active, draft_key)
+            tree = _root_alone(root)
+    with jax.named_scope("verify_forward"):
+        logits, hidden, cache, *node_experts = extend(
+            cfg,
+            params,
+            cache,
+            tree.tokens,
+            cache_len[:, None] + tree.depth,
+            cache_len,
+            tree_mask=None if chain else ancestor_mask(tree.parents, max_depth),
+            active=active,
+            hidden_layers=drafter.policy_layers,
+            sharding=sharding,
+            record_experts=record,
+        )
+    with jax.named_scope("verify"):
+        if sampling.greedy:
+            result = verify(logits, tree, 0.0)
+        else:
+            result = verify(processed_logprobs(logits, sampling), tree, 1.0)
+    # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
+    path = _pad_to(result.path[:, :width], width, 1, -1)
+    accepted, next_token = result.num_accepted, result.next_token
+    committed = (
+        _pad_to(tree.tokens[:, :width], width, 1, 0)
+        if chain
+        else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+    )
+    emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((loop_rows, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
+    node_hidden = (
+        _pad_to(hidden[:, :, :width], width, 2, 0)
+        if chain or hidden.shape[0] == 0
+        else (jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
+    )
+    with jax.named_scope("draft_update"):
+        draft = drafter.update(
+            dparams,
+            draft,
+            Verified(
+                committed=committed,
+                next_root=next_token,
+                num_accepted=accepted,
+                cache_len=cache_len,
+                hidden=node_hidden,
+                active=active,
+            ),
+        )
+    if not chain:  # a chain's accepted nodes already sit at consecutive slots
+        with jax.named_scope("commit"):
+            cache = commit_path(cache, cache_len, path)
+    return StepOutcome(
+        cache=cache,
+        draft=draft,
+        tree=tree,
+        path=path,
+        emitted=emitted,
+        logprobs=_pad_to(result.logprobs[:, :width], width, 1, 0.0),
+        accepted=accepted,
+        next_token=next_token,
+        node_experts=node_experts[0] if record else None,
+    )
 
 
 @functools.partial(
@@ -158,35 +290,10 @@ def speculative_decode(
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
-        with jax.named_scope("propose"):
-            draft = state.draft if state.draft_pool is None else Pooled(state.draft, state.draft_pool)
-            if drafts:
-                draft, tree = drafter.propose(dparams, draft, state.root, state.cache_len, ~state.done, draft_key)
-            else:
-                if not getattr(drafter, "propose_keeps_state", False):  # e.g. a head's pending entries
-                    one = dataclasses.replace(drafter, depth=1, num_nodes=1)
-                    draft, _ = one.propose(dparams, draft, state.root, state.cache_len, ~state.done, draft_key)
-                tree = _root_alone(state.root)
-        with jax.named_scope("verify_forward"):
-            logits, hidden, cache, *node_experts = extend(
-                cfg,
-                params,
-                state.cache,
-                tree.tokens,
-                state.cache_len[:, None] + tree.depth,
-                state.cache_len,
-                tree_mask=None if chain else ancestor_mask(tree.parents, max_depth),
-                active=~state.done,
-                hidden_layers=drafter.policy_layers,
-                sharding=sharding,
-                record_experts=record,
-            )
-        with jax.named_scope("verify"):
-            if sampling.greedy:
-                verify_logits, temperature = logits, 0.0
-            else:
-                verify_logits, temperature = processed_logprobs(logits, sampling), 1.0
-            result = kernels.tree_verify(
+        active = ~state.done
+
+        def verify(verify_logits, tree, temperature):
+            return kernels.tree_verify(
                 verify_logits,
                 tree.parents,
                 tree.tokens,
@@ -195,61 +302,50 @@ def speculative_decode(
                 temperature=temperature,
                 draft_probs=tree.draft_probs,
             )
-        # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
-        path = _pad_to(result.path[:, :width], width, 1, -1)
-        accepted, next_token = result.num_accepted, result.next_token
-        committed = (
-            _pad_to(tree.tokens[:, :width], width, 1, 0)
-            if chain
-            else jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+
+        pooled = state.draft if state.draft_pool is None else Pooled(state.draft, state.draft_pool)
+        out = speculative_step(
+            cfg,
+            params,
+            sampling,
+            drafter,
+            dparams,
+            state.cache,
+            pooled,
+            state.root,
+            state.cache_len,
+            active,
+            draft_key,
+            verify,
+            max_depth=max_depth,
+            chain=chain,
+            sharding=sharding,
+            record=record,
+            drafts=drafts,
         )
-        emitted = jnp.concatenate([committed[:, 1:], jnp.zeros((loop_rows, 1), jnp.int32)], axis=1)
-        emitted = jnp.where(steps == accepted[:, None], next_token[:, None], emitted)
-        eos = jnp.isin(emitted, eos_ids) & (steps <= accepted[:, None])
+        draft, draft_pool = (out.draft, None) if state.draft_pool is None else out.draft
+        accepted = out.accepted
+        eos = jnp.isin(out.emitted, eos_ids) & (steps <= accepted[:, None])
         first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
-        active = ~state.done
         count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
-        node_hidden = (
-            _pad_to(hidden[:, :, :width], width, 2, 0)
-            if chain or hidden.shape[0] == 0
-            else (jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
-        )
-        with jax.named_scope("draft_update"):
-            draft = drafter.update(
-                dparams,
-                draft,
-                Verified(
-                    committed=committed,
-                    next_root=next_token,
-                    num_accepted=accepted,
-                    cache_len=state.cache_len,
-                    hidden=node_hidden,
-                    active=active,
-                ),
-            )
-        draft, draft_pool = (draft, None) if state.draft_pool is None else draft
-        if not chain:  # a chain's accepted nodes already sit at consecutive slots
-            with jax.named_scope("commit"):
-                cache = commit_path(cache, state.cache_len, path)
         experts = state.experts
         if record:  # the accepted path's experts at the positions its KV now holds
-            path_experts = jnp.take_along_axis(node_experts[0], jnp.maximum(path, 0)[:, :, None, None], axis=1)
+            path = out.path
+            path_experts = jnp.take_along_axis(out.node_experts, jnp.maximum(path, 0)[:, :, None, None], axis=1)
             experts = write_experts(experts, path_experts, state.cache_len, active[:, None] & (path >= 0), sharding)
         return _LoopState(
-            root=jnp.where(active, next_token, state.root),
-            cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), cache),
+            root=jnp.where(active, out.next_token, state.root),
+            cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), out.cache),
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
             draft_pool=draft_pool,
-            tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
-            logprobs=state.logprobs.at[rows, slots].set(
-                _pad_to(result.logprobs[:, :width], width, 1, 0.0), mode="drop"
-            ),
+            tokens=state.tokens.at[rows, slots].set(out.emitted, mode="drop"),
+            logprobs=state.logprobs.at[rows, slots].set(out.logprobs, mode="drop"),
             lengths=state.lengths + count,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
-            counts=count_step(state.counts, tree.parents, tree.num_nodes, path, accepted, active)._replace(
+            counts=count_step(state.counts, out.tree.parents, out.tree.num_nodes, out.path, accepted, active)._replace(
                 depth_steps=state.counts.depth_steps.at[drafter.depth if drafts else 0].add(1)
             ),
             experts=experts,

@@ -77,7 +77,8 @@ class SpecConfig:
         go unused), each in 1..num_draft_tokens. A verification step's policy forward costs more
         per draft token the more rows it runs, so large batches favour short drafts and the small
         batches of the long-answer tail favour long ones (e.g. [3, 5, 7] with num_draft_tokens 7).
-        null drafts num_draft_tokens at every stage.
+        null drafts num_draft_tokens at every stage. On the slot engine (rollout.slots S) entry i
+        is the depth while at most S / 2^i and more than S / 2^(i + 1) slots decode.
     """
 
     method: Literal["none", "eagle3", "draft_model", "ngram", "suffix"] = "none"

@@ -1,0 +1,145 @@
+"""Paged KV cache: a pool of fixed-size pages per layer and a page table per decode slot.
+
+A dense `KVCache` holds rows x max_len slots whatever the rows' lengths; a `PagedKVCache` holds
+`num_pages` pages of `page_size` token positions per layer, and slot s's position p lives in
+page `page_table[s, p // page_size]` at offset `p % page_size`. A slot holds pages only for the
+positions it has written, so the memory is bounded by the live tokens, not slots x max length.
+A page-table entry >= num_pages (`NO_PAGE`) is a position with no page: writes there are
+dropped and reads are masked out (they lie past the slot's length).
+
+`extend` and `jaxspec.draft.draft_extend` take a `PagedKVCache` wherever they take a `KVCache`
+(they call `write_and_attend`), with the same semantics: row b of the batch is slot b of the page
+table, cache_len[b] its filled positions.
+
+`paged_attention` is the one function a ragged paged-attention kernel replaces; today it is the
+jnp reference on every backend: it gathers each slot's pages into a dense view [S, M * page_size]
+and runs the masked dense attention (`jaxspec.models.attention`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.attention import attention, cache_attention_mask
+
+NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
+
+
+class PagedKVCache(NamedTuple):
+    """k, v: per-layer page pools, each [num_pages, page_size, Nk, D]; page_table: int32 [S, M],
+    the pages of slot s in position order (entries past its allocation `NO_PAGE`). A slot's
+    positions [0, M * page_size) are addressable."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    page_table: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        """Positions a slot can address (pages per slot x page size)."""
+        return self.page_table.shape[1] * self.page_size
+
+
+def init_paged_cache(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_pages: int,
+    page_size: int,
+    page_table: jax.Array,
+    dtype=jnp.float32,
+) -> PagedKVCache:
+    """Zeroed pools of `num_pages` pages of `page_size` positions per layer, with `page_table`
+    int32 [S, M]."""
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return PagedKVCache(
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        page_table=page_table.astype(jnp.int32),
+    )
+
+
+def paged_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, dtype) -> int:
+    """Bytes of the k and v pools of a `PagedKVCache` of this shape."""
+    return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def page_of(page_table: jax.Array, positions: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page int32 [S, T], offset int32 [S, T]) of positions int32 [S, T] of each slot; the page is
+    `NO_PAGE` for a position outside the slot's table (negative, or past M * page_size)."""
+    index = positions // page_size
+    in_table = (positions >= 0) & (index < page_table.shape[1])
+    page = jnp.take_along_axis(page_table, jnp.clip(index, 0, page_table.shape[1] - 1), axis=1)
+    return jnp.where(in_table, page, NO_PAGE), positions % page_size
+
+
+def paged_write(pool: jax.Array, page_table: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
+    """`pool` [num_pages, page_size, Nk, D] with values [S, T, Nk, D] written at each slot's
+    positions int32 [S, T]; positions with no page are dropped."""
+    page, offset = page_of(page_table, positions, pool.shape[1])
+    return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+
+
+def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Dense view [S, M * page_size, Nk, D] of every slot's pages (zeros where it has none)."""
+    s, m = page_table.shape
+    view = jnp.take(pool, page_table, axis=0, mode="fill", fill_value=0)  # [S, M, page, Nk, D]
+    return view.reshape(s, m * pool.shape[1], *pool.shape[2:])
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    page_table: jax.Array,
+    cache_len: jax.Array,
+    tree_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
+) -> jax.Array:
+    """Attention of T new tokens per slot over the slot's pages, which already hold their keys and
+    values (`cache_attention` on a paged cache).
+
+    q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D]; page_table int32 [S, M]; slot s's
+    prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
+    bool [S, T, T] among the new tokens (default causal); active bool [S] (default all): a slot
+    that is not active sees only its new tokens. Returns [S, T, Nq, D] in q's dtype.
+    """
+    k = gather_pages(k_pool, page_table).astype(q.dtype)
+    v = gather_pages(v_pool, page_table).astype(q.dtype)
+    mask = cache_attention_mask(cache_len, q.shape[1], k.shape[1], tree_mask, active)
+    return attention(q, k, v, mask)
+
+
+def write_and_attend(
+    cache: PagedKVCache,
+    layer: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_len: jax.Array,
+    tree_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer of a cached extension: writes k/v [S, T, Nk, D] at positions cache_len[s] + t of
+    layer `layer`'s pools, then attends q [S, T, Nq, D] over them (`paged_attention`).
+    Returns (attention [S, T, Nq, D], the layer's new k pool, its new v pool)."""
+    positions = cache_len[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    with jax.named_scope("kv_write"):
+        k_pool = paged_write(cache.k[layer], cache.page_table, positions, k)
+        v_pool = paged_write(cache.v[layer], cache.page_table, positions, v)
+    return paged_attention(q, k_pool, v_pool, cache.page_table, cache_len, tree_mask, active), k_pool, v_pool

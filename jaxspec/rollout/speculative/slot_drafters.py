@@ -1,0 +1,136 @@
+"""The drafters' state on the slot engine, one entry per decode slot.
+
+The staged loop makes a drafter's state once for all rows (`Drafter.init` after the prefill);
+on the slot engine rows come and go, so each drafter's state is made empty for S slots
+(`empty_state`), written chunk by chunk in the prefill lanes (`prefill_hook`) and started when a
+slot's context is complete (`start_hook`), as `init` would leave it for that row:
+
+* EAGLE-3 (`eagle3.HeadState`): the head's KV is a one-layer paged cache on the policy's page
+  tables (entry j at position j). A prefill chunk writes entries j of its positions (the fused
+  policy features at j with context token j + 1); the start leaves the root's entry pending.
+* draft model (`draft_model.Pending`): its KV is a paged cache of its own layers on the policy's
+  page tables; a prefill chunk runs the chunk's tokens through it; the start leaves the root
+  pending.
+* n-gram (`ngram.History`): the start copies the slot's context (prompt, tokens so far, the root)
+  into its history row; nothing to prefill.
+
+The pages a slot holds cover the draft's positions as well as the policy's, so the drafts share
+a prompt's prefix pages with it (`jaxspec.rollout.prefix_cache`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.draft import draft_extend, fuse
+from jaxspec.models.paged import NO_PAGE, PagedKVCache, init_paged_cache, paged_cache_bytes
+from jaxspec.models.transformer import extend
+from jaxspec.rollout.slots import Layout, context_tokens
+from jaxspec.rollout.speculative.draft_model import DraftModelDrafter, Pending
+from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter, HeadState
+from jaxspec.rollout.speculative.ngram import History, NgramDrafter
+
+
+def _paged(cfg, layout: Layout, cache_dtype) -> PagedKVCache:
+    """An empty paged cache for a draft of this config (num_layers, num_kv_heads, head_dim)."""
+    table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)  # the pool's is set where used
+    return init_paged_cache(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, table, cache_dtype
+    )
+
+
+def draft_pool_bytes(drafter, layout: Layout, cache_dtype) -> int:
+    """Bytes of the drafter's page pools (0 for the n-gram drafter)."""
+    if isinstance(drafter, NgramDrafter):
+        return 0
+    cfg = drafter.dcfg.layer_config if isinstance(drafter, Eagle3Drafter) else drafter.cfg
+    return paged_cache_bytes(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, cache_dtype
+    )
+
+
+def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype):
+    """The drafter's state for `layout.slots` slots, none started. context_len: the longest
+    context a slot holds (the n-gram history's width)."""
+    slots = layout.slots
+    if isinstance(drafter, NgramDrafter):
+        return History(tokens=jnp.zeros((slots, context_len), jnp.int32), length=jnp.ones((slots,), jnp.int32))
+    tokens, count = jnp.zeros((slots, drafter.chunk), jnp.int32), jnp.ones((slots,), jnp.int32)
+    if isinstance(drafter, DraftModelDrafter):
+        return Pending(cache=_paged(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
+    dcfg = drafter.dcfg
+    hidden = jnp.zeros((slots, drafter.chunk, dcfg.hidden_size), dparams["head"]["fc"].dtype)  # `fuse`'s dtype
+    return HeadState(cache=_paged(dcfg.layer_config, layout, cache_dtype), tokens=tokens, hidden=hidden, count=count)
+
+
+def with_table(state, page_table: jax.Array):
+    """The state with its paged cache (if any) on `page_table` int32 [S', M]."""
+    if isinstance(state, History):
+        return state
+    return state._replace(cache=state.cache._replace(page_table=page_table))
+
+
+def keep_table(state, stored):
+    """`state` (after a pass over a view) with the page table of `stored`, the stored form."""
+    if isinstance(state, History):
+        return state
+    return state._replace(cache=stored.cache._replace(k=state.cache.k, v=state.cache.v))
+
+
+def prefill_hook(drafter, dparams, layout: Layout, prompts):
+    """on_prefill(state, lanes, valid, positions, hidden) -> state for `slots.prefill_chunk`: the
+    draft's KV of the chunk's positions; None for the n-gram drafter."""
+    if isinstance(drafter, NgramDrafter):
+        return None
+
+    def on_prefill(state, lanes, valid, positions, hidden):
+        spec = state.draft
+        row = jnp.clip(state.row[lanes], 0, layout.rows - 1)
+        ctx = state.ctx_len[lanes][:, None]
+        view = with_table(spec.draft, jnp.where(valid[:, None], state.pool.page_table[lanes], NO_PAGE)).cache
+        start = positions[:, 0]
+        if isinstance(drafter, DraftModelDrafter):
+            tokens = jnp.where(positions < ctx, context_tokens(prompts, state.tokens, row, positions), 0)
+            _, _, cache = extend(drafter.cfg, dparams, view, tokens, positions, start, active=valid)
+        else:  # EAGLE-3: entry j pairs the fused features at j with token j + 1
+            head = dparams["head"]
+            following = jnp.where(positions + 1 < ctx, context_tokens(prompts, state.tokens, row, positions + 1), 0)
+            hidden_in = fuse(drafter.dcfg, head, hidden)
+            _, _, cache = draft_extend(
+                drafter.dcfg, head, dparams["embed"], view, following, hidden_in, positions, start, active=valid
+            )
+        draft = spec.draft._replace(cache=spec.draft.cache._replace(k=cache.k, v=cache.v))
+        return state._replace(draft=spec._replace(draft=draft))
+
+    return on_prefill
+
+
+def start_hook(drafter, dparams, layout: Layout, prompts):
+    """on_start(state, started, first, hidden_last) -> state for `slots.prefill_chunk`: the
+    started slots' state as `Drafter.init` leaves a row whose root is `first`."""
+
+    def on_start(state, started, first, hidden_last):
+        spec = state.draft
+        old = spec.draft
+
+        def pick(new, current):
+            return jnp.where(started.reshape(-1, *([1] * (new.ndim - 1))), new, current)
+
+        if isinstance(drafter, NgramDrafter):
+            width = old.tokens.shape[1]
+            row = jnp.clip(state.row, 0, layout.rows - 1)
+            length = state.ctx_len + 1  # the context, then the root (already emitted)
+            positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (layout.slots, width))
+            history = jnp.where(positions < length[:, None], context_tokens(prompts, state.tokens, row, positions), 0)
+            new = History(tokens=pick(history, old.tokens), length=pick(length, old.length))
+        else:
+            tokens = pick(jnp.zeros_like(old.tokens).at[:, 0].set(first), old.tokens)
+            new = old._replace(tokens=tokens, count=pick(jnp.ones_like(old.count), old.count))
+            if isinstance(drafter, Eagle3Drafter):
+                root_hidden = fuse(drafter.dcfg, dparams["head"], hidden_last[:, :, None])[:, 0]  # [S, H]
+                hidden = jnp.zeros_like(old.hidden).at[:, 0].set(root_hidden.astype(old.hidden.dtype))
+                new = new._replace(hidden=pick(hidden, old.hidden))
+        return state._replace(draft=spec._replace(draft=new))
+
+    return on_start

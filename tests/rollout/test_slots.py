@@ -1,0 +1,193 @@
+"""Autoregressive rollouts on the slot engine (`generate(..., slots=S)`).
+
+Greedy tokens equal the staged engine's for any slot count, with the rows of a prompt sharing
+its prefix pages; sampled rows are the same for any slot count and through preemptions (row r's
+token i is drawn with a key of (r, i) alone); a pool too small for all rows at once completes
+every row exactly; the sampled continuations follow the exact processed distribution (the
+chi-square test of test_distribution.py, whose power is stated there).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.models import Sharding, make_mesh, shard_params
+from jaxspec.rollout import Sampling, generate, prefix_cache, slots
+from tests.rollout.test_distribution import (
+    NUCLEUS,
+    NUM_SAMPLES,
+    PROMPT,
+    T1,
+    chi_square_pvalue,
+    exact_continuations,
+)
+from tests.rollout.test_engine import BATCH, GREEDY, MAX_NEW, PROMPTS, greedy_batch  # noqa: F401  (fixture)
+
+SAMPLED = Sampling(temperature=1.0, top_p=0.95, max_new_tokens=MAX_NEW, eos_id=(3, 11))
+ROWS = BATCH * 3  # 18 rows
+SLOT_COUNTS = (1, 4, 7)
+SMALL_POOL = dict(slots=5, kv_pages=14, page_size=4)  # 5 slots of up to 7 pages each
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_greedy_tokens_equal_the_staged_engine(policy, greedy_batch, count):  # noqa: F811
+    cfg, params = policy
+    out = generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=count)
+    np.testing.assert_array_equal(out.tokens, greedy_batch.tokens)
+    np.testing.assert_array_equal(out.lengths, greedy_batch.lengths)
+    np.testing.assert_allclose(out.logprobs, greedy_batch.logprobs, rtol=1e-5, atol=1e-5)
+    assert out.stats["slots"] == min(count, len(BATCH)) and out.stats["preemptions"] == 0
+    assert out.stats["generated_tokens"] == MAX_NEW * len(BATCH)
+
+
+def test_greedy_through_preemptions_equals_the_staged_engine(policy, greedy_batch):  # noqa: F811
+    cfg, params = policy
+    out = generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=3, kv_pages=9, page_size=4)
+    assert out.stats["preemptions"] > 0 and out.stats["peak_kv_pages"] <= 9
+    np.testing.assert_array_equal(out.tokens, greedy_batch.tokens)
+    np.testing.assert_allclose(out.logprobs, greedy_batch.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sampled(policy):
+    """{slot count or "small pool": RolloutOutput} of one key over ROWS."""
+    cfg, params = policy
+    runs = {n: generate(cfg, params, ROWS, jax.random.key(3), SAMPLED, slots=n) for n in SLOT_COUNTS}
+    runs["small pool"] = generate(cfg, params, ROWS, jax.random.key(3), SAMPLED, **SMALL_POOL)
+    return runs
+
+
+def test_sampled_rows_do_not_depend_on_the_slot_count(sampled):
+    first = sampled[SLOT_COUNTS[0]]
+    lengths = np.asarray(first.lengths)
+    assert len(set(lengths.tolist())) > 2, "rows should end at different lengths (eos)"
+    for n in SLOT_COUNTS[1:]:
+        np.testing.assert_array_equal(sampled[n].tokens, first.tokens)
+        np.testing.assert_array_equal(sampled[n].lengths, first.lengths)
+        np.testing.assert_allclose(sampled[n].logprobs, first.logprobs, rtol=1e-5, atol=1e-5)  # batched-matmul rounding
+
+
+def test_a_pool_too_small_for_all_rows_completes_every_row_exactly(sampled):
+    small, free = sampled["small pool"], sampled[SLOT_COUNTS[-1]]
+    assert small.stats["preemptions"] > 0
+    assert small.stats["peak_kv_pages"] <= SMALL_POOL["kv_pages"]
+    np.testing.assert_array_equal(small.tokens, free.tokens)
+    np.testing.assert_array_equal(small.lengths, free.lengths)
+    np.testing.assert_allclose(small.logprobs, free.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_dependent_draws_would_be_caught(policy, sampled):
+    """Negative control of the any-S test: drawing with the slot's index folded into the key
+    changes the tokens between slot counts."""
+    cfg, params = policy
+    row_keys = slots.row_keys
+
+    def by_slot(key, rows, index):
+        return row_keys(key, rows, index + 1000 * jax.numpy.arange(rows.shape[0]))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slots, "row_keys", by_slot)
+        jax.clear_caches()
+        try:
+            runs = [generate(cfg, params, ROWS, jax.random.key(3), SAMPLED, slots=n) for n in (1, 4)]
+        finally:
+            jax.clear_caches()
+    assert not np.array_equal(runs[0].tokens, runs[1].tokens)
+
+
+def test_a_pool_smaller_than_one_row_is_refused_with_its_sizes(policy):
+    cfg, params = policy
+    with pytest.raises(ValueError, match=r"kv_pages=6: .* 7 pages of 4 positions \(prompt 20 \+ max_new_tokens 8"):
+        generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=2, kv_pages=6, page_size=4)
+    with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
+        generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=0)
+
+
+GROUPS = [p for p in PROMPTS for _ in range(4)]  # GRPO-like: 3 prompts, 4 rows each
+
+
+@pytest.fixture(scope="module")
+def staged_groups(policy):
+    cfg, params = policy
+    return generate(cfg, params, GROUPS, jax.random.key(0), GREEDY)
+
+
+@pytest.mark.parametrize(("count", "kv_pages"), [(3, None), (12, None), (4, 10)])
+def test_rows_of_a_prompt_share_its_prefix_pages(policy, staged_groups, count, kv_pages):
+    """Pages of 4 positions: prompt lengths 3, 7 and 20 share 0, 1 and 4 pages, so the 3 later rows
+    of each group take 0 + 3 x 1 + 3 x 4 = 15 pages from the prefix cache, also when all 12 rows are
+    admitted at once (the later ones wait for the first to write the prefix) and through
+    preemptions in a pool of 10 pages; the tokens are the staged engine's."""
+    cfg, params = policy
+    out = generate(cfg, params, GROUPS, jax.random.key(0), GREEDY, slots=count, kv_pages=kv_pages, page_size=4)
+    assert out.stats["prefix_pages_shared"] == 15, out.stats
+    assert (out.stats["preemptions"] > 0) == (kv_pages is not None)
+    np.testing.assert_array_equal(out.tokens, staged_groups.tokens)
+    np.testing.assert_allclose(out.logprobs, staged_groups.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_shared_prefix_would_be_caught(policy, staged_groups):
+    """Negative control of the prefix-sharing test: rows attached to the pages cached for the next
+    prompt (none where it has none) produce other tokens."""
+    cfg, params = policy
+    attach = prefix_cache.attach
+
+    def wrong_prompt(state, layout, prompts):
+        shifted = state.prefix._replace(pages=jax.numpy.roll(state.prefix.pages, -1, axis=0))
+        return attach(state._replace(prefix=shifted), layout, prompts)._replace(prefix=state.prefix)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefix_cache, "attach", wrong_prompt)
+        jax.clear_caches()
+        try:
+            out = generate(cfg, params, GROUPS, jax.random.key(0), GREEDY, slots=3, page_size=4)
+        finally:
+            jax.clear_caches()
+    assert not np.array_equal(out.tokens, staged_groups.tokens)
+
+
+def test_a_mesh_gives_the_same_rollout(policy, greedy_batch):  # noqa: F811
+    """Params sharded over a (data, fsdp, tensor) mesh, as the trainer passes them: the same tokens."""
+    cfg, params = policy
+    sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2))
+    out = generate(cfg, shard_params(sharding, params), BATCH, jax.random.key(0), GREEDY, sharding=sharding, slots=4)
+    np.testing.assert_array_equal(out.tokens, greedy_batch.tokens)
+    np.testing.assert_allclose(out.logprobs, greedy_batch.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def slot_draws(tiny_vocab_policy):
+    """{setting name: continuations} of NUM_SAMPLES copies of PROMPT through 256 slots."""
+    cfg, params = tiny_vocab_policy
+    out = {}
+    for name, setting in (("T1", T1), ("nucleus", NUCLEUS)):
+        run = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * NUM_SAMPLES,
+            jax.random.key(7),
+            Sampling(max_new_tokens=3, **setting),
+            slots=256,
+        )
+        tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
+        out[name] = [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
+    return out
+
+
+@pytest.mark.parametrize("name", ["T1", "nucleus"])
+def test_slot_samples_follow_the_exact_distribution(tiny_vocab_policy, slot_draws, name):
+    cfg, params = tiny_vocab_policy
+    setting = {"T1": T1, "nucleus": NUCLEUS}[name]
+    probs = exact_continuations(cfg, params, setting)
+    seqs, run = slot_draws[name]
+    assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
+    assert sum(len(s) < 3 for s in seqs) > 100, "eos-terminated continuations should be exercised"
+    assert chi_square_pvalue(seqs, probs) > 1e-3
+    total = np.array([np.log(probs[s]) for s in seqs])
+    np.testing.assert_allclose(np.asarray(run.logprobs).sum(axis=1), total, rtol=1e-4, atol=1e-4)
+
+
+def test_slot_chi_square_rejects_a_wrong_temperature(tiny_vocab_policy, slot_draws):
+    cfg, params = tiny_vocab_policy
+    wrong = exact_continuations(cfg, params, dict(T1, temperature=0.7))
+    assert chi_square_pvalue(slot_draws["T1"][0], wrong) < 1e-6
