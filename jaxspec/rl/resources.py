@@ -89,6 +89,11 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
             "rollout.slots: the slot engine records no routing yet, which this mixture-of-experts "
             "policy's rollouts need (loss.routing_replay or loss.recompute_logprobs); set rollout.slots: null"
         )
+    if cfg.rollout.slots is not None and cfg.spec.method != "none" and cfg.spec.slot_engine_lacks:
+        raise ValueError(
+            f"rollout.slots: {', '.join(cfg.spec.slot_engine_lacks)} is not available on the slot engine yet; "
+            "set rollout.slots: null"
+        )
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
     r = cfg.rollout

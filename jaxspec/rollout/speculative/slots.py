@@ -100,6 +100,11 @@ def slot_speculative_generate(
 ) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `spec` and `slots`: prompts already validated and grouped
     into `batch`, `sampling.eos_id` resolved to a tuple."""
+    if spec.slot_engine_lacks:
+        raise ValueError(
+            f"slots: {', '.join(spec.slot_engine_lacks)} is not available on the slot engine yet "
+            "(it drafts with an EAGLE-3 head, a draft model or n-grams); use slots=None"
+        )
     drafter, dparams = make_drafter(cfg, params, sampling, spec)
     depths = spec.stage_depths(len(spec.stage_draft_tokens or (spec.num_draft_tokens,)))
     drafters = tuple(dataclasses.replace(drafter, depth=d, num_nodes=spec.tree_nodes(d)) for d in depths)
