@@ -222,10 +222,13 @@ def _compile_one(program: Program) -> None:
         program.fn.lower(*program.args).compile()
 
 
-def cache_dir(setting: bool | str, run_dir: Path) -> Path | None:
-    """train.compilation_cache as a directory: true = <run-dir>/xla_cache, false = None (off)."""
+def cache_dir(setting: bool | str | None, run_dir: Path, backend: str | None = None) -> Path | None:
+    """train.compilation_cache as a directory: true = <run-dir>/xla_cache, false = None (off),
+    None = <run-dir>/xla_cache unless `backend` (default: JAX's) is the CPU."""
     if isinstance(setting, str):
         return Path(setting)
+    if setting is None:
+        setting = (backend or jax.default_backend()) != "cpu"
     return run_dir / "xla_cache" if setting else None
 
 

@@ -322,8 +322,11 @@ class GRPOTrainConfig:
     precompile_threads: programs compiled at once (each compilation is single-threaded for the
         most part; the host's other cores idle while the rollouts run on the device).
     compilation_cache: JAX's persistent compilation cache: true = <run-dir>/xla_cache, a path = that
-        directory (e.g. shared by runs of one config), false = off. A resumed or repeated run reads
-        the programs back instead of compiling them. Only trusted users may write to it.
+        directory (e.g. shared by runs of one config), false = off, null = <run-dir>/xla_cache with
+        accelerators and off on the CPU (XLA's CPU executables do not serialize reliably: writing
+        a multi-device CPU program crashed the process now and then, and CPU programs compile in
+        seconds). A resumed or repeated run reads the programs back instead of compiling them.
+        Only trusted users may write to it.
     compilation_cache_min_compile_s: programs that compiled faster than this are not written (0:
         every program, so a resumed run compiles nothing it compiled before).
     """
@@ -338,7 +341,7 @@ class GRPOTrainConfig:
     tensorboard: bool = False
     precompile: bool | None = None
     precompile_threads: int = 4
-    compilation_cache: bool | str = True
+    compilation_cache: bool | str | None = None
     compilation_cache_min_compile_s: float = 0.0
 
 

@@ -10,7 +10,7 @@ Run directory layout:
     tensorboard/         TensorBoard scalars (train.tensorboard)
     policy/              the trained policy as an HF folder, with its tokenizer
     draft/               the adapted EAGLE-3 head (draft.online), public EAGLE-3 layout
-    xla_cache/           the persistent compilation cache (train.compilation_cache: true)
+    xla_cache/           the persistent compilation cache (train.compilation_cache: true, or null with accelerators)
 
 SIGTERM (e.g. SLURM preemption) or Ctrl-C makes the run checkpoint at the next step boundary and
 return, and so does a time limit (JAXSPEC_STOP_BY: at the last step boundary from which another

@@ -115,6 +115,8 @@ def test_a_failed_background_compilation_is_logged_and_compiled_again(capsys):
 def test_cache_dir_setting(tmp_path):
     assert cache_dir(True, tmp_path) == tmp_path / "xla_cache"
     assert cache_dir(False, tmp_path) is None
+    assert cache_dir(None, tmp_path, backend="cpu") is None  # the default: off on the CPU
+    assert cache_dir(None, tmp_path, backend="gpu") == tmp_path / "xla_cache"
     assert cache_dir(str(tmp_path / "shared"), tmp_path / "run") == tmp_path / "shared"
 
 
