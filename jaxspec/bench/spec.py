@@ -8,7 +8,9 @@ their own lengths, so the ratio of tokens per second, `throughput_speedup`, is g
 acceptance length (tokens emitted per verification step and row, the accepted drafts + 1) and
 speculation efficiency = speedup / acceptance length (1.0 would mean a verification step costs no
 more than one decode step and drafting is free), and the wall time of one loop iteration (decode
-step or verification step, prefill included) against the autoregressive one. What the rollouts
+step or verification step, prefill included) against the autoregressive one. With --slots, every
+configuration also runs on the slot engine (continuous batching over a paged KV cache,
+`generate(..., slots=S)`), against the same staged autoregressive baseline. What the rollouts
 are is reported beside: accuracy (the task's reward at temperature 1), the policy's entropy per
 response token (estimated as the mean -log p of the sampled tokens, nats) and the response
 lengths (percentiles; every row's length in the JSON, from which the rows still running at each
@@ -189,6 +191,14 @@ def main(argv: list[str]) -> int:
         "tally settings), e.g. configs/pretrain_long.yaml for the long-answer workload; default: the "
         "built-in task at --levels",
     )
+    p.add_argument(
+        "--slots",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="S",
+        help="also run every configuration on the slot engine with S decode slots (generate(..., slots=S))",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
@@ -215,7 +225,10 @@ def main(argv: list[str]) -> int:
         problems = bench_problems(batch, args.samples, args.seed + batch, levels, kinds, tally)
         prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
         ar_seconds = None
-        for label, kwargs in _configs(args):
+        runs = [(label, kwargs, None) for label, kwargs in _configs(args)]
+        runs += [(f"{label} slots={s}", kwargs, s) for s in args.slots for label, kwargs in _configs(args)]
+        for label, kwargs, slots in runs:
+            kwargs = dict(kwargs)
             spec = None
             if kwargs:
                 method = kwargs.pop("method")
@@ -223,7 +236,7 @@ def main(argv: list[str]) -> int:
                     method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method), **kwargs
                 )
             key = jax.random.key(0)
-            run = lambda: generate(cfg, params, prompts, key, sampling, spec=spec)  # noqa: E731
+            run = lambda: generate(cfg, params, prompts, key, sampling, spec=spec, slots=slots)  # noqa: E731
             jax.block_until_ready(run().tokens)  # compile + warm up
             start = time.perf_counter()
             out = run()
@@ -232,12 +245,13 @@ def main(argv: list[str]) -> int:
             tokens = int(np.asarray(out.lengths).sum())
             acc = float(out.stats.get("acceptance_length", 1.0))
             step_ms = 1e3 * seconds / max(int(out.stats.get("steps", 0)), 1)
-            if spec is None:
+            if spec is None and slots is None:
                 ar_seconds, ar_step_ms, ar_rate = seconds, step_ms, tokens / seconds
             speedup = ar_seconds / seconds
             row = {
                 "batch": batch,
                 "config": label,
+                "slots": slots,
                 "seconds": seconds,
                 "tokens": tokens,
                 "tokens_per_s": tokens / seconds,

@@ -215,3 +215,20 @@ def test_rollout_summary_grades_answers_and_estimates_entropy_from_the_sampled_t
     assert summary["accuracy"] == 0.5  # the reference solution scores 1, an answer off by one 0
     assert summary["nats_per_token"] == pytest.approx((0.5 * len(right) + 2.0 * len(wrong)) / lengths.sum())
     assert summary["lengths"] == lengths.tolist() and summary["length_max"] == lengths.max()
+
+
+def test_bench_spec_runs_every_configuration_on_the_slot_engine_too(tmp_path):
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
+    argv += ["--batch", "4", "--new", "16", "--k", "2", "--trees", "--no-ngram", "--levels", "1"]
+    assert main([*argv, "--slots", "2", "--out", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ar", "eagle3 chain k=2", "ar slots=2", "eagle3 chain k=2 slots=2"}
+    assert rows["ar"]["slots"] is None and rows["ar slots=2"]["slots"] == 2
+    for label in ("ar slots=2", "eagle3 chain k=2 slots=2"):
+        assert rows[label]["stage_rows"] == [2] and 4 <= rows[label]["tokens"] <= 4 * 16  # 2 slots, 4 rows
+        # the staged autoregressive run stays the baseline
+        assert rows[label]["throughput_speedup"] == pytest.approx(
+            rows[label]["tokens_per_s"] / rows["ar"]["tokens_per_s"]
+        )
+    assert rows["eagle3 chain k=2 slots=2"]["acceptance_length"] > 1.0
