@@ -90,6 +90,16 @@ def chi_square_pvalue(seqs, probs) -> float:
     return stats.chisquare(observed, expected).pvalue
 
 
+def assert_exact_law(seqs, logprobs, probs) -> None:
+    """Sampled continuations `seqs` follow `probs` (`exact_continuations`): each has positive
+    probability, the chi-square test accepts them (p > 1e-3), and each row's log-probs float32
+    [R, N] sum to its continuation's exact log-probability."""
+    assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
+    assert chi_square_pvalue(seqs, probs) > 1e-3
+    total = np.array([np.log(probs[s]) for s in seqs])
+    np.testing.assert_allclose(np.asarray(logprobs).sum(axis=1), total, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("setting", [T1, NUCLEUS, TOP_K], ids=["T1", "T0.7-top_p0.9", "T1.3-top_k3"])
 def test_samples_follow_exact_distribution(tiny_vocab_policy, draw, setting):
     cfg, params = tiny_vocab_policy
@@ -97,12 +107,9 @@ def test_samples_follow_exact_distribution(tiny_vocab_policy, draw, setting):
     seqs, tokens, lengths, logprobs = draw(setting)
     if setting is not T1:
         assert any(q == 0 for q in probs.values()), "filtering should exclude some continuations"
-    assert all(probs[s] > 0 for s in seqs), "sampled a continuation the processed distribution excludes"
     assert sum(len(s) < MAX_NEW for s in seqs) > 100, "eos-terminated continuations should be exercised"
-    assert chi_square_pvalue(seqs, probs) > 1e-3
-    # Reported log-probs sum to the exact log-probability of each continuation; 0 and pad past length.
-    total = np.array([np.log(probs[s]) for s in seqs])
-    np.testing.assert_allclose(logprobs.sum(axis=1), total, rtol=1e-4, atol=1e-4)
+    assert_exact_law(seqs, logprobs, probs)
+    # Log-probs and tokens are 0 and pad past each row's length.
     past = np.arange(MAX_NEW)[None, :] >= lengths[:, None]
     assert np.all(logprobs[past] == 0) and np.all(tokens[past] == 0)
 
