@@ -2,7 +2,7 @@
 trees.
 
 Each decode step of the slot loop is one draft-and-verify step of every decoding slot
-(`loop.speculative_step`: the same proposal, verification forward, exact acceptance and commit
+(`step.speculative_step`: the same proposal, verification forward, exact acceptance and commit
 as the staged loop, on the paged cache). The drafter's own state is per slot
 (`slot_drafters`): the EAGLE-3 head's and the draft model's KV are paged on the policy's page
 tables and prefilled in the prefill lanes; the n-gram history is copied from a slot's context
@@ -54,7 +54,6 @@ from jaxspec.rollout.slots import (
     run_slots,
 )
 from jaxspec.rollout.speculative.generate import make_drafter
-from jaxspec.rollout.speculative.loop import speculative_step
 from jaxspec.rollout.speculative.slot_drafters import (
     draft_pool_bytes,
     empty_state,
@@ -65,6 +64,7 @@ from jaxspec.rollout.speculative.slot_drafters import (
 )
 from jaxspec.rollout.speculative.spec import Spec
 from jaxspec.rollout.speculative.stats import Counts, count_step, summarize
+from jaxspec.rollout.speculative.step import speculative_step
 
 _F32 = 4
 

@@ -1,5 +1,5 @@
 """Draft trees: EAGLE-2 selection against a brute-force reference (raw and processed draft
-distributions: temperature and top-p), sampled children's law, masks, n-gram lookup, KV commit."""
+distributions: temperature and top-p), sampled children's law, masks, n-gram lookup."""
 
 import itertools
 
@@ -8,10 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import KVCache
 from jaxspec.rollout import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Verified
-from jaxspec.rollout.speculative.loop import commit_path
 from jaxspec.rollout.speculative.ngram import History, NgramDrafter
 from jaxspec.rollout.speculative.tree import ancestor_mask, dynamic_tree, shifted_gumbel
 from tests.kernels.trees import chi_square_pvalue
@@ -246,14 +244,3 @@ def test_ngram_history_appends_accepted_tokens_and_next_root():
     assert np.asarray(out.length).tolist() == [5, 2]
     frozen = drafter.update(None, history, verified._replace(active=jnp.asarray([False, False])))
     assert np.array_equal(frozen.tokens, history.tokens) and np.array_equal(frozen.length, history.length)
-
-
-def test_commit_path_moves_accepted_nodes_to_consecutive_slots():
-    slots = np.arange(2 * 12, dtype=np.float32).reshape(2, 12, 1, 1)
-    cache = KVCache(k=(jnp.asarray(slots),), v=(jnp.asarray(-slots),))
-    path = jnp.asarray([[0, 2, 5, -1], [0, -1, -1, -1]], jnp.int32)
-    out = commit_path(cache, jnp.asarray([3, 4]), path)
-    k = np.asarray(out.k[0])[..., 0, 0]
-    assert k[0, :6].tolist() == [0, 1, 2, 3, 5, 8] and k[0, 6:].tolist() == slots[0, 6:, 0, 0].tolist()
-    assert k[1].tolist() == slots[1, :, 0, 0].tolist()
-    np.testing.assert_array_equal(np.asarray(out.v[0]), -np.asarray(out.k[0]))
