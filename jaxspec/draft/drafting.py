@@ -35,10 +35,10 @@ from jaxspec.draft.model import (
     to_target_ids,
 )
 from jaxspec.models.attention import attention, cache_attention, cache_attention_mask
+from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.rope import rope_tables
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import KVCache
 
 __all__ = ["draft_extend", "draft_logprobs_on_target_vocab", "fuse", "init_draft_cache", "to_target_ids"]
 

@@ -35,8 +35,9 @@ from jaxspec.draft.model import (
     target_ids,
     to_target_ids,
 )
+from jaxspec.models.attention import use_cudnn_attention
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.transformer import segment_positions, use_cudnn_attention
+from jaxspec.models.transformer import segment_positions
 
 
 def ttt_attention(

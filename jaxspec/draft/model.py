@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft.config import DraftConfig
+from jaxspec.models.blocks import attn_out_and_mlp, rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.rope import apply_rope
-from jaxspec.models.transformer import _attn_out_and_mlp, rms_norm
 
 DraftParams = dict
 BUFFERS = ("d2t", "t2d")
@@ -207,7 +207,7 @@ def attention_inputs(
 def layer_output(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, attn: jax.Array) -> jax.Array:
     """Residual h + o(attn), then the SwiGLU MLP block: the layer output [B, T, H] before the
     final norm (the next drafting step's hidden input)."""
-    return _attn_out_and_mlp(dcfg.layer_config, dparams["midlayer"], hidden.astype(attn.dtype), attn)[0]
+    return attn_out_and_mlp(dcfg.layer_config, dparams["midlayer"], hidden.astype(attn.dtype), attn)[0]
 
 
 def draft_logits(dcfg: DraftConfig, dparams: DraftParams, out: jax.Array) -> jax.Array:

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxspec.draft_training.config import GenerationConfig, PromptData
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params
 from jaxspec.rollout import Sampling, generate
 from jaxspec.tasks.generator import generate_problems
 from jaxspec.tasks.loader import load_prompts

@@ -35,8 +35,9 @@ from jaxspec.draft_training.config import FIXED_ON_RESUME, DraftTrainConfig, Hea
 from jaxspec.draft_training.data import RolloutBatch, RolloutBatches, count_tokens, prompt_pool
 from jaxspec.models.checkpoint import load_hf
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding, shard_params
-from jaxspec.models.transformer import Params, forward_hidden
+from jaxspec.models.transformer import forward_hidden
 from jaxspec.optim import make_optimizer
 from jaxspec.run import Checkpointer, RunLoop, check_run_dir
 from jaxspec.run.placement import Placement, abstract

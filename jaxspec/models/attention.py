@@ -1,5 +1,7 @@
 """Grouped-query attention: dense over full sequences, and over a KV cache for a few new tokens.
 
+`use_cudnn_attention` says when a full-sequence attention runs as cuDNN flash attention instead.
+
 `cache_attention` is the attention of `extend` (decode steps, speculative verification, the
 draft head's passes): T new tokens per row attend to their row's valid cache prefix and, through a
 tree mask, to each other. Two implementations with the same semantics:
@@ -43,6 +45,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
         return out.reshape(b, t, nq, d).astype(q.dtype)
+
+
+def use_cudnn_attention(impl: str, dtype, head_dim: int, seq_len: int) -> bool:
+    """Whether a full-sequence attention of `seq_len` queries runs as cuDNN flash attention: impl
+    "cudnn", or "auto" on GPU for 16-bit inputs with head_dim % 8 == 0 and seq_len % 64 == 0
+    ("xla": masked scores)."""
+    if impl not in ("auto", "xla", "cudnn"):
+        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
+    if impl == "auto":
+        return (
+            jax.default_backend() == "gpu"
+            and head_dim % 8 == 0
+            and seq_len % 64 == 0
+            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        )
+    return impl == "cudnn"
 
 
 def cache_attention_mask(

@@ -24,8 +24,8 @@ from safetensors.numpy import save_file
 from jaxspec.atomic import atomic_folder
 from jaxspec.distributed import is_main, to_host
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding, param_axes
-from jaxspec.models.transformer import Params
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

@@ -1,181 +1,29 @@
-"""Functional decoder for Qwen2/2.5, Qwen3 (dense and MoE) and Llama 3.x.
+"""Functional decoder for Qwen2/2.5, Qwen3 (dense and MoE) and Llama 3.x: its two entry points.
 
-Params are a plain pytree:
-
-    {"embed": [V, H],
-     "layers": [ {"attn_norm": [H], "q": [H, Nq, D], "k": [H, Nk, D], "v": [H, Nk, D],
-                  "o": [Nq, D, H], ("q_bias": [Nq, D], "k_bias"/"v_bias": [Nk, D]),
-                  ("q_norm": [D], "k_norm": [D]), "mlp_norm": [H],
-                  "gate": [H, F], "up": [H, F], "down": [F, H]}, ... L ],
-     "final_norm": [H],
-     ("lm_head": [H, V])}            # absent when embeddings are tied
-
-A sparse (mixture-of-experts) layer holds "router" and stacked "experts_gate"/"experts_up"/
-"experts_down" (`jaxspec.models.moe`) instead of "gate"/"up"/"down".
-
-Two entry points share one layer implementation:
+The params are a plain pytree (`jaxspec.models.params`); both entry points run the same layers
+(`jaxspec.models.blocks`):
   * `forward` / `forward_hidden`: full sequences (training, log-prob recomputation), with a padding
     mask and optional segment ids for packed sequences.
-  * `extend`: append T new tokens per row to a static-shape `KVCache` at per-row offsets and attend
-    to the cached prefix plus the new tokens (T=1 is a decode step; a tree mask makes it the
-    speculative verification forward; an empty cache makes it prefill).
+  * `extend`: append T new tokens per row to a static-shape `KVCache` (`jaxspec.models.kv_cache`)
+    at per-row offsets and attend to the cached prefix plus the new tokens (T=1 is a decode step; a
+    tree mask makes it the speculative verification forward; an empty cache makes it prefill).
 Softmax, norms and logits are float32 whatever the parameter dtype.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.attention import attention, cache_attention
+from jaxspec.models.attention import attention, cache_attention, use_cudnn_attention
+from jaxspec.models.blocks import attn_out_and_mlp, embed, head_params, logits_from_hidden, qkv
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.moe import expert_id_dtype, moe_mlp
+from jaxspec.models.kv_cache import KVCache
+from jaxspec.models.moe import expert_id_dtype
 from jaxspec.models.paged import PagedKVCache, write_and_attend
-from jaxspec.models.rope import apply_rope, rope_tables
+from jaxspec.models.params import Params
+from jaxspec.models.rope import rope_tables
 from jaxspec.models.sharding import Sharding, constrain
-
-Params = dict
-
-
-class KVCache(NamedTuple):
-    """Per-layer key/value buffers, each [B, S, Nk, D]; slot s of row b holds position s."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
-
-
-def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> int:
-    """Bytes of a KVCache of this shape."""
-    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-    return batch * max_len * per_slot
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random params (normal(0, std) matrices, unit norms, zero biases)."""
-    h, f, d, nq, nk = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    keys = iter(jax.random.split(key, 2 + 8 * cfg.num_layers))
-
-    def normal(shape):
-        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
-
-    layers = []
-    for i in range(cfg.num_layers):
-        layer = {
-            "attn_norm": jnp.ones((h,), dtype),
-            "q": normal((h, nq, d)),
-            "k": normal((h, nk, d)),
-            "v": normal((h, nk, d)),
-            "o": normal((nq, d, h)),
-            "mlp_norm": jnp.ones((h,), dtype),
-        }
-        if cfg.is_sparse_layer(i):
-            e, fe = cfg.num_experts, cfg.moe_intermediate_size
-            layer |= {
-                "router": normal((h, e)),
-                "experts_gate": normal((e, h, fe)),
-                "experts_up": normal((e, h, fe)),
-                "experts_down": normal((e, fe, h)),
-            }
-        else:
-            layer |= {"gate": normal((h, f)), "up": normal((h, f)), "down": normal((f, h))}
-        if cfg.attention_bias:
-            layer |= {
-                "q_bias": jnp.zeros((nq, d), dtype),
-                "k_bias": jnp.zeros((nk, d), dtype),
-                "v_bias": jnp.zeros((nk, d), dtype),
-            }
-        if cfg.qk_norm:
-            layer |= {"q_norm": jnp.ones((d,), dtype), "k_norm": jnp.ones((d,), dtype)}
-        layers.append(layer)
-    params = {"embed": normal((cfg.vocab_size, h)), "layers": layers, "final_norm": jnp.ones((h,), dtype)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = normal((h, cfg.vocab_size))
-    return params
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, cast back to x.dtype before the weight (as transformers does)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
-def _qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("bth,hnd->btnd", h, layer["q"])
-    k = jnp.einsum("bth,hnd->btnd", h, layer["k"])
-    v = jnp.einsum("bth,hnd->btnd", h, layer["v"])
-    if cfg.attention_bias:
-        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
-    if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def _attn_out_and_mlp(
-    cfg: ModelConfig,
-    layer: Params,
-    x: jax.Array,
-    attn: jax.Array,
-    moe_impl: str = "ragged_dot",
-    sharding: Sharding | None = None,
-    experts: jax.Array | None = None,
-):
-    """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
-    [B, T, E] float32 and the experts each token ran on int32 [B, T, k], both None for a dense
-    layer); moe_impl, sharding, experts: a sparse layer's grouped matmuls, the mesh and the
-    replayed experts [B, T, k] or None (`moe.moe_mlp`)."""
-    x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
-    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    if "router" in layer:
-        out, router_logits, experts = moe_mlp(
-            layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts
-        )
-        return x + out, router_logits, experts
-    gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
-    up = jnp.einsum("bth,hf->btf", h, layer["up"])
-    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None, None
-
-
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0)
-
-
-def head_params(params: Params, dtype) -> Params:
-    """The params `logits_from_hidden` reads (final_norm, lm_head, embed: the head when tied), cast
-    to `dtype` (the forward's compute dtype; gradients reach the float32 master)."""
-    return {k: params[k].astype(dtype) for k in ("final_norm", "embed", "lm_head") if k in params}
-
-
-def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
-    """Final norm and LM head: x [B, T, H] -> float32 logits [B, T, V]."""
-    with jax.named_scope("lm_head"):
-        h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-        head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-        return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
-
-
-# ----------------------------------------------------------------------------- full sequences
 
 
 def _default_positions(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -266,14 +114,14 @@ def forward_router(
 
     def layer_fn(layer, x, layer_experts):
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
-        q, k, v = _qkv(cfg, layer, x, cos, sin)
+        q, k, v = qkv(cfg, layer, x, cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
             attn = jax.nn.dot_product_attention(
                 q, k, v, mask=same_segment, is_causal=True, key_value_seq_lengths=lengths, implementation="cudnn"
             )
         else:
             attn = attention(q, k, v, attn_mask)
-        x, router_logits, _ = _attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding, layer_experts)
+        x, router_logits, _ = attn_out_and_mlp(cfg, layer, x, attn, moe_impl, sharding, layer_experts)
         return constrain(sharding, x, ("batch", "seq", "act_embed")), router_logits
 
     if remat:
@@ -344,7 +192,7 @@ def extend(
     x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
     new_k, new_v, hidden, experts = [], [], {}, []
     for i, layer in enumerate(params["layers"]):
-        q, k, v = _qkv(cfg, layer, x, cos, sin)
+        q, k, v = qkv(cfg, layer, x, cos, sin)
         if isinstance(cache, PagedKVCache):
             attn, ck, cv = write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active)
         else:
@@ -353,7 +201,7 @@ def extend(
                 cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
             attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
         # no gradient: the kernels where they apply
-        x, _, layer_experts = _attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
+        x, _, layer_experts = attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))
         if record_experts and layer_experts is not None:
             experts.append(layer_experts.astype(expert_id_dtype(cfg.num_experts)))
@@ -395,19 +243,3 @@ def _stack_hidden(hidden: dict[int, jax.Array], hidden_layers: tuple[int, ...], 
     if not hidden_layers:
         return jnp.zeros((0, *x.shape), x.dtype)
     return jnp.stack([hidden[i] for i in hidden_layers])
-
-
-def use_cudnn_attention(impl: str, dtype, head_dim: int, seq_len: int) -> bool:
-    """Whether a full-sequence attention of `seq_len` queries runs as cuDNN flash attention: impl
-    "cudnn", or "auto" on GPU for 16-bit inputs with head_dim % 8 == 0 and seq_len % 64 == 0
-    ("xla": masked scores)."""
-    if impl not in ("auto", "xla", "cudnn"):
-        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
-    if impl == "auto":
-        return (
-            jax.default_backend() == "gpu"
-            and head_dim % 8 == 0
-            and seq_len % 64 == 0
-            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        )
-    return impl == "cudnn"

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params
 from jaxspec.rewards.math_verifier import arithmetic_reward
 from jaxspec.rollout import Sampling, generate
 from jaxspec.tasks.tokenizer import ChatTokenizer

@@ -22,8 +22,8 @@ from jaxspec.config_io import to_dict
 from jaxspec.distributed import say
 from jaxspec.models.checkpoint import save_hf
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import init_params
 from jaxspec.models.sharding import shard_params
-from jaxspec.models.transformer import init_params
 from jaxspec.optim import make_optimizer
 from jaxspec.pretrain.config import FIXED_ON_RESUME, ModelShape, PretrainConfig
 from jaxspec.pretrain.data import encode_examples, pack, prepare_problems, prepare_tokenizer

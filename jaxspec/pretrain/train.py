@@ -15,8 +15,9 @@ import optax
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import load_balancing_loss
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params, forward_router
+from jaxspec.models.transformer import forward_router
 
 
 def response_loss(

@@ -7,7 +7,7 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.transformer import Params
+from jaxspec.models.params import Params
 from jaxspec.rewards.registry import Reward
 from jaxspec.rl.data import PromptSet
 from jaxspec.rollout import Sampling, generate

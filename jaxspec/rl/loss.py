@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft import DraftParams, Eagle3Targets, eagle3_targets
+from jaxspec.models.blocks import head_params, logits_from_hidden
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding, constrain
-from jaxspec.models.transformer import Params, forward_router, head_params, logits_from_hidden
+from jaxspec.models.transformer import forward_router
 from jaxspec.rl.config import AGGREGATIONS, GRPOLossConfig
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 

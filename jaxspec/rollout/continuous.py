@@ -15,7 +15,8 @@ import numpy as np
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import NO_PAGE, init_paged_cache, paged_cache_bytes
-from jaxspec.models.transformer import Params, extend
+from jaxspec.models.params import Params
+from jaxspec.models.transformer import extend
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch

@@ -21,8 +21,10 @@ import numpy as np
 
 from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import KVCache
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
-from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.models.transformer import extend
 from jaxspec.rollout.continuous import slot_generate
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, recorded_experts_bytes, write_experts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import cache_bytes
 from jaxspec.models.memory import device_free_bytes
-from jaxspec.models.transformer import cache_bytes
 from jaxspec.rollout.prompts import count_bucket, prompt_bucket
 
 _F32 = 4

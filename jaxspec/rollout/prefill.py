@@ -9,9 +9,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.blocks import logits_from_hidden
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import KVCache, init_cache
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
-from jaxspec.models.transformer import KVCache, Params, extend, init_cache, logits_from_hidden
+from jaxspec.models.transformer import extend
 from jaxspec.rollout.experts import EXPERT_AXES
 from jaxspec.rollout.memory import prefill_chunks
 

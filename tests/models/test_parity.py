@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models import forward, forward_hidden, load_hf
-from jaxspec.models.transformer import rms_norm
+from jaxspec.models.blocks import rms_norm
 from tests.models.hf_reference import (
     hf_config,
     hf_hidden_states,

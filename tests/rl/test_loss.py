@@ -8,8 +8,8 @@ import optax
 import pytest
 
 from jaxspec.models import init_params
+from jaxspec.models.blocks import logits_from_hidden
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.transformer import logits_from_hidden
 from jaxspec.rl.advantages import group_advantages
 from jaxspec.rl.batch import pack_rows, training_rows
 from jaxspec.rl.config import GRPOLossConfig

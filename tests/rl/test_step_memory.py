@@ -138,8 +138,8 @@ def test_the_online_draft_loss_reads_the_policys_targets_in_chunks(tiny_policy):
     temporaries stay below the float32 logits [R, W, V] of every packed position, which the update
     built whole before (XLA's analysis on CPU, nothing runs)."""
     from jaxspec.draft import eagle3_loss, merge_buffers
+    from jaxspec.models.blocks import logits_from_hidden
     from jaxspec.models.config import ModelConfig
-    from jaxspec.models.transformer import logits_from_hidden
 
     _, cfg, _ = tiny_policy
     params, sampling, batch = _draft_case(cfg)

@@ -17,9 +17,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.blocks import logits_from_hidden
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
-from jaxspec.models.transformer import KVCache, extend, logits_from_hidden
+from jaxspec.models.transformer import extend
 from jaxspec.rollout.prefill import prefill_prompts
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, target_ids, to_target_ids
+from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
-from jaxspec.models.transformer import KVCache
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Prefill, Verified, new_tokens
 from jaxspec.rollout.speculative.tree import DraftTree, dynamic_tree

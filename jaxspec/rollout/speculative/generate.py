@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import cache_bytes
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import Params, cache_bytes
 from jaxspec.rollout.experts import recorded_experts_bytes
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.output import RolloutOutput

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import KVCache
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
-from jaxspec.models.transformer import KVCache, Params
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import NO_PAGE, init_paged_cache
-from jaxspec.models.transformer import Params
+from jaxspec.models.params import Params
 from jaxspec.rollout.continuous import slot_memory_bytes, slot_output
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.output import RolloutOutput

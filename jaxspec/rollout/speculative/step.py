@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.paged import PagedKVCache, page_of
+from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
-from jaxspec.models.transformer import KVCache, Params, extend
+from jaxspec.models.transformer import extend
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Drafter, Verified
 from jaxspec.rollout.speculative.tree import DraftTree, ancestor_mask

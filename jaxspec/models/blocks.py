@@ -1,0 +1,84 @@
+"""The decoder's building blocks, shared by the full-sequence forward and `extend`
+(`jaxspec.models.transformer`) and the EAGLE-3 head: RMSNorm, a layer's attention input (q/k/v with
+rope) and its attention output and MLP, the embedding lookup and the LM head.
+
+Norms and logits are float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.moe import moe_mlp
+from jaxspec.models.params import Params
+from jaxspec.models.rope import apply_rope
+from jaxspec.models.sharding import Sharding
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x.dtype before the weight (as transformers does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
+    """A layer's attention input: x [B, T, H] -> (q [B, T, Nq, D], k [B, T, Nk, D], v [B, T, Nk, D]),
+    after the attention norm, the projections (with their biases, and q/k norms where the family
+    has them), q and k rotated by the rope tables cos/sin of their positions."""
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("bth,hnd->btnd", h, layer["q"])
+    k = jnp.einsum("bth,hnd->btnd", h, layer["k"])
+    v = jnp.einsum("bth,hnd->btnd", h, layer["v"])
+    if cfg.attention_bias:
+        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attn_out_and_mlp(
+    cfg: ModelConfig,
+    layer: Params,
+    x: jax.Array,
+    attn: jax.Array,
+    moe_impl: str = "ragged_dot",
+    sharding: Sharding | None = None,
+    experts: jax.Array | None = None,
+):
+    """Attention output projection and the MLP, both residual -> (x [B, T, H], router logits
+    [B, T, E] float32 and the experts each token ran on int32 [B, T, k], both None for a dense
+    layer); moe_impl, sharding, experts: a sparse layer's grouped matmuls, the mesh and the
+    replayed experts [B, T, k] or None (`moe.moe_mlp`)."""
+    x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    if "router" in layer:
+        out, router_logits, experts = moe_mlp(
+            layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts
+        )
+        return x + out, router_logits, experts
+    gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
+    up = jnp.einsum("bth,hf->btf", h, layer["up"])
+    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None, None
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """int32 tokens [B, T] -> their embedding rows [B, T, H] in the params' dtype."""
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def head_params(params: Params, dtype) -> Params:
+    """The params `logits_from_hidden` reads (final_norm, lm_head, embed: the head when tied), cast
+    to `dtype` (the forward's compute dtype; gradients reach the float32 master)."""
+    return {k: params[k].astype(dtype) for k in ("final_norm", "embed", "lm_head") if k in params}
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    """Final norm and LM head: x [B, T, H] -> float32 logits [B, T, V]."""
+    with jax.named_scope("lm_head"):
+        h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+        return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
