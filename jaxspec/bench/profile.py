@@ -36,53 +36,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+
+from jaxspec.bench.kernel_trace import Kernel, kernel_times, op_scopes, set_dump_flags
 
 PHASES = ("propose", "verify_forward", "verify", "commit", "draft_update", "forward", "sample", "stage_move")
 PARTS = ("attention", "kv_write", "lm_head")
 LOOP_MODULES = {"jit__decode": "ar", "jit_speculative_decode": "spec", "jit_prefill_prompts": "prefill"}
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+LOOP_MODULE_RE = ".*(_decode|prefill).*"  # the HLO dump of the loop programs (and their siblings)
 TOP_KERNELS = 25
 TOP_OP_NAMES = 60
-_CONTROL = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 _STAGE = re.compile(r"(?:^|/)stage(\d+)/while/")
-
-
-def op_scopes(dump_dir: Path) -> dict[tuple[int, str], str]:
-    """{(program id, instruction name): jax op_name} from the optimized HLO in an XLA dump (files
-    module_<program id>.<name>...after_optimizations.txt). A fusion that XLA gave no metadata
-    of its own gets the scopes its fused instructions share."""
-    scopes = {}
-    for path in Path(dump_dir).glob("module_*after_optimizations.txt"):
-        program = int(path.name.split(".")[0].removeprefix("module_"))
-        computation, names, calls = None, collections.defaultdict(list), {}
-        for line in path.read_text().splitlines():
-            header = _COMPUTATION.match(line)
-            if header:
-                computation = header.group(1)
-                continue
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            meta, called = _OP_NAME.search(line), _CALLS.search(line)
-            if meta:
-                scopes[(program, m.group(1))] = meta.group(1)
-                names[computation].append(meta.group(1).split("/"))
-            elif called:
-                calls[m.group(1)] = called.group(1)
-        for instruction, computation in calls.items():
-            paths = names.get(computation)
-            if paths:
-                shared = [parts[0] for parts in zip(*paths) if len(set(parts)) == 1]
-                scopes[(program, instruction)] = "/".join(shared)
-    return scopes
 
 
 def classify(op_name: str) -> tuple[str, str]:
@@ -94,60 +60,6 @@ def classify(op_name: str) -> tuple[str, str]:
     phase = next((p for p in parts if p in PHASES), "bookkeeping")
     part = next((p for p in parts if p in PARTS), "layers")
     return phase, part
-
-
-class Kernel(NamedTuple):
-    """One HLO kernel of a traced program, summed over its launches."""
-
-    program: str  # "ar", "spec" or "prefill"
-    op: str  # HLO instruction
-    op_name: str  # jax scopes and primitive
-    ns: float  # device time
-    launches: int
-
-
-def kernel_times(
-    trace_dir: Path, scopes: dict[tuple[int, str], str], modules: dict[str, str] = LOOP_MODULES
-) -> list[Kernel]:
-    """Every kernel of the programs named in `modules` ({HLO module: program label}; default the
-    loop programs "ar", "spec", "prefill") in a trace, longest first.
-
-    Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, where a
-    while/conditional/call thunk that encloses its body's ops on its thread is skipped; a call
-    XLA compiled into one kernel encloses none and counts)."""
-    from jax.profiler import ProfileData
-
-    ns: dict[tuple[str, str, str], float] = collections.defaultdict(float)
-    launches: dict[tuple[str, str, str], int] = collections.defaultdict(int)
-    for path in Path(trace_dir).rglob("*.xplane.pb"):
-        data = ProfileData.from_file(str(path))
-        planes = [p for p in data.planes if p.name.startswith("/device:")] or [
-            p for p in data.planes if p.name == "/host:CPU"
-        ]
-        for plane in planes:
-            for line in plane.lines:
-                for program, op, program_id, duration_ns in _leaf_ops(line, modules):
-                    key = (program, op, scopes.get((program_id, op), ""))
-                    ns[key] += duration_ns
-                    launches[key] += 1
-    return sorted((Kernel(*key, ns[key], launches[key]) for key in ns), key=lambda k: -k.ns)
-
-
-def _leaf_ops(line, modules: dict[str, str]) -> list[tuple[str, str, int, float]]:
-    """(program label, HLO op, program id, duration ns) of each op event on one trace line of a
-    program in `modules`, less the control thunks that enclose other op events."""
-    events = []
-    for event in line.events:
-        stats = dict(event.stats)
-        program = modules.get(str(stats.get("hlo_module")))
-        if program is not None and stats.get("hlo_op") is not None and "program_id" in stats:
-            events.append((event.start_ns, event.duration_ns, program, str(stats["hlo_op"]), int(stats["program_id"])))
-    events.sort(key=lambda e: (e[0], -e[1]))  # an enclosing thunk before the ops it starts with
-    return [
-        (program, op, program_id, duration)
-        for i, (start, duration, program, op, program_id) in enumerate(events)
-        if not (_CONTROL.match(op) and i + 1 < len(events) and events[i + 1][0] < start + duration)
-    ]
 
 
 def phase_part(kernel: Kernel) -> tuple[str, str]:
@@ -190,24 +102,6 @@ def by_stage(kernels: list[Kernel], stage_rows: list[int], stage_steps: list[int
     ]
 
 
-def set_dump_flags(dump_dir: Path, module_re: str = ".*(_decode|prefill).*", command: str = "bench profile") -> None:
-    """Makes XLA dump the optimized HLO of the programs matching `module_re` to `dump_dir` (for
-    `op_scopes`) and turns its command buffers off; raises if this process has already used JAX."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise ValueError(
-            f"jaxspec {command} must start before anything in this process has used JAX "
-            "(it sets XLA_FLAGS to dump the optimized HLO)"
-        )
-    flags = os.environ.get("XLA_FLAGS", "")
-    # Without command buffers (CUDA graphs) every kernel is traced under its own HLO name.
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
-        f"--xla_dump_hlo_module_re={module_re} --xla_gpu_enable_command_buffer="
-    ).strip()
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="jaxspec bench profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -248,7 +142,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     work = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-"))
-    set_dump_flags(work / "hlo")
+    set_dump_flags(work / "hlo", LOOP_MODULE_RE, "bench profile")
     return _profile(args, work)
 
 
@@ -350,7 +244,7 @@ def _profile(args, work: Path) -> int:
     for i, ((label, spec), out) in enumerate(zip(configs, outputs)):
         steps = max(int(out.stats["steps"]), 1)
         program = "spec" if spec is not None else "ar"
-        kernels = kernel_times(work / f"trace{i}", scopes)
+        kernels = kernel_times(work / f"trace{i}", scopes, LOOP_MODULES)
         loop_kernels = [k for k in kernels if k.program == program]
         loop, launches = collections.defaultdict(float), collections.defaultdict(int)
         for k in loop_kernels:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.profile import kernel_times, op_scopes, set_dump_flags
+from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
 from jaxspec.bench.timing import (
     add_fraction,
     ceilings,

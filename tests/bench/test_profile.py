@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.bench import profile
+from jaxspec.bench.kernel_trace import Kernel
 
 ASSETS = Path(profile.__file__).resolve().parents[1] / "assets"
 REPO = ASSETS.parents[1]
@@ -27,7 +27,7 @@ def test_classify_reads_the_loop_scopes():
 
 def test_stages_collect_the_kernels_of_their_loops():
     def kernel(op_name, ns, launches):
-        return profile.Kernel("spec", "fusion", op_name, ns, launches)
+        return Kernel("spec", "fusion", op_name, ns, launches)
 
     kernels = [
         kernel("jit(speculative_decode)/stage0/while/body/propose/dot_general", 4e6, 20),
@@ -39,47 +39,6 @@ def test_stages_collect_the_kernels_of_their_loops():
     assert (first["rows"], first["ms"], first["ms_per_iteration"], first["kernels_per_iteration"]) == (8, 4, 2, 10)
     assert (second["rows"], second["ms"], second["ms_per_iteration"], second["kernels_per_iteration"]) == (4, 4, 1, 10)
     assert third == {"rows": 2, "iterations": 0, "ms": 0.0, "ms_per_iteration": 0.0, "kernels_per_iteration": 0.0}
-
-
-def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
-    (tmp_path / "module_0007.jit__decode.cpu_after_optimizations.txt").write_text(
-        "%fused_computation.1 (p: f32[2]) -> f32[2] {\n"
-        '  %a = f32[2] negate(%p), metadata={op_name="jit(_decode)/while/body/forward/attention/neg"}\n'
-        '  ROOT %b = f32[2] exp(%a), metadata={op_name="jit(_decode)/while/body/forward/attention/exp"}\n'
-        "}\n"
-        "ENTRY %main (x: f32[2]) -> f32[2] {\n"
-        "  %x = f32[2] parameter(0)\n"
-        '  %y = f32[2] add(%x, %x), metadata={op_name="jit(_decode)/while/body/sample/add"}\n'
-        "  ROOT %fusion.3 = f32[2] fusion(%y), kind=kLoop, calls=%fused_computation.1\n"
-        "}\n"
-    )
-    scopes = profile.op_scopes(tmp_path)
-    assert scopes[(7, "y")] == "jit(_decode)/while/body/sample/add"
-    assert profile.classify(scopes[(7, "fusion.3")]) == ("forward", "attention")
-
-
-def test_control_thunks_that_enclose_ops_are_skipped_and_compiled_calls_count():
-    """On CPU a while thunk encloses its body's ops on its thread; a call XLA compiled into one
-    kernel (a "small call") encloses none and is itself the kernel."""
-
-    def event(op, start, duration, module="jit__decode"):
-        stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
-        return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
-
-    line = SimpleNamespace(
-        events=[
-            event("while.2", 0, 100),
-            event("fusion.1", 10, 30),
-            event("call.4", 50, 40),
-            event("call.5", 200, 60),
-            event("add.7", 300, 5, module="jit_other"),
-        ]
-    )
-    assert profile._leaf_ops(line, {"jit__decode": "ar"}) == [
-        ("ar", "fusion.1", 3, 30),
-        ("ar", "call.4", 3, 40),
-        ("ar", "call.5", 3, 60),
-    ]
 
 
 def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):

@@ -1,0 +1,47 @@
+"""Reading an XLA dump and a profiler trace: every instruction's jax scope, and the leaf kernels of a
+trace line (CPU, hand-written dumps and events)."""
+
+from types import SimpleNamespace
+
+from jaxspec.bench import kernel_trace
+
+
+def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
+    (tmp_path / "module_0007.jit__decode.cpu_after_optimizations.txt").write_text(
+        "%fused_computation.1 (p: f32[2]) -> f32[2] {\n"
+        '  %a = f32[2] negate(%p), metadata={op_name="jit(_decode)/while/body/forward/attention/neg"}\n'
+        '  ROOT %b = f32[2] exp(%a), metadata={op_name="jit(_decode)/while/body/forward/attention/exp"}\n'
+        "}\n"
+        "ENTRY %main (x: f32[2]) -> f32[2] {\n"
+        "  %x = f32[2] parameter(0)\n"
+        '  %y = f32[2] add(%x, %x), metadata={op_name="jit(_decode)/while/body/sample/add"}\n'
+        "  ROOT %fusion.3 = f32[2] fusion(%y), kind=kLoop, calls=%fused_computation.1\n"
+        "}\n"
+    )
+    scopes = kernel_trace.op_scopes(tmp_path)
+    assert scopes[(7, "y")] == "jit(_decode)/while/body/sample/add"
+    assert scopes[(7, "fusion.3")] == "jit(_decode)/while/body/forward/attention"
+
+
+def test_control_thunks_that_enclose_ops_are_skipped_and_compiled_calls_count():
+    """On CPU a while thunk encloses its body's ops on its thread; a call XLA compiled into one
+    kernel (a "small call") encloses none and is itself the kernel."""
+
+    def event(op, start, duration, module="jit__decode"):
+        stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
+        return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
+
+    line = SimpleNamespace(
+        events=[
+            event("while.2", 0, 100),
+            event("fusion.1", 10, 30),
+            event("call.4", 50, 40),
+            event("call.5", 200, 60),
+            event("add.7", 300, 5, module="jit_other"),
+        ]
+    )
+    assert kernel_trace._leaf_ops(line, {"jit__decode": "ar"}) == [
+        ("ar", "fusion.1", 3, 30),
+        ("ar", "call.4", 3, 40),
+        ("ar", "call.5", 3, 60),
+    ]
