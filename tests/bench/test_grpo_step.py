@@ -117,12 +117,12 @@ def test_batch_must_split_into_sub_batches(model_json, capsys):
 def test_a_phase_out_of_memory_ends_the_run_with_the_phases_before_it(model_json, tmp_path, monkeypatch):
     import jax
 
-    from jaxspec.bench import grpo_step
+    from jaxspec.bench import grpo_phases
 
     def out_of_memory(self, with_draft):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB")
 
-    monkeypatch.setattr(grpo_step.Bench, "update", out_of_memory)
+    monkeypatch.setattr(grpo_phases.Bench, "update", out_of_memory)
     out = tmp_path / "grpo_step.json"
     assert (
         jaxspec_main(
@@ -167,9 +167,9 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jaxspec.bench import grpo_step
+    from jaxspec.bench import grpo_phases
 
-    generate, optimizer = grpo_step.generate, grpo_step.policy_optimizer
+    generate, optimizer = grpo_phases.generate, grpo_phases.policy_optimizer
     read_fsdp_sharded, mu_dtypes = [], []
 
     def recording_generate(cfg, params, *args, **kwargs):
@@ -186,8 +186,8 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
 
         return tx._replace(init=init)
 
-    monkeypatch.setattr(grpo_step, "generate", recording_generate)
-    monkeypatch.setattr(grpo_step, "policy_optimizer", recording_optimizer)
+    monkeypatch.setattr(grpo_phases, "generate", recording_generate)
+    monkeypatch.setattr(grpo_phases, "policy_optimizer", recording_optimizer)
     out = tmp_path / "grpo_step.json"
     assert (
         jaxspec_main(
@@ -307,7 +307,7 @@ def test_the_training_state_is_made_before_the_first_phase(model_json, phases):
     update_draft is among the phases."""
     import jax
 
-    from jaxspec.bench import grpo_step
+    from jaxspec.bench import grpo_phases, grpo_step
 
     args = grpo_step.parser().parse_args(
         [
@@ -327,7 +327,7 @@ def test_the_training_state_is_made_before_the_first_phase(model_json, phases):
             *phases,
         ]
     )
-    bench = grpo_step.Bench(args)
+    bench = grpo_phases.Bench(args)
     mu, nu = bench.opt_state[1][0].mu, bench.opt_state[1][0].nu
     for moment, dtype in ((mu, "bfloat16"), (nu, "float32")):
         for p, m in zip(jax.tree.leaves(bench.params), jax.tree.leaves(moment)):
