@@ -247,3 +247,44 @@ def test_num_params_equals_transformers(family, overrides):
     hf = hf_config(family, **overrides)
     model = perturbed_model(hf, seed=0)
     assert ModelConfig.from_hf(hf.to_dict()).num_params() == sum(p.numel() for p in model.parameters())
+
+
+MOE_BASE = dict(
+    family="qwen3_moe",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=16), "num_experts_per_tok=5"),
+        (dict(num_experts=4, num_experts_per_tok=0, moe_intermediate_size=16), "num_experts_per_tok=0"),
+        (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=0), "moe_intermediate_size=0"),
+        (
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, decoder_sparse_step=0),
+            "decoder_sparse_step=0",
+        ),
+        (dict(family="qwen3", num_experts=4), "num_experts=4 needs family 'qwen3_moe'"),
+    ],
+)
+def test_bad_moe_config_raises(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**(MOE_BASE | fields))
+
+
+def test_from_hf_rejects_contradicting_expert_counts():
+    hf = hf_config("qwen3_moe").to_dict() | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": 4,
+        "num_local_experts": 8,
+    }
+    with pytest.raises(ValueError, match="config.json: num_experts=4 contradicts num_local_experts=8"):
+        ModelConfig.from_hf(hf)
