@@ -5,6 +5,12 @@ whose rows are filled to a fraction of it (each row's length drawn uniformly in
 [0.5, 1.5] x fill x max_len, capped). The dense XLA path reads every slot; the Pallas kernel
 reads KV blocks up to each row's length. `roofline` is the time to read the filled KV once at
 the device read bandwidth (a sum over --read-bytes, measured in the same run), over the kernel's time.
+
+--paged also lays the same keys and values out in shuffled pages of --page-size positions and
+times `paged_attention` on them: its jnp reference ("xla": a gather of every page of the table,
+then the dense path) and the Mosaic GPU kernel (`jaxspec.kernels.paged_attention_mosaic`, which
+reads each row's pages up to its length), with the kernel's agreement with the dense path and its
+own roofline fraction.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import sys
 from pathlib import Path
 
 import jax
@@ -29,6 +36,7 @@ from jaxspec.bench.timing import (
 from jaxspec.kernels.ragged_attention import cache_attention_pallas, merge, new_token_bits, split_plan
 from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.paged import kernel_applies, paged_attention
 
 
 def attention_inputs(
@@ -42,6 +50,23 @@ def attention_inputs(
     rng = np.random.default_rng(seed)
     lengths = rng.uniform(0.5, 1.5, size=batch) * fill * max_len
     return q, k, v, jnp.asarray(np.clip(lengths, 1, max_len - t).astype(np.int32))
+
+
+def paged_inputs(k: jax.Array, v: jax.Array, page_size: int, seed: int = 0):
+    """(k_pool, v_pool [B * S / page_size, page_size, Nk, D], page_table int32 [B, S / page_size]):
+    the caches k/v [B, S, Nk, D] cut into pages, shuffled over the pool."""
+    batch, max_len = k.shape[:2]
+    if max_len % page_size:
+        raise ValueError(f"bench attention --paged: --max-len {max_len} must be a multiple of --page-size {page_size}")
+    pages = batch * max_len // page_size
+    order = np.random.default_rng(seed).permutation(pages)  # pool page i holds cache page order[i]
+    table = np.empty(pages, np.int32)
+    table[order] = np.arange(pages, dtype=np.int32)
+
+    def pool(cache):
+        return cache.reshape(pages, page_size, *cache.shape[2:])[order]
+
+    return pool(k), pool(v), jnp.asarray(table.reshape(batch, max_len // page_size))
 
 
 def main(argv: list[str]) -> int:
@@ -69,6 +94,13 @@ def main(argv: list[str]) -> int:
         help="also time the kernel and its merge over block sizes, warps, stages and splits at the last "
         "shape, inside one compiled loop",
     )
+    p.add_argument(
+        "--paged",
+        action="store_true",
+        help="also time paged_attention on the same KV in shuffled pages: jnp reference and Mosaic GPU kernel "
+        "(interpret mode with --kernel-impl interpret)",
+    )
+    p.add_argument("--page-size", type=int, default=16, help="positions per page with --paged")
     p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -109,6 +141,27 @@ def main(argv: list[str]) -> int:
                         read_rate,
                         f"attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate",
                     )
+                    if args.paged:
+                        paged_row = time_paged(
+                            q, k, v, cache_len, args.page_size, args.kernel_impl, args.iters, outs["xla"]
+                        )
+                        if paged_row is None:
+                            print(
+                                f"bench attention --paged: the Mosaic GPU kernel does not take {model}'s heads "
+                                f"(Nq {cfg.num_heads}, Nk {cfg.num_kv_heads}, D {cfg.head_dim}) at T={t}, "
+                                f"page size {args.page_size}",
+                                file=sys.stderr,
+                            )
+                            return 2
+                        rows[-1].update(paged_row)
+                        rows[-1]["paged_vs_ragged"] = rows[-1]["kernel_ms"] / paged_row["paged_kernel_ms"]
+                        add_fraction(
+                            rows[-1],
+                            "paged_roofline",
+                            filled / (paged_row["paged_kernel_ms"] * 1e-3),
+                            read_rate,
+                            f"paged attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate",
+                        )
                     print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))
@@ -117,6 +170,27 @@ def main(argv: list[str]) -> int:
         tuning = tune_kernel(q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.kernel_impl == "interpret")
     write_results(args.out, "attention", rows + tuning, {"read_bytes_per_second": read_rate, "max_len": args.max_len})
     return 0
+
+
+def time_paged(q, k, v, cache_len, page_size: int, kernel_impl: str, iters: int, dense_out) -> dict | None:
+    """paged_xla_ms, paged_kernel_ms, their ratio and the kernel's largest difference from the dense
+    path's output dense_out (float32), for q and the caches k/v laid out in pages; None where the
+    kernel does not take these shapes."""
+    k_pool, v_pool, table = paged_inputs(k, v, page_size)
+    if not kernel_applies(q, k_pool, v_pool):
+        return None
+    impls = {"xla": "xla", "kernel": "mosaic" if kernel_impl == "pallas" else "interpret"}
+    times, outs = {}, {}
+    for name, impl in impls.items():
+        fn = jax.jit(functools.partial(paged_attention, impl=impl))
+        outs[name] = fn(q, k_pool, v_pool, table, cache_len).astype(jnp.float32)
+        times[name] = median_seconds(lambda: fn(q, k_pool, v_pool, table, cache_len), iters=iters)
+    return {
+        "paged_xla_ms": times["xla"] * 1e3,
+        "paged_kernel_ms": times["kernel"] * 1e3,
+        "paged_speedup": times["xla"] / times["kernel"],
+        "paged_max_abs_diff": float(jnp.max(jnp.abs(outs["kernel"] - dense_out))),
+    }
 
 
 # (block_k, num_warps, num_stages, splits relative to `split_plan`'s default) that --tune times

@@ -11,9 +11,21 @@ dropped and reads are masked out (they lie past the slot's length).
 (they call `write_and_attend`), with the same semantics: row b of the batch is slot b of the page
 table, cache_len[b] its filled positions.
 
-`paged_attention` is the one function a ragged paged-attention kernel replaces; today it is the
-jnp reference on every backend: it gathers each slot's pages into a dense view [S, M * page_size]
-and runs the masked dense attention (`jaxspec.models.attention`).
+`paged_attention` is the one function a ragged paged-attention kernel replaces. Two
+implementations with the same semantics:
+
+* "xla": the jnp reference: it gathers each slot's pages into a dense view [S, M * page_size] and
+  runs the masked dense attention (`jaxspec.models.attention`);
+* "mosaic": the Hopper kernel `jaxspec.kernels.paged_attention_mosaic` (Pallas Mosaic GPU), which
+  reads only each slot's pages up to its last new token, for the decode and verification steps
+  it applies to (one 16-bit dtype, head dim a multiple of 64, at most 128 query rows of new
+  tokens x query heads per kv head, page size a multiple of 8 dividing 64 or a multiple of 64 up
+  to 256); other calls (a long prefill chunk, float32) run the reference. "interpret" runs the
+  kernel in Mosaic GPU interpret mode (any backend, slow; JAX >= 0.12).
+
+"auto" is "xla" on every backend until the kernel is measured on a GPU; the
+JAXSPEC_PAGED_ATTENTION environment variable (auto, xla, mosaic, interpret) overrides "auto" at
+trace time. The kernel runs on whole arrays: on a mesh, keep "xla".
 """
 
 from __future__ import annotations
@@ -23,9 +35,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kernels import paged_attention_mosaic as mosaic
+from jaxspec.kernels.dispatch import requested_impl
+from jaxspec.kernels.ragged_attention import merge, new_token_bits
 from jaxspec.models.attention import attention, cache_attention_mask
 
 NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
+IMPLS = ("auto", "xla", "mosaic", "interpret")
+IMPL_ENV = "JAXSPEC_PAGED_ATTENTION"
 
 
 class PagedKVCache(NamedTuple):
@@ -110,6 +127,8 @@ def paged_attention(
     cache_len: jax.Array,
     tree_mask: jax.Array | None = None,
     active: jax.Array | None = None,
+    *,
+    impl: str = "auto",
 ) -> jax.Array:
     """Attention of T new tokens per slot over the slot's pages, which already hold their keys and
     values (`cache_attention` on a paged cache).
@@ -117,12 +136,63 @@ def paged_attention(
     q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D]; page_table int32 [S, M]; slot s's
     prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
     bool [S, T, T] among the new tokens (default causal); active bool [S] (default all): a slot
-    that is not active sees only its new tokens. Returns [S, T, Nq, D] in q's dtype.
+    that is not active sees only its new tokens. impl: see the module docstring. Returns
+    [S, T, Nq, D] in q's dtype.
     """
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "paged attention")
+    if impl in ("mosaic", "interpret") and kernel_applies(q, k_pool, v_pool):
+        return _paged_attention_kernel(
+            q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=impl == "interpret"
+        )
     k = gather_pages(k_pool, page_table).astype(q.dtype)
     v = gather_pages(v_pool, page_table).astype(q.dtype)
     mask = cache_attention_mask(cache_len, q.shape[1], k.shape[1], tree_mask, active)
     return attention(q, k, v, mask)
+
+
+def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
+    """Whether `jaxspec.kernels.paged_attention_mosaic` takes this call (the shapes and dtypes the
+    module docstring lists, and a program that fits a Hopper block's shared memory)."""
+    _, t, nq, d = q.shape
+    page_size, nk = k_pool.shape[1], k_pool.shape[2]
+    block_kv = max(mosaic.BLOCK_KV, page_size)
+    rows = -(-t * (nq // nk) // mosaic.ROW_TILE) * mosaic.ROW_TILE
+    words = -(-t // 32)
+    return (
+        q.dtype == k_pool.dtype == v_pool.dtype
+        and jnp.dtype(q.dtype).itemsize == 2
+        and d % 64 == 0
+        and t * (nq // nk) <= mosaic.MAX_ROWS
+        and page_size % 8 == 0
+        and block_kv % page_size == 0
+        and block_kv % 64 == 0
+        and block_kv <= 256
+        and mosaic.ring_depth(rows, d, block_kv, words, q.dtype) >= 1
+    )
+
+
+def _paged_attention_kernel(
+    q, k_pool, v_pool, page_table, cache_len, tree_mask, active, *, interpret: bool, **tuning
+) -> jax.Array:
+    """`paged_attention` by the Mosaic GPU kernel: the query rows of each (slot, kv head) are its T
+    new tokens x G query heads (row r is token r // G), padded to a multiple of 64; `tuning`
+    (block_kv, splits, max_concurrent_steps) goes to the kernel."""
+    s, t, nq, d = q.shape
+    nk = k_pool.shape[2]
+    group = nq // nk
+    rows = -(-t * group // mosaic.ROW_TILE) * mosaic.ROW_TILE
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
+    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
+    with jax.named_scope("attention"):
+        q_rows = q.reshape(s, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(s, nk, t * group, d)
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
+        bits = new_token_bits(tree_mask, group, rows)
+        parts = mosaic.paged_attention_partials(
+            q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
+        )
+        out = merge(parts)[:, :, : t * group]  # [S, Nk, T*G, D]
+        return out.reshape(s, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(s, t, nq, d).astype(q.dtype)
 
 
 def write_and_attend(

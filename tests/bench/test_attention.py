@@ -1,9 +1,12 @@
-"""`jaxspec bench attention` runs end to end on CPU (kernel in interpret mode) and reports the
-kernel's agreement with the dense path."""
+"""`jaxspec bench attention` runs end to end on CPU (kernels in interpret mode) and reports the
+kernels' agreement with the dense path, the paged one with --paged."""
 
 import json
 
+import pytest
+
 from jaxspec.cli import main
+from jaxspec.kernels.paged_attention_mosaic import INTERPRET_SUPPORTED
 from tests.bench.test_spec_cost import TINY
 
 
@@ -56,3 +59,24 @@ def test_tune_times_each_kernel_configuration_in_a_loop():
         (32, 2),
     ]  # 4 splits by default: one per 64-slot block
     assert all(r["ms"] > 0 and r["kernel"] == "cache+merge" for r in rows)
+
+
+@pytest.mark.skipif(not INTERPRET_SUPPORTED, reason="the paged kernel's Mosaic GPU interpret mode needs JAX >= 0.12")
+def test_bench_attention_paged_times_the_reference_and_the_kernel(tmp_path):
+    model, out = tmp_path / "tiny.json", tmp_path / "attention.json"
+    model.write_text(json.dumps({**TINY, "head_dim": 64}))  # a head dim the Mosaic GPU kernel takes
+    argv = ["bench", "attention", "--model", str(model), "--batch", "2", "--tokens", "2", "--max-len", "64"]
+    argv += ["--fill", "0.5", "--iters", "1", "--kernel-impl", "interpret", "--read-bytes", "4096", "--paged"]
+    assert main([*argv, "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["paged_max_abs_diff"] < 2.0**-5  # bf16 outputs of O(1)
+    assert row["paged_xla_ms"] > 0 and row["paged_kernel_ms"] > 0 and row["paged_speedup"] > 0
+
+
+def test_bench_attention_paged_names_heads_the_kernel_does_not_take(tmp_path, capsys):
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(TINY))  # head dim 16
+    argv = ["bench", "attention", "--model", str(model), "--batch", "2", "--tokens", "1", "--max-len", "32"]
+    argv += ["--fill", "0.5", "--iters", "1", "--kernel-impl", "interpret", "--read-bytes", "4096", "--paged"]
+    assert main(argv) == 2
+    assert "does not take" in capsys.readouterr().err
