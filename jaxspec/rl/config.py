@@ -117,8 +117,10 @@ class RolloutConfig:
         pages and slot go to the next pending row at once, so long-tailed rollouts keep S rows
         running, the memory follows the live tokens (the pool holds S rows' longest sequences)
         and a group's rows share their prompt's pages. The same key gives the same rollouts for
-        any S. Not with routing replay of a mixture-of-experts policy yet. null stays the default
-        until GPU measurements show the slot engine faster everywhere.
+        any S and any mesh (on a mesh the rows, slots and pages split over data x fsdp, the KV
+        heads over tensor; colocated or async, with or without gather_weights). Not with routing
+        replay of a mixture-of-experts policy yet. null stays the default until GPU measurements
+        show the slot engine faster everywhere.
     """
 
     prompts_per_step: int = 8

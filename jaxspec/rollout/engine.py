@@ -30,7 +30,7 @@ from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
-from jaxspec.rollout.slots import DEFAULT_PAGE_SIZE
+from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 from jaxspec.rollout.speculative.generate import speculative_generate
 from jaxspec.rollout.speculative.slots import slot_speculative_generate
 from jaxspec.rollout.stages import batch_stages, run_in_stages
@@ -56,7 +56,8 @@ def generate(
 
     prompts: B token-id lists, lengths may differ. key: PRNG key; all randomness derives from it.
     cache_dtype: KV cache dtype (default: the params' dtype). sharding: when given, the cache is
-    laid out by `KV_CACHE_AXES` and the batch is sharded over the mesh's batch axes.
+    laid out by `KV_CACHE_AXES` (with slots, the page pools by `KV_PAGES_AXES`) and the batch is
+    sharded over the mesh's batch axes.
     Compiled programs are reused across calls with the same batch size, prompt-length bucket,
     distinct-prompt bucket and `sampling`. prompt_width: pad prompts as if the longest had this
     many tokens; a caller that knows its longest prompt passes it, so that every call shares one
@@ -74,12 +75,15 @@ def generate(
         live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
         token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
         same tokens for any S. Autoregressive or speculative (every drafter); not yet with
-        record_experts.
-    kv_pages: with slots, the page pool (default: every slot's longest sequence, which never
-        preempts); a smaller pool preempts the newest rows when it runs short and resumes them
-        exactly. page_size: token positions per page.
-    Raises ValueError for an empty prompt list or prompt, a kv_pages pool that cannot hold one
-    row's longest sequence, a token or eos id outside the
+        record_experts. With a sharding the rows, slots and pages split into groups over the
+        batch axes (data x fsdp) that divide both the rows and S, each group's pages on its own
+        devices with the KV heads over the tensor axis (`jaxspec.rollout.slot_state`); the same
+        tokens as on one device.
+    kv_pages: with slots, the page pool (default: every slot's longest sequence, which
+        never preempts); a smaller pool preempts the newest rows when it runs short and resumes
+        them exactly. page_size: token positions per page.
+    Raises ValueError for an empty prompt list or prompt, slots not an integer >= 1, a
+    kv_pages pool that cannot hold one row's longest sequence, a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
     not fit the device's free memory, a draft that does not fit the policy, or record_experts
     with a dense policy.
@@ -100,7 +104,7 @@ def generate(
     if slots is not None:
         if record_experts:
             raise ValueError("record_experts: not available with slots (the slot engine records no routing yet)")
-        paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size)
+        paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size, sharding=sharding)
         if spec is not None:
             return slot_speculative_generate(cfg, params, batch, key, sampling, spec, **paged)
         return slot_generate(cfg, params, batch, key, sampling, **paged)

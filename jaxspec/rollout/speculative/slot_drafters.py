@@ -24,44 +24,39 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft import draft_extend, fuse
-from jaxspec.models.paged import NO_PAGE, PagedKVCache, init_paged_cache, paged_cache_bytes
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.paged import NO_PAGE
 from jaxspec.models.transformer import extend
-from jaxspec.rollout.slots import Layout, context_tokens
+from jaxspec.rollout.continuous import empty_cache
+from jaxspec.rollout.slot_layout import Layout
+from jaxspec.rollout.slots import context_tokens
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter, Pending
 from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter, HeadState
 from jaxspec.rollout.speculative.ngram import History, NgramDrafter
 
 
-def _paged(cfg, layout: Layout, cache_dtype) -> PagedKVCache:
-    """An empty paged cache for a draft of this config (num_layers, num_kv_heads, head_dim)."""
-    table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)  # the pool's is set where used
-    return init_paged_cache(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, table, cache_dtype
-    )
-
-
-def draft_pool_bytes(drafter, layout: Layout, cache_dtype) -> int:
-    """Bytes of the drafter's page pools (0 for the n-gram drafter)."""
+def draft_kv_config(drafter) -> ModelConfig | None:
+    """The shapes (layers, KV heads, head dim) of the drafter's own page pools; None for the n-gram
+    drafter, which has none."""
     if isinstance(drafter, NgramDrafter):
-        return 0
-    cfg = drafter.dcfg.layer_config if isinstance(drafter, Eagle3Drafter) else drafter.cfg
-    return paged_cache_bytes(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, cache_dtype
-    )
+        return None
+    return drafter.dcfg.layer_config if isinstance(drafter, Eagle3Drafter) else drafter.cfg
 
 
 def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype):
-    """The drafter's state for `layout.slots` slots, none started. context_len: the longest
-    context a slot holds (the n-gram history's width)."""
-    slots = layout.slots
+    """The drafter's state for one group's slots (`layout.group()`), none started. context_len: the
+    longest context a slot holds (the n-gram history's width)."""
+    slots = layout.group().slots
     if isinstance(drafter, NgramDrafter):
         return History(tokens=jnp.zeros((slots, context_len), jnp.int32), length=jnp.ones((slots,), jnp.int32))
     tokens, count = jnp.zeros((slots, drafter.chunk), jnp.int32), jnp.ones((slots,), jnp.int32)
     if isinstance(drafter, DraftModelDrafter):
-        return Pending(cache=_paged(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
+        return Pending(cache=empty_cache(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
     dcfg = drafter.dcfg
     hidden = jnp.zeros((slots, drafter.chunk, dcfg.hidden_size), dparams["head"]["fc"].dtype)  # `fuse`'s dtype
-    return HeadState(cache=_paged(dcfg.layer_config, layout, cache_dtype), tokens=tokens, hidden=hidden, count=count)
+    return HeadState(
+        cache=empty_cache(dcfg.layer_config, layout, cache_dtype), tokens=tokens, hidden=hidden, count=count
+    )
 
 
 def with_table(state, page_table: jax.Array):
@@ -78,13 +73,14 @@ def keep_table(state, stored):
     return state._replace(cache=stored.cache._replace(k=state.cache.k, v=state.cache.v))
 
 
-def prefill_hook(drafter, dparams, layout: Layout, prompts):
-    """on_prefill(state, lanes, valid, positions, hidden) -> state for `slots.prefill_chunk`: the
-    draft's KV of the chunk's positions; None for the n-gram drafter."""
+def prefill_hook(drafter, dparams, layout: Layout):
+    """on_prefill(state, prompts, lanes, valid, positions, hidden) -> state for `slots.prefill_chunk`
+    (one group's, of `layout`: a group's layout): the draft's KV of the chunk's positions; None
+    for the n-gram drafter."""
     if isinstance(drafter, NgramDrafter):
         return None
 
-    def on_prefill(state, lanes, valid, positions, hidden):
+    def on_prefill(state, prompts, lanes, valid, positions, hidden):
         spec = state.draft
         row = jnp.clip(state.row[lanes], 0, layout.rows - 1)
         ctx = state.ctx_len[lanes][:, None]
@@ -106,11 +102,12 @@ def prefill_hook(drafter, dparams, layout: Layout, prompts):
     return on_prefill
 
 
-def start_hook(drafter, dparams, layout: Layout, prompts):
-    """on_start(state, started, first, hidden_last) -> state for `slots.prefill_chunk`: the
-    started slots' state as `Drafter.init` leaves a row whose root is `first`."""
+def start_hook(drafter, dparams, layout: Layout):
+    """on_start(state, prompts, started, first, hidden_last) -> state for `slots.prefill_chunk`
+    (one group's, of `layout`: a group's layout): the started slots' state as `Drafter.init`
+    leaves a row whose root is `first`."""
 
-    def on_start(state, started, first, hidden_last):
+    def on_start(state, prompts, started, first, hidden_last):
         spec = state.draft
         old = spec.draft
 
