@@ -34,13 +34,13 @@ def slot_generate(
     key: jax.Array,
     sampling: Sampling,
     *,
-    slots: int,
+    slots: int | str,
     cache_dtype,
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
     sharding: Sharding | None = None,
 ) -> RolloutOutput:
-    """`jaxspec.rollout.generate` with `slots`, autoregressive: prompts
+    """`jaxspec.rollout.generate` with `slots` (an integer or "auto"), autoregressive: prompts
     already validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
     layout = slot_layout(
         cfg,

@@ -48,7 +48,7 @@ def generate(
     sharding: Sharding | None = None,
     prompt_width: int = 1,
     record_experts: bool = False,
-    slots: int | None = None,
+    slots: int | str | None = None,
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
 ) -> RolloutOutput:
@@ -78,12 +78,16 @@ def generate(
         record_experts. With a sharding the rows, slots and pages split into groups over the
         batch axes (data x fsdp) that divide both the rows and S, each group's pages on its own
         devices with the KV heads over the tensor axis (`jaxspec.rollout.slot_state`); the same
-        tokens as on one device.
-    kv_pages: with slots, the page pool (default: every slot's longest sequence, which
+        tokens as on one device. "auto" picks S and the pool from the devices' free memory: the
+        most slots (at most B) whose longest sequences all fit at once, so nothing is
+        preempted, stated once on the "jaxspec.rollout" logger (`jaxspec.rollout.slot_memory`;
+        on the CPU, which reports no free memory, 2 GiB per device are assumed).
+    kv_pages: with an integer slots, the page pool (default: every slot's longest sequence, which
         never preempts); a smaller pool preempts the newest rows when it runs short and resumes
         them exactly. page_size: token positions per page.
-    Raises ValueError for an empty prompt list or prompt, slots not an integer >= 1, a
-    kv_pages pool that cannot hold one row's longest sequence, a token or eos id outside the
+    Raises ValueError for an empty prompt list or prompt, slots neither None, "auto" nor an
+    integer >= 1, a kv_pages pool that cannot hold one row's longest sequence (or given with
+    slots="auto"), a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
     not fit the device's free memory, a draft that does not fit the policy, or record_experts
     with a dense policy.

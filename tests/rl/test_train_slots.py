@@ -2,7 +2,8 @@
 copy fsdp-sharded or gathered, rollout.gather_weights) and async on a 2-device rollout mesh. The
 step's 32 rows stream through 8 slots in 2 groups over the batch axis, and the step's rollouts
 (sampled, float32) are the one-device run's token for token: row r's token i is drawn with a key
-of (r, i) alone, whichever device runs it."""
+of (r, i) alone, whichever device and slot run it; so are those of rollout.slots auto (on the
+CPU: a slot for every row)."""
 
 import numpy as np
 import pytest
@@ -51,3 +52,14 @@ def test_slot_rollouts_on_a_mesh_are_the_one_device_rollouts(tiny_policy, tmp_pa
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5)
     assert record["reward_mean"] == want_record["reward_mean"] and np.isfinite(record["loss"])
+
+
+def test_auto_slots_give_the_rollouts_of_explicit_slots(tiny_policy, tmp_path, one_device, monkeypatch):
+    from jaxspec.rollout import slot_memory
+
+    monkeypatch.setattr(slot_memory, "_chosen", {})
+    (want,), _ = one_device
+    (got,), _ = run_recording_rollouts(tiny_policy, tmp_path / "run", [*LIGHT, "rollout.slots=auto"], monkeypatch)
+    assert got.stats["slots"] == 32  # the CPU's assumed 2 GiB hold every row
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5)

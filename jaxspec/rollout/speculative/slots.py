@@ -82,13 +82,13 @@ def slot_speculative_generate(
     sampling: Sampling,
     spec: Spec,
     *,
-    slots: int,
+    slots: int | str,
     cache_dtype,
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
     sharding: Sharding | None = None,
 ) -> RolloutOutput:
-    """`jaxspec.rollout.generate` with `spec` and `slots`: prompts already
+    """`jaxspec.rollout.generate` with `spec` and `slots` (an integer or "auto"): prompts already
     validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
     if spec.slot_engine_lacks:
         raise ValueError(
