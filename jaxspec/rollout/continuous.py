@@ -23,7 +23,17 @@ from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE, Layout
 from jaxspec.rollout.slot_memory import slot_layout
-from jaxspec.rollout.slot_state import LoopState, Prompts, first_group, initial_state, map_groups, rows_of, summed
+from jaxspec.rollout.slot_state import (
+    LoopState,
+    Prompts,
+    first_group,
+    initial_state,
+    map_groups,
+    rows_of,
+    slots_flat,
+    slots_grouped,
+    summed,
+)
 from jaxspec.rollout.slots import choose_per_row, decoding_view, emit, prefill_chunk, row_keys, run_slots
 
 
@@ -113,26 +123,26 @@ def _loop(
     """The whole autoregressive rollout of `prompts` on the slot engine."""
     group = layout.group()
 
-    def decode(state: LoopState, prompts: Prompts) -> LoopState:
-        active, view = decoding_view(state)
+    def decode(state: LoopState) -> LoopState:
+        active, table = map_groups(layout, lambda s, p: decoding_view(s))(state, prompts)
+        last, length = slots_flat(layout, (state.last, state.cache_len))
+        view = state.cache._replace(page_table=slots_flat(layout, table))
         logits, _, view = extend(
-            cfg, params, view, state.last[:, None], state.cache_len[:, None], state.cache_len, active=active
+            cfg, params, view, last[:, None], length[:, None], length, active=slots_flat(layout, active)
         )
+        state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
+        return map_groups(layout, sample)(state, prompts, active, slots_grouped(layout, logits[:, 0]))
+
+    def sample(state: LoopState, prompts: Prompts, active: jax.Array, logits: jax.Array) -> LoopState:
+        """One group's decoding slots take their next token from logits float32 [S, V]."""
         row = jnp.clip(state.row, 0, group.rows - 1)
         keys = row_keys(key, state.first_row + row, state.lengths[row])
-        token, logprob = choose_per_row(keys, logits[:, 0], sampling)
+        token, logprob = choose_per_row(keys, logits, sampling)
         state = emit(state, active, token[:, None], logprob[:, None], active.astype(jnp.int32), sampling)
-        return state._replace(
-            cache=state.cache._replace(k=view.k, v=view.v),
-            cache_len=state.cache_len + active,
-            last=jnp.where(active, token, state.last),
-        )
+        return state._replace(cache_len=state.cache_len + active, last=jnp.where(active, token, state.last))
 
-    def prefill(state: LoopState, prompts: Prompts) -> LoopState:
-        return prefill_chunk(cfg, params, sampling, group, prompts, key, state)
-
-    def every_group(fn):
-        return lambda state: map_groups(layout, fn)(state, prompts)
+    def prefill(state: LoopState) -> LoopState:
+        return prefill_chunk(cfg, params, sampling, layout, prompts, key, state)
 
     state = initial_state(layout, prompts, empty_cache(cfg, layout, cache_dtype), cfg.pad_token_id or 0)
-    return run_slots(layout, state, prompts, every_group(decode), every_group(prefill), sharding)
+    return run_slots(layout, state, prompts, decode, prefill, sharding)

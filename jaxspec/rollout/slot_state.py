@@ -4,9 +4,11 @@ On one device the carry is one group's. With G > 1 groups (`jaxspec.rollout.slot
 leaf gains a leading group axis [G, ...], split over the mesh's batch axes: the group's rows,
 slots, page pools, page tables, queue, prefix cache and counters live on its own devices, and
 the pools' KV heads are split over the tensor axis (`KV_PAGES_AXES`), so each device holds its
-share of the pages. Functions written for one group run on all of them with `map_groups` (a
-`jax.vmap` over the group axis); the loop's branches (`lax.cond`) are taken on all groups at once,
-outside the map, so that every device runs the same program in step.
+share of the pages. The bookkeeping, written for one group, runs on all of them with `map_groups`
+(a `jax.vmap` over the group axis); the model's forwards take every group's slots as one batch
+(`slots_flat`: the pools keep their group axis, `jaxspec.models.paged`), so that the model runs
+as on one device, with rows split over the batch axes; the loop's branches (`lax.cond`) are taken
+on all groups at once, so that every device runs the same program in step.
 """
 
 from __future__ import annotations
@@ -84,11 +86,38 @@ class Prompts(NamedTuple):
 
 
 def map_groups(layout: Layout, fn: Callable) -> Callable:
-    """fn(state, prompts), written for one group (its layout `layout.group()`), applied to every
-    group: itself on one group, vmapped over the group axis otherwise."""
+    """fn(state, prompts, *per_slot), written for one group (its layout `layout.group()`), applied
+    to every group: itself on one group, vmapped over the group axis otherwise (the per-slot
+    arguments [G, S / G, ...] too, `slots_grouped`)."""
     if layout.groups == 1:
         return fn
-    return jax.vmap(fn, in_axes=(0, Prompts(None, None, 0, 0)))
+
+    def mapped(state: LoopState, prompts: Prompts, *per_slot):
+        return jax.vmap(fn, in_axes=(0, Prompts(None, None, 0, 0)) + (0,) * len(per_slot))(state, prompts, *per_slot)
+
+    return mapped
+
+
+def slots_flat(layout: Layout, tree):
+    """Per-slot (or per-lane) arrays of every group [G, S / G, ...] as one batch [S, ...], the rows
+    of a model forward; a `PagedKVCache`'s pools keep their group axis (`jaxspec.models.paged`:
+    slot s's pages are in group s // (S / G)'s pool), its page table is flattened."""
+    return _per_slot(layout, tree, lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]))
+
+
+def slots_grouped(layout: Layout, tree):
+    """The inverse of `slots_flat`: [S, ...] -> [G, S / G, ...]."""
+    return _per_slot(layout, tree, lambda x: x.reshape(layout.groups, x.shape[0] // layout.groups, *x.shape[1:]))
+
+
+def _per_slot(layout: Layout, tree, reshape: Callable):
+    if layout.groups == 1:
+        return tree
+
+    def node(x):
+        return x._replace(page_table=reshape(x.page_table)) if isinstance(x, PagedKVCache) else reshape(x)
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, PagedKVCache))
 
 
 def initial_state(layout: Layout, prompts: Prompts, cache: PagedKVCache, pad_id: int, draft=None) -> LoopState:

@@ -46,19 +46,20 @@ faster everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import NO_PAGE, PagedKVCache
+from jaxspec.models.paged import NO_PAGE
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import Params, extend, logits_from_hidden
 from jaxspec.rollout import prefix_cache
 from jaxspec.rollout.sampling import Sampling, processed_logprobs, sample
 from jaxspec.rollout.slot_layout import Layout
 from jaxspec.rollout.slot_schedule import admit, make_room, release_finished
-from jaxspec.rollout.slot_state import LoopState, Prompts, lay_out, map_groups
+from jaxspec.rollout.slot_state import LoopState, Prompts, lay_out, map_groups, slots_flat, slots_grouped
 
 
 def row_keys(key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
@@ -114,11 +115,30 @@ def emit(
     )
 
 
-# on_prefill(state, prompts, lanes int32 [R], valid bool [R], positions int32 [R, C], hidden [n, R, C, H])
-#     -> state: a drafter's own prefill of the chunk (hidden: the policy's `policy_layers` outputs)
-# on_start(state, prompts, started bool [S], first_token int32 [S], hidden_last [n, S, H]) -> state
-# (one group's state and prompts)
-PrefillHook = Callable[[LoopState, Prompts, jax.Array, jax.Array, jax.Array, jax.Array], LoopState]
+class Lanes(NamedTuple):
+    """A prefill chunk's lanes, R of them (per group, or every group's in a row: `slots_flat`):
+    slot int32 [R] (the group's slot the lane writes), valid bool [R], row int32 [R] (the slot's
+    row, clipped), start int32 [R] (context tokens already written), ctx int32 [R] (the context's
+    length), positions int32 [R, C], tokens int32 [R, C] (the context's tokens there, 0 past it),
+    next_tokens int32 [R, C] (the token after each position, 0 past the context: the EAGLE-3
+    head's pairs), table int32 [R, M] (the slot's page table, `NO_PAGE` where not valid)."""
+
+    slot: jax.Array
+    valid: jax.Array
+    row: jax.Array
+    start: jax.Array
+    ctx: jax.Array
+    positions: jax.Array
+    tokens: jax.Array
+    next_tokens: jax.Array
+    table: jax.Array
+
+
+# on_prefill(state, lanes: Lanes of every group (`slots_flat`), hidden [n, R, C, H]) -> state: a
+#     drafter's own prefill of the chunk (hidden: the policy's `policy_layers` outputs)
+# on_start(state, prompts, started bool [S], first_token int32 [S], hidden_last [n, S, H]) -> state,
+#     of one group
+PrefillHook = Callable[[LoopState, Lanes, jax.Array], LoopState]
 StartHook = Callable[[LoopState, Prompts, jax.Array, jax.Array, jax.Array], LoopState]
 
 
@@ -126,6 +146,23 @@ def prefilling(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
     """bool [S]: slots whose context is being written (admitted, not decoding, not waiting for an
     older row of their prompt to publish its prefix)."""
     return (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
+
+
+def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
+    """One group's `lanes` oldest `prefilling` slots and the next `chunk` context tokens of each."""
+    writing = prefilling(state, layout, prompts)
+    big = jnp.iinfo(jnp.int32).max
+    slot = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)[: layout.lanes]
+    valid = writing[slot]
+    row = jnp.clip(state.row[slot], 0, layout.rows - 1)
+    start, ctx = state.prefilled[slot], state.ctx_len[slot]
+    positions = start[:, None] + jnp.arange(layout.chunk, dtype=jnp.int32)[None, :]
+
+    def context(at: jax.Array) -> jax.Array:
+        return jnp.where(at < ctx[:, None], context_tokens(prompts, state.tokens, row, at), 0)
+
+    table = jnp.where(valid[:, None], state.pool.page_table[slot], NO_PAGE)
+    return Lanes(slot, valid, row, start, ctx, positions, context(positions), context(positions + 1), table)
 
 
 def prefill_chunk(
@@ -140,63 +177,67 @@ def prefill_chunk(
     on_prefill: PrefillHook | None = None,
     on_start: StartHook | None = None,
 ) -> LoopState:
-    """Writes the next `chunk` context tokens of the oldest `prefilling` slots of one group (`lanes`
-    of them); a slot whose context this completes samples its row's next token and starts decoding
-    (module docstring, step 4). `run_slots` runs it only when a slot of some group prefills; a
-    group with none writes nothing (every lane is invalid)."""
-    writing = prefilling(state, layout, prompts)
-    big = jnp.iinfo(jnp.int32).max
-    lanes = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)[: layout.lanes]
-    valid = writing[lanes]
-    row = jnp.clip(state.row[lanes], 0, layout.rows - 1)
-    start, ctx = state.prefilled[lanes], state.ctx_len[lanes]
-    positions = start[:, None] + jnp.arange(layout.chunk, dtype=jnp.int32)[None, :]
-    tokens = jnp.where(positions < ctx[:, None], context_tokens(prompts, state.tokens, row, positions), 0)
-    table = jnp.where(valid[:, None], state.pool.page_table[lanes], NO_PAGE)
+    """Writes the next `chunk` context tokens of every group's `prefill_lanes` (one forward over
+    all of them); a slot whose context this completes samples its row's next token and starts
+    decoding (module docstring, step 4). `run_slots` runs it only when a slot of some group
+    prefills; a group with none writes nothing (every lane is invalid)."""
+    group = layout.group()
+    lanes = map_groups(layout, lambda s, p: prefill_lanes(s, group, p))(state, prompts)
+    flat = slots_flat(layout, lanes)
     _, hidden, view = extend(
         cfg,
         params,
-        state.cache._replace(page_table=table),
-        tokens,
-        positions,
-        start,
-        active=valid,
+        state.cache._replace(page_table=flat.table),
+        flat.tokens,
+        flat.positions,
+        flat.start,
+        active=flat.valid,
         hidden_layers=(*policy_layers, cfg.num_layers - 1),
     )
     state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
     if on_prefill is not None:
-        state = on_prefill(state, prompts, lanes, valid, positions, hidden[:-1])
-    last = jnp.clip(ctx - 1 - start, 0, layout.chunk - 1)[None, :, None, None]
+        state = on_prefill(state, flat, hidden[:-1])
+    last = jnp.clip(flat.ctx - 1 - flat.start, 0, layout.chunk - 1)[None, :, None, None]
     hidden_last = jnp.take_along_axis(hidden, last, axis=2)[:, :, 0]  # [n + 1, R, H]
     logits = logits_from_hidden(cfg, params, hidden_last[-1][:, None])[:, 0]
-    token, logprob = choose_per_row(row_keys(key, state.first_row + row, state.lengths[row]), logits, sampling)
-    finishing = valid & (start + layout.chunk >= ctx)
-    slot = jnp.where(finishing, lanes, layout.slots)  # lanes are distinct where valid
 
-    def to_slots(values: jax.Array, fill) -> jax.Array:
-        return jnp.full((layout.slots, *values.shape[1:]), fill, values.dtype).at[slot].set(values, mode="drop")
+    def start(state: LoopState, prompts: Prompts, lanes: Lanes, logits: jax.Array, hidden_last: jax.Array):
+        """One group's lanes: sample the next token of the rows whose context is complete, start
+        their slots. logits [R, V]; hidden_last [R, n + 1, H]."""
+        keys = row_keys(key, state.first_row + lanes.row, state.lengths[lanes.row])
+        token, logprob = choose_per_row(keys, logits, sampling)
+        finishing = lanes.valid & (lanes.start + layout.chunk >= lanes.ctx)
+        slot = jnp.where(finishing, lanes.slot, group.slots)  # lanes are distinct where valid
 
-    started = to_slots(finishing, False)
-    first = to_slots(token, 0)
-    state = emit(state, started, first[:, None], to_slots(logprob, 0.0)[:, None], started.astype(jnp.int32), sampling)
-    state = state._replace(
-        prefilled=state.prefilled.at[jnp.where(valid, lanes, layout.slots)].add(layout.chunk, mode="drop"),
-        decoding=state.decoding | started,
-        cache_len=jnp.where(started, state.ctx_len, state.cache_len),
-        last=jnp.where(started, first, state.last),
-        counters={**state.counters, "prefill_chunks": state.counters["prefill_chunks"] + 1},
-    )
-    if on_start is not None:
-        hidden_slots = jax.vmap(lambda h: to_slots(h, 0))(hidden_last[:-1])
-        state = on_start(state, prompts, started, first, hidden_slots)
-    return state
+        def to_slots(values: jax.Array, fill) -> jax.Array:
+            return jnp.full((group.slots, *values.shape[1:]), fill, values.dtype).at[slot].set(values, mode="drop")
+
+        started = to_slots(finishing, False)
+        first = to_slots(token, 0)
+        state = emit(
+            state, started, first[:, None], to_slots(logprob, 0.0)[:, None], started.astype(jnp.int32), sampling
+        )
+        written = jnp.where(lanes.valid, lanes.slot, group.slots)
+        state = state._replace(
+            prefilled=state.prefilled.at[written].add(layout.chunk, mode="drop"),
+            decoding=state.decoding | started,
+            cache_len=jnp.where(started, state.ctx_len, state.cache_len),
+            last=jnp.where(started, first, state.last),
+            counters={**state.counters, "prefill_chunks": state.counters["prefill_chunks"] + 1},
+        )
+        if on_start is not None:
+            state = on_start(state, prompts, started, first, jnp.moveaxis(to_slots(hidden_last[:, :-1], 0), 1, 0))
+        return state
+
+    per_lane = slots_grouped(layout, (logits, jnp.moveaxis(hidden_last, 0, 1)))
+    return map_groups(layout, start)(state, prompts, lanes, *per_lane)
 
 
-def decoding_view(state: LoopState) -> tuple[jax.Array, PagedKVCache]:
-    """(bool [S] slots decoding this step, the cache with the others' page tables cleared so that
-    nothing is written to their pages)."""
+def decoding_view(state: LoopState) -> tuple[jax.Array, jax.Array]:
+    """One group's (bool [S] slots decoding this step, int32 [S, M] the page table with the
+    others' entries cleared, so that nothing is written to their pages)."""
     active = state.decoding & (state.row >= 0)
-    return active, state.cache._replace(page_table=jnp.where(active[:, None], state.pool.page_table, NO_PAGE))
+    return active, jnp.where(active[:, None], state.pool.page_table, NO_PAGE)
 
 
 def run_slots(
@@ -210,9 +251,10 @@ def run_slots(
     """The compiled loop: room, admit, decode, prefill, release, until every row is done.
 
     state, prompts: every group's (`jaxspec.rollout.slot_state`). decode and prefill take and
-    return every group's state (most map a one-group function with `map_groups`); decode runs
-    when a slot of any group decodes, prefill (`prefill_chunk`) when one prefills, so that every
-    group takes the same branch. sharding: the mesh the carry is laid out on (`lay_out`)."""
+    return every group's state (their bookkeeping maps one group's with `map_groups`, their
+    forwards take every group's slots at once); decode runs when a slot of any group decodes,
+    prefill (`prefill_chunk`) when one prefills, so that every group takes the same branch.
+    sharding: the mesh the carry is laid out on (`lay_out`)."""
     group = layout.group()
 
     def schedule(state: LoopState, prompts: Prompts) -> LoopState:

@@ -5,7 +5,8 @@ tensor, fsdp x tensor): the rows, slots and pages split into 2 groups over the b
 device holds its group's pages with half the KV heads (the policy's pools and the head's), and
 greedy autoregressive and greedy EAGLE-3 rollouts give the one-device slot engine's tokens,
 log-probs and acceptance; sampled rows too (row r's token i is drawn with a key of (r, i) alone,
-whichever group runs it).
+whichever group runs it). A mixture-of-experts policy too: the model runs every group's slots as
+one batch (its grouped matmuls have no rule for a vmap over groups).
 """
 
 import jax
@@ -13,9 +14,12 @@ import numpy as np
 import pytest
 
 from jaxspec.models import Sharding, make_mesh, shard_params
-from jaxspec.rollout import Spec, continuous, generate
+from jaxspec.rollout import Sampling, Spec, continuous, generate
 from jaxspec.rollout.speculative import slots as speculative_slots
+from tests.rollout.conftest import random_params
 from tests.rollout.speculative.test_slots import CHAIN, assert_same_rollout, tiny  # noqa: F401  (fixture)
+from tests.rollout.test_recorded_experts import CFG as MOE_CFG
+from tests.rollout.test_recorded_experts import PROMPTS as MOE_PROMPTS
 
 MESHES = {"data-tensor": dict(data=2, fsdp=1, tensor=2), "fsdp-tensor": dict(data=1, fsdp=2, tensor=2)}
 SLOTS = 8
@@ -80,3 +84,16 @@ def test_sampled_slots_on_a_mesh_equal_one_device(tiny, monkeypatch):  # noqa: F
     out, _ = run_on_mesh(tiny, "data-tensor", sampled, jax.random.key(5), "ar", monkeypatch)
     assert len(set(np.asarray(want.lengths).tolist())) > 2  # rows end at different lengths
     assert_same_rollout(out, want)
+
+
+def test_a_mixture_of_experts_policy_on_a_mesh_equals_one_device():
+    params = random_params(MOE_CFG, seed=3, std=0.2)
+    rows = [p for p in MOE_PROMPTS for _ in range(2)]
+    greedy = Sampling(temperature=0.0, max_new_tokens=8, eos_id=(42,))
+    want = generate(MOE_CFG, params, rows, jax.random.key(0), greedy, slots=SLOTS)
+    sharding = Sharding(make_mesh(**MESHES["data-tensor"], devices=jax.devices()[:4]))
+    got = generate(
+        MOE_CFG, shard_params(sharding, params), rows, jax.random.key(0), greedy, slots=SLOTS, sharding=sharding
+    )
+    assert got.stats["groups"] == 2
+    assert_same_rollout(got, want)

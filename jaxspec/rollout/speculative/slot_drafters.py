@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from jaxspec.draft import draft_extend, fuse
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import NO_PAGE
 from jaxspec.models.transformer import extend
 from jaxspec.rollout.continuous import empty_cache
 from jaxspec.rollout.slot_layout import Layout
@@ -73,28 +72,32 @@ def keep_table(state, stored):
     return state._replace(cache=stored.cache._replace(k=state.cache.k, v=state.cache.v))
 
 
-def prefill_hook(drafter, dparams, layout: Layout):
-    """on_prefill(state, prompts, lanes, valid, positions, hidden) -> state for `slots.prefill_chunk`
-    (one group's, of `layout`: a group's layout): the draft's KV of the chunk's positions; None
-    for the n-gram drafter."""
+def prefill_hook(drafter, dparams):
+    """on_prefill(state, lanes, hidden) -> state for `slots.prefill_chunk` (every group's lanes in a
+    row): the draft's KV of the chunk's positions; None for the n-gram drafter."""
     if isinstance(drafter, NgramDrafter):
         return None
 
-    def on_prefill(state, prompts, lanes, valid, positions, hidden):
+    def on_prefill(state, lanes, hidden):
         spec = state.draft
-        row = jnp.clip(state.row[lanes], 0, layout.rows - 1)
-        ctx = state.ctx_len[lanes][:, None]
-        view = with_table(spec.draft, jnp.where(valid[:, None], state.pool.page_table[lanes], NO_PAGE)).cache
-        start = positions[:, 0]
+        view = with_table(spec.draft, lanes.table).cache
         if isinstance(drafter, DraftModelDrafter):
-            tokens = jnp.where(positions < ctx, context_tokens(prompts, state.tokens, row, positions), 0)
-            _, _, cache = extend(drafter.cfg, dparams, view, tokens, positions, start, active=valid)
+            _, _, cache = extend(
+                drafter.cfg, dparams, view, lanes.tokens, lanes.positions, lanes.start, active=lanes.valid
+            )
         else:  # EAGLE-3: entry j pairs the fused features at j with token j + 1
             head = dparams["head"]
-            following = jnp.where(positions + 1 < ctx, context_tokens(prompts, state.tokens, row, positions + 1), 0)
             hidden_in = fuse(drafter.dcfg, head, hidden)
             _, _, cache = draft_extend(
-                drafter.dcfg, head, dparams["embed"], view, following, hidden_in, positions, start, active=valid
+                drafter.dcfg,
+                head,
+                dparams["embed"],
+                view,
+                lanes.next_tokens,
+                hidden_in,
+                lanes.positions,
+                lanes.start,
+                active=lanes.valid,
             )
         draft = spec.draft._replace(cache=spec.draft.cache._replace(k=cache.k, v=cache.v))
         return state._replace(draft=spec._replace(draft=draft))

@@ -14,7 +14,7 @@ a prefill as in the autoregressive engine. A row's steps depend on its own token
 without preemption the same key gives the same tokens for any S; a preempted row resumes with a
 new step boundary, so its later sampled tokens are a different (equally exact) draw; greedy
 rollouts are the same through preemptions. Stochastic drafts draw their noise per loop
-iteration (and group, on a mesh: exact, but not independent of the slot count or the mesh).
+iteration, for all slots at once (exact, but not independent of the slot count or the mesh).
 
 Draft depth by occupancy: `Spec.stage_draft_tokens` entry i is the depth while the decoding
 slots are at most S / 2^i and more than S / 2^(i + 1) (`occupancy_sizes`), the staged loop's
@@ -42,7 +42,17 @@ from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE, Layout
 from jaxspec.rollout.slot_memory import slot_layout
-from jaxspec.rollout.slot_state import LoopState, Prompts, first_group, initial_state, map_groups, rows_of, summed
+from jaxspec.rollout.slot_state import (
+    LoopState,
+    Prompts,
+    first_group,
+    initial_state,
+    map_groups,
+    rows_of,
+    slots_flat,
+    slots_grouped,
+    summed,
+)
 from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, row_keys, run_slots
 from jaxspec.rollout.speculative.generate import make_drafter
 from jaxspec.rollout.speculative.loop import speculative_step
@@ -157,18 +167,20 @@ def _loop(
         active = state.decoding & (state.row >= 0)
         index = jnp.sum(active.sum() <= sizes)  # the occupancy bracket
         steps = state.draft.depth_steps.at[..., index].add(1)
-        branches = [lambda s, d=d: map_groups(layout, functools.partial(decode_with, d))(s, prompts) for d in drafters]
+        branches = [functools.partial(decode_with, d) for d in drafters]
         state = branches[0](state) if len(branches) == 1 else jax.lax.switch(index, branches, state)
         return state._replace(draft=state.draft._replace(depth_steps=steps))
 
-    def decode_with(drafter, state: LoopState, prompts: Prompts) -> LoopState:
-        active, view = decoding_view(state)
-        spec_state = state.draft
-        row = jnp.clip(state.row, 0, group.rows - 1)
-        keys = row_keys(verify_key, state.first_row + row, state.lengths[row])
-        noise_key = jax.random.fold_in(draft_key, state.counters["steps"])
-        if layout.groups > 1:  # the groups' slots draw apart
-            noise_key = jax.random.fold_in(noise_key, state.first_row)
+    def decode_with(drafter, state: LoopState) -> LoopState:
+        """One draft-and-verify step of every group's decoding slots, as one batch of slots."""
+
+        def view_and_keys(state: LoopState, prompts: Prompts):
+            active, table = decoding_view(state)
+            row = jnp.clip(state.row, 0, group.rows - 1)
+            return active, table, row_keys(verify_key, state.first_row + row, state.lengths[row])
+
+        active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts))
+        stored = slots_flat(layout, state.draft.draft)
 
         def verify(verify_logits, tree, temperature):
             def one(logits, parents, tokens, num_nodes, key, probs):
@@ -191,35 +203,40 @@ def _loop(
             sampling,
             drafter,
             dparams,
-            view,
-            with_table(spec_state.draft, view.page_table),
-            state.last,
-            state.cache_len,
+            state.cache._replace(page_table=table),
+            with_table(stored, table),
+            *slots_flat(layout, (state.last, state.cache_len)),
             active,
-            noise_key,
+            jax.random.fold_in(draft_key, first_group(layout, state.counters["steps"])),
             verify,
             max_depth=max_depth,
             chain=chain,
         )
-        state = emit(state, active, out.emitted, out.logprobs, out.accepted + 1, sampling)
-        counts = count_step(spec_state.counts, out.tree.parents, out.tree.num_nodes, out.path, out.accepted, active)
+        draft = slots_grouped(layout, keep_table(out.draft, stored))
+        state = state._replace(
+            cache=state.cache._replace(k=out.cache.k, v=out.cache.v), draft=state.draft._replace(draft=draft)
+        )
+        per_slot = (active, out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
+        per_slot += (out.tree.num_nodes, out.path)
+        return map_groups(layout, commit)(state, prompts, *slots_grouped(layout, per_slot))
+
+    def commit(state, prompts, active, emitted, logprobs, accepted, next_token, parents, num_nodes, path):
+        """One group's slots append their step's tokens and count its acceptance."""
+        state = emit(state, active, emitted, logprobs, accepted + 1, sampling)
+        counts = count_step(state.draft.counts, parents, num_nodes, path, accepted, active)
         return state._replace(
-            cache=state.cache._replace(k=out.cache.k, v=out.cache.v),
-            cache_len=state.cache_len + jnp.where(active, out.accepted + 1, 0),
-            last=jnp.where(active, out.next_token, state.last),
-            draft=spec_state._replace(draft=keep_table(out.draft, spec_state.draft), counts=counts),
+            cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
+            last=jnp.where(active, next_token, state.last),
+            draft=state.draft._replace(counts=counts),
         )
 
-    on_prefill = prefill_hook(drafter, dparams, group)
+    on_prefill = prefill_hook(drafter, dparams)
     on_start = start_hook(drafter, dparams, group)
 
-    def prefill_group(state: LoopState, prompts: Prompts) -> LoopState:
-        return prefill_chunk(
-            cfg, params, sampling, group, prompts, key, state, drafter.policy_layers, on_prefill, on_start
-        )
-
     def prefill(state: LoopState) -> LoopState:
-        return map_groups(layout, prefill_group)(state, prompts)
+        return prefill_chunk(
+            cfg, params, sampling, layout, prompts, key, state, drafter.policy_layers, on_prefill, on_start
+        )
 
     draft = empty_state(drafter, dparams, layout, prompt_width + layout.max_new, cache_dtype)
     spec_state = SpecSlots(draft, Counts.zeros(max_depth), jnp.zeros((len(drafters),), jnp.int32))
