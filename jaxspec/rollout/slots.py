@@ -38,9 +38,10 @@ batched matmuls).
 
 Rows of one prompt (a GRPO group) share the pages of its prefix (`jaxspec.rollout.prefix_cache`):
 it is prefilled once while rows of the prompt are live (within a group, on a mesh). Not yet:
-record_experts (mixture-of-experts routing replay). The staged dense engine
-(`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this one
-faster everywhere.
+record_experts (routing replay of mixture-of-experts policies), suffix drafts and adaptive depth
+(`SpecConfig.slot_engine_lacks`), and a ragged paged-attention kernel (`jaxspec.models.paged`
+reads through the jnp reference). The staged dense engine (`jaxspec.rollout.engine`, slots=None)
+stays the default until GPU measurements show this one faster everywhere.
 """
 
 from __future__ import annotations
