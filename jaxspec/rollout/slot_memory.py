@@ -135,6 +135,36 @@ def auto_layout(
     return plan(fewer[0])
 
 
+def _stated_auto_layout(cfg, rows, width, max_new, lookahead, free, page_size, cache_dtype, memory) -> Layout:
+    """`auto_layout` for these shapes with `free` bytes per device (None: not reported, the CPU
+    fallback): the one chosen before while it fits, else a new one, logged."""
+    shapes = (cfg, rows, width, max_new, lookahead, page_size, str(cache_dtype), *memory.values())
+    available = CPU_FREE_BYTES if free is None else free
+    layout = _chosen.get(shapes)
+    if layout is not None and slot_memory_bytes(cfg, layout, width, cache_dtype, **memory) <= available:
+        return layout
+    layout = auto_layout(
+        cfg, rows, width, max_new, lookahead, free=available, page_size=page_size, cache_dtype=cache_dtype, **memory
+    )
+    _chosen[shapes] = layout
+    per_page = page_bytes(cfg, page_size, cache_dtype, memory["sharding"])
+    if memory["draft_kv"] is not None:
+        per_page += page_bytes(memory["draft_kv"], page_size, cache_dtype, memory["sharding"])
+    log.info(
+        "slots=auto: %d slots over %d rows, %d KV pages of %d positions (%d per device), %d bytes per page per "
+        "device, %d bytes free per device%s",
+        layout.slots,
+        rows,
+        layout.num_pages,
+        page_size,
+        layout.num_pages // layout.groups,
+        per_page,
+        available,
+        "" if free is not None else " (not reported by the backend: the CPU fallback)",
+    )
+    return layout
+
+
 def slot_layout(
     cfg: ModelConfig,
     batch,
@@ -164,38 +194,7 @@ def slot_layout(
             raise ValueError(
                 f"kv_pages={kv_pages}: slots='auto' chooses the page pool; pass an integer slots to set it"
             )
-        shapes = (cfg, rows, width, max_new, lookahead, page_size, str(cache_dtype), sharding, draft_kv, verify)
-        layout = _chosen.get(shapes)
-        available = CPU_FREE_BYTES if free is None else free
-        if layout is None or slot_memory_bytes(cfg, layout, width, cache_dtype, **memory) > available:
-            layout = auto_layout(
-                cfg,
-                rows,
-                width,
-                max_new,
-                lookahead,
-                free=available,
-                page_size=page_size,
-                cache_dtype=cache_dtype,
-                **memory,
-            )
-            _chosen[shapes] = layout
-            per_page = page_bytes(cfg, page_size, cache_dtype, sharding)
-            if draft_kv is not None:
-                per_page += page_bytes(draft_kv, page_size, cache_dtype, sharding)
-            log.info(
-                "slots=auto: %d slots over %d rows, %d KV pages of %d positions (%d per device), %d bytes per "
-                "page per device, %d bytes free per device%s",
-                layout.slots,
-                rows,
-                layout.num_pages,
-                page_size,
-                layout.num_pages // layout.groups,
-                per_page,
-                available,
-                "" if free is not None else " (not reported by the backend: the CPU fallback)",
-            )
-        slots = layout.slots  # the rows' real lengths are checked below
+        slots = _stated_auto_layout(cfg, rows, width, max_new, lookahead, free, page_size, cache_dtype, memory).slots
     layout = plan_layout(
         rows,
         slots,
