@@ -25,7 +25,13 @@ implementations with the same semantics:
 
 "auto" is "xla" on every backend until the kernel is measured on a GPU; the
 JAXSPEC_PAGED_ATTENTION environment variable (auto, xla, mosaic, interpret) overrides "auto" at
-trace time. The kernel runs on whole arrays: on a mesh, keep "xla".
+trace time. The kernel takes ungrouped pools only: grouped ones (below) run the reference.
+
+Grouped pools (the slot engine on a mesh, `jaxspec.rollout.slot_state`): a pool may carry a
+leading group axis, [G, num_pages, page_size, Nk, D]; the S slots then form G consecutive blocks
+of S / G, and a slot's page-table entries are page ids within its group's pool. Every function
+here maps over the groups (`per_group`), so that a group's reads and writes stay within its own
+pool (on a mesh whose batch axes split the group axis, on its own devices).
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ IMPL_ENV = "JAXSPEC_PAGED_ATTENTION"
 
 
 class PagedKVCache(NamedTuple):
-    """k, v: per-layer page pools, each [num_pages, page_size, Nk, D]; page_table: int32 [S, M],
-    the pages of slot s in position order (entries past its allocation `NO_PAGE`). A slot's
-    positions [0, M * page_size) are addressable."""
+    """k, v: per-layer page pools, each [num_pages, page_size, Nk, D] (or grouped, [G, num_pages,
+    page_size, Nk, D]: module docstring); page_table: int32 [S, M], the pages of slot s in position
+    order (entries past its allocation `NO_PAGE`). A slot's positions [0, M * page_size) are
+    addressable."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -56,11 +63,12 @@ class PagedKVCache(NamedTuple):
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        """Pages of a pool (of a group's pool, for grouped pools)."""
+        return self.k[0].shape[-4]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[-3]
 
     @property
     def batch(self) -> int:
@@ -105,18 +113,55 @@ def page_of(page_table: jax.Array, positions: jax.Array, page_size: int) -> tupl
     return jnp.where(in_table, page, NO_PAGE), positions % page_size
 
 
+def per_group(fn, pool: jax.Array, page_table: jax.Array, *per_slot: jax.Array):
+    """fn(pool [num_pages, ...], page_table [S, M], *per_slot [S, ...]) of an ungrouped pool, or of
+    each group of a grouped one [G, num_pages, ...] with its block of S / G slots (vmapped; the
+    outputs keep the group axis)."""
+    if pool.ndim == 4:
+        return fn(pool, page_table, *per_slot)
+    groups = pool.shape[0]
+
+    def split(x: jax.Array) -> jax.Array:
+        return x.reshape(groups, x.shape[0] // groups, *x.shape[1:])
+
+    return jax.vmap(fn)(pool, split(page_table), *map(split, per_slot))
+
+
 def paged_write(pool: jax.Array, page_table: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
-    """`pool` [num_pages, page_size, Nk, D] with values [S, T, Nk, D] written at each slot's
-    positions int32 [S, T]; positions with no page are dropped."""
-    page, offset = page_of(page_table, positions, pool.shape[1])
-    return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+    """`pool` [num_pages, page_size, Nk, D] (or grouped) with values [S, T, Nk, D] written at each
+    slot's positions int32 [S, T]; positions with no page are dropped."""
+
+    def write(pool, page_table, positions, values):
+        page, offset = page_of(page_table, positions, pool.shape[1])
+        return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+
+    return per_group(write, pool, page_table, positions, values)
+
+
+def paged_move(pool: jax.Array, page_table: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """`pool` (or grouped) with each slot's entries at positions src int32 [S, T] copied to
+    positions dst int32 [S, T] (through its page table; a source with no page is never asked
+    for, a destination with none is dropped)."""
+
+    def move(pool, page_table, src, dst):
+        src_page, src_offset = page_of(page_table, src, pool.shape[1])
+        dst_page, dst_offset = page_of(page_table, dst, pool.shape[1])
+        src_page = jnp.clip(src_page, 0, pool.shape[0] - 1)
+        return pool.at[dst_page, dst_offset].set(pool[src_page, src_offset], mode="drop")
+
+    return per_group(move, pool, page_table, src, dst)
 
 
 def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
     """Dense view [S, M * page_size, Nk, D] of every slot's pages (zeros where it has none)."""
-    s, m = page_table.shape
-    view = jnp.take(pool, page_table, axis=0, mode="fill", fill_value=0)  # [S, M, page, Nk, D]
-    return view.reshape(s, m * pool.shape[1], *pool.shape[2:])
+
+    def gather(pool, page_table):
+        s, m = page_table.shape
+        view = jnp.take(pool, page_table, axis=0, mode="fill", fill_value=0)  # [S, M, page, Nk, D]
+        return view.reshape(s, m * pool.shape[1], *pool.shape[2:])
+
+    view = per_group(gather, pool, page_table)
+    return view.reshape(page_table.shape[0], *view.shape[-3:])
 
 
 def paged_attention(
@@ -133,8 +178,8 @@ def paged_attention(
     """Attention of T new tokens per slot over the slot's pages, which already hold their keys and
     values (`cache_attention` on a paged cache).
 
-    q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D]; page_table int32 [S, M]; slot s's
-    prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
+    q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D] (or grouped); page_table int32 [S, M];
+    slot s's prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
     bool [S, T, T] among the new tokens (default causal); active bool [S] (default all): a slot
     that is not active sees only its new tokens. impl: see the module docstring. Returns
     [S, T, Nq, D] in q's dtype.
@@ -153,6 +198,8 @@ def paged_attention(
 def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
     """Whether `jaxspec.kernels.paged_attention_mosaic` takes this call (the shapes and dtypes the
     module docstring lists, and a program that fits a Hopper block's shared memory)."""
+    if k_pool.ndim != 4:  # a grouped pool (the slot engine on a mesh)
+        return False
     _, t, nq, d = q.shape
     page_size, nk = k_pool.shape[1], k_pool.shape[2]
     block_kv = max(mosaic.BLOCK_KV, page_size)
