@@ -223,3 +223,16 @@ def test_shared_memory_fits_a_hopper_block():
             num_new=1,
             max_concurrent_steps=4,
         )
+
+
+def test_grouped_pools_run_the_reference():
+    """The slot engine on a mesh passes pools with a leading group axis; the kernel takes ungrouped
+    pools only, so such a call runs the reference whatever impl asks for."""
+    q, k_pool, v_pool, table, cache_len, tree = inputs(1, jnp.bfloat16, 2, 2, [5, 20], [1, 2])
+    k_groups, v_groups = jnp.stack([k_pool, k_pool]), jnp.stack([v_pool, v_pool])
+    q2, table2 = jnp.concatenate([q, q]), jnp.concatenate([table, table])
+    len2, tree2 = jnp.concatenate([cache_len, cache_len]), jnp.concatenate([tree, tree])
+    assert not kernel_applies(q2, k_groups, v_groups)
+    got = paged_attention(q2, k_groups, v_groups, table2, len2, tree2, impl="interpret")
+    want = paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="xla")
+    np.testing.assert_array_equal(got, jnp.concatenate([want, want]))
