@@ -22,7 +22,7 @@ from jaxspec.models.paged import (
     paged_attention,
     write_and_attend,
 )
-from jaxspec.rollout.speculative.loop import commit_path
+from jaxspec.rollout.speculative.step import commit_path
 from tests.models.test_cache import model  # noqa: F401  (fixture)
 
 SLOTS, PAGE, PAGES_PER_SLOT, NEW = 4, 4, 6, 5
