@@ -169,7 +169,7 @@ def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
 
     def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **constants):
         assert kernel is kernel_module.kernel and num_warps == 4 and num_stages == 2 and name
-        assert kernel.arg_names == [*kernel.arg_names[: len(args) + len(out_shape)], *constants]
+        assert sorted(kernel.arg_names[len(args) + len(out_shape) :]) == sorted(constants)  # and no more pointers
         run = functools.partial(kernel_module._run_interpreted, grid=grid, out_shape=out_shape, constants=constants)
         return jax.pure_callback(run, out_shape, *args)
 
@@ -189,13 +189,13 @@ def test_calls_the_kernel_does_not_take_run_the_reference():
     assert not kernel_applies(q, k_pool, v_pool, "triton")  # 33 x 4 = 132 query rows
     got = paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="triton")
     np.testing.assert_array_equal(got, paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="xla"))
-    q96, k96 = q[..., :48], k_pool[..., :48]
-    assert not kernel_applies(q96[:, :1], k96, k96, "triton")
+    q48, k48 = q[..., :48], k_pool[..., :48]
+    assert not kernel_applies(q48[:, :1], k48, k48, "triton")
     with pytest.raises(ValueError, match="head dim must be a power of two"):
         kernel_module.paged_attention_partials(
             jnp.zeros((2, 2, 16, 48), jnp.bfloat16),
-            k96,
-            k96,
+            k48,
+            k48,
             table,
             cache_len,
             cache_len,
