@@ -7,10 +7,13 @@ reads KV blocks up to each row's length. `roofline` is the time to read the fill
 the device read bandwidth (a sum over --read-bytes, measured in the same run), over the kernel's time.
 
 --paged also lays the same keys and values out in shuffled pages of --page-size positions and
-times `paged_attention` on them: its jnp reference ("xla": a gather of every page of the table,
-then the dense path) and the Mosaic GPU kernel (`jaxspec.kernels.paged_attention_mosaic`, which
-reads each row's pages up to its length), with the kernel's agreement with the dense path and its
-own roofline fraction.
+times `paged_attention` on them: its jnp reference (`paged_xla_ms`: a gather of every page of the
+table, then the dense path) and the paged kernels of --paged-backends, which read each row's
+pages up to its length: "mosaic" (Pallas Mosaic GPU, `jaxspec.kernels.paged_attention_mosaic`)
+and "triton" (the Triton language through jax-triton, `jaxspec.kernels.paged_attention_triton`),
+each with its time (`paged_<backend>_ms`), its largest difference from the dense path and its
+roofline fraction, beside the dense path (`xla_ms`) and the Pallas (Triton backend) ragged
+kernel on the dense cache (`kernel_ms`) of the same run.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from jaxspec.models.attention import cache_attention
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import kernel_applies, paged_attention
 
+PAGED_BACKENDS = ("mosaic", "triton")  # the paged kernels --paged times
+
 
 def attention_inputs(
     batch: int, t: int, heads: int, kv_heads: int, head_dim: int, max_len: int, fill: float, seed: int = 0
@@ -57,7 +62,7 @@ def paged_inputs(k: jax.Array, v: jax.Array, page_size: int, seed: int = 0):
     the caches k/v [B, S, Nk, D] cut into pages, shuffled over the pool."""
     batch, max_len = k.shape[:2]
     if max_len % page_size:
-        raise ValueError(f"bench attention --paged: --max-len {max_len} must be a multiple of --page-size {page_size}")
+        raise ValueError(f"--max-len {max_len} must be a multiple of --page-size {page_size}")
     pages = batch * max_len // page_size
     order = np.random.default_rng(seed).permutation(pages)  # pool page i holds cache page order[i]
     table = np.empty(pages, np.int32)
@@ -97,10 +102,17 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--paged",
         action="store_true",
-        help="also time paged_attention on the same KV in shuffled pages: jnp reference and Mosaic GPU kernel "
-        "(interpret mode with --kernel-impl interpret)",
+        help="also time paged_attention on the same KV in shuffled pages: jnp reference and the paged kernels "
+        "of --paged-backends (interpret mode with --kernel-impl interpret)",
     )
     p.add_argument("--page-size", type=int, default=16, help="positions per page with --paged")
+    p.add_argument(
+        "--paged-backends",
+        nargs="+",
+        choices=PAGED_BACKENDS,
+        default=list(PAGED_BACKENDS),
+        help="paged kernels --paged times (triton needs jax-triton on a GPU, triton and torch in interpret mode)",
+    )
     p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -142,26 +154,35 @@ def main(argv: list[str]) -> int:
                         f"attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate",
                     )
                     if args.paged:
-                        paged_row = time_paged(
-                            q, k, v, cache_len, args.page_size, args.kernel_impl, args.iters, outs["xla"]
-                        )
-                        if paged_row is None:
+                        try:
+                            paged_row = time_paged(
+                                q,
+                                k,
+                                v,
+                                cache_len,
+                                args.page_size,
+                                args.paged_backends,
+                                args.kernel_impl,
+                                args.iters,
+                                outs["xla"],
+                            )
+                        except (ValueError, ImportError) as e:
                             print(
-                                f"bench attention --paged: the Mosaic GPU kernel does not take {model}'s heads "
-                                f"(Nq {cfg.num_heads}, Nk {cfg.num_kv_heads}, D {cfg.head_dim}) at T={t}, "
-                                f"page size {args.page_size}",
+                                f"bench attention --paged: {e} ({model}: Nq {cfg.num_heads}, Nk {cfg.num_kv_heads}, "
+                                f"D {cfg.head_dim}, T={t}, page size {args.page_size})",
                                 file=sys.stderr,
                             )
                             return 2
+                        for backend in args.paged_backends:
+                            add_fraction(
+                                paged_row,
+                                f"paged_{backend}_roofline",
+                                filled / (paged_row[f"paged_{backend}_ms"] * 1e-3),
+                                read_rate,
+                                f"paged attention ({backend}) {Path(model).stem} batch {batch} T={t} fill {fill}: "
+                                "filled KV read rate",
+                            )
                         rows[-1].update(paged_row)
-                        rows[-1]["paged_vs_ragged"] = rows[-1]["kernel_ms"] / paged_row["paged_kernel_ms"]
-                        add_fraction(
-                            rows[-1],
-                            "paged_roofline",
-                            filled / (paged_row["paged_kernel_ms"] * 1e-3),
-                            read_rate,
-                            f"paged attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate",
-                        )
                     print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))
@@ -172,25 +193,27 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def time_paged(q, k, v, cache_len, page_size: int, kernel_impl: str, iters: int, dense_out) -> dict | None:
-    """paged_xla_ms, paged_kernel_ms, their ratio and the kernel's largest difference from the dense
-    path's output dense_out (float32), for q and the caches k/v laid out in pages; None where the
-    kernel does not take these shapes."""
+def time_paged(
+    q, k, v, cache_len, page_size: int, backends: list[str], kernel_impl: str, iters: int, dense_out
+) -> dict:
+    """paged_xla_ms, and for each backend paged_<backend>_ms and paged_<backend>_max_abs_diff (from
+    the dense path's output dense_out, float32), for q and the caches k/v laid out in pages.
+    ValueError naming a backend whose kernel does not take these shapes; ImportError where the
+    Triton kernel's packages are missing."""
     k_pool, v_pool, table = paged_inputs(k, v, page_size)
-    if not kernel_applies(q, k_pool, v_pool):
-        return None
-    impls = {"xla": "xla", "kernel": "mosaic" if kernel_impl == "pallas" else "interpret"}
-    times, outs = {}, {}
-    for name, impl in impls.items():
+    interpret = {"mosaic": "interpret", "triton": "triton-interpret"}
+    impls = {backend: backend if kernel_impl == "pallas" else interpret[backend] for backend in backends}
+    for backend, impl in impls.items():
+        if not kernel_applies(q, k_pool, v_pool, impl):
+            raise ValueError(f"the {backend} kernel does not take these heads")
+    row = {}
+    for name, impl in {"xla": "xla", **impls}.items():
         fn = jax.jit(functools.partial(paged_attention, impl=impl))
-        outs[name] = fn(q, k_pool, v_pool, table, cache_len).astype(jnp.float32)
-        times[name] = median_seconds(lambda: fn(q, k_pool, v_pool, table, cache_len), iters=iters)
-    return {
-        "paged_xla_ms": times["xla"] * 1e3,
-        "paged_kernel_ms": times["kernel"] * 1e3,
-        "paged_speedup": times["xla"] / times["kernel"],
-        "paged_max_abs_diff": float(jnp.max(jnp.abs(outs["kernel"] - dense_out))),
-    }
+        out = fn(q, k_pool, v_pool, table, cache_len).astype(jnp.float32)
+        row[f"paged_{name}_ms"] = median_seconds(lambda: fn(q, k_pool, v_pool, table, cache_len), iters=iters) * 1e3
+        if name != "xla":
+            row[f"paged_{name}_max_abs_diff"] = float(jnp.max(jnp.abs(out - dense_out)))
+    return row
 
 
 # (block_k, num_warps, num_stages, splits relative to `split_plan`'s default) that --tune times

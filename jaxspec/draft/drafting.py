@@ -122,7 +122,7 @@ def _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, t
         "positions": (positions.shape, (b, t)),
         "cache_len": (cache_len.shape, (b,)),
         "cache": (
-            (len(cache.k), cache.batch, *cache.k[0].shape[2:]),
+            (len(cache.k), cache.batch, *cache.k[0].shape[-2:]),
             (1, b, dcfg.num_kv_heads, dcfg.head_dim),
         ),
     }

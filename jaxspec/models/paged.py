@@ -11,7 +11,7 @@ dropped and reads are masked out (they lie past the slot's length).
 (they call `write_and_attend`), with the same semantics: row b of the batch is slot b of the page
 table, cache_len[b] its filled positions.
 
-`paged_attention` is the one function a ragged paged-attention kernel replaces. Two
+`paged_attention` is the one function a ragged paged-attention kernel replaces. Three
 implementations with the same semantics:
 
 * "xla": the jnp reference: it gathers each slot's pages into a dense view [S, M * page_size] and
@@ -21,11 +21,23 @@ implementations with the same semantics:
   it applies to (one 16-bit dtype, head dim a multiple of 64, at most 128 query rows of new
   tokens x query heads per kv head, page size a multiple of 8 dividing 64 or a multiple of 64 up
   to 256); other calls (a long prefill chunk, float32) run the reference. "interpret" runs the
-  kernel in Mosaic GPU interpret mode (any backend, slow; JAX >= 0.12).
+  kernel in Mosaic GPU interpret mode (any backend, slow; JAX >= 0.12);
+* "triton": the same kernel contract in the Triton language, `jaxspec.kernels.paged_attention_triton`,
+  called through jax-triton (the `triton` extra), for the steps it applies to (bfloat16, float16
+  or float32, head dim a power of two in [16, 256], at most 128 query rows per kv head, any page
+  size). "triton-interpret" runs it in Triton's interpreter on the host (any backend, slow; needs
+  torch).
 
-"auto" is "xla" on every backend until the kernel is measured on a GPU; the
-JAXSPEC_PAGED_ATTENTION environment variable (auto, xla, mosaic, interpret) overrides "auto" at
-trace time. The kernel runs on whole arrays: on a mesh, keep "xla".
+"auto" is "xla" on every backend until the kernels are measured on a GPU; the
+JAXSPEC_PAGED_ATTENTION environment variable (auto, xla, mosaic, interpret, triton,
+triton-interpret) overrides "auto" at trace time. The kernels take ungrouped pools only:
+grouped ones (below) run the reference.
+
+Grouped pools (the slot engine on a mesh, `jaxspec.rollout.slot_state`): a pool may carry a
+leading group axis, [G, num_pages, page_size, Nk, D]; the S slots then form G consecutive blocks
+of S / G, and a slot's page-table entries are page ids within its group's pool. Every function
+here maps over the groups (`per_group`), so that a group's reads and writes stay within its own
+pool (on a mesh whose batch axes split the group axis, on its own devices).
 """
 
 from __future__ import annotations
@@ -41,14 +53,16 @@ from jaxspec.kernels.ragged_attention import merge, new_token_bits
 from jaxspec.models.attention import attention, cache_attention_mask
 
 NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
-IMPLS = ("auto", "xla", "mosaic", "interpret")
+IMPLS = ("auto", "xla", "mosaic", "interpret", "triton", "triton-interpret")
+TRITON_IMPLS = ("triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_PAGED_ATTENTION"
 
 
 class PagedKVCache(NamedTuple):
-    """k, v: per-layer page pools, each [num_pages, page_size, Nk, D]; page_table: int32 [S, M],
-    the pages of slot s in position order (entries past its allocation `NO_PAGE`). A slot's
-    positions [0, M * page_size) are addressable."""
+    """k, v: per-layer page pools, each [num_pages, page_size, Nk, D] (or grouped, [G, num_pages,
+    page_size, Nk, D]: module docstring); page_table: int32 [S, M], the pages of slot s in position
+    order (entries past its allocation `NO_PAGE`). A slot's positions [0, M * page_size) are
+    addressable."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -56,11 +70,12 @@ class PagedKVCache(NamedTuple):
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        """Pages of a pool (of a group's pool, for grouped pools)."""
+        return self.k[0].shape[-4]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[-3]
 
     @property
     def batch(self) -> int:
@@ -105,18 +120,55 @@ def page_of(page_table: jax.Array, positions: jax.Array, page_size: int) -> tupl
     return jnp.where(in_table, page, NO_PAGE), positions % page_size
 
 
+def per_group(fn, pool: jax.Array, page_table: jax.Array, *per_slot: jax.Array):
+    """fn(pool [num_pages, ...], page_table [S, M], *per_slot [S, ...]) of an ungrouped pool, or of
+    each group of a grouped one [G, num_pages, ...] with its block of S / G slots (vmapped; the
+    outputs keep the group axis)."""
+    if pool.ndim == 4:
+        return fn(pool, page_table, *per_slot)
+    groups = pool.shape[0]
+
+    def split(x: jax.Array) -> jax.Array:
+        return x.reshape(groups, x.shape[0] // groups, *x.shape[1:])
+
+    return jax.vmap(fn)(pool, split(page_table), *map(split, per_slot))
+
+
 def paged_write(pool: jax.Array, page_table: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
-    """`pool` [num_pages, page_size, Nk, D] with values [S, T, Nk, D] written at each slot's
-    positions int32 [S, T]; positions with no page are dropped."""
-    page, offset = page_of(page_table, positions, pool.shape[1])
-    return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+    """`pool` [num_pages, page_size, Nk, D] (or grouped) with values [S, T, Nk, D] written at each
+    slot's positions int32 [S, T]; positions with no page are dropped."""
+
+    def write(pool, page_table, positions, values):
+        page, offset = page_of(page_table, positions, pool.shape[1])
+        return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+
+    return per_group(write, pool, page_table, positions, values)
+
+
+def paged_move(pool: jax.Array, page_table: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """`pool` (or grouped) with each slot's entries at positions src int32 [S, T] copied to
+    positions dst int32 [S, T] (through its page table; a source with no page is never asked
+    for, a destination with none is dropped)."""
+
+    def move(pool, page_table, src, dst):
+        src_page, src_offset = page_of(page_table, src, pool.shape[1])
+        dst_page, dst_offset = page_of(page_table, dst, pool.shape[1])
+        src_page = jnp.clip(src_page, 0, pool.shape[0] - 1)
+        return pool.at[dst_page, dst_offset].set(pool[src_page, src_offset], mode="drop")
+
+    return per_group(move, pool, page_table, src, dst)
 
 
 def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
     """Dense view [S, M * page_size, Nk, D] of every slot's pages (zeros where it has none)."""
-    s, m = page_table.shape
-    view = jnp.take(pool, page_table, axis=0, mode="fill", fill_value=0)  # [S, M, page, Nk, D]
-    return view.reshape(s, m * pool.shape[1], *pool.shape[2:])
+
+    def gather(pool, page_table):
+        s, m = page_table.shape
+        view = jnp.take(pool, page_table, axis=0, mode="fill", fill_value=0)  # [S, M, page, Nk, D]
+        return view.reshape(s, m * pool.shape[1], *pool.shape[2:])
+
+    view = per_group(gather, pool, page_table)
+    return view.reshape(page_table.shape[0], *view.shape[-3:])
 
 
 def paged_attention(
@@ -133,26 +185,30 @@ def paged_attention(
     """Attention of T new tokens per slot over the slot's pages, which already hold their keys and
     values (`cache_attention` on a paged cache).
 
-    q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D]; page_table int32 [S, M]; slot s's
-    prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
+    q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D] (or grouped); page_table int32 [S, M];
+    slot s's prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
     bool [S, T, T] among the new tokens (default causal); active bool [S] (default all): a slot
     that is not active sees only its new tokens. impl: see the module docstring. Returns
     [S, T, Nq, D] in q's dtype.
     """
     impl = requested_impl(impl, IMPLS, IMPL_ENV, "paged attention")
-    if impl in ("mosaic", "interpret") and kernel_applies(q, k_pool, v_pool):
-        return _paged_attention_kernel(
-            q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=impl == "interpret"
-        )
+    if impl not in ("auto", "xla") and kernel_applies(q, k_pool, v_pool, impl):
+        return _paged_attention_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, impl=impl)
     k = gather_pages(k_pool, page_table).astype(q.dtype)
     v = gather_pages(v_pool, page_table).astype(q.dtype)
     mask = cache_attention_mask(cache_len, q.shape[1], k.shape[1], tree_mask, active)
     return attention(q, k, v, mask)
 
 
-def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
-    """Whether `jaxspec.kernels.paged_attention_mosaic` takes this call (the shapes and dtypes the
-    module docstring lists, and a program that fits a Hopper block's shared memory)."""
+def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, impl: str = "mosaic") -> bool:
+    """Whether impl's kernel takes this call: for "mosaic" / "interpret",
+    `jaxspec.kernels.paged_attention_mosaic` (the shapes and dtypes the module docstring lists, and a
+    program that fits a Hopper block's shared memory); for "triton" / "triton-interpret",
+    `jaxspec.kernels.paged_attention_triton.kernel_applies`."""
+    if k_pool.ndim != 4:  # a grouped pool (the slot engine on a mesh)
+        return False
+    if impl in TRITON_IMPLS:
+        return _triton_kernel().kernel_applies(q, k_pool, v_pool)
     _, t, nq, d = q.shape
     page_size, nk = k_pool.shape[1], k_pool.shape[2]
     block_kv = max(mosaic.BLOCK_KV, page_size)
@@ -171,16 +227,29 @@ def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
     )
 
 
-def _paged_attention_kernel(
-    q, k_pool, v_pool, page_table, cache_len, tree_mask, active, *, interpret: bool, **tuning
-) -> jax.Array:
-    """`paged_attention` by the Mosaic GPU kernel: the query rows of each (slot, kv head) are its T
-    new tokens x G query heads (row r is token r // G), padded to a multiple of 64; `tuning`
-    (block_kv, splits, max_concurrent_steps) goes to the kernel."""
+def _triton_kernel():
+    """`jaxspec.kernels.paged_attention_triton`, imported on first use (triton is an optional dependency)."""
+    try:
+        from jaxspec.kernels import paged_attention_triton
+    except ImportError as e:
+        raise ImportError(
+            f"paged attention impl 'triton' needs the triton package ({e}; pip install 'jaxspec[triton]')"
+        ) from e
+    return paged_attention_triton
+
+
+def _paged_attention_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, *, impl: str, **tuning):
+    """`paged_attention` by impl's kernel ("mosaic", "interpret", "triton", "triton-interpret"): the
+    query rows of each (slot, kv head) are its T new tokens x G query heads (row r is token
+    r // G), padded to a multiple of 64 (Mosaic GPU) or a power of two >= 16 (Triton); `tuning`
+    (block_kv, splits, and max_concurrent_steps or num_warps / num_stages) goes to the kernel."""
     s, t, nq, d = q.shape
     nk = k_pool.shape[2]
     group = nq // nk
-    rows = -(-t * group // mosaic.ROW_TILE) * mosaic.ROW_TILE
+    if impl in TRITON_IMPLS:
+        rows = _triton_kernel().query_rows(t * group)
+    else:
+        rows = -(-t * group // mosaic.ROW_TILE) * mosaic.ROW_TILE
     if tree_mask is None:
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
     prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
@@ -188,9 +257,12 @@ def _paged_attention_kernel(
         q_rows = q.reshape(s, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(s, nk, t * group, d)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
         bits = new_token_bits(tree_mask, group, rows)
-        parts = mosaic.paged_attention_partials(
-            q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
-        )
+        args = (q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits)
+        if impl in TRITON_IMPLS:
+            partials = _triton_kernel().paged_attention_partials
+            parts = partials(*args, num_new=t, interpret=impl == "triton-interpret", **tuning)
+        else:
+            parts = mosaic.paged_attention_partials(*args, num_new=t, interpret=impl == "interpret", **tuning)
         out = merge(parts)[:, :, : t * group]  # [S, Nk, T*G, D]
         return out.reshape(s, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(s, t, nq, d).astype(q.dtype)
 

@@ -63,6 +63,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 
 KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+# The slot engine's page pools on a mesh: [group, page, position in the page, kv head, head dim]
+# (`jaxspec.rollout.slot_state`); a group's pages stay on its devices.
+KV_PAGES_AXES = ("batch", None, "cache_seq", "kv_heads", "head_dim")
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None, expert: int = 1) -> Mesh:

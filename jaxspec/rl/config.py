@@ -117,8 +117,14 @@ class RolloutConfig:
         pages and slot go to the next pending row at once, so long-tailed rollouts keep S rows
         running, the memory follows the live tokens (the pool holds S rows' longest sequences)
         and a group's rows share their prompt's pages. The same key gives the same rollouts for
-        any S. Not with routing replay of a mixture-of-experts policy yet. null stays the default
-        until GPU measurements show the slot engine faster everywhere.
+        any S and any mesh (on a mesh the rows, slots and pages split over data x fsdp, the KV
+        heads over tensor; colocated or async, with or without gather_weights). Not with routing
+        replay of a mixture-of-experts policy yet. auto picks S from the free memory of the
+        rollout's devices: the most slots (at most the call's rows) whose longest sequences and
+        step buffers fit in 90% of it, so no row is ever preempted; the choice is logged once
+        ("jaxspec.rollout" logger; on the CPU, which reports no free memory, 2 GiB per device
+        are assumed; `jaxspec.rollout.slot_memory`). null stays the default until GPU
+        measurements show the slot engine faster everywhere.
     """
 
     prompts_per_step: int = 8
@@ -132,7 +138,7 @@ class RolloutConfig:
     max_staleness: int = 1
     sub_batch: int | None = None
     gather_weights: bool = False
-    slots: int | None = None
+    slots: int | str | None = None
 
 
 AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")

@@ -40,9 +40,9 @@ def validate(cfg: GRPOConfig, source: str) -> None:
         )
     if r.slots is not None:
         need(
-            isinstance(r.slots, int) and not isinstance(r.slots, bool) and r.slots >= 1,
+            r.slots == "auto" or (isinstance(r.slots, int) and not isinstance(r.slots, bool) and r.slots >= 1),
             "rollout.slots",
-            f"must be null or an integer >= 1 (decode slots), got {r.slots!r}",
+            f"must be null, auto (from the devices' free memory) or an integer >= 1 (decode slots), got {r.slots!r}",
         )
     need(
         r.temperature > 0,

@@ -32,7 +32,7 @@ from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
-from jaxspec.rollout.slots import DEFAULT_PAGE_SIZE
+from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 from jaxspec.rollout.speculative.generate import speculative_generate
 from jaxspec.rollout.speculative.slots import slot_speculative_generate
 from jaxspec.rollout.stages import batch_stages, run_in_stages
@@ -50,7 +50,7 @@ def generate(
     sharding: Sharding | None = None,
     prompt_width: int = 1,
     record_experts: bool = False,
-    slots: int | None = None,
+    slots: int | str | None = None,
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
 ) -> RolloutOutput:
@@ -58,7 +58,8 @@ def generate(
 
     prompts: B token-id lists, lengths may differ. key: PRNG key; all randomness derives from it.
     cache_dtype: KV cache dtype (default: the params' dtype). sharding: when given, the cache is
-    laid out by `KV_CACHE_AXES` and the batch is sharded over the mesh's batch axes.
+    laid out by `KV_CACHE_AXES` (with slots, the page pools by `KV_PAGES_AXES`) and the batch is
+    sharded over the mesh's batch axes.
     Compiled programs are reused across calls with the same batch size, prompt-length bucket,
     distinct-prompt bucket and `sampling`. prompt_width: pad prompts as if the longest had this
     many tokens; a caller that knows its longest prompt passes it, so that every call shares one
@@ -76,12 +77,19 @@ def generate(
         live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
         token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
         same tokens for any S. Autoregressive or speculative (every drafter); not yet with
-        record_experts.
-    kv_pages: with slots, the page pool (default: every slot's longest sequence, which never
-        preempts); a smaller pool preempts the newest rows when it runs short and resumes them
-        exactly. page_size: token positions per page.
-    Raises ValueError for an empty prompt list or prompt, a kv_pages pool that cannot hold one
-    row's longest sequence, a token or eos id outside the
+        record_experts. With a sharding the rows, slots and pages split into groups over the
+        batch axes (data x fsdp) that divide both the rows and S, each group's pages on its own
+        devices with the KV heads over the tensor axis (`jaxspec.rollout.slot_state`); the same
+        tokens as on one device. "auto" picks S and the pool from the devices' free memory: the
+        most slots (at most B) whose longest sequences all fit at once, so nothing is
+        preempted, stated once on the "jaxspec.rollout" logger (`jaxspec.rollout.slot_memory`;
+        on the CPU, which reports no free memory, 2 GiB per device are assumed).
+    kv_pages: with an integer slots, the page pool (default: every slot's longest sequence, which
+        never preempts); a smaller pool preempts the newest rows when it runs short and resumes
+        them exactly. page_size: token positions per page.
+    Raises ValueError for an empty prompt list or prompt, slots neither None, "auto" nor an
+    integer >= 1, a kv_pages pool that cannot hold one row's longest sequence (or given with
+    slots="auto"), a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
     not fit the device's free memory, a draft that does not fit the policy, or record_experts
     with a dense policy.
@@ -102,7 +110,7 @@ def generate(
     if slots is not None:
         if record_experts:
             raise ValueError("record_experts: not available with slots (the slot engine records no routing yet)")
-        paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size)
+        paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size, sharding=sharding)
         if spec is not None:
             return slot_speculative_generate(cfg, params, batch, key, sampling, spec, **paged)
         return slot_generate(cfg, params, batch, key, sampling, **paged)

@@ -3,7 +3,7 @@
 `generate(..., slots=S)` runs the whole rollout, prefill included, as ONE compiled
 `jax.lax.while_loop` with static shapes: zero host round trips per step (the host waits once, for
 the outputs). The pending-row queue, the free-page stack and the page tables are device arrays
-(`jaxspec.rollout.page_pool`). Each iteration:
+(`jaxspec.rollout.page_pool`). Each iteration (`run_slots`):
 
 1. **room**: every decoding slot gets the pages its next step writes (`lookahead` positions past
    its length). When the free pages do not suffice, the prefix cache lets go of its pages
@@ -24,147 +24,51 @@ the outputs). The pending-row queue, the free-page stack and the page tables are
 5. **release**: slots whose row has finished return their pages to the pool, and the cache
    lets go of the prefixes of prompts whose rows have all finished.
 
+Steps 1, 2 and 5 are `jaxspec.rollout.slot_schedule`; the shapes are `jaxspec.rollout.slot_layout`
+and the carry `jaxspec.rollout.slot_state`. On a mesh the rows, slots and pages split into groups
+over the batch axes (data x fsdp), each on its own devices with the pools' KV heads over the
+tensor axis, stepping in lockstep (`jaxspec.rollout.slot_state`); every row gets the tokens it
+gets on one device.
+
 A row resumed after preemption re-prefills its prompt and its tokens so far, then samples its
 next token: exactly the distribution its next decode step had. Every draw of row r's token i
-uses `fold_in(fold_in(key, r), i)`, whatever the slot, the slot count or preemptions, so in
-float32 the same key gives the same tokens for any S (up to float rounding of batched matmuls).
+uses `fold_in(fold_in(key, r), i)`, whatever the slot, the slot count, the group or preemptions,
+so in float32 the same key gives the same tokens for any S and any mesh (up to float rounding of
+batched matmuls).
 
 Rows of one prompt (a GRPO group) share the pages of its prefix (`jaxspec.rollout.prefix_cache`):
-it is prefilled once while rows of the prompt are live. Not yet: record_experts; laying the
-pools out by `KV_CACHE_AXES` on a mesh (XLA propagates the params' sharding). The staged dense
-engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this
-one faster everywhere.
+it is prefilled once while rows of the prompt are live (within a group, on a mesh). Not yet:
+record_experts (routing replay of mixture-of-experts policies), suffix drafts and adaptive depth
+(`SpecConfig.slot_engine_lacks`), and a ragged paged-attention kernel (`jaxspec.models.paged`
+reads through the jnp reference). The staged dense engine (`jaxspec.rollout.engine`, slots=None)
+stays the default until GPU measurements show this one faster everywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.blocks import logits_from_hidden
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import NO_PAGE, PagedKVCache
-from jaxspec.models.transformer import Params, extend, logits_from_hidden
+from jaxspec.models.paged import NO_PAGE
+from jaxspec.models.params import Params
+from jaxspec.models.sharding import Sharding
+from jaxspec.models.transformer import extend
 from jaxspec.rollout import prefix_cache
-from jaxspec.rollout.page_pool import PagePool, allocate, newest_to_evict, pages_for, release
-from jaxspec.rollout.prefix_cache import PrefixCache
 from jaxspec.rollout.sampling import Sampling, processed_logprobs, sample
-
-DEFAULT_PAGE_SIZE = 16  # token positions per page
-MAX_PREFILL_CHUNK = 256  # most context tokens one prefill lane writes per iteration
-PREFILL_TOKENS = 512  # context tokens all prefill lanes write per iteration (at least one lane)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Static shape of a slot loop (hashable: a `jax.jit` static argument).
-
-    rows: B rows of the call; slots: S; max_new: N; page_size; pages_per_slot: M, page-table
-    entries per slot; num_pages: the pool; chunk: context tokens per prefill lane and iteration;
-    lanes: prefill lanes per iteration; lookahead: positions past its length one decode step
-    writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps); prefix_pages:
-    the most pages a prompt's rows share (`jaxspec.rollout.prefix_cache`).
-    """
-
-    rows: int
-    slots: int
-    max_new: int
-    page_size: int
-    pages_per_slot: int
-    num_pages: int
-    chunk: int
-    lanes: int
-    lookahead: int
-    prefix_pages: int
-
-
-def plan_layout(
-    rows: int,
-    slots: int,
-    prompt_width: int,
-    longest_prompt: int,
-    max_new: int,
-    lookahead: int,
-    *,
-    page_size: int = DEFAULT_PAGE_SIZE,
-    num_pages: int | None = None,
-) -> Layout:
-    """The loop's `Layout` for `rows` rows with prompts padded to `prompt_width` (the longest has
-    `longest_prompt` tokens). num_pages: the pool (default: every slot's longest sequence, which
-    never preempts). Raises ValueError naming the sizes when slots or page_size is not a positive
-    integer, or when the pool cannot hold even one row's longest sequence."""
-    for name, value in (("slots", slots), ("page_size", page_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    slots = min(slots, rows)
-    per_slot = pages_for(prompt_width + max_new - 1 + lookahead, page_size)
-    num_pages = slots * per_slot if num_pages is None else num_pages
-    longest = longest_prompt + max_new - 1 + lookahead  # positions the longest row's last step writes
-    if not isinstance(num_pages, int) or num_pages < pages_for(longest, page_size):
-        raise ValueError(
-            f"kv_pages={num_pages!r}: the page pool must hold at least one row's longest sequence, "
-            f"{pages_for(longest, page_size)} pages of {page_size} positions (prompt {longest_prompt} + "
-            f"max_new_tokens {max_new} - 1 + {lookahead} positions a step writes = {longest})"
-        )
-    chunk = min(MAX_PREFILL_CHUNK, prompt_width)
-    lanes = min(slots, max(1, PREFILL_TOKENS // chunk))
-    prefix = (prompt_width - 1) // page_size
-    return Layout(rows, slots, max_new, page_size, per_slot, num_pages, chunk, lanes, lookahead, prefix)
-
-
-class LoopState(NamedTuple):
-    """The slot loop's carry. Per row (B): tokens int32 [B, N], logprobs float32 [B, N], lengths
-    int32 [B] (tokens emitted), done bool [B]; the queue int32 [B] of rows, pending from `head`.
-    Per slot (S): row int32 (-1 = free), decoding bool (else prefilling), ctx_len (context tokens
-    its prefill writes), prefilled (context tokens written so far), cache_len (decoding: positions
-    in the cache = prompt + emitted - 1), last (decoding: the last emitted token, not yet in the
-    cache), admitted (admission order). pool: the `PagePool`, whose page table is the one in
-    effect (the cache's is set where it is used). prefix: the `PrefixCache`. counters: int32
-    scalars "steps", "prefill_chunks", "preemptions", "peak_pages", "prefix_pages_shared". draft:
-    the drafter's per-slot state, or None."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    lengths: jax.Array
-    done: jax.Array
-    queue: jax.Array
-    head: jax.Array
-    row: jax.Array
-    decoding: jax.Array
-    ctx_len: jax.Array
-    prefilled: jax.Array
-    cache_len: jax.Array
-    last: jax.Array
-    admitted: jax.Array
-    next_admit: jax.Array
-    pool: PagePool
-    cache: PagedKVCache
-    prefix: PrefixCache
-    counters: dict
-    draft: object
-
-
-class Prompts(NamedTuple):
-    """The call's prompts on device: tokens int32 [U, P] distinct prompts, lengths int32 [U],
-    row_prompt int32 [B], row_lengths int32 [B] (`jaxspec.rollout.prompts.PromptBatch`)."""
-
-    tokens: jax.Array
-    lengths: jax.Array
-    row_prompt: jax.Array
-    row_lengths: jax.Array
-
-    @classmethod
-    def of(cls, batch) -> Prompts:
-        """The device arrays of a `PromptBatch`."""
-        return cls(*(jnp.asarray(x) for x in (batch.tokens, batch.lengths, batch.row_prompt, batch.row_lengths)))
+from jaxspec.rollout.slot_layout import Layout
+from jaxspec.rollout.slot_schedule import admit, make_room, release_finished
+from jaxspec.rollout.slot_state import LoopState, Prompts, lay_out, map_groups, slots_flat, slots_grouped
 
 
 def row_keys(key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
-    """Keys [S] of the draws for token `index` int32 [S] of rows int32 [S]: they depend on the
-    call's key, the row and the token's index only."""
+    """Keys [S] of the draws for token `index` int32 [S] of rows int32 [S] (the call's row indices,
+    `LoopState.first_row` + a group's): they depend on the call's key, the row and the token's
+    index only."""
     return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(rows, index)
 
 
@@ -214,74 +118,54 @@ def emit(
     )
 
 
-def make_room(state: LoopState, layout: Layout) -> LoopState:
-    """Gives every decoding slot the pages of its next step, preempting the newest rows first
-    when the pool runs short (module docstring, step 1)."""
-    size = layout.page_size
-    occupied = state.row >= 0
-    need = jnp.where(
-        state.decoding, jnp.maximum(0, pages_for(state.cache_len + layout.lookahead, size) - state.pool.held), 0
-    )
-    # under pressure the prefix cache lets go first: its pages stay only where rows hold them
-    state = prefix_cache.drop(state, jnp.broadcast_to(need.sum() > state.pool.num_free, state.prefix.ready.shape))
-    pool = state.pool
-    evict = newest_to_evict(state.admitted, occupied, pool, need)
-    order = jnp.argsort(jnp.where(evict, -state.admitted, jnp.iinfo(jnp.int32).max), stable=True)  # newest first
-    count = evict.sum(dtype=jnp.int32)
-    i = jnp.arange(layout.slots, dtype=jnp.int32)
-    front = jnp.where(i < count, state.head - 1 - i, layout.rows)  # the oldest evicted row ends up first
-    state = state._replace(
-        queue=state.queue.at[front].set(state.row[order], mode="drop"),
-        head=state.head - count,
-        row=jnp.where(evict, -1, state.row),
-        decoding=state.decoding & ~evict,
-        counters={**state.counters, "preemptions": state.counters["preemptions"] + count},
-    )
-    pool = allocate(release(pool, evict), jnp.where(evict, 0, need), pages_for(layout.lookahead, size))
-    return state._replace(pool=pool)
+class Lanes(NamedTuple):
+    """A prefill chunk's lanes, R of them (per group, or every group's in a row: `slots_flat`):
+    slot int32 [R] (the group's slot the lane writes), valid bool [R], row int32 [R] (the slot's
+    row, clipped), start int32 [R] (context tokens already written), ctx int32 [R] (the context's
+    length), positions int32 [R, C], tokens int32 [R, C] (the context's tokens there, 0 past it),
+    next_tokens int32 [R, C] (the token after each position, 0 past the context: the EAGLE-3
+    head's pairs), table int32 [R, M] (the slot's page table, `NO_PAGE` where not valid)."""
+
+    slot: jax.Array
+    valid: jax.Array
+    row: jax.Array
+    start: jax.Array
+    ctx: jax.Array
+    positions: jax.Array
+    tokens: jax.Array
+    next_tokens: jax.Array
+    table: jax.Array
 
 
-def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
-    """Free slots take the next pending rows while the pool holds their context's pages plus one
-    step's pages for every running row (module docstring, step 2). When the next row does not
-    fit, the prefix cache first lets go of the prefixes no running row holds."""
-    j = jnp.arange(layout.slots, dtype=jnp.int32)
-    free = state.row < 0
-    position = state.head + j
-    candidate = state.queue[jnp.clip(position, 0, layout.rows - 1)]
-    ctx = prompts.row_lengths[candidate] + state.lengths[candidate]
-    pages = pages_for(ctx, layout.page_size)
-    running = jnp.sum(~free, dtype=jnp.int32)
-    headroom = pages_for(layout.lookahead, layout.page_size) * (running + j)
-    short = (state.head < layout.rows) & jnp.any(free) & (pages[0] + headroom[0] > state.pool.num_free)
-    state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
-    pool = state.pool
-    ok = (position < layout.rows) & (j < free.sum()) & (jnp.cumsum(pages) + headroom <= pool.num_free)
-    count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
-    free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
-    target = jnp.where(j < count, free_slots[j], layout.slots)
-
-    def put(field: jax.Array, values) -> jax.Array:
-        return field.at[target].set(values, mode="drop")
-
-    need = put(jnp.zeros((layout.slots,), jnp.int32), pages)
-    return state._replace(
-        head=state.head + count,
-        row=put(state.row, candidate),
-        decoding=put(state.decoding, False),
-        ctx_len=put(state.ctx_len, ctx),
-        prefilled=put(state.prefilled, 0),
-        admitted=put(state.admitted, state.next_admit + j),
-        next_admit=state.next_admit + count,
-        pool=allocate(pool, need, layout.pages_per_slot),
-    )
+# on_prefill(state, lanes: Lanes of every group (`slots_flat`), hidden [n, R, C, H]) -> state: a
+#     drafter's own prefill of the chunk (hidden: the policy's `policy_layers` outputs)
+# on_start(state, prompts, started bool [S], first_token int32 [S], hidden_last [n, S, H]) -> state,
+#     of one group
+PrefillHook = Callable[[LoopState, Lanes, jax.Array], LoopState]
+StartHook = Callable[[LoopState, Prompts, jax.Array, jax.Array, jax.Array], LoopState]
 
 
-# on_prefill(state, lanes int32 [R], valid bool [R], positions int32 [R, C], hidden [n, R, C, H])
-#     -> state: a drafter's own prefill of the chunk (hidden: the policy's `policy_layers` outputs)
-# on_start(state, started bool [S], first_token int32 [S], hidden_last [n, S, H]) -> state
-PrefillHook = Callable[[LoopState, jax.Array, jax.Array, jax.Array, jax.Array], LoopState]
-StartHook = Callable[[LoopState, jax.Array, jax.Array, jax.Array], LoopState]
+def prefilling(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
+    """bool [S]: slots whose context is being written (admitted, not decoding, not waiting for an
+    older row of their prompt to publish its prefix)."""
+    return (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
+
+
+def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
+    """One group's `lanes` oldest `prefilling` slots and the next `chunk` context tokens of each."""
+    writing = prefilling(state, layout, prompts)
+    big = jnp.iinfo(jnp.int32).max
+    slot = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)[: layout.lanes]
+    valid = writing[slot]
+    row = jnp.clip(state.row[slot], 0, layout.rows - 1)
+    start, ctx = state.prefilled[slot], state.ctx_len[slot]
+    positions = start[:, None] + jnp.arange(layout.chunk, dtype=jnp.int32)[None, :]
+
+    def context(at: jax.Array) -> jax.Array:
+        return jnp.where(at < ctx[:, None], context_tokens(prompts, state.tokens, row, at), 0)
+
+    table = jnp.where(valid[:, None], state.pool.page_table[slot], NO_PAGE)
+    return Lanes(slot, valid, row, start, ctx, positions, context(positions), context(positions + 1), table)
 
 
 def prefill_chunk(
@@ -296,78 +180,67 @@ def prefill_chunk(
     on_prefill: PrefillHook | None = None,
     on_start: StartHook | None = None,
 ) -> LoopState:
-    """Writes the next `chunk` context tokens of the oldest prefilling slots (`lanes` of them); a
-    slot whose context this completes samples its row's next token and starts decoding (module
-    docstring, step 4). A no-op (skipped by `lax.cond`) when no slot is prefilling."""
-    prefilling = (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
+    """Writes the next `chunk` context tokens of every group's `prefill_lanes` (one forward over
+    all of them); a slot whose context this completes samples its row's next token and starts
+    decoding (module docstring, step 4). `run_slots` runs it only when a slot of some group
+    prefills; a group with none writes nothing (every lane is invalid)."""
+    group = layout.group()
+    lanes = map_groups(layout, lambda s, p: prefill_lanes(s, group, p))(state, prompts)
+    flat = slots_flat(layout, lanes)
+    _, hidden, view = extend(
+        cfg,
+        params,
+        state.cache._replace(page_table=flat.table),
+        flat.tokens,
+        flat.positions,
+        flat.start,
+        active=flat.valid,
+        hidden_layers=(*policy_layers, cfg.num_layers - 1),
+    )
+    state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
+    if on_prefill is not None:
+        state = on_prefill(state, flat, hidden[:-1])
+    last = jnp.clip(flat.ctx - 1 - flat.start, 0, layout.chunk - 1)[None, :, None, None]
+    hidden_last = jnp.take_along_axis(hidden, last, axis=2)[:, :, 0]  # [n + 1, R, H]
+    logits = logits_from_hidden(cfg, params, hidden_last[-1][:, None])[:, 0]
 
-    def run(state: LoopState) -> LoopState:
-        big = jnp.iinfo(jnp.int32).max
-        lanes = jnp.argsort(jnp.where(prefilling, state.admitted, big), stable=True)[: layout.lanes]
-        valid = prefilling[lanes]
-        row = jnp.clip(state.row[lanes], 0, layout.rows - 1)
-        start, ctx = state.prefilled[lanes], state.ctx_len[lanes]
-        positions = start[:, None] + jnp.arange(layout.chunk, dtype=jnp.int32)[None, :]
-        tokens = jnp.where(positions < ctx[:, None], context_tokens(prompts, state.tokens, row, positions), 0)
-        table = jnp.where(valid[:, None], state.pool.page_table[lanes], NO_PAGE)
-        _, hidden, view = extend(
-            cfg,
-            params,
-            state.cache._replace(page_table=table),
-            tokens,
-            positions,
-            start,
-            active=valid,
-            hidden_layers=(*policy_layers, cfg.num_layers - 1),
-        )
-        state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
-        if on_prefill is not None:
-            state = on_prefill(state, lanes, valid, positions, hidden[:-1])
-        last = jnp.clip(ctx - 1 - start, 0, layout.chunk - 1)[None, :, None, None]
-        hidden_last = jnp.take_along_axis(hidden, last, axis=2)[:, :, 0]  # [n + 1, R, H]
-        logits = logits_from_hidden(cfg, params, hidden_last[-1][:, None])[:, 0]
-        token, logprob = choose_per_row(row_keys(key, row, state.lengths[row]), logits, sampling)
-        finishing = valid & (start + layout.chunk >= ctx)
-        slot = jnp.where(finishing, lanes, layout.slots)  # lanes are distinct where valid
+    def start(state: LoopState, prompts: Prompts, lanes: Lanes, logits: jax.Array, hidden_last: jax.Array):
+        """One group's lanes: sample the next token of the rows whose context is complete, start
+        their slots. logits [R, V]; hidden_last [R, n + 1, H]."""
+        keys = row_keys(key, state.first_row + lanes.row, state.lengths[lanes.row])
+        token, logprob = choose_per_row(keys, logits, sampling)
+        finishing = lanes.valid & (lanes.start + layout.chunk >= lanes.ctx)
+        slot = jnp.where(finishing, lanes.slot, group.slots)  # lanes are distinct where valid
 
         def to_slots(values: jax.Array, fill) -> jax.Array:
-            return jnp.full((layout.slots, *values.shape[1:]), fill, values.dtype).at[slot].set(values, mode="drop")
+            return jnp.full((group.slots, *values.shape[1:]), fill, values.dtype).at[slot].set(values, mode="drop")
 
         started = to_slots(finishing, False)
         first = to_slots(token, 0)
         state = emit(
             state, started, first[:, None], to_slots(logprob, 0.0)[:, None], started.astype(jnp.int32), sampling
         )
+        written = jnp.where(lanes.valid, lanes.slot, group.slots)
         state = state._replace(
-            prefilled=state.prefilled.at[jnp.where(valid, lanes, layout.slots)].add(layout.chunk, mode="drop"),
+            prefilled=state.prefilled.at[written].add(layout.chunk, mode="drop"),
             decoding=state.decoding | started,
             cache_len=jnp.where(started, state.ctx_len, state.cache_len),
             last=jnp.where(started, first, state.last),
             counters={**state.counters, "prefill_chunks": state.counters["prefill_chunks"] + 1},
         )
         if on_start is not None:
-            hidden_slots = jax.vmap(lambda h: to_slots(h, 0))(hidden_last[:-1])
-            state = on_start(state, started, first, hidden_slots)
+            state = on_start(state, prompts, started, first, jnp.moveaxis(to_slots(hidden_last[:, :-1], 0), 1, 0))
         return state
 
-    return jax.lax.cond(jnp.any(prefilling), run, lambda s: s, state)
+    per_lane = slots_grouped(layout, (logits, jnp.moveaxis(hidden_last, 0, 1)))
+    return map_groups(layout, start)(state, prompts, lanes, *per_lane)
 
 
-def release_finished(state: LoopState, layout: Layout) -> LoopState:
-    """Slots whose row is done return their pages to the pool (module docstring, step 5)."""
-    finished = (state.row >= 0) & state.done[jnp.clip(state.row, 0, layout.rows - 1)]
-    return state._replace(
-        pool=release(state.pool, finished),
-        row=jnp.where(finished, -1, state.row),
-        decoding=state.decoding & ~finished,
-    )
-
-
-def decoding_view(state: LoopState) -> tuple[jax.Array, PagedKVCache]:
-    """(bool [S] slots decoding this step, the cache with the others' page tables cleared so that
-    nothing is written to their pages)."""
+def decoding_view(state: LoopState) -> tuple[jax.Array, jax.Array]:
+    """One group's (bool [S] slots decoding this step, int32 [S, M] the page table with the
+    others' entries cleared, so that nothing is written to their pages)."""
     active = state.decoding & (state.row >= 0)
-    return active, state.cache._replace(page_table=jnp.where(active[:, None], state.pool.page_table, NO_PAGE))
+    return active, jnp.where(active[:, None], state.pool.page_table, NO_PAGE)
 
 
 def run_slots(
@@ -376,53 +249,38 @@ def run_slots(
     prompts: Prompts,
     decode: Callable[[LoopState], LoopState],
     prefill: Callable[[LoopState], LoopState],
+    sharding: Sharding | None = None,
 ) -> LoopState:
-    """The compiled loop: room, admit, decode, prefill, release, until every row is done."""
+    """The compiled loop: room, admit, decode, prefill, release, until every row is done.
+
+    state, prompts: every group's (`jaxspec.rollout.slot_state`). decode and prefill take and
+    return every group's state (their bookkeeping maps one group's with `map_groups`, their
+    forwards take every group's slots at once); decode runs when a slot of any group decodes,
+    prefill (`prefill_chunk`) when one prefills, so that every group takes the same branch.
+    sharding: the mesh the carry is laid out on (`lay_out`)."""
+    group = layout.group()
+
+    def schedule(state: LoopState, prompts: Prompts) -> LoopState:
+        state = admit(make_room(state, group), group, prompts)
+        return prefix_cache.attach(state, group, prompts)
+
+    def finish(state: LoopState, prompts: Prompts) -> LoopState:
+        state = release_finished(prefix_cache.publish(state, group, prompts), group)
+        return prefix_cache.drop_finished(state, prompts)
 
     def body(state: LoopState) -> LoopState:
-        state = admit(make_room(state, layout), layout, prompts)
-        state = prefix_cache.attach(state, layout, prompts)
+        state = map_groups(layout, schedule)(state, prompts)
         state = jax.lax.cond(jnp.any(state.decoding & (state.row >= 0)), decode, lambda s: s, state)
-        state = prefix_cache.publish(prefill(state), layout, prompts)
-        state = prefix_cache.drop_finished(release_finished(state, layout), prompts)
-        in_use = layout.num_pages - state.pool.num_free
+        writing = map_groups(layout, lambda s, p: prefilling(s, group, p))(state, prompts)
+        state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
+        state = map_groups(layout, finish)(state, prompts)
+        in_use = layout.num_pages - jnp.sum(state.pool.num_free)
         counters = state.counters
-        return state._replace(
-            counters={
-                **counters,
-                "steps": counters["steps"] + 1,
-                "peak_pages": jnp.maximum(counters["peak_pages"], in_use),
-            }
-        )
+        counters = {
+            **counters,
+            "steps": counters["steps"] + 1,
+            "peak_pages": jnp.maximum(counters["peak_pages"], in_use),
+        }
+        return lay_out(sharding, layout, state._replace(counters=counters))
 
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-
-
-def initial_state(layout: Layout, prompts: Prompts, cache: PagedKVCache, pad_id: int, draft=None) -> LoopState:
-    """Every row pending (queue 0..B-1), every slot free, every page in the pool."""
-    b, s = layout.rows, layout.slots
-    zeros = jnp.zeros((s,), jnp.int32)
-    return LoopState(
-        tokens=jnp.full((b, layout.max_new), pad_id, jnp.int32),
-        logprobs=jnp.zeros((b, layout.max_new), jnp.float32),
-        lengths=jnp.zeros((b,), jnp.int32),
-        done=jnp.zeros((b,), bool),
-        queue=jnp.arange(b, dtype=jnp.int32),
-        head=jnp.zeros((), jnp.int32),
-        row=jnp.full((s,), -1, jnp.int32),
-        decoding=jnp.zeros((s,), bool),
-        ctx_len=zeros,
-        prefilled=zeros,
-        cache_len=zeros,
-        last=zeros,
-        admitted=zeros,
-        next_admit=jnp.zeros((), jnp.int32),
-        pool=PagePool.create(layout.num_pages, s, layout.pages_per_slot),
-        cache=cache,
-        prefix=PrefixCache.create(prompts.tokens.shape[0], layout.prefix_pages),
-        counters={
-            name: jnp.zeros((), jnp.int32)
-            for name in ("steps", "prefill_chunks", "preemptions", "peak_pages", "prefix_pages_shared")
-        },
-        draft=draft,
-    )
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, lay_out(sharding, layout, state))

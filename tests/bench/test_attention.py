@@ -1,6 +1,7 @@
 """`jaxspec bench attention` runs end to end on CPU (kernels in interpret mode) and reports the
-kernels' agreement with the dense path, the paged one with --paged."""
+kernels' agreement with the dense path, the paged ones (Mosaic GPU, Triton) with --paged."""
 
+import importlib.util
 import json
 
 import pytest
@@ -61,16 +62,28 @@ def test_tune_times_each_kernel_configuration_in_a_loop():
     assert all(r["ms"] > 0 and r["kernel"] == "cache+merge" for r in rows)
 
 
-@pytest.mark.skipif(not INTERPRET_SUPPORTED, reason="the paged kernel's Mosaic GPU interpret mode needs JAX >= 0.12")
-def test_bench_attention_paged_times_the_reference_and_the_kernel(tmp_path):
+def interpretable_paged_backends() -> list[str]:
+    """The paged kernels that can run in interpret mode here: Mosaic GPU from JAX 0.12, Triton
+    where triton and torch are installed."""
+    backends = ["mosaic"] if INTERPRET_SUPPORTED else []
+    if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
+        backends.append("triton")
+    return backends
+
+
+@pytest.mark.skipif(not interpretable_paged_backends(), reason="no paged kernel has an interpret mode here")
+def test_bench_attention_paged_times_the_reference_and_the_kernels(tmp_path):
+    backends = interpretable_paged_backends()
     model, out = tmp_path / "tiny.json", tmp_path / "attention.json"
     model.write_text(json.dumps({**TINY, "head_dim": 64}))  # a head dim the Mosaic GPU kernel takes
     argv = ["bench", "attention", "--model", str(model), "--batch", "2", "--tokens", "2", "--max-len", "64"]
     argv += ["--fill", "0.5", "--iters", "1", "--kernel-impl", "interpret", "--read-bytes", "4096", "--paged"]
-    assert main([*argv, "--out", str(out)]) == 0
+    assert main([*argv, "--paged-backends", *backends, "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["paged_max_abs_diff"] < 2.0**-5  # bf16 outputs of O(1)
-    assert row["paged_xla_ms"] > 0 and row["paged_kernel_ms"] > 0 and row["paged_speedup"] > 0
+    assert row["paged_xla_ms"] > 0
+    for backend in backends:
+        assert row[f"paged_{backend}_max_abs_diff"] < 2.0**-5  # bf16 outputs of O(1)
+        assert row[f"paged_{backend}_ms"] > 0 and row[f"paged_{backend}_roofline"] > 0
 
 
 def test_bench_attention_paged_names_heads_the_kernel_does_not_take(tmp_path, capsys):

@@ -1,18 +1,21 @@
-"""GPU check of the Mosaic GPU paged-attention kernel against the jnp reference it replaces.
+"""GPU check of the paged-attention kernels (Mosaic GPU, Triton) against the jnp reference they replace.
 
     pytest -m gpu tests/gpu/test_paged_attention.py            # the check, as a test
-    python3 -m tests.gpu.check_paged_attention                 # exit 0 when it agrees
+    python3 -m tests.gpu.check_paged_attention [BACKEND ...]   # exit 0 when they agree
 
-`paged_attention` with impl "mosaic" (`jaxspec.kernels.paged_attention_mosaic`, compiled for the
-GPU) against the exact attention of the same bf16 values (the reference in float32 at the
-highest matmul precision), with Qwen3-8B's heads (32 query heads, 8 KV heads, head dim 128) and
-16-position pages: decode steps, chains, random trees up to 32 nodes (128 query rows), finished
-rows, rows of length 1, pages shared by rows, shuffled page tables, new tokens past a row's pages
-and past its table, several ring depths and splits. The bf16 reference is held to the same bound,
-and a wrong page-table entry must break it (the negative control). Prints every case, and any
-deprecation warning raised while the kernel compiles.
+`paged_attention` with impl "mosaic" (`jaxspec.kernels.paged_attention_mosaic`) and "triton"
+(`jaxspec.kernels.paged_attention_triton` through jax-triton), compiled for the GPU, against the
+exact attention of the same bf16 values (the reference in float32 at the highest matmul
+precision), with Qwen3-8B's heads (32 query heads, 8 KV heads, head dim 128) and 16-position
+pages: decode steps, chains, random trees up to 32 nodes (128 query rows), finished rows, rows of
+length 1, pages shared by rows, shuffled page tables, new tokens past a row's pages and past its
+table, several ring depths and splits. The bf16 reference is held to the same bound, and a wrong
+page-table entry must break each kernel (the negative control). Prints every case, and any
+deprecation warning raised while a kernel compiles. The backends default to both where jax-triton
+imports, else Mosaic GPU alone (said so); naming "triton" requires it.
 """
 
+import importlib
 import sys
 import warnings
 
@@ -61,40 +64,64 @@ def case_inputs(rng, b: int, t: int, pages_per_row: int, tree: bool):
     return q, k_pool, v_pool, jnp.asarray(table.astype(np.int32)), jnp.asarray(cache_len.astype(np.int32)), mask, active
 
 
-def check_paged_attention() -> bool:
+BACKENDS = ("mosaic", "triton")
+CASES = [  # (rows, new tokens, tree, pages per row, tuning: splits for both, the rest Mosaic GPU's)
+    (8, 1, False, 40, {}),
+    (8, 4, False, 40, dict(splits=1, max_concurrent_steps=2)),
+    (8, 6, True, 72, {}),
+    (6, 16, True, 20, dict(splits=3)),
+    (4, 32, True, 64, {}),
+    (64, 4, False, 72, {}),
+]
+
+
+def available_backends() -> tuple[str, ...]:
+    """Mosaic GPU, and Triton where jax-triton imports (it needs a GPU jaxlib)."""
+    try:
+        importlib.import_module("jax_triton")
+    except ImportError as e:
+        print(f"paged attention: triton left out: jax_triton does not import ({e})")
+        return ("mosaic",)
+    return BACKENDS
+
+
+def check_paged_attention(backends: tuple[str, ...] | None = None) -> bool:
+    backends = available_backends() if backends is None else backends
     rng = np.random.default_rng(0)
     ok = True
-    for b, t, tree, pages_per_row, tuning in [
-        (8, 1, False, 40, {}),
-        (8, 4, False, 40, dict(splits=1, max_concurrent_steps=2)),
-        (8, 6, True, 72, {}),
-        (6, 16, True, 20, dict(splits=3)),
-        (4, 32, True, 64, {}),
-        (64, 4, False, 72, {}),
-    ]:
+    for b, t, tree, pages_per_row, tuning in CASES:
         q, k_pool, v_pool, table, cache_len, mask, active = case_inputs(rng, b, t, pages_per_row, tree)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            kernel = jax.jit(lambda *a: _paged_attention_kernel(*a, interpret=False, **tuning))
-            got = np.asarray(kernel(q, k_pool, v_pool, table, cache_len, mask, active).astype(jnp.float32))
-        deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
         with jax.default_matmul_precision("highest"):
             f32 = (x.astype(jnp.float32) for x in (q, k_pool, v_pool))
             want = np.asarray(paged_attention(*f32, table, cache_len, mask, active, impl="xla"))
         reference = np.asarray(
             paged_attention(q, k_pool, v_pool, table, cache_len, mask, active, impl="xla").astype(jnp.float32)
         )
-        wrong_table = table.at[0, 0].set(table[0, 1])
-        wrong = np.asarray(kernel(q, k_pool, v_pool, wrong_table, cache_len, mask, active).astype(jnp.float32))
-        err, ref_err, wrong_err = (float(np.abs(x - want).max()) for x in (got, reference, wrong))
-        case_ok = np.isfinite(got).all() and err < TOLERANCE and ref_err < TOLERANCE and wrong_err > TOLERANCE
-        ok &= bool(case_ok) and not deprecations
+        ref_err = float(np.abs(reference - want).max())
+        case_ok = ref_err < TOLERANCE
+        report = [f"|reference-exact| {ref_err:.4f}"]
+        for backend in backends:
+            backend_tuning = tuning if backend == "mosaic" else {k: v for k, v in tuning.items() if k == "splits"}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                kernel = jax.jit(lambda *a: _paged_attention_kernel(*a, impl=backend, **backend_tuning))
+                got = np.asarray(kernel(q, k_pool, v_pool, table, cache_len, mask, active).astype(jnp.float32))
+            deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+            wrong_table = table.at[0, 0].set(table[0, 1])
+            wrong = np.asarray(kernel(q, k_pool, v_pool, wrong_table, cache_len, mask, active).astype(jnp.float32))
+            err, wrong_err = (float(np.abs(x - want).max()) for x in (got, wrong))
+            backend_ok = bool(np.isfinite(got).all() and err < TOLERANCE and wrong_err > TOLERANCE and not deprecations)
+            case_ok &= backend_ok
+            report.append(
+                f"{backend}: |kernel-exact| {err:.4f} |wrong table-exact| {wrong_err:.4f} "
+                f"deprecations {deprecations or 'none'}"
+            )
+        ok &= case_ok
         print(
-            f"paged attention b={b} t={t} tree={tree} pages/row={pages_per_row} {tuning}: |kernel-exact| {err:.4f} "
-            f"|reference-exact| {ref_err:.4f} |wrong table-exact| {wrong_err:.4f} "
-            f"deprecations {deprecations or 'none'}: {'OK' if case_ok else 'MISMATCH'}"
+            f"paged attention b={b} t={t} tree={tree} pages/row={pages_per_row} {tuning}: {'; '.join(report)}: "
+            f"{'OK' if case_ok else 'MISMATCH'}"
         )
-    print(f"paged attention: {'OK' if ok else 'MISMATCH'}")
+    print(f"paged attention ({', '.join(backends)}): {'OK' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -102,10 +129,11 @@ def main(argv: list[str]) -> int:
     if jax.default_backend() != "gpu":
         print("needs a GPU", file=sys.stderr)
         return 2
-    if argv:
-        print(f"check_paged_attention takes no arguments, got {argv}", file=sys.stderr)
+    unknown = [a for a in argv if a not in BACKENDS]
+    if unknown:
+        print(f"check_paged_attention takes backends of {BACKENDS}, got {unknown}", file=sys.stderr)
         return 2
-    return 0 if check_paged_attention() else 1
+    return 0 if check_paged_attention(tuple(argv) or None) else 1
 
 
 if __name__ == "__main__":

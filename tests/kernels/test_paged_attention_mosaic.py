@@ -54,13 +54,16 @@ def page_table(rng, pages_needed: list[int], num_pages: int, shared: int) -> np.
     return table.astype(np.int32)
 
 
-def inputs(seed: int, dtype, group: int, t: int, cache_len: list[int], pages_needed: list[int], shared: int = 0):
+def inputs(
+    seed: int, dtype, group: int, t: int, cache_len: list[int], pages_needed: list[int], shared: int = 0, page=PAGE
+):
+    """q, k/v pools of `page`-position pages, a page table (`page_table`), cache_len, a tree mask."""
     rng = np.random.default_rng(seed)
     rows, num_pages = len(cache_len), sum(pages_needed) + 3
     ks = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(ks[0], (rows, t, KV_HEADS * group, HEAD_DIM), dtype)
-    k_pool = 2.0 * jax.random.normal(ks[1], (num_pages, PAGE, KV_HEADS, HEAD_DIM), dtype)
-    v_pool = jax.random.normal(ks[2], (num_pages, PAGE, KV_HEADS, HEAD_DIM), dtype)
+    k_pool = 2.0 * jax.random.normal(ks[1], (num_pages, page, KV_HEADS, HEAD_DIM), dtype)
+    v_pool = jax.random.normal(ks[2], (num_pages, page, KV_HEADS, HEAD_DIM), dtype)
     table = jnp.asarray(page_table(rng, pages_needed, num_pages, shared))
     tree = jnp.asarray(random_tree_mask(rng, rows, t))
     return q, k_pool, v_pool, table, jnp.asarray(cache_len, jnp.int32), tree
@@ -129,7 +132,7 @@ def test_kernel_matches_the_reference(name, monkeypatch):
         monkeypatch.delenv("JAXSPEC_PAGED_ATTENTION")
     else:
         got = _paged_attention_kernel(
-            q, k_pool, v_pool, table, cache_len, tree, active, interpret=True, **case["tuning"]
+            q, k_pool, v_pool, table, cache_len, tree, active, impl="interpret", **case["tuning"]
         )
     want = exact(q, k_pool, v_pool, table, cache_len, tree, active)
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -147,7 +150,7 @@ def test_a_wrong_page_table_entry_is_caught():
         0, case["dtype"], case["group"], case["t"], case["cache_len"], case["pages_needed"], case["shared"]
     )
     wrong = table.at[2, 3].set(table[0, 0])
-    got = _paged_attention_kernel(q, k_pool, v_pool, wrong, cache_len, tree, None, interpret=True, **case["tuning"])
+    got = _paged_attention_kernel(q, k_pool, v_pool, wrong, cache_len, tree, None, impl="interpret", **case["tuning"])
     want = exact(q, k_pool, v_pool, table, cache_len, tree, None)
     assert_close(got[:2], want[:2], case["dtype"])  # rows 0 and 1 do not read the entry
     with pytest.raises(AssertionError):
@@ -168,7 +171,7 @@ def test_float32_runs_the_reference_and_the_kernel_names_the_dtype():
 def test_paged_attention_impl_names_the_choices(monkeypatch):
     q, k_pool, v_pool, table, cache_len, tree = inputs(1, jnp.bfloat16, 1, 1, [5], [1])
     with pytest.raises(ValueError, match="paged attention impl"):
-        paged_attention(q, k_pool, v_pool, table, cache_len, impl="triton")
+        paged_attention(q, k_pool, v_pool, table, cache_len, impl="cuda")
     monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", "cuda")
     with pytest.raises(ValueError, match="JAXSPEC_PAGED_ATTENTION"):
         paged_attention(q, k_pool, v_pool, table, cache_len)
@@ -223,3 +226,16 @@ def test_shared_memory_fits_a_hopper_block():
             num_new=1,
             max_concurrent_steps=4,
         )
+
+
+def test_grouped_pools_run_the_reference():
+    """The slot engine on a mesh passes pools with a leading group axis; the kernel takes ungrouped
+    pools only, so such a call runs the reference whatever impl asks for."""
+    q, k_pool, v_pool, table, cache_len, tree = inputs(1, jnp.bfloat16, 2, 2, [5, 20], [1, 2])
+    k_groups, v_groups = jnp.stack([k_pool, k_pool]), jnp.stack([v_pool, v_pool])
+    q2, table2 = jnp.concatenate([q, q]), jnp.concatenate([table, table])
+    len2, tree2 = jnp.concatenate([cache_len, cache_len]), jnp.concatenate([tree, tree])
+    assert not kernel_applies(q2, k_groups, v_groups)
+    got = paged_attention(q2, k_groups, v_groups, table2, len2, tree2, impl="interpret")
+    want = paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="xla")
+    np.testing.assert_array_equal(got, jnp.concatenate([want, want]))

@@ -13,7 +13,16 @@ import pytest
 
 from jaxspec.models import extend, init_cache
 from jaxspec.models.attention import cache_attention
-from jaxspec.models.paged import NO_PAGE, gather_pages, init_paged_cache, page_of, paged_attention
+from jaxspec.models.paged import (
+    NO_PAGE,
+    PagedKVCache,
+    gather_pages,
+    init_paged_cache,
+    page_of,
+    paged_attention,
+    write_and_attend,
+)
+from jaxspec.rollout.speculative.step import commit_path
 from tests.models.test_cache import model  # noqa: F401  (fixture)
 
 SLOTS, PAGE, PAGES_PER_SLOT, NEW = 4, 4, 6, 5
@@ -133,3 +142,39 @@ def test_extend_on_pages_equals_dense_extend(model):  # noqa: F811
         live = np.asarray(active)
         np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
         cache_len = cache_len + 2
+
+
+def test_grouped_pools_keep_each_group_on_its_own_pages():
+    """Pools with a group axis [G, P, ...] (the slot engine on a mesh): slots in G blocks write,
+    attend and move through page ids of their own group's pool, exactly as each group alone; a
+    pool read with the ids taken over all groups' pages (the groups' pools laid end to end) is
+    caught."""
+    rng = np.random.default_rng(5)
+    groups, num_pages, nk, d = 2, SLOTS * PAGES_PER_SLOT, 2, 8
+    slots = groups * SLOTS
+    cache_len = rng.integers(0, MAX_LEN - NEW + 1, slots).astype(np.int32)
+    table = np.concatenate(
+        [random_page_table(rng, cache_len[g * SLOTS : (g + 1) * SLOTS] + NEW, num_pages) for g in range(2)]
+    )
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((groups, num_pages, PAGE, nk, d)), jnp.float32) for _ in "kv")
+    q, k, v = (jnp.asarray(rng.standard_normal((slots, NEW, n, d)), jnp.float32) for n in (4, nk, nk))
+    path = jnp.asarray(np.where(rng.random((slots, NEW)) < 0.5, rng.integers(0, NEW, (slots, NEW)), -1), jnp.int32)
+
+    def run(k_pool, v_pool, table, cache_len, q, k, v, path):
+        cache = PagedKVCache(k=(k_pool,), v=(v_pool,), page_table=table)
+        attn, k_pool, v_pool = write_and_attend(cache, 0, q, k, v, cache_len)
+        moved = commit_path(cache._replace(k=(k_pool,), v=(v_pool,)), cache_len, path)
+        return attn, moved.k[0], moved.v[0]
+
+    grouped = run(k_pool, v_pool, jnp.asarray(table), jnp.asarray(cache_len), q, k, v, path)
+    blocks = [slice(g * SLOTS, (g + 1) * SLOTS) for g in range(groups)]
+    alone = [
+        run(k_pool[g], v_pool[g], jnp.asarray(table[b]), jnp.asarray(cache_len[b]), q[b], k[b], v[b], path[b])
+        for g, b in enumerate(blocks)
+    ]
+    np.testing.assert_array_equal(grouped[0], jnp.concatenate([a[0] for a in alone]))
+    for i in (1, 2):
+        np.testing.assert_array_equal(grouped[i], jnp.stack([a[i] for a in alone]))
+    end_to_end = [p.reshape(groups * num_pages, *p.shape[2:]) for p in (k_pool, v_pool)]
+    mixed = run(*end_to_end, jnp.asarray(table), jnp.asarray(cache_len), q, k, v, path)
+    assert not np.allclose(mixed[0][blocks[1]], grouped[0][blocks[1]], atol=1e-3)

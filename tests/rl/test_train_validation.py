@@ -38,7 +38,12 @@ def _error_line(capsys) -> str:
             "error: command-line override 'rollout.samples_per_prompt=1': rollout.samples_per_prompt: must be >= 2",
         ),
         ("loss.minibatches=3", "loss.minibatches: 3 does not divide the 32 rollouts"),
-        ("rollout.slots=0", "rollout.slots: must be null or an integer >= 1 (decode slots), got 0"),
+        ("rollout.slots=0", "rollout.slots: must be null, auto (from the devices' free memory) or an integer >= 1"),
+        (
+            "rollout.slots=many",
+            "rollout.slots: must be null, auto (from the devices' free memory) or an integer >= 1 "
+            "(decode slots), got 'many'",
+        ),
         (
             "loss.aggregation=mean",
             "key 'loss.aggregation': expected one of ['token', 'sequence', 'seq-mean-token-sum-norm']",

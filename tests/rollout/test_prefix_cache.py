@@ -7,7 +7,9 @@ import numpy as np
 
 from jaxspec.models.paged import NO_PAGE, init_paged_cache
 from jaxspec.rollout.prefix_cache import PrefixCache
-from jaxspec.rollout.slots import Prompts, admit, initial_state, plan_layout
+from jaxspec.rollout.slot_layout import plan_layout
+from jaxspec.rollout.slot_schedule import admit
+from jaxspec.rollout.slot_state import Prompts, initial_state
 
 
 def blocked_state():

@@ -1,18 +1,23 @@
 """Autoregressive rollouts on the slot engine (`generate(..., slots=S)`).
 
 Greedy tokens equal the staged engine's for any slot count, with the rows of a prompt sharing
-its prefix pages; sampled rows are the same for any slot count and through preemptions (row r's
-token i is drawn with a key of (r, i) alone); a pool too small for all rows at once completes
+its prefix pages, and for the slot count slots="auto" picks from the free memory (stated once);
+sampled rows are the same for any slot count and through preemptions (row r's token i is drawn
+with a key of (r, i) alone); a pool too small for all rows at once completes
 every row exactly; the sampled continuations follow the exact processed distribution (the
 chi-square test of test_distribution.py, whose power is stated there).
 """
+
+import logging
 
 import jax
 import numpy as np
 import pytest
 
 from jaxspec.models import Sharding, make_mesh, shard_params
-from jaxspec.rollout import Sampling, generate, prefix_cache, slots
+from jaxspec.rollout import Sampling, generate, prefix_cache, slot_memory, slots
+from jaxspec.rollout.prompts import group_prompts, validate_prompts
+from jaxspec.rollout.slot_layout import plan_layout
 from tests.rollout.test_distribution import (
     NUCLEUS,
     NUM_SAMPLES,
@@ -102,6 +107,43 @@ def test_a_pool_smaller_than_one_row_is_refused_with_its_sizes(policy):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=2, kv_pages=6, page_size=4)
     with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=0)
+
+
+@pytest.mark.parametrize("reported", [False, True], ids=["cpu-fallback", "reported-free-memory"])
+def test_auto_slots_are_stated_once_and_give_the_explicit_tokens(policy, greedy_batch, reported, monkeypatch, caplog):  # noqa: F811
+    """On the CPU (no free memory reported: 2 GiB per device assumed) every row gets a slot; with
+    a device reporting room for the pages and buffers of 3 slots, 3. Two calls: one statement."""
+    cfg, params = policy
+    monkeypatch.setattr(slot_memory, "_chosen", {})
+    count = len(BATCH)
+    width = group_prompts(validate_prompts(cfg, BATCH, MAX_NEW), 1).tokens.shape[1]
+    if reported:
+        count = 3
+        needed = slot_memory.slot_memory_bytes(
+            cfg, plan_layout(len(BATCH), 3, width, width, MAX_NEW, 1), width, "float32"
+        )
+        free = int(needed / slot_memory.AUTO_MEMORY_FRACTION) + 1
+        monkeypatch.setattr(slot_memory, "tightest_memory_stats", lambda _: {"bytes_limit": free, "bytes_in_use": 0})
+    with caplog.at_level(logging.INFO, logger="jaxspec.rollout"):
+        runs = [generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots="auto") for _ in range(2)]
+    explicit = generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=count)
+    pages = count * plan_layout(len(BATCH), count, width, width, MAX_NEW, 1).pages_per_slot
+    for out in runs:
+        assert (out.stats["slots"], out.stats["kv_pages"], out.stats["preemptions"]) == (count, pages, 0)
+        np.testing.assert_array_equal(out.tokens, explicit.tokens)
+        np.testing.assert_array_equal(out.tokens, greedy_batch.tokens)
+        np.testing.assert_allclose(out.logprobs, explicit.logprobs, rtol=1e-5, atol=1e-5)
+    (statement,) = [r.getMessage() for r in caplog.records if r.name == "jaxspec.rollout"]
+    assert statement.startswith(f"slots=auto: {count} slots over {len(BATCH)} rows, {pages} KV pages of 16 positions")
+    assert "bytes per page per device" in statement and ("CPU fallback" in statement) != reported
+
+
+def test_auto_slots_refuse_a_page_pool_and_unknown_words(policy):
+    cfg, params = policy
+    with pytest.raises(ValueError, match="kv_pages=20: slots='auto' chooses the page pool"):
+        generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots="auto", kv_pages=20)
+    with pytest.raises(ValueError, match="slots must be None, 'auto' or an integer >= 1, got 'many'"):
+        generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots="many")
 
 
 GROUPS = [p for p in PROMPTS for _ in range(4)]  # GRPO-like: 3 prompts, 4 rows each

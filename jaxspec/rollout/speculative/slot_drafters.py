@@ -24,44 +24,38 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft import draft_extend, fuse
-from jaxspec.models.paged import NO_PAGE, PagedKVCache, init_paged_cache, paged_cache_bytes
+from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import extend
-from jaxspec.rollout.slots import Layout, context_tokens
+from jaxspec.rollout.continuous import empty_cache
+from jaxspec.rollout.slot_layout import Layout
+from jaxspec.rollout.slots import context_tokens
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter, Pending
 from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter, HeadState
 from jaxspec.rollout.speculative.ngram import History, NgramDrafter
 
 
-def _paged(cfg, layout: Layout, cache_dtype) -> PagedKVCache:
-    """An empty paged cache for a draft of this config (num_layers, num_kv_heads, head_dim)."""
-    table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)  # the pool's is set where used
-    return init_paged_cache(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, table, cache_dtype
-    )
-
-
-def draft_pool_bytes(drafter, layout: Layout, cache_dtype) -> int:
-    """Bytes of the drafter's page pools (0 for the n-gram drafter)."""
+def draft_kv_config(drafter) -> ModelConfig | None:
+    """The shapes (layers, KV heads, head dim) of the drafter's own page pools; None for the n-gram
+    drafter, which has none."""
     if isinstance(drafter, NgramDrafter):
-        return 0
-    cfg = drafter.dcfg.layer_config if isinstance(drafter, Eagle3Drafter) else drafter.cfg
-    return paged_cache_bytes(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, cache_dtype
-    )
+        return None
+    return drafter.dcfg.layer_config if isinstance(drafter, Eagle3Drafter) else drafter.cfg
 
 
 def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype):
-    """The drafter's state for `layout.slots` slots, none started. context_len: the longest
-    context a slot holds (the n-gram history's width)."""
-    slots = layout.slots
+    """The drafter's state for one group's slots (`layout.group()`), none started. context_len: the
+    longest context a slot holds (the n-gram history's width)."""
+    slots = layout.group().slots
     if isinstance(drafter, NgramDrafter):
         return History(tokens=jnp.zeros((slots, context_len), jnp.int32), length=jnp.ones((slots,), jnp.int32))
     tokens, count = jnp.zeros((slots, drafter.chunk), jnp.int32), jnp.ones((slots,), jnp.int32)
     if isinstance(drafter, DraftModelDrafter):
-        return Pending(cache=_paged(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
+        return Pending(cache=empty_cache(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
     dcfg = drafter.dcfg
     hidden = jnp.zeros((slots, drafter.chunk, dcfg.hidden_size), dparams["head"]["fc"].dtype)  # `fuse`'s dtype
-    return HeadState(cache=_paged(dcfg.layer_config, layout, cache_dtype), tokens=tokens, hidden=hidden, count=count)
+    return HeadState(
+        cache=empty_cache(dcfg.layer_config, layout, cache_dtype), tokens=tokens, hidden=hidden, count=count
+    )
 
 
 def with_table(state, page_table: jax.Array):
@@ -78,27 +72,32 @@ def keep_table(state, stored):
     return state._replace(cache=stored.cache._replace(k=state.cache.k, v=state.cache.v))
 
 
-def prefill_hook(drafter, dparams, layout: Layout, prompts):
-    """on_prefill(state, lanes, valid, positions, hidden) -> state for `slots.prefill_chunk`: the
-    draft's KV of the chunk's positions; None for the n-gram drafter."""
+def prefill_hook(drafter, dparams):
+    """on_prefill(state, lanes, hidden) -> state for `slots.prefill_chunk` (every group's lanes in a
+    row): the draft's KV of the chunk's positions; None for the n-gram drafter."""
     if isinstance(drafter, NgramDrafter):
         return None
 
-    def on_prefill(state, lanes, valid, positions, hidden):
+    def on_prefill(state, lanes, hidden):
         spec = state.draft
-        row = jnp.clip(state.row[lanes], 0, layout.rows - 1)
-        ctx = state.ctx_len[lanes][:, None]
-        view = with_table(spec.draft, jnp.where(valid[:, None], state.pool.page_table[lanes], NO_PAGE)).cache
-        start = positions[:, 0]
+        view = with_table(spec.draft, lanes.table).cache
         if isinstance(drafter, DraftModelDrafter):
-            tokens = jnp.where(positions < ctx, context_tokens(prompts, state.tokens, row, positions), 0)
-            _, _, cache = extend(drafter.cfg, dparams, view, tokens, positions, start, active=valid)
+            _, _, cache = extend(
+                drafter.cfg, dparams, view, lanes.tokens, lanes.positions, lanes.start, active=lanes.valid
+            )
         else:  # EAGLE-3: entry j pairs the fused features at j with token j + 1
             head = dparams["head"]
-            following = jnp.where(positions + 1 < ctx, context_tokens(prompts, state.tokens, row, positions + 1), 0)
             hidden_in = fuse(drafter.dcfg, head, hidden)
             _, _, cache = draft_extend(
-                drafter.dcfg, head, dparams["embed"], view, following, hidden_in, positions, start, active=valid
+                drafter.dcfg,
+                head,
+                dparams["embed"],
+                view,
+                lanes.next_tokens,
+                hidden_in,
+                lanes.positions,
+                lanes.start,
+                active=lanes.valid,
             )
         draft = spec.draft._replace(cache=spec.draft.cache._replace(k=cache.k, v=cache.v))
         return state._replace(draft=spec._replace(draft=draft))
@@ -106,11 +105,12 @@ def prefill_hook(drafter, dparams, layout: Layout, prompts):
     return on_prefill
 
 
-def start_hook(drafter, dparams, layout: Layout, prompts):
-    """on_start(state, started, first, hidden_last) -> state for `slots.prefill_chunk`: the
-    started slots' state as `Drafter.init` leaves a row whose root is `first`."""
+def start_hook(drafter, dparams, layout: Layout):
+    """on_start(state, prompts, started, first, hidden_last) -> state for `slots.prefill_chunk`
+    (one group's, of `layout`: a group's layout): the started slots' state as `Drafter.init`
+    leaves a row whose root is `first`."""
 
-    def on_start(state, started, first, hidden_last):
+    def on_start(state, prompts, started, first, hidden_last):
         spec = state.draft
         old = spec.draft
 

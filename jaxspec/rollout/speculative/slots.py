@@ -14,12 +14,13 @@ a prefill as in the autoregressive engine. A row's steps depend on its own token
 without preemption the same key gives the same tokens for any S; a preempted row resumes with a
 new step boundary, so its later sampled tokens are a different (equally exact) draw; greedy
 rollouts are the same through preemptions. Stochastic drafts draw their noise per loop
-iteration (exact, but not independent of the slot count).
+iteration, for all slots at once (exact, but not independent of the slot count or the mesh).
 
 Draft depth by occupancy: `Spec.stage_draft_tokens` entry i is the depth while the decoding
 slots are at most S / 2^i and more than S / 2^(i + 1) (`occupancy_sizes`), the staged loop's
-stages generalised; each depth is one branch of a `lax.switch`. The depth then depends on how
-many rows run beside a row, so its sampled tokens depend on S (still exact).
+stages generalised; each depth is one branch of a `lax.switch`, taken by every group of a mesh
+at once (the occupancy counts all of them). The depth then depends on how many rows run beside a
+row, so its sampled tokens depend on S (still exact).
 """
 
 from __future__ import annotations
@@ -33,29 +34,29 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import NO_PAGE, init_paged_cache
 from jaxspec.models.params import Params
-from jaxspec.rollout.continuous import slot_memory_bytes, slot_output
-from jaxspec.rollout.memory import check_fits
+from jaxspec.models.sharding import Sharding
+from jaxspec.rollout.continuous import empty_cache, slot_output
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
-from jaxspec.rollout.slots import (
-    DEFAULT_PAGE_SIZE,
-    Layout,
+from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE, Layout
+from jaxspec.rollout.slot_memory import slot_layout
+from jaxspec.rollout.slot_state import (
     LoopState,
     Prompts,
-    decoding_view,
-    emit,
+    first_group,
     initial_state,
-    plan_layout,
-    prefill_chunk,
-    row_keys,
-    run_slots,
+    map_groups,
+    rows_of,
+    slots_flat,
+    slots_grouped,
+    summed,
 )
+from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, row_keys, run_slots
 from jaxspec.rollout.speculative.generate import make_drafter
 from jaxspec.rollout.speculative.slot_drafters import (
-    draft_pool_bytes,
+    draft_kv_config,
     empty_state,
     keep_table,
     prefill_hook,
@@ -65,8 +66,6 @@ from jaxspec.rollout.speculative.slot_drafters import (
 from jaxspec.rollout.speculative.spec import Spec
 from jaxspec.rollout.speculative.stats import Counts, count_step, summarize
 from jaxspec.rollout.speculative.step import speculative_step
-
-_F32 = 4
 
 
 class SpecSlots(NamedTuple):
@@ -93,13 +92,14 @@ def slot_speculative_generate(
     sampling: Sampling,
     spec: Spec,
     *,
-    slots: int,
+    slots: int | str,
     cache_dtype,
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
+    sharding: Sharding | None = None,
 ) -> RolloutOutput:
-    """`jaxspec.rollout.generate` with `spec` and `slots`: prompts already validated and grouped
-    into `batch`, `sampling.eos_id` resolved to a tuple."""
+    """`jaxspec.rollout.generate` with `spec` and `slots` (an integer or "auto"): prompts already
+    validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
     if spec.slot_engine_lacks:
         raise ValueError(
             f"slots: {', '.join(spec.slot_engine_lacks)} is not available on the slot engine yet "
@@ -108,45 +108,44 @@ def slot_speculative_generate(
     drafter, dparams = make_drafter(cfg, params, sampling, spec)
     depths = spec.stage_depths(len(spec.stage_draft_tokens or (spec.num_draft_tokens,)))
     drafters = tuple(dataclasses.replace(drafter, depth=d, num_nodes=spec.tree_nodes(d)) for d in depths)
-    num_rows, width = batch.row_prompt.shape[0], batch.tokens.shape[1]
-    longest = int(batch.row_lengths.max())
+    width = batch.tokens.shape[1]
     lookahead = 1 + spec.num_draft_tokens * spec.tree_width  # the verify forward's and the drafts' tree writes
-    layout = plan_layout(
-        num_rows,
-        slots,
-        width,
-        longest,
+    layout = slot_layout(
+        cfg,
+        batch,
         sampling.max_new_tokens,
         lookahead,
+        slots=slots,
+        kv_pages=kv_pages,
         page_size=page_size,
-        num_pages=kv_pages,
+        cache_dtype=cache_dtype,
+        sharding=sharding,
+        draft_kv=draft_kv_config(drafter),
+        verify=True,
     )
-    verify = _F32 * layout.slots * lookahead * (4 * cfg.vocab_size + 2 * cfg.intermediate_size)
-    check_fits(
-        slot_memory_bytes(cfg, layout, width, cache_dtype) + draft_pool_bytes(drafter, layout, cache_dtype) + verify,
-        jax.local_devices()[0].memory_stats(),
-        batch=num_rows,
-        prompt_len=longest,
-        max_new_tokens=sampling.max_new_tokens,
-    )
-    prompts = Prompts.of(batch)
+    prompts = Prompts.of(batch, layout.groups)
     max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
-    state = _loop(cfg, sampling, layout, cache_dtype, drafters, max_depth, width, params, dparams, prompts, key)
+    state = _loop(
+        cfg, sampling, layout, cache_dtype, sharding, drafters, max_depth, width, params, dparams, prompts, key
+    )
     out = slot_output(layout, state)
     sizes = occupancy_sizes(layout.slots, len(depths))
-    stats = summarize(state.draft.counts, state.lengths, max_depth, sizes, state.draft.depth_steps)
+    counts, depth_steps = summed(layout, state.draft.counts), first_group(layout, state.draft.depth_steps)
+    stats = summarize(counts, rows_of(layout, state.lengths), max_depth, sizes, depth_steps)
     loop_stats = {k: v for k, v in out.stats.items() if k not in stats}
     return out._replace(stats={**stats, **loop_stats, "loop_iterations": out.stats["steps"]})
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "sampling", "layout", "cache_dtype", "drafters", "max_depth", "prompt_width")
+    jax.jit,
+    static_argnames=("cfg", "sampling", "layout", "cache_dtype", "sharding", "drafters", "max_depth", "prompt_width"),
 )
 def _loop(
     cfg: ModelConfig,
     sampling: Sampling,
     layout: Layout,
     cache_dtype,
+    sharding: Sharding | None,
     drafters: tuple,
     max_depth: int,
     prompt_width: int,
@@ -161,20 +160,27 @@ def _loop(
     chain = drafter.width == 1
     verify_key, draft_key = jax.random.split(jax.random.fold_in(key, 1))
     sizes = jnp.asarray(occupancy_sizes(layout.slots, len(drafters))[1:], jnp.int32)
+    group = layout.group()
 
     def decode(state: LoopState) -> LoopState:
+        """Every group's decode step at the depth of the occupancy of all slots."""
         active = state.decoding & (state.row >= 0)
         index = jnp.sum(active.sum() <= sizes)  # the occupancy bracket
-        steps = state.draft.depth_steps.at[index].add(1)
+        steps = state.draft.depth_steps.at[..., index].add(1)
         branches = [functools.partial(decode_with, d) for d in drafters]
         state = branches[0](state) if len(branches) == 1 else jax.lax.switch(index, branches, state)
         return state._replace(draft=state.draft._replace(depth_steps=steps))
 
     def decode_with(drafter, state: LoopState) -> LoopState:
-        active, view = decoding_view(state)
-        spec_state = state.draft
-        row = jnp.clip(state.row, 0, layout.rows - 1)
-        keys = row_keys(verify_key, row, state.lengths[row])
+        """One draft-and-verify step of every group's decoding slots, as one batch of slots."""
+
+        def view_and_keys(state: LoopState, prompts: Prompts):
+            active, table = decoding_view(state)
+            row = jnp.clip(state.row, 0, group.rows - 1)
+            return active, table, row_keys(verify_key, state.first_row + row, state.lengths[row])
+
+        active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts))
+        stored = slots_flat(layout, state.draft.draft)
 
         def verify(verify_logits, tree, temperature):
             def one(logits, parents, tokens, num_nodes, key, probs):
@@ -197,38 +203,42 @@ def _loop(
             sampling,
             drafter,
             dparams,
-            view,
-            with_table(spec_state.draft, view.page_table),
-            state.last,
-            state.cache_len,
+            state.cache._replace(page_table=table),
+            with_table(stored, table),
+            *slots_flat(layout, (state.last, state.cache_len)),
             active,
-            jax.random.fold_in(draft_key, state.counters["steps"]),
+            jax.random.fold_in(draft_key, first_group(layout, state.counters["steps"])),
             verify,
             max_depth=max_depth,
             chain=chain,
         )
-        state = emit(state, active, out.emitted, out.logprobs, out.accepted + 1, sampling)
-        counts = count_step(spec_state.counts, out.tree.parents, out.tree.num_nodes, out.path, out.accepted, active)
+        draft = slots_grouped(layout, keep_table(out.draft, stored))
+        state = state._replace(
+            cache=state.cache._replace(k=out.cache.k, v=out.cache.v), draft=state.draft._replace(draft=draft)
+        )
+        per_slot = (active, out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
+        per_slot += (out.tree.num_nodes, out.path)
+        return map_groups(layout, commit)(state, prompts, *slots_grouped(layout, per_slot))
+
+    def commit(state, prompts, active, emitted, logprobs, accepted, next_token, parents, num_nodes, path):
+        """One group's slots append their step's tokens and count its acceptance."""
+        state = emit(state, active, emitted, logprobs, accepted + 1, sampling)
+        counts = count_step(state.draft.counts, parents, num_nodes, path, accepted, active)
         return state._replace(
-            cache=state.cache._replace(k=out.cache.k, v=out.cache.v),
-            cache_len=state.cache_len + jnp.where(active, out.accepted + 1, 0),
-            last=jnp.where(active, out.next_token, state.last),
-            draft=spec_state._replace(draft=keep_table(out.draft, spec_state.draft), counts=counts),
+            cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
+            last=jnp.where(active, next_token, state.last),
+            draft=state.draft._replace(counts=counts),
         )
 
-    on_prefill = prefill_hook(drafter, dparams, layout, prompts)
-    on_start = start_hook(drafter, dparams, layout, prompts)
+    on_prefill = prefill_hook(drafter, dparams)
+    on_start = start_hook(drafter, dparams, group)
 
     def prefill(state: LoopState) -> LoopState:
         return prefill_chunk(
             cfg, params, sampling, layout, prompts, key, state, drafter.policy_layers, on_prefill, on_start
         )
 
-    table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)  # the pool's is set where used
-    cache = init_paged_cache(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layout.num_pages, layout.page_size, table, cache_dtype
-    )
     draft = empty_state(drafter, dparams, layout, prompt_width + layout.max_new, cache_dtype)
     spec_state = SpecSlots(draft, Counts.zeros(max_depth), jnp.zeros((len(drafters),), jnp.int32))
-    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, spec_state)
-    return run_slots(layout, state, prompts, decode, prefill)
+    state = initial_state(layout, prompts, empty_cache(cfg, layout, cache_dtype), cfg.pad_token_id or 0, spec_state)
+    return run_slots(layout, state, prompts, decode, prefill, sharding)

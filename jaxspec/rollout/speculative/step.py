@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
-from jaxspec.models.paged import PagedKVCache, page_of
+from jaxspec.models.paged import PagedKVCache, paged_move
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
@@ -41,12 +41,9 @@ def commit_path(cache: KVCache | PagedKVCache, cache_len: jax.Array, path: jax.A
     src = cache_len[:, None] + jnp.where(path >= 0, path, offsets)
     dst = cache_len[:, None] + offsets
     if isinstance(cache, PagedKVCache):  # positions through the page table
-        src_page, src_offset = page_of(cache.page_table, src, cache.page_size)
-        dst_page, dst_offset = page_of(cache.page_table, dst, cache.page_size)
-        src_page = jnp.clip(src_page, 0, cache.num_pages - 1)  # a position with no page is never committed
 
         def move(buf: jax.Array) -> jax.Array:
-            return buf.at[dst_page, dst_offset].set(buf[src_page, src_offset], mode="drop")
+            return paged_move(buf, cache.page_table, src, dst)
 
     else:
 

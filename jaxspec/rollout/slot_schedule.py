@@ -1,0 +1,88 @@
+"""Scheduling of the slot loop (`jaxspec.rollout.slots`, steps 1, 2 and 5): rows onto slots and
+pages onto slots, within one group (`jaxspec.rollout.slot_state`). Admission takes pending rows
+in queue order while the pool holds them; when a decode step's pages run short the prefix cache
+lets go first, then the newest rows are preempted back to the front of the queue; finished rows
+return their pages."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.rollout import prefix_cache
+from jaxspec.rollout.page_pool import allocate, newest_to_evict, pages_for, release
+from jaxspec.rollout.slot_layout import Layout
+from jaxspec.rollout.slot_state import LoopState, Prompts
+
+
+def make_room(state: LoopState, layout: Layout) -> LoopState:
+    """Gives every decoding slot the pages of its next step, preempting the newest rows first
+    when the pool runs short (`jaxspec.rollout.slots`, step 1)."""
+    size = layout.page_size
+    occupied = state.row >= 0
+    need = jnp.where(
+        state.decoding, jnp.maximum(0, pages_for(state.cache_len + layout.lookahead, size) - state.pool.held), 0
+    )
+    # under pressure the prefix cache lets go first: its pages stay only where rows hold them
+    state = prefix_cache.drop(state, jnp.broadcast_to(need.sum() > state.pool.num_free, state.prefix.ready.shape))
+    pool = state.pool
+    evict = newest_to_evict(state.admitted, occupied, pool, need)
+    order = jnp.argsort(jnp.where(evict, -state.admitted, jnp.iinfo(jnp.int32).max), stable=True)  # newest first
+    count = evict.sum(dtype=jnp.int32)
+    i = jnp.arange(layout.slots, dtype=jnp.int32)
+    front = jnp.where(i < count, state.head - 1 - i, layout.rows)  # the oldest evicted row ends up first
+    state = state._replace(
+        queue=state.queue.at[front].set(state.row[order], mode="drop"),
+        head=state.head - count,
+        row=jnp.where(evict, -1, state.row),
+        decoding=state.decoding & ~evict,
+        counters={**state.counters, "preemptions": state.counters["preemptions"] + count},
+    )
+    pool = allocate(release(pool, evict), jnp.where(evict, 0, need), pages_for(layout.lookahead, size))
+    return state._replace(pool=pool)
+
+
+def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
+    """Free slots take the next pending rows while the pool holds their context's pages plus one
+    step's pages for every running row (`jaxspec.rollout.slots`, step 2). When the next row does not
+    fit, the prefix cache first lets go of the prefixes no running row holds."""
+    j = jnp.arange(layout.slots, dtype=jnp.int32)
+    free = state.row < 0
+    position = state.head + j
+    candidate = state.queue[jnp.clip(position, 0, layout.rows - 1)]
+    ctx = prompts.row_lengths[candidate] + state.lengths[candidate]
+    pages = pages_for(ctx, layout.page_size)
+    running = jnp.sum(~free, dtype=jnp.int32)
+    headroom = pages_for(layout.lookahead, layout.page_size) * (running + j)
+    short = (state.head < layout.rows) & jnp.any(free) & (pages[0] + headroom[0] > state.pool.num_free)
+    state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
+    pool = state.pool
+    ok = (position < layout.rows) & (j < free.sum()) & (jnp.cumsum(pages) + headroom <= pool.num_free)
+    count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
+    free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
+    target = jnp.where(j < count, free_slots[j], layout.slots)
+
+    def put(field: jax.Array, values) -> jax.Array:
+        return field.at[target].set(values, mode="drop")
+
+    need = put(jnp.zeros((layout.slots,), jnp.int32), pages)
+    return state._replace(
+        head=state.head + count,
+        row=put(state.row, candidate),
+        decoding=put(state.decoding, False),
+        ctx_len=put(state.ctx_len, ctx),
+        prefilled=put(state.prefilled, 0),
+        admitted=put(state.admitted, state.next_admit + j),
+        next_admit=state.next_admit + count,
+        pool=allocate(pool, need, layout.pages_per_slot),
+    )
+
+
+def release_finished(state: LoopState, layout: Layout) -> LoopState:
+    """Slots whose row is done return their pages to the pool (`jaxspec.rollout.slots`, step 5)."""
+    finished = (state.row >= 0) & state.done[jnp.clip(state.row, 0, layout.rows - 1)]
+    return state._replace(
+        pool=release(state.pool, finished),
+        row=jnp.where(finished, -1, state.row),
+        decoding=state.decoding & ~finished,
+    )

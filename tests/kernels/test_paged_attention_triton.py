@@ -1,0 +1,235 @@
+"""The Triton paged-attention kernel computes `paged_attention`'s reference.
+
+Triton's interpreter runs the kernel's own code on the CPU (on torch CPU tensors, called from JAX
+through `jax.pure_callback`): the page-table gathers, the online softmax, the tree-mask bits and
+the splits, on the cases of the Mosaic GPU kernel's tests (shuffled page tables, pages shared by
+two rows, a row of length 1, new tokens on and across page and block boundaries, past the row's
+pages and past its table, tree masks, finished rows, GQA groups 1 / 2 / 4, several splits), plus
+float32, pages that straddle blocks (12-position pages, 16-position blocks) and 128 query rows
+whose trees need two words of bits. As there, each is compared with the exact attention of the
+same inputs in float32, within `TOLERANCE`: a few units in the last place of the 16-bit dtypes
+(the reasoning of the Mosaic tests: the kernel rounds its probabilities and its output once
+each), and for float32 the worst case of summing 160 positions in float32 (160 x 2^-24 relative
+at magnitudes below 4, 2^-15). A page table with one entry pointing at another page fails that
+comparison. Compiling the kernel for sm90 (Triton's own compiler down to a cubin, as jax-triton
+does on a GPU) checks on any machine what the interpreter does not: that it is valid Triton for
+Hopper.
+"""
+
+import functools
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("triton", reason="the Triton kernel's tests need the triton package (the test extra has it)")
+pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
+from jaxspec.models.paged import _paged_attention_kernel, kernel_applies, paged_attention  # noqa: E402
+from tests.kernels.test_paged_attention_mosaic import MAX_LEN, exact, inputs  # noqa: E402
+
+exact = jax.jit(exact)  # one compilation per case rather than one per operation
+TOLERANCE = {jnp.bfloat16: 2.0**-6, jnp.float16: 2.0**-9, jnp.float32: 2.0**-15}
+
+
+def assert_close(got, want, dtype):
+    assert float(jnp.max(jnp.abs(want))) < 4.0  # the magnitudes TOLERANCE is set for
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=0, atol=TOLERANCE[dtype])
+
+
+CASES = {
+    # a decode step: a row of length 1, a new token on a page boundary, a long row
+    "decode": dict(
+        dtype=jnp.bfloat16,
+        group=4,
+        t=1,
+        cache_len=[0, 16, 150],
+        pages_needed=[1, 2, 10],
+        shared=1,
+        active=None,
+        tuning=dict(splits=2),
+    ),
+    # verification of trees: new tokens across a block boundary, a finished row, new tokens past
+    # the row's pages (read as zeros) and past its table (dropped)
+    "tree": dict(
+        dtype=jnp.bfloat16,
+        group=2,
+        t=5,
+        cache_len=[61, 40, 30, MAX_LEN - 2],
+        pages_needed=[5, 3, 2, 10],
+        shared=2,
+        active=[True, False, True, False],
+        tuning=dict(splits=3),
+    ),
+    "float16": dict(
+        dtype=jnp.float16,
+        group=1,
+        t=3,
+        cache_len=[1, 95],
+        pages_needed=[1, 7],
+        shared=0,
+        active=None,
+        tuning=None,  # through paged_attention with JAXSPEC_PAGED_ATTENTION=triton-interpret (default tuning)
+    ),
+    # eight pages per block
+    "float32": dict(
+        dtype=jnp.float32,
+        group=4,
+        t=4,
+        cache_len=[33, 100, 7],
+        pages_needed=[3, 7, 1],
+        shared=1,
+        active=None,
+        tuning=dict(splits=1, block_kv=128),
+    ),
+    # pages of 12 positions across blocks of 16
+    "page-12": dict(
+        dtype=jnp.bfloat16,
+        group=2,
+        t=2,
+        cache_len=[11, 100, 0],
+        pages_needed=[2, 9, 1],
+        shared=1,
+        active=None,
+        page=12,
+        tuning=dict(splits=2, block_kv=16),
+    ),
+    # 33 new tokens x 2 query heads: 128 query rows, two words of tree bits
+    "two-words": dict(
+        dtype=jnp.float16,
+        group=2,
+        t=33,
+        cache_len=[20, 70],
+        pages_needed=[4, 7],
+        shared=1,
+        active=None,
+        tuning=dict(splits=2),
+    ),
+}
+
+
+def case_inputs(case):
+    q, k_pool, v_pool, table, cache_len, tree = inputs(
+        0,
+        case["dtype"],
+        case["group"],
+        case["t"],
+        case["cache_len"],
+        case["pages_needed"],
+        case["shared"],
+        page=case.get("page", 16),
+    )
+    active = None if case["active"] is None else jnp.asarray(case["active"])
+    return q, k_pool, v_pool, table, cache_len, tree, active
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_the_reference(name, monkeypatch):
+    case = CASES[name]
+    q, k_pool, v_pool, table, cache_len, tree, active = case_inputs(case)
+    assert kernel_applies(q, k_pool, v_pool, "triton")
+    if case["tuning"] is None:
+        monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", "triton-interpret")
+        got = paged_attention(q, k_pool, v_pool, table, cache_len, tree, active)
+        monkeypatch.delenv("JAXSPEC_PAGED_ATTENTION")
+    else:
+        got = jax.jit(functools.partial(_paged_attention_kernel, impl="triton-interpret", **case["tuning"]))(
+            q, k_pool, v_pool, table, cache_len, tree, active
+        )
+    want = exact(q, k_pool, v_pool, table, cache_len, tree, active)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert_close(got, want, case["dtype"])
+
+
+def test_a_wrong_page_table_entry_is_caught():
+    """Negative control: row 2's fourth page replaced by a page of row 0 makes the kernel's output
+    differ from the exact attention by more than the tolerance."""
+    case = CASES["decode"]
+    q, k_pool, v_pool, table, cache_len, tree, _ = case_inputs(case)
+    wrong = table.at[2, 3].set(table[0, 0])
+    got = _paged_attention_kernel(q, k_pool, v_pool, wrong, cache_len, tree, None, impl="triton-interpret", splits=2)
+    want = exact(q, k_pool, v_pool, table, cache_len, tree, None)
+    assert_close(got[:2], want[:2], case["dtype"])  # rows 0 and 1 do not read the entry
+    with pytest.raises(AssertionError):
+        assert_close(got[2], want[2], case["dtype"])
+
+
+def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
+    """The GPU path's `jax_triton.triton_call` (which needs a GPU jaxlib) replaced by one that runs
+    the kernel it is given in Triton's interpreter: the call's arrays, outputs and constexprs are the
+    kernel's, in its order (float16: the GPU path multiplies in the dtype, which the interpreter
+    cannot do for bfloat16)."""
+
+    def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **constants):
+        assert kernel is kernel_module.kernel and num_warps == 4 and num_stages == 2 and name
+        assert sorted(kernel.arg_names[len(args) + len(out_shape) :]) == sorted(constants)  # and no more pointers
+        run = functools.partial(kernel_module._run_interpreted, grid=grid, out_shape=out_shape, constants=constants)
+        return jax.pure_callback(run, out_shape, *args)
+
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
+    case = CASES["tree"]
+    q, k_pool, v_pool, table, cache_len, tree, active = case_inputs({**case, "dtype": jnp.float16})
+    got = jax.jit(functools.partial(_paged_attention_kernel, impl="triton", **case["tuning"]))(
+        q, k_pool, v_pool, table, cache_len, tree, active
+    )
+    assert_close(got, exact(q, k_pool, v_pool, table, cache_len, tree, active), jnp.float16)
+
+
+def test_calls_the_kernel_does_not_take_run_the_reference():
+    """A head dim that is not a power of two, or more than 128 query rows per kv head, runs the
+    reference under impl "triton"; the kernel itself names the problem."""
+    q, k_pool, v_pool, table, cache_len, tree = inputs(1, jnp.bfloat16, 4, 33, [5, 20], [3, 4])
+    assert not kernel_applies(q, k_pool, v_pool, "triton")  # 33 x 4 = 132 query rows
+    got = paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="triton")
+    np.testing.assert_array_equal(got, paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="xla"))
+    q48, k48 = q[..., :48], k_pool[..., :48]
+    assert not kernel_applies(q48[:, :1], k48, k48, "triton")
+    with pytest.raises(ValueError, match="head dim must be a power of two"):
+        kernel_module.paged_attention_partials(
+            jnp.zeros((2, 2, 16, 48), jnp.bfloat16),
+            k48,
+            k48,
+            table,
+            cache_len,
+            cache_len,
+            jnp.zeros((2, 1, 16), jnp.int32),
+            num_new=1,
+        )
+
+
+@pytest.mark.parametrize(
+    "dtype, rows, head_dim, page, tuning",
+    [
+        (jnp.bfloat16, 16, 128, 16, dict()),
+        (jnp.float16, 128, 128, 16, dict(block_kv=32)),
+        (jnp.float32, 16, 64, 12, dict(block_kv=32, splits=3)),
+    ],
+)
+def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
+    """Triton compiles the kernel for sm90 on any machine, with the constexprs and the 16-byte
+    alignment jax-triton gives it: its shapes, dtypes and operations are ones the compiler takes
+    (the interpreter also runs e.g. a non-constexpr global or a dot smaller than 16)."""
+    batch, kv_heads, num_pages, table_len, words = 4, 2, 40, 12, 2
+    q = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), dtype)
+    pool = jax.ShapeDtypeStruct((num_pages, page, kv_heads, head_dim), dtype)
+    table = jax.ShapeDtypeStruct((batch, table_len), jnp.int32)
+    bits = jax.ShapeDtypeStruct((batch, words, rows), jnp.int32)
+    _, constants = kernel_module.launch(q, pool, table, bits, num_new=40, **tuning)
+    pointee = {jnp.bfloat16: "bf16", jnp.float16: "fp16", jnp.float32: "fp32"}[dtype]
+    pointers = ["*i32"] * 3 + [f"*{pointee}"] * 3 + ["*fp32"] * 3
+    names = kernel_module.kernel.arg_names
+    signature = {**dict(zip(names, pointers)), **{name: "constexpr" for name in constants}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    source = triton.compiler.ASTSource(fn=kernel_module.kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = dict(num_warps=kernel_module.default_num_warps(rows, head_dim), num_stages=2, enable_fp_fusion=True)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if dtype != jnp.float32:  # (float32 dots are exact: "ieee", on the CUDA cores)
+        assert "mma" in compiled.asm["ptx"]  # the 16-bit dots run on the tensor cores
+    assert compiled.metadata.shared <= 227 * 1024
