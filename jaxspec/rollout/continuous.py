@@ -21,7 +21,7 @@ from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
-from jaxspec.rollout.sampling import Sampling
+from jaxspec.rollout.sampling import Sampling, choose_per_row, row_keys
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE, Layout
 from jaxspec.rollout.slot_memory import slot_layout
 from jaxspec.rollout.slot_state import (
@@ -35,7 +35,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slots import choose_per_row, decoding_view, emit, prefill_chunk, row_keys, run_slots
+from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, run_slots
 
 
 def slot_generate(

@@ -31,7 +31,7 @@ from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
-from jaxspec.rollout.sampling import Sampling, choose_tokens
+from jaxspec.rollout.sampling import Sampling, choose_per_row, row_keys
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 from jaxspec.rollout.speculative.generate import speculative_generate
 from jaxspec.rollout.speculative.slots import slot_speculative_generate
@@ -71,7 +71,8 @@ def generate(
         False leaves the compiled programs as they are without it.
     slots: None runs the staged engine (a dense KV cache [B, P + N] for every row, the batch
         halved as rows finish; `jaxspec.rollout.stages`), which stays the default until GPU
-        measurements show the slot engine faster everywhere. An integer S streams the rows through
+        measurements show the slot engine faster everywhere; its autoregressive rows draw as the
+        slot engine's do (below), so one key gives the same tokens on either. An integer S streams the rows through
         S decode slots over a paged KV cache in one compiled loop (`jaxspec.rollout.slots`):
         finished rows free their pages and slots for the next pending rows, so memory follows the
         live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
@@ -189,7 +190,7 @@ class _LoopState(NamedTuple):
     logprobs: jax.Array  # float32 [B, N]
     lengths: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
-    key: jax.Array
+    row: jax.Array  # int32 [B]: the call's index of each loop row (rows move between stages)
     experts: jax.Array | None  # [B, S, L_sparse, k] the recorded routing (`jaxspec.rollout.experts`), or None
 
 
@@ -228,8 +229,8 @@ def _decode(
             hit = hit | (tokens == eos)
         return hit
 
-    def emit(state: _LoopState, logits: jax.Array, key: jax.Array) -> _LoopState:
-        token, logprob = choose_tokens(key, logits, sampling)
+    def emit(state: _LoopState, logits: jax.Array) -> _LoopState:
+        token, logprob = choose_per_row(row_keys(key, state.row, state.lengths), logits, sampling)
         active = ~state.done
         column = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=state.emitted, axis=1)
         return state._replace(
@@ -259,12 +260,10 @@ def _decode(
             state = state._replace(
                 experts=write_experts(state.experts, experts[0], state.cache_len, ~state.done[:, None], sharding)
             )
-        key, step_key = jax.random.split(state.key)
-        state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done, key=key)
+        state = state._replace(cache=new_cache, cache_len=state.cache_len + ~state.done)
         with jax.named_scope("sample"):
-            return emit(state, step_logits[:, 0], step_key)
+            return emit(state, step_logits[:, 0])
 
-    key, first_key = jax.random.split(key)
     state = _LoopState(
         emitted=jnp.zeros((), jnp.int32),
         last_token=jnp.zeros((num_rows,), jnp.int32),
@@ -274,16 +273,16 @@ def _decode(
         logprobs=jnp.zeros((num_rows, max_new), jnp.float32),
         lengths=jnp.zeros((num_rows,), jnp.int32),
         done=jnp.zeros((num_rows,), bool),
-        key=key,
+        row=jnp.arange(num_rows, dtype=jnp.int32),
         experts=expert_buffer(prompt_experts, cache.max_len, sharding) if record else None,
     )
-    state = emit(state, logits, first_key)
+    state = emit(state, logits)
     recorded = ("experts",) if record else ()
     state, out, full_cache, stage_steps = run_in_stages(
         step,
         state,
         stages,
-        ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done", *recorded),
+        ("last_token", "cache", "cache_len", "tokens", "logprobs", "lengths", "done", "row", *recorded),
         lambda moved: moved._replace(
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), moved.cache)
         ),

@@ -128,3 +128,21 @@ def choose_tokens(key: jax.Array, logits: jax.Array, sampling: Sampling) -> tupl
     else:
         tokens = sample(key, logprobs)
     return tokens, jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+
+
+def row_keys(key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
+    """Keys [S] of the draws for token `index` int32 [S] of rows int32 [S] (the call's row
+    indices): they depend on the call's key, the row and the token's index only, so a row draws
+    the same tokens in any batch, stage or slot."""
+    return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(rows, index)
+
+
+def choose_per_row(keys: jax.Array, logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
+    """`choose_tokens` with one key per row: keys [S], logits float32 [S, V] -> (int32 [S], float32
+    log p [S])."""
+    logprobs = processed_logprobs(logits, sampling)
+    if sampling.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        tokens = jax.vmap(sample)(keys, logprobs)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -59,28 +59,10 @@ from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
 from jaxspec.rollout import prefix_cache
-from jaxspec.rollout.sampling import Sampling, processed_logprobs, sample
+from jaxspec.rollout.sampling import Sampling, choose_per_row, row_keys
 from jaxspec.rollout.slot_layout import Layout
 from jaxspec.rollout.slot_schedule import admit, make_room, release_finished
 from jaxspec.rollout.slot_state import LoopState, Prompts, lay_out, map_groups, slots_flat, slots_grouped
-
-
-def row_keys(key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
-    """Keys [S] of the draws for token `index` int32 [S] of rows int32 [S] (the call's row indices,
-    `LoopState.first_row` + a group's): they depend on the call's key, the row and the token's
-    index only."""
-    return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(rows, index)
-
-
-def choose_per_row(keys: jax.Array, logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
-    """`choose_tokens` with one key per row: keys [S], logits float32 [S, V] -> (int32 [S], float32
-    log p [S])."""
-    logprobs = processed_logprobs(logits, sampling)
-    if sampling.greedy:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        tokens = jax.vmap(sample)(keys, logprobs)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
 def context_tokens(prompts: Prompts, tokens: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:

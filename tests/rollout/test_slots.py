@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models import Sharding, make_mesh, shard_params
-from jaxspec.rollout import Sampling, generate, prefix_cache, slot_memory, slots
+from jaxspec.rollout import Sampling, continuous, generate, prefix_cache, slot_memory, slots
 from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.slot_layout import plan_layout
 from tests.rollout.test_distribution import (
@@ -73,6 +73,17 @@ def test_sampled_rows_do_not_depend_on_the_slot_count(sampled):
         np.testing.assert_allclose(sampled[n].logprobs, first.logprobs, rtol=1e-5, atol=1e-5)  # batched-matmul rounding
 
 
+def test_the_staged_engine_draws_the_same_rows(policy, sampled):
+    """slots=None (the staged dense engine) draws row r's token i with the same key as the slot
+    engine, so in float32 one key gives the same rollouts on either engine."""
+    cfg, params = policy
+    staged = generate(cfg, params, ROWS, jax.random.key(3), SAMPLED)
+    first = sampled[SLOT_COUNTS[0]]
+    np.testing.assert_array_equal(staged.tokens, first.tokens)
+    np.testing.assert_array_equal(staged.lengths, first.lengths)
+    np.testing.assert_allclose(staged.logprobs, first.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_a_pool_too_small_for_all_rows_completes_every_row_exactly(sampled):
     small, free = sampled["small pool"], sampled[SLOT_COUNTS[-1]]
     assert small.stats["preemptions"] > 0
@@ -92,7 +103,8 @@ def test_slot_dependent_draws_would_be_caught(policy, sampled):
         return row_keys(key, rows, index + 1000 * jax.numpy.arange(rows.shape[0]))
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(slots, "row_keys", by_slot)
+        patch.setattr(slots, "row_keys", by_slot)  # the prefill's draws
+        patch.setattr(continuous, "row_keys", by_slot)  # the decode steps' draws
         jax.clear_caches()
         try:
             runs = [generate(cfg, params, ROWS, jax.random.key(3), SAMPLED, slots=n) for n in (1, 4)]

@@ -39,7 +39,7 @@ from jaxspec.models.sharding import Sharding
 from jaxspec.rollout.continuous import empty_cache, slot_output
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
-from jaxspec.rollout.sampling import Sampling
+from jaxspec.rollout.sampling import Sampling, row_keys
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE, Layout
 from jaxspec.rollout.slot_memory import slot_layout
 from jaxspec.rollout.slot_state import (
@@ -53,7 +53,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, row_keys, run_slots
+from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, run_slots
 from jaxspec.rollout.speculative.generate import make_drafter
 from jaxspec.rollout.speculative.slot_drafters import (
     draft_kv_config,
