@@ -5,7 +5,6 @@ import shutil
 import signal
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,11 +12,9 @@ from safetensors.numpy import load_file
 
 import jaxspec
 from jaxspec.config_io import load_config
-from jaxspec.models import ModelConfig, forward, forward_router, init_params, load_balancing_loss, load_hf, moe
+from jaxspec.models import forward, load_hf, moe
 from jaxspec.pretrain import main
 from jaxspec.pretrain.config import PretrainConfig, validate
-from jaxspec.pretrain.data import PackedSet, pack
-from jaxspec.pretrain.train import response_loss
 from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import MAX_LEVEL
 from tests.run.damage import truncate_largest_data_file
@@ -221,80 +218,6 @@ def test_existing_run_needs_resume_and_same_data(first_run, capsys):
     assert "data section differs" in capsys.readouterr().err
 
 
-def test_packed_loss_equals_per_example_loss_on_response_tokens():
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position_embeddings=32,
-        qk_norm=True,
-    )
-    rng = np.random.default_rng(0)
-    # random values of every param (host RNG: no per-shape compilation of jax.random)
-    params = jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
-        jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)),
-    )
-    examples = [(rng.integers(5, 40, n).tolist(), p) for n, p in [(9, 3), (11, 5), (4, 1), (7, 6), (12, 2)]]
-    packed = pack(examples, max_len=20, pad_id=0, seed=1)
-    assert packed.num_examples == 5 and packed.dropped == 0 and len(packed) >= 3
-    loss, count, router_aux = jax.jit(response_loss, static_argnums=0)(
-        cfg, params, jnp.asarray(packed.tokens), jnp.asarray(packed.segment_ids), jnp.asarray(packed.weights)
-    )
-    # reference: one example per row, right-padded (causal attention never sees the padding)
-    width = max(len(ids) for ids, _ in examples)
-    rows = np.array([ids + [0] * (width - len(ids)) for ids, _ in examples], np.int32)
-    logp = np.asarray(jax.nn.log_softmax(jax.jit(forward, static_argnums=0)(cfg, params, jnp.asarray(rows))))
-    expected, n = 0.0, 0
-    for b, (ids, prompt_len) in enumerate(examples):
-        for t in range(prompt_len, len(ids)):  # every response token, predicted from t - 1
-            expected -= logp[b, t - 1, ids[t]]
-            n += 1
-    assert int(count) == n == 6 + 6 + 3 + 1 + 10
-    np.testing.assert_allclose(float(loss), expected / n, rtol=1e-5)
-    assert float(router_aux) == 0.0  # a dense policy
-
-
-def test_pack_layout():
-    examples = [([1, 2, 3, 4], 2), ([5, 6, 7], 1), ([8] * 12, 3), ([9, 9], 1)]
-    packed = pack(examples, max_len=7, pad_id=0, seed=0)
-    assert packed.dropped == 1 and packed.num_examples == 3  # the 12-token example does not fit
-    assert packed.tokens.shape[1] == 8 and packed.weights.shape[1] == 7
-    rows = []
-    for tokens, segments, weights in zip(packed.tokens, packed.segment_ids, packed.weights):
-        for seg in range(1, segments.max() + 1):
-            where = np.flatnonzero(segments == seg)
-            assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # contiguous
-            ids = tokens[where].tolist()
-            rows.append(ids)
-            prompt_len = dict((tuple(e), p) for e, p in examples)[tuple(ids)]
-            counted = np.flatnonzero(weights[where[0] : where[-1]]) + where[0] + 1  # target positions
-            assert counted.tolist() == list(range(where[0] + prompt_len, where[-1] + 1))
-        assert not tokens[segments == 0].any()
-        assert weights[segments[:-1] == 0].sum() == 0
-    assert sorted(rows) == sorted(e for e, _ in examples if len(e) <= 7)
-
-
-def test_packed_set_takes_rows():
-    n, width = 10, 5
-    data = PackedSet(
-        tokens=np.arange(n * width, dtype=np.int32).reshape(n, width),
-        segment_ids=np.arange(n * width, dtype=np.int32).reshape(n, width) + 1,
-        weights=np.arange(n * (width - 1), dtype=np.float32).reshape(n, width - 1),
-        num_examples=n,
-        dropped=0,
-    )
-    rows = np.array([7, 2, 2])
-    batch = data.take(rows)
-    for name in ("tokens", "segment_ids", "weights"):
-        np.testing.assert_array_equal(batch[name], getattr(data, name)[rows])
-
-
 MOE = [
     "model.num_experts=4",
     "model.num_experts_per_tok=2",
@@ -350,37 +273,6 @@ def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys,
     cfg, params = load_hf(runs["one"] / "policy")
     assert cfg.family == "qwen3_moe" and cfg.sparse_layers == (0, 1) and cfg.router_aux_loss_coef == 0.01
     assert params["layers"][1]["experts_gate"].shape == (4, 32, 32)
-
-
-def test_moe_response_loss_adds_the_weighted_router_loss():
-    cfg = ModelConfig(
-        family="qwen3_moe",
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position_embeddings=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        router_aux_loss_coef=0.5,
-    )
-    rng = np.random.default_rng(1)
-    params = jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32),
-        jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0)),
-    )
-    packed = pack([(rng.integers(5, 40, n).tolist(), 2) for n in (9, 6, 12)], max_len=16, pad_id=0, seed=1)
-    tokens, segments, weights = map(jnp.asarray, (packed.tokens, packed.segment_ids, packed.weights))
-    loss, _, aux = jax.jit(response_loss, static_argnums=0)(cfg, params, tokens, segments, weights)
-    plain = dataclasses.replace(cfg, router_aux_loss_coef=0.0)
-    ce, _, _ = jax.jit(response_loss, static_argnums=0)(plain, params, tokens, segments, weights)
-    _, _, router = forward_router(cfg, params, tokens[:, :-1], mask=segments[:, :-1] > 0, segment_ids=segments[:, :-1])
-    assert float(aux) == pytest.approx(float(load_balancing_loss(router, 2, segments[:, :-1] > 0)), rel=1e-6)
-    assert float(loss) == pytest.approx(float(ce) + 0.5 * float(aux), rel=1e-6)
 
 
 def test_small_moe_is_small_with_experts_of_the_same_active_width():

@@ -1,0 +1,40 @@
+"""Packing examples into rows (`jaxspec.pretrain.data`)."""
+
+import numpy as np
+
+from jaxspec.pretrain.data import PackedSet, pack
+
+
+def test_pack_layout():
+    examples = [([1, 2, 3, 4], 2), ([5, 6, 7], 1), ([8] * 12, 3), ([9, 9], 1)]
+    packed = pack(examples, max_len=7, pad_id=0, seed=0)
+    assert packed.dropped == 1 and packed.num_examples == 3  # the 12-token example does not fit
+    assert packed.tokens.shape[1] == 8 and packed.weights.shape[1] == 7
+    rows = []
+    for tokens, segments, weights in zip(packed.tokens, packed.segment_ids, packed.weights):
+        for seg in range(1, segments.max() + 1):
+            where = np.flatnonzero(segments == seg)
+            assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # contiguous
+            ids = tokens[where].tolist()
+            rows.append(ids)
+            prompt_len = dict((tuple(e), p) for e, p in examples)[tuple(ids)]
+            counted = np.flatnonzero(weights[where[0] : where[-1]]) + where[0] + 1  # target positions
+            assert counted.tolist() == list(range(where[0] + prompt_len, where[-1] + 1))
+        assert not tokens[segments == 0].any()
+        assert weights[segments[:-1] == 0].sum() == 0
+    assert sorted(rows) == sorted(e for e, _ in examples if len(e) <= 7)
+
+
+def test_packed_set_takes_rows():
+    n, width = 10, 5
+    data = PackedSet(
+        tokens=np.arange(n * width, dtype=np.int32).reshape(n, width),
+        segment_ids=np.arange(n * width, dtype=np.int32).reshape(n, width) + 1,
+        weights=np.arange(n * (width - 1), dtype=np.float32).reshape(n, width - 1),
+        num_examples=n,
+        dropped=0,
+    )
+    rows = np.array([7, 2, 2])
+    batch = data.take(rows)
+    for name in ("tokens", "segment_ids", "weights"):
+        np.testing.assert_array_equal(batch[name], getattr(data, name)[rows])
