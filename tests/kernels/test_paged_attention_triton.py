@@ -33,51 +33,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
 from jaxspec.models.paged import _paged_attention_kernel, kernel_applies, paged_attention  # noqa: E402
-from tests.kernels.test_paged_attention_mosaic import MAX_LEN, exact, inputs  # noqa: E402
+from tests.kernels.paged_cases import SHAPES, assert_close, case_inputs, exact, inputs  # noqa: E402
 
 exact = jax.jit(exact)  # one compilation per case rather than one per operation
-TOLERANCE = {jnp.bfloat16: 2.0**-6, jnp.float16: 2.0**-9, jnp.float32: 2.0**-15}
-
-
-def assert_close(got, want, dtype):
-    assert float(jnp.max(jnp.abs(want))) < 4.0  # the magnitudes TOLERANCE is set for
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=0, atol=TOLERANCE[dtype])
-
-
+TUNING = {"decode": dict(splits=2), "tree": dict(splits=3), "float16": None}  # None: through paged_attention
 CASES = {
-    # a decode step: a row of length 1, a new token on a page boundary, a long row
-    "decode": dict(
-        dtype=jnp.bfloat16,
-        group=4,
-        t=1,
-        cache_len=[0, 16, 150],
-        pages_needed=[1, 2, 10],
-        shared=1,
-        active=None,
-        tuning=dict(splits=2),
-    ),
-    # verification of trees: new tokens across a block boundary, a finished row, new tokens past
-    # the row's pages (read as zeros) and past its table (dropped)
-    "tree": dict(
-        dtype=jnp.bfloat16,
-        group=2,
-        t=5,
-        cache_len=[61, 40, 30, MAX_LEN - 2],
-        pages_needed=[5, 3, 2, 10],
-        shared=2,
-        active=[True, False, True, False],
-        tuning=dict(splits=3),
-    ),
-    "float16": dict(
-        dtype=jnp.float16,
-        group=1,
-        t=3,
-        cache_len=[1, 95],
-        pages_needed=[1, 7],
-        shared=0,
-        active=None,
-        tuning=None,  # through paged_attention with JAXSPEC_PAGED_ATTENTION=triton-interpret (default tuning)
-    ),
+    **{name: {**SHAPES[name], "tuning": TUNING[name]} for name in SHAPES},
     # eight pages per block
     "float32": dict(
         dtype=jnp.float32,
@@ -113,21 +74,6 @@ CASES = {
         tuning=dict(splits=2),
     ),
 }
-
-
-def case_inputs(case):
-    q, k_pool, v_pool, table, cache_len, tree = inputs(
-        0,
-        case["dtype"],
-        case["group"],
-        case["t"],
-        case["cache_len"],
-        case["pages_needed"],
-        case["shared"],
-        page=case.get("page", 16),
-    )
-    active = None if case["active"] is None else jnp.asarray(case["active"])
-    return q, k_pool, v_pool, table, cache_len, tree, active
 
 
 @pytest.mark.parametrize("name", list(CASES))
