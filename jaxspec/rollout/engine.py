@@ -109,9 +109,8 @@ def generate(
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
     if slots is not None:
-        if record_experts:
-            raise ValueError("record_experts: not available with slots (the slot engine records no routing yet)")
         paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size, sharding=sharding)
+        paged["record_experts"] = record_experts
         if spec is not None:
             return slot_speculative_generate(cfg, params, batch, key, sampling, spec, **paged)
         return slot_generate(cfg, params, batch, key, sampling, **paged)

@@ -169,7 +169,8 @@ def prefill_chunk(
     group = layout.group()
     lanes = map_groups(layout, lambda s, p: prefill_lanes(s, group, p))(state, prompts)
     flat = slots_flat(layout, lanes)
-    _, hidden, view = extend(
+    record = state.experts is not None
+    _, hidden, view, *experts = extend(
         cfg,
         params,
         state.cache._replace(page_table=flat.table),
@@ -178,8 +179,11 @@ def prefill_chunk(
         flat.start,
         active=flat.valid,
         hidden_layers=(*policy_layers, cfg.num_layers - 1),
+        record_experts=record,
     )
     state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
+    if record:
+        state = map_groups(layout, record_lanes)(state, prompts, lanes, slots_grouped(layout, experts[0]))
     if on_prefill is not None:
         state = on_prefill(state, flat, hidden[:-1])
     last = jnp.clip(flat.ctx - 1 - flat.start, 0, layout.chunk - 1)[None, :, None, None]
@@ -216,6 +220,22 @@ def prefill_chunk(
 
     per_lane = slots_grouped(layout, (logits, jnp.moveaxis(hidden_last, 0, 1)))
     return map_groups(layout, start)(state, prompts, lanes, *per_lane)
+
+
+def record_lanes(state: LoopState, prompts: Prompts, lanes: Lanes, experts: jax.Array) -> LoopState:
+    """One group's record with the routing experts [R, C, L_sparse, k] of its lanes' context
+    positions (a resumed row's re-prefill writes the positions it ran before again)."""
+    written = lanes.valid[:, None] & (lanes.positions < lanes.ctx[:, None])
+    prompt, prompt_len = prompts.row_prompt[lanes.row], prompts.row_lengths[lanes.row]
+    return state._replace(experts=state.experts.write(lanes.row, prompt, prompt_len, experts, lanes.start, written))
+
+
+def record_steps(state: LoopState, prompts: Prompts, active: jax.Array, experts: jax.Array) -> LoopState:
+    """One group's record with the routing experts [S, T, L_sparse, k] of the positions its
+    decoding slots (bool active [S, T]: those written) ran from their cache_len on."""
+    row = jnp.clip(state.row, 0, prompts.row_prompt.shape[0] - 1)
+    prompt, prompt_len = prompts.row_prompt[row], prompts.row_lengths[row]
+    return state._replace(experts=state.experts.write(row, prompt, prompt_len, experts, state.cache_len, active))
 
 
 def decoding_view(state: LoopState) -> tuple[jax.Array, jax.Array]:
