@@ -1,5 +1,5 @@
 """The slot engine records a mixture-of-experts policy's routing as the staged engine does: greedy
-autoregressive and EAGLE-3 tree rollouts on 1 or 3 slots give the staged engine's record at every
+autoregressive, EAGLE-3 and draft-model tree rollouts on 1 or 3 slots give the staged engine's record at every
 position the rollout ran through the policy, also for rows preempted and resumed (their re-prefill
 records their positions again) and for rows that took their prompt's prefix pages from the
 prefix cache (the shared prompt positions' experts come from the row that prefilled them)."""
@@ -34,7 +34,7 @@ LAYOUTS = {
 def staged(policy):  # noqa: F811
     return {
         name: generate(CFG, policy, BATCH, jax.random.key(0), GREEDY, spec=specs(policy)[name], record_experts=True)
-        for name in ("autoregressive", "eagle3-tree")
+        for name in ("autoregressive", "eagle3-tree", "draft_model-tree")
     }
 
 
@@ -50,8 +50,13 @@ def assert_same_record(out, expected) -> None:
         np.testing.assert_array_equal(got[b, :ran], want[b, :ran], err_msg=f"row {b}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", ["autoregressive", "eagle3-tree"])
+CASES = [(name, layout) for name in ("autoregressive", "eagle3-tree") for layout in LAYOUTS]
+# the random EAGLE-3 head's drafts are all rejected; the policy drafting for itself accepts whole
+# paths, whose experts move with their KV
+CASES.append(("draft_model-tree", "3-slots-preempting"))
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
 def test_slot_record_equals_the_staged_engines(policy, staged, name, layout):  # noqa: F811
     out = generate(
         CFG,
@@ -65,6 +70,8 @@ def test_slot_record_equals_the_staged_engines(policy, staged, name, layout):  #
     )
     assert out.stats["prefix_pages_shared"] > 0
     assert (out.stats["preemptions"] > 0) == ("kv_pages" in LAYOUTS[layout])
+    if name == "draft_model-tree":
+        assert out.stats["acceptance_length"] > 1.5
     assert_same_record(out, staged[name])
     # negative control: the record one position off differs from the staged engine's
     shifted = out._replace(experts=np.roll(np.asarray(out.experts), 1, axis=1))
