@@ -77,7 +77,7 @@ def generate(
         finished rows free their pages and slots for the next pending rows, so memory follows the
         live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
         token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
-        same tokens for any S. Autoregressive or speculative (every drafter); not yet with
+        same tokens for any S. Autoregressive or speculative (every drafter), with or without
         record_experts. With a sharding the rows, slots and pages split into groups over the
         batch axes (data x fsdp) that divide both the rows and S, each group's pages on its own
         devices with the KV heads over the tensor axis (`jaxspec.rollout.slot_state`); the same

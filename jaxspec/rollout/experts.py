@@ -4,7 +4,8 @@ With `generate(..., record_experts=True)` the rollout keeps, for every row, posi
 layer, the top-k experts the policy's router chose when it computed that position's hidden state:
 prompt positions in the prefill, response positions in the decode step or the speculative
 verification forward that wrote their KV (for a verified tree, the accepted path's nodes, moved to
-the consecutive positions their KV moves to). The trainer replays them
+the consecutive positions their KV moves to). The slot engine records the same, in its prefill
+chunks and decode steps (`SlotExperts`). The trainer replays them
 (`jaxspec.models.forward_router(..., experts=...)`), so that it computes its log-probs with the
 experts the rollout sampled with.
 

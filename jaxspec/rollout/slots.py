@@ -37,11 +37,17 @@ so in float32 the same key gives the same tokens for any S and any mesh (up to f
 batched matmuls).
 
 Rows of one prompt (a GRPO group) share the pages of its prefix (`jaxspec.rollout.prefix_cache`):
-it is prefilled once while rows of the prompt are live (within a group, on a mesh). Not yet:
-record_experts (routing replay of mixture-of-experts policies), suffix drafts and adaptive depth
-(`SpecConfig.slot_engine_lacks`), and a ragged paged-attention kernel (`jaxspec.models.paged`
-reads through the jnp reference). The staged dense engine (`jaxspec.rollout.engine`, slots=None)
-stays the default until GPU measurements show this one faster everywhere.
+it is prefilled once while rows of the prompt are live (within a group, on a mesh).
+
+With record_experts the carry records the routing (`jaxspec.rollout.experts.SlotExperts`): the
+prefill chunks write their context positions (a resumed row's again), the decode steps their
+tokens' (a speculative step, its accepted path's, at the positions its KV moves to); the prompt
+positions a row took from the prefix cache come from the row that prefilled them.
+
+Not yet: suffix drafts and adaptive depth (`SpecConfig.slot_engine_lacks`), and a ragged
+paged-attention kernel (`jaxspec.models.paged` reads through the jnp reference). The staged dense
+engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this
+one faster everywhere.
 """
 
 from __future__ import annotations
