@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxspec.models import Sharding, make_mesh, shard_params
 from jaxspec.rollout import Sampling, generate
 from tests.rollout.test_recorded_experts import (
     CFG,
@@ -45,7 +46,7 @@ def assert_same_record(out, expected) -> None:
     np.testing.assert_array_equal(out.lengths, expected.lengths)
     got, want = np.asarray(out.experts), np.asarray(expected.experts)
     assert got.shape == want.shape and got.dtype == want.dtype
-    for b, prompt in enumerate(BATCH):
+    for b, prompt in enumerate(BATCH[: len(want)]):
         ran = len(prompt) + int(expected.lengths[b]) - 1
         np.testing.assert_array_equal(got[b, :ran], want[b, :ran], err_msg=f"row {b}")
 
@@ -82,3 +83,17 @@ def test_slot_record_equals_the_staged_engines(policy, staged, name, layout):  #
 def test_only_a_slot_rollout_that_asks_records(policy):  # noqa: F811
     short = dataclasses.replace(GREEDY, max_new_tokens=3)
     assert generate(CFG, policy, BATCH[:2], jax.random.key(0), short, slots=2).experts is None
+
+
+def test_slot_record_of_rows_split_over_two_devices(policy, staged):  # noqa: F811
+    """On a mesh of 2 groups each group records its own rows; the record is the one-device one."""
+    sharding = Sharding(make_mesh(data=2, fsdp=1, devices=jax.devices()[:2]))
+    params = shard_params(sharding, policy)
+    out = generate(
+        CFG, params, BATCH[:12], jax.random.key(0), GREEDY, record_experts=True, slots=4, page_size=4, sharding=sharding
+    )
+    assert out.stats["groups"] == 2 and out.stats["prefix_pages_shared"] > 0
+    expected = staged["autoregressive"]
+    assert_same_record(
+        out, expected._replace(**{f: getattr(expected, f)[:12] for f in ("tokens", "lengths", "experts")})
+    )
