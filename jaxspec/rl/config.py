@@ -118,10 +118,11 @@ class RolloutConfig:
         running, the memory follows the live tokens (the pool holds S rows' longest sequences)
         and a group's rows share their prompt's pages. The same key gives the same rollouts for
         any S and any mesh (on a mesh the rows, slots and pages split over data x fsdp, the KV
-        heads over tensor; colocated or async, with or without gather_weights). Not with routing
-        replay of a mixture-of-experts policy yet. auto picks S from the free memory of the
-        rollout's devices: the most slots (at most the call's rows) whose longest sequences and
-        step buffers fit in 90% of it, so no row is ever preempted; the choice is logged once
+        heads over tensor; colocated or async, with or without gather_weights); a
+        mixture-of-experts policy's routing is recorded as on the staged engine. auto picks S
+        from the free memory of the rollout's devices: the most slots (at most the call's rows)
+        whose longest sequences and step buffers fit in 90% of it, so no row is ever preempted;
+        the choice is logged once
         ("jaxspec.rollout" logger; on the CPU, which reports no free memory, 2 GiB per device
         are assumed; `jaxspec.rollout.slot_memory`). null stays the default until GPU
         measurements show the slot engine faster everywhere.

@@ -19,7 +19,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.rewards.registry import get_reward
 from jaxspec.rl.config import RANDOM_DRAFT, GRPOConfig
 from jaxspec.rl.loss import router_aux_weight
-from jaxspec.rl.routing import records_experts, replays_routing
+from jaxspec.rl.routing import replays_routing
 from jaxspec.rollout import Spec, SpecConfig
 from jaxspec.run.placement import check_devices
 from jaxspec.tasks.tokenizer import ChatTokenizer
@@ -53,7 +53,8 @@ def _check_file(path: str | None, key: str) -> None:
 
 def check_inputs(cfg: GRPOConfig) -> RunInputs:
     """Resolves paths and checks them, the reward, the tokenizer, the draft/policy fit and the
-    loss's fit to the policy (loss.router_aux_coef, loss.routing_replay, rollout.slots).
+    loss's fit to the policy (loss.router_aux_coef, loss.routing_replay) and the slot engine's to
+    the drafter (rollout.slots).
 
     Raises FileNotFoundError naming a missing file, ValueError for anything that does not fit,
     RewardError when the reward fails its self-test (`jaxspec.rewards.Reward.check`).
@@ -84,11 +85,6 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     router_aux_weight(cfg.loss, model)
     replays_routing(cfg.loss, model)
-    if cfg.rollout.slots is not None and records_experts(cfg.loss, model):
-        raise ValueError(
-            "rollout.slots: the slot engine records no routing yet, which this mixture-of-experts "
-            "policy's rollouts need (loss.routing_replay or loss.recompute_logprobs); set rollout.slots: null"
-        )
     if cfg.rollout.slots is not None and cfg.spec.method != "none" and cfg.spec.slot_engine_lacks:
         raise ValueError(
             f"rollout.slots: {', '.join(cfg.spec.slot_engine_lacks)} is not available on the slot engine yet; "

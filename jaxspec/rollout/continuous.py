@@ -19,6 +19,7 @@ from jaxspec.models.paged import NO_PAGE, init_paged_cache
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
+from jaxspec.rollout.experts import SlotExperts
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling, choose_per_row, row_keys
@@ -35,7 +36,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, run_slots
+from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
 
 
 def slot_generate(
@@ -50,6 +51,7 @@ def slot_generate(
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
     sharding: Sharding | None = None,
+    record_experts: bool = False,
 ) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `slots` (an integer or "auto"), autoregressive: prompts
     already validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
@@ -63,14 +65,16 @@ def slot_generate(
         page_size=page_size,
         cache_dtype=cache_dtype,
         sharding=sharding,
+        record_experts=record_experts,
     )
     prompts = Prompts.of(batch, layout.groups)
-    state = _loop(cfg, sampling, layout, cache_dtype, sharding, params, prompts, key)
-    return slot_output(layout, state)
+    state = _loop(cfg, sampling, layout, cache_dtype, sharding, record_experts, params, prompts, key)
+    return slot_output(layout, state, prompts)
 
 
-def slot_output(layout: Layout, state: LoopState) -> RolloutOutput:
-    """The `RolloutOutput` of a finished slot loop (rows in the call's order); stats add "slots",
+def slot_output(layout: Layout, state: LoopState, prompts: Prompts) -> RolloutOutput:
+    """The `RolloutOutput` of a finished slot loop (rows in the call's order), with the recorded
+    experts [B, P + N, L_sparse, k] where the loop recorded them; stats add "slots",
     "kv_pages" (the pool, every group's), "page_size", "groups" (the mesh's groups of rows, slots
     and pages), "peak_kv_pages" (most pages in use at once), "prefill_chunks", "preemptions" and
     "prefix_pages_shared" (pages rows took from their prompt's prefix cache instead of
@@ -95,9 +99,23 @@ def slot_output(layout: Layout, state: LoopState) -> RolloutOutput:
         "preemptions": counters["preemptions"],
         "prefix_pages_shared": counters["prefix_pages_shared"],
     }
+    experts = None
+    if state.experts is not None:
+        merge = map_groups(layout, lambda s, p: s.experts.output(p.row_prompt, p.row_lengths))
+        experts = rows_of(layout, merge(state, prompts))
     return RolloutOutput(
-        tokens=rows_of(layout, state.tokens), lengths=lengths, logprobs=rows_of(layout, state.logprobs), stats=stats
+        tokens=rows_of(layout, state.tokens),
+        lengths=lengths,
+        logprobs=rows_of(layout, state.logprobs),
+        stats=stats,
+        experts=experts,
     )
+
+
+def record_buffer(cfg: ModelConfig, layout: Layout, prompts: Prompts) -> SlotExperts:
+    """One group's empty record of the routing of its rows' P + N positions."""
+    width = prompts.tokens.shape[1]
+    return SlotExperts.create(cfg, layout.group().rows, prompts.tokens.shape[0], width, width + layout.max_new)
 
 
 def empty_cache(cfg: ModelConfig, layout: Layout, cache_dtype):
@@ -110,28 +128,40 @@ def empty_cache(cfg: ModelConfig, layout: Layout, cache_dtype):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "layout", "cache_dtype", "sharding"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "layout", "cache_dtype", "sharding", "record"))
 def _loop(
     cfg: ModelConfig,
     sampling: Sampling,
     layout: Layout,
     cache_dtype,
     sharding: Sharding | None,
+    record: bool,
     params: Params,
     prompts: Prompts,
     key,
 ) -> LoopState:
-    """The whole autoregressive rollout of `prompts` on the slot engine."""
+    """The whole autoregressive rollout of `prompts` on the slot engine; record: the carry
+    records the routing (`jaxspec.rollout.experts.SlotExperts`)."""
     group = layout.group()
 
     def decode(state: LoopState) -> LoopState:
         active, table = map_groups(layout, lambda s, p: decoding_view(s))(state, prompts)
         last, length = slots_flat(layout, (state.last, state.cache_len))
         view = state.cache._replace(page_table=slots_flat(layout, table))
-        logits, _, view = extend(
-            cfg, params, view, last[:, None], length[:, None], length, active=slots_flat(layout, active)
+        logits, _, view, *experts = extend(
+            cfg,
+            params,
+            view,
+            last[:, None],
+            length[:, None],
+            length,
+            active=slots_flat(layout, active),
+            record_experts=record,
         )
         state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
+        if record:
+            written = active[..., None]
+            state = map_groups(layout, record_steps)(state, prompts, written, slots_grouped(layout, experts[0]))
         return map_groups(layout, sample)(state, prompts, active, slots_grouped(layout, logits[:, 0]))
 
     def sample(state: LoopState, prompts: Prompts, active: jax.Array, logits: jax.Array) -> LoopState:
@@ -145,5 +175,6 @@ def _loop(
     def prefill(state: LoopState) -> LoopState:
         return prefill_chunk(cfg, params, sampling, layout, prompts, key, state)
 
-    state = initial_state(layout, prompts, empty_cache(cfg, layout, cache_dtype), cfg.pad_token_id or 0)
+    experts = record_buffer(cfg, layout, prompts) if record else None
+    state = initial_state(layout, prompts, empty_cache(cfg, layout, cache_dtype), cfg.pad_token_id or 0, None, experts)
     return run_slots(layout, state, prompts, decode, prefill, sharding)

@@ -77,7 +77,7 @@ def generate(
         finished rows free their pages and slots for the next pending rows, so memory follows the
         live tokens, and the rows of one prompt share its prefix pages (prefilled once); row r's
         token i is drawn with fold_in(fold_in(key, r), i), so in float32 the same key gives the
-        same tokens for any S. Autoregressive or speculative (every drafter); not yet with
+        same tokens for any S. Autoregressive or speculative (every drafter), with or without
         record_experts. With a sharding the rows, slots and pages split into groups over the
         batch axes (data x fsdp) that divide both the rows and S, each group's pages on its own
         devices with the KV heads over the tensor axis (`jaxspec.rollout.slot_state`); the same
@@ -109,9 +109,8 @@ def generate(
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
     if slots is not None:
-        if record_experts:
-            raise ValueError("record_experts: not available with slots (the slot engine records no routing yet)")
         paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size, sharding=sharding)
+        paged["record_experts"] = record_experts
         if spec is not None:
             return slot_speculative_generate(cfg, params, batch, key, sampling, spec, **paged)
         return slot_generate(cfg, params, batch, key, sampling, **paged)

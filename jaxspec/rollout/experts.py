@@ -4,7 +4,8 @@ With `generate(..., record_experts=True)` the rollout keeps, for every row, posi
 layer, the top-k experts the policy's router chose when it computed that position's hidden state:
 prompt positions in the prefill, response positions in the decode step or the speculative
 verification forward that wrote their KV (for a verified tree, the accepted path's nodes, moved to
-the consecutive positions their KV moves to). The trainer replays them
+the consecutive positions their KV moves to). The slot engine records the same, in its prefill
+chunks and decode steps (`SlotExperts`). The trainer replays them
 (`jaxspec.models.forward_router(..., experts=...)`), so that it computes its log-probs with the
 experts the rollout sampled with.
 
@@ -16,6 +17,8 @@ expert ids in [0, E).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +52,53 @@ def write_experts(
     positions = start[:, None] + jnp.arange(experts.shape[1], dtype=jnp.int32)[None, :]
     positions = jnp.where(written, positions, record.shape[1])
     return constrain(sharding, record.at[rows, positions].set(experts.astype(record.dtype), mode="drop"), EXPERT_AXES)
+
+
+class SlotExperts(NamedTuple):
+    """The slot engine's record (`jaxspec.rollout.slots`), of one group: rows [B, P + N, L_sparse,
+    k] each row's positions as the record above, written where the row ran them through the policy
+    (its prefill chunks, re-run after a preemption, and its decode steps); prompts [U, P, L_sparse,
+    k] each distinct prompt's positions, written by whichever row prefilled them, so that a row
+    that took its prompt's prefix pages from the prefix cache (and never ran those positions
+    itself) finds their experts there."""
+
+    rows: jax.Array
+    prompts: jax.Array
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, rows: int, num_prompts: int, prompt_width: int, positions: int) -> SlotExperts:
+        shape = (len(cfg.sparse_layers), cfg.num_experts_per_tok)
+        dtype = expert_id_dtype(cfg.num_experts)
+        return cls(
+            rows=jnp.zeros((rows, positions, *shape), dtype),
+            prompts=jnp.zeros((num_prompts, prompt_width, *shape), dtype),
+        )
+
+    def write(
+        self,
+        row: jax.Array,
+        prompt: jax.Array,
+        prompt_len: jax.Array,
+        experts: jax.Array,
+        start: jax.Array,
+        written: jax.Array,
+    ) -> SlotExperts:
+        """The record with experts [R, T, L_sparse, k] at positions start[r] + t (start int32 [R])
+        of row row[r] where written bool [R, T] is set, and, at positions below prompt_len[r],
+        of distinct prompt prompt[r] (row, prompt, prompt_len int32 [R])."""
+        positions = start[:, None] + jnp.arange(experts.shape[1], dtype=jnp.int32)[None, :]
+        experts = experts.astype(self.rows.dtype)
+        at_row = jnp.where(written, positions, self.rows.shape[1])
+        at_prompt = jnp.where(written & (positions < prompt_len[:, None]), positions, self.prompts.shape[1])
+        return SlotExperts(
+            rows=self.rows.at[row[:, None], at_row].set(experts, mode="drop"),
+            prompts=self.prompts.at[prompt[:, None], at_prompt].set(experts, mode="drop"),
+        )
+
+    def output(self, row_prompt: jax.Array, row_lengths: jax.Array) -> jax.Array:
+        """[B, P + N, L_sparse, k]: each row's prompt positions (row_lengths int32 [B]) from its
+        distinct prompt's (row_prompt int32 [B]) record, the rest from its own."""
+        width = self.prompts.shape[1]
+        prompt = jnp.pad(self.prompts[row_prompt], ((0, 0), (0, self.rows.shape[1] - width), (0, 0), (0, 0)))
+        in_prompt = jnp.arange(self.rows.shape[1])[None, :, None, None] < row_lengths[:, None, None, None]
+        return jnp.where(in_prompt, prompt, self.rows)

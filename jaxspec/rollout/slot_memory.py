@@ -24,6 +24,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.memory import device_free_bytes
 from jaxspec.models.paged import paged_cache_bytes
 from jaxspec.models.sharding import Sharding
+from jaxspec.rollout.experts import recorded_experts_bytes
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.slot_layout import Layout, batch_groups, plan_layout
 
@@ -64,12 +65,14 @@ def slot_memory_bytes(
     sharding: Sharding | None = None,
     draft_kv: ModelConfig | None = None,
     verify: bool = False,
+    record_experts: bool = False,
 ) -> int:
     """Bytes one device allocates for the slot loop beyond the params (an estimate): its group's
     page pools (the policy's, and the drafter's own of `draft_kv`'s shapes), the group's outputs
     [B / G, N] and the float32 buffers of a decode step over its S / G slots and of a prefill
     chunk (logits [., V], attention scores over a slot's pages, MLP); with `verify`, the logits
-    and MLP of a speculative verification of `lookahead` tokens per slot."""
+    and MLP of a speculative verification of `lookahead` tokens per slot; with `record_experts`,
+    the group's record of the routing (`jaxspec.rollout.experts.SlotExperts`)."""
     group = layout.group()
     per_page = page_bytes(cfg, layout.page_size, cache_dtype, sharding)
     if draft_kv is not None:
@@ -79,7 +82,11 @@ def slot_memory_bytes(
     chunk = group.lanes * group.chunk * (2 * cfg.num_heads * span + 2 * cfg.intermediate_size + cfg.hidden_size)
     checks = group.slots * layout.lookahead * (4 * cfg.vocab_size + 2 * cfg.intermediate_size) if verify else 0
     outputs = 2 * group.rows * layout.max_new + prompt_width * group.rows
-    return group.num_pages * per_page + _F32 * (max(step, chunk) + checks + outputs)
+    record = 0
+    if record_experts:
+        record = recorded_experts_bytes(cfg, group.rows, prompt_width + layout.max_new)
+        record += recorded_experts_bytes(cfg, group.rows, prompt_width)  # the distinct prompts', at most B / G
+    return group.num_pages * per_page + _F32 * (max(step, chunk) + checks + outputs) + record
 
 
 def tightest_memory_stats(sharding: Sharding | None) -> dict | None:
@@ -103,6 +110,7 @@ def auto_layout(
     sharding: Sharding | None = None,
     draft_kv: ModelConfig | None = None,
     verify: bool = False,
+    record_experts: bool = False,
 ) -> Layout:
     """The `Layout` slots="auto" picks (module docstring) for `rows` rows of prompts padded to
     `prompt_width`, with `free` bytes free per device. Raises ValueError naming the sizes when not
@@ -115,7 +123,7 @@ def auto_layout(
         )
 
     def needed(slots: int) -> int:
-        memory = dict(sharding=sharding, draft_kv=draft_kv, verify=verify)
+        memory = dict(sharding=sharding, draft_kv=draft_kv, verify=verify, record_experts=record_experts)
         return slot_memory_bytes(cfg, plan(slots), prompt_width, cache_dtype, **memory)
 
     step = batch_groups(sharding, rows)  # S in multiples of it splits over every batch device
@@ -178,15 +186,17 @@ def slot_layout(
     sharding: Sharding | None = None,
     draft_kv: ModelConfig | None = None,
     verify: bool = False,
+    record_experts: bool = False,
 ) -> Layout:
     """The slot loop's `Layout` for a `PromptBatch`: `plan_layout` of an integer `slots`, or the
     `auto_layout` of slots="auto" (stated once, module docstring), checked against the free
-    memory of a device (ValueError naming the sizes when it does not fit)."""
+    memory of a device (ValueError naming the sizes when it does not fit); record_experts: the
+    loop records the routing too (`slot_memory_bytes`)."""
     if isinstance(slots, str) and slots != AUTO:
         raise ValueError(f"slots must be None, {AUTO!r} or an integer >= 1, got {slots!r}")
     rows, width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     longest = int(batch.row_lengths.max())
-    memory = dict(sharding=sharding, draft_kv=draft_kv, verify=verify)
+    memory = dict(sharding=sharding, draft_kv=draft_kv, verify=verify, record_experts=record_experts)
     stats = tightest_memory_stats(sharding)
     free = None if stats is None else device_free_bytes(stats)[0]
     if slots == AUTO:

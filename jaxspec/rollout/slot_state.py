@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.paged import PagedKVCache
 from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
+from jaxspec.rollout.experts import SlotExperts
 from jaxspec.rollout.page_pool import PagePool
 from jaxspec.rollout.prefix_cache import PrefixCache
 from jaxspec.rollout.slot_layout import Layout
@@ -38,7 +39,8 @@ class LoopState(NamedTuple):
     whose page table is the one in effect (the cache's is set where it is used). prefix: the
     `PrefixCache`. counters: int32 scalars `COUNTERS`. draft: the drafter's per-slot state, or
     None. first_row: int32 scalar, the call's index of the group's row 0 (rows above are the
-    group's own indices)."""
+    group's own indices). experts: the recorded routing (`jaxspec.rollout.experts.SlotExperts`),
+    or None."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -60,6 +62,7 @@ class LoopState(NamedTuple):
     counters: dict
     draft: object
     first_row: jax.Array
+    experts: SlotExperts | None
 
 
 class Prompts(NamedTuple):
@@ -120,9 +123,12 @@ def _per_slot(layout: Layout, tree, reshape: Callable):
     return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, PagedKVCache))
 
 
-def initial_state(layout: Layout, prompts: Prompts, cache: PagedKVCache, pad_id: int, draft=None) -> LoopState:
+def initial_state(
+    layout: Layout, prompts: Prompts, cache: PagedKVCache, pad_id: int, draft=None, experts: SlotExperts | None = None
+) -> LoopState:
     """Every row pending (each group's queue 0..B/G - 1), every slot free, every page in its group's
-    pool. cache, draft: one group's (made for `layout.group()`), which every group starts from."""
+    pool. cache, draft, experts: one group's (made for `layout.group()`), which every group starts
+    from."""
     group = layout.group()
     b, s = group.rows, group.slots
     zeros = jnp.zeros((s,), jnp.int32)
@@ -147,6 +153,7 @@ def initial_state(layout: Layout, prompts: Prompts, cache: PagedKVCache, pad_id:
         counters={name: jnp.zeros((), jnp.int32) for name in COUNTERS},
         draft=draft,
         first_row=jnp.zeros((), jnp.int32),
+        experts=experts,
     )
     if layout.groups == 1:
         return state

@@ -37,11 +37,17 @@ so in float32 the same key gives the same tokens for any S and any mesh (up to f
 batched matmuls).
 
 Rows of one prompt (a GRPO group) share the pages of its prefix (`jaxspec.rollout.prefix_cache`):
-it is prefilled once while rows of the prompt are live (within a group, on a mesh). Not yet:
-record_experts (routing replay of mixture-of-experts policies), suffix drafts and adaptive depth
-(`SpecConfig.slot_engine_lacks`), and a ragged paged-attention kernel (`jaxspec.models.paged`
-reads through the jnp reference). The staged dense engine (`jaxspec.rollout.engine`, slots=None)
-stays the default until GPU measurements show this one faster everywhere.
+it is prefilled once while rows of the prompt are live (within a group, on a mesh).
+
+With record_experts the carry records the routing (`jaxspec.rollout.experts.SlotExperts`): the
+prefill chunks write their context positions (a resumed row's again), the decode steps their
+tokens' (a speculative step, its accepted path's, at the positions its KV moves to); the prompt
+positions a row took from the prefix cache come from the row that prefilled them.
+
+Not yet: suffix drafts and adaptive depth (`SpecConfig.slot_engine_lacks`), and a ragged
+paged-attention kernel (`jaxspec.models.paged` reads through the jnp reference). The staged dense
+engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this
+one faster everywhere.
 """
 
 from __future__ import annotations
@@ -169,7 +175,8 @@ def prefill_chunk(
     group = layout.group()
     lanes = map_groups(layout, lambda s, p: prefill_lanes(s, group, p))(state, prompts)
     flat = slots_flat(layout, lanes)
-    _, hidden, view = extend(
+    record = state.experts is not None
+    _, hidden, view, *experts = extend(
         cfg,
         params,
         state.cache._replace(page_table=flat.table),
@@ -178,8 +185,11 @@ def prefill_chunk(
         flat.start,
         active=flat.valid,
         hidden_layers=(*policy_layers, cfg.num_layers - 1),
+        record_experts=record,
     )
     state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
+    if record:
+        state = map_groups(layout, record_lanes)(state, prompts, lanes, slots_grouped(layout, experts[0]))
     if on_prefill is not None:
         state = on_prefill(state, flat, hidden[:-1])
     last = jnp.clip(flat.ctx - 1 - flat.start, 0, layout.chunk - 1)[None, :, None, None]
@@ -216,6 +226,22 @@ def prefill_chunk(
 
     per_lane = slots_grouped(layout, (logits, jnp.moveaxis(hidden_last, 0, 1)))
     return map_groups(layout, start)(state, prompts, lanes, *per_lane)
+
+
+def record_lanes(state: LoopState, prompts: Prompts, lanes: Lanes, experts: jax.Array) -> LoopState:
+    """One group's record with the routing experts [R, C, L_sparse, k] of its lanes' context
+    positions (a resumed row's re-prefill writes the positions it ran before again)."""
+    written = lanes.valid[:, None] & (lanes.positions < lanes.ctx[:, None])
+    prompt, prompt_len = prompts.row_prompt[lanes.row], prompts.row_lengths[lanes.row]
+    return state._replace(experts=state.experts.write(lanes.row, prompt, prompt_len, experts, lanes.start, written))
+
+
+def record_steps(state: LoopState, prompts: Prompts, active: jax.Array, experts: jax.Array) -> LoopState:
+    """One group's record with the routing experts [S, T, L_sparse, k] of the positions its
+    decoding slots (bool active [S, T]: those written) ran from their cache_len on."""
+    row = jnp.clip(state.row, 0, prompts.row_prompt.shape[0] - 1)
+    prompt, prompt_len = prompts.row_prompt[row], prompts.row_lengths[row]
+    return state._replace(experts=state.experts.write(row, prompt, prompt_len, experts, state.cache_len, active))
 
 
 def decoding_view(state: LoopState) -> tuple[jax.Array, jax.Array]:

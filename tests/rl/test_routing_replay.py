@@ -231,13 +231,15 @@ MOE_RUN = [
         ["loss.routing_replay=false"],
         ["loss.routing_replay=true", "mesh.data=2", "rollout.sub_batch=16"],
         ["loss.routing_replay=true", "rollout.mode=async", "mesh.rollout_devices=2"],
+        ["loss.routing_replay=true", "rollout.slots=4"],
     ],
-    ids=["replay", "no-replay", "mesh-sub-batches", "async"],
+    ids=["replay", "no-replay", "mesh-sub-batches", "async", "slots"],
 )
 def test_moe_grpo_logs_expert_disagreement(tiny_moe_policy, tmp_path, options):
     """`jaxspec train` on a mixture-of-experts policy with speculative (n-gram tree) rollouts: each step
     logs the trainer's disagreement with the rollout's experts next to the log-prob mismatch; in
-    float32 the trainer at the rollout's weights routes as the rollout did. Async rollouts train on
+    float32 the trainer at the rollout's weights routes as the rollout did, on the staged engine and
+    on the slot engine (rollout.slots). Async rollouts train on
     weights one update older: the router has moved and the disagreement shows it."""
     config = write_config(tmp_path / "run.yaml", tiny_moe_policy[0], steps=2, eval_every=0, checkpoint_every=2)
     assert train_cli("--config", config, "--run-dir", tmp_path / "run", *MOE_RUN, *options) == 0

@@ -84,16 +84,6 @@ def test_bad_config_fails_before_compute_with_one_line(tiny_policy, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
-def test_slots_with_a_routing_record_are_refused(tiny_moe_policy, tmp_path, capsys):
-    """A mixture-of-experts policy whose loss replays its routing needs rollouts that record it,
-    which the slot engine does not yet: refused before compute, naming rollout.slots."""
-    config = write_config(tmp_path / "run.yaml", tiny_moe_policy[0])
-    options = ["rollout.slots=8", "loss.routing_replay=true"]
-    assert train_cli("--config", config, "--run-dir", tmp_path / "run", *options) == 2
-    assert "rollout.slots: the slot engine records no routing yet" in _error_line(capsys)
-    assert not (tmp_path / "run").exists()
-
-
 def test_slots_with_adaptive_depth_are_refused(tiny_policy, tmp_path, capsys):
     """Adaptive depth does not run on the slot engine yet: refused before compute, naming both keys."""
     config = write_config(tmp_path / "run.yaml", tiny_policy[0])

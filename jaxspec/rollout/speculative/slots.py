@@ -36,7 +36,7 @@ from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
-from jaxspec.rollout.continuous import empty_cache, slot_output
+from jaxspec.rollout.continuous import empty_cache, record_buffer, slot_output
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling, row_keys
@@ -53,7 +53,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, run_slots
+from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.generate import make_drafter
 from jaxspec.rollout.speculative.slot_drafters import (
     draft_kv_config,
@@ -97,6 +97,7 @@ def slot_speculative_generate(
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
     sharding: Sharding | None = None,
+    record_experts: bool = False,
 ) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `spec` and `slots` (an integer or "auto"): prompts already
     validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
@@ -122,13 +123,13 @@ def slot_speculative_generate(
         sharding=sharding,
         draft_kv=draft_kv_config(drafter),
         verify=True,
+        record_experts=record_experts,
     )
     prompts = Prompts.of(batch, layout.groups)
     max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
-    state = _loop(
-        cfg, sampling, layout, cache_dtype, sharding, drafters, max_depth, width, params, dparams, prompts, key
-    )
-    out = slot_output(layout, state)
+    static = (cfg, sampling, layout, cache_dtype, sharding, drafters, max_depth, width, record_experts)
+    state = _loop(*static, params, dparams, prompts, key)
+    out = slot_output(layout, state, prompts)
     sizes = occupancy_sizes(layout.slots, len(depths))
     counts, depth_steps = summed(layout, state.draft.counts), first_group(layout, state.draft.depth_steps)
     stats = summarize(counts, rows_of(layout, state.lengths), max_depth, sizes, depth_steps)
@@ -138,7 +139,17 @@ def slot_speculative_generate(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "sampling", "layout", "cache_dtype", "sharding", "drafters", "max_depth", "prompt_width"),
+    static_argnames=(
+        "cfg",
+        "sampling",
+        "layout",
+        "cache_dtype",
+        "sharding",
+        "drafters",
+        "max_depth",
+        "prompt_width",
+        "record",
+    ),
 )
 def _loop(
     cfg: ModelConfig,
@@ -149,13 +160,16 @@ def _loop(
     drafters: tuple,
     max_depth: int,
     prompt_width: int,
+    record: bool,
     params: Params,
     dparams,
     prompts: Prompts,
     key,
 ) -> LoopState:
     """The whole speculative rollout of `prompts` on the slot engine. drafters: one per draft depth
-    (`occupancy_sizes`), alike but for their depth; their state is made by the deepest."""
+    (`occupancy_sizes`), alike but for their depth; their state is made by the deepest. record:
+    the carry records the routing, the accepted path's at the positions its KV moves to
+    (`jaxspec.rollout.experts.SlotExperts`)."""
     drafter = max(drafters, key=lambda d: d.depth)
     chain = drafter.width == 1
     verify_key, draft_key = jax.random.split(jax.random.fold_in(key, 1))
@@ -211,6 +225,7 @@ def _loop(
             verify,
             max_depth=max_depth,
             chain=chain,
+            record=record,
         )
         draft = slots_grouped(layout, keep_table(out.draft, stored))
         state = state._replace(
@@ -218,6 +233,11 @@ def _loop(
         )
         per_slot = (active, out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
         per_slot += (out.tree.num_nodes, out.path)
+        if record:  # the accepted path's experts at the positions its KV now holds
+            path = jnp.maximum(out.path, 0)[:, :, None, None]
+            path_experts = jnp.take_along_axis(out.node_experts, path, axis=1)
+            written = active[:, None] & (out.path >= 0)
+            state = map_groups(layout, record_steps)(state, prompts, *slots_grouped(layout, (written, path_experts)))
         return map_groups(layout, commit)(state, prompts, *slots_grouped(layout, per_slot))
 
     def commit(state, prompts, active, emitted, logprobs, accepted, next_token, parents, num_nodes, path):
@@ -240,5 +260,7 @@ def _loop(
 
     draft = empty_state(drafter, dparams, layout, prompt_width + layout.max_new, cache_dtype)
     spec_state = SpecSlots(draft, Counts.zeros(max_depth), jnp.zeros((len(drafters),), jnp.int32))
-    state = initial_state(layout, prompts, empty_cache(cfg, layout, cache_dtype), cfg.pad_token_id or 0, spec_state)
+    experts = record_buffer(cfg, layout, prompts) if record else None
+    cache = empty_cache(cfg, layout, cache_dtype)
+    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, spec_state, experts)
     return run_slots(layout, state, prompts, decode, prefill, sharding)
