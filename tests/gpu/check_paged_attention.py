@@ -24,19 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.paged import NO_PAGE, _paged_attention_kernel, paged_attention
+from tests.gpu.check_attention import random_trees
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 TOLERANCE = 2.0**-5  # 2 units in the last place of bf16 outputs in [2, 4)
-
-
-def random_trees(rng, b: int, t: int) -> np.ndarray:
-    mask = np.zeros((b, t, t), bool)
-    for i in range(b):
-        for n in range(t):
-            mask[i, n, n] = True
-            if n:
-                mask[i, n] |= mask[i, rng.integers(0, n)]
-    return mask
 
 
 def case_inputs(rng, b: int, t: int, pages_per_row: int, tree: bool):
