@@ -30,7 +30,8 @@ from jaxspec.bench.timing import print_table, write_results
 from jaxspec.draft import load_eagle3
 from jaxspec.models import ModelConfig, load_hf
 from jaxspec.rewards.math_verifier import arithmetic_reward
-from jaxspec.rollout import Sampling, Spec, generate
+from jaxspec.rollout import RolloutOutput, Sampling, Spec, generate
+from jaxspec.rollout.speculative.stats import merge_stats
 from jaxspec.tasks import DEFAULT_KINDS, ChatTokenizer, TallyConfig, generate_problems
 
 COLUMNS = [
@@ -96,6 +97,44 @@ def rollout_summary(tok: ChatTokenizer, problems: list[dict], tokens, logprobs, 
         "length_max": int(lengths.max()),
         "lengths": lengths.tolist(),
     }
+
+
+def _slot_count(text: str) -> int | str:
+    """--slots values: a positive integer or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"--slots takes positive integers or 'auto', got {text!r}")
+    return count
+
+
+def generate_rows(cfg, params, prompts, key, sampling, spec, slots, kv_pages, sub_batch) -> RolloutOutput:
+    """`generate` of the prompts, on the host and finished: in one call, or with sub_batch in calls of
+    that many rows one after another (their keys folded with the call's index, as
+    rollout.sub_batch does) whose outputs and statistics are joined as one rollout's."""
+    size = sub_batch or len(prompts)
+    if size < 1 or len(prompts) % size:
+        raise ValueError(f"--sub-batch {sub_batch} does not divide the batch of {len(prompts)} rows")
+    parts = []
+    for i, start in enumerate(range(0, len(prompts), size)):
+        call_key = key if size == len(prompts) else jax.random.fold_in(key, i)
+        out = generate(
+            cfg, params, prompts[start : start + size], call_key, sampling, spec=spec, slots=slots, kv_pages=kv_pages
+        )
+        parts.append(jax.device_get(out))
+    if len(parts) == 1:
+        return parts[0]
+    join = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+    return parts[0]._replace(
+        tokens=join("tokens"),
+        lengths=join("lengths"),
+        logprobs=join("logprobs"),
+        stats=merge_stats([p.stats for p in parts]),
+    )
 
 
 def stage_label(depths: tuple[int, ...]) -> str:
@@ -193,11 +232,28 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--slots",
-        type=int,
+        type=_slot_count,
         nargs="*",
         default=[],
         metavar="S",
-        help="also run every configuration on the slot engine with S decode slots (generate(..., slots=S))",
+        help="also run every configuration on the slot engine with S decode slots (generate(..., slots=S); "
+        "'auto': S and the pool from the device's free memory)",
+    )
+    p.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        metavar="PAGES",
+        help="the slot engine's page pool (default: every slot's longest sequence); a smaller pool "
+        "preempts and resumes rows when it runs short",
+    )
+    p.add_argument(
+        "--sub-batch",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="run the staged engine's configurations as generate calls of ROWS rows, one after another "
+        "(as rollout.sub_batch does; for batches whose dense KV cache does not fit at once)",
     )
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
@@ -236,11 +292,13 @@ def main(argv: list[str]) -> int:
                     method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method), **kwargs
                 )
             key = jax.random.key(0)
-            run = lambda: generate(cfg, params, prompts, key, sampling, spec=spec, slots=slots)  # noqa: E731
-            jax.block_until_ready(run().tokens)  # compile + warm up
+            sub_batch = None if slots is not None else args.sub_batch
+            run = lambda: generate_rows(  # noqa: E731
+                cfg, params, prompts, key, sampling, spec, slots, args.kv_pages, sub_batch
+            )
+            run()  # compile + warm up
             start = time.perf_counter()
             out = run()
-            jax.block_until_ready(out.tokens)
             seconds = time.perf_counter() - start
             tokens = int(np.asarray(out.lengths).sum())
             acc = float(out.stats.get("acceptance_length", 1.0))
@@ -281,6 +339,8 @@ def main(argv: list[str]) -> int:
         "samples_per_prompt": args.samples,
         "temperature": 1.0,
         "max_new_tokens": args.new,
+        "sub_batch": args.sub_batch,
+        "kv_pages": args.kv_pages,
         "baseline": "autoregressive generate, same run",
     }
     print()

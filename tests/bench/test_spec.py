@@ -232,3 +232,38 @@ def test_bench_spec_runs_every_configuration_on_the_slot_engine_too(tmp_path):
             rows[label]["tokens_per_s"] / rows["ar"]["tokens_per_s"]
         )
     assert rows["eagle3 chain k=2 slots=2"]["acceptance_length"] > 1.0
+
+
+def test_bench_spec_runs_the_staged_engine_in_sub_batches_and_the_slots_on_a_given_pool(tmp_path):
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
+    argv += ["--batch", "4", "--new", "16", "--k", "2", "--trees", "--no-ngram", "--levels", "1"]
+    argv += ["--sub-batch", "2", "--slots", "4", "--kv-pages", "5"]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert result["baseline"]["sub_batch"] == 2 and result["baseline"]["kv_pages"] == 5
+    for label in ("ar", "eagle3 chain k=2"):  # two calls of two rows, one after another
+        assert len(rows[label]["lengths"]) == 4
+        assert sum(rows[label]["stage_steps"]) == int(round(rows[label]["seconds"] * 1e3 / rows[label]["step_ms"]))
+    assert rows["eagle3 chain k=2"]["acceptance_length"] > 1.0
+    assert rows["ar slots=4"]["stage_rows"] == [4] and len(rows["ar slots=4"]["lengths"]) == 4
+
+
+def test_generate_rows_joins_the_sub_batches_as_one_rollout():
+    from jaxspec.bench.spec import generate_rows
+    from jaxspec.models import load_hf
+    from jaxspec.rollout import Sampling, generate
+
+    cfg, params = load_hf(ASSETS / "tiny-policy", dtype="float32")
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    key = jax.random.key(3)
+    joined = generate_rows(cfg, params, prompts, key, sampling, None, None, None, 2)
+    for i in range(2):
+        part = generate(cfg, params, prompts[2 * i : 2 * i + 2], jax.random.fold_in(key, i), sampling)
+        np.testing.assert_array_equal(joined.tokens[2 * i : 2 * i + 2], part.tokens)
+        np.testing.assert_array_equal(joined.lengths[2 * i : 2 * i + 2], part.lengths)
+    assert joined.stats["generated_tokens"] == int(joined.lengths.sum())
+    with pytest.raises(ValueError, match="--sub-batch 3 does not divide the batch of 4 rows"):
+        generate_rows(cfg, params, prompts, key, sampling, None, None, None, 3)
