@@ -36,6 +36,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
+from jaxspec.rollout.slot_width import on_decoding_slots
 from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
 
 
@@ -74,22 +75,28 @@ def slot_generate(
 
 def slot_output(layout: Layout, state: LoopState, prompts: Prompts) -> RolloutOutput:
     """The `RolloutOutput` of a finished slot loop (rows in the call's order), with the recorded
-    experts [B, P + N, L_sparse, k] where the loop recorded them; stats add "slots",
+    experts [B, P + N, L_sparse, k] where the loop recorded them; "step_widths" are the decode
+    step's widths and "width_steps" the decode steps run at each (`jaxspec.rollout.slot_width`;
+    also "stage_rows" / "stage_steps", the staged engine's names; "steps" counts every iteration,
+    prefill-only ones too); stats add "slots",
     "kv_pages" (the pool, every group's), "page_size", "groups" (the mesh's groups of rows, slots
     and pages), "peak_kv_pages" (most pages in use at once), "prefill_chunks", "preemptions" and
     "prefix_pages_shared" (pages rows took from their prompt's prefix cache instead of
     prefilling)."""
     counters = summed(layout, {k: state.counters[k] for k in ("preemptions", "prefix_pages_shared")})
     counters |= first_group(layout, {k: state.counters[k] for k in ("steps", "prefill_chunks", "peak_pages")})
+    width_steps = [int(n) for n in to_host(first_group(layout, state.counters["width_steps"]))]
     counters = {name: int(to_host(v)) for name, v in counters.items()}
     lengths = rows_of(layout, state.lengths)
     stats = {
         "steps": counters["steps"],
-        "stage_rows": [layout.slots],
-        "stage_steps": [counters["steps"]],
+        "stage_rows": list(layout.widths),
+        "stage_steps": width_steps,
         "acceptance_length": 1.0,
         "acceptance_rate_per_position": np.zeros((0,), np.float32),
         "generated_tokens": int(to_host(lengths).sum()),
+        "step_widths": list(layout.widths),
+        "width_steps": width_steps,
         "slots": layout.slots,
         "kv_pages": layout.num_pages,
         "page_size": layout.page_size,
@@ -144,25 +151,26 @@ def _loop(
     records the routing (`jaxspec.rollout.experts.SlotExperts`)."""
     group = layout.group()
 
+    def forward(inputs, carry, pools):
+        """The decode forward of W slots: (logits [W, V] and the routing, carry, pools)."""
+        table, last, length, active = inputs
+        view = state_cache(pools)._replace(page_table=table)
+        logits, _, view, *experts = extend(
+            cfg, params, view, last[:, None], length[:, None], length, active=active, record_experts=record
+        )
+        return (logits[:, 0], *experts), carry, (view.k, view.v)
+
     def decode(state: LoopState) -> LoopState:
         active, table = map_groups(layout, lambda s, p: decoding_view(s))(state, prompts)
-        last, length = slots_flat(layout, (state.last, state.cache_len))
-        view = state.cache._replace(page_table=slots_flat(layout, table))
-        logits, _, view, *experts = extend(
-            cfg,
-            params,
-            view,
-            last[:, None],
-            length[:, None],
-            length,
-            active=slots_flat(layout, active),
-            record_experts=record,
+        inputs = slots_flat(layout, (table, state.last, state.cache_len, active))
+        (logits, *experts), _, (k, v) = on_decoding_slots(
+            layout.widths, inputs[3], forward, inputs, (), (state.cache.k, state.cache.v)
         )
-        state = state._replace(cache=state.cache._replace(k=view.k, v=view.v))
+        state = state._replace(cache=state.cache._replace(k=k, v=v))
         if record:
             written = active[..., None]
             state = map_groups(layout, record_steps)(state, prompts, written, slots_grouped(layout, experts[0]))
-        return map_groups(layout, sample)(state, prompts, active, slots_grouped(layout, logits[:, 0]))
+        return map_groups(layout, sample)(state, prompts, active, slots_grouped(layout, logits))
 
     def sample(state: LoopState, prompts: Prompts, active: jax.Array, logits: jax.Array) -> LoopState:
         """One group's decoding slots take their next token from logits float32 [S, V]."""
@@ -176,5 +184,10 @@ def _loop(
         return prefill_chunk(cfg, params, sampling, layout, prompts, key, state)
 
     experts = record_buffer(cfg, layout, prompts) if record else None
-    state = initial_state(layout, prompts, empty_cache(cfg, layout, cache_dtype), cfg.pad_token_id or 0, None, experts)
+    cache = empty_cache(cfg, layout, cache_dtype)
+
+    def state_cache(pools):
+        return cache._replace(k=pools[0], v=pools[1])
+
+    state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, None, experts)
     return run_slots(layout, state, prompts, decode, prefill, sharding)

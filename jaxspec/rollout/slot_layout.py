@@ -16,6 +16,7 @@ import math
 
 from jaxspec.models.sharding import Sharding
 from jaxspec.rollout.page_pool import pages_for
+from jaxspec.rollout.slot_width import step_widths
 
 DEFAULT_PAGE_SIZE = 16  # token positions per page
 MAX_PREFILL_CHUNK = 256  # most context tokens one prefill lane writes per iteration
@@ -31,7 +32,8 @@ class Layout:
     lanes: prefill lanes per iteration; lookahead: positions past its length one decode step
     writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps); prefix_pages:
     the most pages a prompt's rows share (`jaxspec.rollout.prefix_cache`); groups: G, the groups
-    the rows, slots, pages and lanes split into on a mesh (each a multiple of G).
+    the rows, slots, pages and lanes split into on a mesh (each a multiple of G); widths: the
+    decode step's widths, widest (S) first (`jaxspec.rollout.slot_width`).
     """
 
     rows: int
@@ -45,6 +47,7 @@ class Layout:
     lookahead: int
     prefix_pages: int
     groups: int = 1
+    widths: tuple[int, ...] = ()
 
     def group(self) -> Layout:
         """The layout of one group: B / G rows, S / G slots, P / G pages, lanes / G lanes."""
@@ -115,4 +118,5 @@ def plan_layout(
         lookahead,
         prefix,
         groups,
+        step_widths(slots, groups),
     )

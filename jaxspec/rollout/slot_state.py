@@ -37,7 +37,8 @@ class LoopState(NamedTuple):
     far), cache_len (decoding: positions in the cache = prompt + emitted - 1), last (decoding: the
     last emitted token, not yet in the cache), admitted (admission order). pool: the `PagePool`,
     whose page table is the one in effect (the cache's is set where it is used). prefix: the
-    `PrefixCache`. counters: int32 scalars `COUNTERS`. draft: the drafter's per-slot state, or
+    `PrefixCache`. counters: int32 scalars `COUNTERS`, and width_steps int32 [len(layout.widths)]
+    (decode steps run at each step width, `jaxspec.rollout.slot_width`). draft: the drafter's per-slot state, or
     None. first_row: int32 scalar, the call's index of the group's row 0 (rows above are the
     group's own indices). experts: the recorded routing (`jaxspec.rollout.experts.SlotExperts`),
     or None."""
@@ -150,7 +151,8 @@ def initial_state(
         pool=PagePool.create(group.num_pages, s, layout.pages_per_slot),
         cache=cache,
         prefix=PrefixCache.create(prompts.tokens.shape[0], layout.prefix_pages),
-        counters={name: jnp.zeros((), jnp.int32) for name in COUNTERS},
+        counters={name: jnp.zeros((), jnp.int32) for name in COUNTERS}
+        | {"width_steps": jnp.zeros((len(layout.widths),), jnp.int32)},
         draft=draft,
         first_row=jnp.zeros((), jnp.int32),
         experts=experts,

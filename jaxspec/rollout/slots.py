@@ -69,6 +69,7 @@ from jaxspec.rollout.sampling import Sampling, choose_per_row, row_keys
 from jaxspec.rollout.slot_layout import Layout
 from jaxspec.rollout.slot_schedule import admit, make_room, release_finished
 from jaxspec.rollout.slot_state import LoopState, Prompts, lay_out, map_groups, slots_flat, slots_grouped
+from jaxspec.rollout.slot_width import width_index
 
 
 def context_tokens(prompts: Prompts, tokens: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
@@ -278,7 +279,10 @@ def run_slots(
 
     def body(state: LoopState) -> LoopState:
         state = map_groups(layout, schedule)(state, prompts)
-        state = jax.lax.cond(jnp.any(state.decoding & (state.row >= 0)), decode, lambda s: s, state)
+        decoding = state.decoding & (state.row >= 0)
+        width_steps = state.counters["width_steps"]
+        width_steps = width_steps.at[..., width_index(layout.widths, decoding)].add(jnp.any(decoding))
+        state = jax.lax.cond(jnp.any(decoding), decode, lambda s: s, state)
         writing = map_groups(layout, lambda s, p: prefilling(s, group, p))(state, prompts)
         state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
         state = map_groups(layout, finish)(state, prompts)
@@ -287,6 +291,7 @@ def run_slots(
         counters = {
             **counters,
             "steps": counters["steps"] + 1,
+            "width_steps": width_steps,
             "peak_pages": jnp.maximum(counters["peak_pages"], in_use),
         }
         return lay_out(sharding, layout, state._replace(counters=counters))

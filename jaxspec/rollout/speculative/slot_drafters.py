@@ -65,11 +65,22 @@ def with_table(state, page_table: jax.Array):
     return state._replace(cache=state.cache._replace(page_table=page_table))
 
 
-def keep_table(state, stored):
-    """`state` (after a pass over a view) with the page table of `stored`, the stored form."""
+def without_pools(state):
+    """(the state's per-slot part, its page pools): the drafter's state split for a step on some
+    of the slots (`jaxspec.rollout.slot_width`): every leaf of the first has the slots first; the
+    second is (k, v) of its paged cache, () for the n-gram history."""
     if isinstance(state, History):
-        return state
-    return state._replace(cache=stored.cache._replace(k=state.cache.k, v=state.cache.v))
+        return state, ()
+    return state._replace(cache=None), (state.cache.k, state.cache.v)
+
+
+def with_pools(per_slot, stored, pools, page_table: jax.Array | None = None):
+    """`without_pools` undone: the per-slot part with the pools in the stored state's paged cache,
+    on `page_table` int32 [S', M] if given (else the stored table)."""
+    if isinstance(per_slot, History):
+        return per_slot
+    cache = stored.cache._replace(k=pools[0], v=pools[1])
+    return per_slot._replace(cache=cache if page_table is None else cache._replace(page_table=page_table))
 
 
 def prefill_hook(drafter, dparams):

@@ -53,15 +53,16 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
+from jaxspec.rollout.slot_width import on_decoding_slots
 from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.generate import make_drafter
 from jaxspec.rollout.speculative.slot_drafters import (
     draft_kv_config,
     empty_state,
-    keep_table,
     prefill_hook,
     start_hook,
-    with_table,
+    with_pools,
+    without_pools,
 )
 from jaxspec.rollout.speculative.spec import Spec
 from jaxspec.rollout.speculative.stats import Counts, count_step, summarize
@@ -186,7 +187,8 @@ def _loop(
         return state._replace(draft=state.draft._replace(depth_steps=steps))
 
     def decode_with(drafter, state: LoopState) -> LoopState:
-        """One draft-and-verify step of every group's decoding slots, as one batch of slots."""
+        """One draft-and-verify step of every group's decoding slots, as one batch of slots (as
+        narrow as the slots that decode: `jaxspec.rollout.slot_width`)."""
 
         def view_and_keys(state: LoopState, prompts: Prompts):
             active, table = decoding_view(state)
@@ -195,49 +197,62 @@ def _loop(
 
         active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts))
         stored = slots_flat(layout, state.draft.draft)
+        step_key = jax.random.fold_in(draft_key, first_group(layout, state.counters["steps"]))
 
-        def verify(verify_logits, tree, temperature):
-            def one(logits, parents, tokens, num_nodes, key, probs):
-                result = kernels.tree_verify(
-                    logits[None],
-                    parents[None],
-                    tokens[None],
-                    num_nodes[None],
-                    key,
-                    temperature=temperature,
-                    draft_probs=None if probs is None else probs[None],
-                )
-                return jax.tree.map(lambda x: x[0], result)
+        def forward(inputs, carry, pools):
+            """The step of W slots: (per-slot outcome, the drafter's per-slot state, pools)."""
+            table, last, cache_len, active, keys = inputs
 
-            return jax.vmap(one)(verify_logits, tree.parents, tree.tokens, tree.num_nodes, keys, tree.draft_probs)
+            def verify(verify_logits, tree, temperature):
+                def one(logits, parents, tokens, num_nodes, key, probs):
+                    result = kernels.tree_verify(
+                        logits[None],
+                        parents[None],
+                        tokens[None],
+                        num_nodes[None],
+                        key,
+                        temperature=temperature,
+                        draft_probs=None if probs is None else probs[None],
+                    )
+                    return jax.tree.map(lambda x: x[0], result)
 
-        out = speculative_step(
-            cfg,
-            params,
-            sampling,
-            drafter,
-            dparams,
-            state.cache._replace(page_table=table),
-            with_table(stored, table),
-            *slots_flat(layout, (state.last, state.cache_len)),
-            active,
-            jax.random.fold_in(draft_key, first_group(layout, state.counters["steps"])),
-            verify,
-            max_depth=max_depth,
-            chain=chain,
-            record=record,
-        )
-        draft = slots_grouped(layout, keep_table(out.draft, stored))
-        state = state._replace(
-            cache=state.cache._replace(k=out.cache.k, v=out.cache.v), draft=state.draft._replace(draft=draft)
-        )
-        per_slot = (active, out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
-        per_slot += (out.tree.num_nodes, out.path)
+                return jax.vmap(one)(verify_logits, tree.parents, tree.tokens, tree.num_nodes, keys, tree.draft_probs)
+
+            k, v, draft_pools = pools
+            out = speculative_step(
+                cfg,
+                params,
+                sampling,
+                drafter,
+                dparams,
+                state.cache._replace(k=k, v=v, page_table=table),
+                with_pools(carry, stored, draft_pools, table),
+                last,
+                cache_len,
+                active,
+                step_key,
+                verify,
+                max_depth=max_depth,
+                chain=chain,
+                record=record,
+            )
+            outcome = (out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
+            outcome += (out.tree.num_nodes, out.path) + ((out.node_experts,) if record else ())
+            carry, draft_pools = without_pools(out.draft)
+            return outcome, carry, (out.cache.k, out.cache.v, draft_pools)
+
+        inputs = (table, *slots_flat(layout, (state.last, state.cache_len)), active, keys)
+        carry, draft_pools = without_pools(stored)
+        pools = (state.cache.k, state.cache.v, draft_pools)
+        outcome, carry, (k, v, draft_pools) = on_decoding_slots(layout.widths, active, forward, inputs, carry, pools)
+        draft = slots_grouped(layout, with_pools(carry, stored, draft_pools))
+        state = state._replace(cache=state.cache._replace(k=k, v=v), draft=state.draft._replace(draft=draft))
+        emitted, logprobs, accepted, next_token, parents, num_nodes, path, *node_experts = outcome
         if record:  # the accepted path's experts at the positions its KV now holds
-            path = jnp.maximum(out.path, 0)[:, :, None, None]
-            path_experts = jnp.take_along_axis(out.node_experts, path, axis=1)
-            written = active[:, None] & (out.path >= 0)
+            path_experts = jnp.take_along_axis(node_experts[0], jnp.maximum(path, 0)[:, :, None, None], axis=1)
+            written = active[:, None] & (path >= 0)
             state = map_groups(layout, record_steps)(state, prompts, *slots_grouped(layout, (written, path_experts)))
+        per_slot = (active, emitted, logprobs, accepted, next_token, parents, num_nodes, path)
         return map_groups(layout, commit)(state, prompts, *slots_grouped(layout, per_slot))
 
     def commit(state, prompts, active, emitted, logprobs, accepted, next_token, parents, num_nodes, path):
