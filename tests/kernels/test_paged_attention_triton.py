@@ -156,6 +156,7 @@ def test_calls_the_kernel_does_not_take_run_the_reference():
         (jnp.bfloat16, 16, 128, 16, dict()),
         (jnp.float16, 128, 128, 16, dict(block_kv=32)),
         (jnp.float32, 16, 64, 12, dict(block_kv=32, splits=3)),
+        (jnp.bfloat16, 32, 128, None, dict()),  # a dense cache of 1152 positions: one page per row
     ],
 )
 def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
@@ -163,6 +164,8 @@ def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
     alignment jax-triton gives it: its shapes, dtypes and operations are ones the compiler takes
     (the interpreter also runs e.g. a non-constexpr global or a dot smaller than 16)."""
     batch, kv_heads, num_pages, table_len, words = 4, 2, 40, 12, 2
+    if page is None:  # `cache_attention`'s view of a dense cache [B, S, Nk, D]
+        num_pages, page, table_len = batch, 1152, 1
     q = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), dtype)
     pool = jax.ShapeDtypeStruct((num_pages, page, kv_heads, head_dim), dtype)
     table = jax.ShapeDtypeStruct((batch, table_len), jnp.int32)
