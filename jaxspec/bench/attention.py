@@ -1,19 +1,18 @@
-"""`jaxspec bench attention`: cache attention of a decode / verification step, ragged kernel vs dense.
+"""`jaxspec bench attention`: cache attention of a decode / verification step, the attention kernel
+vs the dense path.
 
 One layer's `cache_attention` for T new tokens per row over a bf16 KV cache of max_len slots,
 whose rows are filled to a fraction of it (each row's length drawn uniformly in
-[0.5, 1.5] x fill x max_len, capped). The dense XLA path reads every slot; the Pallas kernel
-reads KV blocks up to each row's length. `roofline` is the time to read the filled KV once at
-the device read bandwidth (a sum over --read-bytes, measured in the same run), over the kernel's time.
+[0.5, 1.5] x fill x max_len, capped). The dense XLA path (`xla_ms`) reads every slot; the Triton
+attention kernel (`jaxspec.kernels.paged_attention_triton`, on the dense cache as one page per
+row: `kernel_ms`) reads KV blocks up to each row's length; both are device times inside one
+compiled loop. `roofline` is the time to read the filled KV once at the device read bandwidth (a
+sum over --read-bytes, measured in the same run), over the kernel's time.
 
 --paged also lays the same keys and values out in shuffled pages of --page-size positions and
 times `paged_attention` on them: its jnp reference (`paged_xla_ms`: a gather of every page of the
-table, then the dense path) and the paged kernels of --paged-backends, which read each row's
-pages up to its length: "mosaic" (Pallas Mosaic GPU, `jaxspec.kernels.paged_attention_mosaic`)
-and "triton" (the Triton language through jax-triton, `jaxspec.kernels.paged_attention_triton`),
-each with its device time inside one compiled loop (`paged_<backend>_ms`), its largest difference
-from the dense path and its roofline fraction, beside the dense path (`xla_ms`) and the Pallas (Triton backend) ragged
-kernel on the dense cache (`kernel_ms`) of the same run.
+table, then the dense path) and the same kernel through the page table (`paged_triton_ms`, its
+largest difference from the dense path and its roofline fraction).
 """
 
 from __future__ import annotations
@@ -31,17 +30,14 @@ import numpy as np
 from jaxspec.bench.timing import (
     add_fraction,
     in_loop_seconds,
-    median_seconds,
     print_table,
     read_bytes_per_second,
     write_results,
 )
-from jaxspec.kernels.ragged_attention import cache_attention_pallas, merge, new_token_bits, split_plan
-from jaxspec.models.attention import cache_attention
+from jaxspec.kernels.attention_partials import merge, new_token_bits
+from jaxspec.models.attention import IMPL_ENV, cache_attention, kernel_impl, triton_kernel
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import kernel_applies, paged_attention
-
-PAGED_BACKENDS = ("mosaic", "triton")  # the paged kernels --paged times
+from jaxspec.models.paged import paged_attention
 
 
 def attention_inputs(
@@ -89,9 +85,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
         "--kernel-impl",
-        choices=["pallas", "interpret"],
-        default="pallas",
-        help="interpret runs the kernel in Pallas interpret mode (any backend, slow)",
+        choices=["triton", "triton-interpret"],
+        default="triton",
+        help="triton needs jax-triton on a GPU; triton-interpret runs the kernel in Triton's interpreter "
+        "(any backend, slow; needs torch)",
     )
     p.add_argument(
         "--tune",
@@ -102,17 +99,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--paged",
         action="store_true",
-        help="also time paged_attention on the same KV in shuffled pages: jnp reference and the paged kernels "
-        "of --paged-backends (interpret mode with --kernel-impl interpret)",
+        help="also time paged_attention on the same KV in shuffled pages: its jnp reference and the kernel",
     )
     p.add_argument("--page-size", type=int, default=16, help="positions per page with --paged")
-    p.add_argument(
-        "--paged-backends",
-        nargs="+",
-        choices=PAGED_BACKENDS,
-        default=list(PAGED_BACKENDS),
-        help="paged kernels --paged times (triton needs jax-triton on a GPU, triton and torch in interpret mode)",
-    )
     p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -127,12 +116,21 @@ def main(argv: list[str]) -> int:
                     q, k, v, cache_len = attention_inputs(
                         batch, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.max_len, fill
                     )
-                    times, outs = {}, {}
-                    for impl in ("xla", args.kernel_impl):
-                        fn = jax.jit(functools.partial(cache_attention, impl=impl))
-                        outs[impl] = fn(q, k, v, cache_len).astype(jnp.float32)
-                        times[impl] = median_seconds(lambda: fn(q, k, v, cache_len), iters=args.iters)
-                    err = float(jnp.max(jnp.abs(outs["xla"] - outs[args.kernel_impl])))
+                    try:
+                        if kernel_impl(args.kernel_impl, IMPL_ENV, "cache attention", q, k, v) == "xla":
+                            print(
+                                f"bench attention: the attention kernel does not take {model}'s heads (Nq "
+                                f"{cfg.num_heads}, Nk {cfg.num_kv_heads}, D {cfg.head_dim}) at T={t}",
+                                file=sys.stderr,
+                            )
+                            return 2
+                        times, outs = time_impls(
+                            cache_attention, (q, k, v, cache_len), ("xla", args.kernel_impl), args.iters
+                        )
+                        paged = time_paged(q, k, v, cache_len, args, outs["xla"]) if args.paged else {}
+                    except ImportError as e:
+                        print(f"bench attention: {e}", file=sys.stderr)
+                        return 2
                     filled = int(jnp.sum(cache_len + t)) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
                     rows.append(
                         {
@@ -143,128 +141,118 @@ def main(argv: list[str]) -> int:
                             "xla_ms": times["xla"] * 1e3,
                             "kernel_ms": times[args.kernel_impl] * 1e3,
                             "speedup": times["xla"] / times[args.kernel_impl],
-                            "max_abs_diff": err,
+                            "max_abs_diff": float(jnp.max(jnp.abs(outs["xla"] - outs[args.kernel_impl]))),
+                            **paged,
                         }
                     )
-                    add_fraction(
-                        rows[-1],
-                        "roofline",
-                        filled / times[args.kernel_impl],
-                        read_rate,
-                        f"attention {Path(model).stem} batch {batch} T={t} fill {fill}: filled KV read rate",
-                    )
+                    shape = f"{Path(model).stem} batch {batch} T={t} fill {fill}"
+                    kernel_seconds = {"roofline": times[args.kernel_impl]}
                     if args.paged:
-                        try:
-                            paged_row = time_paged(
-                                q,
-                                k,
-                                v,
-                                cache_len,
-                                args.page_size,
-                                args.paged_backends,
-                                args.kernel_impl,
-                                args.iters,
-                                outs["xla"],
-                            )
-                        except (ValueError, ImportError) as e:
-                            print(
-                                f"bench attention --paged: {e} ({model}: Nq {cfg.num_heads}, Nk {cfg.num_kv_heads}, "
-                                f"D {cfg.head_dim}, T={t}, page size {args.page_size})",
-                                file=sys.stderr,
-                            )
-                            return 2
-                        for backend in args.paged_backends:
-                            add_fraction(
-                                paged_row,
-                                f"paged_{backend}_roofline",
-                                filled / (paged_row[f"paged_{backend}_ms"] * 1e-3),
-                                read_rate,
-                                f"paged attention ({backend}) {Path(model).stem} batch {batch} T={t} fill {fill}: "
-                                "filled KV read rate",
-                            )
-                        rows[-1].update(paged_row)
+                        kernel_seconds["paged_triton_roofline"] = paged["paged_triton_ms"] * 1e-3
+                    for name, seconds in kernel_seconds.items():
+                        add_fraction(
+                            rows[-1], name, filled / seconds, read_rate, f"{name} {shape}: filled KV read rate"
+                        )
                     print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))
     tuning = []
     if args.tune:
-        tuning = tune_kernel(q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.kernel_impl == "interpret")
+        tuning = tune_kernel(
+            q, k, v, cache_len, cfg.num_heads // cfg.num_kv_heads, args.kernel_impl == "triton-interpret"
+        )
     write_results(args.out, "attention", rows + tuning, {"read_bytes_per_second": read_rate, "max_len": args.max_len})
     return 0
 
 
-def time_paged(
-    q, k, v, cache_len, page_size: int, backends: list[str], kernel_impl: str, iters: int, dense_out
-) -> dict:
-    """paged_xla_ms, and for each backend paged_<backend>_ms and paged_<backend>_max_abs_diff (from
-    the dense path's output dense_out, float32), for q and the caches k/v laid out in pages.
-    ValueError naming a backend whose kernel does not take these shapes; ImportError where the
-    Triton kernel's packages are missing."""
-    k_pool, v_pool, table = paged_inputs(k, v, page_size)
-    interpret = {"mosaic": "interpret", "triton": "triton-interpret"}
-    impls = {backend: backend if kernel_impl == "pallas" else interpret[backend] for backend in backends}
-    for backend, impl in impls.items():
-        if not kernel_applies(q, k_pool, v_pool, impl):
-            raise ValueError(f"the {backend} kernel does not take these heads")
-    row = {}
-    args = tuple(jnp.copy(x) for x in (q, k_pool, v_pool, table, cache_len))  # the loop donates them
-    for name, impl in {"xla": "xla", **impls}.items():
-        call = functools.partial(paged_attention, impl=impl)
-        out = jax.jit(call)(*args).astype(jnp.float32)
-        # device time inside one compiled loop: a call of ~0.1 ms timed alone would be mostly its dispatch
-        seconds, args = in_loop_seconds(lambda *a: call(*a[:-1]), args, calls=iters, repeats=3)
-        row[f"paged_{name}_ms"] = seconds * 1e3
-        if name != "xla":
-            row[f"paged_{name}_max_abs_diff"] = float(jnp.max(jnp.abs(out - dense_out)))
-    return row
+def time_impls(fn, args: tuple, impls, iters: int) -> tuple[dict, dict]:
+    """({impl: seconds}, {impl: output float32}) of fn(*args, impl=impl) for each impl: the device
+    time of a call inside one compiled loop of `iters` calls (a call of ~0.1 ms timed alone would
+    be mostly its dispatch)."""
+    times, outs = {}, {}
+    args = tuple(jnp.copy(x) for x in args)  # the loop donates them
+    for impl in impls:
+        call = functools.partial(fn, impl=impl)
+        outs[impl] = jax.jit(call)(*args).astype(jnp.float32)
+        times[impl], args = in_loop_seconds(lambda *a, call=call: call(*a[:-1]), args, calls=iters, repeats=3)
+    return times, outs
 
 
-# (block_k, num_warps, num_stages, splits relative to `split_plan`'s default) that --tune times
+def time_paged(q, k, v, cache_len, args: argparse.Namespace, dense_out) -> dict:
+    """paged_xla_ms, paged_triton_ms and paged_triton_max_abs_diff (from the dense path's output
+    dense_out, float32) for q and the caches k/v laid out in shuffled pages of args.page_size."""
+    k_pool, v_pool, table = paged_inputs(k, v, args.page_size)
+    impls = ("xla", args.kernel_impl)
+    times, outs = time_impls(paged_attention, (q, k_pool, v_pool, table, cache_len), impls, args.iters)
+    return {
+        "paged_xla_ms": times["xla"] * 1e3,
+        "paged_triton_ms": times[args.kernel_impl] * 1e3,
+        "paged_triton_max_abs_diff": float(jnp.max(jnp.abs(outs[args.kernel_impl] - dense_out))),
+    }
+
+
+# (block_kv, num_warps, num_stages, splits relative to `default_splits`) that --tune times
 TUNE_GRID = tuple(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0.5, 1.0, 2.0)))
 
 
 def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TUNE_GRID) -> list[dict]:
-    """Device time of `cache_attention_pallas` and the merge of its splits for these inputs (causal
-    new tokens), inside one compiled loop (`in_loop_seconds`: a call of ~0.1 ms timed alone would
-    be mostly its dispatch), over the GPU parameters in `grid`."""
+    """Device time of the attention kernel on the dense cache k/v [B, S, Nk, D] (one page per row)
+    and the merge of its splits for these inputs (causal new tokens), inside one compiled loop
+    (`in_loop_seconds`: a call of ~0.1 ms timed alone would be mostly its dispatch), over the GPU
+    parameters in `grid`."""
+    kernel = triton_kernel()
     b, t, nq, d = q.shape
-    rows = max(16, 1 << (t * group - 1).bit_length())
+    rows = kernel.query_rows(t * group)
     q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
     bits = new_token_bits(jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)), group, rows)
-    default_splits, _ = split_plan(b, nq // group, k.shape[1])
-    args = (q_rows, k, v, cache_len, bits)
+    table = jnp.arange(b, dtype=jnp.int32)[:, None]
+    args = (q_rows, k, v, table, cache_len, bits)
     results = []
-    for block_k, num_warps, num_stages, relative in grid:
-        splits = max(1, round(default_splits * relative))
+    for block_kv, num_warps, num_stages, relative in grid:
+        grid_shape, _ = kernel.launch(q_rows, k, table, bits, num_new=t, block_kv=block_kv)
+        splits = max(1, round(grid_shape[2] * relative))
+        splits = kernel.launch(q_rows, k, table, bits, num_new=t, block_kv=block_kv, splits=splits)[0][2]
 
-        def call(q_rows, k, v, cache_len, bits, i):
-            return merge(
-                cache_attention_pallas(
-                    q_rows,
-                    k,
-                    v,
-                    cache_len,
-                    cache_len,
-                    bits,
-                    num_new=t,
-                    block_k=block_k,
-                    splits=splits,
-                    num_warps=num_warps,
-                    num_stages=num_stages,
-                    interpret=interpret,
-                )
+        def call(
+            q_rows,
+            k,
+            v,
+            table,
+            cache_len,
+            bits,
+            i,
+            splits=splits,
+            block_kv=block_kv,
+            warps=num_warps,
+            stages=num_stages,
+        ):
+            parts = kernel.paged_attention_partials(
+                q_rows,
+                k,
+                v,
+                table,
+                cache_len,
+                cache_len,
+                bits,
+                num_new=t,
+                block_kv=block_kv,
+                splits=splits,
+                num_warps=warps,
+                num_stages=stages,
+                interpret=interpret,
             )
+            return merge(parts)
 
         seconds, args = in_loop_seconds(call, args, calls=20, repeats=3)
         results.append(
             {
-                "kernel": "cache+merge",
+                "kernel": "triton+merge",
                 "batch": b,
                 "tokens": t,
-                "block_k": block_k,
+                "block_kv": block_kv,
                 "num_warps": num_warps,
                 "num_stages": num_stages,
-                "splits": split_plan(b, nq // group, k.shape[1], block_k, splits)[0],
+                "splits": splits,
                 "ms": seconds * 1e3,
             }
         )

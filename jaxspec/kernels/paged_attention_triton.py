@@ -1,21 +1,22 @@
-"""Attention of a few new tokens per row over that row's pages of a paged KV cache (Triton, called
-from JAX through `jax_triton.triton_call`).
+"""Attention of a few new tokens per row over that row's pages of a KV cache (Triton, called from
+JAX through `jax_triton.triton_call`): the attention kernel of both engines. The slot engine's
+paged cache is a pool of pages; the staged engine's dense cache [B, S, Nk, D] is a pool of B
+pages of S positions, row b's table naming page b (`jaxspec.models.attention.cache_attention`).
 
-The kernel contract of `jaxspec.kernels.paged_attention_mosaic`, written in the Triton language so
-the two backends can be compared on one GPU: row b's query rows see its prefix, positions
-[0, prefix_len[b]), and those of its num_new new tokens at positions new_start[b] + j that their
-tree-mask bits name (`new_token_bits`); position p lives in page page_table[b, p // page_size],
-and an entry outside [0, num_pages) (`NO_PAGE`) is a page of zeros, as the reference's gather
-reads it; positions past the table are seen by no one.
+The contract of `jaxspec.kernels.attention_partials`: row b's query rows see its prefix,
+positions [0, prefix_len[b]), and those of its num_new new tokens at positions new_start[b] + j
+that their tree-mask bits name (`new_token_bits`); position p lives in page
+page_table[b, p // page_size], and an entry outside [0, num_pages) (`NO_PAGE`) is a page of
+zeros, as the reference's gather reads it; positions past the table are seen by no one.
 
-One program per (row, kv head, split), as `default_splits` shares a row's blocks among splits.
-Its query rows (the new tokens x the query heads of the kv head, padded to a power of two >= 16,
-`query_rows`) stay in registers; the loop over its blocks of `block_kv` positions gathers K and V
-through the page table (one table entry per position, so any page size works), computes the
-scores on the tensor cores (float32 accumulate), applies the mask, and keeps an online softmax
-in float32; it returns flash-attention partials (`Partials`) that `merge` combines. A program
-reads only the blocks up to its row's last new token (a finished row: its new tokens' blocks), and
-of those only the positions some query row sees.
+One program per (row, kv head, split), as `default_splits` shares a row's blocks among splits
+(`split_runs`). Its query rows (the new tokens x the query heads of the kv head, padded to a
+power of two >= 16, `query_rows`) stay in registers; the loop over its blocks of `block_kv`
+positions gathers K and V through the page table (one table entry per position, so any page
+size works), computes the scores on the tensor cores (float32 accumulate), applies the mask, and
+keeps an online softmax in float32; it returns flash-attention partials (`Partials`) that
+`merge` combines. A program reads only the blocks up to its row's last new token (a finished
+row: its new tokens' blocks), and of those only the positions some query row sees.
 
 `triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
 torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +34,20 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from jaxspec.kernels.paged_attention_mosaic import default_splits
-from jaxspec.kernels.ragged_attention import WORD_BITS, Partials
+from jaxspec.kernels.attention_partials import WORD_BITS, Partials
 
 BLOCK_KV = 64  # positions per loop step
 MIN_ROWS = 16  # the smallest tl.dot operand
 MAX_ROWS = 128  # query rows a program holds (new tokens x query heads per kv head, padded)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+TARGET_PROGRAMS = 1024  # (row, kv head, split) programs that keep an H100's 132 SMs busy
+MIN_BLOCKS_PER_SPLIT = 4
 _WORD_BITS = tl.constexpr(WORD_BITS)  # a global a Triton kernel reads must be a constexpr
 # The kernel reduces with tl.reduce and the standard library's combine functions rather than
 # tl.max / tl.sum (and fills with tl.full rather than tl.zeros): those are @triton.jit functions,
 # which Triton's interpreter runs only when TRITON_INTERPRET was set before triton was imported,
 # while it recognises these combine functions and this kernel can be interpreted on demand.
+_INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while it runs a kernel
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 
@@ -166,8 +170,9 @@ def query_rows(count: int) -> int:
 
 
 def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
-    """Whether the kernel takes `paged_attention`'s q [S, T, Nq, D] and pools [P, page_size, Nk, D]:
-    one dtype of DTYPES, D a power of two in [16, 256], at most MAX_ROWS query rows per kv head."""
+    """Whether the kernel takes q [B, T, Nq, D] over pools [P, page_size, Nk, D] (a paged cache's,
+    or a dense cache [B, S, Nk, D] as B pages of S positions): one dtype of DTYPES, D a power of
+    two in [16, 256], at most MAX_ROWS query rows per kv head."""
     _, t, nq, d = q.shape
     return (
         q.dtype == k_pool.dtype == v_pool.dtype
@@ -232,7 +237,7 @@ def paged_attention_partials(
         import jax_triton
     except ImportError as e:
         raise ImportError(
-            f"the Triton paged attention kernel runs through jax-triton with a GPU jaxlib (pip install "
+            f"the Triton attention kernel runs through jax-triton with a GPU jaxlib (pip install "
             f"'jaxspec[triton]'): {e}"
         ) from e
     o, m, l = jax_triton.triton_call(
@@ -250,7 +255,8 @@ def paged_attention_partials(
 
 def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLOCK_KV, splits: int | None = None):
     """(grid, the kernel's constexpr arguments) of `paged_attention_partials` for arrays (or
-    jax.ShapeDtypeStruct) of these shapes; DOT_IN_FLOAT32 False (the GPU's dot)."""
+    jax.ShapeDtypeStruct) of these shapes; DOT_IN_FLOAT32 False (the GPU's dot). The grid's last
+    axis is the number of splits."""
     batch, kv_heads, rows, head_dim = q.shape
     num_pages, page_size = k_pool.shape[:2]
     table_blocks = -(-page_table.shape[1] * page_size // block_kv)
@@ -272,6 +278,13 @@ def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLO
     return (batch, kv_heads, splits), constants
 
 
+def default_splits(batch: int, kv_heads: int, table_blocks: int) -> int:
+    """Splits of each (row, kv head)'s blocks that make about TARGET_PROGRAMS programs, with at
+    least MIN_BLOCKS_PER_SPLIT of a full table's `table_blocks` per split: a split writes partials
+    of R x D float32, as many bytes as it reads with one block of K and V at 64 rows."""
+    return max(1, min(TARGET_PROGRAMS // (batch * kv_heads), table_blocks // MIN_BLOCKS_PER_SPLIT))
+
+
 def default_num_warps(rows: int, head_dim: int) -> int:
     """4 warps, 8 from 128 x 128 query rows x dims (the float32 accumulator of o alone then takes
     128 registers per thread of 4 warps)."""
@@ -289,7 +302,8 @@ def _run_interpreted(*arrays, grid, out_shape, constants) -> tuple[np.ndarray, .
         return torch.from_numpy(x.copy())
 
     outs = [torch.zeros(s.shape, dtype=torch.float32) for s in out_shape]
-    interpreted_kernel()[grid](*map(to_torch, arrays), *outs, **constants)
+    with _INTERPRETER:  # the devices of a mesh call back at once
+        interpreted_kernel()[grid](*map(to_torch, arrays), *outs, **constants)
     return tuple(o.numpy() for o in outs)
 
 

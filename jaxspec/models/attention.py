@@ -6,28 +6,40 @@
 draft head's passes): T new tokens per row attend to their row's valid cache prefix and, through a
 tree mask, to each other. Two implementations with the same semantics:
 
-* "xla": dense scores over every cache slot, masked (`attention` + `cache_attention_mask`);
-* "pallas": one `jaxspec.kernels.ragged_attention` kernel over the prefix and the new tokens (KV blocks
-  read only up to each row's last new token, the tree mask applied inside), then a merge of its
-  partials across cache splits. On GPU for 16-bit caches; it reads a fraction length / max_len of
-  the cache that the dense path reads in full.
+* "xla": dense scores over every cache slot, masked (`attention` + `cache_attention_mask`): the
+  jnp reference;
+* "triton": the attention kernel of `jaxspec.kernels.paged_attention_triton` (the Triton language
+  through jax-triton, the `triton` extra), the one kernel of both engines: the dense cache
+  [B, S, Nk, D] is a pool of B pages of S positions, row b's page table naming page b
+  (`kernel_attention`), so the kernel reads KV blocks only up to each row's last new token and
+  applies the tree mask inside, for the steps it applies to (bfloat16, float16 or float32, head
+  dim a power of two in [16, 256], at most 128 query rows of new tokens x query heads per kv
+  head; other calls run the reference). "triton-interpret" runs it in Triton's interpreter on the
+  host (any backend, slow; needs torch).
 
-"auto" picks "pallas" on GPU where the kernel applies, else "xla"; the JAXSPEC_CACHE_ATTENTION
-environment variable (auto, xla, pallas, interpret) overrides "auto" at trace time.
+`kernel_impl` resolves an impl for both engines (`jaxspec.models.paged.paged_attention` too):
+"auto" is "triton" on a GPU where the kernel applies and jax-triton imports (where it does not,
+the reference, with one logged warning), else "xla"; the JAXSPEC_CACHE_ATTENTION environment
+variable (auto, xla, triton, triton-interpret) overrides "auto" at trace time.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kernels.attention_partials import merge, new_token_bits
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.kernels.ragged_attention import Partials, cache_attention_pallas, merge, new_token_bits
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 
-IMPLS = ("auto", "xla", "pallas", "interpret")
+IMPLS = ("auto", "xla", "triton", "triton-interpret")
+KERNEL_IMPLS = ("triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_CACHE_ATTENTION"
-MAX_KERNEL_ROWS = 128  # query rows (new tokens x query heads per kv head) the kernel holds at once
+
+logger = logging.getLogger(__name__)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -104,82 +116,122 @@ def cache_attention(
     (default causal). active bool [B] (default all True): a row that is not active sees only its
     new tokens, not its prefix, so the kernel reads none of its cache: decode loops pass the rows
     still generating, and the outputs of the others are discarded. sharding: the mesh the cache is
-    laid out on (by `KV_CACHE_AXES`), for the kernel's per-shard call. Returns [B, T, Nq, D] in
+    laid out on (by `KV_CACHE_AXES`), for the kernel's per-shard call (a cache whose sequence axis
+    the mesh splits runs the reference). impl: see the module docstring. Returns [B, T, Nq, D] in
     q's dtype.
     """
-    impl = _resolve_impl(impl, q, k_cache, sharding)
+    sequence_split = sharding is not None and sharding.spec(KV_CACHE_AXES, k_cache.shape)[1] is not None
+    impl = kernel_impl(impl, IMPL_ENV, "cache attention", q, k_cache, v_cache, applies=not sequence_split)
     if impl == "xla":
         mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask, active)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"cache attention impl {impl!r} needs one dtype for q and the cache, got q {q.dtype}, "
-            f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    b, t = q.shape[:2]
+    tree_mask = _tree_mask(b, t, tree_mask)
+    active = jnp.ones((b,), bool) if active is None else active
+
+    def dense_kernel(q, k_cache, v_cache, cache_len, tree_mask, active):
+        table = jnp.arange(k_cache.shape[0], dtype=jnp.int32)[:, None]  # row b: page b, its whole cache
+        return kernel_attention(
+            q, k_cache, v_cache, table, cache_len, tree_mask, active, interpret=impl == "triton-interpret"
         )
+
+    if sharding is None or sharding.mesh.size == 1:
+        return dense_kernel(q, k_cache, v_cache, cache_len, tree_mask, active)
+    batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
+    P = jax.sharding.PartitionSpec
+    heads, rows = P(batch_axes, None, head_axes, None), P(batch_axes)
+    return jax.shard_map(
+        dense_kernel,
+        mesh=sharding.mesh,
+        in_specs=(heads, heads, heads, rows, rows, rows),
+        out_specs=heads,
+        check_vma=False,
+    )(q, k_cache, v_cache, cache_len, tree_mask, active)
+
+
+def kernel_impl(
+    impl: str, env_var: str, what: str, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, applies: bool = True
+) -> str:
+    """The implementation ("xla", "triton" or "triton-interpret") that `impl` (or, for "auto", the
+    environment variable `env_var`; ValueError naming `what` for an unknown one) picks for the
+    attention of q [B, T, Nq, D] over pools [P, page_size, Nk, D] (or a dense cache): a kernel impl
+    where the kernel takes the call (`jaxspec.kernels.paged_attention_triton.kernel_applies`, and
+    `applies`), else "xla"; "auto" is "triton" on a GPU where jax-triton imports (else "xla", and a
+    warning the first time)."""
+    impl = requested_impl(impl, IMPLS, env_var, what)
+    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
+        return "xla"
+    if impl == "auto" and not _jax_triton_imports():
+        return "xla"
+    if not (applies and triton_kernel().kernel_applies(q, k_pool, v_pool)):
+        return "xla"
+    return "triton" if impl == "auto" else impl
+
+
+def kernel_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    page_table: jax.Array,
+    cache_len: jax.Array,
+    tree_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+    **tuning,
+) -> jax.Array:
+    """The attention of q [B, T, Nq, D] by the Triton kernel over k/v_pool [P, page_size, Nk, D]
+    through page_table int32 [B, M] (`paged_attention`'s arguments): the query rows of each (row,
+    kv head) are its T new tokens x G query heads (row r is token r // G), padded to a power of
+    two >= 16; prefix_len is cache_len where active (default all), else 0. interpret runs the
+    kernel in Triton's interpreter; `tuning` (block_kv, splits, num_warps, num_stages) goes to
+    `paged_attention_partials`. Returns [B, T, Nq, D] in q's dtype."""
     b, t, nq, d = q.shape
-    nk = k_cache.shape[2]
+    nk = k_pool.shape[2]
     group = nq // nk
+    kernel = triton_kernel()
+    rows = kernel.query_rows(t * group)
     prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     with jax.named_scope("attention"):
-        rows = _pow2(max(16, t * group))
         q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
         bits = new_token_bits(_tree_mask(b, t, tree_mask), group, rows)
-        parts = _sharded_kernel(q_rows, k_cache, v_cache, prefix_len, cache_len, bits, t, sharding, impl == "interpret")
+        parts = kernel.paged_attention_partials(
+            q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
+        )
         out = merge(parts)[:, :, : t * group]  # [B, Nk, T*G, D]
         return out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)
 
 
-def _sharded_kernel(
-    q_rows, k_cache, v_cache, prefix_len, new_start, bits, num_new: int, sharding: Sharding | None, interpret: bool
-) -> Partials:
-    """The kernel per device shard of the batch and kv-head axes of the cache."""
-
-    def kernel(q, k, v, n, s, w):
-        return cache_attention_pallas(q, k, v, n, s, w, num_new=num_new, interpret=interpret)
-
-    if sharding is None or sharding.mesh.size == 1:
-        return kernel(q_rows, k_cache, v_cache, prefix_len, new_start, bits)
-    batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
-    P = jax.sharding.PartitionSpec
-    cache_spec, rows_spec = P(batch_axes, None, head_axes, None), P(batch_axes, head_axes)
-    return jax.shard_map(
-        kernel,
-        mesh=sharding.mesh,
-        in_specs=(rows_spec, cache_spec, cache_spec, P(batch_axes), P(batch_axes), P(batch_axes)),
-        out_specs=Partials(rows_spec, rows_spec, rows_spec),
-        check_vma=False,
-    )(q_rows, k_cache, v_cache, prefix_len, new_start, bits)
+def triton_kernel():
+    """`jaxspec.kernels.paged_attention_triton`, imported on first use (triton is an optional dependency)."""
+    try:
+        from jaxspec.kernels import paged_attention_triton
+    except ImportError as e:
+        raise ImportError(
+            f"the Triton attention kernel needs the triton package ({e}; pip install 'jaxspec[triton]')"
+        ) from e
+    return paged_attention_triton
 
 
-def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> str:
-    impl = requested_impl(impl, IMPLS, IMPL_ENV, "cache attention")
-    if impl == "auto":
-        return "pallas" if _kernel_applies(q, k_cache, sharding) else "xla"
-    return impl
+@functools.cache
+def _jax_triton_imports() -> bool:
+    """Whether jax_triton and triton import; logs a warning (once) where they do not."""
+    try:
+        import jax_triton  # noqa: F401
 
-
-def _kernel_applies(q: jax.Array, k_cache: jax.Array, sharding: Sharding | None) -> bool:
-    """GPU, one 16-bit dtype, a power-of-two head dim, few query rows, the sequence unsharded."""
-    b, t, nq, d = q.shape
-    nk = k_cache.shape[2]
-    if sharding is not None and sharding.spec(KV_CACHE_AXES, k_cache.shape)[1] is not None:
+        triton_kernel()
+    except ImportError as e:
+        logger.warning(
+            "attention runs its jnp reference on this GPU: the Triton attention kernel needs jax-triton "
+            "(pip install 'jaxspec[triton]'): %s",
+            e,
+        )
         return False
-    return (
-        jax.default_backend() == "gpu"
-        and q.dtype == k_cache.dtype
-        and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)
-        and d >= 16
-        and d == _pow2(d)
-        and t * (nq // nk) <= MAX_KERNEL_ROWS
-    )
+    return True
 
 
 def _tree_mask(b: int, t: int, tree_mask: jax.Array | None) -> jax.Array:
     if tree_mask is None:
         return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     return tree_mask
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

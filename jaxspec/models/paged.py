@@ -11,27 +11,22 @@ dropped and reads are masked out (they lie past the slot's length).
 (they call `write_and_attend`), with the same semantics: row b of the batch is slot b of the page
 table, cache_len[b] its filled positions.
 
-`paged_attention` is the one function a ragged paged-attention kernel replaces. Three
-implementations with the same semantics:
+`paged_attention` is the one function the attention kernel replaces. Two implementations with
+the same semantics:
 
 * "xla": the jnp reference: it gathers each slot's pages into a dense view [S, M * page_size] and
   runs the masked dense attention (`jaxspec.models.attention`);
-* "mosaic": the Hopper kernel `jaxspec.kernels.paged_attention_mosaic` (Pallas Mosaic GPU), which
-  reads only each slot's pages up to its last new token, for the decode and verification steps
-  it applies to (one 16-bit dtype, head dim a multiple of 64, at most 128 query rows of new
-  tokens x query heads per kv head, page size a multiple of 8 dividing 64 or a multiple of 64 up
-  to 256); other calls (a long prefill chunk, float32) run the reference. "interpret" runs the
-  kernel in Mosaic GPU interpret mode (any backend, slow; JAX >= 0.12);
-* "triton": the same kernel contract in the Triton language, `jaxspec.kernels.paged_attention_triton`,
-  called through jax-triton (the `triton` extra), for the steps it applies to (bfloat16, float16
-  or float32, head dim a power of two in [16, 256], at most 128 query rows per kv head, any page
-  size). "triton-interpret" runs it in Triton's interpreter on the host (any backend, slow; needs
-  torch).
+* "triton": the attention kernel of both engines, `jaxspec.kernels.paged_attention_triton` (the
+  Triton language through jax-triton, the `triton` extra), which reads only each slot's pages up
+  to its last new token, for the steps it applies to (bfloat16, float16 or float32, head dim a
+  power of two in [16, 256], at most 128 query rows of new tokens x query heads per kv head, any
+  page size); other calls (a long prefill chunk) run the reference. "triton-interpret" runs it in
+  Triton's interpreter on the host (any backend, slow; needs torch).
 
-"auto" is "xla" on every backend until the kernels are measured on a GPU; the
-JAXSPEC_PAGED_ATTENTION environment variable (auto, xla, mosaic, interpret, triton,
-triton-interpret) overrides "auto" at trace time. The kernels take ungrouped pools only:
-grouped ones (below) run the reference.
+"auto" is "triton" on a GPU where the kernel applies and jax-triton imports, else the reference
+(`jaxspec.models.attention.kernel_impl`); the JAXSPEC_PAGED_ATTENTION environment variable (auto,
+xla, triton, triton-interpret) overrides "auto" at trace time. The kernel takes ungrouped pools
+only: grouped ones (below) run the reference.
 
 Grouped pools (the slot engine on a mesh, `jaxspec.rollout.slot_state`): a pool may carry a
 leading group axis, [G, num_pages, page_size, Nk, D]; the S slots then form G consecutive blocks
@@ -47,14 +42,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kernels import paged_attention_mosaic as mosaic
-from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.kernels.ragged_attention import merge, new_token_bits
-from jaxspec.models.attention import attention, cache_attention_mask
+from jaxspec.models.attention import attention, cache_attention_mask, kernel_attention, kernel_impl
 
 NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
-IMPLS = ("auto", "xla", "mosaic", "interpret", "triton", "triton-interpret")
-TRITON_IMPLS = ("triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_PAGED_ATTENTION"
 
 
@@ -191,80 +181,14 @@ def paged_attention(
     that is not active sees only its new tokens. impl: see the module docstring. Returns
     [S, T, Nq, D] in q's dtype.
     """
-    impl = requested_impl(impl, IMPLS, IMPL_ENV, "paged attention")
-    if impl not in ("auto", "xla") and kernel_applies(q, k_pool, v_pool, impl):
-        return _paged_attention_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, impl=impl)
+    impl = kernel_impl(impl, IMPL_ENV, "paged attention", q, k_pool, v_pool, applies=k_pool.ndim == 4)
+    if impl != "xla":
+        interpret = impl == "triton-interpret"
+        return kernel_attention(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=interpret)
     k = gather_pages(k_pool, page_table).astype(q.dtype)
     v = gather_pages(v_pool, page_table).astype(q.dtype)
     mask = cache_attention_mask(cache_len, q.shape[1], k.shape[1], tree_mask, active)
     return attention(q, k, v, mask)
-
-
-def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, impl: str = "mosaic") -> bool:
-    """Whether impl's kernel takes this call: for "mosaic" / "interpret",
-    `jaxspec.kernels.paged_attention_mosaic` (the shapes and dtypes the module docstring lists, and a
-    program that fits a Hopper block's shared memory); for "triton" / "triton-interpret",
-    `jaxspec.kernels.paged_attention_triton.kernel_applies`."""
-    if k_pool.ndim != 4:  # a grouped pool (the slot engine on a mesh)
-        return False
-    if impl in TRITON_IMPLS:
-        return _triton_kernel().kernel_applies(q, k_pool, v_pool)
-    _, t, nq, d = q.shape
-    page_size, nk = k_pool.shape[1], k_pool.shape[2]
-    block_kv = max(mosaic.BLOCK_KV, page_size)
-    rows = -(-t * (nq // nk) // mosaic.ROW_TILE) * mosaic.ROW_TILE
-    words = -(-t // 32)
-    return (
-        q.dtype == k_pool.dtype == v_pool.dtype
-        and jnp.dtype(q.dtype).itemsize == 2
-        and d % 64 == 0
-        and t * (nq // nk) <= mosaic.MAX_ROWS
-        and page_size % 8 == 0
-        and block_kv % page_size == 0
-        and block_kv % 64 == 0
-        and block_kv <= 256
-        and mosaic.ring_depth(rows, d, block_kv, words, q.dtype) >= 1
-    )
-
-
-def _triton_kernel():
-    """`jaxspec.kernels.paged_attention_triton`, imported on first use (triton is an optional dependency)."""
-    try:
-        from jaxspec.kernels import paged_attention_triton
-    except ImportError as e:
-        raise ImportError(
-            f"paged attention impl 'triton' needs the triton package ({e}; pip install 'jaxspec[triton]')"
-        ) from e
-    return paged_attention_triton
-
-
-def _paged_attention_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, *, impl: str, **tuning):
-    """`paged_attention` by impl's kernel ("mosaic", "interpret", "triton", "triton-interpret"): the
-    query rows of each (slot, kv head) are its T new tokens x G query heads (row r is token
-    r // G), padded to a multiple of 64 (Mosaic GPU) or a power of two >= 16 (Triton); `tuning`
-    (block_kv, splits, and max_concurrent_steps or num_warps / num_stages) goes to the kernel."""
-    s, t, nq, d = q.shape
-    nk = k_pool.shape[2]
-    group = nq // nk
-    if impl in TRITON_IMPLS:
-        rows = _triton_kernel().query_rows(t * group)
-    else:
-        rows = -(-t * group // mosaic.ROW_TILE) * mosaic.ROW_TILE
-    if tree_mask is None:
-        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
-    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
-    with jax.named_scope("attention"):
-        q_rows = q.reshape(s, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(s, nk, t * group, d)
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
-        bits = new_token_bits(tree_mask, group, rows)
-        args = (q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits)
-        if impl in TRITON_IMPLS:
-            partials = _triton_kernel().paged_attention_partials
-            parts = partials(*args, num_new=t, interpret=impl == "triton-interpret", **tuning)
-        else:
-            parts = mosaic.paged_attention_partials(*args, num_new=t, interpret=impl == "interpret", **tuning)
-        out = merge(parts)[:, :, : t * group]  # [S, Nk, T*G, D]
-        return out.reshape(s, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(s, t, nq, d).astype(q.dtype)
 
 
 def write_and_attend(

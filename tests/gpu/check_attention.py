@@ -3,9 +3,12 @@
     pytest -m gpu tests/gpu/test_attention.py                  # the check, as tests
     python3 -m tests.gpu.check_attention [cache] [ttt]         # both by default; exit 0 when they agree
 
-cache: `cache_attention`'s Triton kernel (impl "pallas") against the dense masked path and the
-kernel in interpret mode, in bf16 with the small policy's heads: decode steps, chains, random
-trees of 6 to 40 nodes, finished rows, new tokens past the last cache slot.
+cache: `cache_attention` by the Triton attention kernel (impl "triton", through jax-triton: the
+`triton` extra) on the dense cache viewed as one page per row, against the exact attention of
+the same bf16 values (the dense path in float32 at the highest matmul precision), in bf16 with
+the small policy's heads: decode steps, chains, random trees of 6 to 40 nodes, finished rows,
+new tokens past the last cache slot. The bf16 dense path is held to the same bound, and row 0's
+cache replaced by row 1's must break the kernel's row 0 (the negative control).
 ttt: `ttt_attention` on cuDNN against the factored XLA path at T=1152 with packed segments,
 outputs and gradients, and the time of a forward and backward pass of each.
 """
@@ -36,7 +39,7 @@ def random_trees(rng, b: int, t: int) -> np.ndarray:
 
 def check_cache_attention() -> bool:
     rng = np.random.default_rng(0)
-    worst = 0.0
+    ok = True
     for b, t, tree, max_len in [
         (8, 1, False, 300),
         (8, 4, False, 300),
@@ -50,21 +53,26 @@ def check_cache_attention() -> bool:
         k = jax.random.normal(ks[1], (b, max_len, KV_HEADS, HEAD_DIM), jnp.bfloat16)
         v = jax.random.normal(ks[2], (b, max_len, KV_HEADS, HEAD_DIM), jnp.bfloat16)
         cache_len = jnp.asarray(rng.integers(0, max_len - 1, b).astype(np.int32)).at[0].set(max_len - 2)
-        active = jnp.asarray(rng.random(b) < 0.7)
+        active = jnp.asarray(rng.random(b) < 0.7).at[0].set(True)  # row 0 reads the cache the control corrupts
         mask = jnp.asarray(random_trees(rng, b, t)) if tree else None
+        with jax.default_matmul_precision("highest"):
+            f32 = (x.astype(jnp.float32) for x in (q, k, v))
+            want = np.asarray(cache_attention(*f32, cache_len, mask, active=active, impl="xla"))
         outs = {}
-        for impl in ("xla", "pallas", "interpret"):
+        for impl in ("xla", "triton"):
             attend = jax.jit(lambda *a, impl=impl: cache_attention(*a, active=active, impl=impl))
             outs[impl] = np.asarray(attend(q, k, v, cache_len, mask).astype(jnp.float32))
-        vs_dense = float(np.abs(outs["pallas"] - outs["xla"]).max())
-        vs_interpret = float(np.abs(outs["pallas"] - outs["interpret"]).max())
-        worst = max(worst, vs_dense, vs_interpret)
+        wrong = np.asarray(attend(q, k.at[0].set(k[1]), v.at[0].set(v[1]), cache_len, mask).astype(jnp.float32))
+        errors = {impl: float(np.abs(out - want).max()) for impl, out in outs.items()}
+        wrong_err = float(np.abs(wrong[0] - want[0]).max())
+        case_ok = max(errors.values()) < TOLERANCE and wrong_err > TOLERANCE and np.isfinite(outs["triton"]).all()
+        ok &= bool(case_ok)
         print(
-            f"cache attention b={b} t={t} tree={tree} max_len={max_len}: |pallas-xla| {vs_dense:.4f} "
-            f"|pallas-interpret| {vs_interpret:.4f} finite {np.isfinite(outs['pallas']).all()}"
+            f"cache attention b={b} t={t} tree={tree} max_len={max_len}: |triton-exact| {errors['triton']:.4f} "
+            f"|xla-exact| {errors['xla']:.4f} |wrong cache-exact| {wrong_err:.4f}: {'OK' if case_ok else 'MISMATCH'}"
         )
-    print(f"cache attention: worst {worst:.4f}: {'OK' if worst < TOLERANCE else 'MISMATCH'}")
-    return worst < TOLERANCE
+    print(f"cache attention: {'OK' if ok else 'MISMATCH'}")
+    return ok
 
 
 def check_ttt_attention() -> bool:

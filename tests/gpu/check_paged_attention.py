@@ -1,21 +1,18 @@
-"""GPU check of the paged-attention kernels (Mosaic GPU, Triton) against the jnp reference they replace.
+"""GPU check of the attention kernel on paged caches against the jnp reference it replaces.
 
     pytest -m gpu tests/gpu/test_paged_attention.py            # the check, as a test
-    python3 -m tests.gpu.check_paged_attention [BACKEND ...]   # exit 0 when they agree
+    python3 -m tests.gpu.check_paged_attention                 # exit 0 when they agree
 
-`paged_attention` with impl "mosaic" (`jaxspec.kernels.paged_attention_mosaic`) and "triton"
-(`jaxspec.kernels.paged_attention_triton` through jax-triton), compiled for the GPU, against the
-exact attention of the same bf16 values (the reference in float32 at the highest matmul
-precision), with Qwen3-8B's heads (32 query heads, 8 KV heads, head dim 128) and 16-position
-pages: decode steps, chains, random trees up to 32 nodes (128 query rows), finished rows, rows of
-length 1, pages shared by rows, shuffled page tables, new tokens past a row's pages and past its
-table, several ring depths and splits. The bf16 reference is held to the same bound, and a wrong
-page-table entry must break each kernel (the negative control). Prints every case, and any
-deprecation warning raised while a kernel compiles. The backends default to both where jax-triton
-imports, else Mosaic GPU alone (said so); naming "triton" requires it.
+`paged_attention` by the Triton attention kernel (`jaxspec.kernels.paged_attention_triton` through
+jax-triton: the `triton` extra), compiled for the GPU, against the exact attention of the same bf16
+values (the reference in float32 at the highest matmul precision), with Qwen3-8B's heads (32 query
+heads, 8 KV heads, head dim 128) and 16-position pages: decode steps, chains, random trees up to 32
+nodes (128 query rows), finished rows, rows of length 1, pages shared by rows, shuffled page tables,
+new tokens past a row's pages and past its table, several splits. The bf16 reference is held to the
+same bound, and a wrong page-table entry must break the kernel (the negative control). Prints every
+case, and any deprecation warning raised while the kernel compiles.
 """
 
-import importlib
 import sys
 import warnings
 
@@ -23,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.paged import NO_PAGE, _paged_attention_kernel, paged_attention
+from jaxspec.models.attention import kernel_attention
+from jaxspec.models.paged import NO_PAGE, paged_attention
 from tests.gpu.check_attention import random_trees
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -55,10 +53,9 @@ def case_inputs(rng, b: int, t: int, pages_per_row: int, tree: bool):
     return q, k_pool, v_pool, jnp.asarray(table.astype(np.int32)), jnp.asarray(cache_len.astype(np.int32)), mask, active
 
 
-BACKENDS = ("mosaic", "triton")
-CASES = [  # (rows, new tokens, tree, pages per row, tuning: splits for both, the rest Mosaic GPU's)
+CASES = [  # (rows, new tokens, tree, pages per row, tuning)
     (8, 1, False, 40, {}),
-    (8, 4, False, 40, dict(splits=1, max_concurrent_steps=2)),
+    (8, 4, False, 40, dict(splits=1)),
     (8, 6, True, 72, {}),
     (6, 16, True, 20, dict(splits=3)),
     (4, 32, True, 64, {}),
@@ -66,18 +63,7 @@ CASES = [  # (rows, new tokens, tree, pages per row, tuning: splits for both, th
 ]
 
 
-def available_backends() -> tuple[str, ...]:
-    """Mosaic GPU, and Triton where jax-triton imports (it needs a GPU jaxlib)."""
-    try:
-        importlib.import_module("jax_triton")
-    except ImportError as e:
-        print(f"paged attention: triton left out: jax_triton does not import ({e})")
-        return ("mosaic",)
-    return BACKENDS
-
-
-def check_paged_attention(backends: tuple[str, ...] | None = None) -> bool:
-    backends = available_backends() if backends is None else backends
+def check_paged_attention() -> bool:
     rng = np.random.default_rng(0)
     ok = True
     for b, t, tree, pages_per_row, tuning in CASES:
@@ -89,30 +75,28 @@ def check_paged_attention(backends: tuple[str, ...] | None = None) -> bool:
             paged_attention(q, k_pool, v_pool, table, cache_len, mask, active, impl="xla").astype(jnp.float32)
         )
         ref_err = float(np.abs(reference - want).max())
-        case_ok = ref_err < TOLERANCE
-        report = [f"|reference-exact| {ref_err:.4f}"]
-        for backend in backends:
-            backend_tuning = tuning if backend == "mosaic" else {k: v for k, v in tuning.items() if k == "splits"}
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                kernel = jax.jit(lambda *a: _paged_attention_kernel(*a, impl=backend, **backend_tuning))
-                got = np.asarray(kernel(q, k_pool, v_pool, table, cache_len, mask, active).astype(jnp.float32))
-            deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-            wrong_table = table.at[0, 0].set(table[0, 1])
-            wrong = np.asarray(kernel(q, k_pool, v_pool, wrong_table, cache_len, mask, active).astype(jnp.float32))
-            err, wrong_err = (float(np.abs(x - want).max()) for x in (got, wrong))
-            backend_ok = bool(np.isfinite(got).all() and err < TOLERANCE and wrong_err > TOLERANCE and not deprecations)
-            case_ok &= backend_ok
-            report.append(
-                f"{backend}: |kernel-exact| {err:.4f} |wrong table-exact| {wrong_err:.4f} "
-                f"deprecations {deprecations or 'none'}"
-            )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernel = jax.jit(lambda *a, tuning=tuning: kernel_attention(*a, **tuning))
+            got = np.asarray(kernel(q, k_pool, v_pool, table, cache_len, mask, active).astype(jnp.float32))
+        deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+        wrong_table = table.at[0, 0].set(table[0, 1])
+        wrong = np.asarray(kernel(q, k_pool, v_pool, wrong_table, cache_len, mask, active).astype(jnp.float32))
+        err, wrong_err = (float(np.abs(x - want).max()) for x in (got, wrong))
+        case_ok = bool(
+            ref_err < TOLERANCE
+            and np.isfinite(got).all()
+            and err < TOLERANCE
+            and wrong_err > TOLERANCE
+            and not deprecations
+        )
         ok &= case_ok
         print(
-            f"paged attention b={b} t={t} tree={tree} pages/row={pages_per_row} {tuning}: {'; '.join(report)}: "
-            f"{'OK' if case_ok else 'MISMATCH'}"
+            f"paged attention b={b} t={t} tree={tree} pages/row={pages_per_row} {tuning}: |reference-exact| "
+            f"{ref_err:.4f} |kernel-exact| {err:.4f} |wrong table-exact| {wrong_err:.4f} deprecations "
+            f"{deprecations or 'none'}: {'OK' if case_ok else 'MISMATCH'}"
         )
-    print(f"paged attention ({', '.join(backends)}): {'OK' if ok else 'MISMATCH'}")
+    print(f"paged attention: {'OK' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -120,11 +104,10 @@ def main(argv: list[str]) -> int:
     if jax.default_backend() != "gpu":
         print("needs a GPU", file=sys.stderr)
         return 2
-    unknown = [a for a in argv if a not in BACKENDS]
-    if unknown:
-        print(f"check_paged_attention takes backends of {BACKENDS}, got {unknown}", file=sys.stderr)
+    if argv:
+        print(f"check_paged_attention takes no arguments, got {argv}", file=sys.stderr)
         return 2
-    return 0 if check_paged_attention(tuple(argv) or None) else 1
+    return 0 if check_paged_attention() else 1
 
 
 if __name__ == "__main__":

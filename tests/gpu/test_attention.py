@@ -1,5 +1,5 @@
-"""tests/gpu/check_attention.py on a GPU: the ragged cache-attention kernel compiled by Triton against
-the dense path and interpret mode, and the draft head's TTT attention on cuDNN against XLA's."""
+"""tests/gpu/check_attention.py on a GPU: the Triton attention kernel on the dense cache (through
+jax-triton) against the exact attention, and the draft head's TTT attention on cuDNN against XLA's."""
 
 import pytest
 

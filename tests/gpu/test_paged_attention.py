@@ -1,6 +1,6 @@
-"""tests/gpu/check_paged_attention.py on a GPU: the Mosaic GPU paged-attention kernel compiled for the
-device against the exact attention the jnp reference computes, with a wrong page table as the
-negative control."""
+"""tests/gpu/check_paged_attention.py on a GPU: the Triton attention kernel (through jax-triton) on
+paged caches against the exact attention the jnp reference computes, with a wrong page table as
+the negative control."""
 
 import pytest
 

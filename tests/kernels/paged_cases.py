@@ -1,6 +1,6 @@
-"""Inputs, exact results and cases shared by the paged-attention kernels' tests (Mosaic GPU and
-Triton): shuffled page tables with pages shared by two rows, ragged lengths, random tree masks,
-and the exact attention of the same inputs in float32."""
+"""Inputs, exact results and cases of the attention kernel's tests on paged caches: shuffled page
+tables with pages shared by two rows, ragged lengths, random tree masks, and the exact attention of
+the same inputs in float32."""
 
 import jax
 import jax.numpy as jnp

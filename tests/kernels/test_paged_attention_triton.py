@@ -1,19 +1,18 @@
-"""The Triton paged-attention kernel computes `paged_attention`'s reference.
+"""The Triton attention kernel computes `paged_attention`'s reference.
 
 Triton's interpreter runs the kernel's own code on the CPU (on torch CPU tensors, called from JAX
-through `jax.pure_callback`): the page-table gathers, the online softmax, the tree-mask bits and
-the splits, on the cases of the Mosaic GPU kernel's tests (shuffled page tables, pages shared by
-two rows, a row of length 1, new tokens on and across page and block boundaries, past the row's
-pages and past its table, tree masks, finished rows, GQA groups 1 / 2 / 4, several splits), plus
-float32, pages that straddle blocks (12-position pages, 16-position blocks) and 128 query rows
-whose trees need two words of bits. As there, each is compared with the exact attention of the
-same inputs in float32, within `TOLERANCE`: a few units in the last place of the 16-bit dtypes
-(the reasoning of the Mosaic tests: the kernel rounds its probabilities and its output once
-each), and for float32 the worst case of summing 160 positions in float32 (160 x 2^-24 relative
-at magnitudes below 4, 2^-15). A page table with one entry pointing at another page fails that
-comparison. Compiling the kernel for sm90 (Triton's own compiler down to a cubin, as jax-triton
-does on a GPU) checks on any machine what the interpreter does not: that it is valid Triton for
-Hopper.
+through `jax.pure_callback`): the page-table gathers, the online softmax, the tree-mask bits and the
+splits, on the cases of `tests.kernels.paged_cases` (shuffled page tables, pages shared by two rows,
+a row of length 1, new tokens on and across page and block boundaries, past the row's pages and past
+its table, tree masks, finished rows, GQA groups 1 / 2 / 4, several splits), plus float32, pages
+that straddle blocks (12-position pages, 16-position blocks) and 128 query rows whose trees need two
+words of bits. Each is compared with the exact attention of the same inputs in float32, within
+`TOLERANCE`: a few units in the last place of the 16-bit dtypes (the kernel rounds its probabilities
+and its output once each), and for float32 the worst case of summing 160 positions in float32 (160 x
+2^-24 relative at magnitudes below 4, 2^-15). A page table with one entry pointing at another page
+fails that comparison. Compiling the kernel for sm90 (Triton's own compiler down to a cubin, as
+jax-triton does on a GPU) checks on any machine what the interpreter does not: that it is valid
+Triton for Hopper.
 """
 
 import functools
@@ -32,7 +31,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
-from jaxspec.models.paged import _paged_attention_kernel, kernel_applies, paged_attention  # noqa: E402
+from jaxspec.models.attention import kernel_attention  # noqa: E402
+from jaxspec.models.paged import paged_attention  # noqa: E402
 from tests.kernels.paged_cases import SHAPES, assert_close, case_inputs, exact, inputs  # noqa: E402
 
 exact = jax.jit(exact)  # one compilation per case rather than one per operation
@@ -80,13 +80,13 @@ CASES = {
 def test_kernel_matches_the_reference(name, monkeypatch):
     case = CASES[name]
     q, k_pool, v_pool, table, cache_len, tree, active = case_inputs(case)
-    assert kernel_applies(q, k_pool, v_pool, "triton")
+    assert kernel_module.kernel_applies(q, k_pool, v_pool)
     if case["tuning"] is None:
         monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", "triton-interpret")
         got = paged_attention(q, k_pool, v_pool, table, cache_len, tree, active)
         monkeypatch.delenv("JAXSPEC_PAGED_ATTENTION")
     else:
-        got = jax.jit(functools.partial(_paged_attention_kernel, impl="triton-interpret", **case["tuning"]))(
+        got = jax.jit(functools.partial(kernel_attention, interpret=True, **case["tuning"]))(
             q, k_pool, v_pool, table, cache_len, tree, active
         )
     want = exact(q, k_pool, v_pool, table, cache_len, tree, active)
@@ -100,7 +100,7 @@ def test_a_wrong_page_table_entry_is_caught():
     case = CASES["decode"]
     q, k_pool, v_pool, table, cache_len, tree, _ = case_inputs(case)
     wrong = table.at[2, 3].set(table[0, 0])
-    got = _paged_attention_kernel(q, k_pool, v_pool, wrong, cache_len, tree, None, impl="triton-interpret", splits=2)
+    got = kernel_attention(q, k_pool, v_pool, wrong, cache_len, tree, None, interpret=True, splits=2)
     want = exact(q, k_pool, v_pool, table, cache_len, tree, None)
     assert_close(got[:2], want[:2], case["dtype"])  # rows 0 and 1 do not read the entry
     with pytest.raises(AssertionError):
@@ -122,7 +122,7 @@ def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
     case = CASES["tree"]
     q, k_pool, v_pool, table, cache_len, tree, active = case_inputs({**case, "dtype": jnp.float16})
-    got = jax.jit(functools.partial(_paged_attention_kernel, impl="triton", **case["tuning"]))(
+    got = jax.jit(functools.partial(kernel_attention, **case["tuning"]))(
         q, k_pool, v_pool, table, cache_len, tree, active
     )
     assert_close(got, exact(q, k_pool, v_pool, table, cache_len, tree, active), jnp.float16)
@@ -132,11 +132,11 @@ def test_calls_the_kernel_does_not_take_run_the_reference():
     """A head dim that is not a power of two, or more than 128 query rows per kv head, runs the
     reference under impl "triton"; the kernel itself names the problem."""
     q, k_pool, v_pool, table, cache_len, tree = inputs(1, jnp.bfloat16, 4, 33, [5, 20], [3, 4])
-    assert not kernel_applies(q, k_pool, v_pool, "triton")  # 33 x 4 = 132 query rows
+    assert not kernel_module.kernel_applies(q, k_pool, v_pool)  # 33 x 4 = 132 query rows
     got = paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="triton")
     np.testing.assert_array_equal(got, paged_attention(q, k_pool, v_pool, table, cache_len, tree, impl="xla"))
     q48, k48 = q[..., :48], k_pool[..., :48]
-    assert not kernel_applies(q48[:, :1], k48, k48, "triton")
+    assert not kernel_module.kernel_applies(q48[:, :1], k48, k48)
     with pytest.raises(ValueError, match="head dim must be a power of two"):
         kernel_module.paged_attention_partials(
             jnp.zeros((2, 2, 16, 48), jnp.bfloat16),
@@ -156,6 +156,7 @@ def test_calls_the_kernel_does_not_take_run_the_reference():
         (jnp.bfloat16, 16, 128, 16, dict()),
         (jnp.float16, 128, 128, 16, dict(block_kv=32)),
         (jnp.float32, 16, 64, 12, dict(block_kv=32, splits=3)),
+        (jnp.bfloat16, 32, 128, None, dict()),  # a dense cache of 1152 positions: one page per row
     ],
 )
 def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
@@ -163,6 +164,8 @@ def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
     alignment jax-triton gives it: its shapes, dtypes and operations are ones the compiler takes
     (the interpreter also runs e.g. a non-constexpr global or a dot smaller than 16)."""
     batch, kv_heads, num_pages, table_len, words = 4, 2, 40, 12, 2
+    if page is None:  # `cache_attention`'s view of a dense cache [B, S, Nk, D]
+        num_pages, page, table_len = batch, 1152, 1
     q = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), dtype)
     pool = jax.ShapeDtypeStruct((num_pages, page, kv_heads, head_dim), dtype)
     table = jax.ShapeDtypeStruct((batch, table_len), jnp.int32)

@@ -1,6 +1,13 @@
-"""`cache_attention`: the ragged kernel path (Pallas in interpret mode) equals the dense masked
-path for decode steps, chains and trees of new tokens, per-row prefix lengths, bf16 caches, and
-a cache sharded over batch and kv heads; stale slots past the new tokens are never read."""
+"""`cache_attention`: the kernel path (the Triton attention kernel on the dense cache viewed as one
+page per row, in Triton's interpreter) equals the dense masked path for decode steps, chains and
+trees of new tokens, per-row prefix lengths, bf16 caches, and a cache sharded over batch and kv
+heads; stale slots past the new tokens are never read. Which implementation "auto" and the
+explicit impls pick, on CPU and (its choice only) on a GPU with and without jax-triton."""
+
+import importlib.util
+import logging
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -8,12 +15,18 @@ import numpy as np
 import pytest
 
 from jaxspec.models import ModelConfig, extend, init_cache, make_mesh
-from jaxspec.models.attention import cache_attention
+from jaxspec.models import attention as attention_module
+from jaxspec.models.attention import cache_attention, kernel_impl
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from tests.models.hf_reference import random_params
 
 BATCH, MAX_LEN, HEADS, KV_HEADS, HEAD_DIM = 4, 150, 4, 2, 16
 CACHE_LEN = np.array([0, 17, 64, 140], np.int32)  # the new tokens end at slot 140 + T - 1 < 150
+KERNEL = "triton-interpret"
+needs_triton = pytest.mark.skipif(
+    not (importlib.util.find_spec("triton") and importlib.util.find_spec("torch")),
+    reason="the kernel runs in Triton's interpreter (the test extra has triton and torch)",
+)
 
 
 def new_tokens(t: int, dtype=jnp.float32, seed: int = 0):
@@ -40,18 +53,19 @@ def random_tree_mask(t: int, seed: int) -> jnp.ndarray:
     return jnp.asarray(mask)
 
 
+@needs_triton
 @pytest.mark.parametrize("t,tree", [(1, False), (4, False), (6, True)])
 def test_kernel_path_equals_dense_path(t, tree):
     q, k, v = new_tokens(t)
     mask = random_tree_mask(t, seed=t) if tree else None
     cache_len = jnp.asarray(CACHE_LEN)
     want = cache_attention(q, k, v, cache_len, mask, impl="xla")
-    got = cache_attention(q, k, v, cache_len, mask, impl="interpret")
+    got = cache_attention(q, k, v, cache_len, mask, impl=KERNEL)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param(KERNEL, marks=needs_triton)])
 def test_inactive_rows_read_no_prefix(impl):
     """Rows marked inactive attend to their new tokens alone: their output equals the same tokens
     at slot 0 of an empty cache, and active rows are as if no row were inactive. The kernel does
@@ -63,7 +77,7 @@ def test_inactive_rows_read_no_prefix(impl):
     cache_len = jnp.asarray(CACHE_LEN)
     active = jnp.asarray([True, False, True, False])
     prefix = (jnp.arange(MAX_LEN)[None, :] < cache_len[:, None]) & ~active[:, None]
-    poison = jnp.nan if impl == "interpret" else 300.0
+    poison = jnp.nan if impl == KERNEL else 300.0
     poisoned_k, poisoned_v = (jnp.where(prefix[:, :, None, None], poison, x) for x in (k, v))
     got = cache_attention(q, poisoned_k, poisoned_v, cache_len, mask, active=active, impl=impl)
     assert np.isfinite(np.asarray(got)).all()
@@ -79,6 +93,7 @@ def test_inactive_rows_read_no_prefix(impl):
     assert not np.allclose(got[inactive], want_active[inactive], atol=1e-3)  # the prefix really was dropped
 
 
+@needs_triton
 def test_new_tokens_past_the_last_slot_are_unseen():
     """Row 3's chain of 6 runs 2 tokens past the cache (dropped by `extend`'s write); both paths
     let no one attend to them."""
@@ -87,17 +102,19 @@ def test_new_tokens_past_the_last_slot_are_unseen():
     k, v = (jax.random.normal(key, (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)) for key in ks[1:])
     cache_len = jnp.asarray(CACHE_LEN.tolist()[:3] + [MAX_LEN - 4], jnp.int32)
     want = cache_attention(q, k, v, cache_len, impl="xla")
-    np.testing.assert_allclose(cache_attention(q, k, v, cache_len, impl="interpret"), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cache_attention(q, k, v, cache_len, impl=KERNEL), want, rtol=1e-5, atol=1e-5)
 
 
+@needs_triton
 def test_kernel_path_bf16():
     q, k, v = new_tokens(3, jnp.bfloat16, seed=1)
     cache_len = jnp.asarray(CACHE_LEN)
     want = cache_attention(q, k, v, cache_len, impl="xla").astype(jnp.float32)
-    got = cache_attention(q, k, v, cache_len, impl="interpret").astype(jnp.float32)
+    got = cache_attention(q, k, v, cache_len, impl=KERNEL).astype(jnp.float32)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)  # bf16 probabilities before the value matmul
 
 
+@needs_triton
 def test_kernel_path_on_a_sharded_cache():
     sharding = Sharding(make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4]))
     q, k, v = new_tokens(4, seed=2)
@@ -105,20 +122,33 @@ def test_kernel_path_on_a_sharded_cache():
     assert cache_spec.spec[0] is not None and cache_spec.spec[2] is not None  # both axes really split
     k, v = jax.device_put(k, cache_spec), jax.device_put(v, cache_spec)
     cache_len = jnp.asarray(CACHE_LEN)
-    attend = jax.jit(lambda *a: cache_attention(*a, sharding=sharding, impl="interpret"))
+    attend = jax.jit(lambda *a: cache_attention(*a, sharding=sharding, impl=KERNEL))
     want = cache_attention(q, k, v, cache_len, impl="xla")
     np.testing.assert_allclose(attend(q, k, v, cache_len), want, rtol=1e-5, atol=1e-5)
 
 
-def test_dtype_mismatch_is_refused():
+@needs_triton
+def test_calls_the_kernel_does_not_take_run_the_reference():
+    """q and the cache in different dtypes, a head dim that is not a power of two, or more than 128
+    query rows per kv head: impl "triton-interpret" runs the dense path (equal to impl "xla")."""
     q, k, v = new_tokens(1)
-    with pytest.raises(ValueError, match="one dtype"):
-        cache_attention(q.astype(jnp.bfloat16), k, v, jnp.asarray(CACHE_LEN), impl="interpret")
+    cache_len = jnp.asarray(CACHE_LEN)
+    q16 = q.astype(jnp.bfloat16)
+    assert kernel_impl(KERNEL, attention_module.IMPL_ENV, "cache attention", q16, k, v) == "xla"
+    np.testing.assert_array_equal(
+        cache_attention(q16, k, v, cache_len, impl=KERNEL), cache_attention(q16, k, v, cache_len, impl="xla")
+    )
+    q12, k12 = q[..., :12], k[..., :12]
+    assert kernel_impl(KERNEL, attention_module.IMPL_ENV, "cache attention", q12, k12, k12) == "xla"
+    q_long, k_long, v_long = new_tokens(65)  # 65 x 2 query heads per kv head: 130 rows
+    assert kernel_impl(KERNEL, attention_module.IMPL_ENV, "cache attention", q_long, k_long, v_long) == "xla"
+    assert kernel_impl(KERNEL, attention_module.IMPL_ENV, "cache attention", q, k, v) == KERNEL  # the control
 
 
+@needs_triton
 def test_extend_uses_the_implementation_from_the_environment(monkeypatch):
     """A verification-shaped extend (4 new tokens after a prefill) gives the same logits with
-    JAXSPEC_CACHE_ATTENTION=interpret as with xla."""
+    JAXSPEC_CACHE_ATTENTION=triton-interpret as with xla."""
     cfg = ModelConfig(
         family="qwen3",
         vocab_size=61,
@@ -148,21 +178,51 @@ def test_extend_uses_the_implementation_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
     want = run()
-    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "interpret")
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", KERNEL)
     np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="JAXSPEC_CACHE_ATTENTION"):
         run()
 
 
-def test_auto_picks_the_kernel_on_gpu_for_16_bit_caches(monkeypatch):
-    """What runs on the GPU itself is not testable on CPU: only the choice "auto" makes."""
-    from jaxspec.models.attention import _resolve_impl
+@pytest.fixture
+def fresh_jax_triton_check():
+    """`kernel_impl`'s cached check that jax-triton imports, forgotten before and after the test."""
+    attention_module._jax_triton_imports.cache_clear()
+    yield
+    attention_module._jax_triton_imports.cache_clear()
 
-    q, k, _ = new_tokens(1, jnp.bfloat16)
-    assert _resolve_impl("auto", q, k, None) == "xla"  # the CPU backend
+
+@needs_triton
+def test_auto_picks_the_kernel_on_a_gpu_with_jax_triton(monkeypatch, fresh_jax_triton_check):
+    """What runs on the GPU itself is not testable on CPU: only the choice "auto" makes."""
+    q, k, v = new_tokens(1, jnp.bfloat16)
+    q32, k32, v32 = new_tokens(1)
+
+    def choice(q, k, v, **kw):
+        return kernel_impl("auto", attention_module.IMPL_ENV, "cache attention", q, k, v, **kw)
+
+    assert choice(q, k, v) == "xla"  # the CPU backend
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert _resolve_impl("auto", q, k, None) == "pallas"
-    q32, k32, _ = new_tokens(1)
-    assert _resolve_impl("auto", q32, k32, None) == "xla"  # the kernel takes 16-bit caches only
-    assert _resolve_impl("interpret", q, k, None) == "interpret"
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace())
+    assert choice(q, k, v) == "triton" and choice(q32, k32, v32) == "triton"
+    assert choice(q, k, v, applies=False) == "xla"  # e.g. a mesh splits the cache's sequence axis
+    assert choice(q[..., :12], k[..., :12], v[..., :12]) == "xla"
+    monkeypatch.setenv(attention_module.IMPL_ENV, "xla")
+    assert choice(q, k, v) == "xla"
+
+
+@needs_triton
+def test_auto_without_jax_triton_runs_the_reference_and_says_so_once(monkeypatch, caplog, fresh_jax_triton_check):
+    """On a GPU where jax_triton does not import, "auto" runs the reference with one warning naming
+    the extra to install; an explicit "triton" raises, naming it too."""
+    q, k, v = new_tokens(1)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # import jax_triton raises ImportError
+    with caplog.at_level(logging.WARNING, logger=attention_module.__name__):
+        for _ in range(2):
+            assert kernel_impl("auto", attention_module.IMPL_ENV, "cache attention", q, k, v) == "xla"
+    warnings = [r.getMessage() for r in caplog.records if r.name == attention_module.__name__]
+    assert len(warnings) == 1 and "pip install 'jaxspec[triton]'" in warnings[0]
+    with pytest.raises(ImportError, match=r"jax-triton .*pip install 'jaxspec\[triton\]'"):
+        cache_attention(q, k, v, jnp.asarray(CACHE_LEN), impl="triton")
