@@ -1,0 +1,98 @@
+"""The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
+
+    python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--trace]
+
+Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
+near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
+geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8, T=1. Both
+engines generate the same prompts with the same key (compiled and warmed up first); printed per
+engine: generation time, loop iterations, ms per iteration and the steps at each batch width
+(`stage_rows` / `stage_steps`). With --trace a third call runs under `jax.profiler` and the
+kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
+kernel time and launches per iteration (their difference from the wall time is the device's idle
+time), the 22 longest kernels and the time by jax scope. Everything goes to WORK_DIR
+(slot_profile.json, the HLO dump and the traces).
+"""
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("work", type=Path)
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--trace", action="store_true")
+    args = p.parse_args()
+    set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxspec.models import ModelConfig
+    from jaxspec.models.params import init_params
+    from jaxspec.rollout import Sampling, generate
+
+    cfg = ModelConfig.from_json("configs/models/small-policy.json")
+    params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // 8) for _ in range(8)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
+    result = {}
+    for label, slots in (("staged", None), ("slots", args.slots)):
+
+        def run():
+            return jax.block_until_ready(generate(cfg, params, prompts, jax.random.key(1), sampling, slots=slots))
+
+        run()
+        start = time.perf_counter()
+        out = run()
+        seconds = time.perf_counter() - start
+        steps = int(out.stats["steps"])
+        row = result[label] = {
+            "seconds": seconds,
+            "steps": steps,
+            "step_ms": 1e3 * seconds / steps,
+            "tokens": int(np.asarray(out.lengths).sum()),
+            "stage_rows": list(out.stats["stage_rows"]),
+            "stage_steps": [int(n) for n in out.stats["stage_steps"]],
+        }
+        print(
+            f"== {label}: {seconds:.2f} s, {steps} iterations, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
+            f"widths {row['stage_rows']} steps {row['stage_steps']}",
+            flush=True,
+        )
+        if not args.trace:
+            continue
+        trace = args.work / f"trace_{label}"
+        with jax.profiler.trace(str(trace)):
+            run()
+        modules = {"jit__decode": label, "jit__loop": label, "jit_prefill_prompts": f"{label}-prefill"}
+        kernels = kernel_times(trace, op_scopes(args.work / "hlo"), modules)
+        by_scope = collections.defaultdict(float)
+        for k in kernels:
+            by_scope["/".join(k.op_name.split("/")[:4])] += k.ns
+        launches = sum(k.launches for k in kernels)
+        row |= {
+            "kernel_ms": sum(k.ns for k in kernels) / 1e6,
+            "launches_per_step": launches / steps,
+            "top": [(k.op, k.op_name, k.ns / 1e6, k.launches) for k in kernels[:22]],
+            "scopes": sorted(((ms / 1e6, name) for name, ms in by_scope.items()), reverse=True)[:12],
+        }
+        print(f"   kernels {row['kernel_ms']:.0f} ms, {row['launches_per_step']:.0f} launches per iteration")
+        for op, name, ms, n in row["top"]:
+            print(f"  {ms:9.2f} ms {n:7d}  {op[:28]:28s} {name[-90:]}")
+        for ms, name in row["scopes"]:
+            print(f"  scope {ms:9.2f} ms  {name}")
+    (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
