@@ -10,8 +10,9 @@ engine: generation time, loop iterations, ms per iteration and the steps at each
 (`stage_rows` / `stage_steps`). With --trace a third call runs under `jax.profiler` and the
 kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
 kernel time and launches per iteration (their difference from the wall time is the device's idle
-time), the 22 longest kernels and the time by jax scope. Everything goes to WORK_DIR
-(slot_profile.json, the HLO dump and the traces).
+time), the 22 longest kernels and the time by jax scope; --trace turns XLA's command buffers (CUDA
+graphs) off for the whole run, timings included. Everything goes to WORK_DIR (slot_profile.json,
+the HLO dump and the traces). XLA_FLAGS set outside reach every run.
 """
 
 import argparse
@@ -31,7 +32,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--trace", action="store_true")
     args = p.parse_args()
-    set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
+    if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
+        set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -91,6 +93,7 @@ def main() -> None:
             print(f"  {ms:9.2f} ms {n:7d}  {op[:28]:28s} {name[-90:]}")
         for ms, name in row["scopes"]:
             print(f"  scope {ms:9.2f} ms  {name}")
+    args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
 
 
