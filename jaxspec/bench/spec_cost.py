@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import re
 from pathlib import Path
 
@@ -332,8 +331,7 @@ def main(argv: list[str]) -> int:
         "temperature": SAMPLING.temperature,
         "acceptance": args.acceptance,
         "iters": args.iters,
-        "tree_verify": os.environ.get(kernels.IMPL_ENV)
-        or ("pallas" if jax.default_backend() == "gpu" else "reference"),
+        "tree_verify": kernels.resolved_impl(),
         "device_bytes_limit": (device_memory_stats() or {}).get("bytes_limit"),
         "baseline": "decode: one autoregressive decode step at the same batch and context, same run",
         "projection": "computed, not measured: speedup = decode * tau / (k*draft + fuse + verify(k+1)), "

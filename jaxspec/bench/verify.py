@@ -14,7 +14,9 @@ implementations return the same path, count and next token from the same key (th
 float summation order can flip a decision that lands within rounding of a boundary).
 
 `--profile` also traces 10 calls of each implementation per shape and reports the device time of
-the kernels they launch: all of them, and the kernel path's Pallas node-statistics kernel alone.
+the kernels they launch: all of them, and the kernel path's node-statistics kernel alone (the
+Triton kernels run under jax scopes named for them, `tree_verify_node_stats` and so on, which the
+trace's op names carry). Off a GPU the kernels run in Triton's interpreter (slow).
 As in `jaxspec bench profile`, XLA's command buffers are off for the whole run, so the timing
 columns then include launch gaps that command buffers would hide.
 """
@@ -40,13 +42,13 @@ from jaxspec.bench.timing import (
     print_table,
     write_results,
 )
-from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
-from jaxspec.kernels.tree_verify_pallas import TARGET_PROGRAMS, verify_pallas
+from jaxspec.kernels.tree_stochastic_triton import verify_stochastic_triton
 from jaxspec.kernels.tree_verify_reference import verify_reference
+from jaxspec.kernels.tree_verify_triton import TARGET_PROGRAMS, tree_verify_node_stats, verify_triton
 
 VERIFY_MODULES = {
-    "jit_verify_pallas": "kernel",
-    "jit_verify_stochastic_pallas": "kernel",
+    "jit_verify_triton": "kernel",
+    "jit_verify_stochastic_triton": "kernel",
     "jit_verify_reference": "reference",
 }  # HLO module: program
 PROFILE_CALLS = 10
@@ -89,7 +91,7 @@ def trace_calls(fn, trace_dir: Path) -> None:
 
 def traced_kernels(trace_dir: Path, scopes: dict[tuple[int, str], str], program: str) -> dict:
     """Device time per call of the kernels of `program` ("kernel" or "reference") in a
-    `trace_calls` trace: the total, the launches, the Pallas node-statistics kernel (kernel path)
+    `trace_calls` trace: the total, the launches, the node-statistics kernel (kernel path)
     and the longest kernels."""
     kernels = [k for k in kernel_times(trace_dir, scopes, VERIFY_MODULES) if k.program == program]
     per_call = lambda ns: ns / 1e6 / PROFILE_CALLS  # noqa: E731
@@ -99,7 +101,7 @@ def traced_kernels(trace_dir: Path, scopes: dict[tuple[int, str], str], program:
         "top": [{"ms": per_call(k.ns), "op": k.op, "op_name": k.op_name} for k in kernels[:8]],
     }
     if program == "kernel":
-        traced["node_stats_ms"] = per_call(sum(k.ns for k in kernels if "tree_verify_node_stats" in k.op_name))
+        traced["node_stats_ms"] = per_call(sum(k.ns for k in kernels if tree_verify_node_stats.__name__ in k.op_name))
     return traced
 
 
@@ -140,7 +142,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--temperature must be >= 0 (> 0 with --stochastic), got {args.temperature}")
     work = Path(tempfile.mkdtemp(prefix="jaxspec-verify-")) if args.profile else None
     if work is not None:
-        set_dump_flags(work / "hlo", ".*verify_(stochastic_pallas|pallas|reference).*", "bench verify --profile")
+        set_dump_flags(work / "hlo", ".*verify_(stochastic_triton|triton|reference).*", "bench verify --profile")
 
     gpu = jax.default_backend() == "gpu"
     copy_bytes = args.copy_bytes or (1 << 30 if gpu else 1 << 24)
@@ -160,7 +162,7 @@ def main(argv: list[str]) -> int:
             def kernel_call(logits, q, parents, tokens, num_nodes, key, i=0):
                 key = jax.random.fold_in(key, i)
                 if args.stochastic:
-                    return verify_stochastic_pallas(
+                    return verify_stochastic_triton(
                         logits,
                         q,
                         parents,
@@ -173,7 +175,7 @@ def main(argv: list[str]) -> int:
                         num_warps=args.num_warps,
                         num_stages=args.num_stages,
                     )
-                return verify_pallas(
+                return verify_triton(
                     logits,
                     parents,
                     tokens,
@@ -274,7 +276,7 @@ def main(argv: list[str]) -> int:
         "num_warps": args.num_warps,
         "num_stages": args.num_stages,
         "programs": args.programs,
-        "kernel": ("stochastic-" if args.stochastic else "") + ("pallas" if gpu else "pallas-interpret"),
+        "kernel": ("stochastic-" if args.stochastic else "") + ("triton" if gpu else "triton-interpret"),
         "timing": "in_loop_seconds, minus loop_ms",
     }
     print(f"measured copy bandwidth (read + write): {copy_rate / 1e9:.1f} GB/s")

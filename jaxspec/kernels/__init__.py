@@ -1,13 +1,17 @@
-"""Pallas kernels with pure-jnp references.
+"""GPU kernels with pure-jnp references.
 
 `tree_verify` is the exact (lossless) verification of a draft token tree against the policy's
-processed distribution; it dispatches to the Pallas kernel on GPU and to the jnp reference on
-CPU (override with `impl=` or the JAXSPEC_TREE_VERIFY_IMPL environment variable); stochastic drafts
-run their own kernel (`jaxspec.kernels.tree_stochastic_pallas`) the same way.
+processed distribution; it dispatches to the Triton kernels (called through jax-triton) on GPU and
+to the jnp reference on CPU (override with `impl=` or the JAXSPEC_TREE_VERIFY_IMPL environment
+variable); stochastic drafts run their own kernel (`jaxspec.kernels.tree_stochastic_triton`) the
+same way. The kernel modules import triton, an optional dependency, so they are imported on use.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 import math
 
 import jax
@@ -15,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
-from jaxspec.kernels.tree_verify_pallas import verify_pallas
 from jaxspec.kernels.tree_verify_reference import VerifyResult, verify_reference
 
-IMPLS = ("auto", "pallas", "reference", "interpret")
+IMPLS = ("auto", "triton", "triton-interpret", "reference")
 IMPL_ENV = "JAXSPEC_TREE_VERIFY_IMPL"
+INSTALL = "pip install 'jaxspec[triton]'"
+log = logging.getLogger(__name__)
 
 
 def tree_verify(
@@ -42,44 +46,74 @@ def tree_verify(
     draft_probs: None for deterministic drafts (children fixed before any coin, distinct; q is a
         point mass), or float [B, N, V]: q at each node, the distribution its children were drawn
         from without replacement in node order.
-    impl: "auto" (GPU: Pallas kernel; otherwise the jnp reference), "pallas", "reference", or
-        "interpret" (the Pallas kernel in interpret mode, any backend). With "auto" the
-        JAXSPEC_TREE_VERIFY_IMPL environment variable, when set, picks one of the others.
+    impl: "auto" (GPU: the Triton kernels where jax-triton imports, else the jnp reference with a
+        one-time warning; otherwise the jnp reference), "triton" (the kernels through jax-triton,
+        GPU), "triton-interpret" (the kernels in Triton's interpreter on the host, any backend,
+        slow; needs triton and torch) or "reference". With "auto" the JAXSPEC_TREE_VERIFY_IMPL
+        environment variable, when set, picks one of the others.
 
     Returns a `VerifyResult` (path int32 [B, N], num_accepted int32 [B], next_token int32 [B],
     logprobs float32 [B, N]: log p at the parent of each emitted token, 0 after). Stochastic drafts
-    (draft_probs given, temperature > 0) run their own kernel (`jaxspec.kernels.tree_stochastic_pallas`)
-    where the deterministic ones run `jaxspec.kernels.tree_verify_pallas`. Every implementation draws the
+    (draft_probs given, temperature > 0) run their own kernel (`jaxspec.kernels.tree_stochastic_triton`)
+    where the deterministic ones run `jaxspec.kernels.tree_verify_triton`. Every implementation draws the
     same samples from the same key (up to float rounding at decision boundaries). Value checks on
     the tree run only on concrete inputs (under `jax.jit` the shapes are still checked).
     """
-    impl = _resolve_impl(requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify"))
+    impl = resolved_impl(impl)
     temperature = _check_temperature(temperature)
     logits, parents, draft_tokens, num_nodes = _check_inputs(logits, parents, draft_tokens, num_nodes, draft_probs)
-    if draft_probs is not None and temperature > 0 and impl != "reference":
-        return verify_stochastic_pallas(
-            logits,
-            draft_probs,
-            parents,
-            draft_tokens,
-            num_nodes,
-            key,
-            temperature=temperature,
-            interpret=impl == "interpret",
-        )
     if impl == "reference":
         return verify_reference(
             logits, parents, draft_tokens, num_nodes, key, temperature=temperature, draft_probs=draft_probs
         )
-    return verify_pallas(
-        logits, parents, draft_tokens, num_nodes, key, temperature=temperature, interpret=impl == "interpret"
+    interpret = impl == "triton-interpret"
+    if draft_probs is not None and temperature > 0:
+        return _import_kernel("tree_stochastic_triton", impl).verify_stochastic_triton(
+            logits, draft_probs, parents, draft_tokens, num_nodes, key, temperature=temperature, interpret=interpret
+        )
+    return _import_kernel("tree_verify_triton", impl).verify_triton(
+        logits, parents, draft_tokens, num_nodes, key, temperature=temperature, interpret=interpret
     )
 
 
-def _resolve_impl(impl: str) -> str:
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return impl
+def resolved_impl(impl: str = "auto") -> str:
+    """The implementation `tree_verify(..., impl=impl)` runs on this backend: "triton",
+    "triton-interpret" or "reference" (for "auto": JAXSPEC_TREE_VERIFY_IMPL when set, else by backend)."""
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify")
+    if impl != "auto":
+        return impl
+    if jax.default_backend() != "gpu":
+        return "reference"
+    if _jax_triton_imports():
+        return "triton"
+    _warn_no_jax_triton()
+    return "reference"
+
+
+@functools.cache
+def _jax_triton_imports() -> bool:
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _warn_no_jax_triton() -> None:
+    log.warning(
+        "tree_verify: jax-triton does not import, so verification on this GPU runs the jnp reference "
+        "instead of the Triton kernels (%s)",
+        INSTALL,
+    )
+
+
+def _import_kernel(module: str, impl: str):
+    """`jaxspec.kernels.<module>`, imported on first use (triton is an optional dependency)."""
+    try:
+        return importlib.import_module(f"jaxspec.kernels.{module}")
+    except ImportError as e:
+        raise ImportError(f"tree_verify impl {impl!r} needs the triton package ({e}; {INSTALL})") from e
 
 
 def _check_temperature(temperature) -> float:
@@ -150,4 +184,4 @@ def _check_tree_values(parents, draft_tokens, num_nodes, vocab: int) -> None:
         )
 
 
-__all__ = ["IMPLS", "VerifyResult", "tree_verify"]
+__all__ = ["IMPLS", "VerifyResult", "resolved_impl", "tree_verify"]

@@ -1,9 +1,10 @@
 """Counter-based Gumbel noise shared by the tree-verification kernel and its jnp reference.
 
 Each (row b, node n) gets hashed seeds from the key, and each token or vocabulary tile its own
-uniform from a hash of (seed, index), so the Pallas kernel regenerates exactly the noise the
+uniform from a hash of (seed, index), so the Triton kernels regenerate exactly the noise the
 reference uses, one tile at a time, without a PRNG state. All arithmetic is int32 with wrap-around
-multiplication and logical shifts, which lowers the same way in XLA and in Triton.
+multiplication and logical shifts, which the Triton kernels write out in unsigned 32-bit words
+(their right shifts are then logical): the same bits in XLA and in Triton.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
 from jaxspec.kernels.tree_noise import LOG2E, race_noise
 from jaxspec.kernels.tree_structure import child_tile_mask
@@ -35,7 +34,12 @@ def race_tile(vocab: int, tile: int) -> int:
     """The tile actually used for a vocabulary: `tile` (a power of 2), capped at next_pow2(V)."""
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of 2, got {tile}")
-    return min(tile, pl.next_power_of_2(vocab))
+    return min(tile, next_power_of_2(vocab))
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def tile_scores(tile_max, tile_candidates, tile_ids, tile_seeds, temperature: float) -> jax.Array:

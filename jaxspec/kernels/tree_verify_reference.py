@@ -1,6 +1,6 @@
 """Exact (lossless) verification of a draft token tree against the policy: the pure-jnp reference.
 
-Conventions shared by the reference and the Pallas path (see `jaxspec.kernels.tree_verify` for the
+Conventions shared by the reference and the Triton kernels (see `jaxspec.kernels.tree_verify` for the
 argument contract): node 0 is the root, node n > 0 is a draft token whose parent is
 `parents[b, n] < n`; siblings are verified in increasing node index; p at a node is
 `softmax(logits * (1 / temperature))` (temperature 0: greedy, log-probs from `log_softmax(logits)`).
@@ -20,11 +20,11 @@ rule q_k(x) = q(x)·1[x not drawn before] / (1 − Σ_{j<k} q(x_j)), accept with
 min(1, r_k(x_k) / q_k(x_k)), on rejection r_{k+1} = norm((r_k − q_k)⁺), and after the last
 rejected child the emitted token is sampled from r_{K+1} (a flat Gumbel race); a
 `lax.while_loop` walks the tree carrying r and q_k over the vocabulary (`jaxspec.kernels.tree_verify`'s
-"auto" uses this path on the CPU; `jaxspec.kernels.tree_stochastic_pallas` is the GPU kernel).
+"auto" uses this path on the CPU; `jaxspec.kernels.tree_stochastic_triton` is the GPU kernel).
 
 Noise (all from the key, through the counter-based hash of `jaxspec.kernels.tree_noise`): one uniform per
 node (the deterministic decision at a parent, the stochastic test of a child) and Gumbel noise per
-(row, node, tile) and per (row, node, token), which the Pallas kernel regenerates identically.
+(row, node, tile) and per (row, node, token), which the Triton kernels regenerate identically.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def verify_reference(
     """Reference tree verification (arguments as `jaxspec.kernels.tree_verify`, already validated).
 
     tile: vocabulary tile of the two-level residual race (a power of 2): it selects which sample a
-    key gives, never the law; the Pallas path gives the same samples for the same tile.
+    key gives, never the law; the Triton kernels give the same samples for the same tile.
     """
     batch, n, _ = logits.shape
     noise = verification_noise(key, batch, n)

@@ -1,21 +1,22 @@
-"""GPU check of speculative verification: the Pallas kernels against the jnp reference, on the GPU.
+"""GPU check of speculative verification: the Triton kernels (through jax-triton) against the jnp
+reference, on the GPU.
 
     pytest -m gpu tests/gpu/test_spec.py                         # the check, as tests
     python3 -m tests.gpu.check_spec [--out FILE.json] [--jobs 6]  # every row printed; exit 0 when all agree
 
-Run it on a GPU after every change to jaxspec/kernels/ or the rollout loop: interpret mode on the CPU runs
-the kernels' arithmetic in numpy and cannot see a fault of the compiled (Triton) program.
+Run it on a GPU after every change to jaxspec/kernels/ or the rollout loop: Triton's interpreter on the
+CPU runs the kernels' arithmetic in numpy and cannot see a fault of the compiled program.
 
-kernel: `verify_pallas` compiled against `verify_reference` on the same random trees and key, for
+kernel: `verify_triton` compiled against `verify_reference` on the same random trees and key, for
 chains of 1 to 15 drafts and random trees of up to 16 nodes, greedy and T=1, a vocabulary of one
-race tile and of many; and `verify_stochastic_pallas` (stochastic drafts, tree "chain/q" or
+race tile and of many; and `verify_stochastic_triton` (stochastic drafts, tree "chain/q" or
 "random/q") the same way, at T=1 and 0.7, vocabularies of 512 and 151936 tokens: the accepted path,
 its length and the next token must be equal (float rounding can flip a decision that lands on a
 boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
 must be consistent (num_accepted equals the path's accepted nodes).
 rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
 on the embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
-run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with pallas, in `--jobs` child processes each (the
+run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with triton, in `--jobs` child processes each (the
 choice is made when the rollout loop is traced). Greedy tokens must be equal; acceptance length
 and acceptance per position within `RATE_TOL` at T=1 (same key and noise: equal unless a boundary
 decision flipped), exactly at T=0.
@@ -63,9 +64,9 @@ def kernel_case(
     interpret: bool = False,
     stochastic: bool = False,
 ) -> dict:
-    from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
-    from jaxspec.kernels.tree_verify_pallas import verify_pallas
+    from jaxspec.kernels.tree_stochastic_triton import verify_stochastic_triton
     from jaxspec.kernels.tree_verify_reference import verify_reference
+    from jaxspec.kernels.tree_verify_triton import verify_triton
 
     rng = np.random.default_rng(seed)
     logits = (5.0 * rng.standard_normal((batch, nodes, vocab))).astype(np.float32)
@@ -82,11 +83,11 @@ def kernel_case(
         q = jax.nn.softmax(args[0] + 2.0 * jax.random.normal(jax.random.key(seed + 1), args[0].shape), axis=-1)
         ref = jax.device_get(verify_reference(*args, key, temperature=temperature, draft_probs=q))
         got = jax.device_get(
-            verify_stochastic_pallas(args[0], q, *args[1:], key, temperature=temperature, interpret=interpret)
+            verify_stochastic_triton(args[0], q, *args[1:], key, temperature=temperature, interpret=interpret)
         )
     else:
         ref = jax.device_get(verify_reference(*args, key, temperature=temperature))
-        got = jax.device_get(verify_pallas(*args, key, temperature=temperature, interpret=interpret))
+        got = jax.device_get(verify_triton(*args, key, temperature=temperature, interpret=interpret))
     same = (ref.path == got.path).all(1) & (ref.num_accepted == got.num_accepted) & (ref.next_token == got.next_token)
     consistent = bool((got.num_accepted == (got.path[:, 1:] >= 0).sum(1)).all())
     logprob_err = float(np.abs(np.where(same[:, None], ref.logprobs - got.logprobs, 0.0)).max())
@@ -103,7 +104,7 @@ def kernel_case(
         "consistent": consistent,
         "logprob_err": logprob_err,
         "mean_accepted_reference": float(ref.num_accepted.mean()),
-        "mean_accepted_pallas": float(got.num_accepted.mean()),
+        "mean_accepted_kernel": float(got.num_accepted.mean()),
         "ok": consistent and flipped <= MAX_FLIPPED and logprob_err <= LOGPROB_TOL,
     }
 
@@ -186,9 +187,9 @@ def rollout_runs(shard: int, shards: int) -> list[dict]:
     return rows
 
 
-def compare_rollouts(reference: list[dict], pallas: list[dict]) -> list[dict]:
+def compare_rollouts(reference: list[dict], kernel: list[dict]) -> list[dict]:
     rows = []
-    for ref, got in zip(reference, pallas, strict=True):
+    for ref, got in zip(reference, kernel, strict=True):
         exact = ref["temperature"] == 0
         tol = 0.0 if exact else RATE_TOL
         rate_ref = np.nan_to_num(np.asarray(ref["acceptance_per_position"], float), nan=-1.0)
@@ -203,7 +204,7 @@ def compare_rollouts(reference: list[dict], pallas: list[dict]) -> list[dict]:
                 "config": ref["config"],
                 "temperature": ref["temperature"],
                 "acceptance_reference": ref["acceptance_length"],
-                "acceptance_pallas": got["acceptance_length"],
+                "acceptance_kernel": got["acceptance_length"],
                 "rate_diff": rate_diff,
                 "tokens_equal": tokens_equal,
                 "ok": ok,
@@ -260,15 +261,15 @@ def main(argv: list[str]) -> int:
         print(
             f"kernel n={r['nodes']:2d} {r['tree']:8s} V={r['vocab']:6d} T={r['temperature']}: flipped "
             f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
-            f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_pallas']:.3f} {'OK' if r['ok'] else 'MISMATCH'}"
+            f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_kernel']:.3f} {'OK' if r['ok'] else 'MISMATCH'}"
         )
     if not args.skip_rollouts:
-        runs = run_impls(("reference", "pallas"), args.jobs)
-        for r in compare_rollouts(runs["reference"], runs["pallas"]):
+        runs = run_impls(("reference", "triton"), args.jobs)
+        for r in compare_rollouts(runs["reference"], runs["triton"]):
             rows.append(r)
             print(
                 f"rollout {r['config']:30s} T={r['temperature']}: acceptance {r['acceptance_reference']:.3f} "
-                f"(reference) {r['acceptance_pallas']:.3f} (pallas) rate diff {r['rate_diff']:.3f} tokens equal "
+                f"(reference) {r['acceptance_kernel']:.3f} (triton) rate diff {r['rate_diff']:.3f} tokens equal "
                 f"{r['tokens_equal']} {'OK' if r['ok'] else 'MISMATCH'}"
             )
     bad = [r for r in rows if not r["ok"]]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxspec import kernels
-from jaxspec.kernels import tree_verify
+from jaxspec.kernels import tree_stochastic_triton, tree_verify, tree_verify_triton
 
 B, N, V = 2, 4, 16
 
@@ -52,29 +52,33 @@ def test_padding_values_are_not_checked():
         np.testing.assert_array_equal(got, want)
 
 
-def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
-    """ "auto" runs the Pallas kernel when JAX's default backend is a GPU, the reference elsewhere;
+def test_auto_dispatches_to_the_triton_kernels_on_gpu(monkeypatch):
+    """ "auto" runs the Triton kernels when JAX's default backend is a GPU, the reference elsewhere;
     sampled drafts (draft_probs, temperature > 0) run their own kernel where the others run theirs,
     and the reference when it is asked for, by argument or environment (what runs on the GPU
     itself is not testable on CPU: only the choice is)."""
     calls = []
-    monkeypatch.setattr(kernels, "verify_pallas", lambda *a, **kw: calls.append(("pallas", kw["interpret"])))
+    monkeypatch.setattr(tree_verify_triton, "verify_triton", lambda *a, **kw: calls.append(("triton", kw["interpret"])))
     monkeypatch.setattr(kernels, "verify_reference", lambda *a, **kw: calls.append(("reference", None)))
     monkeypatch.setattr(
-        kernels, "verify_stochastic_pallas", lambda *a, **kw: calls.append(("stochastic", kw["interpret"]))
+        tree_stochastic_triton,
+        "verify_stochastic_triton",
+        lambda *a, **kw: calls.append(("stochastic", kw["interpret"])),
     )
+    monkeypatch.setattr(kernels, "_jax_triton_imports", lambda: True)
     args = valid_args()
     q = jnp.ones_like(args[0])
     tree_verify(*args, jax.random.key(0), temperature=1.0)
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
-    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q, impl="interpret")
+    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q, impl="triton-interpret")
+    tree_verify(*args, jax.random.key(0), temperature=0.0, impl="triton-interpret")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     tree_verify(*args, jax.random.key(0), temperature=1.0)
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
-    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q, impl="pallas")
+    tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q, impl="triton")
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q, impl="reference")
-    tree_verify(*args, jax.random.key(0), temperature=0.0, draft_probs=q, impl="pallas")  # greedy: no q
-    monkeypatch.setenv(kernels.IMPL_ENV, "pallas")
+    tree_verify(*args, jax.random.key(0), temperature=0.0, draft_probs=q, impl="triton")  # greedy: no q
+    monkeypatch.setenv(kernels.IMPL_ENV, "triton")
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
     monkeypatch.setenv(kernels.IMPL_ENV, "reference")
     tree_verify(*args, jax.random.key(0), temperature=1.0, draft_probs=q)
@@ -82,14 +86,34 @@ def test_auto_dispatches_to_the_pallas_kernel_on_gpu(monkeypatch):
         ("reference", None),
         ("reference", None),
         ("stochastic", True),
-        ("pallas", False),
+        ("triton", True),
+        ("triton", False),
         ("stochastic", False),
         ("stochastic", False),
         ("reference", None),
-        ("pallas", False),
+        ("triton", False),
         ("stochastic", False),
         ("reference", None),
     ]
+
+
+def test_auto_without_jax_triton_runs_the_reference_and_warns_once(monkeypatch, caplog):
+    """On a GPU where jax-triton does not import, "auto" runs the reference and says once how to
+    get the kernels; "triton" asked for explicitly is not replaced."""
+    calls = []
+    monkeypatch.setattr(kernels, "verify_reference", lambda *a, **kw: calls.append("reference"))
+    monkeypatch.setattr(tree_verify_triton, "verify_triton", lambda *a, **kw: calls.append("triton"))
+    monkeypatch.setattr(kernels, "_jax_triton_imports", lambda: False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    kernels._warn_no_jax_triton.cache_clear()
+    args = valid_args()
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        for _ in range(3):
+            tree_verify(*args, jax.random.key(0), temperature=1.0)
+        tree_verify(*args, jax.random.key(0), temperature=1.0, impl="triton")
+    assert calls == ["reference"] * 3 + ["triton"]
+    [record] = caplog.records
+    assert "pip install 'jaxspec[triton]'" in record.getMessage()
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), True, "1.0"])
@@ -114,7 +138,7 @@ def test_dispatch_env_override_and_jit(monkeypatch):
     the same result, also when called inside jit with traced arguments (shape checks only)."""
     args = valid_args()
     auto = tree_verify(*args, jax.random.key(3), temperature=1.0)
-    monkeypatch.setenv(kernels.IMPL_ENV, "interpret")
+    monkeypatch.setenv(kernels.IMPL_ENV, "triton-interpret")
     forced = tree_verify(*args, jax.random.key(3), temperature=1.0)
     jitted = jax.jit(lambda *a: tree_verify(*a, temperature=1.0))(*args, jax.random.key(3))
     for x, y, z in zip(auto, forced, jitted):

@@ -1,6 +1,7 @@
 """The jnp reference verifier is lossless: emitted tokens follow the policy exactly (chi-square
 against float64 enumeration), for deterministic and sampled draft trees, with -inf-masked logits;
-sampled drafts also through the stochastic-draft kernel in interpret mode.
+sampled drafts also through the stochastic-draft kernel, compiled on a GPU (`pytest -m gpu
+tests/kernels`).
 
 These cases cover tree shapes, temperatures and masks rather than small errors: at SAMPLES rows the
 deterministic-draft cases detect with 90% power an acceptance bias of 3-8% and a temperature error
@@ -107,7 +108,9 @@ def test_chi_square_rejects_the_divide_by_q_bias():
     assert chi_square_pvalue(emitted_sequences(correct, tok), exact) > 1e-3
 
 
-SAMPLED_IMPLS = ["reference", "interpret"]  # the jnp reference and the stochastic-draft kernel (interpret mode)
+# the jnp reference, and the stochastic-draft kernel compiled on a GPU (`pytest -m gpu tests/kernels`:
+# Triton's interpreter runs one program per row, far too slowly for SAMPLES rows)
+SAMPLED_IMPLS = ["reference", "triton"]
 KERNEL_LAW_CASES = ("chain3", "irregular_t0.7", "wide2_deep2_top_p")  # the kernel's (it equals the reference)
 STOCHASTIC = [
     ("chain3", CHAIN3, 1.0, 1.0),  # standard speculative sampling
@@ -120,7 +123,12 @@ STOCHASTIC = [
 
 @pytest.mark.parametrize(
     "name,parents,temperature,top_p,impl",
-    [c + (impl,) for c in STOCHASTIC for impl in SAMPLED_IMPLS if impl == "reference" or c[0] in KERNEL_LAW_CASES],
+    [
+        pytest.param(*c, impl, marks=[pytest.mark.gpu] if impl == "triton" else [])
+        for c in STOCHASTIC
+        for impl in SAMPLED_IMPLS
+        if impl == "reference" or c[0] in KERNEL_LAW_CASES
+    ],
     ids=[
         f"{c[0]}-{impl}"
         for c in STOCHASTIC
@@ -144,7 +152,7 @@ def test_sampled_drafts_are_lossless(name, parents, temperature, top_p, impl):
     check_structure_and_logprobs(result, par, tok, policy, temperature)
 
 
-@pytest.mark.parametrize("impl", SAMPLED_IMPLS)
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=pytest.mark.gpu)])
 def test_sampled_drafts_accept_more_when_q_matches_p(impl):
     """With q = p every sampled chain draft is accepted (min(1, p/q) = 1)."""
     policy = PrefixPolicy(VOCAB, seed=21)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxspec.kernels import tree_verify
-from jaxspec.kernels.tree_verify_pallas import verify_pallas
 from jaxspec.kernels.tree_verify_reference import verify_reference
+from jaxspec.kernels.tree_verify_triton import verify_triton
 from jaxspec.rollout import Sampling, processed_logprobs
 from tests.kernels.numpy_verify import greedy_verify
 
@@ -32,7 +32,7 @@ def greedy_case(argmax_path):
     return logits, tokens
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("impl", ["reference", "triton-interpret"])
 @pytest.mark.parametrize(
     "argmax_path,accepted",
     [
@@ -65,7 +65,7 @@ def test_greedy_paths(impl, argmax_path, accepted):
     assert np.all(np.asarray(out.logprobs[0, accepted + 1 :]) == 0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("impl", ["reference", "triton-interpret"])
 def test_greedy_padding_ties_and_keys(impl):
     """Padding nodes matching the argmax are never accepted; ties go to the first index; the key
     does not matter."""
@@ -87,7 +87,7 @@ TIE_VOCAB, TIE_TILE = 40, 8  # 5 vocabulary tiles of 8 tokens
 
 @pytest.mark.parametrize(
     "impl,programs",
-    [("reference", None), ("interpret", 1), ("interpret", 1000)],
+    [("reference", None), ("triton-interpret", 1), ("triton-interpret", 1000)],
     ids=["reference", "kernel-one-split", "kernel-split-per-tile"],
 )
 def test_greedy_ties_across_tiles_go_to_the_first_token(impl, programs):
@@ -107,7 +107,7 @@ def test_greedy_ties_across_tiles_go_to_the_first_token(impl, programs):
     if impl == "reference":
         out = verify_reference(*args, jax.random.key(0), temperature=0.0, tile=TIE_TILE)
     else:
-        out = verify_pallas(*args, jax.random.key(0), temperature=0.0, interpret=True, tile=TIE_TILE, programs=programs)
+        out = verify_triton(*args, jax.random.key(0), temperature=0.0, interpret=True, tile=TIE_TILE, programs=programs)
     path, accepted, next_token, logprobs = greedy_verify(logits, parents, tokens, num_nodes)
     np.testing.assert_array_equal(out.path, path)
     np.testing.assert_array_equal(out.num_accepted, accepted)

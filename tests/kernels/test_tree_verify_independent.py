@@ -1,15 +1,16 @@
-"""The jnp reference and the Pallas kernel (interpret mode) against `tests.kernels.numpy_verify`,
+"""The jnp reference and the Triton kernels (in Triton's interpreter) against `tests.kernels.numpy_verify`,
 a float64 numpy implementation of tree verification that shares no code with the kernels: exactly
 where the result is deterministic (normalisers, residual masses, greedy outcomes, log-probs) and
-in law at temperature > 0, over vocabularies of several race tiles split over several programs."""
+in law at temperature > 0 (the reference here; the kernels compiled on a GPU,
+tests/gpu/test_verify_law.py), over vocabularies of several race tiles split over several programs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
 from jaxspec.kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
+from jaxspec.kernels.tree_verify_triton import node_stats_triton, verify_triton
 from tests.kernels.numpy_verify import emitted_law, greedy_verify, lse_and_residual
 from tests.kernels.trees import chi_square_pvalue, emitted_sequences, random_parents_and_tokens
 
@@ -34,7 +35,7 @@ def random_forest(seed: int):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_normaliser_and_residual_mass(impl, temperature):
     logits, parents, tokens, num_nodes = random_forest(1)
     args = tuple(map(jnp.asarray, (logits, parents, tokens, num_nodes)))
@@ -42,7 +43,7 @@ def test_normaliser_and_residual_mass(impl, temperature):
     if impl == "reference":
         got = node_stats_reference(*args, noise, temperature, tile=TILE)
     else:
-        got = node_stats_pallas(*args, noise, temperature, interpret=True, tile=TILE, programs=PROGRAMS)
+        got = node_stats_triton(*args, noise, temperature, interpret=True, tile=TILE, programs=PROGRAMS)
     lse, residual = lse_and_residual(logits, parents, tokens, num_nodes, temperature)
     np.testing.assert_allclose(got.lse, lse, rtol=1e-5, atol=1e-5)
     if temperature > 0:
@@ -51,7 +52,7 @@ def test_normaliser_and_residual_mass(impl, temperature):
         np.testing.assert_array_equal(got.sample, np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_greedy_outcome_and_logprobs(impl):
     deepest = 0
     for seed in (1, 2, 3, 4):
@@ -60,7 +61,7 @@ def test_greedy_outcome_and_logprobs(impl):
         if impl == "reference":
             result = verify_reference(*args, jax.random.key(0), temperature=0.0, tile=TILE)
         else:
-            result = verify_pallas(
+            result = verify_triton(
                 *args, jax.random.key(0), temperature=0.0, interpret=True, tile=TILE, programs=PROGRAMS
             )
         path, accepted, nxt, logprobs = greedy_verify(logits, parents, tokens, num_nodes)
@@ -73,6 +74,12 @@ def test_greedy_outcome_and_logprobs(impl):
 
 
 RACE_ROWS = 4000
+
+
+def tiled_rows(logits, parents, tokens) -> tuple[jax.Array, ...]:
+    """RACE_ROWS copies of one tree as `tree_verify`'s (logits, parents, draft_tokens, num_nodes)."""
+    tile = lambda x: jnp.asarray(np.broadcast_to(x, (RACE_ROWS,) + x.shape))  # noqa: E731
+    return tile(logits), tile(parents), tile(tokens), jnp.full((RACE_ROWS,), len(tokens), jnp.int32)
 
 
 def tiled_tree():
@@ -91,17 +98,12 @@ def tiled_tree():
     return logits, parents, tokens
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
-def test_emitted_law_over_tiles_and_splits(impl):
+def test_emitted_law_over_tiles_and_splits():
     """Residual and bonus samples come from the two-level tile race; weighting tiles by anything
     but their candidate mass (e.g. the tile maximum) changes this law by far more than the test
-    resolves."""
+    resolves. (The Triton kernels take it compiled, on a GPU: tests/gpu/test_verify_law.py.)"""
     logits, parents, tokens = tiled_tree()
-    tile = lambda x: jnp.asarray(np.broadcast_to(x, (RACE_ROWS,) + x.shape))  # noqa: E731
-    args = (tile(logits), tile(parents), tile(tokens), jnp.full((RACE_ROWS,), 4, jnp.int32))
-    if impl == "reference":
-        result = verify_reference(*args, jax.random.key(1), temperature=1.0, tile=TILE)
-    else:  # 4 x 4 nodes' programs: one tile per split
-        result = verify_pallas(*args, jax.random.key(1), temperature=1.0, interpret=True, tile=TILE, programs=2)
+    args = tiled_rows(logits, parents, tokens)
+    result = verify_reference(*args, jax.random.key(1), temperature=1.0, tile=TILE)
     law = emitted_law(logits, parents, tokens, 4, 1.0)
     assert chi_square_pvalue(emitted_sequences(result, args[2]), law) > 1e-3

@@ -14,13 +14,14 @@ p < ALPHA, each of these wrong verifiers:
 Power comes from strong drafts (acceptance decisions at every level are frequent and their
 probabilities far from 0 and 1) and many rows in one vectorised call. The verifiers are biased
 through their noise (`tests.kernels.biased_verifier`); the jnp reference is what
-`jaxspec.kernels.tree_verify` runs on CPU and for sampled drafts on every backend under "auto". The Pallas
-kernels draw the same samples from the same key (tests/kernels/test_tree_verify_pallas.py,
-tests/kernels/test_tree_stochastic_pallas.py), but a few keys agreeing does not show that every
+`jaxspec.kernels.tree_verify` runs on CPU and for sampled drafts on every backend under "auto". The Triton
+kernels draw the same samples from the same key (tests/kernels/test_tree_verify_triton.py,
+tests/kernels/test_tree_stochastic_triton.py), but a few keys agreeing does not show that every
 decision agrees: an error that moves only the decisions within 2% of their threshold passes
-them. So the deterministic-draft kernels (interpret mode) also take the deterministic-draft law
-test, with its power (`test_deterministic_drafts_power_through_the_kernel`), and the
-stochastic-draft kernel takes tests/kernels/test_tree_verify_siblings.py.
+them. So the deterministic-draft kernels, compiled on a GPU, also take the deterministic-draft law
+test, with its power (tests/gpu/test_verify_law.py: Triton's interpreter runs one program at a
+time, far too slowly for these rows), and the stochastic-draft kernel (compiled, on a GPU) takes
+tests/kernels/test_tree_verify_siblings.py.
 
 How the power was established:
 - deterministic drafts: exactly, by `chi_square_power` (noncentral chi-square) from the exact laws
@@ -44,7 +45,6 @@ import numpy as np
 import pytest
 
 from jaxspec.kernels import tree_verify
-from jaxspec.kernels.tree_verify_pallas import verify_pallas
 from tests.kernels.biased_verifier import accept_more, biased_noise, reuse_across_levels, siblings_share_uniform
 from tests.kernels.trees import (
     CHAIN3,
@@ -100,23 +100,6 @@ def test_deterministic_drafts_power(deterministic):
     assert pvalue(temperature=1.0, noise=accept_more(ACCEPT_BIAS)) < ALPHA
     assert pvalue(temperature=1 + TEMPERATURE_ERROR) < ALPHA
     assert pvalue(temperature=1.0, noise=reuse_across_levels) < ALPHA
-
-
-KERNEL_ROWS = 500  # rows per interpret-mode kernel call (its cost grows faster than the rows)
-
-
-def test_deterministic_drafts_power_through_the_kernel(deterministic):
-    """`verify_pallas` in interpret mode, DETERMINISTIC_ROWS rows in calls of KERNEL_ROWS (one
-    key each), against the exact law: the power of `test_deterministic_drafts_power` (a 2%
-    acceptance bias is missed with probability below 1e-15, 1% with 5e-4)."""
-    policy, tokens, args = deterministic
-    exact = tree_walk_distribution(policy, WIDE2_DEEP2, tokens, 1.0)
-    rows = tuple(x[:KERNEL_ROWS] for x in args)  # every row holds the same tree
-    seqs = []
-    for i in range(DETERMINISTIC_ROWS // KERNEL_ROWS):
-        result = verify_pallas(*rows, jax.random.fold_in(jax.random.key(1), i), temperature=1.0, interpret=True)
-        seqs += emitted_sequences(result, rows[2])
-    assert chi_square_pvalue(seqs, exact) > ALPHA
 
 
 def test_smallest_detected_biases(deterministic):

@@ -1,5 +1,5 @@
 """Two sampled siblings whose second test is neither certain nor hopeless: the jnp reference and the
-stochastic-draft kernel (interpret mode) emit the policy's law exactly.
+stochastic-draft kernel (compiled, on a GPU) emit the policy's law exactly.
 
 The root has two children drawn from q without replacement (x1, then x2 from q without x1); both
 are leaves. After x1 is rejected, x2 is accepted with min(1, r2(x2) / q2(x2)), r2 = norm((p - q)+),
@@ -114,7 +114,8 @@ def first_tokens(result, tokens) -> list[tuple[int]]:
     return [(int(y),) for y in first]
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+# the kernel compiled on a GPU (`pytest -m gpu tests/kernels`): the interpreter is far too slow for ROWS rows
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=pytest.mark.gpu)])
 def test_two_sampled_siblings_emit_the_policy_law(impl):
     logits, parents, tokens, num_nodes, q = sibling_rows(seed=0)
     result = tree_verify(

@@ -194,28 +194,28 @@ def test_draft_that_does_not_fit_the_policy_raises(policy):
 
 
 def test_stochastic_drafts_through_the_verification_kernel_are_token_identical(policy, greedy_sampling, monkeypatch):
-    """Sampled EAGLE-3 trees at T=1 give the same rollout with the stochastic-draft
-    kernel (JAXSPEC_TREE_VERIFY_IMPL=interpret) as with the jnp reference, from the same key."""
+    """Sampled EAGLE-3 trees at T=1 give the same rollout with the stochastic-draft kernel in
+    Triton's interpreter (JAXSPEC_TREE_VERIFY_IMPL=triton-interpret) as with the jnp reference,
+    from the same key."""
     import dataclasses
 
-    import jaxspec.kernels.tree_stochastic_pallas as stochastic
-    from jaxspec import kernels
+    import jaxspec.kernels.tree_stochastic_triton as stochastic
 
     cfg, params = policy
     head = init_eagle3(cfg, jax.random.key(5), std=0.3)
     sampling = dataclasses.replace(greedy_sampling, temperature=1.0)
     specs = [Spec("eagle3", head, num_draft_tokens=K, tree_width=2, draft_sampling="stochastic")]
     traced = []
-    kernel = stochastic.verify_stochastic_pallas
-    monkeypatch.setattr(kernels, "verify_stochastic_pallas", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    kernel = stochastic.verify_stochastic_triton
+    monkeypatch.setattr(stochastic, "verify_stochastic_triton", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
     results = {}
-    for impl in ("reference", "interpret"):
-        monkeypatch.setenv(kernels.IMPL_ENV, impl)
+    for impl in ("reference", "triton-interpret"):
+        monkeypatch.setenv("JAXSPEC_TREE_VERIFY_IMPL", impl)
         jax.clear_caches()  # the rollout's programs read the variable when traced
         results[impl] = [generate(cfg, params, BATCH, jax.random.key(2), sampling, spec=spec) for spec in specs]
     jax.clear_caches()  # later tests trace their rollouts afresh, with the variable unset
     assert len(traced) == len(specs)  # traced once per spec, in the kernel's rollouts only
-    for want, got in zip(results["reference"], results["interpret"], strict=True):
+    for want, got in zip(results["reference"], results["triton-interpret"], strict=True):
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_array_equal(got.lengths, want.lengths)
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)

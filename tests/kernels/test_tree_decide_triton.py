@@ -1,17 +1,18 @@
-"""The per-row decision kernel (interpret mode) equals the jnp path it replaces: `combine_blocks`
+"""The per-row decision kernel (in Triton's interpreter) equals the jnp path it replaces: `combine_blocks`
 then `verify_from_stats`, on the node-statistics kernel's partials, with several vocabulary splits
-and trees whose node count is not a power of 2."""
+and trees whose node count is not a power of 2; compiled for sm90, it is a valid GPU program."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels.tree_decide_pallas import decide_pallas
-from jaxspec.kernels.tree_verify_pallas import node_stats_pallas, split_partials_pallas
+from jaxspec.kernels import tree_decide_triton
+from jaxspec.kernels.tree_decide_triton import decide_triton
 from jaxspec.kernels.tree_verify_reference import combine_blocks, verification_noise, verify_from_stats
+from jaxspec.kernels.tree_verify_triton import node_stats_triton, split_partials_triton
 from tests.kernels.trees import random_parents_and_tokens
-from tests.kernels.triton_ir import verify_triton
+from tests.kernels.triton_compile import compile_for_hopper
 
 BATCH, NODES, VOCAB, TILE = 5, 6, 200, 32
 
@@ -33,7 +34,7 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
     logits, parents, tokens, num_nodes = _forest(0)
     for seed in range(5):
         noise = verification_noise(jax.random.key(seed), BATCH, NODES)
-        peak, total, candidates, best, best_tile = split_partials_pallas(
+        peak, total, candidates, best, best_tile = split_partials_triton(
             logits,
             parents,
             tokens,
@@ -45,7 +46,7 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
             programs=4 * BATCH * NODES,
         )
         assert best.shape[-1] >= 3
-        sample = node_stats_pallas(
+        sample = node_stats_triton(
             logits,
             parents,
             tokens,
@@ -58,7 +59,7 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
         ).sample
         stats = combine_blocks(peak, total, candidates, best, lambda winner: sample, temperature)
         want = verify_from_stats(stats, logits, parents, tokens, num_nodes, noise.uniforms, temperature)
-        got = decide_pallas(
+        got = decide_triton(
             peak,
             total,
             candidates,
@@ -80,28 +81,13 @@ def test_decide_kernel_equals_the_jnp_decisions(temperature):
     assert int(jnp.max(want.num_accepted)) >= 2
 
 
-@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8, 16])  # chains of 1..7 drafts, trees up to 16 nodes
-@pytest.mark.parametrize("vocab,splits", [(512, 1), (151936, 1), (151936, 75)])
+@pytest.mark.parametrize("nodes", [2, 3, 5, 16, 17])  # chains of 1, 2 and 4 drafts, trees of 16 and 32 lanes
+@pytest.mark.parametrize("vocab,splits,dtype", [(512, 1, jnp.float32), (151936, 75, jnp.bfloat16)])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_gpu_kernel_is_a_valid_triton_module(nodes, vocab, splits, temperature):
-    """The decision kernel as a GPU compiles it, at the rollout's shapes."""
-    batch = 4
+def test_the_decide_kernel_compiles_for_hopper(nodes, vocab, splits, dtype, temperature):
+    """The decision kernel at the rollout's shapes."""
     f32, i32 = jnp.float32, jnp.int32
-    partial = jax.ShapeDtypeStruct((batch, nodes, splits), f32)
-    per_node = lambda dtype: jax.ShapeDtypeStruct((batch, nodes), dtype)  # noqa: E731
-    decide = lambda *args: decide_pallas(*args, temperature)  # noqa: E731
-    assert (
-        verify_triton(
-            decide,
-            partial,
-            partial,
-            partial,
-            per_node(i32),
-            jax.ShapeDtypeStruct((batch, nodes, vocab), f32),
-            per_node(i32),
-            per_node(i32),
-            jax.ShapeDtypeStruct((batch,), i32),
-            per_node(f32),
-        )
-        == 1
-    )
+    constants = tree_decide_triton.decide_constants(jax.ShapeDtypeStruct((4, nodes, vocab), dtype), splits, temperature)
+    pointers = [f32, f32, f32, i32, dtype, i32, i32, i32, f32, i32, i32, i32, f32]
+    compiled = compile_for_hopper(tree_decide_triton.tree_verify_decide, pointers, constants, num_stages=1)
+    assert compiled.metadata.shared <= 227 * 1024

@@ -1,16 +1,18 @@
-"""The Pallas kernel (interpret mode) computes the reference's node reductions and, from the same
-key, the same verification results: random trees, -inf masks, padding, all-accepted/all-rejected."""
+"""The Triton kernels (in Triton's interpreter) compute the reference's node reductions and, from
+the same key, the same verification results: random trees, -inf masks, padding,
+all-accepted/all-rejected; compiled for sm90, they are valid GPU programs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels import tree_verify
-from jaxspec.kernels.tree_verify_pallas import node_stats_pallas, verify_pallas
+from jaxspec.kernels import tree_verify, tree_verify_triton
+from jaxspec.kernels.tree_race import RACE_TILE, race_tile
 from jaxspec.kernels.tree_verify_reference import node_stats_reference, verification_noise, verify_reference
+from jaxspec.kernels.tree_verify_triton import node_stats_triton, verify_triton
 from tests.kernels.trees import random_parents_and_tokens
-from tests.kernels.triton_ir import verify_triton
+from tests.kernels.triton_compile import compile_for_hopper
 
 BATCH, NODES, VOCAB = 6, 8, 300
 TILE = 64  # several tiles and vocabulary splits per node, with a ragged last tile
@@ -36,7 +38,7 @@ def test_kernel_stats_equal_reference(temperature):
     logits, parents, tokens, num_nodes = random_forest(1)
     noise = verification_noise(jax.random.key(4), BATCH, NODES)
     want = node_stats_reference(logits, parents, tokens, num_nodes, noise, temperature, tile=TILE)
-    got = node_stats_pallas(logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE)
+    got = node_stats_triton(logits, parents, tokens, num_nodes, noise, temperature, interpret=True, tile=TILE)
     np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got.residual_mass, want.residual_mass, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(got.sample, want.sample)
@@ -59,7 +61,7 @@ def test_vocabulary_splits_do_not_change_the_stats(programs):
     logits, parents, tokens, num_nodes = random_forest(3)
     noise = verification_noise(jax.random.key(5), BATCH, NODES)
     want = node_stats_reference(logits, parents, tokens, num_nodes, noise, 1.0, tile=TILE)
-    got = node_stats_pallas(
+    got = node_stats_triton(
         logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE, programs=programs
     )
     np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
@@ -79,7 +81,7 @@ def test_node_without_residual_mass_samples_like_the_reference(programs):
     logits = logits.at[0, 0].set(row)
     noise = verification_noise(jax.random.key(7), BATCH, NODES)
     want = node_stats_reference(logits, parents, tokens, num_nodes, noise, 1.0, tile=TILE)
-    got = node_stats_pallas(
+    got = node_stats_triton(
         logits, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE, programs=programs
     )
     assert want.residual_mass[0, 0] == 0.0 and got.residual_mass[0, 0] == 0.0 and want.sample[0, 0] == 0
@@ -94,7 +96,7 @@ def test_kernel_verification_equals_reference(temperature):
     for seed in range(6):
         key = jax.random.key(seed)
         want = verify_reference(logits, parents, tokens, num_nodes, key, temperature=temperature, tile=TILE)
-        got = verify_pallas(logits, parents, tokens, num_nodes, key, temperature=temperature, interpret=True, tile=TILE)
+        got = verify_triton(logits, parents, tokens, num_nodes, key, temperature=temperature, interpret=True, tile=TILE)
         for name, w, g in zip(want._fields, want, got):
             if name == "logprobs":
                 np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
@@ -118,7 +120,7 @@ def test_kernel_all_accepted_and_all_rejected_chains():
         logits[1, node, tokens[1, node + 1]] = -np.inf  # p = 0
     parents = np.tile(np.arange(-1, n - 1, dtype=np.int32), (2, 1))
     args = [jnp.asarray(x) for x in (logits, parents, tokens, np.full(2, n, np.int32))]
-    for impl in ("reference", "interpret"):
+    for impl in ("reference", "triton-interpret"):
         out = tree_verify(*args, jax.random.key(1), temperature=1.0, impl=impl)
         np.testing.assert_array_equal(out.num_accepted, [n - 1, 0])
         np.testing.assert_array_equal(out.path, [[0, 1, 2, 3, 4], [0, -1, -1, -1, -1]])
@@ -133,28 +135,22 @@ def test_kernel_reads_bfloat16_logits():
     low = logits.astype(jnp.bfloat16)
     noise = verification_noise(jax.random.key(0), BATCH, NODES)
     want = node_stats_reference(low.astype(jnp.float32), parents, tokens, num_nodes, noise, 1.0, tile=TILE)
-    got = node_stats_pallas(low, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE)
+    got = node_stats_triton(low, parents, tokens, num_nodes, noise, 1.0, interpret=True, tile=TILE)
     np.testing.assert_array_equal(got.sample, want.sample)
     np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8, 16])  # chains of 1..7 drafts, trees up to 16 nodes
 @pytest.mark.parametrize("vocab,dtype", [(512, jnp.float32), (151936, jnp.float32), (151936, jnp.bfloat16)])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("batch", [1, 64])  # many vocabulary splits per node / few
-def test_the_gpu_kernels_are_valid_triton_modules(nodes, vocab, dtype, temperature, batch):
-    """The node-statistics and decision kernels as a GPU compiles them, at the rollout's shapes
-    (greedy verification reads the policy's logits, sampled verification float32 log-probs)."""
-    tree = jax.ShapeDtypeStruct((batch, nodes), jnp.int32)
-    verify = lambda *args: verify_pallas(*args, temperature=temperature)  # noqa: E731
-    assert (
-        verify_triton(
-            verify,
-            jax.ShapeDtypeStruct((batch, nodes, vocab), dtype),
-            tree,
-            tree,
-            jax.ShapeDtypeStruct((batch,), jnp.int32),
-            jax.random.key(0),
-        )
-        == 2
+@pytest.mark.parametrize("batch", [1, 256])  # many vocabulary splits per node / one
+def test_the_node_stats_kernel_compiles_for_hopper(vocab, dtype, temperature, batch):
+    """The node-statistics kernel at the rollout's shapes (greedy verification reads the policy's
+    logits, sampled verification float32 log-probs) and launch plans."""
+    logits = jax.ShapeDtypeStruct((batch, 8, vocab), dtype)
+    grid, constants = tree_verify_triton.launch(logits, temperature, tile=race_tile(vocab, RACE_TILE))
+    assert (grid[2] > 1) == (batch == 1 and vocab > RACE_TILE)
+    f32, i32 = jnp.float32, jnp.int32
+    compiled = compile_for_hopper(
+        tree_verify_triton.tree_verify_node_stats, [dtype, i32, i32, i32, f32, f32, f32, f32, i32], constants
     )
+    assert compiled.metadata.shared <= 227 * 1024

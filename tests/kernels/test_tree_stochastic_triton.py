@@ -1,19 +1,17 @@
-"""The stochastic-draft kernel (interpret mode) returns the jnp reference's `verify_stochastic`
+"""The stochastic-draft kernel (in Triton's interpreter) returns the jnp reference's `verify_stochastic`
 result from the same key: random trees and chains, padding, per-row node counts, ragged and whole
-vocabulary tiles, -inf entries, bf16 and f32 logits; its CUDA Triton module parses and verifies."""
-
-import functools
+vocabulary tiles, -inf entries, bf16 and f32 logits; compiled for sm90, it is a valid GPU program."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels import tree_verify
-from jaxspec.kernels.tree_stochastic_pallas import verify_stochastic_pallas
+from jaxspec.kernels import tree_stochastic_triton, tree_verify
+from jaxspec.kernels.tree_stochastic_triton import verify_stochastic_triton
 from jaxspec.kernels.tree_verify_reference import verify_reference
 from tests.kernels.trees import random_parents_and_tokens
-from tests.kernels.triton_ir import verify_triton
+from tests.kernels.triton_compile import compile_for_hopper
 
 BATCH, NODES, TILE = 8, 9, 64
 NUM_NODES = np.array([9, 9, 6, 4, 1, 2, 9, 7], np.int32)
@@ -80,7 +78,7 @@ def test_kernel_equals_reference(chain, vocab, temperature, dtype):
     for seed in range(8):
         key = jax.random.key(seed)
         want = verify_reference(logits, parents, tokens, num_nodes, key, temperature=temperature, draft_probs=q)
-        got = verify_stochastic_pallas(
+        got = verify_stochastic_triton(
             logits, q, parents, tokens, num_nodes, key, temperature=temperature, interpret=True, tile=TILE
         )
         assert_same(got, want)
@@ -103,10 +101,10 @@ def test_padding_values_are_ignored():
     junk_tokens = jnp.where(padding, -5, tokens)
     for seed in range(3):
         key = jax.random.key(seed)
-        clean = verify_stochastic_pallas(
+        clean = verify_stochastic_triton(
             logits, q, parents, tokens, num_nodes, key, temperature=1.0, interpret=True, tile=TILE
         )
-        junk = verify_stochastic_pallas(
+        junk = verify_stochastic_triton(
             logits, q, junk_parents, junk_tokens, num_nodes, key, temperature=1.0, interpret=True, tile=TILE
         )
         assert_same(junk, clean)
@@ -126,7 +124,7 @@ def test_whole_chain_accepted_and_rejected_at_the_root():
     args = [jnp.asarray(x) for x in (logits, parents, tokens, np.full(2, n, np.int32))]
     for seed in range(4):
         key = jax.random.key(seed)
-        got = tree_verify(*args, key, temperature=1.0, draft_probs=jnp.asarray(q), impl="interpret")
+        got = tree_verify(*args, key, temperature=1.0, draft_probs=jnp.asarray(q), impl="triton-interpret")
         assert_same(got, verify_reference(*args, key, temperature=1.0, draft_probs=jnp.asarray(q)))
         np.testing.assert_array_equal(got.num_accepted, [n - 1, 0])
         assert got.next_token[1] != 55
@@ -147,26 +145,21 @@ def test_large_vocabulary_in_tiles():
     for seed in range(2):
         key = jax.random.key(seed)
         want = verify_reference(*args, key, temperature=1.0, draft_probs=jnp.asarray(q))
-        got = verify_stochastic_pallas(args[0], jnp.asarray(q), *args[1:], key, temperature=1.0, interpret=True)
+        got = verify_stochastic_triton(args[0], jnp.asarray(q), *args[1:], key, temperature=1.0, interpret=True)
         assert_same(got, want)
 
 
 def test_kernel_rejects_greedy():
     logits, q, parents, tokens, num_nodes = stochastic_forest(0, 64, False, jnp.float32)
     with pytest.raises(ValueError, match="temperature > 0"):
-        verify_stochastic_pallas(logits, q, parents, tokens, num_nodes, jax.random.key(0), temperature=0.0)
+        verify_stochastic_triton(logits, q, parents, tokens, num_nodes, jax.random.key(0), temperature=0.0)
 
 
-def test_triton_module_verifies():
-    """The kernel lowered for CUDA (bf16 logits, Qwen's vocabulary) parses and verifies: one module."""
-    batch, n, vocab = 4, 7, 151936
-    fn = functools.partial(verify_stochastic_pallas, temperature=0.7)
-    args = (
-        jax.ShapeDtypeStruct((batch, n, vocab), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, n, vocab), jnp.float32),
-        jax.ShapeDtypeStruct((batch, n), jnp.int32),
-        jax.ShapeDtypeStruct((batch, n), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        jax.random.key(0),
-    )
-    assert verify_triton(fn, *args) == 1
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_kernel_compiles_for_hopper(dtype):
+    """The kernel at the rollout's shapes (Qwen's vocabulary, logits and q in `dtype`)."""
+    f32, i32 = jnp.float32, jnp.int32
+    constants = tree_stochastic_triton.launch(jax.ShapeDtypeStruct((4, 7, 151936), dtype), 0.7)
+    pointers = [dtype, dtype, f32, f32, i32, i32, i32, f32, i32, i32, i32, i32, f32]
+    compiled = compile_for_hopper(tree_stochastic_triton.tree_verify_stochastic, pointers, constants, num_stages=2)
+    assert compiled.metadata.shared <= 227 * 1024
