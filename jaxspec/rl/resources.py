@@ -85,11 +85,6 @@ def check_inputs(cfg: GRPOConfig) -> RunInputs:
         raise ValueError("train.tensorboard: the tensorboardX package is not installed; set train.tensorboard: false")
     router_aux_weight(cfg.loss, model)
     replays_routing(cfg.loss, model)
-    if cfg.rollout.slots is not None and cfg.spec.method != "none" and cfg.spec.slot_engine_lacks:
-        raise ValueError(
-            f"rollout.slots: {', '.join(cfg.spec.slot_engine_lacks)} is not available on the slot engine yet; "
-            "set rollout.slots: null"
-        )
     draft_dir = check_spec(cfg.spec, model)
     check_devices(cfg.mesh)
     r = cfg.rollout

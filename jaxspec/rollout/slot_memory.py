@@ -66,13 +66,15 @@ def slot_memory_bytes(
     draft_kv: ModelConfig | None = None,
     verify: bool = False,
     record_experts: bool = False,
+    draft_slot_bytes: int = 0,
 ) -> int:
     """Bytes one device allocates for the slot loop beyond the params (an estimate): its group's
     page pools (the policy's, and the drafter's own of `draft_kv`'s shapes), the group's outputs
     [B / G, N] and the float32 buffers of a decode step over its S / G slots and of a prefill
     chunk (logits [., V], attention scores over a slot's pages, MLP); with `verify`, the logits
     and MLP of a speculative verification of `lookahead` tokens per slot; with `record_experts`,
-    the group's record of the routing (`jaxspec.rollout.experts.SlotExperts`)."""
+    the group's record of the routing (`jaxspec.rollout.experts.SlotExperts`); draft_slot_bytes:
+    what a drafter's step takes per slot beyond its pools (the suffix drafter's gathered sources)."""
     group = layout.group()
     per_page = page_bytes(cfg, layout.page_size, cache_dtype, sharding)
     if draft_kv is not None:
@@ -86,7 +88,8 @@ def slot_memory_bytes(
     if record_experts:
         record = recorded_experts_bytes(cfg, group.rows, prompt_width + layout.max_new)
         record += recorded_experts_bytes(cfg, group.rows, prompt_width)  # the distinct prompts', at most B / G
-    return group.num_pages * per_page + _F32 * (max(step, chunk) + checks + outputs) + record
+    drafts = group.slots * draft_slot_bytes
+    return group.num_pages * per_page + _F32 * (max(step, chunk) + checks + outputs) + record + drafts
 
 
 def tightest_memory_stats(sharding: Sharding | None) -> dict | None:
@@ -111,6 +114,7 @@ def auto_layout(
     draft_kv: ModelConfig | None = None,
     verify: bool = False,
     record_experts: bool = False,
+    draft_slot_bytes: int = 0,
 ) -> Layout:
     """The `Layout` slots="auto" picks (module docstring) for `rows` rows of prompts padded to
     `prompt_width`, with `free` bytes free per device. Raises ValueError naming the sizes when not
@@ -123,7 +127,13 @@ def auto_layout(
         )
 
     def needed(slots: int) -> int:
-        memory = dict(sharding=sharding, draft_kv=draft_kv, verify=verify, record_experts=record_experts)
+        memory = dict(
+            sharding=sharding,
+            draft_kv=draft_kv,
+            verify=verify,
+            record_experts=record_experts,
+            draft_slot_bytes=draft_slot_bytes,
+        )
         return slot_memory_bytes(cfg, plan(slots), prompt_width, cache_dtype, **memory)
 
     step = batch_groups(sharding, rows)  # S in multiples of it splits over every batch device
@@ -187,16 +197,24 @@ def slot_layout(
     draft_kv: ModelConfig | None = None,
     verify: bool = False,
     record_experts: bool = False,
+    draft_slot_bytes: int = 0,
 ) -> Layout:
     """The slot loop's `Layout` for a `PromptBatch`: `plan_layout` of an integer `slots`, or the
     `auto_layout` of slots="auto" (stated once, module docstring), checked against the free
     memory of a device (ValueError naming the sizes when it does not fit); record_experts: the
-    loop records the routing too (`slot_memory_bytes`)."""
+    loop records the routing too; draft_slot_bytes: a drafter's step buffers per slot
+    (`slot_memory_bytes`)."""
     if isinstance(slots, str) and slots != AUTO:
         raise ValueError(f"slots must be None, {AUTO!r} or an integer >= 1, got {slots!r}")
     rows, width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     longest = int(batch.row_lengths.max())
-    memory = dict(sharding=sharding, draft_kv=draft_kv, verify=verify, record_experts=record_experts)
+    memory = dict(
+        sharding=sharding,
+        draft_kv=draft_kv,
+        verify=verify,
+        record_experts=record_experts,
+        draft_slot_bytes=draft_slot_bytes,
+    )
     stats = tightest_memory_stats(sharding)
     free = None if stats is None else device_free_bytes(stats)[0]
     if slots == AUTO:

@@ -44,8 +44,7 @@ prefill chunks write their context positions (a resumed row's again), the decode
 tokens' (a speculative step, its accepted path's, at the positions its KV moves to); the prompt
 positions a row took from the prefix cache come from the row that prefilled them.
 
-Not yet: suffix drafts and adaptive depth (`SpecConfig.slot_engine_lacks`), and a ragged
-paged-attention kernel (`jaxspec.models.paged` reads through the jnp reference). The staged dense
+Not yet: a ragged paged-attention kernel (`jaxspec.models.paged` reads through the jnp reference). The staged dense
 engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this
 one faster everywhere.
 """

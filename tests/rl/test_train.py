@@ -220,9 +220,15 @@ def test_rollout_sub_batches_bound_each_generate_call(tiny_policy, tmp_path, mon
     assert record["decode_steps"] == sum(p["steps"] for p in parts)
 
 
-def test_rollout_slots_run_the_step_on_the_slot_engine(tiny_policy, tmp_path, monkeypatch):
-    """rollout.slots 8: the step's EAGLE-3 rollouts stream through 8 decode slots over a paged KV
-    cache (`generate(..., slots=8)`), and the step trains on them."""
+@pytest.mark.parametrize(
+    "spec",
+    [[], ["spec.suffix_branches=true", "spec.suffix_history=2", "spec.adaptive=true"]],
+    ids=["eagle3", "hybrid-adaptive"],
+)
+def test_rollout_slots_run_the_step_on_the_slot_engine(tiny_policy, tmp_path, monkeypatch, spec):
+    """rollout.slots 8: the step's EAGLE-3 rollouts (plain, or hybrid trees with the prompts'
+    earlier answers at an adaptive depth) stream through 8 decode slots over a paged KV cache
+    (`generate(..., slots=8)`), and the step trains on them."""
     import jaxspec.rl.rollout_source as rollout_source
 
     calls, generate = [], rollout_source.generate
@@ -234,7 +240,7 @@ def test_rollout_slots_run_the_step_on_the_slot_engine(tiny_policy, tmp_path, mo
 
     monkeypatch.setattr(rollout_source, "generate", recording_generate)
     config = write_config(tmp_path / "run.yaml", tiny_policy[0], steps=1, eval_every=0, checkpoint_every=1)
-    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "rollout.slots=8") == 0
+    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "rollout.slots=8", *spec) == 0
     assert [(n, stats["slots"], stats["kv_pages"] > 0) for n, stats in calls] == [(8, 8, True)]
     (record,) = read_metrics(tmp_path / "run")
     assert record["decode_steps"] == calls[0][1]["steps"] and np.isfinite(record["loss"])

@@ -84,14 +84,6 @@ def test_bad_config_fails_before_compute_with_one_line(tiny_policy, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
-def test_slots_with_adaptive_depth_are_refused(tiny_policy, tmp_path, capsys):
-    """Adaptive depth does not run on the slot engine yet: refused before compute, naming both keys."""
-    config = write_config(tmp_path / "run.yaml", tiny_policy[0])
-    assert train_cli("--config", config, "--run-dir", tmp_path / "run", "rollout.slots=8", "spec.adaptive=true") == 2
-    assert "rollout.slots: spec.adaptive: true is not available on the slot engine yet" in _error_line(capsys)
-    assert not (tmp_path / "run").exists()
-
-
 def test_draft_that_does_not_fit_the_policy(tiny_policy, tmp_path, capsys):
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -94,6 +94,26 @@ def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
     )
 
 
+def with_call_sources(cfg: ModelConfig, spec: Spec, batch: PromptBatch, dparams):
+    """The drafter's dparams for a call of `batch`'s rows: a suffix-drafting spec's (method suffix:
+    `SuffixSources`; suffix_branches: `HybridSources`) read the call's groups of rows and the
+    earlier responses the spec holds (`suffix_sources`); other dparams are returned as they are."""
+    if not spec.drafts_suffixes:
+        return dparams
+    history = spec.draft if spec.method == "suffix" else (spec.draft[2:] or (None,))[0]
+    sources = suffix_sources(history, batch.row_prompt, spec.suffix_group_rows, cfg.vocab_size)
+    return sources if spec.method == "suffix" else HybridSources(dparams, sources)
+
+
+def suffix_sources_bytes(spec: Spec, dparams, rows: int, row_len: int) -> int:
+    """Bytes of a suffix-drafting step's gathered sources and the buffers matched over them, for
+    `rows` rows drafting from rows of `row_len` token slots (dparams: `with_call_sources`')."""
+    sources = dparams if spec.method == "suffix" else dparams.suffix
+    history = sources.history.tokens.shape
+    slots = (1 + sources.siblings.shape[1]) * row_len + history[1] * history[2]
+    return 4 * _F32 * rows * slots
+
+
 def _check_width(spec: Spec, draft_vocab: int) -> None:
     if spec.tree_width > draft_vocab:
         raise ValueError(f"Spec.tree_width={spec.tree_width} exceeds the draft vocabulary ({draft_vocab} tokens)")
@@ -147,10 +167,7 @@ def speculative_generate(
     """`jaxspec.rollout.generate` with `spec`: prompts already validated and grouped into `batch`,
     `sampling.eos_id` resolved to a tuple."""
     drafter, dparams = make_drafter(cfg, params, sampling, spec, sharding)
-    if spec.drafts_suffixes:
-        history = spec.draft if spec.method == "suffix" else (spec.draft[2:] or (None,))[0]
-        sources = suffix_sources(history, batch.row_prompt, spec.suffix_group_rows, cfg.vocab_size)
-        dparams = sources if spec.method == "suffix" else HybridSources(dparams, sources)
+    dparams = with_call_sources(cfg, spec, batch, dparams)
     num_rows, prompt_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     stages = batch_stages(num_rows, sharding)
     depths = spec.stage_depths(len(stages))
@@ -163,10 +180,8 @@ def speculative_generate(
     needed = speculative_memory_bytes(
         cfg, num_rows, longest, max_new, spec, cache_dtype, batch.num_distinct, sum(stages[1:])
     )
-    if spec.drafts_suffixes:  # the sources gathered per step, and the buffers matched over them
-        history = sources.history.tokens.shape
-        slots = (1 + sources.siblings.shape[1]) * draft_len + history[1] * history[2]
-        needed += 4 * _F32 * num_rows * slots
+    if spec.drafts_suffixes:
+        needed += suffix_sources_bytes(spec, dparams, num_rows, draft_len)
     if record_experts:
         needed += recorded_experts_bytes(cfg, sum(stages), prompt_width + max_new)
     check_fits(

@@ -96,7 +96,8 @@ class HybridDrafter:
         """Children a merged node may have (never 1: the merged tree is not a chain)."""
         return 2 * self.branch_width
 
-    def _sources(self) -> tuple[Eagle3Drafter, SuffixDrafter]:
+    def source_drafters(self) -> tuple[Eagle3Drafter, SuffixDrafter]:
+        """(head, suffix): the two sources' drafters with this drafter's tree shape."""
         shape = dict(
             depth=self.depth,
             width=self.branch_width,
@@ -105,7 +106,7 @@ class HybridDrafter:
         return dataclasses.replace(self.head, **shape), dataclasses.replace(self.suffix, **shape)
 
     def init(self, sources: HybridSources, prefill: Prefill) -> Pooled:
-        head, suffix = self._sources()
+        head, suffix = self.source_drafters()
         suffix_state = suffix.init(sources.suffix, prefill)
         batch, size = prefill.row_prompt.shape[0], 1 + self.depth * self.branch_width
         rows = HybridRows(
@@ -121,7 +122,7 @@ class HybridDrafter:
     def propose(
         self, sources: HybridSources, state: Pooled, root: jax.Array, cache_len: jax.Array, active, key
     ) -> tuple[Pooled, DraftTree]:
-        head, suffix = self._sources()
+        head, suffix = self.source_drafters()
         rows = state.rows
         head_state, head_tree = head.propose(sources.head, rows.head, root, cache_len, active, key)
         _, suffix_tree = suffix.propose(
@@ -142,7 +143,7 @@ class HybridDrafter:
         return Pooled(rows, state.pool), tree
 
     def update(self, sources: HybridSources, state: Pooled, verified: Verified) -> Pooled:
-        head, suffix = self._sources()
+        head, suffix = self.source_drafters()
         rows = state.rows
         suffix_state = suffix.update(sources.suffix, Pooled(rows.suffix_rows, state.pool), verified)
         batch, _, size = rows.tokens.shape

@@ -13,6 +13,13 @@ slot's context is complete (`start_hook`), as `init` would leave it for that row
   pending.
 * n-gram (`ngram.History`): the start copies the slot's context (prompt, tokens so far, the root)
   into its history row; nothing to prefill.
+* group suffix (`drafter.Pooled`: the slot's row of the call, and the call-wide
+  `suffix.SuffixPool`): the carry keeps the row (set at the start); the pool is not carried but
+  made for every step from the carry's tokens and the prompts (`call_pool`): each row's prompt and
+  tokens so far by its index in the call, so a slot reads the rows of its GRPO group that run
+  beside it, have finished or wait preempted, as far as they have come.
+* hybrid (`Pooled` of `hybrid.HybridRows`): the head's part as EAGLE-3, the suffix row as the
+  suffix drafter's; the start resets the running rates of the two sources to 1 (an even split).
 
 The pages a slot holds cover the draft's positions as well as the policy's, so the drafts share
 a prompt's prefix pages with it (`jaxspec.rollout.prefix_cache`).
@@ -28,18 +35,37 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import extend
 from jaxspec.rollout.continuous import empty_cache
 from jaxspec.rollout.slot_layout import Layout
+from jaxspec.rollout.slot_state import LoopState, Prompts, rows_of
 from jaxspec.rollout.slots import context_tokens
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter, Pending
+from jaxspec.rollout.speculative.drafter import Pooled
 from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter, HeadState
+from jaxspec.rollout.speculative.hybrid import HybridDrafter, HybridRows
 from jaxspec.rollout.speculative.ngram import History, NgramDrafter
+from jaxspec.rollout.speculative.suffix import SuffixDrafter, SuffixPool
 
 
 def draft_kv_config(drafter) -> ModelConfig | None:
     """The shapes (layers, KV heads, head dim) of the drafter's own page pools; None for the n-gram
-    drafter, which has none."""
-    if isinstance(drafter, NgramDrafter):
+    and suffix drafters, which have none."""
+    if isinstance(drafter, (NgramDrafter, SuffixDrafter)):
         return None
+    if isinstance(drafter, HybridDrafter):
+        return drafter.head.dcfg.layer_config
     return drafter.dcfg.layer_config if isinstance(drafter, Eagle3Drafter) else drafter.cfg
+
+
+def _hybrid_rows(drafter: HybridDrafter, head, suffix_rows: jax.Array) -> HybridRows:
+    """A hybrid state's rows as `HybridDrafter.init` leaves them, for rows suffix_rows int32 [S]."""
+    slots, size = suffix_rows.shape[0], 1 + drafter.depth * drafter.branch_width
+    return HybridRows(
+        head=head,
+        suffix_rows=suffix_rows,
+        rates=jnp.ones((slots, 2), jnp.float32),
+        tokens=jnp.zeros((slots, 2, size), jnp.int32),
+        parents=jnp.zeros((slots, 2, size), jnp.int32),
+        num_nodes=jnp.ones((slots, 2), jnp.int32),
+    )
 
 
 def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype):
@@ -48,6 +74,11 @@ def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype)
     slots = layout.group().slots
     if isinstance(drafter, NgramDrafter):
         return History(tokens=jnp.zeros((slots, context_len), jnp.int32), length=jnp.ones((slots,), jnp.int32))
+    if isinstance(drafter, SuffixDrafter):
+        return Pooled(rows=jnp.zeros((slots,), jnp.int32), pool=None)
+    if isinstance(drafter, HybridDrafter):
+        head = empty_state(drafter.source_drafters()[0], dparams.head, layout, context_len, cache_dtype)
+        return Pooled(rows=_hybrid_rows(drafter, head, jnp.zeros((slots,), jnp.int32)), pool=None)
     tokens, count = jnp.zeros((slots, drafter.chunk), jnp.int32), jnp.ones((slots,), jnp.int32)
     if isinstance(drafter, DraftModelDrafter):
         return Pending(cache=empty_cache(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
@@ -58,17 +89,38 @@ def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype)
     )
 
 
-def with_table(state, page_table: jax.Array):
-    """The state with its paged cache (if any) on `page_table` int32 [S', M]."""
-    if isinstance(state, History):
-        return state
-    return state._replace(cache=state.cache._replace(page_table=page_table))
+def call_pool(layout: Layout, state: LoopState, prompts: Prompts) -> SuffixPool:
+    """The call-wide `SuffixPool` of every group's carry (`jaxspec.rollout.slot_state`): row r's
+    prompt, then its tokens so far (the last one the root of a decoding row), int32 [B, P + N]."""
+    tokens, emitted = rows_of(layout, state.tokens), rows_of(layout, state.lengths)
+    every = Prompts(
+        prompts.tokens, prompts.lengths, rows_of(layout, prompts.row_prompt), rows_of(layout, prompts.row_lengths)
+    )
+    num_rows, width = tokens.shape[0], prompts.tokens.shape[1] + tokens.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_rows, width))
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return SuffixPool(
+        tokens=context_tokens(every, tokens, rows, positions),
+        length=every.row_lengths + emitted,
+        prompt_length=every.row_lengths,
+    )
+
+
+def with_call_pool(state, pool: SuffixPool | None):
+    """A `Pooled` state with `pool` as its call-wide pool (None: as the carry keeps it); other
+    states as they are."""
+    return state._replace(pool=pool) if isinstance(state, Pooled) else state
 
 
 def without_pools(state):
-    """(the state's per-slot part, its page pools): the drafter's state split for a step on some
-    of the slots (`jaxspec.rollout.slot_width`): every leaf of the first has the slots first; the
-    second is (k, v) of its paged cache, () for the n-gram history."""
+    """(the state's per-slot part, its pools): the drafter's state split for a step on some of the
+    slots (`jaxspec.rollout.slot_width`): every leaf of the first has the slots first; the second
+    is (k, v) of its paged cache, () for the n-gram history and the suffix rows, and (those, the
+    call-wide pool) for a `Pooled` state."""
+    if isinstance(state, Pooled):
+        rows, pools = without_pools(state.rows.head) if isinstance(state.rows, HybridRows) else (state.rows, ())
+        rows = state.rows._replace(head=rows) if isinstance(state.rows, HybridRows) else rows
+        return Pooled(rows, None), (pools, state.pool)
     if isinstance(state, History):
         return state, ()
     return state._replace(cache=None), (state.cache.k, state.cache.v)
@@ -77,32 +129,50 @@ def without_pools(state):
 def with_pools(per_slot, stored, pools, page_table: jax.Array | None = None):
     """`without_pools` undone: the per-slot part with the pools in the stored state's paged cache,
     on `page_table` int32 [S', M] if given (else the stored table)."""
+    if isinstance(per_slot, Pooled):
+        rows = per_slot.rows
+        if isinstance(rows, HybridRows):
+            rows = rows._replace(head=with_pools(rows.head, stored.rows.head, pools[0], page_table))
+        return Pooled(rows, pools[1])
     if isinstance(per_slot, History):
         return per_slot
     cache = stored.cache._replace(k=pools[0], v=pools[1])
     return per_slot._replace(cache=cache if page_table is None else cache._replace(page_table=page_table))
 
 
+def _kv_part(drafter, dparams, state):
+    """(drafter, dparams, state) of the part of a drafter with a paged cache: a hybrid's head."""
+    if isinstance(drafter, HybridDrafter):
+        return drafter.source_drafters()[0], dparams.head, state.rows.head
+    return drafter, dparams, state
+
+
+def _with_kv_part(state, part):
+    """`_kv_part`'s state put back."""
+    return state._replace(rows=state.rows._replace(head=part)) if isinstance(state, Pooled) else part
+
+
 def prefill_hook(drafter, dparams):
     """on_prefill(state, lanes, hidden) -> state for `slots.prefill_chunk` (every group's lanes in a
-    row): the draft's KV of the chunk's positions; None for the n-gram drafter."""
-    if isinstance(drafter, NgramDrafter):
+    row): the draft's KV of the chunk's positions; None for the n-gram and suffix drafters."""
+    if isinstance(drafter, (NgramDrafter, SuffixDrafter)):
         return None
 
     def on_prefill(state, lanes, hidden):
         spec = state.draft
-        view = with_table(spec.draft, lanes.table).cache
-        if isinstance(drafter, DraftModelDrafter):
+        kv_drafter, kv_params, part = _kv_part(drafter, dparams, spec.draft)
+        view = part.cache._replace(page_table=lanes.table)
+        if isinstance(kv_drafter, DraftModelDrafter):
             _, _, cache = extend(
-                drafter.cfg, dparams, view, lanes.tokens, lanes.positions, lanes.start, active=lanes.valid
+                kv_drafter.cfg, kv_params, view, lanes.tokens, lanes.positions, lanes.start, active=lanes.valid
             )
         else:  # EAGLE-3: entry j pairs the fused features at j with token j + 1
-            head = dparams["head"]
-            hidden_in = fuse(drafter.dcfg, head, hidden)
+            head = kv_params["head"]
+            hidden_in = fuse(kv_drafter.dcfg, head, hidden)
             _, _, cache = draft_extend(
-                drafter.dcfg,
+                kv_drafter.dcfg,
                 head,
-                dparams["embed"],
+                kv_params["embed"],
                 view,
                 lanes.next_tokens,
                 hidden_in,
@@ -110,8 +180,8 @@ def prefill_hook(drafter, dparams):
                 lanes.start,
                 active=lanes.valid,
             )
-        draft = spec.draft._replace(cache=spec.draft.cache._replace(k=cache.k, v=cache.v))
-        return state._replace(draft=spec._replace(draft=draft))
+        part = part._replace(cache=part.cache._replace(k=cache.k, v=cache.v))
+        return state._replace(draft=spec._replace(draft=_with_kv_part(spec.draft, part)))
 
     return on_prefill
 
@@ -123,25 +193,35 @@ def start_hook(drafter, dparams, layout: Layout):
 
     def on_start(state, prompts, started, first, hidden_last):
         spec = state.draft
-        old = spec.draft
+        row = jnp.clip(state.row, 0, layout.rows - 1)
 
         def pick(new, current):
             return jnp.where(started.reshape(-1, *([1] * (new.ndim - 1))), new, current)
 
-        if isinstance(drafter, NgramDrafter):
-            width = old.tokens.shape[1]
-            row = jnp.clip(state.row, 0, layout.rows - 1)
-            length = state.ctx_len + 1  # the context, then the root (already emitted)
-            positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (layout.slots, width))
-            history = jnp.where(positions < length[:, None], context_tokens(prompts, state.tokens, row, positions), 0)
-            new = History(tokens=pick(history, old.tokens), length=pick(length, old.length))
-        else:
+        def start(drafter, dparams, old):
+            if isinstance(drafter, NgramDrafter):
+                width = old.tokens.shape[1]
+                length = state.ctx_len + 1  # the context, then the root (already emitted)
+                positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (layout.slots, width))
+                history = jnp.where(
+                    positions < length[:, None], context_tokens(prompts, state.tokens, row, positions), 0
+                )
+                return History(tokens=pick(history, old.tokens), length=pick(length, old.length))
+            if isinstance(drafter, SuffixDrafter):  # the slot's row by its index in the call
+                return old._replace(rows=pick(state.first_row + row, old.rows))
+            if isinstance(drafter, HybridDrafter):
+                head = start(drafter.source_drafters()[0], dparams.head, old.rows.head)
+                fresh = _hybrid_rows(drafter, head, state.first_row + row)
+                per_slot = {f: pick(getattr(fresh, f), getattr(old.rows, f)) for f in HybridRows._fields[1:]}
+                return old._replace(rows=HybridRows(head=head, **per_slot))
             tokens = pick(jnp.zeros_like(old.tokens).at[:, 0].set(first), old.tokens)
             new = old._replace(tokens=tokens, count=pick(jnp.ones_like(old.count), old.count))
             if isinstance(drafter, Eagle3Drafter):
                 root_hidden = fuse(drafter.dcfg, dparams["head"], hidden_last[:, :, None])[:, 0]  # [S, H]
                 hidden = jnp.zeros_like(old.hidden).at[:, 0].set(root_hidden.astype(old.hidden.dtype))
                 new = new._replace(hidden=pick(hidden, old.hidden))
-        return state._replace(draft=spec._replace(draft=new))
+            return new
+
+        return state._replace(draft=spec._replace(draft=start(drafter, dparams, spec.draft)))
 
     return on_start

@@ -1,12 +1,17 @@
 """Speculative rollouts on the slot engine (`jaxspec.rollout.slots`): every drafter, chains and
-trees.
+trees, group-suffix drafts and hybrid trees, at fixed or adaptive depth.
 
 Each decode step of the slot loop is one draft-and-verify step of every decoding slot
 (`step.speculative_step`: the same proposal, verification forward, exact acceptance and commit
 as the staged loop, on the paged cache). The drafter's own state is per slot
 (`slot_drafters`): the EAGLE-3 head's and the draft model's KV are paged on the policy's page
 tables and prefilled in the prefill lanes; the n-gram history is copied from a slot's context
-when it starts.
+when it starts. The suffix drafter (and a hybrid tree's suffix branches) reads a call-wide pool of
+every row's prompt and tokens so far, made for each step from the carry (`slot_drafters.call_pool`,
+read-only in the step): a row's GRPO siblings are the rows of its prompt's group, read as far as
+they have come. Rows run at other times than in the staged loop (a sibling may have finished
+before a row starts), so suffix proposals may differ from the staged loop's where siblings are
+read; the sampled distribution is the same (exact), and greedy rollouts give the same tokens.
 
 Randomness. The acceptance of the step that starts at row r's token i is drawn with
 `fold_in(fold_in(key, r), i)` (one `kernels.tree_verify` per row, vmapped), the first token after
@@ -21,6 +26,13 @@ slots are at most S / 2^i and more than S / 2^(i + 1) (`occupancy_sizes`), the s
 stages generalised; each depth is one branch of a `lax.switch`, taken by every group of a mesh
 at once (the occupancy counts all of them). The depth then depends on how many rows run beside a
 row, so its sampled tokens depend on S (still exact).
+
+Adaptive depth (`spec.adaptive`): each step of a bracket drafting k levels runs the candidate depth
+(`adaptive.candidate_depths`, 0 an autoregressive step) that `adaptive.choose` picks from the
+running acceptance rates, updated after the step from the acceptance of every group's decoding
+slots (the staged loop's rule, per step over the decoding slots); every group takes the same
+branch. The statistics count the steps of each depth (depth_steps, fallback_steps) as the staged
+loop does.
 """
 
 from __future__ import annotations
@@ -55,12 +67,16 @@ from jaxspec.rollout.slot_state import (
 )
 from jaxspec.rollout.slot_width import on_decoding_slots
 from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
-from jaxspec.rollout.speculative.generate import make_drafter
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
+from jaxspec.rollout.speculative.drafter import Pooled
+from jaxspec.rollout.speculative.generate import adaptive_depth, make_drafter, suffix_sources_bytes, with_call_sources
 from jaxspec.rollout.speculative.slot_drafters import (
+    call_pool,
     draft_kv_config,
     empty_state,
     prefill_hook,
     start_hook,
+    with_call_pool,
     with_pools,
     without_pools,
 )
@@ -70,12 +86,17 @@ from jaxspec.rollout.speculative.step import speculative_step
 
 
 class SpecSlots(NamedTuple):
-    """The drafter's per-slot state (`slot_drafters`), the acceptance `Counts` and the decode
-    steps run at each draft depth, int32 [len(depths)]."""
+    """The drafter's per-slot state (`slot_drafters`, a `Pooled` one without its call-wide pool),
+    the acceptance `Counts`, the decode steps run in each occupancy bracket int32 [len(drafters)]
+    (`occupancy_sizes`) and at each draft depth int32 [D + 1] (0: an adaptive loop's
+    autoregressive steps), and an adaptive loop's measured acceptance (`adaptive.DepthState`, alike
+    in every group) or None."""
 
     draft: object
     counts: Counts
+    occupancy_steps: jax.Array
     depth_steps: jax.Array
+    depths: DepthState | None
 
 
 def occupancy_sizes(slots: int, num_depths: int) -> tuple[int, ...]:
@@ -102,16 +123,14 @@ def slot_speculative_generate(
 ) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `spec` and `slots` (an integer or "auto"): prompts already
     validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
-    if spec.slot_engine_lacks:
-        raise ValueError(
-            f"slots: {', '.join(spec.slot_engine_lacks)} is not available on the slot engine yet "
-            "(it drafts with an EAGLE-3 head, a draft model or n-grams); use slots=None"
-        )
     drafter, dparams = make_drafter(cfg, params, sampling, spec)
+    dparams = with_call_sources(cfg, spec, batch, dparams)
     depths = spec.stage_depths(len(spec.stage_draft_tokens or (spec.num_draft_tokens,)))
     drafters = tuple(dataclasses.replace(drafter, depth=d, num_nodes=spec.tree_nodes(d)) for d in depths)
     width = batch.tokens.shape[1]
-    lookahead = 1 + spec.num_draft_tokens * spec.tree_width  # the verify forward's and the drafts' tree writes
+    # The verify forward writes 1 + N nodes, a drafter's own tree k * tree_width (a hybrid's merged
+    # tree may hold more nodes than its head's).
+    lookahead = 1 + max(spec.num_tree_nodes, spec.num_draft_tokens * spec.tree_width)
     layout = slot_layout(
         cfg,
         batch,
@@ -125,15 +144,21 @@ def slot_speculative_generate(
         draft_kv=draft_kv_config(drafter),
         verify=True,
         record_experts=record_experts,
+        draft_slot_bytes=suffix_sources_bytes(spec, dparams, 1, width + sampling.max_new_tokens)
+        if spec.drafts_suffixes
+        else 0,
     )
     prompts = Prompts.of(batch, layout.groups)
     max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
     static = (cfg, sampling, layout, cache_dtype, sharding, drafters, max_depth, width, record_experts)
+    static += (adaptive_depth(spec),)
     state = _loop(*static, params, dparams, prompts, key)
     out = slot_output(layout, state, prompts)
     sizes = occupancy_sizes(layout.slots, len(depths))
-    counts, depth_steps = summed(layout, state.draft.counts), first_group(layout, state.draft.depth_steps)
-    stats = summarize(counts, rows_of(layout, state.lengths), max_depth, sizes, depth_steps)
+    counts = summed(layout, state.draft.counts)._replace(depth_steps=first_group(layout, state.draft.depth_steps))
+    stats = summarize(
+        counts, rows_of(layout, state.lengths), max_depth, sizes, first_group(layout, state.draft.occupancy_steps)
+    )
     loop_stats = {k: v for k, v in out.stats.items() if k not in stats}
     return out._replace(stats={**stats, **loop_stats, "loop_iterations": out.stats["steps"]})
 
@@ -150,6 +175,7 @@ def slot_speculative_generate(
         "max_depth",
         "prompt_width",
         "record",
+        "adaptive",
     ),
 )
 def _loop(
@@ -162,6 +188,7 @@ def _loop(
     max_depth: int,
     prompt_width: int,
     record: bool,
+    adaptive: AdaptiveDepth | None,
     params: Params,
     dparams,
     prompts: Prompts,
@@ -170,7 +197,9 @@ def _loop(
     """The whole speculative rollout of `prompts` on the slot engine. drafters: one per draft depth
     (`occupancy_sizes`), alike but for their depth; their state is made by the deepest. record:
     the carry records the routing, the accepted path's at the positions its KV moves to
-    (`jaxspec.rollout.experts.SlotExperts`)."""
+    (`jaxspec.rollout.experts.SlotExperts`). adaptive: None drafts each bracket's depth at every
+    step; settings choose each step's depth among the bracket's candidates (`adaptive`), from the
+    acceptance of every group's slots so far."""
     drafter = max(drafters, key=lambda d: d.depth)
     chain = drafter.width == 1
     verify_key, draft_key = jax.random.split(jax.random.fold_in(key, 1))
@@ -181,14 +210,44 @@ def _loop(
         """Every group's decode step at the depth of the occupancy of all slots."""
         active = state.decoding & (state.row >= 0)
         index = jnp.sum(active.sum() <= sizes)  # the occupancy bracket
-        steps = state.draft.depth_steps.at[..., index].add(1)
-        branches = [functools.partial(decode_with, d) for d in drafters]
+        steps = state.draft.occupancy_steps.at[..., index].add(1)
+        branches = [functools.partial(decode_at, d) for d in drafters]
         state = branches[0](state) if len(branches) == 1 else jax.lax.switch(index, branches, state)
-        return state._replace(draft=state.draft._replace(depth_steps=steps))
+        return state._replace(draft=state.draft._replace(occupancy_steps=steps))
 
-    def decode_with(drafter, state: LoopState) -> LoopState:
+    def decode_at(drafter, state: LoopState) -> LoopState:
+        """The step of a bracket drafting `drafter.depth` levels: at that depth, or (adaptive) at
+        the candidate depth `adaptive.choose` picks, 0 an autoregressive step."""
+        if adaptive is None:
+            state = decode_with(drafter, state)
+            return state._replace(
+                draft=state.draft._replace(depth_steps=state.draft.depth_steps.at[..., drafter.depth].add(1))
+            )
+        depths = candidate_depths(drafter.depth)
+        branches = [
+            functools.partial(
+                decode_with, dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)), drafts=d > 0
+            )
+            for d in depths
+        ]
+        measured = first_group(layout, state.draft.depths)
+        choice = choose(adaptive, measured, depths)
+        new = jax.lax.switch(choice, branches, state)
+        observed = observe(
+            adaptive, measured, summed(layout, state.draft.counts), summed(layout, new.draft.counts), choice > 0
+        )
+        depth = jnp.asarray(depths, jnp.int32)[choice]
+        return new._replace(
+            draft=new.draft._replace(
+                depths=jax.tree.map(lambda x, old: jnp.broadcast_to(x, old.shape), observed, state.draft.depths),
+                depth_steps=new.draft.depth_steps.at[..., depth].add(1),
+            )
+        )
+
+    def decode_with(drafter, state: LoopState, drafts: bool = True) -> LoopState:
         """One draft-and-verify step of every group's decoding slots, as one batch of slots (as
-        narrow as the slots that decode: `jaxspec.rollout.slot_width`)."""
+        narrow as the slots that decode: `jaxspec.rollout.slot_width`); drafts=False verifies each
+        root alone (an autoregressive step)."""
 
         def view_and_keys(state: LoopState, prompts: Prompts):
             active, table = decoding_view(state)
@@ -197,6 +256,8 @@ def _loop(
 
         active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts))
         stored = slots_flat(layout, state.draft.draft)
+        if isinstance(stored, Pooled):  # the call-wide pool, read-only: made from the carry
+            stored = with_call_pool(stored, call_pool(layout, state, prompts))
         step_key = jax.random.fold_in(draft_key, first_group(layout, state.counters["steps"]))
 
         def forward(inputs, carry, pools):
@@ -235,6 +296,7 @@ def _loop(
                 max_depth=max_depth,
                 chain=chain,
                 record=record,
+                drafts=drafts,
             )
             outcome = (out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
             outcome += (out.tree.num_nodes, out.path) + ((out.node_experts,) if record else ())
@@ -245,7 +307,7 @@ def _loop(
         carry, draft_pools = without_pools(stored)
         pools = (state.cache.k, state.cache.v, draft_pools)
         outcome, carry, (k, v, draft_pools) = on_decoding_slots(layout.widths, active, forward, inputs, carry, pools)
-        draft = slots_grouped(layout, with_pools(carry, stored, draft_pools))
+        draft = slots_grouped(layout, with_call_pool(with_pools(carry, stored, draft_pools), None))
         state = state._replace(cache=state.cache._replace(k=k, v=v), draft=state.draft._replace(draft=draft))
         emitted, logprobs, accepted, next_token, parents, num_nodes, path, *node_experts = outcome
         if record:  # the accepted path's experts at the positions its KV now holds
@@ -274,7 +336,13 @@ def _loop(
         )
 
     draft = empty_state(drafter, dparams, layout, prompt_width + layout.max_new, cache_dtype)
-    spec_state = SpecSlots(draft, Counts.zeros(max_depth), jnp.zeros((len(drafters),), jnp.int32))
+    spec_state = SpecSlots(
+        draft,
+        Counts.zeros(max_depth),
+        jnp.zeros((len(drafters),), jnp.int32),
+        jnp.zeros((drafter.depth + 1,), jnp.int32),
+        None if adaptive is None else DepthState.start(max_depth),
+    )
     experts = record_buffer(cfg, layout, prompts) if record else None
     cache = empty_cache(cfg, layout, cache_dtype)
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, spec_state, experts)

@@ -229,13 +229,6 @@ class SpecConfig:
     def stochastic(self) -> bool:
         return self.draft_sampling == "stochastic"
 
-    @property
-    def slot_engine_lacks(self) -> list[str]:
-        """The settings the slot engine (`generate(..., slots=S)`) does not run yet: the suffix
-        sources (method suffix, suffix_branches) and adaptive depth."""
-        lacks = ["spec.method: suffix"] if self.method == "suffix" else []
-        return lacks + [f"spec.{name}: true" for name in ("suffix_branches", "adaptive") if getattr(self, name) is True]
-
 
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Spec:

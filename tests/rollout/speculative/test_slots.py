@@ -192,17 +192,3 @@ def test_eagle3_slot_chi_square_rejects_a_wrong_temperature(tiny_vocab_policy, s
     cfg, params = tiny_vocab_policy
     wrong = exact_continuations(cfg, params, dict(T1, temperature=0.7))
     assert chi_square_pvalue(slot_draws["chain-T1"][0], wrong) < 1e-6
-
-
-@pytest.mark.parametrize(
-    "spec, named",
-    [
-        (Spec("suffix", num_draft_tokens=3), "spec.method: suffix"),
-        (Spec("ngram", num_draft_tokens=3, adaptive=True), "spec.adaptive: true"),
-    ],
-    ids=["suffix", "adaptive"],
-)
-def test_settings_the_slot_engine_lacks_are_refused_by_name(tiny, spec, named):
-    cfg, params, _, rows, greedy, _ = tiny
-    with pytest.raises(ValueError, match=f"slots: {named} is not available on the slot engine yet"):
-        generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec, slots=3)
