@@ -25,15 +25,12 @@ torch only to run it in Triton's interpreter (`interpret=True`, any backend, slo
 from __future__ import annotations
 
 import functools
-import os
-import threading
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import triton
 import triton.language as tl
 
+from jaxspec.kernels import triton_call
 from jaxspec.kernels.attention_partials import WORD_BITS, Partials
 
 BLOCK_KV = 64  # positions per loop step
@@ -43,13 +40,6 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 TARGET_PROGRAMS = 1024  # (row, kv head, split) programs that keep an H100's 132 SMs busy
 MIN_BLOCKS_PER_SPLIT = 4
 _WORD_BITS = tl.constexpr(WORD_BITS)  # a global a Triton kernel reads must be a constexpr
-# The kernel reduces with tl.reduce and the standard library's combine functions rather than
-# tl.max / tl.sum (and fills with tl.full rather than tl.zeros): those are @triton.jit functions,
-# which Triton's interpreter runs only when TRITON_INTERPRET was set before triton was imported,
-# while it recognises these combine functions and this kernel can be interpreted on demand.
-_INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while it runs a kernel
-_MAX = tl.standard._elementwise_max
-_SUM = tl.standard._sum_combine
 
 
 def _paged_attention(
@@ -127,11 +117,11 @@ def _paged_attention(
         visible = visible & (position < max_len)[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
-        m_next = tl.maximum(m, tl.reduce(scores, 1, _MAX))
+        m_next = tl.maximum(m, tl.reduce(scores, 1, triton_call.MAX))
         m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)  # a query row that has seen nothing yet
         rescale = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
-        l = rescale * l + tl.reduce(p, 1, _SUM)
+        l = rescale * l + tl.reduce(p, 1, triton_call.SUM)
         p = p.to(v.dtype)  # rounded as the 16-bit dot's operand
         if DOT_IN_FLOAT32:
             p = p.to(tl.float32)
@@ -143,24 +133,6 @@ def _paged_attention(
     tl.store(o_ptr + out[:, None] * HEAD_DIM + dims[None, :], o)
     tl.store(m_ptr + out, m)
     tl.store(l_ptr + out, l)
-
-
-kernel = triton.jit(_paged_attention)
-
-
-@functools.cache
-def interpreted_kernel():
-    """The kernel as Triton's interpreter runs it (on torch CPU tensors): `triton.jit` reads
-    TRITON_INTERPRET when it wraps the function."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return triton.jit(_paged_attention)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 def query_rows(count: int) -> int:
@@ -230,27 +202,19 @@ def paged_attention_partials(
         k_pool,
         v_pool,
     )
-    if interpret:
-        run = functools.partial(_run_interpreted, grid=grid, out_shape=out_shape, constants=constants)
-        return Partials(*jax.pure_callback(run, out_shape, *args))
-    try:
-        import jax_triton
-    except ImportError as e:
-        raise ImportError(
-            f"the Triton attention kernel runs through jax-triton with a GPU jaxlib (pip install "
-            f"'jaxspec[triton]'): {e}"
-        ) from e
-    o, m, l = jax_triton.triton_call(
-        *args,
-        kernel=kernel,
-        out_shape=out_shape,
-        grid=grid,
-        num_warps=default_num_warps(rows, head_dim) if num_warps is None else num_warps,
-        num_stages=num_stages,
-        name="paged_attention_triton",
-        **constants,
+    return Partials(
+        *triton_call.call(
+            _paged_attention,
+            args,
+            out_shape,
+            grid=grid,
+            constants=constants,
+            name="paged_attention_triton",
+            interpret=interpret,
+            num_warps=default_num_warps(rows, head_dim) if num_warps is None else num_warps,
+            num_stages=num_stages,
+        )
     )
-    return Partials(o, m, l)
 
 
 def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLOCK_KV, splits: int | None = None):
@@ -289,22 +253,6 @@ def default_num_warps(rows: int, head_dim: int) -> int:
     """4 warps, 8 from 128 x 128 query rows x dims (the float32 accumulator of o alone then takes
     128 registers per thread of 4 warps)."""
     return 8 if rows * head_dim >= 128 * 128 else 4
-
-
-def _run_interpreted(*arrays, grid, out_shape, constants) -> tuple[np.ndarray, ...]:
-    """The kernel in Triton's interpreter on torch CPU copies of `arrays` (numpy); the outputs as numpy."""
-    import torch
-
-    def to_torch(x):
-        x = np.asarray(x)
-        if x.dtype == jnp.bfloat16:  # numpy has no bfloat16: move its bits
-            return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16)
-        return torch.from_numpy(x.copy())
-
-    outs = [torch.zeros(s.shape, dtype=torch.float32) for s in out_shape]
-    with _INTERPRETER:  # the devices of a mesh call back at once
-        interpreted_kernel()[grid](*map(to_torch, arrays), *outs, **constants)
-    return tuple(o.numpy() for o in outs)
 
 
 def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int) -> None:

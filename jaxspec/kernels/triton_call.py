@@ -1,4 +1,4 @@
-"""Running a tree-verification Triton kernel from JAX: compiled for the GPU through
+"""Running a Triton kernel from JAX (the attention and tree-verification kernels): compiled for the GPU through
 `jax_triton.triton_call`, or in Triton's interpreter on the host (any backend, slow).
 
 A kernel is a plain function in the Triton language (no `@triton.jit`): `compiled` and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ MAX = tl.standard._elementwise_max
 MIN = tl.standard._elementwise_min
 SUM = tl.standard._sum_combine
 INSTALL = "pip install 'jaxspec[triton]'"
+_INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while it runs a kernel
 
 
 @functools.cache
@@ -101,6 +103,7 @@ def _run_interpreted(*arrays, fn, grid, out_shape, constants) -> tuple[np.ndarra
         return torch.from_numpy(x.copy())
 
     outs = [torch.zeros(s.shape, dtype=getattr(torch, jnp.dtype(s.dtype).name)) for s in out_shape]
-    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) = -inf and 0 / 0 = nan, as on a GPU
+    # log(0) = -inf and 0 / 0 = nan, as on a GPU; the lock: the devices of a mesh call back at once
+    with np.errstate(divide="ignore", invalid="ignore"), _INTERPRETER:
         interpreted(fn)[grid](*map(to_torch, arrays), *outs, **constants)
     return tuple(o.numpy() for o in outs)

@@ -31,6 +31,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
+from jaxspec.kernels import triton_call as kernel_calls  # noqa: E402
+from jaxspec.kernels.triton_call import compiled  # noqa: E402
 from jaxspec.models.attention import kernel_attention  # noqa: E402
 from jaxspec.models.paged import paged_attention  # noqa: E402
 from tests.kernels.paged_cases import SHAPES, assert_close, case_inputs, exact, inputs  # noqa: E402
@@ -114,9 +116,15 @@ def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
     cannot do for bfloat16)."""
 
     def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **constants):
-        assert kernel is kernel_module.kernel and num_warps == 4 and num_stages == 2 and name
+        assert kernel is compiled(kernel_module._paged_attention) and num_warps == 4 and num_stages == 2 and name
         assert sorted(kernel.arg_names[len(args) + len(out_shape) :]) == sorted(constants)  # and no more pointers
-        run = functools.partial(kernel_module._run_interpreted, grid=grid, out_shape=out_shape, constants=constants)
+        run = functools.partial(
+            kernel_calls._run_interpreted,
+            fn=kernel_module._paged_attention,
+            grid=grid,
+            out_shape=out_shape,
+            constants=constants,
+        )
         return jax.pure_callback(run, out_shape, *args)
 
     monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
@@ -173,12 +181,13 @@ def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
     _, constants = kernel_module.launch(q, pool, table, bits, num_new=40, **tuning)
     pointee = {jnp.bfloat16: "bf16", jnp.float16: "fp16", jnp.float32: "fp32"}[dtype]
     pointers = ["*i32"] * 3 + [f"*{pointee}"] * 3 + ["*fp32"] * 3
-    names = kernel_module.kernel.arg_names
+    kernel = compiled(kernel_module._paged_attention)
+    names = kernel.arg_names
     signature = {**dict(zip(names, pointers)), **{name: "constexpr" for name in constants}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
-    source = triton.compiler.ASTSource(fn=kernel_module.kernel, signature=signature, constexprs=constants, attrs=attrs)
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     options = dict(num_warps=kernel_module.default_num_warps(rows, head_dim), num_stages=2, enable_fp_fusion=True)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     if dtype != jnp.float32:  # (float32 dots are exact: "ieee", on the CUDA cores)
-        assert "mma" in compiled.asm["ptx"]  # the 16-bit dots run on the tensor cores
-    assert compiled.metadata.shared <= 227 * 1024
+        assert "mma" in binary.asm["ptx"]  # the 16-bit dots run on the tensor cores
+    assert binary.metadata.shared <= 227 * 1024
