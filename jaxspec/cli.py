@@ -43,8 +43,11 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs a command; returns its exit status (an error prints its one line, see the module doc)."""
+def main(argv: list[str] | None = None, *, last_words: bool = False) -> int:
+    """Runs a command; returns its exit status (an error prints its one line, see the module doc).
+    last_words: the process exits right after an error (`entry`): the error line is then the last
+    thing written to stderr, whatever a background thread (a checkpoint write failing too) prints
+    before the exit."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -71,15 +74,27 @@ def main(argv: list[str] | None = None) -> int:
         status, message = exit_status(err)
         if status == EXIT_ERROR:
             traceback.print_exc()
-        print(f"jaxspec {name}: error: {message}", file=sys.stderr, flush=True)
+        line = f"jaxspec {name}: error: {message}"
+        if last_words:
+            _say_last(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
         return status
+
+
+def _say_last(line: str) -> None:
+    """Writes `line` to stderr and sends everything written there after it to /dev/null."""
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.write(stderr, f"{line}\n".encode())
 
 
 def entry() -> None:
     """The console command: `main`, then exit. After an error the process exits at once, so that
     the error stays the last line (threads still writing a checkpoint or a log are not waited for;
     checkpoints are atomic)."""
-    status = main()
+    status = main(last_words=True)
     if status not in (0, EXIT_CHECKPOINTED):
         sys.stdout.flush()
         sys.stderr.flush()
