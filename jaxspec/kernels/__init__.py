@@ -2,7 +2,7 @@
 
 `tree_verify` is the exact (lossless) verification of a draft token tree against the policy's
 processed distribution; it dispatches to the Triton kernels (called through jax-triton) or to the
-jnp reference (on a GPU, the kernels once `AUTO_ON_GPU` says so; override with `impl=` or the
+jnp reference ("auto": the kernels on a GPU where jax-triton imports; override with `impl=` or the
 JAXSPEC_TREE_VERIFY_IMPL environment variable); stochastic drafts run their own kernel
 (`jaxspec.kernels.tree_stochastic_triton`) the same way. The kernel modules import triton, an
 optional dependency, so they are imported on use.
@@ -25,10 +25,6 @@ from jaxspec.kernels.tree_verify_reference import VerifyResult, verify_reference
 IMPLS = ("auto", "triton", "triton-interpret", "reference")
 IMPL_ENV = "JAXSPEC_TREE_VERIFY_IMPL"
 INSTALL = "pip install 'jaxspec[triton]'"
-# What "auto" runs on a GPU: the jnp reference until the Triton kernels have passed
-# tests/gpu/check_spec on a GPU (they have passed the interpreter tests and compile for sm90);
-# JAXSPEC_TREE_VERIFY_IMPL=triton opts in meanwhile. "triton" makes the kernels the GPU default.
-AUTO_ON_GPU = "reference"
 log = logging.getLogger(__name__)
 
 
@@ -51,8 +47,8 @@ def tree_verify(
     draft_probs: None for deterministic drafts (children fixed before any coin, distinct; q is a
         point mass), or float [B, N, V]: q at each node, the distribution its children were drawn
         from without replacement in node order.
-    impl: "auto" (the jnp reference; on a GPU, once `AUTO_ON_GPU` is "triton", the Triton kernels
-        where jax-triton imports, else the reference with a one-time warning), "triton" (the kernels through jax-triton,
+    impl: "auto" (on a GPU the Triton kernels where jax-triton imports, else the reference with a
+        one-time warning; the reference on other backends), "triton" (the kernels through jax-triton,
         GPU), "triton-interpret" (the kernels in Triton's interpreter on the host, any backend,
         slow; needs triton and torch) or "reference". With "auto" the JAXSPEC_TREE_VERIFY_IMPL
         environment variable, when set, picks one of the others.
@@ -87,7 +83,7 @@ def resolved_impl(impl: str = "auto") -> str:
     impl = requested_impl(impl, IMPLS, IMPL_ENV, "tree_verify")
     if impl != "auto":
         return impl
-    if jax.default_backend() != "gpu" or AUTO_ON_GPU == "reference":
+    if jax.default_backend() != "gpu":
         return "reference"
     if _jax_triton_imports():
         return "triton"

@@ -66,7 +66,6 @@ def test_auto_dispatches_to_the_triton_kernels_on_gpu(monkeypatch):
         lambda *a, **kw: calls.append(("stochastic", kw["interpret"])),
     )
     monkeypatch.setattr(kernels, "_jax_triton_imports", lambda: True)
-    monkeypatch.setattr(kernels, "AUTO_ON_GPU", "triton")
     args = valid_args()
     q = jnp.ones_like(args[0])
     tree_verify(*args, jax.random.key(0), temperature=1.0)
@@ -105,7 +104,6 @@ def test_auto_without_jax_triton_runs_the_reference_and_warns_once(monkeypatch, 
     monkeypatch.setattr(kernels, "verify_reference", lambda *a, **kw: calls.append("reference"))
     monkeypatch.setattr(tree_verify_triton, "verify_triton", lambda *a, **kw: calls.append("triton"))
     monkeypatch.setattr(kernels, "_jax_triton_imports", lambda: False)
-    monkeypatch.setattr(kernels, "AUTO_ON_GPU", "triton")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     kernels._warn_no_jax_triton.cache_clear()
     args = valid_args()
@@ -116,14 +114,6 @@ def test_auto_without_jax_triton_runs_the_reference_and_warns_once(monkeypatch, 
     assert calls == ["reference"] * 3 + ["triton"]
     [record] = caplog.records
     assert "pip install 'jaxspec[triton]'" in record.getMessage()
-
-
-def test_auto_runs_the_reference_on_a_gpu_until_the_kernels_are_checked_there(monkeypatch):
-    monkeypatch.setattr(kernels, "_jax_triton_imports", lambda: True)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert kernels.AUTO_ON_GPU == "reference" and kernels.resolved_impl() == "reference"
-    monkeypatch.setenv(kernels.IMPL_ENV, "triton")
-    assert kernels.resolved_impl() == "triton"
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), True, "1.0"])
