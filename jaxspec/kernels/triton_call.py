@@ -1,4 +1,4 @@
-"""Running a Triton kernel from JAX (the attention and tree-verification kernels): compiled for the GPU through
+"""Running a Triton kernel from JAX (every kernel of jaxspec): compiled for the GPU through
 `jax_triton.triton_call`, or in Triton's interpreter on the host (any backend, slow).
 
 A kernel is a plain function in the Triton language (no `@triton.jit`): `compiled` and
@@ -102,8 +102,13 @@ def _run_interpreted(*arrays, fn, grid, out_shape, constants) -> tuple[np.ndarra
             return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16)
         return torch.from_numpy(x.copy())
 
+    def to_numpy(t):
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(jnp.bfloat16)
+        return t.numpy()
+
     outs = [torch.zeros(s.shape, dtype=getattr(torch, jnp.dtype(s.dtype).name)) for s in out_shape]
     # log(0) = -inf and 0 / 0 = nan, as on a GPU; the lock: the devices of a mesh call back at once
     with np.errstate(divide="ignore", invalid="ignore"), _INTERPRETER:
         interpreted(fn)[grid](*map(to_torch, arrays), *outs, **constants)
-    return tuple(o.numpy() for o in outs)
+    return tuple(map(to_numpy, outs))

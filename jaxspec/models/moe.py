@@ -14,24 +14,26 @@ token sums its k weighted expert outputs.
 The grouped matmuls have two implementations with one semantics (`grouped_matmul`):
 
 * "ragged_dot": `jax.lax.ragged_dot`, the training path (XLA differentiates it);
-* "pallas": the `jaxspec.kernels.grouped_matmul` kernels (Triton on GPU), which read only the experts that
-  rows pick and compute only their rows; differentiable (dX: the kernel on the transposed experts,
-  dW: a grouped x.T @ dY kernel), but training does not select it by default. "interpret" runs
-  them in Pallas interpret mode.
+* "triton": the `jaxspec.kernels.grouped_matmul` kernels (the Triton language through jax-triton,
+  the `triton` extra), which read only the experts that rows pick and compute only their rows;
+  differentiable (dX: the kernel on the transposed experts, dW: a grouped x.T @ dY kernel), but
+  training does not select it by default. "triton-interpret" runs them in Triton's interpreter on
+  the host (any backend, slow; needs torch).
 
 `moe_mlp` and `transformer.forward` (`moe_impl=`) use "ragged_dot" unless told otherwise;
 `transformer.extend` (prefill, decode and verification steps), the GRPO trainer's forward
 (`rl.loss.sequence_forward`) and pretraining (`train.moe`) ask for
-"auto": "pallas" on a GPU when activations and experts share a dtype, no mesh axis splits the
-experts and a call's experts x rows (token-expert assignments per device) reach
-`KERNEL_MIN_WORK`, else "ragged_dot". ragged_dot's cost grows with experts x rows (it makes
-[E, rows, K]-sized temporaries), the kernel's with the experts rows touch; on an H100 (forward, in a
-compiled loop) ragged_dot was faster at E x rows 8192 and 32768 (small_moe at 512 and 2048 rows:
-2.5x, 1.3x), the kernel from 65536 on (Qwen3-30B-A3B at 512 rows 1.1x, at 2048 3.0x, at 32768 21x;
-small_moe at 32768 4.1x), with outputs equal to ragged_dot's and no [E, rows, K] temporaries; a
-30B-A3B verification step went from 3.2x to 1.4x a decode step (`tests/gpu/check_moe.py`,
-BENCHMARKS.md lease U). The JAXSPEC_MOE_MATMUL environment variable (auto, ragged_dot, pallas,
-interpret) overrides "auto" at trace time.
+"auto": "triton" on a GPU where jax-triton imports (else ragged_dot, with one logged warning),
+when activations and experts share a dtype, no mesh axis splits the experts and a call's experts
+x rows (token-expert assignments per device) reach `KERNEL_MIN_WORK`, else "ragged_dot".
+ragged_dot's cost grows with experts x rows (it makes [E, rows, K]-sized temporaries), the
+kernel's with the experts rows touch; on an H100 (forward, in a compiled loop) ragged_dot was
+faster at E x rows 8192 and 32768 (small_moe at 512 and 2048 rows: 2.5x, 1.3x), the kernel (then
+lowered through Pallas' Triton backend, the same tiling) from 65536 on (Qwen3-30B-A3B at 512 rows
+1.1x, at 2048 3.0x, at 32768 21x; small_moe at 32768 4.1x), with outputs equal to ragged_dot's and
+no [E, rows, K] temporaries; a 30B-A3B verification step went from 3.2x to 1.4x a decode step
+(`tests/gpu/check_moe.py`, BENCHMARKS.md lease U). The JAXSPEC_MOE_MATMUL environment variable
+(auto, ragged_dot, triton, triton-interpret) overrides "auto" at trace time.
 
 On a mesh the kernels run per device on its rows (`jax.shard_map` over the batch axes), with the
 experts whole on every device: fsdp gathers them as it gathers every weight of a layer. A mesh
@@ -47,20 +49,23 @@ compactly as `expert_id_dtype`.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.kernels.grouped_matmul import grouped_matmul_pallas, grouped_transposed_matmul_pallas
 from jaxspec.models.sharding import Sharding
 
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
-IMPLS = ("auto", "ragged_dot", "pallas", "interpret")
+IMPLS = ("auto", "ragged_dot", "triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_MOE_MATMUL"
 EXPERT_SPLITTING_AXES = ("expert", "tensor")  # mesh axes `PARAM_AXES` splits the experts over
 KERNEL_MIN_WORK = 65536  # experts x rows from which "auto" takes the kernel (module docstring)
+INSTALL = "pip install 'jaxspec[triton]'"
+
+logger = logging.getLogger(__name__)
 
 
 def on_gpu() -> bool:
@@ -68,7 +73,7 @@ def on_gpu() -> bool:
 
 
 def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None, work: int | None = None) -> str:
-    """The implementation ("ragged_dot", "pallas" or "interpret") that `impl` picks for activations
+    """The implementation ("ragged_dot", "triton" or "triton-interpret") that `impl` picks for activations
     and experts of one dtype or not (`dtypes_match`) on `sharding`'s mesh, for a call of `work` =
     experts x rows per device (None: large) (see the module docstring); ValueError for a kernel asked
     for on a mesh that splits the experts."""
@@ -76,7 +81,8 @@ def resolve_impl(impl: str, dtypes_match: bool, sharding: Sharding | None = None
     split = [ax for ax in EXPERT_SPLITTING_AXES if sharding is not None and sharding.mesh.shape.get(ax, 1) > 1]
     if chosen == "auto":
         large = work is None or work >= KERNEL_MIN_WORK
-        return "pallas" if on_gpu() and dtypes_match and not split and large else "ragged_dot"
+        kernel = on_gpu() and dtypes_match and not split and large and _kernels_import()
+        return "triton" if kernel else "ragged_dot"
     if impl == "auto" and not dtypes_match:
         return "ragged_dot"
     if chosen != "ragged_dot" and split:
@@ -94,23 +100,47 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
     impl = resolve_impl(impl, x.dtype == w.dtype, work=w.shape[0] * x.shape[0])
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
-    return _grouped_matmul_kernel(x, w, group_sizes, impl == "interpret")
+    return _grouped_matmul_kernel(x, w, group_sizes, impl == "triton-interpret")
+
+
+def kernels():
+    """`jaxspec.kernels.grouped_matmul`, imported on first use (triton is an optional dependency)."""
+    try:
+        from jaxspec.kernels import grouped_matmul
+    except ImportError as e:
+        raise ImportError(f"the grouped-matmul kernels need the triton package ({e}; {INSTALL})") from e
+    return grouped_matmul
+
+
+@functools.cache
+def _kernels_import() -> bool:
+    """Whether the kernels and jax_triton import; logs a warning (once) where they do not."""
+    try:
+        import jax_triton  # noqa: F401
+
+        kernels()
+    except ImportError as e:
+        logger.warning(
+            "moe grouped matmuls run ragged_dot on this GPU: the Triton kernels need jax-triton (%s): %s", INSTALL, e
+        )
+        return False
+    return True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_matmul_kernel(x, w, group_sizes, interpret: bool):
-    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret)
+    return kernels().grouped_matmul_triton(x, w, group_sizes, interpret=interpret)
 
 
 def _kernel_fwd(x, w, group_sizes, interpret):
-    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret), (x, w, group_sizes)
+    return kernels().grouped_matmul_triton(x, w, group_sizes, interpret=interpret), (x, w, group_sizes)
 
 
 def _kernel_bwd(interpret, residuals, grad):
     x, w, group_sizes = residuals
     grad = grad.astype(x.dtype)
-    dx = grouped_matmul_pallas(grad, w, group_sizes, transpose_w=True, interpret=interpret)
-    dw = grouped_transposed_matmul_pallas(x, grad, group_sizes, interpret=interpret)
+    dx = kernels().grouped_matmul_triton(grad, w, group_sizes, transpose_w=True, interpret=interpret)
+    dw = kernels().grouped_transposed_matmul_triton(x, grad, group_sizes, interpret=interpret)
     return dx, dw, None
 
 

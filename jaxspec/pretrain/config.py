@@ -102,10 +102,11 @@ class PretrainTrainConfig:
     compute_dtype: dtype of the forward/backward (params stay float32 master copies).
     attention: "auto" (cuDNN flash attention on GPU, packed segments as a mask), "xla" or "cudnn".
     moe: a mixture-of-experts policy's grouped matmuls (`jaxspec.models.moe.grouped_matmul`):
-        "auto" ("pallas" on a GPU where the mesh keeps experts whole, else "ragged_dot"),
-        "ragged_dot", or "pallas" (the grouped-matmul kernels forward and backward, Triton on GPU,
-        per device on its rows with the experts whole: not with mesh.expert or mesh.tensor > 1);
-        "interpret" runs those kernels in Pallas interpret mode (any backend, slow).
+        "auto" ("triton" on a GPU where jax-triton imports and the mesh keeps experts whole, else
+        "ragged_dot"), "ragged_dot", or "triton" (the grouped-matmul kernels forward and backward,
+        the Triton language through jax-triton on a GPU, per device on its rows with the experts
+        whole: not with mesh.expert or mesh.tensor > 1); "triton-interpret" runs those kernels in
+        Triton's interpreter (any backend, slow; needs torch).
     log_every: steps between training records (loss, gradient norm, learning rate, tokens per second).
     eval_every: steps between greedy-accuracy evaluations on the held-out set (0: only at the end).
     eval_max_new_tokens / eval_batch_size: the evaluation's longest response and the prompts it
@@ -124,7 +125,7 @@ class PretrainTrainConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    moe: Literal["auto", "ragged_dot", "pallas", "interpret"] = "auto"
+    moe: Literal["auto", "ragged_dot", "triton", "triton-interpret"] = "auto"
     log_every: int = 10
     eval_every: int = 0
     eval_max_new_tokens: int = 128

@@ -1,10 +1,11 @@
-"""GPU check and timing of a mixture-of-experts layer's grouped matmuls: the Pallas kernel
-(`jaxspec.kernels.grouped_matmul`) against `jax.lax.ragged_dot` and a dense matmul of the same useful FLOPs.
+"""GPU check and timing of a mixture-of-experts layer's grouped matmuls: the Triton kernel
+(`jaxspec.kernels.grouped_matmul`, through jax-triton) against `jax.lax.ragged_dot` and a dense
+matmul of the same useful FLOPs.
 
     pytest -m gpu tests/gpu/test_moe.py                  # the check, as tests
     python3 -m tests.gpu.check_moe [--rows 512 2048 8192 32768] [--block-m 64 ...]
     python3 -m tests.gpu.check_moe --grad     # forward + backward (dX, dW) of each
-    python3 -m tests.gpu.check_moe --tiny     # CPU smoke run: tiny shapes, interpret mode
+    python3 -m tests.gpu.check_moe --tiny     # CPU smoke run: tiny shapes, Triton's interpreter
 
 Shapes: Qwen3-30B-A3B's experts (E=128, top-8, hidden D=2048, expert width F=768) and small_moe's
 (E=16, D=1024, F=1536), each projection direction (D -> F as gate/up, F -> D as down), rows = the
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.timing import in_loop_seconds
-from jaxspec.kernels.grouped_matmul import grouped_matmul_pallas
+from jaxspec.kernels.grouped_matmul import grouped_matmul_triton
 from jaxspec.models.moe import grouped_matmul
 
 EXPERT_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "small_moe": (16, 8, 1024, 1536)}  # E, top-k, D, F
@@ -52,7 +53,7 @@ def impls(interpret: bool, tiles: dict, grad: bool) -> dict:
     """name -> fn(x, w, group_sizes, dense_w) -> output, or with grad (output, dX, dW) of the
     output's sum weighted by a fixed probe (the kernel's gradient with default tiles)."""
     if grad:
-        kernel = "interpret" if interpret else "pallas"
+        kernel = "triton-interpret" if interpret else "triton"
 
         def with_grad(f, dense_weights: bool = False):
             def fn(x, w, s, d):
@@ -67,7 +68,7 @@ def impls(interpret: bool, tiles: dict, grad: bool) -> dict:
             "ragged_dot": with_grad(lambda x, w, s: jax.lax.ragged_dot(x, w, s)),
             "dense": with_grad(lambda x, w, s: jnp.dot(x, w), dense_weights=True),
         }
-    kernel = functools.partial(grouped_matmul_pallas, interpret=interpret, **tiles)
+    kernel = functools.partial(grouped_matmul_triton, interpret=interpret, **tiles)
     return {
         "kernel": lambda x, w, s, d: kernel(x, w, s),
         "ragged_dot": lambda x, w, s, d: jax.lax.ragged_dot(x, w, s),
@@ -125,7 +126,7 @@ def run_case(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes, kernel in interpret mode (any backend)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, kernel in Triton's interpreter (any backend)")
     p.add_argument("--grad", action="store_true", help="time and check forward + backward passes")
     p.add_argument("--rows", type=int, nargs="+", help=f"sorted assignment rows (default {ROWS})")
     p.add_argument("--shapes", nargs="+", choices=sorted(EXPERT_SHAPES), help="expert shapes (default all)")

@@ -1,13 +1,14 @@
 """tests/gpu/check_moe.py: on a GPU, the grouped-matmul kernels against ragged_dot at Qwen3-30B-A3B's
 and small_moe's expert shapes, forward and backward; on the CPU, routed group sizes and a run at tiny
-shapes (kernel in interpret mode)."""
+shapes (kernel in Triton's interpreter)."""
 
 import jax
 import numpy as np
 import pytest
 
-from jaxspec.models import moe
-from tests.gpu import check_moe
+kernels = pytest.importorskip("jaxspec.kernels.grouped_matmul", reason="the kernels need triton (the test extra)")
+
+from tests.gpu import check_moe  # noqa: E402
 
 
 @pytest.mark.gpu
@@ -37,8 +38,8 @@ def test_tiny_run_prints_every_implementation_and_agrees(capsys):
 
 
 def test_a_wrong_kernel_fails_the_check(monkeypatch, capsys):
-    kernel = check_moe.grouped_matmul_pallas
-    monkeypatch.setattr(check_moe, "grouped_matmul_pallas", lambda *a, **k: kernel(*a, **k) * 1.05)
+    kernel = check_moe.grouped_matmul_triton
+    monkeypatch.setattr(check_moe, "grouped_matmul_triton", lambda *a, **k: kernel(*a, **k) * 1.05)
     assert check_moe.main(["--tiny", "--rows", "16"]) == 1
     assert "MISMATCH tiny up rows=16" in capsys.readouterr().out
 
@@ -46,6 +47,6 @@ def test_a_wrong_kernel_fails_the_check(monkeypatch, capsys):
 def test_grad_run_checks_the_weight_gradient(monkeypatch, capsys):
     assert check_moe.main(["--tiny", "--grad", "--rows", "16"]) == 0
     assert "forward + backward" in capsys.readouterr().out
-    weight_grad = moe.grouped_transposed_matmul_pallas
-    monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", lambda *a, **k: weight_grad(*a, **k) * 1.05)
+    weight_grad = kernels.grouped_transposed_matmul_triton
+    monkeypatch.setattr(kernels, "grouped_transposed_matmul_triton", lambda *a, **k: weight_grad(*a, **k) * 1.05)
     assert check_moe.main(["--tiny", "--grad", "--rows", "16"]) == 1

@@ -1,27 +1,52 @@
-"""The grouped-matmul kernels (interpret mode) equal `jax.lax.ragged_dot` and a per-group
-reference for any group sizes: empty groups, one group, groups straddling row tiles, rows past the
-last group, bf16 inputs; the transposed-weight and x.T @ y variants of a gradient too."""
+"""The grouped-matmul Triton kernels (`jaxspec.kernels.grouped_matmul`), run in Triton's interpreter,
+equal `jax.lax.ragged_dot` and its gradients: the forward kernel, the same kernel on transposed
+weights (dX) and the grouped x.T @ dY kernel (dW), on ragged groups with empty ones (also inside a
+tile's range of groups), row tiles straddling groups, partial row, K and N tiles, rows past
+sum(group_sizes) (0, in every output) and whole tiles past them; bfloat16 within one rounding of
+the exact product. float32 operands multiply exactly, so the tolerance is float32 summation
+(`FP32_TOL`). Negative controls: group boundaries shifted by one row, and a kernel that skips the
+last group of a straddling tile, fail the comparison. Each kernel compiles for sm90 on the CPU
+(Triton's own compiler down to a cubin, as jax-triton does on a GPU)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels.grouped_matmul import (
-    grouped_matmul_pallas,
-    grouped_transposed_matmul_pallas,
+pytest.importorskip("triton", reason="the Triton kernels' tests need the triton package (the test extra has it)")
+pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+
+from jaxspec.kernels import grouped_matmul as gm  # noqa: E402
+from jaxspec.kernels.grouped_matmul import (  # noqa: E402
+    grouped_matmul_triton,
+    grouped_transposed_matmul_triton,
     tile_groups,
     tile_rows,
 )
+from tests.kernels.triton_compile import compile_for_hopper  # noqa: E402
 
-FP32_TOL = 1e-5  # relative to max |out|
+FP32_TOL = 1e-5  # relative to max |want|: float32 sums of <= 40 products (observed ~3e-7)
+BF16_ROUNDING = 2.0**-8  # one rounding to bfloat16, relative to the value
+
+# name: (group sizes, rows, K, N, tiles). Row tiles of 16 unless said.
+CASES = {
+    # rows [0,5) [5,5) [5,25) [25,28) [28,28) [28,37), 3 rows past them; tile 0 holds groups 0..2
+    # (1 empty), tile 1 groups 2..5 (4 empty); 2 column tiles of 16 for N=20, 3 K tiles for K=40
+    "ragged": ([5, 0, 20, 3, 0, 9], 40, 40, 20, dict(block_n=16, block_k=16)),
+    # decode-like: 12 experts of 0-3 rows, several per tile
+    "small_groups": ([2, 0, 3, 1, 0, 0, 3, 2, 1, 3, 0, 2], 17, 24, 16, {}),
+    # 10 rows of 48: tiles 1 and 2 hold no row
+    "tiles_past_the_rows": ([0, 4, 6], 48, 16, 24, {}),
+    "one_of_four": ([0, 37, 0, 0], 37, 32, 24, dict(block_m=32)),
+}
 
 
 def operands(sizes, rows: int, k: int, n: int, dtype=jnp.float32, seed: int = 0):
-    kx, kw = jax.random.split(jax.random.key(seed))
+    kx, kw, ky = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(kx, (rows, k)).astype(dtype)
     w = jax.random.normal(kw, (len(sizes), k, n)).astype(dtype)
-    return x, w, jnp.asarray(sizes, jnp.int32)
+    dy = jax.random.normal(ky, (rows, n)).astype(dtype)
+    return x, w, dy, jnp.asarray(sizes, jnp.int32)
 
 
 def rel_err(got, want) -> float:
@@ -29,53 +54,72 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def random_sizes(groups: int, rows: int, seed: int) -> np.ndarray:
-    """Random sizes summing to `rows`, about a third of the groups empty."""
-    rng = np.random.default_rng(seed)
-    weights = rng.random(groups) * (rng.random(groups) > 0.33)
-    sizes = np.floor(weights / weights.sum() * rows).astype(np.int32)
-    sizes[np.argmax(weights)] += rows - sizes.sum()
-    return sizes
+def ragged_dot_and_grads(x, w, dy, sizes):
+    """ragged_dot(x, w) and the cotangents (dX, dW) of dy, by XLA."""
+    out, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+    return (out, *vjp(dy))
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_groups_with_empty_ones_equal_ragged_dot(block_m, seed):
-    sizes = random_sizes(12, 90, seed)
-    assert (sizes == 0).any() and any(s % block_m for s in sizes)
-    x, w, sizes = operands(sizes, 96, 80, 40, seed=seed)  # 6 rows past the groups; K, N not tile multiples
-    got = grouped_matmul_pallas(x, w, sizes, interpret=True, block_m=block_m)
-    want = jax.lax.ragged_dot(x, w, sizes)
-    assert got.shape == want.shape == (96, 40) and got.dtype == jnp.float32
-    assert rel_err(got, want) < FP32_TOL
-    np.testing.assert_array_equal(np.asarray(got[90:]), 0.0)
+def kernels(x, w, dy, sizes, **tiles):
+    """The forward, dX and dW kernels in the interpreter (dW with the forward's block_m)."""
+    out = grouped_matmul_triton(x, w, sizes, interpret=True, **tiles)
+    dx = grouped_matmul_triton(dy, w, sizes, transpose_w=True, interpret=True, **tiles)  # dY @ w[g].T
+    dw = grouped_transposed_matmul_triton(x, dy, sizes, interpret=True, **{"block_m": 16, **tiles})
+    return out, dx, dw
 
 
-def test_many_small_groups_in_one_tile_equal_ragged_dot():
-    """Decode-like: 32 experts of 0-4 rows each, several in every 16-row tile."""
-    sizes = np.random.default_rng(3).integers(0, 5, 32)
-    x, w, sizes = operands(sizes, int(sizes.sum()), 32, 16, seed=3)
-    assert rel_err(grouped_matmul_pallas(x, w, sizes, interpret=True), jax.lax.ragged_dot(x, w, sizes)) < FP32_TOL
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_dx_and_dw_equal_ragged_dot_and_its_gradients(name):
+    sizes, rows, k, n, tiles = CASES[name]
+    x, w, dy, group_sizes = operands(sizes, rows, k, n)
+    got = kernels(x, w, dy, group_sizes, **tiles)
+    want = ragged_dot_and_grads(x, w, dy, group_sizes)
+    for what, g, r in zip(("out", "dx", "dw"), got, want, strict=True):
+        assert g.shape == r.shape and g.dtype == jnp.float32, what
+        assert rel_err(g, r) < FP32_TOL, what
+    used = sum(sizes)
+    np.testing.assert_array_equal(got[0][used:], 0.0)  # rows past the groups
+    np.testing.assert_array_equal(got[1][used:], 0.0)
+    np.testing.assert_array_equal(got[2][np.asarray(sizes) == 0], 0.0)  # an empty group's dW
 
 
-@pytest.mark.parametrize("sizes", [[37], [0, 37, 0, 0]], ids=["one_expert", "one_of_four"])
-def test_a_single_group_is_a_plain_matmul(sizes):
-    x, w, sizes = operands(sizes, 37, 48, 24, seed=4)
-    got = grouped_matmul_pallas(x, w, sizes, interpret=True, block_m=16)
-    want = jnp.dot(x, w[int(np.argmax(sizes))])
-    assert rel_err(got, want) < FP32_TOL and rel_err(got, jax.lax.ragged_dot(x, w, sizes)) < FP32_TOL
+def test_a_single_group_is_a_plain_matmul():
+    x, w, _, sizes = operands([0, 37, 0, 0], 37, 32, 24)
+    assert rel_err(grouped_matmul_triton(x, w, sizes, interpret=True), x @ w[1]) < FP32_TOL
 
 
-def test_bf16_inputs_round_like_ragged_dot():
-    """bf16 in, bf16 out, float32 accumulation: within one bf16 rounding of the exact product."""
-    sizes = random_sizes(6, 64, 5)
-    x, w, sizes = operands(sizes, 64, 64, 32, jnp.bfloat16, seed=5)
-    got = grouped_matmul_pallas(x, w, sizes, interpret=True)
-    exact = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
-    assert got.dtype == jnp.bfloat16
-    bf16_rounding = 2.0**-8
-    assert np.all(np.abs(np.asarray(got, np.float32) - exact) <= bf16_rounding * np.abs(exact) + 1e-6)
-    assert rel_err(got, jax.lax.ragged_dot(x, w, sizes)) < bf16_rounding
+def test_bf16_rounds_once_like_ragged_dot():
+    """bf16 in, bf16 out, float32 accumulation: each output within one bf16 rounding of the exact
+    product (the dW of 20-row groups too)."""
+    x, w, dy, sizes = operands([10, 0, 20, 30], 64, 64, 32, jnp.bfloat16, seed=5)
+    got = kernels(x, w, dy, sizes)
+    exact = ragged_dot_and_grads(*(a.astype(jnp.float32) for a in (x, w, dy)), sizes)
+    for what, g, e in zip(("out", "dx", "dw"), got, exact, strict=True):
+        e = np.asarray(e)
+        assert g.dtype == jnp.bfloat16, what
+        assert np.all(np.abs(np.asarray(g, np.float32) - e) <= BF16_ROUNDING * np.abs(e) + 1e-6), what
+
+
+@pytest.mark.parametrize("kernel", ["out", "dx", "dw"])
+def test_a_group_boundary_off_by_one_row_is_caught(kernel):
+    """Negative control: the kernels given group sizes with one row of group 2 moved to group 3
+    differ from ragged_dot of the true sizes by far more than FP32_TOL."""
+    sizes, rows, k, n, tiles = CASES["ragged"]
+    x, w, dy, group_sizes = operands(sizes, rows, k, n)
+    shifted = group_sizes.at[2].add(-1).at[3].add(1)
+    got = dict(zip(("out", "dx", "dw"), kernels(x, w, dy, shifted, **tiles)))
+    want = dict(zip(("out", "dx", "dw"), ragged_dot_and_grads(x, w, dy, group_sizes)))
+    assert rel_err(got[kernel], want[kernel]) > 100 * FP32_TOL
+
+
+def test_a_kernel_that_skips_a_straddled_group_is_caught(monkeypatch):
+    """Negative control: tile_groups naming one group fewer per tile (the last group a tile's rows
+    reach) leaves those rows 0 and fails the comparison."""
+    sizes, rows, k, n, tiles = CASES["ragged"]
+    x, w, _, group_sizes = operands(sizes, rows, k, n)
+    monkeypatch.setattr(gm, "tile_groups", lambda *a: (lambda first, last: (first, last - 1))(*tile_groups(*a)))
+    got = grouped_matmul_triton.__wrapped__(x, w, group_sizes, interpret=True, **tiles)  # traced afresh
+    assert rel_err(got, jax.lax.ragged_dot(x, w, group_sizes)) > 0.1
 
 
 def test_tile_groups_names_the_groups_each_tile_holds():
@@ -90,50 +134,47 @@ def test_tile_rows_follows_the_mean_group_size():
 
 
 def test_bad_operands_are_refused():
-    x, w, sizes = operands([4, 4], 8, 16, 16)
+    x, w, dy, sizes = operands([4, 4], 8, 16, 16)
     with pytest.raises(ValueError, match="one dtype"):
-        grouped_matmul_pallas(x, w.astype(jnp.bfloat16), sizes, interpret=True)
+        grouped_matmul_triton(x, w.astype(jnp.bfloat16), sizes, interpret=True)
     with pytest.raises(ValueError, match=r"w \[E, K, N\]"):
-        grouped_matmul_pallas(x, w[:, :8], sizes, interpret=True)
+        grouped_matmul_triton(x, w[:, :8], sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"group_sizes \[E=2\]"):
+        grouped_matmul_triton(x, w, sizes[:1], interpret=True)
     with pytest.raises(ValueError, match="block_m must be a power of 2"):
-        grouped_matmul_pallas(x, w, sizes, interpret=True, block_m=24)
+        grouped_matmul_triton(x, w, sizes, interpret=True, block_m=24)
+    with pytest.raises(ValueError, match=r"takes \['bfloat16', 'float16', 'float32'\], got int32"):
+        grouped_matmul_triton(x.astype(jnp.int32), w.astype(jnp.int32), sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"y \[M, N\]"):
+        grouped_transposed_matmul_triton(x, dy[:4], sizes, interpret=True)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_transposed_weights_equal_ragged_dot_of_the_transpose(seed):
-    sizes = random_sizes(12, 90, seed)
-    x, w, sizes = operands(sizes, 96, 40, 80, seed=seed)
-    got = grouped_matmul_pallas(x, jnp.swapaxes(w, 1, 2), sizes, transpose_w=True, interpret=True, block_m=16)
-    want = jax.lax.ragged_dot(x, w, sizes)
-    assert got.shape == (96, 80) and rel_err(got, want) < FP32_TOL
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_transposed_matmul_sums_each_groups_rows(dtype):
-    """out[g] = x_g.T @ y_g: empty groups give 0, rows past the last group add nothing."""
-    sizes = random_sizes(7, 100, 6)
-    assert (sizes == 0).any()
-    kx, ky = jax.random.split(jax.random.key(6))
-    x = jax.random.normal(kx, (104, 40)).astype(dtype)
-    y = jax.random.normal(ky, (104, 24)).astype(dtype)
-    got = grouped_transposed_matmul_pallas(x, y, jnp.asarray(sizes), interpret=True, block_m=16)
-    ends = np.cumsum(sizes)
-    xs, ys = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    want = np.stack([xs[e - s : e].T @ ys[e - s : e] for s, e in zip(sizes, ends)])
-    assert got.shape == (7, 40, 24) and got.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(got)[sizes == 0], 0.0)
-    assert rel_err(got, want) < (FP32_TOL if dtype == jnp.float32 else 2.0**-7)
-
-
-@pytest.mark.parametrize("shape", [(128, 512, 2048, 768), (16, 2048, 1024, 1536)])  # E, rows, K, N
-def test_the_gpu_kernels_are_valid_triton_modules(shape):
-    """Forward, dX and dW kernels as a GPU compiles them (an i1 loop bound once failed there only)."""
-    from jaxspec.models.moe import grouped_matmul
-    from tests.kernels.triton_ir import verify_triton
-
+@pytest.mark.parametrize(
+    "kernel, dtype, shape, tiles",
+    [
+        ("out", BF16, (128, 512, 2048, 768), {}),  # Qwen3-30B-A3B's gate/up at a decode step: 16-row tiles
+        ("dx", BF16, (16, 32768, 1024, 1536), {}),  # small_moe's dX of a long batch: 128-row tiles
+        ("dw", BF16, (128, 2048, 768, 2048), {}),
+        ("out", F32, (8, 96, 40, 20), dict(block_n=16, block_k=16)),  # partial K and N tiles
+        ("dw", F32, (8, 96, 40, 20), dict(block_n=16, block_k=16)),
+    ],
+)
+def test_the_kernels_compile_for_hopper(kernel, dtype, shape, tiles):
+    """Triton compiles each kernel for sm90 on any machine, with the constexprs `launch` gives and
+    jax-triton's 16-byte alignment: its shapes, dtypes and operations are ones the GPU compiler
+    takes (the interpreter runs some it rejects); the 16-bit dots run on the tensor cores."""
     e, rows, k, n = shape
-    x, w = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
-    assert verify_triton(lambda x, w, s: grouped_matmul_pallas(x, w, s), x, w, sizes) == 1
-    loss = lambda x, w, s: grouped_matmul(x, w, s, "pallas").astype(jnp.float32).sum()  # noqa: E731
-    assert verify_triton(jax.grad(loss, argnums=(0, 1)), x, w, sizes) == 2
+    x = jax.ShapeDtypeStruct((rows, k), dtype)
+    if kernel == "dw":
+        _, constants = gm.launch_transposed(x, jax.ShapeDtypeStruct((rows, n), dtype), e, **tiles)
+        binary = compile_for_hopper(gm._grouped_transposed_matmul, [I32, dtype, dtype, dtype], constants)
+    else:
+        w = jax.ShapeDtypeStruct((e, n, k) if kernel == "dx" else (e, k, n), dtype)
+        _, constants = gm.launch(x, w, transpose_w=kernel == "dx", **tiles)
+        binary = compile_for_hopper(gm._grouped_matmul, [I32, I32, dtype, dtype, dtype], constants)
+    if dtype != F32:  # (float32 dots are exact: "ieee", on the CUDA cores)
+        assert "mma" in binary.asm["ptx"]
+    assert binary.metadata.shared <= 227 * 1024

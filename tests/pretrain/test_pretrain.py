@@ -228,21 +228,23 @@ MOE = [
 
 def test_moe_policy_pretrains_with_the_router_loss_and_exports(tmp_path, capsys, monkeypatch):
     """One device, and the same steps with the experts split over 2 devices (expert parallelism)
-    and with the grouped-matmul kernels (interpret mode, rows over 2 devices) in place of ragged_dot."""
+    and with the grouped-matmul kernels (in Triton's interpreter, rows over 2 devices) in place of ragged_dot."""
+    pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
     config = tmp_path / "pretrain_tiny.yaml"
     config.write_text(CONFIG)
     runs, weight_grads = {}, []
-    weight_grad = moe.grouped_transposed_matmul_pallas  # runs in the kernels' backward pass only
+    kernels = moe.kernels()  # (needs triton)
+    weight_grad = kernels.grouped_transposed_matmul_triton  # runs in the kernels' backward pass only
 
     def counted_weight_grad(*args, **kwargs):
         weight_grads.append(name)  # the run being traced
         return weight_grad(*args, **kwargs)
 
-    monkeypatch.setattr(moe, "grouped_transposed_matmul_pallas", counted_weight_grad)
+    monkeypatch.setattr(kernels, "grouped_transposed_matmul_triton", counted_weight_grad)
     for name, mesh in (
         ("one", []),
         ("expert", ["mesh.data=2", "mesh.expert=2"]),
-        ("kernel", ["train.moe=interpret", "mesh.data=2"]),
+        ("kernel", ["train.moe=triton-interpret", "mesh.data=2"]),
     ):
         runs[name] = tmp_path / name
         assert (
@@ -298,8 +300,8 @@ def test_small_moe_is_small_with_experts_of_the_same_active_width():
         ("model.num_experts_per_tok=5", "model.num_experts_per_tok: must be in [1, model.num_experts=4], got 5"),
         ("model.moe_intermediate_size=0", "model.moe_intermediate_size: must be > 0, got 0"),
         (
-            "train.moe=pallas mesh.data=2 mesh.expert=2",
-            "train.moe: 'pallas' runs on whole experts: it needs mesh.expert = mesh.tensor = 1, got expert=2, tensor=1",
+            "train.moe=triton mesh.data=2 mesh.expert=2",
+            "train.moe: 'triton' runs on whole experts: it needs mesh.expert = mesh.tensor = 1, got expert=2, tensor=1",
         ),
     ],
 )

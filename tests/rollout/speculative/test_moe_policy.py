@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxspec.draft import init_eagle3
-from jaxspec.kernels.grouped_matmul import grouped_matmul_pallas
 from jaxspec.models import ModelConfig, Sharding, make_mesh, moe, shard_params
 from jaxspec.rollout import Spec, generate
 from tests.rollout.conftest import random_params
@@ -121,29 +120,33 @@ def test_moe_rollouts_with_experts_split_over_the_mesh(policy, greedy_sampling):
 
 def test_moe_rollouts_with_the_grouped_matmul_kernel_are_token_identical(policy, greedy_sampling, monkeypatch):  # noqa: F811
     """A greedy EAGLE-3 rollout (prefill, verification and decode steps) and a sampled AR rollout
-    give the same tokens with the grouped-matmul kernel (interpret mode) as with ragged_dot."""
+    give the same tokens with the grouped-matmul kernel (in Triton's interpreter) as with ragged_dot."""
+    pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
     cfg, params = policy
     traced = []
 
+    kernels = moe.kernels()  # (needs triton)
+    kernel = kernels.grouped_matmul_triton
+
     def counting_kernel(*args, **kwargs):
         traced.append(kwargs["interpret"])
-        return grouped_matmul_pallas(*args, **kwargs)
+        return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(moe, "grouped_matmul_pallas", counting_kernel)
+    monkeypatch.setattr(kernels, "grouped_matmul_triton", counting_kernel)
     spec = Spec("eagle3", init_eagle3(cfg, jax.random.key(5), std=0.3), num_draft_tokens=3)
     at_t1 = dataclasses.replace(greedy_sampling, temperature=1.0)
     runs = [(greedy_sampling, {"spec": spec}), (at_t1, {})]
     results = {}
-    for impl in ("ragged_dot", "interpret"):  # ragged_dot: also what "auto" picks on CPU
+    for impl in ("ragged_dot", "triton-interpret"):  # ragged_dot: also what "auto" picks on CPU
         monkeypatch.setenv(moe.IMPL_ENV, impl)
-        if impl == "interpret":
+        if impl == "triton-interpret":
             jax.clear_caches()  # the rollout's programs read the variable when traced
         results[impl] = [
             generate(cfg, params, loop_tests.BATCH, jax.random.key(1), sampling, **kwargs) for sampling, kwargs in runs
         ]
     jax.clear_caches()  # later tests trace their rollouts afresh, with the variable unset
     assert traced and all(traced)  # the kernel ran in the second rollouts only
-    for want, got in zip(results["ragged_dot"], results["interpret"], strict=True):
+    for want, got in zip(results["ragged_dot"], results["triton-interpret"], strict=True):
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_array_equal(got.lengths, want.lengths)
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
