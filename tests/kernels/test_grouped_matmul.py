@@ -2,7 +2,8 @@
 equal `jax.lax.ragged_dot` and its gradients: the forward kernel, the same kernel on transposed
 weights (dX) and the grouped x.T @ dY kernel (dW), on ragged groups with empty ones (also inside a
 tile's range of groups), row tiles straddling groups, partial row, K and N tiles, rows past
-sum(group_sizes) (0, in every output) and whole tiles past them; bfloat16 within one rounding of
+sum(group_sizes) (0, in every output) and whole tiles past them, never multiplying an expert no
+row picks or a row past the groups (NaN there stays out); bfloat16 within one rounding of
 the exact product. float32 operands multiply exactly, so the tolerance is float32 summation
 (`FP32_TOL`). Negative controls: group boundaries shifted by one row, and a kernel that skips the
 last group of a straddling tile, fail the comparison. Each kernel compiles for sm90 on the CPU
@@ -70,9 +71,14 @@ def kernels(x, w, dy, sizes, **tiles):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_dx_and_dw_equal_ragged_dot_and_its_gradients(name):
+    """The kernels' operands hold NaN in the experts no row picks and in the rows past the groups:
+    the kernels never multiply them (one NaN would spread through its output tile)."""
     sizes, rows, k, n, tiles = CASES[name]
     x, w, dy, group_sizes = operands(sizes, rows, k, n)
-    got = kernels(x, w, dy, group_sizes, **tiles)
+    unused = (np.arange(rows) >= sum(sizes))[:, None]
+    empty = (np.asarray(sizes) == 0)[:, None, None]
+    poisoned = jnp.where(unused, jnp.nan, x), jnp.where(empty, jnp.nan, w), jnp.where(unused, jnp.nan, dy)
+    got = kernels(*poisoned, group_sizes, **tiles)
     want = ragged_dot_and_grads(x, w, dy, group_sizes)
     for what, g, r in zip(("out", "dx", "dw"), got, want, strict=True):
         assert g.shape == r.shape and g.dtype == jnp.float32, what
