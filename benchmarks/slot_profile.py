@@ -1,13 +1,14 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
-    python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--trace]
+    python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...] [--trace]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
 geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8, T=1. Both
-engines generate the same prompts with the same key (compiled and warmed up first); printed per
-engine: generation time, loop iterations, ms per iteration and the steps at each batch width
-(`stage_rows` / `stage_steps`). With --trace a third call runs under `jax.profiler` and the
+engines generate the same prompts with the same key (compiled and warmed up first), the slot
+engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
+engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
+each batch width (`stage_rows` / `stage_steps`). With --trace a third call runs under `jax.profiler` and the
 kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
 kernel time and launches per iteration (their difference from the wall time is the device's idle
 time), the 22 longest kernels and the time by jax scope; --trace turns XLA's command buffers (CUDA
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="the slot engine's, one run each")
     p.add_argument("--trace", action="store_true")
     args = p.parse_args()
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
@@ -48,10 +50,13 @@ def main() -> None:
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // 8) for _ in range(8)]
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
     result = {}
-    for label, slots in (("staged", None), ("slots", args.slots)):
+    engines = [("staged", None, None)]
+    engines += [(f"slots K={k or 'default'}", args.slots, k) for k in args.decode_steps]
+    for label, slots, decode_steps in engines:
 
         def run():
-            return jax.block_until_ready(generate(cfg, params, prompts, jax.random.key(1), sampling, slots=slots))
+            out = generate(cfg, params, prompts, jax.random.key(1), sampling, slots=slots, decode_steps=decode_steps)
+            return jax.block_until_ready(out)
 
         run()
         start = time.perf_counter()
@@ -67,13 +72,13 @@ def main() -> None:
             "stage_steps": [int(n) for n in out.stats["stage_steps"]],
         }
         print(
-            f"== {label}: {seconds:.2f} s, {steps} iterations, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
+            f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
             f"widths {row['stage_rows']} steps {row['stage_steps']}",
             flush=True,
         )
         if not args.trace:
             continue
-        trace = args.work / f"trace_{label}"
+        trace = args.work / f"trace_{label.replace(' ', '_')}"
         with jax.profiler.trace(str(trace)):
             run()
         modules = {"jit__decode": label, "jit__loop": label, "jit_prefill_prompts": f"{label}-prefill"}

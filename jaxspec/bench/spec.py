@@ -179,6 +179,9 @@ def _configs(args) -> list[tuple[str, dict]]:
         )
     if not args.no_ngram:
         runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
+    if args.suffix:
+        runs.append(("suffix chain k=3", {"method": "suffix", "num_draft_tokens": 3}))
+        runs.append(("hybrid eagle3+suffix k=3", {"method": "hybrid", "num_draft_tokens": 3, "suffix_branches": True}))
     return runs
 
 
@@ -221,6 +224,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
+    p.add_argument(
+        "--suffix",
+        action="store_true",
+        help="also group-suffix chains (drafts from the prompt and its group's rows so far) and hybrid trees "
+        "(the EAGLE-3 chain and a suffix chain in one tree), k=3",
+    )
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument(
         "--data-config",
@@ -275,6 +284,7 @@ def main(argv: list[str]) -> int:
         drafts["eagle3-ood"] = load_eagle3(args.draft_ood, dtype=args.dtype, policy=cfg)
     if args.draft_model:
         drafts["draft_model"] = load_draft_model(args.draft_model, cfg, args.dtype)
+    drafts["hybrid"] = drafts["eagle3"]
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
@@ -288,9 +298,8 @@ def main(argv: list[str]) -> int:
             spec = None
             if kwargs:
                 method = kwargs.pop("method")
-                spec = Spec(
-                    method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method), **kwargs
-                )
+                hybrid = method == "hybrid" or method.startswith("eagle3")
+                spec = Spec(method="eagle3" if hybrid else method, draft=drafts.get(method), **kwargs)
             key = jax.random.key(0)
             sub_batch = None if slots is not None else args.sub_batch
             run = lambda: generate_rows(  # noqa: E731

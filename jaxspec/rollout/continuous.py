@@ -53,6 +53,7 @@ def slot_generate(
     page_size: int = DEFAULT_PAGE_SIZE,
     sharding: Sharding | None = None,
     record_experts: bool = False,
+    decode_steps: int | None = None,
 ) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `slots` (an integer or "auto"), autoregressive: prompts
     already validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
@@ -67,6 +68,7 @@ def slot_generate(
         cache_dtype=cache_dtype,
         sharding=sharding,
         record_experts=record_experts,
+        decode_steps=decode_steps,
     )
     prompts = Prompts.of(batch, layout.groups)
     state = _loop(cfg, sampling, layout, cache_dtype, sharding, record_experts, params, prompts, key)
@@ -77,19 +79,22 @@ def slot_output(layout: Layout, state: LoopState, prompts: Prompts) -> RolloutOu
     """The `RolloutOutput` of a finished slot loop (rows in the call's order), with the recorded
     experts [B, P + N, L_sparse, k] where the loop recorded them; "step_widths" are the decode
     step's widths and "width_steps" the decode steps run at each (`jaxspec.rollout.slot_width`;
-    also "stage_rows" / "stage_steps", the staged engine's names; "steps" counts every iteration,
-    prefill-only ones too); stats add "slots",
+    also "stage_rows" / "stage_steps", the staged engine's names); "steps" counts the decode steps
+    and "loop_iterations" the loop's iterations (each: the schedule, up to `Layout.decode_steps`
+    decode steps, a prefill chunk); stats add "slots",
     "kv_pages" (the pool, every group's), "page_size", "groups" (the mesh's groups of rows, slots
     and pages), "peak_kv_pages" (most pages in use at once), "prefill_chunks", "preemptions" and
     "prefix_pages_shared" (pages rows took from their prompt's prefix cache instead of
     prefilling)."""
     counters = summed(layout, {k: state.counters[k] for k in ("preemptions", "prefix_pages_shared")})
-    counters |= first_group(layout, {k: state.counters[k] for k in ("steps", "prefill_chunks", "peak_pages")})
+    first = ("iterations", "decode_steps", "prefill_chunks", "peak_pages")
+    counters |= first_group(layout, {k: state.counters[k] for k in first})
     width_steps = [int(n) for n in to_host(first_group(layout, state.counters["width_steps"]))]
     counters = {name: int(to_host(v)) for name, v in counters.items()}
     lengths = rows_of(layout, state.lengths)
     stats = {
-        "steps": counters["steps"],
+        "steps": counters["decode_steps"],
+        "loop_iterations": counters["iterations"],
         "stage_rows": list(layout.widths),
         "stage_steps": width_steps,
         "acceptance_length": 1.0,

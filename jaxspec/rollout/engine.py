@@ -53,6 +53,7 @@ def generate(
     slots: int | str | None = None,
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
+    decode_steps: int | None = None,
 ) -> RolloutOutput:
     """Samples a continuation of every prompt from the policy.
 
@@ -87,10 +88,13 @@ def generate(
         on the CPU, which reports no free memory, 2 GiB per device are assumed).
     kv_pages: with an integer slots, the page pool (default: every slot's longest sequence, which
         never preempts); a smaller pool preempts the newest rows when it runs short and resumes
-        them exactly. page_size: token positions per page.
+        them exactly. page_size: token positions per page. decode_steps: with slots, the decode
+        steps between two rounds of scheduling (admissions, preemptions, releases; default
+        `jaxspec.rollout.slot_layout.DECODE_STEPS`): more amortise the schedule's cost, fewer
+        leave a finished row's slot idle for less long (at most decode_steps - 1 steps).
     Raises ValueError for an empty prompt list or prompt, slots neither None, "auto" nor an
-    integer >= 1, a kv_pages pool that cannot hold one row's longest sequence (or given with
-    slots="auto"), a token or eos id outside the
+    integer >= 1 (decode_steps likewise not an integer >= 1), a kv_pages pool that cannot hold
+    one row's longest sequence (or given with slots="auto"), a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
     not fit the device's free memory, a draft that does not fit the policy, or record_experts
     with a dense policy.
@@ -110,7 +114,7 @@ def generate(
     max_len = padded_width + sampling.max_new_tokens
     if slots is not None:
         paged = dict(slots=slots, cache_dtype=cache_dtype, kv_pages=kv_pages, page_size=page_size, sharding=sharding)
-        paged["record_experts"] = record_experts
+        paged |= dict(record_experts=record_experts, decode_steps=decode_steps)
         if spec is not None:
             return slot_speculative_generate(cfg, params, batch, key, sampling, spec, **paged)
         return slot_generate(cfg, params, batch, key, sampling, **paged)

@@ -66,14 +66,16 @@ def attach(state, layout, prompts):
 
 def waiting(state, layout, prompts) -> jax.Array:
     """bool [S]: prefilling slots that have written nothing while an older slot of their prompt
-    writes its prefix (they attach to it once it is published)."""
+    holds it and its prefix is not cached yet: the older one writes it (or has written it, and it
+    is published at the end of the loop's iteration), and they attach to it then."""
     u, k = _slot_prompts(state, layout, prompts)
-    prefilling = (state.row >= 0) & ~state.decoding
+    occupied = state.row >= 0
+    prefilling = occupied & ~state.decoding
     big = jnp.iinfo(jnp.int32).max
     num_prompts = state.prefix.ready.shape[0]
     oldest = (
         jnp.full((num_prompts,), big, jnp.int32)
-        .at[jnp.where(prefilling, u, num_prompts)]
+        .at[jnp.where(occupied, u, num_prompts)]
         .min(state.admitted, mode="drop")
     )
     return prefilling & (state.prefilled == 0) & ~state.prefix.ready[u] & (k > 0) & (state.admitted != oldest[u])

@@ -21,6 +21,7 @@ from jaxspec.rollout.slot_width import step_widths
 DEFAULT_PAGE_SIZE = 16  # token positions per page
 MAX_PREFILL_CHUNK = 256  # most context tokens one prefill lane writes per iteration
 PREFILL_TOKENS = 512  # context tokens all prefill lanes write per iteration (at least one lane per group)
+DECODE_STEPS = 8  # decode steps per loop iteration: the schedule's cost is paid once per this many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,9 @@ class Layout:
     rows: B rows of the call; slots: S; max_new: N; page_size; pages_per_slot: M, page-table
     entries per slot; num_pages: the pool, P; chunk: context tokens per prefill lane and iteration;
     lanes: prefill lanes per iteration; lookahead: positions past its length one decode step
-    writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps); prefix_pages:
+    writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps); advance: the
+    most positions one decode step moves a row on (1; 1 + the deepest draft); decode_steps: K,
+    decode steps per loop iteration (`jaxspec.rollout.slots`); prefix_pages:
     the most pages a prompt's rows share (`jaxspec.rollout.prefix_cache`); groups: G, the groups
     the rows, slots, pages and lanes split into on a mesh (each a multiple of G); widths: the
     decode step's widths, widest (S) first (`jaxspec.rollout.slot_width`).
@@ -48,6 +51,13 @@ class Layout:
     prefix_pages: int
     groups: int = 1
     widths: tuple[int, ...] = ()
+    advance: int = 1
+    decode_steps: int = 1
+
+    @property
+    def reach(self) -> int:
+        """Positions past its length that a row's decode steps of one loop iteration write."""
+        return self.lookahead + (self.decode_steps - 1) * self.advance
 
     def group(self) -> Layout:
         """The layout of one group: B / G rows, S / G slots, P / G pages, lanes / G lanes."""
@@ -82,13 +92,17 @@ def plan_layout(
     page_size: int = DEFAULT_PAGE_SIZE,
     num_pages: int | None = None,
     sharding: Sharding | None = None,
+    advance: int = 1,
+    decode_steps: int | None = None,
 ) -> Layout:
     """The loop's `Layout` for `rows` rows with prompts padded to `prompt_width` (the longest has
-    `longest_prompt` tokens). num_pages: the pool (default: every slot's longest sequence, which
-    never preempts); on a mesh each of the G groups (module docstring) takes num_pages // G.
-    Raises ValueError naming the sizes when slots or page_size is not a positive integer, or when
-    a group's pool cannot hold even one row's longest sequence."""
-    for name, value in (("slots", slots), ("page_size", page_size)):
+    `longest_prompt` tokens); lookahead, advance, decode_steps: as `Layout`'s (decode_steps None:
+    `DECODE_STEPS`, read when called). num_pages: the pool (default: every slot's longest
+    sequence, which never preempts); on a mesh each of the G groups (module docstring) takes
+    num_pages // G. Raises ValueError naming the sizes when slots, page_size or decode_steps is
+    not a positive integer, or when a group's pool cannot hold even one row's longest sequence."""
+    decode_steps = DECODE_STEPS if decode_steps is None else decode_steps
+    for name, value in (("slots", slots), ("page_size", page_size), ("decode_steps", decode_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     slots = min(slots, rows)
@@ -119,4 +133,6 @@ def plan_layout(
         prefix,
         groups,
         step_widths(slots, groups),
+        advance,
+        decode_steps,
     )

@@ -198,12 +198,14 @@ def slot_layout(
     verify: bool = False,
     record_experts: bool = False,
     draft_slot_bytes: int = 0,
+    advance: int = 1,
+    decode_steps: int | None = None,
 ) -> Layout:
     """The slot loop's `Layout` for a `PromptBatch`: `plan_layout` of an integer `slots`, or the
     `auto_layout` of slots="auto" (stated once, module docstring), checked against the free
     memory of a device (ValueError naming the sizes when it does not fit); record_experts: the
     loop records the routing too; draft_slot_bytes: a drafter's step buffers per slot
-    (`slot_memory_bytes`)."""
+    (`slot_memory_bytes`); advance, decode_steps: `plan_layout`'s."""
     if isinstance(slots, str) and slots != AUTO:
         raise ValueError(f"slots must be None, {AUTO!r} or an integer >= 1, got {slots!r}")
     rows, width = batch.row_prompt.shape[0], batch.tokens.shape[1]
@@ -233,6 +235,8 @@ def slot_layout(
         page_size=page_size,
         num_pages=kv_pages,
         sharding=sharding,
+        advance=advance,
+        decode_steps=decode_steps,
     )
     check_fits(
         slot_memory_bytes(cfg, layout, width, cache_dtype, **memory),

@@ -15,14 +15,15 @@ from jaxspec.rollout.slot_layout import Layout
 from jaxspec.rollout.slot_state import LoopState, Prompts
 
 
-def make_room(state: LoopState, layout: Layout) -> LoopState:
-    """Gives every decoding slot the pages of its next step, preempting the newest rows first
-    when the pool runs short (`jaxspec.rollout.slots`, step 1)."""
+def make_room(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
+    """Gives every decoding slot the pages of the iteration's decode steps (`Layout.reach`
+    positions past its length, no further than its row's longest sequence), preempting the newest
+    rows first when the pool runs short (`jaxspec.rollout.slots`, step 1)."""
     size = layout.page_size
     occupied = state.row >= 0
-    need = jnp.where(
-        state.decoding, jnp.maximum(0, pages_for(state.cache_len + layout.lookahead, size) - state.pool.held), 0
-    )
+    longest = prompts.row_lengths[jnp.clip(state.row, 0, layout.rows - 1)] + layout.max_new - 1 + layout.lookahead
+    reach = jnp.minimum(state.cache_len + layout.reach, longest)
+    need = jnp.where(state.decoding, jnp.maximum(0, pages_for(reach, size) - state.pool.held), 0)
     # under pressure the prefix cache lets go first: its pages stay only where rows hold them
     state = prefix_cache.drop(state, jnp.broadcast_to(need.sum() > state.pool.num_free, state.prefix.ready.shape))
     pool = state.pool
@@ -38,14 +39,15 @@ def make_room(state: LoopState, layout: Layout) -> LoopState:
         decoding=state.decoding & ~evict,
         counters={**state.counters, "preemptions": state.counters["preemptions"] + count},
     )
-    pool = allocate(release(pool, evict), jnp.where(evict, 0, need), pages_for(layout.lookahead, size))
+    pool = allocate(release(pool, evict), jnp.where(evict, 0, need), pages_for(layout.reach, size))
     return state._replace(pool=pool)
 
 
 def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     """Free slots take the next pending rows while the pool holds their context's pages plus one
-    step's pages for every running row (`jaxspec.rollout.slots`, step 2). When the next row does not
-    fit, the prefix cache first lets go of the prefixes no running row holds."""
+    iteration's decode pages (`Layout.reach`) for every running row (`jaxspec.rollout.slots`,
+    step 2). When the next row does not fit, the prefix cache first lets go of the prefixes no
+    running row holds."""
     j = jnp.arange(layout.slots, dtype=jnp.int32)
     free = state.row < 0
     position = state.head + j
@@ -53,7 +55,7 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     ctx = prompts.row_lengths[candidate] + state.lengths[candidate]
     pages = pages_for(ctx, layout.page_size)
     running = jnp.sum(~free, dtype=jnp.int32)
-    headroom = pages_for(layout.lookahead, layout.page_size) * (running + j)
+    headroom = pages_for(layout.reach, layout.page_size) * (running + j)
     short = (state.head < layout.rows) & jnp.any(free) & (pages[0] + headroom[0] > state.pool.num_free)
     state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
     pool = state.pool

@@ -26,7 +26,7 @@ from jaxspec.rollout.page_pool import PagePool
 from jaxspec.rollout.prefix_cache import PrefixCache
 from jaxspec.rollout.slot_layout import Layout
 
-COUNTERS = ("steps", "prefill_chunks", "preemptions", "peak_pages", "prefix_pages_shared")
+COUNTERS = ("iterations", "decode_steps", "prefill_chunks", "preemptions", "peak_pages", "prefix_pages_shared")
 
 
 class LoopState(NamedTuple):

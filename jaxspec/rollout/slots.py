@@ -5,22 +5,27 @@
 the outputs). The pending-row queue, the free-page stack and the page tables are device arrays
 (`jaxspec.rollout.page_pool`). Each iteration (`run_slots`):
 
-1. **room**: every decoding slot gets the pages its next step writes (`lookahead` positions past
-   its length). When the free pages do not suffice, the prefix cache lets go of its pages
-   and then, if still short, the newest rows are preempted
-   (`page_pool.newest_to_evict`): their pages return to the pool and they go back to the front
-   of the queue with their tokens so far. The oldest row is never preempted (one row's longest
-   sequence always fits: checked before the loop), so every row finishes.
+1. **room**: every decoding slot gets the pages the iteration's decode steps write
+   (`Layout.reach` positions past its length, at most its row's longest sequence). When the
+   free pages do not suffice, the prefix cache lets go of its pages and then, if still short,
+   the newest rows are preempted (`page_pool.newest_to_evict`): their pages return to the pool
+   and they go back to the front of the queue with their tokens so far. The oldest row is never
+   preempted (one row's longest sequence always fits: checked before the loop), so every row
+   finishes.
 2. **admit**: free slots take the next pending rows, in queue order, while the pool holds the
    pages of their context (prompt + tokens so far) plus one step's pages for every running row;
    an admitted row whose prompt's prefix is cached takes its pages (`prefix_cache.attach`).
-3. **decode**: one step of every decoding slot (a token, or a speculative draft-and-verify step).
-4. **prefill**: a fixed-size chunk of `chunk` context tokens (the prompt bucket, at most
-   `MAX_PREFILL_CHUNK`) of each of `lanes` admitted slots (the oldest first; `PREFILL_TOKENS`
-   tokens in all) is written to the cache: prefill runs in chunks interleaved with decoding.
-   The chunk that completes a context samples the row's next token from its last logits, and
-   the slot decodes from the next iteration on. Prefixes written are cached
-   (`prefix_cache.publish`).
+3. **decode and prefill**, K = `Layout.decode_steps` times: one step of every slot that decoded
+   when the iteration began (a token, or a speculative draft-and-verify step; a row that finishes
+   within the iteration decodes no more), then a fixed-size chunk of `chunk` context tokens (the
+   prompt bucket, at most `MAX_PREFILL_CHUNK`) of each of `lanes` admitted slots (the oldest
+   first; `PREFILL_TOKENS` tokens in all) is written to the cache: prefill runs in chunks
+   interleaved with decoding. The chunk that completes a context samples the row's next token
+   from its last logits, and the slot decodes from the next iteration on (when step 1 has given
+   it pages). The schedule's bookkeeping (scatters and sorts over slots, pages and rows: many
+   small kernels) is paid once per K steps, as vLLM's multi-step scheduling does; a finished
+   row's slot waits at most K - 1 steps for its next row.
+4. **publish**: prefixes written are cached (`prefix_cache.publish`).
 5. **release**: slots whose row has finished return their pages to the pool, and the cache
    lets go of the prefixes of prompts whose rows have all finished.
 
@@ -44,9 +49,8 @@ prefill chunks write their context positions (a resumed row's again), the decode
 tokens' (a speculative step, its accepted path's, at the positions its KV moves to); the prompt
 positions a row took from the prefix cache come from the row that prefilled them.
 
-Not yet: a ragged paged-attention kernel (`jaxspec.models.paged` reads through the jnp reference). The staged dense
-engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU measurements show this
-one faster everywhere.
+The staged dense engine (`jaxspec.rollout.engine`, slots=None) stays the default until GPU
+measurements show this one faster everywhere.
 """
 
 from __future__ import annotations
@@ -170,7 +174,7 @@ def prefill_chunk(
 ) -> LoopState:
     """Writes the next `chunk` context tokens of every group's `prefill_lanes` (one forward over
     all of them); a slot whose context this completes samples its row's next token and starts
-    decoding (module docstring, step 4). `run_slots` runs it only when a slot of some group
+    decoding (module docstring, step 3). `run_slots` runs it only when a slot of some group
     prefills; a group with none writes nothing (every lane is invalid)."""
     group = layout.group()
     lanes = map_groups(layout, lambda s, p: prefill_lanes(s, group, p))(state, prompts)
@@ -244,10 +248,17 @@ def record_steps(state: LoopState, prompts: Prompts, active: jax.Array, experts:
     return state._replace(experts=state.experts.write(row, prompt, prompt_len, experts, state.cache_len, active))
 
 
+def decoding_slots(state: LoopState) -> jax.Array:
+    """bool [S]: one group's slots that decode this step (a row that finished earlier in the
+    iteration keeps its slot until the iteration's release, and decodes no more)."""
+    row = state.row
+    return state.decoding & (row >= 0) & ~state.done[jnp.clip(row, 0, state.done.shape[0] - 1)]
+
+
 def decoding_view(state: LoopState) -> tuple[jax.Array, jax.Array]:
-    """One group's (bool [S] slots decoding this step, int32 [S, M] the page table with the
-    others' entries cleared, so that nothing is written to their pages)."""
-    active = state.decoding & (state.row >= 0)
+    """One group's (bool [S] `decoding_slots`, int32 [S, M] the page table with the others'
+    entries cleared, so that nothing is written to their pages)."""
+    active = decoding_slots(state)
     return active, jnp.where(active[:, None], state.pool.page_table, NO_PAGE)
 
 
@@ -259,38 +270,54 @@ def run_slots(
     prefill: Callable[[LoopState], LoopState],
     sharding: Sharding | None = None,
 ) -> LoopState:
-    """The compiled loop: room, admit, decode, prefill, release, until every row is done.
+    """The compiled loop: room, admit, `layout.decode_steps` times a decode step and a prefill
+    chunk, publish, release, until every row is done.
 
     state, prompts: every group's (`jaxspec.rollout.slot_state`). decode and prefill take and
     return every group's state (their bookkeeping maps one group's with `map_groups`, their
-    forwards take every group's slots at once); decode runs when a slot of any group decodes,
-    prefill (`prefill_chunk`) when one prefills, so that every group takes the same branch.
-    sharding: the mesh the carry is laid out on (`lay_out`)."""
+    forwards take every group's slots at once); each decode step runs when a slot of any group
+    decodes (`decoding_slots`), each prefill chunk (`prefill_chunk`) when one prefills, so that
+    every group takes the same branch. sharding: the mesh the carry is laid out on (`lay_out`)."""
     group = layout.group()
+    decoding = map_groups(layout, lambda s, p: decoding_slots(s))
 
     def schedule(state: LoopState, prompts: Prompts) -> LoopState:
-        state = admit(make_room(state, group), group, prompts)
+        state = admit(make_room(state, group, prompts), group, prompts)
         return prefix_cache.attach(state, group, prompts)
 
     def finish(state: LoopState, prompts: Prompts) -> LoopState:
         state = release_finished(prefix_cache.publish(state, group, prompts), group)
         return prefix_cache.drop_finished(state, prompts)
 
-    def body(state: LoopState) -> LoopState:
-        state = map_groups(layout, schedule)(state, prompts)
-        decoding = state.decoding & (state.row >= 0)
-        width_steps = state.counters["width_steps"]
-        width_steps = width_steps.at[..., width_index(layout.widths, decoding)].add(jnp.any(decoding))
-        state = jax.lax.cond(jnp.any(decoding), decode, lambda s: s, state)
+    def step(_, carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
+        """One decode step of the slots that decoded when the iteration began (`scheduled`: they
+        hold its pages; a slot whose prefill completes within it starts at the next), then one
+        prefill chunk."""
+        state, scheduled = carry
+        active = decoding(state, prompts) & scheduled
+        stepping = jnp.any(active)
+        counters = state.counters
+        counters = {
+            **counters,
+            "decode_steps": counters["decode_steps"] + stepping,
+            "width_steps": counters["width_steps"].at[..., width_index(layout.widths, active)].add(stepping),
+        }
+        decoding_now = state.decoding
+        state = state._replace(decoding=decoding_now & scheduled, counters=counters)
+        state = jax.lax.cond(stepping, decode, lambda s: s, state)._replace(decoding=decoding_now)
         writing = map_groups(layout, lambda s, p: prefilling(s, group, p))(state, prompts)
         state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
+        return lay_out(sharding, layout, state), scheduled
+
+    def body(state: LoopState) -> LoopState:
+        state = map_groups(layout, schedule)(state, prompts)
+        state, _ = jax.lax.fori_loop(0, layout.decode_steps, step, (state, state.decoding))
         state = map_groups(layout, finish)(state, prompts)
         in_use = layout.num_pages - jnp.sum(state.pool.num_free)
         counters = state.counters
         counters = {
             **counters,
-            "steps": counters["steps"] + 1,
-            "width_steps": width_steps,
+            "iterations": counters["iterations"] + 1,
             "peak_pages": jnp.maximum(counters["peak_pages"], in_use),
         }
         return lay_out(sharding, layout, state._replace(counters=counters))

@@ -267,3 +267,18 @@ def test_generate_rows_joins_the_sub_batches_as_one_rollout():
     assert joined.stats["generated_tokens"] == int(joined.lengths.sum())
     with pytest.raises(ValueError, match="--sub-batch 3 does not divide the batch of 4 rows"):
         generate_rows(cfg, params, prompts, key, sampling, None, None, None, 3)
+
+
+def test_bench_spec_suffix_and_hybrid_drafts_on_both_engines(tmp_path):
+    """--suffix adds group-suffix chains and hybrid EAGLE-3 + suffix trees; with groups of 2 rows
+    of a prompt, the suffix drafts read the sibling's answer and are accepted."""
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
+    argv += ["--batch", "4", "--samples", "2", "--new", "16", "--k", "--trees", "--no-ngram", "--levels", "1"]
+    assert main([*argv, "--suffix", "--slots", "2", "--out", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    labels = ("suffix chain k=3", "hybrid eagle3+suffix k=3")
+    assert set(rows) == {"ar", *labels, "ar slots=2", *(f"{label} slots=2" for label in labels)}
+    for label in (*labels, *(f"{label} slots=2" for label in labels)):
+        assert len(rows[label]["lengths"]) == 4 and rows[label]["acceptance_length"] >= 1.0, rows[label]
+    assert rows["hybrid eagle3+suffix k=3"]["acceptance_length"] > 1.0

@@ -32,7 +32,7 @@ from tests.rollout.test_engine import BATCH, GREEDY, MAX_NEW, PROMPTS, greedy_ba
 SAMPLED = Sampling(temperature=1.0, top_p=0.95, max_new_tokens=MAX_NEW, eos_id=(3, 11))
 ROWS = BATCH * 3  # 18 rows
 SLOT_COUNTS = (1, 4, 7)
-SMALL_POOL = dict(slots=5, kv_pages=14, page_size=4)  # 5 slots of up to 7 pages each
+SMALL_POOL = dict(slots=5, kv_pages=14, page_size=4, decode_steps=4)  # 5 slots of up to 7 pages each
 
 
 @pytest.mark.parametrize("count", [1, 3, 8])
@@ -119,6 +119,31 @@ def test_a_pool_smaller_than_one_row_is_refused_with_its_sizes(policy):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=2, kv_pages=6, page_size=4)
     with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
         generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=0)
+    with pytest.raises(ValueError, match="decode_steps must be an integer >= 1, got 0"):
+        generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=2, decode_steps=0)
+
+
+def test_the_schedule_runs_once_per_decode_steps_and_changes_no_token(policy, sampled):
+    """decode_steps K: the loop schedules (admits, preempts, releases) once per K decode steps. The
+    rows are those of every other K (rows that finish within an iteration stop there: a row that
+    went on decoding after its eos would differ), through preemptions too, and the loop runs fewer
+    iterations the larger K."""
+    cfg, params = policy
+    runs = {k: generate(cfg, params, ROWS, jax.random.key(3), SAMPLED, slots=4, decode_steps=k) for k in (1, 3)}
+    runs[8] = sampled[4]  # the default
+    for k, out in runs.items():
+        np.testing.assert_array_equal(out.tokens, sampled[1].tokens)
+        np.testing.assert_array_equal(out.lengths, sampled[1].lengths)
+        assert out.stats["loop_iterations"] * k >= out.stats["steps"], (k, out.stats)
+    assert runs[1].stats["loop_iterations"] > runs[3].stats["loop_iterations"] > runs[8].stats["loop_iterations"]
+    # a pool of one row's longest sequence (7 pages): 8 steps ahead would be 9 pages for the longest
+    # prompt, so a row is given no more than its longest sequence can use
+    for pages, k in ((9, 3), (7, 8)):
+        tight = generate(
+            cfg, params, ROWS, jax.random.key(3), SAMPLED, slots=5, kv_pages=pages, page_size=4, decode_steps=k
+        )
+        assert tight.stats["preemptions"] > (0 if k == 3 else -1) and tight.stats["peak_kv_pages"] <= pages
+        np.testing.assert_array_equal(tight.tokens, sampled[1].tokens)
 
 
 @pytest.mark.parametrize("reported", [False, True], ids=["cpu-fallback", "reported-free-memory"])

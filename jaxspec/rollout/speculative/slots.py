@@ -66,7 +66,7 @@ from jaxspec.rollout.slot_state import (
     summed,
 )
 from jaxspec.rollout.slot_width import on_decoding_slots
-from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
+from jaxspec.rollout.slots import decoding_slots, decoding_view, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Pooled
 from jaxspec.rollout.speculative.generate import adaptive_depth, make_drafter, suffix_sources_bytes, with_call_sources
@@ -120,6 +120,7 @@ def slot_speculative_generate(
     page_size: int = DEFAULT_PAGE_SIZE,
     sharding: Sharding | None = None,
     record_experts: bool = False,
+    decode_steps: int | None = None,
 ) -> RolloutOutput:
     """`jaxspec.rollout.generate` with `spec` and `slots` (an integer or "auto"): prompts already
     validated and grouped into `batch`, `sampling.eos_id` resolved to a tuple."""
@@ -131,6 +132,7 @@ def slot_speculative_generate(
     # The verify forward writes 1 + N nodes, a drafter's own tree k * tree_width (a hybrid's merged
     # tree may hold more nodes than its head's).
     lookahead = 1 + max(spec.num_tree_nodes, spec.num_draft_tokens * spec.tree_width)
+    max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
     layout = slot_layout(
         cfg,
         batch,
@@ -144,12 +146,13 @@ def slot_speculative_generate(
         draft_kv=draft_kv_config(drafter),
         verify=True,
         record_experts=record_experts,
+        decode_steps=decode_steps,
         draft_slot_bytes=suffix_sources_bytes(spec, dparams, 1, width + sampling.max_new_tokens)
         if spec.drafts_suffixes
         else 0,
+        advance=1 + max_depth,
     )
     prompts = Prompts.of(batch, layout.groups)
-    max_depth = min(max(depths), spec.tree_nodes(max(depths)))  # the longest run any depth can accept
     static = (cfg, sampling, layout, cache_dtype, sharding, drafters, max_depth, width, record_experts)
     static += (adaptive_depth(spec),)
     state = _loop(*static, params, dparams, prompts, key)
@@ -160,7 +163,7 @@ def slot_speculative_generate(
         counts, rows_of(layout, state.lengths), max_depth, sizes, first_group(layout, state.draft.occupancy_steps)
     )
     loop_stats = {k: v for k, v in out.stats.items() if k not in stats}
-    return out._replace(stats={**stats, **loop_stats, "loop_iterations": out.stats["steps"]})
+    return out._replace(stats={**stats, **loop_stats})
 
 
 @functools.partial(
@@ -208,7 +211,7 @@ def _loop(
 
     def decode(state: LoopState) -> LoopState:
         """Every group's decode step at the depth of the occupancy of all slots."""
-        active = state.decoding & (state.row >= 0)
+        active = map_groups(layout, lambda s, p: decoding_slots(s))(state, prompts)
         index = jnp.sum(active.sum() <= sizes)  # the occupancy bracket
         steps = state.draft.occupancy_steps.at[..., index].add(1)
         branches = [functools.partial(decode_at, d) for d in drafters]
@@ -258,7 +261,7 @@ def _loop(
         stored = slots_flat(layout, state.draft.draft)
         if isinstance(stored, Pooled):  # the call-wide pool, read-only: made from the carry
             stored = with_call_pool(stored, call_pool(layout, state, prompts))
-        step_key = jax.random.fold_in(draft_key, first_group(layout, state.counters["steps"]))
+        step_key = jax.random.fold_in(draft_key, first_group(layout, state.counters["decode_steps"]))
 
         def forward(inputs, carry, pools):
             """The step of W slots: (per-slot outcome, the drafter's per-slot state, pools)."""
