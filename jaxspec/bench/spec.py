@@ -181,7 +181,7 @@ def _configs(args) -> list[tuple[str, dict]]:
         runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
     if args.suffix:
         runs.append(("suffix chain k=3", {"method": "suffix", "num_draft_tokens": 3}))
-        runs.append(("hybrid eagle3+suffix k=3", {"method": "hybrid", "num_draft_tokens": 3, "suffix_branches": True}))
+        runs.append(("hybrid eagle3+suffix k=3", {"method": "eagle3", "num_draft_tokens": 3, "suffix_branches": True}))
     return runs
 
 
@@ -284,7 +284,6 @@ def main(argv: list[str]) -> int:
         drafts["eagle3-ood"] = load_eagle3(args.draft_ood, dtype=args.dtype, policy=cfg)
     if args.draft_model:
         drafts["draft_model"] = load_draft_model(args.draft_model, cfg, args.dtype)
-    drafts["hybrid"] = drafts["eagle3"]
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
@@ -298,8 +297,9 @@ def main(argv: list[str]) -> int:
             spec = None
             if kwargs:
                 method = kwargs.pop("method")
-                hybrid = method == "hybrid" or method.startswith("eagle3")
-                spec = Spec(method="eagle3" if hybrid else method, draft=drafts.get(method), **kwargs)
+                spec = Spec(
+                    method="eagle3" if method.startswith("eagle3") else method, draft=drafts.get(method), **kwargs
+                )
             key = jax.random.key(0)
             sub_batch = None if slots is not None else args.sub_batch
             run = lambda: generate_rows(  # noqa: E731
