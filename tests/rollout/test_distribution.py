@@ -149,3 +149,12 @@ def test_a_3_percent_temperature_error_is_detected(tiny_vocab_policy, temperatur
         assert sum(out.stats["stage_steps"][1:]) > 0, out.stats  # the exact law held through a staged loop
     else:
         assert pvalue < 1e-3
+
+
+def slot_continuations(cfg, params, setting: dict, spec=None):
+    """(continuations, RolloutOutput) of NUM_SAMPLES copies of PROMPT, 3 new tokens sampled with
+    `setting` (Sampling's keywords) through 256 slots, one key."""
+    sampling = Sampling(max_new_tokens=3, **setting)
+    run = generate(cfg, params, [list(PROMPT)] * NUM_SAMPLES, jax.random.key(7), sampling, spec=spec, slots=256)
+    tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
+    return [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run

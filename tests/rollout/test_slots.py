@@ -20,12 +20,11 @@ from jaxspec.rollout.prompts import group_prompts, validate_prompts
 from jaxspec.rollout.slot_layout import plan_layout
 from tests.rollout.test_distribution import (
     NUCLEUS,
-    NUM_SAMPLES,
-    PROMPT,
     T1,
     assert_exact_law,
     chi_square_pvalue,
     exact_continuations,
+    slot_continuations,
 )
 from tests.rollout.test_engine import BATCH, GREEDY, MAX_NEW, PROMPTS, greedy_batch  # noqa: F401  (fixture)
 
@@ -237,21 +236,9 @@ def test_a_mesh_gives_the_same_rollout(policy, greedy_batch):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def slot_draws(tiny_vocab_policy):
-    """{setting name: continuations} of NUM_SAMPLES copies of PROMPT through 256 slots."""
+    """{setting name: (continuations, RolloutOutput)} of `slot_continuations`."""
     cfg, params = tiny_vocab_policy
-    out = {}
-    for name, setting in (("T1", T1), ("nucleus", NUCLEUS)):
-        run = generate(
-            cfg,
-            params,
-            [list(PROMPT)] * NUM_SAMPLES,
-            jax.random.key(7),
-            Sampling(max_new_tokens=3, **setting),
-            slots=256,
-        )
-        tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
-        out[name] = [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
-    return out
+    return {name: slot_continuations(cfg, params, setting) for name, setting in (("T1", T1), ("nucleus", NUCLEUS))}
 
 
 @pytest.mark.parametrize("name", ["T1", "nucleus"])

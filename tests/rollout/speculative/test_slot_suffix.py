@@ -24,12 +24,11 @@ from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.rollout.speculative.suffix import SuffixHistory
 from tests.rollout.speculative.test_slots import assert_same_rollout, staged, tiny  # noqa: F401  (fixtures)
 from tests.rollout.test_distribution import (
-    NUM_SAMPLES,
-    PROMPT,
     T1,
     assert_exact_law,
     chi_square_pvalue,
     exact_continuations,
+    slot_continuations,
 )
 
 TREE = dict(num_draft_tokens=3, tree_width=2)
@@ -144,20 +143,7 @@ def suffix_draws(tiny_vocab_policy):
         "suffix-tree": Spec("suffix", **shape),
         "hybrid-tree": Spec("eagle3", head, suffix_branches=True, **shape),
     }
-    out = {}
-    for name, spec in specs.items():
-        run = generate(
-            cfg,
-            params,
-            [list(PROMPT)] * NUM_SAMPLES,
-            jax.random.key(7),
-            Sampling(max_new_tokens=3, **T1),
-            spec=spec,
-            slots=256,
-        )
-        tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
-        out[name] = [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
-    return out
+    return {name: slot_continuations(cfg, params, T1, spec) for name, spec in specs.items()}
 
 
 @pytest.mark.parametrize("name", ["suffix-tree", "hybrid-tree"])

@@ -24,12 +24,11 @@ from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.tasks import ChatTokenizer, generate_problems
 from tests.rollout.test_distribution import (
     NUCLEUS,
-    NUM_SAMPLES,
-    PROMPT,
     T1,
     assert_exact_law,
     chi_square_pvalue,
     exact_continuations,
+    slot_continuations,
 )
 
 MAX_NEW = 40
@@ -163,20 +162,10 @@ def slot_draws(tiny_vocab_policy):
     every entry of DRAWS, drafted by a weak random EAGLE-3 head."""
     cfg, params = tiny_vocab_policy
     head = init_eagle3(cfg, jax.random.key(11), std=0.3)
-    out = {}
-    for name, (shape, setting) in DRAWS.items():
-        run = generate(
-            cfg,
-            params,
-            [list(PROMPT)] * NUM_SAMPLES,
-            jax.random.key(7),
-            Sampling(max_new_tokens=3, **setting),
-            spec=Spec("eagle3", head, **shape),
-            slots=256,
-        )
-        tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
-        out[name] = [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
-    return out
+    return {
+        name: slot_continuations(cfg, params, setting, Spec("eagle3", head, **shape))
+        for name, (shape, setting) in DRAWS.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(DRAWS))
