@@ -14,6 +14,7 @@ from jaxspec.models import ModelConfig, Sharding, extend, init_cache, make_mesh,
 from jaxspec.models.moe import SPARSE_KEYS, expert_id_dtype, moe_mlp, top_experts
 from jaxspec.models.transformer import forward_router
 from tests.models.hf_reference import random_params, random_tokens, rel_max_err
+from tests.models.test_moe import needs_triton
 
 FP32_TOL = 1e-5
 _forward = jax.jit(forward_router, static_argnums=0)  # one compilation per shape, not one per op
@@ -64,7 +65,7 @@ def _dense_replay_reference(layer, x, experts, norm_topk_prob):
     return jnp.einsum("eni,eih,ne->nh", hidden, layer["experts_down"], gates).reshape(x.shape)
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "interpret"])
+@pytest.mark.parametrize("impl", ["ragged_dot", pytest.param("triton-interpret", marks=needs_triton)])
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
 def test_a_sparse_layer_runs_replayed_experts_weighted_by_its_router(params, norm_topk_prob, impl):
     """moe_mlp with given experts (not the top-k) equals every expert on every token masked to
@@ -188,7 +189,10 @@ def test_expert_ids_are_stored_compactly():
         expert_id_dtype(32769)
 
 
-@pytest.mark.parametrize("axes, impl", [(dict(data=2), "interpret"), (dict(data=2, expert=4), "ragged_dot")])
+@pytest.mark.parametrize(
+    "axes, impl",
+    [pytest.param(dict(data=2), "triton-interpret", marks=needs_triton), (dict(data=2, expert=4), "ragged_dot")],
+)
 def test_replay_on_a_mesh_equals_one_device(params, axes, impl):
     """The replayed forward with rows split over 2 devices (the kernel per device, or ragged_dot with
     the experts split over 4) equals the one-device replay, logits and gradients."""
