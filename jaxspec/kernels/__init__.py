@@ -41,7 +41,9 @@ def tree_verify(
         verified in increasing node index (draft order).
     draft_tokens: int [B, N]: the token node n proposes after its parent's path (column 0 unused).
     num_nodes: int [B]: valid nodes per row; nodes >= num_nodes[b] are padding, never accepted.
-    key: PRNG key; all randomness comes from it.
+    key: PRNG key, or one key per row (typed keys [B], raw keys [B, 2]: row b then draws what it
+        would draw verified alone under its key, as the slot engine's per-row keys need); all
+        randomness comes from it.
     temperature: static float >= 0; p = softmax(logits / temperature); 0 = greedy (accept a child
         iff it is the argmax; log-probs reported from log_softmax(logits)).
     draft_probs: None for deterministic drafts (children fixed before any coin, distinct; q is a

@@ -65,8 +65,21 @@ class VerifyNoise(NamedTuple):
     token_seeds: jax.Array
 
 
+def per_row_keys(key: jax.Array) -> bool:
+    """Whether `key` is one key per row (typed keys [B] or raw uint32 keys [B, 2]) rather than one key."""
+    return jnp.ndim(key) == (1 if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else 2)
+
+
 def verification_noise(key: jax.Array, batch: int, num_nodes: int) -> VerifyNoise:
-    uniform_bits, tile_seeds, token_seeds = node_hashes(key, batch, num_nodes, streams=3)
+    """The noise of `batch` rows of `num_nodes` nodes from one key, or from one key per row (row b
+    then draws what it would draw alone, as row 0 of a batch of one, under its key)."""
+    if per_row_keys(key):
+        if key.shape[0] != batch:
+            raise ValueError(f"tree_verify got {key.shape[0]} per-row keys for {batch} rows")
+        words = jax.vmap(lambda k: node_hashes(k, 1, num_nodes, streams=3)[:, 0])(key)  # [B, 3, N]
+        uniform_bits, tile_seeds, token_seeds = jnp.moveaxis(words, 1, 0)
+    else:
+        uniform_bits, tile_seeds, token_seeds = node_hashes(key, batch, num_nodes, streams=3)
     return VerifyNoise(uniform_from_bits(uniform_bits), tile_seeds, token_seeds)
 
 

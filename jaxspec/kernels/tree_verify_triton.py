@@ -44,7 +44,7 @@ from jaxspec.kernels.tree_verify_reference import (
 )
 from jaxspec.kernels.triton_call import MAX, SUM, call
 
-TARGET_PROGRAMS = 2048  # enough (row, node, split) programs to fill a GPU when rows x nodes is small
+TARGET_PROGRAMS = 8192  # (row, node, split) programs: the best of 2048-8192 on an H200 (BENCHMARKS.md)
 _LOG2E = tl.constexpr(LOG2E)  # a global a Triton kernel reads must be a constexpr
 
 

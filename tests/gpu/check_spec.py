@@ -15,7 +15,8 @@ its length and the next token must be equal (float rounding can flip a decision 
 boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
 must be consistent (num_accepted equals the path's accepted nodes).
 rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
-on the embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
+on the staged engine, and EAGLE-3 and draft-model runs on the slot engine (8 slots), on the
+embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
 run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with triton, in `--jobs` child processes each (the
 choice is made when the rollout loop is traced). Greedy tokens must be equal; acceptance length
 and acceptance per position within `RATE_TOL` at T=1 (same key and noise: equal unless a boundary
@@ -44,6 +45,7 @@ LOGPROB_TOL = 2e-3
 RATE_TOL = 0.02
 NEW_TOKENS = 64
 ROLLOUT_ROWS = 16
+SLOTS = 8  # slot-engine cases: half the rows at once
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -138,6 +140,13 @@ def rollout_configs() -> list[tuple[str, dict]]:
     ]
     runs += [(f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}) for k in (1, 2, 4)]
     runs += [(f"ngram chain k={k}", {"method": "ngram", "num_draft_tokens": k}) for k in (1, 3)]
+    slot_runs = [  # the slot engine verifies all its slots in one call, with one key per row
+        ("eagle3 chain k=3", {"method": "eagle3", "num_draft_tokens": 3}),
+        ("eagle3 tree w=2 d=3", {"method": "eagle3", "num_draft_tokens": 3, "tree_width": 2}),
+        ("eagle3 stochastic k=3", {"method": "eagle3", "num_draft_tokens": 3, "draft_sampling": "stochastic"}),
+        ("draft_model chain k=2", {"method": "draft_model", "num_draft_tokens": 2}),
+    ]
+    runs += [(f"{label} slots={SLOTS}", {**kwargs, "slots": SLOTS}) for label, kwargs in slot_runs]
     return runs
 
 
@@ -171,8 +180,10 @@ def rollout_runs(shard: int, shards: int) -> list[dict]:
         if index % shards != shard:
             continue
         sampling = Sampling(temperature=temperature, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id)
+        kwargs = dict(kwargs)
+        engine = {"slots": kwargs.pop("slots")} if "slots" in kwargs else {}
         spec = Spec(draft=drafts.get(kwargs["method"]), **kwargs)
-        out = generate(cfg, params, prompts, jax.random.key(3), sampling, spec=spec)
+        out = generate(cfg, params, prompts, jax.random.key(3), sampling, spec=spec, **engine)
         rows.append(
             {
                 "index": index,

@@ -7,6 +7,7 @@ import pytest
 
 from jaxspec import kernels
 from jaxspec.kernels import tree_stochastic_triton, tree_verify, tree_verify_triton
+from jaxspec.kernels.tree_verify_reference import verification_noise
 
 B, N, V = 2, 4, 16
 
@@ -146,3 +147,39 @@ def test_dispatch_env_override_and_jit(monkeypatch):
         np.testing.assert_allclose(z, x, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="parents must have shape"):
         jax.jit(lambda l, p: tree_verify(l, p, *args[2:], jax.random.key(0), temperature=1.0))(args[0], args[1][:, :2])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton-interpret"])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("typed", [True, False])
+def test_per_row_keys_give_each_row_its_draw_alone(impl, stochastic, typed):
+    """One key per row (typed keys [B] or raw keys [B, 2]): row b gets what it gets verified alone
+    as a batch of one under its own key, without vmap (which jax-triton's kernels do not support);
+    a key count other than the rows' is refused."""
+    if impl != "reference":
+        pytest.importorskip("triton")
+        pytest.importorskip("torch")
+    logits, parents, tokens, num = valid_args()
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(3), (B, N, V))) if stochastic else None
+    keys = jax.random.split(jax.random.key(7), B)
+    if not typed:
+        keys = jax.random.key_data(keys)
+    got = tree_verify(logits, parents, tokens, num, keys, temperature=1.0, draft_probs=probs, impl=impl)
+    for b in range(B):
+        alone = tree_verify(
+            logits[b : b + 1],
+            parents[b : b + 1],
+            tokens[b : b + 1],
+            num[b : b + 1],
+            keys[b],
+            temperature=1.0,
+            draft_probs=None if probs is None else probs[b : b + 1],
+            impl=impl,
+        )
+        for want, have in zip(alone, got, strict=True):
+            np.testing.assert_allclose(have[b], want[0], rtol=1e-6, atol=1e-6)
+    per_row, shared = verification_noise(keys, B, N), verification_noise(keys[0], B, N)
+    np.testing.assert_array_equal(per_row.uniforms[0], shared.uniforms[0])  # row 0 alone under keys[0]
+    assert not np.any(per_row.uniforms[1] == shared.uniforms[1])  # row 1 under its own key
+    with pytest.raises(ValueError, match="3 per-row keys for 2 rows"):
+        tree_verify(logits, parents, tokens, num, jnp.concatenate([keys, keys[:1]]), temperature=1.0, impl=impl)

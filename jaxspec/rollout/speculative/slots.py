@@ -14,7 +14,7 @@ before a row starts), so suffix proposals may differ from the staged loop's wher
 read; the sampled distribution is the same (exact), and greedy rollouts give the same tokens.
 
 Randomness. The acceptance of the step that starts at row r's token i is drawn with
-`fold_in(fold_in(key, r), i)` (one `kernels.tree_verify` per row, vmapped), the first token after
+`fold_in(fold_in(key, r), i)` (`kernels.tree_verify` with one key per row), the first token after
 a prefill as in the autoregressive engine. A row's steps depend on its own tokens alone, so
 without preemption the same key gives the same tokens for any S; a preempted row resumes with a
 new step boundary, so its later sampled tokens are a different (equally exact) draw; greedy
@@ -268,19 +268,15 @@ def _loop(
             table, last, cache_len, active, keys = inputs
 
             def verify(verify_logits, tree, temperature):
-                def one(logits, parents, tokens, num_nodes, key, probs):
-                    result = kernels.tree_verify(
-                        logits[None],
-                        parents[None],
-                        tokens[None],
-                        num_nodes[None],
-                        key,
-                        temperature=temperature,
-                        draft_probs=None if probs is None else probs[None],
-                    )
-                    return jax.tree.map(lambda x: x[0], result)
-
-                return jax.vmap(one)(verify_logits, tree.parents, tree.tokens, tree.num_nodes, keys, tree.draft_probs)
+                return kernels.tree_verify(
+                    verify_logits,
+                    tree.parents,
+                    tree.tokens,
+                    tree.num_nodes,
+                    keys,
+                    temperature=temperature,
+                    draft_probs=tree.draft_probs,
+                )
 
             k, v, draft_pools = pools
             out = speculative_step(
