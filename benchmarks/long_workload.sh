@@ -3,7 +3,8 @@
 # the policy, train its EAGLE-3 head on the policy's own T=1 rollouts, then time speculative vs
 # autoregressive rollouts on RL-shaped batches of long, heavy-tailed answers.
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
-# Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU) when named.
+# Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU) and engines
+# (the slot engine against the staged one in the same memory, suffix and hybrid drafts too) when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
@@ -51,6 +52,14 @@ for stage in "${stages[@]}"; do
       jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
         --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k $SPEC_K --trees \
         --out "$RESULTS/spec_long.json" 2>&1 | tee "$RESULTS/spec_long.log" ;;
+    engines)
+      # The staged engine holds SPEC_BATCH / 2 dense rows of SPEC_NEW tokens at a time (two calls); the
+      # slot engine gets the same bytes as pages (16 positions each) for SPEC_BATCH slots.
+      pages=$(( (SPEC_BATCH / 2) * (SPEC_NEW + 256) / 16 ))
+      jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
+        --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k 3 --trees --no-ngram --suffix \
+        --sub-batch $((SPEC_BATCH / 2)) --kv-pages "$pages" --slots "$SPEC_BATCH" \
+        --out "$RESULTS/spec_long_engines.json" 2>&1 | tee "$RESULTS/spec_long_engines.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
