@@ -290,8 +290,13 @@ def main(argv: list[str]) -> int:
         problems = bench_problems(batch, args.samples, args.seed + batch, levels, kinds, tally)
         prompts = [tok.encode_prompt(pr["question"]) for pr in problems]
         ar_seconds = None
-        runs = [(label, kwargs, None) for label, kwargs in _configs(args)]
-        runs += [(f"{label} slots={s}", kwargs, s) for s in args.slots for label, kwargs in _configs(args)]
+        # each configuration on the staged engine, then on each slot count: a run cut short still
+        # holds the first configurations on both engines
+        runs = [
+            (label if s is None else f"{label} slots={s}", kwargs, s)
+            for label, kwargs in _configs(args)
+            for s in (None, *args.slots)
+        ]
         for label, kwargs, slots in runs:
             kwargs = dict(kwargs)
             spec = None
