@@ -83,10 +83,13 @@ def main(argv: list[str] | None = None, *, last_words: bool = False) -> int:
 
 
 def _say_last(line: str) -> None:
-    """Writes `line` to stderr and sends everything written there after it to /dev/null."""
-    sys.stderr.flush()
+    """Writes `line` to stderr and sends everything written there after it to /dev/null. Complete
+    lines are already out (stderr is line-buffered); what the buffer still holds is part of a line
+    another thread is writing (a background checkpoint's traceback), so it goes to /dev/null too,
+    not in front of `line`."""
     stderr = os.dup(2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    sys.stderr.flush()
     os.write(stderr, f"{line}\n".encode())
 
 
