@@ -27,7 +27,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.params import Params
@@ -129,17 +128,6 @@ def speculative_decode(
         key, draft_key, verify_key = jax.random.split(state.key, 3)
         active = ~state.done
 
-        def verify(verify_logits, tree, temperature):
-            return kernels.tree_verify(
-                verify_logits,
-                tree.parents,
-                tree.tokens,
-                tree.num_nodes,
-                verify_key,
-                temperature=temperature,
-                draft_probs=tree.draft_probs,
-            )
-
         pooled = state.draft if state.draft_pool is None else Pooled(state.draft, state.draft_pool)
         out = speculative_step(
             cfg,
@@ -153,7 +141,7 @@ def speculative_decode(
             state.cache_len,
             active,
             draft_key,
-            verify,
+            verify_key,
             max_depth=max_depth,
             chain=chain,
             sharding=sharding,

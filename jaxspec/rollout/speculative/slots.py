@@ -44,7 +44,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
@@ -267,17 +266,6 @@ def _loop(
             """The step of W slots: (per-slot outcome, the drafter's per-slot state, pools)."""
             table, last, cache_len, active, keys = inputs
 
-            def verify(verify_logits, tree, temperature):
-                return kernels.tree_verify(
-                    verify_logits,
-                    tree.parents,
-                    tree.tokens,
-                    tree.num_nodes,
-                    keys,
-                    temperature=temperature,
-                    draft_probs=tree.draft_probs,
-                )
-
             k, v, draft_pools = pools
             out = speculative_step(
                 cfg,
@@ -291,7 +279,7 @@ def _loop(
                 cache_len,
                 active,
                 step_key,
-                verify,
+                keys,
                 max_depth=max_depth,
                 chain=chain,
                 record=record,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.paged import PagedKVCache, paged_move
@@ -102,7 +103,7 @@ def speculative_step(
     cache_len: jax.Array,
     active: jax.Array,
     draft_key: jax.Array,
-    verify,
+    verify_key: jax.Array,
     *,
     max_depth: int,
     chain: bool,
@@ -112,8 +113,8 @@ def speculative_step(
 ) -> StepOutcome:
     """Steps 1-4 of the module docstring for rows root int32 [B] at cache_len int32 [B], the rows
     in active bool [B] still generating. cache: a dense `KVCache` or a `PagedKVCache`.
-    verify(verify_logits [B, N, V], tree, temperature) -> `kernels.VerifyResult`: the exact
-    acceptance (`kernels.tree_verify` with the step's key or keys). chain: the deepest drafter
+    verify_key: the key of the exact acceptance (`kernels.tree_verify`): one key, or one per row
+    (the slot engine's, so that a row draws the same in any slot). chain: the deepest drafter
     drafts chains (node n is node n - 1's only child); drafts=False verifies the root alone (an
     autoregressive step through the same code)."""
     width = max_depth + 1
@@ -143,9 +144,18 @@ def speculative_step(
         )
     with jax.named_scope("verify"):
         if sampling.greedy:
-            result = verify(logits, tree, 0.0)
+            logits, temperature = logits, 0.0
         else:
-            result = verify(processed_logprobs(logits, sampling), tree, 1.0)
+            logits, temperature = processed_logprobs(logits, sampling), 1.0
+        result = kernels.tree_verify(
+            logits,
+            tree.parents,
+            tree.tokens,
+            tree.num_nodes,
+            verify_key,
+            temperature=temperature,
+            draft_probs=tree.draft_probs,
+        )
     # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
     path = _pad_to(result.path[:, :width], width, 1, -1)
     accepted, next_token = result.num_accepted, result.next_token
