@@ -160,9 +160,9 @@ def rollout_cases() -> list[tuple[float, str, dict]]:
     ]
 
 
-def rollout_runs(shard: int, shards: int) -> list[dict]:
-    """Cases shard, shard + shards, ... of rollout_cases() under the implementation the environment
-    selects, each row tagged with its case index."""
+def rollout_runs(shard: int, shards: int, only: str = "") -> list[dict]:
+    """Cases shard, shard + shards, ... of the rollout_cases() whose label contains `only`, under the
+    implementation the environment selects, each row tagged with its case index."""
     from jaxspec.assets import tiny_policy_path
     from jaxspec.draft import load_eagle3
     from jaxspec.models import load_hf
@@ -176,8 +176,9 @@ def rollout_runs(shard: int, shards: int) -> list[dict]:
     problems = generate_problems(ROLLOUT_ROWS, seed=7, levels=[1, 2])
     prompts = [tok.encode_prompt(p["question"]) for p in problems]
     rows = []
-    for index, (temperature, label, kwargs) in enumerate(rollout_cases()):
-        if index % shards != shard:
+    cases = [(i, case) for i, case in enumerate(rollout_cases()) if only in case[1]]
+    for position, (index, (temperature, label, kwargs)) in enumerate(cases):
+        if position % shards != shard:
             continue
         sampling = Sampling(temperature=temperature, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id)
         kwargs = dict(kwargs)
@@ -224,7 +225,7 @@ def compare_rollouts(reference: list[dict], kernel: list[dict]) -> list[dict]:
     return rows
 
 
-def run_impls(impls: tuple[str, ...], jobs: int) -> dict[str, list[dict]]:
+def run_impls(impls: tuple[str, ...], jobs: int, only: str = "") -> dict[str, list[dict]]:
     """rollout_runs() of every implementation, each split over `jobs` child processes that run at
     once (compilation dominates and is single-threaded); the implementation is chosen by
     JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop."""
@@ -232,7 +233,14 @@ def run_impls(impls: tuple[str, ...], jobs: int) -> dict[str, list[dict]]:
         (
             impl,
             subprocess.Popen(
-                [sys.executable, "-m", "tests.gpu.check_spec", "--rollouts-only", f"--shard={shard}/{jobs}"],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.gpu.check_spec",
+                    "--rollouts-only",
+                    f"--shard={shard}/{jobs}",
+                    f"--only={only}",
+                ],
                 cwd=ROOT,
                 env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
                 stdout=subprocess.PIPE,
@@ -259,10 +267,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--jobs", type=int, default=6, help="rollout processes per implementation, run at once")
     p.add_argument("--skip-rollouts", action="store_true", help="only the kernel check")
     p.add_argument("--skip-kernel", action="store_true", help="only the rollout check")
+    p.add_argument("--only", default="", help="only the rollout cases whose label contains this (e.g. 'slots=')")
     args = p.parse_args(argv)
     if args.rollouts_only:
         shard, shards = (int(x) for x in args.shard.split("/"))
-        print(json.dumps(rollout_runs(shard, shards)))
+        print(json.dumps(rollout_runs(shard, shards, args.only)))
         return 0
     if jax.default_backend() != "gpu":
         print(f"check_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
@@ -275,7 +284,7 @@ def main(argv: list[str]) -> int:
             f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_kernel']:.3f} {'OK' if r['ok'] else 'MISMATCH'}"
         )
     if not args.skip_rollouts:
-        runs = run_impls(("reference", "triton"), args.jobs)
+        runs = run_impls(("reference", "triton"), args.jobs, args.only)
         for r in compare_rollouts(runs["reference"], runs["triton"]):
             rows.append(r)
             print(
