@@ -18,8 +18,9 @@ count (ties: shallower, then first reached). A chain (width 1) is the most frequ
 token by token. A row without a match drafts nothing that step.
 
 Cost per step and row, T = S * G + H * L source slots (S: the loop's token slots, G: group rows,
-L: history length): `max_match` compares over the T slots, one top-k of `num_candidates` over T,
-and O(num_candidates^2 * depth) for the trie; memory T int32 per row for the gathered sources.
+L: history length): `max_match` compares over the T slots, two small top-ks for the first
+`num_candidates` longest matches (`first_longest`), and O(num_candidates^2 * depth) for the trie;
+memory T int32 per row for the gathered sources.
 """
 
 from __future__ import annotations
@@ -173,8 +174,7 @@ class SuffixDrafter:
     def _tree(self, flat: jax.Array, end: jax.Array, matched: jax.Array, root: jax.Array) -> DraftTree:
         batch, slots = flat.shape
         num_cand, depth = min(self.num_candidates, slots), self.depth
-        best, position = jax.lax.top_k(matched, num_cand)  # ties: lower index first
-        found = (best >= 1) & (best == best[:, :1])
+        found, position = first_longest(matched, num_cand)
         offsets = position[:, :, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None, None, :]  # [B, C, D]
         cont = jnp.take_along_axis(flat, jnp.minimum(offsets, slots - 1).reshape(batch, -1), axis=1)
         cont = cont.reshape(batch, num_cand, depth)
@@ -272,6 +272,35 @@ def _gather_sources(sources: SuffixSources, pool: SuffixPool, rows: jax.Array):
         jnp.concatenate(end, axis=1),
         jnp.concatenate(can_end, axis=1),
     )
+
+
+MATCH_BLOCK = 128  # slots per block of `first_longest`'s first pass
+
+
+def first_longest(matched: jax.Array, num: int, block: int = MATCH_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """The first `num` slots, in slot order, that hold their row's longest match (>= 1).
+
+    matched: int32 [b, T] (`match_lengths`). Returns (found bool [b, num], position int32 [b, num]):
+    the slots in ascending order, found false past the last one (position then any slot < T). The
+    same slots as `lax.top_k(matched, num)` keeps where its value equals the maximum, without a
+    top-k over T slots (a sort on GPUs for int32): the first `num` hits lie in the first `num`
+    blocks of `block` slots that hold one, so top-k runs over T / block block keys and
+    num * block slots.
+    """
+    batch, slots = matched.shape
+    blocks = -(-slots // block)
+    longest = matched.max(axis=1, keepdims=True)
+    hit = (matched == longest) & (longest >= 1)
+    hit = jnp.pad(hit, ((0, 0), (0, blocks * block - slots))).reshape(batch, blocks, block)
+    order = jnp.arange(blocks, 0, -1, dtype=jnp.int32)  # earlier blocks rank higher
+    # Float keys (exact below 2^24) take the GPU's top-k kernel; distinct where they matter.
+    _, picked = jax.lax.top_k(jnp.where(hit.any(axis=2), order, 0).astype(jnp.float32), min(num, blocks))
+    candidates = hit[jnp.arange(batch)[:, None], picked].reshape(batch, -1)  # [b, nb * block]
+    slot = (picked[:, :, None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
+    rank = jnp.arange(candidates.shape[1], 0, -1, dtype=jnp.int32)
+    _, first = jax.lax.top_k(jnp.where(candidates, rank, 0).astype(jnp.float32), num)
+    found = jnp.take_along_axis(candidates, first, axis=1)
+    return found, jnp.minimum(jnp.take_along_axis(slot, first, axis=1), slots - 1)
 
 
 def match_lengths(flat: jax.Array, start: jax.Array, can_end: jax.Array, context: jax.Array) -> jax.Array:

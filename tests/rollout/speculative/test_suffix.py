@@ -14,6 +14,7 @@ from jaxspec.rollout.speculative.suffix import (
     SuffixHistory,
     SuffixPool,
     SuffixSources,
+    first_longest,
     group_rows,
     suffix_sources,
 )
@@ -195,3 +196,24 @@ def test_rows_keep_their_sources_when_the_loop_moves_into_smaller_batches(policy
     np.testing.assert_array_equal(out.lengths, ar.lengths)
     assert out.stats["stage_rows"] == [8, 4, 2] and sum(out.stats["stage_steps"][1:]) > 0, out.stats
     assert out.stats["acceptance_length"] >= 3.5, out.stats
+
+
+@pytest.mark.parametrize("slots", [5, 128, 300, 1000])
+@pytest.mark.parametrize("num", [1, 4, 16])
+def test_first_longest_keeps_the_first_slots_of_the_longest_match(slots, num):
+    """The blocked selection keeps exactly the slots that a top-k over all slots keeps at the
+    maximum, in slot order: rows with many ties (values 0-3), few, and none (all -1)."""
+    num = min(num, slots)
+    rng = np.random.default_rng(slots * 100 + num)
+    matched = rng.integers(-1, 4, (6, slots)).astype(np.int32)
+    matched[1] = np.where(rng.random(slots) < 0.01, 5, matched[1])  # a rare longest match
+    matched[2] = -1  # nothing matches
+    matched[3] = np.where(np.arange(slots) == slots - 1, 7, 0)  # only the last slot
+    found, position = jax.jit(first_longest, static_argnums=1)(jnp.asarray(matched), num)
+    found, position = np.asarray(found), np.asarray(position)
+    for row in range(matched.shape[0]):
+        longest = matched[row].max()
+        expected = np.flatnonzero(matched[row] == longest)[:num] if longest >= 1 else np.array([], int)
+        assert found[row].tolist() == [True] * len(expected) + [False] * (num - len(expected)), row
+        assert position[row, : len(expected)].tolist() == expected.tolist(), row
+        assert (position[row] >= 0).all() and (position[row] < slots).all()
