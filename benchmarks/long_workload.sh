@@ -11,7 +11,9 @@
 #   PRETRAIN_BATCH (rows per step; default keeps ~61k tokens a step), HEAD_STEPS (1000),
 #   SPEC_BATCH (256), SPEC_SAMPLES (8: GRPO's group size), SPEC_NEW (8192), SPEC_K ("3 7": the
 #   k=7 chain's acceptance per position gives the acceptance length at every k <= 7), PRETRAIN_ARGS
-#   and HEAD_ARGS (extra dotted.key=value overrides).
+#   and HEAD_ARGS (extra dotted.key=value overrides); engines: ENGINE_CALLS (2: the memory both engines
+#   get is SPEC_BATCH / ENGINE_CALLS dense rows), ENGINE_SLOTS ("SPEC_BATCH": slot counts, one run
+#   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7").
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
@@ -24,6 +26,9 @@ SPEC_NEW=${SPEC_NEW:-8192}
 SPEC_K=${SPEC_K:-3 7}
 read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
 read -r -a head_args <<< "${HEAD_ARGS:-}"
+ENGINE_CALLS=${ENGINE_CALLS:-2}
+ENGINE_SLOTS=${ENGINE_SLOTS:-$SPEC_BATCH}
+read -r -a engine_args <<< "${ENGINE_ARGS---suffix}"  # set and empty: no more options
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 stages=("$@")
@@ -53,13 +58,16 @@ for stage in "${stages[@]}"; do
         --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k $SPEC_K --trees \
         --out "$RESULTS/spec_long.json" 2>&1 | tee "$RESULTS/spec_long.log" ;;
     engines)
-      # The staged engine holds SPEC_BATCH / 2 dense rows of SPEC_NEW tokens at a time (two calls); the
-      # slot engine gets the same bytes as pages (16 positions each) for SPEC_BATCH slots.
-      pages=$(( (SPEC_BATCH / 2) * (SPEC_NEW + 256) / 16 ))
+      # The staged engine holds SPEC_BATCH / ENGINE_CALLS dense rows of SPEC_NEW tokens at a time (that
+      # many calls, one after another); the slot engine gets the same bytes as pages (16 positions
+      # each) for each slot count of ENGINE_SLOTS.
+      rows=$((SPEC_BATCH / ENGINE_CALLS))
+      pages=$(( rows * (SPEC_NEW + 256) / 16 ))
+      # shellcheck disable=SC2086
       jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
-        --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k 3 --trees --no-ngram --suffix \
-        --sub-batch $((SPEC_BATCH / 2)) --kv-pages "$pages" --slots "$SPEC_BATCH" \
-        --out "$RESULTS/spec_long_engines.json" 2>&1 | tee "$RESULTS/spec_long_engines.log" ;;
+        --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k 3 --trees --no-ngram \
+        --sub-batch "$rows" --kv-pages "$pages" --slots $ENGINE_SLOTS "${engine_args[@]}" \
+        --out "$RESULTS/spec_long_engines_c$ENGINE_CALLS.json" 2>&1 | tee "$RESULTS/spec_long_engines_c$ENGINE_CALLS.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
