@@ -3,8 +3,9 @@
 # the policy, train its EAGLE-3 head on the policy's own T=1 rollouts, then time speculative vs
 # autoregressive rollouts on RL-shaped batches of long, heavy-tailed answers.
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
-# Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU) and engines
-# (the slot engine against the staged one in the same memory, suffix and hybrid drafts too) when named.
+# Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU), engines
+# (the slot engine against the staged one in the same memory, suffix and hybrid drafts too) and floor
+# (speculation with a useless draft, fixed and adaptive depths, batch 1 to 512) when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
@@ -13,7 +14,8 @@
 #   k=7 chain's acceptance per position gives the acceptance length at every k <= 7), PRETRAIN_ARGS
 #   and HEAD_ARGS (extra dotted.key=value overrides); engines: ENGINE_CALLS (2: the memory both engines
 #   get is SPEC_BATCH / ENGINE_CALLS dense rows), ENGINE_SLOTS ("SPEC_BATCH": slot counts, one run
-#   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7").
+#   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7"); floor:
+#   FLOOR_NEW (1024: max_new_tokens).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
@@ -26,6 +28,7 @@ SPEC_NEW=${SPEC_NEW:-8192}
 SPEC_K=${SPEC_K:-3 7}
 read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
 read -r -a head_args <<< "${HEAD_ARGS:-}"
+FLOOR_NEW=${FLOOR_NEW:-1024}
 ENGINE_CALLS=${ENGINE_CALLS:-2}
 ENGINE_SLOTS=${ENGINE_SLOTS:-$SPEC_BATCH}
 read -r -a engine_args <<< "${ENGINE_ARGS---suffix}"  # set and empty: no more options
@@ -68,6 +71,12 @@ for stage in "${stages[@]}"; do
         --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$SPEC_NEW" --k 3 --trees --no-ngram \
         --sub-batch "$rows" --kv-pages "$pages" --slots $ENGINE_SLOTS "${engine_args[@]}" \
         --out "$RESULTS/spec_long_engines_c$ENGINE_CALLS.json" 2>&1 | tee "$RESULTS/spec_long_engines_c$ENGINE_CALLS.log" ;;
+    floor)
+      # speculation's floor: a trained and a random (useless) head, fixed and adaptive depths, batch 1
+      # to 512, against AR of the same batch
+      jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
+        --batch 1 16 128 512 --samples 1 --new "$FLOOR_NEW" --k 3 --trees --no-ngram --random-draft --adaptive \
+        --out "$RESULTS/spec_long_floor.json" 2>&1 | tee "$RESULTS/spec_long_floor.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxspec.bench.timing import print_table, write_results
-from jaxspec.draft import load_eagle3
+from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, load_hf
 from jaxspec.rewards.math_verifier import arithmetic_reward
 from jaxspec.rollout import RolloutOutput, Sampling, Spec, generate
@@ -155,10 +155,22 @@ def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelC
 def _configs(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
-    heads = [("eagle3", args.draft)] + ([("eagle3-ood", args.draft_ood)] if args.draft_ood else [])
-    for label, _ in heads:
+    heads = ["eagle3"] + ["eagle3-ood"] * bool(args.draft_ood) + ["eagle3-random"] * args.random_draft
+    costs = {
+        name: value
+        for name, value in (("verify_token_cost", args.verify_token_cost), ("draft_token_cost", args.draft_token_cost))
+        if value is not None
+    }
+    for label in heads:
         for k in args.k:
             runs.append((f"{label} chain k={k}", {"method": label, "num_draft_tokens": k}))
+            if args.adaptive:
+                runs.append(
+                    (
+                        f"{label} chain k={k} adaptive",
+                        {"method": label, "num_draft_tokens": k, "adaptive": True, **costs},
+                    )
+                )
     for depths in args.stage_k:
         runs.append(
             (stage_label(depths), {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths})
@@ -222,6 +234,20 @@ def main(argv: list[str]) -> int:
         metavar="K1,K2,...",
         help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
     )
+    p.add_argument(
+        "--random-draft",
+        action="store_true",
+        help="also the EAGLE-3 chains drafted by a head of the trained head's shape with random weights "
+        "(drafts are almost never accepted: speculation's floor)",
+    )
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also every EAGLE-3 chain with Spec.adaptive (each iteration's depth, none included, chosen "
+        "from the acceptance measured so far and the cost model)",
+    )
+    p.add_argument("--verify-token-cost", type=float, default=None, help="Spec.verify_token_cost of --adaptive")
+    p.add_argument("--draft-token-cost", type=float, default=None, help="Spec.draft_token_cost of --adaptive")
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
     p.add_argument(
@@ -284,6 +310,11 @@ def main(argv: list[str]) -> int:
         drafts["eagle3-ood"] = load_eagle3(args.draft_ood, dtype=args.dtype, policy=cfg)
     if args.draft_model:
         drafts["draft_model"] = load_draft_model(args.draft_model, cfg, args.dtype)
+    if args.random_draft:
+        dcfg = drafts["eagle3"][0]
+        drafts["eagle3-random"] = init_eagle3(
+            cfg, jax.random.key(1), dcfg.draft_vocab_size, aux_layer_ids=dcfg.aux_layer_ids, dtype=args.dtype
+        )
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
@@ -336,6 +367,8 @@ def main(argv: list[str]) -> int:
                 "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
                 "stage_rows": out.stats["stage_rows"],
                 "stage_steps": out.stats["stage_steps"],
+                "depth_steps": out.stats.get("depth_steps"),  # loop iterations at each draft depth
+                "fallback_steps": out.stats.get("fallback_steps"),  # adaptive: iterations that drafted nothing
                 **rollout_summary(tok, problems, out.tokens, out.logprobs, out.lengths),
             }
             rows.append(row)
@@ -344,6 +377,7 @@ def main(argv: list[str]) -> int:
         "policy": args.policy,
         "draft": args.draft,
         "draft_ood": args.draft_ood,
+        "random_draft": args.random_draft,
         "draft_model": args.draft_model,
         "params": cfg.num_params(),
         "levels": list(levels),

@@ -282,3 +282,24 @@ def test_bench_spec_suffix_and_hybrid_drafts_on_both_engines(tmp_path):
     for label in (*labels, *(f"{label} slots=2" for label in labels)):
         assert len(rows[label]["lengths"]) == 4 and rows[label]["acceptance_length"] >= 1.0, rows[label]
     assert rows["hybrid eagle3+suffix k=3"]["acceptance_length"] > 1.0
+
+
+def test_bench_spec_random_head_and_adaptive_chains(tmp_path):
+    """--random-draft adds chains drafted by a random head of the trained one's shape, --adaptive
+    every chain with Spec.adaptive; with a cost model in which a drafted token costs 5 decode steps,
+    the adaptive chains fall back to autoregressive iterations (depth 0), the fixed ones never do."""
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
+    argv += ["--batch", "4", "--new", "24", "--k", "2", "--trees", "--no-ngram", "--levels", "1"]
+    argv += ["--random-draft", "--adaptive", "--verify-token-cost", "5"]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    heads = ("eagle3", "eagle3-random")
+    assert set(rows) == {"ar", *(f"{h} chain k=2{a}" for h in heads for a in ("", " adaptive"))}
+    assert result["baseline"]["random_draft"] is True
+    for head in heads:
+        fixed, adaptive = rows[f"{head} chain k=2"], rows[f"{head} chain k=2 adaptive"]
+        assert fixed["fallback_steps"] == fixed["depth_steps"][0] == 0
+        assert adaptive["fallback_steps"] == adaptive["depth_steps"][0] > sum(adaptive["depth_steps"][1:])
+    assert rows["eagle3 chain k=2"]["acceptance_length"] > rows["eagle3-random chain k=2"]["acceptance_length"]
