@@ -1,6 +1,7 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
-    python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...] [--trace]
+    python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
+        [--spec K] [--trace]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
@@ -8,7 +9,10 @@ geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8, 
 engines generate the same prompts with the same key (compiled and warmed up first), the slot
 engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
-each batch width (`stage_rows` / `stage_steps`). With --trace a third call runs under `jax.profiler` and the
+each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3 chains of
+depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one
+token per step as in the AR runs and the per-step figures compare a speculative step's cost with a
+decode step's at the same occupancy). With --trace a third call runs under `jax.profiler` and the
 kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
 kernel time and launches per iteration (their difference from the wall time is the device's idle
 time), the 22 longest kernels and the time by jax scope; --trace turns XLA's command buffers (CUDA
@@ -18,6 +22,7 @@ the HLO dump and the traces). XLA_FLAGS set outside reach every run.
 
 import argparse
 import collections
+import itertools
 import json
 import time
 from pathlib import Path
@@ -32,6 +37,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="the slot engine's, one run each")
+    p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
     p.add_argument("--trace", action="store_true")
     args = p.parse_args()
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
@@ -40,9 +46,10 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxspec.draft import init_eagle3
     from jaxspec.models import ModelConfig
     from jaxspec.models.params import init_params
-    from jaxspec.rollout import Sampling, generate
+    from jaxspec.rollout import Sampling, Spec, generate
 
     cfg = ModelConfig.from_json("configs/models/small-policy.json")
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
@@ -52,10 +59,17 @@ def main() -> None:
     result = {}
     engines = [("staged", None, None)]
     engines += [(f"slots K={k or 'default'}", args.slots, k) for k in args.decode_steps]
-    for label, slots, decode_steps in engines:
+    specs = [("", None)]
+    if args.spec:
+        head = init_eagle3(cfg, jax.random.key(2), dtype=jnp.bfloat16)
+        specs.append((f" eagle3 k={args.spec}", Spec("eagle3", head, num_draft_tokens=args.spec)))
+    for (engine, slots, decode_steps), (method, spec) in itertools.product(engines, specs):
+        label = engine + method
 
         def run():
-            out = generate(cfg, params, prompts, jax.random.key(1), sampling, slots=slots, decode_steps=decode_steps)
+            out = generate(
+                cfg, params, prompts, jax.random.key(1), sampling, spec=spec, slots=slots, decode_steps=decode_steps
+            )
             return jax.block_until_ready(out)
 
         run()
@@ -81,7 +95,8 @@ def main() -> None:
         trace = args.work / f"trace_{label.replace(' ', '_')}"
         with jax.profiler.trace(str(trace)):
             run()
-        modules = {"jit__decode": label, "jit__loop": label, "jit_prefill_prompts": f"{label}-prefill"}
+        modules = {"jit__decode": label, "jit__loop": label, "jit_speculative_decode": label}
+        modules["jit_prefill_prompts"] = f"{label}-prefill"
         kernels = kernel_times(trace, op_scopes(args.work / "hlo"), modules)
         by_scope = collections.defaultdict(float)
         for k in kernels:
