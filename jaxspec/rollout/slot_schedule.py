@@ -45,21 +45,30 @@ def make_room(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
 
 def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     """Free slots take the next pending rows while the pool holds their context's pages plus one
-    iteration's decode pages (`Layout.reach`) for every running row (`jaxspec.rollout.slots`,
-    step 2). When the next row does not fit, the prefix cache first lets go of the prefixes no
-    running row holds."""
+    iteration's decode pages (`Layout.reach`) for every running row and every row admitted before
+    them, each capped at the pages its row's longest sequence can still take, so that a pool of
+    every slot's longest sequence admits every slot (`jaxspec.rollout.slots`, step 2). When the
+    next row does not fit, the prefix cache first lets go of the prefixes no running row holds."""
+    size = layout.page_size
     j = jnp.arange(layout.slots, dtype=jnp.int32)
     free = state.row < 0
     position = state.head + j
     candidate = state.queue[jnp.clip(position, 0, layout.rows - 1)]
     ctx = prompts.row_lengths[candidate] + state.lengths[candidate]
-    pages = pages_for(ctx, layout.page_size)
-    running = jnp.sum(~free, dtype=jnp.int32)
-    headroom = pages_for(layout.reach, layout.page_size) * (running + j)
-    short = (state.head < layout.rows) & jnp.any(free) & (pages[0] + headroom[0] > state.pool.num_free)
+    pages = pages_for(ctx, size)
+    reach = pages_for(layout.reach, size)
+
+    def longest(row: jax.Array) -> jax.Array:
+        """Pages of the row's longest sequence (its last step's writes included)."""
+        return pages_for(prompts.row_lengths[row] + layout.max_new - 1 + layout.lookahead, size)
+
+    room = jnp.clip(longest(jnp.clip(state.row, 0, layout.rows - 1)) - state.pool.held, 0, reach)
+    with_room = jnp.minimum(pages + reach, longest(candidate))
+    need = jnp.sum(jnp.where(free, 0, room)) + jnp.cumsum(with_room) - with_room + pages  # [S]: up to row j
+    short = (state.head < layout.rows) & jnp.any(free) & (need[0] > state.pool.num_free)
     state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
     pool = state.pool
-    ok = (position < layout.rows) & (j < free.sum()) & (jnp.cumsum(pages) + headroom <= pool.num_free)
+    ok = (position < layout.rows) & (j < free.sum()) & (need <= pool.num_free)
     count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
     free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
     target = jnp.where(j < count, free_slots[j], layout.slots)
@@ -67,7 +76,6 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     def put(field: jax.Array, values) -> jax.Array:
         return field.at[target].set(values, mode="drop")
 
-    need = put(jnp.zeros((layout.slots,), jnp.int32), pages)
     return state._replace(
         head=state.head + count,
         row=put(state.row, candidate),
@@ -76,7 +84,7 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
         prefilled=put(state.prefilled, 0),
         admitted=put(state.admitted, state.next_admit + j),
         next_admit=state.next_admit + count,
-        pool=allocate(pool, need, layout.pages_per_slot),
+        pool=allocate(pool, put(jnp.zeros((layout.slots,), jnp.int32), pages), layout.pages_per_slot),
     )
 
 

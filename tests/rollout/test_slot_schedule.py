@@ -1,6 +1,8 @@
-"""`jaxspec.rollout.slot_schedule.make_room`: a decoding slot gets the pages of the iteration's
-decode steps (`Layout.reach` positions past its length), never past its row's longest sequence,
-so a pool of one row's longest sequence serves any number of decode steps per iteration."""
+"""`jaxspec.rollout.slot_schedule`: a decoding slot gets the pages of the iteration's decode steps
+(`Layout.reach` positions past its length), never past its row's longest sequence, so a pool of
+one row's longest sequence serves any number of decode steps per iteration (`make_room`); and
+admission reserves that reach for the rows before it, capped alike, so a pool of every slot's
+longest sequence admits every slot at once however far an iteration reaches (`admit`)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from jaxspec.models.paged import NO_PAGE, init_paged_cache
 from jaxspec.rollout.page_pool import allocate
 from jaxspec.rollout.slot_layout import plan_layout
-from jaxspec.rollout.slot_schedule import make_room
+from jaxspec.rollout.slot_schedule import admit, make_room
 from jaxspec.rollout.slot_state import Prompts, initial_state
 
 PROMPT, MAX_NEW, PAGE = 5, 12, 4  # the longest sequence: 5 + 12 - 1 + 1 = 17 positions, 5 pages
@@ -58,3 +60,61 @@ def test_a_decoding_row_gets_the_iterations_pages_up_to_its_longest_sequence(dec
     assert int(state.counters["preemptions"]) == 0
     pages = np.asarray(state.pool.page_table[0, :held])
     assert sorted(pages.tolist()) == sorted(set(pages.tolist())) and (pages >= 0).all()
+
+
+@pytest.mark.parametrize(("decode_steps", "advance"), [(1, 1), (8, 1), (8, 4), (30, 8)])
+def test_a_pool_of_every_slots_longest_sequence_admits_every_slot(decode_steps, advance):
+    """Four pending rows, four slots, a pool of 4 x 5 pages: all four are admitted at once, also
+    when an iteration's reach (speculative steps advance up to 1 + depth positions) is longer than
+    any row."""
+    layout = plan_layout(
+        4, 4, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=20, decode_steps=decode_steps, advance=advance
+    )
+    assert layout.pages_per_slot == 5
+    prompts = Prompts(
+        tokens=jnp.zeros((1, PROMPT), jnp.int32),
+        lengths=jnp.asarray([PROMPT], jnp.int32),
+        row_prompt=jnp.zeros((4,), jnp.int32),
+        row_lengths=jnp.full((4,), PROMPT, jnp.int32),
+    )
+    table = jnp.full((4, layout.pages_per_slot), NO_PAGE, jnp.int32)
+    state = admit(initial_state(layout, prompts, init_paged_cache(1, 1, 2, 20, PAGE, table), 0), layout, prompts)
+    assert np.asarray(state.row).tolist() == [0, 1, 2, 3] and int(state.head) == 4
+    assert np.asarray(state.pool.held).tolist() == [2] * 4  # each its context's pages, the rest as it decodes
+
+
+@pytest.mark.parametrize(
+    ("emitted", "num_pages", "admitted"),
+    [
+        (4, 5, False),  # 2 pages held, 3 free: row 0's next 2 and row 1's 2 do not fit
+        (4, 6, True),
+        (12, 7, True),  # 4 held: 1 page left to the row's longest sequence, so 1 kept, not 2
+        (12, 6, False),
+    ],
+)
+def test_admission_keeps_the_running_rows_next_pages_free(emitted, num_pages, admitted):
+    """Row 0 decodes in slot 0 with `emitted` tokens (its positions' pages held) and an iteration
+    reaching 8 positions (2 pages of 4) further; pending row 1 needs 2 pages for its prompt. It is
+    admitted only if the pool keeps row 0's next pages, as many as row 0 can still take, free."""
+    layout = plan_layout(2, 2, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=num_pages, decode_steps=8)
+    assert layout.reach == 8
+    prompts = Prompts(
+        tokens=jnp.zeros((1, PROMPT), jnp.int32),
+        lengths=jnp.asarray([PROMPT], jnp.int32),
+        row_prompt=jnp.zeros((2,), jnp.int32),
+        row_lengths=jnp.full((2,), PROMPT, jnp.int32),
+    )
+    table = jnp.full((2, layout.pages_per_slot), NO_PAGE, jnp.int32)
+    state = initial_state(layout, prompts, init_paged_cache(1, 1, 2, num_pages, PAGE, table), 0)
+    cache_len = PROMPT + emitted - 1
+    state = state._replace(
+        row=jnp.asarray([0, -1], jnp.int32),
+        decoding=jnp.asarray([True, False]),
+        cache_len=jnp.asarray([cache_len, 0], jnp.int32),
+        lengths=jnp.asarray([emitted, 0], jnp.int32),
+        head=jnp.asarray(1, jnp.int32),
+        pool=allocate(state.pool, jnp.asarray([-(-cache_len // PAGE), 0], jnp.int32), layout.pages_per_slot),
+    )
+    state = admit(state, layout, prompts)
+    assert np.asarray(state.row).tolist() == ([0, 1] if admitted else [0, -1])
+    assert int(state.head) == 1 + admitted
