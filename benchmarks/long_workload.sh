@@ -5,7 +5,7 @@
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
 # Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU), engines
 # (the slot engine against the staged one in the same memory, suffix and hybrid drafts too) and floor
-# (speculation with a useless draft, fixed and adaptive depths, batch 1 to 512) when named.
+# (speculation with a useless draft, fixed and adaptive depths, batch 512 to 1) when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
@@ -15,7 +15,8 @@
 #   and HEAD_ARGS (extra dotted.key=value overrides); engines: ENGINE_CALLS (2: the memory both engines
 #   get is SPEC_BATCH / ENGINE_CALLS dense rows), ENGINE_SLOTS ("SPEC_BATCH": slot counts, one run
 #   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7"); floor:
-#   FLOOR_NEW (1024: max_new_tokens).
+#   FLOOR_NEW (1024: max_new_tokens), FLOOR_BATCH ("512 64 1": batch sizes, largest first, where
+#   speculation costs most).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
@@ -29,6 +30,7 @@ SPEC_K=${SPEC_K:-3 7}
 read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
 read -r -a head_args <<< "${HEAD_ARGS:-}"
 FLOOR_NEW=${FLOOR_NEW:-1024}
+FLOOR_BATCH=${FLOOR_BATCH:-512 64 1}
 ENGINE_CALLS=${ENGINE_CALLS:-2}
 ENGINE_SLOTS=${ENGINE_SLOTS:-$SPEC_BATCH}
 read -r -a engine_args <<< "${ENGINE_ARGS---suffix}"  # set and empty: no more options
@@ -74,8 +76,9 @@ for stage in "${stages[@]}"; do
     floor)
       # speculation's floor: a trained and a random (useless) head, fixed and adaptive depths, batch 1
       # to 512, against AR of the same batch
+      # shellcheck disable=SC2086
       jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
-        --batch 1 16 128 512 --samples 1 --new "$FLOOR_NEW" --k 3 --trees --no-ngram --random-draft --adaptive \
+        --batch $FLOOR_BATCH --samples 1 --new "$FLOOR_NEW" --k 3 --trees --no-ngram --random-draft --adaptive \
         --out "$RESULTS/spec_long_floor.json" 2>&1 | tee "$RESULTS/spec_long_floor.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
