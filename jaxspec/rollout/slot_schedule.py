@@ -15,14 +15,19 @@ from jaxspec.rollout.slot_layout import Layout
 from jaxspec.rollout.slot_state import LoopState, Prompts
 
 
+def longest_sequence(prompts: Prompts, layout: Layout, row: jax.Array) -> jax.Array:
+    """Positions of each row's longest sequence, its last step's writes included (int32, the shape
+    of `row`; rows clipped into range, so a free slot's -1 reads row 0)."""
+    return prompts.row_lengths[jnp.clip(row, 0, layout.rows - 1)] + layout.max_new - 1 + layout.lookahead
+
+
 def make_room(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     """Gives every decoding slot the pages of the iteration's decode steps (`Layout.reach`
     positions past its length, no further than its row's longest sequence), preempting the newest
     rows first when the pool runs short (`jaxspec.rollout.slots`, step 1)."""
     size = layout.page_size
     occupied = state.row >= 0
-    longest = prompts.row_lengths[jnp.clip(state.row, 0, layout.rows - 1)] + layout.max_new - 1 + layout.lookahead
-    reach = jnp.minimum(state.cache_len + layout.reach, longest)
+    reach = jnp.minimum(state.cache_len + layout.reach, longest_sequence(prompts, layout, state.row))
     need = jnp.where(state.decoding, jnp.maximum(0, pages_for(reach, size) - state.pool.held), 0)
     # under pressure the prefix cache lets go first: its pages stay only where rows hold them
     state = prefix_cache.drop(state, jnp.broadcast_to(need.sum() > state.pool.num_free, state.prefix.ready.shape))
@@ -57,13 +62,8 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     ctx = prompts.row_lengths[candidate] + state.lengths[candidate]
     pages = pages_for(ctx, size)
     reach = pages_for(layout.reach, size)
-
-    def longest(row: jax.Array) -> jax.Array:
-        """Pages of the row's longest sequence (its last step's writes included)."""
-        return pages_for(prompts.row_lengths[row] + layout.max_new - 1 + layout.lookahead, size)
-
-    room = jnp.clip(longest(jnp.clip(state.row, 0, layout.rows - 1)) - state.pool.held, 0, reach)
-    with_room = jnp.minimum(pages + reach, longest(candidate))
+    room = jnp.clip(pages_for(longest_sequence(prompts, layout, state.row), size) - state.pool.held, 0, reach)
+    with_room = jnp.minimum(pages + reach, pages_for(longest_sequence(prompts, layout, candidate), size))
     need = jnp.sum(jnp.where(free, 0, room)) + jnp.cumsum(with_room) - with_room + pages  # [S]: up to row j
     short = (state.head < layout.rows) & jnp.any(free) & (need[0] > state.pool.num_free)
     state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))

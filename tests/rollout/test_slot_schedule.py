@@ -17,18 +17,24 @@ from jaxspec.rollout.slot_state import Prompts, initial_state
 PROMPT, MAX_NEW, PAGE = 5, 12, 4  # the longest sequence: 5 + 12 - 1 + 1 = 17 positions, 5 pages
 
 
+def pending(layout):
+    """(prompts, state): layout.rows rows of one PROMPT-token prompt, all pending, every slot free,
+    every page of the pool free."""
+    prompts = Prompts(
+        tokens=jnp.zeros((1, PROMPT), jnp.int32),
+        lengths=jnp.asarray([PROMPT], jnp.int32),
+        row_prompt=jnp.zeros((layout.rows,), jnp.int32),
+        row_lengths=jnp.full((layout.rows,), PROMPT, jnp.int32),
+    )
+    table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)
+    return prompts, initial_state(layout, prompts, init_paged_cache(1, 1, 2, layout.num_pages, PAGE, table), 0)
+
+
 def decoding_row(decode_steps: int, emitted: int):
     """One slot decoding row 0 (prompt of PROMPT tokens, `emitted` tokens so far) in a pool of
     exactly its longest sequence, holding the pages of its positions so far."""
     layout = plan_layout(1, 1, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=5, decode_steps=decode_steps)
-    prompts = Prompts(
-        tokens=jnp.zeros((1, PROMPT), jnp.int32),
-        lengths=jnp.asarray([PROMPT], jnp.int32),
-        row_prompt=jnp.asarray([0], jnp.int32),
-        row_lengths=jnp.asarray([PROMPT], jnp.int32),
-    )
-    table = jnp.full((1, layout.pages_per_slot), NO_PAGE, jnp.int32)
-    state = initial_state(layout, prompts, init_paged_cache(1, 1, 2, 5, PAGE, table), 0)
+    prompts, state = pending(layout)
     cache_len = PROMPT + emitted - 1
     held = -(-cache_len // PAGE)
     state = state._replace(
@@ -71,14 +77,8 @@ def test_a_pool_of_every_slots_longest_sequence_admits_every_slot(decode_steps, 
         4, 4, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=20, decode_steps=decode_steps, advance=advance
     )
     assert layout.pages_per_slot == 5
-    prompts = Prompts(
-        tokens=jnp.zeros((1, PROMPT), jnp.int32),
-        lengths=jnp.asarray([PROMPT], jnp.int32),
-        row_prompt=jnp.zeros((4,), jnp.int32),
-        row_lengths=jnp.full((4,), PROMPT, jnp.int32),
-    )
-    table = jnp.full((4, layout.pages_per_slot), NO_PAGE, jnp.int32)
-    state = admit(initial_state(layout, prompts, init_paged_cache(1, 1, 2, 20, PAGE, table), 0), layout, prompts)
+    prompts, state = pending(layout)
+    state = admit(state, layout, prompts)
     assert np.asarray(state.row).tolist() == [0, 1, 2, 3] and int(state.head) == 4
     assert np.asarray(state.pool.held).tolist() == [2] * 4  # each its context's pages, the rest as it decodes
 
@@ -98,14 +98,7 @@ def test_admission_keeps_the_running_rows_next_pages_free(emitted, num_pages, ad
     admitted only if the pool keeps row 0's next pages, as many as row 0 can still take, free."""
     layout = plan_layout(2, 2, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=num_pages, decode_steps=8)
     assert layout.reach == 8
-    prompts = Prompts(
-        tokens=jnp.zeros((1, PROMPT), jnp.int32),
-        lengths=jnp.asarray([PROMPT], jnp.int32),
-        row_prompt=jnp.zeros((2,), jnp.int32),
-        row_lengths=jnp.full((2,), PROMPT, jnp.int32),
-    )
-    table = jnp.full((2, layout.pages_per_slot), NO_PAGE, jnp.int32)
-    state = initial_state(layout, prompts, init_paged_cache(1, 1, 2, num_pages, PAGE, table), 0)
+    prompts, state = pending(layout)
     cache_len = PROMPT + emitted - 1
     state = state._replace(
         row=jnp.asarray([0, -1], jnp.int32),

@@ -143,10 +143,9 @@ def speculative_step(
             record_experts=record,
         )
     with jax.named_scope("verify"):
-        if sampling.greedy:
-            logits, temperature = logits, 0.0
-        else:
-            logits, temperature = processed_logprobs(logits, sampling), 1.0
+        if not sampling.greedy:
+            logits = processed_logprobs(logits, sampling)
+        temperature = 0.0 if sampling.greedy else 1.0
         result = kernels.tree_verify(
             logits,
             tree.parents,
