@@ -3,6 +3,7 @@ reference, on the GPU.
 
     pytest -m gpu tests/gpu/test_spec.py                         # the check, as tests
     python3 -m tests.gpu.check_spec [--out FILE.json] [--jobs 6]  # every row printed; exit 0 when all agree
+    python3 -m tests.gpu.check_spec --deadline 500                # compare what finished in 500 s (exit 3 if cut)
 
 Run it on a GPU after every change to jaxspec/kernels/ or the rollout loop: Triton's interpreter on the
 CPU runs the kernels' arithmetic in numpy and cannot see a fault of the compiled program.
@@ -30,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # The kernel check and each rollout process allocate what they use: JAX's default of taking 75% of
@@ -160,9 +162,10 @@ def rollout_cases() -> list[tuple[float, str, dict]]:
     ]
 
 
-def rollout_runs(shard: int, shards: int, only: str = "") -> list[dict]:
+def rollout_runs(shard: int, shards: int, only: str = "", emit=None) -> list[dict]:
     """Cases shard, shard + shards, ... of the rollout_cases() whose label contains `only`, under the
-    implementation the environment selects, each row tagged with its case index."""
+    implementation the environment selects, each row tagged with its case index; `emit(row)` is
+    called as each case finishes."""
     from jaxspec.assets import tiny_policy_path
     from jaxspec.draft import load_eagle3
     from jaxspec.models import load_hf
@@ -196,6 +199,8 @@ def rollout_runs(shard: int, shards: int, only: str = "") -> list[dict]:
                 "lengths": np.asarray(out.lengths).tolist(),
             }
         )
+        if emit is not None:
+            emit(rows[-1])
     return rows
 
 
@@ -225,10 +230,14 @@ def compare_rollouts(reference: list[dict], kernel: list[dict]) -> list[dict]:
     return rows
 
 
-def run_impls(impls: tuple[str, ...], jobs: int, only: str = "") -> dict[str, list[dict]]:
+def run_impls(
+    impls: tuple[str, ...], jobs: int, only: str = "", deadline: float | None = None
+) -> dict[str, list[dict]]:
     """rollout_runs() of every implementation, each split over `jobs` child processes that run at
     once (compilation dominates and is single-threaded); the implementation is chosen by
-    JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop."""
+    JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop. Each child prints one JSON row per
+    finished case; at `deadline` (seconds from now) the children still running are stopped and the
+    cases they finished are kept."""
     children = [
         (
             impl,
@@ -250,13 +259,25 @@ def run_impls(impls: tuple[str, ...], jobs: int, only: str = "") -> dict[str, li
         for impl in impls
         for shard in range(jobs)
     ]
+    end = None if deadline is None else time.monotonic() + deadline
     runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     for impl, child in children:
-        out, _ = child.communicate()
-        if child.returncode != 0:
-            raise RuntimeError(f"rollout child ({impl}) exited {child.returncode}")
-        runs[impl] += json.loads(out.strip().splitlines()[-1])
+        try:
+            out, _ = child.communicate(timeout=None if end is None else max(end - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, _ = child.communicate()
+        else:
+            if child.returncode != 0:
+                raise RuntimeError(f"rollout child ({impl}) exited {child.returncode}")
+        runs[impl] += [json.loads(line) for line in out.splitlines() if line.startswith("{") and line.endswith("}")]
     return {impl: sorted(rows, key=lambda r: r["index"]) for impl, rows in runs.items()}
+
+
+def finished_by_all(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Each implementation's rows restricted to the cases every implementation finished."""
+    common = set.intersection(*({r["index"] for r in rows} for rows in runs.values()))
+    return {impl: [r for r in rows if r["index"] in common] for impl, rows in runs.items()}
 
 
 def main(argv: list[str]) -> int:
@@ -268,10 +289,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-rollouts", action="store_true", help="only the kernel check")
     p.add_argument("--skip-kernel", action="store_true", help="only the rollout check")
     p.add_argument("--only", default="", help="only the rollout cases whose label contains this (e.g. 'slots=')")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop the rollout processes after this long; compare the cases both finished (exit 3 if one is missing)",
+    )
     args = p.parse_args(argv)
     if args.rollouts_only:
         shard, shards = (int(x) for x in args.shard.split("/"))
-        print(json.dumps(rollout_runs(shard, shards, args.only)))
+        rollout_runs(shard, shards, args.only, emit=lambda row: print(json.dumps(row), flush=True))
         return 0
     if jax.default_backend() != "gpu":
         print(f"check_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
@@ -283,8 +311,11 @@ def main(argv: list[str]) -> int:
             f"{r['flipped_rows']:.4f} consistent {r['consistent']} logprob err {r['logprob_err']:.1e} accepted "
             f"{r['mean_accepted_reference']:.3f}/{r['mean_accepted_kernel']:.3f} {'OK' if r['ok'] else 'MISMATCH'}"
         )
+    missing = 0
     if not args.skip_rollouts:
-        runs = run_impls(("reference", "triton"), args.jobs, args.only)
+        wanted = sum(args.only in label for _, label, _ in rollout_cases())
+        runs = finished_by_all(run_impls(("reference", "triton"), args.jobs, args.only, args.deadline))
+        missing = wanted - len(runs["reference"])
         for r in compare_rollouts(runs["reference"], runs["triton"]):
             rows.append(r)
             print(
@@ -299,8 +330,9 @@ def main(argv: list[str]) -> int:
     print(
         f"check_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
         + (f"; MISMATCH in {len(bad)}" if bad else "")
+        + (f"; {missing} rollout cases not finished by the deadline" if missing else "")
     )
-    return 1 if bad else 0
+    return 1 if bad else 3 if missing else 0
 
 
 if __name__ == "__main__":
