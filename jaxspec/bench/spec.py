@@ -315,6 +315,24 @@ def main(argv: list[str]) -> int:
         drafts["eagle3-random"] = init_eagle3(
             cfg, jax.random.key(1), dcfg.draft_vocab_size, aux_layer_ids=dcfg.aux_layer_ids, dtype=args.dtype
         )
+    baseline = {
+        "policy": args.policy,
+        "draft": args.draft,
+        "draft_ood": args.draft_ood,
+        "random_draft": args.random_draft,
+        "draft_model": args.draft_model,
+        "params": cfg.num_params(),
+        "levels": list(levels),
+        "kinds": list(kinds),
+        "data_config": args.data_config,
+        "tally": dataclasses.asdict(tally),
+        "samples_per_prompt": args.samples,
+        "temperature": 1.0,
+        "max_new_tokens": args.new,
+        "sub_batch": args.sub_batch,
+        "kv_pages": args.kv_pages,
+        "baseline": "autoregressive generate, same run",
+    }
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
     rows = []
     for batch in args.batch:
@@ -373,25 +391,7 @@ def main(argv: list[str]) -> int:
             }
             rows.append(row)
             print_table([row], COLUMNS)
-    baseline = {
-        "policy": args.policy,
-        "draft": args.draft,
-        "draft_ood": args.draft_ood,
-        "random_draft": args.random_draft,
-        "draft_model": args.draft_model,
-        "params": cfg.num_params(),
-        "levels": list(levels),
-        "kinds": list(kinds),
-        "data_config": args.data_config,
-        "tally": dataclasses.asdict(tally),
-        "samples_per_prompt": args.samples,
-        "temperature": 1.0,
-        "max_new_tokens": args.new,
-        "sub_batch": args.sub_batch,
-        "kv_pages": args.kv_pages,
-        "baseline": "autoregressive generate, same run",
-    }
+            write_results(args.out, "spec", rows, baseline)  # after each run: a run cut short keeps the rows so far
     print()
     print_table(rows, COLUMNS)
-    write_results(args.out, "spec", rows, baseline)
     return 0

@@ -303,3 +303,26 @@ def test_bench_spec_random_head_and_adaptive_chains(tmp_path):
         assert fixed["fallback_steps"] == fixed["depth_steps"][0] == 0
         assert adaptive["fallback_steps"] == adaptive["depth_steps"][0] > sum(adaptive["depth_steps"][1:])
     assert rows["eagle3 chain k=2"]["acceptance_length"] > rows["eagle3-random chain k=2"]["acceptance_length"]
+
+
+def test_bench_spec_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
+    """A run cut short (here: the second configuration fails) leaves the rows before it in --out."""
+    from jaxspec.bench import spec as bench_spec
+
+    calls = []
+    real = bench_spec.generate_rows
+
+    def failing_after_ar(*args, **kwargs):
+        calls.append(args[5])  # spec: None for the AR run, which runs twice (warm-up and timed)
+        if args[5] is not None:
+            raise RuntimeError("cut short")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_spec, "generate_rows", failing_after_ar)
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
+    argv += ["--batch", "2", "--new", "4", "--k", "1", "--levels", "1", "--no-ngram", "--out", str(out)]
+    assert main(argv) != 0  # the CLI reports the error and exits non-zero
+    assert calls[:2] == [None, None] and calls[2] is not None
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["ar"]
