@@ -15,19 +15,34 @@ token per step as in the AR runs and the per-step figures compare a speculative 
 decode step's at the same occupancy). With --trace a third call runs under `jax.profiler` and the
 kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
 kernel time and launches per iteration (their difference from the wall time is the device's idle
-time), the 22 longest kernels and the time by jax scope; --trace turns XLA's command buffers (CUDA
-graphs) off for the whole run, timings included. Everything goes to WORK_DIR (slot_profile.json,
-the HLO dump and the traces). XLA_FLAGS set outside reach every run.
+time), the 22 longest kernels, the time by jax scope and, for a speculative step, by its phase
+(`PHASES`: the named scopes of `jaxspec.rollout.speculative.step`); --trace turns XLA's command
+buffers (CUDA graphs) off for the whole run, timings included. WORK_DIR gets slot_profile.json,
+rewritten after each run; the HLO dump and the traces (hundreds of MB) are deleted once charged
+unless --keep-traces. XLA_FLAGS set outside reach every run.
 """
 
 import argparse
 import collections
 import itertools
 import json
+import shutil
 import time
 from pathlib import Path
 
 from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
+
+PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
+
+
+def phase_of(op_name: str) -> str:
+    """The speculative step's phase a kernel ran in (its innermost `PHASES` scope), else its
+    first four scopes (e.g. the slot loop's scheduling)."""
+    parts = op_name.split("/")
+    for part in reversed(parts):
+        if part in PHASES:
+            return part
+    return "/".join(parts[:4])
 
 
 def main() -> None:
@@ -39,7 +54,9 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="the slot engine's, one run each")
     p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--keep-traces", action="store_true", help="keep the HLO dump and the traces in WORK_DIR")
     args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
         set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
     import jax
@@ -90,6 +107,7 @@ def main() -> None:
             f"widths {row['stage_rows']} steps {row['stage_steps']}",
             flush=True,
         )
+        (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
         if not args.trace:
             continue
         trace = args.work / f"trace_{label.replace(' ', '_')}"
@@ -98,23 +116,34 @@ def main() -> None:
         modules = {"jit__decode": label, "jit__loop": label, "jit_speculative_decode": label}
         modules["jit_prefill_prompts"] = f"{label}-prefill"
         kernels = kernel_times(trace, op_scopes(args.work / "hlo"), modules)
+        if not args.keep_traces:
+            shutil.rmtree(trace)
         by_scope = collections.defaultdict(float)
+        by_phase = collections.defaultdict(lambda: [0.0, 0])
         for k in kernels:
             by_scope["/".join(k.op_name.split("/")[:4])] += k.ns
+            by_phase[phase_of(k.op_name)][0] += k.ns
+            by_phase[phase_of(k.op_name)][1] += k.launches
         launches = sum(k.launches for k in kernels)
         row |= {
             "kernel_ms": sum(k.ns for k in kernels) / 1e6,
             "launches_per_step": launches / steps,
             "top": [(k.op, k.op_name, k.ns / 1e6, k.launches) for k in kernels[:22]],
             "scopes": sorted(((ms / 1e6, name) for name, ms in by_scope.items()), reverse=True)[:12],
+            "phases_ms_per_step": {name: ns / 1e6 / steps for name, (ns, _) in by_phase.items()},
+            "phases_launches_per_step": {name: n / steps for name, (_, n) in by_phase.items()},
         }
         print(f"   kernels {row['kernel_ms']:.0f} ms, {row['launches_per_step']:.0f} launches per iteration")
         for op, name, ms, n in row["top"]:
             print(f"  {ms:9.2f} ms {n:7d}  {op[:28]:28s} {name[-90:]}")
         for ms, name in row["scopes"]:
             print(f"  scope {ms:9.2f} ms  {name}")
-    args.work.mkdir(parents=True, exist_ok=True)
-    (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
+        for name, ms in sorted(row["phases_ms_per_step"].items(), key=lambda item: -item[1])[:12]:
+            launches = row["phases_launches_per_step"][name]
+            print(f"  phase {ms:7.3f} ms/step {launches:6.1f} launches/step  {name}", flush=True)
+        (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
+    if args.trace and not args.keep_traces:
+        shutil.rmtree(args.work / "hlo", ignore_errors=True)
 
 
 if __name__ == "__main__":
