@@ -152,6 +152,17 @@ def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelC
     return cfg, params
 
 
+def verify_token_cost(text: str) -> float | tuple[tuple[int, float], ...]:
+    """--verify-token-cost: "0.1" (every batch size) or "1:0.01,64:0.1" ((rows, cost) pairs)."""
+    try:
+        if ":" not in text:
+            return float(text)
+        return tuple((int(rows), float(cost)) for rows, cost in (pair.split(":") for pair in text.split(",")))
+    except ValueError:
+        message = f"expected a number or rows:cost pairs such as 1:0.01,64:0.1, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 def _configs(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
@@ -246,7 +257,13 @@ def main(argv: list[str]) -> int:
         help="also every EAGLE-3 chain with Spec.adaptive (each iteration's depth, none included, chosen "
         "from the acceptance measured so far and the cost model)",
     )
-    p.add_argument("--verify-token-cost", type=float, default=None, help="Spec.verify_token_cost of --adaptive")
+    p.add_argument(
+        "--verify-token-cost",
+        type=verify_token_cost,
+        default=None,
+        metavar="COST|ROWS:COST,...",
+        help="Spec.verify_token_cost of --adaptive: a number, or rows:cost pairs (e.g. 1:0.01,64:0.1,512:0.6)",
+    )
     p.add_argument("--draft-token-cost", type=float, default=None, help="Spec.draft_token_cost of --adaptive")
     p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")

@@ -18,6 +18,10 @@ warm-up (milliseconds):
   fuse        the head's fc of the 3 aux layers for 1 token.
 
 verify(N) / decode: how much more one verification forward over N nodes costs than one decode step.
+The adaptive depth's cost model (`SpecConfig.verify_token_cost`, `draft_token_cost`) at each batch:
+verify_token_cost, the least-squares slope of verify(N) / decode - 1 against N - 1 (through 0),
+and draft_token_cost = draft / decode; the verify_token_cost pairs [batch, cost] of each model are
+printed as a config line.
 PROJECTION (computed, not measured): chain drafting with k draft tokens and acceptance length
 tau(k) (tokens emitted per step and row) read from a `jaxspec bench spec` JSON (`--acceptance`:
 rows "eagle3 chain k=K", the same batch when present, else any) costs k*draft + fuse + verify(k+1)
@@ -223,6 +227,7 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
                 "decode_ms": t["decode"],
                 "draft_ms": t["draft"],
                 "fuse_ms": t["fuse"],
+                **token_costs(t["decode"], t["verify"], t["draft"]),
                 **experts_touched(cfg, "experts_decode", batch),
             }
         )
@@ -256,6 +261,14 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
     return rows
 
 
+def token_costs(decode_ms: float, verify_ms: dict[int, float], draft_ms: float) -> dict:
+    """{"verify_token_cost", "draft_token_cost"}: the adaptive depth's cost model in decode steps
+    (module docstring) from one batch's timings; verify_ms: {N: ms} of the verification of N nodes."""
+    extra = [(n - 1, ms / decode_ms - 1.0) for n, ms in verify_ms.items() if n > 1]
+    slope = sum(x * y for x, y in extra) / sum(x * x for x, _ in extra) if extra else 0.0
+    return {"verify_token_cost": max(slope, 0.0), "draft_token_cost": draft_ms / decode_ms}
+
+
 def experts_touched(cfg: ModelConfig, key: str, tokens: int) -> dict:
     """{key: expected distinct experts per sparse layer for `tokens` tokens} ({} for a dense model)."""
     if not cfg.num_experts:
@@ -268,7 +281,10 @@ def print_model(name: str, rows: list[dict]) -> None:
     print(f"\n{name}: measured ms per step")
     if pick("step"):
         moe = "experts_decode" in pick("step")[0]
-        print_table(pick("step"), ["batch", "context", "decode_ms", "draft_ms", "fuse_ms"] + ["experts_decode"] * moe)
+        columns = ["batch", "context", "decode_ms", "draft_ms", "fuse_ms", "verify_token_cost", "draft_token_cost"]
+        print_table(pick("step"), columns + ["experts_decode"] * moe)
+        pairs = ", ".join(f"[{r['batch']}, {r['verify_token_cost']:.3g}]" for r in pick("step"))
+        print(f"{name}: spec.verify_token_cost: [{pairs}]  (the adaptive depth's cost by batch, at this context)")
         print_table(
             pick("verify"),
             ["batch", "nodes", "verify_ms", "kernel_ms", "verify_over_decode"] + ["experts_verify"] * moe,

@@ -326,3 +326,14 @@ def test_bench_spec_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
     assert calls[:2] == [None, None] and calls[2] is not None
     rows = json.loads(out.read_text())["rows"]
     assert [r["config"] for r in rows] == ["ar"]
+
+
+def test_verify_token_cost_option_takes_a_number_or_pairs():
+    import argparse
+
+    from jaxspec.bench.spec import verify_token_cost
+
+    assert verify_token_cost("0.2") == 0.2
+    assert verify_token_cost("1:0.01,64:0.1") == ((1, 0.01), (64, 0.1))
+    with pytest.raises(argparse.ArgumentTypeError, match="rows:cost pairs"):
+        verify_token_cost("64=0.1")

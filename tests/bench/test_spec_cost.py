@@ -65,7 +65,8 @@ def test_bench_spec_cost_smoke(tmp_path, capsys):
         )
         == 0
     )
-    assert "PROJECTION" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "PROJECTION" in printed
     result = json.loads(out.read_text())
     assert result["benchmark"] == "spec-cost" and result["device"].startswith("cpu")
     assert result["baseline"]["nodes"] == [2, 4] and result["baseline"]["tree_verify"] == "reference"
@@ -80,6 +81,11 @@ def test_bench_spec_cost_smoke(tmp_path, capsys):
     for r in verify.values():
         assert r["verify_ms"] > 0 and r["kernel_ms"] > 0
         assert r["verify_over_decode"] == pytest.approx(r["verify_ms"] / step["decode_ms"])
+    assert step["draft_token_cost"] == pytest.approx(step["draft_ms"] / step["decode_ms"])
+    over = [(n - 1, verify[n]["verify_over_decode"] - 1) for n in (2, 4)]
+    slope = sum(x * y for x, y in over) / sum(x * x for x, _ in over)
+    assert step["verify_token_cost"] == pytest.approx(max(slope, 0.0))
+    assert f"spec.verify_token_cost: [[2, {step['verify_token_cost']:.3g}]]" in printed
 
     proj = {r["k"]: r for r in rows["projection"]}
     assert sorted(proj) == [1, 3]
@@ -169,3 +175,12 @@ def test_bench_spec_cost_reports_experts_touched_on_a_moe_policy(tmp_path):
     [verify] = [r for r in rows if r["kind"] == "verify"]
     assert step["experts_decode"] == pytest.approx(8 * (1 - (6 / 8) ** 2))  # 2 rows x 1 token
     assert verify["experts_verify"] == pytest.approx(8 * (1 - (6 / 8) ** 8))  # 2 rows x 4 nodes
+
+
+def test_token_costs_are_the_slope_of_the_verification_cost():
+    from jaxspec.bench.spec_cost import token_costs
+
+    # verify(N) = decode * (1 + 0.25 (N - 1)) exactly: the slope is 0.25; a draft step of half a decode: 0.5
+    costs = token_costs(2.0, {1: 2.0, 2: 2.5, 4: 3.5, 8: 5.5}, 1.0)
+    assert costs == pytest.approx({"verify_token_cost": 0.25, "draft_token_cost": 0.5})
+    assert token_costs(2.0, {2: 1.5}, 0.0)["verify_token_cost"] == 0.0  # cheaper than a decode: no cost

@@ -57,6 +57,10 @@ def test_algorithm_options_accepted():
         (dict(method="eagle3", suffix_branches=True, draft_sampling="stochastic"), "draft_sampling"),
         (dict(adaptive="yes"), "adaptive"),
         (dict(verify_token_cost=-0.1), "verify_token_cost"),
+        (dict(verify_token_cost=((64, 0.1), (1, 0.01))), "verify_token_cost"),  # rows not ascending
+        (dict(verify_token_cost=((0, 0.1),)), "verify_token_cost"),
+        (dict(verify_token_cost=((1, -0.1),)), "verify_token_cost"),
+        (dict(verify_token_cost=()), "verify_token_cost"),
         (dict(draft_token_cost="cheap"), "draft_token_cost"),
         (dict(adaptive_decay=1.0), "adaptive_decay"),
         (dict(adaptive_probe=0), "adaptive_probe"),
@@ -71,3 +75,21 @@ def test_a_config_file_and_a_spec_refuse_the_same_settings(settings, key):
         validate(cfg, "run.yaml")
     with pytest.raises(ValueError, match=rf"^Spec\.{key} "):
         Spec(**settings)
+
+
+def test_verify_token_cost_pairs_load_from_a_config_file():
+    """spec.verify_token_cost as [rows, cost] pairs (YAML lists) loads as a tuple of pairs, passes
+    validation and makes a Spec whose adaptive cost model reads them."""
+    from jaxspec.config_io import from_dict
+    from jaxspec.rollout.speculative.adaptive import cost_points
+
+    data = {
+        "train": {"steps": 1},
+        "spec": {"method": "ngram", "adaptive": True, "verify_token_cost": [[1, 0], [64, 0.5]]},
+    }
+    cfg = from_dict(GRPOConfig, data, "run.yaml")
+    assert cfg.spec.verify_token_cost == ((1, 0.0), (64, 0.5))
+    validate(cfg, "run.yaml")
+    spec = Spec.from_config(cfg.spec)
+    assert cost_points(spec.verify_token_cost) == ((1, 0.0), (64, 0.5))
+    assert cost_points(0.25) == ((1, 0.25),)

@@ -6,8 +6,11 @@ Each iteration of a stage that drafts k levels runs one of the depths `candidate
 autoregressive step through the same loop. With a_i the running (exponentially decayed) rate at
 which a tested depth-i draft is accepted, a depth-d step is expected to emit
 E(d) = 1 + a_1 + a_1 a_2 + ... + a_1...a_d tokens per row and to cost
-C(d) = 1 + d * draft_token_cost + nodes(d) * verify_token_cost decode steps (nodes(d): the draft
-nodes of a depth-d tree); the loop runs the depth of largest E(d) / C(d) (ties: the shallower).
+C(d) = 1 + d * draft_token_cost + nodes(d) * v(rows) decode steps (nodes(d): the draft nodes of a
+depth-d tree; v(rows): what one verified node adds at the number of rows the step runs, which
+grows with the batch as the verification forward turns from reading weights to multiplying them:
+`verify_token_cost` points (rows, cost), linear between them and flat beyond); the loop runs the
+depth of largest E(d) / C(d) (ties: the shallower).
 Rates start at 1 (draft first) and move only at the depths a step tested, so after
 `probe_interval` autoregressive iterations in a row one iteration drafts at the smallest depth
 again, to notice drafts that have become useful.
@@ -31,14 +34,15 @@ from jaxspec.rollout.speculative.stats import Counts
 class AdaptiveDepth:
     """The loop's static settings for choosing depths (`SpecConfig`'s adaptive keys and tree shape).
 
-    tree_width, tree_budget: the tree's shape (`SpecConfig`); verify_token_cost, draft_token_cost:
-    the cost model, in decode steps; decay: weight of the old rate in each update (0: the last
-    iteration's rate alone); probe_interval: autoregressive iterations after which one drafts.
+    tree_width, tree_budget: the tree's shape (`SpecConfig`); verify_token_cost: (rows, cost)
+    points, rows ascending (`cost_points`), and draft_token_cost: the cost model, in decode steps;
+    decay: weight of the old rate in each update (0: the last iteration's rate alone);
+    probe_interval: autoregressive iterations after which one drafts.
     """
 
     tree_width: int
     tree_budget: int | None
-    verify_token_cost: float
+    verify_token_cost: tuple[tuple[int, float], ...]
     draft_token_cost: float
     decay: float
     probe_interval: int
@@ -47,9 +51,23 @@ class AdaptiveDepth:
         full = depth * self.tree_width
         return full if self.tree_budget is None else min(self.tree_budget, full)
 
-    def cost(self, depth: int) -> float:
-        """Decode steps one iteration at `depth` costs."""
-        return 1.0 + depth * self.draft_token_cost + self.nodes(depth) * self.verify_token_cost
+    def verify_cost(self, rows) -> jax.Array:
+        """float32 scalar: decode steps one verified node adds to a step of `rows` rows (an int or
+        an int32 scalar), interpolated linearly between the points, flat beyond the ends."""
+        sizes = jnp.asarray([r for r, _ in self.verify_token_cost], jnp.float32)
+        costs = jnp.asarray([c for _, c in self.verify_token_cost], jnp.float32)
+        return jnp.interp(jnp.asarray(rows, jnp.float32), sizes, costs)
+
+    def cost(self, depth: int, rows) -> jax.Array:
+        """float32 scalar: decode steps one iteration at `depth` costs when `rows` rows run it."""
+        return 1.0 + depth * self.draft_token_cost + self.nodes(depth) * self.verify_cost(rows)
+
+
+def cost_points(value) -> tuple[tuple[int, float], ...]:
+    """`Spec.verify_token_cost` as (rows, cost) points: a number is the cost at every batch size."""
+    if isinstance(value, (list, tuple)):
+        return tuple((int(rows), float(cost)) for rows, cost in value)
+    return ((1, float(value)),)
 
 
 class DepthState(NamedTuple):
@@ -71,12 +89,14 @@ def candidate_depths(depth: int) -> tuple[int, ...]:
     return (0, *powers, depth)
 
 
-def choose(settings: AdaptiveDepth, state: DepthState, depths: tuple[int, ...]) -> jax.Array:
-    """int32 scalar: the index into `depths` (ascending, depths[0] = 0) this iteration runs."""
+def choose(settings: AdaptiveDepth, state: DepthState, depths: tuple[int, ...], rows) -> jax.Array:
+    """int32 scalar: the index into `depths` (ascending, depths[0] = 0) this iteration runs, for a
+    step of `rows` rows (an int or an int32 scalar: the staged loop's stage batch, the slot
+    engine's decoding slots)."""
     reach = jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.cumprod(state.rates)])  # [K + 1]
     expected = jnp.cumsum(reach)  # expected[d] = E(d)
     # A tree budget below its depth caps the run a step can accept at K = len(rates).
-    value = jnp.stack([expected[min(d, state.rates.shape[0])] / settings.cost(d) for d in depths])
+    value = jnp.stack([expected[min(d, state.rates.shape[0])] / settings.cost(d, rows) for d in depths])
     best = jnp.argmax(value).astype(jnp.int32)  # the first (shallowest) of equal values
     probe = (best == 0) & (state.since_draft + 1 >= settings.probe_interval)
     return jnp.where(probe, 1, best).astype(jnp.int32)

@@ -17,7 +17,7 @@ from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
 from jaxspec.rollout.prompts import PromptBatch
 from jaxspec.rollout.sampling import Sampling
-from jaxspec.rollout.speculative.adaptive import AdaptiveDepth
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, cost_points
 from jaxspec.rollout.speculative.draft_model import DraftModelDrafter
 from jaxspec.rollout.speculative.drafter import Drafter
 from jaxspec.rollout.speculative.hybrid import HybridSources, hybrid_drafter
@@ -87,7 +87,7 @@ def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
     return AdaptiveDepth(
         tree_width=spec.tree_width * spec.num_sources,
         tree_budget=spec.tree_budget,
-        verify_token_cost=float(spec.verify_token_cost),
+        verify_token_cost=cost_points(spec.verify_token_cost),
         draft_token_cost=float(spec.draft_token_cost),
         decay=float(spec.adaptive_decay),
         probe_interval=spec.adaptive_probe,

@@ -184,7 +184,7 @@ def speculative_decode(
             functools.partial(step, dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)), drafts=d > 0)
             for d in depths
         ]
-        index = choose(adaptive, state.depths, depths)
+        index = choose(adaptive, state.depths, depths, state.root.shape[0])  # the stage's batch runs the step
         new = jax.lax.switch(index, branches, state)
         return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, index > 0))
 

@@ -210,16 +210,17 @@ def _loop(
 
     def decode(state: LoopState) -> LoopState:
         """Every group's decode step at the depth of the occupancy of all slots."""
-        active = map_groups(layout, lambda s, p: decoding_slots(s))(state, prompts)
-        index = jnp.sum(active.sum() <= sizes)  # the occupancy bracket
+        decoding = map_groups(layout, lambda s, p: decoding_slots(s))(state, prompts).sum()
+        index = jnp.sum(decoding <= sizes)  # the occupancy bracket
         steps = state.draft.occupancy_steps.at[..., index].add(1)
-        branches = [functools.partial(decode_at, d) for d in drafters]
+        branches = [functools.partial(decode_at, d, decoding) for d in drafters]
         state = branches[0](state) if len(branches) == 1 else jax.lax.switch(index, branches, state)
         return state._replace(draft=state.draft._replace(occupancy_steps=steps))
 
-    def decode_at(drafter, state: LoopState) -> LoopState:
+    def decode_at(drafter, decoding: jax.Array, state: LoopState) -> LoopState:
         """The step of a bracket drafting `drafter.depth` levels: at that depth, or (adaptive) at
-        the candidate depth `adaptive.choose` picks, 0 an autoregressive step."""
+        the candidate depth `adaptive.choose` picks for `decoding` (int32 scalar) decoding slots,
+        0 an autoregressive step."""
         if adaptive is None:
             state = decode_with(drafter, state)
             return state._replace(
@@ -233,7 +234,7 @@ def _loop(
             for d in depths
         ]
         measured = first_group(layout, state.draft.depths)
-        choice = choose(adaptive, measured, depths)
+        choice = choose(adaptive, measured, depths, decoding)
         new = jax.lax.switch(choice, branches, state)
         observed = observe(
             adaptive, measured, summed(layout, state.draft.counts), summed(layout, new.draft.counts), choice > 0

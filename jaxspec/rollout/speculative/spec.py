@@ -63,8 +63,13 @@ class SpecConfig:
         the cost model below (`jaxspec.rollout.speculative.adaptive`; the statistics count the
         iterations of each depth and the autoregressive ones).
     verify_token_cost: the adaptive cost model: what each verified draft node adds to a decode
-        step's cost, in decode steps (>= 0). `jaxspec bench spec-cost` measures it at a batch size:
-        (verify(N) / decode - 1) / (N - 1). Near 0 at small batches, larger at large ones.
+        step's cost, in decode steps (>= 0): one number for every batch size, or [rows, cost]
+        pairs, rows ascending (e.g. [[1, 0.01], [64, 0.1], [512, 0.6]]), read at the rows a step
+        runs (the staged loop's stage batch, the slot engine's decoding slots), linear between the
+        pairs and flat beyond. Near 0 at small batches, larger at large ones, where verifying N
+        nodes per row multiplies the policy's weights instead of reading them once: `jaxspec bench
+        spec-cost` measures it at each batch size ((verify(N) / decode - 1) / (N - 1)) and prints
+        the pairs.
     draft_token_cost: the adaptive cost model: the cost of drafting one tree level, in decode
         steps (>= 0; bench spec-cost's draft / decode for eagle3; about 0 for ngram and suffix).
     adaptive_decay: weight of the earlier measurements in the running acceptance rates (of the
@@ -94,7 +99,7 @@ class SpecConfig:
     suffix_history: int = 0
     suffix_branches: bool = False
     adaptive: bool = False
-    verify_token_cost: float = 0.1
+    verify_token_cost: float | tuple[tuple[int, float], ...] = 0.1
     draft_token_cost: float = 0.0
     adaptive_decay: float = 0.7
     adaptive_probe: int = 16
@@ -118,6 +123,9 @@ class SpecConfig:
             if isinstance(getattr(self, name), (list, tuple)):
                 items = (int(v) if isinstance(v, np.integer) else v for v in getattr(self, name))
                 object.__setattr__(self, name, tuple(items))
+        if isinstance(self.verify_token_cost, (list, tuple)):  # [rows, cost] pairs
+            pairs = (tuple(pair) if isinstance(pair, (list, tuple)) else pair for pair in self.verify_token_cost)
+            object.__setattr__(self, "verify_token_cost", tuple(pairs))
 
     def errors(self, prefix: str = "spec.", null: str = "null") -> list[tuple[str, str]]:
         """(key, message) for every setting out of range or of the wrong type, the key `prefix` +
@@ -170,9 +178,14 @@ class SpecConfig:
             "must be 'greedy' with suffix_branches (sampled head drafts beside deterministic suffix "
             "drafts are not verified exactly)",
         )
-        for name in ("verify_token_cost", "draft_token_cost"):
-            value = getattr(self, name)
-            need(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+        cost = self.draft_token_cost
+        need(_is_number(cost) and cost >= 0, "draft_token_cost", f"must be a number >= 0, got {cost!r}")
+        need(
+            _is_cost_points(self.verify_token_cost),
+            "verify_token_cost",
+            "must be a number >= 0 or [rows, cost] pairs with integer rows >= 1 ascending and costs >= 0, got "
+            f"{self.verify_token_cost!r}",
+        )
         decay = self.adaptive_decay
         need(_is_number(decay) and 0 <= decay < 1, "adaptive_decay", f"must be a number in [0, 1), got {decay!r}")
         probe = self.adaptive_probe
@@ -314,6 +327,19 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _is_cost_points(value) -> bool:
+    """A number >= 0, or a non-empty sequence of (rows, cost) pairs: integer rows >= 1, strictly
+    ascending, costs numbers >= 0 (`SpecConfig.verify_token_cost`)."""
+    if _is_number(value):
+        return value >= 0
+    if not isinstance(value, tuple) or not value:
+        return False
+    if not all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and _is_number(p[1]) for p in value):
+        return False
+    rows = [p[0] for p in value]
+    return rows[0] >= 1 and all(a < b for a, b in zip(rows, rows[1:])) and all(p[1] >= 0 for p in value)
 
 
 def _shown(value) -> str:

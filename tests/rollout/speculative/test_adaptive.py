@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxspec.rollout import Sampling, Spec, generate
-from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose
+from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, cost_points
 
 K = 3
 MAX_NEW = 40
@@ -19,7 +19,8 @@ def settings(**changes) -> AdaptiveDepth:
     base = dict(
         tree_width=1, tree_budget=None, verify_token_cost=0.1, draft_token_cost=0.0, decay=0.5, probe_interval=8
     )
-    return AdaptiveDepth(**{**base, **changes})
+    base |= changes
+    return AdaptiveDepth(**base | {"verify_token_cost": cost_points(base["verify_token_cost"])})
 
 
 def test_candidate_depths():
@@ -31,17 +32,30 @@ def test_candidate_depths():
 def test_the_choice_weighs_expected_tokens_against_cost():
     depths = candidate_depths(K)
     state = DepthState(jnp.ones((K,), jnp.float32), jnp.zeros((), jnp.int32))
-    assert int(choose(settings(), state, depths)) == 3  # 4 tokens for 1.3 steps
+    assert int(choose(settings(), state, depths, 8)) == 3  # 4 tokens for 1.3 steps
     useless = state._replace(rates=jnp.zeros((K,), jnp.float32))
-    assert int(choose(settings(), useless, depths)) == 0
+    assert int(choose(settings(), useless, depths, 8)) == 0
     # 1 + 0.5 + 0.25 tokens: depth 1 (1.5 / 1.4) beats depth 2 (1.75 / 1.8) at a verify cost of 0.4.
     half = state._replace(rates=jnp.full((K,), 0.5, jnp.float32))
-    assert int(choose(settings(verify_token_cost=0.4), half, depths)) == 1
-    assert int(choose(settings(verify_token_cost=0.0), half, depths)) == 3
+    assert int(choose(settings(verify_token_cost=0.4), half, depths, 8)) == 1
+    assert int(choose(settings(verify_token_cost=0.0), half, depths, 8)) == 3
     # Free drafting of a useless draft is no better than none: ties go to the autoregressive step.
-    assert int(choose(settings(verify_token_cost=0.0), useless, depths)) == 0
+    assert int(choose(settings(verify_token_cost=0.0), useless, depths, 8)) == 0
     probing = useless._replace(since_draft=jnp.asarray(7, jnp.int32))
-    assert int(choose(settings(), probing, depths)) == 1
+    assert int(choose(settings(), probing, depths, 8)) == 1
+
+
+def test_the_verify_cost_follows_the_rows_a_step_runs():
+    """verify_token_cost pairs: linear between the points, flat beyond; the same acceptance drafts
+    deep in a small batch and not at all in a large one."""
+    by_rows = settings(verify_token_cost=((8, 0.0), (64, 0.4), (512, 2.0)))
+    costs = [float(by_rows.verify_cost(rows)) for rows in (1, 8, 36, 64, 288, 512, 4096)]
+    np.testing.assert_allclose(costs, [0.0, 0.0, 0.2, 0.4, 1.2, 2.0, 2.0], rtol=1e-6)
+    assert float(by_rows.cost(3, jnp.asarray(36, jnp.int32))) == pytest.approx(1.6)
+    depths = candidate_depths(K)
+    half = DepthState(jnp.full((K,), 0.5, jnp.float32), jnp.zeros((), jnp.int32))
+    # E(d) = 1, 1.5, 1.75, 1.875 against C(d) = 1 + d v(rows): depth 3 at v = 0, 1 at v = 0.4, 0 at v = 2
+    assert [int(choose(by_rows, half, depths, rows)) for rows in (1, 64, 512)] == [3, 1, 0]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +105,29 @@ def test_a_draft_always_accepted_keeps_its_depth(greedy_runs):
     stats = out.stats
     assert stats["depth_steps"] == [0, 0, 0, stats["steps"]] and stats["fallback_steps"] == 0
     assert stats["acceptance_length"] == K + 1
+
+
+@pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots"])
+def test_the_depth_follows_the_rows_that_decode(policy, slots):
+    """A draft that is always accepted, verification free for one row and dear for three
+    (verify_token_cost [[1, 0], [2, 10]]): one row drafts its full depth at every step; three
+    rows, on either engine, run autoregressive steps, but for a probe every `adaptive_probe`."""
+    cfg, params = policy
+    sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    spec = Spec(
+        "draft_model",
+        (cfg, params),
+        num_draft_tokens=K,
+        adaptive=True,
+        verify_token_cost=[[1, 0.0], [2, 10.0]],
+        adaptive_decay=0.5,
+        adaptive_probe=8,
+    )
+    prompts = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
+    engine = {} if slots is None else {"slots": slots}
+    alone = generate(cfg, params, prompts[:1], jax.random.key(1), sampling, spec=spec, **engine).stats
+    assert alone["depth_steps"] == [0, 0, 0, alone["steps"]], alone
+    three = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine).stats
+    depths = three["depth_steps"]
+    assert depths[2:] == [0, 0] and three["fallback_steps"] == depths[0] > 0, three
+    assert depths[1] == pytest.approx(depths[0] / 7, abs=1), three  # a depth-1 probe after 7 AR steps
