@@ -141,10 +141,27 @@ def test_generate_with_hybrid_trees_prints_the_same_responses(autoregressive):
     assert float(summary.group(3)) > 1.0
 
 
+def test_generate_on_slots_with_adaptive_depth_prints_the_same_responses(autoregressive):
+    """--slots and --spec-set: the continuous-batching engine, adaptive n-gram chains whose
+    verification cost is given by batch size; greedy, so the responses are the autoregressive ones."""
+    extra = ["--spec-method", "ngram", "--slots", "2", "--spec-set", "adaptive=true"]
+    extra += ["--spec-set", "verify_token_cost=[[1, 0.0], [64, 0.2]]"]
+    responses, summary = _run_generate(extra)
+    assert responses == autoregressive[0]
+    assert summary.group(1, 2) == autoregressive[1].group(1, 2)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--policy", "{tmp}/missing"], r"checkpoint folder not found: .*missing"),
+        (["--spec-method", "ngram", "--spec-set", "bogus=1"], r"--spec-set 'bogus=1': unknown spec setting 'bogus' .*"),
+        (
+            ["--spec-method", "ngram", "--spec-set", "tree_width=0"],
+            r"--spec-set tree_width: must be an integer >= 1, got 0",
+        ),
+        (["--spec-set", "adaptive=true"], r"--spec-set needs a --spec-method"),
+        (["--slots", "0"], r"--slots must be a positive integer or 'auto', got '0'"),
         (["--spec-method", "eagle3"], r"--draft is required with --spec-method eagle3"),
         (["--spec-method", "ngram", "--suffix-branches"], r"--suffix-branches needs --spec-method eagle3, got ngram"),
         (["--num-problems", "0"], r"--num-problems must be >= 1, got 0"),
