@@ -38,3 +38,29 @@ def test_a_wrong_stochastic_kernel_fails_the_case(monkeypatch):
     monkeypatch.setattr(stochastic, "verify_stochastic_triton", wrong)
     row = check_spec.kernel_case(5, True, 512, 1.0, 16, seed=7, interpret=True, stochastic=True)
     assert not row["ok"] and row["flipped_rows"] > 0.5
+
+
+def test_a_deadline_keeps_the_cases_every_implementation_finished(monkeypatch):
+    """run_impls(..., deadline): children that print some cases and then hang are stopped at the
+    deadline; the rows each finished are kept, and finished_by_all keeps the cases both finished."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys, time\n"
+        "impl = sys.argv[1]\n"
+        "for i in ([0, 1, 2] if impl == 'a' else [0, 2]):\n"
+        "    print(json.dumps({'index': i, 'impl': impl}), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+
+    popen = subprocess.Popen
+
+    def child(argv, *, env, **kwargs):
+        return popen([sys.executable, "-c", script, env["JAXSPEC_TREE_VERIFY_IMPL"]], env=env, **kwargs)
+
+    monkeypatch.setattr(check_spec.subprocess, "Popen", child)
+    runs = check_spec.run_impls(("a", "b"), jobs=1, deadline=3.0)
+    assert [r["index"] for r in runs["a"]] == [0, 1, 2] and [r["index"] for r in runs["b"]] == [0, 2]
+    common = check_spec.finished_by_all(runs)
+    assert [r["index"] for r in common["a"]] == [0, 2] and [r["impl"] for r in common["b"]] == ["b", "b"]
