@@ -184,7 +184,7 @@ class SpecConfig:
             _is_cost_points(self.verify_token_cost),
             "verify_token_cost",
             "must be a number >= 0 or [rows, cost] pairs with integer rows >= 1 ascending and costs >= 0, got "
-            f"{self.verify_token_cost!r}",
+            + _shown(self.verify_token_cost),
         )
         decay = self.adaptive_decay
         need(_is_number(decay) and 0 <= decay < 1, "adaptive_decay", f"must be a number in [0, 1), got {decay!r}")
@@ -343,5 +343,8 @@ def _is_cost_points(value) -> bool:
 
 
 def _shown(value) -> str:
-    """A list or tuple as a config file writes it ([3, 2]); anything else as its repr."""
-    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+    """A list or tuple, of values or of pairs, as a config file writes it ([3, 2], [[1, 0.5]]);
+    anything else as its repr."""
+    if not isinstance(value, tuple):
+        return repr(value)
+    return repr([list(item) if isinstance(item, tuple) else item for item in value])
