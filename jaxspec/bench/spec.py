@@ -307,10 +307,18 @@ def main(argv: list[str]) -> int:
         help="run the staged engine's configurations as generate calls of ROWS rows, one after another "
         "(as rollout.sub_batch does; for batches whose dense KV cache does not fit at once)",
     )
+    p.add_argument(
+        "--staged-ar-only",
+        action="store_true",
+        help="with --slots: the staged engine runs the autoregressive baseline alone, the speculative "
+        "configurations run on the slot engine only",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.staged_ar_only and not args.slots:
+        raise ValueError("--staged-ar-only needs --slots (the speculative configurations run on the slot engine)")
     levels, kinds, tally = args.levels, DEFAULT_KINDS, TallyConfig()
     if args.data_config:
         from jaxspec.config_io import load_config
@@ -362,6 +370,7 @@ def main(argv: list[str]) -> int:
             (label if s is None else f"{label} slots={s}", kwargs, s)
             for label, kwargs in _configs(args)
             for s in (None, *args.slots)
+            if not (args.staged_ar_only and s is None and kwargs)
         ]
         for label, kwargs, slots in runs:
             kwargs = dict(kwargs)

@@ -232,6 +232,12 @@ def test_bench_spec_runs_every_configuration_on_the_slot_engine_too(tmp_path):
             rows[label]["tokens_per_s"] / rows["ar"]["tokens_per_s"]
         )
     assert rows["eagle3 chain k=2 slots=2"]["acceptance_length"] > 1.0
+    assert main([*argv, "--slots", "2", "--staged-ar-only", "--out", str(out)]) == 0
+    assert [r["config"] for r in json.loads(out.read_text())["rows"]] == [
+        "ar",
+        "ar slots=2",
+        "eagle3 chain k=2 slots=2",
+    ]
 
 
 def test_bench_spec_runs_the_staged_engine_in_sub_batches_and_the_slots_on_a_given_pool(tmp_path):
