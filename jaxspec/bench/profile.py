@@ -152,7 +152,8 @@ def _workload(args):
     import jax.numpy as jnp
 
     from jaxspec.bench.decode import random_prompts
-    from jaxspec.bench.spec import bench_prompts, stage_label
+    from jaxspec.bench.spec import bench_prompts
+    from jaxspec.bench.spec_configs import stage_label
     from jaxspec.draft import init_eagle3, load_eagle3
     from jaxspec.models import ModelConfig, init_params, load_hf
     from jaxspec.rollout import Sampling, Spec

@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from jaxspec.bench.spec_configs import configurations, slot_count, verify_token_cost
 from jaxspec.bench.timing import print_table, write_results
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, load_hf
@@ -99,19 +100,6 @@ def rollout_summary(tok: ChatTokenizer, problems: list[dict], tokens, logprobs, 
     }
 
 
-def _slot_count(text: str) -> int | str:
-    """--slots values: a positive integer or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"--slots takes positive integers or 'auto', got {text!r}")
-    return count
-
-
 def generate_rows(cfg, params, prompts, key, sampling, spec, slots, kv_pages, sub_batch) -> RolloutOutput:
     """`generate` of the prompts, on the host and finished: in one call, or with sub_batch in calls of
     that many rows one after another (their keys folded with the call's index, as
@@ -137,10 +125,6 @@ def generate_rows(cfg, params, prompts, key, sampling, spec, slots, kv_pages, su
     )
 
 
-def stage_label(depths: tuple[int, ...]) -> str:
-    return f"eagle3 chain k={'/'.join(map(str, depths))} by stage"
-
-
 def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelConfig, dict]:
     """(config, params) of a draft model folder; ValueError unless it shares the policy's vocabulary."""
     cfg, params = load_hf(path, dtype=dtype)
@@ -150,62 +134,6 @@ def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelC
             f"{policy.vocab_size} (a draft model needs the policy's tokenizer)"
         )
     return cfg, params
-
-
-def verify_token_cost(text: str) -> float | tuple[tuple[int, float], ...]:
-    """--verify-token-cost: "0.1" (every batch size) or "1:0.01,64:0.1" ((rows, cost) pairs)."""
-    try:
-        if ":" not in text:
-            return float(text)
-        return tuple((int(rows), float(cost)) for rows, cost in (pair.split(":") for pair in text.split(",")))
-    except ValueError:
-        message = f"expected a number or rows:cost pairs such as 1:0.01,64:0.1, got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
-
-
-def _configs(args) -> list[tuple[str, dict]]:
-    """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
-    runs = [("ar", {})]
-    heads = ["eagle3"] + ["eagle3-ood"] * bool(args.draft_ood) + ["eagle3-random"] * args.random_draft
-    costs = {
-        name: value
-        for name, value in (("verify_token_cost", args.verify_token_cost), ("draft_token_cost", args.draft_token_cost))
-        if value is not None
-    }
-    for label in heads:
-        for k in args.k:
-            runs.append((f"{label} chain k={k}", {"method": label, "num_draft_tokens": k}))
-            if args.adaptive:
-                runs.append(
-                    (
-                        f"{label} chain k={k} adaptive",
-                        {"method": label, "num_draft_tokens": k, "adaptive": True, **costs},
-                    )
-                )
-    for depths in args.stage_k:
-        runs.append(
-            (stage_label(depths), {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths})
-        )
-    for width, depth, budget in args.trees:
-        runs.append(
-            (
-                f"eagle3 tree w={width} d={depth} n={budget}",
-                {"method": "eagle3", "num_draft_tokens": depth, "tree_width": width, "tree_budget": budget},
-            )
-        )
-    if args.draft_model:
-        for k in args.draft_model_k:
-            runs.append((f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}))
-    if args.stochastic:
-        runs.append(
-            ("eagle3 chain k=3 stochastic", {"method": "eagle3", "num_draft_tokens": 3, "draft_sampling": "stochastic"})
-        )
-    if not args.no_ngram:
-        runs.append(("ngram chain k=3", {"method": "ngram", "num_draft_tokens": 3}))
-    if args.suffix:
-        runs.append(("suffix chain k=3", {"method": "suffix", "num_draft_tokens": 3}))
-        runs.append(("hybrid eagle3+suffix k=3", {"method": "eagle3", "num_draft_tokens": 3, "suffix_branches": True}))
-    return runs
 
 
 def main(argv: list[str]) -> int:
@@ -284,7 +212,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--slots",
-        type=_slot_count,
+        type=slot_count,
         nargs="*",
         default=[],
         metavar="S",
@@ -368,7 +296,7 @@ def main(argv: list[str]) -> int:
         # holds the first configurations on both engines
         runs = [
             (label if s is None else f"{label} slots={s}", kwargs, s)
-            for label, kwargs in _configs(args)
+            for label, kwargs in configurations(args)
             for s in (None, *args.slots)
             if not (args.staged_ar_only and s is None and kwargs)
         ]

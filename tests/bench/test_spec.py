@@ -337,7 +337,7 @@ def test_bench_spec_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
 def test_verify_token_cost_option_takes_a_number_or_pairs():
     import argparse
 
-    from jaxspec.bench.spec import verify_token_cost
+    from jaxspec.bench.spec_configs import verify_token_cost
 
     assert verify_token_cost("0.2") == 0.2
     assert verify_token_cost("1:0.01,64:0.1") == ((1, 0.01), (64, 0.1))
