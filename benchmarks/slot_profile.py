@@ -1,7 +1,7 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
     python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
-        [--spec K] [--trace]
+        [--spec K [--adaptive]] [--engines staged slots] [--trace]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
@@ -12,7 +12,9 @@ engine's); printed per run: generation time, decode steps, ms per decode step an
 each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3 chains of
 depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one
 token per step as in the AR runs and the per-step figures compare a speculative step's cost with a
-decode step's at the same occupancy). With --trace a third call runs under `jax.profiler` and the
+decode step's at the same occupancy); --adaptive adds the same chains at adaptive depth
+(`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the AR
+steps give speculation's floor). --engines picks the engines (default both). With --trace a third call runs under `jax.profiler` and the
 kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
 kernel time and launches per iteration (their difference from the wall time is the device's idle
 time), the 22 longest kernels, the time by jax scope and, for a speculative step, by its phase
@@ -53,9 +55,13 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="the slot engine's, one run each")
     p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
+    p.add_argument("--adaptive", action="store_true", help="with --spec: also the chains at adaptive depth")
+    p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
     p.add_argument("--trace", action="store_true")
     p.add_argument("--keep-traces", action="store_true", help="keep the HLO dump and the traces in WORK_DIR")
     args = p.parse_args()
+    if args.adaptive and not args.spec:
+        p.error("--adaptive needs --spec K")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
         set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
@@ -74,12 +80,16 @@ def main() -> None:
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // 8) for _ in range(8)]
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
     result = {}
-    engines = [("staged", None, None)]
-    engines += [(f"slots K={k or 'default'}", args.slots, k) for k in args.decode_steps]
+    engines = [("staged", None, None)] if "staged" in args.engines else []
+    if "slots" in args.engines:
+        engines += [(f"slots K={k or 'default'}", args.slots, k) for k in args.decode_steps]
     specs = [("", None)]
     if args.spec:
         head = init_eagle3(cfg, jax.random.key(2), dtype=jnp.bfloat16)
         specs.append((f" eagle3 k={args.spec}", Spec("eagle3", head, num_draft_tokens=args.spec)))
+        if args.adaptive:
+            adaptive = Spec("eagle3", head, num_draft_tokens=args.spec, adaptive=True)
+            specs.append((f" eagle3 k={args.spec} adaptive", adaptive))
     for (engine, slots, decode_steps), (method, spec) in itertools.product(engines, specs):
         label = engine + method
 
@@ -101,10 +111,11 @@ def main() -> None:
             "tokens": int(np.asarray(out.lengths).sum()),
             "stage_rows": list(out.stats["stage_rows"]),
             "stage_steps": [int(n) for n in out.stats["stage_steps"]],
+            "depth_steps": None if spec is None else [int(n) for n in out.stats["depth_steps"]],
         }
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
-            f"widths {row['stage_rows']} steps {row['stage_steps']}",
+            f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}",
             flush=True,
         )
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))

@@ -62,6 +62,7 @@ def draft_extend(
     prefix_mask: jax.Array | None = None,
     active: jax.Array | None = None,
     sharding: Sharding | None = None,
+    last: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Appends T entries per row to the head's cache and runs them through the head.
 
@@ -75,8 +76,10 @@ def draft_extend(
     active: bool [B], rows still drafting (default all); the others see none of their prefix and
     their outputs are meaningless (`cache_attention`).
     sharding: the mesh the cache is laid out on (`KV_CACHE_AXES`), if any.
-    Returns (float32 logits [B, T, Vd] over the draft vocabulary, hidden_out [B, T, H] (layer
-    output before the final norm, the next step's hidden input), updated cache).
+    last: int32 [B], or None: the outputs of entry last[b] alone (T' = 1 below; the others'
+    logits are never computed).
+    Returns (float32 logits [B, T', Vd] over the draft vocabulary, hidden_out [B, T', H] (layer
+    output before the final norm, the next step's hidden input), updated cache); T' = T.
     """
     _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask, active)
     b, t = tokens.shape
@@ -86,7 +89,7 @@ def draft_extend(
         if prefix_mask is not None:
             raise ValueError("prefix_mask: a paged cache takes none (its tree drafting sees the whole prefix)")
         attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active)
-        out = layer_output(dcfg, dparams, hidden_in, attn)
+        out = layer_output(dcfg, dparams, _entries(hidden_in, last), _entries(attn, last))
         return draft_logits(dcfg, dparams, out), out, cache._replace(k=(ck,), v=(cv,))
     rows = jnp.arange(b)[:, None]
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -99,8 +102,16 @@ def draft_extend(
         mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask, active)
         in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
         attn = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask & (prefix_mask | ~in_prefix))
-    out = layer_output(dcfg, dparams, hidden_in, attn)
+    out = layer_output(dcfg, dparams, _entries(hidden_in, last), _entries(attn, last))
     return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))
+
+
+def _entries(x: jax.Array, last: jax.Array | None) -> jax.Array:
+    """x [B, T, ...], or its entries last int32 [B] alone [B, 1, ...] (the attention output of
+    the others only fills the cache: their MLP and logits are skipped)."""
+    if last is None:
+        return x
+    return jnp.take_along_axis(x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)
 
 
 def draft_logprobs_on_target_vocab(dparams: DraftParams, logits: jax.Array) -> jax.Array:

@@ -11,9 +11,11 @@ depth-d tree; v(rows): what one verified node adds at the number of rows the ste
 grows with the batch as the verification forward turns from reading weights to multiplying them:
 `verify_token_cost` points (rows, cost), linear between them and flat beyond); the loop runs the
 depth of largest E(d) / C(d) (ties: the shallower).
-Rates start at 1 (draft first) and move only at the depths a step tested, so after
-`probe_interval` autoregressive iterations in a row one iteration drafts at the smallest depth
-again, to notice drafts that have become useful.
+Rates start at 1 (draft first) and move only at the depths a step tested, so after a run of
+autoregressive iterations one iteration drafts at the smallest depth again (a probe), to notice
+drafts that have become useful. The run is `probe_interval` iterations long at first and doubles
+after every probe that does not bring drafting back (two drafting iterations in a row), up to
+`probe_max`: a draft that stays useless costs a probe every `probe_max` iterations.
 
 The choice depends only on earlier iterations' outcomes, never on the current one's random draws,
 so every rollout is still distributed exactly as the policy samples it.
@@ -37,7 +39,7 @@ class AdaptiveDepth:
     tree_width, tree_budget: the tree's shape (`SpecConfig`); verify_token_cost: (rows, cost)
     points, rows ascending (`cost_points`), and draft_token_cost: the cost model, in decode steps;
     decay: weight of the old rate in each update (0: the last iteration's rate alone);
-    probe_interval: autoregressive iterations after which one drafts.
+    probe_interval, probe_max: the first and the longest run of iterations that ends in a probe.
     """
 
     tree_width: int
@@ -46,6 +48,7 @@ class AdaptiveDepth:
     draft_token_cost: float
     decay: float
     probe_interval: int
+    probe_max: int
 
     def nodes(self, depth: int) -> int:
         full = depth * self.tree_width
@@ -72,14 +75,17 @@ def cost_points(value) -> tuple[tuple[int, float], ...]:
 
 class DepthState(NamedTuple):
     """rates float32 [K]: running acceptance rate of a tested draft at each depth (1 until tested);
-    since_draft int32 scalar: iterations since the last one that drafted."""
+    since_draft int32 scalar: iterations since the last one that drafted; interval int32 scalar:
+    the run of iterations that ends in a probe now (`probe_interval` to `probe_max`)."""
 
     rates: jax.Array
     since_draft: jax.Array
+    interval: jax.Array
 
     @classmethod
-    def start(cls, max_depth: int) -> DepthState:
-        return cls(jnp.ones((max_depth,), jnp.float32), jnp.zeros((), jnp.int32))
+    def start(cls, max_depth: int, settings: AdaptiveDepth) -> DepthState:
+        zero = jnp.zeros((), jnp.int32)
+        return cls(jnp.ones((max_depth,), jnp.float32), zero, zero + settings.probe_interval)
 
 
 def candidate_depths(depth: int) -> tuple[int, ...]:
@@ -98,7 +104,7 @@ def choose(settings: AdaptiveDepth, state: DepthState, depths: tuple[int, ...], 
     # A tree budget below its depth caps the run a step can accept at K = len(rates).
     value = jnp.stack([expected[min(d, state.rates.shape[0])] / settings.cost(d, rows) for d in depths])
     best = jnp.argmax(value).astype(jnp.int32)  # the first (shallowest) of equal values
-    probe = (best == 0) & (state.since_draft + 1 >= settings.probe_interval)
+    probe = (best == 0) & (state.since_draft + 1 >= state.interval)
     return jnp.where(probe, 1, best).astype(jnp.int32)
 
 
@@ -106,7 +112,8 @@ def observe(
     settings: AdaptiveDepth, state: DepthState, before: Counts, after: Counts, drafted: jax.Array
 ) -> DepthState:
     """The state after an iteration whose statistics moved from `before` to `after`; drafted: bool
-    scalar, whether it drafted (depth > 0)."""
+    scalar, whether it drafted (depth > 0). A drafting iteration right after another one resets
+    the probe interval; one after autoregressive iterations (a probe, as a rule) doubles it."""
     tested = after.reached - before.reached
     accepted = after.accepted_at - before.accepted_at
     rate = accepted / jnp.maximum(tested, 1)
@@ -114,4 +121,11 @@ def observe(
     return DepthState(
         rates=jnp.where(tested > 0, moved, state.rates),
         since_draft=jnp.where(drafted, 0, state.since_draft + 1),
+        interval=jnp.where(
+            drafted,
+            jnp.where(
+                state.since_draft == 0, settings.probe_interval, jnp.minimum(2 * state.interval, settings.probe_max)
+            ),
+            state.interval,
+        ),
     )

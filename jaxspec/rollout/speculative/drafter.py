@@ -11,8 +11,10 @@ A state may be `Pooled(rows, pool)`: the loop moves `rows` (batch-major) with it
 smaller stage batch and keeps `pool` (call-wide, e.g. every row's tokens by original row) as is.
 
 A drafter whose `propose` returns its state unchanged says so with `propose_keeps_state = True`;
-an autoregressive iteration of an adaptive loop then skips it (others run a depth-1 proposal to
-keep their state in step, e.g. an EAGLE-3 head's pending entries).
+an autoregressive iteration of an adaptive loop then skips it. One with `defers = True` (an EAGLE-3
+head with a backlog) is not proposed to either, and gets `state = drafter.defer(dparams, state,
+verified)` in place of `update`: it queues the step's entry for its next proposal. Others run a
+depth-1 proposal to keep their state in step (e.g. a draft model's pending tokens).
 
 `drafter.policy_layers` lists the policy layers whose outputs `update` receives in
 `verified.hidden` (empty when the drafter does not read the policy's hidden states).

@@ -9,6 +9,11 @@ entries ending with the new root's), and the first drafting pass of the next `pr
 and reads the root's logits at its last valid entry. Each further tree level runs the head over
 the tree built so far: the root with its features, every other node with its parent's head
 output (before the final norm).
+
+In an adaptive loop (`jaxspec.rollout.speculative.adaptive`) an autoregressive iteration does not
+run the head: `defer` appends the step's one entry to the pending chunk (`backlog` more entries
+than a drafting step needs), and the next `propose` runs the whole backlog in one pass, which
+costs about one head pass where the autoregressive iterations would each have paid one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from jaxspec.rollout.speculative.tree import DraftTree, dynamic_tree
 
 class HeadState(NamedTuple):
     """cache: the head's KV (entries before the pending chunk valid). The pending chunk (E =
-    longest accepted path + 1 entries, `count` of them valid, the last valid one the root's):
+    longest accepted path + 1 + the drafter's backlog entries, `count` of them valid, the last
+    valid one the root's):
     tokens int32 [B, E], hidden [B, E, H] the fused policy features each entry pairs with its
     token, count int32 [B] in [1, E]."""
 
@@ -43,10 +49,15 @@ class HeadState(NamedTuple):
         return jnp.take_along_axis(self.hidden, (self.count - 1)[:, None, None], axis=1)[:, 0]
 
 
+QUEUE_PIECE = 16  # entries per pass when a backlog runs (a cache-attention kernel's query block)
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
     """dcfg: the head's config. dparams passed to the methods: {"head": head params, "embed":
-    the policy's token embedding [V, H]}. Other fields as `DraftModelDrafter`."""
+    the policy's token embedding [V, H]}. backlog: entries of autoregressive iterations the state
+    can queue (`defer`; 0: none, an autoregressive iteration runs a depth-1 proposal instead).
+    Other fields as `DraftModelDrafter`."""
 
     dcfg: DraftConfig
     sampling: Sampling
@@ -55,6 +66,7 @@ class Eagle3Drafter:
     num_nodes: int
     stochastic: bool
     sharding: Sharding | None = None
+    backlog: int = 0
 
     @property
     def policy_layers(self) -> tuple[int, ...]:
@@ -87,9 +99,15 @@ class Eagle3Drafter:
 
     @property
     def chunk(self) -> int:
-        """Entries of the pending chunk `init` makes: the longest accepted run + 1. `propose` takes
-        any width, so loop stages that draft to different depths share the state of the deepest."""
-        return min(self.depth, self.num_nodes) + 1
+        """Entries of the pending chunk `init` makes: the longest accepted run + 1, + backlog.
+        `propose` takes any width, so loop stages that draft to different depths share the state
+        of the deepest."""
+        return min(self.depth, self.num_nodes) + 1 + self.backlog
+
+    @property
+    def defers(self) -> bool:
+        """Whether an autoregressive iteration calls `defer` (and no `propose`) on this state."""
+        return self.backlog > 0
 
     def propose(
         self, dparams, state: HeadState, root: jax.Array, cache_len: jax.Array, active: jax.Array, key: jax.Array
@@ -101,22 +119,7 @@ class Eagle3Drafter:
         def draft_pass(carry, tokens, parents, depth, mask, frontier):
             cache, previous_out = carry
             if previous_out is None:  # the pending chunk, its last valid entry the root's
-                start = head_len - (state.count - 1)
-                positions = start[:, None] + jnp.arange(state.tokens.shape[1], dtype=jnp.int32)
-                logits, out, cache = draft_extend(
-                    self.dcfg,
-                    head,
-                    embed,
-                    cache,
-                    state.tokens,
-                    state.hidden,
-                    positions,
-                    start,
-                    active=active,
-                    sharding=self.sharding,
-                )
-                last = (state.count - 1)[:, None, None]
-                logits, out = jnp.take_along_axis(logits, last, axis=1), jnp.take_along_axis(out, last, axis=1)
+                logits, out, cache = self._pending_pass(head, embed, cache, state, head_len, active)
             else:
                 parent_out = jnp.take_along_axis(previous_out, jnp.maximum(parents, 0)[:, :, None], axis=1)
                 hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden[:, None], parent_out)
@@ -152,14 +155,87 @@ class Eagle3Drafter:
         )
         return state._replace(cache=cache), tree
 
+    def _pending_pass(self, head, embed, cache, state: HeadState, head_len, active):
+        """Runs the pending chunk into the head's cache: (logits [B, 1, Vd] and output [B, 1, H]
+        of its last valid entry, the cache). Its first E entries in one pass, unless a row has
+        queued more (`defer`): then pieces of QUEUE_PIECE entries, as many as the longest queue."""
+        start, last = head_len - (state.count - 1), state.count - 1
+
+        def run(tokens, hidden, offset, last, cache):
+            """Entries [offset, offset + T) of the chunk (tokens [B, T], hidden [B, T, H])."""
+            positions = (start + offset)[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+            return draft_extend(
+                self.dcfg,
+                head,
+                embed,
+                cache,
+                tokens,
+                hidden,
+                positions,
+                start + offset,
+                active=active,
+                sharding=self.sharding,
+                last=last,
+            )
+
+        width = state.tokens.shape[1]
+        narrow = width - self.backlog
+
+        def first_entries():
+            return run(state.tokens[:, :narrow], state.hidden[:, :narrow], 0, last, cache)
+
+        if not self.defers:
+            return first_entries()
+
+        def in_pieces():
+            pieces = -(-width // QUEUE_PIECE)
+            pad = pieces * QUEUE_PIECE - width
+            tokens = jnp.pad(state.tokens, ((0, 0), (0, pad)))
+            hidden = jnp.pad(state.hidden, ((0, 0), (0, pad), (0, 0)))
+
+            def piece(i, carry):
+                logits, out, cache = carry
+                offset = i * QUEUE_PIECE
+                new_logits, new_out, cache = run(
+                    jax.lax.dynamic_slice_in_dim(tokens, offset, QUEUE_PIECE, axis=1),
+                    jax.lax.dynamic_slice_in_dim(hidden, offset, QUEUE_PIECE, axis=1),
+                    offset,
+                    jnp.clip(last - offset, 0, QUEUE_PIECE - 1),
+                    cache,
+                )
+                mine = (last // QUEUE_PIECE == i)[:, None, None]  # the piece holding the row's last entry
+                return jnp.where(mine, new_logits, logits), jnp.where(mine, new_out, out), cache
+
+            needed = (jnp.max(jnp.where(active, state.count, 1)) + QUEUE_PIECE - 1) // QUEUE_PIECE
+            first = run(tokens[:, :QUEUE_PIECE], hidden[:, :QUEUE_PIECE], 0, jnp.minimum(last, QUEUE_PIECE - 1), cache)
+            return jax.lax.fori_loop(1, needed, piece, first)
+
+        queued = jnp.any(active & (state.count > narrow))
+        return jax.lax.cond(queued, in_pieces, first_entries)
+
     def update(self, dparams, state: HeadState, verified: Verified) -> HeadState:
         fused = fuse(self.dcfg, dparams["head"], verified.hidden)  # [B, E, H]: features of the committed tokens
-        active = verified.active
+        active, pad = verified.active, state.tokens.shape[1] - fused.shape[1]
+        tokens = jnp.pad(new_tokens(verified), ((0, 0), (0, pad)))
+        fused = jnp.pad(fused.astype(state.hidden.dtype), ((0, 0), (0, pad), (0, 0)))
         return HeadState(
             cache=state.cache,
-            tokens=jnp.where(active[:, None], new_tokens(verified), state.tokens),
-            hidden=jnp.where(active[:, None, None], fused.astype(state.hidden.dtype), state.hidden),
+            tokens=jnp.where(active[:, None], tokens, state.tokens),
+            hidden=jnp.where(active[:, None, None], fused, state.hidden),
             count=jnp.where(active, verified.num_accepted + 1, state.count),
+        )
+
+    def defer(self, dparams, state: HeadState, verified: Verified) -> HeadState:
+        """The state after an autoregressive iteration that ran no `propose`: its one new entry
+        (the old root's features with the new root) appended to the pending chunk. The adaptive
+        loop drafts at least every `backlog` iterations, so the chunk never overflows."""
+        fused = fuse(self.dcfg, dparams["head"], verified.hidden[:, :, :1])[:, 0]  # [B, H]
+        rows, active = jnp.arange(state.count.shape[0]), verified.active
+        slot = jnp.where(active, state.count, state.tokens.shape[1])  # out of range: dropped
+        return state._replace(
+            tokens=state.tokens.at[rows, slot].set(new_tokens(verified)[:, 0], mode="drop"),
+            hidden=state.hidden.at[rows, slot].set(fused.astype(state.hidden.dtype), mode="drop"),
+            count=state.count + active.astype(jnp.int32),
         )
 
     def _constrain(self, buf: jax.Array) -> jax.Array:

@@ -73,7 +73,11 @@ def make_drafter(
             f"(hidden_size, draft_vocab_size) = ({dcfg.hidden_size}, {dcfg.draft_vocab_size})"
         )
     _check_width(spec, dcfg.draft_vocab_size)
-    drafter = Eagle3Drafter(dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, **shape)
+    # An adaptive loop's autoregressive iterations queue the head's entries (a hybrid's head runs them).
+    backlog = spec.adaptive_probe_max if spec.adaptive and not spec.suffix_branches else 0
+    drafter = Eagle3Drafter(
+        dcfg=dcfg, sampling=sampling, stochastic=spec.stochastic, sharding=sharding, backlog=backlog, **shape
+    )
     head_params = {"head": dparams, "embed": params["embed"]}
     if spec.suffix_branches:
         return hybrid_drafter(drafter, spec), head_params
@@ -91,6 +95,7 @@ def adaptive_depth(spec: Spec) -> AdaptiveDepth | None:
         draft_token_cost=float(spec.draft_token_cost),
         decay=float(spec.adaptive_decay),
         probe_interval=spec.adaptive_probe,
+        probe_max=spec.adaptive_probe_max,
     )
 
 

@@ -216,7 +216,7 @@ def speculative_decode(
         key=key,
         counts=Counts.zeros(max_depth, deepest.depth),
         experts=expert_buffer(prompt_experts, prompt_experts.shape[1] + max_new, sharding) if record else None,
-        depths=None if adaptive is None else DepthState.start(max_depth),
+        depths=None if adaptive is None else DepthState.start(max_depth, adaptive),
     )
     # Between stages the running rows move with their drafter state.
     recorded = ("experts",) if record else ()

@@ -329,7 +329,7 @@ def _loop(
         Counts.zeros(max_depth),
         jnp.zeros((len(drafters),), jnp.int32),
         jnp.zeros((drafter.depth + 1,), jnp.int32),
-        None if adaptive is None else DepthState.start(max_depth),
+        None if adaptive is None else DepthState.start(max_depth, adaptive),
     )
     experts = record_buffer(cfg, layout, prompts) if record else None
     cache = empty_cache(cfg, layout, cache_dtype)

@@ -75,7 +75,11 @@ class SpecConfig:
     adaptive_decay: weight of the earlier measurements in the running acceptance rates (of the
         adaptive depth and of the suffix_branches split), in [0, 1) (0: the last iteration's alone).
     adaptive_probe: after this many autoregressive iterations in a row, one iteration drafts
-        again (>= 1), so drafts that became useful are noticed.
+        again (>= 1, a probe), so drafts that became useful are noticed.
+    adaptive_probe_max: each probe that does not bring drafting back doubles the run before the
+        next one, up to this many iterations (>= adaptive_probe; = adaptive_probe: a fixed run).
+        An EAGLE-3 head queues the features of an autoregressive run and runs them at once at
+        the next drafting iteration (up to this many entries per row).
     stage_draft_tokens: null, or the draft depth of each stage of the decode loop
         (`jaxspec.rollout.stages.batch_stages`: the full batch B, then B/2 and B/4 while they hold
         at least 32 rows; the last entry holds for the stages past it, entries past the last stage
@@ -103,6 +107,7 @@ class SpecConfig:
     draft_token_cost: float = 0.0
     adaptive_decay: float = 0.7
     adaptive_probe: int = 16
+    adaptive_probe_max: int = 128
     stage_draft_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -116,6 +121,7 @@ class SpecConfig:
             "suffix_group_rows",
             "suffix_history",
             "adaptive_probe",
+            "adaptive_probe_max",
         ):
             if isinstance(getattr(self, name), np.integer):
                 object.__setattr__(self, name, int(getattr(self, name)))
@@ -190,6 +196,12 @@ class SpecConfig:
         need(_is_number(decay) and 0 <= decay < 1, "adaptive_decay", f"must be a number in [0, 1), got {decay!r}")
         probe = self.adaptive_probe
         need(_is_int(probe) and probe >= 1, "adaptive_probe", f"must be an integer >= 1, got {probe!r}")
+        longest = self.adaptive_probe_max
+        need(
+            _is_int(longest) and _is_int(probe) and longest >= probe,
+            "adaptive_probe_max",
+            f"must be an integer >= adaptive_probe={probe!r}, got {longest!r}",
+        )
         budget, width, k = self.tree_budget, self.tree_width, self.num_draft_tokens
         need(budget is None or _is_int(budget), "tree_budget", f"must be {null} or an integer, got {budget!r}")
         need(
@@ -252,7 +264,7 @@ class Spec:
              suffix_candidates=16, suffix_group_rows=None, suffix_history=0,
              suffix_branches=False, adaptive=False,
              verify_token_cost=0.1, draft_token_cost=0.0, adaptive_decay=0.7, adaptive_probe=16,
-             stage_draft_tokens=None)
+             adaptive_probe_max=128, stage_draft_tokens=None)
 
     method and the keyword settings are those of `SpecConfig` (method "none" is spec=None);
     `Spec.from_config` takes a `SpecConfig` whole. Raises ValueError naming the setting

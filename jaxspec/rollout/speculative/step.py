@@ -120,11 +120,13 @@ def speculative_step(
     width = max_depth + 1
     loop_rows = root.shape[0]
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
+    defers = False
     with jax.named_scope("propose"):
         if drafts:
             draft, tree = drafter.propose(dparams, draft, root, cache_len, active, draft_key)
         else:
-            if not getattr(drafter, "propose_keeps_state", False):  # e.g. a head's pending entries
+            defers = getattr(drafter, "defers", False)  # `defer` below queues the step instead
+            if not (defers or getattr(drafter, "propose_keeps_state", False)):  # e.g. a head's pending entries
                 one = dataclasses.replace(drafter, depth=1, num_nodes=1)
                 draft, _ = one.propose(dparams, draft, root, cache_len, active, draft_key)
             tree = _root_alone(root)
@@ -171,7 +173,7 @@ def speculative_step(
         else (jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
     )
     with jax.named_scope("draft_update"):
-        draft = drafter.update(
+        draft = (drafter.update if drafts or not defers else drafter.defer)(
             dparams,
             draft,
             Verified(

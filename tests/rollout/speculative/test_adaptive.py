@@ -17,7 +17,13 @@ MAX_NEW = 40
 
 def settings(**changes) -> AdaptiveDepth:
     base = dict(
-        tree_width=1, tree_budget=None, verify_token_cost=0.1, draft_token_cost=0.0, decay=0.5, probe_interval=8
+        tree_width=1,
+        tree_budget=None,
+        verify_token_cost=0.1,
+        draft_token_cost=0.0,
+        decay=0.5,
+        probe_interval=8,
+        probe_max=8,
     )
     base |= changes
     return AdaptiveDepth(**base | {"verify_token_cost": cost_points(base["verify_token_cost"])})
@@ -31,7 +37,7 @@ def test_candidate_depths():
 
 def test_the_choice_weighs_expected_tokens_against_cost():
     depths = candidate_depths(K)
-    state = DepthState(jnp.ones((K,), jnp.float32), jnp.zeros((), jnp.int32))
+    state = DepthState.start(K, settings())
     assert int(choose(settings(), state, depths, 8)) == 3  # 4 tokens for 1.3 steps
     useless = state._replace(rates=jnp.zeros((K,), jnp.float32))
     assert int(choose(settings(), useless, depths, 8)) == 0
@@ -53,7 +59,7 @@ def test_the_verify_cost_follows_the_rows_a_step_runs():
     np.testing.assert_allclose(costs, [0.0, 0.0, 0.2, 0.4, 1.2, 2.0, 2.0], rtol=1e-6)
     assert float(by_rows.cost(3, jnp.asarray(36, jnp.int32))) == pytest.approx(1.6)
     depths = candidate_depths(K)
-    half = DepthState(jnp.full((K,), 0.5, jnp.float32), jnp.zeros((), jnp.int32))
+    half = DepthState.start(K, by_rows)._replace(rates=jnp.full((K,), 0.5, jnp.float32))
     # E(d) = 1, 1.5, 1.75, 1.875 against C(d) = 1 + d v(rows): depth 3 at v = 0, 1 at v = 0.4, 0 at v = 2
     assert [int(choose(by_rows, half, depths, rows)) for rows in (1, 64, 512)] == [3, 1, 0]
 
@@ -86,9 +92,10 @@ def test_a_draft_never_accepted_falls_back_to_autoregressive_steps(greedy_runs):
     steps, depths = stats["steps"], stats["depth_steps"]
     assert sum(depths) == steps and stats["fallback_steps"] == depths[0]
     # Rate a_1 halves per failed step from 1 (a_2, a_3 stay untested at 1): depth 3 pays while
-    # (1 + 3 a_1) / 1.3 >= max(1, (1 + a_1) / 1.1), i.e. for 4 steps; then autoregressive steps,
-    # every 8th of them a depth-1 probe (which fails, so the rate stays below the cost).
-    assert depths == [31, 4, 0, 4], stats
+    # (1 + 3 a_1) / 1.3 >= max(1, (1 + a_1) / 1.1), i.e. for 4 steps; then autoregressive steps
+    # and depth-1 probes (which fail, so the rate stays below the cost): after 7 of them, then
+    # after 15 (each failed probe doubles the run, adaptive_probe_max 128).
+    assert depths == [7 + 15 + (steps - 4 - 7 - 1 - 15 - 1), 2, 0, 4], stats
     assert steps == MAX_NEW - 1  # one token per step
 
 
@@ -111,7 +118,8 @@ def test_a_draft_always_accepted_keeps_its_depth(greedy_runs):
 def test_the_depth_follows_the_rows_that_decode(policy, slots):
     """A draft that is always accepted, verification free for one row and dear for three
     (verify_token_cost [[1, 0], [2, 10]]): one row drafts its full depth at every step; three
-    rows, on either engine, run autoregressive steps, but for a probe every `adaptive_probe`."""
+    rows, on either engine, run autoregressive steps, but for a probe every `adaptive_probe`
+    (adaptive_probe_max = adaptive_probe: the run before a probe does not grow)."""
     cfg, params = policy
     sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
     spec = Spec(
@@ -122,6 +130,7 @@ def test_the_depth_follows_the_rows_that_decode(policy, slots):
         verify_token_cost=[[1, 0.0], [2, 10.0]],
         adaptive_decay=0.5,
         adaptive_probe=8,
+        adaptive_probe_max=8,
     )
     prompts = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
     engine = {} if slots is None else {"slots": slots}
@@ -131,3 +140,97 @@ def test_the_depth_follows_the_rows_that_decode(policy, slots):
     depths = three["depth_steps"]
     assert depths[2:] == [0, 0] and three["fallback_steps"] == depths[0] > 0, three
     assert depths[1] == pytest.approx(depths[0] / 7, abs=1), three  # a depth-1 probe after 7 AR steps
+
+
+def probe_schedule(steps: int, first: int, longest: int) -> tuple[int, int]:
+    """(autoregressive iterations, probes) of `steps` iterations when drafting never pays: runs of
+    interval - 1 autoregressive iterations each ended by a probe, the interval doubling from
+    `first` up to `longest` (the rule `adaptive.observe` implements)."""
+    ar = probes = 0
+    interval = first
+    while ar + probes < steps:
+        run = min(interval - 1, steps - ar - probes)
+        ar += run
+        if ar + probes < steps:
+            probes += 1
+            interval = min(2 * interval, longest)
+    return ar, probes
+
+
+@pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots"])
+def test_probes_back_off_while_drafting_does_not_pay(policy, slots):
+    """Three rows with a draft always accepted but dear to verify (as above): each probe succeeds
+    yet leaves autoregressive steps the better choice, so the run before the next probe doubles,
+    from adaptive_probe 2 to adaptive_probe_max 8: 1, 3, 7, 7, ... autoregressive steps."""
+    cfg, params = policy
+    sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    spec = Spec(
+        "draft_model",
+        (cfg, params),
+        num_draft_tokens=K,
+        adaptive=True,
+        verify_token_cost=10.0,
+        adaptive_decay=0.5,
+        adaptive_probe=2,
+        adaptive_probe_max=8,
+    )
+    prompts = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
+    engine = {} if slots is None else {"slots": slots}
+    stats = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine).stats
+    depths = stats["depth_steps"]
+    assert depths[2:] == [0, 0], stats
+    assert (depths[0], depths[1]) == probe_schedule(stats["steps"], 2, 8), stats
+    assert probe_schedule(37, 2, 8) == (32, 5)  # without the doubling: 18 probes; without the cap: 4
+
+
+@pytest.fixture(scope="module")
+def tiny_policy_and_head():
+    """The embedded tiny policy, its trained EAGLE-3 head (top-1 agreement 0.82) and 16 of its
+    level-1 word problems as prompts (greedy answers of 16 to 31 tokens)."""
+    from tokenizers import Tokenizer
+
+    from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
+    from jaxspec.draft import load_eagle3
+    from jaxspec.models.checkpoint import load_hf
+    from jaxspec.tasks.generator import generate_problems
+    from jaxspec.tasks.tokenizer import format_prompt
+
+    cfg, params = load_hf(tiny_policy_path())
+    tokenizer = Tokenizer.from_file(str(tiny_policy_path() / "tokenizer.json"))
+    problems = generate_problems(16, seed=3, levels=[1], kinds=["word"])
+    prompts = [tokenizer.encode(format_prompt(p["question"])).ids for p in problems]
+    return cfg, params, load_eagle3(tiny_eagle3_path(), policy=cfg), prompts
+
+
+@pytest.mark.parametrize("slots", [None, 6], ids=["staged", "slots"])
+def test_an_eagle3_head_queues_autoregressive_iterations(tiny_policy_and_head, slots):
+    """An adaptive EAGLE-3 loop runs no head in its autoregressive iterations: the head queues them
+    (`Eagle3Drafter.defer`) and runs them at the next probe (after 16 of them: more than one piece
+    of entries). Its drafts, so the loop's acceptance, choices and statistics, equal those of the
+    same loop with a head that runs at every iteration; its tokens equal autoregressive decoding."""
+    from jaxspec.rollout.speculative import eagle3
+    from jaxspec.rollout.speculative.eagle3 import QUEUE_PIECE, Eagle3Drafter
+
+    cfg, params, head, prompts = tiny_policy_and_head
+    sampling = Sampling(temperature=0.0, max_new_tokens=40)
+    # A verified node costs 0.8 steps: depth 3 at first, then autoregressive iterations and probes.
+    spec = Spec(
+        "eagle3",
+        head,
+        num_draft_tokens=K,
+        adaptive=True,
+        verify_token_cost=0.8,
+        adaptive_probe=17,
+        adaptive_probe_max=17,
+    )
+    engine = {} if slots is None else {"slots": slots}
+    queued = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine)
+    with pytest.MonkeyPatch.context() as patch:  # the drafter `generate` makes, without a backlog
+        patch.setattr(eagle3, "Eagle3Drafter", lambda **fields: Eagle3Drafter(**fields | {"backlog": 0}))
+        stepped = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine)
+    ar = generate(cfg, params, prompts, jax.random.key(0), sampling)
+    np.testing.assert_array_equal(queued.tokens, ar.tokens)
+    depths = queued.stats["depth_steps"]
+    assert depths[0] >= 17 - 1 >= QUEUE_PIECE and depths[1] > 0 and queued.stats["accepted_tokens"] > 0, queued.stats
+    for name in ("depth_steps", "fallback_steps", "accepted_tokens", "drafted_tokens", "steps"):
+        assert queued.stats[name] == stepped.stats[name], (name, queued.stats, stepped.stats)

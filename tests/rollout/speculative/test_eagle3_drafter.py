@@ -1,6 +1,8 @@
 """The EAGLE-3 drafter's cached state: across verification steps with any accepted counts, its
 first draft token equals the uncached head's prediction from the policy's own features."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jaxspec.draft.loss import ttt_forward
 from jaxspec.models.transformer import forward_hidden
 from jaxspec.rollout import Sampling
 from jaxspec.rollout.speculative.drafter import Prefill, Verified
-from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter
+from jaxspec.rollout.speculative.eagle3 import QUEUE_PIECE, Eagle3Drafter
 
 DEPTH = 3  # chunks of up to DEPTH + 1 entries
 PROMPT_LENGTHS = [3, 7, 5]
@@ -22,11 +24,13 @@ forward_hidden = jax.jit(forward_hidden, static_argnums=(0, 3))
 ttt_forward = jax.jit(ttt_forward, static_argnums=(0, 5))
 
 
-def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
+def _setup(policy, total: int, backlog: int = 0):
+    """A random head over the policy, three prompts of a random sequence [3, total], the head's
+    uncached guesses of x_{t+2} at every t, the drafter, its params and its jitted started state."""
     cfg, params = policy
     dcfg, head = init_eagle3(cfg, jax.random.key(5), std=0.3)
     rng = np.random.default_rng(0)
-    seqs = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(PROMPT_LENGTHS), TOTAL)), jnp.int32)
+    seqs = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(PROMPT_LENGTHS), total)), jnp.int32)
     _, aux = forward_hidden(cfg, params, seqs, dcfg.aux_layer_ids)  # [3, B, T, H]
     fused = fuse(dcfg, head, aux)
     logits, _ = ttt_forward(dcfg, head, params["embed"], fused, seqs, num_steps=1)
@@ -39,6 +43,7 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
         width=1,
         num_nodes=DEPTH,
         stochastic=False,
+        backlog=backlog,
     )
     dparams = {"head": head, "embed": params["embed"]}
     lengths = np.asarray(PROMPT_LENGTHS)
@@ -56,33 +61,85 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
     )
     init = jax.jit(
         lambda dparams, arrays: drafter.init(
-            dparams, Prefill(**arrays, max_len=TOTAL + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None)
+            dparams, Prefill(**arrays, max_len=total + 2 * DEPTH, cache_dtype=jnp.float32, sharding=None)
         )
     )
-    state = init(dparams, prefill)
+    return seqs, aux, predicted, drafter, dparams, init(dparams, prefill)
+
+
+def _verified(seqs, aux, root_index, accepted) -> Verified:
+    """The outcome of a step at root_index [3] that accepted `accepted` [3] of the true tokens."""
+    rows = np.arange(len(root_index))
+    window = root_index[:, None] + np.arange(DEPTH + 1)  # [root, the next DEPTH tokens]
+    return Verified(
+        committed=seqs[rows[:, None], window],
+        next_root=seqs[rows, root_index + accepted + 1],
+        num_accepted=jnp.asarray(accepted),
+        cache_len=jnp.asarray(root_index),
+        hidden=aux[:, rows[:, None], window],
+        active=jnp.ones(len(rows), bool),
+    )
+
+
+def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
+    seqs, aux, predicted, drafter, dparams, state = _setup(policy, TOTAL)
     propose, update = jax.jit(drafter.propose), jax.jit(drafter.update)
+    rows = np.arange(len(PROMPT_LENGTHS))
     all_rows = jnp.ones(len(rows), bool)
 
-    root_index = lengths.copy()  # the root x_p sits at index p (= the policy's cache length)
+    root_index = np.asarray(PROMPT_LENGTHS)  # the root x_p sits at index p (= the policy's cache length)
     for accepted in ([0, 2, 3], [3, 0, 1], [1, 1, 0]):
         state, tree = propose(
             dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows, jax.random.key(0)
         )
         np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
         accepted = np.asarray(accepted)
-        window = root_index[:, None] + np.arange(DEPTH + 1)  # [root, the next DEPTH tokens]
-        state = update(
-            dparams,
-            state,
-            Verified(
-                committed=seqs[rows[:, None], window],
-                next_root=seqs[rows, root_index + accepted + 1],
-                num_accepted=jnp.asarray(accepted),
-                cache_len=jnp.asarray(root_index),
-                hidden=aux[:, rows[:, None], window],
-                active=jnp.ones(len(rows), bool),
-            ),
-        )
+        state = update(dparams, state, _verified(seqs, aux, root_index, accepted))
         root_index = root_index + accepted + 1
     state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
+
+
+def test_a_deferred_run_drafts_as_a_head_run_at_every_step(policy):
+    """An adaptive loop's autoregressive iterations: a head with a backlog queues them (`defer`) and
+    runs them at its next proposal in pieces; its drafts then equal those of a head that ran a
+    depth-1 proposal at every iteration, and its first token the uncached head's guess. The rows
+    queue 15 to 18 entries, so their last entries fall in the first and second piece."""
+    total, deferred = 40, 14
+    seqs, aux, predicted, queued, dparams, queued_state = _setup(policy, total, backlog=deferred + 2)
+    _, _, _, stepped, _, stepped_state = _setup(policy, total)
+    assert QUEUE_PIECE == 16
+    rows = np.arange(len(PROMPT_LENGTHS))
+    all_rows = jnp.ones(len(rows), bool)
+    one_level = dataclasses.replace(stepped, depth=1, num_nodes=1)
+    propose = {d: jax.jit(d.propose) for d in (queued, stepped, one_level)}
+    update, defer = jax.jit(stepped.update), jax.jit(queued.defer)
+
+    root_index = np.asarray(PROMPT_LENGTHS)
+    accepted = np.asarray([0, 3, 1])
+    states = {}
+    for name, drafter, state in (("queued", queued, queued_state), ("stepped", stepped, stepped_state)):
+        index = root_index
+        state, _ = propose[drafter](dparams, state, seqs[rows, index], jnp.asarray(index), all_rows, jax.random.key(0))
+        state = jax.jit(drafter.update)(dparams, state, _verified(seqs, aux, index, accepted))
+        index = index + accepted + 1
+        for _ in range(deferred):  # autoregressive iterations: the root verified alone
+            if name == "stepped":
+                state, _ = propose[one_level](
+                    dparams, state, seqs[rows, index], jnp.asarray(index), all_rows, jax.random.key(1)
+                )
+                state = update(dparams, state, _verified(seqs, aux, index, np.zeros(3, int)))
+            else:
+                state = defer(dparams, state, _verified(seqs, aux, index, np.zeros(3, int)))
+            index = index + 1
+        states[name] = (state, index)
+    np.testing.assert_array_equal(np.asarray(states["queued"][0].count), accepted + 1 + deferred)
+    trees = {}
+    for name, drafter in (("queued", queued), ("stepped", stepped)):
+        state, index = states[name]
+        _, trees[name] = propose[drafter](
+            dparams, state, seqs[rows, index], jnp.asarray(index), all_rows, jax.random.key(2)
+        )
+    index = states["queued"][1]
+    np.testing.assert_array_equal(np.asarray(trees["queued"].tokens[:, 1]), predicted[rows, index - 1])
+    np.testing.assert_array_equal(np.asarray(trees["queued"].tokens), np.asarray(trees["stepped"].tokens))
