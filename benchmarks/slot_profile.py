@@ -9,19 +9,20 @@ geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8, 
 engines generate the same prompts with the same key (compiled and warmed up first), the slot
 engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
-each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3 chains of
-depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one
-token per step as in the AR runs and the per-step figures compare a speculative step's cost with a
-decode step's at the same occupancy); --adaptive adds the same chains at adaptive depth
-(`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the AR
-steps give speculation's floor). --engines picks the engines (default both). With --trace a third call runs under `jax.profiler` and the
-kernels of the loop programs are charged from the trace (`jaxspec.bench.kernel_trace`): total
-kernel time and launches per iteration (their difference from the wall time is the device's idle
-time), the 22 longest kernels, the time by jax scope and, for a speculative step, by its phase
-(`PHASES`: the named scopes of `jaxspec.rollout.speculative.step`); --trace turns XLA's command
-buffers (CUDA graphs) off for the whole run, timings included. WORK_DIR gets slot_profile.json,
-rewritten after each run; the HLO dump and the traces (hundreds of MB) are deleted once charged
-unless --keep-traces. XLA_FLAGS set outside reach every run.
+each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3
+chains of depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows
+emit one token per step as in the AR runs and the per-step figures compare a speculative step's
+cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
+depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the
+AR steps give speculation's floor). --engines picks the engines (default both). With --trace a
+third call runs under `jax.profiler` and the kernels of the loop programs are charged from the
+trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
+difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
+scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
+`jaxspec.rollout.speculative.step`); --trace turns XLA's command buffers (CUDA graphs) off for the
+whole run, timings included. WORK_DIR gets slot_profile.json, rewritten after each run; the HLO
+dump and the traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set
+outside reach every run.
 """
 
 import argparse

@@ -139,8 +139,9 @@ def speculative_memory_bytes(
     The autoregressive estimate (`rollout_memory_bytes`) with the cache grown by the tree's spare
     slots, plus the verification forward's float32 buffers for the other tree nodes (logits,
     processed log-probs, attention over the cache, MLP), draft distributions for stochastic
-    drafts, and the draft model's or EAGLE-3 head's own cache; caches also for the `stage_rows`
-    rows of the smaller batches the loop moves into (`jaxspec.rollout.stages`).
+    drafts, and the draft model's or EAGLE-3 head's own cache (and an adaptive head's queue);
+    caches also for the `stage_rows` rows of the smaller batches the loop moves into
+    (`jaxspec.rollout.stages`).
     """
     nodes = 1 + spec.num_tree_nodes
     extra = nodes + spec.num_draft_tokens * spec.tree_width
@@ -154,7 +155,15 @@ def speculative_memory_bytes(
         needed += cache_bytes(spec.draft[0], batch + stage_rows, slots, cache_dtype)
     if spec.method == "eagle3":
         needed += cache_bytes(spec.draft[0].layer_config, batch + stage_rows, slots, cache_dtype)
-    return needed
+    return needed + head_queue_bytes(spec, batch + stage_rows)
+
+
+def head_queue_bytes(spec: Spec, rows: int) -> int:
+    """Bytes of an adaptive EAGLE-3 head's queue of features for `rows` rows (`Eagle3Drafter.defer`)
+    and of its padded copy when it runs; 0 for other drafters."""
+    if spec.method != "eagle3" or not spec.adaptive or spec.suffix_branches:
+        return 0
+    return 2 * _F32 * rows * spec.adaptive_probe_max * spec.draft[0].hidden_size
 
 
 def speculative_generate(

@@ -68,7 +68,13 @@ from jaxspec.rollout.slot_width import on_decoding_slots
 from jaxspec.rollout.slots import decoding_slots, decoding_view, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Pooled
-from jaxspec.rollout.speculative.generate import adaptive_depth, make_drafter, suffix_sources_bytes, with_call_sources
+from jaxspec.rollout.speculative.generate import (
+    adaptive_depth,
+    head_queue_bytes,
+    make_drafter,
+    suffix_sources_bytes,
+    with_call_sources,
+)
 from jaxspec.rollout.speculative.slot_drafters import (
     call_pool,
     draft_kv_config,
@@ -146,9 +152,8 @@ def slot_speculative_generate(
         verify=True,
         record_experts=record_experts,
         decode_steps=decode_steps,
-        draft_slot_bytes=suffix_sources_bytes(spec, dparams, 1, width + sampling.max_new_tokens)
-        if spec.drafts_suffixes
-        else 0,
+        draft_slot_bytes=head_queue_bytes(spec, 1)
+        + (suffix_sources_bytes(spec, dparams, 1, width + sampling.max_new_tokens) if spec.drafts_suffixes else 0),
         advance=1 + max_depth,
     )
     prompts = Prompts.of(batch, layout.groups)
