@@ -5,8 +5,8 @@
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
-geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8, T=1. Both
-engines generate the same prompts with the same key (compiled and warmed up first), the slot
+geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (fewer rows: one
+group), T=1. Both engines generate the same prompts with the same key (compiled and warmed up first), the slot
 engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
 each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3
@@ -78,7 +78,12 @@ def main() -> None:
     cfg = ModelConfig.from_json("configs/models/small-policy.json")
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // 8) for _ in range(8)]
+    group = min(8, args.rows)
+    if args.rows % group:
+        p.error(f"--rows must be below 8 or a multiple of 8, got {args.rows}")
+    prompts = [
+        [int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // group) for _ in range(group)
+    ]
     sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
     result = {}
     engines = [("staged", None, None)] if "staged" in args.engines else []

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from jaxspec.generate_cli import slots
+
 
 def slot_count(text: str) -> int | str:
-    """--slots values: a positive integer or "auto"."""
-    if text == "auto":
-        return text
+    """--slots values: a positive integer or "auto", parsed as `jaxspec generate --slots` is."""
     try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"--slots takes positive integers or 'auto', got {text!r}")
-    return count
+        return slots(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def stage_label(depths: tuple[int, ...]) -> str:

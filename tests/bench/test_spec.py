@@ -343,3 +343,16 @@ def test_verify_token_cost_option_takes_a_number_or_pairs():
     assert verify_token_cost("1:0.01,64:0.1") == ((1, 0.01), (64, 0.1))
     with pytest.raises(argparse.ArgumentTypeError, match="rows:cost pairs"):
         verify_token_cost("64=0.1")
+
+
+def test_slots_option_parses_as_jaxspec_generate_does():
+    import argparse
+
+    from jaxspec.bench.spec_configs import slot_count
+
+    assert slot_count("16") == 16 and slot_count("auto") == "auto"
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(
+            argparse.ArgumentTypeError, match=rf"--slots must be a positive integer or 'auto', got '{bad}'"
+        ):
+            slot_count(bad)
