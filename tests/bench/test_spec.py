@@ -53,6 +53,7 @@ def test_bench_spec_smoke(tmp_path):
         assert len(row["stage_rows"]) == len(row["stage_steps"]) >= 1 and row["stage_rows"][0] == 4
         assert row["step_ms"] == pytest.approx(1e3 * row["seconds"] / max(sum(row["stage_steps"]), 1))
         assert row["throughput_speedup"] == pytest.approx(row["tokens_per_s"] / rows["ar"]["tokens_per_s"])
+        assert row["first_call_seconds"] > row["seconds"]  # the first call compiles
     assert len(rows["eagle3 chain k=2"]["acceptance_per_position"]) == 2
     # A batch of 4 runs in one stage, which drafts the first depth only.
     assert len(rows["eagle3 chain k=2/3 by stage"]["acceptance_per_position"]) == 2
