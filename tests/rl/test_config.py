@@ -64,6 +64,7 @@ def test_algorithm_options_accepted():
         (dict(draft_token_cost="cheap"), "draft_token_cost"),
         (dict(adaptive_decay=1.0), "adaptive_decay"),
         (dict(adaptive_probe=0), "adaptive_probe"),
+        (dict(adaptive_probe=8, adaptive_probe_max=4), "adaptive_probe_max"),
     ],
 )
 def test_a_config_file_and_a_spec_refuse_the_same_settings(settings, key):
