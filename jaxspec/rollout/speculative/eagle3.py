@@ -215,13 +215,13 @@ class Eagle3Drafter:
 
     def update(self, dparams, state: HeadState, verified: Verified) -> HeadState:
         fused = fuse(self.dcfg, dparams["head"], verified.hidden)  # [B, E, H]: features of the committed tokens
-        active, pad = verified.active, state.tokens.shape[1] - fused.shape[1]
-        tokens = jnp.pad(new_tokens(verified), ((0, 0), (0, pad)))
-        fused = jnp.pad(fused.astype(state.hidden.dtype), ((0, 0), (0, pad), (0, 0)))
+        active, width = verified.active, fused.shape[1]  # the chunk's first E entries (a backlog's are unread)
+        tokens = jnp.where(active[:, None], new_tokens(verified), state.tokens[:, :width])
+        hidden = jnp.where(active[:, None, None], fused.astype(state.hidden.dtype), state.hidden[:, :width])
         return HeadState(
             cache=state.cache,
-            tokens=jnp.where(active[:, None], tokens, state.tokens),
-            hidden=jnp.where(active[:, None, None], fused, state.hidden),
+            tokens=state.tokens.at[:, :width].set(tokens),
+            hidden=state.hidden.at[:, :width].set(hidden),
             count=jnp.where(active, verified.num_accepted + 1, state.count),
         )
 
