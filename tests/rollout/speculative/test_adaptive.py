@@ -114,6 +114,15 @@ def test_a_draft_always_accepted_keeps_its_depth(greedy_runs):
     assert stats["acceptance_length"] == K + 1
 
 
+PROMPTS = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
+
+
+def accepted_draft(policy, **settings) -> Spec:
+    """Adaptive chains of depth K drafted by the policy itself (always accepted at T = 0), decay 0.5."""
+    cfg, params = policy
+    return Spec("draft_model", (cfg, params), num_draft_tokens=K, adaptive=True, adaptive_decay=0.5, **settings)
+
+
 @pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots"])
 def test_the_depth_follows_the_rows_that_decode(policy, slots):
     """A draft that is always accepted, verification free for one row and dear for three
@@ -122,17 +131,8 @@ def test_the_depth_follows_the_rows_that_decode(policy, slots):
     (adaptive_probe_max = adaptive_probe: the run before a probe does not grow)."""
     cfg, params = policy
     sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
-    spec = Spec(
-        "draft_model",
-        (cfg, params),
-        num_draft_tokens=K,
-        adaptive=True,
-        verify_token_cost=[[1, 0.0], [2, 10.0]],
-        adaptive_decay=0.5,
-        adaptive_probe=8,
-        adaptive_probe_max=8,
-    )
-    prompts = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
+    spec = accepted_draft(policy, verify_token_cost=[[1, 0.0], [2, 10.0]], adaptive_probe=8, adaptive_probe_max=8)
+    prompts = PROMPTS
     engine = {} if slots is None else {"slots": slots}
     alone = generate(cfg, params, prompts[:1], jax.random.key(1), sampling, spec=spec, **engine).stats
     assert alone["depth_steps"] == [0, 0, 0, alone["steps"]], alone
@@ -164,17 +164,8 @@ def test_probes_back_off_while_drafting_does_not_pay(policy, slots):
     from adaptive_probe 2 to adaptive_probe_max 8: 1, 3, 7, 7, ... autoregressive steps."""
     cfg, params = policy
     sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
-    spec = Spec(
-        "draft_model",
-        (cfg, params),
-        num_draft_tokens=K,
-        adaptive=True,
-        verify_token_cost=10.0,
-        adaptive_decay=0.5,
-        adaptive_probe=2,
-        adaptive_probe_max=8,
-    )
-    prompts = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
+    spec = accepted_draft(policy, verify_token_cost=10.0, adaptive_probe=2, adaptive_probe_max=8)
+    prompts = PROMPTS
     engine = {} if slots is None else {"slots": slots}
     stats = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine).stats
     depths = stats["depth_steps"]
