@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import traceback
 
 from jaxspec.exits import EXIT_CHECKPOINTED, EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED, exit_status
@@ -86,11 +87,13 @@ def _say_last(line: str) -> None:
     """Writes `line` to stderr and sends everything written there after it to /dev/null. Complete
     lines are already out (stderr is line-buffered); what the buffer still holds is part of a line
     another thread is writing (a background checkpoint's traceback), so it goes to /dev/null too,
-    not in front of `line`."""
+    not in front of `line`. That thread may also have flushed the start of a line already (a long
+    write goes out in pieces), so while other threads run, `line` starts on a line of its own."""
     stderr = os.dup(2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     sys.stderr.flush()
-    os.write(stderr, f"{line}\n".encode())
+    fresh_line = "\n" if threading.active_count() > 1 else ""
+    os.write(stderr, f"{fresh_line}{line}\n".encode())
 
 
 def entry() -> None:

@@ -172,3 +172,21 @@ def test_generate_bad_argument_is_a_one_line_error(tmp_path, extra, message):
     assert code == EXIT_INPUT and out == ""  # as every command's bad input
     lines = err.strip().split("\n")
     assert len(lines) == 1 and re.fullmatch(rf"jaxspec generate: error: {message}", lines[0]), err
+
+
+def test_the_error_line_starts_a_line_of_its_own_after_a_thread_flushed_part_of_one():
+    """A background thread's traceback can reach stderr in pieces (a long message is written
+    through): the error line must not be glued to the piece already out."""
+    import subprocess
+    import sys
+
+    program = (
+        "import os, threading, time\n"
+        "from jaxspec.cli import _say_last\n"
+        "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+        "os.write(2, b'RuntimeError: ')\n"
+        "_say_last('jaxspec train: error: the disk is full')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "jaxspec train: error: the disk is full"
