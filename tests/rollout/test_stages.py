@@ -46,6 +46,8 @@ METHODS = [
     "eagle3-chain-depth-per-stage",
     "ngram-tree-depth-per-stage",
     "draft_model-chain-depth-per-stage",
+    # adaptive depth with a draft never accepted: runs of autoregressive iterations, ended by the stage
+    "draft_model-chain-adaptive-fallback",
 ]
 
 
@@ -63,6 +65,10 @@ def test_staged_greedy_rollouts_equal_the_reference(policy, reference_and_eos, s
         "ngram-tree-depth-per-stage": Spec("ngram", num_draft_tokens=3, tree_width=2, stage_draft_tokens=(1, 3)),
         "draft_model-chain-depth-per-stage": Spec(
             "draft_model", (cfg, params), num_draft_tokens=5, stage_draft_tokens=(5, 2)
+        ),
+        # The policy with its logits negated drafts its least likely token: never accepted at T = 0.
+        "draft_model-chain-adaptive-fallback": Spec(
+            "draft_model", (cfg, dict(params, lm_head=-params["lm_head"])), num_draft_tokens=3, adaptive=True
         ),
     }[method]
     out = generate(
@@ -85,9 +91,9 @@ def test_staged_greedy_rollouts_equal_the_reference(policy, reference_and_eos, s
         depths = spec.stage_depths(3)
         assert out.stats["acceptance_rate_per_position"].shape == (max(depths),)
         # A draft identical to the policy accepts every draft: each stage's steps emit its depth + 1.
-        if method.startswith("draft_model"):
+        if method.startswith("draft_model") and not method.endswith("fallback"):
             assert out.stats["acceptance_length"] > min(depths) + 0.5
-    if spec is None:  # the loop counts its iterations across stages
+    if spec is None or method.endswith("fallback"):  # one token per iteration; iterations counted across stages
         assert out.stats["steps"] == MAX_NEW - 1
         # 8 rows until the second group finishes (2 left), then straight past the 4-row stage
         last_early = int(lengths[lengths < MAX_NEW].max())

@@ -15,7 +15,9 @@ the loop's own bookkeeping):
 Rows accept different numbers of tokens; finished rows keep computing with frozen state until
 the loop moves the running rows into a smaller batch (`jaxspec.rollout.stages`). An adaptive loop
 (`jaxspec.rollout.speculative.adaptive`) runs each iteration at a depth chosen from the acceptance
-measured so far, depth 0 being an autoregressive step (the root verified alone).
+measured so far, depth 0 being an autoregressive step (the root verified alone, its next token
+sampled as the autoregressive loop samples it); a run of depth-0 iterations up to the next probe
+is an inner `while_loop` of such steps, with no branch to take in each.
 """
 
 from __future__ import annotations
@@ -154,6 +156,10 @@ def speculative_decode(
         first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
         count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
+        if drafts:
+            counts = count_step(state.counts, out.tree.parents, out.tree.num_nodes, out.path, accepted, active)
+        else:  # a lone root: a verified row-step, nothing drafted
+            counts = state.counts._replace(row_steps=state.counts.row_steps + jnp.sum(active, dtype=jnp.int32))
         experts = state.experts
         if record:  # the accepted path's experts at the positions its KV now holds
             path = out.path
@@ -170,23 +176,36 @@ def speculative_decode(
             lengths=state.lengths + count,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
-            counts=count_step(state.counts, out.tree.parents, out.tree.num_nodes, out.path, accepted, active)._replace(
-                depth_steps=state.counts.depth_steps.at[drafter.depth if drafts else 0].add(1)
-            ),
+            counts=counts._replace(depth_steps=counts.depth_steps.at[drafter.depth if drafts else 0].add(1)),
             experts=experts,
             depths=state.depths,
         )
 
-    def adaptive_step(drafter: Drafter, state: _LoopState) -> _LoopState:
-        """One iteration at the depth `adaptive.choose` picks among the stage's candidates."""
+    def adaptive_step(drafter: Drafter, next_size: int, state: _LoopState) -> tuple[_LoopState, jax.Array]:
+        """One drafting iteration at the depth `adaptive.choose` picks among the stage's candidates
+        or, where it picks depth 0, the run of autoregressive iterations up to the next probe, for
+        as long as the stage runs (more than `next_size` rows running). Returns (state, int32
+        scalar iterations run)."""
         depths = candidate_depths(drafter.depth)
-        branches = [
-            functools.partial(step, dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)), drafts=d > 0)
-            for d in depths
-        ]
+        at_depth = [dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)) for d in depths]
         index = choose(adaptive, state.depths, depths, state.root.shape[0])  # the stage's batch runs the step
-        new = jax.lax.switch(index, branches, state)
-        return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, index > 0))
+
+        def drafting(state: _LoopState) -> tuple[_LoopState, jax.Array]:
+            new = jax.lax.switch(index - 1, [functools.partial(step, d) for d in at_depth[1:]], state)
+            return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, True)), jnp.int32(1)
+
+        def fallback(state: _LoopState) -> tuple[_LoopState, jax.Array]:
+            # Depth 0 tests no draft, so the rates stay and `choose` keeps picking it until the probe:
+            # the run is a plain loop of autoregressive iterations, without a branch in each.
+            run = state.depths.interval - 1 - state.depths.since_draft
+            new, ran = jax.lax.while_loop(
+                lambda c: (c[1] < run) & (jnp.sum(~c[0].done) > next_size),
+                lambda c: (step(at_depth[0], c[0], drafts=False), c[1] + 1),
+                (state, jnp.zeros((), jnp.int32)),
+            )
+            return new._replace(depths=state.depths._replace(since_draft=state.depths.since_draft + ran)), ran
+
+        return jax.lax.cond(index == 0, fallback, drafting, state)
 
     key, first_key = jax.random.split(key)
     first, first_logprob = choose_tokens(first_key, logits, sampling)
@@ -221,7 +240,12 @@ def speculative_decode(
     # Between stages the running rows move with their drafter state.
     recorded = ("experts",) if record else ()
     state, out, full_cache, stage_steps = run_in_stages(
-        [functools.partial(step if adaptive is None else adaptive_step, drafter) for drafter in drafters],
+        [
+            functools.partial(step, drafter)
+            if adaptive is None
+            else functools.partial(adaptive_step, drafter, (*stages, 0)[i + 1])
+            for i, drafter in enumerate(drafters)
+        ],
         state,
         stages,
         ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done", *recorded),
@@ -229,6 +253,7 @@ def speculative_decode(
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), moved.cache)
         ),
         outputs=("tokens", "logprobs", "lengths", *recorded),
+        counted=adaptive is not None,
     )
     batch_axes = ("batch", None)
     experts = constrain(sharding, out["experts"], EXPERT_AXES) if record else None

@@ -6,7 +6,7 @@
      the prefix and its ancestors) at positions cache_len + depth, writing their KV at slots
      cache_len .. cache_len + N - 1;
   3. the caller's verification (`jaxspec.kernels.tree_verify`) accepts a path and samples the next
-     token exactly from p;
+     token exactly from p (a step without drafts samples it as an autoregressive step does);
   4. the accepted nodes' KV moves to consecutive slots (`commit_path`) and the drafter is updated.
 """
 
@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
+from jaxspec.kernels.tree_verify_reference import VerifyResult, per_row_keys
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.paged import PagedKVCache, paged_move
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
-from jaxspec.rollout.sampling import Sampling, processed_logprobs
+from jaxspec.rollout.sampling import Sampling, choose_per_row, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.drafter import Drafter, Verified
 from jaxspec.rollout.speculative.tree import DraftTree, ancestor_mask
 
@@ -60,6 +61,16 @@ def _root_alone(root: jax.Array) -> DraftTree:
     return DraftTree(
         tokens=root[:, None], parents=column - 1, depth=column, num_nodes=column[:, 0] + 1, draft_probs=None
     )
+
+
+def _sample_root(logits: jax.Array, key: jax.Array, sampling: Sampling) -> VerifyResult:
+    """The verification of roots alone (no draft nodes): the next token sampled from p as an
+    autoregressive step samples it, without the tree kernel. logits float32 [B, V]; key: one key,
+    or one per row (`kernels.tree_verify`'s keys)."""
+    choose = choose_per_row if per_row_keys(key) else choose_tokens
+    token, logprob = choose(key, logits, sampling)
+    zero = jnp.zeros_like(token)
+    return VerifyResult(path=zero[:, None], num_accepted=zero, next_token=token, logprobs=logprob[:, None])
 
 
 def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
@@ -145,18 +156,18 @@ def speculative_step(
             record_experts=record,
         )
     with jax.named_scope("verify"):
-        if not sampling.greedy:
-            logits = processed_logprobs(logits, sampling)
-        temperature = 0.0 if sampling.greedy else 1.0
-        result = kernels.tree_verify(
-            logits,
-            tree.parents,
-            tree.tokens,
-            tree.num_nodes,
-            verify_key,
-            temperature=temperature,
-            draft_probs=tree.draft_probs,
-        )
+        if drafts:
+            result = kernels.tree_verify(
+                logits if sampling.greedy else processed_logprobs(logits, sampling),
+                tree.parents,
+                tree.tokens,
+                tree.num_nodes,
+                verify_key,
+                temperature=0.0 if sampling.greedy else 1.0,
+                draft_probs=tree.draft_probs,
+            )
+        else:
+            result = _sample_root(logits[:, 0], verify_key, sampling)
     # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
     path = _pad_to(result.path[:, :width], width, 1, -1)
     accepted, next_token = result.num_accepted, result.next_token
@@ -185,7 +196,7 @@ def speculative_step(
                 active=active,
             ),
         )
-    if not chain:  # a chain's accepted nodes already sit at consecutive slots
+    if drafts and not chain:  # a chain's accepted nodes, and a lone root, already sit at consecutive slots
         with jax.named_scope("commit"):
             cache = commit_path(cache, cache_len, path)
     return StepOutcome(

@@ -142,19 +142,22 @@ def test_the_depth_follows_the_rows_that_decode(policy, slots):
     assert depths[1] == pytest.approx(depths[0] / 7, abs=1), three  # a depth-1 probe after 7 AR steps
 
 
-def probe_schedule(steps: int, first: int, longest: int) -> tuple[int, int]:
-    """(autoregressive iterations, probes) of `steps` iterations when drafting never pays: runs of
-    interval - 1 autoregressive iterations each ended by a probe, the interval doubling from
-    `first` up to `longest` (the rule `adaptive.observe` implements)."""
-    ar = probes = 0
+def probe_schedule(tokens: int, first: int, longest: int) -> tuple[int, int]:
+    """(autoregressive iterations, probes) that emit `tokens` tokens when drafting never pays but
+    every probe's draft is accepted (an autoregressive iteration emits one token, a probe two):
+    runs of interval - 1 autoregressive iterations each ended by a probe, the interval doubling
+    from `first` up to `longest` (the rule `adaptive.observe` implements)."""
+    ar = probes = emitted = 0
     interval = first
-    while ar + probes < steps:
-        run = min(interval - 1, steps - ar - probes)
-        ar += run
-        if ar + probes < steps:
-            probes += 1
-            interval = min(2 * interval, longest)
-    return ar, probes
+    while True:
+        run = min(interval - 1, tokens - emitted)
+        ar, emitted = ar + run, emitted + run
+        if emitted >= tokens:
+            return ar, probes
+        probes, emitted = probes + 1, emitted + 2
+        if emitted >= tokens:
+            return ar, probes
+        interval = min(2 * interval, longest)
 
 
 @pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots"])
@@ -170,8 +173,10 @@ def test_probes_back_off_while_drafting_does_not_pay(policy, slots):
     stats = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine).stats
     depths = stats["depth_steps"]
     assert depths[2:] == [0, 0], stats
-    assert (depths[0], depths[1]) == probe_schedule(stats["steps"], 2, 8), stats
-    assert probe_schedule(37, 2, 8) == (32, 5)  # without the doubling: 18 probes; without the cap: 4
+    # The first token comes from the prefill; the loop emits the other MAX_NEW - 1.
+    assert (depths[0], depths[1]) == probe_schedule(MAX_NEW - 1, 2, 8) == (29, 5), stats
+    # Runs one iteration too long would give (30, 5); without the doubling (13, 13); without the cap (31, 4).
+    assert probe_schedule(MAX_NEW - 1, 2, 2) == (13, 13) and probe_schedule(MAX_NEW - 1, 2, 64) == (31, 4)
 
 
 @pytest.fixture(scope="module")
