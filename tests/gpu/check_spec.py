@@ -15,8 +15,8 @@ race tile and of many; and `verify_stochastic_triton` (stochastic drafts, tree "
 its length and the next token must be equal (float rounding can flip a decision that lands on a
 boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
 must be consistent (num_accepted equals the path's accepted nodes).
-rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts; a draft model; n-gram)
-on the staged engine, and EAGLE-3 and draft-model runs on the slot engine (8 slots), on the
+rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts, adaptive depth; a draft
+model; n-gram) on the staged engine, and EAGLE-3 and draft-model runs on the slot engine (8 slots), on the
 embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
 run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with triton, in `--jobs` child processes each (the
 choice is made when the rollout loop is traced). Greedy tokens must be equal; acceptance length
@@ -142,11 +142,22 @@ def rollout_configs() -> list[tuple[str, dict]]:
     ]
     runs += [(f"draft_model chain k={k}", {"method": "draft_model", "num_draft_tokens": k}) for k in (1, 2, 4)]
     runs += [(f"ngram chain k={k}", {"method": "ngram", "num_draft_tokens": k}) for k in (1, 3)]
+    # Adaptive depth: as the cost model has it, and with verification so dear that the loop runs
+    # autoregressive iterations (the head's queue) between probes that back off.
+    adaptive = [
+        ("eagle3 chain k=3 adaptive", {"method": "eagle3", "num_draft_tokens": 3, "adaptive": True}),
+        (
+            "eagle3 chain k=3 adaptive fallback",
+            {"method": "eagle3", "num_draft_tokens": 3, "adaptive": True, "verify_token_cost": 1.0},
+        ),
+    ]
+    runs += adaptive
     slot_runs = [  # the slot engine verifies all its slots in one call, with one key per row
         ("eagle3 chain k=3", {"method": "eagle3", "num_draft_tokens": 3}),
         ("eagle3 tree w=2 d=3", {"method": "eagle3", "num_draft_tokens": 3, "tree_width": 2}),
         ("eagle3 stochastic k=3", {"method": "eagle3", "num_draft_tokens": 3, "draft_sampling": "stochastic"}),
         ("draft_model chain k=2", {"method": "draft_model", "num_draft_tokens": 2}),
+        *adaptive,
     ]
     runs += [(f"{label} slots={SLOTS}", {**kwargs, "slots": SLOTS}) for label, kwargs in slot_runs]
     return runs
