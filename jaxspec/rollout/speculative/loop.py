@@ -190,8 +190,8 @@ def speculative_decode(
         at_depth = [dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)) for d in depths]
         index = choose(adaptive, state.depths, depths, state.root.shape[0])  # the stage's batch runs the step
 
-        def drafting(state: _LoopState) -> tuple[_LoopState, jax.Array]:
-            new = jax.lax.switch(index - 1, [functools.partial(step, d) for d in at_depth[1:]], state)
+        def drafting(drafter: Drafter, state: _LoopState) -> tuple[_LoopState, jax.Array]:
+            new = step(drafter, state)
             return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, True)), jnp.int32(1)
 
         def fallback(state: _LoopState) -> tuple[_LoopState, jax.Array]:
@@ -205,7 +205,7 @@ def speculative_decode(
             )
             return new._replace(depths=state.depths._replace(since_draft=state.depths.since_draft + ran)), ran
 
-        return jax.lax.cond(index == 0, fallback, drafting, state)
+        return jax.lax.switch(index, [fallback, *(functools.partial(drafting, d) for d in at_depth[1:])], state)
 
     key, first_key = jax.random.split(key)
     first, first_logprob = choose_tokens(first_key, logits, sampling)
