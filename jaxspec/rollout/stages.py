@@ -65,8 +65,9 @@ def run_in_stages(
     `batch_fields` are batch-major (among them done [B], the `outputs` and cache); stages: batch
     sizes, stages[0] = B. Between stages the running rows move into the smaller batch and `place`
     re-lays the moved state out. outputs: the batch fields that come back for all B rows (each
-    row's from the stage it finished in). counted: a body returns (state, int32 scalar iterations
-    it ran), for bodies that run several iterations at once (stopping where the stage ends).
+    row's from the stage it finished in). counted: bodies that run several iterations at once are
+    called as body(state, runs) with the stage's condition runs(state) -> bool scalar (where to
+    stop) and return (state, int32 scalar iterations they ran).
     Returns (final state, {output field: its [B, ...] array}, the B-row cache after the first
     stage, int32 [len(stages)] iterations run in each stage).
     """
@@ -82,15 +83,16 @@ def run_in_stages(
                 origin = origin[rows]
                 state = place(state._replace(**take_rows({f: getattr(state, f) for f in batch_fields}, rows)))
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
+
+        def runs(s, n=next_size) -> jax.Array:  # more rows run than the next stage holds
+            return jnp.sum(~s.done) > n
+
+        def iterate(c, body=bodies[i], runs=runs):
+            new, ran = body(c[0], runs) if counted else (body(c[0]), 1)
+            return new, c[1] + ran
+
         with jax.named_scope(f"stage{i}"):  # lets a profile charge kernels to their stage
-
-            def iterate(c, body=bodies[i]):
-                new, ran = body(c[0]) if counted else (body(c[0]), 1)
-                return new, c[1] + ran
-
-            state, steps = jax.lax.while_loop(
-                lambda c, n=next_size: jnp.sum(~c[0].done) > n, iterate, (state, jnp.zeros((), jnp.int32))
-            )
+            state, steps = jax.lax.while_loop(lambda c: runs(c[0]), iterate, (state, jnp.zeros((), jnp.int32)))
         stage_steps.append(steps)
         if not i:
             full_cache = state.cache

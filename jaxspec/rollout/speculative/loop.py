@@ -181,10 +181,10 @@ def speculative_decode(
             depths=state.depths,
         )
 
-    def adaptive_step(drafter: Drafter, next_size: int, state: _LoopState) -> tuple[_LoopState, jax.Array]:
+    def adaptive_step(drafter: Drafter, state: _LoopState, stage_runs) -> tuple[_LoopState, jax.Array]:
         """One drafting iteration at the depth `adaptive.choose` picks among the stage's candidates
         or, where it picks depth 0, the run of autoregressive iterations up to the next probe, for
-        as long as the stage runs (more than `next_size` rows running). Returns (state, int32
+        as long as the stage runs (`stage_runs(state)`, `run_in_stages`). Returns (state, int32
         scalar iterations run)."""
         depths = candidate_depths(drafter.depth)
         at_depth = [dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)) for d in depths]
@@ -199,7 +199,7 @@ def speculative_decode(
             # the run is a plain loop of autoregressive iterations, without a branch in each.
             run = state.depths.interval - 1 - state.depths.since_draft
             new, ran = jax.lax.while_loop(
-                lambda c: (c[1] < run) & (jnp.sum(~c[0].done) > next_size),
+                lambda c: (c[1] < run) & stage_runs(c[0]),
                 lambda c: (step(at_depth[0], c[0], drafts=False), c[1] + 1),
                 (state, jnp.zeros((), jnp.int32)),
             )
@@ -240,12 +240,7 @@ def speculative_decode(
     # Between stages the running rows move with their drafter state.
     recorded = ("experts",) if record else ()
     state, out, full_cache, stage_steps = run_in_stages(
-        [
-            functools.partial(step, drafter)
-            if adaptive is None
-            else functools.partial(adaptive_step, drafter, (*stages, 0)[i + 1])
-            for i, drafter in enumerate(drafters)
-        ],
+        [functools.partial(step if adaptive is None else adaptive_step, drafter) for drafter in drafters],
         state,
         stages,
         ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done", *recorded),
