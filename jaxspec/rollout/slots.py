@@ -269,6 +269,7 @@ def run_slots(
     decode: Callable[[LoopState], LoopState],
     prefill: Callable[[LoopState], LoopState],
     sharding: Sharding | None = None,
+    plain: tuple[Callable[[LoopState], tuple[LoopState, jax.Array]], Callable[[LoopState], LoopState]] | None = None,
 ) -> LoopState:
     """The compiled loop: room, admit, `layout.decode_steps` times a decode step and a prefill
     chunk, publish, release, until every row is done.
@@ -277,7 +278,10 @@ def run_slots(
     return every group's state (their bookkeeping maps one group's with `map_groups`, their
     forwards take every group's slots at once); each decode step runs when a slot of any group
     decodes (`decoding_slots`), each prefill chunk (`prefill_chunk`) when one prefills, so that
-    every group takes the same branch. sharding: the mesh the carry is laid out on (`lay_out`)."""
+    every group takes the same branch. sharding: the mesh the carry is laid out on (`lay_out`).
+    plain: None, or (start, plain_decode): start(state) -> (state, bool scalar) says once per
+    iteration, after the schedule, whether its decode steps run `plain_decode` instead of `decode`
+    (the adaptive speculative loop's rounds of autoregressive steps: no choice to make per step)."""
     group = layout.group()
     decoding = map_groups(layout, lambda s, p: decoding_slots(s))
 
@@ -289,11 +293,11 @@ def run_slots(
         state = release_finished(prefix_cache.publish(state, group, prompts), group)
         return prefix_cache.drop_finished(state, prompts)
 
-    def step(_, carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
+    def step(_, carry: tuple[LoopState, jax.Array, jax.Array]) -> tuple[LoopState, jax.Array, jax.Array]:
         """One decode step of the slots that decoded when the iteration began (`scheduled`: they
         hold its pages; a slot whose prefill completes within it starts at the next), then one
-        prefill chunk."""
-        state, scheduled = carry
+        prefill chunk; `plain` decode steps where `in_plain` (bool scalar)."""
+        state, scheduled, in_plain = carry
         active = decoding(state, prompts) & scheduled
         stepping = jnp.any(active)
         counters = state.counters
@@ -304,14 +308,20 @@ def run_slots(
         }
         decoding_now = state.decoding
         state = state._replace(decoding=decoding_now & scheduled, counters=counters)
-        state = jax.lax.cond(stepping, decode, lambda s: s, state)._replace(decoding=decoding_now)
+        if plain is None:
+            state = jax.lax.cond(stepping, decode, lambda s: s, state)
+        else:
+            branch = jnp.where(stepping, 1 + in_plain.astype(jnp.int32), 0)
+            state = jax.lax.switch(branch, [lambda s: s, decode, plain[1]], state)
+        state = state._replace(decoding=decoding_now)
         writing = map_groups(layout, lambda s, p: prefilling(s, group, p))(state, prompts)
         state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
-        return lay_out(sharding, layout, state), scheduled
+        return lay_out(sharding, layout, state), scheduled, in_plain
 
     def body(state: LoopState) -> LoopState:
         state = map_groups(layout, schedule)(state, prompts)
-        state, _ = jax.lax.fori_loop(0, layout.decode_steps, step, (state, state.decoding))
+        state, in_plain = (state, jnp.zeros((), bool)) if plain is None else plain[0](state)
+        state, _, _ = jax.lax.fori_loop(0, layout.decode_steps, step, (state, state.decoding, in_plain))
         state = map_groups(layout, finish)(state, prompts)
         in_use = layout.num_pages - jnp.sum(state.pool.num_free)
         counters = state.counters

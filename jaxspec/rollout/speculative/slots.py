@@ -31,8 +31,12 @@ Adaptive depth (`spec.adaptive`): each step of a bracket drafting k levels runs 
 (`adaptive.candidate_depths`, 0 an autoregressive step) that `adaptive.choose` picks from the
 running acceptance rates, updated after the step from the acceptance of every group's decoding
 slots (the staged loop's rule, per step over the decoding slots); every group takes the same
-branch. The statistics count the steps of each depth (depth_steps, fallback_steps) as the staged
-loop does.
+branch. Depth 0 tests no draft, so the rates stay and the choice stays 0 until the probe is due: a
+loop iteration (`Layout.decode_steps` steps) that begins with that choice and at least
+`decode_steps` steps before its probe runs them all as autoregressive steps, with no choice and no
+branch per step (counted in fallback_rounds; the choice would differ within it only if the falling
+occupancy made drafting pay). The statistics count the steps of each depth (depth_steps,
+fallback_steps) as the staged loop does.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
@@ -94,14 +99,15 @@ class SpecSlots(NamedTuple):
     """The drafter's per-slot state (`slot_drafters`, a `Pooled` one without its call-wide pool),
     the acceptance `Counts`, the decode steps run in each occupancy bracket int32 [len(drafters)]
     (`occupancy_sizes`) and at each draft depth int32 [D + 1] (0: an adaptive loop's
-    autoregressive steps), and an adaptive loop's measured acceptance (`adaptive.DepthState`, alike
-    in every group) or None."""
+    autoregressive steps), an adaptive loop's measured acceptance (`adaptive.DepthState`, alike
+    in every group) or None, and its loop iterations run as autoregressive steps (int32 scalar)."""
 
     draft: object
     counts: Counts
     occupancy_steps: jax.Array
     depth_steps: jax.Array
     depths: DepthState | None
+    fallback_rounds: jax.Array
 
 
 def occupancy_sizes(slots: int, num_depths: int) -> tuple[int, ...]:
@@ -166,6 +172,8 @@ def slot_speculative_generate(
     stats = summarize(
         counts, rows_of(layout, state.lengths), max_depth, sizes, first_group(layout, state.draft.occupancy_steps)
     )
+    if spec.adaptive:
+        stats["fallback_rounds"] = int(to_host(first_group(layout, state.draft.fallback_rounds)))
     loop_stats = {k: v for k, v in out.stats.items() if k not in stats}
     return out._replace(stats={**stats, **loop_stats})
 
@@ -213,19 +221,33 @@ def _loop(
     sizes = jnp.asarray(occupancy_sizes(layout.slots, len(drafters))[1:], jnp.int32)
     group = layout.group()
 
-    def decode(state: LoopState) -> LoopState:
-        """Every group's decode step at the depth of the occupancy of all slots."""
+    def occupancy(state: LoopState) -> tuple[jax.Array, jax.Array]:
+        """(the decoding slots of every group, the index of their occupancy bracket): int32 scalars."""
         decoding = map_groups(layout, lambda s, p: decoding_slots(s))(state, prompts).sum()
-        index = jnp.sum(decoding <= sizes)  # the occupancy bracket
+        return decoding, jnp.sum(decoding <= sizes)
+
+    def decode(state: LoopState, plain: bool = False) -> LoopState:
+        """Every group's decode step at the depth of the occupancy of all slots; plain: an
+        autoregressive step of an adaptive loop, whatever the bracket."""
+        decoding, index = occupancy(state)
         steps = state.draft.occupancy_steps.at[..., index].add(1)
-        branches = [functools.partial(decode_at, d, decoding) for d in drafters]
-        state = branches[0](state) if len(branches) == 1 else jax.lax.switch(index, branches, state)
+        branches = [functools.partial(decode_at, d, decoding, plain=plain) for d in drafters]
+        state = branches[0](state) if len(branches) == 1 or plain else jax.lax.switch(index, branches, state)
         return state._replace(draft=state.draft._replace(occupancy_steps=steps))
 
-    def decode_at(drafter, decoding: jax.Array, state: LoopState) -> LoopState:
+    def plain_round(state: LoopState) -> tuple[LoopState, jax.Array]:
+        """(state, bool scalar): whether this loop iteration's decode steps are all autoregressive
+        (the choice is depth 0 and the probe is at least `decode_steps` steps away), counted."""
+        decoding, index = occupancy(state)
+        measured = first_group(layout, state.draft.depths)
+        picks = jnp.stack([choose(adaptive, measured, candidate_depths(d.depth), decoding) for d in drafters])
+        plain = (picks[index] == 0) & (measured.interval - 1 - measured.since_draft >= layout.decode_steps)
+        return state._replace(draft=state.draft._replace(fallback_rounds=state.draft.fallback_rounds + plain)), plain
+
+    def decode_at(drafter, decoding: jax.Array, state: LoopState, plain: bool = False) -> LoopState:
         """The step of a bracket drafting `drafter.depth` levels: at that depth, or (adaptive) at
         the candidate depth `adaptive.choose` picks for `decoding` (int32 scalar) decoding slots,
-        0 an autoregressive step."""
+        0 an autoregressive step (plain: that one, without choosing)."""
         if adaptive is None:
             state = decode_with(drafter, state)
             return state._replace(
@@ -239,8 +261,8 @@ def _loop(
             for d in depths
         ]
         measured = first_group(layout, state.draft.depths)
-        choice = choose(adaptive, measured, depths, decoding)
-        new = jax.lax.switch(choice, branches, state)
+        choice = jnp.int32(0) if plain else choose(adaptive, measured, depths, decoding)
+        new = branches[0](state) if plain else jax.lax.switch(choice, branches, state)
         observed = observe(
             adaptive, measured, summed(layout, state.draft.counts), summed(layout, new.draft.counts), choice > 0
         )
@@ -335,8 +357,10 @@ def _loop(
         jnp.zeros((len(drafters),), jnp.int32),
         jnp.zeros((drafter.depth + 1,), jnp.int32),
         None if adaptive is None else DepthState.start(max_depth, adaptive),
+        jnp.zeros((), jnp.int32),
     )
     experts = record_buffer(cfg, layout, prompts) if record else None
     cache = empty_cache(cfg, layout, cache_dtype)
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, spec_state, experts)
-    return run_slots(layout, state, prompts, decode, prefill, sharding)
+    plain = None if adaptive is None else (plain_round, functools.partial(decode, plain=True))
+    return run_slots(layout, state, prompts, decode, prefill, sharding, plain)

@@ -142,22 +142,27 @@ def test_the_depth_follows_the_rows_that_decode(policy, slots):
     assert depths[1] == pytest.approx(depths[0] / 7, abs=1), three  # a depth-1 probe after 7 AR steps
 
 
-def probe_schedule(tokens: int, first: int, longest: int) -> tuple[int, int]:
-    """(autoregressive iterations, probes) that emit `tokens` tokens when drafting never pays but
-    every probe's draft is accepted (an autoregressive iteration emits one token, a probe two):
-    runs of interval - 1 autoregressive iterations each ended by a probe, the interval doubling
-    from `first` up to `longest` (the rule `adaptive.observe` implements)."""
-    ar = probes = emitted = 0
-    interval = first
+def probe_runs(tokens: int, first: int, longest: int) -> tuple[list[int], int]:
+    """(the runs of autoregressive iterations, the probes) that emit `tokens` tokens when drafting
+    never pays but every probe's draft is accepted (an autoregressive iteration emits one token, a
+    probe two): runs of interval - 1 iterations each ended by a probe, the interval doubling from
+    `first` up to `longest` (the rule `adaptive.observe` implements), cut where the tokens run out."""
+    runs, probes, emitted, interval = [], 0, 0, first
     while True:
-        run = min(interval - 1, tokens - emitted)
-        ar, emitted = ar + run, emitted + run
+        runs.append(min(interval - 1, tokens - emitted))
+        emitted += runs[-1]
         if emitted >= tokens:
-            return ar, probes
+            return runs, probes
         probes, emitted = probes + 1, emitted + 2
         if emitted >= tokens:
-            return ar, probes
+            return runs, probes
         interval = min(2 * interval, longest)
+
+
+def probe_schedule(tokens: int, first: int, longest: int) -> tuple[int, int]:
+    """(autoregressive iterations, probes) of `probe_runs`."""
+    runs, probes = probe_runs(tokens, first, longest)
+    return sum(runs), probes
 
 
 @pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots"])
@@ -177,6 +182,24 @@ def test_probes_back_off_while_drafting_does_not_pay(policy, slots):
     assert (depths[0], depths[1]) == probe_schedule(MAX_NEW - 1, 2, 8) == (29, 5), stats
     # Runs one iteration too long would give (30, 5); without the doubling (13, 13); without the cap (31, 4).
     assert probe_schedule(MAX_NEW - 1, 2, 2) == (13, 13) and probe_schedule(MAX_NEW - 1, 2, 64) == (31, 4)
+
+
+def test_slot_iterations_short_of_the_probe_decode_without_choosing(policy):
+    """As above on 3 slots, with loop iterations of K = 3 decode steps: an iteration that begins
+    with the choice at depth 0 and at least K steps before the probe runs its steps as
+    autoregressive steps without choosing (fallback_rounds), and the depths are those chosen step
+    by step (K divides none of the probe intervals 2, 4, 8, so iterations that ignored the probe
+    would delay some). A run of r autoregressive steps holds at least (r - K + 1) // K whole
+    iterations; every counted iteration but the last holds K of the steps."""
+    cfg, params = policy
+    sampling = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    spec = accepted_draft(policy, verify_token_cost=10.0, adaptive_probe=2, adaptive_probe_max=8)
+    stats = generate(cfg, params, PROMPTS, jax.random.key(1), sampling, spec=spec, slots=3, decode_steps=3).stats
+    runs, probes = probe_runs(MAX_NEW - 1, 2, 8)
+    assert runs == [1, 3, 7, 7, 7, 4] and probes == 5
+    assert (stats["depth_steps"][0], stats["depth_steps"][1]) == (sum(runs), probes), stats
+    whole = sum(max(0, (r - 2) // 3) for r in runs)  # 3 (an engine that chooses at every step: 0)
+    assert whole <= stats["fallback_rounds"] <= (sum(runs) - 1) // 3 + 1, stats
 
 
 @pytest.fixture(scope="module")
