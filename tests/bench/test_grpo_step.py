@@ -28,6 +28,12 @@ TINY = {
 PHASES = ["generate_ar", "generate_spec", "logprobs", "update", "update_draft", "checkpoint"]
 
 
+def grpo_step(model_json, out, flags: str) -> int:
+    """`jaxspec bench grpo-step` on the policy of `model_json` with `flags` (space-separated), its
+    results written to `out`: the exit code."""
+    return jaxspec_main(["bench", "grpo-step", "--model", str(model_json), *flags.split(), "--out", str(out)])
+
+
 @pytest.fixture
 def model_json(tmp_path):
     path = tmp_path / "tiny.json"
@@ -38,35 +44,11 @@ def model_json(tmp_path):
 def test_every_phase_is_timed_and_the_projection_follows(model_json, tmp_path, capsys):
     out = tmp_path / "grpo_step.json"
     assert (
-        jaxspec_main(
-            [
-                "bench",
-                "grpo-step",
-                "--model",
-                str(model_json),
-                "--mesh",
-                "1,2,1",
-                "--batch",
-                "4",
-                "--sub-batch",
-                "2",
-                "--prompt",
-                "4",
-                "--new",
-                "4",
-                "--minibatches",
-                "2",
-                "--k",
-                "2",
-                "--draft-vocab",
-                "32",
-                "--ttt-steps",
-                "1",
-                "--acceptance",
-                "2.0",
-                "--out",
-                str(out),
-            ]
+        grpo_step(
+            model_json,
+            out,
+            "--mesh 1,2,1 --batch 4 --sub-batch 2 --prompt 4 --new 4 --minibatches 2 "
+            "--k 2 --draft-vocab 32 --ttt-steps 1 --acceptance 2.0",
         )
         == 0
     )
@@ -125,31 +107,10 @@ def test_a_phase_out_of_memory_ends_the_run_with_the_phases_before_it(model_json
     monkeypatch.setattr(grpo_phases.Bench, "update", out_of_memory)
     out = tmp_path / "grpo_step.json"
     assert (
-        jaxspec_main(
-            [
-                "bench",
-                "grpo-step",
-                "--model",
-                str(model_json),
-                "--batch",
-                "2",
-                "--sub-batch",
-                "2",
-                "--prompt",
-                "4",
-                "--new",
-                "4",
-                "--minibatches",
-                "1",
-                "--k",
-                "1",
-                "--draft-vocab",
-                "32",
-                "--ttt-steps",
-                "1",
-                "--out",
-                str(out),
-            ]
+        grpo_step(
+            model_json,
+            out,
+            "--batch 2 --sub-batch 2 --prompt 4 --new 4 --minibatches 1 --k 1 --draft-vocab 32 --ttt-steps 1",
         )
         == 0
     )
@@ -190,36 +151,11 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
     monkeypatch.setattr(grpo_phases, "policy_optimizer", recording_optimizer)
     out = tmp_path / "grpo_step.json"
     assert (
-        jaxspec_main(
-            [
-                "bench",
-                "grpo-step",
-                "--model",
-                str(model_json),
-                "--mesh",
-                "1,2,1",
-                "--batch",
-                "2",
-                "--sub-batch",
-                "2",
-                "--prompt",
-                "4",
-                "--new",
-                "4",
-                "--minibatches",
-                "1",
-                "--k",
-                "1",
-                "--draft-vocab",
-                "32",
-                "--ttt-steps",
-                "1",
-                "--gather-weights",
-                "--state-dtype",
-                "bfloat16",
-                "--out",
-                str(out),
-            ]
+        grpo_step(
+            model_json,
+            out,
+            "--mesh 1,2,1 --batch 2 --sub-batch 2 --prompt 4 --new 4 --minibatches 1 --k 1 "
+            "--draft-vocab 32 --ttt-steps 1 --gather-weights --state-dtype bfloat16",
         )
         == 0
     )
@@ -233,29 +169,10 @@ def test_gather_weights_and_state_dtype(model_json, tmp_path, monkeypatch):
 def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path, capsys):
     out = tmp_path / "grpo_step.json"
     assert (
-        jaxspec_main(
-            [
-                "bench",
-                "grpo-step",
-                "--model",
-                str(model_json),
-                "--batch",
-                "2",
-                "--sub-batch",
-                "2",
-                "--prompt",
-                "4",
-                "--new",
-                "4",
-                "--minibatches",
-                "1",
-                "--draft-vocab",
-                "32",
-                "--phases",
-                "generate_ar",
-                "--out",
-                str(out),
-            ]
+        grpo_step(
+            model_json,
+            out,
+            "--batch 2 --sub-batch 2 --prompt 4 --new 4 --minibatches 1 --draft-vocab 32 --phases generate_ar",
         )
         == 0
     )
@@ -267,31 +184,11 @@ def test_phases_runs_the_listed_phases_with_those_they_read(model_json, tmp_path
 def test_training_phases_without_generation_read_full_length_random_rollouts(model_json, tmp_path):
     out = tmp_path / "grpo_step.json"
     assert (
-        jaxspec_main(
-            [
-                "bench",
-                "grpo-step",
-                "--model",
-                str(model_json),
-                "--batch",
-                "4",
-                "--sub-batch",
-                "2",
-                "--prompt",
-                "4",
-                "--new",
-                "6",
-                "--minibatches",
-                "2",
-                "--draft-vocab",
-                "32",
-                "--phases",
-                "logprobs",
-                "update_draft",
-                "checkpoint",
-                "--out",
-                str(out),
-            ]
+        grpo_step(
+            model_json,
+            out,
+            "--batch 4 --sub-batch 2 --prompt 4 --new 6 --minibatches 2 "
+            "--draft-vocab 32 --phases logprobs update_draft checkpoint",
         )
         == 0
     )
