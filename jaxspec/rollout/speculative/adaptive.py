@@ -82,6 +82,10 @@ class DepthState(NamedTuple):
     since_draft: jax.Array
     interval: jax.Array
 
+    def before_probe(self) -> jax.Array:
+        """int32 scalar: autoregressive iterations left before the next probe (<= 0: it is due)."""
+        return self.interval - 1 - self.since_draft
+
     @classmethod
     def start(cls, max_depth: int, settings: AdaptiveDepth) -> DepthState:
         zero = jnp.zeros((), jnp.int32)
@@ -104,7 +108,7 @@ def choose(settings: AdaptiveDepth, state: DepthState, depths: tuple[int, ...], 
     # A tree budget below its depth caps the run a step can accept at K = len(rates).
     value = jnp.stack([expected[min(d, state.rates.shape[0])] / settings.cost(d, rows) for d in depths])
     best = jnp.argmax(value).astype(jnp.int32)  # the first (shallowest) of equal values
-    probe = (best == 0) & (state.since_draft + 1 >= state.interval)
+    probe = (best == 0) & (state.before_probe() <= 0)
     return jnp.where(probe, 1, best).astype(jnp.int32)
 
 

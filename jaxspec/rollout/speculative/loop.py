@@ -197,7 +197,7 @@ def speculative_decode(
         def fallback(state: _LoopState) -> tuple[_LoopState, jax.Array]:
             # Depth 0 tests no draft, so the rates stay and `choose` keeps picking it until the probe:
             # the run is a plain loop of autoregressive iterations, without a branch in each.
-            run = state.depths.interval - 1 - state.depths.since_draft
+            run = state.depths.before_probe()
             new, ran = jax.lax.while_loop(
                 lambda c: (c[1] < run) & stage_runs(c[0]),
                 lambda c: (step(at_depth[0], c[0], drafts=False), c[1] + 1),

@@ -241,7 +241,7 @@ def _loop(
         decoding, index = occupancy(state)
         measured = first_group(layout, state.draft.depths)
         picks = jnp.stack([choose(adaptive, measured, candidate_depths(d.depth), decoding) for d in drafters])
-        plain = (picks[index] == 0) & (measured.interval - 1 - measured.since_draft >= layout.decode_steps)
+        plain = (picks[index] == 0) & (measured.before_probe() >= layout.decode_steps)
         return state._replace(draft=state.draft._replace(fallback_rounds=state.draft.fallback_rounds + plain)), plain
 
     def decode_at(drafter, decoding: jax.Array, state: LoopState, plain: bool = False) -> LoopState:
