@@ -1,12 +1,15 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
     python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
-        [--spec K [--adaptive]] [--engines staged slots] [--trace]
+        [--spec K [--adaptive]] [--engines staged slots] [--temperature T] [--trace]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
 geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (fewer rows: one
-group), T=1. Both engines generate the same prompts with the same key (compiled and warmed up first), the slot
+group), T=1 (--temperature 0: greedy, so that a speculative run emits the AR run's tokens, ends
+each row where it does and the two runs' times compare equal work; at T=1 the rows' lengths are a
+draw of their own in each run, and at 64 rows the token counts of two draws differ by several
+percent). Both engines generate the same prompts with the same key (compiled and warmed up first), the slot
 engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
 each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3
@@ -58,6 +61,7 @@ def main() -> None:
     p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
     p.add_argument("--adaptive", action="store_true", help="with --spec: also the chains at adaptive depth")
     p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--trace", action="store_true")
     p.add_argument("--keep-traces", action="store_true", help="keep the HLO dump and the traces in WORK_DIR")
     args = p.parse_args()
@@ -84,7 +88,7 @@ def main() -> None:
     prompts = [
         [int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // group) for _ in range(group)
     ]
-    sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
+    sampling = Sampling(temperature=args.temperature, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
     result = {}
     engines = [("staged", None, None)] if "staged" in args.engines else []
     if "slots" in args.engines:
