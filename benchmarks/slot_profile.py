@@ -1,7 +1,7 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
     python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
-        [--spec K [--adaptive]] [--engines staged slots] [--temperature T] [--trace]
+        [--spec K [--adaptive [--no-fixed]]] [--engines staged slots] [--temperature T] [--trace]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
@@ -17,7 +17,8 @@ chains of depth K drafted by a random head of the policy's shape (its drafts are
 emit one token per step as in the AR runs and the per-step figures compare a speculative step's
 cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
 depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the
-AR steps give speculation's floor). --engines picks the engines (default both). With --trace a
+AR steps give speculation's floor; --no-fixed leaves the fixed-depth chains out, which saves their
+compilation). --engines picks the engines (default both). With --trace a
 third call runs under `jax.profiler` and the kernels of the loop programs are charged from the
 trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
 difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
@@ -60,6 +61,7 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="the slot engine's, one run each")
     p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
     p.add_argument("--adaptive", action="store_true", help="with --spec: also the chains at adaptive depth")
+    p.add_argument("--no-fixed", action="store_true", help="with --adaptive: not the chains at fixed depth")
     p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--trace", action="store_true")
@@ -67,6 +69,8 @@ def main() -> None:
     args = p.parse_args()
     if args.adaptive and not args.spec:
         p.error("--adaptive needs --spec K")
+    if args.no_fixed and not args.adaptive:
+        p.error("--no-fixed needs --adaptive")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
         set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
@@ -96,7 +100,8 @@ def main() -> None:
     specs = [("", None)]
     if args.spec:
         head = init_eagle3(cfg, jax.random.key(2), dtype=jnp.bfloat16)
-        specs.append((f" eagle3 k={args.spec}", Spec("eagle3", head, num_draft_tokens=args.spec)))
+        if not args.no_fixed:
+            specs.append((f" eagle3 k={args.spec}", Spec("eagle3", head, num_draft_tokens=args.spec)))
         if args.adaptive:
             adaptive = Spec("eagle3", head, num_draft_tokens=args.spec, adaptive=True)
             specs.append((f" eagle3 k={args.spec} adaptive", adaptive))
