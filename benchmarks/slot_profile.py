@@ -12,7 +12,8 @@ draw of their own in each run, and at 64 rows the token counts of two draws diff
 percent). Both engines generate the same prompts with the same key (compiled and warmed up first), the slot
 engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
-each batch width (`stage_rows` / `stage_steps`). With --spec K both engines also run EAGLE-3
+each batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step
+widths). With --spec K both engines also run EAGLE-3
 chains of depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows
 emit one token per step as in the AR runs and the per-step figures compare a speculative step's
 cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
@@ -124,8 +125,9 @@ def main() -> None:
             "steps": steps,
             "step_ms": 1e3 * seconds / steps,
             "tokens": int(np.asarray(out.lengths).sum()),
-            "stage_rows": list(out.stats["stage_rows"]),
-            "stage_steps": [int(n) for n in out.stats["stage_steps"]],
+            # a slot loop's step widths (a speculative one's `stage_rows` are its occupancy sizes)
+            "stage_rows": list(out.stats.get("step_widths", out.stats["stage_rows"])),
+            "stage_steps": [int(n) for n in out.stats.get("width_steps", out.stats["stage_steps"])],
             "depth_steps": None if spec is None else [int(n) for n in out.stats["depth_steps"]],
         }
         print(
