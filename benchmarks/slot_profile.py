@@ -24,7 +24,8 @@ third call runs under `jax.profiler` and the kernels of the loop programs are ch
 trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
 difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
 scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
-`jaxspec.rollout.speculative.step`); --trace turns XLA's command buffers (CUDA graphs) off for the
+`jaxspec.rollout.speculative.step`), and the 40 longest kernels outside the policy's forward (the loop's
+bookkeeping, sampling, the drafter); --trace turns XLA's command buffers (CUDA graphs) off for the
 whole run, timings included. WORK_DIR gets slot_profile.json, rewritten after each run; the HLO
 dump and the traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set
 outside reach every run.
@@ -41,6 +42,7 @@ from pathlib import Path
 from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
 
 PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
+FORWARD_SCOPES = {"forward", "verify_forward"}  # the policy forward's scope in the AR and speculative steps
 
 
 def phase_of(op_name: str) -> str:
@@ -153,6 +155,8 @@ def main() -> None:
             by_phase[phase_of(k.op_name)][0] += k.ns
             by_phase[phase_of(k.op_name)][1] += k.launches
         launches = sum(k.launches for k in kernels)
+        loop = [k for k in kernels if k.program == label]  # not the prefill's
+        outside = [k for k in loop if not FORWARD_SCOPES & set(k.op_name.split("/"))]
         row |= {
             "kernel_ms": sum(k.ns for k in kernels) / 1e6,
             "launches_per_step": launches / steps,
@@ -160,6 +164,7 @@ def main() -> None:
             "scopes": sorted(((ms / 1e6, name) for name, ms in by_scope.items()), reverse=True)[:12],
             "phases_ms_per_step": {name: ns / 1e6 / steps for name, (ns, _) in by_phase.items()},
             "phases_launches_per_step": {name: n / steps for name, (_, n) in by_phase.items()},
+            "outside_forward": [(k.op, k.op_name, k.ns / 1e6, k.launches) for k in outside[:40]],
         }
         print(f"   kernels {row['kernel_ms']:.0f} ms, {row['launches_per_step']:.0f} launches per iteration")
         for op, name, ms, n in row["top"]:
@@ -169,6 +174,10 @@ def main() -> None:
         for name, ms in sorted(row["phases_ms_per_step"].items(), key=lambda item: -item[1])[:12]:
             launches = row["phases_launches_per_step"][name]
             print(f"  phase {ms:7.3f} ms/step {launches:6.1f} launches/step  {name}", flush=True)
+        for op, name, ms, n in row["outside_forward"]:
+            print(
+                f"  outside the forward {1e3 * ms / steps:6.2f} us/step {n / steps:5.2f} per step  {op[:28]:28s} {name}"
+            )
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
     if args.trace and not args.keep_traces:
         shutil.rmtree(args.work / "hlo", ignore_errors=True)
