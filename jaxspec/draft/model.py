@@ -161,6 +161,17 @@ def check_embed(dcfg: DraftConfig, embed: jax.Array) -> None:
 def fuse(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:
     """fc of the policy's aux hidden states: aux [3, B, T, H] (layers low, mid, high) -> [B, T, H]
     in the head's dtype."""
+    return fuse_stacked(dparams, stack_aux(dcfg, dparams, aux))
+
+
+def fuse_stacked(dparams: DraftParams, stacked: jax.Array) -> jax.Array:
+    """fc of `stack_aux`'s [B, T, 3H] -> [B, T, H] in the head's dtype."""
+    return jnp.einsum("btc,ch->bth", stacked, dparams["fc"])
+
+
+def stack_aux(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:
+    """The policy's aux hidden states aux [3, B, T, H] side by side, [B, T, 3H] in the head's
+    dtype: what `fuse_stacked` takes (an adaptive rollout queues them and runs the fc later)."""
     if dcfg.aux_layer_ids is None:
         raise ValueError(
             "the EAGLE-3 head names no policy layers (its config.json has no "
@@ -172,9 +183,7 @@ def fuse(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:
             f"aux must be [3, B, T, hidden_size={dcfg.hidden_size}] (the policy's outputs of "
             f"layers {list(dcfg.aux_layer_ids)}), got shape {aux.shape}"
         )
-    fc = dparams["fc"]
-    stacked = jnp.concatenate([aux[0], aux[1], aux[2]], axis=-1).astype(fc.dtype)  # [B, T, 3H]
-    return jnp.einsum("btc,ch->bth", stacked, fc)
+    return jnp.concatenate([aux[0], aux[1], aux[2]], axis=-1).astype(dparams["fc"].dtype)
 
 
 def attention_inputs(

@@ -24,7 +24,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, target_ids, to_target_ids
+from jaxspec.draft import (
+    DraftConfig,
+    draft_extend,
+    fuse,
+    fuse_stacked,
+    init_draft_cache,
+    stack_aux,
+    target_ids,
+    to_target_ids,
+)
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
@@ -36,8 +45,9 @@ class HeadState(NamedTuple):
     """cache: the head's KV (entries before the pending chunk valid). The pending chunk (E =
     longest accepted path + 1 + the drafter's backlog entries, `count` of them valid, the last
     valid one the root's):
-    tokens int32 [B, E], hidden [B, E, H] the fused policy features each entry pairs with its
-    token, count int32 [B] in [1, E]."""
+    tokens int32 [B, E], hidden [B, E, 3H] the policy features each entry pairs with its token,
+    its three layers side by side (`jaxspec.draft.stack_aux`: the head's fc runs when the chunk
+    does, once for all the entries an adaptive loop queued), count int32 [B] in [1, E]."""
 
     cache: KVCache
     tokens: jax.Array
@@ -45,7 +55,7 @@ class HeadState(NamedTuple):
     count: jax.Array
 
     def root_hidden(self) -> jax.Array:
-        """[B, H]: fused policy features of the token before the root."""
+        """[B, 3H]: policy features of the token before the root (`hidden`'s)."""
         return jnp.take_along_axis(self.hidden, (self.count - 1)[:, None, None], axis=1)[:, 0]
 
 
@@ -88,7 +98,8 @@ class Eagle3Drafter:
             rows = jnp.take(buf, prefill.row_prompt, axis=0)
             return self._constrain(jnp.pad(rows, ((0, 0), (0, prefill.max_len - width), (0, 0), (0, 0))))
 
-        root_hidden = fused[prefill.row_prompt, prefill.row_lengths - 1]
+        last = prefill.policy_hidden[:, prefill.row_prompt, prefill.row_lengths - 1][:, :, None]  # [3, B, 1, H]
+        root_hidden = stack_aux(self.dcfg, head, last)[:, 0]
         batch, chunk = root_hidden.shape[0], self.chunk
         return HeadState(
             cache=KVCache(k=tuple(map(to_rows, cache.k)), v=tuple(map(to_rows, cache.v))),
@@ -114,7 +125,7 @@ class Eagle3Drafter:
     ) -> tuple[HeadState, DraftTree]:
         head, embed = dparams["head"], dparams["embed"]
         head_len = cache_len - 1  # the root's entry
-        root_hidden = state.root_hidden()
+        root_hidden = fuse_stacked(head, state.root_hidden()[:, None])[:, 0]
 
         def draft_pass(carry, tokens, parents, depth, mask, frontier):
             cache, previous_out = carry
@@ -162,7 +173,7 @@ class Eagle3Drafter:
         start, last = head_len - (state.count - 1), state.count - 1
 
         def run(tokens, hidden, offset, last, cache):
-            """Entries [offset, offset + T) of the chunk (tokens [B, T], hidden [B, T, H])."""
+            """Entries [offset, offset + T) of the chunk (tokens [B, T], hidden [B, T, 3H])."""
             positions = (start + offset)[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
             return draft_extend(
                 self.dcfg,
@@ -170,7 +181,7 @@ class Eagle3Drafter:
                 embed,
                 cache,
                 tokens,
-                hidden,
+                fuse_stacked(head, hidden),
                 positions,
                 start + offset,
                 active=active,
@@ -214,10 +225,10 @@ class Eagle3Drafter:
         return jax.lax.cond(queued, in_pieces, first_entries)
 
     def update(self, dparams, state: HeadState, verified: Verified) -> HeadState:
-        fused = fuse(self.dcfg, dparams["head"], verified.hidden)  # [B, E, H]: features of the committed tokens
-        active, width = verified.active, fused.shape[1]  # the chunk's first E entries (a backlog's are unread)
+        stacked = stack_aux(self.dcfg, dparams["head"], verified.hidden)  # [B, E, 3H]: the committed tokens'
+        active, width = verified.active, stacked.shape[1]  # the chunk's first E entries (a backlog's are unread)
         tokens = jnp.where(active[:, None], new_tokens(verified), state.tokens[:, :width])
-        hidden = jnp.where(active[:, None, None], fused.astype(state.hidden.dtype), state.hidden[:, :width])
+        hidden = jnp.where(active[:, None, None], stacked, state.hidden[:, :width])
         return HeadState(
             cache=state.cache,
             tokens=state.tokens.at[:, :width].set(tokens),
@@ -229,12 +240,12 @@ class Eagle3Drafter:
         """The state after an autoregressive iteration that ran no `propose`: its one new entry
         (the old root's features with the new root) appended to the pending chunk. The adaptive
         loop drafts at least every `backlog` iterations, so the chunk never overflows."""
-        fused = fuse(self.dcfg, dparams["head"], verified.hidden[:, :, :1])[:, 0]  # [B, H]
+        stacked = stack_aux(self.dcfg, dparams["head"], verified.hidden[:, :, :1])[:, 0]  # [B, 3H]
         rows, active = jnp.arange(state.count.shape[0]), verified.active
         slot = jnp.where(active, state.count, state.tokens.shape[1])  # out of range: dropped
         return state._replace(
             tokens=state.tokens.at[rows, slot].set(new_tokens(verified)[:, 0], mode="drop"),
-            hidden=state.hidden.at[rows, slot].set(fused.astype(state.hidden.dtype), mode="drop"),
+            hidden=state.hidden.at[rows, slot].set(stacked, mode="drop"),
             count=state.count + active.astype(jnp.int32),
         )
 

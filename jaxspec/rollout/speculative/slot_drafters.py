@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.draft import draft_extend, fuse
+from jaxspec.draft import draft_extend, fuse, stack_aux
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.transformer import extend
 from jaxspec.rollout.continuous import empty_cache
@@ -83,7 +83,7 @@ def empty_state(drafter, dparams, layout: Layout, context_len: int, cache_dtype)
     if isinstance(drafter, DraftModelDrafter):
         return Pending(cache=empty_cache(drafter.cfg, layout, cache_dtype), tokens=tokens, count=count)
     dcfg = drafter.dcfg
-    hidden = jnp.zeros((slots, drafter.chunk, dcfg.hidden_size), dparams["head"]["fc"].dtype)  # `fuse`'s dtype
+    hidden = jnp.zeros((slots, drafter.chunk, 3 * dcfg.hidden_size), dparams["head"]["fc"].dtype)  # `stack_aux`'s
     return HeadState(
         cache=empty_cache(dcfg.layer_config, layout, cache_dtype), tokens=tokens, hidden=hidden, count=count
     )
@@ -217,8 +217,8 @@ def start_hook(drafter, dparams, layout: Layout):
             tokens = pick(jnp.zeros_like(old.tokens).at[:, 0].set(first), old.tokens)
             new = old._replace(tokens=tokens, count=pick(jnp.ones_like(old.count), old.count))
             if isinstance(drafter, Eagle3Drafter):
-                root_hidden = fuse(drafter.dcfg, dparams["head"], hidden_last[:, :, None])[:, 0]  # [S, H]
-                hidden = jnp.zeros_like(old.hidden).at[:, 0].set(root_hidden.astype(old.hidden.dtype))
+                root_hidden = stack_aux(drafter.dcfg, dparams["head"], hidden_last[:, :, None])[:, 0]  # [S, 3H]
+                hidden = jnp.zeros_like(old.hidden).at[:, 0].set(root_hidden)
                 new = new._replace(hidden=pick(hidden, old.hidden))
             return new
 
