@@ -54,10 +54,6 @@ class HeadState(NamedTuple):
     hidden: jax.Array
     count: jax.Array
 
-    def root_hidden(self) -> jax.Array:
-        """[B, 3H]: policy features of the token before the root (`hidden`'s)."""
-        return jnp.take_along_axis(self.hidden, (self.count - 1)[:, None, None], axis=1)[:, 0]
-
 
 QUEUE_PIECE = 16  # entries per pass when a backlog runs (a cache-attention kernel's query block)
 
@@ -125,15 +121,14 @@ class Eagle3Drafter:
     ) -> tuple[HeadState, DraftTree]:
         head, embed = dparams["head"], dparams["embed"]
         head_len = cache_len - 1  # the root's entry
-        root_hidden = fuse_stacked(head, state.root_hidden()[:, None])[:, 0]
 
         def draft_pass(carry, tokens, parents, depth, mask, frontier):
-            cache, previous_out = carry
+            cache, previous_out, root_hidden = carry
             if previous_out is None:  # the pending chunk, its last valid entry the root's
-                logits, out, cache = self._pending_pass(head, embed, cache, state, head_len, active)
+                logits, out, root_hidden, cache = self._pending_pass(head, embed, cache, state, head_len, active)
             else:
                 parent_out = jnp.take_along_axis(previous_out, jnp.maximum(parents, 0)[:, :, None], axis=1)
-                hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden[:, None], parent_out)
+                hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden, parent_out)
                 logits, out, cache = draft_extend(
                     self.dcfg,
                     head,
@@ -148,12 +143,12 @@ class Eagle3Drafter:
                     sharding=self.sharding,
                 )
                 logits = logits[:, frontier]
-            return (self._constrain_cache(cache), out), logits
+            return (self._constrain_cache(cache), out, root_hidden), logits
 
         ids = target_ids(head)
-        (cache, _), tree = dynamic_tree(
+        (cache, _, _), tree = dynamic_tree(
             draft_pass,
-            (state.cache, None),
+            (state.cache, None, None),
             root,
             key,
             depth=self.depth,
@@ -167,27 +162,30 @@ class Eagle3Drafter:
         return state._replace(cache=cache), tree
 
     def _pending_pass(self, head, embed, cache, state: HeadState, head_len, active):
-        """Runs the pending chunk into the head's cache: (logits [B, 1, Vd] and output [B, 1, H]
-        of its last valid entry, the cache). Its first E entries in one pass, unless a row has
-        queued more (`defer`): then pieces of QUEUE_PIECE entries, as many as the longest queue."""
+        """Runs the pending chunk into the head's cache: (logits [B, 1, Vd], output [B, 1, H] and
+        fused features [B, 1, H] of its last valid entry (the root's), the cache). Its first E
+        entries in one pass, unless a row has queued more (`defer`): then pieces of QUEUE_PIECE
+        entries, as many as the longest queue."""
         start, last = head_len - (state.count - 1), state.count - 1
 
         def run(tokens, hidden, offset, last, cache):
             """Entries [offset, offset + T) of the chunk (tokens [B, T], hidden [B, T, 3H])."""
             positions = (start + offset)[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            return draft_extend(
+            fused = fuse_stacked(head, hidden)
+            logits, out, cache = draft_extend(
                 self.dcfg,
                 head,
                 embed,
                 cache,
                 tokens,
-                fuse_stacked(head, hidden),
+                fused,
                 positions,
                 start + offset,
                 active=active,
                 sharding=self.sharding,
                 last=last,
             )
+            return logits, out, jnp.take_along_axis(fused, last[:, None, None], axis=1), cache
 
         width = state.tokens.shape[1]
         narrow = width - self.backlog
@@ -205,9 +203,9 @@ class Eagle3Drafter:
             hidden = jnp.pad(state.hidden, ((0, 0), (0, pad), (0, 0)))
 
             def piece(i, carry):
-                logits, out, cache = carry
+                logits, out, root_hidden, cache = carry
                 offset = i * QUEUE_PIECE
-                new_logits, new_out, cache = run(
+                new_logits, new_out, new_root_hidden, cache = run(
                     jax.lax.dynamic_slice_in_dim(tokens, offset, QUEUE_PIECE, axis=1),
                     jax.lax.dynamic_slice_in_dim(hidden, offset, QUEUE_PIECE, axis=1),
                     offset,
@@ -215,7 +213,12 @@ class Eagle3Drafter:
                     cache,
                 )
                 mine = (last // QUEUE_PIECE == i)[:, None, None]  # the piece holding the row's last entry
-                return jnp.where(mine, new_logits, logits), jnp.where(mine, new_out, out), cache
+                return (
+                    jnp.where(mine, new_logits, logits),
+                    jnp.where(mine, new_out, out),
+                    jnp.where(mine, new_root_hidden, root_hidden),
+                    cache,
+                )
 
             needed = (jnp.max(jnp.where(active, state.count, 1)) + QUEUE_PIECE - 1) // QUEUE_PIECE
             first = run(tokens[:, :QUEUE_PIECE], hidden[:, :QUEUE_PIECE], 0, jnp.minimum(last, QUEUE_PIECE - 1), cache)
