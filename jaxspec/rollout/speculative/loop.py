@@ -124,7 +124,8 @@ def speculative_decode(
     chain = deepest.width == 1  # node n is node n - 1's only child: causal mask, the path is 0, 1, ...
 
     def step(drafter: Drafter, state: _LoopState, drafts: bool = True) -> _LoopState:
-        """One iteration; drafts=False verifies the root alone (an autoregressive step)."""
+        """One iteration; drafts=False verifies the root alone (an autoregressive step, which its caller
+        counts in `depth_steps`)."""
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
@@ -176,7 +177,7 @@ def speculative_decode(
             lengths=state.lengths + count,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
             key=key,
-            counts=counts._replace(depth_steps=counts.depth_steps.at[drafter.depth if drafts else 0].add(1)),
+            counts=counts._replace(depth_steps=counts.depth_steps.at[drafter.depth].add(1)) if drafts else counts,
             experts=experts,
             depths=state.depths,
         )
@@ -203,7 +204,11 @@ def speculative_decode(
                 lambda c: (step(at_depth[0], c[0], drafts=False), c[1] + 1),
                 (state, jnp.zeros((), jnp.int32)),
             )
-            return new._replace(depths=state.depths._replace(since_draft=state.depths.since_draft + ran)), ran
+            # The run's depth-0 iterations are counted once, not by a scatter in each of them.
+            counts = new.counts._replace(depth_steps=new.counts.depth_steps.at[0].add(ran))
+            return new._replace(
+                counts=counts, depths=state.depths._replace(since_draft=state.depths.since_draft + ran)
+            ), ran
 
         return jax.lax.switch(index, [fallback, *(functools.partial(drafting, d) for d in at_depth[1:])], state)
 
