@@ -1,7 +1,7 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
     python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
-        [--spec K [--adaptive [--no-fixed]]] [--engines staged slots] [--temperature T] [--trace]
+        [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]] [--engines staged slots] [--temperature T] [--trace]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
@@ -19,7 +19,7 @@ emit one token per step as in the AR runs and the per-step figures compare a spe
 cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
 depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the
 AR steps give speculation's floor; --no-fixed leaves the fixed-depth chains out, which saves their
-compilation). --engines picks the engines (default both). With --trace a
+compilation; --probe FIRST MAX sets its probe runs). --engines picks the engines (default both). With --trace a
 third call runs under `jax.profiler` and the kernels of the loop programs are charged from the
 trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
 difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
@@ -65,6 +65,14 @@ def main() -> None:
     p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
     p.add_argument("--adaptive", action="store_true", help="with --spec: also the chains at adaptive depth")
     p.add_argument("--no-fixed", action="store_true", help="with --adaptive: not the chains at fixed depth")
+    p.add_argument(
+        "--probe",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("FIRST", "MAX"),
+        help="with --adaptive: spec.adaptive_probe and adaptive_probe_max (default: Spec's)",
+    )
     p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--trace", action="store_true")
@@ -74,6 +82,8 @@ def main() -> None:
         p.error("--adaptive needs --spec K")
     if args.no_fixed and not args.adaptive:
         p.error("--no-fixed needs --adaptive")
+    if args.probe and not args.adaptive:
+        p.error("--probe needs --adaptive")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
         set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
@@ -106,7 +116,8 @@ def main() -> None:
         if not args.no_fixed:
             specs.append((f" eagle3 k={args.spec}", Spec("eagle3", head, num_draft_tokens=args.spec)))
         if args.adaptive:
-            adaptive = Spec("eagle3", head, num_draft_tokens=args.spec, adaptive=True)
+            probes = {} if args.probe is None else dict(adaptive_probe=args.probe[0], adaptive_probe_max=args.probe[1])
+            adaptive = Spec("eagle3", head, num_draft_tokens=args.spec, adaptive=True, **probes)
             specs.append((f" eagle3 k={args.spec} adaptive", adaptive))
     for (engine, slots, decode_steps), (method, spec) in itertools.product(engines, specs):
         label = engine + method
