@@ -19,16 +19,17 @@ emit one token per step as in the AR runs and the per-step figures compare a spe
 cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
 depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the
 AR steps give speculation's floor; --no-fixed leaves the fixed-depth chains out, which saves their
-compilation; --probe FIRST MAX sets its probe runs). --engines picks the engines (default both). With --trace a
-third call runs under `jax.profiler` and the kernels of the loop programs are charged from the
+compilation; --probe FIRST MAX sets its probe runs). --engines picks the engines (default both).
+With --trace a third call runs under `jax.profiler` and the kernels of the loop programs are charged from the
 trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
 difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
 scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
-`jaxspec.rollout.speculative.step`), and the 40 longest kernels outside the policy's forward (the loop's
-bookkeeping, sampling, the drafter); --trace turns XLA's command buffers (CUDA graphs) off for the
-whole run, timings included. WORK_DIR gets slot_profile.json, rewritten after each run; the HLO
-dump and the traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set
-outside reach every run.
+`jaxspec.rollout.speculative.step`), the 40 longest kernels outside the policy's forward (the loop's
+bookkeeping, sampling, the drafter), and the device's idle time between the loop's kernels with the
+30 longest gaps by the pair of kernels around them (`idle_gaps`, on a GPU: where the host holds
+the loop up). --trace turns XLA's command buffers (CUDA graphs) off for the whole run, timings
+included. WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the traces (hundreds of MB) are
+deleted once charged unless --keep-traces. XLA_FLAGS set outside reach every run.
 """
 
 import argparse
@@ -39,7 +40,7 @@ import shutil
 import time
 from pathlib import Path
 
-from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
+from jaxspec.bench.kernel_trace import idle_gaps, kernel_times, op_scopes, set_dump_flags
 
 PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
 FORWARD_SCOPES = {"forward", "verify_forward"}  # the policy forward's scope in the AR and speculative steps
@@ -156,7 +157,9 @@ def main() -> None:
             run()
         modules = {"jit__decode": label, "jit__loop": label, "jit_speculative_decode": label}
         modules["jit_prefill_prompts"] = f"{label}-prefill"
-        kernels = kernel_times(trace, op_scopes(args.work / "hlo"), modules)
+        scopes = op_scopes(args.work / "hlo")
+        kernels = kernel_times(trace, scopes, modules)
+        gaps = [g for g in idle_gaps(trace, scopes, modules) if g.program == label]  # the loop's, not the prefill's
         if not args.keep_traces:
             shutil.rmtree(trace)
         by_scope = collections.defaultdict(float)
@@ -176,6 +179,8 @@ def main() -> None:
             "phases_ms_per_step": {name: ns / 1e6 / steps for name, (ns, _) in by_phase.items()},
             "phases_launches_per_step": {name: n / steps for name, (_, n) in by_phase.items()},
             "outside_forward": [(k.op, k.op_name, k.ns / 1e6, k.launches) for k in outside[:40]],
+            "idle_ms": sum(g.ns for g in gaps) / 1e6,
+            "idle_gaps": [(g.before, g.before_name, g.after, g.after_name, g.ns / 1e6, g.count) for g in gaps[:30]],
         }
         print(f"   kernels {row['kernel_ms']:.0f} ms, {row['launches_per_step']:.0f} launches per iteration")
         for op, name, ms, n in row["top"]:
@@ -189,6 +194,11 @@ def main() -> None:
             print(
                 f"  outside the forward {1e3 * ms / steps:6.2f} us/step {n / steps:5.2f} per step  {op[:28]:28s} {name}"
             )
+        print(f"  idle between the loop's kernels {1e3 * row['idle_ms'] / steps:.1f} us/step; the longest:")
+        for before, before_name, after, after_name, ms, n in row["idle_gaps"]:
+            share = f"{1e3 * ms / steps:7.2f} us/step {n / steps:5.2f} per step"
+            print(f"  idle {share}  after {before[:24]:24s} {before_name[-70:]}")
+            print(f"  {'':{len(share) + 7}s}before {after[:24]:24s} {after_name[-70:]}")
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
     if args.trace and not args.keep_traces:
         shutil.rmtree(args.work / "hlo", ignore_errors=True)

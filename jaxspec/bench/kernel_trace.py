@@ -3,7 +3,8 @@ optimized-HLO dump: what `jaxspec bench profile` and `jaxspec bench verify --pro
 
 XLA dumps the optimized HLO of the programs asked for (`set_dump_flags`, before the process uses
 JAX); its metadata names the jax scope (op_name) every instruction came from (`op_scopes`). The
-trace's op events of those programs, summed per HLO instruction, are the kernels (`kernel_times`).
+trace's op events of those programs, summed per HLO instruction, are the kernels (`kernel_times`);
+the device's idle time between two of them, summed per pair, is `idle_gaps`.
 """
 
 from __future__ import annotations
@@ -86,27 +87,75 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str], modules: d
     Counts the leaf kernels of the accelerator planes (or the host's XLA ops on CPU, where a
     while/conditional/call thunk that encloses its body's ops on its thread is skipped; a call
     XLA compiled into one kernel encloses none and counts)."""
-    from jax.profiler import ProfileData
-
     ns: dict[tuple[str, str, str], float] = collections.defaultdict(float)
     launches: dict[tuple[str, str, str], int] = collections.defaultdict(int)
+    for line in _trace_lines(trace_dir):
+        for event in _leaf_ops(line, modules):
+            key = (event.program, event.op, scopes.get((event.program_id, event.op), ""))
+            ns[key] += event.duration_ns
+            launches[key] += 1
+    return sorted((Kernel(*key, ns[key], launches[key]) for key in ns), key=lambda k: -k.ns)
+
+
+class Gap(NamedTuple):
+    """The device's idle time between two kernels of a traced program, summed over the times the
+    one ran right after the other on a trace line."""
+
+    program: str
+    before: str  # the HLO instruction that ran last before the gap
+    before_name: str  # its jax scopes
+    after: str  # the first one after it
+    after_name: str
+    ns: float
+    count: int
+
+
+def idle_gaps(trace_dir: Path, scopes: dict[tuple[int, str], str], modules: dict[str, str]) -> list[Gap]:
+    """Where a program's device line sat idle between two of its kernels (`kernel_times`' leaf
+    kernels, consecutive on one trace line), longest total first: the host's share of a loop
+    (a branch's index or a loop's predicate read back, launches that outrun the kernels)."""
+    ns: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    count: dict[tuple[str, str, str], int] = collections.defaultdict(int)
+    for line in _trace_lines(trace_dir):
+        events = sorted(_leaf_ops(line, modules), key=lambda e: e.start_ns)
+        for first, second in zip(events, events[1:]):
+            gap = second.start_ns - (first.start_ns + first.duration_ns)
+            if first.program == second.program and gap > 0:
+                key = (first.program, (first.program_id, first.op), (second.program_id, second.op))
+                ns[key] += gap
+                count[key] += 1
+    gaps = []
+    for (program, before, after), total in ns.items():
+        gap = Gap(program, before[1], scopes.get(before, ""), after[1], scopes.get(after, ""), total, 0)
+        gaps.append(gap._replace(count=count[(program, before, after)]))
+    return sorted(gaps, key=lambda g: -g.ns)
+
+
+def _trace_lines(trace_dir: Path):
+    """The trace lines of the accelerator planes of every profile under trace_dir (the host's
+    CPU plane where there is no accelerator)."""
+    from jax.profiler import ProfileData
+
     for path in Path(trace_dir).rglob("*.xplane.pb"):
         data = ProfileData.from_file(str(path))
         planes = [p for p in data.planes if p.name.startswith("/device:")] or [
             p for p in data.planes if p.name == "/host:CPU"
         ]
         for plane in planes:
-            for line in plane.lines:
-                for program, op, program_id, duration_ns in _leaf_ops(line, modules):
-                    key = (program, op, scopes.get((program_id, op), ""))
-                    ns[key] += duration_ns
-                    launches[key] += 1
-    return sorted((Kernel(*key, ns[key], launches[key]) for key in ns), key=lambda k: -k.ns)
+            yield from plane.lines
 
 
-def _leaf_ops(line, modules: dict[str, str]) -> list[tuple[str, str, int, float]]:
-    """(program label, HLO op, program id, duration ns) of each op event on one trace line of a
-    program in `modules`, less the control thunks that enclose other op events."""
+class _Event(NamedTuple):
+    program: str  # label
+    op: str
+    program_id: int
+    start_ns: float
+    duration_ns: float
+
+
+def _leaf_ops(line, modules: dict[str, str]) -> list[_Event]:
+    """Each op event on one trace line of a program in `modules`, in order, less the control
+    thunks that enclose other op events."""
     events = []
     for event in line.events:
         stats = dict(event.stats)
@@ -115,7 +164,7 @@ def _leaf_ops(line, modules: dict[str, str]) -> list[tuple[str, str, int, float]
             events.append((event.start_ns, event.duration_ns, program, str(stats["hlo_op"]), int(stats["program_id"])))
     events.sort(key=lambda e: (e[0], -e[1]))  # an enclosing thunk before the ops it starts with
     return [
-        (program, op, program_id, duration)
+        _Event(program, op, program_id, start, duration)
         for i, (start, duration, program, op, program_id) in enumerate(events)
         if not (_CONTROL.match(op) and i + 1 < len(events) and events[i + 1][0] < start + duration)
     ]

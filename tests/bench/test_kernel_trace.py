@@ -40,8 +40,36 @@ def test_control_thunks_that_enclose_ops_are_skipped_and_compiled_calls_count():
             event("add.7", 300, 5, module="jit_other"),
         ]
     )
-    assert kernel_trace._leaf_ops(line, {"jit__decode": "ar"}) == [
-        ("ar", "fusion.1", 3, 30),
-        ("ar", "call.4", 3, 40),
-        ("ar", "call.5", 3, 60),
+    assert [(e.op, e.start_ns, e.duration_ns) for e in kernel_trace._leaf_ops(line, {"jit__decode": "ar"})] == [
+        ("fusion.1", 10, 30),
+        ("call.4", 50, 40),
+        ("call.5", 200, 60),
     ]
+
+
+def test_idle_gaps_sum_the_idle_time_between_each_pair_of_kernels(monkeypatch):
+    """Gaps between consecutive kernels of one program, per (before, after) pair; another
+    program's kernels and overlapping kernels add none."""
+
+    def event(op, start, duration, module="jit__decode"):
+        stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
+        return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
+
+    line = SimpleNamespace(
+        events=[
+            event("fusion.1", 0, 10),
+            event("fusion.2", 15, 5),  # 5 idle after fusion.1
+            event("fusion.1", 30, 10),  # 10 idle after fusion.2
+            event("fusion.2", 47, 5),  # 7 idle after fusion.1
+            event("fusion.1", 52, 10),  # back to back: no gap
+            event("add.7", 70, 5, module="jit_other"),  # not the program's
+        ]
+    )
+    monkeypatch.setattr(kernel_trace, "_trace_lines", lambda trace_dir: [line])
+    scopes = {(3, "fusion.1"): "jit(_decode)/while/body/forward", (3, "fusion.2"): "jit(_decode)/while/cond"}
+    gaps = kernel_trace.idle_gaps("unused", scopes, {"jit__decode": "ar"})
+    assert [(g.before, g.after, g.ns, g.count) for g in gaps] == [
+        ("fusion.1", "fusion.2", 12, 2),
+        ("fusion.2", "fusion.1", 10, 1),
+    ]
+    assert gaps[0].before_name == "jit(_decode)/while/body/forward" and gaps[0].after_name == "jit(_decode)/while/cond"
