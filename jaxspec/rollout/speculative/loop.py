@@ -191,26 +191,29 @@ def speculative_decode(
         at_depth = [dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)) for d in depths]
         index = choose(adaptive, state.depths, depths, state.root.shape[0])  # the stage's batch runs the step
 
-        def drafting(drafter: Drafter, state: _LoopState) -> tuple[_LoopState, jax.Array]:
+        def drafting(drafter: Drafter, state: _LoopState) -> _LoopState:
             new = step(drafter, state)
-            return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, True)), jnp.int32(1)
+            return new._replace(depths=observe(adaptive, state.depths, state.counts, new.counts, True))
 
-        def fallback(state: _LoopState) -> tuple[_LoopState, jax.Array]:
-            # Depth 0 tests no draft, so the rates stay and `choose` keeps picking it until the probe:
-            # the run is a plain loop of autoregressive iterations, without a branch in each.
-            run = state.depths.before_probe()
-            new, ran = jax.lax.while_loop(
-                lambda c: (c[1] < run) & stage_runs(c[0]),
-                lambda c: (step(at_depth[0], c[0], drafts=False), c[1] + 1),
-                (state, jnp.zeros((), jnp.int32)),
-            )
-            # The run's depth-0 iterations are counted once, not by a scatter in each of them.
-            counts = new.counts._replace(depth_steps=new.counts.depth_steps.at[0].add(ran))
-            return new._replace(
-                counts=counts, depths=state.depths._replace(since_draft=state.depths.since_draft + ran)
-            ), ran
-
-        return jax.lax.switch(index, [fallback, *(functools.partial(drafting, d) for d in at_depth[1:])], state)
+        # Depth 0 tests no draft, so the rates stay and `choose` keeps picking it until the probe:
+        # the run is a plain loop of autoregressive iterations, without a branch in each. The run
+        # and each drafting depth are loops of their own, one after the other (a drafting depth's
+        # runs once or not at all), not branches of a switch: XLA copies the whole loop state
+        # (every KV cache) out of a switch in a loop's body and into a loop nested in a branch, at
+        # each iteration that takes them.
+        run = jnp.where(index == 0, state.depths.before_probe(), 0)
+        new, ran = jax.lax.while_loop(
+            lambda c: (c[1] < run) & stage_runs(c[0]),
+            lambda c: (step(at_depth[0], c[0], drafts=False), c[1] + 1),
+            (state, jnp.zeros((), jnp.int32)),
+        )
+        # The run's depth-0 iterations are counted once, not by a scatter in each of them.
+        counts = new.counts._replace(depth_steps=new.counts.depth_steps.at[0].add(ran))
+        new = new._replace(counts=counts, depths=state.depths._replace(since_draft=state.depths.since_draft + ran))
+        for i, drafter_at in enumerate(at_depth[1:], start=1):
+            once = functools.partial(lambda d, c: (drafting(d, c[0]), False), drafter_at)
+            new, _ = jax.lax.while_loop(lambda c: c[1], once, (new, index == i))
+        return new, jnp.where(index > 0, 1, ran)
 
     key, first_key = jax.random.split(key)
     first, first_logprob = choose_tokens(first_key, logits, sampling)

@@ -1,0 +1,71 @@
+"""The adaptive loop updates the policy's KV cache in place: no computation inside XLA's optimized
+loop copies the whole cache (a switch in a loop's body, or a loop nested in a branch, made it copy
+every layer's cache at each iteration that took them). Checked in the HLO that XLA dumps on the
+CPU; the negative control is a toy loop of that shape, in which the same check finds the copies."""
+
+import collections
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROWS, KV_HEADS, HEAD_DIM = 4, 2, 32  # the embedded tiny policy's cache: [rows, slots, kv heads, head dim]
+BUFFERS = 2 * 4  # its keys and values in 4 layers (the EAGLE-3 head's cache: 2 buffers of the same shape)
+
+PROGRAM = textwrap.dedent(
+    f"""
+    import jax, jax.numpy as jnp
+    from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
+    from jaxspec.draft import load_eagle3
+    from jaxspec.models.checkpoint import load_hf
+    from jaxspec.rollout import Sampling, Spec, generate
+
+    cfg, params = load_hf(tiny_policy_path())
+    head = load_eagle3(tiny_eagle3_path(), policy=cfg)
+    prompts = [[1, 5 + i, 7, 9] for i in range({ROWS})]
+    spec = Spec("eagle3", head, num_draft_tokens=3, adaptive=True)
+    generate(cfg, params, prompts, jax.random.key(0), Sampling(temperature=0.0, max_new_tokens=8), spec=spec)
+
+    # A loop whose body switches between two in-place updates of {BUFFERS} cache-shaped buffers.
+    @jax.jit
+    def toy_switch_loop(caches, index):
+        def body(c):
+            caches, i = c
+            write = lambda v: lambda xs: [x.at[:, i].set(v) for x in xs]
+            return jax.lax.switch(index, [write(1.0), write(2.0)], caches), i + 1
+        return jax.lax.while_loop(lambda c: c[1] < 5, body, (caches, 0))[0]
+
+    toy_switch_loop([jnp.zeros(({ROWS}, 16, {KV_HEADS}, {HEAD_DIM}))] * {BUFFERS}, 1)
+    """
+)
+
+
+def whole_cache_copies(hlo: str) -> dict[str, int]:
+    """{computation: copies of a KV-cache-shaped buffer} for the computations that copy at least
+    BUFFERS of them (the policy's whole cache), outside the entry computation (run once per call)
+    and the fusions (layout changes inside one kernel)."""
+    cache_copy = re.compile(rf"%[\w.\-]+ = \w+\[{ROWS},\d+,{KV_HEADS},{HEAD_DIM}\]\S* copy\(")
+    copies, computation = collections.Counter(), None
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header:
+            computation = None if header.group(1) or header.group(2).startswith("fused") else header.group(2)
+        elif computation and cache_copy.search(line):
+            copies[computation] += 1
+    return {name: n for name, n in copies.items() if n >= BUFFERS}
+
+
+def test_the_adaptive_loop_copies_no_kv_cache(tmp_path):
+    flags = (
+        f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(speculative_decode|toy_switch).*"
+    )
+    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", PROGRAM], env=env, check=True, cwd=Path(__file__).parents[3])
+
+    def optimized(name: str) -> str:
+        (path,) = tmp_path.glob(f"module_*{name}*after_optimizations.txt")
+        return path.read_text()
+
+    assert whole_cache_copies(optimized("toy_switch_loop")), "the check finds no copy in the toy loop"
+    assert whole_cache_copies(optimized("speculative_decode")) == {}
