@@ -2,6 +2,7 @@
 
     python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
         [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]] [--engines staged slots] [--temperature T] [--trace]
+        [--copies]
 
 Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
@@ -28,18 +29,23 @@ scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
 bookkeeping, sampling, the drafter), and the device's idle time between the loop's kernels with the
 30 longest gaps by the pair of kernels around them (`idle_gaps`, on a GPU: where the host holds
 the loop up). --trace turns XLA's command buffers (CUDA graphs) off for the whole run, timings
-included. WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the traces (hundreds of MB) are
-deleted once charged unless --keep-traces. XLA_FLAGS set outside reach every run.
+included. --copies lists the copies of 256 KiB or more inside each loop program's loops and branches,
+read from XLA's optimized HLO (`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at
+every iteration that reaches it). WORK_DIR gets slot_profile.json, rewritten after each run; the HLO
+dump and the traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set
+outside reach every run.
 """
 
 import argparse
 import collections
 import itertools
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
+from jaxspec.bench.hlo_copies import loop_copies
 from jaxspec.bench.kernel_trace import idle_gaps, kernel_times, op_scopes, set_dump_flags
 
 PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
@@ -78,6 +84,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--trace", action="store_true")
     p.add_argument("--keep-traces", action="store_true", help="keep the HLO dump and the traces in WORK_DIR")
+    p.add_argument("--copies", action="store_true", help="list the copies (>= 256 KiB) inside the loop programs")
     args = p.parse_args()
     if args.adaptive and not args.spec:
         p.error("--adaptive needs --spec K")
@@ -88,6 +95,9 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
         set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
+    elif args.copies:
+        dump = f"--xla_dump_to={args.work / 'hlo'} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(_decode|_loop).*"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip()
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -200,8 +210,30 @@ def main() -> None:
             print(f"  idle {share}  after {before[:24]:24s} {before_name[-70:]}")
             print(f"  {'':{len(share) + 7}s}before {after[:24]:24s} {after_name[-70:]}")
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
-    if args.trace and not args.keep_traces:
+    if args.copies:
+        result["copies"] = copies_in_loops(args.work / "hlo")
+        (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
+    if (args.trace or args.copies) and not args.keep_traces:
         shutil.rmtree(args.work / "hlo", ignore_errors=True)
+
+
+def copies_in_loops(dump_dir: Path) -> dict[str, list]:
+    """{loop program's HLO file: [computation, copies, MiB]}: the copies of 256 KiB or more inside its
+    loops and branches (`jaxspec.bench.hlo_copies`; the programs in the order they compiled)."""
+    found = {}
+    for path in sorted(dump_dir.glob("module_*after_optimizations.txt")):
+        if not any(name in path.name for name in ("_decode", "_loop")):
+            continue
+        by_computation = collections.defaultdict(lambda: [0, 0.0])
+        for copy in loop_copies(path.read_text()):
+            if copy.bytes >= 2**18:
+                by_computation[copy.computation][0] += 1
+                by_computation[copy.computation][1] += copy.bytes / 2**20
+        found[path.name] = [[name, n, mib] for name, (n, mib) in by_computation.items()]
+        print(f"== copies in {path.name}: {sum(n for _, n, _ in found[path.name])}", flush=True)
+        for name, n, mib in found[path.name]:
+            print(f"  {n:4d} copies, {mib:9.1f} MiB  {name}")
+    return found
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ every layer's cache at each iteration that took them). Checked in the HLO that X
 CPU; the negative control is a toy loop of that shape, in which the same check finds the copies."""
 
 import collections
-import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from jaxspec.bench.hlo_copies import loop_copies
 
 ROWS, KV_HEADS, HEAD_DIM = 4, 2, 32  # the embedded tiny policy's cache: [rows, slots, kv heads, head dim]
 BUFFERS = 2 * 4  # its keys and values in 4 layers (the EAGLE-3 head's cache: 2 buffers of the same shape)
@@ -42,17 +43,13 @@ PROGRAM = textwrap.dedent(
 
 
 def whole_cache_copies(hlo: str) -> dict[str, int]:
-    """{computation: copies of a KV-cache-shaped buffer} for the computations that copy at least
-    BUFFERS of them (the policy's whole cache), outside the entry computation (run once per call)
-    and the fusions (layout changes inside one kernel)."""
-    cache_copy = re.compile(rf"%[\w.\-]+ = \w+\[{ROWS},\d+,{KV_HEADS},{HEAD_DIM}\]\S* copy\(")
-    copies, computation = collections.Counter(), None
-    for line in hlo.splitlines():
-        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if header:
-            computation = None if header.group(1) or header.group(2).startswith("fused") else header.group(2)
-        elif computation and cache_copy.search(line):
-            copies[computation] += 1
+    """{computation: copies of a KV-cache-shaped buffer} for the computations inside the loop
+    (`loop_copies`) that copy at least BUFFERS of them: the policy's whole cache."""
+    copies = collections.Counter(
+        c.computation
+        for c in loop_copies(hlo)
+        if len(c.shape) == 4 and (c.shape[0], *c.shape[2:]) == (ROWS, KV_HEADS, HEAD_DIM)
+    )
     return {name: n for name, n in copies.items() if n >= BUFFERS}
 
 
