@@ -1,7 +1,10 @@
 """The adaptive loop updates the policy's KV cache in place: no computation inside XLA's optimized
 loop copies the whole cache (a switch in a loop's body, or a loop nested in a branch, made it copy
-every layer's cache at each iteration that took them). Checked in the HLO that XLA dumps on the
-CPU; the negative control is a toy loop of that shape, in which the same check finds the copies."""
+every layer's cache at each iteration that took them: JAX 0.10.2's XLA on the CPU and, by what a
+probe cost, 0.11.2's on a GPU; 0.12's copies nothing there). Checked in the HLO that XLA dumps on
+the CPU (`jaxspec.bench.hlo_copies`, whose reading is tested on its own; the loop as it was, a
+switch over the autoregressive run and the drafting depths, fails this test with JAX 0.10.2: 5
+computations copy 8-10 cache buffers)."""
 
 import collections
 import subprocess
@@ -16,7 +19,7 @@ BUFFERS = 2 * 4  # its keys and values in 4 layers (the EAGLE-3 head's cache: 2 
 
 PROGRAM = textwrap.dedent(
     f"""
-    import jax, jax.numpy as jnp
+    import jax
     from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
     from jaxspec.draft import load_eagle3
     from jaxspec.models.checkpoint import load_hf
@@ -27,17 +30,6 @@ PROGRAM = textwrap.dedent(
     prompts = [[1, 5 + i, 7, 9] for i in range({ROWS})]
     spec = Spec("eagle3", head, num_draft_tokens=3, adaptive=True)
     generate(cfg, params, prompts, jax.random.key(0), Sampling(temperature=0.0, max_new_tokens=8), spec=spec)
-
-    # A loop whose body switches between two in-place updates of {BUFFERS} cache-shaped buffers.
-    @jax.jit
-    def toy_switch_loop(caches, index):
-        def body(c):
-            caches, i = c
-            write = lambda v: lambda xs: [x.at[:, i].set(v) for x in xs]
-            return jax.lax.switch(index, [write(1.0), write(2.0)], caches), i + 1
-        return jax.lax.while_loop(lambda c: c[1] < 5, body, (caches, 0))[0]
-
-    toy_switch_loop([jnp.zeros(({ROWS}, 16, {KV_HEADS}, {HEAD_DIM}))] * {BUFFERS}, 1)
     """
 )
 
@@ -60,9 +52,7 @@ def test_the_adaptive_loop_copies_no_kv_cache(tmp_path):
     env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, "-c", PROGRAM], env=env, check=True, cwd=Path(__file__).parents[3])
 
-    def optimized(name: str) -> str:
-        (path,) = tmp_path.glob(f"module_*{name}*after_optimizations.txt")
-        return path.read_text()
-
-    assert whole_cache_copies(optimized("toy_switch_loop")), "the check finds no copy in the toy loop"
-    assert whole_cache_copies(optimized("speculative_decode")) == {}
+    (path,) = tmp_path.glob("module_*speculative_decode*after_optimizations.txt")
+    hlo = path.read_text()
+    assert " while(" in hlo  # the loop program, as XLA optimized it
+    assert whole_cache_copies(hlo) == {}
