@@ -124,10 +124,11 @@ def idle_gaps(trace_dir: Path, scopes: dict[tuple[int, str], str], modules: dict
                 key = (first.program, (first.program_id, first.op), (second.program_id, second.op))
                 ns[key] += gap
                 count[key] += 1
-    gaps = []
-    for (program, before, after), total in ns.items():
-        gap = Gap(program, before[1], scopes.get(before, ""), after[1], scopes.get(after, ""), total, 0)
-        gaps.append(gap._replace(count=count[(program, before, after)]))
+    gaps = [
+        Gap(program, before[1], scopes.get(before, ""), after[1], scopes.get(after, ""), ns[key], count[key])
+        for key in ns
+        for program, before, after in (key,)
+    ]
     return sorted(gaps, key=lambda g: -g.ns)
 
 
