@@ -23,13 +23,15 @@ def test_fusions_without_metadata_take_their_shared_scope(tmp_path):
     assert scopes[(7, "fusion.3")] == "jit(_decode)/while/body/forward/attention"
 
 
+def event(op: str, start: int, duration: int, module: str = "jit__decode") -> SimpleNamespace:
+    """A profiler op event of program 3 (an HLO module) on a trace line."""
+    stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
+    return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
+
+
 def test_control_thunks_that_enclose_ops_are_skipped_and_compiled_calls_count():
     """On CPU a while thunk encloses its body's ops on its thread; a call XLA compiled into one
     kernel (a "small call") encloses none and is itself the kernel."""
-
-    def event(op, start, duration, module="jit__decode"):
-        stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
-        return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
 
     line = SimpleNamespace(
         events=[
@@ -50,10 +52,6 @@ def test_control_thunks_that_enclose_ops_are_skipped_and_compiled_calls_count():
 def test_idle_gaps_sum_the_idle_time_between_each_pair_of_kernels(monkeypatch):
     """Gaps between consecutive kernels of one program, per (before, after) pair; another
     program's kernels and overlapping kernels add none."""
-
-    def event(op, start, duration, module="jit__decode"):
-        stats = {"hlo_module": module, "hlo_op": op, "program_id": 3}
-        return SimpleNamespace(start_ns=start, duration_ns=duration, stats=list(stats.items()))
 
     line = SimpleNamespace(
         events=[
