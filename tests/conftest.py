@@ -6,6 +6,8 @@ where JAX's backend is not a GPU."""
 import gc
 import os
 import re
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the CPU platform's devices
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,6 +34,37 @@ def pytest_configure(config):
     # optimization passes roughly double compile time and change what the programs compute only by
     # float rounding. Benchmarks, the CLI and the GPU checks compile with full optimization.
     jax.config.update("jax_disable_most_optimizations", True)
+    share_compiled_programs(config)
+
+
+_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+
+
+def share_compiled_programs(config):
+    """Points JAX's persistent compilation cache at one directory for the whole session, so a
+    program that several tests, files, pytest-xdist workers or CLI child processes compile (the
+    tiny policy's rollout loops above all) compiles once: most of the suite's time is XLA
+    compiling. The controller makes the directory and removes it at the end; the workers and the
+    child processes inherit it through the environment. A test that sets its own cache (a run's
+    train.compilation_cache) replaces it for its own length."""
+    if _CACHE_DIR not in os.environ:
+        os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="jaxspec-tests-xla-cache-")
+        config.stash[_owned_cache] = os.environ[_CACHE_DIR]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+_owned_cache = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config):
+    owned = config.stash.get(_owned_cache, None)
+    if owned is not None:
+        shutil.rmtree(owned, ignore_errors=True)
+        del os.environ[_CACHE_DIR]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -122,6 +122,7 @@ def test_cache_dir_setting(tmp_path):
 
 def test_cached_programs_are_read_back_not_compiled(tmp_path):
     f = jax.jit(lambda x: jnp.cos(x) * 5)
+    session_cache = jax.config.jax_compilation_cache_dir
     with compilation_cache(tmp_path, min_compile_s=0.0):
         f(np.ones(6, np.float32)).block_until_ready()
         assert any(path.name.startswith("jit_") for path in tmp_path.iterdir())
@@ -130,7 +131,7 @@ def test_cached_programs_are_read_back_not_compiled(tmp_path):
         f(np.ones(6, np.float32)).block_until_ready()
         record = timer.record()
     assert record["compiles"] == 0 and record["compiles_cached"] == 1
-    assert jax.config.jax_compilation_cache_dir is None  # the settings end with the block
+    assert jax.config.jax_compilation_cache_dir == session_cache  # the settings end with the block
 
 
 def _prompt_file(path, tokenizer_dir) -> str:
@@ -208,6 +209,7 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     for program in ("jit_minibatch_gradients-", "jit_minibatch_step-"):  # the update's two programs
         assert any(path.name.startswith(program) for path in cache.iterdir()), program
     jax.clear_caches()  # as in a new process
+    session_cache = jax.config.jax_compilation_cache_dir
     assert (
         train_cli(
             "--config", config, "--run-dir", tmp_path / "second", *overrides, "train.steps=1", "train.precompile=false"
@@ -217,7 +219,7 @@ def test_a_second_run_reads_the_compilation_cache(precompiled_run, tmp_path):
     first, second = read_metrics(first_dir)[0], read_metrics(tmp_path / "second")[0]
     assert second["compiles"] < first["compiles"] / 4 and second["compiles_cached"] > 0, (first, second)
     assert second["time_compile_s"] < first["time_compile_s"] / 4
-    assert jax.config.jax_compilation_cache_dir is None  # the run's cache settings end with it
+    assert jax.config.jax_compilation_cache_dir == session_cache  # the run's cache settings end with it
 
 
 def test_a_run_whose_background_compilations_fail_goes_on_unchanged(precompiled_run, tmp_path, capsys):
