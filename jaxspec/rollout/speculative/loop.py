@@ -33,6 +33,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
+from jaxspec.rollout.branch import run_if
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
 from jaxspec.rollout.sampling import Sampling, choose_tokens
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
@@ -197,10 +198,8 @@ def speculative_decode(
 
         # Depth 0 tests no draft, so the rates stay and `choose` keeps picking it until the probe:
         # the run is a plain loop of autoregressive iterations, without a branch in each. The run
-        # and each drafting depth are loops of their own, one after the other (a drafting depth's
-        # runs once or not at all), not branches of a switch: XLA copies the whole loop state
-        # (every KV cache) out of a switch in a loop's body and into a loop nested in a branch, at
-        # each iteration that takes them.
+        # and each drafting depth (`run_if`) follow one another, not branches of a switch, which
+        # XLA would copy every KV cache through.
         run = jnp.where(index == 0, state.depths.before_probe(), 0)
         new, ran = jax.lax.while_loop(
             lambda c: (c[1] < run) & stage_runs(c[0]),
@@ -211,8 +210,7 @@ def speculative_decode(
         counts = new.counts._replace(depth_steps=new.counts.depth_steps.at[0].add(ran))
         new = new._replace(counts=counts, depths=state.depths._replace(since_draft=state.depths.since_draft + ran))
         for i, drafter_at in enumerate(at_depth[1:], start=1):
-            once = functools.partial(lambda d, c: (drafting(d, c[0]), False), drafter_at)
-            new, _ = jax.lax.while_loop(lambda c: c[1], once, (new, index == i))
+            new = run_if(index == i, functools.partial(drafting, drafter_at), new)
         return new, jnp.where(index > 0, 1, ran)
 
     key, first_key = jax.random.split(key)
