@@ -17,7 +17,8 @@ running maximum, which `merge` combines:
     l [B, Nk, splits, R]    float32 = sum_s exp(score_s - m)
 
 R is the number of query rows per (row, kv head): T new tokens x G query heads per kv head (row r
-is token r // G), padded to a power of two. `partials_reference` computes the same partials with
+is token r // G), padded to a power of two, at most MAX_QUERY_ROWS (what one kernel program
+holds in registers). `partials_reference` computes the same partials with
 jnp, split as the kernel splits.
 """
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 WORD_BITS = 32  # new tokens per int32 word of a query row's bits
+MAX_QUERY_ROWS = 128  # query rows per (row, kv head) the kernel takes: new tokens x query heads per kv head
 
 
 class Partials(NamedTuple):

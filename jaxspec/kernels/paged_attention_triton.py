@@ -31,11 +31,10 @@ import jax.numpy as jnp
 import triton.language as tl
 
 from jaxspec.kernels import triton_call
-from jaxspec.kernels.attention_partials import WORD_BITS, Partials
+from jaxspec.kernels.attention_partials import MAX_QUERY_ROWS, WORD_BITS, Partials
 
 BLOCK_KV = 64  # positions per loop step
 MIN_ROWS = 16  # the smallest tl.dot operand
-MAX_ROWS = 128  # query rows a program holds (new tokens x query heads per kv head, padded)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 TARGET_PROGRAMS = 1024  # (row, kv head, split) programs that keep an H100's 132 SMs busy
 MIN_BLOCKS_PER_SPLIT = 4
@@ -144,14 +143,14 @@ def query_rows(count: int) -> int:
 def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
     """Whether the kernel takes q [B, T, Nq, D] over pools [P, page_size, Nk, D] (a paged cache's,
     or a dense cache [B, S, Nk, D] as B pages of S positions): one dtype of DTYPES, D a power of
-    two in [16, 256], at most MAX_ROWS query rows per kv head."""
+    two in [16, 256], at most MAX_QUERY_ROWS query rows per kv head."""
     _, t, nq, d = q.shape
     return (
         q.dtype == k_pool.dtype == v_pool.dtype
         and jnp.dtype(q.dtype) in DTYPES
         and 16 <= d <= 256
         and d & (d - 1) == 0
-        and t * (nq // k_pool.shape[2]) <= MAX_ROWS
+        and t * (nq // k_pool.shape[2]) <= MAX_QUERY_ROWS
     )
 
 
@@ -177,7 +176,7 @@ def paged_attention_partials(
     num_new positions from new_start[b] (both int32 [B]), those their bits new_bits int32
     [B, W, R] name (`new_token_bits`); positions >= M * page_size are seen by no one.
 
-    q and the pools share a dtype of DTYPES; R is a power of two in [MIN_ROWS, MAX_ROWS]; D a
+    q and the pools share a dtype of DTYPES; R is a power of two in [MIN_ROWS, MAX_QUERY_ROWS]; D a
     power of two >= 16. Scale 1/sqrt(D). block_kv (a power of two >= 16), splits (default:
     `default_splits`; at most one per block of the table), num_warps (default: `default_num_warps`)
     and num_stages tune the GPU kernel; interpret runs it in Triton's
@@ -267,9 +266,9 @@ def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int) -> None:
             f"Triton paged attention pools must both be [num_pages, page_size, Nk={kv_heads}, D={head_dim}] "
             f"(from q [B, Nk, R, D] = {q.shape}), got k_pool {k_pool.shape}, v_pool {v_pool.shape}"
         )
-    if rows != query_rows(rows) or rows > MAX_ROWS:
+    if rows != query_rows(rows) or rows > MAX_QUERY_ROWS:
         raise ValueError(
-            f"Triton paged attention query rows R must be a power of two in [{MIN_ROWS}, {MAX_ROWS}], got {rows}"
+            f"Triton paged attention query rows R must be a power of two in [{MIN_ROWS}, {MAX_QUERY_ROWS}], got {rows}"
         )
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"Triton paged attention head dim must be a power of two >= 16, got {head_dim}")

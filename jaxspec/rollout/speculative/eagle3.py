@@ -34,6 +34,7 @@ from jaxspec.draft import (
     target_ids,
     to_target_ids,
 )
+from jaxspec.kernels.attention_partials import MAX_QUERY_ROWS
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.rollout.sampling import Sampling, processed_logprobs
@@ -55,7 +56,14 @@ class HeadState(NamedTuple):
     count: jax.Array
 
 
-QUEUE_PIECE = 16  # entries per pass when a backlog runs (a cache-attention kernel's query block)
+MIN_QUEUE_PIECE = 16  # entries per pass when a backlog runs, at least
+
+
+def queue_piece(dcfg: DraftConfig) -> int:
+    """Entries per pass when a backlog runs: as many as one program of the cache-attention kernel
+    takes (entries x query heads per kv head <= MAX_QUERY_ROWS), so that a backlog runs in as few
+    passes as it can (each pass launches the head's kernels once), and at least MIN_QUEUE_PIECE."""
+    return max(MIN_QUEUE_PIECE, MAX_QUERY_ROWS // (dcfg.num_heads // dcfg.num_kv_heads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Eagle3Drafter:
     """dcfg: the head's config. dparams passed to the methods: {"head": head params, "embed":
     the policy's token embedding [V, H]}. backlog: entries of autoregressive iterations the state
     can queue (`defer`; 0: none, an autoregressive iteration runs a depth-1 proposal instead).
+    piece: entries per pass when the backlog runs (None: `queue_piece(dcfg)`).
     Other fields as `DraftModelDrafter`."""
 
     dcfg: DraftConfig
@@ -73,6 +82,7 @@ class Eagle3Drafter:
     stochastic: bool
     sharding: Sharding | None = None
     backlog: int = 0
+    piece: int | None = None
 
     @property
     def policy_layers(self) -> tuple[int, ...]:
@@ -164,7 +174,7 @@ class Eagle3Drafter:
     def _pending_pass(self, head, embed, cache, state: HeadState, head_len, active):
         """Runs the pending chunk into the head's cache: (logits [B, 1, Vd], output [B, 1, H] and
         fused features [B, 1, H] of its last valid entry (the root's), the cache). Its first E
-        entries in one pass, unless a row has queued more (`defer`): then pieces of QUEUE_PIECE
+        entries in one pass, unless a row has queued more (`defer`): then pieces of `piece`
         entries, as many as the longest queue."""
         start, last = head_len - (state.count - 1), state.count - 1
 
@@ -196,23 +206,25 @@ class Eagle3Drafter:
         if not self.defers:
             return first_entries()
 
+        size = min(self.piece or queue_piece(self.dcfg), width)
+
         def in_pieces():
-            pieces = -(-width // QUEUE_PIECE)
-            pad = pieces * QUEUE_PIECE - width
+            pieces = -(-width // size)
+            pad = pieces * size - width
             tokens = jnp.pad(state.tokens, ((0, 0), (0, pad)))
             hidden = jnp.pad(state.hidden, ((0, 0), (0, pad), (0, 0)))
 
-            def piece(i, carry):
+            def run_piece(i, carry):
                 logits, out, root_hidden, cache = carry
-                offset = i * QUEUE_PIECE
+                offset = i * size
                 new_logits, new_out, new_root_hidden, cache = run(
-                    jax.lax.dynamic_slice_in_dim(tokens, offset, QUEUE_PIECE, axis=1),
-                    jax.lax.dynamic_slice_in_dim(hidden, offset, QUEUE_PIECE, axis=1),
+                    jax.lax.dynamic_slice_in_dim(tokens, offset, size, axis=1),
+                    jax.lax.dynamic_slice_in_dim(hidden, offset, size, axis=1),
                     offset,
-                    jnp.clip(last - offset, 0, QUEUE_PIECE - 1),
+                    jnp.clip(last - offset, 0, size - 1),
                     cache,
                 )
-                mine = (last // QUEUE_PIECE == i)[:, None, None]  # the piece holding the row's last entry
+                mine = (last // size == i)[:, None, None]  # the piece holding the row's last entry
                 return (
                     jnp.where(mine, new_logits, logits),
                     jnp.where(mine, new_out, out),
@@ -220,9 +232,9 @@ class Eagle3Drafter:
                     cache,
                 )
 
-            needed = (jnp.max(jnp.where(active, state.count, 1)) + QUEUE_PIECE - 1) // QUEUE_PIECE
-            first = run(tokens[:, :QUEUE_PIECE], hidden[:, :QUEUE_PIECE], 0, jnp.minimum(last, QUEUE_PIECE - 1), cache)
-            return jax.lax.fori_loop(1, needed, piece, first)
+            needed = (jnp.max(jnp.where(active, state.count, 1)) + size - 1) // size
+            first = run(tokens[:, :size], hidden[:, :size], 0, jnp.minimum(last, size - 1), cache)
+            return jax.lax.fori_loop(1, needed, run_piece, first)
 
         queued = jnp.any(active & (state.count > narrow))
         return jax.lax.cond(queued, in_pieces, first_entries)

@@ -160,10 +160,15 @@ def speculative_memory_bytes(
 
 def head_queue_bytes(spec: Spec, rows: int) -> int:
     """Bytes of an adaptive EAGLE-3 head's queue of features (the policy's three layers) for
-    `rows` rows (`Eagle3Drafter.defer`) and of its padded copy when it runs; 0 for other drafters."""
+    `rows` rows (`Eagle3Drafter.defer`) and of its copy padded to whole pieces when it runs; 0 for
+    other drafters."""
     if spec.method != "eagle3" or not spec.adaptive or spec.suffix_branches:
         return 0
-    return 2 * _F32 * rows * spec.adaptive_probe_max * 3 * spec.draft[0].hidden_size
+    from jaxspec.rollout.speculative.eagle3 import queue_piece
+
+    entries, piece = spec.adaptive_probe_max, queue_piece(spec.draft[0])
+    padded = entries if entries <= piece else -(-entries // piece) * piece
+    return _F32 * rows * (entries + padded) * 3 * spec.draft[0].hidden_size
 
 
 def speculative_generate(

@@ -225,10 +225,11 @@ def tiny_policy_and_head():
 def test_an_eagle3_head_queues_autoregressive_iterations(tiny_policy_and_head, slots):
     """An adaptive EAGLE-3 loop runs no head in its autoregressive iterations: the head queues them
     (`Eagle3Drafter.defer`) and runs them at the next probe (after 16 of them: more than one piece
-    of entries). Its drafts, so the loop's acceptance, choices and statistics, equal those of the
-    same loop with a head that runs at every iteration; its tokens equal autoregressive decoding."""
+    of 16 entries, the least `queue_piece` gives). Its drafts, so the loop's acceptance, choices
+    and statistics, equal those of the same loop with a head that runs at every iteration; its
+    tokens equal autoregressive decoding."""
     from jaxspec.rollout.speculative import eagle3
-    from jaxspec.rollout.speculative.eagle3 import QUEUE_PIECE, Eagle3Drafter
+    from jaxspec.rollout.speculative.eagle3 import MIN_QUEUE_PIECE, Eagle3Drafter
 
     cfg, params, head, prompts = tiny_policy_and_head
     sampling = Sampling(temperature=0.0, max_new_tokens=40)
@@ -243,13 +244,17 @@ def test_an_eagle3_head_queues_autoregressive_iterations(tiny_policy_and_head, s
         adaptive_probe_max=17,
     )
     engine = {} if slots is None else {"slots": slots}
-    queued = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine)
+    with pytest.MonkeyPatch.context() as patch:  # the drafter `generate` makes, in pieces of 16
+        patch.setattr(eagle3, "Eagle3Drafter", lambda **fields: Eagle3Drafter(**fields | {"piece": MIN_QUEUE_PIECE}))
+        queued = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine)
     with pytest.MonkeyPatch.context() as patch:  # the drafter `generate` makes, without a backlog
         patch.setattr(eagle3, "Eagle3Drafter", lambda **fields: Eagle3Drafter(**fields | {"backlog": 0}))
         stepped = generate(cfg, params, prompts, jax.random.key(1), sampling, spec=spec, **engine)
     ar = generate(cfg, params, prompts, jax.random.key(0), sampling)
     np.testing.assert_array_equal(queued.tokens, ar.tokens)
     depths = queued.stats["depth_steps"]
-    assert depths[0] >= 17 - 1 >= QUEUE_PIECE and depths[1] > 0 and queued.stats["accepted_tokens"] > 0, queued.stats
+    assert depths[0] >= 17 - 1 >= MIN_QUEUE_PIECE and depths[1] > 0 and queued.stats["accepted_tokens"] > 0, (
+        queued.stats
+    )
     for name in ("depth_steps", "fallback_steps", "accepted_tokens", "drafted_tokens", "steps"):
         assert queued.stats[name] == stepped.stats[name], (name, queued.stats, stepped.stats)

@@ -6,13 +6,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec.draft import fuse, init_eagle3, to_target_ids
 from jaxspec.draft.loss import ttt_forward
 from jaxspec.models.transformer import forward_hidden
 from jaxspec.rollout import Sampling
 from jaxspec.rollout.speculative.drafter import Prefill, Verified
-from jaxspec.rollout.speculative.eagle3 import QUEUE_PIECE, Eagle3Drafter
+from jaxspec.rollout.speculative.eagle3 import MIN_QUEUE_PIECE, Eagle3Drafter, queue_piece
 
 DEPTH = 3  # chunks of up to DEPTH + 1 entries
 PROMPT_LENGTHS = [3, 7, 5]
@@ -24,7 +25,7 @@ forward_hidden = jax.jit(forward_hidden, static_argnums=(0, 3))
 ttt_forward = jax.jit(ttt_forward, static_argnums=(0, 5))
 
 
-def _setup(policy, total: int, backlog: int = 0):
+def _setup(policy, total: int, backlog: int = 0, piece: int | None = None):
     """A random head over the policy, three prompts of a random sequence [3, total], the head's
     uncached guesses of x_{t+2} at every t, the drafter, its params and its jitted started state."""
     cfg, params = policy
@@ -44,6 +45,7 @@ def _setup(policy, total: int, backlog: int = 0):
         num_nodes=DEPTH,
         stochastic=False,
         backlog=backlog,
+        piece=piece,
     )
     dparams = {"head": head, "embed": params["embed"]}
     lengths = np.asarray(PROMPT_LENGTHS)
@@ -100,15 +102,18 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
 
 
-def test_a_deferred_run_drafts_as_a_head_run_at_every_step(policy):
+@pytest.mark.parametrize("piece", [MIN_QUEUE_PIECE, None], ids=["pieces_of_16", "one_pass"])
+def test_a_deferred_run_drafts_as_a_head_run_at_every_step(policy, piece):
     """An adaptive loop's autoregressive iterations: a head with a backlog queues them (`defer`) and
     runs them at its next proposal in pieces; its drafts then equal those of a head that ran a
     depth-1 proposal at every iteration, and its first token the uncached head's guess. The rows
-    queue 15 to 18 entries, so their last entries fall in the first and second piece."""
+    queue 15 to 18 entries: in pieces of 16 their last entries fall in the first and second piece;
+    by default (`queue_piece`) the whole chunk runs in one pass."""
     total, deferred = 40, 14
-    seqs, aux, predicted, queued, dparams, queued_state = _setup(policy, total, backlog=deferred + 2)
+    seqs, aux, predicted, queued, dparams, queued_state = _setup(policy, total, backlog=deferred + 2, piece=piece)
     _, _, _, stepped, _, stepped_state = _setup(policy, total)
-    assert QUEUE_PIECE == 16
+    size = piece or queue_piece(queued.dcfg)
+    assert queued.chunk > size if piece else queued.chunk <= size
     rows = np.arange(len(PROMPT_LENGTHS))
     all_rows = jnp.ones(len(rows), bool)
     one_level = dataclasses.replace(stepped, depth=1, num_nodes=1)
@@ -143,3 +148,13 @@ def test_a_deferred_run_drafts_as_a_head_run_at_every_step(policy):
     index = states["queued"][1]
     np.testing.assert_array_equal(np.asarray(trees["queued"].tokens[:, 1]), predicted[rows, index - 1])
     np.testing.assert_array_equal(np.asarray(trees["queued"].tokens), np.asarray(trees["stepped"].tokens))
+
+
+def test_a_backlog_runs_in_pieces_as_large_as_the_attention_kernel_takes(policy):
+    """Entries x query heads per kv head fill one program of the cache-attention kernel (128 query
+    rows): `small`'s head (16 query heads, 8 kv heads) runs 64 entries a pass, a Qwen3-8B-shaped
+    one (32, 8) 32, and a head with many query heads per kv head at least 16."""
+    dcfg, _ = init_eagle3(policy[0], jax.random.key(5))
+    shaped = {(16, 8): 64, (32, 8): 32, (8, 8): 128, (32, 2): 16, (64, 1): 16}
+    for (heads, kv_heads), entries in shaped.items():
+        assert queue_piece(dataclasses.replace(dcfg, num_heads=heads, num_kv_heads=kv_heads)) == entries
