@@ -18,8 +18,8 @@ running maximum, which `merge` combines:
 
 R is the number of query rows per (row, kv head): T new tokens x G query heads per kv head (row r
 is token r // G), padded to a power of two, at most MAX_QUERY_ROWS (what one kernel program
-holds in registers). `partials_reference` computes the same partials with
-jnp, split as the kernel splits.
+holds in registers). `partials_reference` computes the same partials with jnp, split as the
+kernel splits.
 """
 
 from __future__ import annotations
