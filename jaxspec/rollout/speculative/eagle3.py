@@ -66,6 +66,13 @@ def queue_piece(dcfg: DraftConfig) -> int:
     return max(MIN_QUEUE_PIECE, MAX_QUERY_ROWS // (dcfg.num_heads // dcfg.num_kv_heads))
 
 
+def piece_layout(width: int, piece: int) -> tuple[int, int]:
+    """(entries per pass, width padded to whole passes) of a chunk of `width` entries run in
+    pieces of at most `piece` entries: a chunk no wider than a piece runs in one pass, unpadded."""
+    size = min(piece, width)
+    return size, -(-width // size) * size
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
     """dcfg: the head's config. dparams passed to the methods: {"head": head params, "embed":
@@ -206,11 +213,10 @@ class Eagle3Drafter:
         if not self.defers:
             return first_entries()
 
-        size = min(self.piece or queue_piece(self.dcfg), width)
+        size, padded = piece_layout(width, self.piece or queue_piece(self.dcfg))
 
         def in_pieces():
-            pieces = -(-width // size)
-            pad = pieces * size - width
+            pad = padded - width
             tokens = jnp.pad(state.tokens, ((0, 0), (0, pad)))
             hidden = jnp.pad(state.hidden, ((0, 0), (0, pad), (0, 0)))
 

@@ -164,10 +164,10 @@ def head_queue_bytes(spec: Spec, rows: int) -> int:
     other drafters."""
     if spec.method != "eagle3" or not spec.adaptive or spec.suffix_branches:
         return 0
-    from jaxspec.rollout.speculative.eagle3 import queue_piece
+    from jaxspec.rollout.speculative.eagle3 import piece_layout, queue_piece
 
-    entries, piece = spec.adaptive_probe_max, queue_piece(spec.draft[0])
-    padded = entries if entries <= piece else -(-entries // piece) * piece
+    entries = spec.adaptive_probe_max
+    _, padded = piece_layout(entries, queue_piece(spec.draft[0]))
     return _F32 * rows * (entries + padded) * 3 * spec.draft[0].hidden_size
 
 
