@@ -6,7 +6,8 @@ and expert disagreement with and without replay, measured side by side.
 
 Pretrains `configs/pretrain_small_moe.yaml` on every GPU (skipped when runs/small-moe/policy exists), then
 runs two GRPO runs of `configs/grpo_small.yaml` on that policy at once, each on half of the GPUs
-(mesh.data), with AR rollouts in bf16 and recomputed log-probs in the trainer's bf16:
+(mesh.data; on a machine of one GPU both share it, each with a fixed share of its memory, so their
+step times are those of two runs on one card), with AR rollouts in bf16 and recomputed log-probs in the trainer's bf16:
 `loss.routing_replay` true and false. Each step of each run logs logprob_mismatch_mean / _max,
 expert_disagreement (response token x sparse layer pairs whose top-k set differs between the
 rollout and the trainer's own router) and expert_disagreement_tokens; this prints their medians
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 POLICY = Path("runs/small-moe/policy")
+SHARED_MEMORY_FRACTION = 0.45  # of one GPU's memory, per run, when both runs share it
 RUNS = {"replay": "loss.routing_replay=true", "no_replay": "loss.routing_replay=false"}
 KEYS = (
     "logprob_mismatch_mean",
@@ -68,8 +70,8 @@ def main() -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     gpus = gpu_ids()
-    if len(gpus) < 2 or len(gpus) % 2:
-        raise SystemExit(f"needs an even number of GPUs (two runs at once), found {len(gpus)}")
+    if len(gpus) > 1 and len(gpus) % 2:
+        raise SystemExit(f"needs one GPU or an even number of them (two runs at once), found {len(gpus)}")
     if not POLICY.is_dir():
         with (results / f"{args.prefix}_pretrain.log").open("w") as log:
             subprocess.run(
@@ -89,7 +91,8 @@ def main() -> int:
                 stderr=subprocess.STDOUT,
                 check=True,
             )
-    half = len(gpus) // 2
+    shared = len(gpus) == 1
+    half = max(1, len(gpus) // 2)
     procs = {}
     for i, (name, override) in enumerate(RUNS.items()):
         run_dir = Path("runs") / f"grpo-moe-{name}"
@@ -112,7 +115,9 @@ def main() -> int:
             f"mesh.data={half}",
             override,
         )
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * half : (i + 1) * half])}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus if shared else gpus[i * half : (i + 1) * half])}
+        if shared:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(SHARED_MEMORY_FRACTION)
         log = (results / f"{args.prefix}_{name}.log").open("w")
         procs[name] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), run_dir)
     failed = 0
