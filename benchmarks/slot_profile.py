@@ -1,10 +1,10 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
-    python3 benchmarks/slot_profile.py WORK_DIR [--rows 256] [--new 512] [--slots 256] [--decode-steps K ...]
-        [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]] [--engines staged slots] [--temperature T] [--trace]
-        [--copies]
+    python3 benchmarks/slot_profile.py WORK_DIR [--model JSON] [--rows 256] [--new 512] [--slots 256]
+        [--decode-steps K ...] [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]]
+        [--engines staged slots] [--temperature T] [--trace] [--copies]
 
-Random weights of `configs/models/small-policy.json` (bf16, normal(0, 0.02): the next token is
+Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
 geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (fewer rows: one
 group), T=1 (--temperature 0: greedy, so that a speculative run emits the AR run's tokens, ends
@@ -65,6 +65,7 @@ def phase_of(op_name: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work", type=Path)
+    p.add_argument("--model", default="configs/models/small-policy.json", help="the policy's shape (a config.json)")
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--slots", type=int, default=256)
@@ -107,7 +108,7 @@ def main() -> None:
     from jaxspec.models.params import init_params
     from jaxspec.rollout import Sampling, Spec, generate
 
-    cfg = ModelConfig.from_json("configs/models/small-policy.json")
+    cfg = ModelConfig.from_json(args.model)
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
     group = min(8, args.rows)
