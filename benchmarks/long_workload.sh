@@ -4,8 +4,9 @@
 # autoregressive rollouts on RL-shaped batches of long, heavy-tailed answers.
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
 # Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU), engines
-# (the slot engine against the staged one in the same memory, suffix and hybrid drafts too) and floor
-# (speculation with a useless draft, fixed and adaptive depths, batch 512 to 1) when named.
+# (the slot engine against the staged one in the same memory, suffix and hybrid drafts too), floor
+# (speculation with a useless draft, fixed and adaptive depths, batch 512 to 1) and grpo (a few
+# steps of configs/grpo_long.yaml per rollout method, their phases compared) when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
@@ -16,7 +17,9 @@
 #   get is SPEC_BATCH / ENGINE_CALLS dense rows), ENGINE_SLOTS ("SPEC_BATCH": slot counts, one run
 #   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7 --staged-ar-only"); floor:
 #   FLOOR_NEW (1024: max_new_tokens), FLOOR_BATCH ("512 64 1": batch sizes, largest first, where
-#   speculation costs most).
+#   speculation costs most); grpo: GRPO_RUNS ("ar frozen": autoregressive, EAGLE-3 with the frozen
+#   head, online: adapted), GRPO_STEPS (5; the comparison takes medians after the first two),
+#   GRPO_SLOTS (128: rollout.slots, "null" for the staged engine), GRPO_ARGS (more overrides).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
@@ -34,6 +37,10 @@ FLOOR_BATCH=${FLOOR_BATCH:-512 64 1}
 ENGINE_CALLS=${ENGINE_CALLS:-2}
 ENGINE_SLOTS=${ENGINE_SLOTS:-$SPEC_BATCH}
 read -r -a engine_args <<< "${ENGINE_ARGS---suffix}"  # set and empty: no more options
+GRPO_RUNS=${GRPO_RUNS:-ar frozen}
+GRPO_STEPS=${GRPO_STEPS:-5}
+GRPO_SLOTS=${GRPO_SLOTS:-128}
+read -r -a grpo_args <<< "${GRPO_ARGS:-}"
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 stages=("$@")
@@ -80,6 +87,25 @@ for stage in "${stages[@]}"; do
       jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
         --batch $FLOOR_BATCH --samples 1 --new "$FLOOR_NEW" --k 3 --trees --no-ngram --random-draft --adaptive \
         --out "$RESULTS/spec_long_floor.json" 2>&1 | tee "$RESULTS/spec_long_floor.log" ;;
+    grpo)
+      # the same prompts and keys for every run: only how rollouts are generated differs
+      compared=()
+      for run in $GRPO_RUNS; do
+        case "$run" in
+          ar) method=(spec.method=none draft.online=false) ;;
+          frozen) method=(draft.online=false) ;;
+          online) method=() ;;
+          *) echo "unknown GRPO run $run (ar, frozen, online)" >&2; exit 2 ;;
+        esac
+        rm -rf "runs/grpo-long-$run"
+        jaxspec train --config configs/grpo_long.yaml --run-dir "runs/grpo-long-$run" train.progress=false \
+          train.steps="$GRPO_STEPS" train.checkpoint_every=1000 eval.every=0 rollout.slots="$GRPO_SLOTS" \
+          "${method[@]}" "${grpo_args[@]}" 2>&1 | tee "$RESULTS/grpo_long_$run.log"
+        cp "runs/grpo-long-$run/metrics.jsonl" "$RESULTS/grpo_long_$run.jsonl"
+        compared+=("$run=runs/grpo-long-$run")
+      done
+      python3 benchmarks/grpo_compare.py --out "$RESULTS/grpo_long.json" "${compared[@]}" 2>&1 \
+        | tee "$RESULTS/grpo_long_compare.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
