@@ -130,7 +130,12 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     result = json.loads(args.result.read_text(encoding="utf-8"))
-    lengths = np.asarray(find_row(result, args.config)["lengths"], dtype=np.int64)
+    try:
+        staged = find_row(result, args.config)
+        slot_row = None if args.slots_config is None else find_row(result, args.slots_config)
+    except KeyError as e:
+        raise SystemExit(f"{args.result}: {e.args[0]}") from None
+    lengths = np.asarray(staged["lengths"], dtype=np.int64)
     calls = staged_calls(lengths, result["baseline"].get("sub_batch"))
     print("| call | rows | decode steps | mean occupancy | steps with <= 1/4 running | <= 1/8 | decoded rows idle |")
     print("|---|---|---|---|---|---|---|")
@@ -140,16 +145,18 @@ def main() -> int:
             f"{c['steps_at_most_0.125']:.2f} | {c['idle_row_steps'] / c['row_steps']:.2f} |"
         )
     slots = None
-    if args.slots_config:
-        row = find_row(result, args.slots_config)
-        if not row.get("slots"):
-            raise SystemExit(f"{args.slots_config!r} is not a slot configuration")
-        running = slot_running(np.asarray(row["lengths"], dtype=np.int64), row["slots"])
-        measured = round(1e3 * row["seconds"] / row["step_ms"])
-        slots = {"slots": row["slots"], **call_summary(running, np.full_like(running, row["slots"]), row["slots"])}
+    if slot_row is not None:
+        if not slot_row.get("slots"):
+            raise SystemExit(f"{args.result}: {args.slots_config!r} is not a slot configuration")
+        running = slot_running(np.asarray(slot_row["lengths"], dtype=np.int64), slot_row["slots"])
+        measured = round(1e3 * slot_row["seconds"] / slot_row["step_ms"])
+        slots = {
+            "slots": slot_row["slots"],
+            **call_summary(running, np.full_like(running, slot_row["slots"]), slot_row["slots"]),
+        }
         slots |= {"measured_steps": measured, "running": running}
         print(
-            f"{row['slots']} slots, idealised: {slots['steps']} decode steps (the measured run: {measured}), mean "
+            f"{slot_row['slots']} slots, idealised: {slots['steps']} decode steps (the measured run: {measured}), mean "
             f"occupancy {slots['mean_occupancy']:.2f}, steps with <= 1/4 of the slots decoding "
             f"{slots['steps_at_most_0.25']:.2f}"
         )

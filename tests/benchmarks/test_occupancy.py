@@ -66,5 +66,8 @@ def test_the_command_reads_a_bench_spec_result(tmp_path, monkeypatch, capsys):
     assert summary["slots"]["steps"] == 17 and summary["slots"]["measured_steps"] == 17
 
     monkeypatch.setattr(sys, "argv", ["occupancy", str(path), "--config", "eagle3"])
-    with pytest.raises(KeyError, match="no configuration 'eagle3'"):
+    with pytest.raises(SystemExit, match="spec.json: no configuration 'eagle3'"):
+        occupancy.main()
+    monkeypatch.setattr(sys, "argv", ["occupancy", str(path), "--slots-config", "ar"])
+    with pytest.raises(SystemExit, match="'ar' is not a slot configuration"):
         occupancy.main()
