@@ -12,7 +12,9 @@ step times are those of two runs on one card), with AR rollouts in bf16 and reco
 expert_disagreement (response token x sparse layer pairs whose top-k set differs between the
 rollout and the trainer's own router) and expert_disagreement_tokens; this prints their medians
 over the steps and writes RESULTS/PREFIX.json, each run's metrics (RESULTS/PREFIX_<run>.jsonl) and
-logs. Without replay the disagreement is what the trainer's forward routes differently; with replay
+logs. Each run's metrics are copied as they grow, and a SIGTERM (a job's time limit) reaches both
+runs, which checkpoint and stop: the summary then covers the steps they finished (exit status 75).
+Without replay the disagreement is what the trainer's forward routes differently; with replay
 the trainer runs the rollout's experts, so the mismatch left is that of the numerics alone.
 """
 
@@ -22,11 +24,15 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+
+from jaxspec.exits import EXIT_CHECKPOINTED
 
 POLICY = Path("runs/small-moe/policy")
 SHARED_MEMORY_FRACTION = 0.45  # of one GPU's memory, per run, when both runs share it
@@ -58,6 +64,30 @@ def summary(metrics: Path) -> dict:
     return {
         key: float(np.median([r[key] for r in steps if key in r])) for key in KEYS if any(key in r for r in steps)
     } | {"steps": len(steps)}
+
+
+def wait_mirroring(procs: dict[str, subprocess.Popen], metrics: dict[str, tuple[Path, Path]], poll_s: float = 5.0):
+    """Waits for the runs `procs`, copying each one's metrics file (metrics[name]: (source, copy)) as
+    it grows; a SIGTERM to this process is passed on to the runs still going (they checkpoint and
+    stop), and the waiting goes on. Returns each run's exit status."""
+
+    def stop(signum, frame) -> None:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            done = all(proc.poll() is not None for proc in procs.values())
+            for source, copy in metrics.values():
+                if source.is_file():
+                    shutil.copyfile(source, copy)
+            if done:
+                return {name: proc.returncode for name, proc in procs.items()}
+            time.sleep(poll_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main() -> int:
@@ -120,20 +150,20 @@ def main() -> int:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(SHARED_MEMORY_FRACTION)
         log = (results / f"{args.prefix}_{name}.log").open("w")
         procs[name] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), run_dir)
-    failed = 0
-    out = {}
-    for name, (proc, run_dir) in procs.items():
-        failed += proc.wait() != 0
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.is_file():
-            shutil.copyfile(metrics, results / f"{args.prefix}_{name}.jsonl")
-            out[name] = summary(metrics)
+    copies = {name: results / f"{args.prefix}_{name}.jsonl" for name in procs}
+    statuses = wait_mirroring(
+        {name: proc for name, (proc, _) in procs.items()},
+        {name: (run_dir / "metrics.jsonl", copies[name]) for name, (_, run_dir) in procs.items()},
+    )
+    out = {name: summary(copy) for name, copy in copies.items() if copy.is_file()}
     (results / f"{args.prefix}.json").write_text(json.dumps(out, indent=1))
     print(f"| run | {' | '.join(KEYS)} | steps |")
     print(f"|---|{'---|' * (len(KEYS) + 1)}")
     for name, row in out.items():
         print(f"| {name} | {' | '.join(f'{row[k]:.4g}' if k in row else '-' for k in KEYS)} | {row['steps']} |")
-    return 1 if failed else 0
+    if any(rc not in (0, EXIT_CHECKPOINTED) for rc in statuses.values()):
+        return 1
+    return EXIT_CHECKPOINTED if any(rc == EXIT_CHECKPOINTED for rc in statuses.values()) else 0
 
 
 if __name__ == "__main__":
