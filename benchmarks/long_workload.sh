@@ -5,8 +5,10 @@
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
 # Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU), engines
 # (the slot engine against the staged one in the same memory, suffix and hybrid drafts too), floor
-# (speculation with a useless draft, fixed and adaptive depths, batch 512 to 1) and grpo (a few
-# steps of configs/grpo_long.yaml per rollout method, their phases compared) when named.
+# (speculation with a useless draft, fixed and adaptive depths, batch 512 to 1), grpo (a few
+# steps of configs/grpo_long.yaml per rollout method, their phases compared) and knob (the entropy
+# knob's curve: a policy and head per data.tally.variation, their entropy and acceptance at k=1..7,
+# `benchmarks/knob_curve.py`) when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
@@ -19,7 +21,8 @@
 #   FLOOR_NEW (1024: max_new_tokens), FLOOR_BATCH ("512 64 1": batch sizes, largest first, where
 #   speculation costs most); grpo: GRPO_RUNS ("ar frozen": autoregressive, EAGLE-3 with the frozen
 #   head, online: adapted), GRPO_STEPS (5; the comparison takes medians after the first two),
-#   GRPO_SLOTS (128: rollout.slots, "null" for the staged engine), GRPO_ARGS (more overrides).
+#   GRPO_SLOTS (128: rollout.slots, "null" for the staged engine), GRPO_ARGS (more overrides); knob:
+#   KNOB_VALUES ("0.5 0.7 0.9": variations, one policy and head each), KNOB_NEW (2048: max_new_tokens).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
@@ -38,11 +41,28 @@ ENGINE_CALLS=${ENGINE_CALLS:-2}
 ENGINE_SLOTS=${ENGINE_SLOTS:-$SPEC_BATCH}
 read -r -a engine_args <<< "${ENGINE_ARGS---suffix}"  # set and empty: no more options
 GRPO_RUNS=${GRPO_RUNS:-ar frozen}
+KNOB_VALUES=${KNOB_VALUES:-0.5 0.7 0.9}
+KNOB_NEW=${KNOB_NEW:-2048}
 GRPO_STEPS=${GRPO_STEPS:-5}
 GRPO_SLOTS=${GRPO_SLOTS:-128}
 read -r -a grpo_args <<< "${GRPO_ARGS:-}"
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
+# pretrain RUN_DIR LOG [OVERRIDE ...]: the tally policy, with flash attention over packed rows unless
+# this GPU's cuDNN disagrees with XLA on them
+pretrain() {
+  local run_dir=$1 log=$2 check=0 attention=()
+  shift 2
+  python3 -m tests.gpu.check_cudnn_segments || check=$?
+  case $check in
+    0) ;;
+    3) attention=(train.attention=xla train.remat=true) ;;
+    *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
+  esac
+  jaxspec pretrain --config configs/pretrain_long.yaml --run-dir "$run_dir" train.progress=false \
+    train.steps="$PRETRAIN_STEPS" data.max_len="$PRETRAIN_MAX_LEN" train.batch_size="$PRETRAIN_BATCH" \
+    data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" "$@" 2>&1 | tee "$log"
+}
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(pretrain head spec)
 for stage in "${stages[@]}"; do
@@ -51,19 +71,27 @@ for stage in "${stages[@]}"; do
     stats)  # the length law and phrasing entropy of the data itself
       jaxspec data stats --config configs/pretrain_long.yaml --num 2000 --json "$RESULTS/long_data_stats.json" 2>&1 \
         | tee "$RESULTS/long_data_stats.log" ;;
-    pretrain)  # flash attention over packed rows, unless this GPU's cuDNN disagrees with XLA on them
-      check=0; python3 -m tests.gpu.check_cudnn_segments || check=$?
-      case $check in
-        0) attention=() ;;
-        3) attention=(train.attention=xla train.remat=true) ;;
-        *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
-      esac
-      jaxspec pretrain --config configs/pretrain_long.yaml --run-dir runs/long train.progress=false \
-        train.steps="$PRETRAIN_STEPS" data.max_len="$PRETRAIN_MAX_LEN" train.batch_size="$PRETRAIN_BATCH" \
-        data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" 2>&1 | tee "$RESULTS/pretrain_long.log" ;;
+    pretrain)
+      pretrain runs/long "$RESULTS/pretrain_long.log" ;;
     head)
       jaxspec draft train --config configs/head_long.yaml --run-dir runs/draft-long \
         train.steps="$HEAD_STEPS" train.progress=false "${head_args[@]}" 2>&1 | tee "$RESULTS/draft_long.log" ;;
+    knob)
+      # a policy and head per variation, trained as the pretrain and head stages train theirs; the same
+      # prompts for all (the questions do not depend on the variation, only the worked solutions do)
+      points=()
+      for v in $KNOB_VALUES; do
+        pretrain "runs/long-v$v" "$RESULTS/pretrain_long_v$v.log" data.tally.variation="$v"
+        jaxspec draft train --config configs/head_long.yaml --run-dir "runs/draft-long-v$v" policy="runs/long-v$v/policy" \
+          data.tally.variation="$v" train.steps="$HEAD_STEPS" train.progress=false "${head_args[@]}" 2>&1 \
+          | tee "$RESULTS/draft_long_v$v.log"
+        jaxspec bench spec --policy "runs/long-v$v/policy" --draft "runs/draft-long-v$v/draft" \
+          --data-config configs/pretrain_long.yaml --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$KNOB_NEW" \
+          --k 7 --trees --no-ngram --out "$RESULTS/spec_long_v$v.json" 2>&1 | tee "$RESULTS/spec_long_v$v.log"
+        points+=("$RESULTS/spec_long_v$v.json")
+      done
+      python3 benchmarks/knob_curve.py "${points[@]}" --out "$RESULTS/knob_curve.json" --plot "$RESULTS/knob_curve.png" \
+        2>&1 | tee "$RESULTS/knob_curve.log" ;;
     spec)
       # shellcheck disable=SC2086
       jaxspec bench spec --policy runs/long/policy --draft runs/draft-long/draft --data-config configs/pretrain_long.yaml \
