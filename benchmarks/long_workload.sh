@@ -41,24 +41,29 @@ ENGINE_CALLS=${ENGINE_CALLS:-2}
 ENGINE_SLOTS=${ENGINE_SLOTS:-$SPEC_BATCH}
 read -r -a engine_args <<< "${ENGINE_ARGS---suffix}"  # set and empty: no more options
 GRPO_RUNS=${GRPO_RUNS:-ar frozen}
-KNOB_VALUES=${KNOB_VALUES:-0.5 0.7 0.9}
-KNOB_NEW=${KNOB_NEW:-2048}
 GRPO_STEPS=${GRPO_STEPS:-5}
 GRPO_SLOTS=${GRPO_SLOTS:-128}
 read -r -a grpo_args <<< "${GRPO_ARGS:-}"
+KNOB_VALUES=${KNOB_VALUES:-0.5 0.7 0.9}
+KNOB_NEW=${KNOB_NEW:-2048}
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 # pretrain RUN_DIR LOG [OVERRIDE ...]: the tally policy, with flash attention over packed rows unless
-# this GPU's cuDNN disagrees with XLA on them
+# this GPU's cuDNN disagrees with XLA on them (checked once per invocation)
+attention=()
+attention_checked=0
 pretrain() {
-  local run_dir=$1 log=$2 check=0 attention=()
+  local run_dir=$1 log=$2 check=0
   shift 2
-  python3 -m tests.gpu.check_cudnn_segments || check=$?
-  case $check in
-    0) ;;
-    3) attention=(train.attention=xla train.remat=true) ;;
-    *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
-  esac
+  if [ "$attention_checked" = 0 ]; then
+    python3 -m tests.gpu.check_cudnn_segments || check=$?
+    case $check in
+      0) ;;
+      3) attention=(train.attention=xla train.remat=true) ;;
+      *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
+    esac
+    attention_checked=1
+  fi
   jaxspec pretrain --config configs/pretrain_long.yaml --run-dir "$run_dir" train.progress=false \
     train.steps="$PRETRAIN_STEPS" data.max_len="$PRETRAIN_MAX_LEN" train.batch_size="$PRETRAIN_BATCH" \
     data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" "$@" 2>&1 | tee "$log"

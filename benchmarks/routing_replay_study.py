@@ -123,7 +123,7 @@ def main() -> int:
             )
     shared = len(gpus) == 1
     half = max(1, len(gpus) // 2)
-    procs = {}
+    procs, metrics = {}, {}
     for i, (name, override) in enumerate(RUNS.items()):
         run_dir = Path("runs") / f"grpo-moe-{name}"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -149,13 +149,10 @@ def main() -> int:
         if shared:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(SHARED_MEMORY_FRACTION)
         log = (results / f"{args.prefix}_{name}.log").open("w")
-        procs[name] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), run_dir)
-    copies = {name: results / f"{args.prefix}_{name}.jsonl" for name in procs}
-    statuses = wait_mirroring(
-        {name: proc for name, (proc, _) in procs.items()},
-        {name: (run_dir / "metrics.jsonl", copies[name]) for name, (_, run_dir) in procs.items()},
-    )
-    out = {name: summary(copy) for name, copy in copies.items() if copy.is_file()}
+        procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        metrics[name] = (run_dir / "metrics.jsonl", results / f"{args.prefix}_{name}.jsonl")
+    statuses = wait_mirroring(procs, metrics)
+    out = {name: summary(copy) for name, (_, copy) in metrics.items() if copy.is_file()}
     (results / f"{args.prefix}.json").write_text(json.dumps(out, indent=1))
     print(f"| run | {' | '.join(KEYS)} | steps |")
     print(f"|---|{'---|' * (len(KEYS) + 1)}")
