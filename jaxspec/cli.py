@@ -29,6 +29,7 @@ BENCHMARKS = {
     "decode": ("jaxspec.bench.decode", "autoregressive decode vs the memory roofline and transformers"),
     "spec": ("jaxspec.bench.spec", "speculative vs autoregressive rollouts on a trained policy and draft"),
     "spec-cost": ("jaxspec.bench.spec_cost", "costs of the pieces of a speculative step; projected speedup"),
+    "mlp": ("jaxspec.bench.mlp", "a dense MLP's gate and up projections as two GEMMs and as one, vs the roofline"),
     "attention": ("jaxspec.bench.attention", "ragged cache-attention kernel vs dense attention, by cache fill"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
     "grpo-step": ("jaxspec.bench.grpo_step", "time and peak memory of each phase of one GRPO step on a mesh"),

@@ -90,24 +90,31 @@ def datasheet(device_kind: str | None = None) -> dict | None:
     return next((dict(figures) for name, figures in DATASHEET if name in kind), None)
 
 
-def looped(body: Callable[[jax.Array], jax.Array], calls: int) -> Callable[[jax.Array], jax.Array]:
-    """A jitted program x -> x after `x = body(x)` ran `calls` times in one fori_loop (x donated:
-    the loop updates it in place). The barrier keeps XLA from fusing iterations should it unroll
-    the loop."""
-    step = lambda i, u: jax.lax.optimization_barrier(body(u))  # noqa: E731
-    return jax.jit(lambda v: jax.lax.fori_loop(0, calls, step, v), donate_argnums=0)
+def looped(body: Callable[..., jax.Array], calls: int) -> Callable[..., jax.Array]:
+    """A jitted program (x, *invariants) -> x after `x = body(x, *invariants)` ran `calls` times in
+    one fori_loop (x donated: the loop updates it in place; the invariants, e.g. weights, are the
+    program's arguments, not constants compiled into it). The barrier keeps XLA from fusing
+    iterations should it unroll the loop."""
+
+    def program(x: jax.Array, *invariants) -> jax.Array:
+        step = lambda i, u: jax.lax.optimization_barrier(body(u, *invariants))  # noqa: E731
+        return jax.lax.fori_loop(0, calls, step, x)
+
+    return jax.jit(program, donate_argnums=0)
 
 
-def _looped(body: Callable[[jax.Array], jax.Array], x: jax.Array, calls: int, repeats: int) -> float:
-    """Median seconds per iteration of `looped(body, calls)` over `repeats` runs after a compiling
-    one, each run blocked on once."""
+def looped_seconds(
+    body: Callable[..., jax.Array], x: jax.Array, *invariants, calls: int, repeats: int
+) -> tuple[float, jax.Array]:
+    """(median seconds per iteration of `looped(body, calls)` over `repeats` runs after a compiling
+    one, each run blocked on once; x after the last run, to use in place of the donated x)."""
     program = looped(body, calls)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        x = jax.block_until_ready(program(x))
+        x = jax.block_until_ready(program(x, *invariants))
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / calls
+    return statistics.median(times[1:]) / calls, x
 
 
 def copy_bytes_per_second(num_bytes: int = 2 << 30, calls: int = 20, repeats: int = 5) -> float:
@@ -115,7 +122,7 @@ def copy_bytes_per_second(num_bytes: int = 2 << 30, calls: int = 20, repeats: in
     of `num_bytes`, `calls` times back to back inside one compiled loop (one host sync per run), so
     no launch or dispatch gap between copies lowers it. The memory-roofline denominator."""
     x = jnp.zeros((num_bytes // 4,), jnp.float32)
-    return 2 * num_bytes / _looped(lambda v: v + 1.0, x, calls, repeats)
+    return 2 * num_bytes / looped_seconds(lambda v: v + 1.0, x, calls=calls, repeats=repeats)[0]
 
 
 def read_bytes_per_second(num_bytes: int = 2 << 30, calls: int = 20, repeats: int = 5) -> float:
@@ -134,7 +141,7 @@ def matmul_flops_per_second(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, 
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (n, n), dtype)
     w = (jax.random.normal(kw, (n, n), jnp.float32) / n**0.5).astype(dtype)
-    chained = _looped(lambda v: v @ w, x, calls, repeats)
+    chained, _ = looped_seconds(lambda v, w: v @ w, x, w, calls=calls, repeats=repeats)
     independent, _ = in_loop_seconds(
         lambda a, b, i: a @ b, (jax.random.normal(kx, (n, n), dtype), w), calls=calls, repeats=repeats
     )

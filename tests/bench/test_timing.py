@@ -48,6 +48,10 @@ def test_ceilings_are_timed_inside_one_compiled_loop():
     text = program.lower(jnp.zeros((8,), jnp.float32)).as_text()
     assert text.count("stablehlo.while") == 1 and "optimization_barrier" in text
     np.testing.assert_array_equal(program(jnp.zeros((8,), jnp.float32)), np.full(8, 4.0))
+    with_weights = looped(lambda v, w: v + w, calls=4)  # invariants (weights) are the program's arguments
+    np.testing.assert_array_equal(
+        with_weights(jnp.zeros((8,), jnp.float32), jnp.full(8, 0.5, jnp.float32)), np.full(8, 2.0)
+    )
     assert copy_bytes_per_second(1 << 20, calls=4, repeats=1) > 0
     assert matmul_flops_per_second(64, calls=2, repeats=1) > 0
 

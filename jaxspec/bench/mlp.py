@@ -1,0 +1,108 @@
+"""`jaxspec bench mlp`: a dense layer's MLP at decode and verification row counts, its gate and up
+projections as two GEMMs (as `jaxspec.models.blocks` runs them) and as one GEMM over their
+concatenated weights, against the memory roofline.
+
+Random bf16 weights of a model config's MLP (H = hidden_size, F = intermediate_size) and
+x [M, H] bf16 for each M of --rows: the token rows of one step, e.g. 32 slots x 4 verified tokens
+= 128. The layer's MLP with its residual, x + silu(h Wg) * (h Wu) Wd with h = rms_norm(x) (no norm
+weight), runs --iters times back to back inside one compiled loop, each call on the one before's
+output (`timing.looped`: the device's time, no dispatch between calls). A decode step must read
+the three weights once whatever M is (3 x H x F x 2 bytes), so `roofline` = those bytes per second
+over the device copy bandwidth (bytes read + written per second inside one compiled loop,
+measured in the same run): the fraction of the card's memory rate the GEMMs reach. A fraction
+above 1.0 is an error row, never a result. `fused_speedup` is the two-GEMM time over the one-GEMM
+time; `max_abs_diff` their outputs' largest difference after one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.bench.timing import add_fraction, copy_bytes_per_second, looped_seconds, print_table, write_results
+from jaxspec.models.config import ModelConfig
+
+
+def mlp_weights(hidden: int, intermediate: int, seed: int = 0) -> dict[str, jax.Array]:
+    """{"gate", "up": bf16 [H, F], "down": bf16 [F, H], "gate_up": bf16 [H, 2F] (gate then up)},
+    normal with std 1 / sqrt(fan-in), so the residual stream keeps its scale over the loop."""
+    kg, ku, kd = jax.random.split(jax.random.key(seed), 3)
+    gate = (jax.random.normal(kg, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
+    up = (jax.random.normal(ku, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
+    down = (jax.random.normal(kd, (intermediate, hidden)) / intermediate**0.5).astype(jnp.bfloat16)
+    return {"gate": gate, "up": up, "down": down, "gate_up": jnp.concatenate([gate, up], axis=1)}
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    """rms_norm without a weight, in float32 as the model's: the loop's input keeps its scale."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def two_gemms(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """x [M, H] -> x + silu(h gate) * (h up) down [M, H], h = rms_norm(x): gate and up apart."""
+    h = _norm(x)
+    return x + (jax.nn.silu(h @ gate) * (h @ up)) @ down
+
+
+def one_gemm(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """The same MLP with gate_up [H, 2F] = [gate | up]: one GEMM, its output split in two."""
+    gate, up = jnp.split(_norm(x) @ gate_up, 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ down
+
+
+def time_mlp(rows: int, weights: dict[str, jax.Array], iters: int, repeats: int) -> dict:
+    """{"two_gemms_ms", "one_gemm_ms": device time of one MLP call over x [rows, H] in a compiled
+    loop, "max_abs_diff": the two forms' outputs after one call}."""
+    hidden = weights["gate"].shape[0]
+    x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.bfloat16)
+    diff = jnp.max(
+        jnp.abs(
+            jax.jit(two_gemms)(x, weights["gate"], weights["up"], weights["down"]).astype(jnp.float32)
+            - jax.jit(one_gemm)(x, weights["gate_up"], weights["down"]).astype(jnp.float32)
+        )
+    )
+    apart, x = looped_seconds(
+        two_gemms, x, weights["gate"], weights["up"], weights["down"], calls=iters, repeats=repeats
+    )
+    fused, _ = looped_seconds(one_gemm, x, weights["gate_up"], weights["down"], calls=iters, repeats=repeats)
+    return {"two_gemms_ms": apart * 1e3, "one_gemm_ms": fused * 1e3, "max_abs_diff": float(diff)}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench mlp", description=__doc__)
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=["configs/models/qwen3-1.7b.json", "configs/models/qwen3-8b.json"],
+        help="model config JSON(s) (HF config.json layout) giving H and F",
+    )
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512], help="token rows M")
+    p.add_argument("--iters", type=int, default=50, help="MLP calls per compiled loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of the loop (median)")
+    p.add_argument("--copy-bytes", type=int, default=2 << 30, help="array size of the copy-bandwidth baseline")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    copy_rate = copy_bytes_per_second(args.copy_bytes)
+    rows = []
+    for model in args.model:
+        cfg = ModelConfig.from_json(model)
+        weights = mlp_weights(cfg.hidden_size, cfg.intermediate_size)
+        weight_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * 2
+        for m in args.rows:
+            row = {"model": Path(model).stem, "rows": m, **time_mlp(m, weights, args.iters, args.repeats)}
+            row["fused_speedup"] = row["two_gemms_ms"] / row["one_gemm_ms"]
+            for form in ("two_gemms", "one_gemm"):
+                seconds = row[f"{form}_ms"] * 1e-3
+                what = f"{row['model']} MLP, {form}, {m} rows: weight read rate"
+                add_fraction(row, f"{form}_roofline", weight_bytes / seconds, copy_rate, what)
+            rows.append(row)
+            print_table(rows[-1:], list(rows[-1]))
+    print()
+    print_table(rows, list(rows[0]))
+    write_results(args.out, "mlp", rows, {"copy_bytes_per_second": copy_rate})
+    return 0
