@@ -4,8 +4,8 @@ concatenated weights, against the memory roofline.
 
 Random bf16 weights of a model config's MLP (H = hidden_size, F = intermediate_size) and
 x [M, H] bf16 for each M of --rows: the token rows of one step, e.g. 32 slots x 4 verified tokens
-= 128. The layer's MLP with its residual, x + silu(h Wg) * (h Wu) Wd with h = rms_norm(x) (no norm
-weight), runs --iters times back to back inside one compiled loop, each call on the one before's
+= 128. The layer's MLP with its residual, x + silu(h Wg) * (h Wu) Wd with h = rms_norm(x) (the
+model's norm, weight 1), runs --iters times back to back inside one compiled loop, each call on the one before's
 output (`timing.looped`: the device's time, no dispatch between calls). A decode step must read
 the three weights once whatever M is (3 x H x F x 2 bytes), so `roofline` = those bytes per second
 over the device copy bandwidth (bytes read + written per second inside one compiled loop,
@@ -23,34 +23,35 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.bench.timing import add_fraction, copy_bytes_per_second, looped_seconds, print_table, write_results
+from jaxspec.models.blocks import rms_norm
 from jaxspec.models.config import ModelConfig
+
+NORM_EPS = 1e-6  # Qwen3's rms_norm_eps
+APART = ("norm", "gate", "up", "down")  # two_gemms' weights, in its argument order
+FUSED = ("norm", "gate_up", "down")  # one_gemm's
 
 
 def mlp_weights(hidden: int, intermediate: int, seed: int = 0) -> dict[str, jax.Array]:
-    """{"gate", "up": bf16 [H, F], "down": bf16 [F, H], "gate_up": bf16 [H, 2F] (gate then up)},
-    normal with std 1 / sqrt(fan-in), so the residual stream keeps its scale over the loop."""
+    """{"norm": bf16 [H] of ones, "gate", "up": bf16 [H, F], "down": bf16 [F, H], "gate_up": bf16
+    [H, 2F] (gate then up)}, the matrices normal with std 1 / sqrt(fan-in), so the residual stream
+    keeps its scale over the loop."""
     kg, ku, kd = jax.random.split(jax.random.key(seed), 3)
     gate = (jax.random.normal(kg, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
     up = (jax.random.normal(ku, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
     down = (jax.random.normal(kd, (intermediate, hidden)) / intermediate**0.5).astype(jnp.bfloat16)
-    return {"gate": gate, "up": up, "down": down, "gate_up": jnp.concatenate([gate, up], axis=1)}
+    norm = jnp.ones((hidden,), jnp.bfloat16)
+    return {"norm": norm, "gate": gate, "up": up, "down": down, "gate_up": jnp.concatenate([gate, up], axis=1)}
 
 
-def _norm(x: jax.Array) -> jax.Array:
-    """rms_norm without a weight, in float32 as the model's: the loop's input keeps its scale."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
-
-
-def two_gemms(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """x [M, H] -> x + silu(h gate) * (h up) down [M, H], h = rms_norm(x): gate and up apart."""
-    h = _norm(x)
+def two_gemms(x: jax.Array, norm: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """x [M, H] -> x + silu(h gate) * (h up) down [M, H], h = rms_norm(x, norm): gate and up apart."""
+    h = rms_norm(x, norm, NORM_EPS)
     return x + (jax.nn.silu(h @ gate) * (h @ up)) @ down
 
 
-def one_gemm(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+def one_gemm(x: jax.Array, norm: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """The same MLP with gate_up [H, 2F] = [gate | up]: one GEMM, its output split in two."""
-    gate, up = jnp.split(_norm(x) @ gate_up, 2, axis=-1)
+    gate, up = jnp.split(rms_norm(x, norm, NORM_EPS) @ gate_up, 2, axis=-1)
     return x + (jax.nn.silu(gate) * up) @ down
 
 
@@ -61,14 +62,12 @@ def time_mlp(rows: int, weights: dict[str, jax.Array], iters: int, repeats: int)
     x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.bfloat16)
     diff = jnp.max(
         jnp.abs(
-            jax.jit(two_gemms)(x, weights["gate"], weights["up"], weights["down"]).astype(jnp.float32)
-            - jax.jit(one_gemm)(x, weights["gate_up"], weights["down"]).astype(jnp.float32)
+            jax.jit(two_gemms)(x, *(weights[k] for k in APART)).astype(jnp.float32)
+            - jax.jit(one_gemm)(x, *(weights[k] for k in FUSED)).astype(jnp.float32)
         )
     )
-    apart, x = looped_seconds(
-        two_gemms, x, weights["gate"], weights["up"], weights["down"], calls=iters, repeats=repeats
-    )
-    fused, _ = looped_seconds(one_gemm, x, weights["gate_up"], weights["down"], calls=iters, repeats=repeats)
+    apart, x = looped_seconds(two_gemms, x, *(weights[k] for k in APART), calls=iters, repeats=repeats)
+    fused, _ = looped_seconds(one_gemm, x, *(weights[k] for k in FUSED), calls=iters, repeats=repeats)
     return {"two_gemms_ms": apart * 1e3, "one_gemm_ms": fused * 1e3, "max_abs_diff": float(diff)}
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.mlp import mlp_weights, one_gemm, two_gemms
+from jaxspec.bench.mlp import APART, FUSED, mlp_weights, one_gemm, two_gemms
 from jaxspec.cli import main
 from tests.bench.test_spec_cost import TINY
 
@@ -22,13 +22,13 @@ def test_both_forms_are_the_layers_mlp_in_float32():
     weights = {k: v.astype(jnp.float32) for k, v in mlp_weights(16, 24, seed=3).items()}
     x = jax.random.normal(jax.random.key(0), (5, 16), jnp.float32)
     expected = reference_mlp(*(np.asarray(a, np.float64) for a in (x, weights["gate"], weights["up"], weights["down"])))
-    apart = two_gemms(x, weights["gate"], weights["up"], weights["down"])
-    fused = one_gemm(x, weights["gate_up"], weights["down"])
+    apart = two_gemms(x, *(weights[k] for k in APART))
+    fused = one_gemm(x, *(weights[k] for k in FUSED))
     np.testing.assert_allclose(apart, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fused, expected, rtol=1e-5, atol=1e-5)
     # gate_up is [gate | up]: with the halves swapped the MLP differs
     swapped = jnp.concatenate([weights["up"], weights["gate"]], axis=1)
-    assert np.max(np.abs(one_gemm(x, swapped, weights["down"]) - expected)) > 1e-2
+    assert np.max(np.abs(one_gemm(x, weights["norm"], swapped, weights["down"]) - expected)) > 1e-2
 
 
 def test_bench_mlp_smoke(tmp_path):
