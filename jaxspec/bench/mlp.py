@@ -1,6 +1,6 @@
 """`jaxspec bench mlp`: a dense layer's MLP at decode and verification row counts, its gate and up
-projections as two GEMMs (as `jaxspec.models.blocks` runs them) and as one GEMM over their
-concatenated weights, against the memory roofline.
+projections as one GEMM over their stacked weights (as `jaxspec.models.blocks.dense_mlp` runs them)
+and as two GEMMs, against the memory roofline.
 
 Random bf16 weights of a model config's MLP (H = hidden_size, F = intermediate_size) and
 x [M, H] bf16 for each M of --rows: the token rows of one step, e.g. 32 slots x 4 verified tokens
@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.bench.timing import add_fraction, copy_bytes_per_second, looped_seconds, print_table, write_results
-from jaxspec.models.blocks import rms_norm
+from jaxspec.models.blocks import dense_mlp, rms_norm
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import GATE_UP_AXIS
 
 NORM_EPS = 1e-6  # Qwen3's rms_norm_eps
 APART = ("norm", "gate", "up", "down")  # two_gemms' weights, in its argument order
@@ -33,14 +34,14 @@ FUSED = ("norm", "gate_up", "down")  # one_gemm's
 
 def mlp_weights(hidden: int, intermediate: int, seed: int = 0) -> dict[str, jax.Array]:
     """{"norm": bf16 [H] of ones, "gate", "up": bf16 [H, F], "down": bf16 [F, H], "gate_up": bf16
-    [H, 2F] (gate then up)}, the matrices normal with std 1 / sqrt(fan-in), so the residual stream
-    keeps its scale over the loop."""
+    [H, 2, F] (the model's layout of gate and up)}, the matrices normal with std 1 / sqrt(fan-in),
+    so the residual stream keeps its scale over the loop."""
     kg, ku, kd = jax.random.split(jax.random.key(seed), 3)
     gate = (jax.random.normal(kg, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
     up = (jax.random.normal(ku, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
     down = (jax.random.normal(kd, (intermediate, hidden)) / intermediate**0.5).astype(jnp.bfloat16)
     norm = jnp.ones((hidden,), jnp.bfloat16)
-    return {"norm": norm, "gate": gate, "up": up, "down": down, "gate_up": jnp.concatenate([gate, up], axis=1)}
+    return {"norm": norm, "gate": gate, "up": up, "down": down, "gate_up": jnp.stack([gate, up], axis=GATE_UP_AXIS)}
 
 
 def two_gemms(x: jax.Array, norm: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
@@ -50,9 +51,8 @@ def two_gemms(x: jax.Array, norm: jax.Array, gate: jax.Array, up: jax.Array, dow
 
 
 def one_gemm(x: jax.Array, norm: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """The same MLP with gate_up [H, 2F] = [gate | up]: one GEMM, its output split in two."""
-    gate, up = jnp.split(rms_norm(x, norm, NORM_EPS) @ gate_up, 2, axis=-1)
-    return x + (jax.nn.silu(gate) * up) @ down
+    """The model's MLP (`dense_mlp`) with gate_up [H, 2, F]: one GEMM, its output split in two."""
+    return x + dense_mlp({"gate_up": gate_up, "down": down}, rms_norm(x, norm, NORM_EPS))
 
 
 def time_mlp(rows: int, weights: dict[str, jax.Array], iters: int, repeats: int) -> dict:

@@ -8,7 +8,7 @@ Params (H hidden, F intermediate, Nq/Nk heads of D dims, V policy vocabulary, Vd
                   "hidden_norm": [H],       # on the hidden input
                   "q": [2H, Nq, D], "k": [2H, Nk, D], "v": [2H, Nk, D], "o": [Nq, D, H],
                   "mlp_norm": [H],          # (HF post_attention_layernorm)
-                  "gate": [H, F], "up": [H, F], "down": [F, H]},
+                  "gate_up": [H, 2, F], "down": [F, H]},  # gate, up: gate_up[:, 0], [:, 1]
      "norm": [H], "lm_head": [H, Vd],
      "d2t": int32 [Vd],                     # buffer: target id of draft id i is i + d2t[i]
      "t2d": bool [V]}                       # buffer: which policy tokens the head can predict
@@ -36,6 +36,7 @@ import numpy as np
 from jaxspec.draft.config import DraftConfig
 from jaxspec.models.blocks import attn_out_and_mlp, rms_norm
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.params import GATE_UP_AXIS
 from jaxspec.models.rope import apply_rope
 
 DraftParams = dict
@@ -116,7 +117,8 @@ def _random_weights(dcfg: DraftConfig, key: jax.Array, dtype, std: float) -> Dra
         "input_norm": ones,
         "hidden_norm": ones,
         "mlp_norm": ones,
-        **{name: m[name] for name in ("q", "k", "v", "o", "gate", "up", "down")},
+        **{name: m[name] for name in ("q", "k", "v", "o", "down")},
+        "gate_up": jnp.stack([m["gate"], m["up"]], axis=GATE_UP_AXIS),
     }
     return {"fc": m["fc"], "midlayer": midlayer, "norm": ones, "lm_head": m["lm_head"]}
 

@@ -60,9 +60,14 @@ def attn_out_and_mlp(
             layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts
         )
         return x + out, router_logits, experts
-    gate = jnp.einsum("bth,hf->btf", h, layer["gate"])
-    up = jnp.einsum("bth,hf->btf", h, layer["up"])
-    return x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, layer["down"]), None, None
+    return x + dense_mlp(layer, h), None, None
+
+
+def dense_mlp(layer: Params, h: jax.Array) -> jax.Array:
+    """A dense layer's MLP on its normed input h [..., H] -> [..., H]: down(silu(gate h) * up h),
+    gate and up in one GEMM over gate_up [H, 2, F] (`jaxspec.models.params`)."""
+    gate_up = jnp.einsum("...h,hcf->...cf", h, layer["gate_up"])
+    return jnp.einsum("...f,fh->...h", jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], layer["down"])
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

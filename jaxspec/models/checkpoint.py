@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from jaxspec.atomic import atomic_folder
 from jaxspec.distributed import is_main, to_host
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.params import Params
+from jaxspec.models.params import GATE_UP_AXIS, Params
 from jaxspec.models.sharding import Sharding, param_axes
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -56,7 +56,8 @@ class _Converter:
 
 
 def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
-    """Maps HF tensor name -> (path into params, converter)."""
+    """Maps HF tensor name -> (path into params, converter); a path ending in an int j names slice j
+    of a leaf stacked from several tensors (`_stacking`)."""
     h, f, d, nq, nk, v = (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -94,8 +95,8 @@ def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
                 "o",
                 _Converter((h, nq * d), lambda w: w.T.reshape(nq, d, h), lambda p: p.reshape(nq * d, h).T),
             ),
-            "mlp.gate_proj.weight": ("gate", linear(f, h)),
-            "mlp.up_proj.weight": ("up", linear(f, h)),
+            "mlp.gate_proj.weight": (("gate_up", 0), linear(f, h)),
+            "mlp.up_proj.weight": (("gate_up", 1), linear(f, h)),
             "mlp.down_proj.weight": ("down", linear(h, f)),
         }
         if cfg.attention_bias:
@@ -114,7 +115,7 @@ def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
                 del layer[name]
             layer["mlp.gate.weight"] = ("router", linear(cfg.num_experts, h))
         for name, (leaf, conv) in layer.items():
-            table[pre + name] = (("layers", i, leaf), conv)
+            table[pre + name] = (("layers", i, *(leaf if isinstance(leaf, tuple) else (leaf,))), conv)
         if cfg.is_sparse_layer(i):
             table.update(_expert_converters(cfg, i))
     return table
@@ -134,6 +135,12 @@ def _expert_converters(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, _Conv
         ):
             table[pre + proj + ".weight"] = (("layers", i, leaf, j), _Converter(shape, lambda w: w.T, lambda p: p.T))
     return table
+
+
+def _stacking(cfg: ModelConfig, leaf: str) -> tuple[int, int]:
+    """(slices, axis) of a leaf made of several HF tensors, slice j at index j of that axis: a
+    dense MLP's "gate_up" (gate_proj, up_proj), a sparse layer's stacked experts (one per expert)."""
+    return (2, GATE_UP_AXIS) if leaf == "gate_up" else (cfg.num_experts, 0)
 
 
 # transformers 5.x models hold each sparse layer's experts fused: gate_up_proj [E, 2I, H] (gate rows
@@ -190,8 +197,9 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
     one tensor (jax.make_array_from_callback); otherwise it lands on the default device.
     Mixture-of-experts layers: per-expert tensors (`mlp.experts.{j}.gate_proj.weight`, ..., as
     `save_hf` and transformers' save_pretrained write them) or the fused `mlp.experts.gate_up_proj` /
-    `mlp.experts.down_proj` of transformers 5.x modules; a layer's experts are stacked on the host
-    and placed once all of them are read.
+    `mlp.experts.down_proj` of transformers 5.x modules; a layer's experts, like a dense layer's
+    gate_proj and up_proj (one "gate_up" leaf), are stacked on the host and placed once all of them
+    are read.
     """
     path = Path(path)
     if not path.is_dir():
@@ -218,7 +226,7 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
         )
 
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
-    stacks: dict[tuple, list] = {}  # stacked expert leaf -> its host slices read so far
+    stacks: dict[tuple, list] = {}  # stacked leaf (`_stacking`) -> its host slices read so far
     by_file: dict[Path, list[str]] = {}
     for name in table:
         by_file.setdefault(files[fused[name][0] if name in fused else name], []).append(name)
@@ -236,11 +244,12 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
                     raise ValueError(f"{file.name}: tensor {stored} has shape {shape}, expected {expected}")
                 tensor = f.get_slice(stored)[index] if name in fused else f.get_tensor(name)
                 host = np.ascontiguousarray(conv.to_ours(tensor).astype(target))
-                if isinstance(tree_path[-1], int):  # expert j of a stacked leaf
-                    stack = stacks.setdefault(tree_path[:-1], [None] * cfg.num_experts)
+                if isinstance(tree_path[-1], int):  # slice j of a stacked leaf
+                    count, axis = _stacking(cfg, tree_path[-2])
+                    stack = stacks.setdefault(tree_path[:-1], [None] * count)
                     stack[tree_path[-1]] = host
-                    if all(x is not None for x in stack):  # the layer's experts are complete
-                        _set(params, tree_path[:-1], _place(np.stack(stack), tree_path[:-1], sharding))
+                    if all(x is not None for x in stack):  # the leaf's slices are complete
+                        _set(params, tree_path[:-1], _place(np.stack(stack, axis), tree_path[:-1], sharding))
                         del stacks[tree_path[:-1]]
                 else:
                     _set(params, tree_path, _place(host, tree_path, sharding))
@@ -280,13 +289,13 @@ def save_hf(
     path = Path(path)
     np_dtype = _np_dtype(dtype) if dtype is not None else np.dtype(params["embed"].dtype)
     dtype_name = _dtype_name(np_dtype)
-    hosts: dict[tuple, np.ndarray] = {}  # stacked expert leaves, copied to the host once
+    hosts: dict[tuple, np.ndarray] = {}  # stacked leaves (`_stacking`), copied to the host once
 
     def host(tree_path):
         if isinstance(tree_path[-1], int):
             if tree_path[:-1] not in hosts:
                 hosts[tree_path[:-1]] = to_host(_get(params, tree_path[:-1]))
-            return hosts[tree_path[:-1]][tree_path[-1]]
+            return np.take(hosts[tree_path[:-1]], tree_path[-1], axis=_stacking(cfg, tree_path[-2])[1])
         return to_host(_get(params, tree_path))
 
     tensors = {

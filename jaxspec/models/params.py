@@ -4,12 +4,16 @@
      "layers": [ {"attn_norm": [H], "q": [H, Nq, D], "k": [H, Nk, D], "v": [H, Nk, D],
                   "o": [Nq, D, H], ("q_bias": [Nq, D], "k_bias"/"v_bias": [Nk, D]),
                   ("q_norm": [D], "k_norm": [D]), "mlp_norm": [H],
-                  "gate": [H, F], "up": [H, F], "down": [F, H]}, ... L ],
+                  "gate_up": [H, 2, F], "down": [F, H]}, ... L ],
      "final_norm": [H],
      ("lm_head": [H, V])}            # absent when embeddings are tied
 
 A sparse (mixture-of-experts) layer holds "router" and stacked "experts_gate"/"experts_up"/
-"experts_down" (`jaxspec.models.moe`) instead of "gate"/"up"/"down".
+"experts_down" (`jaxspec.models.moe`) instead of "gate_up"/"down".
+
+A dense MLP's gate and up projections are one leaf, gate_up[:, 0] and gate_up[:, 1] (`GATE_UP_AXIS`),
+so that a step multiplies by both in one GEMM over [H, 2F] (a decode or verification step reads the
+weights once, in one kernel) and a mesh splits both along F alike.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from jaxspec.models.config import ModelConfig
 
 Params = dict
+GATE_UP_AXIS = 1  # gate_up's axis of the two projections: gate_up[:, 0] is gate, [:, 1] is up
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
@@ -49,7 +54,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
                 "experts_down": normal((e, fe, h)),
             }
         else:
-            layer |= {"gate": normal((h, f)), "up": normal((h, f)), "down": normal((f, h))}
+            gate, up = normal((h, f)), normal((h, f))
+            layer |= {"gate_up": jnp.stack([gate, up], axis=GATE_UP_AXIS), "down": normal((f, h))}
         if cfg.attention_bias:
             layer |= {
                 "q_bias": jnp.zeros((nq, d), dtype),

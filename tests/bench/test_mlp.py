@@ -26,8 +26,8 @@ def test_both_forms_are_the_layers_mlp_in_float32():
     fused = one_gemm(x, *(weights[k] for k in FUSED))
     np.testing.assert_allclose(apart, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fused, expected, rtol=1e-5, atol=1e-5)
-    # gate_up is [gate | up]: with the halves swapped the MLP differs
-    swapped = jnp.concatenate([weights["up"], weights["gate"]], axis=1)
+    # gate_up[:, 0] is gate, [:, 1] up: with the two swapped the MLP differs
+    swapped = jnp.flip(weights["gate_up"], axis=1)
     assert np.max(np.abs(one_gemm(x, weights["norm"], swapped, weights["down"]) - expected)) > 1e-2
 
 

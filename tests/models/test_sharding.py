@@ -101,7 +101,7 @@ EXPECTED_SPECS = {  # mesh (data=1, fsdp=2, tensor=4)
     ("layers", 1, "o"): P("tensor", None, "fsdp"),
     ("layers", 1, "q_bias"): P("tensor", None),
     ("layers", 1, "v_bias"): P(None, None),
-    ("layers", 0, "gate"): P("fsdp", "tensor"),
+    ("layers", 0, "gate_up"): P("fsdp", None, "tensor"),  # gate and up split alike along F
     ("layers", 0, "down"): P("tensor", "fsdp"),
     ("layers", 1, "mlp_norm"): P(None),
 }
@@ -136,12 +136,12 @@ def test_load_hf_places_each_param_in_its_sharding(checkpoint):
 def test_param_specs_on_one_axis_meshes(checkpoint, shape):
     _, params = checkpoint
     sharded = shard_params(Sharding(make_mesh(*shape)), params)
-    specs = {k: _leaf(sharded, k).sharding.spec for k in [("embed",), ("layers", 0, "q"), ("layers", 0, "gate")]}
+    specs = {k: _leaf(sharded, k).sharding.spec for k in [("embed",), ("layers", 0, "q"), ("layers", 0, "gate_up")]}
     if shape == (1, 8, 1):  # hidden 32 over fsdp=8
         assert specs == {
             ("embed",): P(None, "fsdp"),
             ("layers", 0, "q"): P("fsdp", None, None),
-            ("layers", 0, "gate"): P("fsdp", None),
+            ("layers", 0, "gate_up"): P("fsdp", None, None),
         }
     elif shape == (8, 1, 1):  # data parallel only: params replicated
         assert all(spec == P(*[None] * len(spec)) for spec in specs.values())
@@ -149,7 +149,7 @@ def test_param_specs_on_one_axis_meshes(checkpoint, shape):
         assert specs == {
             ("embed",): P(None, None),
             ("layers", 0, "q"): P(None, None, None),
-            ("layers", 0, "gate"): P(None, "tensor"),
+            ("layers", 0, "gate_up"): P(None, None, "tensor"),
         }
 
 
