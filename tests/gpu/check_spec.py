@@ -305,9 +305,12 @@ def main(argv: list[str]) -> int:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop the rollout processes after this long; compare the cases both finished (exit 3 if one is missing)",
+        help="stop the rollout processes this long after the check started (the kernel part included, so that "
+        "an outer timeout a little longer still gets the summary); compare the cases both finished (exit 3 if one "
+        "is missing)",
     )
     args = p.parse_args(argv)
+    started = time.monotonic()
     if args.rollouts_only:
         shard, shards = (int(x) for x in args.shard.split("/"))
         rollout_runs(shard, shards, args.only, emit=lambda row: print(json.dumps(row), flush=True))
@@ -325,7 +328,8 @@ def main(argv: list[str]) -> int:
     missing = 0
     if not args.skip_rollouts:
         wanted = sum(args.only in label for _, label, _ in rollout_cases())
-        runs = finished_by_all(run_impls(("reference", "triton"), args.jobs, args.only, args.deadline))
+        left = None if args.deadline is None else max(args.deadline - (time.monotonic() - started), 1.0)
+        runs = finished_by_all(run_impls(("reference", "triton"), args.jobs, args.only, left))
         missing = wanted - len(runs["reference"])
         for r in compare_rollouts(runs["reference"], runs["triton"]):
             rows.append(r)
