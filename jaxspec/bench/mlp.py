@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxspec.bench.timing import add_fraction, copy_bytes_per_second, looped_seconds, print_table, write_results
 from jaxspec.models.blocks import dense_mlp, rms_norm
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.params import GATE_UP_AXIS
+from jaxspec.models.params import pair
 
 NORM_EPS = 1e-6  # Qwen3's rms_norm_eps
 APART = ("norm", "gate", "up", "down")  # two_gemms' weights, in its argument order
@@ -41,7 +41,7 @@ def mlp_weights(hidden: int, intermediate: int, seed: int = 0) -> dict[str, jax.
     up = (jax.random.normal(ku, (hidden, intermediate)) / hidden**0.5).astype(jnp.bfloat16)
     down = (jax.random.normal(kd, (intermediate, hidden)) / intermediate**0.5).astype(jnp.bfloat16)
     norm = jnp.ones((hidden,), jnp.bfloat16)
-    return {"norm": norm, "gate": gate, "up": up, "down": down, "gate_up": jnp.stack([gate, up], axis=GATE_UP_AXIS)}
+    return {"norm": norm, "gate": gate, "up": up, "down": down, "gate_up": pair(gate, up)}
 
 
 def two_gemms(x: jax.Array, norm: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ from jaxspec.distributed import is_main, to_host
 from jaxspec.draft.config import DraftConfig, check_compatible
 from jaxspec.draft.model import DraftParams
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.params import GATE_UP_AXIS
+from jaxspec.models.params import PAIR_AXIS
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _IGNORED = ("embed_tokens.weight", "model.embed_tokens.weight")
@@ -43,7 +43,7 @@ _IGNORED = ("embed_tokens.weight", "model.embed_tokens.weight")
 
 def _tensor_table(dcfg: DraftConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], object, object]]:
     """HF tensor name -> (path into params, HF shape, HF -> ours, ours -> HF) for float tensors; a
-    path ending in an int j is gate_up's slice j (`GATE_UP_AXIS`)."""
+    path ending in an int j is slice j of a paired leaf (gate_up, kv: `jaxspec.models.params.PAIRED`)."""
     h, f, d, nq, nk = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim, dcfg.num_heads, dcfg.num_kv_heads
 
     def same(w):
@@ -72,9 +72,9 @@ def _tensor_table(dcfg: DraftConfig) -> dict[str, tuple[tuple[str, ...], tuple[i
         "midlayer.mlp.up_proj.weight": (("midlayer", "gate_up", 1), (f, h), transpose, transpose),
         "midlayer.mlp.down_proj.weight": (("midlayer", "down"), (h, f), transpose, transpose),
     }
-    for name, n in (("q", nq), ("k", nk), ("v", nk)):
+    for name, n, leaf in (("q", nq, ("q",)), ("k", nk, ("kv", 0)), ("v", nk, ("kv", 1))):
         shape, to_ours, to_hf = proj(n)
-        table[f"midlayer.self_attn.{name}_proj.weight"] = (("midlayer", name), shape, to_ours, to_hf)
+        table[f"midlayer.self_attn.{name}_proj.weight"] = (("midlayer", *leaf), shape, to_ours, to_hf)
     return table
 
 
@@ -155,7 +155,7 @@ def save_eagle3(dcfg: DraftConfig, dparams: DraftParams, path, dtype=None) -> No
     for name, (tree_path, _, _, to_hf) in _tensor_table(dcfg).items():
         leaf = dparams
         for key in tree_path:
-            leaf = leaf[key] if isinstance(key, str) else jnp.take(leaf, key, axis=GATE_UP_AXIS)
+            leaf = leaf[key] if isinstance(key, str) else jnp.take(leaf, key, axis=PAIR_AXIS)
         tensors[name] = np.ascontiguousarray(to_hf(to_host(leaf).astype(np_dtype)))
     tensors["d2t"] = to_host(dparams["d2t"]).astype(np.int64)
     tensors["t2d"] = to_host(dparams["t2d"]).astype(bool)
@@ -218,17 +218,18 @@ def load_eagle3(path, dtype="float32", policy: ModelConfig | None = None) -> tup
 
     target = np.dtype(jnp.dtype(dtype))
     params: dict = {"midlayer": {}}
-    gate_up = [None, None]
+    pairs: dict[str, list] = {}  # paired midlayer leaf -> its two slices
     for name, (tree_path, _, to_ours, _) in table.items():
         leaf = np.ascontiguousarray(to_ours(host[name]).astype(target))
         if isinstance(tree_path[-1], int):
-            gate_up[tree_path[-1]] = leaf
+            pairs.setdefault(tree_path[-2], [None, None])[tree_path[-1]] = leaf
             continue
         node = params
         for key in tree_path[:-1]:
             node = node[key]
         node[tree_path[-1]] = jnp.asarray(leaf)
-    params["midlayer"]["gate_up"] = jnp.asarray(np.stack(gate_up, axis=GATE_UP_AXIS))
+    for leaf, slices in pairs.items():
+        params["midlayer"][leaf] = jnp.asarray(np.stack(slices, axis=PAIR_AXIS))
     params["d2t"] = jnp.asarray(host["d2t"].astype(np.int32))
     params["t2d"] = jnp.asarray(host["t2d"].astype(bool))
     return dcfg, params

@@ -6,7 +6,7 @@ Params (H hidden, F intermediate, Nq/Nk heads of D dims, V policy vocabulary, Vd
     {"fc": [3H, H],                         # fuses the policy's aux hidden states (no bias)
      "midlayer": {"input_norm": [H],        # on the token embedding   (HF input_layernorm)
                   "hidden_norm": [H],       # on the hidden input
-                  "q": [2H, Nq, D], "k": [2H, Nk, D], "v": [2H, Nk, D], "o": [Nq, D, H],
+                  "q": [2H, Nq, D], "kv": [2H, 2, Nk, D], "o": [Nq, D, H],  # k, v: kv[:, 0], [:, 1]
                   "mlp_norm": [H],          # (HF post_attention_layernorm)
                   "gate_up": [H, 2, F], "down": [F, H]},  # gate, up: gate_up[:, 0], [:, 1]
      "norm": [H], "lm_head": [H, Vd],
@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft.config import DraftConfig
-from jaxspec.models.blocks import attn_out_and_mlp, rms_norm
+from jaxspec.models.blocks import attn_out_and_mlp, project_kv, rms_norm
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.params import GATE_UP_AXIS
+from jaxspec.models.params import pair
 from jaxspec.models.rope import apply_rope
 
 DraftParams = dict
@@ -117,8 +117,9 @@ def _random_weights(dcfg: DraftConfig, key: jax.Array, dtype, std: float) -> Dra
         "input_norm": ones,
         "hidden_norm": ones,
         "mlp_norm": ones,
-        **{name: m[name] for name in ("q", "k", "v", "o", "down")},
-        "gate_up": jnp.stack([m["gate"], m["up"]], axis=GATE_UP_AXIS),
+        **{name: m[name] for name in ("q", "o", "down")},
+        "kv": pair(m["k"], m["v"]),
+        "gate_up": pair(m["gate"], m["up"]),
     }
     return {"fc": m["fc"], "midlayer": midlayer, "norm": ones, "lm_head": m["lm_head"]}
 
@@ -210,8 +211,7 @@ def attention_inputs(
         axis=-1,
     )
     q = jnp.einsum("btc,cnd->btnd", x, layer["q"])
-    k = jnp.einsum("btc,cnd->btnd", x, layer["k"])
-    v = jnp.einsum("btc,cnd->btnd", x, layer["v"])
+    k, v = project_kv(x, layer["kv"])
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 

@@ -30,14 +30,20 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     has them), q and k rotated by the rope tables cos/sin of their positions."""
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("bth,hnd->btnd", h, layer["q"])
-    k = jnp.einsum("bth,hnd->btnd", h, layer["k"])
-    v = jnp.einsum("bth,hnd->btnd", h, layer["v"])
+    k, v = project_kv(h, layer["kv"])
     if cfg.attention_bias:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_kv(x: jax.Array, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """k and v [B, T, Nk, D] of the attention input x [B, T, C], both in one GEMM over kv [C, 2, Nk, D]
+    (`jaxspec.models.params.PAIRED`)."""
+    both = jnp.einsum("btc,cknd->btknd", x, kv)
+    return both[:, :, 0], both[:, :, 1]
 
 
 def attn_out_and_mlp(

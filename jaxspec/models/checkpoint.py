@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from jaxspec.atomic import atomic_folder
 from jaxspec.distributed import is_main, to_host
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.params import GATE_UP_AXIS, Params
+from jaxspec.models.params import PAIR_AXIS, PAIRED, Params
 from jaxspec.models.sharding import Sharding, param_axes
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -89,8 +89,8 @@ def _converters(cfg: ModelConfig) -> dict[str, tuple[tuple, _Converter]]:
             "input_layernorm.weight": ("attn_norm", ident((h,), lambda w: w, lambda p: p)),
             "post_attention_layernorm.weight": ("mlp_norm", ident((h,), lambda w: w, lambda p: p)),
             "self_attn.q_proj.weight": ("q", proj(nq)),
-            "self_attn.k_proj.weight": ("k", proj(nk)),
-            "self_attn.v_proj.weight": ("v", proj(nk)),
+            "self_attn.k_proj.weight": (("kv", 0), proj(nk)),
+            "self_attn.v_proj.weight": (("kv", 1), proj(nk)),
             "self_attn.o_proj.weight": (
                 "o",
                 _Converter((h, nq * d), lambda w: w.T.reshape(nq, d, h), lambda p: p.reshape(nq * d, h).T),
@@ -139,8 +139,9 @@ def _expert_converters(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, _Conv
 
 def _stacking(cfg: ModelConfig, leaf: str) -> tuple[int, int]:
     """(slices, axis) of a leaf made of several HF tensors, slice j at index j of that axis: a
-    dense MLP's "gate_up" (gate_proj, up_proj), a sparse layer's stacked experts (one per expert)."""
-    return (2, GATE_UP_AXIS) if leaf == "gate_up" else (cfg.num_experts, 0)
+    paired leaf (`PAIRED`: "gate_up" of gate_proj and up_proj, "kv" of k_proj and v_proj), a sparse
+    layer's stacked experts (one per expert)."""
+    return (2, PAIR_AXIS) if leaf in PAIRED else (cfg.num_experts, 0)
 
 
 # transformers 5.x models hold each sparse layer's experts fused: gate_up_proj [E, 2I, H] (gate rows
@@ -197,9 +198,9 @@ def load_hf(path, dtype="float32", sharding: Sharding | None = None) -> tuple[Mo
     one tensor (jax.make_array_from_callback); otherwise it lands on the default device.
     Mixture-of-experts layers: per-expert tensors (`mlp.experts.{j}.gate_proj.weight`, ..., as
     `save_hf` and transformers' save_pretrained write them) or the fused `mlp.experts.gate_up_proj` /
-    `mlp.experts.down_proj` of transformers 5.x modules; a layer's experts, like a dense layer's
-    gate_proj and up_proj (one "gate_up" leaf), are stacked on the host and placed once all of them
-    are read.
+    `mlp.experts.down_proj` of transformers 5.x modules; a layer's experts, like the two tensors of a
+    paired leaf (gate_proj and up_proj, k_proj and v_proj), are stacked on the host and placed once
+    all of them are read.
     """
     path = Path(path)
     if not path.is_dir():

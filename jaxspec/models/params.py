@@ -1,7 +1,7 @@
 """The policy's parameters: a plain pytree, and random ones of a config's shape.
 
     {"embed": [V, H],
-     "layers": [ {"attn_norm": [H], "q": [H, Nq, D], "k": [H, Nk, D], "v": [H, Nk, D],
+     "layers": [ {"attn_norm": [H], "q": [H, Nq, D], "kv": [H, 2, Nk, D],
                   "o": [Nq, D, H], ("q_bias": [Nq, D], "k_bias"/"v_bias": [Nk, D]),
                   ("q_norm": [D], "k_norm": [D]), "mlp_norm": [H],
                   "gate_up": [H, 2, F], "down": [F, H]}, ... L ],
@@ -11,9 +11,11 @@
 A sparse (mixture-of-experts) layer holds "router" and stacked "experts_gate"/"experts_up"/
 "experts_down" (`jaxspec.models.moe`) instead of "gate_up"/"down".
 
-A dense MLP's gate and up projections are one leaf, gate_up[:, 0] and gate_up[:, 1] (`GATE_UP_AXIS`),
-so that a step multiplies by both in one GEMM over [H, 2F] (a decode or verification step reads the
-weights once, in one kernel) and a mesh splits both along F alike.
+Two projections of one input that a mesh splits alike are one leaf (`PAIRED`): a dense MLP's gate
+and up, gate_up[:, 0] and gate_up[:, 1], split along F, and attention's k and v, kv[:, 0] and
+kv[:, 1], split over the KV heads. A step multiplies by both in one GEMM (a decode or verification
+step reads the pair's weights in one kernel). q stays a leaf of its own: a tensor-parallel mesh
+splits the query heads where it cannot split fewer KV heads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import jax.numpy as jnp
 from jaxspec.models.config import ModelConfig
 
 Params = dict
-GATE_UP_AXIS = 1  # gate_up's axis of the two projections: gate_up[:, 0] is gate, [:, 1] is up
+PAIR_AXIS = 1  # a paired leaf's axis of its two projections
+PAIRED = {"gate_up": ("gate", "up"), "kv": ("k", "v")}  # paired leaf -> the projections at index 0 and 1
+
+
+def pair(first: jax.Array, second: jax.Array) -> jax.Array:
+    """Two projections [C, ...] of one input -> their paired leaf [C, 2, ...]."""
+    return jnp.stack([first, second], axis=PAIR_AXIS)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
@@ -40,8 +48,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
         layer = {
             "attn_norm": jnp.ones((h,), dtype),
             "q": normal((h, nq, d)),
-            "k": normal((h, nk, d)),
-            "v": normal((h, nk, d)),
+            "kv": pair(normal((h, nk, d)), normal((h, nk, d))),
             "o": normal((nq, d, h)),
             "mlp_norm": jnp.ones((h,), dtype),
         }
@@ -55,7 +62,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
             }
         else:
             gate, up = normal((h, f)), normal((h, f))
-            layer |= {"gate_up": jnp.stack([gate, up], axis=GATE_UP_AXIS), "down": normal((f, h))}
+            layer |= {"gate_up": pair(gate, up), "down": normal((f, h))}
         if cfg.attention_bias:
             layer |= {
                 "q_bias": jnp.zeros((nq, d), dtype),

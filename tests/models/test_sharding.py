@@ -97,7 +97,7 @@ EXPECTED_SPECS = {  # mesh (data=1, fsdp=2, tensor=4)
     ("lm_head",): P("fsdp", None),
     ("final_norm",): P(None),
     ("layers", 0, "q"): P("fsdp", "tensor", None),
-    ("layers", 0, "k"): P("fsdp", None, None),  # 2 KV heads over tensor=4: replicated
+    ("layers", 0, "kv"): P("fsdp", None, None, None),  # 2 KV heads over tensor=4: replicated
     ("layers", 1, "o"): P("tensor", None, "fsdp"),
     ("layers", 1, "q_bias"): P("tensor", None),
     ("layers", 1, "v_bias"): P(None, None),

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 
 from jaxspec.models import ModelConfig, init_params
-from jaxspec.models.params import GATE_UP_AXIS
+from jaxspec.models.params import PAIR_AXIS, PAIRED, pair
 
 
 def random_params(cfg: ModelConfig, seed: int, std: float):
     """Params with `init_params`' structure and dtypes: matrices normal(0, std), norm weights
     1 + normal(0, 0.1). Drawn with numpy so that no per-shape XLA program is compiled, leaf by leaf
-    in key order with a dense MLP's gate and up drawn as two leaves, then stacked (`gate_up`): the
-    tests' policies are the ones their distributions and thresholds were chosen on."""
+    in key order with each paired leaf (`PAIRED`: gate_up, kv) drawn as its two projections, then
+    stacked: the tests' policies are the ones their distributions and thresholds were chosen on,
+    before the model paired them."""
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
@@ -27,14 +28,15 @@ def random_params(cfg: ModelConfig, seed: int, std: float):
 
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     for layer in shapes["layers"]:
-        if "gate_up" in layer:
-            both = layer.pop("gate_up")
-            half = jax.ShapeDtypeStruct(both.shape[:GATE_UP_AXIS] + both.shape[GATE_UP_AXIS + 1 :], both.dtype)
-            layer |= {"gate": half, "up": half}
+        for leaf in PAIRED.keys() & layer.keys():
+            both = layer.pop(leaf)
+            half = jax.ShapeDtypeStruct(both.shape[:PAIR_AXIS] + both.shape[PAIR_AXIS + 1 :], both.dtype)
+            layer |= dict.fromkeys(PAIRED[leaf], half)
     params = jax.tree_util.tree_map_with_path(draw, shapes)
     for layer in params["layers"]:
-        if "gate" in layer:
-            layer["gate_up"] = jnp.stack([layer.pop("gate"), layer.pop("up")], axis=GATE_UP_AXIS)
+        for leaf, (first, second) in PAIRED.items():
+            if first in layer:
+                layer[leaf] = pair(layer.pop(first), layer.pop(second))
     return params
 
 
