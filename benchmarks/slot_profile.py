@@ -2,7 +2,7 @@
 
     python3 benchmarks/slot_profile.py WORK_DIR [--model JSON] [--rows 256] [--new 512] [--slots 256]
         [--decode-steps K ...] [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]]
-        [--engines staged slots] [--temperature T] [--trace] [--copies]
+        [--engines staged slots] [--temperature T] [--lengths CONFIG] [--mesh D F T] [--trace] [--copies]
 
 Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the next token is
 near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
@@ -10,11 +10,16 @@ geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (
 group), T=1 (--temperature 0: greedy, so that a speculative run emits the AR run's tokens, ends
 each row where it does and the two runs' times compare equal work; at T=1 the rows' lengths are a
 draw of their own in each run, and at 64 rows the token counts of two draws differ by several
-percent). Both engines generate the same prompts with the same key (compiled and warmed up first), the slot
-engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
+percent). --lengths CONFIG stops each row at a length drawn from the workload's law instead: the
+response length in tokens of one of the first --rows problems of a pretraining config's data
+(e.g. configs/pretrain_long.yaml, under its BPE; `jaxspec.data_cli.response_lengths`), capped at
+--new, passed as `row_max_new_tokens` (random weights reach their eos only by chance). --mesh D F
+T runs on a data x fsdp x tensor mesh of the devices (the rows over data x fsdp, the KV heads over
+tensor). Both engines generate the same prompts with the same key (compiled and warmed up first),
+the slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
 each batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step
-widths). With --spec K both engines also run EAGLE-3
+widths) and the devices' peak memory so far. With --spec K both engines also run EAGLE-3
 chains of depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows
 emit one token per step as in the AR runs and the per-step figures compare a speculative step's
 cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
@@ -83,6 +88,8 @@ def main() -> None:
     )
     p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lengths", default=None, metavar="CONFIG", help="rows stop at lengths of this config's workload")
+    p.add_argument("--mesh", type=int, nargs=3, default=None, metavar=("DATA", "FSDP", "TENSOR"))
     p.add_argument("--trace", action="store_true")
     p.add_argument("--keep-traces", action="store_true", help="keep the HLO dump and the traces in WORK_DIR")
     p.add_argument("--copies", action="store_true", help="list the copies (>= 256 KiB) inside the loop programs")
@@ -104,12 +111,15 @@ def main() -> None:
     import numpy as np
 
     from jaxspec.draft import init_eagle3
-    from jaxspec.models import ModelConfig
+    from jaxspec.models import ModelConfig, Sharding, make_mesh, shard_params
     from jaxspec.models.params import init_params
     from jaxspec.rollout import Sampling, Spec, generate
 
     cfg = ModelConfig.from_json(args.model)
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    sharding = None if args.mesh is None else Sharding(make_mesh(*args.mesh))
+    if sharding is not None:
+        params = shard_params(sharding, params)
     rng = np.random.default_rng(0)
     group = min(8, args.rows)
     if args.rows % group:
@@ -118,6 +128,9 @@ def main() -> None:
         [int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // group) for _ in range(group)
     ]
     sampling = Sampling(temperature=args.temperature, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
+    limits = None if args.lengths is None else workload_lengths(args.lengths, args.rows, args.new)
+    if limits is not None:
+        print(f"row limits from {args.lengths}: median {int(np.median(limits))}, max {max(limits)}, sum {sum(limits)}")
     result = {}
     engines = [("staged", None, None)] if "staged" in args.engines else []
     if "slots" in args.engines:
@@ -136,7 +149,16 @@ def main() -> None:
 
         def run():
             out = generate(
-                cfg, params, prompts, jax.random.key(1), sampling, spec=spec, slots=slots, decode_steps=decode_steps
+                cfg,
+                params,
+                prompts,
+                jax.random.key(1),
+                sampling,
+                spec=spec,
+                slots=slots,
+                decode_steps=decode_steps,
+                sharding=sharding,
+                row_max_new_tokens=limits,
             )
             return jax.block_until_ready(out)
 
@@ -154,10 +176,12 @@ def main() -> None:
             "stage_rows": list(out.stats.get("step_widths", out.stats["stage_rows"])),
             "stage_steps": [int(n) for n in out.stats.get("width_steps", out.stats["stage_steps"])],
             "depth_steps": None if spec is None else [int(n) for n in out.stats["depth_steps"]],
+            "peak_gib_per_device": peak_gib(jax.local_devices()),
         }
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
-            f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}",
+            f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}, "
+            f"peak GiB per device so far {row['peak_gib_per_device']}",
             flush=True,
         )
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
@@ -216,6 +240,28 @@ def main() -> None:
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
     if (args.trace or args.copies) and not args.keep_traces:
         shutil.rmtree(args.work / "hlo", ignore_errors=True)
+
+
+def workload_lengths(config: str, rows: int, cap: int) -> list[int]:
+    """Response lengths in tokens (solution + eos) of the first `rows` problems of a pretraining
+    config's data, under its tokenizer, each capped at `cap`: one draw of the workload's length law
+    per row."""
+    from jaxspec.config_io import load_config
+    from jaxspec.data_cli import response_lengths
+    from jaxspec.pretrain.config import PretrainConfig
+    from jaxspec.tasks import generate_problems
+
+    data = load_config(PretrainConfig, config, []).data
+    problems = generate_problems(rows, data.seed, data.levels, data.kinds, tally=data.tally)
+    return [min(n, cap) for n in response_lengths(data, problems)[0]]
+
+
+def peak_gib(devices) -> list[float] | None:
+    """Each device's peak memory in use so far (GiB), or None where the backend reports none."""
+    stats = [d.memory_stats() for d in devices]
+    if any(s is None or "peak_bytes_in_use" not in s for s in stats):
+        return None
+    return [round(s["peak_bytes_in_use"] / 2**30, 2) for s in stats]
 
 
 def copies_in_loops(dump_dir: Path) -> dict[str, list]:

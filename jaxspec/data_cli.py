@@ -90,6 +90,18 @@ def _tokenizer(data: DataConfig, path: str | None, problems: list[dict], folder:
     return tok, origin
 
 
+def response_lengths(
+    data: DataConfig, problems: list[dict], tokenizer: str | None = None
+) -> tuple[list[int], ChatTokenizer, str]:
+    """The lengths in tokens (solution + eos) of the responses of `problems` (drawn from `data`,
+    `jaxspec.tasks.generate_problems`) under the workload's tokenizer (`tokenizer`, else
+    data.tokenizer, else a BPE of data.vocab_size trained on them). Returns (lengths, the
+    tokenizer, where it came from)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tok, origin = _tokenizer(data, tokenizer, problems, Path(folder))
+    return [len(tok.encode_response(p["solution"])) for p in problems], tok, origin
+
+
 def _analyze(
     data: DataConfig, num: int, seed: int, tok: ChatTokenizer, max_depth: int, expected: list[dict] | None = None
 ) -> dict:
@@ -204,9 +216,7 @@ def stats(argv: list[str]) -> int:
     start = time.perf_counter()
     problems = generate_problems(args.num, seed, data.levels, data.kinds, tally=data.tally)
     generate_seconds = time.perf_counter() - start
-    with tempfile.TemporaryDirectory() as folder:
-        tok, origin = _tokenizer(data, args.tokenizer, problems, Path(folder))
-    lengths = [len(tok.encode_response(p["solution"])) for p in problems]
+    lengths, tok, origin = response_lengths(data, problems, args.tokenizer)
     report = {
         "config": args.config,
         "overrides": args.overrides,

@@ -182,7 +182,7 @@ def _loop(
         row = jnp.clip(state.row, 0, group.rows - 1)
         keys = row_keys(key, state.first_row + row, state.lengths[row])
         token, logprob = choose_per_row(keys, logits, sampling)
-        state = emit(state, active, token[:, None], logprob[:, None], active.astype(jnp.int32), sampling)
+        state = emit(state, prompts, active, token[:, None], logprob[:, None], active.astype(jnp.int32), sampling)
         return state._replace(cache_len=state.cache_len + active, last=jnp.where(active, token, state.last))
 
     def prefill(state: LoopState) -> LoopState:

@@ -30,7 +30,7 @@ from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, recorded_experts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prefill import cache_shards, prefill_prompts
-from jaxspec.rollout.prompts import group_prompts, validate_prompts
+from jaxspec.rollout.prompts import group_prompts, row_limits, validate_prompts
 from jaxspec.rollout.sampling import Sampling, choose_per_row, row_keys
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 from jaxspec.rollout.speculative.generate import speculative_generate
@@ -54,6 +54,7 @@ def generate(
     kv_pages: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
     decode_steps: int | None = None,
+    row_max_new_tokens: Sequence[int] | None = None,
 ) -> RolloutOutput:
     """Samples a continuation of every prompt from the policy.
 
@@ -92,8 +93,15 @@ def generate(
         steps between two rounds of scheduling (admissions, preemptions, releases; default
         `jaxspec.rollout.slot_layout.DECODE_STEPS`): more amortise the schedule's cost, fewer
         leave a finished row's slot idle for less long (at most decode_steps - 1 steps).
+    row_max_new_tokens: B integers in [1, sampling.max_new_tokens], the most tokens each row may
+        emit (a request's own max_tokens; default: sampling.max_new_tokens for every row). A row
+        stopped at its limit holds the first tokens of the row it would be without one (the same
+        draws; in the staged speculative loop, whose draws follow its batch, only greedily); the
+        slot engine gives a row pages only up to its own longest sequence.
+        sampling.max_new_tokens still sets the output's width N and the compiled shapes.
     Raises ValueError for an empty prompt list or prompt, slots neither None, "auto" nor an
-    integer >= 1 (decode_steps likewise not an integer >= 1), a kv_pages pool that cannot hold
+    integer >= 1 (decode_steps likewise not an integer >= 1), row_max_new_tokens not B integers
+    in [1, sampling.max_new_tokens], a kv_pages pool that cannot hold
     one row's longest sequence (or given with slots="auto"), a token or eos id outside the
     vocabulary, a prompt that with max_new_tokens exceeds the model context, a rollout that does
     not fit the device's free memory, a draft that does not fit the policy, or record_experts
@@ -108,7 +116,9 @@ def generate(
     sampling = dataclasses.replace(sampling, eos_id=eos_ids)
     if record_experts and not cfg.sparse_layers:
         raise ValueError("record_experts: the policy is dense (no mixture-of-experts layers route tokens to experts)")
-    batch = group_prompts(validate_prompts(cfg, prompts, sampling.max_new_tokens), prompt_width)
+    checked = validate_prompts(cfg, prompts, sampling.max_new_tokens)
+    limits = row_limits(row_max_new_tokens, len(checked), sampling.max_new_tokens)
+    batch = group_prompts(checked, prompt_width, limits)
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
@@ -167,6 +177,7 @@ def generate(
         cache,
         logits,
         put(batch.row_lengths, ("batch",)),
+        put(batch.row_max_new, ("batch",)),
         key,
         prompt_experts[0] if record_experts else None,
         sharding=sharding,
@@ -205,6 +216,7 @@ def _decode(
     cache: KVCache,
     logits: jax.Array,
     cache_len: jax.Array,
+    row_max_new: jax.Array,
     key: jax.Array,
     prompt_experts: jax.Array | None,
     *,
@@ -214,7 +226,8 @@ def _decode(
     """Samples up to N = sampling.max_new_tokens tokens per row.
 
     cache: B rows of S slots, slots [0, cache_len[b]) hold row b's prompt (donated, updated in
-    place); logits float32 [B, V] for the first new token; sampling.eos_id: the resolved tuple of
+    place); logits float32 [B, V] for the first new token; row_max_new int32 [B]: the most tokens
+    each row emits (<= N); sampling.eos_id: the resolved tuple of
     eos ids. prompt_experts: None, or the prefill's record [B, P, L_sparse, k] of the prompts'
     routing, to which each step adds its token's (`jaxspec.rollout.experts`). stages: the loop's
     batch sizes as rows finish (`jaxspec.rollout.stages`), stages[0] = B.
@@ -242,7 +255,7 @@ def _decode(
             tokens=column(state.tokens, jnp.where(active, token, pad_id)[:, None]),
             logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)[:, None]),
             lengths=state.lengths + active,
-            done=state.done | (active & is_eos(token)) | (state.emitted + 1 >= max_new),
+            done=state.done | (active & is_eos(token)) | (state.lengths + active >= row_max_new[state.row]),
         )
 
     def step(state: _LoopState) -> _LoopState:

@@ -38,6 +38,7 @@ class PromptBatch(NamedTuple):
     row_prompt: int32 [B] index into the distinct prompts of each batch row.
     row_lengths: int32 [B] prompt length of each batch row.
     num_distinct: number of real distinct prompts.
+    row_max_new: int32 [B] the most tokens each batch row may emit (`row_limits`).
     """
 
     tokens: np.ndarray
@@ -45,6 +46,7 @@ class PromptBatch(NamedTuple):
     row_prompt: np.ndarray
     row_lengths: np.ndarray
     num_distinct: int
+    row_max_new: np.ndarray
 
 
 def validate_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[tuple[int, ...]]:
@@ -75,9 +77,34 @@ def validate_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new
     return checked
 
 
-def group_prompts(prompts: Sequence[tuple[int, ...]], min_width: int = 1) -> PromptBatch:
+def row_limits(limits: Sequence[int] | None, num_rows: int, max_new_tokens: int) -> np.ndarray:
+    """Each row's limit on emitted tokens, int32 [B]: `limits` checked (B integers in [1,
+    max_new_tokens]), or max_new_tokens for every row when None."""
+    if limits is None:
+        return np.full((num_rows,), max_new_tokens, np.int32)
+    values = np.asarray(limits)
+    if values.shape != (num_rows,) or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(
+            f"row_max_new_tokens must hold one integer per prompt ({num_rows}), got shape {values.shape} "
+            f"of dtype {values.dtype}"
+        )
+    bad = (values < 1) | (values > max_new_tokens)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"row_max_new_tokens[{i}] = {int(values[i])} is outside [1, max_new_tokens={max_new_tokens}] "
+            "(sampling.max_new_tokens is every row's upper bound)"
+        )
+    return values.astype(np.int32)
+
+
+def group_prompts(
+    prompts: Sequence[tuple[int, ...]], min_width: int = 1, row_max_new: np.ndarray | None = None
+) -> PromptBatch:
     """Groups identical prompts so each distinct prompt is prefilled once (in first-seen order).
-    The padded width is the bucket of the longest prompt, or of `min_width` tokens if longer."""
+    The padded width is the bucket of the longest prompt, or of `min_width` tokens if longer.
+    row_max_new: int32 [B] each row's limit on emitted tokens (`row_limits`; default:
+    no limit below the call's, int32 max)."""
     index: dict[tuple[int, ...], int] = {}
     row_prompt = np.array([index.setdefault(p, len(index)) for p in prompts], np.int32)
     distinct = list(index)
@@ -94,4 +121,5 @@ def group_prompts(prompts: Sequence[tuple[int, ...]], min_width: int = 1) -> Pro
         row_prompt=row_prompt,
         row_lengths=lengths[row_prompt],
         num_distinct=len(distinct),
+        row_max_new=np.full((len(prompts),), np.iinfo(np.int32).max, np.int32) if row_max_new is None else row_max_new,
     )

@@ -16,9 +16,12 @@ from jaxspec.rollout.slot_state import LoopState, Prompts
 
 
 def longest_sequence(prompts: Prompts, layout: Layout, row: jax.Array) -> jax.Array:
-    """Positions of each row's longest sequence, its last step's writes included (int32, the shape
-    of `row`; rows clipped into range, so a free slot's -1 reads row 0)."""
-    return prompts.row_lengths[jnp.clip(row, 0, layout.rows - 1)] + layout.max_new - 1 + layout.lookahead
+    """Positions of each row's longest sequence (its prompt and its own limit on emitted tokens),
+    its last step's writes included (int32, the shape of `row`; rows clipped into range, so a free
+    slot's -1 reads row 0)."""
+    row = jnp.clip(row, 0, layout.rows - 1)
+    emitted = jnp.minimum(prompts.row_max_new[row], layout.max_new)
+    return prompts.row_lengths[row] + emitted - 1 + layout.lookahead
 
 
 def make_room(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:

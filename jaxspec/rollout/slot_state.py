@@ -68,13 +68,15 @@ class LoopState(NamedTuple):
 
 class Prompts(NamedTuple):
     """The call's prompts on device: tokens int32 [U, P] distinct prompts, lengths int32 [U],
-    row_prompt int32 [B], row_lengths int32 [B] (`jaxspec.rollout.prompts.PromptBatch`); with G
-    groups the last two are [G, B / G], a group's rows."""
+    row_prompt int32 [B], row_lengths int32 [B], row_max_new int32 [B] (the most tokens each row
+    emits) (`jaxspec.rollout.prompts.PromptBatch`); with G groups the last three are [G, B / G],
+    a group's rows."""
 
     tokens: jax.Array
     lengths: jax.Array
     row_prompt: jax.Array
     row_lengths: jax.Array
+    row_max_new: jax.Array
 
     @classmethod
     def of(cls, batch, groups: int = 1) -> Prompts:
@@ -86,6 +88,7 @@ class Prompts(NamedTuple):
             jnp.asarray(batch.lengths),
             jnp.asarray(by_group(batch.row_prompt)),
             jnp.asarray(by_group(batch.row_lengths)),
+            jnp.asarray(by_group(batch.row_max_new)),
         )
 
 
@@ -97,7 +100,7 @@ def map_groups(layout: Layout, fn: Callable) -> Callable:
         return fn
 
     def mapped(state: LoopState, prompts: Prompts, *per_slot):
-        return jax.vmap(fn, in_axes=(0, Prompts(None, None, 0, 0)) + (0,) * len(per_slot))(state, prompts, *per_slot)
+        return jax.vmap(fn, in_axes=(0, Prompts(None, None, 0, 0, 0)) + (0,) * len(per_slot))(state, prompts, *per_slot)
 
     return mapped
 

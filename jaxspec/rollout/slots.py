@@ -87,21 +87,29 @@ def context_tokens(prompts: Prompts, tokens: jax.Array, rows: jax.Array, positio
 
 
 def emit(
-    state: LoopState, mask: jax.Array, new: jax.Array, logprobs: jax.Array, count: jax.Array, sampling: Sampling
+    state: LoopState,
+    prompts: Prompts,
+    mask: jax.Array,
+    new: jax.Array,
+    logprobs: jax.Array,
+    count: jax.Array,
+    sampling: Sampling,
 ) -> LoopState:
     """Appends the first count[s] of tokens new int32 [S, W] (log p float32 [S, W]) to the row of
-    every slot in bool mask [S], stopping at an eos or N tokens; marks finished rows done."""
+    every slot in bool mask [S], stopping at an eos or the row's limit (`Prompts.row_max_new`, at
+    most N tokens); marks finished rows done."""
     num_rows, max_new = state.tokens.shape
     width = new.shape[1]
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
     row = jnp.clip(state.row, 0, num_rows - 1)
     length = state.lengths[row]
+    limit = jnp.minimum(prompts.row_max_new[row], max_new)
     eos = jnp.isin(new, jnp.asarray(sampling.eos_id, jnp.int32)) & (steps < count[:, None])
     first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
-    n = jnp.where(mask, jnp.minimum(jnp.minimum(count, first_eos + 1), max_new - length), 0)
+    n = jnp.where(mask, jnp.minimum(jnp.minimum(count, first_eos + 1), limit - length), 0)
     target = jnp.where(mask, row, num_rows)
     columns = jnp.where(steps < n[:, None], length[:, None] + steps, max_new)
-    finished = mask & ((first_eos < n) | (length + n >= max_new))
+    finished = mask & ((first_eos < n) | (length + n >= limit))
     return state._replace(
         tokens=state.tokens.at[target[:, None], columns].set(new, mode="drop"),
         logprobs=state.logprobs.at[target[:, None], columns].set(logprobs, mode="drop"),
@@ -214,7 +222,13 @@ def prefill_chunk(
         started = to_slots(finishing, False)
         first = to_slots(token, 0)
         state = emit(
-            state, started, first[:, None], to_slots(logprob, 0.0)[:, None], started.astype(jnp.int32), sampling
+            state,
+            prompts,
+            started,
+            first[:, None],
+            to_slots(logprob, 0.0)[:, None],
+            started.astype(jnp.int32),
+            sampling,
         )
         written = jnp.where(lanes.valid, lanes.slot, group.slots)
         state = state._replace(

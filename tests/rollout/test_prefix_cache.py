@@ -23,6 +23,7 @@ def blocked_state():
         lengths=jnp.asarray([21, 19], jnp.int32),
         row_prompt=jnp.asarray([0, 1, 0, 1], jnp.int32),
         row_lengths=jnp.asarray([21, 19, 21, 19], jnp.int32),
+        row_max_new=jnp.full((4,), layout.max_new, jnp.int32),
     )
     table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)
     state = initial_state(layout, prompts, init_paged_cache(1, 1, 2, 3, 16, table), 0)

@@ -1,6 +1,7 @@
 """`jaxspec.rollout.slot_schedule`: a decoding slot gets the pages of the iteration's decode steps
 (`Layout.reach` positions past its length), never past its row's longest sequence, so a pool of
-one row's longest sequence serves any number of decode steps per iteration (`make_room`); and
+one row's longest sequence serves any number of decode steps per iteration (`make_room`), a row
+with its own limit on emitted tokens (`Prompts.row_max_new`) reaching no further than it; and
 admission reserves that reach for the rows before it, capped alike, so a pool of every slot's
 longest sequence admits every slot at once however far an iteration reaches (`admit`)."""
 
@@ -25,6 +26,7 @@ def pending(layout):
         lengths=jnp.asarray([PROMPT], jnp.int32),
         row_prompt=jnp.zeros((layout.rows,), jnp.int32),
         row_lengths=jnp.full((layout.rows,), PROMPT, jnp.int32),
+        row_max_new=jnp.full((layout.rows,), layout.max_new, jnp.int32),
     )
     table = jnp.full((layout.slots, layout.pages_per_slot), NO_PAGE, jnp.int32)
     return prompts, initial_state(layout, prompts, init_paged_cache(1, 1, 2, layout.num_pages, PAGE, table), 0)
@@ -66,6 +68,18 @@ def test_a_decoding_row_gets_the_iterations_pages_up_to_its_longest_sequence(dec
     assert int(state.counters["preemptions"]) == 0
     pages = np.asarray(state.pool.page_table[0, :held])
     assert sorted(pages.tolist()) == sorted(set(pages.tolist())) and (pages >= 0).all()
+
+
+@pytest.mark.parametrize(("limit", "held"), [(MAX_NEW, 4), (8, 4), (6, 3), (5, 3)])
+def test_a_row_with_its_own_limit_gets_pages_only_up_to_it(limit, held):
+    """Row 0 has emitted 4 tokens (positions 0..7, 2 pages); an iteration of 6 decode steps reaches
+    positions 8..13 (4 pages), but a row limited to `limit` tokens writes at most PROMPT + limit
+    positions (its last step's write included): 13 for 8 tokens, still 4 pages; 11 for 6 and
+    10 for 5 tokens, 3 pages."""
+    layout, prompts, state = decoding_row(6, 4)
+    prompts = prompts._replace(row_max_new=jnp.full_like(prompts.row_max_new, limit))
+    state = make_room(state, layout, prompts)
+    assert int(state.pool.held[0]) == held and int(state.pool.num_free) == 5 - held
 
 
 @pytest.mark.parametrize(("decode_steps", "advance"), [(1, 1), (8, 1), (8, 4), (30, 8)])

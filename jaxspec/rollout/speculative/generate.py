@@ -241,6 +241,7 @@ def speculative_generate(
         prompt_lengths,
         row_prompt,
         row_lengths,
+        put(batch.row_max_new, ("batch",)),
         key,
         prompt_experts[0] if record_experts else None,
         max_depth=max_depth,

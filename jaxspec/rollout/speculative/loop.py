@@ -52,6 +52,7 @@ class _LoopState(NamedTuple):
     tokens: jax.Array  # int32 [B, max_new]
     logprobs: jax.Array  # float32 [B, max_new]
     lengths: jax.Array  # int32 [B]
+    limit: jax.Array  # int32 [B]: the most tokens the row emits
     done: jax.Array  # bool [B]
     key: jax.Array
     counts: Counts
@@ -87,6 +88,7 @@ def speculative_decode(
     prompt_lengths: jax.Array,
     row_prompt: jax.Array,
     row_lengths: jax.Array,
+    row_max_new: jax.Array,
     key: jax.Array,
     prompt_experts: jax.Array | None,
     *,
@@ -103,10 +105,11 @@ def speculative_decode(
     longest rollout; logits float32 [B, V] for the first new token; policy_hidden: the policy's
     `drafter.policy_layers` outputs over the distinct prompts [n, U, P, H]; prompt_tokens int32
     [U, P], prompt_lengths int32 [U], row_prompt int32 [B], row_lengths int32 [B] as in
-    `PromptBatch`. drafters: one per stage, alike but for their tree depth; their state is made by
-    the deepest. max_depth: the deepest tree level of any stage (longest acceptable run);
-    draft_len: cache slots of the drafter's own cache. stages: the loop's batch sizes as rows
-    finish (`jaxspec.rollout.stages`), stages[0] = B; the drafter's state moves with its rows.
+    `PromptBatch`; row_max_new int32 [B]: the most tokens each row emits (<= N). drafters: one per
+    stage, alike but for their tree depth; their state is made by the deepest. max_depth: the
+    deepest tree level of any stage (longest acceptable run); draft_len: cache slots of the
+    drafter's own cache. stages: the loop's batch sizes as rows finish (`jaxspec.rollout.stages`),
+    stages[0] = B; the drafter's state moves with its rows.
     prompt_experts: None, or the prefill's record [B, P, L_sparse, k] of the prompts' routing, to
     which each step adds the accepted path's (`jaxspec.rollout.experts`). adaptive: None drafts
     every stage's depth at every iteration; settings choose each iteration's depth (`adaptive`).
@@ -156,7 +159,7 @@ def speculative_decode(
         accepted = out.accepted
         eos = jnp.isin(out.emitted, eos_ids) & (steps <= accepted[:, None])
         first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
-        count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), max_new - state.lengths), 0)
+        count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limit - state.lengths), 0)
         slots = jnp.where(steps < count[:, None], state.lengths[:, None] + steps, max_new)
         if drafts:
             counts = count_step(state.counts, out.tree.parents, out.tree.num_nodes, out.path, accepted, active)
@@ -176,7 +179,8 @@ def speculative_decode(
             tokens=state.tokens.at[rows, slots].set(out.emitted, mode="drop"),
             logprobs=state.logprobs.at[rows, slots].set(out.logprobs, mode="drop"),
             lengths=state.lengths + count,
-            done=state.done | (active & ((first_eos < count) | (state.lengths + count >= max_new))),
+            limit=state.limit,
+            done=state.done | (active & ((first_eos < count) | (state.lengths + count >= state.limit))),
             key=key,
             counts=counts._replace(depth_steps=counts.depth_steps.at[drafter.depth].add(1)) if drafts else counts,
             experts=experts,
@@ -237,7 +241,8 @@ def speculative_decode(
         tokens=jnp.full((num_rows, max_new), pad_id, jnp.int32).at[:, 0].set(first),
         logprobs=jnp.zeros((num_rows, max_new), jnp.float32).at[:, 0].set(first_logprob),
         lengths=jnp.ones((num_rows,), jnp.int32),
-        done=jnp.isin(first, eos_ids) | (max_new == 1),
+        limit=row_max_new.astype(jnp.int32),
+        done=jnp.isin(first, eos_ids) | (row_max_new <= 1),
         key=key,
         counts=Counts.zeros(max_depth, deepest.depth),
         experts=expert_buffer(prompt_experts, prompt_experts.shape[1] + max_new, sharding) if record else None,
@@ -249,7 +254,7 @@ def speculative_decode(
         [functools.partial(step if adaptive is None else adaptive_step, drafter) for drafter in drafters],
         state,
         stages,
-        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "done", *recorded),
+        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "limit", "done", *recorded),
         lambda moved: moved._replace(
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), moved.cache)
         ),

@@ -93,9 +93,7 @@ def call_pool(layout: Layout, state: LoopState, prompts: Prompts) -> SuffixPool:
     """The call-wide `SuffixPool` of every group's carry (`jaxspec.rollout.slot_state`): row r's
     prompt, then its tokens so far (the last one the root of a decoding row), int32 [B, P + N]."""
     tokens, emitted = rows_of(layout, state.tokens), rows_of(layout, state.lengths)
-    every = Prompts(
-        prompts.tokens, prompts.lengths, rows_of(layout, prompts.row_prompt), rows_of(layout, prompts.row_lengths)
-    )
+    every = Prompts(prompts.tokens, prompts.lengths, *(rows_of(layout, x) for x in prompts[2:]))
     num_rows, width = tokens.shape[0], prompts.tokens.shape[1] + tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_rows, width))
     rows = jnp.arange(num_rows, dtype=jnp.int32)

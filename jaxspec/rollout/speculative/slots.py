@@ -334,7 +334,7 @@ def _loop(
 
     def commit(state, prompts, active, emitted, logprobs, accepted, next_token, parents, num_nodes, path):
         """One group's slots append their step's tokens and count its acceptance."""
-        state = emit(state, active, emitted, logprobs, accepted + 1, sampling)
+        state = emit(state, prompts, active, emitted, logprobs, accepted + 1, sampling)
         counts = count_step(state.draft.counts, parents, num_nodes, path, accepted, active)
         return state._replace(
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
