@@ -1,7 +1,7 @@
 """The slot engine's decode step against the staged engine's, on random weights, with each one's kernels.
 
     python3 benchmarks/slot_profile.py WORK_DIR [--model JSON] [--rows 256] [--new 512] [--slots 256]
-        [--decode-steps K ...] [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]]
+        [--kv-pages N] [--decode-steps K ...] [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]]
         [--engines staged slots] [--temperature T] [--lengths CONFIG] [--mesh D F T] [--trace] [--copies]
 
 Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the next token is
@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--kv-pages", type=int, default=None, help="the slot engine's page pool (default: no preemption)")
     p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="the slot engine's, one run each")
     p.add_argument("--spec", type=int, default=None, metavar="K", help="also EAGLE-3 chains of depth K (random head)")
     p.add_argument("--adaptive", action="store_true", help="with --spec: also the chains at adaptive depth")
@@ -157,6 +158,7 @@ def main() -> None:
                 spec=spec,
                 slots=slots,
                 decode_steps=decode_steps,
+                kv_pages=args.kv_pages if slots else None,
                 sharding=sharding,
                 row_max_new_tokens=limits,
             )
@@ -176,11 +178,14 @@ def main() -> None:
             "stage_rows": list(out.stats.get("step_widths", out.stats["stage_rows"])),
             "stage_steps": [int(n) for n in out.stats.get("width_steps", out.stats["stage_steps"])],
             "depth_steps": None if spec is None else [int(n) for n in out.stats["depth_steps"]],
+            "preemptions": int(out.stats.get("preemptions", 0)),
+            "peak_kv_pages": None if slots is None else int(out.stats["peak_kv_pages"]),
             "peak_gib_per_device": peak_gib(jax.local_devices()),
         }
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
             f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}, "
+            f"preemptions {row['preemptions']}, peak KV pages {row['peak_kv_pages']}, "
             f"peak GiB per device so far {row['peak_gib_per_device']}",
             flush=True,
         )
