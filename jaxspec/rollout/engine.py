@@ -236,6 +236,7 @@ def _decode(
     the first stage: returned so that it updates the donated one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
+    limit = jnp.minimum(row_max_new, max_new)
     record = prompt_experts is not None
     pad_id = cfg.pad_token_id or 0
 
@@ -255,7 +256,7 @@ def _decode(
             tokens=column(state.tokens, jnp.where(active, token, pad_id)[:, None]),
             logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)[:, None]),
             lengths=state.lengths + active,
-            done=state.done | (active & is_eos(token)) | (state.lengths + active >= row_max_new[state.row]),
+            done=state.done | (active & is_eos(token)) | (state.lengths + active >= limit[state.row]),
         )
 
     def step(state: _LoopState) -> _LoopState:
