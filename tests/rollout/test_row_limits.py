@@ -13,31 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
-from jaxspec.draft import load_eagle3
-from jaxspec.models import load_hf
-from jaxspec.rollout import Sampling, Spec, generate
-from jaxspec.tasks import ChatTokenizer, generate_problems
+from jaxspec.rollout import Spec, generate
+from tests.rollout.speculative.test_slots import MAX_NEW, tiny  # noqa: F401  (fixture)
 
-MAX_NEW = 40
-LIMITS = [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 16, 40]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """(cfg, params, EAGLE-3 head, rows: 6 math prompts twice each, pad id)."""
-    path = tiny_policy_path()
-    cfg, params = load_hf(path, dtype="float32")
-    tok = ChatTokenizer.from_file(path)
-    prompts = [tok.encode_prompt(p["question"]) for p in generate_problems(6, seed=7, levels=[1, 2])]
-    rows = [p for p in prompts for _ in range(2)]
-    return cfg, params, load_eagle3(tiny_eagle3_path(), policy=cfg), rows, cfg.pad_token_id or 0
-
-
-def sampling(temperature: float) -> Sampling:
-    return Sampling(
-        temperature=temperature, max_new_tokens=MAX_NEW, eos_id=ChatTokenizer.from_file(tiny_policy_path()).eos_id
-    )
+LIMITS = [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 16, MAX_NEW]
 
 
 def assert_prefix_of(limited, full, pad_id: int) -> None:
@@ -58,32 +37,30 @@ def assert_prefix_of(limited, full, pad_id: int) -> None:
 
 
 @pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots3"])
-def test_sampled_autoregressive_rows_stop_at_their_limits(tiny, slots):
-    cfg, params, _, rows, pad_id = tiny
-    full = generate(cfg, params, rows, jax.random.key(5), sampling(1.0), slots=slots)
-    limited = generate(cfg, params, rows, jax.random.key(5), sampling(1.0), slots=slots, row_max_new_tokens=LIMITS)
-    assert_prefix_of(limited, full, pad_id)
+def test_sampled_autoregressive_rows_stop_at_their_limits(tiny, slots):  # noqa: F811
+    cfg, params, _, rows, _, sampled = tiny
+    full = generate(cfg, params, rows, jax.random.key(5), sampled, slots=slots)
+    limited = generate(cfg, params, rows, jax.random.key(5), sampled, slots=slots, row_max_new_tokens=LIMITS)
+    assert_prefix_of(limited, full, cfg.pad_token_id or 0)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_sampled_eagle3_rows_on_slots_stop_at_their_limits(tiny, tree):
-    cfg, params, head, rows, pad_id = tiny
+def test_sampled_eagle3_rows_on_slots_stop_at_their_limits(tiny, tree):  # noqa: F811
+    cfg, params, head, rows, _, sampled = tiny
     shape = dict(num_draft_tokens=3, tree_width=2, tree_budget=4) if tree else dict(num_draft_tokens=3)
     spec = Spec("eagle3", head, **shape)
-    full = generate(cfg, params, rows, jax.random.key(6), sampling(1.0), spec=spec, slots=3)
+    full = generate(cfg, params, rows, jax.random.key(6), sampled, spec=spec, slots=3)
     assert full.stats["acceptance_length"] > 1.5, "accepted runs should reach past the limits"
-    limited = generate(
-        cfg, params, rows, jax.random.key(6), sampling(1.0), spec=spec, slots=3, row_max_new_tokens=LIMITS
-    )
-    assert_prefix_of(limited, full, pad_id)
+    limited = generate(cfg, params, rows, jax.random.key(6), sampled, spec=spec, slots=3, row_max_new_tokens=LIMITS)
+    assert_prefix_of(limited, full, cfg.pad_token_id or 0)
 
 
-def test_greedy_eagle3_rows_of_the_staged_loop_stop_at_their_limits(tiny):
-    cfg, params, head, rows, pad_id = tiny
+def test_greedy_eagle3_rows_of_the_staged_loop_stop_at_their_limits(tiny):  # noqa: F811
+    cfg, params, head, rows, greedy, _ = tiny
     spec = Spec("eagle3", head, num_draft_tokens=3)
-    full = generate(cfg, params, rows, jax.random.key(0), sampling(0.0), spec=spec)
-    limited = generate(cfg, params, rows, jax.random.key(0), sampling(0.0), spec=spec, row_max_new_tokens=LIMITS)
-    assert_prefix_of(limited, full, pad_id)
+    full = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec)
+    limited = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec, row_max_new_tokens=LIMITS)
+    assert_prefix_of(limited, full, cfg.pad_token_id or 0)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +72,7 @@ def test_greedy_eagle3_rows_of_the_staged_loop_stop_at_their_limits(tiny):
         ([5.0] * 12, "dtype float64"),
     ],
 )
-def test_bad_limits_are_refused_by_name(tiny, limits, message):
-    cfg, params, _, rows, _ = tiny
+def test_bad_limits_are_refused_by_name(tiny, limits, message):  # noqa: F811
+    cfg, params, _, rows, _, sampled = tiny
     with pytest.raises(ValueError, match=message):
-        generate(cfg, params, rows, jax.random.key(0), sampling(1.0), row_max_new_tokens=limits)
+        generate(cfg, params, rows, jax.random.key(0), sampled, row_max_new_tokens=limits)
