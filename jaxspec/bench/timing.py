@@ -75,6 +75,21 @@ def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20, rep
     return statistics.median(times[1:]) / calls, args
 
 
+def net_of_loop(seconds: float | None, loop_seconds: float | None, what: str) -> float | None:
+    """seconds - loop_seconds: a call's own time per iteration of `in_loop_seconds` once the empty
+    loop's is taken off; None if either is None. Raises ValueError naming `what` when the
+    difference is not positive: the call cannot take no time, so the timings are noise (too few
+    iterations, or a busy machine)."""
+    if seconds is None or loop_seconds is None:
+        return None
+    if seconds <= loop_seconds:
+        raise ValueError(
+            f"{what}: {1e3 * seconds:.4g} ms per iteration is no more than the empty loop's "
+            f"{1e3 * loop_seconds:.4g} ms; the timing is noise (time more iterations)"
+        )
+    return seconds - loop_seconds
+
+
 # Datasheet ceilings by device kind (dense bf16 tensor-core FLOP/s; HBM bytes per second, reads
 # and writes together), the first matching substring of `jax.Device.device_kind` wins.
 DATASHEET: tuple[tuple[str, dict], ...] = (

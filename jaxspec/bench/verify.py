@@ -38,6 +38,7 @@ from jaxspec.bench.timing import (
     copy_bytes_per_second,
     in_loop_seconds,
     median_seconds,
+    net_of_loop,
     out_of_memory,
     print_table,
     write_results,
@@ -204,9 +205,18 @@ def main(argv: list[str]) -> int:
             )
             inputs = make_inputs()
             t_loop, inputs = _in_loop(loop_call, inputs, args.iters, make_inputs)  # the loop's own cost
-            t_kernel, inputs = _in_loop(kernel_call, inputs, args.iters, make_inputs)
-            t_reference, inputs = _in_loop(reference_call, inputs, args.iters, make_inputs)
-            t_kernel, t_reference = (None if None in (t, t_loop) else t - t_loop for t in (t_kernel, t_reference))
+            net = {}
+            net["kernel"], inputs = _in_loop(kernel_call, inputs, args.iters, make_inputs)
+            net["reference"], inputs = _in_loop(reference_call, inputs, args.iters, make_inputs)
+            fits = None not in (t_loop, *net.values())  # None: out of memory
+            errors = []
+            for name in ("kernel", "reference"):
+                try:
+                    net[name] = net_of_loop(net[name], t_loop, f"verify {name} batch {batch} nodes {nodes}")
+                except ValueError as err:
+                    net[name] = None
+                    errors.append(str(err))
+            t_kernel, t_reference = net["kernel"], net["reference"]
             logits = inputs[0]
             kernel = lambda a=inputs: kernel_call(*a)  # noqa: E731
             reference = lambda a=inputs: reference_call(*a)  # noqa: E731
@@ -214,7 +224,7 @@ def main(argv: list[str]) -> int:
                 _timed(lambda f=f: median_seconds(f, iters=args.iters)) for f in (kernel, reference)
             )
             agree = None
-            if t_kernel is not None and t_reference is not None:
+            if fits:
                 a, b = kernel(), reference()
                 same = [
                     np.all(np.asarray(x) == np.asarray(y), axis=tuple(range(1, np.ndim(x))))
@@ -256,6 +266,9 @@ def main(argv: list[str]) -> int:
                 copy_rate,
                 f"verify batch {batch} nodes {nodes}: logits bytes per second / copy bandwidth",
             )
+            if errors:
+                rows[-1]["error"] = "; ".join(filter(None, [rows[-1].get("error"), *errors]))
+                print(f"error: {rows[-1]['error']}")
             if work is not None:
                 trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")
                 trace_calls(reference, work / f"trace_{batch}_{nodes}_reference")

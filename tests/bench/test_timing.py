@@ -74,6 +74,16 @@ def test_a_roofline_fraction_above_one_is_an_error_row():
     assert datasheet("cpu") is None
 
 
+def test_a_call_no_slower_than_the_empty_loop_is_an_error_not_a_time():
+    from jaxspec.bench.timing import net_of_loop
+
+    assert net_of_loop(3e-3, 1e-3, "verify") == pytest.approx(2e-3)
+    assert net_of_loop(None, 1e-3, "verify") is None and net_of_loop(3e-3, None, "verify") is None
+    for seconds in (1e-3, 0.5e-3):  # equal to the loop, and the negative difference once reported
+        with pytest.raises(ValueError, match="verify reference batch 2: .* no more than the empty loop"):
+            net_of_loop(seconds, 1e-3, "verify reference batch 2")
+
+
 def test_out_of_memory_names_the_error_and_raises_any_other():
     err = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB\nmore")
     assert (
