@@ -118,7 +118,7 @@ def generate(
         raise ValueError("record_experts: the policy is dense (no mixture-of-experts layers route tokens to experts)")
     checked = validate_prompts(cfg, prompts, sampling.max_new_tokens)
     limits = row_limits(row_max_new_tokens, len(checked), sampling.max_new_tokens)
-    batch = group_prompts(checked, prompt_width, limits)
+    batch = group_prompts(checked, limits, prompt_width)
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens
@@ -236,7 +236,6 @@ def _decode(
     the first stage: returned so that it updates the donated one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
-    limit = jnp.minimum(row_max_new, max_new)
     record = prompt_experts is not None
     pad_id = cfg.pad_token_id or 0
 
@@ -256,7 +255,7 @@ def _decode(
             tokens=column(state.tokens, jnp.where(active, token, pad_id)[:, None]),
             logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)[:, None]),
             lengths=state.lengths + active,
-            done=state.done | (active & is_eos(token)) | (state.lengths + active >= limit[state.row]),
+            done=state.done | (active & is_eos(token)) | (state.lengths + active >= row_max_new[state.row]),
         )
 
     def step(state: _LoopState) -> _LoopState:

@@ -98,13 +98,10 @@ def row_limits(limits: Sequence[int] | None, num_rows: int, max_new_tokens: int)
     return values.astype(np.int32)
 
 
-def group_prompts(
-    prompts: Sequence[tuple[int, ...]], min_width: int = 1, row_max_new: np.ndarray | None = None
-) -> PromptBatch:
+def group_prompts(prompts: Sequence[tuple[int, ...]], row_max_new: np.ndarray, min_width: int = 1) -> PromptBatch:
     """Groups identical prompts so each distinct prompt is prefilled once (in first-seen order).
     The padded width is the bucket of the longest prompt, or of `min_width` tokens if longer.
-    row_max_new: int32 [B] each row's limit on emitted tokens (`row_limits`; default:
-    no limit below the call's, int32 max)."""
+    row_max_new: int32 [B] each row's limit on emitted tokens (`row_limits`)."""
     index: dict[tuple[int, ...], int] = {}
     row_prompt = np.array([index.setdefault(p, len(index)) for p in prompts], np.int32)
     distinct = list(index)
@@ -121,5 +118,5 @@ def group_prompts(
         row_prompt=row_prompt,
         row_lengths=lengths[row_prompt],
         num_distinct=len(distinct),
-        row_max_new=np.full((len(prompts),), np.iinfo(np.int32).max, np.int32) if row_max_new is None else row_max_new,
+        row_max_new=row_max_new,
     )

@@ -20,8 +20,7 @@ def longest_sequence(prompts: Prompts, layout: Layout, row: jax.Array) -> jax.Ar
     its last step's writes included (int32, the shape of `row`; rows clipped into range, so a free
     slot's -1 reads row 0)."""
     row = jnp.clip(row, 0, layout.rows - 1)
-    emitted = jnp.minimum(prompts.row_max_new[row], layout.max_new)
-    return prompts.row_lengths[row] + emitted - 1 + layout.lookahead
+    return prompts.row_lengths[row] + prompts.row_max_new[row] - 1 + layout.lookahead
 
 
 def make_room(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:

@@ -69,8 +69,8 @@ class LoopState(NamedTuple):
 class Prompts(NamedTuple):
     """The call's prompts on device: tokens int32 [U, P] distinct prompts, lengths int32 [U],
     row_prompt int32 [B], row_lengths int32 [B], row_max_new int32 [B] (the most tokens each row
-    emits) (`jaxspec.rollout.prompts.PromptBatch`); with G groups the last three are [G, B / G],
-    a group's rows."""
+    emits, at most the call's max_new_tokens: `row_limits`) (`jaxspec.rollout.prompts.PromptBatch`);
+    with G groups the last three are [G, B / G], a group's rows."""
 
     tokens: jax.Array
     lengths: jax.Array

@@ -103,7 +103,7 @@ def emit(
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
     row = jnp.clip(state.row, 0, num_rows - 1)
     length = state.lengths[row]
-    limit = jnp.minimum(prompts.row_max_new[row], max_new)
+    limit = prompts.row_max_new[row]
     eos = jnp.isin(new, jnp.asarray(sampling.eos_id, jnp.int32)) & (steps < count[:, None])
     first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
     n = jnp.where(mask, jnp.minimum(jnp.minimum(count, first_eos + 1), limit - length), 0)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxspec.rollout.prompts import count_bucket, group_prompts, prompt_bucket
+from jaxspec.rollout.prompts import count_bucket, group_prompts, prompt_bucket, row_limits
 
 
 @pytest.mark.parametrize(
@@ -18,7 +18,7 @@ def test_count_bucket(count, batch, bucket):
 
 def test_identical_prompts_are_prefilled_once():
     a, b, c = (4, 5, 6), (7,), (4, 5)
-    batch = group_prompts([a, b, a, a, c, b])
+    batch = group_prompts([a, b, a, a, c, b], row_limits(None, 6, 8))
     assert batch.num_distinct == 3
     np.testing.assert_array_equal(batch.row_prompt, [0, 1, 0, 0, 2, 1])
     np.testing.assert_array_equal(batch.row_lengths, [3, 1, 3, 3, 2, 1])
@@ -30,5 +30,5 @@ def test_identical_prompts_are_prefilled_once():
 
 
 def test_min_width_sets_the_bucket():
-    assert group_prompts([(1, 2, 3)], min_width=40).tokens.shape == (1, 64)
-    assert group_prompts([tuple(range(70))], min_width=40).tokens.shape == (1, 128)
+    assert group_prompts([(1, 2, 3)], row_limits(None, 1, 8), min_width=40).tokens.shape == (1, 64)
+    assert group_prompts([tuple(range(70))], row_limits(None, 1, 8), min_width=40).tokens.shape == (1, 128)

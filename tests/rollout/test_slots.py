@@ -16,7 +16,7 @@ import pytest
 
 from jaxspec.models import Sharding, make_mesh, shard_params
 from jaxspec.rollout import Sampling, continuous, generate, prefix_cache, slot_memory, slots
-from jaxspec.rollout.prompts import group_prompts, validate_prompts
+from jaxspec.rollout.prompts import group_prompts, row_limits, validate_prompts
 from jaxspec.rollout.slot_layout import plan_layout
 from tests.rollout.test_distribution import (
     NUCLEUS,
@@ -152,7 +152,7 @@ def test_auto_slots_are_stated_once_and_give_the_explicit_tokens(policy, greedy_
     cfg, params = policy
     monkeypatch.setattr(slot_memory, "_chosen", {})
     count = len(BATCH)
-    width = group_prompts(validate_prompts(cfg, BATCH, MAX_NEW), 1).tokens.shape[1]
+    width = group_prompts(validate_prompts(cfg, BATCH, MAX_NEW), row_limits(None, len(BATCH), MAX_NEW)).tokens.shape[1]
     if reported:
         count = 3
         needed = slot_memory.slot_memory_bytes(
