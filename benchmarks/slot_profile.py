@@ -2,44 +2,45 @@
 
     python3 benchmarks/slot_profile.py WORK_DIR [--model JSON] [--rows 256] [--new 512] [--slots 256]
         [--kv-pages N] [--decode-steps K ...] [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]]
-        [--engines staged slots] [--temperature T] [--lengths CONFIG] [--mesh D F T] [--trace] [--copies]
+        [--engines staged slots] [--temperature T] [--lengths CONFIG] [--warmup-new N] [--mesh D F T] [--trace]
+        [--copies]
 
-Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the next token is
-near uniform, so each row ends at the eos with probability ~1/vocab per token and lengths are
-geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (fewer rows: one
-group), T=1 (--temperature 0: greedy, so that a speculative run emits the AR run's tokens, ends
-each row where it does and the two runs' times compare equal work; at T=1 the rows' lengths are a
-draw of their own in each run, and at 64 rows the token counts of two draws differ by several
+Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the
+next token is near uniform, so each row ends at the eos with probability ~1/vocab per token and
+lengths are geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (fewer
+rows: one group), T=1 (--temperature 0: greedy, so that a speculative run emits the AR run's tokens,
+ends each row where it does and the two runs' times compare equal work; at T=1 the rows' lengths are
+a draw of their own in each run, and at 64 rows the token counts of two draws differ by several
 percent). --lengths CONFIG stops each row at a length drawn from the workload's law instead: the
-response length in tokens of one of the first --rows problems of a pretraining config's data
-(e.g. configs/pretrain_long.yaml, under its BPE; `jaxspec.data_cli.response_lengths`), capped at
---new, passed as `row_max_new_tokens` (random weights reach their eos only by chance). --mesh D F
-T runs on a data x fsdp x tensor mesh of the devices (the rows over data x fsdp, the KV heads over
-tensor). Both engines generate the same prompts with the same key (compiled and warmed up first),
+response length in tokens of one of the first --rows problems of a pretraining config's data (e.g.
+configs/pretrain_long.yaml, under its BPE; `jaxspec.data_cli.response_lengths`), capped at --new,
+passed as `row_max_new_tokens` (random weights reach their eos only by chance). --mesh D F T runs on
+a data x fsdp x tensor mesh of the devices (the rows over data x fsdp, the KV heads over tensor).
+Both engines generate the same prompts with the same key (compiled and warmed up first: by a whole
+call, or with --warmup-new N by one whose rows stop after at most N tokens, which compiles the same
+programs; the compilations during the timed call are counted, and any make the run an error row),
 the slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
-engine's); printed per run: generation time, decode steps, ms per decode step and the steps at
-each batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step
-widths) and the devices' peak memory so far. With --spec K both engines also run EAGLE-3
-chains of depth K drafted by a random head of the policy's shape (its drafts are rejected, so rows
-emit one token per step as in the AR runs and the per-step figures compare a speculative step's
-cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
-depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the
-AR steps give speculation's floor; --no-fixed leaves the fixed-depth chains out, which saves their
-compilation; --probe FIRST MAX sets its probe runs). --engines picks the engines (default both).
-With --trace a third call runs under `jax.profiler` and the kernels of the loop programs are charged from the
-trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
-difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
-scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
-`jaxspec.rollout.speculative.step`), the 40 longest kernels outside the policy's forward (the loop's
-bookkeeping, sampling, the drafter), and the device's idle time between the loop's kernels with the
-30 longest gaps by the pair of kernels around them (`idle_gaps`, on a GPU: where the host holds
-the loop up). --trace turns XLA's command buffers (CUDA graphs) off for the whole run, timings
-included. --copies lists the copies of 256 KiB or more inside each loop program's loops and branches,
-read from XLA's optimized HLO (`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at
-every iteration that reaches it). WORK_DIR gets slot_profile.json, rewritten after each run; the HLO
-dump and the traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set
-outside reach every run.
-"""
+engine's); printed per run: generation time, decode steps, ms per decode step and the steps at each
+batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step widths)
+and the devices' peak memory so far. With --spec K both engines also run EAGLE-3 chains of depth K
+drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one token per
+step as in the AR runs and the per-step figures compare a speculative step's cost with a decode
+step's at the same occupancy); --adaptive adds the same chains at adaptive depth (`spec.adaptive`:
+they fall back to autoregressive iterations, so their steps against the AR steps give speculation's
+floor; --no-fixed leaves the fixed-depth chains out, which saves their compilation; --probe FIRST
+MAX sets its probe runs). --engines picks the engines (default both). With --trace a third call runs
+under `jax.profiler` and the kernels of the loop programs are charged from the trace
+(`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their difference from
+the wall time is the device's idle time), the 22 longest kernels, the time by jax scope and, for a
+speculative step, by its phase (`PHASES`: the named scopes of `jaxspec.rollout.speculative.step`),
+the 40 longest kernels outside the policy's forward (the loop's bookkeeping, sampling, the drafter),
+and the device's idle time between the loop's kernels with the 30 longest gaps by the pair of
+kernels around them (`idle_gaps`, on a GPU: where the host holds the loop up). --trace turns XLA's
+command buffers (CUDA graphs) off for the whole run, timings included. --copies lists the copies of
+256 KiB or more inside each loop program's loops and branches, read from XLA's optimized HLO
+(`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every iteration that reaches it).
+WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the traces (hundreds of
+MB) are deleted once charged unless --keep-traces. XLA_FLAGS set outside reach every run."""
 
 import argparse
 import collections
@@ -90,6 +91,13 @@ def main() -> None:
     p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lengths", default=None, metavar="CONFIG", help="rows stop at lengths of this config's workload")
+    p.add_argument(
+        "--warmup-new",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the warm-up call's rows stop after at most N tokens (default: the timed call's own limits)",
+    )
     p.add_argument("--mesh", type=int, nargs=3, default=None, metavar=("DATA", "FSDP", "TENSOR"))
     p.add_argument("--trace", action="store_true")
     p.add_argument("--keep-traces", action="store_true", help="keep the HLO dump and the traces in WORK_DIR")
@@ -101,6 +109,8 @@ def main() -> None:
         p.error("--no-fixed needs --adaptive")
     if args.probe and not args.adaptive:
         p.error("--probe needs --adaptive")
+    if args.warmup_new is not None and not 1 <= args.warmup_new <= args.new:
+        p.error(f"--warmup-new must be in [1, --new={args.new}], got {args.warmup_new}")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.trace:  # (turns XLA's command buffers off, so that each kernel is traced under its own name)
         set_dump_flags(args.work / "hlo", ".*(_decode|_loop|prefill).*", "slot_profile")
@@ -114,6 +124,7 @@ def main() -> None:
     from jaxspec.draft import init_eagle3
     from jaxspec.models import ModelConfig, Sharding, make_mesh, shard_params
     from jaxspec.models.params import init_params
+    from jaxspec.rl.metrics import PhaseTimer
     from jaxspec.rollout import Sampling, Spec, generate
 
     cfg = ModelConfig.from_json(args.model)
@@ -132,6 +143,9 @@ def main() -> None:
     limits = None if args.lengths is None else workload_lengths(args.lengths, args.rows, args.new)
     if limits is not None:
         print(f"row limits from {args.lengths}: median {int(np.median(limits))}, max {max(limits)}, sum {sum(limits)}")
+    warmup_limits = (
+        None if args.warmup_new is None else [min(n, args.warmup_new) for n in limits or [args.new] * args.rows]
+    )
     result = {}
     engines = [("staged", None, None)] if "staged" in args.engines else []
     if "slots" in args.engines:
@@ -148,7 +162,7 @@ def main() -> None:
     for (engine, slots, decode_steps), (method, spec) in itertools.product(engines, specs):
         label = engine + method
 
-        def run():
+        def run(row_limits=limits):
             out = generate(
                 cfg,
                 params,
@@ -160,14 +174,17 @@ def main() -> None:
                 decode_steps=decode_steps,
                 kv_pages=args.kv_pages if slots else None,
                 sharding=sharding,
-                row_max_new_tokens=limits,
+                row_max_new_tokens=row_limits,
             )
             return jax.block_until_ready(out)
 
-        run()
+        run(warmup_limits or limits)  # the rows' limits are data: a shorter warm-up compiles the same programs
+        timer = PhaseTimer()
         start = time.perf_counter()
         out = run()
         seconds = time.perf_counter() - start
+        loaded = timer.record()
+        compiles = loaded["compiles"] + loaded["compiles_cached"]  # a persistent-cache read takes time too
         steps = int(out.stats["steps"])
         row = result[label] = {
             "seconds": seconds,
@@ -181,12 +198,17 @@ def main() -> None:
             "preemptions": int(out.stats.get("preemptions", 0)),
             "peak_kv_pages": None if slots is None else int(out.stats["peak_kv_pages"]),
             "peak_gib_per_device": peak_gib(jax.local_devices()),
+            "compiles": compiles,
         }
+        if compiles:
+            row["error"] = (
+                f"{compiles} compilations (or cache reads) during the timed call: its time is not the engine's"
+            )
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
             f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}, "
             f"preemptions {row['preemptions']}, peak KV pages {row['peak_kv_pages']}, "
-            f"peak GiB per device so far {row['peak_gib_per_device']}",
+            f"peak GiB per device so far {row['peak_gib_per_device']}, compilations {compiles}",
             flush=True,
         )
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))

@@ -1,13 +1,18 @@
 """benchmarks/slot_profile.py: the rows' limits drawn from a workload's length law, and the kernel
 phases read from a trace's scope names."""
 
+import json
+import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from jaxspec import rollout
 from jaxspec.config_io import load_config
 from jaxspec.data_cli import response_lengths
 from jaxspec.pretrain.config import PretrainConfig
+from jaxspec.rollout import generate
 from jaxspec.tasks import generate_problems
 from tests.benchmarks.scripts import load_script
 
@@ -32,3 +37,27 @@ def test_a_kernel_is_charged_to_its_innermost_phase():
     assert slot_profile.phase_of("jit__loop/while/body/verify_forward/layer/attention") == "verify_forward"
     assert slot_profile.phase_of("jit__loop/while/body/propose/verify/x") == "verify"
     assert slot_profile.phase_of("jit__loop/while/body/schedule/admit/gather") == "jit__loop/while/body/schedule"
+
+
+def test_a_short_warm_up_compiles_what_the_timed_call_runs(tmp_path, monkeypatch):
+    """The rows' limits are data: a warm-up whose rows stop after 2 tokens compiles every program of
+    the timed call, so that no compilation lands in its time (each run counts them)."""
+    config = json.loads((Path(__file__).resolve().parents[2] / "configs/models/small-policy.json").read_text())
+    config |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config |= {"num_key_value_heads": 2, "head_dim": 16}
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(config))
+    argv = [str(tmp_path / "work"), "--model", str(model), "--rows", "8", "--new", "12", "--slots", "4"]
+    monkeypatch.setattr(sys, "argv", ["slot_profile.py", *argv, "--warmup-new", "2", "--lengths", LONG])
+    slot_profile.main()
+    runs = json.loads((tmp_path / "work" / "slot_profile.json").read_text())
+    assert set(runs) == {"staged", "slots K=default"}
+    for run in runs.values():
+        assert run["compiles"] == 0 and "error" not in run
+        assert run["tokens"] > 8 * 2  # the timed call ran past the warm-up's limits
+    # negative control: with the compiled programs dropped before every call, the timed one compiles
+    monkeypatch.setattr(rollout, "generate", lambda *a, **k: (jax.clear_caches(), generate(*a, **k))[1])
+    monkeypatch.setattr(sys, "argv", ["slot_profile.py", *argv, "--engines", "slots"])
+    slot_profile.main()
+    [run] = json.loads((tmp_path / "work" / "slot_profile.json").read_text()).values()
+    assert run["compiles"] > 0 and "during the timed call" in run["error"]
