@@ -183,9 +183,16 @@ def roofline_fraction(achieved: float, ceiling: float, what: str) -> float:
     return frac
 
 
+def add_error(row: dict, message: str) -> None:
+    """Appends `message` to row["error"] ("; " between problems), so that no problem a row already
+    names is overwritten by a later one."""
+    row["error"] = "; ".join(filter(None, [row.get("error"), message]))
+
+
 def add_fraction(row: dict, key: str, achieved: float | None, ceiling: float, what: str) -> None:
-    """row[key] = `roofline_fraction`, or row["error"] naming the problem when it is above 1.0
-    (the row stays in the results, marked, instead of reporting an impossible figure)."""
+    """row[key] = `roofline_fraction`, or None and an error on the row (`add_error`) naming the
+    problem when it is above 1.0 (the row stays in the results, marked, instead of reporting an
+    impossible figure)."""
     if achieved is None:
         row[key] = None
         return
@@ -193,7 +200,7 @@ def add_fraction(row: dict, key: str, achieved: float | None, ceiling: float, wh
         row[key] = roofline_fraction(achieved, ceiling, what)
     except ValueError as err:
         row[key] = None
-        row["error"] = str(err)
+        add_error(row, str(err))
 
 
 def ceilings(copy_rate: float | None = None, matmul_rate: float | None = None) -> dict:

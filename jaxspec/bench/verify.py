@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
 from jaxspec.bench.timing import (
+    add_error,
     add_fraction,
     ceilings,
     copy_bytes_per_second,
@@ -266,8 +267,9 @@ def main(argv: list[str]) -> int:
                 copy_rate,
                 f"verify batch {batch} nodes {nodes}: logits bytes per second / copy bandwidth",
             )
+            for error in errors:
+                add_error(rows[-1], error)
             if errors:
-                rows[-1]["error"] = "; ".join(filter(None, [rows[-1].get("error"), *errors]))
                 print(f"error: {rows[-1]['error']}")
             if work is not None:
                 trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")

@@ -68,6 +68,10 @@ def test_a_roofline_fraction_above_one_is_an_error_row():
     row = {"batch": 1}
     add_fraction(row, "roofline_frac", 3.09e12, 4.19e12, "decode batch 1")
     assert abs(row["roofline_frac"] - 3.09 / 4.19) < 1e-12 and "error" not in row
+    row = {"batch": 1}  # two impossible figures on one row (bench profile's three fractions): both named
+    add_fraction(row, "weights_vs_copy", 1.2, 1.0, "weights")
+    add_fraction(row, "kv_vs_copy", 1.3, 1.0, "kv")
+    assert row["error"].startswith("weights: 1.200") and "; kv: 1.300" in row["error"], row["error"]
     assert datasheet("NVIDIA H200")["hbm_bytes_per_s"] == 4.8e12
     assert datasheet("NVIDIA H100 80GB HBM3")["hbm_bytes_per_s"] == 3.35e12
     assert datasheet("NVIDIA H100 PCIe")["hbm_bytes_per_s"] == 2.0e12

@@ -1,12 +1,20 @@
-"""Tiny random policies shared by the rollout tests (fixed shapes, so compiled programs are reused)."""
+"""Policies shared by the rollout tests (fixed shapes, so compiled programs are reused): tiny random
+ones, and the embedded tiny math policy with its trained EAGLE-3 head on 12 rows, whose staged
+greedy rollout is the reference the slot engine's tests compare against."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import ModelConfig, init_params
+from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
+from jaxspec.draft import load_eagle3
+from jaxspec.models import ModelConfig, init_params, load_hf
 from jaxspec.models.params import PAIR_AXIS, PAIRED, pair
+from jaxspec.rollout import Sampling, generate
+from jaxspec.tasks import ChatTokenizer, generate_problems
+
+TINY_MAX_NEW = 40  # max_new_tokens of the `tiny` fixture's Samplings
 
 
 def random_params(cfg: ModelConfig, seed: int, std: float):
@@ -77,3 +85,32 @@ def policy():
         pad_token_id=7,
     )
     return cfg, random_params(cfg, seed=2, std=0.2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(cfg, params, EAGLE-3 head, rows: 6 math prompts twice each, greedy Sampling, sampled Sampling)
+    of the embedded tiny policy in float32, TINY_MAX_NEW tokens per row."""
+    path = tiny_policy_path()
+    cfg, params = load_hf(path, dtype="float32")
+    tok = ChatTokenizer.from_file(path)
+    prompts = [tok.encode_prompt(p["question"]) for p in generate_problems(6, seed=7, levels=[1, 2])]
+    rows = [p for p in prompts for _ in range(2)]
+    greedy = Sampling(temperature=0.0, max_new_tokens=TINY_MAX_NEW, eos_id=tok.eos_id)
+    sampled = Sampling(temperature=1.0, max_new_tokens=TINY_MAX_NEW, eos_id=tok.eos_id)
+    return cfg, params, load_eagle3(tiny_eagle3_path(), policy=cfg), rows, greedy, sampled
+
+
+@pytest.fixture(scope="module")
+def staged(tiny):
+    """The staged engine's greedy autoregressive rollout of `tiny`'s rows (unbounded: a dense cache
+    for every row)."""
+    cfg, params, _, rows, greedy, _ = tiny
+    return generate(cfg, params, rows, jax.random.key(0), greedy)
+
+
+def assert_same_rollout(out, reference) -> None:
+    """Equal tokens and lengths, log-probs within 1e-5."""
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    np.testing.assert_array_equal(out.lengths, reference.lengths)
+    np.testing.assert_allclose(out.logprobs, reference.logprobs, rtol=1e-5, atol=1e-5)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from jaxspec.rollout import Spec, generate
-from tests.rollout.speculative.test_slots import MAX_NEW, tiny  # noqa: F401  (fixture)
+from tests.rollout.conftest import TINY_MAX_NEW
 
-LIMITS = [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 16, MAX_NEW]
+LIMITS = [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 16, TINY_MAX_NEW]
 
 
 def assert_prefix_of(limited, full, pad_id: int) -> None:
@@ -37,7 +37,7 @@ def assert_prefix_of(limited, full, pad_id: int) -> None:
 
 
 @pytest.mark.parametrize("slots", [None, 3], ids=["staged", "slots3"])
-def test_sampled_autoregressive_rows_stop_at_their_limits(tiny, slots):  # noqa: F811
+def test_sampled_autoregressive_rows_stop_at_their_limits(tiny, slots):
     cfg, params, _, rows, _, sampled = tiny
     full = generate(cfg, params, rows, jax.random.key(5), sampled, slots=slots)
     limited = generate(cfg, params, rows, jax.random.key(5), sampled, slots=slots, row_max_new_tokens=LIMITS)
@@ -45,7 +45,7 @@ def test_sampled_autoregressive_rows_stop_at_their_limits(tiny, slots):  # noqa:
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_sampled_eagle3_rows_on_slots_stop_at_their_limits(tiny, tree):  # noqa: F811
+def test_sampled_eagle3_rows_on_slots_stop_at_their_limits(tiny, tree):
     cfg, params, head, rows, _, sampled = tiny
     shape = dict(num_draft_tokens=3, tree_width=2, tree_budget=4) if tree else dict(num_draft_tokens=3)
     spec = Spec("eagle3", head, **shape)
@@ -55,7 +55,7 @@ def test_sampled_eagle3_rows_on_slots_stop_at_their_limits(tiny, tree):  # noqa:
     assert_prefix_of(limited, full, cfg.pad_token_id or 0)
 
 
-def test_greedy_eagle3_rows_of_the_staged_loop_stop_at_their_limits(tiny):  # noqa: F811
+def test_greedy_eagle3_rows_of_the_staged_loop_stop_at_their_limits(tiny):
     cfg, params, head, rows, greedy, _ = tiny
     spec = Spec("eagle3", head, num_draft_tokens=3)
     full = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec)
@@ -72,7 +72,7 @@ def test_greedy_eagle3_rows_of_the_staged_loop_stop_at_their_limits(tiny):  # no
         ([5.0] * 12, "dtype float64"),
     ],
 )
-def test_bad_limits_are_refused_by_name(tiny, limits, message):  # noqa: F811
+def test_bad_limits_are_refused_by_name(tiny, limits, message):
     cfg, params, _, rows, _, sampled = tiny
     with pytest.raises(ValueError, match=message):
         generate(cfg, params, rows, jax.random.key(0), sampled, row_max_new_tokens=limits)

@@ -16,21 +16,21 @@ import pytest
 from jaxspec.models import Sharding, make_mesh, shard_params
 from jaxspec.rollout import Sampling, Spec, continuous, generate
 from jaxspec.rollout.speculative import slots as speculative_slots
-from tests.rollout.conftest import random_params
-from tests.rollout.speculative.test_slots import CHAIN, assert_same_rollout, tiny  # noqa: F401  (fixture)
+from tests.rollout.conftest import assert_same_rollout, random_params
 from tests.rollout.test_recorded_experts import CFG as MOE_CFG
 from tests.rollout.test_recorded_experts import PROMPTS as MOE_PROMPTS
 
 MESHES = {"data-tensor": dict(data=2, fsdp=1, tensor=2), "fsdp-tensor": dict(data=1, fsdp=2, tensor=2)}
 SLOTS = 8
+CHAIN = dict(num_draft_tokens=3)
 
 
-def spec_of(tiny, method):  # noqa: F811
+def spec_of(tiny, method):
     return None if method == "ar" else Spec("eagle3", tiny[2], **CHAIN)
 
 
 @pytest.fixture(scope="module")
-def one_device(tiny):  # noqa: F811
+def one_device(tiny):
     """{method: the one-device slot engine's greedy rollout of the rows}."""
     cfg, params, _, rows, greedy, _ = tiny
     return {
@@ -39,7 +39,7 @@ def one_device(tiny):  # noqa: F811
     }
 
 
-def run_on_mesh(tiny, mesh, sampling, key, method, monkeypatch):  # noqa: F811
+def run_on_mesh(tiny, mesh, sampling, key, method, monkeypatch):
     """(the rollout on `mesh`, the slot loop's final state) of the rows."""
     cfg, params, _, rows, _, _ = tiny
     module = continuous if method == "ar" else speculative_slots
@@ -58,7 +58,7 @@ def run_on_mesh(tiny, mesh, sampling, key, method, monkeypatch):  # noqa: F811
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("method", ["ar", "eagle3"])
-def test_greedy_slots_on_a_mesh_equal_one_device(tiny, one_device, mesh, method, monkeypatch):  # noqa: F811
+def test_greedy_slots_on_a_mesh_equal_one_device(tiny, one_device, mesh, method, monkeypatch):
     out, state = run_on_mesh(tiny, mesh, tiny[4], jax.random.key(0), method, monkeypatch)
     want = one_device[method]
     assert_same_rollout(out, want)
@@ -78,7 +78,7 @@ def test_greedy_slots_on_a_mesh_equal_one_device(tiny, one_device, mesh, method,
     assert state.pool.page_table.sharding.spec[0] == batch_axis
 
 
-def test_sampled_slots_on_a_mesh_equal_one_device(tiny, monkeypatch):  # noqa: F811
+def test_sampled_slots_on_a_mesh_equal_one_device(tiny, monkeypatch):
     cfg, params, _, rows, _, sampled = tiny
     want = generate(cfg, params, rows, jax.random.key(5), sampled, slots=SLOTS)
     out, _ = run_on_mesh(tiny, "data-tensor", sampled, jax.random.key(5), "ar", monkeypatch)

@@ -22,7 +22,7 @@ from jaxspec.draft import init_eagle3
 from jaxspec.models import Sharding, make_mesh, shard_params
 from jaxspec.rollout import Sampling, Spec, generate
 from jaxspec.rollout.speculative.suffix import SuffixHistory
-from tests.rollout.speculative.test_slots import assert_same_rollout, staged, tiny  # noqa: F401  (fixtures)
+from tests.rollout.conftest import assert_same_rollout
 from tests.rollout.test_distribution import (
     T1,
     assert_exact_law,
@@ -34,7 +34,7 @@ from tests.rollout.test_distribution import (
 TREE = dict(num_draft_tokens=3, tree_width=2)
 
 
-def spec_of(tiny, name: str, **settings) -> Spec:  # noqa: F811
+def spec_of(tiny, name: str, **settings) -> Spec:
     head = tiny[2]
     if name == "suffix":
         return Spec("suffix", settings.pop("history", None), **TREE, **settings)
@@ -58,7 +58,7 @@ def spec_of(tiny, name: str, **settings) -> Spec:  # noqa: F811
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()),
 )
-def test_greedy_suffix_hybrid_and_adaptive_slots_equal_the_staged_engine(tiny, staged, name, layout):  # noqa: F811
+def test_greedy_suffix_hybrid_and_adaptive_slots_equal_the_staged_engine(tiny, staged, name, layout):
     cfg, params, _, rows, greedy, _ = tiny
     out = generate(cfg, params, rows, jax.random.key(0), greedy, spec=spec_of(tiny, name), **layout)
     assert_same_rollout(out, staged)
@@ -71,7 +71,7 @@ def test_greedy_suffix_hybrid_and_adaptive_slots_equal_the_staged_engine(tiny, s
 
 
 @pytest.fixture(scope="module")
-def other_answers(tiny, staged):  # noqa: F811
+def other_answers(tiny, staged):
     """A history of 2 earlier answers per row, one row per group: the row's own greedy answer cut
     at 10 tokens and another prompt's answer (so drafts are both accepted and rejected)."""
     tokens, lengths = np.asarray(staged.tokens), np.asarray(staged.lengths)
@@ -82,7 +82,7 @@ def other_answers(tiny, staged):  # noqa: F811
 
 
 @pytest.mark.parametrize("name", ["suffix", "hybrid"])
-def test_slots_draft_what_the_staged_loop_drafts_from_the_same_sources(tiny, staged, other_answers, name):  # noqa: F811
+def test_slots_draft_what_the_staged_loop_drafts_from_the_same_sources(tiny, staged, other_answers, name):
     """One row per group (suffix_group_rows 1): a row drafts from its own tokens and its earlier
     answers alone, which are the staged loop's on 3 slots, so the drafts and the acceptance are
     equal, the running split of a hybrid row included."""
@@ -118,7 +118,7 @@ def test_an_adaptive_slot_loop_whose_drafts_fail_falls_back_as_the_staged_loop_d
         assert got.stats[count] == want.stats[count], (count, got.stats, want.stats)
 
 
-def test_hybrid_adaptive_slots_on_a_mesh_equal_the_staged_engine(tiny, staged):  # noqa: F811
+def test_hybrid_adaptive_slots_on_a_mesh_equal_the_staged_engine(tiny, staged):
     """On a 2 x 2 (data x tensor) mesh the rows, slots and pages split into 2 groups; the suffix
     branches read the call-wide pool of both groups' rows and every group takes the depth chosen
     from the acceptance of all: greedy hybrid trees at an adaptive depth give the staged tokens."""

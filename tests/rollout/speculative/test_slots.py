@@ -17,11 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.assets import tiny_eagle3_path, tiny_policy_path
-from jaxspec.draft import init_eagle3, load_eagle3
-from jaxspec.models import load_hf
-from jaxspec.rollout import Sampling, Spec, generate
-from jaxspec.tasks import ChatTokenizer, generate_problems
+from jaxspec.draft import init_eagle3
+from jaxspec.rollout import Spec, generate
+from tests.rollout.conftest import TINY_MAX_NEW, assert_same_rollout
 from tests.rollout.test_distribution import (
     NUCLEUS,
     T1,
@@ -31,41 +29,14 @@ from tests.rollout.test_distribution import (
     slot_continuations,
 )
 
-MAX_NEW = 40
 CHAIN = dict(num_draft_tokens=3)
 TREE = dict(num_draft_tokens=3, tree_width=2, tree_budget=4)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """(cfg, params, EAGLE-3 head, rows: 6 math prompts twice each, greedy Sampling, sampled Sampling)."""
-    path = tiny_policy_path()
-    cfg, params = load_hf(path, dtype="float32")
-    tok = ChatTokenizer.from_file(path)
-    prompts = [tok.encode_prompt(p["question"]) for p in generate_problems(6, seed=7, levels=[1, 2])]
-    rows = [p for p in prompts for _ in range(2)]
-    greedy = Sampling(temperature=0.0, max_new_tokens=MAX_NEW, eos_id=tok.eos_id)
-    sampled = Sampling(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=tok.eos_id)
-    return cfg, params, load_eagle3(tiny_eagle3_path(), policy=cfg), rows, greedy, sampled
-
-
-@pytest.fixture(scope="module")
-def staged(tiny):
-    """The staged engine's greedy autoregressive rollout (unbounded: a dense cache for every row)."""
-    cfg, params, _, rows, greedy, _ = tiny
-    return generate(cfg, params, rows, jax.random.key(0), greedy)
-
-
-def assert_same_rollout(out, reference):
-    np.testing.assert_array_equal(out.tokens, reference.tokens)
-    np.testing.assert_array_equal(out.lengths, reference.lengths)
-    np.testing.assert_allclose(out.logprobs, reference.logprobs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("count", [1, 3, 8])
 def test_greedy_autoregressive_slots_equal_the_staged_engine(tiny, staged, count):
     cfg, params, _, rows, greedy, _ = tiny
-    assert len(set(np.asarray(staged.lengths).tolist())) > 2 and int(staged.lengths.min()) < MAX_NEW  # eos rows
+    assert len(set(np.asarray(staged.lengths).tolist())) > 2 and int(staged.lengths.min()) < TINY_MAX_NEW  # eos rows
     assert_same_rollout(generate(cfg, params, rows, jax.random.key(0), greedy, slots=count), staged)
 
 
