@@ -11,11 +11,15 @@ depth-d tree; v(rows): what one verified node adds at the number of rows the ste
 grows with the batch as the verification forward turns from reading weights to multiplying them:
 `verify_token_cost` points (rows, cost), linear between them and flat beyond); the loop runs the
 depth of largest E(d) / C(d) (ties: the shallower).
-Rates start at 1 (draft first) and move only at the depths a step tested, so after a run of
-autoregressive iterations one iteration drafts at the smallest depth again (a probe), to notice
-drafts that have become useful. The run is `probe_interval` iterations long at first and doubles
-after every probe that does not bring drafting back (two drafting iterations in a row), up to
-`probe_max`: a draft that stays useless costs a probe every `probe_max` iterations.
+A depth's rate is its first measurement, then a running average, and moves only when a step tested
+it; a depth no step has tested yet is taken to accept as the nearest tested depth above it does
+(the first depth, untested: 1, so the loop drafts first). A useless draft therefore costs one
+drafting iteration at the start, not the several a prior of 1 decaying towards 0 would take (each a
+deep verification, dear at large batch). After a run of autoregressive iterations one iteration
+drafts at the smallest depth again (a probe), to notice drafts that have become useful. The run is
+`probe_interval` iterations long at first and doubles after every probe that does not bring
+drafting back (two drafting iterations in a row), up to `probe_max`: a draft that stays useless
+costs a probe every `probe_max` iterations.
 
 The choice depends only on earlier iterations' outcomes, never on the current one's random draws,
 so every rollout is still distributed exactly as the policy samples it.
@@ -74,13 +78,24 @@ def cost_points(value) -> tuple[tuple[int, float], ...]:
 
 
 class DepthState(NamedTuple):
-    """rates float32 [K]: running acceptance rate of a tested draft at each depth (1 until tested);
-    since_draft int32 scalar: iterations since the last one that drafted; interval int32 scalar:
-    the run of iterations that ends in a probe now (`probe_interval` to `probe_max`)."""
+    """rates float32 [K]: running acceptance rate of the draft at each depth, where tested; tested
+    bool [K]: whether a step has tested the depth; since_draft int32 scalar: iterations since the
+    last one that drafted; interval int32 scalar: the run of iterations that ends in a probe now
+    (`probe_interval` to `probe_max`)."""
 
     rates: jax.Array
+    tested: jax.Array
     since_draft: jax.Array
     interval: jax.Array
+
+    def expected_rates(self) -> jax.Array:
+        """float32 [K]: the rates the choice weighs: a tested depth's own, an untested one the
+        nearest tested depth's above it (1 above the first)."""
+        above, out = jnp.ones((), jnp.float32), []
+        for i in range(self.rates.shape[0]):
+            above = jnp.where(self.tested[i], self.rates[i], above)
+            out.append(above)
+        return jnp.stack(out)
 
     def before_probe(self) -> jax.Array:
         """int32 scalar: autoregressive iterations left before the next probe (<= 0: it is due)."""
@@ -89,7 +104,8 @@ class DepthState(NamedTuple):
     @classmethod
     def start(cls, max_depth: int, settings: AdaptiveDepth) -> DepthState:
         zero = jnp.zeros((), jnp.int32)
-        return cls(jnp.ones((max_depth,), jnp.float32), zero, zero + settings.probe_interval)
+        untested = jnp.zeros((max_depth,), bool)
+        return cls(jnp.ones((max_depth,), jnp.float32), untested, zero, zero + settings.probe_interval)
 
 
 def candidate_depths(depth: int) -> tuple[int, ...]:
@@ -103,7 +119,7 @@ def choose(settings: AdaptiveDepth, state: DepthState, depths: tuple[int, ...], 
     """int32 scalar: the index into `depths` (ascending, depths[0] = 0) this iteration runs, for a
     step of `rows` rows (an int or an int32 scalar: the staged loop's stage batch, the slot
     engine's decoding slots)."""
-    reach = jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.cumprod(state.rates)])  # [K + 1]
+    reach = jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.cumprod(state.expected_rates())])  # [K + 1]
     expected = jnp.cumsum(reach)  # expected[d] = E(d)
     # A tree budget below its depth caps the run a step can accept at K = len(rates).
     value = jnp.stack([expected[min(d, state.rates.shape[0])] / settings.cost(d, rows) for d in depths])
@@ -116,14 +132,16 @@ def observe(
     settings: AdaptiveDepth, state: DepthState, before: Counts, after: Counts, drafted: jax.Array
 ) -> DepthState:
     """The state after an iteration whose statistics moved from `before` to `after`; drafted: bool
-    scalar, whether it drafted (depth > 0). A drafting iteration right after another one resets
-    the probe interval; one after autoregressive iterations (a probe, as a rule) doubles it."""
+    scalar, whether it drafted (depth > 0). A depth's first test sets its rate, later ones move
+    it by `decay`. A drafting iteration right after another one resets the probe interval; one
+    after autoregressive iterations (a probe, as a rule) doubles it."""
     tested = after.reached - before.reached
     accepted = after.accepted_at - before.accepted_at
     rate = accepted / jnp.maximum(tested, 1)
-    moved = settings.decay * state.rates + (1.0 - settings.decay) * rate
+    moved = jnp.where(state.tested, settings.decay * state.rates + (1.0 - settings.decay) * rate, rate)
     return DepthState(
         rates=jnp.where(tested > 0, moved, state.rates),
+        tested=state.tested | (tested > 0),
         since_draft=jnp.where(drafted, 0, state.since_draft + 1),
         interval=jnp.where(
             drafted,

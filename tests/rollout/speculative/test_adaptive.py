@@ -35,20 +35,49 @@ def test_candidate_depths():
     assert candidate_depths(7) == (0, 1, 2, 4, 7)
 
 
+def measured(state: DepthState, rates) -> DepthState:
+    """`state` with every depth tested at `rates` (float [K])."""
+    return state._replace(rates=jnp.asarray(rates, jnp.float32), tested=jnp.ones((K,), bool))
+
+
 def test_the_choice_weighs_expected_tokens_against_cost():
     depths = candidate_depths(K)
     state = DepthState.start(K, settings())
     assert int(choose(settings(), state, depths, 8)) == 3  # 4 tokens for 1.3 steps
-    useless = state._replace(rates=jnp.zeros((K,), jnp.float32))
+    useless = measured(state, [0.0] * K)
     assert int(choose(settings(), useless, depths, 8)) == 0
     # 1 + 0.5 + 0.25 tokens: depth 1 (1.5 / 1.4) beats depth 2 (1.75 / 1.8) at a verify cost of 0.4.
-    half = state._replace(rates=jnp.full((K,), 0.5, jnp.float32))
+    half = measured(state, [0.5] * K)
     assert int(choose(settings(verify_token_cost=0.4), half, depths, 8)) == 1
     assert int(choose(settings(verify_token_cost=0.0), half, depths, 8)) == 3
     # Free drafting of a useless draft is no better than none: ties go to the autoregressive step.
     assert int(choose(settings(verify_token_cost=0.0), useless, depths, 8)) == 0
     probing = useless._replace(since_draft=jnp.asarray(7, jnp.int32))
     assert int(choose(settings(), probing, depths, 8)) == 1
+
+
+def test_a_first_test_sets_a_rate_and_untested_depths_take_the_nearest_above():
+    """The rates `choose` weighs, and how `observe` moves them: a depth's first test replaces the
+    start's 1, later ones move it by the decay (0.5); an untested depth takes the rate of the
+    nearest tested depth above it."""
+    from jaxspec.rollout.speculative.adaptive import observe
+    from jaxspec.rollout.speculative.stats import Counts
+
+    state = DepthState.start(K, settings())
+    np.testing.assert_array_equal(state.expected_rates(), [1.0, 1.0, 1.0])
+    before = Counts.zeros(K)
+    # 8 rows reach depth 1, 2 of them accept it and reach depth 2, none accepts that.
+    after = before._replace(reached=jnp.asarray([8, 2, 0]), accepted_at=jnp.asarray([2, 0, 0]))
+    state = observe(settings(), state, before, after, jnp.asarray(True))
+    np.testing.assert_array_equal(state.tested, [True, True, False])
+    np.testing.assert_allclose(state.expected_rates(), [0.25, 0.0, 0.0])  # a prior of 1 would give 0.625, 0.5, 1
+    later = after._replace(
+        reached=after.reached + jnp.asarray([4, 0, 0]), accepted_at=after.accepted_at + jnp.asarray([4, 0, 0])
+    )
+    state = observe(settings(), state, after, later, jnp.asarray(True))
+    np.testing.assert_allclose(state.expected_rates(), [0.625, 0.0, 0.0])  # 0.5 * 0.25 + 0.5 * 1
+    untested_second = state._replace(tested=jnp.asarray([True, False, True]), rates=jnp.asarray([0.5, 0.9, 0.8]))
+    np.testing.assert_allclose(untested_second.expected_rates(), [0.5, 0.5, 0.8])
 
 
 def test_the_verify_cost_follows_the_rows_a_step_runs():
@@ -59,7 +88,7 @@ def test_the_verify_cost_follows_the_rows_a_step_runs():
     np.testing.assert_allclose(costs, [0.0, 0.0, 0.2, 0.4, 1.2, 2.0, 2.0], rtol=1e-6)
     assert float(by_rows.cost(3, jnp.asarray(36, jnp.int32))) == pytest.approx(1.6)
     depths = candidate_depths(K)
-    half = DepthState.start(K, by_rows)._replace(rates=jnp.full((K,), 0.5, jnp.float32))
+    half = measured(DepthState.start(K, by_rows), [0.5] * K)
     # E(d) = 1, 1.5, 1.75, 1.875 against C(d) = 1 + d v(rows): depth 3 at v = 0, 1 at v = 0.4, 0 at v = 2
     assert [int(choose(by_rows, half, depths, rows)) for rows in (1, 64, 512)] == [3, 1, 0]
 
@@ -91,11 +120,11 @@ def test_a_draft_never_accepted_falls_back_to_autoregressive_steps(greedy_runs):
     assert stats["accepted_tokens"] == 0
     steps, depths = stats["steps"], stats["depth_steps"]
     assert sum(depths) == steps and stats["fallback_steps"] == depths[0]
-    # Rate a_1 halves per failed step from 1 (a_2, a_3 stay untested at 1): depth 3 pays while
-    # (1 + 3 a_1) / 1.3 >= max(1, (1 + a_1) / 1.1), i.e. for 4 steps; then autoregressive steps
-    # and depth-1 probes (which fail, so the rate stays below the cost): after 7 of them, then
-    # after 15 (each failed probe doubles the run, adaptive_probe_max 128).
-    assert depths == [7 + 15 + (steps - 4 - 7 - 1 - 15 - 1), 2, 0, 4], stats
+    # The first step (every depth untested: rate 1) drafts 3 levels; its rate a_1 = 0 stands for
+    # a_2 and a_3 too (untested), so autoregressive steps follow at once, with depth-1 probes
+    # (which fail): after 7 of them, then after 15 (each failed probe doubles the run,
+    # adaptive_probe_max 128). A prior of 1 halving per failed step would keep depth 3 for 4 steps.
+    assert depths == [7 + 15 + (steps - 1 - 7 - 1 - 15 - 1), 2, 0, 1], stats
     assert steps == MAX_NEW - 1  # one token per step
 
 
