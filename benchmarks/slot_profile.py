@@ -38,7 +38,8 @@ and the device's idle time between the loop's kernels with the 30 longest gaps b
 kernels around them (`idle_gaps`, on a GPU: where the host holds the loop up). --trace turns XLA's
 command buffers (CUDA graphs) off for the whole run, timings included. --copies lists the copies of
 256 KiB or more inside each loop program's loops and branches, read from XLA's optimized HLO
-(`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every iteration that reaches it).
+(`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every iteration that reaches it),
+each with the op_name of the `cond`, `switch` or loop that runs it (its jax scope path).
 WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the traces (hundreds of
 MB) are deleted once charged unless --keep-traces. XLA_FLAGS set outside reach every run."""
 
@@ -51,7 +52,7 @@ import shutil
 import time
 from pathlib import Path
 
-from jaxspec.bench.hlo_copies import loop_copies
+from jaxspec.bench.hlo_copies import callers, loop_copies
 from jaxspec.bench.kernel_trace import idle_gaps, kernel_times, op_scopes, set_dump_flags
 
 PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
@@ -292,21 +293,24 @@ def peak_gib(devices) -> list[float] | None:
 
 
 def copies_in_loops(dump_dir: Path) -> dict[str, list]:
-    """{loop program's HLO file: [computation, copies, MiB]}: the copies of 256 KiB or more inside its
-    loops and branches (`jaxspec.bench.hlo_copies`; the programs in the order they compiled)."""
+    """{loop program's HLO file: [computation, copies, MiB, caller]}: the copies of 256 KiB or more
+    inside its loops and branches (`jaxspec.bench.hlo_copies`; the programs in the order they
+    compiled), with the op_name of the branch or loop that runs each computation (`callers`)."""
     found = {}
     for path in sorted(dump_dir.glob("module_*after_optimizations.txt")):
         if not any(name in path.name for name in ("_decode", "_loop")):
             continue
+        hlo = path.read_text()
         by_computation = collections.defaultdict(lambda: [0, 0.0])
-        for copy in loop_copies(path.read_text()):
+        for copy in loop_copies(hlo):
             if copy.bytes >= 2**18:
                 by_computation[copy.computation][0] += 1
                 by_computation[copy.computation][1] += copy.bytes / 2**20
-        found[path.name] = [[name, n, mib] for name, (n, mib) in by_computation.items()]
-        print(f"== copies in {path.name}: {sum(n for _, n, _ in found[path.name])}", flush=True)
-        for name, n, mib in found[path.name]:
-            print(f"  {n:4d} copies, {mib:9.1f} MiB  {name}")
+        caller = callers(hlo)
+        found[path.name] = [[name, n, mib, caller.get(name, "")] for name, (n, mib) in by_computation.items()]
+        print(f"== copies in {path.name}: {sum(n for _, n, _, _ in found[path.name])}", flush=True)
+        for name, n, mib, called_by in found[path.name]:
+            print(f"  {n:4d} copies, {mib:9.1f} MiB  {name}  {called_by}")
     return found
 
 

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _COPY = re.compile(r"^\s+(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* copy\(")
+_CALLED = re.compile(r"(?:branch_computations=\{([^}]*)\}|(?:body|condition|to_apply|calls)=%([\w.\-]+))")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 class Copy(NamedTuple):
@@ -44,3 +46,19 @@ def loop_copies(hlo: str) -> list[Copy]:
             shape = tuple(int(d) for d in dims.split(",")) if dims else ()
             copies.append(Copy(computation, name, dtype, shape))
     return copies
+
+
+def callers(hlo: str) -> dict[str, str]:
+    """{computation: the op_name of the instruction that runs it (a conditional's branch, a loop's
+    body or condition, a call)}: jax's path of the `cond`, `switch` or loop, with the named scopes
+    around it, that a copy inside the computation belongs to. Computations whose caller carries no
+    op_name are left out."""
+    found = {}
+    for line in hlo.splitlines():
+        op_name = _OP_NAME.search(line)
+        if op_name is None:
+            continue
+        for branches, called in _CALLED.findall(line):
+            for name in branches.split(",") if branches else [called]:
+                found.setdefault(name.strip().lstrip("%"), op_name.group(1))
+    return found

@@ -1,6 +1,6 @@
 """Reading the copies inside a program's loops and branches from its optimized HLO (hand-written)."""
 
-from jaxspec.bench.hlo_copies import Copy, loop_copies
+from jaxspec.bench.hlo_copies import Copy, callers, loop_copies
 
 HLO = """HloModule jit__loop
 
@@ -17,11 +17,25 @@ HLO = """HloModule jit__loop
   ROOT %tuple = (bf16[4,16,2,32]{3,2,1,0}, s32[]) tuple(%copy.2, %gte.2)
 }
 
-ENTRY %main.9 (x: bf16[4,16,2,32]) -> bf16[4,16,2,32] {
+%region_4.8 (arg: (bf16[4,16,2,32], s32[])) -> (bf16[4,16,2,32], s32[]) {
+  ROOT %arg = (bf16[4,16,2,32]{3,2,1,0}, s32[]) parameter(0)
+}
+
+ENTRY %main.9 (x: bf16[4,16,2,32], i: s32[]) -> bf16[4,16,2,32] {
   %x = bf16[4,16,2,32]{3,2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %t = (bf16[4,16,2,32]{3,2,1,0}, s32[]) tuple(%x, %i)
+@COND@
+  %f = bf16[8,4]{0,1} fusion(%x), kind=kLoop, calls=%fused_computation.1
   ROOT %copy.3 = bf16[4,16,2,32]{3,2,1,0} copy(%x)
 }
 """
+HLO = HLO.replace(
+    "@COND@",
+    "  %cond.5 = (bf16[4,16,2,32]{3,2,1,0}, s32[]) conditional(%i, %t, %t), "
+    "branch_computations={%region_3.7, %region_4.8}, "
+    'metadata={op_name="jit(_loop)/while/body/propose/cond"}',
+)
 
 
 def test_only_the_copies_inside_loops_and_branches_count():
@@ -29,3 +43,12 @@ def test_only_the_copies_inside_loops_and_branches_count():
     fusion's (a layout change inside a kernel) do not."""
     assert loop_copies(HLO) == [Copy("region_3.7", "copy.2", "bf16", (4, 16, 2, 32))]
     assert loop_copies(HLO)[0].bytes == 4 * 16 * 2 * 32 * 2
+
+
+def test_a_computation_is_named_by_the_op_name_of_what_runs_it():
+    """Both branches of the conditional take its op_name (the jax scope of the `cond`); the fusion,
+    whose caller carries no op_name, is left out."""
+    assert callers(HLO) == {
+        "region_3.7": "jit(_loop)/while/body/propose/cond",
+        "region_4.8": "jit(_loop)/while/body/propose/cond",
+    }

@@ -1,5 +1,5 @@
-"""benchmarks/slot_profile.py: the rows' limits drawn from a workload's length law, and the kernel
-phases read from a trace's scope names."""
+"""benchmarks/slot_profile.py: the rows' limits drawn from a workload's length law, the kernel
+phases read from a trace's scope names, and the copies listed from a loop program's HLO."""
 
 import json
 import sys
@@ -61,3 +61,30 @@ def test_a_short_warm_up_compiles_what_the_timed_call_runs(tmp_path, monkeypatch
     slot_profile.main()
     [run] = json.loads((tmp_path / "work" / "slot_profile.json").read_text()).values()
     assert run["compiles"] > 0 and "during the timed call" in run["error"]
+
+
+LOOP_HLO = """HloModule jit__loop
+
+%region_1.2 (arg: bf16[256,16,2,32]) -> bf16[256,16,2,32] {
+  %arg = bf16[256,16,2,32]{3,2,1,0} parameter(0)
+  ROOT %copy.1 = bf16[256,16,2,32]{3,2,1,0} copy(%arg)
+}
+
+ENTRY %main.3 (x: bf16[256,16,2,32], p: pred[]) -> bf16[256,16,2,32] {
+  %x = bf16[256,16,2,32]{3,2,1,0} parameter(0)
+  %p = pred[] parameter(1)
+  %c = bf16[256,16,2,32]{3,2,1,0} conditional(%p, %x, %x), branch_computations={%region_1.2, %region_1.2}, @META
+  ROOT %copy.2 = bf16[256,16,2,32]{3,2,1,0} copy(%c)
+}
+""".replace("@META", 'metadata={op_name="jit(_loop)/while/body/cond"}')
+
+
+def test_copies_are_listed_per_loop_program_with_what_runs_them(tmp_path):
+    """A loop program's copies of 256 KiB or more, by computation, with the op_name of the branch
+    that runs it; the entry's copy and other programs' dumps are not read."""
+    (tmp_path / "module_0001.jit__loop.cpu_after_optimizations.txt").write_text(LOOP_HLO)
+    (tmp_path / "module_0002.jit_prefill.cpu_after_optimizations.txt").write_text(LOOP_HLO)
+    found = slot_profile.copies_in_loops(tmp_path)
+    assert found == {
+        "module_0001.jit__loop.cpu_after_optimizations.txt": [["region_1.2", 1, 0.5, "jit(_loop)/while/body/cond"]]
+    }
