@@ -289,6 +289,9 @@ def _loop(
         if isinstance(stored, Pooled):  # the call-wide pool, read-only: made from the carry
             stored = with_call_pool(stored, call_pool(layout, state, prompts))
         step_key = jax.random.fold_in(draft_key, first_group(layout, state.counters["decode_steps"]))
+        # A head that defers leaves its cache alone in an autoregressive step (it queues the step's
+        # entry), so its pools stay out of the step's branches, where XLA may copy what passes.
+        pools_out = not drafts and getattr(drafter, "defers", False)
 
         def forward(inputs, carry, pools):
             """The step of W slots: (per-slot outcome, the drafter's per-slot state, pools)."""
@@ -302,7 +305,7 @@ def _loop(
                 drafter,
                 dparams,
                 state.cache._replace(k=k, v=v, page_table=table),
-                with_pools(carry, stored, draft_pools, table),
+                carry if pools_out else with_pools(carry, stored, draft_pools, table),
                 last,
                 cache_len,
                 active,
@@ -315,13 +318,14 @@ def _loop(
             )
             outcome = (out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
             outcome += (out.tree.num_nodes, out.path) + ((out.node_experts,) if record else ())
-            carry, draft_pools = without_pools(out.draft)
+            carry, draft_pools = (out.draft, ()) if pools_out else without_pools(out.draft)
             return outcome, carry, (out.cache.k, out.cache.v, draft_pools)
 
         inputs = (table, *slots_flat(layout, (state.last, state.cache_len)), active, keys)
         carry, draft_pools = without_pools(stored)
-        pools = (state.cache.k, state.cache.v, draft_pools)
-        outcome, carry, (k, v, draft_pools) = on_decoding_slots(layout.widths, active, forward, inputs, carry, pools)
+        pools = (state.cache.k, state.cache.v, () if pools_out else draft_pools)
+        outcome, carry, (k, v, stepped_pools) = on_decoding_slots(layout.widths, active, forward, inputs, carry, pools)
+        draft_pools = draft_pools if pools_out else stepped_pools
         draft = slots_grouped(layout, with_call_pool(with_pools(carry, stored, draft_pools), None))
         state = state._replace(cache=state.cache._replace(k=k, v=v), draft=state.draft._replace(draft=draft))
         emitted, logprobs, accepted, next_token, parents, num_nodes, path, *node_experts = outcome
