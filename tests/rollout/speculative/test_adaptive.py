@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from jaxspec.rollout import Sampling, Spec, generate
-from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, cost_points
+from jaxspec.rollout.speculative.adaptive import (
+    AdaptiveDepth,
+    DepthState,
+    candidate_depths,
+    choose,
+    cost_points,
+    observe,
+)
+from jaxspec.rollout.speculative.stats import Counts
 
 K = 3
 MAX_NEW = 40
@@ -60,9 +68,6 @@ def test_a_first_test_sets_a_rate_and_untested_depths_take_the_nearest_above():
     """The rates `choose` weighs, and how `observe` moves them: a depth's first test replaces the
     start's 1, later ones move it by the decay (0.5); an untested depth takes the rate of the
     nearest tested depth above it."""
-    from jaxspec.rollout.speculative.adaptive import observe
-    from jaxspec.rollout.speculative.stats import Counts
-
     state = DepthState.start(K, settings())
     np.testing.assert_array_equal(state.expected_rates(), [1.0, 1.0, 1.0])
     before = Counts.zeros(K)
