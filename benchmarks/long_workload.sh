@@ -92,7 +92,7 @@ for stage in "${stages[@]}"; do
           | tee "$RESULTS/draft_long_v$v.log"
         jaxspec bench spec --policy "runs/long-v$v/policy" --draft "runs/draft-long-v$v/draft" \
           --data-config configs/pretrain_long.yaml --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$KNOB_NEW" \
-          --k 7 --trees --no-ngram --out "$RESULTS/spec_long_v$v.json" 2>&1 | tee "$RESULTS/spec_long_v$v.log"
+          --k 7 --no-ngram --out "$RESULTS/spec_long_v$v.json" 2>&1 | tee "$RESULTS/spec_long_v$v.log"
         points+=("$RESULTS/spec_long_v$v.json")
       done
       python3 benchmarks/knob_curve.py "${points[@]}" --out "$RESULTS/knob_curve.json" --plot "$RESULTS/knob_curve.png" \
