@@ -86,10 +86,13 @@ for stage in "${stages[@]}"; do
       # prompts for all (the questions do not depend on the variation, only the worked solutions do)
       points=()
       for v in $KNOB_VALUES; do
+        echo "--- variation $v: policy $(date -u +%H:%M:%S)"
         pretrain "runs/long-v$v" "$RESULTS/pretrain_long_v$v.log" data.tally.variation="$v"
+        echo "--- variation $v: head $(date -u +%H:%M:%S)"
         jaxspec draft train --config configs/head_long.yaml --run-dir "runs/draft-long-v$v" policy="runs/long-v$v/policy" \
           data.tally.variation="$v" train.steps="$HEAD_STEPS" train.progress=false "${head_args[@]}" 2>&1 \
           | tee "$RESULTS/draft_long_v$v.log"
+        echo "--- variation $v: acceptance $(date -u +%H:%M:%S)"
         jaxspec bench spec --policy "runs/long-v$v/policy" --draft "runs/draft-long-v$v/draft" \
           --data-config configs/pretrain_long.yaml --batch "$SPEC_BATCH" --samples "$SPEC_SAMPLES" --new "$KNOB_NEW" \
           --k 7 --no-ngram --out "$RESULTS/spec_long_v$v.json" 2>&1 | tee "$RESULTS/spec_long_v$v.log"
