@@ -67,12 +67,31 @@ def pytest_unconfigure(config):
         del os.environ[_CACHE_DIR]
 
 
+def leaves_out_the_slow_tier(config) -> bool:
+    """Whether this run is a plain `pytest` over the whole suite (no files or tests named, no `-m`
+    that mentions slow): such a run is the default tier and leaves out the files marked slow.
+    Naming a slow file, or `-m slow`, runs it."""
+    named = config.getoption("file_or_dir") or []
+    return not named and "slow" not in (config.getoption("markexpr") or "")
+
+
+def pytest_report_header(config):
+    if leaves_out_the_slow_tier(config):
+        return "the slow tier (files marked slow) is left out: pytest -m slow runs it"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_tests and jax.default_backend() != "gpu":
         skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend: {jax.default_backend()})")
         for item in gpu_tests:
             item.add_marker(skip)
+    if leaves_out_the_slow_tier(config):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,10 +9,13 @@ import pytest
 from jaxspec.cli import main
 from tests.bench.test_spec_cost import TINY
 
-pytestmark = pytest.mark.skipif(
-    not (importlib.util.find_spec("triton") and importlib.util.find_spec("torch")),
-    reason="the kernel runs in Triton's interpreter (the test extra has triton and torch)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (importlib.util.find_spec("triton") and importlib.util.find_spec("torch")),
+        reason="the kernel runs in Triton's interpreter (the test extra has triton and torch)",
+    ),
+]
 ARGS = ["--fill", "0.5", "--iters", "1", "--kernel-impl", "triton-interpret", "--read-bytes", "4096"]
 
 

@@ -9,6 +9,8 @@ import pytest
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.models import ModelConfig, load_hf
 
+pytestmark = pytest.mark.slow
+
 TINY = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",

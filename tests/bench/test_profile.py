@@ -14,6 +14,8 @@ import pytest
 from jaxspec.bench import profile
 from jaxspec.bench.kernel_trace import Kernel
 
+pytestmark = pytest.mark.slow
+
 ASSETS = Path(profile.__file__).resolve().parents[1] / "assets"
 REPO = ASSETS.parents[1]
 

@@ -11,6 +11,8 @@ import pytest
 import jaxspec
 from jaxspec.cli import main
 
+pytestmark = pytest.mark.slow
+
 ASSETS = Path(jaxspec.__file__).parent / "assets"
 
 

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jaxspec.cli import main
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_verify_smoke(tmp_path):

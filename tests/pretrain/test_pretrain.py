@@ -19,6 +19,8 @@ from jaxspec.run import EXIT_CHECKPOINTED
 from jaxspec.tasks import MAX_LEVEL
 from tests.run.damage import truncate_largest_data_file
 
+pytestmark = pytest.mark.slow
+
 CONFIG = """
 data: {num_train: 600, num_eval: 6, seed: 3, levels: [1], vocab_size: 512, max_len: 64}
 model: {hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1, head_dim: 16,

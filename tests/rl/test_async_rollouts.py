@@ -18,6 +18,8 @@ from jaxspec.rl.loop import GRPORun
 from jaxspec.rl.resources import check_inputs
 from tests.rl.runs import read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
 
+pytestmark = pytest.mark.slow
+
 ASYNC = ["rollout.mode=async", "mesh.rollout_devices=1"]
 # The keys only async runs write.
 ASYNC_KEYS = {"staleness", "rollout_version", "sync_bytes"}

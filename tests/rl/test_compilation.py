@@ -18,6 +18,8 @@ from jaxspec.run import Batcher
 from jaxspec.tasks import ChatTokenizer, generate_problems, write_problems
 from tests.rl.runs import read_metrics, train_cli, without_machine_keys, write_config
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 
 

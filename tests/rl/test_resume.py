@@ -21,6 +21,8 @@ from jaxspec.run import EXIT_CHECKPOINTED
 from tests.rl.runs import LIGHT, read_metrics, run_two_processes, train_cli, without_machine_keys, write_config
 from tests.run.damage import truncate_largest_data_file
 
+pytestmark = pytest.mark.slow
+
 
 def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path, capsys):
     config, full = full_run

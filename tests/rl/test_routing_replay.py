@@ -25,6 +25,8 @@ from tests.rl.runs import read_metrics, train_cli, write_config
 from tests.rollout.conftest import random_params
 from tests.rollout.test_recorded_experts import BATCH, CFG, SAMPLING, specs
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = BATCH[::4]  # 16 rows, 2 of each of 8 prompts of 1 to 20 tokens
 LOGPROB_TOL = 1e-5
 

@@ -17,6 +17,8 @@ from jaxspec.rl.step import policy_optimizer, score_fn, update_fn
 from jaxspec.rollout import Sampling
 from tests.rl.test_step import _copy, _draft_case
 
+pytestmark = pytest.mark.slow
+
 
 def _abstract_minibatch(rows: int, width: int, seqs: int, new_tokens: int, seq_resp_mask: bool = False):
     """A PackedRows of shapes only (jax.ShapeDtypeStruct), to compile an update without data;

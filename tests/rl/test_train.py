@@ -7,6 +7,8 @@ import pytest
 
 from tests.rl.runs import read_metrics, train_cli, without_machine_keys, write_config
 
+pytestmark = pytest.mark.slow
+
 
 def test_the_default_compilation_cache_is_off_on_the_cpu(full_run):
     _, run_dir = full_run  # no train.compilation_cache in its config

@@ -19,6 +19,8 @@ from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs
 from tests.rollout.conftest import random_params
 from tests.rollout.reference import padded
 
+pytestmark = pytest.mark.slow
+
 # small_moe's routing (16 experts, top-2, renormalised) on tiny weights; layer 1 of 3 is dense.
 CFG = ModelConfig(
     family="qwen3_moe",

@@ -8,6 +8,8 @@ from jaxspec.models.sharding import gathered_param_shardings
 from jaxspec.rollout import Sampling, generate
 from jaxspec.run.placement import cast_floats
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [5, 9, 11], [30] * 12, [1], [5, 9, 11], [44, 2], [1]]
 
 

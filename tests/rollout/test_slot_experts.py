@@ -19,6 +19,8 @@ from tests.rollout.test_recorded_experts import (
     specs,
 )
 
+pytestmark = pytest.mark.slow
+
 # 5 prompts of 3 to 20 tokens, 3 rows each: with pages of 4 positions the later rows of a prompt of
 # 5 or more tokens take its first pages from the prefix cache.
 BATCH = [p for p in PROMPTS[2:7] for _ in range(3)]

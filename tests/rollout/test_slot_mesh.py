@@ -20,6 +20,8 @@ from tests.rollout.conftest import assert_same_rollout, random_params
 from tests.rollout.test_recorded_experts import CFG as MOE_CFG
 from tests.rollout.test_recorded_experts import PROMPTS as MOE_PROMPTS
 
+pytestmark = pytest.mark.slow
+
 MESHES = {"data-tensor": dict(data=2, fsdp=1, tensor=2), "fsdp-tensor": dict(data=1, fsdp=2, tensor=2)}
 SLOTS = 8
 CHAIN = dict(num_draft_tokens=3)

@@ -20,6 +20,8 @@ from jaxspec.draft import load_eagle3
 from jaxspec.models import load_hf
 from jaxspec.rollout import Sampling, Spec, generate, slot_width
 
+pytestmark = pytest.mark.slow
+
 SAMPLED = Sampling(temperature=1.0, max_new_tokens=40, eos_id=2)
 SLOTS = 8
 

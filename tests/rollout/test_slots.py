@@ -28,6 +28,8 @@ from tests.rollout.test_distribution import (
 )
 from tests.rollout.test_engine import BATCH, GREEDY, MAX_NEW, PROMPTS, greedy_batch  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow
+
 SAMPLED = Sampling(temperature=1.0, top_p=0.95, max_new_tokens=MAX_NEW, eos_id=(3, 11))
 ROWS = BATCH * 3  # 18 rows
 SLOT_COUNTS = (1, 4, 7)

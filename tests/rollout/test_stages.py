@@ -9,6 +9,8 @@ from jaxspec.draft import init_eagle3
 from jaxspec.rollout import Sampling, Spec, generate, stages
 from tests.rollout.reference import greedy_reference
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 9, 11], [2, 40, 33, 17, 8, 60, 1], [3] * 5 + list(range(10, 25))]
 BATCH = [PROMPTS[i] for i in (0, 1, 2, 0, 1, 2, 0, 1)]
 MAX_NEW = 24

@@ -19,6 +19,8 @@ from jaxspec.rollout.speculative.adaptive import (
 )
 from jaxspec.rollout.speculative.stats import Counts
 
+pytestmark = pytest.mark.slow
+
 K = 3
 MAX_NEW = 40
 

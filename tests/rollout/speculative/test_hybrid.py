@@ -21,6 +21,8 @@ from jaxspec.rollout.speculative.tree import DraftTree
 from jaxspec.tasks import generate_problems
 from jaxspec.tasks.tokenizer import ChatTokenizer
 
+pytestmark = pytest.mark.slow
+
 SIZE = 9  # nodes per random source tree, root included
 DEPTH = 4
 

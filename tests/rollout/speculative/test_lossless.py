@@ -42,6 +42,8 @@ from tests.rollout.conftest import random_params
 from tests.rollout.reference import continuation_probs, full_forward, padded
 from tests.rollout.test_distribution import chi_square_pvalue
 
+pytestmark = pytest.mark.slow
+
 PROMPT = (2, 1, 3, 1, 4, 2, 3, 2, 1)
 MAX_NEW = 3
 # One batch: fewer than half the rows end within 3 tokens, so a staged loop would never leave its

@@ -30,6 +30,8 @@ from tests.rollout.reference import continuation_probs, full_forward, padded, re
 from tests.rollout.speculative.test_lossless import EOS, MAX_NEW, NUCLEUS, PROMPT, SHAPES, T1, race_tiles  # noqa: F401
 from tests.rollout.test_distribution import chi_square_pvalue
 
+pytestmark = pytest.mark.slow
+
 # Power: rollouts of a peaked policy (the tiny policy's architecture, weights std 0.7: its
 # next-token distributions are far from uniform, so acceptance and temperature errors move a lot
 # of mass) with strong draft chains of 2: the policy itself drafting its argmax, or a sharpened

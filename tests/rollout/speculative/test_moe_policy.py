@@ -21,6 +21,8 @@ from tests.rollout.speculative import test_lossless as lossless
 from tests.rollout.speculative.test_loop import autoregressive, eos_and_reference, greedy_sampling, speculative  # noqa: F401
 from tests.rollout.speculative.test_lossless import drafts, race_tiles, reference, sampled, teacher_forced  # noqa: F401
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def policy():

@@ -31,6 +31,8 @@ from tests.rollout.test_distribution import (
     slot_continuations,
 )
 
+pytestmark = pytest.mark.slow
+
 TREE = dict(num_draft_tokens=3, tree_width=2)
 
 

@@ -29,6 +29,8 @@ from tests.rollout.test_distribution import (
     slot_continuations,
 )
 
+pytestmark = pytest.mark.slow
+
 CHAIN = dict(num_draft_tokens=3)
 TREE = dict(num_draft_tokens=3, tree_width=2, tree_budget=4)
 
