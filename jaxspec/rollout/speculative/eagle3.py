@@ -262,13 +262,25 @@ class Eagle3Drafter:
         (the old root's features with the new root) appended to the pending chunk. The adaptive
         loop drafts at least every `backlog` iterations, so the chunk never overflows."""
         stacked = stack_aux(self.dcfg, dparams["head"], verified.hidden[:, :, :1])[:, 0]  # [B, 3H]
-        rows, active = jnp.arange(state.count.shape[0]), verified.active
-        slot = jnp.where(active, state.count, state.tokens.shape[1])  # out of range: dropped
+        return self.queue(state, new_tokens(verified)[:, 0], stacked, verified.active)
+
+    @staticmethod
+    def queue(state: HeadState, tokens: jax.Array, hidden: jax.Array, append: jax.Array) -> HeadState:
+        """state with one entry (tokens int32 [B], stacked features hidden [B, 3H]) appended to the
+        pending chunk of the rows where append (bool [B])."""
+        rows = jnp.arange(state.count.shape[0])
+        slot = jnp.where(append, state.count, state.tokens.shape[1])  # out of range: dropped
         return state._replace(
-            tokens=state.tokens.at[rows, slot].set(new_tokens(verified)[:, 0], mode="drop"),
-            hidden=state.hidden.at[rows, slot].set(stacked, mode="drop"),
-            count=state.count + active.astype(jnp.int32),
+            tokens=state.tokens.at[rows, slot].set(tokens, mode="drop"),
+            hidden=state.hidden.at[rows, slot].set(hidden, mode="drop"),
+            count=state.count + append.astype(jnp.int32),
         )
+
+    @staticmethod
+    def one_entry(state: HeadState) -> HeadState:
+        """An empty pending chunk of one entry per row, shaped as state's: `defer` on it leaves the
+        entry it queues at index 0 (count 1), for `queue` to append to state's own chunk."""
+        return state._replace(tokens=state.tokens[:, :1], hidden=state.hidden[:, :1], count=jnp.zeros_like(state.count))
 
     def _constrain(self, buf: jax.Array) -> jax.Array:
         return constrain(self.sharding, buf, KV_CACHE_AXES)

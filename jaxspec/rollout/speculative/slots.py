@@ -323,8 +323,14 @@ def _loop(
 
         inputs = (table, *slots_flat(layout, (state.last, state.cache_len)), active, keys)
         carry, draft_pools = without_pools(stored)
+        if pools_out:  # the head's chunk [S, E, 3H] stays out of the width branches too (gathered and
+            # scattered whole at a narrow width): the step queues its entry into an empty one-entry
+            # chunk, appended to the slots' own at full width after it
+            queued, carry = carry, drafter.one_entry(carry)
         pools = (state.cache.k, state.cache.v, () if pools_out else draft_pools)
         outcome, carry, (k, v, stepped_pools) = on_decoding_slots(layout.widths, active, forward, inputs, carry, pools)
+        if pools_out:
+            carry = drafter.queue(queued, carry.tokens[:, 0], carry.hidden[:, 0], carry.count > 0)
         draft_pools = draft_pools if pools_out else stepped_pools
         draft = slots_grouped(layout, with_call_pool(with_pools(carry, stored, draft_pools), None))
         state = state._replace(cache=state.cache._replace(k=k, v=v), draft=state.draft._replace(draft=draft))

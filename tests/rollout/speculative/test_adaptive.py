@@ -257,13 +257,14 @@ def tiny_policy_and_head():
     return cfg, params, load_eagle3(tiny_eagle3_path(), policy=cfg), prompts
 
 
-@pytest.mark.parametrize("slots", [None, 6], ids=["staged", "slots"])
+@pytest.mark.parametrize("slots", [None, 6, 16], ids=["staged", "slots", "narrowing slots"])
 def test_an_eagle3_head_queues_autoregressive_iterations(tiny_policy_and_head, slots):
     """An adaptive EAGLE-3 loop runs no head in its autoregressive iterations: the head queues them
     (`Eagle3Drafter.defer`) and runs them at the next probe (after 16 of them: more than one piece
     of 16 entries, the least `queue_piece` gives). Its drafts, so the loop's acceptance, choices
     and statistics, equal those of the same loop with a head that runs at every iteration; its
-    tokens equal autoregressive decoding."""
+    tokens equal autoregressive decoding. 6 slots start rows in slots that other rows left; 16
+    slots step 8 of them once at most 8 decode (`slot_width`), the queue appended at full width."""
     from jaxspec.rollout.speculative import eagle3
     from jaxspec.rollout.speculative.eagle3 import MIN_QUEUE_PIECE, Eagle3Drafter
 
@@ -294,3 +295,5 @@ def test_an_eagle3_head_queues_autoregressive_iterations(tiny_policy_and_head, s
     )
     for name in ("depth_steps", "fallback_steps", "accepted_tokens", "drafted_tokens", "steps"):
         assert queued.stats[name] == stepped.stats[name], (name, queued.stats, stepped.stats)
+    if slots == 16:
+        assert queued.stats["step_widths"] == [16, 8] and queued.stats["width_steps"][1] > 0, queued.stats
