@@ -26,12 +26,12 @@ def test_only_a_plain_run_over_the_suite_leaves_out_the_slow_tier():
     assert not leaves_out_the_slow_tier(options(file_or_dir=["tests/rl/test_train.py"]))
 
 
+def suite_files() -> set[str]:
+    return {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")}
+
+
 def slow_files() -> set[str]:
-    return {
-        str(path.relative_to(ROOT))
-        for path in (ROOT / "tests").rglob("test_*.py")
-        if SLOW_MARK.search(path.read_text())
-    }
+    return {name for name in suite_files() if SLOW_MARK.search((ROOT / name).read_text())}
 
 
 def test_a_plain_collection_has_no_test_of_a_slow_file_and_keeps_every_other_file():
@@ -45,5 +45,4 @@ def test_a_plain_collection_has_no_test_of_a_slow_file_and_keeps_every_other_fil
     collected = {line.split("::")[0] for line in out.splitlines() if "::" in line}
     slow = slow_files()
     assert "tests/rl/test_train.py" in slow and "tests/rl/test_step.py" not in slow
-    assert not collected & slow
-    assert "tests/rl/test_step.py" in collected and "tests/test_tiers.py" in collected
+    assert collected == suite_files() - slow
