@@ -248,12 +248,13 @@ class Eagle3Drafter:
     def update(self, dparams, state: HeadState, verified: Verified) -> HeadState:
         stacked = stack_aux(self.dcfg, dparams["head"], verified.hidden)  # [B, E, 3H]: the committed tokens'
         active, width = verified.active, stacked.shape[1]  # the chunk's first E entries (a backlog's are unread)
-        tokens = jnp.where(active[:, None], new_tokens(verified), state.tokens[:, :width])
-        hidden = jnp.where(active[:, None, None], stacked, state.hidden[:, :width])
+        # The inactive rows are dropped by index: an update that also read the chunk it writes (a
+        # select against it) could not be done in place and would copy the whole [B, E, 3H] chunk.
+        rows = jnp.where(active, jnp.arange(active.shape[0]), active.shape[0])
         return HeadState(
             cache=state.cache,
-            tokens=state.tokens.at[:, :width].set(tokens),
-            hidden=state.hidden.at[:, :width].set(hidden),
+            tokens=state.tokens.at[rows, :width].set(new_tokens(verified), mode="drop"),
+            hidden=state.hidden.at[rows, :width].set(stacked, mode="drop"),
             count=jnp.where(active, verified.num_accepted + 1, state.count),
         )
 

@@ -216,10 +216,13 @@ def start_hook(drafter, dparams, layout: Layout):
             new = old._replace(tokens=tokens, count=pick(jnp.ones_like(old.count), old.count))
             if isinstance(drafter, Eagle3Drafter):
                 root_hidden = stack_aux(drafter.dcfg, dparams["head"], hidden_last[:, :, None])[:, 0]  # [S, 3H]
-                # Only entry 0 of the features is written: no result depends on an entry at or past the
-                # count (once a chunk has run, its later entries hold earlier steps' anyway), and a
-                # select over the whole [S, E, 3H] chunk would rewrite it at every start.
-                new = new._replace(hidden=old.hidden.at[:, 0].set(pick(root_hidden, old.hidden[:, 0])))
+                # Only the started slots' entry 0 of the features is written: no result depends on an
+                # entry at or past the count (once a chunk has run, its later entries hold earlier steps'
+                # anyway). The rows not started are dropped by index rather than kept by a select: an
+                # update that also reads the [S, E, 3H] chunk cannot be made in place, and would
+                # rewrite the whole chunk at every start.
+                slot = jnp.where(started, jnp.arange(layout.slots), layout.slots)
+                new = new._replace(hidden=old.hidden.at[slot, 0].set(root_hidden, mode="drop"))
             return new
 
         return state._replace(draft=spec._replace(draft=start(drafter, dparams, spec.draft)))
