@@ -88,6 +88,12 @@ def new_tokens(verified: Verified) -> jax.Array:
     return jnp.where(steps == verified.num_accepted[:, None], verified.next_root[:, None], shifted)
 
 
+def defers_step(drafter, drafts: bool) -> bool:
+    """Whether a step that drafts (or, drafts=False, verifies the root alone) calls the drafter's
+    `defer` in place of `propose` and `update`: an autoregressive step of a deferring drafter."""
+    return not drafts and getattr(drafter, "defers", False)
+
+
 class Drafter(Protocol):
     policy_layers: tuple[int, ...]
     depth: int  # tree levels below the root

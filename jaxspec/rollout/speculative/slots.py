@@ -72,7 +72,7 @@ from jaxspec.rollout.slot_state import (
 from jaxspec.rollout.slot_width import on_decoding_slots
 from jaxspec.rollout.slots import decoding_slots, decoding_view, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
-from jaxspec.rollout.speculative.drafter import Pooled
+from jaxspec.rollout.speculative.drafter import Pooled, defers_step
 from jaxspec.rollout.speculative.generate import (
     adaptive_depth,
     head_queue_bytes,
@@ -291,7 +291,7 @@ def _loop(
         step_key = jax.random.fold_in(draft_key, first_group(layout, state.counters["decode_steps"]))
         # A head that defers leaves its cache alone in an autoregressive step (it queues the step's
         # entry), so its pools stay out of the step's branches, where XLA may copy what passes.
-        pools_out = not drafts and getattr(drafter, "defers", False)
+        pools_out = defers_step(drafter, drafts)
 
         def forward(inputs, carry, pools):
             """The step of W slots: (per-slot outcome, the drafter's per-slot state, pools)."""

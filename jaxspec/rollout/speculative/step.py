@@ -27,7 +27,7 @@ from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
 from jaxspec.rollout.sampling import Sampling, choose_per_row, choose_tokens, processed_logprobs
-from jaxspec.rollout.speculative.drafter import Drafter, Verified
+from jaxspec.rollout.speculative.drafter import Drafter, Verified, defers_step
 from jaxspec.rollout.speculative.tree import DraftTree, ancestor_mask
 
 
@@ -131,12 +131,11 @@ def speculative_step(
     width = max_depth + 1
     loop_rows = root.shape[0]
     steps = jnp.arange(width, dtype=jnp.int32)[None, :]
-    defers = False
+    defers = defers_step(drafter, drafts)  # `defer` below queues the step instead
     with jax.named_scope("propose"):
         if drafts:
             draft, tree = drafter.propose(dparams, draft, root, cache_len, active, draft_key)
         else:
-            defers = getattr(drafter, "defers", False)  # `defer` below queues the step instead
             if not (defers or getattr(drafter, "propose_keeps_state", False)):  # e.g. a head's pending entries
                 one = dataclasses.replace(drafter, depth=1, num_nodes=1)
                 draft, _ = one.propose(dparams, draft, root, cache_len, active, draft_key)
@@ -184,7 +183,7 @@ def speculative_step(
         else (jnp.take_along_axis(hidden, jnp.maximum(path, 0)[None, :, :, None], axis=2))
     )
     with jax.named_scope("draft_update"):
-        draft = (drafter.update if drafts or not defers else drafter.defer)(
+        draft = (drafter.defer if defers else drafter.update)(
             dparams,
             draft,
             Verified(
