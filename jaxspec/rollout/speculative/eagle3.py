@@ -48,12 +48,21 @@ class HeadState(NamedTuple):
     valid one the root's):
     tokens int32 [B, E], hidden [B, E, 3H] the policy features each entry pairs with its token,
     its three layers side by side (`jaxspec.draft.stack_aux`: the head's fc runs when the chunk
-    does, once for all the entries an adaptive loop queued), count int32 [B] in [1, E]."""
+    does, once for all the entries an adaptive loop queued), count int32 [B] in [1, E].
+    rows: None when hidden holds the state's B rows; else int32 [B], the rows of a larger hidden
+    [S, E, 3H] that the state's rows are: a slot engine step on B of its S slots reads and writes
+    their features where they lie (`slot_drafters.without_chunk`) rather than moving the chunk."""
 
     cache: KVCache
     tokens: jax.Array
     hidden: jax.Array
     count: jax.Array
+    rows: jax.Array | None = None
+
+
+def _feature_rows(state: HeadState) -> jax.Array:
+    """int32 [B]: the rows of state.hidden that the state's B rows are."""
+    return jnp.arange(state.count.shape[0]) if state.rows is None else state.rows
 
 
 MIN_QUEUE_PIECE = 16  # entries per pass when a backlog runs, at least
@@ -207,8 +216,14 @@ class Eagle3Drafter:
         width = state.tokens.shape[1]
         narrow = width - self.backlog
 
+        def features(offset, size: int) -> jax.Array:
+            """hidden [B, size, 3H] of entries [offset, offset + size), zeros past the chunk's E."""
+            entries = offset + jnp.arange(size)
+            return state.hidden.at[_feature_rows(state)[:, None], entries[None, :]].get(mode="fill", fill_value=0)
+
         def first_entries():
-            return run(state.tokens[:, :narrow], state.hidden[:, :narrow], 0, last, cache)
+            hidden = state.hidden[:, :narrow] if state.rows is None else features(0, narrow)
+            return run(state.tokens[:, :narrow], hidden, 0, last, cache)
 
         if not self.defers:
             return first_entries()
@@ -216,16 +231,14 @@ class Eagle3Drafter:
         size, padded = piece_layout(width, self.piece or queue_piece(self.dcfg))
 
         def in_pieces():
-            pad = padded - width
-            tokens = jnp.pad(state.tokens, ((0, 0), (0, pad)))
-            hidden = jnp.pad(state.hidden, ((0, 0), (0, pad), (0, 0)))
+            tokens = jnp.pad(state.tokens, ((0, 0), (0, padded - width)))
 
             def run_piece(i, carry):
                 logits, out, root_hidden, cache = carry
                 offset = i * size
                 new_logits, new_out, new_root_hidden, cache = run(
                     jax.lax.dynamic_slice_in_dim(tokens, offset, size, axis=1),
-                    jax.lax.dynamic_slice_in_dim(hidden, offset, size, axis=1),
+                    features(offset, size),
                     offset,
                     jnp.clip(last - offset, 0, size - 1),
                     cache,
@@ -239,7 +252,7 @@ class Eagle3Drafter:
                 )
 
             needed = (jnp.max(jnp.where(active, state.count, 1)) + size - 1) // size
-            first = run(tokens[:, :size], hidden[:, :size], 0, jnp.minimum(last, size - 1), cache)
+            first = run(tokens[:, :size], features(0, size), 0, jnp.minimum(last, size - 1), cache)
             return jax.lax.fori_loop(1, needed, run_piece, first)
 
         queued = jnp.any(active & (state.count > narrow))
@@ -251,10 +264,10 @@ class Eagle3Drafter:
         # The inactive rows are dropped by index: an update that also read the chunk it writes (a
         # select against it) could not be done in place and would copy the whole [B, E, 3H] chunk.
         rows = jnp.where(active, jnp.arange(active.shape[0]), active.shape[0])
-        return HeadState(
-            cache=state.cache,
+        feature_rows = jnp.where(active, _feature_rows(state), state.hidden.shape[0])
+        return state._replace(
             tokens=state.tokens.at[rows, :width].set(new_tokens(verified), mode="drop"),
-            hidden=state.hidden.at[rows, :width].set(stacked, mode="drop"),
+            hidden=state.hidden.at[feature_rows, :width].set(stacked, mode="drop"),
             count=jnp.where(active, verified.num_accepted + 1, state.count),
         )
 
@@ -273,14 +286,15 @@ class Eagle3Drafter:
         slot = jnp.where(append, state.count, state.tokens.shape[1])  # out of range: dropped
         return state._replace(
             tokens=state.tokens.at[rows, slot].set(tokens, mode="drop"),
-            hidden=state.hidden.at[rows, slot].set(hidden, mode="drop"),
+            hidden=state.hidden.at[_feature_rows(state), slot].set(hidden, mode="drop"),
             count=state.count + append.astype(jnp.int32),
         )
 
     @staticmethod
     def one_entry(state: HeadState) -> HeadState:
-        """An empty pending chunk of one entry per row, shaped as state's: `defer` on it leaves the
-        entry it queues at index 0 (count 1), for `queue` to append to state's own chunk."""
+        """An empty pending chunk of one entry per row, shaped as state's (whose features are its
+        own rows: `rows` None): `defer` on it leaves the entry it queues at index 0 (count 1), for
+        `queue` to append to state's own chunk."""
         return state._replace(tokens=state.tokens[:, :1], hidden=state.hidden[:, :1], count=jnp.zeros_like(state.count))
 
     def _constrain(self, buf: jax.Array) -> jax.Array:

@@ -138,6 +138,39 @@ def with_pools(per_slot, stored, pools, page_table: jax.Array | None = None):
     return per_slot._replace(cache=cache if page_table is None else cache._replace(page_table=page_table))
 
 
+def _head_part(state):
+    """The EAGLE-3 head's part of a drafter's per-slot state: a hybrid's head, or the state itself."""
+    return state.rows.head if isinstance(state, Pooled) and isinstance(state.rows, HybridRows) else state
+
+
+def _with_head_part(state, head):
+    """`_head_part`'s state put back."""
+    if isinstance(state, Pooled) and isinstance(state.rows, HybridRows):
+        return state._replace(rows=state.rows._replace(head=head))
+    return head
+
+
+def without_chunk(per_slot):
+    """(per_slot, features): the EAGLE-3 head's pending features [S, E, 3H] (its own or a hybrid's
+    head's) taken out of a drafter's per-slot state, which keeps None there; (per_slot, None) for
+    the other drafters. A step on W of the S slots (`jaxspec.rollout.slot_width`) then reads and
+    writes its slots' entries where they lie (`with_chunk`), where carrying the chunk would gather
+    and scatter all of it, most of it a backlog's room that the step does not read."""
+    head = _head_part(per_slot)
+    if not isinstance(head, HeadState):
+        return per_slot, None
+    return _with_head_part(per_slot, head._replace(hidden=None, rows=None)), head.hidden
+
+
+def with_chunk(per_slot, features: jax.Array | None, slots: jax.Array | None = None):
+    """`without_chunk` undone: the per-slot state (of W slots) with the features [S, E, 3H] of all S
+    slots, its rows being slots int32 [W] of them (None: W = S, in order)."""
+    if features is None:
+        return per_slot
+    rows = None if slots is None or slots.shape[0] == features.shape[0] else slots
+    return _with_head_part(per_slot, _head_part(per_slot)._replace(hidden=features, rows=rows))
+
+
 def _kv_part(drafter, dparams, state):
     """(drafter, dparams, state) of the part of a drafter with a paged cache: a hybrid's head."""
     if isinstance(drafter, HybridDrafter):

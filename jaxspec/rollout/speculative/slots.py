@@ -87,7 +87,9 @@ from jaxspec.rollout.speculative.slot_drafters import (
     prefill_hook,
     start_hook,
     with_call_pool,
+    with_chunk,
     with_pools,
+    without_chunk,
     without_pools,
 )
 from jaxspec.rollout.speculative.spec import Spec
@@ -295,9 +297,9 @@ def _loop(
 
         def forward(inputs, carry, pools):
             """The step of W slots: (per-slot outcome, the drafter's per-slot state, pools)."""
-            table, last, cache_len, active, keys = inputs
+            table, last, cache_len, active, keys, slots = inputs
 
-            k, v, draft_pools = pools
+            k, v, draft_pools, features = pools
             out = speculative_step(
                 cfg,
                 params,
@@ -305,7 +307,7 @@ def _loop(
                 drafter,
                 dparams,
                 state.cache._replace(k=k, v=v, page_table=table),
-                carry if pools_out else with_pools(carry, stored, draft_pools, table),
+                carry if pools_out else with_pools(with_chunk(carry, features, slots), stored, draft_pools, table),
                 last,
                 cache_len,
                 active,
@@ -319,18 +321,28 @@ def _loop(
             outcome = (out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
             outcome += (out.tree.num_nodes, out.path) + ((out.node_experts,) if record else ())
             carry, draft_pools = (out.draft, ()) if pools_out else without_pools(out.draft)
-            return outcome, carry, (out.cache.k, out.cache.v, draft_pools)
+            carry, features = (carry, None) if pools_out else without_chunk(carry)
+            return outcome, carry, (out.cache.k, out.cache.v, draft_pools, features)
 
-        inputs = (table, *slots_flat(layout, (state.last, state.cache_len)), active, keys)
+        slots = jnp.arange(active.shape[0], dtype=jnp.int32)  # a step on W slots sees the W it runs
+        inputs = (table, *slots_flat(layout, (state.last, state.cache_len)), active, keys, slots)
         carry, draft_pools = without_pools(stored)
-        if pools_out:  # the head's chunk [S, E, 3H] stays out of the width branches too (gathered and
-            # scattered whole at a narrow width): the step queues its entry into an empty one-entry
-            # chunk, appended to the slots' own at full width after it
-            queued, carry = carry, drafter.one_entry(carry)
-        pools = (state.cache.k, state.cache.v, () if pools_out else draft_pools)
-        outcome, carry, (k, v, stepped_pools) = on_decoding_slots(layout.widths, active, forward, inputs, carry, pools)
+        # The head's chunk [S, E, 3H] stays out of the width branches too (gathered and scattered
+        # whole at a narrow width): an autoregressive step queues its entry into an empty one-entry
+        # chunk, appended to the slots' own at full width after it; a drafting step reads and
+        # writes its slots' entries in place.
+        if pools_out:
+            queued, carry, features = carry, drafter.one_entry(carry), None
+        else:
+            carry, features = without_chunk(carry)
+        pools = (state.cache.k, state.cache.v, () if pools_out else draft_pools, features)
+        outcome, carry, (k, v, stepped_pools, features) = on_decoding_slots(
+            layout.widths, active, forward, inputs, carry, pools
+        )
         if pools_out:
             carry = drafter.queue(queued, carry.tokens[:, 0], carry.hidden[:, 0], carry.count > 0)
+        else:
+            carry = with_chunk(carry, features)
         draft_pools = draft_pools if pools_out else stepped_pools
         draft = slots_grouped(layout, with_call_pool(with_pools(carry, stored, draft_pools), None))
         state = state._replace(cache=state.cache._replace(k=k, v=v), draft=state.draft._replace(draft=draft))
