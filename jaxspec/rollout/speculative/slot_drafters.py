@@ -139,15 +139,9 @@ def with_pools(per_slot, stored, pools, page_table: jax.Array | None = None):
 
 
 def _head_part(state):
-    """The EAGLE-3 head's part of a drafter's per-slot state: a hybrid's head, or the state itself."""
+    """The EAGLE-3 head's part of a drafter's per-slot state (a hybrid's head, or the state itself),
+    which `_with_kv_part` puts back."""
     return state.rows.head if isinstance(state, Pooled) and isinstance(state.rows, HybridRows) else state
-
-
-def _with_head_part(state, head):
-    """`_head_part`'s state put back."""
-    if isinstance(state, Pooled) and isinstance(state.rows, HybridRows):
-        return state._replace(rows=state.rows._replace(head=head))
-    return head
 
 
 def without_chunk(per_slot):
@@ -159,7 +153,7 @@ def without_chunk(per_slot):
     head = _head_part(per_slot)
     if not isinstance(head, HeadState):
         return per_slot, None
-    return _with_head_part(per_slot, head._replace(hidden=None, rows=None)), head.hidden
+    return _with_kv_part(per_slot, head._replace(hidden=None, rows=None)), head.hidden
 
 
 def with_chunk(per_slot, features: jax.Array | None, slots: jax.Array | None = None):
@@ -168,7 +162,7 @@ def with_chunk(per_slot, features: jax.Array | None, slots: jax.Array | None = N
     if features is None:
         return per_slot
     rows = None if slots is None or slots.shape[0] == features.shape[0] else slots
-    return _with_head_part(per_slot, _head_part(per_slot)._replace(hidden=features, rows=rows))
+    return _with_kv_part(per_slot, _head_part(per_slot)._replace(hidden=features, rows=rows))
 
 
 def _kv_part(drafter, dparams, state):
