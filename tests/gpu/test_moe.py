@@ -50,3 +50,37 @@ def test_grad_run_checks_the_weight_gradient(monkeypatch, capsys):
     weight_grad = kernels.grouped_transposed_matmul_triton
     monkeypatch.setattr(kernels, "grouped_transposed_matmul_triton", lambda *a, **k: weight_grad(*a, **k) * 1.05)
     assert check_moe.main(["--tiny", "--grad", "--rows", "16"]) == 1
+
+
+def test_tokamax_rows_are_checked_and_timed_beside_the_kernel(capsys):
+    pytest.importorskip("tokamax", reason="tokamax is not a test dependency")
+    # off a GPU tokamax's "xla" implementation runs and its "mosaic" one says why it cannot
+    assert check_moe.main(["--tiny", "--rows", "16", "--tokamax", "xla", "mosaic"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("tiny")]
+    assert [line[6] for line in rows if line[1] == "up"] == [
+        "kernel",
+        "ragged_dot",
+        "dense",
+        "tokamax-xla",
+        "tokamax-mosaic",
+    ]
+    xla = next(line for line in rows if line[6] == "tokamax-xla")
+    assert float(xla[7]) > 0 and float(xla[-1]) < check_moe.TOLERANCE
+    if jax.default_backend() == "cpu":
+        assert any(line[6] == "tokamax-mosaic" and "did not run" in " ".join(line) for line in rows)
+    assert "so does tokamax's wherever it ran" in out
+
+
+def test_a_wrong_tokamax_result_fails_the_check(monkeypatch, capsys):
+    pytest.importorskip("tokamax", reason="tokamax is not a test dependency")
+    right = check_moe.tokamax_ragged_dot
+    monkeypatch.setattr(check_moe, "tokamax_ragged_dot", lambda impl: lambda x, w, s: right(impl)(x, w, s) * 1.05)
+    assert check_moe.main(["--tiny", "--rows", "16", "--tokamax", "xla"]) == 1
+    assert "MISMATCH tiny up rows=16: tokamax-xla vs ragged_dot" in capsys.readouterr().out
+
+
+def test_tokamax_rows_without_tokamax_name_the_package(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "tokamax", None)  # import fails as if not installed
+    with pytest.raises(SystemExit, match="pip install tokamax"):
+        check_moe.main(["--tiny", "--rows", "16", "--tokamax", "xla"])
