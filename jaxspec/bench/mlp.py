@@ -11,7 +11,11 @@ the three weights once whatever M is (3 x H x F x 2 bytes), so `roofline` = thos
 over the device copy bandwidth (bytes read + written per second inside one compiled loop,
 measured in the same run): the fraction of the card's memory rate the GEMMs reach. A fraction
 above 1.0 is an error row, never a result. `fused_speedup` is the two-GEMM time over the one-GEMM
-time; `max_abs_diff` their outputs' largest difference after one call.
+time; `max_abs_diff` their outputs' largest difference after one call. `--tokamax IMPL ...` adds a
+form per tokamax implementation (`jaxspec.bench.tokamax_kernels`): its fused gated linear unit over
+the same [H, 2, F] weight in place of the one GEMM and the silu product, with its time, roofline,
+speedup over the one GEMM and largest difference from it; an implementation tokamax cannot run
+here leaves its row's fields empty and says why (`tokamax_<impl>_error`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.bench.timing import add_fraction, copy_bytes_per_second, looped_seconds, print_table, write_results
+from jaxspec.bench.tokamax_kernels import IMPLEMENTATIONS, load_tokamax
 from jaxspec.models.blocks import dense_mlp, rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import pair
@@ -55,6 +60,34 @@ def one_gemm(x: jax.Array, norm: jax.Array, gate_up: jax.Array, down: jax.Array)
     return x + dense_mlp({"gate_up": gate_up, "down": down}, rms_norm(x, norm, NORM_EPS))
 
 
+def tokamax_glu(implementation: str):
+    """The model's MLP as `one_gemm` computes it, its gated linear unit tokamax's fused kernel."""
+    tokamax = load_tokamax()
+
+    def mlp(x: jax.Array, norm: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+        h = rms_norm(x, norm, NORM_EPS)
+        glu = tokamax.gated_linear_unit(h, gate_up, activation=jax.nn.silu, implementation=implementation)
+        return x + glu @ down
+
+    return mlp
+
+
+def time_tokamax(rows: int, weights: dict[str, jax.Array], implementation: str, iters: int, repeats: int) -> dict:
+    """{"tokamax_<impl>_ms", "tokamax_<impl>_diff" (largest difference from `one_gemm` after one
+    call)}, or {"tokamax_<impl>_error": why it did not run}."""
+    name, args = f"tokamax_{implementation}", tuple(weights[k] for k in FUSED)
+    x = jax.random.normal(jax.random.key(1), (rows, weights["gate"].shape[0]), jnp.bfloat16)
+    mlp = tokamax_glu(implementation)
+    try:
+        got = jax.jit(mlp)(x, *args)
+    except Exception as e:  # e.g. NotImplementedError off a GPU, or a shape its kernel does not take
+        return {f"{name}_error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+    want = jax.jit(one_gemm)(x, *args)
+    seconds, _ = looped_seconds(mlp, x, *args, calls=iters, repeats=repeats)
+    diff = jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))
+    return {f"{name}_ms": seconds * 1e3, f"{name}_diff": float(diff)}
+
+
 def time_mlp(rows: int, weights: dict[str, jax.Array], iters: int, repeats: int) -> dict:
     """{"two_gemms_ms", "one_gemm_ms": device time of one MLP call over x [rows, H] in a compiled
     loop, "max_abs_diff": the two forms' outputs after one call}."""
@@ -83,6 +116,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=50, help="MLP calls per compiled loop")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of the loop (median)")
     p.add_argument("--copy-bytes", type=int, default=2 << 30, help="array size of the copy-bandwidth baseline")
+    p.add_argument("--tokamax", nargs="+", default=[], choices=IMPLEMENTATIONS, help="also tokamax's fused GLU")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -95,13 +129,19 @@ def main(argv: list[str]) -> int:
         for m in args.rows:
             row = {"model": Path(model).stem, "rows": m, **time_mlp(m, weights, args.iters, args.repeats)}
             row["fused_speedup"] = row["two_gemms_ms"] / row["one_gemm_ms"]
-            for form in ("two_gemms", "one_gemm"):
+            for impl in args.tokamax:
+                row.update(time_tokamax(m, weights, impl, args.iters, args.repeats))
+                if f"tokamax_{impl}_ms" in row:
+                    row[f"tokamax_{impl}_speedup"] = row["one_gemm_ms"] / row[f"tokamax_{impl}_ms"]
+            for form in ("two_gemms", "one_gemm", *(f"tokamax_{impl}" for impl in args.tokamax)):
+                if f"{form}_ms" not in row:
+                    continue
                 seconds = row[f"{form}_ms"] * 1e-3
                 what = f"{row['model']} MLP, {form}, {m} rows: weight read rate"
                 add_fraction(row, f"{form}_roofline", weight_bytes / seconds, copy_rate, what)
             rows.append(row)
             print_table(rows[-1:], list(rows[-1]))
     print()
-    print_table(rows, list(rows[0]))
+    print_table(rows, list(dict.fromkeys(column for row in rows for column in row)))
     write_results(args.out, "mlp", rows, {"copy_bytes_per_second": copy_rate})
     return 0

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.timing import in_loop_seconds
+from jaxspec.bench.tokamax_kernels import IMPLEMENTATIONS, load_tokamax
 from jaxspec.kernels.grouped_matmul import grouped_matmul_triton
 from jaxspec.models.moe import grouped_matmul
 
@@ -55,16 +56,8 @@ def routed_group_sizes(key: jax.Array, rows: int, num_experts: int, top_k: int) 
 
 
 def tokamax_ragged_dot(implementation: str):
-    """fn(x, w, group_sizes) -> tokamax's ragged_dot with that implementation ("mosaic", "triton",
-    "xla"). Raises SystemExit naming the package when tokamax is not installed."""
-    try:
-        import tokamax
-    except ImportError as e:
-        raise SystemExit(f"--tokamax needs the tokamax package (pip install tokamax): {e}") from e
-    from absl import flags  # a tokamax dependency
-
-    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, parsing sys.argv (not theirs) if not yet
-        flags.FLAGS.mark_as_parsed()
+    """fn(x, w, group_sizes) -> tokamax's ragged_dot with that implementation (`IMPLEMENTATIONS`)."""
+    tokamax = load_tokamax()
     return lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=implementation)
 
 
@@ -165,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tokamax",
         nargs="+",
         default=(),
-        choices=("mosaic", "triton", "xla"),
+        choices=IMPLEMENTATIONS,
         help="tokamax ragged_dot implementations",
     )
     for tile in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
