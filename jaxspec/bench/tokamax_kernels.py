@@ -15,8 +15,10 @@ def load_tokamax() -> types.ModuleType:
         import tokamax
     except ImportError as e:
         raise SystemExit(f"--tokamax needs the tokamax package (pip install tokamax): {e}") from e
-    from absl import flags  # a tokamax dependency
+    from absl import flags, logging  # tokamax dependencies
 
     if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, and would parse sys.argv (not theirs)
         flags.FLAGS.mark_as_parsed()
+    # each autotuning cache miss is a warning that prints the call's whole arguments (group sizes too)
+    logging.set_verbosity(logging.ERROR)
     return tokamax

@@ -23,3 +23,14 @@ def test_a_benchmarks_own_arguments_are_not_parsed_as_tokamax_flags(monkeypatch)
     x, w = jnp.ones((6, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32)
     out = tokamax.ragged_dot(x, w, jnp.array([4, 2], jnp.int32), implementation="xla")
     assert out.shape == (6, 3) and float(out[0, 0]) == 4.0
+
+
+def test_tokamax_autotuning_warnings_are_silenced(monkeypatch):
+    pytest.importorskip("tokamax", reason="tokamax is not a test dependency")
+    from absl import logging
+
+    levels = []
+    monkeypatch.setattr(logging, "set_verbosity", levels.append)
+    load_tokamax()
+    # an autotuning cache miss is a warning printing the call's whole arguments, once per shape
+    assert levels == [logging.ERROR]
