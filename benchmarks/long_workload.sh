@@ -12,7 +12,10 @@
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
-#   PRETRAIN_BATCH (rows per step; default keeps ~61k tokens a step), HEAD_STEPS (1000),
+#   PRETRAIN_BATCH (rows per step; default keeps ~61k tokens a step), PRETRAIN_PROBLEMS (the problems
+#   generated and tokenized: by default those the steps read, steps x batch x max_len / 2000 (a packed
+#   row holds ~one problem per 2000 of its tokens) with 10% to spare, at most the config's 50000; the
+#   data's preparation is ~6 s per 1000 problems on one core), HEAD_STEPS (1000),
 #   SPEC_BATCH (256), SPEC_SAMPLES (8: GRPO's group size), SPEC_NEW (8192), SPEC_K ("3 7": the
 #   k=7 chain's acceptance per position gives the acceptance length at every k <= 7), PRETRAIN_ARGS
 #   and HEAD_ARGS (extra dotted.key=value overrides); engines: ENGINE_CALLS (2: the memory both engines
@@ -28,6 +31,8 @@ RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
 PRETRAIN_MAX_LEN=${PRETRAIN_MAX_LEN:-30720}
 PRETRAIN_BATCH=${PRETRAIN_BATCH:-$((61440 / PRETRAIN_MAX_LEN))}
+PRETRAIN_PROBLEMS=${PRETRAIN_PROBLEMS:-$(( PRETRAIN_STEPS * PRETRAIN_BATCH * PRETRAIN_MAX_LEN * 11 / 20000 ))}
+[ "$PRETRAIN_PROBLEMS" -le 50000 ] || PRETRAIN_PROBLEMS=50000
 HEAD_STEPS=${HEAD_STEPS:-1000}
 SPEC_BATCH=${SPEC_BATCH:-256}
 SPEC_SAMPLES=${SPEC_SAMPLES:-8}
@@ -66,7 +71,7 @@ pretrain() {
   fi
   jaxspec pretrain --config configs/pretrain_long.yaml --run-dir "$run_dir" train.progress=false \
     train.steps="$PRETRAIN_STEPS" data.max_len="$PRETRAIN_MAX_LEN" train.batch_size="$PRETRAIN_BATCH" \
-    data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" "$@" 2>&1 | tee "$log"
+    data.num_train="$PRETRAIN_PROBLEMS" data.num_eval=0 "${attention[@]}" "${pretrain_args[@]}" "$@" 2>&1 | tee "$log"
 }
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(pretrain head spec)
