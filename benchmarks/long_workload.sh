@@ -14,8 +14,8 @@
 #   problems whose answer does not fit, so the policy never sees the longest answers),
 #   PRETRAIN_BATCH (rows per step; default keeps ~61k tokens a step), PRETRAIN_PROBLEMS (the problems
 #   generated and tokenized: by default those the steps read, steps x batch x max_len / 2000 (a packed
-#   row holds ~one problem per 2000 of its tokens) with 10% to spare, at most the config's 50000; the
-#   data's preparation is ~6 s per 1000 problems on one core), HEAD_STEPS (1000),
+#   row holds ~one problem per 2000 of its tokens) with 10% to spare, at most the config's
+#   data.num_train; the data's preparation is ~6 s per 1000 problems on one core), HEAD_STEPS (1000),
 #   SPEC_BATCH (256), SPEC_SAMPLES (8: GRPO's group size), SPEC_NEW (8192), SPEC_K ("3 7": the
 #   k=7 chain's acceptance per position gives the acceptance length at every k <= 7), PRETRAIN_ARGS
 #   and HEAD_ARGS (extra dotted.key=value overrides); engines: ENGINE_CALLS (2: the memory both engines
@@ -31,8 +31,9 @@ RESULTS=${RESULTS:-benchmarks/results}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
 PRETRAIN_MAX_LEN=${PRETRAIN_MAX_LEN:-30720}
 PRETRAIN_BATCH=${PRETRAIN_BATCH:-$((61440 / PRETRAIN_MAX_LEN))}
+config_problems=$(python3 -c 'import yaml; print(yaml.safe_load(open("configs/pretrain_long.yaml"))["data"]["num_train"])')
 PRETRAIN_PROBLEMS=${PRETRAIN_PROBLEMS:-$(( PRETRAIN_STEPS * PRETRAIN_BATCH * PRETRAIN_MAX_LEN * 11 / 20000 ))}
-[ "$PRETRAIN_PROBLEMS" -le 50000 ] || PRETRAIN_PROBLEMS=50000
+[ "$PRETRAIN_PROBLEMS" -le "$config_problems" ] || PRETRAIN_PROBLEMS=$config_problems
 HEAD_STEPS=${HEAD_STEPS:-1000}
 SPEC_BATCH=${SPEC_BATCH:-256}
 SPEC_SAMPLES=${SPEC_SAMPLES:-8}
