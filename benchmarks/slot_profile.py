@@ -18,7 +18,8 @@ passed as `row_max_new_tokens` (random weights reach their eos only by chance). 
 a data x fsdp x tensor mesh of the devices (the rows over data x fsdp, the KV heads over tensor).
 Both engines generate the same prompts with the same key (compiled and warmed up first: by a whole
 call, or with --warmup-new N by one whose rows stop after at most N tokens, which compiles the same
-programs; the compilations during the timed call are counted, and any make the run an error row),
+programs; the compilations during the timed call are counted, and any make the run an error row, as do a
+branch it runs that the warm-up did not, a draft depth or a step width: its first execution loads its kernels),
 the slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
 engine's); printed per run: generation time, decode steps, ms per decode step and the steps at each
 batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step widths)
@@ -51,6 +52,8 @@ import os
 import shutil
 import time
 from pathlib import Path
+
+import numpy as np
 
 from jaxspec.bench.hlo_copies import callers, loop_copies
 from jaxspec.bench.kernel_trace import idle_gaps, kernel_times, op_scopes, set_dump_flags
@@ -120,7 +123,6 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip()
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxspec.draft import init_eagle3
     from jaxspec.models import ModelConfig, Sharding, make_mesh, shard_params
@@ -179,7 +181,7 @@ def main() -> None:
             )
             return jax.block_until_ready(out)
 
-        run(warmup_limits or limits)  # the rows' limits are data: a shorter warm-up compiles the same programs
+        warm = run(warmup_limits or limits)  # the rows' limits are data: a shorter warm-up compiles the same programs
         timer = PhaseTimer()
         start = time.perf_counter()
         out = run()
@@ -201,10 +203,10 @@ def main() -> None:
             "peak_gib_per_device": peak_gib(jax.local_devices()),
             "compiles": compiles,
         }
-        if compiles:
-            row["error"] = (
-                f"{compiles} compilations (or cache reads) during the timed call: its time is not the engine's"
-            )
+        errors = [f"{compiles} compilations (or cache reads) during the timed call"] if compiles else []
+        errors += [f"{kind} that the warm-up never ran" for kind in first_runs(warm.stats, out.stats)]
+        if errors:
+            row["error"] = "; ".join(errors) + ": its time is not the engine's"
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
             f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}, "
@@ -268,6 +270,24 @@ def main() -> None:
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
     if (args.trace or args.copies) and not args.keep_traces:
         shutil.rmtree(args.work / "hlo", ignore_errors=True)
+
+
+def first_runs(warm: dict, timed: dict) -> list[str]:
+    """The branches of a loop that the timed call ran and the warm-up did not, as "draft depths
+    [1, 2]" / "step widths [8]" (from each call's `depth_steps` and `width_steps` stats). A branch's
+    first execution loads its kernels (on an H200, a ~70 ms first probe at batch 1, lease KK), which
+    would land in the timed call's time."""
+    found = []
+    for name, counts, labels in (("draft depths", "depth_steps", None), ("step widths", "width_steps", "step_widths")):
+        if counts not in timed:
+            continue
+        ran = [int(n) for n in np.asarray(timed[counts])]
+        before = [int(n) for n in np.asarray(warm[counts])]
+        keys = list(range(len(ran))) if labels is None else [int(w) for w in timed[labels]]
+        missed = [key for key, now, then in zip(keys, ran, before, strict=True) if now and not then]
+        if missed:
+            found.append(f"{name} {missed}")
+    return found
 
 
 def workload_lengths(config: str, rows: int, cap: int) -> list[int]:

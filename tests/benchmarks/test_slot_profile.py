@@ -88,3 +88,38 @@ def test_copies_are_listed_per_loop_program_with_what_runs_them(tmp_path):
     assert found == {
         "module_0001.jit__loop.cpu_after_optimizations.txt": [["region_1.2", 1, 0.5, "jit(_loop)/while/body/cond"]]
     }
+
+
+def test_branches_the_warm_up_never_ran_are_named():
+    """A draft depth or a step width that ran in the timed call and not in the warm-up is named (its
+    first execution loads its kernels inside the timed call); those the warm-up ran are not."""
+    warm = {"depth_steps": [14, 0, 0, 1], "width_steps": [15, 0, 0], "step_widths": [8, 4, 1]}
+    timed = {"depth_steps": [250, 4, 0, 1], "width_steps": [200, 40, 15], "step_widths": [8, 4, 1]}
+    assert slot_profile.first_runs(warm, timed) == ["draft depths [1]", "step widths [4, 1]"]
+    assert slot_profile.first_runs(timed, timed) == []
+    assert (
+        slot_profile.first_runs({"width_steps": [3], "step_widths": [2]}, {"width_steps": [5], "step_widths": [2]})
+        == []
+    )
+
+
+def test_a_warm_up_that_never_drafts_makes_the_adaptive_run_an_error_row(tmp_path, monkeypatch):
+    """A warm-up of one token per row runs no decode step, so the timed calls' step widths and the
+    adaptive call's depths are all first executions: their rows say so; warmed up by the whole call,
+    the same runs are clean."""
+    config = json.loads((Path(__file__).resolve().parents[2] / "configs/models/small-policy.json").read_text())
+    config |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config |= {"num_key_value_heads": 2, "head_dim": 16}
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(config))
+    argv = [str(tmp_path / "work"), "--model", str(model), "--rows", "2", "--new", "8", "--slots", "2"]
+    argv += ["--engines", "slots", "--spec", "2", "--adaptive", "--no-fixed", "--temperature", "0"]
+    for warm_up, error in ((["--warmup-new", "1"], True), ([], False)):
+        monkeypatch.setattr(sys, "argv", ["slot_profile.py", *argv, *warm_up])
+        slot_profile.main()
+        runs = json.loads((tmp_path / "work" / "slot_profile.json").read_text())
+        assert set(runs) == {"slots K=default", "slots K=default eagle3 k=2 adaptive"}
+        for label, run in runs.items():
+            assert run["compiles"] == 0
+            assert ("step widths [" in run.get("error", "")) == error, run
+            assert ("draft depths [" in run.get("error", "")) == (error and "adaptive" in label), run
