@@ -20,6 +20,16 @@ slot_profile = load_script("slot_profile")
 LONG = str(Path(__file__).resolve().parents[2] / "configs" / "pretrain_long.yaml")
 
 
+def tiny_model(tmp_path: Path) -> Path:
+    """A config.json of `small`'s vocabulary with 2 layers of width 64."""
+    config = json.loads((Path(__file__).resolve().parents[2] / "configs/models/small-policy.json").read_text())
+    config |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config |= {"num_key_value_heads": 2, "head_dim": 16}
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(config))
+    return model
+
+
 def test_row_limits_are_the_workloads_response_lengths_capped():
     """One draw of the long workload's law per row: its first problems' response lengths under its
     tokenizer, each capped at the call's max_new_tokens."""
@@ -42,11 +52,7 @@ def test_a_kernel_is_charged_to_its_innermost_phase():
 def test_a_short_warm_up_compiles_what_the_timed_call_runs(tmp_path, monkeypatch):
     """The rows' limits are data: a warm-up whose rows stop after 2 tokens compiles every program of
     the timed call, so that no compilation lands in its time (each run counts them)."""
-    config = json.loads((Path(__file__).resolve().parents[2] / "configs/models/small-policy.json").read_text())
-    config |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-    config |= {"num_key_value_heads": 2, "head_dim": 16}
-    model = tmp_path / "tiny.json"
-    model.write_text(json.dumps(config))
+    model = tiny_model(tmp_path)
     argv = [str(tmp_path / "work"), "--model", str(model), "--rows", "8", "--new", "12", "--slots", "4"]
     monkeypatch.setattr(sys, "argv", ["slot_profile.py", *argv, "--warmup-new", "2", "--lengths", LONG])
     slot_profile.main()
@@ -107,11 +113,7 @@ def test_a_warm_up_that_never_drafts_makes_the_adaptive_run_an_error_row(tmp_pat
     """A warm-up of one token per row runs no decode step, so the timed calls' step widths and the
     adaptive call's depths are all first executions: their rows say so; warmed up by the whole call,
     the same runs are clean."""
-    config = json.loads((Path(__file__).resolve().parents[2] / "configs/models/small-policy.json").read_text())
-    config |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-    config |= {"num_key_value_heads": 2, "head_dim": 16}
-    model = tmp_path / "tiny.json"
-    model.write_text(json.dumps(config))
+    model = tiny_model(tmp_path)
     argv = [str(tmp_path / "work"), "--model", str(model), "--rows", "2", "--new", "8", "--slots", "2"]
     argv += ["--engines", "slots", "--spec", "2", "--adaptive", "--no-fixed", "--temperature", "0"]
     for warm_up, error in ((["--warmup-new", "1"], True), ([], False)):
