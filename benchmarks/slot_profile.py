@@ -18,31 +18,32 @@ passed as `row_max_new_tokens` (random weights reach their eos only by chance). 
 a data x fsdp x tensor mesh of the devices (the rows over data x fsdp, the KV heads over tensor).
 Both engines generate the same prompts with the same key (compiled and warmed up first: by a whole
 call, or with --warmup-new N by one whose rows stop after at most N tokens, which compiles the same
-programs; the compilations during the timed call are counted, and any make the run an error row, as do a
-branch it runs that the warm-up did not, a draft depth or a step width: its first execution loads its kernels),
-the slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
-engine's); printed per run: generation time, decode steps, ms per decode step and the steps at each
-batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step widths)
-and the devices' peak memory so far. With --spec K both engines also run EAGLE-3 chains of depth K
-drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one token per
-step as in the AR runs and the per-step figures compare a speculative step's cost with a decode
-step's at the same occupancy); --adaptive adds the same chains at adaptive depth (`spec.adaptive`:
-they fall back to autoregressive iterations, so their steps against the AR steps give speculation's
-floor; --no-fixed leaves the fixed-depth chains out, which saves their compilation; --probe FIRST
-MAX sets its probe runs). --engines picks the engines (default both). With --trace a third call runs
-under `jax.profiler` and the kernels of the loop programs are charged from the trace
-(`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their difference from
-the wall time is the device's idle time), the 22 longest kernels, the time by jax scope and, for a
-speculative step, by its phase (`PHASES`: the named scopes of `jaxspec.rollout.speculative.step`),
-the 40 longest kernels outside the policy's forward (the loop's bookkeeping, sampling, the drafter),
-and the device's idle time between the loop's kernels with the 30 longest gaps by the pair of
-kernels around them (`idle_gaps`, on a GPU: where the host holds the loop up). --trace turns XLA's
-command buffers (CUDA graphs) off for the whole run, timings included. --copies lists the copies of
-256 KiB or more inside each loop program's loops and branches, read from XLA's optimized HLO
-(`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every iteration that reaches it),
-each with the op_name of the `cond`, `switch` or loop that runs it (its jax scope path).
-WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the traces (hundreds of
-MB) are deleted once charged unless --keep-traces. XLA_FLAGS set outside reach every run."""
+programs; the compilations during the timed call are counted, and any make the run an error row, as
+does a branch it runs that the warm-up did not, a draft depth or a step width, whose first execution
+loads its kernels), the slot engine once per --decode-steps (decode steps between two rounds of
+scheduling; default: the engine's); printed per run: generation time, decode steps, ms per decode
+step and the steps at each batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the
+slot loop's step widths) and the devices' peak memory so far. With --spec K both engines also run
+EAGLE-3 chains of depth K drafted by a random head of the policy's shape (its drafts are rejected,
+so rows emit one token per step as in the AR runs and the per-step figures compare a speculative
+step's cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
+depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the AR
+steps give speculation's floor; --no-fixed leaves the fixed-depth chains out, which saves their
+compilation; --probe FIRST MAX sets its probe runs). --engines picks the engines (default both).
+With --trace a third call runs under `jax.profiler` and the kernels of the loop programs are charged
+from the trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
+difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
+scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
+`jaxspec.rollout.speculative.step`), the 40 longest kernels outside the policy's forward (the loop's
+bookkeeping, sampling, the drafter), and the device's idle time between the loop's kernels with the
+30 longest gaps by the pair of kernels around them (`idle_gaps`, on a GPU: where the host holds the
+loop up). --trace turns XLA's command buffers (CUDA graphs) off for the whole run, timings included.
+--copies lists the copies of 256 KiB or more inside each loop program's loops and branches, read
+from XLA's optimized HLO (`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every
+iteration that reaches it), each with the op_name of the `cond`, `switch` or loop that runs it (its
+jax scope path). WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the
+traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set outside reach
+every run."""
 
 import argparse
 import collections
