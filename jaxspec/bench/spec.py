@@ -51,6 +51,18 @@ COLUMNS = [
     "length_p50",
     "length_p99",
 ]
+# the slot engine's own statistics, kept per slot row (`jaxspec.rollout.continuous.slot_output`): the
+# step's widths and the decode steps at each, how full the page pool got and how often it ran short
+SLOT_STATS = (
+    "step_widths",
+    "width_steps",
+    "loop_iterations",
+    "kv_pages",
+    "peak_kv_pages",
+    "preemptions",
+    "prefill_chunks",
+    "prefix_pages_shared",
+)
 
 
 def bench_problems(
@@ -344,10 +356,17 @@ def main(argv: list[str]) -> int:
                 "stage_steps": out.stats["stage_steps"],
                 "depth_steps": out.stats.get("depth_steps"),  # loop iterations at each draft depth
                 "fallback_steps": out.stats.get("fallback_steps"),  # adaptive: iterations that drafted nothing
+                "slot_loop": None if slots is None else {k: out.stats[k] for k in SLOT_STATS},
                 **rollout_summary(tok, problems, out.tokens, out.logprobs, out.lengths),
             }
             rows.append(row)
             print_table([row], COLUMNS)
+            if slots is not None:
+                loop = row["slot_loop"]
+                print(
+                    f"  slot loop: decode steps {loop['width_steps']} at widths {loop['step_widths']}, "
+                    f"peak {loop['peak_kv_pages']} of {loop['kv_pages']} pages, {loop['preemptions']} preemptions"
+                )
             write_results(args.out, "spec", rows, baseline)  # after each run: a run cut short keeps the rows so far
     print()
     print_table(rows, COLUMNS)

@@ -235,6 +235,13 @@ def test_bench_spec_runs_every_configuration_on_the_slot_engine_too(tmp_path):
             rows[label]["tokens_per_s"] / rows["ar"]["tokens_per_s"]
         )
     assert rows["eagle3 chain k=2 slots=2"]["acceptance_length"] > 1.0
+    assert rows["ar"]["slot_loop"] is None and rows["eagle3 chain k=2"]["slot_loop"] is None
+    for label in ("ar slots=2", "eagle3 chain k=2 slots=2"):
+        loop = rows[label]["slot_loop"]
+        # every decode step counted at one width; the default pool holds every slot's longest row
+        assert loop["step_widths"] == [2] and sum(loop["width_steps"]) >= 16 // 3
+        assert loop["preemptions"] == 0 and 0 < loop["peak_kv_pages"] <= loop["kv_pages"]
+    assert sum(rows["ar slots=2"]["slot_loop"]["width_steps"]) == sum(rows["ar slots=2"]["stage_steps"])
     assert main([*argv, "--slots", "2", "--staged-ar-only", "--out", str(out)]) == 0
     assert [r["config"] for r in json.loads(out.read_text())["rows"]] == [
         "ar",
@@ -257,6 +264,11 @@ def test_bench_spec_runs_the_staged_engine_in_sub_batches_and_the_slots_on_a_giv
         assert sum(rows[label]["stage_steps"]) == int(round(rows[label]["seconds"] * 1e3 / rows[label]["step_ms"]))
     assert rows["eagle3 chain k=2"]["acceptance_length"] > 1.0
     assert rows["ar slots=4"]["stage_rows"] == [4] and len(rows["ar slots=4"]["lengths"]) == 4
+    for label in ("ar slots=4", "eagle3 chain k=2 slots=4"):
+        loop = rows[label]["slot_loop"]
+        assert loop["kv_pages"] == 5 and loop["peak_kv_pages"] == 5  # 4 rows need more: the pool fills
+    # a draft-and-verify step needs pages for its draft too: on this pool the speculative rows run short
+    assert rows["eagle3 chain k=2 slots=4"]["slot_loop"]["preemptions"] > 0
 
 
 def test_generate_rows_joins_the_sub_batches_as_one_rollout():
