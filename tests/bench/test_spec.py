@@ -114,7 +114,7 @@ def test_bench_spec_draws_prompts_from_a_data_config(tmp_path):
     )
     baseline = json.loads(out.read_text())["baseline"]
     assert baseline["kinds"] == ["tally"] and baseline["data_config"] == "configs/pretrain_long.yaml"
-    assert baseline["tally"]["variation"] == 0.7
+    assert baseline["tally"]["variation"] == 0.5
 
 
 def test_bench_spec_draft_model_rows(tmp_path):

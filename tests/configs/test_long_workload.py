@@ -53,7 +53,7 @@ def test_the_configs_validate_and_share_one_workload():
     )
     for data in (long.data, medium.data, draft.data, draft.eval.data, grpo.data):
         assert data.kinds == ("tally",) and data.tally == long.data.tally
-    assert long.data.tally.variation == 0.7
+    assert long.data.tally.variation == 0.5  # the calibrated point (BENCHMARKS.md)
     assert medium.data == long.data
     assert (
         medium.model.hidden_size,
