@@ -239,9 +239,8 @@ def test_bench_spec_runs_every_configuration_on_the_slot_engine_too(tmp_path):
     for label in ("ar slots=2", "eagle3 chain k=2 slots=2"):
         loop = rows[label]["slot_loop"]
         # every decode step counted at one width; the default pool holds every slot's longest row
-        assert loop["step_widths"] == [2] and sum(loop["width_steps"]) >= 16 // 3
+        assert loop["step_widths"] == [2] and sum(loop["width_steps"]) == sum(rows[label]["stage_steps"]) > 0
         assert loop["preemptions"] == 0 and 0 < loop["peak_kv_pages"] <= loop["kv_pages"]
-    assert sum(rows["ar slots=2"]["slot_loop"]["width_steps"]) == sum(rows["ar slots=2"]["stage_steps"])
     assert main([*argv, "--slots", "2", "--staged-ar-only", "--out", str(out)]) == 0
     assert [r["config"] for r in json.loads(out.read_text())["rows"]] == [
         "ar",
