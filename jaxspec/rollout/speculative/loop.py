@@ -157,12 +157,8 @@ def speculative_decode(
         )
         draft, draft_pool = (out.draft, None) if state.draft_pool is None else out.draft
         accepted = out.accepted
-        # an autoregressive step emits one token: no wider scatter into the rows' tokens than the
-        # autoregressive loop's
-        emitted, logprobs, at = (
-            (out.emitted, out.logprobs, steps) if drafts else (out.emitted[:, :1], out.logprobs[:, :1], steps[:, :1])
-        )
-        eos = jnp.isin(emitted, eos_ids) & (at <= accepted[:, None])
+        at = steps[:, : out.emitted.shape[1]]  # the step's emitted columns (one without drafts)
+        eos = jnp.isin(out.emitted, eos_ids) & (at <= accepted[:, None])
         first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
         count = jnp.where(active, jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limit - state.lengths), 0)
         slots = jnp.where(at < count[:, None], state.lengths[:, None] + at, max_new)
@@ -181,8 +177,8 @@ def speculative_decode(
             cache_len=state.cache_len + jnp.where(active, accepted + 1, 0),
             draft=draft,
             draft_pool=draft_pool,
-            tokens=state.tokens.at[rows, slots].set(emitted, mode="drop"),
-            logprobs=state.logprobs.at[rows, slots].set(logprobs, mode="drop"),
+            tokens=state.tokens.at[rows, slots].set(out.emitted, mode="drop"),
+            logprobs=state.logprobs.at[rows, slots].set(out.logprobs, mode="drop"),
             lengths=state.lengths + count,
             limit=state.limit,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= state.limit))),

@@ -318,10 +318,7 @@ def _loop(
                 record=record,
                 drafts=drafts,
             )
-            # an autoregressive step emits one token: no wider scatter into the rows' tokens than
-            # the autoregressive engine's
-            emitted, logprobs = (out.emitted, out.logprobs) if drafts else (out.emitted[:, :1], out.logprobs[:, :1])
-            outcome = (emitted, logprobs, out.accepted, out.next_token, out.tree.parents)
+            outcome = (out.emitted, out.logprobs, out.accepted, out.next_token, out.tree.parents)
             outcome += (out.tree.num_nodes, out.path) + ((out.node_experts,) if record else ())
             carry, draft_pools = (out.draft, ()) if pools_out else without_pools(out.draft)
             carry, features = (carry, None) if pools_out else without_chunk(carry)

@@ -81,12 +81,14 @@ def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
 
 
 class StepOutcome(NamedTuple):
-    """One draft-and-verify step of B rows (W = max_depth + 1, the most tokens a step emits).
+    """One draft-and-verify step of B rows (W = max_depth + 1, the most tokens a step emits; E = W,
+    or 1 for a step without drafts: it emits one token, and its caller writes no wider into the
+    rows' tokens than an autoregressive step).
 
     cache, draft: the policy's cache (accepted nodes' KV at consecutive positions) and the
     drafter's state after the step; tree: the verified `DraftTree`; path int32 [B, W] accepted
-    node ids from the root (-1 after); emitted int32 [B, W]: the accepted drafts then the next
-    token (entry `accepted`), 0 after; logprobs float32 [B, W] log p of each emitted token, 0
+    node ids from the root (-1 after); emitted int32 [B, E]: the accepted drafts then the next
+    token (entry `accepted`), 0 after; logprobs float32 [B, E] log p of each emitted token, 0
     after; accepted int32 [B] draft tokens accepted; next_token int32 [B] the next root;
     node_experts: the tree nodes' routing [B, N, L_sparse, k] when recorded, else None.
     """
@@ -198,13 +200,14 @@ def speculative_step(
     if drafts and not chain:  # a chain's accepted nodes, and a lone root, already sit at consecutive slots
         with jax.named_scope("commit"):
             cache = commit_path(cache, cache_len, path)
+    emits = width if drafts else 1
     return StepOutcome(
         cache=cache,
         draft=draft,
         tree=tree,
         path=path,
-        emitted=emitted,
-        logprobs=_pad_to(result.logprobs[:, :width], width, 1, 0.0),
+        emitted=emitted[:, :emits],
+        logprobs=_pad_to(result.logprobs[:, :width], width, 1, 0.0)[:, :emits],
         accepted=accepted,
         next_token=next_token,
         node_experts=node_experts[0] if record else None,
