@@ -14,6 +14,13 @@ autoregressive run at another seed gives the seed-to-seed spread the others are 
 plot (needs matplotlib) shows validation accuracy, the reward (10-step moving mean) and the
 acceptance length against step for every run.
 
+A step's generation lasts as long as its longest answer (the last rows run nearly alone), and runs
+that generate differently draw different answers (speculation keeps the law, not the samples), so
+on a heavy-tailed workload a few steps' generation times mostly compare the draws. Each run also
+reports generation_ms_per_longest_token, the median over the timed steps of the generation time
+over the step's longest answer (`response_length_max`), and tail_generation_speedup, the
+baseline's over the run's: the generation speedup with the longest answers' draw taken out.
+
 Runs with rollout.mode async also report sync_s (the weight copy onto the rollout mesh),
 rollout_wait_s (the trainer waiting for its batch) and overlap: the step time over the longer of
 the two meshes' work, max(generation, logprob + train + sync); 1.0 = the two overlap completely,
@@ -49,6 +56,9 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
         values = [r[key] for r in rows if key in r]
         return statistics.median(values) if values else None
 
+    per_longest = [
+        1e3 * r["time_generation_s"] / r["response_length_max"] for r in timed if r.get("response_length_max")
+    ]
     step_core = [r["time_step_s"] - r.get("time_eval_s", 0.0) - r.get("time_checkpoint_s", 0.0) for r in timed]
     out = {f"{stage}_s": median(f"time_{stage}_s") for stage in STAGES}
     out.update(
@@ -58,6 +68,8 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
         compiling_steps=sum(1 for r in steps if r.get("compiles", 0)),
         acceptance_length=median("acceptance_length", steps),
         response_length=median("response_length_mean", steps),
+        longest_response=median("response_length_max", timed),
+        generation_ms_per_longest_token=statistics.median(per_longest) if per_longest else None,
         reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
         reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]),
     )
@@ -141,6 +153,8 @@ def main() -> None:
     for name, s in runs.items():
         s["step_speedup"] = base["step_s"] / s["step_s"]
         s["generation_speedup"] = base["generation_s"] / s["generation_s"]
+        tail, base_tail = s["generation_ms_per_longest_token"], base["generation_ms_per_longest_token"]
+        s["tail_generation_speedup"] = base_tail / tail if tail and base_tail else None
         s.update(accuracy_gap(s["eval_accuracy"], base["eval_accuracy"], eval_steps))
         curve = " ".join(f"{acc:.3f}" for _, acc in s["eval_accuracy"])
         gaps = "".join(
@@ -152,6 +166,12 @@ def main() -> None:
             f"{s['step_speedup']:>8.2f}{s['generation_speedup']:>8.2f}{s['acceptance_length'] or 1:>8.2f}"
             f"{s['response_length']:>7.1f}{s['reward_first']:>7.3f}->{s['reward_last']:.3f}{gaps}  {curve}"
         )
+    for name, s in runs.items():
+        if s["tail_generation_speedup"] is not None:
+            print(
+                f"{name}: longest answer {s['longest_response']:.0f} tokens, generation "
+                f"{s['generation_ms_per_longest_token']:.3f} ms per token of it, {s['tail_generation_speedup']:.2f}x"
+            )
     for name, s in runs.items():
         if "overlap" in s:
             print(

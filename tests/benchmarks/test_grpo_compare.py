@@ -10,8 +10,9 @@ from tests.benchmarks.scripts import load_script
 grpo_compare = load_script("grpo_compare")
 
 
-def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0):
-    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval."""
+def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0, longest=None):
+    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval;
+    `longest(step)`, where given, is the step's longest answer (`response_length_max`)."""
     rows = []
     for i, acc in enumerate(accuracy):
         rows.append({"step": 10 * i, "eval_accuracy": acc})
@@ -32,6 +33,8 @@ def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1
                     "response_length_mean": 200.0,
                 }
             )
+            if longest is not None:
+                rows[-1]["response_length_max"] = longest(step)
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -103,3 +106,55 @@ def test_async_runs_report_the_overlap(tmp_path, monkeypatch, capsys):
 def test_missing_metrics_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         grpo_compare.load(tmp_path / "nothing")
+
+
+def test_tail_speedup_takes_the_longest_answers_draw_out(tmp_path, monkeypatch, capsys):
+    """Generation time proportional to each step's longest answer: two runs at the same cost per
+    token of it compare 1.0x however differently they drew, while their raw generation ratio
+    follows the draw; a run at half the cost per token compares 2.0x."""
+
+    def longest(step):  # 4000-8000 tokens, a different draw every step
+        return 4000 + (step * 1237) % 4001
+
+    def write(name, ms_per_token, draw):
+        rows = [{"step": 0, "eval_accuracy": 0.5}]
+        for step in range(1, 21):
+            tokens = draw(step)
+            rows.append(
+                {
+                    "step": step,
+                    "time_step_s": 1e-3 * ms_per_token * tokens + 5.0,
+                    "time_generation_s": 1e-3 * ms_per_token * tokens,
+                    "time_train_s": 5.0,
+                    "reward_mean": 0.5,
+                    "response_length_mean": 1500.0,
+                    "response_length_max": tokens,
+                }
+            )
+        path = tmp_path / name
+        path.mkdir()
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return f"{name}={path}"
+
+    runs = [
+        write("ar", 1.6, longest),
+        write("same_rate_shorter_draw", 1.6, lambda step: longest(step) - 2000),
+        write("twice_as_fast", 0.8, lambda step: longest(step) + 1000),
+    ]
+    out = tmp_path / "summary.json"
+    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--out", str(out), *runs])
+    grpo_compare.main()
+    result = json.loads(out.read_text())
+    same, fast = result["same_rate_shorter_draw"], result["twice_as_fast"]
+    assert same["generation_speedup"] > 1.3  # the draw alone
+    assert same["tail_generation_speedup"] == pytest.approx(1.0)
+    assert same["generation_ms_per_longest_token"] == pytest.approx(1.6)
+    assert fast["tail_generation_speedup"] == pytest.approx(2.0)
+    assert fast["generation_speedup"] < 2.0
+    assert "twice_as_fast: longest answer" in capsys.readouterr().out
+
+
+def test_tail_speedup_is_none_without_the_longest_answer(tmp_path):
+    run = write_run(tmp_path / "a", step_s=1.5, generation_s=1.0, accuracy=[0.5, 0.5, 0.5])
+    summary = grpo_compare.summarize(grpo_compare.load(run))
+    assert summary["generation_ms_per_longest_token"] is None and summary["longest_response"] is None
