@@ -24,7 +24,8 @@
 #   FLOOR_NEW (1024: max_new_tokens), FLOOR_BATCH ("512 64 1": batch sizes, largest first, where
 #   speculation costs most); grpo: GRPO_RUNS ("ar frozen": autoregressive, EAGLE-3 with the frozen
 #   head, online: adapted, deep: the frozen head drafting 3 / 5 / 7 tokens as the decoding rows fall
-#   (spec.stage_draft_tokens), so that the long tail drafts deeper), GRPO_STEPS (5; the comparison
+#   (spec.stage_draft_tokens), so that the long tail drafts deeper, suffix: the group-suffix drafter,
+#   hybrid: the frozen head's and the suffix drafter's branches in one tree), GRPO_STEPS (5; the comparison
 #   takes medians after the first two), GRPO_SLOTS (128: rollout.slots, "null" for the staged
 #   engine), GRPO_ARGS (more overrides); knob:
 #   KNOB_VALUES ("0.5 0.7 0.9": variations, one policy and head each), KNOB_NEW (2048: max_new_tokens).
@@ -140,7 +141,9 @@ for stage in "${stages[@]}"; do
           frozen) method=(draft.online=false) ;;
           online) method=() ;;
           deep) method=(draft.online=false spec.num_draft_tokens=7 "spec.stage_draft_tokens=[3,5,7]") ;;
-          *) echo "unknown GRPO run $run (ar, frozen, online, deep)" >&2; exit 2 ;;
+          suffix) method=(spec.method=suffix spec.draft=null draft.online=false) ;;
+          hybrid) method=(draft.online=false spec.suffix_branches=true) ;;
+          *) echo "unknown GRPO run $run (ar, frozen, online, deep, suffix, hybrid)" >&2; exit 2 ;;
         esac
         rm -rf "runs/grpo-long-$run"
         # every group is trained on: the short-trained policy answers ~1% of these problems right, so
