@@ -14,7 +14,10 @@ free and what they need exists:
   the seed-to-seed spread) as soon as the policy exists, `frozen` (EAGLE-3 k=3, frozen head) and
   `online` (the head adapted online) as soon as the head exists;
 - `--extra NAME='key=value ...'` runs after those (e.g. shorter timing-only runs);
-- `--only NAME ...` keeps only the named runs (and the head's training only if one of them needs it).
+- `--only NAME ...` keeps only the named runs (and the head's training only if one of them needs it);
+- `--grpo-args 'key=value ...'` goes to every GRPO run, before its own overrides: e.g.
+  `train.compilation_cache=runs/xla-cache`, one persistent compilation cache for all the runs, so
+  that a run compiles only the programs no earlier run compiled (`ar_seed1` none of `ar`'s).
 
 `--gpus-per-run N` gives every GRPO run N GPUs (`mesh.data=N`, colocated). `--async-runs` adds the
 asynchronous runs of a colocated-vs-async study on the same N GPUs: `async_ar`, `async_frozen` and
@@ -111,6 +114,7 @@ def jobs_for(args, num_gpus: int) -> list[Job]:
         f"eval.every={args.eval_every}",
         "train.progress=false",
         f"train.checkpoint_every={args.checkpoint_every}",
+        *shlex.split(args.grpo_args),
     ]
     runs = dict(MAIN_RUNS)
     width = args.gpus_per_run
@@ -230,6 +234,9 @@ def main() -> int:
         default=None,
         metavar="NAME",
         help="run only these GRPO runs (of the planned ones, --extra included), and the stages they need",
+    )
+    p.add_argument(
+        "--grpo-args", default="", metavar="'KEY=VALUE ...'", help="overrides for every GRPO run, before its own"
     )
     p.add_argument("--gpus-per-run", type=int, default=1, help="GPUs of every GRPO run (colocated: mesh.data)")
     p.add_argument("--async-runs", action="store_true", help="also the async_* runs on the same GPUs")

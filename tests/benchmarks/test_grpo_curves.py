@@ -70,6 +70,7 @@ def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
         gpus_per_run=1,
         async_runs=False,
         rollout_gpus=0,
+        grpo_args="train.compilation_cache=runs/xla-cache x.y=0",
         only=None,
     )
     names = [j.name for j in grpo_curves.jobs_for(args, num_gpus=3)]
@@ -82,6 +83,10 @@ def test_plan_skips_stages_whose_output_exists(tmp_path, monkeypatch):
     assert list(jobs) == ["ar", "ar_seed1", "frozen", "online", "quick"]
     assert jobs["ar"].needs == Path("runs/small/policy") and jobs["frozen"].needs == Path("runs/draft-small/draft")
     assert jobs["quick"].argv[-2:] == ["train.steps=2", "x.y=1"]
+    for job in jobs.values():  # --grpo-args in every run, before the run's own overrides
+        shared = job.argv.index("train.compilation_cache=runs/xla-cache")
+        assert job.argv[shared + 1] == "x.y=0"
+    assert jobs["quick"].argv.index("x.y=0") < jobs["quick"].argv.index("x.y=1")
 
 
 @pytest.mark.parametrize("extra", ["noequals", "ar=x=1", "bad-name=x=1"])
@@ -98,6 +103,7 @@ def test_bad_extra_runs_are_refused(tmp_path, monkeypatch, extra):
         gpus_per_run=1,
         async_runs=False,
         rollout_gpus=0,
+        grpo_args="",
         only=None,
     )
     with pytest.raises(SystemExit, match="--extra"):
@@ -126,6 +132,7 @@ def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch
         gpus_per_run=2,
         async_runs=True,
         rollout_gpus=0,
+        grpo_args="train.compilation_cache=runs/xla-cache",
         only=None,
     )
     jobs = {j.name: j for j in grpo_curves.jobs_for(args, num_gpus=4)}
@@ -140,6 +147,7 @@ def test_the_async_study_plan_gives_each_run_the_same_gpus(tmp_path, monkeypatch
         else:
             assert (cfg.rollout.mode, cfg.mesh.rollout_devices, cfg.mesh.data) == ("colocated", 0, 2)
         assert (cfg.spec.method == "none") == ("ar" in name.split("_"))
+        assert cfg.train.compilation_cache == "runs/xla-cache"
 
 
 def test_only_keeps_the_named_runs_and_the_stages_they_need(tmp_path, monkeypatch):
@@ -155,6 +163,7 @@ def test_only_keeps_the_named_runs_and_the_stages_they_need(tmp_path, monkeypatc
         gpus_per_run=1,
         async_runs=False,
         rollout_gpus=0,
+        grpo_args="",
         only=["quick", "ar"],
     )
     assert [j.name for j in grpo_curves.jobs_for(args, num_gpus=2)] == ["pretrain", "ar", "quick"]  # no head
