@@ -25,9 +25,9 @@
 #   speculation costs most); grpo: GRPO_RUNS ("ar frozen": autoregressive, EAGLE-3 with the frozen
 #   head, online: adapted, deep: the frozen head drafting 3 / 5 / 7 tokens as the decoding rows fall
 #   (spec.stage_draft_tokens), so that the long tail drafts deeper, suffix: the group-suffix drafter,
-#   hybrid: the frozen head's and the suffix drafter's branches in one tree), GRPO_STEPS (5; the comparison
-#   takes medians after the first two), GRPO_SLOTS (128: rollout.slots, "null" for the staged
-#   engine), GRPO_ARGS (more overrides); knob:
+#   hybrid: the frozen head's and the suffix drafter's branches in one tree), GRPO_STEPS (5; the
+#   comparison takes medians after the first two), GRPO_SLOTS (128: rollout.slots, "null" for the
+#   staged engine), GRPO_ARGS (more overrides); knob:
 #   KNOB_VALUES ("0.5 0.7 0.9": variations, one policy and head each), KNOB_NEW (2048: max_new_tokens).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}

@@ -10,9 +10,8 @@ from tests.benchmarks.scripts import load_script
 grpo_compare = load_script("grpo_compare")
 
 
-def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0, longest=None):
-    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval;
-    `longest(step)`, where given, is the step's longest answer (`response_length_max`)."""
+def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0):
+    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval."""
     rows = []
     for i, acc in enumerate(accuracy):
         rows.append({"step": 10 * i, "eval_accuracy": acc})
@@ -33,8 +32,6 @@ def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1
                     "response_length_mean": 200.0,
                 }
             )
-            if longest is not None:
-                rows[-1]["response_length_max"] = longest(step)
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
