@@ -54,6 +54,7 @@ from jaxspec.models.moe import expected_distinct_experts
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.tree import ancestor_mask
+from jaxspec.rollout.weights import rollout_weights
 
 CHAIN = re.compile(r"^eagle3 chain k=(\d+)$")
 MAX_K = 7
@@ -211,6 +212,7 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
     # tensor by tensor: one jit of the whole initialiser took minutes to compile on Qwen3 shapes
     params = init_params(cfg, jax.random.key(0), DTYPE)
     dcfg, dparams = init_eagle3(cfg, jax.random.key(1), vd, dtype=DTYPE)
+    params, dparams = rollout_weights(params), rollout_weights(dparams)  # as `generate` reads them
     for batch in fits:
         base = {"model": name, "batch": batch, "context": args.context}
         try:

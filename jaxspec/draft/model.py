@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft.config import DraftConfig
-from jaxspec.models.blocks import attn_out_and_mlp, project_kv, rms_norm
+from jaxspec.models.blocks import attn_out_and_mlp, project_qkv, rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import pair
 from jaxspec.models.rope import apply_rope
@@ -210,8 +210,7 @@ def attention_inputs(
         ],
         axis=-1,
     )
-    q = jnp.einsum("btc,cnd->btnd", x, layer["q"])
-    k, v = project_kv(x, layer["kv"])
+    q, k, v = project_qkv(x, layer)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 

@@ -29,8 +29,7 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     after the attention norm, the projections (with their biases, and q/k norms where the family
     has them), q and k rotated by the rope tables cos/sin of their positions."""
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("bth,hnd->btnd", h, layer["q"])
-    k, v = project_kv(h, layer["kv"])
+    q, k, v = project_qkv(h, layer)
     if cfg.attention_bias:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if cfg.qk_norm:
@@ -39,11 +38,18 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def project_kv(x: jax.Array, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """k and v [B, T, Nk, D] of the attention input x [B, T, C], both in one GEMM over kv [C, 2, Nk, D]
-    (`jaxspec.models.params.PAIRED`)."""
-    both = jnp.einsum("btc,cknd->btknd", x, kv)
-    return both[:, :, 0], both[:, :, 1]
+def project_qkv(x: jax.Array, layer: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, Nq, D], k and v [B, T, Nk, D] of the attention input x [B, T, C]: two GEMMs over
+    the layer's q [C, Nq, D] and kv [C, 2, Nk, D] (`jaxspec.models.params.PAIRED`), or one over its
+    fused qkv [C, Nk, G + 2, D] (`jaxspec.models.params.fuse_qkv`)."""
+    if "qkv" in layer:
+        out = jnp.einsum("btc,cngd->btngd", x, layer["qkv"])  # [B, T, Nk, G + 2, D]
+        b, t, nk, width, d = out.shape
+        group = width - 2
+        return out[:, :, :, :group].reshape(b, t, nk * group, d), out[:, :, :, group], out[:, :, :, group + 1]
+    q = jnp.einsum("btc,cnd->btnd", x, layer["q"])
+    both = jnp.einsum("btc,cknd->btknd", x, layer["kv"])
+    return q, both[:, :, 0], both[:, :, 1]
 
 
 def attn_out_and_mlp(

@@ -15,7 +15,8 @@ Two projections of one input that a mesh splits alike are one leaf (`PAIRED`): a
 and up, gate_up[:, 0] and gate_up[:, 1], split along F, and attention's k and v, kv[:, 0] and
 kv[:, 1], split over the KV heads. A step multiplies by both in one GEMM (a decode or verification
 step reads the pair's weights in one kernel). q stays a leaf of its own: a tensor-parallel mesh
-splits the query heads where it cannot split fewer KV heads.
+splits the query heads where it cannot split fewer KV heads. A rollout, which only reads the
+weights, multiplies by all three in one GEMM where the mesh splits them alike (`fuse_qkv`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,27 @@ PAIRED = {"gate_up": ("gate", "up"), "kv": ("k", "v")}  # paired leaf -> the pro
 def pair(first: jax.Array, second: jax.Array) -> jax.Array:
     """Two projections [C, ...] of one input -> their paired leaf [C, 2, ...]."""
     return jnp.stack([first, second], axis=PAIR_AXIS)
+
+
+def fuse_qkv(params: Params) -> Params:
+    """`params` with every attention layer's q [C, Nq, D] and kv [C, 2, Nk, D] as one leaf
+    "qkv" [C, Nk, Nq / Nk + 2, D]: the query heads of kv head j (j * G .. j * G + G - 1, G = Nq /
+    Nk, the heads that attend with it), then its k, then its v, so that a decode step reads all
+    three in one GEMM (`jaxspec.models.blocks.project_qkv`) and a mesh that splits the KV heads
+    splits it alike. Layers without q (or already fused) and every other leaf are kept as they are
+    (the same arrays). Works on a policy's params and on an EAGLE-3 head's (its "midlayer")."""
+    if isinstance(params, dict):
+        if "q" in params and "kv" in params:
+            layer = {k: v for k, v in params.items() if k not in ("q", "kv")}
+            q, kv = params["q"], params["kv"]
+            nk = kv.shape[2]
+            grouped = q.reshape(q.shape[0], nk, q.shape[1] // nk, q.shape[2])
+            layer["qkv"] = jnp.concatenate([grouped, jnp.moveaxis(kv, PAIR_AXIS, 2)], axis=2)
+            return layer
+        return {k: fuse_qkv(v) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return type(params)(fuse_qkv(v) for v in params)
+    return params
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:

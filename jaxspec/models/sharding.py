@@ -46,6 +46,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "mlp_norm": ("norm",),
     "q": ("embed", "q_heads", "head_dim"),
     "kv": ("embed", None, "kv_heads", "head_dim"),
+    "qkv": ("embed", "kv_heads", None, "head_dim"),  # a rollout's fused q, k, v (`params.fuse_qkv`)
     "o": ("q_heads", "head_dim", "embed"),
     "q_bias": ("q_heads", "head_dim"),
     "k_bias": ("kv_heads", "head_dim"),

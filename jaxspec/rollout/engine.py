@@ -3,7 +3,8 @@
 `generate` prefills each distinct prompt once (GRPO repeats every prompt n times), at most
 `PREFILL_CHUNK` prompts at a time, copies its KV rows to all the batch rows that carry it, and
 runs a `jax.lax.while_loop` that appends one token per row per iteration, with no host round
-trip, until every row has emitted an eos or `max_new_tokens` tokens. The batch KV cache is
+trip, until every row has emitted an eos or `max_new_tokens` tokens. The steps read each attention
+layer's q, k and v weights as one matrix (`jaxspec.rollout.weights`). The batch KV cache is
 donated into the loop and updated in place. At RL batch sizes the loop runs in stages: once at
 most half the rows still run, they move into a batch half the size (`jaxspec.rollout.stages`).
 """
@@ -36,6 +37,7 @@ from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 from jaxspec.rollout.speculative.generate import speculative_generate
 from jaxspec.rollout.speculative.slots import slot_speculative_generate
 from jaxspec.rollout.stages import batch_stages, run_in_stages
+from jaxspec.rollout.weights import rollout_spec, rollout_weights
 
 
 def generate(
@@ -119,6 +121,7 @@ def generate(
     checked = validate_prompts(cfg, prompts, sampling.max_new_tokens)
     limits = row_limits(row_max_new_tokens, len(checked), sampling.max_new_tokens)
     batch = group_prompts(checked, limits, prompt_width)
+    params, spec = rollout_weights(params), rollout_spec(spec)  # q, k and v in one GEMM per layer
     cache_dtype = jnp.dtype(params["embed"].dtype if cache_dtype is None else cache_dtype)
     num_rows, padded_width = batch.row_prompt.shape[0], batch.tokens.shape[1]
     max_len = padded_width + sampling.max_new_tokens

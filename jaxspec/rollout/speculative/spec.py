@@ -3,6 +3,7 @@ a `jaxspec train` config) and `Spec`, those settings beside the draft's weights.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Literal
 
@@ -324,6 +325,12 @@ class Spec:
             return getattr(self.config, name)
         except AttributeError:
             raise AttributeError(f"'Spec' object has no attribute {name!r}") from None
+
+    def with_draft(self, draft: Any) -> Spec:
+        """This Spec with the draft weights `draft` in place of its own (the same settings)."""
+        spec = copy.copy(self)
+        object.__setattr__(spec, "draft", draft)
+        return spec
 
     @classmethod
     def from_config(cls, config: SpecConfig, draft: Any = None) -> Spec:
