@@ -63,14 +63,21 @@ def call(
     interpret: bool,
     num_warps: int,
     num_stages: int,
+    input_output_aliases: dict[int, int] | None = None,
 ) -> tuple[jax.Array, ...]:
     """`fn(*args, *outputs, **constants)` over `grid`: the outputs (`out_shape`, zero-filled in the
     interpreter, every element written by the kernel), under the jax scope `name` (which a
     profile's op_name then carries). interpret runs the kernel in Triton's interpreter through
-    `jax.pure_callback`; otherwise jax-triton compiles it with num_warps and num_stages."""
+    `jax.pure_callback`; otherwise jax-triton compiles it with num_warps and num_stages.
+    input_output_aliases {argument index: output index}: the output is that argument's buffer,
+    updated in place by the kernel (in the interpreter: a copy of it), so a kernel may write only
+    part of it."""
+    aliases = dict(input_output_aliases or {})
     with jax.named_scope(name):
         if interpret:
-            run = functools.partial(_run_interpreted, fn=fn, grid=grid, out_shape=out_shape, constants=constants)
+            run = functools.partial(
+                _run_interpreted, fn=fn, grid=grid, out_shape=out_shape, constants=constants, aliases=aliases
+            )
             return tuple(jax.pure_callback(run, tuple(out_shape), *args))
         try:
             import jax_triton
@@ -87,13 +94,15 @@ def call(
                 num_warps=num_warps,
                 num_stages=num_stages,
                 name=name,
+                **({"input_output_aliases": aliases} if aliases else {}),
                 **constants,
             )
         )
 
 
-def _run_interpreted(*arrays, fn, grid, out_shape, constants) -> tuple[np.ndarray, ...]:
-    """The kernel in Triton's interpreter on torch CPU copies of `arrays` (numpy); the outputs as numpy."""
+def _run_interpreted(*arrays, fn, grid, out_shape, constants, aliases=None) -> tuple[np.ndarray, ...]:
+    """The kernel in Triton's interpreter on torch CPU copies of `arrays` (numpy); the outputs as
+    numpy, each aliased one (`aliases`: argument index -> output index) starting as its argument."""
     import torch
 
     def to_torch(x):
@@ -108,6 +117,8 @@ def _run_interpreted(*arrays, fn, grid, out_shape, constants) -> tuple[np.ndarra
         return t.numpy()
 
     outs = [torch.zeros(s.shape, dtype=getattr(torch, jnp.dtype(s.dtype).name)) for s in out_shape]
+    for arg, out in (aliases or {}).items():
+        outs[out] = to_torch(arrays[arg])
     # log(0) = -inf and 0 / 0 = nan, as on a GPU; the lock: the devices of a mesh call back at once
     with np.errstate(divide="ignore", invalid="ignore"), _INTERPRETER:
         interpreted(fn)[grid](*map(to_torch, arrays), *outs, **constants)

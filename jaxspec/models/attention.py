@@ -189,18 +189,56 @@ def kernel_attention(
     b, t, nq, d = q.shape
     nk = k_pool.shape[2]
     group = nq // nk
-    kernel = triton_kernel()
-    rows = kernel.query_rows(t * group)
-    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
+    rows = triton_kernel().query_rows(t * group)
     with jax.named_scope("attention"):
         q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
+    return kernel_attention_rows(
+        q_rows,
+        k_pool,
+        v_pool,
+        page_table,
+        cache_len,
+        tree_mask,
+        active,
+        num_new=t,
+        group=group,
+        interpret=interpret,
+        **tuning,
+    )
+
+
+def kernel_attention_rows(
+    q_rows: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    page_table: jax.Array,
+    cache_len: jax.Array,
+    tree_mask: jax.Array | None = None,
+    active: jax.Array | None = None,
+    *,
+    num_new: int,
+    group: int,
+    interpret: bool = False,
+    **tuning,
+) -> jax.Array:
+    """`kernel_attention` from the query rows the kernel reads, q_rows [B, Nk, R, D]: row r of kv
+    head j is new token r // G's query head j * G + r % G (T = num_new new tokens, G = group query
+    heads per kv head), zeros from T * G up to R (`jaxspec.kernels.paged_attention_triton.query_rows`),
+    as the attention prologue kernel writes them (`jaxspec.models.attention_prologue`). Returns
+    [B, T, Nq, D] in q_rows' dtype."""
+    b, nk, rows, d = q_rows.shape
+    t = num_new
+    prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
+    with jax.named_scope("attention"):
         bits = new_token_bits(_tree_mask(b, t, tree_mask), group, rows)
-        parts = kernel.paged_attention_partials(
+        parts = triton_kernel().paged_attention_partials(
             q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
         )
         out = merge(parts)[:, :, : t * group]  # [B, Nk, T*G, D]
-        return out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d).astype(q.dtype)
+        return (
+            out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nk * group, d).astype(q_rows.dtype)
+        )
 
 
 def triton_kernel():

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.attention import attention, cache_attention, use_cudnn_attention
+from jaxspec.models.attention_prologue import layer_attention, prologue_impl
 from jaxspec.models.blocks import attn_out_and_mlp, embed, head_params, logits_from_hidden, qkv
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
@@ -191,15 +192,26 @@ def extend(
 
     x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
     new_k, new_v, hidden, experts = [], [], {}, []
-    for i, layer in enumerate(params["layers"]):
+    is_paged = isinstance(cache, PagedKVCache)
+    table = cache.page_table if is_paged else jnp.arange(b, dtype=jnp.int32)[:, None]  # a dense row: one page
+
+    def attend(i, layer, x):
+        """Layer i's attention of the new tokens and its new k and v cache (or pools)."""
+        impl = prologue_impl(cfg, layer, x, cache.k[i], cache.v[i], is_paged, sharding)
+        if impl != "xla":  # one kernel from the projection to the attention kernel's query rows
+            return layer_attention(
+                cfg, layer, x, cos, sin, cache.k[i], cache.v[i], table, cache_len, tree_mask, active, impl=impl
+            )
         q, k, v = qkv(cfg, layer, x, cos, sin)
-        if isinstance(cache, PagedKVCache):
-            attn, ck, cv = write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active)
-        else:
-            with jax.named_scope("kv_write"):
-                ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
-                cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
-            attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
+        if is_paged:
+            return write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active)
+        with jax.named_scope("kv_write"):
+            ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
+            cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
+        return cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding), ck, cv
+
+    for i, layer in enumerate(params["layers"]):
+        attn, ck, cv = attend(i, layer, x)
         # no gradient: the kernels where they apply
         x, _, layer_experts = attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
         x = constrain(sharding, x, ("batch", "seq", "act_embed"))

@@ -14,13 +14,20 @@ import types
 import jax
 
 
-def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **constants):
+def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, input_output_aliases=None, **constants):
     from jaxspec.kernels import triton_call as kernel_calls  # imports triton
 
     assert num_warps >= 1 and num_stages >= 1 and name
     assert sorted(kernel.arg_names[len(args) + len(out_shape) :]) == sorted(constants)  # and no more pointers
+    aliases = dict(input_output_aliases or {})
+    assert all(args[i].shape == out_shape[o].shape and args[i].dtype == out_shape[o].dtype for i, o in aliases.items())
     run = functools.partial(
-        kernel_calls._run_interpreted, fn=kernel.fn, grid=grid, out_shape=tuple(out_shape), constants=constants
+        kernel_calls._run_interpreted,
+        fn=kernel.fn,
+        grid=grid,
+        out_shape=tuple(out_shape),
+        constants=constants,
+        aliases=aliases,
     )
     return jax.pure_callback(run, tuple(out_shape), *args)
 

@@ -1,0 +1,94 @@
+"""`extend` through the attention-prologue kernel gives the logits and caches of the model's own
+pieces: dense caches and paged pools, a prefill and a tree-masked verification step after it,
+a family with q/k norms and one with q/k/v biases. The kernels run in Triton's interpreter (float32);
+each case also checks which path ran (the prologue's kernel in the traced program, or not), so
+that a comparison of the reference with itself cannot pass for one of the kernel."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import ModelConfig, extend, init_cache
+from jaxspec.models.paged import NO_PAGE, init_paged_cache
+from jaxspec.models.params import fuse_qkv
+from tests.kernels.fake_jax_triton import kernels_in
+from tests.models.hf_reference import random_params
+
+pytest.importorskip("triton", reason="the kernels run in Triton's interpreter (the test extra has triton)")
+pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+
+KERNEL = "triton-interpret"
+FAMILIES = {"qwen3": dict(family="qwen3"), "qwen2": dict(family="qwen2", attention_bias=True)}
+ROWS, PAGE, PAGES_PER_ROW = 3, 4, 5
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig(
+        **FAMILIES[name],
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+
+
+def caches(cfg: ModelConfig, paged: bool):
+    if not paged:
+        return init_cache(cfg, ROWS, 16)
+    rng = np.random.default_rng(0)
+    table = rng.permutation(ROWS * PAGES_PER_ROW + 2)[: ROWS * PAGES_PER_ROW].reshape(ROWS, PAGES_PER_ROW)
+    table = jnp.asarray(table, jnp.int32).at[2, 4].set(NO_PAGE)  # row 2's last page missing
+    return init_paged_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ROWS * PAGES_PER_ROW + 2, PAGE, table)
+
+
+def prefill_then_verify(cfg, params, cache):
+    """A 6-token prefill (rows of 6, 4 and 2 tokens), then 3 tree-masked nodes per row: logits of
+    both and the final cache."""
+    tokens = jax.random.randint(jax.random.key(1), (ROWS, 9), 0, cfg.vocab_size)
+    lens = jnp.asarray([6, 4, 2], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (ROWS, 6))
+    first, _, cache = extend(cfg, params, cache, tokens[:, :6], positions, jnp.zeros((ROWS,), jnp.int32))
+    tree = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # nodes 1 and 2 both children of node 0
+    tree = jnp.broadcast_to(tree, (ROWS, 3, 3))
+    positions = lens[:, None] + jnp.asarray([0, 1, 1], jnp.int32)
+    second, _, cache = extend(cfg, params, cache, tokens[:, 6:], positions, lens, tree_mask=tree)
+    return first, second, cache
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_prologue_kernel_gives_the_models_logits_and_caches(monkeypatch, family, paged):
+    cfg = config(family)
+    params = fuse_qkv(random_params(cfg, jax.random.key(0)))
+    monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION" if paged else "JAXSPEC_CACHE_ATTENTION", KERNEL)
+    run = jax.jit(functools.partial(prefill_then_verify, cfg))
+    cache = caches(cfg, paged)
+
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "xla")
+    assert "_attention_prologue" not in kernels_in(str(jax.make_jaxpr(run)(params, cache)))
+    want = run(params, cache)
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "auto")
+    run = jax.jit(functools.partial(prefill_then_verify, cfg))  # traced again under the new setting
+    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))
+    got = run(params, cache)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+def test_unfused_params_and_the_reference_keep_the_models_pieces(monkeypatch):
+    """q and kv apart (a trainer's params), or the attention's reference: no prologue kernel."""
+    cfg = config("qwen3")
+    params = random_params(cfg, jax.random.key(0))
+    cache = caches(cfg, paged=False)
+    run = functools.partial(prefill_then_verify, cfg)
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", KERNEL)
+    assert "_attention_prologue" not in kernels_in(str(jax.make_jaxpr(run)(params, cache)))
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
+    assert not kernels_in(str(jax.make_jaxpr(run)(fuse_qkv(params), cache)))
