@@ -13,8 +13,10 @@ the cache in place and the attention kernel's query rows (`kernel_attention_rows
 `prologue_impl` decides per call: "xla" (the model's pieces) or the attention kernel's own impl
 ("triton", "triton-interpret"). It applies on one device (a mesh splits the cache, which the
 kernel's in-place write does not follow) to ungrouped pools and dense caches. The
-JAXSPEC_ATTENTION_PROLOGUE environment variable set to "xla" turns it off (an A/B of the two
-paths in one process; "auto", the default, follows the attention kernel).
+JAXSPEC_ATTENTION_PROLOGUE environment variable chooses: "triton" runs the kernel wherever the
+attention kernel runs; "auto" (the default) and "xla" keep XLA's pieces. "auto" becomes "triton"
+once the kernel has passed its GPU check (`tests/gpu/check_attention_prologue.py`, rollouts through
+`tests/gpu/check_spec.py`) and the decode and verification steps are timed both ways on a GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jaxspec.models.params import Params
 from jaxspec.models.rope import apply_rope
 from jaxspec.models.sharding import Sharding
 
-IMPLS = ("auto", "xla")
+IMPLS = ("auto", "xla", "triton")
 IMPL_ENV = "JAXSPEC_ATTENTION_PROLOGUE"
 
 
@@ -46,11 +48,12 @@ def prologue_impl(
     paged_cache: bool,
     sharding: Sharding | None,
 ) -> str:
-    """ "xla", or the attention kernel's impl ("triton", "triton-interpret") where the prologue
-    kernel runs this layer of a call: q, k and v fused, one device, an ungrouped pool (or a dense
-    cache), the attention kernel chosen for the call (`kernel_impl`), JAXSPEC_ATTENTION_PROLOGUE
-    not "xla". x [B, T, H] is the layer's input; k_pool / v_pool the layer's pools or dense cache."""
-    if requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue") == "xla" or "qkv" not in layer:
+    """The impl of the prologue for this layer of a call: the attention kernel's ("triton",
+    "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE is "triton", q, k and v are fused, on one
+    device, with an ungrouped pool (or a dense cache), and the attention kernel runs the call
+    (`kernel_impl`); else "xla". x [B, T, H] is the layer's input; k_pool / v_pool the layer's
+    pools or dense cache."""
+    if requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue") != "triton" or "qkv" not in layer:
         return "xla"
     if (sharding is not None and sharding.mesh.size > 1) or k_pool.ndim != 4:
         return "xla"

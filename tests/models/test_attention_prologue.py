@@ -74,7 +74,7 @@ def test_the_prologue_kernel_gives_the_models_logits_and_caches(monkeypatch, fam
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "xla")
     assert "_attention_prologue" not in kernels_in(str(jax.make_jaxpr(run)(params, cache)))
     want = run(params, cache)
-    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "auto")
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
     run = jax.jit(functools.partial(prefill_then_verify, cfg))  # traced again under the new setting
     assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))
     got = run(params, cache)
@@ -82,13 +82,22 @@ def test_the_prologue_kernel_gives_the_models_logits_and_caches(monkeypatch, fam
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-def test_unfused_params_and_the_reference_keep_the_models_pieces(monkeypatch):
-    """q and kv apart (a trainer's params), or the attention's reference: no prologue kernel."""
+def test_unfused_params_the_reference_and_the_default_keep_the_models_pieces(monkeypatch):
+    """q and kv apart (a trainer's params), the attention's reference, or the variable unset (the
+    default until the GPU check): no prologue kernel."""
     cfg = config("qwen3")
     params = random_params(cfg, jax.random.key(0))
     cache = caches(cfg, paged=False)
-    run = functools.partial(prefill_then_verify, cfg)
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", KERNEL)
-    assert "_attention_prologue" not in kernels_in(str(jax.make_jaxpr(run)(params, cache)))
+
+    def kernels(params):
+        jax.clear_caches()  # traced afresh under the variables set now
+        return kernels_in(str(jax.make_jaxpr(functools.partial(prefill_then_verify, cfg))(params, cache)))
+
+    assert "_attention_prologue" not in kernels(fuse_qkv(params))  # the default
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    assert "_attention_prologue" in kernels(fuse_qkv(params))  # the control
+    assert "_attention_prologue" not in kernels(params)
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
-    assert not kernels_in(str(jax.make_jaxpr(run)(fuse_qkv(params), cache)))
+    assert not kernels(fuse_qkv(params))
+    jax.clear_caches()

@@ -1,5 +1,5 @@
 """Rollouts through the attention kernels, the prologue before the attention kernel included
-(Triton's interpreter on the CPU; on a GPU "auto" picks them), give the jnp reference's rollouts
+(JAXSPEC_ATTENTION_PROLOGUE=triton; Triton's interpreter on the CPU), give the jnp reference's rollouts
 from the same key: the staged engine's dense caches and the slot engine's pools, autoregressive and
 EAGLE-3 chains, each on the `tiny` policy in float32. The traced programs must call the prologue's
 kernel (so that the comparison is not the reference's with itself)."""
@@ -24,6 +24,7 @@ ENVS = ("JAXSPEC_CACHE_ATTENTION", "JAXSPEC_PAGED_ATTENTION")
 @pytest.mark.parametrize("method", ["ar", "eagle3"])
 def test_rollouts_through_the_attention_kernels_equal_the_reference(tiny, monkeypatch, slots, method):
     cfg, params, head, rows, _, sampled = tiny
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
     sampling = dataclasses.replace(sampled, max_new_tokens=8)
     spec = Spec("eagle3", head, num_draft_tokens=2) if method == "eagle3" else None
     run = functools.partial(generate, cfg, params, rows[:4], jax.random.key(5), sampling, spec=spec, slots=slots)
@@ -53,6 +54,8 @@ def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
         return extend(cfg, params, cache, tokens, lens[:, None], lens)[0]
 
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "triton-interpret")
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    jax.clear_caches()
     assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
     jax.clear_caches()  # traced again under the new setting
