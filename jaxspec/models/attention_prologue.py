@@ -51,7 +51,7 @@ def prologue_impl(
     """The impl of the prologue for this layer of a call: the attention kernel's ("triton",
     "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE is "triton", q, k and v are fused, on one
     device, with an ungrouped pool (or a dense cache), and the attention kernel runs the call
-    (`kernel_impl`); else "xla". x [B, T, H] is the layer's input; k_pool / v_pool the layer's
+    (`kernel_impl`); else "xla". x [B, T, H] is the layer's (normed) input; k_pool / v_pool the layer's
     pools or dense cache."""
     if requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue") != "triton" or "qkv" not in layer:
         return "xla"
@@ -66,7 +66,7 @@ def prologue_impl(
 def layer_attention(
     cfg: ModelConfig,
     layer: Params,
-    x: jax.Array,
+    h: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
     k_pool: jax.Array,
@@ -78,15 +78,14 @@ def layer_attention(
     *,
     impl: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's attention of `extend` through the prologue kernel: x [B, T, H] the layer's input,
+    """One layer's attention of `extend` through the prologue kernel: h [B, T, H] the layer's normed input,
     cos / sin [B, T, D] its rope tables, k_pool / v_pool [P, page_size, Nk, D] (a dense cache
     [B, S, Nk, D] with page_table [[0], [1], ...]) and page_table int32 [B, M], cache_len, tree_mask
     and active as `extend`'s; impl from `prologue_impl`. Returns (attention [B, T, Nq, D], the new
     k pool, the new v pool), what `write_and_attend` returns."""
-    b, t = x.shape[:2]
+    b, t = h.shape[:2]
     nk, width = layer["qkv"].shape[1:3]
     group = width - 2
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
     proj = jnp.einsum("btc,cngd->btngd", h, layer["qkv"])  # [B, T, Nk, G + 2, D]
     bias = None
     if cfg.attention_bias:

@@ -24,11 +24,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, cos, sin):
-    """A layer's attention input: x [B, T, H] -> (q [B, T, Nq, D], k [B, T, Nk, D], v [B, T, Nk, D]),
-    after the attention norm, the projections (with their biases, and q/k norms where the family
-    has them), q and k rotated by the rope tables cos/sin of their positions."""
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+def qkv(cfg: ModelConfig, layer: Params, h: jax.Array, cos, sin):
+    """A layer's attention input from its normed input h [B, T, H] (the attention norm applied) ->
+    (q [B, T, Nq, D], k [B, T, Nk, D], v [B, T, Nk, D]): the projections (with their biases, and
+    q/k norms where the family has them), q and k rotated by the rope tables cos/sin of their
+    positions."""
     q, k, v = project_qkv(h, layer)
     if cfg.attention_bias:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
@@ -65,14 +65,32 @@ def attn_out_and_mlp(
     [B, T, E] float32 and the experts each token ran on int32 [B, T, k], both None for a dense
     layer); moe_impl, sharding, experts: a sparse layer's grouped matmuls, the mesh and the
     replayed experts [B, T, k] or None (`moe.moe_mlp`)."""
-    x = x + jnp.einsum("btnd,ndh->bth", attn, layer["o"])
-    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    x = x + attention_output(layer, attn)
+    out, router_logits, experts = mlp(
+        cfg, layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), moe_impl, sharding, experts
+    )
+    return x + out, router_logits, experts
+
+
+def attention_output(layer: Params, attn: jax.Array) -> jax.Array:
+    """The output projection of attention [B, T, Nq, D] -> [B, T, H] (before the residual add)."""
+    return jnp.einsum("btnd,ndh->bth", attn, layer["o"])
+
+
+def mlp(
+    cfg: ModelConfig,
+    layer: Params,
+    h: jax.Array,
+    moe_impl: str = "ragged_dot",
+    sharding: Sharding | None = None,
+    experts: jax.Array | None = None,
+):
+    """A layer's MLP on its normed input h [B, T, H] (before the residual add) -> (out [B, T, H],
+    router logits [B, T, E] float32, experts [B, T, k] int32; both None for a dense layer), as
+    `attn_out_and_mlp`."""
     if "router" in layer:
-        out, router_logits, experts = moe_mlp(
-            layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts
-        )
-        return x + out, router_logits, experts
-    return x + dense_mlp(layer, h), None, None
+        return moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts)
+    return dense_mlp(layer, h), None, None
 
 
 def dense_mlp(layer: Params, h: jax.Array) -> jax.Array:
@@ -95,7 +113,11 @@ def head_params(params: Params, dtype) -> Params:
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and LM head: x [B, T, H] -> float32 logits [B, T, V]."""
+    return logits_from_normed(cfg, params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
+
+
+def logits_from_normed(cfg: ModelConfig, params: Params, h: jax.Array) -> jax.Array:
+    """The LM head on the final norm's output: h [B, T, H] -> float32 logits [B, T, V]."""
     with jax.named_scope("lm_head"):
-        h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
         return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)

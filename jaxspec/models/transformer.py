@@ -17,12 +17,23 @@ import jax.numpy as jnp
 
 from jaxspec.models.attention import attention, cache_attention, use_cudnn_attention
 from jaxspec.models.attention_prologue import layer_attention, prologue_impl
-from jaxspec.models.blocks import attn_out_and_mlp, embed, head_params, logits_from_hidden, qkv
+from jaxspec.models.blocks import (
+    attention_output,
+    attn_out_and_mlp,
+    embed,
+    head_params,
+    logits_from_hidden,
+    logits_from_normed,
+    mlp,
+    qkv,
+    rms_norm,
+)
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.moe import expert_id_dtype
 from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.params import Params
+from jaxspec.models.residual_norm import residual_norm
 from jaxspec.models.rope import rope_tables
 from jaxspec.models.sharding import Sharding, constrain
 
@@ -115,7 +126,7 @@ def forward_router(
 
     def layer_fn(layer, x, layer_experts):
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
-        q, k, v = qkv(cfg, layer, x, cos, sin)
+        q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), cos, sin)
         if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
             attn = jax.nn.dot_product_attention(
                 q, k, v, mask=same_segment, is_causal=True, key_value_seq_lengths=lengths, implementation="cudnn"
@@ -195,14 +206,14 @@ def extend(
     is_paged = isinstance(cache, PagedKVCache)
     table = cache.page_table if is_paged else jnp.arange(b, dtype=jnp.int32)[:, None]  # a dense row: one page
 
-    def attend(i, layer, x):
-        """Layer i's attention of the new tokens and its new k and v cache (or pools)."""
-        impl = prologue_impl(cfg, layer, x, cache.k[i], cache.v[i], is_paged, sharding)
+    def attend(i, layer, h):
+        """Layer i's attention of the new tokens from its normed input h, and its new k and v cache (or pools)."""
+        impl = prologue_impl(cfg, layer, h, cache.k[i], cache.v[i], is_paged, sharding)
         if impl != "xla":  # one kernel from the projection to the attention kernel's query rows
             return layer_attention(
-                cfg, layer, x, cos, sin, cache.k[i], cache.v[i], table, cache_len, tree_mask, active, impl=impl
+                cfg, layer, h, cos, sin, cache.k[i], cache.v[i], table, cache_len, tree_mask, active, impl=impl
             )
-        q, k, v = qkv(cfg, layer, x, cos, sin)
+        q, k, v = qkv(cfg, layer, h, cos, sin)
         if is_paged:
             return write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active)
         with jax.named_scope("kv_write"):
@@ -210,18 +221,30 @@ def extend(
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")
         return cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding), ck, cv
 
+    def add_and_norm(x, delta, weight):
+        """The residual stream x + delta (delta None: x) and its norm by `weight`, laid out as x."""
+        x, h = residual_norm(x, delta, weight, cfg.rms_norm_eps, sharding)
+        return constrain(sharding, x, ("batch", "seq", "act_embed")), h
+
+    # A sublayer's output is added to the residual stream together with the next norm (one kernel
+    # where `residual_norm` runs it), so layer i's output x is complete at layer i + 1's first norm.
+    delta = None
     for i, layer in enumerate(params["layers"]):
-        attn, ck, cv = attend(i, layer, x)
+        x, h = add_and_norm(x, delta, layer["attn_norm"])
+        if i - 1 in hidden_layers:
+            hidden[i - 1] = x
+        attn, ck, cv = attend(i, layer, h)
+        x, h = add_and_norm(x, attention_output(layer, attn), layer["mlp_norm"])
         # no gradient: the kernels where they apply
-        x, _, layer_experts = attn_out_and_mlp(cfg, layer, x, attn, "auto", sharding)
-        x = constrain(sharding, x, ("batch", "seq", "act_embed"))
+        delta, _, layer_experts = mlp(cfg, layer, h, "auto", sharding)
         if record_experts and layer_experts is not None:
             experts.append(layer_experts.astype(expert_id_dtype(cfg.num_experts)))
         new_k.append(ck)
         new_v.append(cv)
-        if i in hidden_layers:
-            hidden[i] = x
-    logits = logits_from_hidden(cfg, params, x)
+    x, h = add_and_norm(x, delta, params["final_norm"])
+    if cfg.num_layers - 1 in hidden_layers:
+        hidden[cfg.num_layers - 1] = x
+    logits = logits_from_normed(cfg, params, h)
     out = logits, _stack_hidden(hidden, hidden_layers, x), cache._replace(k=tuple(new_k), v=tuple(new_v))
     if not record_experts:
         return out

@@ -1,8 +1,9 @@
-"""Rollouts through the attention kernels, the prologue before the attention kernel included
-(JAXSPEC_ATTENTION_PROLOGUE=triton; Triton's interpreter on the CPU), give the jnp reference's rollouts
+"""Rollouts through the decoder layer's kernels, the attention kernel, the prologue before it
+(JAXSPEC_ATTENTION_PROLOGUE=triton) and the residual norms (JAXSPEC_RESIDUAL_NORM), in Triton's
+interpreter on the CPU, give the jnp reference's rollouts
 from the same key: the staged engine's dense caches and the slot engine's pools, autoregressive and
-EAGLE-3 chains, each on the `tiny` policy in float32. The traced programs must call the prologue's
-kernel (so that the comparison is not the reference's with itself)."""
+EAGLE-3 chains, each on the `tiny` policy in float32. The traced programs must call the kernels (so
+that the comparison is not the reference's with itself)."""
 
 import dataclasses
 import functools
@@ -17,7 +18,7 @@ from tests.rollout.conftest import assert_same_rollout
 pytest.importorskip("triton", reason="the kernels run in Triton's interpreter (the test extra has triton)")
 pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
 
-ENVS = ("JAXSPEC_CACHE_ATTENTION", "JAXSPEC_PAGED_ATTENTION")
+ENVS = ("JAXSPEC_CACHE_ATTENTION", "JAXSPEC_PAGED_ATTENTION", "JAXSPEC_RESIDUAL_NORM")
 
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["staged", "slots"])
@@ -40,7 +41,7 @@ def test_rollouts_through_the_attention_kernels_equal_the_reference(tiny, monkey
 
 def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
     """The control of the comparison above: with the variables set the decode step's program calls
-    the prologue's and the attention's kernels, with "xla" neither."""
+    the prologue's, the attention's and the residual norm's kernels, with "xla" none."""
     from jaxspec.models import extend, init_cache
     from jaxspec.rollout.weights import rollout_weights
 
@@ -55,9 +56,12 @@ def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
 
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
     jax.clear_caches()
-    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
+    kernels = kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
+    assert {"_attention_prologue", "_paged_attention", "_residual_norm"} <= kernels
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
+    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "xla")
     jax.clear_caches()  # traced again under the new setting
     assert not kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
     jax.clear_caches()

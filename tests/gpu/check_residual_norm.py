@@ -1,0 +1,75 @@
+"""GPU check of the residual-norm kernel against the model's own add and RMS norm it replaces.
+
+    pytest -m gpu tests/gpu/test_residual_norm.py         # the check, as a test
+    python3 -m tests.gpu.check_residual_norm              # exit 0 when they agree
+
+`residual_norm` (`jaxspec.kernels.residual_norm_triton` through jax-triton), compiled for the GPU
+in bfloat16, against `residual_norm_reference` (XLA) on the same inputs at the model widths
+(Qwen3-1.7B's 2048, Qwen3-8B's 4096, Qwen2.5-14B's 5120), for a decode step's rows and a
+verification step's, with a sublayer's output to add and without (a first norm). The sums must be
+equal bit for bit, the normed rows within `TOLERANCE` (one reduction order against another); a
+weight with one channel moved by 5% must break the agreement (the negative control). Prints every
+case, and any deprecation warning raised while the kernel compiles.
+"""
+
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.kernels.residual_norm_triton import residual_norm
+from jaxspec.models.residual_norm import residual_norm_reference
+
+EPS = 1e-6
+TOLERANCE = 2.0**-6  # relative and absolute: 2 units in the last place of bfloat16
+CASES = [  # (name, rows, channels, with a delta)
+    ("qwen3-1.7b decode", 8, 2048, True),
+    ("qwen3-8b decode", 64, 4096, True),
+    ("qwen3-8b verify", 256, 4096, True),
+    ("qwen3-8b first norm", 64, 4096, False),
+    ("14b-wide decode", 4, 5120, True),
+]
+
+
+def check_residual_norm() -> bool:
+    ok = True
+    for i, (name, rows, channels, with_delta) in enumerate(CASES):
+        kx, kd, kw = jax.random.split(jax.random.key(i), 3)
+        x = 4.0 * jax.random.normal(kx, (rows, 1, channels), jnp.bfloat16)
+        delta = jax.random.normal(kd, (rows, 1, channels), jnp.bfloat16) if with_delta else None
+        weight = (1 + 0.3 * jax.random.normal(kw, (channels,))).astype(jnp.bfloat16)
+        want = jax.jit(residual_norm_reference, static_argnums=3)(x, delta, weight, EPS)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = residual_norm(x, delta, weight, eps=EPS)
+        deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+        sums_differ = int(np.sum(np.asarray(got[0] != want[0])))
+        err = float(np.abs(np.float32(got[1]) - np.float32(want[1])).max())
+        scale = max(1.0, float(np.abs(np.float32(want[1])).max()))
+        moved = residual_norm(x, delta, weight.at[channels // 3].multiply(1.05), eps=EPS)
+        wrong_err = float(np.abs(np.float32(moved[1]) - np.float32(want[1])).max())
+        case_ok = sums_differ == 0 and err < TOLERANCE * scale and wrong_err > TOLERANCE * scale and not deprecations
+        ok &= case_ok
+        print(
+            f"residual norm {name} ({rows} x {channels}): sums differing {sums_differ}, |kernel-reference| "
+            f"{err:.4f} (bound {TOLERANCE * scale:.4f}); moved weight: {wrong_err:.4f}; deprecations "
+            f"{deprecations or 'none'}: {'OK' if case_ok else 'MISMATCH'}"
+        )
+    print(f"residual norm: {'OK' if ok else 'MISMATCH'}")
+    return ok
+
+
+def main(argv: list[str]) -> int:
+    if jax.default_backend() != "gpu":
+        print("needs a GPU", file=sys.stderr)
+        return 2
+    if argv:
+        print(f"check_residual_norm takes no arguments, got {argv}", file=sys.stderr)
+        return 2
+    return 0 if check_residual_norm() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
