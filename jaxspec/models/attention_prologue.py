@@ -83,20 +83,15 @@ def layer_attention(
     [B, S, Nk, D] with page_table [[0], [1], ...]) and page_table int32 [B, M], cache_len, tree_mask
     and active as `extend`'s; impl from `prologue_impl`. Returns (attention [B, T, Nq, D], the new
     k pool, the new v pool), what `write_and_attend` returns."""
-    b, t = h.shape[:2]
-    nk, width = layer["qkv"].shape[1:3]
-    group = width - 2
+    t = h.shape[1]
+    group = layer["qkv"].shape[2] - 2
     proj = jnp.einsum("btc,cngd->btngd", h, layer["qkv"])  # [B, T, Nk, G + 2, D]
-    bias = None
-    if cfg.attention_bias:
-        q_bias = layer["q_bias"].reshape(nk, group, -1)
-        bias = jnp.concatenate([q_bias, layer["k_bias"][:, None], layer["v_bias"][:, None]], axis=1)
     norms = (layer["q_norm"], layer["k_norm"]) if cfg.qk_norm else (None, None)
     rows = triton_kernel().query_rows(t * group)
     interpret = impl == "triton-interpret"
     q_rows, k_pool, v_pool = _prologue().attention_prologue(
         proj,
-        bias,
+        layer.get("qkv_bias"),
         *norms,
         cos,
         sin,

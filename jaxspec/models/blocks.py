@@ -30,8 +30,6 @@ def qkv(cfg: ModelConfig, layer: Params, h: jax.Array, cos, sin):
     q/k norms where the family has them), q and k rotated by the rope tables cos/sin of their
     positions."""
     q, k, v = project_qkv(h, layer)
-    if cfg.attention_bias:
-        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
@@ -39,17 +37,23 @@ def qkv(cfg: ModelConfig, layer: Params, h: jax.Array, cos, sin):
 
 
 def project_qkv(x: jax.Array, layer: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [B, T, Nq, D], k and v [B, T, Nk, D] of the attention input x [B, T, C]: two GEMMs over
-    the layer's q [C, Nq, D] and kv [C, 2, Nk, D] (`jaxspec.models.params.PAIRED`), or one over its
-    fused qkv [C, Nk, G + 2, D] (`jaxspec.models.params.fuse_qkv`)."""
+    """q [B, T, Nq, D], k and v [B, T, Nk, D] of the attention input x [B, T, C], with the layer's
+    biases where it has them: two GEMMs over the layer's q [C, Nq, D] and kv [C, 2, Nk, D]
+    (`jaxspec.models.params.PAIRED`), or one over its fused qkv [C, Nk, G + 2, D]
+    (`jaxspec.models.params.fuse_qkv`)."""
     if "qkv" in layer:
         out = jnp.einsum("btc,cngd->btngd", x, layer["qkv"])  # [B, T, Nk, G + 2, D]
+        if "qkv_bias" in layer:
+            out = out + layer["qkv_bias"]
         b, t, nk, width, d = out.shape
         group = width - 2
         return out[:, :, :, :group].reshape(b, t, nk * group, d), out[:, :, :, group], out[:, :, :, group + 1]
     q = jnp.einsum("btc,cnd->btnd", x, layer["q"])
     both = jnp.einsum("btc,cknd->btknd", x, layer["kv"])
-    return q, both[:, :, 0], both[:, :, 1]
+    q, k, v = q, both[:, :, 0], both[:, :, 1]
+    if "q_bias" in layer:
+        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+    return q, k, v
 
 
 def attn_out_and_mlp(

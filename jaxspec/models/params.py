@@ -16,7 +16,8 @@ and up, gate_up[:, 0] and gate_up[:, 1], split along F, and attention's k and v,
 kv[:, 1], split over the KV heads. A step multiplies by both in one GEMM (a decode or verification
 step reads the pair's weights in one kernel). q stays a leaf of its own: a tensor-parallel mesh
 splits the query heads where it cannot split fewer KV heads. A rollout, which only reads the
-weights, multiplies by all three in one GEMM where the mesh splits them alike (`fuse_qkv`).
+weights, multiplies by all three in one GEMM where the mesh splits them alike (`fuse_qkv`; their
+biases, where the family has them, become one leaf too).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxspec.models.config import ModelConfig
 Params = dict
 PAIR_AXIS = 1  # a paired leaf's axis of its two projections
 PAIRED = {"gate_up": ("gate", "up"), "kv": ("k", "v")}  # paired leaf -> the projections at index 0 and 1
+FUSED_QKV = ("q", "kv", "q_bias", "k_bias", "v_bias")  # an attention layer's leaves `fuse_qkv` makes one
 
 
 def pair(first: jax.Array, second: jax.Array) -> jax.Array:
@@ -41,15 +43,20 @@ def fuse_qkv(params: Params) -> Params:
     "qkv" [C, Nk, Nq / Nk + 2, D]: the query heads of kv head j (j * G .. j * G + G - 1, G = Nq /
     Nk, the heads that attend with it), then its k, then its v, so that a decode step reads all
     three in one GEMM (`jaxspec.models.blocks.project_qkv`) and a mesh that splits the KV heads
-    splits it alike. Layers without q (or already fused) and every other leaf are kept as they are
-    (the same arrays). Works on a policy's params and on an EAGLE-3 head's (its "midlayer")."""
+    splits it alike. A layer's biases q_bias [Nq, D], k_bias and v_bias [Nk, D] become "qkv_bias"
+    [Nk, G + 2, D] in the same order. Layers without q (or already fused) and every other leaf are
+    kept as they are (the same arrays). Works on a policy's params and on an EAGLE-3 head's (its
+    "midlayer")."""
     if isinstance(params, dict):
         if "q" in params and "kv" in params:
-            layer = {k: v for k, v in params.items() if k not in ("q", "kv")}
+            layer = {k: v for k, v in params.items() if k not in FUSED_QKV}
             q, kv = params["q"], params["kv"]
             nk = kv.shape[2]
             grouped = q.reshape(q.shape[0], nk, q.shape[1] // nk, q.shape[2])
             layer["qkv"] = jnp.concatenate([grouped, jnp.moveaxis(kv, PAIR_AXIS, 2)], axis=2)
+            if "q_bias" in params:
+                q_bias = params["q_bias"].reshape(nk, -1, q.shape[2])
+                layer["qkv_bias"] = jnp.concatenate([q_bias, params["k_bias"][:, None], params["v_bias"][:, None]], 1)
             return layer
         return {k: fuse_qkv(v) for k, v in params.items()}
     if isinstance(params, (list, tuple)):

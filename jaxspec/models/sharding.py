@@ -51,6 +51,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "q_bias": ("q_heads", "head_dim"),
     "k_bias": ("kv_heads", "head_dim"),
     "v_bias": ("kv_heads", "head_dim"),
+    "qkv_bias": ("kv_heads", None, "head_dim"),
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
     "gate_up": ("embed", None, "mlp"),

@@ -43,7 +43,12 @@ def test_fused_layout_is_each_kv_heads_queries_then_k_then_v(params):
             np.testing.assert_array_equal(fused["qkv"][:, j, g], layer["q"][:, j * group + g])
         np.testing.assert_array_equal(fused["qkv"][:, j, group], layer["kv"][:, 0, j])
         np.testing.assert_array_equal(fused["qkv"][:, j, group + 1], layer["kv"][:, 1, j])
-    assert all(fused[k] is layer[k] for k in layer if k not in ("q", "kv"))
+        for g in range(group):
+            np.testing.assert_array_equal(fused["qkv_bias"][j, g], layer["q_bias"][j * group + g])
+        np.testing.assert_array_equal(fused["qkv_bias"][j, group], layer["k_bias"][j])
+        np.testing.assert_array_equal(fused["qkv_bias"][j, group + 1], layer["v_bias"][j])
+    assert not {"q", "kv", "q_bias", "k_bias", "v_bias"} & fused.keys()
+    assert all(fused[k] is layer[k] for k in fused if k not in ("qkv", "qkv_bias"))
     assert fuse_qkv({"layers": [fused]})["layers"][0]["qkv"] is fused["qkv"]  # a fused layer is kept
 
 
@@ -68,4 +73,7 @@ def test_a_misplaced_head_changes_the_logits(params):
     layer = dict(fused["layers"][0])
     layer["qkv"] = layer["qkv"][:, :, jnp.asarray([1, 0, 2, 3, 4])]
     swapped = {**fused, "layers": [layer, *fused["layers"][1:]]}
+    assert np.abs(forward(CFG, swapped, tokens) - forward(CFG, params, tokens)).max() > 1e-3
+    layer["qkv"] = fused["layers"][0]["qkv"]
+    layer["qkv_bias"] = layer["qkv_bias"][:, jnp.asarray([0, 1, 2, 4, 3])]  # k's bias and v's swapped
     assert np.abs(forward(CFG, swapped, tokens) - forward(CFG, params, tokens)).max() > 1e-3

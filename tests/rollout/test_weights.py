@@ -1,6 +1,8 @@
 """The rollout's weights: q and kv fused once per call, on the devices and mesh axes of q, and
 left as they are where a mesh splits them unlike."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -35,7 +37,7 @@ def assert_fused(got, params):
     for got_layer, want_layer, layer in zip(got["layers"], want["layers"], params["layers"]):
         np.testing.assert_array_equal(got_layer["qkv"], want_layer["qkv"])
         assert got_layer.keys() == want_layer.keys()
-        assert all(got_layer[k] is layer[k] for k in got_layer if k != "qkv")  # no other leaf copied
+        assert all(got_layer[k] is layer[k] for k in got_layer if k not in ("qkv", "qkv_bias"))  # no other leaf copied
     assert got["embed"] is params["embed"]
 
 
@@ -56,6 +58,22 @@ def test_a_mesh_that_splits_q_and_kv_alike(params, shape):
     assert fused["layers"][0]["qkv"].sharding.spec == sharding.spec(
         ("embed", "kv_heads", None, "head_dim"), fused["layers"][0]["qkv"].shape
     )
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 4, 2)])
+def test_biases_are_fused_on_the_mesh_axes_of_their_heads(shape):
+    cfg = dataclasses.replace(CFG, family="qwen2", attention_bias=True, qk_norm=False)
+    params = init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda x: x + jax.random.normal(jax.random.key(x.size), x.shape), params)
+    sharding = Sharding(make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))]))
+    sharded = shard_params(sharding, params)
+    fused = rollout_weights(sharded)
+    assert_fused(fused, sharded)
+    bias = fused["layers"][0]["qkv_bias"]
+    np.testing.assert_array_equal(bias, fuse_qkv(params)["layers"][0]["qkv_bias"])
+    if shape != (1, 1, 1):
+        assert bias.sharding.spec == sharding.spec(("kv_heads", None, "head_dim"), bias.shape)
+        assert bias.sharding.spec[0] == "tensor"
 
 
 def test_a_mesh_that_splits_only_the_query_heads_keeps_them_apart(params):
@@ -87,5 +105,6 @@ def test_weights_that_do_not_fit_are_left_for_generate_to_name(params):
     layer = {**params["layers"][0], "q": params["layers"][0]["q"][:, :3]}
     odd = {**params, "layers": [layer, params["layers"][1]]}
     fused = rollout_weights(odd)
-    assert fused["layers"][0] is layer and "qkv" in fused["layers"][1]
+    assert fused["layers"][0].keys() == layer.keys() and fused["layers"][0]["q"] is layer["q"]
+    assert "qkv" in fused["layers"][1]
     assert rollout_spec("eagle3") == "eagle3"  # not a Spec: generate says so
