@@ -26,18 +26,20 @@ import jax.numpy as jnp
 from jaxspec.draft.config import DraftConfig
 from jaxspec.draft.model import (
     DraftParams,
-    attention_inputs,
     check_embed,
-    draft_logits,
     fuse,
-    layer_output,
+    head_logits,
+    layer_input,
     target_ids,
     to_target_ids,
 )
 from jaxspec.models.attention import attention, cache_attention, cache_attention_mask
+from jaxspec.models.attention_prologue import layer_attention, prologue_impl
+from jaxspec.models.blocks import attention_output, mlp, project_qkv
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.paged import PagedKVCache, write_and_attend
-from jaxspec.models.rope import rope_tables
+from jaxspec.models.residual_norm import residual_norm
+from jaxspec.models.rope import apply_rope, rope_tables
 from jaxspec.models.sharding import Sharding
 
 __all__ = ["draft_extend", "draft_logprobs_on_target_vocab", "fuse", "init_draft_cache", "to_target_ids"]
@@ -83,27 +85,57 @@ def draft_extend(
     """
     _check_inputs(dcfg, embed, cache, tokens, hidden_in, positions, cache_len, tree_mask, prefix_mask, active)
     b, t = tokens.shape
-    cos, sin = rope_tables(dcfg.layer_config, positions)
-    q, k, v = attention_inputs(dcfg, dparams, embed, tokens, hidden_in, cos, sin)
-    if isinstance(cache, PagedKVCache):
-        if prefix_mask is not None:
-            raise ValueError("prefix_mask: a paged cache takes none (its tree drafting sees the whole prefix)")
-        attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active)
-        out = layer_output(dcfg, dparams, _entries(hidden_in, last), _entries(attn, last))
-        return draft_logits(dcfg, dparams, out), out, cache._replace(k=(ck,), v=(cv,))
+    layer, cfg = dparams["midlayer"], dcfg.layer_config
+    cos, sin = rope_tables(cfg, positions)
+    x = layer_input(dcfg, dparams, embed, tokens, hidden_in, lambda x, w: _add_norm(dcfg, x, None, w, sharding)[1])
+    paged = isinstance(cache, PagedKVCache)
+    if paged and prefix_mask is not None:
+        raise ValueError("prefix_mask: a paged cache takes none (its tree drafting sees the whole prefix)")
+    impl = "xla" if prefix_mask is not None else prologue_impl(cfg, layer, x, cache.k[0], cache.v[0], paged, sharding)
+    if impl != "xla":  # one kernel from the projection to the attention kernel's query rows
+        table = cache.page_table if paged else jnp.arange(b, dtype=jnp.int32)[:, None]
+        attn, ck, cv = layer_attention(
+            cfg, layer, x, cos, sin, cache.k[0], cache.v[0], table, cache_len, tree_mask, active, impl=impl
+        )
+    else:
+        q, k, v = project_qkv(x, layer)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if paged:
+            attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active)
+        else:
+            attn, ck, cv = _dense_attention(cache, q, k, v, cache_len, tree_mask, prefix_mask, active, sharding)
+    logits, out = _output_and_logits(dcfg, dparams, _entries(hidden_in, last), _entries(attn, last), sharding)
+    return logits, out, cache._replace(k=(ck,), v=(cv,))
+
+
+def _dense_attention(cache, q, k, v, cache_len, tree_mask, prefix_mask, active, sharding):
+    """The new entries' keys and values written into the dense one-layer cache, and their attention
+    over it: (attention [B, T, Nq, D], k cache, v cache)."""
+    b, t = q.shape[:2]
     rows = jnp.arange(b)[:, None]
     slots = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     with jax.named_scope("kv_write"):
         ck = cache.k[0].at[rows, slots].set(k.astype(cache.k[0].dtype), mode="drop")
         cv = cache.v[0].at[rows, slots].set(v.astype(cache.v[0].dtype), mode="drop")
     if prefix_mask is None:
-        attn = cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding)
-    else:
-        mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask, active)
-        in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
-        attn = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask & (prefix_mask | ~in_prefix))
-    out = layer_output(dcfg, dparams, _entries(hidden_in, last), _entries(attn, last))
-    return draft_logits(dcfg, dparams, out), out, KVCache(k=(ck,), v=(cv,))
+        return cache_attention(q, ck, cv, cache_len, tree_mask, active=active, sharding=sharding), ck, cv
+    mask = cache_attention_mask(cache_len, t, cache.max_len, tree_mask, active)
+    in_prefix = jnp.arange(cache.max_len)[None, None, :] < cache_len[:, None, None]
+    return attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask & (prefix_mask | ~in_prefix)), ck, cv
+
+
+def _output_and_logits(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, attn: jax.Array, sharding):
+    """`model.layer_output` and `model.draft_logits` of the entries' hidden inputs [B, T, H] and
+    attention [B, T, Nq, D], each residual add with the norm after it (`residual_norm`: one kernel
+    where it runs): (float32 logits [B, T, Vd], layer output [B, T, H])."""
+    layer = dparams["midlayer"]
+    x, normed = _add_norm(dcfg, hidden.astype(attn.dtype), attention_output(layer, attn), layer["mlp_norm"], sharding)
+    out, normed = _add_norm(dcfg, x, mlp(dcfg.layer_config, layer, normed)[0], dparams["norm"], sharding)
+    return head_logits(dparams, normed), out
+
+
+def _add_norm(dcfg: DraftConfig, x, delta, weight, sharding):
+    return residual_norm(x, delta, weight, dcfg.rms_norm_eps, sharding)
 
 
 def _entries(x: jax.Array, last: jax.Array | None) -> jax.Array:

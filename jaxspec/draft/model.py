@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +190,24 @@ def stack_aux(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Ar
     return jnp.concatenate([aux[0], aux[1], aux[2]], axis=-1).astype(dparams["fc"].dtype)
 
 
+def layer_input(
+    dcfg: DraftConfig,
+    dparams: DraftParams,
+    embed: jax.Array,
+    tokens: jax.Array,
+    hidden: jax.Array,
+    norm: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+) -> jax.Array:
+    """The layer's input x = cat(input_norm(e), hidden_norm(h)) [B, T, 2H] for int32 tokens [B, T]
+    (their embeddings e) and hidden inputs h [B, T, H]; norm(x, weight): the RMS norm to apply
+    (default `blocks.rms_norm` with the head's eps; drafting passes its kernel's)."""
+    layer = dparams["midlayer"]
+    dtype = dparams["fc"].dtype
+    norm = norm or (lambda x, weight: rms_norm(x, weight, dcfg.rms_norm_eps))
+    emb = jax.lax.stop_gradient(jnp.take(embed, tokens, axis=0)).astype(dtype)
+    return jnp.concatenate([norm(emb, layer["input_norm"]), norm(hidden.astype(dtype), layer["hidden_norm"])], axis=-1)
+
+
 def attention_inputs(
     dcfg: DraftConfig,
     dparams: DraftParams,
@@ -200,17 +219,7 @@ def attention_inputs(
 ):
     """Rotated q [B, T, Nq, D] and k, unrotated v [B, T, Nk, D] of the layer for int32 tokens
     [B, T] and hidden inputs [B, T, H]; cos/sin from `rope_tables(dcfg.layer_config, positions)`."""
-    layer = dparams["midlayer"]
-    dtype = dparams["fc"].dtype
-    emb = jax.lax.stop_gradient(jnp.take(embed, tokens, axis=0)).astype(dtype)
-    x = jnp.concatenate(
-        [
-            rms_norm(emb, layer["input_norm"], dcfg.rms_norm_eps),
-            rms_norm(hidden.astype(dtype), layer["hidden_norm"], dcfg.rms_norm_eps),
-        ],
-        axis=-1,
-    )
-    q, k, v = project_qkv(x, layer)
+    q, k, v = project_qkv(layer_input(dcfg, dparams, embed, tokens, hidden), dparams["midlayer"])
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -222,6 +231,10 @@ def layer_output(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Array, att
 
 def draft_logits(dcfg: DraftConfig, dparams: DraftParams, out: jax.Array) -> jax.Array:
     """Final norm and lm_head: layer output [B, T, H] -> float32 logits over the draft vocabulary."""
+    return head_logits(dparams, rms_norm(out, dparams["norm"], dcfg.rms_norm_eps))
+
+
+def head_logits(dparams: DraftParams, normed: jax.Array) -> jax.Array:
+    """The lm_head on the final norm's output [B, T, H] -> float32 logits [B, T, Vd]."""
     with jax.named_scope("lm_head"):
-        normed = rms_norm(out, dparams["norm"], dcfg.rms_norm_eps)
         return jnp.einsum("bth,hv->btv", normed, dparams["lm_head"], preferred_element_type=jnp.float32)
