@@ -30,6 +30,10 @@ BENCHMARKS = {
     "spec": ("jaxspec.bench.spec", "speculative vs autoregressive rollouts on a trained policy and draft"),
     "spec-cost": ("jaxspec.bench.spec_cost", "costs of the pieces of a speculative step; projected speedup"),
     "mlp": ("jaxspec.bench.mlp", "a dense MLP's gate and up projections as two GEMMs and as one, vs the roofline"),
+    "layer-kernels": (
+        "jaxspec.bench.layer_kernels",
+        "the residual-norm and attention-prologue kernels vs XLA's pieces",
+    ),
     "attention": ("jaxspec.bench.attention", "ragged cache-attention kernel vs dense attention, by cache fill"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
     "grpo-step": ("jaxspec.bench.grpo_step", "time and peak memory of each phase of one GRPO step on a mesh"),
@@ -40,7 +44,7 @@ BENCHMARKS = {
 def _usage() -> str:
     lines = ["usage: jaxspec <command> [args]", "", "commands:"]
     lines += [f"  {name:<16}{doc}" for name, (_, doc) in COMMANDS.items()]
-    lines += [f"  bench {name:<10}{doc}" for name, (_, doc) in BENCHMARKS.items()]
+    lines += [f"  bench {name:<13} {doc}" for name, (_, doc) in BENCHMARKS.items()]
     lines += ["", "`jaxspec <command> --help` for a command's options; exit statuses: `jaxspec.exits`."]
     return "\n".join(lines)
 
