@@ -26,6 +26,7 @@ from jaxspec.kernels.attention_prologue_triton import attention_prologue
 from jaxspec.kernels.paged_attention_triton import query_rows
 from jaxspec.models.attention_prologue import attention_prologue_reference
 from jaxspec.models.paged import NO_PAGE
+from tests.gpu import check_main
 
 PAGE, PAGES_PER_ROW = 16, 8
 TOLERANCE = 2.0**-5  # relative and absolute: 4 units in the last place of bfloat16
@@ -105,15 +106,5 @@ def check_attention_prologue() -> bool:
     return ok
 
 
-def main(argv: list[str]) -> int:
-    if jax.default_backend() != "gpu":
-        print("needs a GPU", file=sys.stderr)
-        return 2
-    if argv:
-        print(f"check_attention_prologue takes no arguments, got {argv}", file=sys.stderr)
-        return 2
-    return 0 if check_attention_prologue() else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(check_main("attention_prologue", check_attention_prologue, sys.argv[1:]))

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxspec.models.attention import kernel_attention
 from jaxspec.models.paged import NO_PAGE, paged_attention
+from tests.gpu import check_main
 from tests.gpu.check_attention import random_trees
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -100,15 +101,5 @@ def check_paged_attention() -> bool:
     return ok
 
 
-def main(argv: list[str]) -> int:
-    if jax.default_backend() != "gpu":
-        print("needs a GPU", file=sys.stderr)
-        return 2
-    if argv:
-        print(f"check_paged_attention takes no arguments, got {argv}", file=sys.stderr)
-        return 2
-    return 0 if check_paged_attention() else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(check_main("paged_attention", check_paged_attention, sys.argv[1:]))

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxspec.kernels.residual_norm_triton import residual_norm
 from jaxspec.models.residual_norm import residual_norm_reference
+from tests.gpu import check_main
 
 EPS = 1e-6
 TOLERANCE = 2.0**-6  # relative to max(1, |reference|): 2 units in the last place of bfloat16
@@ -67,15 +68,5 @@ def check_residual_norm() -> bool:
     return ok
 
 
-def main(argv: list[str]) -> int:
-    if jax.default_backend() != "gpu":
-        print("needs a GPU", file=sys.stderr)
-        return 2
-    if argv:
-        print(f"check_residual_norm takes no arguments, got {argv}", file=sys.stderr)
-        return 2
-    return 0 if check_residual_norm() else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(check_main("residual_norm", check_residual_norm, sys.argv[1:]))
