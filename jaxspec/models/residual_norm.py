@@ -4,8 +4,9 @@
 next GEMM (the MLP's norm after attention, the next layer's attention norm after the MLP, the
 final norm before the LM head): `residual_norm` returns both. "xla" is the model's own pieces
 (`residual_norm_reference`); "triton" runs `jaxspec.kernels.residual_norm_triton`, one kernel per
-norm where XLA runs two, on one device (a mesh lays the activations out over devices, which the
-kernel's call does not follow); "triton-interpret" runs it in Triton's interpreter (tests).
+norm where XLA runs two (on a mesh, each device on its own rows, through `shard_map`: the rows are
+laid out over the batch axes, a row's channels on one device); "triton-interpret" runs it in
+Triton's interpreter (tests).
 The JAXSPEC_RESIDUAL_NORM environment variable chooses: "auto" (the default) keeps XLA's pieces
 until the kernel has passed its GPU check (`tests/gpu/check_residual_norm.py`) and the steps are
 timed both ways on a GPU.
@@ -13,7 +14,10 @@ timed both ways on a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax.sharding import PartitionSpec
 
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.blocks import rms_norm
@@ -21,19 +25,34 @@ from jaxspec.models.sharding import Sharding
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_RESIDUAL_NORM"
+ACTIVATION_AXES = ("batch", "seq", "act_embed")
 
 
 def residual_norm(
     x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, sharding: Sharding | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """(x + delta, rms_norm(x + delta, weight)) for the residual stream x [..., H], a sublayer's
+    """(x + delta, rms_norm(x + delta, weight)) for the residual stream x [B, T, H], a sublayer's
     output delta like x (None: the norm of x alone, x returned as it is) and the norm's weight [H];
-    sharding: the call's mesh (the kernel runs on one device only)."""
+    sharding: the call's mesh, on which x is laid out as ("batch", "seq", "act_embed")."""
     impl = requested_impl("auto", IMPLS, IMPL_ENV, "residual norm")
-    on_mesh = sharding is not None and sharding.mesh.size > 1
-    if impl in ("auto", "xla") or on_mesh or not _kernel().kernel_applies(x, weight):
+    if impl in ("auto", "xla") or not _kernel().kernel_applies(x, weight):
         return residual_norm_reference(x, delta, weight, eps)
-    return _kernel().residual_norm(x, delta, weight, eps=eps, interpret=impl == "triton-interpret")
+    kernel = functools.partial(_kernel().residual_norm, eps=eps, interpret=impl == "triton-interpret")
+    if sharding is None or sharding.mesh.size == 1:
+        return kernel(x, delta, weight)
+    rows = sharding.spec(ACTIVATION_AXES, x.shape)
+    if rows[-1] is not None:  # a row's channels split over devices: the norm needs them all
+        return residual_norm_reference(x, delta, weight, eps)
+    args, specs = (x, weight), (rows, PartitionSpec())
+    if delta is not None:
+        args, specs = (*args, delta), (*specs, rows)
+    return jax.shard_map(
+        lambda x, weight, *delta: kernel(x, delta[0] if delta else None, weight),
+        mesh=sharding.mesh,
+        in_specs=specs,
+        out_specs=(rows, rows),
+        check_vma=False,
+    )(*args)
 
 
 def residual_norm_reference(

@@ -5,6 +5,7 @@ kernel runs in Triton's interpreter (float32); each case also counts the kernel'
 traced program (one per norm: two per layer and the final one), so that a comparison of the
 reference with itself cannot pass for one of the kernel."""
 
+import dataclasses
 import functools
 import re
 
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxspec.models import ModelConfig, extend, init_cache
-from jaxspec.models.residual_norm import residual_norm
-from jaxspec.models.sharding import Sharding, make_mesh
+from jaxspec.models.residual_norm import ACTIVATION_AXES, residual_norm, residual_norm_reference
+from jaxspec.models.sharding import DEFAULT_RULES, KV_CACHE_AXES, Sharding, make_mesh, shard_params
 from tests.kernels.fake_jax_triton import kernels_in
 from tests.models.hf_reference import random_params
 
@@ -78,14 +79,60 @@ def test_the_kernel_gives_the_models_logits_hidden_states_and_caches(monkeypatch
     jax.clear_caches()
 
 
-def test_on_a_mesh_and_for_a_weight_of_another_dtype_the_reference_runs(monkeypatch):
-    """The kernel's call does not follow a mesh's layout, and reads one dtype."""
+def test_on_a_mesh_each_device_runs_the_kernel_on_its_rows(monkeypatch):
+    """The rows split over data x fsdp, replicated over tensor: the kernel per device (shard_map),
+    its sums and norms those of the whole rows; the residual stream keeps its layout."""
+    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
+    sharding = Sharding(make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:8]))
+    x, delta = jax.random.normal(jax.random.key(0), (2, 4, 6, 32))
+    layout = sharding.named(ACTIVATION_AXES, x.shape)
+    assert layout.spec[0] == ("data", "fsdp")  # the rows really split
+    x, delta = jax.device_put(x, layout), jax.device_put(delta, layout)
+    weight = 1 + 0.3 * jax.random.normal(jax.random.key(1), (32,))
+    for d in (delta, None):
+        run = functools.partial(residual_norm, eps=1e-6, sharding=sharding)
+        assert kernel_calls(run, x, d, weight) == 1
+        got, want = jax.jit(run)(x, d, weight), residual_norm_reference(x, d, weight, 1e-6)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        assert got[0].sharding.spec == layout.spec
+    jax.clear_caches()
+
+
+def test_a_sharded_extend_through_the_kernel_equals_xlas_pieces(monkeypatch):
+    """Params and cache on a data x fsdp x tensor mesh: every norm of `extend` runs the kernel on
+    each device's rows and gives the logits, hidden states and cache of XLA's pieces."""
+    cfg = config("qwen3")
+    sharding = Sharding(make_mesh(2, 2, 2))
+    params = shard_params(sharding, random_params(cfg, jax.random.key(0)))
+    cache = init_cache(cfg, 4, 16)
+    cache = jax.device_put(cache, sharding.named(KV_CACHE_AXES, cache.k[0].shape))
+    tokens = jax.random.randint(jax.random.key(1), (4, 5), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))
+
+    def run(params, cache):
+        lens = jnp.zeros((4,), jnp.int32)
+        return extend(cfg, params, cache, tokens, positions, lens, hidden_layers=HIDDEN, sharding=sharding)
+
+    want = jax.jit(run)(params, cache)
+    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
+    assert kernel_calls(run, params, cache) == 2 * LAYERS + 1
+    got = jax.jit(run)(params, cache)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    jax.clear_caches()
+
+
+def test_split_channels_and_a_weight_of_another_dtype_run_the_reference(monkeypatch):
+    """A mesh that splits a row's channels (the norm needs all of them), or a weight the kernel does
+    not read with x: XLA's pieces."""
     monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
     x = jax.random.normal(jax.random.key(0), (4, 2, 32))
     weight = jnp.ones((32,))
-    sharding = Sharding(make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2]))
-    on_mesh = functools.partial(residual_norm, eps=1e-6, sharding=sharding)
-    assert kernel_calls(on_mesh, x, x, weight) == 0
+    rules = (*dict(DEFAULT_RULES).items(),)
+    split = Sharding(make_mesh(data=1, fsdp=1, tensor=2, devices=jax.devices()[:2]))
+    split = dataclasses.replace(split, rules=tuple((k, ("tensor",) if k == "act_embed" else v) for k, v in rules))
+    assert kernel_calls(functools.partial(residual_norm, eps=1e-6, sharding=split), x, x, weight) == 0
     assert kernel_calls(functools.partial(residual_norm, eps=1e-6), x, x, weight.astype(jnp.bfloat16)) == 0
     assert kernel_calls(functools.partial(residual_norm, eps=1e-6), x, x, weight) == 1  # the control
     jax.clear_caches()
