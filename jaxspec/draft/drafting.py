@@ -93,9 +93,21 @@ def draft_extend(
         raise ValueError("prefix_mask: a paged cache takes none (its tree drafting sees the whole prefix)")
     impl = "xla" if prefix_mask is not None else prologue_impl(cfg, layer, x, cache.k[0], cache.v[0], paged, sharding)
     if impl != "xla":  # one kernel from the projection to the attention kernel's query rows
-        table = cache.page_table if paged else jnp.arange(b, dtype=jnp.int32)[:, None]
+        table = cache.page_table if paged else None
         attn, ck, cv = layer_attention(
-            cfg, layer, x, cos, sin, cache.k[0], cache.v[0], table, cache_len, tree_mask, active, impl=impl
+            cfg,
+            layer,
+            x,
+            cos,
+            sin,
+            cache.k[0],
+            cache.v[0],
+            table,
+            cache_len,
+            tree_mask,
+            active,
+            impl=impl,
+            sharding=sharding,
         )
     else:
         q, k, v = project_qkv(x, layer)

@@ -11,8 +11,8 @@ is one kernel (`jaxspec.kernels.attention_prologue_triton`) that writes the keys
 the cache in place and the attention kernel's query rows (`kernel_attention_rows`).
 
 `prologue_impl` decides per call: "xla" (the model's pieces) or the attention kernel's own impl
-("triton", "triton-interpret"). It applies on one device (a mesh splits the cache, which the
-kernel's in-place write does not follow) to ungrouped pools and dense caches. The
+("triton", "triton-interpret"). It applies to ungrouped pools on one device and to dense caches,
+on a mesh too (each device on its rows and KV heads, as the attention kernel runs there). The
 JAXSPEC_ATTENTION_PROLOGUE environment variable chooses: "triton" runs the kernel wherever the
 attention kernel runs; "auto" (the default) and "xla" keep XLA's pieces. "auto" becomes "triton"
 once the kernel has passed its GPU check (`tests/gpu/check_attention_prologue.py`, rollouts through
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models import attention as attention_module
@@ -33,7 +34,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import page_of
 from jaxspec.models.params import Params
 from jaxspec.models.rope import apply_rope
-from jaxspec.models.sharding import Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 
 IMPLS = ("auto", "xla", "triton")
 IMPL_ENV = "JAXSPEC_ATTENTION_PROLOGUE"
@@ -49,14 +50,17 @@ def prologue_impl(
     sharding: Sharding | None,
 ) -> str:
     """The impl of the prologue for this layer of a call: the attention kernel's ("triton",
-    "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE is "triton", q, k and v are fused, on one
-    device, with an ungrouped pool (or a dense cache), and the attention kernel runs the call
-    (`kernel_impl`); else "xla". x [B, T, H] is the layer's (normed) input; k_pool / v_pool the layer's
-    pools or dense cache."""
+    "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE is "triton", q, k and v are fused, the
+    cache is an ungrouped pool on one device or a dense cache (on a mesh: not split along its
+    positions), and the attention kernel runs the call (`kernel_impl`); else "xla". x [B, T, H] is
+    the layer's (normed) input; k_pool / v_pool the layer's pools or dense cache."""
     if requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue") != "triton" or "qkv" not in layer:
         return "xla"
-    if (sharding is not None and sharding.mesh.size > 1) or k_pool.ndim != 4:
+    if k_pool.ndim != 4:
         return "xla"
+    if sharding is not None and sharding.mesh.size > 1:
+        if paged_cache or sharding.spec(KV_CACHE_AXES, k_pool.shape)[1] is not None:
+            return "xla"
     b, t = x.shape[:2]
     q = jax.ShapeDtypeStruct((b, t, cfg.num_heads, cfg.head_dim), layer["qkv"].dtype)
     env = paged.IMPL_ENV if paged_cache else attention_module.IMPL_ENV
@@ -71,42 +75,81 @@ def layer_attention(
     sin: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
-    page_table: jax.Array,
+    page_table: jax.Array | None,
     cache_len: jax.Array,
     tree_mask: jax.Array | None,
     active: jax.Array | None,
     *,
     impl: str,
+    sharding: Sharding | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's attention of `extend` through the prologue kernel: h [B, T, H] the layer's normed input,
-    cos / sin [B, T, D] its rope tables, k_pool / v_pool [P, page_size, Nk, D] (a dense cache
-    [B, S, Nk, D] with page_table [[0], [1], ...]) and page_table int32 [B, M], cache_len, tree_mask
-    and active as `extend`'s; impl from `prologue_impl`. Returns (attention [B, T, Nq, D], the new
-    k pool, the new v pool), what `write_and_attend` returns."""
-    t = h.shape[1]
+    """One layer's attention of `extend` through the prologue kernel: h [B, T, H] the layer's normed
+    input, cos / sin [B, T, D] its rope tables, k_pool / v_pool [P, page_size, Nk, D] and page_table
+    int32 [B, M], or a dense cache [B, S, Nk, D] and page_table None (row b: page b); cache_len,
+    tree_mask and active as `extend`'s; impl from `prologue_impl`. On a mesh (a dense cache) each
+    device runs the kernels on its rows and KV heads (`shard_map`, as `cache_attention` runs the
+    attention kernel). Returns (attention [B, T, Nq, D], the new k pool, the new v pool), what
+    `write_and_attend` returns."""
+    b, t = h.shape[:2]
     group = layer["qkv"].shape[2] - 2
     proj = jnp.einsum("btc,cngd->btngd", h, layer["qkv"])  # [B, T, Nk, G + 2, D]
-    norms = (layer["q_norm"], layer["k_norm"]) if cfg.qk_norm else (None, None)
-    rows = triton_kernel().query_rows(t * group)
-    interpret = impl == "triton-interpret"
-    q_rows, k_pool, v_pool = _prologue().attention_prologue(
-        proj,
-        layer.get("qkv_bias"),
-        *norms,
-        cos,
-        sin,
-        cache_len,
-        page_table,
-        k_pool,
-        v_pool,
-        rows=rows,
-        eps=cfg.rms_norm_eps,
-        interpret=interpret,
+    tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if tree_mask is None else tree_mask
+    active = jnp.ones((b,), bool) if active is None else active
+    arrays = dict(proj=proj, cos=cos, sin=sin, cache_len=cache_len, k_pool=k_pool, v_pool=v_pool)
+    arrays |= dict(tree_mask=tree_mask, active=active)
+    weights = {"bias": layer.get("qkv_bias")} | (
+        {"q_norm": layer["q_norm"], "k_norm": layer["k_norm"]} if cfg.qk_norm else {}
     )
-    attn = kernel_attention_rows(
-        q_rows, k_pool, v_pool, page_table, cache_len, tree_mask, active, num_new=t, group=group, interpret=interpret
+    weights = {k: v for k, v in weights.items() if v is not None}
+    settings = dict(
+        rows=triton_kernel().query_rows(t * group), eps=cfg.rms_norm_eps, interpret=impl == "triton-interpret"
     )
-    return attn, k_pool, v_pool
+
+    def attend(arrays, weights, page_table):
+        if page_table is None:  # a dense cache: row b is page b, its whole cache
+            page_table = jnp.arange(arrays["k_pool"].shape[0], dtype=jnp.int32)[:, None]
+        q_rows, k_pool, v_pool = _prologue().attention_prologue(
+            arrays["proj"],
+            weights.get("bias"),
+            weights.get("q_norm"),
+            weights.get("k_norm"),
+            arrays["cos"],
+            arrays["sin"],
+            arrays["cache_len"],
+            page_table,
+            arrays["k_pool"],
+            arrays["v_pool"],
+            **settings,
+        )
+        attn = kernel_attention_rows(
+            q_rows,
+            k_pool,
+            v_pool,
+            page_table,
+            arrays["cache_len"],
+            arrays["tree_mask"],
+            arrays["active"],
+            num_new=t,
+            group=group,
+            interpret=settings["interpret"],
+        )
+        return attn, k_pool, v_pool
+
+    if sharding is None or sharding.mesh.size == 1:
+        return attend(arrays, weights, page_table)
+    batch, _, heads, _ = sharding.spec(KV_CACHE_AXES, k_pool.shape)
+    P = PartitionSpec
+    pools = P(batch, None, heads, None)
+    array_specs = dict(proj=P(batch, None, heads), cos=P(batch), sin=P(batch), cache_len=P(batch))
+    array_specs |= dict(k_pool=pools, v_pool=pools, tree_mask=P(batch), active=P(batch))
+    weight_specs = {k: P(heads) if k == "bias" else P() for k in weights}
+    return jax.shard_map(
+        lambda arrays, weights: attend(arrays, weights, None),
+        mesh=sharding.mesh,
+        in_specs=(array_specs, weight_specs),
+        out_specs=(pools, pools, pools),
+        check_vma=False,
+    )(arrays, weights)
 
 
 def _prologue():

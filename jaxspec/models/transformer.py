@@ -204,14 +204,15 @@ def extend(
     x = constrain(sharding, embed(params, tokens), ("batch", "seq", "act_embed"))
     new_k, new_v, hidden, experts = [], [], {}, []
     is_paged = isinstance(cache, PagedKVCache)
-    table = cache.page_table if is_paged else jnp.arange(b, dtype=jnp.int32)[:, None]  # a dense row: one page
+    page_table = cache.page_table if is_paged else None  # the prologue's: a dense row is one page
 
     def attend(i, layer, h):
         """Layer i's attention of the new tokens from its normed input h, and its new k and v cache (or pools)."""
         impl = prologue_impl(cfg, layer, h, cache.k[i], cache.v[i], is_paged, sharding)
         if impl != "xla":  # one kernel from the projection to the attention kernel's query rows
+            k, v = cache.k[i], cache.v[i]
             return layer_attention(
-                cfg, layer, h, cos, sin, cache.k[i], cache.v[i], table, cache_len, tree_mask, active, impl=impl
+                cfg, layer, h, cos, sin, k, v, page_table, cache_len, tree_mask, active, impl=impl, sharding=sharding
             )
         q, k, v = qkv(cfg, layer, h, cos, sin)
         if is_paged:

@@ -14,6 +14,7 @@ import pytest
 from jaxspec.models import ModelConfig, extend, init_cache
 from jaxspec.models.paged import NO_PAGE, init_paged_cache
 from jaxspec.models.params import fuse_qkv
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, make_mesh, shard_params
 from tests.kernels.fake_jax_triton import kernels_in
 from tests.models.hf_reference import random_params
 
@@ -100,4 +101,30 @@ def test_unfused_params_the_reference_and_the_default_keep_the_models_pieces(mon
     assert "_attention_prologue" not in kernels(params)
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
     assert not kernels(fuse_qkv(params))
+    jax.clear_caches()
+
+
+def test_on_a_mesh_each_device_runs_the_kernels_on_its_rows_and_kv_heads(monkeypatch):
+    """A dense cache split over data x fsdp (rows) and tensor (KV heads): the prologue and the
+    attention kernel on every device (shard_map) give XLA's logits and cache."""
+    cfg = config("qwen2")
+    sharding = Sharding(make_mesh(2, 2, 2))
+    params = shard_params(sharding, fuse_qkv(random_params(cfg, jax.random.key(0))))
+    cache = init_cache(cfg, 4, 16)
+    cache = jax.device_put(cache, sharding.named(KV_CACHE_AXES, cache.k[0].shape))
+    assert cache.k[0].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
+    tokens = jax.random.randint(jax.random.key(1), (4, 5), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))
+
+    def run(params, cache):
+        return extend(cfg, params, cache, tokens, positions, jnp.asarray([0, 2, 1, 3], jnp.int32), sharding=sharding)
+
+    want = jax.jit(run)(params, cache)
+    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", KERNEL)
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    jax.clear_caches()
+    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))
+    got = jax.jit(run)(params, cache)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
     jax.clear_caches()
