@@ -19,6 +19,12 @@ row order as slots free up: the slot engine's occupancy, idealised (prefill, the
 rounds of K decode steps and preemptions left out); its step count is printed beside the
 measured run's (seconds / step_ms) as the check of that idealisation. The plot (needs
 matplotlib) draws the running rows and the batch width against the decode step.
+
+--admission-history CONFIG ... asks whether another admission order would end the slot run
+sooner: the same lengths admitted longest first (an oracle that knows each row's length), and by
+each named configuration's mean length per prompt (its groups of `samples_per_prompt` rows, the
+same prompts drawn again: what a history of earlier epochs' answers would predict), longest
+first; printed as decode steps beside the row order's.
 """
 
 from __future__ import annotations
@@ -48,20 +54,34 @@ def stage_widths(running: np.ndarray, rows: int) -> np.ndarray:
     return stages[np.searchsorted(stages, running)]
 
 
-def slot_running(lengths: np.ndarray, slots: int) -> np.ndarray:
-    """int [T]: rows decoding at each step when `slots` slots take the rows in order, each slot
-    taking the next row the step after its row ends (one token per row per step)."""
+def slot_running(lengths: np.ndarray, slots: int, order: np.ndarray | None = None) -> np.ndarray:
+    """int [T]: rows decoding at each step when `slots` slots take the rows in `order` (default row
+    order), each slot taking the next row the step after its row ends (one token per row per step)."""
     ends: list[int] = []  # the steps at which the busy slots' rows end
     starts = np.zeros(len(lengths), dtype=np.int64)
-    for i, n in enumerate(lengths):
+    for i in range(len(lengths)) if order is None else order:
         start = heapq.heappop(ends) if len(ends) == slots else 0
         starts[i] = start
-        heapq.heappush(ends, start + int(n))
+        heapq.heappush(ends, start + int(lengths[i]))
     total = int((starts + lengths).max())
     delta = np.zeros(total + 1, dtype=np.int64)
     np.add.at(delta, starts, 1)
     np.add.at(delta, starts + lengths, -1)
     return np.cumsum(delta)[:total]
+
+
+def admission_orders(lengths: np.ndarray, samples: int, history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Admission orders of rows whose groups of `samples` consecutive rows share a prompt: row order,
+    longest first (the lengths known), and longest predicted first for each history's lengths (the
+    same prompts' rows in another run: their mean per prompt predicts each row of the prompt)."""
+    orders = {
+        "row order": np.arange(len(lengths)),
+        "longest first (known lengths)": np.argsort(-lengths, kind="stable"),
+    }
+    for name, other in history.items():
+        predicted = np.repeat(other.reshape(-1, samples).mean(axis=1), samples)
+        orders[f"by {name}'s mean per prompt"] = np.argsort(-predicted, kind="stable")
+    return orders
 
 
 def call_summary(running: np.ndarray, widths: np.ndarray, rows: int) -> dict:
@@ -126,6 +146,13 @@ def main() -> int:
     p.add_argument("result", type=Path, help="a `jaxspec bench spec --out` JSON")
     p.add_argument("--config", default="ar", help="the staged autoregressive configuration")
     p.add_argument("--slots-config", default=None, help="an autoregressive slot configuration, e.g. 'ar slots=128'")
+    p.add_argument(
+        "--admission-history",
+        nargs="+",
+        default=[],
+        metavar="CONFIG",
+        help="with --slots-config: also admit longest first, known and predicted from these configurations' lengths",
+    )
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -133,6 +160,9 @@ def main() -> int:
     try:
         staged = find_row(result, args.config)
         slot_row = None if args.slots_config is None else find_row(result, args.slots_config)
+        history = {
+            name: np.asarray(find_row(result, name)["lengths"], dtype=np.int64) for name in args.admission_history
+        }
     except KeyError as e:
         raise SystemExit(f"{args.result}: {e.args[0]}") from None
     lengths = np.asarray(staged["lengths"], dtype=np.int64)
@@ -160,6 +190,18 @@ def main() -> int:
             f"occupancy {slots['mean_occupancy']:.2f}, steps with <= 1/4 of the slots decoding "
             f"{slots['steps_at_most_0.25']:.2f}"
         )
+        if history:
+            samples = result["baseline"].get("samples_per_prompt") or 1
+            lengths = np.asarray(slot_row["lengths"], dtype=np.int64)
+            print("| admission order | decode steps | against row order |")
+            print("|---|---|---|")
+            slots["admission_steps"] = {}
+            for name, order in admission_orders(lengths, samples, history).items():
+                steps = len(slot_running(lengths, slot_row["slots"], order))
+                slots["admission_steps"][name] = steps
+                print(f"| {name} | {steps} | {steps / slots['steps']:.3f} |")
+    elif args.admission_history:
+        raise SystemExit("--admission-history needs --slots-config")
     if args.plot:
         plot(args.plot, calls, slots)
     if args.out:

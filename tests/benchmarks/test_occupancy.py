@@ -71,3 +71,42 @@ def test_the_command_reads_a_bench_spec_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["occupancy", str(path), "--slots-config", "ar"])
     with pytest.raises(SystemExit, match="'ar' is not a slot configuration"):
         occupancy.main()
+
+
+def test_admission_orders_and_their_steps():
+    """Two slots, groups of two rows: in row order the long row comes last and runs alone; longest
+    first (known, or predicted by a history whose long prompt is the same) ends at the longest row;
+    a history that predicts the wrong prompt long does not."""
+    lengths = np.array([2, 2, 3, 1, 1, 9])
+    assert len(occupancy.slot_running(lengths, 2)) == 13  # the 9 starts at step 4
+    right, wrong = np.array([1, 1, 1, 1, 5, 7]), np.array([8, 8, 1, 1, 1, 1])
+    orders = occupancy.admission_orders(lengths, 2, {"right": right, "wrong": wrong})
+    steps = {name: len(occupancy.slot_running(lengths, 2, order)) for name, order in orders.items()}
+    assert steps == {
+        "row order": 13,
+        "longest first (known lengths)": 9,
+        "by right's mean per prompt": 9,
+        "by wrong's mean per prompt": 13,
+    }
+    for order in orders.values():  # every row admitted once: the same tokens decoded
+        assert occupancy.slot_running(lengths, 2, order).sum() == lengths.sum()
+
+
+def test_the_command_compares_admission_orders(tmp_path, monkeypatch, capsys):
+    result = {
+        "baseline": {"sub_batch": None, "samples_per_prompt": 2},
+        "rows": [
+            {"config": "ar", "slots": None, "lengths": [1, 1, 1, 1, 5, 7]},
+            {"config": "ar slots=2", "slots": 2, "lengths": [2, 2, 3, 1, 1, 9], "seconds": 0.013, "step_ms": 1.0},
+        ],
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(result))
+    argv = ["occupancy", str(path), "--slots-config", "ar slots=2", "--admission-history", "ar"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert occupancy.main() == 0
+    out = capsys.readouterr().out
+    assert "| row order | 13 | 1.000 |" in out and "| by ar's mean per prompt | 9 | 0.692 |" in out
+    monkeypatch.setattr(sys, "argv", ["occupancy", str(path), "--admission-history", "ar"])
+    with pytest.raises(SystemExit, match="needs --slots-config"):
+        occupancy.main()
