@@ -113,7 +113,7 @@ def draft_extend(
         q, k, v = project_qkv(x, layer)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if paged:
-            attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active)
+            attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active, sharding)
         else:
             attn, ck, cv = _dense_attention(cache, q, k, v, cache_len, tree_mask, prefix_mask, active, sharding)
     logits, out = _output_and_logits(dcfg, dparams, _entries(hidden_in, last), _entries(attn, last), sharding)

@@ -25,8 +25,9 @@ the same semantics:
 
 "auto" is "triton" on a GPU where the kernel applies and jax-triton imports, else the reference
 (`jaxspec.models.attention.kernel_impl`); the JAXSPEC_PAGED_ATTENTION environment variable (auto,
-xla, triton, triton-interpret) overrides "auto" at trace time. The kernel takes ungrouped pools
-only: grouped ones (below) run the reference.
+xla, triton, triton-interpret) overrides "auto" at trace time. On a mesh the call names, the kernel
+runs on each device (`shard_map` over the batch and tensor axes) on its slots and KV heads, grouped
+pools (below) as one pool of their pages; grouped pools without the mesh run the reference.
 
 Grouped pools (the slot engine on a mesh, `jaxspec.rollout.slot_state`): a pool may carry a
 leading group axis, [G, num_pages, page_size, Nk, D]; the S slots then form G consecutive blocks
@@ -41,8 +42,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec.models.attention import attention, cache_attention_mask, kernel_attention, kernel_impl
+from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
 
 NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
 IMPL_ENV = "JAXSPEC_PAGED_ATTENTION"
@@ -171,6 +174,7 @@ def paged_attention(
     active: jax.Array | None = None,
     *,
     impl: str = "auto",
+    sharding: Sharding | None = None,
 ) -> jax.Array:
     """Attention of T new tokens per slot over the slot's pages, which already hold their keys and
     values (`cache_attention` on a paged cache).
@@ -178,17 +182,50 @@ def paged_attention(
     q [S, T, Nq, D]; k/v_pool [num_pages, page_size, Nk, D] (or grouped); page_table int32 [S, M];
     slot s's prefix is at positions [0, cache_len[s]) and its new tokens at cache_len[s] + t; tree_mask
     bool [S, T, T] among the new tokens (default causal); active bool [S] (default all): a slot
-    that is not active sees only its new tokens. impl: see the module docstring. Returns
+    that is not active sees only its new tokens. impl: see the module docstring. sharding: the mesh
+    the pools are laid out on (`KV_PAGES_AXES`), for the kernel's call per device. Returns
     [S, T, Nq, D] in q's dtype.
     """
-    impl = kernel_impl(impl, IMPL_ENV, "paged attention", q, k_pool, v_pool, applies=k_pool.ndim == 4)
-    if impl != "xla":
-        interpret = impl == "triton-interpret"
+    flat = jax.ShapeDtypeStruct((1, *k_pool.shape[-3:]), k_pool.dtype)  # a page of a (grouped) pool: the checks
+    on_mesh = sharding is not None and sharding.mesh.size > 1
+    pools = sharding.spec(KV_PAGES_AXES[5 - k_pool.ndim :], k_pool.shape) if on_mesh else None
+    applies = (not on_mesh and k_pool.ndim == 4) or (on_mesh and pools[-3] is None)  # a page's positions whole
+    impl = kernel_impl(impl, IMPL_ENV, "paged attention", q, flat, flat, applies=applies)
+    if impl == "xla":
+        k = gather_pages(k_pool, page_table).astype(q.dtype)
+        v = gather_pages(v_pool, page_table).astype(q.dtype)
+        mask = cache_attention_mask(cache_len, q.shape[1], k.shape[1], tree_mask, active)
+        return attention(q, k, v, mask)
+    interpret = impl == "triton-interpret"
+    if not on_mesh:
         return kernel_attention(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=interpret)
-    k = gather_pages(k_pool, page_table).astype(q.dtype)
-    v = gather_pages(v_pool, page_table).astype(q.dtype)
-    mask = cache_attention_mask(cache_len, q.shape[1], k.shape[1], tree_mask, active)
-    return attention(q, k, v, mask)
+    b, t = q.shape[:2]
+    tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if tree_mask is None else tree_mask
+    active = jnp.ones((b,), bool) if active is None else active
+
+    def local_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active):
+        """The kernel on a device's slots and pools; grouped pools as one pool of G x num_pages
+        pages, each slot's table entries moved to its group's pages (an entry with no page keeps none)."""
+        if k_pool.ndim == 5:
+            groups, pages = k_pool.shape[:2]
+            slots = page_table.shape[0]
+            first_page = (jnp.arange(slots, dtype=jnp.int32) // (slots // groups) * pages)[:, None]
+            held = (page_table >= 0) & (page_table < pages)
+            page_table = jnp.where(held, page_table + first_page, NO_PAGE)
+            k_pool, v_pool = (pool.reshape(groups * pages, *pool.shape[2:]) for pool in (k_pool, v_pool))
+        return kernel_attention(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=interpret)
+
+    heads = pools[-2]
+    batch = pools[0] if k_pool.ndim == 5 else sharding.spec(("batch",), (b,))[0]  # the slots' split
+    P = PartitionSpec
+    rows = P(batch)
+    return jax.shard_map(
+        local_kernel,
+        mesh=sharding.mesh,
+        in_specs=(P(batch, None, heads), pools, pools, rows, rows, rows, rows),
+        out_specs=P(batch, None, heads),
+        check_vma=False,
+    )(q, k_pool, v_pool, page_table, cache_len, tree_mask, active)
 
 
 def write_and_attend(
@@ -200,12 +237,15 @@ def write_and_attend(
     cache_len: jax.Array,
     tree_mask: jax.Array | None = None,
     active: jax.Array | None = None,
+    sharding: Sharding | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer of a cached extension: writes k/v [S, T, Nk, D] at positions cache_len[s] + t of
-    layer `layer`'s pools, then attends q [S, T, Nq, D] over them (`paged_attention`).
-    Returns (attention [S, T, Nq, D], the layer's new k pool, its new v pool)."""
+    layer `layer`'s pools, then attends q [S, T, Nq, D] over them (`paged_attention`; sharding: the
+    mesh the pools are laid out on). Returns (attention [S, T, Nq, D], the layer's new k pool, its
+    new v pool)."""
     positions = cache_len[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
     with jax.named_scope("kv_write"):
         k_pool = paged_write(cache.k[layer], cache.page_table, positions, k)
         v_pool = paged_write(cache.v[layer], cache.page_table, positions, v)
-    return paged_attention(q, k_pool, v_pool, cache.page_table, cache_len, tree_mask, active), k_pool, v_pool
+    attn = paged_attention(q, k_pool, v_pool, cache.page_table, cache_len, tree_mask, active, sharding=sharding)
+    return attn, k_pool, v_pool

@@ -216,7 +216,7 @@ def extend(
             )
         q, k, v = qkv(cfg, layer, h, cos, sin)
         if is_paged:
-            return write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active)
+            return write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active, sharding)
         with jax.named_scope("kv_write"):
             ck = cache.k[i].at[rows, slots].set(k.astype(cache.k[i].dtype), mode="drop")
             cv = cache.v[i].at[rows, slots].set(v.astype(cache.v[i].dtype), mode="drop")

@@ -161,7 +161,15 @@ def _loop(
         table, last, length, active = inputs
         view = state_cache(pools)._replace(page_table=table)
         logits, _, view, *experts = extend(
-            cfg, params, view, last[:, None], length[:, None], length, active=active, record_experts=record
+            cfg,
+            params,
+            view,
+            last[:, None],
+            length[:, None],
+            length,
+            active=active,
+            sharding=sharding,
+            record_experts=record,
         )
         return (logits[:, 0], *experts), carry, (view.k, view.v)
 

@@ -6,6 +6,8 @@ lengths, random tree masks and inactive slots; `extend` on a `PagedKVCache` agai
 dense `KVCache` (prefill, then tree-masked verification blocks).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from jaxspec.models.paged import (
     paged_attention,
     write_and_attend,
 )
+from jaxspec.models.sharding import KV_PAGES_AXES, Sharding, make_mesh
 from jaxspec.rollout.speculative.step import commit_path
 from tests.models.test_cache import model  # noqa: F401  (fixture)
 
@@ -178,3 +181,40 @@ def test_grouped_pools_keep_each_group_on_its_own_pages():
     end_to_end = [p.reshape(groups * num_pages, *p.shape[2:]) for p in (k_pool, v_pool)]
     mixed = run(*end_to_end, jnp.asarray(table), jnp.asarray(cache_len), q, k, v, path)
     assert not np.allclose(mixed[0][blocks[1]], grouped[0][blocks[1]], atol=1e-3)
+
+
+@pytest.mark.parametrize("groups", [2, 4, 0], ids=["a-group-a-device", "two-groups-a-device", "one-pool"])
+def test_the_kernel_on_a_mesh_equals_the_reference(groups):
+    """On a data x tensor mesh the attention kernel runs on each device (Triton's interpreter): its
+    slots and KV heads, grouped pools read as one pool of the device's pages (with two groups on a
+    device, the second group's slots moved to its pages: the groups' page ids overlap, so a slot
+    reading the other group's pages shows); tree masks, inactive slots and unallocated entries as
+    above. The traced program must call the kernel, so that the reference is not compared with
+    itself."""
+    pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+    from tests.kernels.fake_jax_triton import kernels_in
+
+    rng = np.random.default_rng(7)
+    grouped = groups > 0
+    num_pages, nq, nk, d = SLOTS * PAGES_PER_SLOT, 4, 2, 16
+    slots = max(groups, 2) * SLOTS
+    cache_len = rng.integers(0, MAX_LEN - NEW + 1, slots).astype(np.int32)
+    if grouped:  # each group's slots hold page ids of its own pool
+        lens = cache_len.reshape(groups, SLOTS) + NEW
+        table, pool_shape = np.concatenate([random_page_table(rng, n, num_pages) for n in lens]), (groups, num_pages)
+        pool_shape = (*pool_shape, PAGE, nk, d)
+    else:
+        table = random_page_table(rng, cache_len + NEW, slots * PAGES_PER_SLOT)
+        pool_shape = (slots * PAGES_PER_SLOT, PAGE, nk, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), jnp.float32) for _ in "kv")
+    q = jnp.asarray(rng.standard_normal((slots, NEW, nq, d)), jnp.float32)
+    tree = jnp.asarray(random_tree_mask(rng, slots, NEW))
+    active = jnp.asarray(rng.random(slots) < 0.8)
+    sharding = Sharding(make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4]))
+    axes = KV_PAGES_AXES if grouped else KV_PAGES_AXES[1:]
+    k_pool, v_pool = (jax.device_put(p, sharding.named(axes, p.shape)) for p in (k_pool, v_pool))
+    args = (q, k_pool, v_pool, jnp.asarray(table), jnp.asarray(cache_len), tree, active)
+    on_mesh = functools.partial(paged_attention, impl="triton-interpret", sharding=sharding)
+    assert "_paged_attention" in kernels_in(str(jax.make_jaxpr(on_mesh)(*args)))
+    want = paged_attention(*args, impl="xla")
+    np.testing.assert_allclose(jax.jit(on_mesh)(*args), want, rtol=1e-5, atol=1e-5)
