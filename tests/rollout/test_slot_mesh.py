@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.models import Sharding, make_mesh, shard_params
+from jaxspec.models import Sharding, make_mesh, paged, shard_params
+from jaxspec.models.attention import kernel_attention
 from jaxspec.rollout import Sampling, Spec, continuous, generate
 from jaxspec.rollout.speculative import slots as speculative_slots
 from tests.rollout.conftest import assert_same_rollout, random_params
@@ -99,3 +100,24 @@ def test_a_mixture_of_experts_policy_on_a_mesh_equals_one_device():
     )
     assert got.stats["groups"] == 2
     assert_same_rollout(got, want)
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle3"])
+def test_the_attention_kernel_on_a_mesh_gives_the_same_rollout(tiny, one_device, method, monkeypatch):
+    """The paged attention kernel (Triton's interpreter) on each device of the mesh, on its group's
+    pages and KV heads, in the decode and verification steps: the one-device rollout. Counting the
+    kernel's traced calls shows that the steps ran it."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)  # the pool the kernel reads on a device
+        return kernel_attention(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "kernel_attention", counted)
+    monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", "triton-interpret")
+    jax.clear_caches()  # the loops read the variable when traced
+    out, state = run_on_mesh(tiny, "data-tensor", tiny[4], jax.random.key(0), method, monkeypatch)
+    jax.clear_caches()
+    assert_same_rollout(out, one_device[method])
+    groups, pages, page_size, heads, dim = state.cache.k[0].shape
+    assert (pages, page_size, heads // 2, dim) in calls  # one group's pages, half the KV heads

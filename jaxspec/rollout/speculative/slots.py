@@ -315,6 +315,7 @@ def _loop(
                 keys,
                 max_depth=max_depth,
                 chain=chain,
+                sharding=sharding,
                 record=record,
                 drafts=drafts,
             )
