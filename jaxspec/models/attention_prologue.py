@@ -11,8 +11,9 @@ is one kernel (`jaxspec.kernels.attention_prologue_triton`) that writes the keys
 the cache in place and the attention kernel's query rows (`kernel_attention_rows`).
 
 `prologue_impl` decides per call: "xla" (the model's pieces) or the attention kernel's own impl
-("triton", "triton-interpret"). It applies to ungrouped pools on one device and to dense caches,
-on a mesh too (each device on its rows and KV heads, as the attention kernel runs there). The
+("triton", "triton-interpret"). It applies to pools and dense caches, on a mesh too (each device
+on its rows and KV heads, grouped pools as one pool of its pages, as the attention kernel runs
+there). The
 JAXSPEC_ATTENTION_PROLOGUE environment variable chooses: "triton" runs the kernel wherever the
 attention kernel runs; "auto" (the default) and "xla" keep XLA's pieces. "auto" becomes "triton"
 once the kernel has passed its GPU check (`tests/gpu/check_attention_prologue.py`, rollouts through
@@ -31,10 +32,10 @@ from jaxspec.models import paged
 from jaxspec.models.attention import kernel_attention_rows, kernel_impl, triton_kernel
 from jaxspec.models.blocks import rms_norm
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.paged import page_of
+from jaxspec.models.paged import one_pool, page_of
 from jaxspec.models.params import Params
 from jaxspec.models.rope import apply_rope
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, KV_PAGES_AXES, Sharding
 
 IMPLS = ("auto", "xla", "triton")
 IMPL_ENV = "JAXSPEC_ATTENTION_PROLOGUE"
@@ -51,20 +52,25 @@ def prologue_impl(
 ) -> str:
     """The impl of the prologue for this layer of a call: the attention kernel's ("triton",
     "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE is "triton", q, k and v are fused, the
-    cache is an ungrouped pool on one device or a dense cache (on a mesh: not split along its
-    positions), and the attention kernel runs the call (`kernel_impl`); else "xla". x [B, T, H] is
-    the layer's (normed) input; k_pool / v_pool the layer's pools or dense cache."""
+    cache is a dense cache or pools (grouped ones on a mesh only), not split along its positions,
+    and the attention kernel runs the call (`kernel_impl`); else "xla". x [B, T, H] is the layer's
+    (normed) input; k_pool / v_pool the layer's pools or dense cache."""
     if requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue") != "triton" or "qkv" not in layer:
         return "xla"
-    if k_pool.ndim != 4:
-        return "xla"
-    if sharding is not None and sharding.mesh.size > 1:
-        if paged_cache or sharding.spec(KV_CACHE_AXES, k_pool.shape)[1] is not None:
-            return "xla"
+    on_mesh = sharding is not None and sharding.mesh.size > 1
+    if (not on_mesh and k_pool.ndim != 4) or (on_mesh and cache_spec(sharding, k_pool, paged_cache)[-3] is not None):
+        return "xla"  # grouped pools off a mesh, or a mesh that splits the cache's positions
     b, t = x.shape[:2]
     q = jax.ShapeDtypeStruct((b, t, cfg.num_heads, cfg.head_dim), layer["qkv"].dtype)
+    page = jax.ShapeDtypeStruct((1, *k_pool.shape[-3:]), k_pool.dtype)  # a page of the pools, for the checks
     env = paged.IMPL_ENV if paged_cache else attention_module.IMPL_ENV
-    return kernel_impl("auto", env, "attention", q, k_pool, v_pool)
+    return kernel_impl("auto", env, "attention", q, page, page)
+
+
+def cache_spec(sharding: Sharding, k_pool: jax.Array, paged_cache: bool) -> PartitionSpec:
+    """The layout of a layer's cache on the mesh: pools [P, page_size, Nk, D] or grouped ones by
+    `KV_PAGES_AXES`, a dense cache [B, S, Nk, D] by `KV_CACHE_AXES`."""
+    return sharding.spec(KV_PAGES_AXES[5 - k_pool.ndim :] if paged_cache else KV_CACHE_AXES, k_pool.shape)
 
 
 def layer_attention(
@@ -86,10 +92,10 @@ def layer_attention(
     """One layer's attention of `extend` through the prologue kernel: h [B, T, H] the layer's normed
     input, cos / sin [B, T, D] its rope tables, k_pool / v_pool [P, page_size, Nk, D] and page_table
     int32 [B, M], or a dense cache [B, S, Nk, D] and page_table None (row b: page b); cache_len,
-    tree_mask and active as `extend`'s; impl from `prologue_impl`. On a mesh (a dense cache) each
-    device runs the kernels on its rows and KV heads (`shard_map`, as `cache_attention` runs the
-    attention kernel). Returns (attention [B, T, Nq, D], the new k pool, the new v pool), what
-    `write_and_attend` returns."""
+    tree_mask and active as `extend`'s; impl from `prologue_impl`. On a mesh each device runs the
+    kernels on its rows and KV heads (`shard_map`, as the attention kernel runs there; grouped pools
+    [G, P, ...] as one pool of its pages, `paged.one_pool`). Returns (attention [B, T, Nq, D], the new
+    k pool, the new v pool), what `write_and_attend` returns."""
     b, t = h.shape[:2]
     group = layer["qkv"].shape[2] - 2
     proj = jnp.einsum("btc,cngd->btngd", h, layer["qkv"])  # [B, T, Nk, G + 2, D]
@@ -105,9 +111,12 @@ def layer_attention(
         rows=triton_kernel().query_rows(t * group), eps=cfg.rms_norm_eps, interpret=impl == "triton-interpret"
     )
 
-    def attend(arrays, weights, page_table):
-        if page_table is None:  # a dense cache: row b is page b, its whole cache
-            page_table = jnp.arange(arrays["k_pool"].shape[0], dtype=jnp.int32)[:, None]
+    def attend(arrays, weights):
+        k_pool, v_pool = arrays["k_pool"], arrays["v_pool"]
+        if "page_table" in arrays:  # pools (grouped ones as one pool)
+            k_pool, v_pool, table = one_pool(k_pool, v_pool, arrays["page_table"])
+        else:  # a dense cache: row b is page b, its whole cache
+            table = jnp.arange(k_pool.shape[0], dtype=jnp.int32)[:, None]
         q_rows, k_pool, v_pool = _prologue().attention_prologue(
             arrays["proj"],
             weights.get("bias"),
@@ -116,16 +125,16 @@ def layer_attention(
             arrays["cos"],
             arrays["sin"],
             arrays["cache_len"],
-            page_table,
-            arrays["k_pool"],
-            arrays["v_pool"],
+            table,
+            k_pool,
+            v_pool,
             **settings,
         )
         attn = kernel_attention_rows(
             q_rows,
             k_pool,
             v_pool,
-            page_table,
+            table,
             arrays["cache_len"],
             arrays["tree_mask"],
             arrays["active"],
@@ -133,21 +142,29 @@ def layer_attention(
             group=group,
             interpret=settings["interpret"],
         )
-        return attn, k_pool, v_pool
+        shape = arrays["k_pool"].shape
+        return attn, k_pool.reshape(shape), v_pool.reshape(shape)
 
+    if page_table is not None:
+        arrays["page_table"] = page_table
     if sharding is None or sharding.mesh.size == 1:
-        return attend(arrays, weights, page_table)
-    batch, _, heads, _ = sharding.spec(KV_CACHE_AXES, k_pool.shape)
+        return attend(arrays, weights)
+    pools = cache_spec(sharding, k_pool, page_table is not None)
+    heads = pools[-2]
+    # the rows split as the cache's leading axis (a dense cache's rows, grouped pools' groups); over
+    # one pool every device writes every row's keys into its copy, so that the copies stay equal
+    batch = pools[0] if page_table is None or k_pool.ndim == 5 else None
     P = PartitionSpec
-    pools = P(batch, None, heads, None)
     array_specs = dict(proj=P(batch, None, heads), cos=P(batch), sin=P(batch), cache_len=P(batch))
     array_specs |= dict(k_pool=pools, v_pool=pools, tree_mask=P(batch), active=P(batch))
+    if page_table is not None:
+        array_specs["page_table"] = P(batch)
     weight_specs = {k: P(heads) if k == "bias" else P() for k in weights}
     return jax.shard_map(
-        lambda arrays, weights: attend(arrays, weights, None),
+        attend,
         mesh=sharding.mesh,
         in_specs=(array_specs, weight_specs),
-        out_specs=(pools, pools, pools),
+        out_specs=(P(batch, None, heads), pools, pools),
         check_vma=False,
     )(arrays, weights)
 

@@ -204,15 +204,8 @@ def paged_attention(
     active = jnp.ones((b,), bool) if active is None else active
 
     def local_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active):
-        """The kernel on a device's slots and pools; grouped pools as one pool of G x num_pages
-        pages, each slot's table entries moved to its group's pages (an entry with no page keeps none)."""
-        if k_pool.ndim == 5:
-            groups, pages = k_pool.shape[:2]
-            slots = page_table.shape[0]
-            first_page = (jnp.arange(slots, dtype=jnp.int32) // (slots // groups) * pages)[:, None]
-            held = (page_table >= 0) & (page_table < pages)
-            page_table = jnp.where(held, page_table + first_page, NO_PAGE)
-            k_pool, v_pool = (pool.reshape(groups * pages, *pool.shape[2:]) for pool in (k_pool, v_pool))
+        """The kernel on a device's slots and pools (grouped ones as one, `one_pool`)."""
+        k_pool, v_pool, page_table = one_pool(k_pool, v_pool, page_table)
         return kernel_attention(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=interpret)
 
     heads = pools[-2]
@@ -226,6 +219,21 @@ def paged_attention(
         out_specs=P(batch, None, heads),
         check_vma=False,
     )(q, k_pool, v_pool, page_table, cache_len, tree_mask, active)
+
+
+def one_pool(k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Grouped pools [G, P, page_size, Nk, D] as one pool of G x P pages, and page_table int32 [S, M]
+    with each slot's entries moved to its group's pages (slot s in group s // (S / G); an entry with
+    no page keeps none): what the attention kernels read. Ungrouped pools are returned as they are."""
+    if k_pool.ndim == 4:
+        return k_pool, v_pool, page_table
+    groups, pages = k_pool.shape[:2]
+    slots = page_table.shape[0]
+    first_page = (jnp.arange(slots, dtype=jnp.int32) // (slots // groups) * pages)[:, None]
+    held = (page_table >= 0) & (page_table < pages)
+    page_table = jnp.where(held, page_table + first_page, NO_PAGE)
+    k_pool, v_pool = (pool.reshape(groups * pages, *pool.shape[2:]) for pool in (k_pool, v_pool))
+    return k_pool, v_pool, page_table
 
 
 def write_and_attend(

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from jaxspec.models import ModelConfig, extend, init_cache
-from jaxspec.models.paged import NO_PAGE, init_paged_cache
+from jaxspec.models.paged import NO_PAGE, PagedKVCache, init_paged_cache
 from jaxspec.models.params import fuse_qkv
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, make_mesh, shard_params
+from jaxspec.models.sharding import KV_CACHE_AXES, KV_PAGES_AXES, Sharding, make_mesh, shard_params
 from tests.kernels.fake_jax_triton import kernels_in
 from tests.models.hf_reference import random_params
 
@@ -121,6 +121,46 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_rows_and_kv_heads(monkeyp
 
     want = jax.jit(run)(params, cache)
     monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", KERNEL)
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    jax.clear_caches()
+    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))
+    got = jax.jit(run)(params, cache)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("groups", [2, 0], ids=["grouped", "one-pool"])
+def test_on_a_mesh_each_device_runs_the_kernels_on_its_pages(monkeypatch, groups):
+    """Paged pools on a data x fsdp x tensor mesh: grouped ones (the slot engine's: a group's slots
+    hold page ids of its own pool, one group per batch shard) and one pool of all pages; the
+    prologue writes each device's new keys and values into its pages and the attention kernel
+    reads them: XLA's logits and pools."""
+    cfg = config("qwen3")
+    sharding = Sharding(make_mesh(2, 1, 2, devices=jax.devices()[:4]))
+    params = shard_params(sharding, fuse_qkv(random_params(cfg, jax.random.key(0))))
+    rng = np.random.default_rng(1)
+    slots = 4
+    if groups:
+        pages = slots // groups * PAGES_PER_ROW + 1
+        table = np.concatenate([rng.permutation(pages)[: slots // groups * PAGES_PER_ROW] for _ in range(groups)])
+        pool_shape, axes = (groups, pages, PAGE, cfg.num_kv_heads, cfg.head_dim), KV_PAGES_AXES
+    else:
+        pages = slots * PAGES_PER_ROW + 1
+        table = rng.permutation(pages)[: slots * PAGES_PER_ROW]
+        pool_shape, axes = (pages, PAGE, cfg.num_kv_heads, cfg.head_dim), KV_PAGES_AXES[1:]
+    pools = [jax.device_put(jnp.zeros(pool_shape), sharding.named(axes, pool_shape)) for _ in range(2 * cfg.num_layers)]
+    table = jnp.asarray(table.reshape(slots, PAGES_PER_ROW), jnp.int32)
+    cache = PagedKVCache(k=tuple(pools[::2]), v=tuple(pools[1::2]), page_table=table)
+    tokens = jax.random.randint(jax.random.key(1), (slots, 5), 0, cfg.vocab_size)
+    lens = jnp.asarray([0, 2, 1, 3], jnp.int32)
+    positions = lens[:, None] + jnp.arange(5, dtype=jnp.int32)[None, :]
+
+    def run(params, cache):
+        return extend(cfg, params, cache, tokens, positions, lens, sharding=sharding)
+
+    want = jax.jit(run)(params, cache)
+    monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", KERNEL)
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
     jax.clear_caches()
     assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from jaxspec.models import Sharding, make_mesh, paged, shard_params
-from jaxspec.models.attention import kernel_attention
 from jaxspec.rollout import Sampling, Spec, continuous, generate
 from jaxspec.rollout.speculative import slots as speculative_slots
 from tests.rollout.conftest import assert_same_rollout, random_params
@@ -102,22 +101,41 @@ def test_a_mixture_of_experts_policy_on_a_mesh_equals_one_device():
     assert_same_rollout(got, want)
 
 
+KERNEL_SETS = {  # what runs each decoder layer's kernels, the kernel a step's trace must call
+    "attention": ({"JAXSPEC_PAGED_ATTENTION": "triton-interpret"}, "kernel_attention"),
+    "layer": (
+        {
+            "JAXSPEC_PAGED_ATTENTION": "triton-interpret",
+            "JAXSPEC_ATTENTION_PROLOGUE": "triton",
+            "JAXSPEC_RESIDUAL_NORM": "triton-interpret",
+        },
+        "attention_prologue",
+    ),
+}
+
+
+@pytest.mark.parametrize("kernels", list(KERNEL_SETS))
 @pytest.mark.parametrize("method", ["ar", "eagle3"])
-def test_the_attention_kernel_on_a_mesh_gives_the_same_rollout(tiny, one_device, method, monkeypatch):
-    """The paged attention kernel (Triton's interpreter) on each device of the mesh, on its group's
-    pages and KV heads, in the decode and verification steps: the one-device rollout. Counting the
-    kernel's traced calls shows that the steps ran it."""
-    calls = []
+def test_the_kernels_on_a_mesh_give_the_same_rollout(tiny, one_device, method, kernels, monkeypatch):
+    """The paged attention kernel, alone or after the attention prologue with the residual norms
+    (Triton's interpreter), on each device of the mesh, on its group's pages and KV heads, in the
+    decode and verification steps: the one-device rollout. The kernel's traced calls show that the
+    steps ran it on one group's pages and half the KV heads."""
+    pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+    env, name = KERNEL_SETS[kernels]
+    module = paged if name == "kernel_attention" else pytest.importorskip("jaxspec.kernels.attention_prologue_triton")
+    kernel, pools = getattr(module, name), []
 
     def counted(*args, **kwargs):
-        calls.append(args[1].shape)  # the pool the kernel reads on a device
-        return kernel_attention(*args, **kwargs)
+        pools.append(args[1 if name == "kernel_attention" else 8].shape)  # the k pool read on a device
+        return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(paged, "kernel_attention", counted)
-    monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", "triton-interpret")
-    jax.clear_caches()  # the loops read the variable when traced
+    monkeypatch.setattr(module, name, counted)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    jax.clear_caches()  # the loops read the variables when traced
     out, state = run_on_mesh(tiny, "data-tensor", tiny[4], jax.random.key(0), method, monkeypatch)
     jax.clear_caches()
     assert_same_rollout(out, one_device[method])
     groups, pages, page_size, heads, dim = state.cache.k[0].shape
-    assert (pages, page_size, heads // 2, dim) in calls  # one group's pages, half the KV heads
+    assert (pages, page_size, heads // 2, dim) in pools  # one group's pages, half the KV heads
