@@ -35,7 +35,7 @@ from jaxspec.bench.timing import (
     write_results,
 )
 from jaxspec.kernels.attention_partials import merge, new_token_bits
-from jaxspec.models.attention import IMPL_ENV, cache_attention, kernel_impl, triton_kernel
+from jaxspec.models.attention import IMPL_ENV, cache_attention, kernel_impl, tree_mask_or_causal, triton_kernel
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import paged_attention
 
@@ -204,7 +204,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     b, t, nq, d = q.shape
     rows = kernel.query_rows(t * group)
     q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
-    bits = new_token_bits(jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)), group, rows)
+    bits = new_token_bits(tree_mask_or_causal(b, t, None), group, rows)
     table = jnp.arange(b, dtype=jnp.int32)[:, None]
     args = (q_rows, k, v, table, cache_len, bits)
     results = []

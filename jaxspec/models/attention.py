@@ -89,7 +89,7 @@ def cache_attention_mask(
     < cache_len[b] of an active row, plus the new tokens' slots per tree_mask.
     """
     b, t = cache_len.shape[0], num_new
-    tree_mask = _tree_mask(b, t, tree_mask)
+    tree_mask = tree_mask_or_causal(b, t, tree_mask)
     rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - cache_len[:, None]  # [B, S] slot offset from new block
     in_prefix = rel < 0 if active is None else (rel < 0) & active[:, None]
     in_new = (rel >= 0) & (rel < t)
@@ -126,7 +126,7 @@ def cache_attention(
         mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask, active)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     b, t = q.shape[:2]
-    tree_mask = _tree_mask(b, t, tree_mask)
+    tree_mask = tree_mask_or_causal(b, t, tree_mask)
     active = jnp.ones((b,), bool) if active is None else active
 
     def dense_kernel(q, k_cache, v_cache, cache_len, tree_mask, active):
@@ -231,7 +231,7 @@ def kernel_attention_rows(
     t = num_new
     prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     with jax.named_scope("attention"):
-        bits = new_token_bits(_tree_mask(b, t, tree_mask), group, rows)
+        bits = new_token_bits(tree_mask_or_causal(b, t, tree_mask), group, rows)
         parts = triton_kernel().paged_attention_partials(
             q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
         )
@@ -269,7 +269,8 @@ def _jax_triton_imports() -> bool:
     return True
 
 
-def _tree_mask(b: int, t: int, tree_mask: jax.Array | None) -> jax.Array:
+def tree_mask_or_causal(b: int, t: int, tree_mask: jax.Array | None) -> jax.Array:
+    """tree_mask bool [B, T, T] as given, or the causal mask of T new tokens for each of B rows."""
     if tree_mask is None:
         return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     return tree_mask

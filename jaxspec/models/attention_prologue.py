@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models import attention as attention_module
 from jaxspec.models import paged
-from jaxspec.models.attention import kernel_attention_rows, kernel_impl, triton_kernel
+from jaxspec.models.attention import kernel_attention_rows, kernel_impl, tree_mask_or_causal, triton_kernel
 from jaxspec.models.blocks import rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import one_pool, page_of
@@ -99,7 +99,7 @@ def layer_attention(
     b, t = h.shape[:2]
     group = layer["qkv"].shape[2] - 2
     proj = jnp.einsum("btc,cngd->btngd", h, layer["qkv"])  # [B, T, Nk, G + 2, D]
-    tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if tree_mask is None else tree_mask
+    tree_mask = tree_mask_or_causal(b, t, tree_mask)
     active = jnp.ones((b,), bool) if active is None else active
     arrays = dict(proj=proj, cos=cos, sin=sin, cache_len=cache_len, k_pool=k_pool, v_pool=v_pool)
     arrays |= dict(tree_mask=tree_mask, active=active)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.models.attention import attention, cache_attention_mask, kernel_attention, kernel_impl
+from jaxspec.models.attention import attention, cache_attention_mask, kernel_attention, kernel_impl, tree_mask_or_causal
 from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
 
 NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
@@ -200,7 +200,7 @@ def paged_attention(
     if not on_mesh:
         return kernel_attention(q, k_pool, v_pool, page_table, cache_len, tree_mask, active, interpret=interpret)
     b, t = q.shape[:2]
-    tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) if tree_mask is None else tree_mask
+    tree_mask = tree_mask_or_causal(b, t, tree_mask)
     active = jnp.ones((b,), bool) if active is None else active
 
     def local_kernel(q, k_pool, v_pool, page_table, cache_len, tree_mask, active):
