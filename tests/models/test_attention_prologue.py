@@ -104,6 +104,20 @@ def test_unfused_params_the_reference_and_the_default_keep_the_models_pieces(mon
     jax.clear_caches()
 
 
+def assert_the_kernels_give_xlas(monkeypatch, attention_env: str, run, *args):
+    """run(*args) through the prologue and the attention kernel (`attention_env` names the
+    attention's variable) equals it through XLA's pieces; the traced program calls both kernels."""
+    want = jax.jit(run)(*args)
+    monkeypatch.setenv(attention_env, KERNEL)
+    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    jax.clear_caches()
+    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(*args)))
+    got = jax.jit(run)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    jax.clear_caches()
+
+
 def test_on_a_mesh_each_device_runs_the_kernels_on_its_rows_and_kv_heads(monkeypatch):
     """A dense cache split over data x fsdp (rows) and tensor (KV heads): the prologue and the
     attention kernel on every device (shard_map) give XLA's logits and cache."""
@@ -119,15 +133,7 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_rows_and_kv_heads(monkeyp
     def run(params, cache):
         return extend(cfg, params, cache, tokens, positions, jnp.asarray([0, 2, 1, 3], jnp.int32), sharding=sharding)
 
-    want = jax.jit(run)(params, cache)
-    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", KERNEL)
-    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
-    jax.clear_caches()
-    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))
-    got = jax.jit(run)(params, cache)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
-    jax.clear_caches()
+    assert_the_kernels_give_xlas(monkeypatch, "JAXSPEC_CACHE_ATTENTION", run, params, cache)
 
 
 @pytest.mark.parametrize("groups", [2, 0], ids=["grouped", "one-pool"])
@@ -159,12 +165,4 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_pages(monkeypatch, groups
     def run(params, cache):
         return extend(cfg, params, cache, tokens, positions, lens, sharding=sharding)
 
-    want = jax.jit(run)(params, cache)
-    monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION", KERNEL)
-    monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
-    jax.clear_caches()
-    assert {"_attention_prologue", "_paged_attention"} <= kernels_in(str(jax.make_jaxpr(run)(params, cache)))
-    got = jax.jit(run)(params, cache)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
-    jax.clear_caches()
+    assert_the_kernels_give_xlas(monkeypatch, "JAXSPEC_PAGED_ATTENTION", run, params, cache)
