@@ -110,7 +110,7 @@ def draft_extend(
             sharding=sharding,
         )
     else:
-        q, k, v = project_qkv(x, layer)
+        q, k, v = project_qkv(x, layer, impl="auto", sharding=sharding)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if paged:
             attn, ck, cv = write_and_attend(cache, 0, q, k, v, cache_len, tree_mask, active, sharding)
@@ -141,9 +141,11 @@ def _output_and_logits(dcfg: DraftConfig, dparams: DraftParams, hidden: jax.Arra
     attention [B, T, Nq, D], each residual add with the norm after it (`residual_norm`: one kernel
     where it runs): (float32 logits [B, T, Vd], layer output [B, T, H])."""
     layer = dparams["midlayer"]
-    x, normed = _add_norm(dcfg, hidden.astype(attn.dtype), attention_output(layer, attn), layer["mlp_norm"], sharding)
-    out, normed = _add_norm(dcfg, x, mlp(dcfg.layer_config, layer, normed)[0], dparams["norm"], sharding)
-    return head_logits(dparams, normed), out
+    o = attention_output(layer, attn, impl="auto", sharding=sharding)
+    x, normed = _add_norm(dcfg, hidden.astype(attn.dtype), o, layer["mlp_norm"], sharding)
+    delta = mlp(dcfg.layer_config, layer, normed, sharding=sharding, matmul_impl="auto")[0]
+    out, normed = _add_norm(dcfg, x, delta, dparams["norm"], sharding)
+    return head_logits(dparams, normed, impl="auto", sharding=sharding), out
 
 
 def _add_norm(dcfg: DraftConfig, x, delta, weight, sharding):

@@ -38,7 +38,9 @@ from jaxspec.draft.config import DraftConfig
 from jaxspec.models.blocks import attn_out_and_mlp, project_qkv, rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import pair
+from jaxspec.models.projection import project
 from jaxspec.models.rope import apply_rope
+from jaxspec.models.sharding import Sharding
 
 DraftParams = dict
 BUFFERS = ("d2t", "t2d")
@@ -234,7 +236,11 @@ def draft_logits(dcfg: DraftConfig, dparams: DraftParams, out: jax.Array) -> jax
     return head_logits(dparams, rms_norm(out, dparams["norm"], dcfg.rms_norm_eps))
 
 
-def head_logits(dparams: DraftParams, normed: jax.Array) -> jax.Array:
-    """The lm_head on the final norm's output [B, T, H] -> float32 logits [B, T, Vd]."""
+def head_logits(
+    dparams: DraftParams, normed: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None
+) -> jax.Array:
+    """The lm_head on the final norm's output [B, T, H] -> float32 logits [B, T, Vd]; impl,
+    sharding: `jaxspec.models.projection.project`'s."""
     with jax.named_scope("lm_head"):
-        return jnp.einsum("bth,hv->btv", normed, dparams["lm_head"], preferred_element_type=jnp.float32)
+        head = dparams["lm_head"]
+        return project("bth,hv->btv", normed, head, impl=impl, preferred_element_type=jnp.float32, sharding=sharding)

@@ -34,6 +34,7 @@ from jaxspec.models.blocks import rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import one_pool, page_of
 from jaxspec.models.params import Params
+from jaxspec.models.projection import project
 from jaxspec.models.rope import apply_rope
 from jaxspec.models.sharding import KV_CACHE_AXES, KV_PAGES_AXES, Sharding
 
@@ -98,7 +99,7 @@ def layer_attention(
     k pool, the new v pool), what `write_and_attend` returns."""
     b, t = h.shape[:2]
     group = layer["qkv"].shape[2] - 2
-    proj = jnp.einsum("btc,cngd->btngd", h, layer["qkv"])  # [B, T, Nk, G + 2, D]
+    proj = project("btc,cngd->btngd", h, layer["qkv"], impl="auto", sharding=sharding)  # [B, T, Nk, G + 2, D]
     tree_mask = tree_mask_or_causal(b, t, tree_mask)
     active = jnp.ones((b,), bool) if active is None else active
     arrays = dict(proj=proj, cos=cos, sin=sin, cache_len=cache_len, k_pool=k_pool, v_pool=v_pool)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import moe_mlp
 from jaxspec.models.params import Params
+from jaxspec.models.projection import project, swiglu
 from jaxspec.models.rope import apply_rope
 from jaxspec.models.sharding import Sharding
 
@@ -24,32 +25,36 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def qkv(cfg: ModelConfig, layer: Params, h: jax.Array, cos, sin):
+def qkv(
+    cfg: ModelConfig, layer: Params, h: jax.Array, cos, sin, *, impl: str = "xla", sharding: Sharding | None = None
+):
     """A layer's attention input from its normed input h [B, T, H] (the attention norm applied) ->
     (q [B, T, Nq, D], k [B, T, Nk, D], v [B, T, Nk, D]): the projections (with their biases, and
     q/k norms where the family has them), q and k rotated by the rope tables cos/sin of their
-    positions."""
-    q, k, v = project_qkv(h, layer)
+    positions. impl, sharding: the projections' (`jaxspec.models.projection.project`)."""
+    q, k, v = project_qkv(h, layer, impl=impl, sharding=sharding)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def project_qkv(x: jax.Array, layer: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(
+    x: jax.Array, layer: Params, *, impl: str = "xla", sharding: Sharding | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, Nq, D], k and v [B, T, Nk, D] of the attention input x [B, T, C], with the layer's
     biases where it has them: two GEMMs over the layer's q [C, Nq, D] and kv [C, 2, Nk, D]
     (`jaxspec.models.params.PAIRED`), or one over its fused qkv [C, Nk, G + 2, D]
-    (`jaxspec.models.params.fuse_qkv`)."""
+    (`jaxspec.models.params.fuse_qkv`); impl, sharding: `jaxspec.models.projection.project`'s."""
     if "qkv" in layer:
-        out = jnp.einsum("btc,cngd->btngd", x, layer["qkv"])  # [B, T, Nk, G + 2, D]
+        out = project("btc,cngd->btngd", x, layer["qkv"], impl=impl, sharding=sharding)  # [B, T, Nk, G + 2, D]
         if "qkv_bias" in layer:
             out = out + layer["qkv_bias"]
         b, t, nk, width, d = out.shape
         group = width - 2
         return out[:, :, :, :group].reshape(b, t, nk * group, d), out[:, :, :, group], out[:, :, :, group + 1]
-    q = jnp.einsum("btc,cnd->btnd", x, layer["q"])
-    both = jnp.einsum("btc,cknd->btknd", x, layer["kv"])
+    q = project("btc,cnd->btnd", x, layer["q"], impl=impl, sharding=sharding)
+    both = project("btc,cknd->btknd", x, layer["kv"], impl=impl, sharding=sharding)
     q, k, v = q, both[:, :, 0], both[:, :, 1]
     if "q_bias" in layer:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
@@ -76,9 +81,12 @@ def attn_out_and_mlp(
     return x + out, router_logits, experts
 
 
-def attention_output(layer: Params, attn: jax.Array) -> jax.Array:
-    """The output projection of attention [B, T, Nq, D] -> [B, T, H] (before the residual add)."""
-    return jnp.einsum("btnd,ndh->bth", attn, layer["o"])
+def attention_output(
+    layer: Params, attn: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None
+) -> jax.Array:
+    """The output projection of attention [B, T, Nq, D] -> [B, T, H] (before the residual add);
+    impl, sharding: `jaxspec.models.projection.project`'s."""
+    return project("btnd,ndh->bth", attn, layer["o"], impl=impl, sharding=sharding)
 
 
 def mlp(
@@ -88,20 +96,22 @@ def mlp(
     moe_impl: str = "ragged_dot",
     sharding: Sharding | None = None,
     experts: jax.Array | None = None,
+    matmul_impl: str = "xla",
 ):
     """A layer's MLP on its normed input h [B, T, H] (before the residual add) -> (out [B, T, H],
     router logits [B, T, E] float32, experts [B, T, k] int32; both None for a dense layer), as
-    `attn_out_and_mlp`."""
+    `attn_out_and_mlp`; matmul_impl: a dense layer's projections' (`dense_mlp`)."""
     if "router" in layer:
         return moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts)
-    return dense_mlp(layer, h), None, None
+    return dense_mlp(layer, h, impl=matmul_impl, sharding=sharding), None, None
 
 
-def dense_mlp(layer: Params, h: jax.Array) -> jax.Array:
+def dense_mlp(layer: Params, h: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None) -> jax.Array:
     """A dense layer's MLP on its normed input h [..., H] -> [..., H]: down(silu(gate h) * up h),
-    gate and up in one GEMM over gate_up [H, 2, F] (`jaxspec.models.params`)."""
-    gate_up = jnp.einsum("...h,hcf->...cf", h, layer["gate_up"])
-    return jnp.einsum("...f,fh->...h", jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], layer["down"])
+    gate and up in one GEMM over gate_up [H, 2, F] (`jaxspec.models.params`); impl, sharding:
+    `jaxspec.models.projection`'s."""
+    act = swiglu(h, layer["gate_up"], impl=impl, sharding=sharding)
+    return project("...f,fh->...h", act, layer["down"], impl=impl, sharding=sharding)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -120,8 +130,14 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Ar
     return logits_from_normed(cfg, params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
 
 
-def logits_from_normed(cfg: ModelConfig, params: Params, h: jax.Array) -> jax.Array:
-    """The LM head on the final norm's output: h [B, T, H] -> float32 logits [B, T, V]."""
+def logits_from_normed(
+    cfg: ModelConfig, params: Params, h: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None
+) -> jax.Array:
+    """The LM head on the final norm's output: h [B, T, H] -> float32 logits [B, T, V]; impl,
+    sharding: `jaxspec.models.projection.project`'s."""
     with jax.named_scope("lm_head"):
-        head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-        return jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
+        tied = cfg.tie_word_embeddings
+        head = params["embed"] if tied else params["lm_head"]
+        return project(
+            "bth,hv->btv", h, head, impl=impl, transpose=tied, preferred_element_type=jnp.float32, sharding=sharding
+        )

@@ -214,7 +214,7 @@ def extend(
             return layer_attention(
                 cfg, layer, h, cos, sin, k, v, page_table, cache_len, tree_mask, active, impl=impl, sharding=sharding
             )
-        q, k, v = qkv(cfg, layer, h, cos, sin)
+        q, k, v = qkv(cfg, layer, h, cos, sin, impl="auto", sharding=sharding)
         if is_paged:
             return write_and_attend(cache, i, q, k, v, cache_len, tree_mask, active, sharding)
         with jax.named_scope("kv_write"):
@@ -235,9 +235,9 @@ def extend(
         if i - 1 in hidden_layers:
             hidden[i - 1] = x
         attn, ck, cv = attend(i, layer, h)
-        x, h = add_and_norm(x, attention_output(layer, attn), layer["mlp_norm"])
+        x, h = add_and_norm(x, attention_output(layer, attn, impl="auto", sharding=sharding), layer["mlp_norm"])
         # no gradient: the kernels where they apply
-        delta, _, layer_experts = mlp(cfg, layer, h, "auto", sharding)
+        delta, _, layer_experts = mlp(cfg, layer, h, "auto", sharding, matmul_impl="auto")
         if record_experts and layer_experts is not None:
             experts.append(layer_experts.astype(expert_id_dtype(cfg.num_experts)))
         new_k.append(ck)
@@ -245,7 +245,7 @@ def extend(
     x, h = add_and_norm(x, delta, params["final_norm"])
     if cfg.num_layers - 1 in hidden_layers:
         hidden[cfg.num_layers - 1] = x
-    logits = logits_from_normed(cfg, params, h)
+    logits = logits_from_normed(cfg, params, h, impl="auto", sharding=sharding)
     out = logits, _stack_hidden(hidden, hidden_layers, x), cache._replace(k=tuple(new_k), v=tuple(new_v))
     if not record_experts:
         return out

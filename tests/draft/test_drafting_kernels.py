@@ -1,9 +1,10 @@
 """`draft_extend` through the decoder layer's kernels gives the logits, layer outputs and caches of
 the head's own pieces: the attention prologue before the attention kernel (the head's q, k and v
-fused, as rollouts read them) and the residual norms (its input norms, the MLP's norm after
-attention, the final norm), for a prefill then a tree-masked step over a dense cache and a paged
-one. The kernels run in Triton's interpreter (float32); the traced program must call each of them,
-so that a comparison of the reference with itself cannot pass for one of the kernels."""
+fused, as rollouts read them), the residual norms (its input norms, the MLP's norm after
+attention, the final norm) and the weight projections (q/k/v, o, the MLP, the LM head), for a
+prefill then a tree-masked step over a dense cache and a paged one. The kernels run in Triton's
+interpreter (float32); the traced program must call each of them, so that a comparison of the
+reference with itself cannot pass for one of the kernels."""
 
 import functools
 
@@ -36,7 +37,7 @@ CFG = ModelConfig(
     max_position_embeddings=64,
 )
 ROWS, PAGE, PAGES_PER_ROW = 3, 4, 4
-KERNELS = {"_attention_prologue", "_paged_attention", "_residual_norm"}
+KERNELS = {"_attention_prologue", "_paged_attention", "_residual_norm", "_thin_matmul"}
 
 
 def cache(dcfg, paged: bool):
@@ -83,6 +84,7 @@ def test_drafting_through_the_kernels_equals_the_heads_pieces(monkeypatch, paged
     monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION" if paged else "JAXSPEC_CACHE_ATTENTION", "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
     monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
+    monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
     assert traced_kernels() == KERNELS
     got = jax.jit(run)(cache(dcfg, paged))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -1,5 +1,6 @@
 """Rollouts through the decoder layer's kernels, the attention kernel, the prologue before it
-(JAXSPEC_ATTENTION_PROLOGUE=triton) and the residual norms (JAXSPEC_RESIDUAL_NORM), in Triton's
+(JAXSPEC_ATTENTION_PROLOGUE=triton), the residual norms (JAXSPEC_RESIDUAL_NORM) and the weight
+projections (JAXSPEC_THIN_MATMUL), in Triton's
 interpreter on the CPU, give the jnp reference's rollouts
 from the same key: the staged engine's dense caches and the slot engine's pools, autoregressive and
 EAGLE-3 chains, each on the `tiny` policy in float32. The traced programs must call the kernels (so
@@ -18,7 +19,8 @@ from tests.rollout.conftest import assert_same_rollout
 pytest.importorskip("triton", reason="the kernels run in Triton's interpreter (the test extra has triton)")
 pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
 
-ENVS = ("JAXSPEC_CACHE_ATTENTION", "JAXSPEC_PAGED_ATTENTION", "JAXSPEC_RESIDUAL_NORM")
+ENVS = ("JAXSPEC_CACHE_ATTENTION", "JAXSPEC_PAGED_ATTENTION", "JAXSPEC_RESIDUAL_NORM", "JAXSPEC_THIN_MATMUL")
+KERNELS = {"_attention_prologue", "_paged_attention", "_residual_norm", "_thin_matmul"}
 
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["staged", "slots"])
@@ -41,7 +43,8 @@ def test_rollouts_through_the_attention_kernels_equal_the_reference(tiny, monkey
 
 def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
     """The control of the comparison above: with the variables set the decode step's program calls
-    the prologue's, the attention's and the residual norm's kernels, with "xla" none."""
+    the prologue's, the attention's, the residual norm's and the projections' kernels, with "xla"
+    none."""
     from jaxspec.models import extend, init_cache
     from jaxspec.rollout.weights import rollout_weights
 
@@ -54,14 +57,13 @@ def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
     def step(params, cache):
         return extend(cfg, params, cache, tokens, lens[:, None], lens)[0]
 
-    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "triton-interpret")
+    for env in ENVS:
+        monkeypatch.setenv(env, "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
-    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
     jax.clear_caches()
-    kernels = kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
-    assert {"_attention_prologue", "_paged_attention", "_residual_norm"} <= kernels
-    monkeypatch.setenv("JAXSPEC_CACHE_ATTENTION", "xla")
-    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "xla")
+    assert kernels_in(str(jax.make_jaxpr(step)(fused, cache))) == KERNELS
+    for env in ENVS:
+        monkeypatch.setenv(env, "xla")
     jax.clear_caches()  # traced again under the new setting
     assert not kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
     jax.clear_caches()

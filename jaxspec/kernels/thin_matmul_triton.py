@@ -1,0 +1,211 @@
+"""A matmul of a few token rows by a weight, reading the weight once at the card's memory rate
+(Triton, through jax-triton).
+
+A decode or verification step multiplies M = B x T token rows (1 to a few hundred) by each
+projection weight [K, N]; its time is the weight's bytes over the memory rate, whatever M is. XLA's
+GEMMs read those weights at 0.25-0.37 of the copy rate at Qwen3-1.7B's shapes on an H200 (32-128
+rows; cuBLAS slower still): few output tiles for the card's 132 SMs, each streaming a long slice of
+K. This kernel tiles N finely enough that every SM streams its own columns of the weight, with a
+deep pipeline of K blocks:
+
+    out [M, N] = x [M, K] @ w [K, N]           one program per (BLOCK_M rows, BLOCK_N columns),
+                                               a float32 accumulator over K in BLOCK_K steps,
+                                               rounded once to the output dtype
+
+w is read through strides, so a transposed weight (the tied embedding as the LM head, [N, K] in
+memory) needs no copy. With `swiglu`, w is a dense MLP's stacked gate and up [K, 2, F] and the
+kernel returns silu(x @ gate) * (x @ up) [M, F] in the model's rounding order (each projection
+rounded to the dtype, silu rounded, then the product): the MLP's first GEMM and its activation in
+one launch. A row's sums do not depend on the other rows, so a token's projections are the same in
+a decode step and in a verification step of any width that shares its BLOCK_M.
+
+`triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
+torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import triton.language as tl
+
+from jaxspec.kernels import triton_call
+
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_ROWS = 256  # more token rows are a GEMM that XLA's tiles use the card's compute for
+SMS = 132  # H100 / H200 streaming multiprocessors: the programs one wave should fill
+TILE_BYTES = 16384  # a program's weight block per pipeline stage
+SHARED_BYTES = 160 * 1024  # of the 227 KiB a Hopper block may use
+
+
+def _thin_matmul(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    ROWS: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    W_STRIDE_K: tl.constexpr,
+    W_STRIDE_N: tl.constexpr,
+    UP_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program's [BLOCK_M, BLOCK_N] of out; UP_OFFSET > 0: the swiglu form, the up projection's
+    columns UP_OFFSET elements after the gate's (F x the column stride). PRECISION: tl.dot's for
+    float32 inputs ("ieee": no TF32 rounding)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * K
+    w_cols = w_ptr + n.to(tl.int64)[None, :] * W_STRIDE_N
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_rows + k[None, :], mask=(m < ROWS)[:, None] & (k < K)[None, :], other=0.0)
+        inside = (k < K)[:, None] & (n < N)[None, :]
+        w_block = w_cols + k.to(tl.int64)[:, None] * W_STRIDE_K
+        acc = tl.dot(a, tl.load(w_block, mask=inside, other=0.0), acc, input_precision=PRECISION)
+        if UP_OFFSET > 0:
+            up = tl.load(w_block + UP_OFFSET, mask=inside, other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    out_dtype = out_ptr.dtype.element_ty
+    if UP_OFFSET > 0:
+        gate = acc.to(out_dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+        acc = silu * acc_up.to(out_dtype).to(tl.float32)
+    at = m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out_ptr + at, acc.to(out_dtype), mask=(m < ROWS)[:, None] & (n < N)[None, :])
+
+
+class Tiles(NamedTuple):
+    """A launch's tiles: BLOCK_M x BLOCK_N outputs per program over BLOCK_K steps of K."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def default_tiles(rows: int, k: int, n: int, itemsize: int = 2, *, swiglu: bool = False) -> Tiles:
+    """Tiles for out [rows, n] = x [rows, k] @ w [k, n] (swiglu: two weight blocks per step): BLOCK_M
+    the rows' power of two in [16, 64]; the widest BLOCK_N of 128 / 64 / 32 / 16 that still gives
+    every SM a program (at least 16); a BLOCK_K whose weight block is TILE_BYTES (at most K's power of
+    two), halved until the pipeline's buffers fit SHARED_BYTES."""
+    block_m = min(64, max(16, _pow2(rows)))
+    m_tiles = -(-rows // block_m)
+    block_n = next((b for b in (128, 64, 32) if m_tiles * -(-n // b) >= SMS), 16)
+    block_k = max(16, min(_pow2(k), TILE_BYTES // (block_n * itemsize)))
+    tiles = Tiles(block_m, block_n, block_k)
+    while shared_bytes(tiles, itemsize, swiglu=swiglu) > SHARED_BYTES and tiles.block_k > 16:
+        tiles = tiles._replace(block_k=tiles.block_k // 2)
+    return tiles
+
+
+def shared_bytes(tiles: Tiles, itemsize: int, *, swiglu: bool = False) -> int:
+    """Shared memory the pipeline's buffers take: num_stages - 1 stages of an x block and the
+    weight block(s)."""
+    stage = tiles.block_k * (tiles.block_m + tiles.block_n * (2 if swiglu else 1)) * itemsize
+    return (tiles.num_stages - 1) * stage
+
+
+def kernel_applies(x: jax.Array, w: jax.Array, contract: int = 1) -> bool:
+    """Whether `thin_matmul` takes x [..., K] by w [K..., N...] (the last `contract` dims of x
+    against w's first): a dtype the kernel reads, the same for both, at most MAX_ROWS rows."""
+    rows = x.size // max(1, _prod(x.shape[x.ndim - contract :]))
+    return (
+        jnp.dtype(x.dtype) in map(jnp.dtype, DTYPES)
+        and w.dtype == x.dtype
+        and x.shape[x.ndim - contract :] == w.shape[:contract]
+        and 0 < rows <= MAX_ROWS
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "transpose", "swiglu", "out_dtype", "tiles", "interpret"))
+def thin_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    contract: int = 1,
+    transpose: bool = False,
+    swiglu: bool = False,
+    out_dtype=None,
+    tiles: Tiles | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """x [..., K...] (its last `contract` dims contracted) by w [K..., N...] -> [..., N...] in
+    out_dtype (default x's): an einsum "...k,kn->...n" over the flattened K and N.
+    transpose: w is [N, K] (e.g. the tied embedding as the LM head); swiglu: w is [K, 2, F] and the
+    result silu(x @ w[:, 0]) * (x @ w[:, 1]) [..., F]; tiles: `default_tiles` when None."""
+    batch = x.shape[: x.ndim - contract]
+    k = _prod(x.shape[x.ndim - contract :])
+    rows = _prod(batch)
+    if transpose:
+        if contract != 1 or swiglu or w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"thin_matmul: transpose takes w [N, K] with K = {k}, got {list(w.shape)}")
+        out_dims, n, strides = (w.shape[0],), w.shape[0], (1, k)
+    else:
+        if x.shape[x.ndim - contract :] != w.shape[:contract]:
+            raise ValueError(f"thin_matmul: x {list(x.shape)} contracts {contract} dims with w {list(w.shape)}")
+        out_dims = w.shape[contract:]
+        if swiglu:
+            if len(out_dims) != 2 or out_dims[0] != 2:
+                raise ValueError(f"thin_matmul: swiglu takes w [K, 2, F], got {list(w.shape)}")
+            out_dims = out_dims[1:]
+        n = _prod(out_dims)
+        strides = (_prod(w.shape[contract:]), 1)
+    if jnp.dtype(x.dtype) not in map(jnp.dtype, DTYPES) or w.dtype != x.dtype or not 0 < rows <= MAX_ROWS:
+        raise ValueError(
+            f"thin_matmul: x {x.dtype} {list(x.shape)} and w {w.dtype} {list(w.shape)} must share one dtype of "
+            f"{[jnp.dtype(d).name for d in DTYPES]}, with at most {MAX_ROWS} rows"
+        )
+    tiles = tiles or default_tiles(rows, k, n, jnp.dtype(x.dtype).itemsize, swiglu=swiglu)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    (out,) = triton_call.call(
+        _thin_matmul,
+        (x.reshape(rows, k), w),
+        (jax.ShapeDtypeStruct((rows, n), out_dtype),),
+        grid=(-(-rows // tiles.block_m), -(-n // tiles.block_n)),
+        constants=launch_constants(rows, k, n, strides, up_offset=n if swiglu else 0, tiles=tiles, dtype=x.dtype),
+        name="thin_matmul_triton",
+        interpret=interpret,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out.reshape(*batch, *out_dims)
+
+
+def launch_constants(
+    rows: int, k: int, n: int, w_strides: tuple[int, int], *, up_offset: int, tiles: Tiles, dtype
+) -> dict:
+    """The kernel's constexpr arguments for out [rows, n] = x [rows, k] @ w (w_strides: elements
+    between consecutive k and consecutive n; up_offset: the swiglu form's up columns, else 0)."""
+    return dict(
+        ROWS=rows,
+        K=k,
+        N=n,
+        W_STRIDE_K=w_strides[0],
+        W_STRIDE_N=w_strides[1],
+        UP_OFFSET=up_offset,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
+    )
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out

@@ -1,0 +1,94 @@
+"""A decode or verification step's weight projections, as one kernel that streams the weight where it runs.
+
+`extend` multiplies a few token rows (B x T) by each of a layer's weights (the fused q/k/v, the
+attention output, the MLP's gate and up with its SwiGLU, the down projection) and the LM head:
+`project` and `swiglu` take the einsum the model writes, and run it as XLA's GEMM ("xla") or as
+`jaxspec.kernels.thin_matmul_triton` ("triton"; "triton-interpret": in Triton's interpreter, for
+tests), which reads the weight at the memory rate where XLA's tiles leave most SMs idle. The
+kernel takes calls of at most `MAX_ROWS` token rows in bfloat16, float16 or float32 on one device;
+a longer call (a prefill), a mesh (whose partitioner splits XLA's GEMMs) or another dtype runs
+XLA's. Nothing differentiates through the kernel: the training forward calls with "xla".
+The JAXSPEC_THIN_MATMUL environment variable chooses for impl "auto" (`extend`'s): "auto" (the
+default) keeps XLA's GEMMs until the kernel has passed its GPU check
+(`tests/gpu/check_thin_matmul.py`) and the steps are timed both ways on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.kernels.dispatch import requested_impl
+from jaxspec.models.sharding import Sharding
+
+IMPLS = ("auto", "xla", "triton", "triton-interpret")
+IMPL_ENV = "JAXSPEC_THIN_MATMUL"
+
+
+def project(
+    equation: str,
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    impl: str = "xla",
+    transpose: bool = False,
+    preferred_element_type=None,
+    sharding: Sharding | None = None,
+) -> jax.Array:
+    """`jnp.einsum(equation, x, w)` for an equation that contracts x's last dims with w's first
+    (e.g. "btnd,ndh->bth"); transpose: w is stored transposed ([N, K], e.g. the tied embedding as
+    the LM head: the einsum reads w.T); sharding: the call's mesh (None: one device)."""
+    contract = _contracted(equation)
+    chosen = _kernel_impl(impl, x, w.T if transpose else w, contract, sharding)
+    if chosen == "xla":
+        return jnp.einsum(equation, x, w.T if transpose else w, preferred_element_type=preferred_element_type)
+    return _kernel().thin_matmul(
+        x,
+        w,
+        contract=contract,
+        transpose=transpose,
+        out_dtype=preferred_element_type,
+        interpret=chosen == "triton-interpret",
+    )
+
+
+def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None) -> jax.Array:
+    """A dense MLP's activation silu(h @ gate) * (h @ up) [..., F] from its normed input h [..., H]
+    and stacked gate_up [H, 2, F]: one GEMM and the product (XLA), or one kernel."""
+    chosen = _kernel_impl(impl, h, gate_up, 1, sharding)
+    if chosen == "xla":
+        both = jnp.einsum("...h,hcf->...cf", h, gate_up)
+        return jax.nn.silu(both[..., 0, :]) * both[..., 1, :]
+    return _kernel().thin_matmul(h, gate_up, swiglu=True, interpret=chosen == "triton-interpret")
+
+
+def _kernel_impl(impl: str, x: jax.Array, w: jax.Array, contract: int, sharding: Sharding | None) -> str:
+    """ "xla", "triton" or "triton-interpret" for x by w: the requested one (`impl`, or for "auto"
+    the environment variable's; "auto" stays XLA's) where the kernel takes the call, else "xla"."""
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
+    if impl in ("auto", "xla") or (sharding is not None and sharding.mesh.size > 1):
+        return "xla"
+    return impl if _kernel().kernel_applies(x, w, contract) else "xla"
+
+
+def _contracted(equation: str) -> int:
+    """How many trailing dims of the first operand `equation` contracts with the second's leading
+    ones (ValueError for an equation of another form)."""
+    inputs, out = equation.replace("...", "").split("->")
+    lhs, rhs = inputs.split(",")
+    shared = [c for c in rhs if c in lhs and c not in out]
+    contract = len(shared)
+    if not contract or lhs[-contract:] != "".join(shared) or rhs[:contract] != lhs[-contract:]:
+        raise ValueError(f"project: {equation!r} must contract the first operand's last dims with the second's first")
+    return contract
+
+
+def _kernel():
+    """`jaxspec.kernels.thin_matmul_triton`, imported on first use (triton is an optional dependency)."""
+    try:
+        from jaxspec.kernels import thin_matmul_triton
+    except ImportError as e:
+        raise ImportError(
+            f"the thin matmul kernel needs the triton package ({e}; pip install 'jaxspec[triton]')"
+        ) from e
+    return thin_matmul_triton

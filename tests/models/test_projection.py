@@ -1,0 +1,130 @@
+"""`extend` through the thin-matmul kernel gives the logits, hidden states and caches of XLA's GEMMs:
+a prefill and a tree-masked verification step after it, for a family with q/k norms and its q/k/v
+fused (as rollouts hold it), one with q/k/v biases and separate q and kv, and one whose LM head is
+the tied embedding. The kernel runs in Triton's interpreter (float32); each case counts the kernel's
+calls in the traced program (every projection of every layer and the LM head), so that a comparison
+of XLA's GEMMs with themselves cannot pass for one of the kernel. Calls the kernel does not take (a
+long prefill, a mesh, the training forward) keep XLA's GEMMs."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import ModelConfig, extend, init_cache
+from jaxspec.models.params import fuse_qkv
+from jaxspec.models.projection import project
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, make_mesh, shard_params
+from jaxspec.models.transformer import forward_hidden
+from tests.kernels.fake_jax_triton import kernels_in
+from tests.models.hf_reference import random_params
+
+pytest.importorskip("triton", reason="the kernel runs in Triton's interpreter (the test extra has triton)")
+pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+
+FAMILIES = {
+    "qwen3-fused": dict(family="qwen3"),
+    "qwen2-biases": dict(family="qwen2", attention_bias=True),
+    "qwen3-tied": dict(family="qwen3", tie_word_embeddings=True),
+}
+ROWS, LAYERS = 3, 2
+HIDDEN = (0, 1)
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig(
+        **FAMILIES[name],
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+
+
+def params_of(name: str):
+    params = random_params(config(name), jax.random.key(0))
+    return params if name == "qwen2-biases" else fuse_qkv(params)
+
+
+def prefill_then_verify(cfg, params, cache, prompt: int = 6):
+    """A prefill of `prompt` tokens, then 3 tree-masked nodes per row: logits and hidden states of
+    both, and the final cache."""
+    tokens = jax.random.randint(jax.random.key(1), (ROWS, prompt + 3), 0, cfg.vocab_size)
+    lens = jnp.asarray([prompt, prompt - 2, prompt - 4], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (ROWS, prompt))
+    zeros = jnp.zeros((ROWS,), jnp.int32)
+    first = extend(cfg, params, cache, tokens[:, :prompt], positions, zeros, hidden_layers=HIDDEN)
+    tree = jnp.broadcast_to(jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), (ROWS, 3, 3))
+    positions = lens[:, None] + jnp.asarray([0, 1, 1], jnp.int32)
+    second = extend(cfg, params, first[2], tokens[:, prompt:], positions, lens, tree_mask=tree, hidden_layers=HIDDEN)
+    return first[:2], second
+
+
+def kernel_calls(run, *args) -> int:
+    """How many times `run(*args)` calls the kernel (its jitted wrapper's call sites, once the
+    kernel is in the program: a jaxpr prints a jitted function's body once)."""
+    jax.clear_caches()  # traced afresh under the variables set now
+    jaxpr = str(jax.make_jaxpr(run)(*args))
+    return len(re.findall(r"name=thin_matmul\b", jaxpr)) if "_thin_matmul" in kernels_in(jaxpr) else 0
+
+
+def per_extend(name: str) -> int:
+    """The kernel's calls in one extend: q/k/v (one GEMM fused, two apart), o, gate_up with its
+    SwiGLU and down per layer, and the LM head."""
+    return LAYERS * (3 + (2 if name == "qwen2-biases" else 1)) + 1
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_kernel_gives_the_models_logits_hidden_states_and_caches(monkeypatch, name):
+    cfg, params = config(name), params_of(name)
+    cache = init_cache(cfg, ROWS, 16)
+    run = functools.partial(prefill_then_verify, cfg)
+
+    assert kernel_calls(run, params, cache) == 0  # the default: XLA's GEMMs
+    want = jax.jit(run)(params, cache)
+    monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
+    assert kernel_calls(run, params, cache) == 2 * per_extend(name)  # two extends
+    got = jax.jit(run)(params, cache)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    jax.clear_caches()
+
+
+def test_a_long_prefill_a_mesh_and_the_training_forward_keep_xlas_gemms(monkeypatch):
+    """More than MAX_ROWS token rows (the prefill of 3 x 90 tokens; the verification after it still
+    runs the kernel), a call on a mesh, and the full-sequence forward that training differentiates
+    (the kernel has no gradient)."""
+    monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
+    cfg, params = config("qwen3-fused"), params_of("qwen3-fused")
+    cache = init_cache(cfg, ROWS, 96)
+    assert kernel_calls(functools.partial(prefill_then_verify, cfg, prompt=90), params, cache) == per_extend(
+        "qwen3-fused"
+    )
+
+    sharding = Sharding(make_mesh(2, 2, 2))
+    sharded = shard_params(sharding, random_params(cfg, jax.random.key(0)))
+    cache = jax.device_put(init_cache(cfg, 4, 16), sharding.named(KV_CACHE_AXES, (4, 16, 2, 16)))
+    tokens = jnp.zeros((4, 5), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))
+
+    def on_mesh(params, cache):
+        return extend(cfg, params, cache, tokens, positions, jnp.zeros((4,), jnp.int32), sharding=sharding)
+
+    assert kernel_calls(on_mesh, sharded, cache) == 0
+    assert kernel_calls(lambda p: forward_hidden(cfg, p, tokens), params) == 0
+    jax.clear_caches()
+
+
+def test_project_takes_einsums_that_contract_the_first_operands_last_dims():
+    x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
+    np.testing.assert_array_equal(project("btc,cn->btn", x, w), jnp.einsum("btc,cn->btn", x, w))
+    np.testing.assert_array_equal(project("btc,cn->btn", x, w.T, transpose=True), jnp.einsum("btc,cn->btn", x, w))
+    with pytest.raises(ValueError, match="must contract the first operand's last dims"):
+        project("bct,cn->btn", jnp.ones((2, 4, 3)), w)
