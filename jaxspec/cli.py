@@ -34,6 +34,10 @@ BENCHMARKS = {
         "jaxspec.bench.layer_kernels",
         "the residual-norm and attention-prologue kernels vs XLA's pieces",
     ),
+    "projections": (
+        "jaxspec.bench.projections",
+        "a step's weight projections, XLA's GEMMs vs the thin-matmul kernel, vs the roofline",
+    ),
     "attention": ("jaxspec.bench.attention", "ragged cache-attention kernel vs dense attention, by cache fill"),
     "verify": ("jaxspec.bench.verify", "tree-verification kernel vs its jnp reference and the copy bandwidth"),
     "grpo-step": ("jaxspec.bench.grpo_step", "time and peak memory of each phase of one GRPO step on a mesh"),

@@ -1,0 +1,186 @@
+"""`jaxspec bench projections`: a decode or verification step's weight projections, XLA's GEMMs
+against the thin-matmul kernel, as fractions of the card's memory rate.
+
+For each model config and each --rows M (the token rows of one step: B rows x T tokens), random
+weights of the model's shapes and x [M, K] (--dtype, default bfloat16), each projection `extend` makes
+(`jaxspec.models.projection`): the fused q/k/v [H, Nk, G + 2, D], the attention output [Nq, D, H]
+(two contracted dims), the MLP's gate and up [H, 2, F] with its SwiGLU, the down projection [F, H]
+and the LM head (the tied embedding [V, H] read transposed, float32 logits). Each runs --iters
+times inside one compiled loop (`timing.in_loop`: each call depends on the one before, no dispatch
+between calls), the empty loop's time taken off. A step must read each weight once whatever M is,
+so `<form>_roofline` = the weight's bytes per second over the copy bandwidth measured in the same
+run inside one compiled loop (bytes read + written per second): the fraction of the card's memory
+rate the projection reaches (the loop also sums the output, which a fraction counts against it). A
+fraction above 1.0 is an error row, never a result. `max_rel_diff`: the kernel's largest difference
+from XLA's after one call, relative to max(1, |XLA's|).
+--sweep also times the kernel over a grid of tiles (`SWEEP`: BLOCK_N x BLOCK_K, then warps and
+stages around the best) and reports the best tiles, their time and roofline: the data for
+`thin_matmul_triton.default_tiles`. --interpret runs the kernel in Triton's interpreter (any
+backend, slow: a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.bench.timing import (
+    add_fraction,
+    copy_bytes_per_second,
+    in_loop_seconds,
+    net_of_loop,
+    print_table,
+    write_results,
+)
+from jaxspec.kernels import thin_matmul_triton as kernel
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.projection import project, swiglu
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (3, 4, 5)}
+
+
+def projections(cfg: ModelConfig) -> dict[str, dict]:
+    """name -> {"x": x's shape per token row, "w": the weight's shape, "equation", "transpose",
+    "swiglu", "out": the output dtype, None for x's} for each projection of a step of `cfg`."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nk, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    tied = cfg.tie_word_embeddings
+    base = dict(transpose=False, swiglu=False, out=None)
+    return {
+        "qkv": base | dict(x=(h,), w=(h, nk, group + 2, d), equation="mc,cngd->mngd"),
+        "o": base | dict(x=(cfg.num_heads, d), w=(cfg.num_heads, d, h), equation="mnd,ndh->mh"),
+        "gate_up_swiglu": base | dict(x=(h,), w=(h, 2, f), equation=None, swiglu=True),
+        "down": base | dict(x=(f,), w=(f, h), equation="mf,fh->mh"),
+        "lm_head": base
+        | dict(
+            x=(h,),
+            w=(cfg.vocab_size, h) if tied else (h, cfg.vocab_size),
+            equation="mh,hv->mv",
+            transpose=tied,
+            out=jnp.float32,
+        ),
+    }
+
+
+def call(spec: dict, impl: str, tiles: kernel.Tiles | None = None):
+    """fn(x, w) of one projection through `impl` ("xla", "triton", "triton-interpret"), or with
+    explicit tiles the kernel itself ("triton-interpret": in Triton's interpreter)."""
+    preferred = spec["out"]
+    if tiles is not None:
+        return functools.partial(
+            kernel.thin_matmul,
+            contract=len(spec["x"]),
+            transpose=spec["transpose"],
+            swiglu=spec["swiglu"],
+            out_dtype=preferred,
+            tiles=tiles,
+            interpret=impl == "triton-interpret",
+        )
+    if spec["swiglu"]:
+        return functools.partial(swiglu, impl=impl)
+    return functools.partial(
+        project, spec["equation"], impl=impl, transpose=spec["transpose"], preferred_element_type=preferred
+    )
+
+
+def loop_seconds(fn, args: tuple, iters: int, repeats: int) -> tuple[float, tuple]:
+    """(device seconds of one fn(x, w) inside a compiled loop, the empty loop's taken off; the
+    arrays (x, w) to use in place of the donated `args`)."""
+    seconds, args = in_loop_seconds(lambda x, w, i: fn(x, w), args, calls=iters, repeats=repeats)
+    empty, args = in_loop_seconds(lambda x, w, i: x[:1, :1], args, calls=iters, repeats=repeats)
+    return net_of_loop(seconds, empty, "projection"), args
+
+
+def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, copy_rate: float) -> dict:
+    kx, kw = jax.random.split(jax.random.key(0))
+    fan_in = spec["x"][-1] * (spec["x"][0] if len(spec["x"]) == 2 else 1)
+    dtype = DTYPES[args.dtype]
+    x = jax.random.normal(kx, (rows, *spec["x"]), dtype)
+    w = (jax.random.normal(kw, spec["w"]) / fan_in**0.5).astype(dtype)
+    weight_bytes = w.size * w.dtype.itemsize
+    impl = "triton-interpret" if args.interpret else "triton"
+    forms = {"xla": call(spec, "xla"), "kernel": call(spec, impl)}
+    want = jax.jit(forms["xla"])(x, w).astype(jnp.float32)
+    got = jax.jit(forms["kernel"])(x, w).astype(jnp.float32)
+    row = {"projection": name, "rows": rows, "weight_mb": weight_bytes / 1e6}
+    row["max_rel_diff"] = float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want))))
+    arrays = (x, w)
+    for form, fn in forms.items():
+        seconds, arrays = loop_seconds(fn, arrays, args.iters, args.repeats)
+        row[f"{form}_us"] = seconds * 1e6
+    row["speedup"] = row["xla_us"] / row["kernel_us"]
+    if args.sweep:
+        row |= sweep(spec, arrays, args)
+    for form in ("xla", "kernel", "best"):
+        if f"{form}_us" in row:
+            what = f"{name} at {rows} rows, {form}: weight read rate"
+            add_fraction(row, f"{form}_roofline", weight_bytes / (row[f"{form}_us"] * 1e-6), copy_rate, what)
+    return row
+
+
+def sweep(spec: dict, arrays: tuple, args: argparse.Namespace) -> dict:
+    """{"best_tiles", "best_us"}: the kernel's fastest tiles of SWEEP at this shape (BLOCK_N x
+    BLOCK_K at 4 warps and 4 stages, then warps x stages at the best of those), shared memory
+    within SHARED_BYTES."""
+    rows, itemsize = arrays[0].shape[0], arrays[0].dtype.itemsize
+    block_m = kernel.default_tiles(rows, 16, 16).block_m
+
+    def fits(t: kernel.Tiles) -> bool:
+        return kernel.shared_bytes(t, itemsize, swiglu=spec["swiglu"]) <= kernel.SHARED_BYTES
+
+    def timed(candidates) -> tuple[float, kernel.Tiles]:
+        nonlocal arrays
+        impl, results = "triton-interpret" if args.interpret else "triton", []
+        for tiles in filter(fits, candidates):
+            seconds, arrays = loop_seconds(call(spec, impl, tiles), arrays, args.iters, args.repeats)
+            results.append((seconds, tiles))
+        return min(results)
+
+    blocks = itertools.product(SWEEP["block_n"], SWEEP["block_k"])
+    _, best = timed(kernel.Tiles(block_m, n, k) for n, k in blocks)
+    settings = itertools.product(SWEEP["num_warps"], SWEEP["num_stages"])
+    seconds, best = timed(best._replace(num_warps=wp, num_stages=st) for wp, st in settings)
+    return {"best_tiles": "x".join(map(str, best)), "best_us": seconds * 1e6}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec bench projections", description=__doc__)
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=["configs/models/qwen3-1.7b.json", "configs/models/qwen3-8b.json"],
+        help="model config JSON(s) (HF config.json layout)",
+    )
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 256], help="token rows M of a step")
+    p.add_argument(
+        "--only", nargs="+", default=None, help="these projections alone (qkv o gate_up_swiglu down lm_head)"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--iters", type=int, default=100, help="calls per compiled loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of the loop (median)")
+    p.add_argument("--sweep", action="store_true", help="also time the kernel over SWEEP's tiles")
+    p.add_argument("--copy-bytes", type=int, default=2 << 30, help="array size of the copy-bandwidth baseline")
+    p.add_argument("--interpret", action="store_true", help="the kernel in Triton's interpreter (smoke test)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    copy_rate = copy_bytes_per_second(args.copy_bytes)
+    rows = []
+    for model in args.model:
+        cfg = ModelConfig.from_json(model)
+        for name, spec in projections(cfg).items():
+            if args.only and name not in args.only:
+                continue
+            for m in args.rows:
+                rows.append({"model": Path(model).stem} | time_projection(name, spec, m, args, copy_rate))
+                print_table(rows[-1:], list(rows[-1]))
+    print()
+    print_table(rows, list(dict.fromkeys(column for row in rows for column in row)))
+    write_results(args.out, "projections", rows, {"copy_bytes_per_second": copy_rate})
+    return 0

@@ -1,0 +1,39 @@
+"""`jaxspec bench projections` runs end to end on the CPU (the kernel in Triton's interpreter,
+float32) and reports, for each projection of a step and each row count, XLA's and the kernel's
+times, the kernel's output equal to XLA's, and with --sweep the best tiles it timed."""
+
+import json
+
+import pytest
+
+from jaxspec.cli import main
+from tests.bench.test_spec_cost import TINY
+
+pytest.importorskip("triton", reason="the kernel runs in Triton's interpreter (the test extra has triton)")
+pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
+
+
+def test_bench_projections_smoke(tmp_path, monkeypatch):
+    model, out = tmp_path / "tiny.json", tmp_path / "projections.json"
+    model.write_text(json.dumps(TINY | {"tie_word_embeddings": True}))
+    monkeypatch.setattr(
+        "jaxspec.bench.projections.SWEEP",
+        {"block_n": (16, 32), "block_k": (16,), "num_warps": (4,), "num_stages": (2,)},
+    )
+    argv = ["bench", "projections", "--model", str(model), "--rows", "1", "5", "--dtype", "float32"]
+    argv += ["--iters", "10", "--repeats", "3", "--copy-bytes", str(1 << 20), "--interpret", "--out", str(out)]
+    assert main([*argv, "--only", "o", "lm_head"]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["projection"], r["rows"]) for r in result["rows"]] == [
+        ("o", 1),
+        ("o", 5),
+        ("lm_head", 1),
+        ("lm_head", 5),
+    ]
+    for row in result["rows"]:
+        assert row["xla_us"] > 0 and row["kernel_us"] > 0 and row["max_rel_diff"] < 1e-5, row
+        assert row["speedup"] == pytest.approx(row["xla_us"] / row["kernel_us"])
+    assert main([*argv, "--only", "gate_up_swiglu", "--rows", "3", "--sweep"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["best_tiles"] in ("16x16x16x4x2", "16x32x16x4x2") and row["best_us"] > 0
+    assert row["max_rel_diff"] < 1e-5

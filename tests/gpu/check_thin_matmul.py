@@ -1,0 +1,106 @@
+"""GPU check of the thin-matmul kernel against the exact product, beside XLA's GEMM of the same inputs.
+
+    pytest -m gpu tests/gpu/test_thin_matmul.py         # the check, as a test
+    python3 -m tests.gpu.check_thin_matmul              # exit 0 when it agrees
+
+`thin_matmul` (`jaxspec.kernels.thin_matmul_triton` through jax-triton), compiled for the GPU in
+bfloat16 at the shapes of a decode or verification step of Qwen3-1.7B and Qwen3-8B (the fused q/k/v,
+the attention output, the gate/up projection with its SwiGLU, the down projection, the LM head:
+tied and read transposed, float32 logits), against the product of the same bf16 inputs in float32
+at the highest precision. Each element must lie within `ROUNDING` of that product relative to
+|product| plus `ACCUMULATION` of sum |x| |w| (the SwiGLU form: a few roundings of each projection,
+as the model rounds them); XLA's own GEMM is measured against the same bound and printed beside it.
+A weight with one column scaled by 1.25 must break the agreement (the negative control). Prints every
+case, and any deprecation warning raised while the kernel compiles.
+"""
+
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.kernels.thin_matmul_triton import thin_matmul
+from jaxspec.models.projection import swiglu
+from tests.gpu import check_main
+
+ROUNDING = 2.0**-8  # one rounding to bfloat16, relative
+ACCUMULATION = 2.0**-16  # float32 sums in another order, relative to sum |x| |w|
+# name: rows, x's shape per row, w's shape, contracted dims, form ("plain", "swiglu", "transposed")
+CASES = [
+    ("qwen3-1.7b qkv decode", 1, (2048,), (2048, 8, 4, 128), 1, "plain"),
+    ("qwen3-1.7b o verify", 128, (16, 128), (16, 128, 2048), 2, "plain"),
+    ("qwen3-1.7b gate/up swiglu", 32, (2048,), (2048, 2, 6144), 1, "swiglu"),
+    ("qwen3-1.7b tied lm head", 8, (2048,), (151936, 2048), 1, "transposed"),
+    ("qwen3-8b qkv verify", 256, (4096,), (4096, 8, 6, 128), 1, "plain"),
+    ("qwen3-8b down decode", 64, (12288,), (12288, 4096), 1, "plain"),
+    ("qwen3-8b gate/up swiglu", 4, (4096,), (4096, 2, 12288), 1, "swiglu"),
+    ("qwen3-8b lm head", 64, (4096,), (4096, 151936), 1, "plain"),
+]
+
+
+def exact(x: jax.Array, w: jax.Array, contract: int, form: str) -> tuple[np.ndarray, np.ndarray]:
+    """The product in float32 at the highest precision and sum |x| |w| (its accumulation scale)."""
+    x2 = x.reshape(x.shape[0], -1).astype(jnp.float32)
+    w2 = (w.T if form == "transposed" else w.reshape(x2.shape[1], -1)).astype(jnp.float32)
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
+    return np.asarray(dot(x2, w2)), np.asarray(dot(jnp.abs(x2), jnp.abs(w2)))
+
+
+def swiglu_exact(x: jax.Array, gate_up: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """silu(g) * u with g and u the exact projections rounded to bfloat16 (as the model rounds
+    them), and the bound's scale: the accumulation error carried through the product."""
+    both, scale = exact(x, gate_up, 1, "plain")
+    both, scale = both.reshape(x.shape[0], 2, -1), scale.reshape(x.shape[0], 2, -1)
+    gate, up = (np.float32(np.asarray(both[:, i], jnp.bfloat16)) for i in (0, 1))
+    silu = np.float32(np.asarray(gate / (1 + np.exp(-gate)), jnp.bfloat16))
+    return silu * up, scale.max(axis=1) * (np.abs(silu) + np.abs(up))
+
+
+def worst(got, want: np.ndarray, scale: np.ndarray, units: float) -> float:
+    """The largest |got - want| over its bound (units x the one-rounding bound); <= 1 agrees."""
+    err = np.abs(np.float32(got).reshape(want.shape) - want)
+    return float(np.max(err / (units * (ROUNDING * np.abs(want) + ACCUMULATION * scale) + 1e-30)))
+
+
+def check_thin_matmul() -> bool:
+    ok = True
+    for i, (name, rows, x_row, w_shape, contract, form) in enumerate(CASES):
+        kx, kw = jax.random.split(jax.random.key(i))
+        x = jax.random.normal(kx, (rows, *x_row), jnp.bfloat16)
+        fan_in = int(np.prod(x_row))
+        w = (jax.random.normal(kw, w_shape) / fan_in**0.5).astype(jnp.bfloat16)
+        out = jnp.float32 if form == "transposed" or w_shape[-1] == 151936 else None
+        if form == "swiglu":
+            kernel = jax.jit(lambda x, w: thin_matmul(x, w, swiglu=True))
+            xla = jax.jit(lambda x, w: swiglu(x, w))
+            want, scale = swiglu_exact(x, w)
+            units = 4.0
+        else:
+            transposed = form == "transposed"
+            kernel = jax.jit(lambda x, w: thin_matmul(x, w, contract=contract, transpose=transposed, out_dtype=out))
+            xla = jax.jit(lambda x, w: jnp.tensordot(x, w.T if transposed else w, contract, preferred_element_type=out))
+            want, scale = exact(x, w, contract, form)
+            units = 1.0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = kernel(x, w)
+        deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+        err = worst(got, want, scale, units)
+        xla_err = worst(xla(x, w), want, scale, units)
+        moved = w.at[..., 7].multiply(1.25) if form != "transposed" else w.at[7].multiply(1.25)
+        wrong_err = worst(kernel(x, moved), want, scale, units)
+        case_ok = err <= 1.0 < wrong_err and not deprecations
+        ok &= case_ok
+        print(
+            f"thin matmul {name} ({rows} rows, w {list(w_shape)}): worst error / bound {err:.3f} (XLA's "
+            f"{xla_err:.3f}); moved column: {wrong_err:.1f}; deprecations {deprecations or 'none'}: "
+            f"{'OK' if case_ok else 'MISMATCH'}"
+        )
+    print(f"thin matmul: {'OK' if ok else 'MISMATCH'}")
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(check_main("thin_matmul", check_thin_matmul, sys.argv[1:]))
