@@ -17,7 +17,7 @@ memory) needs no copy. With `swiglu`, w is a dense MLP's stacked gate and up [K,
 kernel returns silu(x @ gate) * (x @ up) [M, F] in the model's rounding order (each projection
 rounded to the dtype, silu rounded, then the product): the MLP's first GEMM and its activation in
 one launch. A row's sums do not depend on the other rows, so a token's projections are the same in
-a decode step and in a verification step of any width that shares its BLOCK_M.
+a decode step and in a verification step of any width launched with the same tiles.
 
 `triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
 torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).

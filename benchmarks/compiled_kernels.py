@@ -1,0 +1,181 @@
+"""The kernels XLA compiles one decode or verification step of a model into for an H100 / H200, counted
+on any machine: no GPU needed.
+
+A small decode step is bound by its kernel launches (Qwen3-1.7B at batch 1: ~650 kernels of a few
+microseconds), so the count is the first thing a fused kernel must lower. XLA's GPU compiler runs
+here without a device (deviceless ahead-of-time compilation: `jax.experimental.topologies` with a
+target description of the card), on the same `extend` a rollout step runs (random weights of a model
+config's shape, q/k/v fused as rollouts hold them, a paged cache of --context positions per row,
+greedy tokens from the logits), once per kernel setting: the environment variables of
+`jaxspec.models` that choose XLA's pieces or a Triton kernel. Each launch of the optimized entry
+computation is counted: XLA's fusions by kind (kLoop, kInput: elementwise and reductions; kCustom:
+its Triton GEMMs and normalizations), cuBLAS calls and the Triton kernels' custom calls.
+Without a device XLA does not autotune, so its GEMMs' tiles (not their number) differ from a GPU's.
+
+Needs the CUDA jaxlib plugin (`pip install 'jax[cuda12]' jax-triton`; the CUDA libraries load without
+a driver) and runs with JAX_PLATFORMS=cpu, which this script sets. jax-triton asks the GPU for its
+compute capability when it lowers a kernel; with none here the script answers the target's (9.0).
+
+    python3 benchmarks/compiled_kernels.py --model configs/models/qwen3-1.7b.json --batch 1 8 --new 1 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SETTINGS = {  # name -> the variables a step is compiled under (the attention kernel: a GPU's default)
+    "default": {"JAXSPEC_PAGED_ATTENTION": "triton"},
+    "+prologue": {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_ATTENTION_PROLOGUE": "triton"},
+    "+residual_norm": {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_RESIDUAL_NORM": "triton"},
+    "+thin_matmul": {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_THIN_MATMUL": "triton"},
+    "+prologue+thin_matmul": {
+        "JAXSPEC_PAGED_ATTENTION": "triton",
+        "JAXSPEC_ATTENTION_PROLOGUE": "triton",
+        "JAXSPEC_THIN_MATMUL": "triton",
+    },
+    "all": {
+        "JAXSPEC_PAGED_ATTENTION": "triton",
+        "JAXSPEC_ATTENTION_PROLOGUE": "triton",
+        "JAXSPEC_RESIDUAL_NORM": "triton",
+        "JAXSPEC_THIN_MATMUL": "triton",
+    },
+}
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 150754820096 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200"
+"""
+NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%\S+ = (?:\([^=]*\)|\S+) ([\w-]+)\(")
+
+
+def launches(hlo: str) -> collections.Counter:
+    """The optimized module's entry computation, instruction by instruction: a Counter of what each
+    one launches (fusion:<kind>[:<backend kind>], custom-call:<target>, or the op)."""
+    entry = hlo[hlo.index("\nENTRY") :].split("\n}\n")[0]
+    counts = collections.Counter()
+    for line in entry.splitlines()[1:]:
+        match = _INSTRUCTION.match(line)
+        if not match or match.group(1) in NOT_LAUNCHES:
+            continue
+        op = match.group(1)
+        if op == "fusion":
+            kind = re.search(r"kind=(\w+)", line).group(1)
+            backend = re.search(r'"kind":"(\w+)"', line)
+            op = f"fusion:{kind}" + (f":{backend.group(1)}" if backend else "")
+        elif op == "custom-call":
+            op = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        counts[op] += 1
+    return counts
+
+
+def summary(row: dict) -> str:
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(row["kinds"].items(), key=lambda kv: -kv[1]))
+    where = f"{row['model']} B={row['batch']} T={row['new']} {row['setting']:<15}"
+    return f"{where} {row['launches']:4d} launches ({row['per_layer']}/layer): {kinds}"
+
+
+def compile_step(model: str, batch: int, new: int, context: int, page_size: int) -> str:
+    """The optimized HLO of `extend` over `new` tokens per row for an H200, in this process."""
+    os.environ.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    import jax
+    import jax.numpy as jnp
+    import jax_triton.triton_lib
+    from jax.experimental import topologies
+
+    from jaxspec.models import ModelConfig, init_params
+    from jaxspec.models.paged import PagedKVCache
+    from jaxspec.models.params import fuse_qkv
+    from jaxspec.models.transformer import extend
+
+    jax_triton.triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
+    one = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
+    cfg = ModelConfig.from_json(model)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+
+    params = jax.eval_shape(lambda: fuse_qkv(init_params(cfg, jax.random.key(0), jnp.bfloat16)))
+    params = jax.tree.map(lambda a: spec(a.shape, a.dtype), params)
+    per_row = -(-(context + new) // page_size)
+    pool = spec((batch * per_row, page_size, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    cache = PagedKVCache(
+        k=(pool,) * cfg.num_layers, v=(pool,) * cfg.num_layers, page_table=spec((batch, per_row), jnp.int32)
+    )
+
+    def step(params, cache, tokens, positions, cache_len):
+        logits, _, cache = extend(cfg, params, cache, tokens, positions, cache_len)
+        return jnp.argmax(logits, axis=-1), cache
+
+    args = (params, cache, spec((batch, new), jnp.int32), spec((batch, new), jnp.int32), spec((batch,), jnp.int32))
+    return jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["configs/models/qwen3-1.7b.json", "configs/models/qwen3-8b.json"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--new", type=int, nargs="+", default=[1, 4], help="tokens per row (decode: 1)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--out", default=None, help="JSON of every row")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's step: model,batch,new
+    args = p.parse_args(argv)
+
+    if args.one:  # each setting compiles in a fresh process: the variables are read when traced
+        model, batch, new = args.one.split(",")
+        counts = launches(compile_step(model, int(batch), int(new), args.context, args.page_size))
+        print(json.dumps(counts))
+        return 0
+    rows = []
+    for model in args.model:
+        layers = json.loads(Path(model).read_text())["num_hidden_layers"]
+        for batch in args.batch:
+            for new in args.new:
+                for name in args.settings:
+                    one = [
+                        "--one",
+                        f"{model},{batch},{new}",
+                        "--context",
+                        str(args.context),
+                        "--page-size",
+                        str(args.page_size),
+                    ]
+                    env = {**os.environ, **SETTINGS[name]}
+                    done = subprocess.run([sys.executable, __file__, *one], env=env, capture_output=True, text=True)
+                    if done.returncode:
+                        print(done.stderr[-2000:], file=sys.stderr)
+                        return 1
+                    counts = json.loads(done.stdout.strip().splitlines()[-1])
+                    total = sum(counts.values())
+                    row = dict(model=Path(model).stem, batch=batch, new=new, setting=name, launches=total)
+                    row |= dict(per_layer=round(total / layers, 1), kinds=counts)
+                    rows.append(row)
+                    print(summary(row))
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"context": args.context, "page_size": args.page_size, "rows": rows}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
