@@ -1,0 +1,48 @@
+"""benchmarks/compiled_kernels.py: the launches it counts in an optimized module's entry computation."""
+
+from tests.benchmarks.scripts import load_script
+
+compiled = load_script("compiled_kernels")
+
+# The shape of XLA's GPU output (abridged): a fused computation that must not count, then the entry.
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_add (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %add.1 = f32[4]{0} add(%p0, %p0)
+}
+
+ENTRY %main.3 (a.1: bf16[2,8], w.1: bf16[8,16]) -> (bf16[2,16], f32[4]) {
+  %a.1 = bf16[2,8]{1,0} parameter(0)
+  %w.1 = bf16[8,16]{1,0} parameter(1)
+  %constant_1 = f32[] constant(0)
+  %bitcast.2 = bf16[16]{0} bitcast(%a.1)
+  %gemm = bf16[2,16]{1,0} fusion(%a.1, %w.1), kind=kCustom, backend_config={"kind":"__triton_nested_gemm_fusion"}
+  %loop = f32[4]{0} fusion(%constant_1), kind=kLoop, calls=%fused_add
+  %norm = f32[4]{0} fusion(%loop), kind=kInput, calls=%fused_add
+  %kernel = (bf16[2,16]{1,0}, f32[4]{0}) custom-call(%gemm, %norm), custom_call_target="triton_kernel_call"
+  %gte.1 = bf16[2,16]{1,0} get-tuple-element(%kernel), index=0
+  %gte.2 = f32[4]{0} get-tuple-element(%kernel), index=1
+  %copy.3 = bf16[2,16]{1,0} copy(%gte.1)
+  ROOT %tuple.4 = (bf16[2,16]{1,0}, f32[4]{0}) tuple(%copy.3, %gte.2)
+}
+"""
+
+
+def test_each_launch_of_the_entry_computation_is_counted_by_kind():
+    assert compiled.launches(HLO) == {
+        "fusion:kCustom:__triton_nested_gemm_fusion": 1,
+        "fusion:kLoop": 1,
+        "fusion:kInput": 1,
+        "custom-call:triton_kernel_call": 1,
+        "copy": 1,
+    }
+
+
+def test_every_setting_runs_the_attention_kernel_as_a_gpu_does():
+    assert all(env.get("JAXSPEC_PAGED_ATTENTION") == "triton" for env in compiled.SETTINGS.values())
+    assert set(compiled.SETTINGS["all"]) >= {
+        "JAXSPEC_ATTENTION_PROLOGUE",
+        "JAXSPEC_RESIDUAL_NORM",
+        "JAXSPEC_THIN_MATMUL",
+    }
