@@ -34,8 +34,15 @@ from jaxspec.bench.timing import (
     read_bytes_per_second,
     write_results,
 )
-from jaxspec.kernels.attention_partials import merge, new_token_bits
-from jaxspec.models.attention import IMPL_ENV, cache_attention, kernel_impl, tree_mask_or_causal, triton_kernel
+from jaxspec.kernels.attention_partials import new_token_bits
+from jaxspec.models.attention import (
+    IMPL_ENV,
+    cache_attention,
+    kernel_impl,
+    merge_kernel,
+    tree_mask_or_causal,
+    triton_kernel,
+)
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import paged_attention
 
@@ -201,6 +208,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     (`in_loop_seconds`: a call of ~0.1 ms timed alone would be mostly its dispatch), over the GPU
     parameters in `grid`."""
     kernel = triton_kernel()
+    merge_partials = merge_kernel().merge_partials
     b, t, nq, d = q.shape
     rows = kernel.query_rows(t * group)
     q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
@@ -241,7 +249,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
                 num_stages=stages,
                 interpret=interpret,
             )
-            return merge(parts)
+            return merge_partials(parts, num_new=t, group=group, dtype=q_rows.dtype, interpret=interpret)
 
         seconds, args = in_loop_seconds(call, args, calls=20, repeats=3)
         results.append(

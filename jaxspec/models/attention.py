@@ -31,7 +31,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kernels.attention_partials import merge, new_token_bits
+from jaxspec.kernels.attention_partials import new_token_bits
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 
@@ -235,10 +235,16 @@ def kernel_attention_rows(
         parts = triton_kernel().paged_attention_partials(
             q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
         )
-        out = merge(parts)[:, :, : t * group]  # [B, Nk, T*G, D]
-        return (
-            out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nk * group, d).astype(q_rows.dtype)
-        )
+        return merge_kernel().merge_partials(parts, num_new=t, group=group, dtype=q_rows.dtype, interpret=interpret)
+
+
+def merge_kernel():
+    """`jaxspec.kernels.attention_merge_triton`, imported with the attention kernel's (triton is an
+    optional dependency)."""
+    triton_kernel()
+    from jaxspec.kernels import attention_merge_triton
+
+    return attention_merge_triton
 
 
 def triton_kernel():

@@ -37,7 +37,7 @@ CFG = ModelConfig(
     max_position_embeddings=64,
 )
 ROWS, PAGE, PAGES_PER_ROW = 3, 4, 4
-KERNELS = {"_attention_prologue", "_paged_attention", "_residual_norm", "_thin_matmul"}
+KERNELS = {"_attention_prologue", "_paged_attention", "_merge_partials", "_residual_norm", "_thin_matmul"}
 
 
 def cache(dcfg, paged: bool):

@@ -31,10 +31,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
-from jaxspec.kernels import triton_call as kernel_calls  # noqa: E402
 from jaxspec.kernels.triton_call import compiled  # noqa: E402
 from jaxspec.models.attention import kernel_attention  # noqa: E402
 from jaxspec.models.paged import paged_attention  # noqa: E402
+from tests.kernels import fake_jax_triton  # noqa: E402
 from tests.kernels.paged_cases import SHAPES, assert_close, case_inputs, exact, inputs  # noqa: E402
 
 exact = jax.jit(exact)  # one compilation per case rather than one per operation
@@ -111,21 +111,15 @@ def test_a_wrong_page_table_entry_is_caught():
 
 def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
     """The GPU path's `jax_triton.triton_call` (which needs a GPU jaxlib) replaced by one that runs
-    the kernel it is given in Triton's interpreter: the call's arrays, outputs and constexprs are the
-    kernel's, in its order (float16: the GPU path multiplies in the dtype, which the interpreter
-    cannot do for bfloat16)."""
+    the kernel it is given in Triton's interpreter (`fake_jax_triton`: the call's arrays, outputs and
+    constexprs must be the kernel's, in its order): the attention kernel, then the merge of its
+    splits (float16: the GPU path multiplies in the dtype, which the interpreter cannot do for
+    bfloat16)."""
+    called = []
 
-    def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **constants):
-        assert kernel is compiled(kernel_module._paged_attention) and num_warps == 4 and num_stages == 2 and name
-        assert sorted(kernel.arg_names[len(args) + len(out_shape) :]) == sorted(constants)  # and no more pointers
-        run = functools.partial(
-            kernel_calls._run_interpreted,
-            fn=kernel_module._paged_attention,
-            grid=grid,
-            out_shape=out_shape,
-            constants=constants,
-        )
-        return jax.pure_callback(run, out_shape, *args)
+    def triton_call(*args, kernel, num_warps, num_stages, **rest):
+        called.append((kernel.fn.__name__, num_warps, num_stages))
+        return fake_jax_triton.triton_call(*args, kernel=kernel, num_warps=num_warps, num_stages=num_stages, **rest)
 
     monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
     case = CASES["tree"]
@@ -133,6 +127,7 @@ def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
     got = jax.jit(functools.partial(kernel_attention, **case["tuning"]))(
         q, k_pool, v_pool, table, cache_len, tree, active
     )
+    assert called == [("_paged_attention", 4, 2), ("_merge_partials", 4, 1)]
     assert_close(got, exact(q, k_pool, v_pool, table, cache_len, tree, active), jnp.float16)
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="the kernels run in Triton's interpreter (t
 pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors (the test extra has torch)")
 
 ENVS = ("JAXSPEC_CACHE_ATTENTION", "JAXSPEC_PAGED_ATTENTION", "JAXSPEC_RESIDUAL_NORM", "JAXSPEC_THIN_MATMUL")
-KERNELS = {"_attention_prologue", "_paged_attention", "_residual_norm", "_thin_matmul"}
+KERNELS = {"_attention_prologue", "_paged_attention", "_merge_partials", "_residual_norm", "_thin_matmul"}
 
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["staged", "slots"])
