@@ -170,9 +170,12 @@ def fuse(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:
     return fuse_stacked(dparams, stack_aux(dcfg, dparams, aux))
 
 
-def fuse_stacked(dparams: DraftParams, stacked: jax.Array) -> jax.Array:
-    """fc of `stack_aux`'s [B, T, 3H] -> [B, T, H] in the head's dtype."""
-    return jnp.einsum("btc,ch->bth", stacked, dparams["fc"])
+def fuse_stacked(
+    dparams: DraftParams, stacked: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None
+) -> jax.Array:
+    """fc of `stack_aux`'s [B, T, 3H] -> [B, T, H] in the head's dtype; impl, sharding:
+    `jaxspec.models.projection.project`'s (a rollout's drafting step passes "auto")."""
+    return project("btc,ch->bth", stacked, dparams["fc"], impl=impl, sharding=sharding)
 
 
 def stack_aux(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Array:

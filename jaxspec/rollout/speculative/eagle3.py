@@ -197,7 +197,7 @@ class Eagle3Drafter:
         def run(tokens, hidden, offset, last, cache):
             """Entries [offset, offset + T) of the chunk (tokens [B, T], hidden [B, T, 3H])."""
             positions = (start + offset)[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            fused = fuse_stacked(head, hidden)
+            fused = fuse_stacked(head, hidden, impl="auto", sharding=self.sharding)
             logits, out, cache = draft_extend(
                 self.dcfg,
                 head,
