@@ -243,7 +243,8 @@ def device_description() -> str:
 
 
 def write_results(path: str | None, name: str, rows: list[dict], baseline: dict) -> None:
-    """Writes {"benchmark", "device", "jax", "baseline", "rows"} as JSON when a path is given."""
+    """Writes {"benchmark", "device", "jax", "python", "settings", "baseline", "rows"} as JSON when a
+    path is given; "settings": the JAXSPEC_* variables that choose kernels and XLA_FLAGS, as set."""
     if not path:
         return
     out = {
@@ -251,11 +252,17 @@ def write_results(path: str | None, name: str, rows: list[dict], baseline: dict)
         "device": device_description(),
         "jax": jax.__version__,
         "python": platform.python_version(),
+        "settings": kernel_settings(),
         "baseline": baseline,
         "rows": rows,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
+
+
+def kernel_settings() -> dict[str, str]:
+    """The environment variables set now that choose a run's kernels (JAXSPEC_*) and XLA's flags."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXSPEC_") or k == "XLA_FLAGS"}
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

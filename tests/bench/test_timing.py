@@ -1,6 +1,7 @@
 """The in-loop timing keeps every call inside the loop: XLA may neither hoist a call's work out of
 it (work that depends only on loop-invariant arguments) nor drop the calls."""
 
+import json
 import re
 
 import jax
@@ -110,3 +111,16 @@ def test_largest_free_block_is_unknown_under_cuda_async(monkeypatch, allocator, 
     monkeypatch.setattr(timing.jax, "local_devices", lambda: [_Device(), _Device()])
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", allocator)
     assert timing.largest_free_block() == expected
+
+
+def test_results_record_the_kernel_settings(tmp_path, monkeypatch):
+    """A result file says which kernels ran: the JAXSPEC_* variables and XLA_FLAGS as set, no others."""
+    for name in [k for k in list(timing.os.environ) if k.startswith("JAXSPEC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    out = tmp_path / "r.json"
+    timing.write_results(str(out), "decode", [{"batch": 1}], {})
+    settings = json.loads(out.read_text())["settings"]
+    assert settings == {"JAXSPEC_THIN_MATMUL": "triton", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
