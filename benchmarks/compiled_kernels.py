@@ -62,6 +62,7 @@ dnn_version_info { major: 9 minor: 8 }
 runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """
+ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4}
 NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%\S+ = (?:\([^=]*\)|\S+) ([\w-]+)\(")
 
@@ -89,11 +90,14 @@ def launches(hlo: str) -> collections.Counter:
 def summary(row: dict) -> str:
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(row["kinds"].items(), key=lambda kv: -kv[1]))
     where = f"{row['model']} B={row['batch']} T={row['new']} {row['setting']:<15}"
-    return f"{where} {row['launches']:4d} launches ({row['per_layer']}/layer): {kinds}"
+    copies = f", largest copy {row['largest_copy_bytes']} B" if row["largest_copy_bytes"] else ""
+    return f"{where} {row['launches']:4d} launches ({row['per_layer']}/layer){copies}: {kinds}"
 
 
-def compile_step(model: str, batch: int, new: int, context: int, page_size: int) -> str:
-    """The optimized HLO of `extend` over `new` tokens per row for an H200, in this process."""
+def compile_step(model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1) -> str:
+    """The optimized HLO of `extend` over `new` tokens per row for H200s, in this process: on one, or
+    on a mesh of `devices` over the data axis (the rows split over them, each device's pages a group
+    of the pools, as the slot engine lays them out; the weights replicated)."""
     os.environ.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     import jax
     import jax.numpy as jnp
@@ -103,30 +107,67 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int)
     from jaxspec.models import ModelConfig, init_params
     from jaxspec.models.paged import PagedKVCache
     from jaxspec.models.params import fuse_qkv
+    from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
     from jaxspec.models.transformer import extend
 
     jax_triton.triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
-    one = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H200, topology=f"1x1x{devices}")
+    sharding = Sharding(topologies.make_mesh(topology, (devices, 1, 1), ("data", "fsdp", "tensor")))
     cfg = ModelConfig.from_json(model)
 
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+    def spec(shape, dtype, axes=None):
+        layout = sharding.named(axes, shape) if axes else sharding.named((None,) * len(shape), shape)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=layout)
 
     params = jax.eval_shape(lambda: fuse_qkv(init_params(cfg, jax.random.key(0), jnp.bfloat16)))
     params = jax.tree.map(lambda a: spec(a.shape, a.dtype), params)
     per_row = -(-(context + new) // page_size)
-    pool = spec((batch * per_row, page_size, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-    cache = PagedKVCache(
-        k=(pool,) * cfg.num_layers, v=(pool,) * cfg.num_layers, page_table=spec((batch, per_row), jnp.int32)
-    )
+    pages = (cfg.num_kv_heads, cfg.head_dim)
+    if devices == 1:
+        pool = spec((batch * per_row, page_size, *pages), jnp.bfloat16)
+    else:
+        pool = spec((devices, batch // devices * per_row, page_size, *pages), jnp.bfloat16, KV_PAGES_AXES)
+    table = spec((batch, per_row), jnp.int32, ("batch", None))
+    cache = PagedKVCache(k=(pool,) * cfg.num_layers, v=(pool,) * cfg.num_layers, page_table=table)
 
     def step(params, cache, tokens, positions, cache_len):
-        logits, _, cache = extend(cfg, params, cache, tokens, positions, cache_len)
+        on_mesh = sharding if devices > 1 else None
+        logits, _, cache = extend(cfg, params, cache, tokens, positions, cache_len, sharding=on_mesh)
         return jnp.argmax(logits, axis=-1), cache
 
-    args = (params, cache, spec((batch, new), jnp.int32), spec((batch, new), jnp.int32), spec((batch,), jnp.int32))
+    rows = spec((batch, new), jnp.int32, ("batch", None))
+    args = (params, cache, rows, rows, spec((batch,), jnp.int32, ("batch",)))
     return jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
+
+
+def largest_copy_bytes(hlo: str) -> int:
+    """The bytes of the largest `copy` in the entry computation (0: none), e.g. of a KV pool that
+    the step was meant to update in place."""
+    entry = hlo[hlo.index("\nENTRY") :].split("\n}\n")[0]
+    sizes = [0]
+    for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", entry):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        sizes.append(count * ITEM_BYTES.get(dtype, 4))
+    return max(sizes)
+
+
+def count(model: str, batch: int, new: int, setting: str, args: argparse.Namespace) -> dict:
+    """One row: the step of (model, batch, new) compiled under `setting` in a child process."""
+    one = ["--one", f"{model},{batch},{new}", "--devices", str(args.devices)]
+    one += ["--context", str(args.context), "--page-size", str(args.page_size)]
+    env = {**os.environ, **SETTINGS[setting]}
+    done = subprocess.run([sys.executable, __file__, *one], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"compiling {model} B={batch} T={new} {setting} failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    total = sum(result["kinds"].values())
+    layers = json.loads(Path(model).read_text())["num_hidden_layers"]
+    row = dict(model=Path(model).stem, batch=batch, new=new, devices=args.devices, setting=setting, launches=total)
+    return row | dict(
+        per_layer=round(total / layers, 1), kinds=result["kinds"], largest_copy_bytes=result["largest_copy_bytes"]
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -137,40 +178,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--devices", type=int, default=1, help="H200s of a mesh over the data axis (grouped pools)")
     p.add_argument("--out", default=None, help="JSON of every row")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's step: model,batch,new
     args = p.parse_args(argv)
 
     if args.one:  # each setting compiles in a fresh process: the variables are read when traced
         model, batch, new = args.one.split(",")
-        counts = launches(compile_step(model, int(batch), int(new), args.context, args.page_size))
-        print(json.dumps(counts))
+        hlo = compile_step(model, int(batch), int(new), args.context, args.page_size, args.devices)
+        print(json.dumps({"kinds": launches(hlo), "largest_copy_bytes": largest_copy_bytes(hlo)}))
         return 0
     rows = []
     for model in args.model:
-        layers = json.loads(Path(model).read_text())["num_hidden_layers"]
         for batch in args.batch:
             for new in args.new:
                 for name in args.settings:
-                    one = [
-                        "--one",
-                        f"{model},{batch},{new}",
-                        "--context",
-                        str(args.context),
-                        "--page-size",
-                        str(args.page_size),
-                    ]
-                    env = {**os.environ, **SETTINGS[name]}
-                    done = subprocess.run([sys.executable, __file__, *one], env=env, capture_output=True, text=True)
-                    if done.returncode:
-                        print(done.stderr[-2000:], file=sys.stderr)
-                        return 1
-                    counts = json.loads(done.stdout.strip().splitlines()[-1])
-                    total = sum(counts.values())
-                    row = dict(model=Path(model).stem, batch=batch, new=new, setting=name, launches=total)
-                    row |= dict(per_layer=round(total / layers, 1), kinds=counts)
-                    rows.append(row)
-                    print(summary(row))
+                    rows.append(count(model, batch, new, name, args))
+                    print(summary(rows[-1]))
     if args.out:
         meta = {"target": "NVIDIA H200 (deviceless compilation, sm90)", "jax": importlib.metadata.version("jax")}
         meta |= {"context": args.context, "page_size": args.page_size, "rows": rows}

@@ -5,9 +5,11 @@ attention output, the MLP's gate and up with its SwiGLU, the down projection) an
 `project` and `swiglu` take the einsum the model writes, and run it as XLA's GEMM ("xla") or as
 `jaxspec.kernels.thin_matmul_triton` ("triton"; "triton-interpret": in Triton's interpreter, for
 tests), which reads the weight at the memory rate where XLA's tiles leave most SMs idle. The
-kernel takes calls of at most `MAX_ROWS` token rows in bfloat16, float16 or float32 on one device;
-a longer call (a prefill), a mesh (whose partitioner splits XLA's GEMMs) or another dtype runs
-XLA's. Nothing differentiates through the kernel: the training forward calls with "xla".
+kernel takes calls of at most `MAX_ROWS` token rows in bfloat16, float16 or float32, on one device
+or on a mesh that splits only the rows (the data axis: each device runs it on its rows with the whole
+weight); a longer call (a prefill), a mesh that splits the weights (whose partitioner splits XLA's
+GEMMs) or another dtype runs XLA's. Nothing differentiates through the kernel: the training forward
+calls with "xla".
 The JAXSPEC_THIN_MATMUL environment variable chooses for impl "auto" (`extend`'s): "auto" (the
 default) keeps XLA's GEMMs until the kernel has passed its GPU check
 (`tests/gpu/check_thin_matmul.py`) and the steps are timed both ways on a GPU.
@@ -15,8 +17,11 @@ default) keeps XLA's GEMMs until the kernel has passed its GPU check
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.sharding import Sharding
@@ -42,14 +47,14 @@ def project(
     chosen = _kernel_impl(impl, x, w.T if transpose else w, contract, sharding)
     if chosen == "xla":
         return jnp.einsum(equation, x, w.T if transpose else w, preferred_element_type=preferred_element_type)
-    return _kernel().thin_matmul(
-        x,
-        w,
+    kernel = functools.partial(
+        _kernel().thin_matmul,
         contract=contract,
         transpose=transpose,
         out_dtype=preferred_element_type,
         interpret=chosen == "triton-interpret",
     )
+    return _per_device_rows(kernel, x, w, sharding)
 
 
 def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sharding | None = None) -> jax.Array:
@@ -59,16 +64,34 @@ def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sha
     if chosen == "xla":
         both = jnp.einsum("...h,hcf->...cf", h, gate_up)
         return jax.nn.silu(both[..., 0, :]) * both[..., 1, :]
-    return _kernel().thin_matmul(h, gate_up, swiglu=True, interpret=chosen == "triton-interpret")
+    kernel = functools.partial(_kernel().thin_matmul, swiglu=True, interpret=chosen == "triton-interpret")
+    return _per_device_rows(kernel, h, gate_up, sharding)
 
 
 def _kernel_impl(impl: str, x: jax.Array, w: jax.Array, contract: int, sharding: Sharding | None) -> str:
     """ "xla", "triton" or "triton-interpret" for x by w: the requested one (`impl`, or for "auto"
     the environment variable's; "auto" stays XLA's) where the kernel takes the call, else "xla"."""
     impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
-    if impl in ("auto", "xla") or (sharding is not None and sharding.mesh.size > 1):
+    if impl in ("auto", "xla") or not _weights_whole(sharding):
         return "xla"
     return impl if _kernel().kernel_applies(x, w, contract) else "xla"
+
+
+def _weights_whole(sharding: Sharding | None) -> bool:
+    """Whether every device holds the whole weights: one device, or a mesh that splits only its
+    data axis (the rows), which no weight dimension maps to."""
+    return sharding is None or all(size == 1 for axis, size in sharding.mesh.shape.items() if axis != "data")
+
+
+def _per_device_rows(kernel, x: jax.Array, w: jax.Array, sharding: Sharding | None) -> jax.Array:
+    """kernel(x, w), on a data mesh per device on its rows (x's first dim as the batch axes lay it
+    out) with the whole weight (`shard_map`)."""
+    if sharding is None or sharding.mesh.size == 1:
+        return kernel(x, w)
+    rows = sharding.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
+    return jax.shard_map(
+        kernel, mesh=sharding.mesh, in_specs=(rows, PartitionSpec()), out_specs=PartitionSpec(rows[0]), check_vma=False
+    )(x, w)
 
 
 def _contracted(equation: str) -> int:

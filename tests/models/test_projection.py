@@ -97,10 +97,10 @@ def test_the_kernel_gives_the_models_logits_hidden_states_and_caches(monkeypatch
     jax.clear_caches()
 
 
-def test_a_long_prefill_a_mesh_and_the_training_forward_keep_xlas_gemms(monkeypatch):
+def test_a_long_prefill_a_mesh_that_splits_weights_and_the_training_forward_keep_xlas_gemms(monkeypatch):
     """More than MAX_ROWS token rows (the prefill of 3 x 90 tokens; the verification after it still
-    runs the kernel), a call on a mesh, and the full-sequence forward that training differentiates
-    (the kernel has no gradient)."""
+    runs the kernel), a call on a mesh that splits the weights over fsdp and tensor, and the
+    full-sequence forward that training differentiates (the kernel has no gradient)."""
     monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
     cfg, params = config("qwen3-fused"), params_of("qwen3-fused")
     cache = init_cache(cfg, ROWS, 96)
@@ -128,3 +128,28 @@ def test_project_takes_einsums_that_contract_the_first_operands_last_dims():
     np.testing.assert_array_equal(project("btc,cn->btn", x, w.T, transpose=True), jnp.einsum("btc,cn->btn", x, w))
     with pytest.raises(ValueError, match="must contract the first operand's last dims"):
         project("bct,cn->btn", jnp.ones((2, 4, 3)), w)
+
+
+def test_on_a_data_mesh_each_device_runs_the_kernel_on_its_rows(monkeypatch):
+    """A mesh that splits only the rows (data=2; the weights whole on each device): every projection
+    runs the kernel per device on its rows and gives XLA's logits, hidden states and cache."""
+    cfg, params = config("qwen3-fused"), params_of("qwen3-fused")
+    sharding = Sharding(make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2]))
+    params = jax.device_put(params, sharding.named((), ()))
+    cache = init_cache(cfg, 4, 16)
+    cache = jax.device_put(cache, sharding.named(KV_CACHE_AXES, cache.k[0].shape))
+    tokens = jax.random.randint(jax.random.key(1), (4, 5), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))
+
+    def run(params, cache):
+        lens = jnp.zeros((4,), jnp.int32)
+        return extend(cfg, params, cache, tokens, positions, lens, hidden_layers=HIDDEN, sharding=sharding)
+
+    want = jax.jit(run)(params, cache)
+    monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
+    assert kernel_calls(run, params, cache) == per_extend("qwen3-fused")
+    got = jax.jit(run)(params, cache)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    assert got[0].sharding.spec[0] == "data"  # the logits' rows stay split
+    jax.clear_caches()
