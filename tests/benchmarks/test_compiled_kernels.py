@@ -46,3 +46,8 @@ def test_every_setting_runs_the_attention_kernel_as_a_gpu_does():
         "JAXSPEC_RESIDUAL_NORM",
         "JAXSPEC_THIN_MATMUL",
     }
+
+
+def test_the_largest_copy_is_measured_in_bytes():
+    assert compiled.largest_copy_bytes(HLO) == 2 * 16 * 2  # copy.3: bf16 [2, 16]
+    assert compiled.largest_copy_bytes(HLO.replace("copy(", "negate(")) == 0
