@@ -89,12 +89,17 @@ def call(spec: dict, impl: str, tiles: kernel.Tiles | None = None):
     )
 
 
-def loop_seconds(fn, args: tuple, iters: int, repeats: int) -> tuple[float, tuple]:
-    """(device seconds of one fn(x, w) inside a compiled loop, the empty loop's taken off; the
-    arrays (x, w) to use in place of the donated `args`)."""
+def loop_seconds(fn, args: tuple, empty: float, iters: int, repeats: int) -> tuple[float, tuple]:
+    """(device seconds of one fn(x, w) inside a compiled loop, less `empty`, the empty loop's per
+    iteration (`empty_loop_seconds`); the arrays (x, w) to use in place of the donated `args`)."""
     seconds, args = in_loop_seconds(lambda x, w, i: fn(x, w), args, calls=iters, repeats=repeats)
-    empty, args = in_loop_seconds(lambda x, w, i: x[:1, :1], args, calls=iters, repeats=repeats)
     return net_of_loop(seconds, empty, "projection"), args
+
+
+def empty_loop_seconds(args: tuple, iters: int, repeats: int) -> tuple[float, tuple]:
+    """(seconds per iteration of the loop of `loop_seconds` around no call, at these arrays'
+    shapes; the arrays to use in place of the donated `args`)."""
+    return in_loop_seconds(lambda x, w, i: x[:1, :1], args, calls=iters, repeats=repeats)
 
 
 def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, copy_rate: float) -> dict:
@@ -110,13 +115,13 @@ def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, 
     got = jax.jit(forms["kernel"])(x, w).astype(jnp.float32)
     row = {"projection": name, "rows": rows, "weight_mb": weight_bytes / 1e6}
     row["max_rel_diff"] = float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want))))
-    arrays = (x, w)
+    empty, arrays = empty_loop_seconds((x, w), args.iters, args.repeats)
     for form, fn in forms.items():
-        seconds, arrays = loop_seconds(fn, arrays, args.iters, args.repeats)
+        seconds, arrays = loop_seconds(fn, arrays, empty, args.iters, args.repeats)
         row[f"{form}_us"] = seconds * 1e6
     row["speedup"] = row["xla_us"] / row["kernel_us"]
     if args.sweep:
-        row |= sweep(spec, arrays, args)
+        row |= sweep(spec, arrays, empty, args)
     for form in ("xla", "kernel", "best"):
         if f"{form}_us" in row:
             what = f"{name} at {rows} rows, {form}: weight read rate"
@@ -124,7 +129,7 @@ def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, 
     return row
 
 
-def sweep(spec: dict, arrays: tuple, args: argparse.Namespace) -> dict:
+def sweep(spec: dict, arrays: tuple, empty: float, args: argparse.Namespace) -> dict:
     """{"best_tiles", "best_us"}: the kernel's fastest tiles of SWEEP at this shape (BLOCK_N x
     BLOCK_K at 4 warps and 4 stages, then warps x stages at the best of those), shared memory
     within SHARED_BYTES."""
@@ -138,7 +143,7 @@ def sweep(spec: dict, arrays: tuple, args: argparse.Namespace) -> dict:
         nonlocal arrays
         impl, results = "triton-interpret" if args.interpret else "triton", []
         for tiles in filter(fits, candidates):
-            seconds, arrays = loop_seconds(call(spec, impl, tiles), arrays, args.iters, args.repeats)
+            seconds, arrays = loop_seconds(call(spec, impl, tiles), arrays, empty, args.iters, args.repeats)
             results.append((seconds, tiles))
         return min(results)
 
