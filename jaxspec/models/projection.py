@@ -69,8 +69,9 @@ def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sha
 
 
 def _kernel_impl(impl: str, x: jax.Array, w: jax.Array, contract: int, sharding: Sharding | None) -> str:
-    """ "xla", "triton" or "triton-interpret" for x by w: the requested one (`impl`, or for "auto"
-    the environment variable's; "auto" stays XLA's) where the kernel takes the call, else "xla"."""
+    """The implementation ("xla", "triton" or "triton-interpret") for x by w: the requested one
+    (`impl`, or for "auto" the environment variable's; "auto" stays XLA's) where the kernel takes
+    the call, else "xla"."""
     impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
     if impl in ("auto", "xla") or not _weights_whole(sharding):
         return "xla"
