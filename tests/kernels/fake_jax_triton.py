@@ -40,3 +40,12 @@ def install(monkeypatch) -> None:
 def kernels_in(jaxpr: str) -> set[str]:
     """The names of the kernel functions that `str(jaxpr)` runs in Triton's interpreter."""
     return set(re.findall(r"_run_interpreted at \w+>, fn=<function (\w+) at", jaxpr))
+
+
+def kernel_calls(run, *args, wrapper: str) -> int:
+    """How many times `run(*args)` calls the jitted kernel wrapper named `wrapper` (e.g.
+    "residual_norm"), counted at its call sites once its kernel `_<wrapper>` is in the traced program
+    (a jaxpr prints a jitted function's body once); traced afresh, under the variables set now."""
+    jax.clear_caches()
+    jaxpr = str(jax.make_jaxpr(run)(*args))
+    return len(re.findall(rf"name={wrapper}\b", jaxpr)) if f"_{wrapper}" in kernels_in(jaxpr) else 0

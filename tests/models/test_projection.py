@@ -7,7 +7,6 @@ of XLA's GEMMs with themselves cannot pass for one of the kernel. Calls the kern
 long prefill, a mesh, the training forward) keep XLA's GEMMs."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from jaxspec.models.params import fuse_qkv
 from jaxspec.models.projection import project
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, make_mesh, shard_params
 from jaxspec.models.transformer import forward_hidden
-from tests.kernels.fake_jax_triton import kernels_in
+from tests.kernels import fake_jax_triton
 from tests.models.hf_reference import random_params
 
 pytest.importorskip("triton", reason="the kernel runs in Triton's interpreter (the test extra has triton)")
@@ -68,11 +67,7 @@ def prefill_then_verify(cfg, params, cache, prompt: int = 6):
 
 
 def kernel_calls(run, *args) -> int:
-    """How many times `run(*args)` calls the kernel (its jitted wrapper's call sites, once the
-    kernel is in the program: a jaxpr prints a jitted function's body once)."""
-    jax.clear_caches()  # traced afresh under the variables set now
-    jaxpr = str(jax.make_jaxpr(run)(*args))
-    return len(re.findall(r"name=thin_matmul\b", jaxpr)) if "_thin_matmul" in kernels_in(jaxpr) else 0
+    return fake_jax_triton.kernel_calls(run, *args, wrapper="thin_matmul")
 
 
 def per_extend(name: str) -> int:

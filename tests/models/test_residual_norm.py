@@ -7,7 +7,6 @@ reference with itself cannot pass for one of the kernel."""
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import pytest
 from jaxspec.models import ModelConfig, extend, init_cache
 from jaxspec.models.residual_norm import ACTIVATION_AXES, residual_norm, residual_norm_reference
 from jaxspec.models.sharding import DEFAULT_RULES, KV_CACHE_AXES, Sharding, make_mesh, shard_params
-from tests.kernels.fake_jax_triton import kernels_in
+from tests.kernels import fake_jax_triton
 from tests.models.hf_reference import random_params
 
 pytest.importorskip("triton", reason="the kernel runs in Triton's interpreter (the test extra has triton)")
@@ -55,11 +54,7 @@ def prefill_then_verify(cfg, params, cache):
 
 
 def kernel_calls(run, *args) -> int:
-    """How many times `run(*args)` calls the kernel (its jitted wrapper's call sites, once the
-    kernel is in the program: a jaxpr prints a jitted function's body once)."""
-    jax.clear_caches()  # traced afresh under the variables set now
-    jaxpr = str(jax.make_jaxpr(run)(*args))
-    return len(re.findall(r"name=residual_norm\b", jaxpr)) if "_residual_norm" in kernels_in(jaxpr) else 0
+    return fake_jax_triton.kernel_calls(run, *args, wrapper="residual_norm")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
