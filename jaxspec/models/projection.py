@@ -6,9 +6,10 @@ attention output, the MLP's gate and up with its SwiGLU, the down projection) an
 `jaxspec.kernels.thin_matmul_triton` ("triton"; "triton-interpret": in Triton's interpreter, for
 tests), which reads the weight at the memory rate where XLA's tiles leave most SMs idle. The
 kernel takes calls of at most `MAX_ROWS` token rows in bfloat16, float16 or float32, on one device
-or on a mesh that splits only the rows (the data axis: each device runs it on its rows with the whole
-weight); a longer call (a prefill), a mesh that splits the weights (whose partitioner splits XLA's
-GEMMs) or another dtype runs XLA's. Nothing differentiates through the kernel: the training forward
+or on a mesh whose devices each hold the whole weights (one that splits only the rows, or a
+rollout's gathered copy, `Sharding.gathered_weights`: each device runs it on its rows); a longer
+call (a prefill), a mesh that splits the weights (whose partitioner splits XLA's GEMMs) or another
+dtype runs XLA's. Nothing differentiates through the kernel: the training forward
 calls with "xla".
 The JAXSPEC_THIN_MATMUL environment variable chooses for impl "auto" (`extend`'s): "auto" (the
 default) keeps XLA's GEMMs until the kernel has passed its GPU check
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.models.sharding import Sharding
+from jaxspec.models.sharding import Sharding, splits_weights
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_THIN_MATMUL"
@@ -73,20 +74,14 @@ def _kernel_impl(impl: str, x: jax.Array, w: jax.Array, contract: int, sharding:
     (`impl`, or for "auto" the environment variable's; "auto" stays XLA's) where the kernel takes
     the call, else "xla"."""
     impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
-    if impl in ("auto", "xla") or not _weights_whole(sharding):
+    if impl in ("auto", "xla") or splits_weights(sharding):
         return "xla"
     return impl if _kernel().kernel_applies(x, w, contract) else "xla"
 
 
-def _weights_whole(sharding: Sharding | None) -> bool:
-    """Whether every device holds the whole weights: one device, or a mesh that splits only its
-    data axis (the rows), which no weight dimension maps to."""
-    return sharding is None or all(size == 1 for axis, size in sharding.mesh.shape.items() if axis != "data")
-
-
 def _per_device_rows(kernel, x: jax.Array, w: jax.Array, sharding: Sharding | None) -> jax.Array:
-    """kernel(x, w), on a data mesh per device on its rows (x's first dim as the batch axes lay it
-    out) with the whole weight (`shard_map`)."""
+    """kernel(x, w), on a mesh per device on its rows (x's first dim as the batch axes lay it out)
+    with the whole weight (`shard_map`)."""
     if sharding is None or sharding.mesh.size == 1:
         return kernel(x, w)
     rows = sharding.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)

@@ -37,6 +37,8 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cache_seq", ()),
 )
 
+WEIGHT_AXES = ("embed", "vocab", "q_heads", "kv_heads", "head_dim", "mlp")  # a dense layer's and the LM head's
+
 # Logical axes of each param leaf, keyed by the leaf's name in the params pytree.
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
@@ -95,10 +97,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
-    """A mesh plus logical-axis rules; resolves logical axes to PartitionSpecs for given shapes."""
+    """A mesh plus logical-axis rules; resolves logical axes to PartitionSpecs for given shapes.
+    gathered_weights: the weights a call reads are laid out by `gathered_param_shardings` (whole
+    over the batch axes: a rollout with rollout.gather_weights), not by the rules."""
 
     mesh: Mesh
     rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_RULES
+    gathered_weights: bool = False
 
     def spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
         if len(axes) != len(shape):
@@ -150,6 +155,19 @@ def gathered_param_shardings(sharding: Sharding, params_shapes) -> object:
     batch_axes = set(dict(sharding.rules).get("batch", ()))
     rules = tuple((name, tuple(a for a in axes if a not in batch_axes)) for name, axes in sharding.rules)
     return param_shardings(dataclasses.replace(sharding, rules=rules), params_shapes)
+
+
+def splits_weights(sharding: Sharding | None, axes: Sequence[str] = WEIGHT_AXES) -> bool:
+    """Whether the mesh splits a weight dimension of these logical axes (default: a dense layer's
+    and the LM head's) over more than one device: not on one device, nor over the batch axes where
+    the weights are gathered (`Sharding.gathered_weights`)."""
+    if sharding is None:
+        return False
+    rules = dict(sharding.rules)
+    mesh_axes = {axis for name in axes for axis in rules.get(name, ())}
+    if sharding.gathered_weights:
+        mesh_axes -= set(rules.get("batch", ()))
+    return any(sharding.mesh.shape.get(axis, 1) > 1 for axis in mesh_axes)
 
 
 def shard_params(sharding: Sharding, params):

@@ -231,7 +231,7 @@ class GRPORun:
             key,
             self.cfg.eval.batch_size,
             spec=spec,
-            sharding=self.placement.sharding,
+            sharding=self.cast.rollout_sharding,
         )
 
     def save(self) -> None:

@@ -101,6 +101,14 @@ class RolloutCast:
     spec: SpecConfig
     draft_cfg: object | None
 
+    @property
+    def rollout_sharding(self) -> Sharding | None:
+        """The mesh the colocated rollouts run on: `sharding`, saying whether the weights they read
+        are gathered (`Sharding.gathered_weights`, what `view` gives with rollout.gather_weights)."""
+        if self.sharding is None or not self.gather:
+            return self.sharding
+        return dataclasses.replace(self.sharding, gathered_weights=True)
+
     def weights(self, state: dict, gather: bool | None = None) -> tuple:
         """(policy params, draft params or None) of `state`, cast; gather: None is rollout.gather_weights."""
         dtype = jnp.dtype(self.dtype)
@@ -272,7 +280,7 @@ class ColocatedRollouts(RolloutSource):
             policy, spec = self.cast.view(state)
         key = jax.random.fold_in(jax.random.fold_in(state["key"], step), 0)
         ids = self.sampler.indices(position)
-        rounds = [self.generator.rollouts(ids, policy, spec, key, timer, self.cast.sharding)]
+        rounds = [self.generator.rollouts(ids, policy, spec, key, timer, self.cast.rollout_sharding)]
         consumed = len(ids)
 
         def informative():
@@ -282,7 +290,7 @@ class ColocatedRollouts(RolloutSource):
         while len(rounds) < self.loss.filter_groups_max_rounds and informative().sum() < wanted:
             ids = self.sampler.indices(position + consumed)
             round_key = jax.random.fold_in(key, len(rounds))
-            rounds.append(self.generator.rollouts(ids, policy, spec, round_key, timer, self.cast.sharding))
+            rounds.append(self.generator.rollouts(ids, policy, spec, round_key, timer, self.cast.rollout_sharding))
             consumed += len(ids)
         del policy
         if len(rounds) == 1:

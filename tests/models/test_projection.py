@@ -125,11 +125,14 @@ def test_project_takes_einsums_that_contract_the_first_operands_last_dims():
         project("bct,cn->btn", jnp.ones((2, 4, 3)), w)
 
 
-def test_on_a_data_mesh_each_device_runs_the_kernel_on_its_rows(monkeypatch):
-    """A mesh that splits only the rows (data=2; the weights whole on each device): every projection
-    runs the kernel per device on its rows and gives XLA's logits, hidden states and cache."""
+@pytest.mark.parametrize("layout", ["data", "gathered-fsdp"])
+def test_where_every_device_holds_the_weights_each_runs_the_kernel_on_its_rows(monkeypatch, layout):
+    """A mesh that splits only the rows (data=2), or fsdp=2 with the weights gathered (a rollout's
+    copy under rollout.gather_weights): every projection runs the kernel per device on its rows and
+    gives XLA's logits, hidden states and cache."""
     cfg, params = config("qwen3-fused"), params_of("qwen3-fused")
-    sharding = Sharding(make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2]))
+    sizes = dict(data=2, fsdp=1) if layout == "data" else dict(data=1, fsdp=2)
+    sharding = Sharding(make_mesh(**sizes, tensor=1, devices=jax.devices()[:2]), gathered_weights=layout != "data")
     params = jax.device_put(params, sharding.named((), ()))
     cache = init_cache(cfg, 4, 16)
     cache = jax.device_put(cache, sharding.named(KV_CACHE_AXES, cache.k[0].shape))
@@ -146,5 +149,5 @@ def test_on_a_data_mesh_each_device_runs_the_kernel_on_its_rows(monkeypatch):
     got = jax.jit(run)(params, cache)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
-    assert got[0].sharding.spec[0] == "data"  # the logits' rows stay split
+    assert got[0].sharding.spec[0] == layout.split("-")[-1]  # the logits' rows stay split
     jax.clear_caches()

@@ -1,5 +1,7 @@
 """Meshes over the 8 virtual CPU devices: param placement, sharded forward and extend."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from jaxspec.models import (
     save_hf,
     shard_params,
 )
-from jaxspec.models.sharding import KV_CACHE_AXES
+from jaxspec.models.sharding import KV_CACHE_AXES, splits_weights
 from tests.models.hf_reference import random_params, random_tokens, rel_max_err
 
 # Sharded reductions add partial sums in another order: fp32 rounding only.
@@ -210,3 +212,16 @@ def test_sharded_extend_matches_unsharded(checkpoint):
     assert rel_max_err(hidden, ref_hidden) < TOL
     for got, want in zip(new_cache.k + new_cache.v, ref_cache.k + ref_cache.v):
         assert rel_max_err(got, want) < TOL
+
+
+def test_splits_weights_knows_where_every_device_holds_the_whole_weights():
+    """One device, a mesh over data alone, and a rollout's gathered copy over fsdp hold whole
+    weights on every device; fsdp (without the gather) and tensor split them."""
+    devices = jax.devices()[:2]
+    assert not splits_weights(None)
+    assert not splits_weights(Sharding(make_mesh(data=2, fsdp=1, tensor=1, devices=devices)))
+    fsdp = Sharding(make_mesh(data=1, fsdp=2, tensor=1, devices=devices))
+    assert splits_weights(fsdp)
+    assert not splits_weights(dataclasses.replace(fsdp, gathered_weights=True))
+    tensor = Sharding(make_mesh(data=1, fsdp=1, tensor=2, devices=devices), gathered_weights=True)
+    assert splits_weights(tensor)

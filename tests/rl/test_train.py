@@ -260,8 +260,9 @@ def test_soft_overlong_penalty_shapes_the_rewards(tiny_policy, tmp_path):
 
 def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, monkeypatch):
     """rollout.gather_weights on a fsdp=2 x tensor=2 mesh: the rollouts and validation read a bf16
-    copy whole over fsdp (split over tensor), made at "sync" and gone before the update, and the
-    step's metrics (rewards, acceptance, losses, validation) are those of the fsdp-sharded copy."""
+    copy whole over fsdp (split over tensor; their Sharding says the weights are gathered), made at
+    "sync" and gone before the update, and the step's metrics (rewards, acceptance, losses,
+    validation) are those of the fsdp-sharded copy."""
     import jax.numpy as jnp
 
     import jaxspec.rl.evaluate as evaluate
@@ -269,10 +270,11 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
     import jaxspec.rl.rollout_source as rollout_source
 
     generate, optimize = rollout_source.generate, loop.GRPORun._optimize
-    read_fsdp_sharded, copies_in_update = [], []
+    read_fsdp_sharded, told_gathered, copies_in_update = [], [], []
 
     def recording_generate(cfg, params, *args, **kwargs):
         read_fsdp_sharded.append("fsdp" in tuple(params["embed"].sharding.spec))
+        told_gathered.append(kwargs["sharding"].gathered_weights)
         return generate(cfg, params, *args, **kwargs)
 
     def recording_optimize(run, batch):
@@ -293,6 +295,7 @@ def test_gathered_rollout_weights_repeat_the_sharded_run(tiny_policy, tmp_path, 
     # embed [vocab, embed] is split over fsdp in the master weights, not in the copy; validation
     # at steps 0 and 1 and the rollouts of step 1 each read it
     assert read_fsdp_sharded == [True] * 3 + [False] * 3
+    assert told_gathered == [False] * 3 + [True] * 3  # the rollouts' Sharding says so (projection kernels)
     assert copies_in_update == [0, 0]
     sharded, gathered = (without_machine_keys(read_metrics(tmp_path / gather)) for gather in ("false", "true"))
     assert [r["step"] for r in gathered] == [0, 1] and [set(r) for r in gathered] == [set(r) for r in sharded]
