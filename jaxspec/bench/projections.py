@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 from pathlib import Path
 
 import jax
@@ -104,7 +105,7 @@ def empty_loop_seconds(args: tuple, iters: int, repeats: int) -> tuple[float, tu
 
 def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, copy_rate: float) -> dict:
     kx, kw = jax.random.split(jax.random.key(0))
-    fan_in = spec["x"][-1] * (spec["x"][0] if len(spec["x"]) == 2 else 1)
+    fan_in = math.prod(spec["x"])
     dtype = DTYPES[args.dtype]
     x = jax.random.normal(kx, (rows, *spec["x"]), dtype)
     w = (jax.random.normal(kw, spec["w"]) / fan_in**0.5).astype(dtype)

@@ -28,6 +28,7 @@ import triton.language as tl
 from jaxspec.kernels import triton_call
 from jaxspec.kernels.attention_partials import Partials
 from jaxspec.kernels.paged_attention_triton import default_num_warps
+from jaxspec.kernels.tree_race import next_power_of_2
 
 
 def _merge_partials(
@@ -105,7 +106,7 @@ def launch_constants(kv_heads: int, splits: int, rows: int, head_dim: int, *, nu
         SPLITS=splits,
         ROWS=rows,
         HEAD_DIM=head_dim,
-        BLOCK_D=1 << max(0, (head_dim - 1).bit_length()),
+        BLOCK_D=next_power_of_2(head_dim),
         NUM_NEW=num_new,
         GROUP=group,
     )

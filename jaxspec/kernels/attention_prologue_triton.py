@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import triton.language as tl
 
 from jaxspec.kernels import triton_call
+from jaxspec.kernels.tree_race import next_power_of_2
 
 
 def _attention_prologue(
@@ -130,10 +131,6 @@ def _attention_prologue(
     tl.store(q_rows_ptr + pad_row[:, None] * HEAD_DIM + dims[None, :], zeros, mask=(pad < ROWS)[:, None])
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.partial(jax.jit, static_argnames=("rows", "eps", "interpret", "num_warps"))
 def attention_prologue(
     proj: jax.Array,
@@ -206,10 +203,10 @@ def launch(proj, page_table, k_pool, *, rows: int, eps: float, has_bias: bool, q
         NUM_NEW=t,
         KV_HEADS=nk,
         GROUP=group,
-        GROUP_BLOCK=_next_power_of_two(group),
+        GROUP_BLOCK=next_power_of_2(group),
         HEAD_DIM=d,
         ROWS=rows,
-        PAD_BLOCK=_next_power_of_two(max(1, rows - t * group)),
+        PAD_BLOCK=next_power_of_2(max(1, rows - t * group)),
         NUM_PAGES=k_pool.shape[0],
         PAGE_SIZE=k_pool.shape[1],
         TABLE_LEN=page_table.shape[1],

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import triton.language as tl
 
+from jaxspec.kernels.tree_race import next_power_of_2
 from jaxspec.kernels.triton_call import call
 
 MIN_TILE = 16  # the smallest tl.dot operand side
@@ -126,10 +127,6 @@ def _grouped_transposed_matmul(
         acc = acc + tl.dot(tl.trans(x), y, input_precision="ieee")
     out = o_ptr + g.to(tl.int64) * (K * N) + ks[:, None] * N + cols[None, :]
     tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=(ks < K)[:, None] & (cols < N)[None, :])
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def tile_rows(rows: int, groups: int) -> int:

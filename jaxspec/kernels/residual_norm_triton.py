@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import triton.language as tl
 
 from jaxspec.kernels import triton_call
+from jaxspec.kernels.tree_race import next_power_of_2
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_CHANNELS = 16384  # a row is held in registers
@@ -105,7 +106,7 @@ def residual_norm(
 
 def launch_constants(channels: int, *, has_delta: bool, eps: float) -> dict:
     """The kernel's constexpr arguments for rows of `channels`."""
-    return dict(CHANNELS=channels, BLOCK=1 << max(0, (channels - 1).bit_length()), HAS_DELTA=has_delta, EPS=float(eps))
+    return dict(CHANNELS=channels, BLOCK=next_power_of_2(channels), HAS_DELTA=has_delta, EPS=float(eps))
 
 
 def num_warps(channels: int) -> int:

@@ -26,6 +26,7 @@ torch only to run it in Triton's interpreter (`interpret=True`, any backend, slo
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import triton.language as tl
 
 from jaxspec.kernels import triton_call
+from jaxspec.kernels.tree_race import next_power_of_2
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_ROWS = 256  # more token rows are a GEMM that XLA's tiles use the card's compute for
@@ -98,10 +100,10 @@ def default_tiles(rows: int, k: int, n: int, itemsize: int = 2, *, swiglu: bool 
     the rows' power of two in [16, 64]; the widest BLOCK_N of 128 / 64 / 32 / 16 that still gives
     every SM a program (at least 16); a BLOCK_K whose weight block is TILE_BYTES (at most K's power of
     two), halved until the pipeline's buffers fit SHARED_BYTES."""
-    block_m = min(64, max(16, _pow2(rows)))
+    block_m = min(64, max(16, next_power_of_2(rows)))
     m_tiles = -(-rows // block_m)
     block_n = next((b for b in (128, 64, 32) if m_tiles * -(-n // b) >= SMS), 16)
-    block_k = max(16, min(_pow2(k), TILE_BYTES // (block_n * itemsize)))
+    block_k = max(16, min(next_power_of_2(k), TILE_BYTES // (block_n * itemsize)))
     tiles = Tiles(block_m, block_n, block_k)
     while shared_bytes(tiles, itemsize, swiglu=swiglu) > SHARED_BYTES and tiles.block_k > 16:
         tiles = tiles._replace(block_k=tiles.block_k // 2)
@@ -118,7 +120,7 @@ def shared_bytes(tiles: Tiles, itemsize: int, *, swiglu: bool = False) -> int:
 def kernel_applies(x: jax.Array, w: jax.Array, contract: int = 1) -> bool:
     """Whether `thin_matmul` takes x [..., K] by w [K..., N...] (the last `contract` dims of x
     against w's first): a dtype the kernel reads, the same for both, at most MAX_ROWS rows."""
-    rows = x.size // max(1, _prod(x.shape[x.ndim - contract :]))
+    rows = x.size // max(1, math.prod(x.shape[x.ndim - contract :]))
     return (
         jnp.dtype(x.dtype) in map(jnp.dtype, DTYPES)
         and w.dtype == x.dtype
@@ -144,8 +146,8 @@ def thin_matmul(
     transpose: w is [N, K] (e.g. the tied embedding as the LM head); swiglu: w is [K, 2, F] and the
     result silu(x @ w[:, 0]) * (x @ w[:, 1]) [..., F]; tiles: `default_tiles` when None."""
     batch = x.shape[: x.ndim - contract]
-    k = _prod(x.shape[x.ndim - contract :])
-    rows = _prod(batch)
+    k = math.prod(x.shape[x.ndim - contract :])
+    rows = math.prod(batch)
     if transpose:
         if contract != 1 or swiglu or w.ndim != 2 or w.shape[1] != k:
             raise ValueError(f"thin_matmul: transpose takes w [N, K] with K = {k}, got {list(w.shape)}")
@@ -158,8 +160,8 @@ def thin_matmul(
             if len(out_dims) != 2 or out_dims[0] != 2:
                 raise ValueError(f"thin_matmul: swiglu takes w [K, 2, F], got {list(w.shape)}")
             out_dims = out_dims[1:]
-        n = _prod(out_dims)
-        strides = (_prod(w.shape[contract:]), 1)
+        n = math.prod(out_dims)
+        strides = (math.prod(w.shape[contract:]), 1)
     if jnp.dtype(x.dtype) not in map(jnp.dtype, DTYPES) or w.dtype != x.dtype or not 0 < rows <= MAX_ROWS:
         raise ValueError(
             f"thin_matmul: x {x.dtype} {list(x.shape)} and w {w.dtype} {list(w.shape)} must share one dtype of "
@@ -198,14 +200,3 @@ def launch_constants(
         BLOCK_K=tiles.block_k,
         PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
     )
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _prod(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
