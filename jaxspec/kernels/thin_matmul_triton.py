@@ -19,6 +19,12 @@ rounded to the dtype, silu rounded, then the product): the MLP's first GEMM and 
 one launch. A row's sums do not depend on the other rows, so a token's projections are the same in
 a decode step and in a verification step of any width launched with the same tiles.
 
+A mixture-of-experts layer's decode step is the same problem per expert: `expert_matmul` runs the
+kernel over token rows sorted by expert, one program per (expert, BLOCK_N columns) streaming that
+expert's weight for all its rows (an expert no row picks costs a program that reads nothing). It
+gathers each row's token itself and can scale each row by its routing weight, so a sparse MLP's
+step is two launches: the experts' gate and up with the SwiGLU, and their down projection weighted.
+
 `triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
 torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).
 """
@@ -46,43 +52,75 @@ SHARED_BYTES = 160 * 1024  # of the 227 KiB a Hopper block may use
 def _thin_matmul(
     x_ptr,
     w_ptr,
+    up_ptr,
+    bounds_ptr,
+    source_ptr,
+    scale_ptr,
     out_ptr,
     ROWS: tl.constexpr,
     K: tl.constexpr,
     N: tl.constexpr,
     W_STRIDE_K: tl.constexpr,
     W_STRIDE_N: tl.constexpr,
+    W_STRIDE_G: tl.constexpr,
     UP_OFFSET: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    GROUPED: tl.constexpr,
+    GATHER: tl.constexpr,
+    SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One program's [BLOCK_M, BLOCK_N] of out; UP_OFFSET > 0: the swiglu form, the up projection's
-    columns UP_OFFSET elements after the gate's (F x the column stride). PRECISION: tl.dot's for
-    float32 inputs ("ieee": no TF32 rounding)."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One program's BLOCK_N columns of out for its rows: rows [i*BLOCK_M, (i+1)*BLOCK_M), or with
+    GROUPED every row of group i (bounds [G, 2]: each group's first row and end), in BLOCK_M steps,
+    by the group's weight W_STRIDE_G elements on. SWIGLU: silu(x @ w) * (x @ up), the up weight
+    UP_OFFSET elements past up_ptr's columns; GATHER: output row r reads x row source[r]; SCALE:
+    row r times scale[r], rounded as the model rounds. PRECISION: tl.dot's for float32 inputs
+    ("ieee": no TF32 rounding)."""
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * K
-    w_cols = w_ptr + n.to(tl.int64)[None, :] * W_STRIDE_N
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_rows + k[None, :], mask=(m < ROWS)[:, None] & (k < K)[None, :], other=0.0)
-        inside = (k < K)[:, None] & (n < N)[None, :]
-        w_block = w_cols + k.to(tl.int64)[:, None] * W_STRIDE_K
-        acc = tl.dot(a, tl.load(w_block, mask=inside, other=0.0), acc, input_precision=PRECISION)
-        if UP_OFFSET > 0:
-            up = tl.load(w_block + UP_OFFSET, mask=inside, other=0.0)
-            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    if GROUPED:
+        group = tl.program_id(0)
+        start = tl.load(bounds_ptr + 2 * group)
+        end = tl.load(bounds_ptr + 2 * group + 1)
+        w_base = w_ptr + group.to(tl.int64) * W_STRIDE_G
+        up_base = up_ptr + group.to(tl.int64) * W_STRIDE_G + UP_OFFSET
+    else:
+        start = tl.program_id(0) * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, ROWS)
+        w_base = w_ptr
+        up_base = up_ptr + UP_OFFSET
+    w_cols = w_base + n.to(tl.int64)[None, :] * W_STRIDE_N
+    up_cols = up_base + n.to(tl.int64)[None, :] * W_STRIDE_N
     out_dtype = out_ptr.dtype.element_ty
-    if UP_OFFSET > 0:
-        gate = acc.to(out_dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
-        acc = silu * acc_up.to(out_dtype).to(tl.float32)
-    at = m.to(tl.int64)[:, None] * N + n[None, :]
-    tl.store(out_ptr + at, acc.to(out_dtype), mask=(m < ROWS)[:, None] & (n < N)[None, :])
+    for first in range(start, end, BLOCK_M):  # one step unless a group has more than BLOCK_M rows
+        m = first + tl.arange(0, BLOCK_M)
+        live = m < end
+        if GATHER:
+            x_rows = x_ptr + tl.load(source_ptr + m, mask=live, other=0).to(tl.int64)[:, None] * K
+        else:
+            x_rows = x_ptr + m.to(tl.int64)[:, None] * K
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + k[None, :], mask=live[:, None] & (k < K)[None, :], other=0.0)
+            inside = (k < K)[:, None] & (n < N)[None, :]
+            at_k = k.to(tl.int64)[:, None] * W_STRIDE_K
+            acc = tl.dot(a, tl.load(w_cols + at_k, mask=inside, other=0.0), acc, input_precision=PRECISION)
+            if SWIGLU:
+                up = tl.load(up_cols + at_k, mask=inside, other=0.0)
+                acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+        if SWIGLU:
+            gate = acc.to(out_dtype).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+            acc = silu * acc_up.to(out_dtype).to(tl.float32)
+        if SCALE:
+            factor = tl.load(scale_ptr + m, mask=live, other=0.0).to(tl.float32)
+            acc = acc.to(out_dtype).to(tl.float32) * factor[:, None]
+        at = m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(out_ptr + at, acc.to(out_dtype), mask=live[:, None] & (n < N)[None, :])
 
 
 class Tiles(NamedTuple):
@@ -95,14 +133,17 @@ class Tiles(NamedTuple):
     num_stages: int = 4
 
 
-def default_tiles(rows: int, k: int, n: int, itemsize: int = 2, *, swiglu: bool = False) -> Tiles:
-    """Tiles for out [rows, n] = x [rows, k] @ w [k, n] (swiglu: two weight blocks per step): BLOCK_M
-    the rows' power of two in [16, 64]; the widest BLOCK_N of 128 / 64 / 32 / 16 that still gives
-    every SM a program (at least 16); a BLOCK_K whose weight block is TILE_BYTES (at most K's power of
-    two), halved until the pipeline's buffers fit SHARED_BYTES."""
-    block_m = min(64, max(16, next_power_of_2(rows)))
-    m_tiles = -(-rows // block_m)
-    block_n = next((b for b in (128, 64, 32) if m_tiles * -(-n // b) >= SMS), 16)
+def default_tiles(rows: int, k: int, n: int, itemsize: int = 2, *, swiglu: bool = False, groups: int = 1) -> Tiles:
+    """Tiles for out [rows, n] = x [rows, k] @ w [k, n] (swiglu: two weight blocks per step; groups:
+    the experts rows are spread over, `expert_matmul`): BLOCK_M the power of two in [16, 64] of a
+    busy group's rows; the widest BLOCK_N of 128 / 64 / 32 / 16 that still gives every SM a program
+    (at least 16); a BLOCK_K whose weight block is TILE_BYTES (at most K's power of two), halved
+    until the pipeline's buffers fit SHARED_BYTES."""
+    busy = max(1, min(groups, rows))  # the groups that can hold rows
+    per_group = -(-rows // busy)
+    block_m = min(64, max(16, next_power_of_2(per_group)))
+    row_blocks = busy * -(-per_group // block_m)
+    block_n = next((b for b in (128, 64, 32) if row_blocks * -(-n // b) >= SMS), 16)
     block_k = max(16, min(next_power_of_2(k), TILE_BYTES // (block_n * itemsize)))
     tiles = Tiles(block_m, block_n, block_k)
     while shared_bytes(tiles, itemsize, swiglu=swiglu) > SHARED_BYTES and tiles.block_k > 16:
@@ -168,13 +209,15 @@ def thin_matmul(
             f"{[jnp.dtype(d).name for d in DTYPES]}, with at most {MAX_ROWS} rows"
         )
     tiles = tiles or default_tiles(rows, k, n, jnp.dtype(x.dtype).itemsize, swiglu=swiglu)
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    unused = jnp.zeros((1,), jnp.int32)
     (out,) = triton_call.call(
         _thin_matmul,
-        (x.reshape(rows, k), w),
-        (jax.ShapeDtypeStruct((rows, n), out_dtype),),
+        (x.reshape(rows, k), w, w, unused, unused, unused),
+        (jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype or x.dtype)),),
         grid=(-(-rows // tiles.block_m), -(-n // tiles.block_n)),
-        constants=launch_constants(rows, k, n, strides, up_offset=n if swiglu else 0, tiles=tiles, dtype=x.dtype),
+        constants=launch_constants(
+            rows, k, n, strides, tiles=tiles, dtype=x.dtype, up_offset=n if swiglu else 0, swiglu=swiglu
+        ),
         name="thin_matmul_triton",
         interpret=interpret,
         num_warps=tiles.num_warps,
@@ -183,18 +226,108 @@ def thin_matmul(
     return out.reshape(*batch, *out_dims)
 
 
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def expert_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    source: jax.Array | None = None,
+    up: jax.Array | None = None,
+    scale: jax.Array | None = None,
+    tiles: Tiles | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """A mixture-of-experts layer's few token rows by their experts, each expert's weight read once:
+    out [R, N] in x's dtype, where rows are sorted by expert (expert e holds the group_sizes[e] rows
+    after those of experts < e; every row belongs to one: sum(group_sizes) = R) and row r of expert
+    e is x[source[r]] @ w[e] (x [X, K], w [E, K, N]; source int [R], None: R = X and x's own rows).
+    up [E, K, N]: the SwiGLU silu(x @ w[e]) * (x @ up[e]) rounded as `thin_matmul`'s; scale [R]:
+    each row multiplied by its factor (a token's routing weight), rounded once more. One program per
+    (expert, BLOCK_N columns) streams the expert's columns for all its rows; an expert no row picks
+    reads nothing."""
+    (rows,) = (x.shape[0],) if source is None else source.shape
+    num_experts, k, n = w.shape
+    if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (num_experts,):
+        raise ValueError(
+            f"expert_matmul: needs x [X, K], w [E, K, N], group_sizes [E]; got x {list(x.shape)}, "
+            f"w {list(w.shape)}, group_sizes {list(group_sizes.shape)}"
+        )
+    if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
+        raise ValueError(f"expert_matmul: up {up.dtype} {list(up.shape)} must match w {w.dtype} {list(w.shape)}")
+    if scale is not None and scale.shape != (rows,):
+        raise ValueError(f"expert_matmul: scale must be [R={rows}], got {list(scale.shape)}")
+    if jnp.dtype(x.dtype) not in map(jnp.dtype, DTYPES) or w.dtype != x.dtype or rows == 0:
+        raise ValueError(
+            f"expert_matmul: x {x.dtype} and w {w.dtype} must share one dtype of "
+            f"{[jnp.dtype(d).name for d in DTYPES]}, with at least one row"
+        )
+    swiglu = up is not None
+    tiles = tiles or default_tiles(rows, k, n, jnp.dtype(x.dtype).itemsize, swiglu=swiglu, groups=num_experts)
+    unused = jnp.zeros((1,), jnp.int32)
+    bounds = jnp.cumsum(group_sizes.astype(jnp.int32))
+    (out,) = triton_call.call(
+        _thin_matmul,
+        (
+            x,
+            w,
+            w if up is None else up,
+            jnp.stack([bounds - group_sizes.astype(jnp.int32), bounds], axis=1),
+            unused if source is None else source.astype(jnp.int32),
+            unused if scale is None else scale.astype(x.dtype),
+        ),
+        (jax.ShapeDtypeStruct((rows, n), x.dtype),),
+        grid=(num_experts, -(-n // tiles.block_n)),
+        constants=launch_constants(
+            rows,
+            k,
+            n,
+            (n, 1),
+            tiles=tiles,
+            dtype=x.dtype,
+            swiglu=swiglu,
+            group_stride=k * n,
+            gather=source is not None,
+            scale=scale is not None,
+        ),
+        name="expert_matmul_triton",
+        interpret=interpret,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
 def launch_constants(
-    rows: int, k: int, n: int, w_strides: tuple[int, int], *, up_offset: int, tiles: Tiles, dtype
+    rows: int,
+    k: int,
+    n: int,
+    w_strides: tuple[int, int],
+    *,
+    tiles: Tiles,
+    dtype,
+    up_offset: int = 0,
+    swiglu: bool = False,
+    group_stride: int = 0,
+    gather: bool = False,
+    scale: bool = False,
 ) -> dict:
     """The kernel's constexpr arguments for out [rows, n] = x [rows, k] @ w (w_strides: elements
-    between consecutive k and consecutive n; up_offset: the swiglu form's up columns, else 0)."""
+    between consecutive k and consecutive n; up_offset: where the SwiGLU's up columns start past the
+    up pointer's; group_stride > 0: grouped rows, each group's weight that many elements on; gather,
+    scale: rows read through a source index, multiplied by a factor)."""
     return dict(
         ROWS=rows,
         K=k,
         N=n,
         W_STRIDE_K=w_strides[0],
         W_STRIDE_N=w_strides[1],
+        W_STRIDE_G=group_stride,
         UP_OFFSET=up_offset,
+        SWIGLU=swiglu,
+        GROUPED=group_stride > 0,
+        GATHER=gather,
+        SCALE=scale,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,

@@ -35,6 +35,13 @@ no [E, rows, K] temporaries; a 30B-A3B verification step went from 3.2x to 1.4x 
 (`tests/gpu/check_moe.py`, BENCHMARKS.md lease U). The JAXSPEC_MOE_MATMUL environment variable
 (auto, ragged_dot, triton, triton-interpret) overrides "auto" at trace time.
 
+A decode-sized call (a decode or verification step of `extend`, at most the thin matmul's MAX_ROWS
+tokens per device) can instead run the experts as two launches of the weight-streaming kernel
+(`jaxspec.kernels.thin_matmul_triton.expert_matmul`): every touched expert's gate and up with the
+SwiGLU, then its down projection times the routing weight, one program per (expert, column block)
+reading each touched expert once. `extend` asks for it with matmul_impl "auto", which follows the
+thin matmul's choice (JAXSPEC_THIN_MATMUL; `expert_kernel_impl`); nothing differentiates through it.
+
 On a mesh the kernels run per device on its rows (`jax.shard_map` over the batch axes), with the
 experts whole on every device: fsdp gathers them as it gathers every weight of a layer. A mesh
 that splits the experts (expert or tensor axis) keeps ragged_dot, which XLA partitions.
@@ -56,6 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.kernels.dispatch import requested_impl
+from jaxspec.models import projection
 from jaxspec.models.sharding import Sharding
 
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
@@ -187,25 +195,29 @@ def moe_mlp(
     impl: str = "ragged_dot",
     sharding: Sharding | None = None,
     experts: jax.Array | None = None,
+    matmul_impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sparse MLP of normed activations x [B, T, H] -> (output [B, T, H], router logits [B, T, E]
     float32, the experts each token ran on int32 [B, T, k]); impl: the grouped matmuls'
     implementation (`grouped_matmul`); sharding: the mesh x is laid out on, for the kernels'
     per-device call (see the module docstring); experts: None routes every token to its top-k,
-    integer [B, T, k] (ids in [0, E)) replays the given experts (`route`)."""
+    integer [B, T, k] (ids in [0, E)) replays the given experts (`route`); matmul_impl: a
+    decode-sized call's expert kernel (`expert_kernel_impl`; "xla": the grouped matmuls)."""
     P = jax.sharding.PartitionSpec
     b, t, _ = x.shape
     batch_axes, seq_axes, _ = (None,) * 3 if sharding is None else sharding.spec(("batch", "seq", "act_embed"), x.shape)
     split = [] if sharding is None else jax.tree.leaves((batch_axes, seq_axes))  # mesh axes splitting the rows
     shards = math.prod(sharding.mesh.shape[a] for a in split)
-    work = layer["router"].shape[1] * b * t * top_k // shards  # token-expert assignments x experts per device
-    impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding, work)
-    if impl == "ragged_dot" or sharding is None or sharding.mesh.size == 1:
-        return _moe_mlp(layer, x, top_k, norm_topk_prob, impl, experts)
+    fused = expert_kernel_impl(matmul_impl, x, layer, sharding, b * t // shards)
+    if fused is None:
+        work = layer["router"].shape[1] * b * t * top_k // shards  # token-expert assignments x experts per device
+        impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding, work)
+    if (fused is None and impl == "ragged_dot") or sharding is None or sharding.mesh.size == 1:
+        return _moe_mlp(layer, x, top_k, norm_topk_prob, impl, experts, fused)
     rows = P(batch_axes, seq_axes)
     sparse = {k: layer[k] for k in SPARSE_KEYS}
     return jax.shard_map(
-        lambda sparse, x, experts: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl, experts),
+        lambda sparse, x, experts: _moe_mlp(sparse, x, top_k, norm_topk_prob, impl, experts, fused),
         mesh=sharding.mesh,
         in_specs=(P(), rows, rows),
         out_specs=(rows, rows, rows),
@@ -213,7 +225,33 @@ def moe_mlp(
     )(sparse, x, experts)
 
 
-def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str, experts: jax.Array | None):
+def expert_kernel_impl(
+    matmul_impl: str, x: jax.Array, layer: dict, sharding: Sharding | None, tokens: int
+) -> str | None:
+    """The expert kernel's implementation ("triton" or "triton-interpret") for a call of `tokens`
+    token rows per device, or None for the grouped matmuls: the thin matmul's choice
+    (`jaxspec.models.projection.requested`: "auto" reads JAXSPEC_THIN_MATMUL) where the kernel
+    takes the call (at most its MAX_ROWS tokens, activations and experts of one of its dtypes, no
+    mesh axis splitting the experts)."""
+    chosen = projection.requested(matmul_impl)
+    if chosen == "xla":
+        return None
+    kernel = projection.kernel_module()
+    splits = any(sharding is not None and sharding.mesh.shape.get(ax, 1) > 1 for ax in EXPERT_SPLITTING_AXES)
+    dtype = jnp.dtype(x.dtype)
+    fits = dtype in map(jnp.dtype, kernel.DTYPES) and layer["experts_gate"].dtype == dtype
+    return chosen if fits and not splits and 0 < tokens <= kernel.MAX_ROWS else None
+
+
+def _moe_mlp(
+    layer: dict,
+    x: jax.Array,
+    top_k: int,
+    norm_topk_prob: bool,
+    impl: str,
+    experts: jax.Array | None,
+    fused: str | None = None,
+):
     b, t, h = x.shape
     num_experts = layer["router"].shape[1]
     flat = x.reshape(b * t, h)
@@ -222,11 +260,17 @@ def _moe_mlp(layer: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: 
     assignment = experts.reshape(-1)  # [N*k]: token n's j-th expert at n*k + j
     order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
-    rows = flat[order // top_k]  # [N*k, H]
-    gate = grouped_matmul(rows, layer["experts_gate"], group_sizes, impl)
-    up = grouped_matmul(rows, layer["experts_up"], group_sizes, impl)
-    out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
-    out = out * weights.reshape(-1)[order][:, None]
+    tokens = order // top_k  # the token of each sorted assignment
+    if fused is None:
+        rows = flat[tokens]  # [N*k, H]
+        gate = grouped_matmul(rows, layer["experts_gate"], group_sizes, impl)
+        up = grouped_matmul(rows, layer["experts_up"], group_sizes, impl)
+        out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
+        out = out * weights.reshape(-1)[order][:, None]
+    else:  # two launches: gate and up with the SwiGLU, then down times the routing weight
+        kernel = functools.partial(projection.kernel_module().expert_matmul, interpret=fused == "triton-interpret")
+        act = kernel(flat, layer["experts_gate"], group_sizes, source=tokens, up=layer["experts_up"])
+        out = kernel(act, layer["experts_down"], group_sizes, scale=weights.reshape(-1)[order])
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
     return (
         unsorted.reshape(b, t, top_k, h).sum(axis=2),

@@ -49,7 +49,7 @@ def project(
     if chosen == "xla":
         return jnp.einsum(equation, x, w.T if transpose else w, preferred_element_type=preferred_element_type)
     kernel = functools.partial(
-        _kernel().thin_matmul,
+        kernel_module().thin_matmul,
         contract=contract,
         transpose=transpose,
         out_dtype=preferred_element_type,
@@ -65,18 +65,24 @@ def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sha
     if chosen == "xla":
         both = jnp.einsum("...h,hcf->...cf", h, gate_up)
         return jax.nn.silu(both[..., 0, :]) * both[..., 1, :]
-    kernel = functools.partial(_kernel().thin_matmul, swiglu=True, interpret=chosen == "triton-interpret")
+    kernel = functools.partial(kernel_module().thin_matmul, swiglu=True, interpret=chosen == "triton-interpret")
     return _per_device_rows(kernel, h, gate_up, sharding)
+
+
+def requested(impl: str) -> str:
+    """"xla", "triton" or "triton-interpret": `impl`, or for "auto" the environment variable's
+    ("auto" stays XLA's), before asking whether the kernel takes a call."""
+    impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
+    return "xla" if impl == "auto" else impl
 
 
 def _kernel_impl(impl: str, x: jax.Array, w: jax.Array, contract: int, sharding: Sharding | None) -> str:
     """The implementation ("xla", "triton" or "triton-interpret") for x by w: the requested one
-    (`impl`, or for "auto" the environment variable's; "auto" stays XLA's) where the kernel takes
-    the call, else "xla"."""
-    impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
-    if impl in ("auto", "xla") or splits_weights(sharding):
+    (`requested`) where the kernel takes the call, else "xla"."""
+    impl = requested(impl)
+    if impl == "xla" or splits_weights(sharding):
         return "xla"
-    return impl if _kernel().kernel_applies(x, w, contract) else "xla"
+    return impl if kernel_module().kernel_applies(x, w, contract) else "xla"
 
 
 def _per_device_rows(kernel, x: jax.Array, w: jax.Array, sharding: Sharding | None) -> jax.Array:
@@ -102,7 +108,7 @@ def _contracted(equation: str) -> int:
     return contract
 
 
-def _kernel():
+def kernel_module():
     """`jaxspec.kernels.thin_matmul_triton`, imported on first use (triton is an optional dependency)."""
     try:
         from jaxspec.kernels import thin_matmul_triton
