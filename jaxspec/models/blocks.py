@@ -103,9 +103,7 @@ def mlp(
     `attn_out_and_mlp`; matmul_impl: a dense layer's projections' (`dense_mlp`), a sparse layer's
     expert kernel for decode-sized calls (`moe.expert_kernel_impl`)."""
     if "router" in layer:
-        return moe_mlp(
-            layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts, matmul_impl
-        )
+        return moe_mlp(layer, h, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl, sharding, experts, matmul_impl)
     return dense_mlp(layer, h, impl=matmul_impl, sharding=sharding), None, None
 
 

@@ -70,7 +70,7 @@ def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sha
 
 
 def requested(impl: str) -> str:
-    """"xla", "triton" or "triton-interpret": `impl`, or for "auto" the environment variable's
+    """ "xla", "triton" or "triton-interpret": `impl`, or for "auto" the environment variable's
     ("auto" stays XLA's), before asking whether the kernel takes a call."""
     impl = requested_impl(impl, IMPLS, IMPL_ENV, "thin matmul")
     return "xla" if impl == "auto" else impl

@@ -42,10 +42,11 @@ def kernels_in(jaxpr: str) -> set[str]:
     return set(re.findall(r"_run_interpreted at \w+>, fn=<function (\w+) at", jaxpr))
 
 
-def kernel_calls(run, *args, wrapper: str) -> int:
+def kernel_calls(run, *args, wrapper: str, kernel: str | None = None) -> int:
     """How many times `run(*args)` calls the jitted kernel wrapper named `wrapper` (e.g.
-    "residual_norm"), counted at its call sites once its kernel `_<wrapper>` is in the traced program
-    (a jaxpr prints a jitted function's body once); traced afresh, under the variables set now."""
+    "residual_norm"), counted at its call sites once its kernel (default `_<wrapper>`) is in the
+    traced program (a jaxpr prints a jitted function's body once); traced afresh, under the
+    variables set now."""
     jax.clear_caches()
     jaxpr = str(jax.make_jaxpr(run)(*args))
-    return len(re.findall(rf"name={wrapper}\b", jaxpr)) if f"_{wrapper}" in kernels_in(jaxpr) else 0
+    return len(re.findall(rf"name={wrapper}\b", jaxpr)) if (kernel or f"_{wrapper}") in kernels_in(jaxpr) else 0

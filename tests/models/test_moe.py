@@ -343,3 +343,76 @@ def test_the_gpu_path_hands_jax_triton_the_kernels_arguments(monkeypatch):
     for name in layer:
         assert rel_max_err(grads[0][name], want_grads[0][name]) < FP32_TOL, name
     assert rel_max_err(grads[1], want_grads[1]) < FP32_TOL
+
+
+# ----------------------------------------------------------------------------- the expert kernel of decode steps
+
+
+def expert_kernel_calls(run, *args) -> int:
+    from tests.kernels.fake_jax_triton import kernel_calls
+
+    return kernel_calls(run, *args, wrapper="expert_matmul", kernel="_thin_matmul")
+
+
+@needs_triton
+@pytest.mark.parametrize("replay", [False, True])
+def test_the_expert_kernel_equals_the_grouped_matmuls(replay):
+    """moe_mlp's decode-sized path (two expert-kernel launches) gives the grouped matmuls' outputs,
+    router logits and experts, routing its own top-k or replaying given experts."""
+    layer = _sparse_layer(jax.random.key(31))
+    x = jax.random.normal(jax.random.key(32), (3, 4, SHARDED_CFG.hidden_size))
+    given = jax.random.randint(jax.random.key(33), (3, 4, 2), 0, 8) if replay else None
+    given = None if given is None else given.at[..., 1].set((given[..., 0] + 1) % 8)  # two distinct experts
+    want = moe_mlp(layer, x, 2, True, "ragged_dot", experts=given)
+    got = moe_mlp(layer, x, 2, True, "ragged_dot", experts=given, matmul_impl="triton-interpret")
+    assert expert_kernel_calls(lambda l, x: moe_mlp(l, x, 2, True, matmul_impl="triton-interpret"), layer, x) == 2
+    assert rel_max_err(got[0], want[0]) < FP32_TOL
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+@needs_triton
+def test_extend_runs_the_expert_kernel_where_the_thin_matmul_is_chosen(monkeypatch):
+    """JAXSPEC_THIN_MATMUL=triton-interpret: every sparse layer of extend's decode-sized calls runs
+    two expert-kernel launches with the grouped matmuls' logits; a call of more than the kernel's
+    MAX_ROWS tokens and the training forward keep the grouped matmuls; unset, none runs."""
+    from jaxspec.kernels import thin_matmul_triton
+
+    params = random_params(SHARDED_CFG, jax.random.key(34))
+    tokens = jnp.asarray(random_tokens(35, (2, 5), SHARDED_CFG.vocab_size))
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    args = (params, init_cache(SHARDED_CFG, 2, 8), tokens, positions, jnp.zeros((2,), jnp.int32))
+
+    def run(*a):
+        return extend(SHARDED_CFG, *a)[0]
+
+    monkeypatch.delenv("JAXSPEC_THIN_MATMUL", raising=False)
+    want = jax.jit(run)(*args)
+    assert expert_kernel_calls(run, *args) == 0
+    monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
+    sparse_layers = SHARDED_CFG.num_layers - len(SHARDED_CFG.mlp_only_layers)
+    assert expert_kernel_calls(run, *args) == 2 * sparse_layers
+    assert rel_max_err(jax.jit(run)(*args), want) < FP32_TOL
+    assert expert_kernel_calls(lambda p: forward(SHARDED_CFG, p, tokens), params) == 0
+    monkeypatch.setattr(thin_matmul_triton, "MAX_ROWS", 9)  # 10 tokens: a prefill past the kernel's reach
+    assert expert_kernel_calls(run, *args) == 0
+    jax.clear_caches()
+
+
+@needs_triton
+def test_the_expert_kernel_runs_per_device_and_not_where_the_experts_are_split(monkeypatch):
+    """On rows split over data x fsdp (experts whole on each device) the expert kernel runs per
+    device with the one-device layer's outputs; a mesh that splits the experts keeps ragged_dot."""
+    layer = _sparse_layer(jax.random.key(36))
+    x = jax.random.normal(jax.random.key(37), (8, 1, SHARDED_CFG.hidden_size))
+    want = moe_mlp(layer, x, 2, True)[0]
+    sharding = Sharding(make_mesh(data=4, fsdp=2))
+    placed = jax.device_put(x, sharding.named(("batch", "seq", "act_embed"), x.shape))
+
+    def run(layer, x, sharding):
+        return moe_mlp(layer, x, 2, True, "ragged_dot", sharding, matmul_impl="triton-interpret")[0]
+
+    assert "shard_map" in str(jax.make_jaxpr(lambda l, x: run(l, x, sharding))(layer, placed))
+    assert rel_max_err(jax.jit(run, static_argnums=2)(layer, placed, sharding), want) < FP32_TOL
+    split = Sharding(make_mesh(data=2, fsdp=1, expert=4))
+    assert expert_kernel_calls(lambda l, x: run(l, x, split), layer, x) == 0
