@@ -13,6 +13,9 @@ run inside one compiled loop (bytes read + written per second): the fraction of 
 rate the projection reaches (the loop also sums the output, which a fraction counts against it). A
 fraction above 1.0 is an error row, never a result. `max_rel_diff`: the kernel's largest difference
 from XLA's after one call, relative to max(1, |XLA's|).
+A mixture-of-experts config's MLP is its experts instead (`expert_projections`): --rows tokens
+routed uniformly at random to their top-k experts, the grouped matmuls a step runs without the
+expert kernel against `expert_matmul`, the roofline over the bytes of the experts the rows touch.
 --sweep also times the kernel over a grid of tiles (`SWEEP`: BLOCK_N x BLOCK_K, then warps and
 stages around the best) and reports the best tiles, their time and roofline: the data for
 `thin_matmul_triton.default_tiles`. --interpret runs the kernel in Triton's interpreter (any
@@ -56,8 +59,14 @@ def projections(cfg: ModelConfig) -> dict[str, dict]:
     return {
         "qkv": base | dict(x=(h,), w=(h, nk, group + 2, d), equation="mc,cngd->mngd"),
         "o": base | dict(x=(cfg.num_heads, d), w=(cfg.num_heads, d, h), equation="mnd,ndh->mh"),
-        "gate_up_swiglu": base | dict(x=(h,), w=(h, 2, f), equation=None, swiglu=True),
-        "down": base | dict(x=(f,), w=(f, h), equation="mf,fh->mh"),
+        **(
+            {}
+            if cfg.num_experts
+            else {
+                "gate_up_swiglu": base | dict(x=(h,), w=(h, 2, f), equation=None, swiglu=True),
+                "down": base | dict(x=(f,), w=(f, h), equation="mf,fh->mh"),
+            }
+        ),
         "lm_head": base
         | dict(
             x=(h,),
@@ -67,6 +76,78 @@ def projections(cfg: ModelConfig) -> dict[str, dict]:
             out=jnp.float32,
         ),
     }
+
+
+def expert_projections(cfg: ModelConfig) -> dict[str, dict]:
+    """name -> {"x": a row's shape, "w": one expert weight's shape, "swiglu"} for a sparse layer of
+    `cfg` (none for a dense model): the experts' gate and up with the SwiGLU, and their down
+    projection times each row's routing weight."""
+    if not cfg.num_experts:
+        return {}
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return {
+        "experts_gate_up_swiglu": dict(x=(h,), w=(cfg.num_experts, h, i), swiglu=True),
+        "experts_down": dict(x=(i,), w=(cfg.num_experts, i, h), swiglu=False),
+    }
+
+
+def time_experts(name: str, spec: dict, cfg: ModelConfig, tokens: int, args, copy_rate: float) -> dict:
+    """One expert projection at `tokens` token rows routed uniformly at random to top-k experts:
+    the grouped matmuls a step runs without the expert kernel (`moe.grouped_matmul` with the
+    implementation "auto" picks there) against `expert_matmul`; the roofline counts the touched
+    experts' bytes."""
+    from jaxspec.models import moe
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    dtype, top_k, experts = DTYPES[args.dtype], cfg.num_experts_per_tok, cfg.num_experts
+    picks = jax.lax.top_k(jax.random.uniform(keys[0], (tokens, experts)), top_k)[1].reshape(-1)
+    order = jnp.argsort(picks, stable=True)
+    sizes = jnp.bincount(picks, length=experts).astype(jnp.int32)
+    source = (order // top_k).astype(jnp.int32)
+    factor = jax.random.uniform(keys[1], (tokens * top_k,)).astype(dtype)
+    rows = tokens * top_k
+    impl = moe.resolve_impl("auto", True, work=experts * rows)
+    interpret = args.interpret
+    weights = [
+        (jax.random.normal(k, spec["w"]) / spec["w"][1] ** 0.5).astype(dtype) for k in keys[2 : 2 + 1 + spec["swiglu"]]
+    ]
+    if spec["swiglu"]:
+        x = jax.random.normal(keys[4], (tokens, *spec["x"]), dtype)
+
+        def xla(x, gate, up):
+            picked = x[source]
+            return jax.nn.silu(moe.grouped_matmul(picked, gate, sizes, impl)) * moe.grouped_matmul(
+                picked, up, sizes, impl
+            )
+
+        def fused(x, gate, up):
+            return kernel.expert_matmul(x, gate, sizes, source=source, up=up, interpret=interpret)
+    else:
+        x = jax.random.normal(keys[4], (rows, *spec["x"]), dtype)
+
+        def xla(x, down):
+            return moe.grouped_matmul(x, down, sizes, impl) * factor[:, None]
+
+        def fused(x, down):
+            return kernel.expert_matmul(x, down, sizes, scale=factor, interpret=interpret)
+
+    touched = int(jnp.sum(sizes > 0))
+    weight_bytes = touched * sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in weights)
+    arrays = (x, *weights)
+    want = jax.jit(xla)(*arrays).astype(jnp.float32)
+    got = jax.jit(fused)(*arrays).astype(jnp.float32)
+    row = {"projection": name, "rows": tokens, "weight_mb": weight_bytes / 1e6, "experts_touched": touched}
+    row["grouped_impl"] = impl
+    row["max_rel_diff"] = float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want))))
+    empty, arrays = empty_loop_seconds(arrays, args.iters, args.repeats)
+    for form, fn in {"xla": xla, "kernel": fused}.items():
+        seconds, arrays = loop_seconds(fn, arrays, empty, args.iters, args.repeats)
+        row[f"{form}_us"] = seconds * 1e6
+    row["speedup"] = row["xla_us"] / row["kernel_us"]
+    for form in ("xla", "kernel"):
+        what = f"{name} at {tokens} tokens, {form}: touched experts' read rate"
+        add_fraction(row, f"{form}_roofline", weight_bytes / (row[f"{form}_us"] * 1e-6), copy_rate, what)
+    return row
 
 
 def call(spec: dict, impl: str, tiles: kernel.Tiles | None = None):
@@ -91,16 +172,16 @@ def call(spec: dict, impl: str, tiles: kernel.Tiles | None = None):
 
 
 def loop_seconds(fn, args: tuple, empty: float, iters: int, repeats: int) -> tuple[float, tuple]:
-    """(device seconds of one fn(x, w) inside a compiled loop, less `empty`, the empty loop's per
-    iteration (`empty_loop_seconds`); the arrays (x, w) to use in place of the donated `args`)."""
-    seconds, args = in_loop_seconds(lambda x, w, i: fn(x, w), args, calls=iters, repeats=repeats)
+    """(device seconds of one fn(*args) inside a compiled loop, less `empty`, the empty loop's per
+    iteration (`empty_loop_seconds`); the arrays to use in place of the donated `args`)."""
+    seconds, args = in_loop_seconds(lambda *a: fn(*a[:-1]), args, calls=iters, repeats=repeats)
     return net_of_loop(seconds, empty, "projection"), args
 
 
 def empty_loop_seconds(args: tuple, iters: int, repeats: int) -> tuple[float, tuple]:
     """(seconds per iteration of the loop of `loop_seconds` around no call, at these arrays'
     shapes; the arrays to use in place of the donated `args`)."""
-    return in_loop_seconds(lambda x, w, i: x[:1, :1], args, calls=iters, repeats=repeats)
+    return in_loop_seconds(lambda *a: a[0][:1, :1], args, calls=iters, repeats=repeats)
 
 
 def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, copy_rate: float) -> dict:
@@ -165,7 +246,10 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 256], help="token rows M of a step")
     p.add_argument(
-        "--only", nargs="+", default=None, help="these projections alone (qkv o gate_up_swiglu down lm_head)"
+        "--only",
+        nargs="+",
+        default=None,
+        help="these projections alone (qkv o gate_up_swiglu down lm_head experts_gate_up_swiglu experts_down)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--iters", type=int, default=100, help="calls per compiled loop")
@@ -180,11 +264,15 @@ def main(argv: list[str]) -> int:
     rows = []
     for model in args.model:
         cfg = ModelConfig.from_json(model)
-        for name, spec in projections(cfg).items():
+        for name, spec in {**projections(cfg), **expert_projections(cfg)}.items():
             if args.only and name not in args.only:
                 continue
             for m in args.rows:
-                rows.append({"model": Path(model).stem} | time_projection(name, spec, m, args, copy_rate))
+                if name.startswith("experts_"):
+                    row = time_experts(name, spec, cfg, m, args, copy_rate)
+                else:
+                    row = time_projection(name, spec, m, args, copy_rate)
+                rows.append({"model": Path(model).stem} | row)
                 print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(dict.fromkeys(column for row in rows for column in row)))

@@ -37,3 +37,27 @@ def test_bench_projections_smoke(tmp_path, monkeypatch):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["best_tiles"] in ("16x16x16x4x2", "16x32x16x4x2") and row["best_us"] > 0
     assert row["max_rel_diff"] < 1e-5
+
+
+def test_bench_projections_times_a_sparse_models_experts(tmp_path):
+    """A mixture-of-experts config: the experts' gate/up with the SwiGLU and their weighted down
+    projection, the grouped matmuls against the expert kernel with equal outputs, the roofline over
+    the touched experts' bytes (fewer experts than all at one token)."""
+    model, out = tmp_path / "tiny_moe.json", tmp_path / "projections.json"
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8}
+    model.write_text(json.dumps(TINY | moe | {"num_experts_per_tok": 2, "moe_intermediate_size": 32}))
+    argv = ["bench", "projections", "--model", str(model), "--rows", "1", "6", "--dtype", "float32"]
+    argv += ["--iters", "10", "--repeats", "3", "--copy-bytes", str(1 << 20), "--interpret", "--out", str(out)]
+    assert main([*argv, "--only", "experts_gate_up_swiglu", "experts_down", "gate_up_swiglu"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["projection"], r["rows"]) for r in rows] == [
+        ("experts_gate_up_swiglu", 1),
+        ("experts_gate_up_swiglu", 6),
+        ("experts_down", 1),
+        ("experts_down", 6),
+    ]
+    for row in rows:
+        assert row["xla_us"] > 0 and row["kernel_us"] > 0 and row["max_rel_diff"] < 1e-5, row
+        expert_mb = 64 * 32 * 4 * (2 if row["projection"] == "experts_gate_up_swiglu" else 1) / 1e6
+        assert row["weight_mb"] == pytest.approx(row["experts_touched"] * expert_mb)
+    assert [r["experts_touched"] for r in rows if r["rows"] == 1] == [2, 2]
