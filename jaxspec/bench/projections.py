@@ -94,16 +94,15 @@ def expert_projections(cfg: ModelConfig) -> dict[str, dict]:
 def time_experts(name: str, spec: dict, cfg: ModelConfig, tokens: int, args, copy_rate: float) -> dict:
     """One expert projection at `tokens` token rows routed uniformly at random to top-k experts:
     the grouped matmuls a step runs without the expert kernel (`moe.grouped_matmul` with the
-    implementation "auto" picks there) against `expert_matmul`; the roofline counts the touched
-    experts' bytes."""
+    implementation "auto" picks there; the gather of the rows, or the weighting and the scatter
+    back to token order) against `expert_matmul`; the roofline counts the touched experts' bytes."""
     from jaxspec.models import moe
 
     keys = jax.random.split(jax.random.key(0), 5)
     dtype, top_k, experts = DTYPES[args.dtype], cfg.num_experts_per_tok, cfg.num_experts
     picks = jax.lax.top_k(jax.random.uniform(keys[0], (tokens, experts)), top_k)[1].reshape(-1)
-    order = jnp.argsort(picks, stable=True)
+    ids, order = jax.lax.sort((picks, jnp.arange(picks.size, dtype=jnp.int32)), num_keys=1, is_stable=True)
     sizes = jnp.bincount(picks, length=experts).astype(jnp.int32)
-    source = (order // top_k).astype(jnp.int32)
     factor = jax.random.uniform(keys[1], (tokens * top_k,)).astype(dtype)
     rows = tokens * top_k
     impl = moe.resolve_impl("auto", True, work=experts * rows)
@@ -115,21 +114,22 @@ def time_experts(name: str, spec: dict, cfg: ModelConfig, tokens: int, args, cop
         x = jax.random.normal(keys[4], (tokens, *spec["x"]), dtype)
 
         def xla(x, gate, up):
-            picked = x[source]
+            picked = x[order // top_k]
             return jax.nn.silu(moe.grouped_matmul(picked, gate, sizes, impl)) * moe.grouped_matmul(
                 picked, up, sizes, impl
             )
 
         def fused(x, gate, up):
-            return kernel.expert_matmul(x, gate, sizes, source=source, up=up, interpret=interpret)
+            return kernel.expert_matmul(x, gate, ids, source=order, repeat=top_k, up=up, interpret=interpret)
     else:
         x = jax.random.normal(keys[4], (rows, *spec["x"]), dtype)
 
         def xla(x, down):
-            return moe.grouped_matmul(x, down, sizes, impl) * factor[:, None]
+            out = moe.grouped_matmul(x, down, sizes, impl) * factor[order][:, None]
+            return jnp.zeros_like(out).at[order].set(out)
 
         def fused(x, down):
-            return kernel.expert_matmul(x, down, sizes, scale=factor, interpret=interpret)
+            return kernel.expert_matmul(x, down, ids, dest=order, scale=factor, interpret=interpret)
 
     touched = int(jnp.sum(sizes > 0))
     weight_bytes = touched * sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in weights)

@@ -20,10 +20,12 @@ one launch. A row's sums do not depend on the other rows, so a token's projectio
 a decode step and in a verification step of any width launched with the same tiles.
 
 A mixture-of-experts layer's decode step is the same problem per expert: `expert_matmul` runs the
-kernel over token rows sorted by expert, one program per (expert, BLOCK_N columns) streaming that
-expert's weight for all its rows (an expert no row picks costs a program that reads nothing). It
-gathers each row's token itself and can scale each row by its routing weight, so a sparse MLP's
-step is two launches: the experts' gate and up with the SwiGLU, and their down projection weighted.
+kernel over token rows sorted by expert, one program per (expert, BLOCK_N columns) that finds its
+expert's rows in the sorted expert ids and streams that expert's weight for all of them (an expert
+no row picks costs a program that reads nothing). It gathers each row's token itself, writes each
+row back in token order and scales it by its routing weight, so a sparse MLP's experts are two
+launches between the sort of the routing and the sum over a token's experts: gate and up with
+the SwiGLU, then the down projection weighted.
 
 `triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
 torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).
@@ -53,8 +55,9 @@ def _thin_matmul(
     x_ptr,
     w_ptr,
     up_ptr,
-    bounds_ptr,
+    groups_ptr,
     source_ptr,
+    dest_ptr,
     scale_ptr,
     out_ptr,
     ROWS: tl.constexpr,
@@ -66,7 +69,10 @@ def _thin_matmul(
     UP_OFFSET: tl.constexpr,
     SWIGLU: tl.constexpr,
     GROUPED: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
     GATHER: tl.constexpr,
+    REPEAT: tl.constexpr,
+    SCATTER: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -74,16 +80,19 @@ def _thin_matmul(
     PRECISION: tl.constexpr,
 ):
     """One program's BLOCK_N columns of out for its rows: rows [i*BLOCK_M, (i+1)*BLOCK_M), or with
-    GROUPED every row of group i (bounds [G, 2]: each group's first row and end), in BLOCK_M steps,
-    by the group's weight W_STRIDE_G elements on. SWIGLU: silu(x @ w) * (x @ up), the up weight
-    UP_OFFSET elements past up_ptr's columns; GATHER: output row r reads x row source[r]; SCALE:
-    row r times scale[r], rounded as the model rounds. PRECISION: tl.dot's for float32 inputs
-    ("ieee": no TF32 rounding)."""
+    GROUPED the rows of group i (groups [ROWS]: each row's group, non-decreasing; GROUP_ROWS: ROWS's
+    power of two) in BLOCK_M steps, by the group's weight W_STRIDE_G elements on. SWIGLU: silu(x @ w)
+    * (x @ up), the up weight UP_OFFSET elements past up_ptr's columns; GATHER: row r reads x row
+    source[r] // REPEAT; SCATTER: row r is written at out row dest[r]; SCALE: the row at out row j
+    times scale[j], rounded as the model rounds. PRECISION: tl.dot's for float32 inputs ("ieee": no
+    TF32 rounding)."""
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if GROUPED:
         group = tl.program_id(0)
-        start = tl.load(bounds_ptr + 2 * group)
-        end = tl.load(bounds_ptr + 2 * group + 1)
+        every = tl.arange(0, GROUP_ROWS)
+        ids = tl.load(groups_ptr + every, mask=every < ROWS, other=2**30)
+        start = tl.reduce((ids < group).to(tl.int32), 0, triton_call.SUM)
+        end = tl.reduce((ids <= group).to(tl.int32), 0, triton_call.SUM)
         w_base = w_ptr + group.to(tl.int64) * W_STRIDE_G
         up_base = up_ptr + group.to(tl.int64) * W_STRIDE_G + UP_OFFSET
     else:
@@ -98,7 +107,7 @@ def _thin_matmul(
         m = first + tl.arange(0, BLOCK_M)
         live = m < end
         if GATHER:
-            x_rows = x_ptr + tl.load(source_ptr + m, mask=live, other=0).to(tl.int64)[:, None] * K
+            x_rows = x_ptr + (tl.load(source_ptr + m, mask=live, other=0) // REPEAT).to(tl.int64)[:, None] * K
         else:
             x_rows = x_ptr + m.to(tl.int64)[:, None] * K
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
@@ -116,10 +125,14 @@ def _thin_matmul(
             gate = acc.to(out_dtype).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
             acc = silu * acc_up.to(out_dtype).to(tl.float32)
+        if SCATTER:
+            at_row = tl.load(dest_ptr + m, mask=live, other=0)
+        else:
+            at_row = m
         if SCALE:
-            factor = tl.load(scale_ptr + m, mask=live, other=0.0).to(tl.float32)
+            factor = tl.load(scale_ptr + at_row, mask=live, other=0.0).to(tl.float32)
             acc = acc.to(out_dtype).to(tl.float32) * factor[:, None]
-        at = m.to(tl.int64)[:, None] * N + n[None, :]
+        at = at_row.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(out_ptr + at, acc.to(out_dtype), mask=live[:, None] & (n < N)[None, :])
 
 
@@ -212,7 +225,7 @@ def thin_matmul(
     unused = jnp.zeros((1,), jnp.int32)
     (out,) = triton_call.call(
         _thin_matmul,
-        (x.reshape(rows, k), w, w, unused, unused, unused),
+        (x.reshape(rows, k), w, w, unused, unused, unused, unused),
         (jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype or x.dtype)),),
         grid=(-(-rows // tiles.block_m), -(-n // tiles.block_n)),
         constants=launch_constants(
@@ -226,37 +239,40 @@ def thin_matmul(
     return out.reshape(*batch, *out_dims)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("repeat", "tiles", "interpret"))
 def expert_matmul(
     x: jax.Array,
     w: jax.Array,
-    group_sizes: jax.Array,
+    experts: jax.Array,
     *,
     source: jax.Array | None = None,
+    repeat: int = 1,
+    dest: jax.Array | None = None,
     up: jax.Array | None = None,
     scale: jax.Array | None = None,
     tiles: Tiles | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """A mixture-of-experts layer's few token rows by their experts, each expert's weight read once:
-    out [R, N] in x's dtype, where rows are sorted by expert (expert e holds the group_sizes[e] rows
-    after those of experts < e; every row belongs to one: sum(group_sizes) = R) and row r of expert
-    e is x[source[r]] @ w[e] (x [X, K], w [E, K, N]; source int [R], None: R = X and x's own rows).
-    up [E, K, N]: the SwiGLU silu(x @ w[e]) * (x @ up[e]) rounded as `thin_matmul`'s; scale [R]:
-    each row multiplied by its factor (a token's routing weight), rounded once more. One program per
-    (expert, BLOCK_N columns) streams the expert's columns for all its rows; an expert no row picks
-    reads nothing."""
+    out [R, N] in x's dtype for R rows sorted by expert (experts int [R]: each row's expert in
+    [0, E), non-decreasing), row r being x[source[r] // repeat] @ w[experts[r]] (x [X, K], w [E, K,
+    N]; source int [R], None: R = X and x's own rows). up [E, K, N]: the SwiGLU silu(x @ w[e]) *
+    (x @ up[e]) rounded as `thin_matmul`'s; dest int [R]: a permutation, row r written at out row
+    dest[r] (None: at r); scale [R]: out row j multiplied by scale[j] (a token's routing weight),
+    rounded once more. One program per (expert, BLOCK_N columns) finds its expert's rows, streams the
+    expert's columns for all of them; an expert no row picks reads no weights."""
     (rows,) = (x.shape[0],) if source is None else source.shape
     num_experts, k, n = w.shape
-    if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (num_experts,):
+    if x.ndim != 2 or x.shape[1] != k or experts.shape != (rows,):
         raise ValueError(
-            f"expert_matmul: needs x [X, K], w [E, K, N], group_sizes [E]; got x {list(x.shape)}, "
-            f"w {list(w.shape)}, group_sizes {list(group_sizes.shape)}"
+            f"expert_matmul: needs x [X, K], w [E, K, N], experts [R]; got x {list(x.shape)}, "
+            f"w {list(w.shape)}, experts {list(experts.shape)} for R = {rows} rows"
         )
+    for name, array in (("dest", dest), ("scale", scale)):
+        if array is not None and array.shape != (rows,):
+            raise ValueError(f"expert_matmul: {name} must be [R={rows}], got {list(array.shape)}")
     if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
         raise ValueError(f"expert_matmul: up {up.dtype} {list(up.shape)} must match w {w.dtype} {list(w.shape)}")
-    if scale is not None and scale.shape != (rows,):
-        raise ValueError(f"expert_matmul: scale must be [R={rows}], got {list(scale.shape)}")
     if jnp.dtype(x.dtype) not in map(jnp.dtype, DTYPES) or w.dtype != x.dtype or rows == 0:
         raise ValueError(
             f"expert_matmul: x {x.dtype} and w {w.dtype} must share one dtype of "
@@ -265,15 +281,15 @@ def expert_matmul(
     swiglu = up is not None
     tiles = tiles or default_tiles(rows, k, n, jnp.dtype(x.dtype).itemsize, swiglu=swiglu, groups=num_experts)
     unused = jnp.zeros((1,), jnp.int32)
-    bounds = jnp.cumsum(group_sizes.astype(jnp.int32))
     (out,) = triton_call.call(
         _thin_matmul,
         (
             x,
             w,
             w if up is None else up,
-            jnp.stack([bounds - group_sizes.astype(jnp.int32), bounds], axis=1),
+            experts.astype(jnp.int32),
             unused if source is None else source.astype(jnp.int32),
+            unused if dest is None else dest.astype(jnp.int32),
             unused if scale is None else scale.astype(x.dtype),
         ),
         (jax.ShapeDtypeStruct((rows, n), x.dtype),),
@@ -288,6 +304,8 @@ def expert_matmul(
             swiglu=swiglu,
             group_stride=k * n,
             gather=source is not None,
+            repeat=repeat,
+            scatter=dest is not None,
             scale=scale is not None,
         ),
         name="expert_matmul_triton",
@@ -310,12 +328,15 @@ def launch_constants(
     swiglu: bool = False,
     group_stride: int = 0,
     gather: bool = False,
+    repeat: int = 1,
+    scatter: bool = False,
     scale: bool = False,
 ) -> dict:
     """The kernel's constexpr arguments for out [rows, n] = x [rows, k] @ w (w_strides: elements
     between consecutive k and consecutive n; up_offset: where the SwiGLU's up columns start past the
     up pointer's; group_stride > 0: grouped rows, each group's weight that many elements on; gather,
-    scale: rows read through a source index, multiplied by a factor)."""
+    repeat, scatter, scale: rows read through a source index over repeat, written through a
+    destination index, multiplied by a factor)."""
     return dict(
         ROWS=rows,
         K=k,
@@ -326,7 +347,10 @@ def launch_constants(
         UP_OFFSET=up_offset,
         SWIGLU=swiglu,
         GROUPED=group_stride > 0,
+        GROUP_ROWS=next_power_of_2(rows),
         GATHER=gather,
+        REPEAT=repeat,
+        SCATTER=scatter,
         SCALE=scale,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,

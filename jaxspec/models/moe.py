@@ -258,22 +258,23 @@ def _moe_mlp(
     replayed = None if experts is None else experts.reshape(b * t, top_k)
     logits, weights, experts = route(flat, layer["router"], top_k, norm_topk_prob, replayed)
     assignment = experts.reshape(-1)  # [N*k]: token n's j-th expert at n*k + j
-    order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
-    group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
-    tokens = order // top_k  # the token of each sorted assignment
     if fused is None:
-        rows = flat[tokens]  # [N*k, H]
+        order = jnp.argsort(assignment, stable=True)  # assignments grouped by expert
+        group_sizes = jnp.bincount(assignment, length=num_experts).astype(jnp.int32)
+        rows = flat[order // top_k]  # [N*k, H]
         gate = grouped_matmul(rows, layer["experts_gate"], group_sizes, impl)
         up = grouped_matmul(rows, layer["experts_up"], group_sizes, impl)
         out = grouped_matmul(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes, impl)  # [N*k, H]
         out = out * weights.reshape(-1)[order][:, None]
-    else:  # two launches: gate and up with the SwiGLU, then down times the routing weight
+        out = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
+    else:  # one sort, then two launches: gate and up with the SwiGLU, down times the routing weight
         kernel = functools.partial(projection.kernel_module().expert_matmul, interpret=fused == "triton-interpret")
-        act = kernel(flat, layer["experts_gate"], group_sizes, source=tokens, up=layer["experts_up"])
-        out = kernel(act, layer["experts_down"], group_sizes, scale=weights.reshape(-1)[order])
-    unsorted = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
+        index = jnp.arange(assignment.size, dtype=jnp.int32)
+        by_expert, order = jax.lax.sort((assignment, index), num_keys=1, is_stable=True)
+        act = kernel(flat, layer["experts_gate"], by_expert, source=order, repeat=top_k, up=layer["experts_up"])
+        out = kernel(act, layer["experts_down"], by_expert, dest=order, scale=weights.reshape(-1))  # token-major
     return (
-        unsorted.reshape(b, t, top_k, h).sum(axis=2),
+        out.reshape(b, t, top_k, h).sum(axis=2),
         logits.reshape(b, t, num_experts),
         experts.reshape(b, t, top_k),
     )

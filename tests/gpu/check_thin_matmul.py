@@ -15,7 +15,8 @@ case, and any deprecation warning raised while the kernel compiles.
 
 The expert form (`expert_matmul`) at Qwen3-30B-A3B's experts (128, H 2048, I 768, top-8 routing of
 random tokens) for 1, 64 and 256 tokens: the experts' gate and up with the SwiGLU from the gathered
-token rows, and the down projection times each row's routing weight, against the same products by
+token rows, and the down projection written back in token order times each row's routing weight,
+against the same products by
 `jax.lax.ragged_dot` in float32 at the highest precision (rounded as the model rounds); the control
 gives every row its neighbouring expert's weights.
 """
@@ -121,25 +122,29 @@ def check_expert_matmul(experts: int = 128, hidden: int = 2048, inter: int = 768
         )
         down = (jax.random.normal(keys[3], (experts, inter, hidden)) / inter**0.5).astype(jnp.bfloat16)
         picks = jax.lax.top_k(jax.random.uniform(keys[4], (tokens, experts)), top_k)[1].reshape(-1)
-        order = jnp.argsort(picks, stable=True)
+        ids, order = jax.lax.sort((picks, jnp.arange(picks.size, dtype=jnp.int32)), num_keys=1, is_stable=True)
         sizes = jnp.bincount(picks, length=experts).astype(jnp.int32)
-        source = (order // top_k).astype(jnp.int32)
-        factor = jax.random.uniform(keys[5], (tokens * top_k,)).astype(jnp.bfloat16)
-        rows = x[source].astype(jnp.float32)
+        factor = jax.random.uniform(keys[5], (tokens * top_k,)).astype(jnp.bfloat16)  # token-major
+        rows = x[order // top_k].astype(jnp.float32)
         g, u = (np.asarray(grouped(rows, w.astype(jnp.float32), sizes)) for w in (gate, up))
         g_scale = np.asarray(grouped(jnp.abs(rows), jnp.abs(gate.astype(jnp.float32)), sizes))
         g, u = (np.float32(np.asarray(v, jnp.bfloat16)) for v in (g, u))
         silu = np.float32(np.asarray(g / (1 + np.exp(-g)), jnp.bfloat16))
-        first = jax.jit(lambda x, g, u, s, src: expert_matmul(x, g, s, source=src, up=u))
-        second = jax.jit(lambda a, d, s, f: expert_matmul(a, d, s, scale=f))
-        act = first(x, gate, up, sizes, source)
+        first = jax.jit(lambda x, g, u, ids, o: expert_matmul(x, g, ids, source=o, repeat=top_k, up=u))
+        second = jax.jit(lambda a, d, ids, o, f: expert_matmul(a, d, ids, dest=o, scale=f))
+        act = first(x, gate, up, ids, order)
         act_err = worst(act, silu * u, g_scale * (np.abs(silu) + np.abs(u)), 4.0)
         a32 = act.astype(jnp.float32)
-        product = np.float32(np.asarray(grouped(a32, down.astype(jnp.float32), sizes), jnp.bfloat16))
-        d_scale = np.asarray(grouped(jnp.abs(a32), jnp.abs(down.astype(jnp.float32)), sizes))
+        at = np.asarray(order)
+        product, d_scale = (
+            np.empty((tokens * top_k, hidden), np.float32),
+            np.empty((tokens * top_k, hidden), np.float32),
+        )
+        product[at] = np.float32(np.asarray(grouped(a32, down.astype(jnp.float32), sizes), jnp.bfloat16))
+        d_scale[at] = np.asarray(grouped(jnp.abs(a32), jnp.abs(down.astype(jnp.float32)), sizes))
         f32 = np.float32(factor)[:, None]
-        out_err = worst(second(act, down, sizes, factor), product * f32, d_scale * f32, 2.0)
-        wrong_err = worst(second(act, jnp.roll(down, 1, axis=0), sizes, factor), product * f32, d_scale * f32, 2.0)
+        out_err = worst(second(act, down, ids, order, factor), product * f32, d_scale * f32, 2.0)
+        wrong_err = worst(second(act, jnp.roll(down, 1, axis=0), ids, order, factor), product * f32, d_scale * f32, 2.0)
         case_ok = act_err <= 1.0 and out_err <= 1.0 < wrong_err
         ok &= case_ok
         print(

@@ -47,9 +47,9 @@ def exact(x, w, contract: int):
     return (x2 @ w2).reshape(shape), (np.abs(x2) @ np.abs(w2)).reshape(shape)
 
 
-def assert_within_rounding(got, want, scale, dtype):
+def assert_within_rounding(got, want, scale, dtype, roundings: int = 1):
     err = np.abs(np.float64(got) - want)
-    bound = UNIT[dtype] * np.abs(want) + ACCUMULATION * scale + 1e-30
+    bound = roundings * UNIT[dtype] * np.abs(want) + ACCUMULATION * scale + 1e-30
     assert np.all(err <= bound), f"largest error {np.max(err / bound):.2f} x the bound"
 
 
@@ -105,34 +105,36 @@ def test_the_swiglu_form_rounds_as_the_model(dtype):
 
 def routed(rng, tokens: int, experts: int, top_k: int):
     """A routing that leaves expert 1 empty and sends every token to expert 0 (more rows than one
-    BLOCK_M of 16 once tokens > 16): (group_sizes [E], the token of each sorted row [R])."""
+    BLOCK_M of 16 once tokens > 16): (each sorted row's expert [R], each sorted row's token-major
+    assignment n * top_k + j [R])."""
     picks = np.stack([np.r_[0, rng.choice(np.arange(2, experts), top_k - 1, replace=False)] for _ in range(tokens)])
     flat = picks.reshape(-1)
     order = np.argsort(flat, kind="stable")
-    return jnp.asarray(np.bincount(flat, minlength=experts), jnp.int32), flat[order], jnp.asarray(order // top_k)
+    return flat[order], order
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_the_expert_form_computes_each_rows_experts_product(dtype):
-    """`expert_matmul` over rows sorted by expert: each row's token gathered, its expert's gate and
-    up with the SwiGLU (rounded as the dense form), then the down projection times the row's factor
-    (rounded once more), against float64 with the same roundings; an expert with 18 rows runs two
-    row blocks, an empty one reads nothing. The control: two experts' weights exchanged."""
+    """`expert_matmul` over rows sorted by expert: each row's token gathered (its assignment over
+    top_k), its expert's gate and up with the SwiGLU (rounded as the dense form), then the down
+    projection written back in token-major order times its routing weight (rounded once more),
+    against float64 with the same roundings; an expert with 18 rows runs two row blocks, an empty
+    one reads nothing. The control: two experts' weights exchanged."""
     rng = np.random.default_rng(3)
     tokens, experts, top_k, k, f, n = 18, 5, 2, 40, 24, 36
-    sizes, expert_of, source = routed(rng, tokens, experts, top_k)
+    expert_of, order = routed(rng, tokens, experts, top_k)
     x = normal(rng, (tokens, k), dtype)
     gate, up = normal(rng, (experts, k, f), dtype, 0.3), normal(rng, (experts, k, f), dtype, 0.3)
-    down, factor = normal(rng, (experts, f, n), dtype, 0.3), jnp.asarray(rng.random(len(source)), dtype)
-    tiles = kernel.Tiles(16, 16, 16)
-    act = kernel.expert_matmul(x, gate, sizes, source=source, up=up, tiles=tiles, interpret=True)
-    out = kernel.expert_matmul(act, down, sizes, scale=factor, tiles=tiles, interpret=True)
-    assert act.shape == (len(source), f) and out.shape == (len(source), n) and out.dtype == dtype
+    down, factor = normal(rng, (experts, f, n), dtype, 0.3), jnp.asarray(rng.random(len(order)), dtype)
+    tiles, ids, order = kernel.Tiles(16, 16, 16), jnp.asarray(expert_of), jnp.asarray(order)
+    act = kernel.expert_matmul(x, gate, ids, source=order, repeat=top_k, up=up, tiles=tiles, interpret=True)
+    out = kernel.expert_matmul(act, down, ids, dest=order, scale=factor, tiles=tiles, interpret=True)
+    assert act.shape == (len(order), f) and out.shape == (len(order), n) and out.dtype == dtype
 
     def rounded(v):
         return np.float64(np.asarray(v, dtype))
 
-    rows = np.float64(x)[np.asarray(source)]
+    rows = np.float64(x)[np.asarray(order) // top_k]
     g = rounded(np.einsum("rk,rkf->rf", rows, np.float64(gate)[expert_of]))
     u = rounded(np.einsum("rk,rkf->rf", rows, np.float64(up)[expert_of]))
     want_act = rounded(rounded(g / (1 + np.exp(-g))) * u)
@@ -142,26 +144,15 @@ def test_the_expert_form_computes_each_rows_experts_product(dtype):
     product, product_scale = (
         np.einsum("rf,rfn->rn", op(np.float64(act)), op(np.float64(down))[expert_of]) for op in (np.array, np.abs)
     )
-    want = rounded(product) * np.float64(factor)[:, None]
-    assert_within_rounding(out, want, 2 * product_scale * np.float64(factor)[:, None], dtype)
-    swapped = kernel.expert_matmul(act, down[jnp.asarray([2, 1, 0, 3, 4])], sizes, scale=factor, interpret=True)
+    want, want_scale = np.empty_like(product), np.empty_like(product)  # in token-major order
+    want[np.asarray(order)] = rounded(product) * np.float64(factor)[np.asarray(order)][:, None]
+    want_scale[np.asarray(order)] = product_scale * np.float64(factor)[np.asarray(order)][:, None]
+    assert_within_rounding(out, want, want_scale, dtype, roundings=2)  # the product's, then the factor's
+    swapped = kernel.expert_matmul(
+        act, down[jnp.asarray([2, 1, 0, 3, 4])], ids, dest=order, scale=factor, interpret=True
+    )
     with pytest.raises(AssertionError, match="largest error"):
-        assert_within_rounding(swapped, want, 2 * product_scale * np.float64(factor)[:, None], dtype)
-
-
-def test_the_default_tiles_fill_the_card_and_fit_its_shared_memory():
-    """At Qwen3-1.7B / 8B shapes and 1-256 rows: every SM has a program unless N is at its finest
-    tiles, the K block no longer than K, the pipeline within SHARED_BYTES."""
-    shapes = [(2048, 4096), (2048, 2048), (2048, 6144), (6144, 2048), (4096, 6144), (12288, 4096), (2048, 151936)]
-    for rows in (1, 4, 16, 32, 64, 128, 256):
-        for k, n in shapes:
-            for swiglu in (False, True):
-                tiles = kernel.default_tiles(rows, k, n, swiglu=swiglu)
-                programs = -(-rows // tiles.block_m) * -(-n // tiles.block_n)
-                assert programs >= kernel.SMS or tiles.block_n == 16, (rows, k, n, tiles)
-                assert 16 <= tiles.block_k <= max(16, 1 << (k - 1).bit_length())
-                assert kernel.shared_bytes(tiles, 2, swiglu=swiglu) <= kernel.SHARED_BYTES
-                assert tiles.block_m <= 64 and tiles.block_m >= min(64, rows)
+        assert_within_rounding(swapped, want, want_scale, dtype, roundings=2)
 
 
 def test_the_expert_tiles_give_the_touched_experts_the_card():
@@ -190,13 +181,15 @@ def test_bad_inputs_raise():
         kernel.thin_matmul(x, jnp.ones((8, 3, 4)), swiglu=True, interpret=True)
     with pytest.raises(ValueError, match=r"transpose takes w \[N, K\]"):
         kernel.thin_matmul(x, jnp.ones((8, 4)), transpose=True, interpret=True)
-    sizes = jnp.asarray([1, 1], jnp.int32)
-    with pytest.raises(ValueError, match=r"needs x \[X, K\], w \[E, K, N\], group_sizes \[E\]"):
-        kernel.expert_matmul(x, jnp.ones((2, 6, 4)), sizes, interpret=True)
+    ids = jnp.asarray([0, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"needs x \[X, K\], w \[E, K, N\], experts \[R\]"):
+        kernel.expert_matmul(x, jnp.ones((2, 6, 4)), ids, interpret=True)
     with pytest.raises(ValueError, match=r"up float16 \[2, 8, 4\] must match w"):
-        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), sizes, up=jnp.ones((2, 8, 4), jnp.float16), interpret=True)
+        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), ids, up=jnp.ones((2, 8, 4), jnp.float16), interpret=True)
+    with pytest.raises(ValueError, match=r"dest must be \[R=2\]"):
+        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), ids, dest=jnp.arange(3), interpret=True)
     with pytest.raises(ValueError, match=r"scale must be \[R=2\]"):
-        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), sizes, scale=jnp.ones(3), interpret=True)
+        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), ids, scale=jnp.ones(3), interpret=True)
     assert not kernel.kernel_applies(jnp.ones((300, 8)), jnp.ones((8, 4)))
     assert kernel.kernel_applies(jnp.ones((3, 1, 4, 8)), jnp.ones((4, 8, 16)), contract=2)
 
@@ -226,7 +219,7 @@ def test_the_kernel_compiles_for_hopper(rows, k, n, swiglu, transposed):
     out = jnp.float32 if transposed else jnp.bfloat16
     binary = compile_for_hopper(
         kernel._thin_matmul,
-        [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.int32, jnp.int32, out],
+        [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.int32, jnp.int32, jnp.int32, out],
         constants,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -238,7 +231,8 @@ def test_the_kernel_compiles_for_hopper(rows, k, n, swiglu, transposed):
 @pytest.mark.parametrize("tokens, swiglu", [(1, True), (64, True), (64, False), (256, False)])
 def test_the_expert_form_compiles_for_hopper(tokens, swiglu):
     """The expert form at Qwen3-30B-A3B's experts (128, H 2048, I 768, top-8): gate and up with the
-    gathered rows, or down with the routing factor, compiled for sm90 in bfloat16 with its tiles."""
+    gathered rows, or down written in token order with the routing factor, compiled for sm90 in
+    bfloat16 with its tiles."""
     rows, (k, n) = 8 * tokens, ((2048, 768) if swiglu else (768, 2048))
     tiles = kernel.default_tiles(rows, k, n, swiglu=swiglu, groups=128)
     constants = kernel.launch_constants(
@@ -251,11 +245,13 @@ def test_the_expert_form_compiles_for_hopper(tokens, swiglu):
         swiglu=swiglu,
         group_stride=k * n,
         gather=swiglu,
+        repeat=8,
+        scatter=not swiglu,
         scale=not swiglu,
     )
     binary = compile_for_hopper(
         kernel._thin_matmul,
-        [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.int32, jnp.bfloat16, jnp.bfloat16],
+        [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.int32, jnp.int32, jnp.bfloat16, jnp.bfloat16],
         constants,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
