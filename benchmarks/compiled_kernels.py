@@ -14,7 +14,8 @@ Without a device XLA does not autotune, so its GEMMs' tiles (not their number) d
 
 Needs the CUDA jaxlib plugin (`pip install 'jax[cuda12]' jax-triton`; the CUDA libraries load without
 a driver) and runs with JAX_PLATFORMS=cpu, which this script sets. jax-triton asks the GPU for its
-compute capability when it lowers a kernel; with none here the script answers the target's (9.0).
+compute capability when it lowers a kernel; with none here the script answers the target's (9.0),
+and a sparse layer's grouped matmuls are told they run on a GPU (their "auto" choice).
 
     python3 benchmarks/compiled_kernels.py --model configs/models/qwen3-1.7b.json --batch 1 8 --new 1 4
 """
@@ -104,13 +105,14 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int,
     import jax_triton.triton_lib
     from jax.experimental import topologies
 
-    from jaxspec.models import ModelConfig, init_params
+    from jaxspec.models import ModelConfig, init_params, moe
     from jaxspec.models.paged import PagedKVCache
     from jaxspec.models.params import fuse_qkv
     from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
     from jaxspec.models.transformer import extend
 
     jax_triton.triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
+    moe.on_gpu = lambda: True  # a sparse layer's "auto" grouped matmuls choose as on the target
     topology = topologies.get_topology_desc(platform="cuda", target_config=H200, topology=f"1x1x{devices}")
     sharding = Sharding(topologies.make_mesh(topology, (devices, 1, 1), ("data", "fsdp", "tensor")))
     cfg = ModelConfig.from_json(model)
