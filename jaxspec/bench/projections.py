@@ -16,8 +16,8 @@ from XLA's after one call, relative to max(1, |XLA's|).
 A mixture-of-experts config's MLP is its experts instead (`expert_projections`): --rows tokens
 routed uniformly at random to their top-k experts, the grouped matmuls a step runs without the
 expert kernel against `expert_matmul`, the roofline over the bytes of the experts the rows touch.
---sweep also times the kernel over a grid of tiles (`SWEEP`: BLOCK_N x BLOCK_K, then warps and
-stages around the best) and reports the best tiles, their time and roofline: the data for
+--sweep also times the kernel over a grid of tiles (`SWEEP`: BLOCK_N x BLOCK_K x split-K, then
+warps and stages around the best) and reports the best tiles, their time and roofline: the data for
 `thin_matmul_triton.default_tiles`. --interpret runs the kernel in Triton's interpreter (any
 backend, slow: a smoke test).
 """
@@ -41,12 +41,19 @@ from jaxspec.bench.timing import (
     print_table,
     write_results,
 )
+from jaxspec.kernels import expert_matmul_triton as experts_kernel
 from jaxspec.kernels import thin_matmul_triton as kernel
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.projection import project, swiglu
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
-SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (3, 4, 5)}
+SWEEP = {
+    "block_n": (16, 32, 64, 128),
+    "block_k": (64, 128, 256, 512),
+    "split_k": (1, 4),
+    "num_warps": (2, 4, 8),
+    "num_stages": (3, 4, 5),
+}
 
 
 def projections(cfg: ModelConfig) -> dict[str, dict]:
@@ -120,7 +127,7 @@ def time_experts(name: str, spec: dict, cfg: ModelConfig, tokens: int, args, cop
             )
 
         def fused(x, gate, up):
-            return kernel.expert_matmul(x, gate, ids, source=order, repeat=top_k, up=up, interpret=interpret)
+            return experts_kernel.expert_matmul(x, gate, ids, source=order, repeat=top_k, up=up, interpret=interpret)
     else:
         x = jax.random.normal(keys[4], (rows, *spec["x"]), dtype)
 
@@ -129,7 +136,7 @@ def time_experts(name: str, spec: dict, cfg: ModelConfig, tokens: int, args, cop
             return jnp.zeros_like(out).at[order].set(out)
 
         def fused(x, down):
-            return kernel.expert_matmul(x, down, ids, dest=order, scale=factor, interpret=interpret)
+            return experts_kernel.expert_matmul(x, down, ids, dest=order, scale=factor, interpret=interpret)
 
     touched = int(jnp.sum(sizes > 0))
     weight_bytes = touched * sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in weights)
@@ -213,8 +220,8 @@ def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, 
 
 def sweep(spec: dict, arrays: tuple, empty: float, args: argparse.Namespace) -> dict:
     """{"best_tiles", "best_us"}: the kernel's fastest tiles of SWEEP at this shape (BLOCK_N x
-    BLOCK_K at 4 warps and 4 stages, then warps x stages at the best of those), shared memory
-    within SHARED_BYTES."""
+    BLOCK_K x split_k at 4 warps and 4 stages, then warps x stages at the best of those), shared
+    memory within SHARED_BYTES; best_tiles "BLOCK_M x BLOCK_N x BLOCK_K x warps x stages x split_k"."""
     rows, itemsize = arrays[0].shape[0], arrays[0].dtype.itemsize
     block_m = kernel.default_tiles(rows, 16, 16).block_m
 
@@ -229,8 +236,8 @@ def sweep(spec: dict, arrays: tuple, empty: float, args: argparse.Namespace) -> 
             results.append((seconds, tiles))
         return min(results)
 
-    blocks = itertools.product(SWEEP["block_n"], SWEEP["block_k"])
-    _, best = timed(kernel.Tiles(block_m, n, k) for n, k in blocks)
+    blocks = itertools.product(SWEEP["block_n"], SWEEP["block_k"], SWEEP["split_k"])
+    _, best = timed(kernel.Tiles(block_m, n, k, split_k=split) for n, k, split in blocks)
     settings = itertools.product(SWEEP["num_warps"], SWEEP["num_stages"])
     seconds, best = timed(best._replace(num_warps=wp, num_stages=st) for wp, st in settings)
     return {"best_tiles": "x".join(map(str, best)), "best_us": seconds * 1e6}

@@ -12,6 +12,13 @@ deep pipeline of K blocks:
                                                a float32 accumulator over K in BLOCK_K steps,
                                                rounded once to the output dtype
 
+Each program reads its rows of x once per K step as it streams its weight columns, so x is re-read
+once per column block: at tens of rows and narrow column blocks that traffic (through L2) can
+outgrow the weight's. `Tiles.split_k` splits K over several programs instead, so that wider column
+blocks still give every SM a program; their float32 sums are added after the kernel (one small
+XLA fusion that also applies the epilogue). `default_tiles` does not split until a GPU sweep
+(`jaxspec bench projections --sweep`) shows where it pays.
+
 w is read through strides, so a transposed weight (the tied embedding as the LM head, [N, K] in
 memory) needs no copy. With `swiglu`, w is a dense MLP's stacked gate and up [K, 2, F] and the
 kernel returns silu(x @ gate) * (x @ up) [M, F] in the model's rounding order (each projection
@@ -19,13 +26,10 @@ rounded to the dtype, silu rounded, then the product): the MLP's first GEMM and 
 one launch. A row's sums do not depend on the other rows, so a token's projections are the same in
 a decode step and in a verification step of any width launched with the same tiles.
 
-A mixture-of-experts layer's decode step is the same problem per expert: `expert_matmul` runs the
-kernel over token rows sorted by expert, one program per (expert, BLOCK_N columns) that finds its
-expert's rows in the sorted expert ids and streams that expert's weight for all of them (an expert
-no row picks costs a program that reads nothing). It gathers each row's token itself, writes each
-row back in token order and scales it by its routing weight, so a sparse MLP's experts are two
-launches between the sort of the routing and the sum over a token's experts: gate and up with
-the SwiGLU, then the down projection weighted.
+A mixture-of-experts layer's decode step is the same problem per expert: the kernel's grouped
+form (`jaxspec.kernels.expert_matmul_triton`) runs over token rows sorted by expert, one program
+per (expert, BLOCK_N columns) that finds its expert's rows in the sorted expert ids and streams that
+expert's weight for all of them.
 
 `triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
 torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).
@@ -74,6 +78,8 @@ def _thin_matmul(
     REPEAT: tl.constexpr,
     SCATTER: tl.constexpr,
     SCALE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -84,8 +90,10 @@ def _thin_matmul(
     power of two) in BLOCK_M steps, by the group's weight W_STRIDE_G elements on. SWIGLU: silu(x @ w)
     * (x @ up), the up weight UP_OFFSET elements past up_ptr's columns; GATHER: row r reads x row
     source[r] // REPEAT; SCATTER: row r is written at out row dest[r]; SCALE: the row at out row j
-    times scale[j], rounded as the model rounds. PRECISION: tl.dot's for float32 inputs ("ieee": no
-    TF32 rounding)."""
+    times scale[j], rounded as the model rounds. SPLIT_K > 1 (not GROUPED): program (i, j, s) sums K
+    elements [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) and writes its float32 sums to out [SPLIT_K,
+    ROWS, N] ([SPLIT_K, ROWS, 2N] with SWIGLU: gate's, then up's), the epilogue left to their sum.
+    PRECISION: tl.dot's for float32 inputs ("ieee": no TF32 rounding)."""
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if GROUPED:
         group = tl.program_id(0)
@@ -103,6 +111,12 @@ def _thin_matmul(
     w_cols = w_base + n.to(tl.int64)[None, :] * W_STRIDE_N
     up_cols = up_base + n.to(tl.int64)[None, :] * W_STRIDE_N
     out_dtype = out_ptr.dtype.element_ty
+    if SPLIT_K > 1:
+        k_first = tl.program_id(2) * K_PER_SPLIT
+        k_stop = tl.minimum(k_first + K_PER_SPLIT, K)
+    else:
+        k_first = 0
+        k_stop = K
     for first in range(start, end, BLOCK_M):  # one step unless a group has more than BLOCK_M rows
         m = first + tl.arange(0, BLOCK_M)
         live = m < end
@@ -112,7 +126,7 @@ def _thin_matmul(
             x_rows = x_ptr + m.to(tl.int64)[:, None] * K
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_stop, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + k[None, :], mask=live[:, None] & (k < K)[None, :], other=0.0)
             inside = (k < K)[:, None] & (n < N)[None, :]
@@ -121,29 +135,39 @@ def _thin_matmul(
             if SWIGLU:
                 up = tl.load(up_cols + at_k, mask=inside, other=0.0)
                 acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
-        if SWIGLU:
-            gate = acc.to(out_dtype).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
-            acc = silu * acc_up.to(out_dtype).to(tl.float32)
-        if SCATTER:
-            at_row = tl.load(dest_ptr + m, mask=live, other=0)
+        if SPLIT_K > 1:
+            width = N * (1 + SWIGLU)
+            part = out_ptr + tl.program_id(2).to(tl.int64) * ROWS * width + m.to(tl.int64)[:, None] * width
+            tl.store(part + n[None, :], acc, mask=live[:, None] & (n < N)[None, :])
+            if SWIGLU:
+                tl.store(part + N + n[None, :], acc_up, mask=live[:, None] & (n < N)[None, :])
         else:
-            at_row = m
-        if SCALE:
-            factor = tl.load(scale_ptr + at_row, mask=live, other=0.0).to(tl.float32)
-            acc = acc.to(out_dtype).to(tl.float32) * factor[:, None]
-        at = at_row.to(tl.int64)[:, None] * N + n[None, :]
-        tl.store(out_ptr + at, acc.to(out_dtype), mask=live[:, None] & (n < N)[None, :])
+            if SWIGLU:
+                gate = acc.to(out_dtype).to(tl.float32)
+                silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+                acc = silu * acc_up.to(out_dtype).to(tl.float32)
+            if SCATTER:
+                at_row = tl.load(dest_ptr + m, mask=live, other=0)
+            else:
+                at_row = m
+            if SCALE:
+                factor = tl.load(scale_ptr + at_row, mask=live, other=0.0).to(tl.float32)
+                acc = acc.to(out_dtype).to(tl.float32) * factor[:, None]
+            at = at_row.to(tl.int64)[:, None] * N + n[None, :]
+            tl.store(out_ptr + at, acc.to(out_dtype), mask=live[:, None] & (n < N)[None, :])
 
 
 class Tiles(NamedTuple):
-    """A launch's tiles: BLOCK_M x BLOCK_N outputs per program over BLOCK_K steps of K."""
+    """A launch's tiles: BLOCK_M x BLOCK_N outputs per program over BLOCK_K steps of K; split_k > 1
+    (`thin_matmul` only): K split over that many programs per output tile, their float32 sums added
+    after the kernel (larger tiles, fewer re-reads of x, the same number of programs)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
 
 
 def default_tiles(rows: int, k: int, n: int, itemsize: int = 2, *, swiglu: bool = False, groups: int = 1) -> Tiles:
@@ -222,12 +246,19 @@ def thin_matmul(
             f"{[jnp.dtype(d).name for d in DTYPES]}, with at most {MAX_ROWS} rows"
         )
     tiles = tiles or default_tiles(rows, k, n, jnp.dtype(x.dtype).itemsize, swiglu=swiglu)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    split = tiles.split_k
+    width = n * (2 if swiglu else 1)
     unused = jnp.zeros((1,), jnp.int32)
     (out,) = triton_call.call(
         _thin_matmul,
         (x.reshape(rows, k), w, w, unused, unused, unused, unused),
-        (jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype or x.dtype)),),
-        grid=(-(-rows // tiles.block_m), -(-n // tiles.block_n)),
+        (
+            jax.ShapeDtypeStruct(
+                (split, rows, width) if split > 1 else (rows, n), jnp.float32 if split > 1 else out_dtype
+            ),
+        ),
+        grid=(-(-rows // tiles.block_m), -(-n // tiles.block_n), split),
         constants=launch_constants(
             rows, k, n, strides, tiles=tiles, dtype=x.dtype, up_offset=n if swiglu else 0, swiglu=swiglu
         ),
@@ -236,84 +267,19 @@ def thin_matmul(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    if split > 1:
+        out = _epilogue(out.sum(axis=0), n, swiglu, jnp.dtype(x.dtype), out_dtype)
     return out.reshape(*batch, *out_dims)
 
 
-@functools.partial(jax.jit, static_argnames=("repeat", "tiles", "interpret"))
-def expert_matmul(
-    x: jax.Array,
-    w: jax.Array,
-    experts: jax.Array,
-    *,
-    source: jax.Array | None = None,
-    repeat: int = 1,
-    dest: jax.Array | None = None,
-    up: jax.Array | None = None,
-    scale: jax.Array | None = None,
-    tiles: Tiles | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """A mixture-of-experts layer's few token rows by their experts, each expert's weight read once:
-    out [R, N] in x's dtype for R rows sorted by expert (experts int [R]: each row's expert in
-    [0, E), non-decreasing), row r being x[source[r] // repeat] @ w[experts[r]] (x [X, K], w [E, K,
-    N]; source int [R], None: R = X and x's own rows). up [E, K, N]: the SwiGLU silu(x @ w[e]) *
-    (x @ up[e]) rounded as `thin_matmul`'s; dest int [R]: a permutation, row r written at out row
-    dest[r] (None: at r); scale [R]: out row j multiplied by scale[j] (a token's routing weight),
-    rounded once more. One program per (expert, BLOCK_N columns) finds its expert's rows, streams the
-    expert's columns for all of them; an expert no row picks reads no weights."""
-    (rows,) = (x.shape[0],) if source is None else source.shape
-    num_experts, k, n = w.shape
-    if x.ndim != 2 or x.shape[1] != k or experts.shape != (rows,):
-        raise ValueError(
-            f"expert_matmul: needs x [X, K], w [E, K, N], experts [R]; got x {list(x.shape)}, "
-            f"w {list(w.shape)}, experts {list(experts.shape)} for R = {rows} rows"
-        )
-    for name, array in (("dest", dest), ("scale", scale)):
-        if array is not None and array.shape != (rows,):
-            raise ValueError(f"expert_matmul: {name} must be [R={rows}], got {list(array.shape)}")
-    if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
-        raise ValueError(f"expert_matmul: up {up.dtype} {list(up.shape)} must match w {w.dtype} {list(w.shape)}")
-    if jnp.dtype(x.dtype) not in map(jnp.dtype, DTYPES) or w.dtype != x.dtype or rows == 0:
-        raise ValueError(
-            f"expert_matmul: x {x.dtype} and w {w.dtype} must share one dtype of "
-            f"{[jnp.dtype(d).name for d in DTYPES]}, with at least one row"
-        )
-    swiglu = up is not None
-    tiles = tiles or default_tiles(rows, k, n, jnp.dtype(x.dtype).itemsize, swiglu=swiglu, groups=num_experts)
-    unused = jnp.zeros((1,), jnp.int32)
-    (out,) = triton_call.call(
-        _thin_matmul,
-        (
-            x,
-            w,
-            w if up is None else up,
-            experts.astype(jnp.int32),
-            unused if source is None else source.astype(jnp.int32),
-            unused if dest is None else dest.astype(jnp.int32),
-            unused if scale is None else scale.astype(x.dtype),
-        ),
-        (jax.ShapeDtypeStruct((rows, n), x.dtype),),
-        grid=(num_experts, -(-n // tiles.block_n)),
-        constants=launch_constants(
-            rows,
-            k,
-            n,
-            (n, 1),
-            tiles=tiles,
-            dtype=x.dtype,
-            swiglu=swiglu,
-            group_stride=k * n,
-            gather=source is not None,
-            repeat=repeat,
-            scatter=dest is not None,
-            scale=scale is not None,
-        ),
-        name="expert_matmul_triton",
-        interpret=interpret,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
-    return out
+def _epilogue(total: jax.Array, n: int, swiglu: bool, dtype, out_dtype) -> jax.Array:
+    """The kernel's epilogue on split-K sums (float32 [rows, n], or [rows, 2n] gate then up with
+    swiglu), in the kernel's rounding order: [rows, n] in out_dtype."""
+    if not swiglu:
+        return total.astype(out_dtype)
+    gate = total[:, :n].astype(dtype).astype(jnp.float32)
+    silu = (gate / (1.0 + jnp.exp(-gate))).astype(dtype).astype(jnp.float32)
+    return (silu * total[:, n:].astype(dtype).astype(jnp.float32)).astype(out_dtype)
 
 
 def launch_constants(
@@ -352,6 +318,8 @@ def launch_constants(
         REPEAT=repeat,
         SCATTER=scatter,
         SCALE=scale,
+        SPLIT_K=tiles.split_k,
+        K_PER_SPLIT=-(-k // (tiles.block_k * tiles.split_k)) * tiles.block_k,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,

@@ -37,7 +37,7 @@ no [E, rows, K] temporaries; a 30B-A3B verification step went from 3.2x to 1.4x 
 
 A decode-sized call (a decode or verification step of `extend`, at most the thin matmul's MAX_ROWS
 tokens per device) can instead run the experts as two launches of the weight-streaming kernel
-(`jaxspec.kernels.thin_matmul_triton.expert_matmul`): every touched expert's gate and up with the
+(`jaxspec.kernels.expert_matmul_triton`): every touched expert's gate and up with the
 SwiGLU, then its down projection times the routing weight, one program per (expert, column block)
 reading each touched expert once. `extend` asks for it with matmul_impl "auto", which follows the
 thin matmul's choice (JAXSPEC_THIN_MATMUL; `expert_kernel_impl`); nothing differentiates through it.
@@ -268,7 +268,9 @@ def _moe_mlp(
         out = out * weights.reshape(-1)[order][:, None]
         out = jnp.zeros_like(out).at[order].set(out)  # back to token-major order
     else:  # one sort, then two launches: gate and up with the SwiGLU, down times the routing weight
-        kernel = functools.partial(projection.kernel_module().expert_matmul, interpret=fused == "triton-interpret")
+        from jaxspec.kernels.expert_matmul_triton import expert_matmul  # with the triton extra
+
+        kernel = functools.partial(expert_matmul, interpret=fused == "triton-interpret")
         index = jnp.arange(assignment.size, dtype=jnp.int32)
         by_expert, order = jax.lax.sort((assignment, index), num_keys=1, is_stable=True)
         act = kernel(flat, layer["experts_gate"], by_expert, source=order, repeat=top_k, up=layer["experts_up"])

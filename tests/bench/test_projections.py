@@ -18,7 +18,7 @@ def test_bench_projections_smoke(tmp_path, monkeypatch):
     model.write_text(json.dumps(TINY | {"tie_word_embeddings": True}))
     monkeypatch.setattr(
         "jaxspec.bench.projections.SWEEP",
-        {"block_n": (16, 32), "block_k": (16,), "num_warps": (4,), "num_stages": (2,)},
+        {"block_n": (16, 32), "block_k": (16,), "split_k": (1, 2), "num_warps": (4,), "num_stages": (2,)},
     )
     argv = ["bench", "projections", "--model", str(model), "--rows", "1", "5", "--dtype", "float32"]
     argv += ["--iters", "10", "--repeats", "3", "--copy-bytes", str(1 << 20), "--interpret", "--out", str(out)]
@@ -35,7 +35,7 @@ def test_bench_projections_smoke(tmp_path, monkeypatch):
         assert row["speedup"] == pytest.approx(row["xla_us"] / row["kernel_us"])
     assert main([*argv, "--only", "gate_up_swiglu", "--rows", "3", "--sweep"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["best_tiles"] in ("16x16x16x4x2", "16x32x16x4x2") and row["best_us"] > 0
+    assert row["best_tiles"] in {f"16x{n}x16x4x2x{split}" for n in (16, 32) for split in (1, 2)} and row["best_us"] > 0
     assert row["max_rel_diff"] < 1e-5
 
 

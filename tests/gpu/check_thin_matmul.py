@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.kernels.thin_matmul_triton import expert_matmul, thin_matmul
+from jaxspec.kernels.expert_matmul_triton import expert_matmul
+from jaxspec.kernels.thin_matmul_triton import thin_matmul
 from jaxspec.models.projection import swiglu
 from tests.gpu import check_main
 

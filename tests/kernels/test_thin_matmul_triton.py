@@ -4,7 +4,8 @@ Triton's interpreter runs the kernel's own code on the CPU against the product i
 decode-shaped call, verification rows over several row tiles, a K that is not a multiple of the K
 block and an N that is not one of the N block (masked loads and stores), two contracted dims (the
 attention output), a weight stored transposed (the tied LM head) with float32 logits, and the
-SwiGLU form (gate and up from one stacked weight). A result must lie within one rounding of its
+SwiGLU form (gate and up from one stacked weight), and K split over programs (the sums added after
+the kernel, the epilogue on them). A result must lie within one rounding of its
 dtype plus the float32 accumulation's error, bounded by sum |x| |w|; a weight with one element moved
 by 1% fails that comparison. The 16-bit cases run in float16 (Triton's interpreter converts float32
 to bfloat16 by truncation); compiling the kernel for sm90 at the model's shapes checks that it is
@@ -32,6 +33,8 @@ CASES = {
     "row-tiles-f16": (jnp.float16, (40, 48), (48, 48), 1, kernel.Tiles(16, 32, 16, num_warps=2, num_stages=2)),
     "masked-k-f32": (jnp.float32, (2, 3, 70), (70, 33), 1, kernel.Tiles(16, 16, 32)),
     "attention-output-f16": (jnp.float16, (2, 1, 4, 24), (4, 24, 40), 2, None),
+    "split-k-f32": (jnp.float32, (3, 4, 96), (96, 40), 1, kernel.Tiles(16, 16, 16, split_k=4)),
+    "split-k-uneven-f16": (jnp.float16, (5, 70), (70, 33), 1, kernel.Tiles(16, 32, 16, split_k=3)),
 }
 
 
@@ -101,72 +104,9 @@ def test_the_swiglu_form_rounds_as_the_model(dtype):
     np.testing.assert_array_less(np.abs(np.float64(got) - want), bound + 1e-30)
     wrong = kernel.thin_matmul(x, gate_up.at[:, 1].set(gate_up[:, 0]), swiglu=True, interpret=True)
     assert np.any(np.abs(np.float64(wrong) - want) > bound)  # the control: gate read as up
-
-
-def routed(rng, tokens: int, experts: int, top_k: int):
-    """A routing that leaves expert 1 empty and sends every token to expert 0 (more rows than one
-    BLOCK_M of 16 once tokens > 16): (each sorted row's expert [R], each sorted row's token-major
-    assignment n * top_k + j [R])."""
-    picks = np.stack([np.r_[0, rng.choice(np.arange(2, experts), top_k - 1, replace=False)] for _ in range(tokens)])
-    flat = picks.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    return flat[order], order
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-def test_the_expert_form_computes_each_rows_experts_product(dtype):
-    """`expert_matmul` over rows sorted by expert: each row's token gathered (its assignment over
-    top_k), its expert's gate and up with the SwiGLU (rounded as the dense form), then the down
-    projection written back in token-major order times its routing weight (rounded once more),
-    against float64 with the same roundings; an expert with 18 rows runs two row blocks, an empty
-    one reads nothing. The control: two experts' weights exchanged."""
-    rng = np.random.default_rng(3)
-    tokens, experts, top_k, k, f, n = 18, 5, 2, 40, 24, 36
-    expert_of, order = routed(rng, tokens, experts, top_k)
-    x = normal(rng, (tokens, k), dtype)
-    gate, up = normal(rng, (experts, k, f), dtype, 0.3), normal(rng, (experts, k, f), dtype, 0.3)
-    down, factor = normal(rng, (experts, f, n), dtype, 0.3), jnp.asarray(rng.random(len(order)), dtype)
-    tiles, ids, order = kernel.Tiles(16, 16, 16), jnp.asarray(expert_of), jnp.asarray(order)
-    act = kernel.expert_matmul(x, gate, ids, source=order, repeat=top_k, up=up, tiles=tiles, interpret=True)
-    out = kernel.expert_matmul(act, down, ids, dest=order, scale=factor, tiles=tiles, interpret=True)
-    assert act.shape == (len(order), f) and out.shape == (len(order), n) and out.dtype == dtype
-
-    def rounded(v):
-        return np.float64(np.asarray(v, dtype))
-
-    rows = np.float64(x)[np.asarray(order) // top_k]
-    g = rounded(np.einsum("rk,rkf->rf", rows, np.float64(gate)[expert_of]))
-    u = rounded(np.einsum("rk,rkf->rf", rows, np.float64(up)[expert_of]))
-    want_act = rounded(rounded(g / (1 + np.exp(-g))) * u)
-    scale = np.einsum("rk,rkf->rf", np.abs(rows), np.abs(np.float64(gate)[expert_of]))
-    bound = 4 * UNIT[dtype] * np.abs(want_act) + 4 * ACCUMULATION * scale.max() * (np.abs(u) + 1)
-    np.testing.assert_array_less(np.abs(np.float64(act) - want_act), bound + 1e-30)
-    product, product_scale = (
-        np.einsum("rf,rfn->rn", op(np.float64(act)), op(np.float64(down))[expert_of]) for op in (np.array, np.abs)
-    )
-    want, want_scale = np.empty_like(product), np.empty_like(product)  # in token-major order
-    want[np.asarray(order)] = rounded(product) * np.float64(factor)[np.asarray(order)][:, None]
-    want_scale[np.asarray(order)] = product_scale * np.float64(factor)[np.asarray(order)][:, None]
-    assert_within_rounding(out, want, want_scale, dtype, roundings=2)  # the product's, then the factor's
-    swapped = kernel.expert_matmul(
-        act, down[jnp.asarray([2, 1, 0, 3, 4])], ids, dest=order, scale=factor, interpret=True
-    )
-    with pytest.raises(AssertionError, match="largest error"):
-        assert_within_rounding(swapped, want, want_scale, dtype, roundings=2)
-
-
-def test_the_expert_tiles_give_the_touched_experts_the_card():
-    """At Qwen3-30B-A3B's experts (128 of H 2048 x I 768, top-8) and 1-256 tokens: the touched
-    experts' programs fill every SM unless N is at its finest tiles, BLOCK_M holds a mean expert's
-    rows up to 64, the pipeline fits SHARED_BYTES."""
-    for tokens in (1, 8, 64, 256):
-        rows = 8 * tokens
-        for k, n, swiglu in ((2048, 768, True), (768, 2048, False)):
-            tiles = kernel.default_tiles(rows, k, n, swiglu=swiglu, groups=128)
-            touched = min(128, rows)
-            assert touched * -(-n // tiles.block_n) >= kernel.SMS or tiles.block_n == 16, (tokens, tiles)
-            assert tiles.block_m >= min(64, -(-rows // touched)) and tiles.block_m <= 64
-            assert kernel.shared_bytes(tiles, 2, swiglu=swiglu) <= kernel.SHARED_BYTES
+    split = kernel.thin_matmul(x, gate_up, swiglu=True, tiles=kernel.Tiles(16, 16, 16, split_k=3), interpret=True)
+    assert split.dtype == dtype
+    np.testing.assert_array_less(np.abs(np.float64(split) - want), bound + 1e-30)  # the epilogue after the sum
 
 
 def test_bad_inputs_raise():
@@ -181,17 +121,19 @@ def test_bad_inputs_raise():
         kernel.thin_matmul(x, jnp.ones((8, 3, 4)), swiglu=True, interpret=True)
     with pytest.raises(ValueError, match=r"transpose takes w \[N, K\]"):
         kernel.thin_matmul(x, jnp.ones((8, 4)), transpose=True, interpret=True)
-    ids = jnp.asarray([0, 1], jnp.int32)
-    with pytest.raises(ValueError, match=r"needs x \[X, K\], w \[E, K, N\], experts \[R\]"):
-        kernel.expert_matmul(x, jnp.ones((2, 6, 4)), ids, interpret=True)
-    with pytest.raises(ValueError, match=r"up float16 \[2, 8, 4\] must match w"):
-        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), ids, up=jnp.ones((2, 8, 4), jnp.float16), interpret=True)
-    with pytest.raises(ValueError, match=r"dest must be \[R=2\]"):
-        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), ids, dest=jnp.arange(3), interpret=True)
-    with pytest.raises(ValueError, match=r"scale must be \[R=2\]"):
-        kernel.expert_matmul(x, jnp.ones((2, 8, 4)), ids, scale=jnp.ones(3), interpret=True)
     assert not kernel.kernel_applies(jnp.ones((300, 8)), jnp.ones((8, 4)))
     assert kernel.kernel_applies(jnp.ones((3, 1, 4, 8)), jnp.ones((4, 8, 16)), contract=2)
+
+
+def test_split_k_sums_each_element_once():
+    """K split over programs: every K element in exactly one split (K_PER_SPLIT a multiple of the K
+    block, the last split short or empty), so the split sums add to the whole product."""
+    for k, block_k, split in ((2048, 256, 4), (70, 32, 2), (48, 16, 4), (4096, 512, 3)):
+        tiles = kernel.Tiles(16, 16, block_k, split_k=split)
+        per = kernel.launch_constants(16, k, 16, (16, 1), tiles=tiles, dtype=jnp.bfloat16)["K_PER_SPLIT"]
+        covered = np.concatenate([np.arange(s * per, min((s + 1) * per, k)) for s in range(split)])
+        np.testing.assert_array_equal(covered, np.arange(k))
+        assert per % block_k == 0
 
 
 # rows, K, N, swiglu, transposed: the fused q/k/v, attention output, gate/up, down, tied LM head
@@ -206,52 +148,21 @@ HOPPER_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("rows, k, n, swiglu, transposed", HOPPER_SHAPES)
-def test_the_kernel_compiles_for_hopper(rows, k, n, swiglu, transposed):
+def test_the_kernel_compiles_for_hopper(rows, k, n, swiglu, transposed, split_k):
     """Triton compiles the kernel for sm90 in bfloat16 at the model's shapes with the tiles it
-    launches with (the interpreter runs some operations the GPU compiler rejects), within a Hopper
-    block's shared memory."""
-    tiles = kernel.default_tiles(rows, k, n, swiglu=swiglu)
+    launches with, and with K split over 4 programs (the interpreter runs some operations the GPU
+    compiler rejects), within a Hopper block's shared memory."""
+    tiles = kernel.default_tiles(rows, k, n, swiglu=swiglu)._replace(split_k=split_k)
     strides = (1, k) if transposed else ((2 if swiglu else 1) * n, 1)
     constants = kernel.launch_constants(
         rows, k, n, strides, tiles=tiles, dtype=jnp.bfloat16, up_offset=n if swiglu else 0, swiglu=swiglu
     )
-    out = jnp.float32 if transposed else jnp.bfloat16
+    out = jnp.float32 if transposed or split_k > 1 else jnp.bfloat16
     binary = compile_for_hopper(
         kernel._thin_matmul,
         [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.int32, jnp.int32, jnp.int32, out],
-        constants,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
-    assert binary.metadata.shared <= 227 * 1024
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize("tokens, swiglu", [(1, True), (64, True), (64, False), (256, False)])
-def test_the_expert_form_compiles_for_hopper(tokens, swiglu):
-    """The expert form at Qwen3-30B-A3B's experts (128, H 2048, I 768, top-8): gate and up with the
-    gathered rows, or down written in token order with the routing factor, compiled for sm90 in
-    bfloat16 with its tiles."""
-    rows, (k, n) = 8 * tokens, ((2048, 768) if swiglu else (768, 2048))
-    tiles = kernel.default_tiles(rows, k, n, swiglu=swiglu, groups=128)
-    constants = kernel.launch_constants(
-        rows,
-        k,
-        n,
-        (n, 1),
-        tiles=tiles,
-        dtype=jnp.bfloat16,
-        swiglu=swiglu,
-        group_stride=k * n,
-        gather=swiglu,
-        repeat=8,
-        scatter=not swiglu,
-        scale=not swiglu,
-    )
-    binary = compile_for_hopper(
-        kernel._thin_matmul,
-        [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.int32, jnp.int32, jnp.bfloat16, jnp.bfloat16],
         constants,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
