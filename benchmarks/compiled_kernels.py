@@ -7,7 +7,9 @@ here without a device (deviceless ahead-of-time compilation: `jax.experimental.t
 target description of the card), on the same `extend` a rollout step runs (random weights of a model
 config's shape, q/k/v fused as rollouts hold them, a paged cache of --context positions per row,
 greedy tokens from the logits), once per kernel setting: the environment variables of
-`jaxspec.models` that choose XLA's pieces or a Triton kernel. Each launch of the optimized entry
+`jaxspec.models` that choose XLA's pieces or a Triton kernel. Every setting runs the attention
+kernel with its merge kernel (a GPU's default merges the splits with XLA's two launches per layer
+until the merge kernel has passed its GPU check). Each launch of the optimized entry
 computation is counted: XLA's fusions by kind (kLoop, kInput: elementwise and reductions; kCustom:
 its Triton GEMMs and normalizations), cuBLAS calls and the Triton kernels' custom calls.
 Without a device XLA does not autotune, so its GEMMs' tiles (not their number) differ from a GPU's.
@@ -32,22 +34,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-SETTINGS = {  # name -> the variables a step is compiled under (the attention kernel: a GPU's default)
-    "default": {"JAXSPEC_PAGED_ATTENTION": "triton"},
-    "+prologue": {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_ATTENTION_PROLOGUE": "triton"},
-    "+residual_norm": {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_RESIDUAL_NORM": "triton"},
-    "+thin_matmul": {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_THIN_MATMUL": "triton"},
-    "+prologue+thin_matmul": {
-        "JAXSPEC_PAGED_ATTENTION": "triton",
-        "JAXSPEC_ATTENTION_PROLOGUE": "triton",
-        "JAXSPEC_THIN_MATMUL": "triton",
-    },
-    "all": {
-        "JAXSPEC_PAGED_ATTENTION": "triton",
-        "JAXSPEC_ATTENTION_PROLOGUE": "triton",
-        "JAXSPEC_RESIDUAL_NORM": "triton",
-        "JAXSPEC_THIN_MATMUL": "triton",
-    },
+ATTENTION = {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_ATTENTION_MERGE": "triton"}  # in every setting
+SETTINGS = {  # name -> the variables a step is compiled under
+    "default": ATTENTION,
+    "+prologue": ATTENTION | {"JAXSPEC_ATTENTION_PROLOGUE": "triton"},
+    "+residual_norm": ATTENTION | {"JAXSPEC_RESIDUAL_NORM": "triton"},
+    "+thin_matmul": ATTENTION | {"JAXSPEC_THIN_MATMUL": "triton"},
+    "+prologue+thin_matmul": ATTENTION | {"JAXSPEC_ATTENTION_PROLOGUE": "triton", "JAXSPEC_THIN_MATMUL": "triton"},
+    "all": ATTENTION
+    | {"JAXSPEC_ATTENTION_PROLOGUE": "triton", "JAXSPEC_RESIDUAL_NORM": "triton", "JAXSPEC_THIN_MATMUL": "triton"},
 }
 H200 = """
 gpu_device_info {

@@ -21,6 +21,11 @@ tree mask, to each other. Two implementations with the same semantics:
 "auto" is "triton" on a GPU where the kernel applies and jax-triton imports (where it does not,
 the reference, with one logged warning), else "xla"; the JAXSPEC_CACHE_ATTENTION environment
 variable (auto, xla, triton, triton-interpret) overrides "auto" at trace time.
+
+The kernel leaves the partial sums of its splits of a row's cache; they are merged and laid out
+as [B, T, Nq, D] by XLA (two launches), or by one kernel (`jaxspec.kernels.attention_merge_triton`)
+where JAXSPEC_ATTENTION_MERGE is "triton": "auto" keeps XLA's until the kernel has passed its GPU
+check (`tests/gpu/check_paged_attention.py`).
 """
 
 from __future__ import annotations
@@ -31,13 +36,15 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kernels.attention_partials import new_token_bits
+from jaxspec.kernels.attention_partials import merge, new_token_bits
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 KERNEL_IMPLS = ("triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_CACHE_ATTENTION"
+MERGE_IMPLS = ("auto", "xla", "triton")
+MERGE_ENV = "JAXSPEC_ATTENTION_MERGE"
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +232,8 @@ def kernel_attention_rows(
     """`kernel_attention` from the query rows the kernel reads, q_rows [B, Nk, R, D]: row r of kv
     head j is new token r // G's query head j * G + r % G (T = num_new new tokens, G = group query
     heads per kv head), zeros from T * G up to R (`jaxspec.kernels.paged_attention_triton.query_rows`),
-    as the attention prologue kernel writes them (`jaxspec.models.attention_prologue`). Returns
+    as the attention prologue kernel writes them (`jaxspec.models.attention_prologue`); the splits
+    merged by XLA or by the merge kernel (JAXSPEC_ATTENTION_MERGE, the module docstring). Returns
     [B, T, Nq, D] in q_rows' dtype."""
     b, nk, rows, d = q_rows.shape
     t = num_new
@@ -235,7 +243,11 @@ def kernel_attention_rows(
         parts = triton_kernel().paged_attention_partials(
             q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
         )
-        return merge_kernel().merge_partials(parts, num_new=t, group=group, dtype=q_rows.dtype, interpret=interpret)
+        dtype = q_rows.dtype
+        if requested_impl("auto", MERGE_IMPLS, MERGE_ENV, "attention merge") == "triton":
+            return merge_kernel().merge_partials(parts, num_new=t, group=group, dtype=dtype, interpret=interpret)
+        out = merge(parts)[:, :, : t * group]  # [B, Nk, T*G, D]
+        return out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nk * group, d).astype(dtype)
 
 
 def merge_kernel():

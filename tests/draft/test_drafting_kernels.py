@@ -83,6 +83,7 @@ def test_drafting_through_the_kernels_equals_the_heads_pieces(monkeypatch, paged
     want = jax.jit(run)(cache(dcfg, paged))
     monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION" if paged else "JAXSPEC_CACHE_ATTENTION", "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", "triton")
     monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
     monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
     assert traced_kernels() == KERNELS

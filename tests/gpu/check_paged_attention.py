@@ -9,18 +9,21 @@ values (the reference in float32 at the highest matmul precision), with Qwen3-8B
 heads, 8 KV heads, head dim 128) and 16-position pages: decode steps, chains, random trees up to 32
 nodes (128 query rows), finished rows, rows of length 1, pages shared by rows, shuffled page tables,
 new tokens past a row's pages and past its table, several splits. The bf16 reference is held to the
-same bound, and a wrong page-table entry must break the kernel (the negative control). Prints every
-case, and any deprecation warning raised while the kernel compiles.
+same bound, and a wrong page-table entry must break the kernel (the negative control). Each case runs
+twice: the kernel's splits merged by XLA, then by the merge kernel (`JAXSPEC_ATTENTION_MERGE`).
+Prints every case, and any deprecation warning raised while the kernel compiles.
 """
 
+import os
 import sys
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.attention import kernel_attention
+from jaxspec.models.attention import MERGE_ENV, kernel_attention
 from jaxspec.models.paged import NO_PAGE, paged_attention
 from tests.gpu import check_main
 from tests.gpu.check_attention import random_trees
@@ -76,26 +79,28 @@ def check_paged_attention() -> bool:
             paged_attention(q, k_pool, v_pool, table, cache_len, mask, active, impl="xla").astype(jnp.float32)
         )
         ref_err = float(np.abs(reference - want).max())
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            kernel = jax.jit(lambda *a, tuning=tuning: kernel_attention(*a, **tuning))
-            got = np.asarray(kernel(q, k_pool, v_pool, table, cache_len, mask, active).astype(jnp.float32))
-        deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
         wrong_table = table.at[0, 0].set(table[0, 1])
-        wrong = np.asarray(kernel(q, k_pool, v_pool, wrong_table, cache_len, mask, active).astype(jnp.float32))
-        err, wrong_err = (float(np.abs(x - want).max()) for x in (got, wrong))
+        errors = {}
+        for merge in ("xla", "triton"):  # the splits merged by XLA, then by the merge kernel
+            with mock.patch.dict(os.environ, {MERGE_ENV: merge}), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                kernel = jax.jit(lambda *a, tuning=tuning: kernel_attention(*a, **tuning))  # traced here
+                got = np.asarray(kernel(q, k_pool, v_pool, table, cache_len, mask, active).astype(jnp.float32))
+                wrong = np.asarray(kernel(q, k_pool, v_pool, wrong_table, cache_len, mask, active).astype(jnp.float32))
+            deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+            errors[merge] = [float(np.abs(x - want).max()) for x in (got, wrong)] + [np.isfinite(got).all()]
         case_ok = bool(
             ref_err < TOLERANCE
-            and np.isfinite(got).all()
-            and err < TOLERANCE
-            and wrong_err > TOLERANCE
+            and all(finite and err < TOLERANCE < wrong_err for err, wrong_err, finite in errors.values())
             and not deprecations
         )
         ok &= case_ok
+        found = "; ".join(
+            f"{m} merge |kernel-exact| {e:.4f} |wrong table-exact| {w:.4f}" for m, (e, w, _) in errors.items()
+        )
         print(
             f"paged attention b={b} t={t} tree={tree} pages/row={pages_per_row} {tuning}: |reference-exact| "
-            f"{ref_err:.4f} |kernel-exact| {err:.4f} |wrong table-exact| {wrong_err:.4f} deprecations "
-            f"{deprecations or 'none'}: {'OK' if case_ok else 'MISMATCH'}"
+            f"{ref_err:.4f}; {found}; deprecations {deprecations or 'none'}: {'OK' if case_ok else 'MISMATCH'}"
         )
     print(f"paged attention: {'OK' if ok else 'MISMATCH'}")
     return ok

@@ -78,8 +78,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("merge", ["xla", "triton"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_the_reference(name, monkeypatch):
+def test_kernel_matches_the_reference(name, merge, monkeypatch):
+    """The kernel's splits merged by XLA or by the merge kernel (JAXSPEC_ATTENTION_MERGE)."""
+    monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", merge)
     case = CASES[name]
     q, k_pool, v_pool, table, cache_len, tree, active = case_inputs(case)
     assert kernel_module.kernel_applies(q, k_pool, v_pool)
@@ -122,6 +125,7 @@ def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
         return fake_jax_triton.triton_call(*args, kernel=kernel, num_warps=num_warps, num_stages=num_stages, **rest)
 
     monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
+    monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", "triton")
     case = CASES["tree"]
     q, k_pool, v_pool, table, cache_len, tree, active = case_inputs({**case, "dtype": jnp.float16})
     got = jax.jit(functools.partial(kernel_attention, **case["tuning"]))(

@@ -28,6 +28,7 @@ KERNELS = {"_attention_prologue", "_paged_attention", "_merge_partials", "_resid
 def test_rollouts_through_the_attention_kernels_equal_the_reference(tiny, monkeypatch, slots, method):
     cfg, params, head, rows, _, sampled = tiny
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", "triton")
     sampling = dataclasses.replace(sampled, max_new_tokens=8)
     spec = Spec("eagle3", head, num_draft_tokens=2) if method == "eagle3" else None
     run = functools.partial(generate, cfg, params, rows[:4], jax.random.key(5), sampling, spec=spec, slots=slots)
@@ -60,6 +61,7 @@ def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
     for env in ENVS:
         monkeypatch.setenv(env, "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
+    monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", "triton")
     jax.clear_caches()
     assert kernels_in(str(jax.make_jaxpr(step)(fused, cache))) == KERNELS
     for env in ENVS:
