@@ -141,8 +141,10 @@ def tile_groups(group_sizes: jax.Array, num_tiles: int, block_m: int) -> tuple[j
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     start = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     stop = jnp.minimum(start + block_m, ends[-1])  # exclusive
-    first = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
-    last = jnp.searchsorted(ends, stop - 1, side="right").astype(jnp.int32)
+    # compare_all: one fusion over [tiles, E]; the default binary search is a loop of log2(E)
+    # iterations, each of them its own launches on a GPU
+    first = jnp.searchsorted(ends, start, side="right", method="compare_all").astype(jnp.int32)
+    last = jnp.searchsorted(ends, stop - 1, side="right", method="compare_all").astype(jnp.int32)
     return first, jnp.where(stop > start, last, first - 1)
 
 

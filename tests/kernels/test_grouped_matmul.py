@@ -135,6 +135,20 @@ def test_tile_groups_names_the_groups_each_tile_holds():
     np.testing.assert_array_equal(last, [2, 3, 4])  # tile 2 holds no row: last < first
 
 
+def test_tile_groups_has_no_loop():
+    """The tile tables are one fused comparison, not a binary search: a GPU runs each iteration of
+    its loop as its own launches, twice per grouped matmul. Random sizes against numpy's search
+    of the same tables."""
+    sizes = jnp.asarray(np.random.default_rng(0).integers(0, 9, 128), jnp.int32)
+    assert "while" not in jax.jit(lambda s: tile_groups(s, 40, 16)).lower(sizes).as_text()
+    first, last = tile_groups(sizes, 40, 16)
+    ends = np.cumsum(np.asarray(sizes))
+    for i in range(40):
+        rows = np.arange(i * 16, min((i + 1) * 16, ends[-1]))
+        groups = np.searchsorted(ends, rows, side="right")
+        assert (first[i], last[i]) == ((groups[0], groups[-1]) if rows.size else (first[i], first[i] - 1)), i
+
+
 def test_tile_rows_follows_the_mean_group_size():
     assert tile_rows(64 * 8, 128) == 16 and tile_rows(1024 * 8, 128) == 64 and tile_rows(32768, 16) == 128
 
