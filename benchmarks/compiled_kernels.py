@@ -63,12 +63,29 @@ NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%\S+ = (?:\([^=]*\)|\S+) ([\w-]+)\(")
 
 
-def launches(hlo: str) -> collections.Counter:
-    """The optimized module's entry computation, instruction by instruction: a Counter of what each
-    one launches (fusion:<kind>[:<backend kind>], custom-call:<target>, or the op)."""
-    entry = hlo[hlo.index("\nENTRY") :].split("\n}\n")[0]
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The module's computations by name ("ENTRY" for the entry one): their instruction lines."""
+    found, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY )?%([\w.\-]+) \(", line)
+        if header:
+            name = "ENTRY" if header.group(1) else header.group(2)
+            found[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def launches(hlo: str, computation: str = "ENTRY") -> collections.Counter:
+    """A computation's launches (default the entry's), instruction by instruction: a Counter of what
+    each one launches (fusion:<kind>[:<backend kind>], custom-call:<target>, or the op). A while
+    loop counts as "while" and its body's launches times its known trip count (once, and
+    "while:unknown trips", where XLA does not know it)."""
+    bodies = computations(hlo)
     counts = collections.Counter()
-    for line in entry.splitlines()[1:]:
+    for line in bodies[computation]:
         match = _INSTRUCTION.match(line)
         if not match or match.group(1) in NOT_LAUNCHES:
             continue
@@ -79,6 +96,13 @@ def launches(hlo: str) -> collections.Counter:
             op = f"fusion:{kind}" + (f":{backend.group(1)}" if backend else "")
         elif op == "custom-call":
             op = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        elif op == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            body = launches(hlo, re.search(r"body=%([\w.\-]+)", line).group(1))
+            for inner, n in body.items():
+                counts[inner] += n * (int(trips.group(1)) if trips else 1)
+            if not trips:
+                counts["while:unknown trips"] += 1
         counts[op] += 1
     return counts
 

@@ -1,4 +1,5 @@
-"""benchmarks/compiled_kernels.py: the launches it counts in an optimized module's entry computation."""
+"""benchmarks/compiled_kernels.py: the launches it counts in an optimized module's entry computation,
+with a loop's body once per trip."""
 
 from tests.benchmarks.scripts import load_script
 
@@ -37,6 +38,43 @@ def test_each_launch_of_the_entry_computation_is_counted_by_kind():
         "custom-call:triton_kernel_call": 1,
         "copy": 1,
     }
+
+
+LOOP = """HloModule jit_search, is_scheduled=true
+
+%fused_add (p0: s32[]) -> s32[] {
+  %p0 = s32[] parameter(0)
+  ROOT %add.1 = s32[] add(%p0, %p0)
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %step = s32[] fusion(%i), kind=kLoop, calls=%fused_add
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %select = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_add
+  ROOT %out = (s32[], f32[4]) tuple(%step, %select)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]) parameter(0)
+  ROOT %lt = pred[] fusion(%t), kind=kLoop, calls=%fused_add
+}
+
+ENTRY %main.2 (a.1: f32[4]) -> f32[4] {
+  %a.1 = f32[4]{0} parameter(0)
+  %init = (s32[], f32[4]) tuple(%a.1, %a.1)
+  %while.1 = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
+  %while.2 = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={}
+  ROOT %r = f32[4]{0} get-tuple-element(%while.1), index=1
+}
+"""
+
+
+def test_a_loops_body_counts_once_per_trip():
+    """A loop of known trip count 8 runs its body's two launches 8 times; one of unknown trip count
+    is counted once and said to be so."""
+    assert compiled.launches(LOOP) == {"while": 2, "fusion:kLoop": 2 * 8 + 2, "while:unknown trips": 1}
 
 
 def test_every_setting_runs_the_attention_kernel_as_a_gpu_does():
