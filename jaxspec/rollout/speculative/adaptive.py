@@ -60,10 +60,18 @@ class AdaptiveDepth:
 
     def verify_cost(self, rows) -> jax.Array:
         """float32 scalar: decode steps one verified node adds to a step of `rows` rows (an int or
-        an int32 scalar), interpolated linearly between the points, flat beyond the ends."""
+        an int32 scalar), interpolated linearly between the points, flat beyond the ends. The
+        segment is found by one comparison with every point (jnp.interp's binary search is a loop,
+        which a GPU would run trip by trip inside the rollout loop)."""
         sizes = jnp.asarray([r for r, _ in self.verify_token_cost], jnp.float32)
         costs = jnp.asarray([c for _, c in self.verify_token_cost], jnp.float32)
-        return jnp.interp(jnp.asarray(rows, jnp.float32), sizes, costs)
+        if sizes.size == 1:
+            return costs[0]
+        at = jnp.asarray(rows, jnp.float32)
+        right = jnp.clip(jnp.sum(sizes <= at), 1, sizes.size - 1)  # the segment [right - 1, right]
+        low, high = sizes[right - 1], sizes[right]
+        share = jnp.where(high > low, jnp.clip((at - low) / jnp.maximum(high - low, 1e-30), 0.0, 1.0), 1.0)
+        return costs[right - 1] + share * (costs[right] - costs[right - 1])
 
     def cost(self, depth: int, rows) -> jax.Array:
         """float32 scalar: decode steps one iteration at `depth` costs when `rows` rows run it."""

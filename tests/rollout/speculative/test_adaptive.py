@@ -100,6 +100,20 @@ def test_the_verify_cost_follows_the_rows_a_step_runs():
     assert [int(choose(by_rows, half, depths, rows)) for rows in (1, 64, 512)] == [3, 1, 0]
 
 
+def test_the_verify_cost_is_numpys_interpolation_without_a_loop():
+    """Against np.interp at every row count from 0 to 600 over uneven points (a repeated row count
+    among them), and one point alone; the lowered cost has no loop (the rollout loop evaluates it
+    every iteration)."""
+    points = ((1, 0.05), (8, 0.0), (64, 0.4), (64, 0.7), (96, 0.7), (512, 2.0))
+    by_rows = settings(verify_token_cost=points)
+    rows = jnp.arange(601, dtype=jnp.int32)
+    got = jax.vmap(by_rows.verify_cost)(rows)
+    want = np.interp(np.arange(601), [r for r, _ in points], [c for _, c in points])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert "while" not in jax.jit(by_rows.verify_cost).lower(jnp.int32(36)).as_text()
+    assert float(settings(verify_token_cost=((1, 0.3),)).verify_cost(jnp.int32(900))) == pytest.approx(0.3)
+
+
 @pytest.fixture(scope="module")
 def greedy_runs(policy):
     cfg, params = policy
