@@ -17,8 +17,10 @@ The expert form (`expert_matmul`) at Qwen3-30B-A3B's experts (128, H 2048, I 768
 random tokens) for 1, 64 and 256 tokens: the experts' gate and up with the SwiGLU from the gathered
 token rows, and the down projection written back in token order times each row's routing weight,
 against the same products by
-`jax.lax.ragged_dot` in float32 at the highest precision (rounded as the model rounds); the control
-gives every row its neighbouring expert's weights.
+`jax.lax.ragged_dot` in float32 at the highest precision (the SwiGLU's projections rounded as the
+model rounds them; the down projection exact, within two roundings: the kernel rounds its product,
+then the product times the weight, as the model does); the control gives every row its neighbouring
+expert's weights.
 """
 
 import sys
@@ -141,7 +143,9 @@ def check_expert_matmul(experts: int = 128, hidden: int = 2048, inter: int = 768
             np.empty((tokens * top_k, hidden), np.float32),
             np.empty((tokens * top_k, hidden), np.float32),
         )
-        product[at] = np.float32(np.asarray(grouped(a32, down.astype(jnp.float32), sizes), jnp.bfloat16))
+        # Exact, unrounded: the kernel's two roundings (its product, then times the weight) are the
+        # bound's two units; a reference rounded to bfloat16 would be a third, unbudgeted rounding.
+        product[at] = np.asarray(grouped(a32, down.astype(jnp.float32), sizes))
         d_scale[at] = np.asarray(grouped(jnp.abs(a32), jnp.abs(down.astype(jnp.float32)), sizes))
         f32 = np.float32(factor)[:, None]
         out_err = worst(second(act, down, ids, order, factor), product * f32, d_scale * f32, 2.0)
