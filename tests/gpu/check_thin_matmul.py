@@ -137,7 +137,7 @@ def check_expert_matmul(experts: int = 128, hidden: int = 2048, inter: int = 768
         second = jax.jit(lambda a, d, ids, o, f: expert_matmul(a, d, ids, dest=o, scale=f))
         act = first(x, gate, up, ids, order)
         act_err = worst(act, silu * u, g_scale * (np.abs(silu) + np.abs(u)), 4.0)
-        a32 = act.astype(jnp.float32)
+        a32, down32 = act.astype(jnp.float32), down.astype(jnp.float32)
         at = np.asarray(order)
         product, d_scale = (
             np.empty((tokens * top_k, hidden), np.float32),
@@ -145,8 +145,8 @@ def check_expert_matmul(experts: int = 128, hidden: int = 2048, inter: int = 768
         )
         # Exact, unrounded: the kernel's two roundings (its product, then times the weight) are the
         # bound's two units; a reference rounded to bfloat16 would be a third, unbudgeted rounding.
-        product[at] = np.asarray(grouped(a32, down.astype(jnp.float32), sizes))
-        d_scale[at] = np.asarray(grouped(jnp.abs(a32), jnp.abs(down.astype(jnp.float32)), sizes))
+        product[at] = np.asarray(grouped(a32, down32, sizes))
+        d_scale[at] = np.asarray(grouped(jnp.abs(a32), jnp.abs(down32), sizes))
         f32 = np.float32(factor)[:, None]
         out_err = worst(second(act, down, ids, order, factor), product * f32, d_scale * f32, 2.0)
         wrong_err = worst(second(act, jnp.roll(down, 1, axis=0), ids, order, factor), product * f32, d_scale * f32, 2.0)
