@@ -19,6 +19,7 @@ default) keeps XLA's GEMMs until the kernel has passed its GPU check
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,8 @@ def project(
     contract = _contracted(equation)
     chosen = _kernel_impl(impl, x, w.T if transpose else w, contract, sharding)
     if chosen == "xla":
-        return jnp.einsum(equation, x, w.T if transpose else w, preferred_element_type=preferred_element_type)
+        einsum = functools.partial(jnp.einsum, equation, preferred_element_type=preferred_element_type)
+        return _as_matrix_product(einsum, x, w.T if transpose else w, contract)
     kernel = functools.partial(
         kernel_module().thin_matmul,
         contract=contract,
@@ -63,10 +65,21 @@ def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sha
     and stacked gate_up [H, 2, F]: one GEMM and the product (XLA), or one kernel."""
     chosen = _kernel_impl(impl, h, gate_up, 1, sharding)
     if chosen == "xla":
-        both = jnp.einsum("...h,hcf->...cf", h, gate_up)
+        both = _as_matrix_product(functools.partial(jnp.einsum, "...h,hcf->...cf"), h, gate_up, 1)
         return jax.nn.silu(both[..., 0, :]) * both[..., 1, :]
     kernel = functools.partial(kernel_module().thin_matmul, swiglu=True, interpret=chosen == "triton-interpret")
     return _per_device_rows(kernel, h, gate_up, sharding)
+
+
+def _as_matrix_product(einsum, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    """einsum(x, w), with a single token row (x [1, ..., K...]) run as two, the second zeros, and
+    the first kept: XLA's GPU compiler rewrites a vector-by-matrix dot whose weight has fewer than
+    10^7 elements (Qwen3-1.7B's q/k/v and attention output) into an elementwise product written to
+    memory and a reduction over it, reading and writing 3x the weight's bytes; two rows keep it a
+    GEMM that reads the weight once."""
+    if x.ndim == contract or math.prod(x.shape[: x.ndim - contract]) != 1:
+        return einsum(x, w)
+    return einsum(jnp.concatenate([x, jnp.zeros_like(x)]), w)[:1]
 
 
 def requested(impl: str) -> str:
