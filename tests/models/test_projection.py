@@ -15,7 +15,7 @@ import pytest
 
 from jaxspec.models import ModelConfig, extend, init_cache
 from jaxspec.models.params import fuse_qkv
-from jaxspec.models.projection import project
+from jaxspec.models.projection import project, swiglu
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, make_mesh, shard_params
 from jaxspec.models.transformer import forward_hidden
 from tests.kernels import fake_jax_triton
@@ -123,6 +123,41 @@ def test_project_takes_einsums_that_contract_the_first_operands_last_dims():
     np.testing.assert_array_equal(project("btc,cn->btn", x, w.T, transpose=True), jnp.einsum("btc,cn->btn", x, w))
     with pytest.raises(ValueError, match="must contract the first operand's last dims"):
         project("bct,cn->btn", jnp.ones((2, 4, 3)), w)
+
+
+def dot_lhs_shapes(fn, *args) -> list[tuple[int, ...]]:
+    """The shapes of the first operand of every dot_general in fn's traced program."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [tuple(e.invars[0].aval.shape) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize(
+    "equation, x_shape, w_shape, transpose",
+    [("btnd,ndh->bth", (1, 1, 3, 8), (3, 8, 5), False), ("bth,hv->btv", (1, 1, 24), (24, 5), True)],
+)
+def test_a_single_token_row_runs_as_a_two_row_gemm_with_the_einsums_values(equation, x_shape, w_shape, transpose):
+    """One token row (a batch-1 decode step) is multiplied as two rows, the second zeros, so that
+    XLA's GPU compiler keeps a GEMM instead of a product written to memory and a reduction
+    (`projection._as_matrix_product`); the row's values are the einsum's, and a call of two rows
+    gives it the same first row. The SwiGLU's gate and up the same."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    stored = w.T if transpose else w
+
+    def call(x):
+        return project(equation, x, stored, transpose=transpose)
+
+    np.testing.assert_allclose(call(x), jnp.einsum(equation, x, w), rtol=1e-6, atol=1e-6)
+    assert [shape[0] for shape in dot_lhs_shapes(call, x)] == [2]
+    rows = jnp.concatenate([x, x + 1])
+    assert [shape[0] for shape in dot_lhs_shapes(call, rows)] == [2]
+    np.testing.assert_allclose(call(rows)[:1], call(x), rtol=1e-6, atol=1e-6)
+
+    h, gate_up = jax.random.normal(kx, (1, 1, 6)), jax.random.normal(kg, (6, 2, 4))
+    both = jnp.einsum("...h,hcf->...cf", h, gate_up)
+    want = jax.nn.silu(both[..., 0, :]) * both[..., 1, :]
+    np.testing.assert_allclose(swiglu(h, gate_up), want, rtol=1e-6, atol=1e-6)
+    assert [shape[0] for shape in dot_lhs_shapes(lambda h: swiglu(h, gate_up), h)] == [2]
 
 
 @pytest.mark.parametrize("layout", ["data", "gathered-fsdp"])
