@@ -30,6 +30,8 @@ from jaxspec.models.sharding import Sharding, splits_weights
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_THIN_MATMUL"
+# XLA GPU's threshold (operand elements) under which a vector-by-matrix dot becomes a reduction.
+STRENGTH_REDUCED_BELOW = 10_000_000
 
 
 def project(
@@ -72,12 +74,15 @@ def swiglu(h: jax.Array, gate_up: jax.Array, *, impl: str = "xla", sharding: Sha
 
 
 def _as_matrix_product(einsum, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
-    """einsum(x, w), with a single token row (x [1, ..., K...]) run as two, the second zeros, and
-    the first kept: XLA's GPU compiler rewrites a vector-by-matrix dot whose weight has fewer than
-    10^7 elements (Qwen3-1.7B's q/k/v and attention output) into an elementwise product written to
-    memory and a reduction over it, reading and writing 3x the weight's bytes; two rows keep it a
-    GEMM that reads the weight once."""
-    if x.ndim == contract or math.prod(x.shape[: x.ndim - contract]) != 1:
+    """einsum(x, w), with a single token row (x [1, ..., K...]) by a small weight run as two rows,
+    the second zeros, and the first kept. XLA's GPU compiler rewrites a vector-by-matrix dot of
+    fewer than `STRENGTH_REDUCED_BELOW` operand elements (K x (1 + N): Qwen3-1.7B's q/k/v and
+    attention output, not 8B's) into an elementwise product written to memory and a reduction
+    over it, which reads and writes 3x the weight's bytes; two rows keep it a GEMM that reads the
+    weight once. A larger weight stays a GEMM and is left alone (the pad would be a launch more)."""
+    rows = math.prod(x.shape[: x.ndim - contract])
+    k = math.prod(x.shape[x.ndim - contract :])
+    if x.ndim == contract or rows != 1 or k * (1 + w.size // k) >= STRENGTH_REDUCED_BELOW:
         return einsum(x, w)
     return einsum(jnp.concatenate([x, jnp.zeros_like(x)]), w)[:1]
 

@@ -160,6 +160,14 @@ def test_a_single_token_row_runs_as_a_two_row_gemm_with_the_einsums_values(equat
     assert [shape[0] for shape in dot_lhs_shapes(lambda h: swiglu(h, gate_up), h)] == [2]
 
 
+@pytest.mark.parametrize("k, n, rows", [(2048, 4096, 2), (2048, 8192, 1), (4096, 4096, 1)])
+def test_only_a_weight_xla_would_reduce_gets_the_second_row(k, n, rows):
+    """Qwen3-1.7B's q/k/v (2048 x 4096, K x (1 + N) under 10^7) is padded to two rows; a weight
+    XLA keeps as a GEMM anyway (its gate/up or Qwen3-8B's attention output) is not."""
+    x, w = jax.ShapeDtypeStruct((1, 1, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    assert [shape[0] for shape in dot_lhs_shapes(functools.partial(project, "btc,cn->btn"), x, w)] == [rows]
+
+
 @pytest.mark.parametrize("layout", ["data", "gathered-fsdp"])
 def test_where_every_device_holds_the_weights_each_runs_the_kernel_on_its_rows(monkeypatch, layout):
     """A mesh that splits only the rows (data=2), or fsdp=2 with the weights gathered (a rollout's
