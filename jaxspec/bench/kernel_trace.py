@@ -97,6 +97,31 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str], modules: d
     return sorted((Kernel(*key, ns[key], launches[key]) for key in ns), key=lambda k: -k.ns)
 
 
+TRACED_MODULE = "jit_traced_call"  # the HLO module `traced_seconds` compiles
+
+
+def traced_seconds(fn, args: tuple, trace_dir: Path, calls: int = 10) -> float:
+    """Device seconds per call of fn(*args): the kernels of `calls` calls (compiled first) in a
+    profiler trace written to `trace_dir`, summed: the device's time alone, none of the host's or
+    of the gaps between launches. Every kernel counts only under its own name when the process
+    has called `set_dump_flags` (command buffers off) before using JAX."""
+    import jax
+
+    def traced_call(*args):
+        return fn(*args)
+
+    jitted = jax.jit(traced_call)
+    jax.block_until_ready(jitted(*args))
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(calls):
+            out = jitted(*args)
+        jax.block_until_ready(out)
+    kernels = kernel_times(trace_dir, {}, {TRACED_MODULE: "call"})
+    if not kernels:
+        raise ValueError(f"no kernel of {TRACED_MODULE} in the trace at {trace_dir}")
+    return sum(k.ns for k in kernels) / calls / 1e9
+
+
 class Gap(NamedTuple):
     """The device's idle time between two kernels of a traced program, summed over the times the
     one ran right after the other on a trace line."""

@@ -20,6 +20,9 @@ expert kernel against `expert_matmul`, the roofline over the bytes of the expert
 warps and stages around the best) and reports the best tiles, their time and roofline: the data for
 `thin_matmul_triton.default_tiles`. --interpret runs the kernel in Triton's interpreter (any
 backend, slow: a smoke test).
+--profile times each call instead by the device time of its kernels in a profiler trace (XLA's
+command buffers off, `kernel_trace.traced_seconds`): a call of a few microseconds is shorter than
+a loop iteration's own cost on an H100 (~15 us), which hides it from the compiled loop's timing.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import argparse
 import functools
 import itertools
 import math
+import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxspec.bench.kernel_trace import TRACED_MODULE, set_dump_flags, traced_seconds
 from jaxspec.bench.timing import (
     add_fraction,
     copy_bytes_per_second,
@@ -146,9 +151,9 @@ def time_experts(name: str, spec: dict, cfg: ModelConfig, tokens: int, args, cop
     row = {"projection": name, "rows": tokens, "weight_mb": weight_bytes / 1e6, "experts_touched": touched}
     row["grouped_impl"] = impl
     row["max_rel_diff"] = float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want))))
-    empty, arrays = empty_loop_seconds(arrays, args.iters, args.repeats)
+    timer, arrays = timer_for(arrays, args)
     for form, fn in {"xla": xla, "kernel": fused}.items():
-        seconds, arrays = loop_seconds(fn, arrays, empty, args.iters, args.repeats)
+        seconds, arrays = timer(fn, arrays)
         row[f"{form}_us"] = seconds * 1e6
     row["speedup"] = row["xla_us"] / row["kernel_us"]
     for form in ("xla", "kernel"):
@@ -191,6 +196,16 @@ def empty_loop_seconds(args: tuple, iters: int, repeats: int) -> tuple[float, tu
     return in_loop_seconds(lambda *a: a[0][:1, :1], args, calls=iters, repeats=repeats)
 
 
+def timer_for(arrays: tuple, args: argparse.Namespace):
+    """(timer, arrays): timer(fn, arrays) -> (seconds per call of fn(*arrays), the arrays to use
+    next), by the device time of a profiler trace (--profile) or inside a compiled loop less the
+    empty loop's at these arrays' shapes (timed here: the arrays it returns replace the donated)."""
+    if args.profile:
+        return (lambda fn, arrays: (traced_seconds(fn, arrays, Path(tempfile.mkdtemp(dir=args.work))), arrays)), arrays
+    empty, arrays = empty_loop_seconds(arrays, args.iters, args.repeats)
+    return (lambda fn, arrays: loop_seconds(fn, arrays, empty, args.iters, args.repeats)), arrays
+
+
 def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, copy_rate: float) -> dict:
     kx, kw = jax.random.split(jax.random.key(0))
     fan_in = math.prod(spec["x"])
@@ -204,13 +219,13 @@ def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, 
     got = jax.jit(forms["kernel"])(x, w).astype(jnp.float32)
     row = {"projection": name, "rows": rows, "weight_mb": weight_bytes / 1e6}
     row["max_rel_diff"] = float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want))))
-    empty, arrays = empty_loop_seconds((x, w), args.iters, args.repeats)
+    timer, arrays = timer_for((x, w), args)
     for form, fn in forms.items():
-        seconds, arrays = loop_seconds(fn, arrays, empty, args.iters, args.repeats)
+        seconds, arrays = timer(fn, arrays)
         row[f"{form}_us"] = seconds * 1e6
     row["speedup"] = row["xla_us"] / row["kernel_us"]
     if args.sweep:
-        row |= sweep(spec, arrays, empty, args)
+        row |= sweep(spec, arrays, timer, args)
     for form in ("xla", "kernel", "best"):
         if f"{form}_us" in row:
             what = f"{name} at {rows} rows, {form}: weight read rate"
@@ -218,7 +233,7 @@ def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, 
     return row
 
 
-def sweep(spec: dict, arrays: tuple, empty: float, args: argparse.Namespace) -> dict:
+def sweep(spec: dict, arrays: tuple, timer, args: argparse.Namespace) -> dict:
     """{"best_tiles", "best_us"}: the kernel's fastest tiles of SWEEP at this shape (BLOCK_N x
     BLOCK_K x split_k at 4 warps and 4 stages, then warps x stages at the best of those), shared
     memory within SHARED_BYTES; best_tiles "BLOCK_M x BLOCK_N x BLOCK_K x warps x stages x split_k"."""
@@ -232,7 +247,7 @@ def sweep(spec: dict, arrays: tuple, empty: float, args: argparse.Namespace) -> 
         nonlocal arrays
         impl, results = "triton-interpret" if args.interpret else "triton", []
         for tiles in filter(fits, candidates):
-            seconds, arrays = loop_seconds(call(spec, impl, tiles), arrays, empty, args.iters, args.repeats)
+            seconds, arrays = timer(call(spec, impl, tiles), arrays)
             results.append((seconds, tiles))
         return min(results)
 
@@ -264,8 +279,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sweep", action="store_true", help="also time the kernel over SWEEP's tiles")
     p.add_argument("--copy-bytes", type=int, default=2 << 30, help="array size of the copy-bandwidth baseline")
     p.add_argument("--interpret", action="store_true", help="the kernel in Triton's interpreter (smoke test)")
+    p.add_argument("--profile", action="store_true", help="time calls by their kernels' device time in a trace")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    args.work = tempfile.mkdtemp(prefix="jaxspec-projections-") if args.profile else None
+    if args.profile:
+        set_dump_flags(Path(args.work) / "hlo", TRACED_MODULE, "bench projections --profile")
 
     copy_rate = copy_bytes_per_second(args.copy_bytes)
     rows = []
@@ -283,5 +302,6 @@ def main(argv: list[str]) -> int:
                 print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(dict.fromkeys(column for row in rows for column in row)))
-    write_results(args.out, "projections", rows, {"copy_bytes_per_second": copy_rate})
+    timing = "device time in a profiler trace" if args.profile else "in a compiled loop, less the empty loop"
+    write_results(args.out, "projections", rows, {"copy_bytes_per_second": copy_rate, "timing": timing})
     return 0

@@ -3,6 +3,8 @@ trace line (CPU, hand-written dumps and events)."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from jaxspec.bench import kernel_trace
 
 
@@ -71,3 +73,18 @@ def test_idle_gaps_sum_the_idle_time_between_each_pair_of_kernels(monkeypatch):
         ("fusion.2", "fusion.1", 10, 1),
     ]
     assert gaps[0].before_name == "jit(_decode)/while/body/forward" and gaps[0].after_name == "jit(_decode)/while/cond"
+
+
+def test_traced_seconds_is_the_device_time_of_a_calls_kernels(tmp_path):
+    """A product of 8x the rows takes longer by the trace; a call that launches no kernel is an
+    error, not a time of zero."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.ones((512, 512))
+    small = kernel_trace.traced_seconds(lambda x, w: x @ w, (jnp.ones((64, 512)), w), tmp_path / "small")
+    large = kernel_trace.traced_seconds(lambda x, w: x @ w, (jnp.ones((512, 512)), w), tmp_path / "large")
+    assert 0 < small < large
+    with pytest.raises(ValueError, match="no kernel of jit_traced_call"):
+        kernel_trace.traced_seconds(lambda x: (), (jnp.ones(4),), tmp_path / "none")
+    jax.clear_caches()

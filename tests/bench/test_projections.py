@@ -3,6 +3,9 @@ float32) and reports, for each projection of a step and each row count, XLA's an
 times, the kernel's output equal to XLA's, and with --sweep the best tiles it timed."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +64,20 @@ def test_bench_projections_times_a_sparse_models_experts(tmp_path):
         expert_mb = 64 * 32 * 4 * (2 if row["projection"] == "experts_gate_up_swiglu" else 1) / 1e6
         assert row["weight_mb"] == pytest.approx(row["experts_touched"] * expert_mb)
     assert [r["experts_touched"] for r in rows if r["rows"] == 1] == [2, 2]
+
+
+def test_bench_projections_profile_times_calls_by_their_traced_kernels(tmp_path):
+    """--profile (its own process: it sets XLA's flags before JAX starts) gives both forms a device
+    time from the trace and says so in the results."""
+    model, out = tmp_path / "tiny.json", tmp_path / "projections.json"
+    model.write_text(json.dumps(TINY))
+    argv = [sys.executable, "-m", "jaxspec.cli", "bench", "projections", "--model", str(model), "--rows", "2"]
+    argv += ["--dtype", "float32", "--copy-bytes", str(1 << 20), "--interpret", "--profile", "--out", str(out)]
+    argv += ["--only", "down", "o"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["baseline"]["timing"] == "device time in a profiler trace"
+    assert [row["projection"] for row in result["rows"]] == ["o", "down"]
+    for row in result["rows"]:
+        assert row["xla_us"] > 0 and row["kernel_us"] > 0 and row["max_rel_diff"] < 1e-5, row
