@@ -114,10 +114,13 @@ def summary(row: dict) -> str:
     return f"{where} {row['launches']:4d} launches ({row['per_layer']}/layer){copies}: {kinds}"
 
 
-def compile_step(model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1) -> str:
+def compile_step(
+    model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1, *, lowered: bool = False
+) -> str:
     """The optimized HLO of `extend` over `new` tokens per row for H200s, in this process: on one, or
     on a mesh of `devices` over the data axis (the rows split over them, each device's pages a group
-    of the pools, as the slot engine lays them out; the weights replicated)."""
+    of the pools, as the slot engine lays them out; the weights replicated). lowered: the StableHLO
+    that jax lowers the step to, before XLA compiles it."""
     os.environ.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     import jax
     import jax.numpy as jnp
@@ -158,7 +161,8 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int,
 
     rows = spec((batch, new), jnp.int32, ("batch", None))
     args = (params, cache, rows, rows, spec((batch,), jnp.int32, ("batch",)))
-    return jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
+    lowered_step = jax.jit(step, donate_argnums=1).lower(*args)
+    return lowered_step.as_text() if lowered else lowered_step.compile().as_text()
 
 
 def largest_copy_bytes(hlo: str) -> int:
