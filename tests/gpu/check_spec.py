@@ -19,7 +19,8 @@ rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts, adapti
 model; n-gram) on the staged engine, and EAGLE-3 and draft-model runs on the slot engine (8 slots), on the
 embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
 run once with JAXSPEC_TREE_VERIFY_IMPL=reference and once with triton, in `--jobs` child processes each (the
-choice is made when the rollout loop is traced). Greedy tokens must be equal; acceptance length
+choice is made when the rollout loop is traced), started before the kernel check and compiling beside
+it. Greedy tokens must be equal; acceptance length
 and acceptance per position within `RATE_TOL` at T=1 (same key and noise: equal unless a boundary
 decision flipped), exactly at T=0.
 """
@@ -241,15 +242,12 @@ def compare_rollouts(reference: list[dict], kernel: list[dict]) -> list[dict]:
     return rows
 
 
-def run_impls(
-    impls: tuple[str, ...], jobs: int, only: str = "", deadline: float | None = None
-) -> dict[str, list[dict]]:
-    """rollout_runs() of every implementation, each split over `jobs` child processes that run at
-    once (compilation dominates and is single-threaded); the implementation is chosen by
-    JAXSPEC_TREE_VERIFY_IMPL when a child traces the rollout loop. Each child prints one JSON row per
-    finished case; at `deadline` (seconds from now) the children still running are stopped and the
-    cases they finished are kept."""
-    children = [
+def start_rollouts(impls: tuple[str, ...], jobs: int, only: str = "") -> list[tuple[str, subprocess.Popen]]:
+    """rollout_runs() of every implementation, each split over `jobs` child processes started now
+    and running at once (compilation dominates and is single-threaded): (implementation, child)
+    pairs for `collect_rollouts`. The implementation is chosen by JAXSPEC_TREE_VERIFY_IMPL when a
+    child traces the rollout loop; each child prints one JSON row per finished case."""
+    return [
         (
             impl,
             subprocess.Popen(
@@ -270,8 +268,12 @@ def run_impls(
         for impl in impls
         for shard in range(jobs)
     ]
-    end = None if deadline is None else time.monotonic() + deadline
-    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+
+
+def collect_rollouts(children: list[tuple[str, subprocess.Popen]], end: float | None) -> dict[str, list[dict]]:
+    """Each implementation's rows from its children, by case index; at `end` (`time.monotonic()`)
+    the children still running are stopped and the cases they finished are kept."""
+    runs: dict[str, list[dict]] = {impl: [] for impl, _ in children}
     for impl, child in children:
         try:
             out, _ = child.communicate(timeout=None if end is None else max(end - time.monotonic(), 0.1))
@@ -283,6 +285,14 @@ def run_impls(
                 raise RuntimeError(f"rollout child ({impl}) exited {child.returncode}")
         runs[impl] += [json.loads(line) for line in out.splitlines() if line.startswith("{") and line.endswith("}")]
     return {impl: sorted(rows, key=lambda r: r["index"]) for impl, rows in runs.items()}
+
+
+def run_impls(
+    impls: tuple[str, ...], jobs: int, only: str = "", deadline: float | None = None
+) -> dict[str, list[dict]]:
+    """`start_rollouts` then `collect_rollouts`, stopping at `deadline` seconds from now."""
+    children = start_rollouts(impls, jobs, only)
+    return collect_rollouts(children, None if deadline is None else time.monotonic() + deadline)
 
 
 def finished_by_all(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -318,7 +328,14 @@ def main(argv: list[str]) -> int:
     if jax.default_backend() != "gpu":
         print(f"check_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
         return 2
-    rows = [] if args.skip_kernel else kernel_checks()
+    # The rollout children compile (on the CPU) while this process runs the kernel check.
+    children = [] if args.skip_rollouts else start_rollouts(("reference", "triton"), args.jobs, args.only)
+    try:
+        rows = [] if args.skip_kernel else kernel_checks()
+    except BaseException:
+        for _, child in children:
+            child.kill()
+        raise
     for r in rows:
         print(
             f"kernel n={r['nodes']:2d} {r['tree']:8s} V={r['vocab']:6d} T={r['temperature']}: flipped "
@@ -328,8 +345,8 @@ def main(argv: list[str]) -> int:
     missing = 0
     if not args.skip_rollouts:
         wanted = sum(args.only in label for _, label, _ in rollout_cases())
-        left = None if args.deadline is None else max(args.deadline - (time.monotonic() - started), 1.0)
-        runs = finished_by_all(run_impls(("reference", "triton"), args.jobs, args.only, left))
+        end = None if args.deadline is None else started + args.deadline
+        runs = finished_by_all(collect_rollouts(children, end))
         missing = wanted - len(runs["reference"])
         for r in compare_rollouts(runs["reference"], runs["triton"]):
             rows.append(r)

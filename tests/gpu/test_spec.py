@@ -64,3 +64,34 @@ def test_a_deadline_keeps_the_cases_every_implementation_finished(monkeypatch):
     assert [r["index"] for r in runs["a"]] == [0, 1, 2] and [r["index"] for r in runs["b"]] == [0, 2]
     common = check_spec.finished_by_all(runs)
     assert [r["index"] for r in common["a"]] == [0, 2] and [r["impl"] for r in common["b"]] == ["b", "b"]
+
+
+def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(monkeypatch):
+    """main starts the rollout processes, runs the kernel check while they compile, then collects
+    them by the deadline counted from its start; a kernel check that fails stops them."""
+    order = []
+
+    class Child:
+        def kill(self):
+            order.append("kill")
+
+    monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(check_spec, "start_rollouts", lambda *a: order.append("start") or [("reference", Child())])
+    monkeypatch.setattr(check_spec, "kernel_checks", lambda: order.append("kernels") or [])
+
+    def collect(children, end):
+        order.append(("collect", 495 < end - check_spec.time.monotonic() <= 500))
+        return {"reference": [], "triton": []}
+
+    monkeypatch.setattr(check_spec, "collect_rollouts", collect)
+    assert check_spec.main(["--deadline", "500"]) == 3  # no case finished
+    assert order == ["start", "kernels", ("collect", True)]
+
+    def failing():
+        raise RuntimeError("kernel check failed")
+
+    order.clear()
+    monkeypatch.setattr(check_spec, "kernel_checks", failing)
+    with pytest.raises(RuntimeError, match="kernel check failed"):
+        check_spec.main([])
+    assert order == ["start", "kill"]
