@@ -100,9 +100,21 @@ def kernel_times(trace_dir: Path, scopes: dict[tuple[int, str], str], modules: d
 TRACED_MODULE = "jit_traced_call"  # the HLO module `traced_seconds` compiles
 
 
+def trace_calls(fn, trace_dir: Path, calls: int = 10) -> None:
+    """Writes a profiler trace of `calls` calls of fn() (a compiled program, run once first so that
+    its compilation stays out of the trace) to `trace_dir`."""
+    import jax
+
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+
+
 def traced_seconds(fn, args: tuple, trace_dir: Path, calls: int = 10) -> float:
-    """Device seconds per call of fn(*args): the kernels of `calls` calls (compiled first) in a
-    profiler trace written to `trace_dir`, summed: the device's time alone, none of the host's or
+    """Device seconds per call of fn(*args): the kernels of `calls` calls in a profiler trace
+    written to `trace_dir` (`trace_calls`), summed: the device's time alone, none of the host's or
     of the gaps between launches. Every kernel counts only under its own name when the process
     has called `set_dump_flags` (command buffers off) before using JAX."""
     import jax
@@ -111,11 +123,7 @@ def traced_seconds(fn, args: tuple, trace_dir: Path, calls: int = 10) -> float:
         return fn(*args)
 
     jitted = jax.jit(traced_call)
-    jax.block_until_ready(jitted(*args))
-    with jax.profiler.trace(str(trace_dir)):
-        for _ in range(calls):
-            out = jitted(*args)
-        jax.block_until_ready(out)
+    trace_calls(lambda: jitted(*args), trace_dir, calls)
     kernels = kernel_times(trace_dir, {}, {TRACED_MODULE: "call"})
     if not kernels:
         raise ValueError(f"no kernel of {TRACED_MODULE} in the trace at {trace_dir}")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags
+from jaxspec.bench.kernel_trace import kernel_times, op_scopes, set_dump_flags, trace_calls
 from jaxspec.bench.timing import (
     add_error,
     add_fraction,
@@ -80,15 +80,6 @@ def _timed(measure) -> float | None:
     except jax.errors.JaxRuntimeError as err:
         out_of_memory(err)  # raises any other error
         return None
-
-
-def trace_calls(fn, trace_dir: Path) -> None:
-    """Writes a profiler trace of PROFILE_CALLS calls of fn (compiled first) to `trace_dir`."""
-    jax.block_until_ready(fn())
-    with jax.profiler.trace(str(trace_dir)):
-        for _ in range(PROFILE_CALLS):
-            out = fn()
-        jax.block_until_ready(out)
 
 
 def traced_kernels(trace_dir: Path, scopes: dict[tuple[int, str], str], program: str) -> dict:
@@ -272,8 +263,8 @@ def main(argv: list[str]) -> int:
             if errors:
                 print(f"error: {rows[-1]['error']}")
             if work is not None:
-                trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel")
-                trace_calls(reference, work / f"trace_{batch}_{nodes}_reference")
+                trace_calls(kernel, work / f"trace_{batch}_{nodes}_kernel", PROFILE_CALLS)
+                trace_calls(reference, work / f"trace_{batch}_{nodes}_reference", PROFILE_CALLS)
             del logits, inputs, kernel, reference  # frees the logits before the next shape's
     if work is not None:
         scopes = op_scopes(work / "hlo")  # every program has been compiled (and dumped) by now
