@@ -8,10 +8,11 @@ target description of the card), on the same `extend` a rollout step runs (rando
 config's shape, q/k/v fused as rollouts hold them, a paged cache of --context positions per row,
 greedy tokens from the logits), once per kernel setting: the environment variables of
 `jaxspec.models` that choose XLA's pieces or a Triton kernel. Every setting runs the attention
-kernel with its merge kernel (a GPU's default merges the splits with XLA's two launches per layer
-until the merge kernel has passed its GPU check). Each launch of the optimized entry
-computation is counted: XLA's fusions by kind (kLoop, kInput: elementwise and reductions; kCustom:
-its Triton GEMMs and normalizations), cuBLAS calls and the Triton kernels' custom calls.
+kernel with its merge kernel; "gpu_default" is what one GPU runs by default (the prologue and the
+residual norms too; here the backend is the CPU, where "auto" would pick XLA's pieces). Each
+launch of the optimized entry computation is counted: XLA's fusions by kind (kLoop, kInput:
+elementwise and reductions; kCustom: its Triton GEMMs and normalizations), cuBLAS calls and the
+Triton kernels' custom calls.
 Without a device XLA does not autotune, so its GEMMs' tiles (not their number) differ from a GPU's.
 
 Needs the CUDA jaxlib plugin (`pip install 'jax[cuda12]' jax-triton`; the CUDA libraries load without
@@ -36,10 +37,11 @@ from pathlib import Path
 
 ATTENTION = {"JAXSPEC_PAGED_ATTENTION": "triton", "JAXSPEC_ATTENTION_MERGE": "triton"}  # in every setting
 SETTINGS = {  # name -> the variables a step is compiled under
-    "default": ATTENTION,
+    "attention": ATTENTION,
     "+prologue": ATTENTION | {"JAXSPEC_ATTENTION_PROLOGUE": "triton"},
     "+residual_norm": ATTENTION | {"JAXSPEC_RESIDUAL_NORM": "triton"},
     "+thin_matmul": ATTENTION | {"JAXSPEC_THIN_MATMUL": "triton"},
+    "gpu_default": ATTENTION | {"JAXSPEC_ATTENTION_PROLOGUE": "triton", "JAXSPEC_RESIDUAL_NORM": "triton"},
     "+prologue+thin_matmul": ATTENTION | {"JAXSPEC_ATTENTION_PROLOGUE": "triton", "JAXSPEC_THIN_MATMUL": "triton"},
     "all": ATTENTION
     | {"JAXSPEC_ATTENTION_PROLOGUE": "triton", "JAXSPEC_RESIDUAL_NORM": "triton", "JAXSPEC_THIN_MATMUL": "triton"},
@@ -114,14 +116,15 @@ def summary(row: dict) -> str:
     return f"{where} {row['launches']:4d} launches ({row['per_layer']}/layer){copies}: {kinds}"
 
 
-def compile_step(
-    model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1, *, lowered: bool = False
-) -> str:
+def compile_step(model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1) -> str:
     """The optimized HLO of `extend` over `new` tokens per row for H200s, in this process: on one, or
     on a mesh of `devices` over the data axis (the rows split over them, each device's pages a group
-    of the pools, as the slot engine lays them out; the weights replicated). lowered: the StableHLO
-    that jax lowers the step to, before XLA compiles it."""
+    of the pools, as the slot engine lays them out; the weights replicated)."""
     os.environ.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    # The command-buffer launcher loads each kernel's PTX when XLA compiles the step, with the ptxas
+    # XLA finds here, which may be older than the PTX Triton writes; jax-triton's own call defers that
+    # to the first launch. The launches counted are the same.
+    os.environ.setdefault("JAXSPEC_TRITON_COMMAND_BUFFERS", "off")
     import jax
     import jax.numpy as jnp
     import jax_triton.triton_lib
@@ -161,8 +164,7 @@ def compile_step(
 
     rows = spec((batch, new), jnp.int32, ("batch", None))
     args = (params, cache, rows, rows, spec((batch,), jnp.int32, ("batch",)))
-    lowered_step = jax.jit(step, donate_argnums=1).lower(*args)
-    return lowered_step.as_text() if lowered else lowered_step.compile().as_text()
+    return jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
 
 
 def largest_copy_bytes(hlo: str) -> int:

@@ -8,8 +8,9 @@ library's combine functions (`MAX`, `MIN`, `SUM`) rather than tl.max / tl.min / 
 with tl.full rather than tl.zeros, and call no helper functions: those are `@triton.jit`
 functions, which the interpreter runs only when TRITON_INTERPRET was set at import.
 
-`triton` is imported with this module, `jax_triton` only when a kernel is called for a GPU, and
-torch only to run a kernel in the interpreter.
+On a GPU every call is recorded into XLA's command buffers with the rest of the step
+(`jaxspec.kernels.command_buffers`). `triton` is imported with this module, `jax_triton` only when a
+kernel is called for a GPU, and torch only to run a kernel in the interpreter.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import triton
 import triton.language as tl
+
+from jaxspec.kernels import command_buffers
 
 MAX = tl.standard._elementwise_max
 MIN = tl.standard._elementwise_min
@@ -85,6 +88,7 @@ def call(
             raise ImportError(
                 f"the Triton kernel {name} runs through jax-triton with a GPU jaxlib ({INSTALL}): {e}"
             ) from e
+        command_buffers.install()
         return tuple(
             jax_triton.triton_call(
                 *args,

@@ -23,9 +23,9 @@ the reference, with one logged warning), else "xla"; the JAXSPEC_CACHE_ATTENTION
 variable (auto, xla, triton, triton-interpret) overrides "auto" at trace time.
 
 The kernel leaves the partial sums of its splits of a row's cache; they are merged and laid out
-as [B, T, Nq, D] by XLA (two launches), or by one kernel (`jaxspec.kernels.attention_merge_triton`)
-where JAXSPEC_ATTENTION_MERGE is "triton": "auto" keeps XLA's until the kernel has passed its GPU
-check (`tests/gpu/check_paged_attention.py`).
+as [B, T, Nq, D] by XLA (two launches), or by one kernel (`jaxspec.kernels.attention_merge_triton`):
+JAXSPEC_ATTENTION_MERGE ("auto", "xla", "triton") chooses, "auto" the kernel where the Triton kernels
+run inside XLA's command buffers (`merge_impl`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kernels import command_buffers
 from jaxspec.kernels.attention_partials import merge, new_token_bits
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
@@ -233,7 +234,7 @@ def kernel_attention_rows(
     head j is new token r // G's query head j * G + r % G (T = num_new new tokens, G = group query
     heads per kv head), zeros from T * G up to R (`jaxspec.kernels.paged_attention_triton.query_rows`),
     as the attention prologue kernel writes them (`jaxspec.models.attention_prologue`); the splits
-    merged by XLA or by the merge kernel (JAXSPEC_ATTENTION_MERGE, the module docstring). Returns
+    merged by XLA or by the merge kernel (`merge_impl`). Returns
     [B, T, Nq, D] in q_rows' dtype."""
     b, nk, rows, d = q_rows.shape
     t = num_new
@@ -244,10 +245,20 @@ def kernel_attention_rows(
             q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
         )
         dtype = q_rows.dtype
-        if requested_impl("auto", MERGE_IMPLS, MERGE_ENV, "attention merge") == "triton":
+        if merge_impl(interpret) == "triton":
             return merge_kernel().merge_partials(parts, num_new=t, group=group, dtype=dtype, interpret=interpret)
         out = merge(parts)[:, :, : t * group]  # [B, Nk, T*G, D]
         return out.reshape(b, nk, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nk * group, d).astype(dtype)
+
+
+def merge_impl(interpret: bool) -> str:
+    """How the attention kernel's splits are merged: JAXSPEC_ATTENTION_MERGE ("xla", "triton"), or
+    for "auto" the merge kernel where the Triton kernels run inside XLA's command buffers (not in
+    the interpreter; `jaxspec.kernels.command_buffers.in_graphs`), else XLA."""
+    impl = requested_impl("auto", MERGE_IMPLS, MERGE_ENV, "attention merge")
+    if impl == "auto":
+        return "triton" if not interpret and command_buffers.in_graphs() else "xla"
+    return impl
 
 
 def merge_kernel():

@@ -15,9 +15,9 @@ the cache in place and the attention kernel's query rows (`kernel_attention_rows
 on its rows and KV heads, grouped pools as one pool of its pages, as the attention kernel runs
 there). The
 JAXSPEC_ATTENTION_PROLOGUE environment variable chooses: "triton" runs the kernel wherever the
-attention kernel runs; "auto" (the default) and "xla" keep XLA's pieces. "auto" becomes "triton"
-once the kernel has passed its GPU check (`tests/gpu/check_attention_prologue.py`, rollouts through
-`tests/gpu/check_spec.py`) and the decode and verification steps are timed both ways on a GPU.
+attention kernel runs; "xla" keeps XLA's pieces; "auto" (the default) is "triton" off a mesh where
+the Triton kernels run inside XLA's command buffers (`jaxspec.kernels.command_buffers.in_graphs`),
+else "xla" (on a mesh until the sharded kernel has run in a multi-GPU check).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxspec.kernels import command_buffers
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models import attention as attention_module
 from jaxspec.models import paged
@@ -52,13 +53,16 @@ def prologue_impl(
     sharding: Sharding | None,
 ) -> str:
     """The impl of the prologue for this layer of a call: the attention kernel's ("triton",
-    "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE is "triton", q, k and v are fused, the
-    cache is a dense cache or pools (grouped ones on a mesh only), not split along its positions,
-    and the attention kernel runs the call (`kernel_impl`); else "xla". x [B, T, H] is the layer's
+    "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE picks the kernel (the module docstring), q,
+    k and v are fused, the cache is a dense cache or pools (grouped ones on a mesh only), not split
+    along its positions, and the attention kernel runs the call (`kernel_impl`); else "xla". x [B, T, H] is the layer's
     (normed) input; k_pool / v_pool the layer's pools or dense cache."""
-    if requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue") != "triton" or "qkv" not in layer:
-        return "xla"
     on_mesh = sharding is not None and sharding.mesh.size > 1
+    impl = requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue")
+    if impl == "auto":
+        impl = "triton" if not on_mesh and command_buffers.in_graphs() else "xla"
+    if impl != "triton" or "qkv" not in layer:
+        return "xla"
     if (not on_mesh and k_pool.ndim != 4) or (on_mesh and cache_spec(sharding, k_pool, paged_cache)[-3] is not None):
         return "xla"  # grouped pools off a mesh, or a mesh that splits the cache's positions
     b, t = x.shape[:2]

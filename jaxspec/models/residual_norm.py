@@ -7,9 +7,10 @@ final norm before the LM head): `residual_norm` returns both. "xla" is the model
 norm where XLA runs two (on a mesh, each device on its own rows, through `shard_map`: the rows are
 laid out over the batch axes, a row's channels on one device); "triton-interpret" runs it in
 Triton's interpreter (tests).
-The JAXSPEC_RESIDUAL_NORM environment variable chooses: "auto" (the default) keeps XLA's pieces
-until the kernel has passed its GPU check (`tests/gpu/check_residual_norm.py`) and the steps are
-timed both ways on a GPU.
+The JAXSPEC_RESIDUAL_NORM environment variable chooses: "auto" (the default) is "triton" off a mesh
+where the Triton kernels run inside XLA's command buffers (`jaxspec.kernels.command_buffers.in_graphs`:
+on a GPU with jax-triton; Qwen3-1.7B and 8B decode steps are faster so, lease TT), else "xla". On a
+mesh "auto" keeps XLA's pieces until the sharded kernel has run in a multi-GPU check.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxspec.kernels import command_buffers
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.blocks import rms_norm
 from jaxspec.models.sharding import Sharding
@@ -35,7 +37,10 @@ def residual_norm(
     output delta like x (None: the norm of x alone, x returned as it is) and the norm's weight [H];
     sharding: the call's mesh, on which x is laid out as ("batch", "seq", "act_embed")."""
     impl = requested_impl("auto", IMPLS, IMPL_ENV, "residual norm")
-    if impl in ("auto", "xla") or not _kernel().kernel_applies(x, weight):
+    if impl == "auto":
+        on_mesh = sharding is not None and sharding.mesh.size > 1
+        impl = "triton" if not on_mesh and command_buffers.in_graphs() else "xla"
+    if impl == "xla" or not _kernel().kernel_applies(x, weight):
         return residual_norm_reference(x, delta, weight, eps)
     kernel = functools.partial(_kernel().residual_norm, eps=eps, interpret=impl == "triton-interpret")
     if sharding is None or sharding.mesh.size == 1:

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.kernels import command_buffers
 from jaxspec.models import ModelConfig, extend, init_cache, make_mesh
 from jaxspec.models import attention as attention_module
-from jaxspec.models.attention import cache_attention, kernel_impl
+from jaxspec.models.attention import cache_attention, kernel_impl, merge_impl
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
 from tests.models.hf_reference import random_params
 
@@ -226,3 +227,16 @@ def test_auto_without_jax_triton_runs_the_reference_and_says_so_once(monkeypatch
     assert len(warnings) == 1 and "pip install 'jaxspec[triton]'" in warnings[0]
     with pytest.raises(ImportError, match=r"jax-triton .*pip install 'jaxspec\[triton\]'"):
         cache_attention(q, k, v, jnp.asarray(CACHE_LEN), impl="triton")
+
+
+def test_the_merge_kernel_is_the_default_where_the_kernels_run_in_command_buffers(monkeypatch):
+    """ "auto" merges the splits with XLA's pieces unless the Triton kernels run inside XLA's command
+    buffers, and then not in the interpreter; the variable overrides it."""
+    assert merge_impl(interpret=False) == "xla"  # the CPU
+    monkeypatch.setattr(command_buffers, "in_graphs", lambda: True)
+    assert merge_impl(interpret=False) == "triton"
+    assert merge_impl(interpret=True) == "xla"
+    monkeypatch.setenv(attention_module.MERGE_ENV, "xla")
+    assert merge_impl(interpret=False) == "xla"
+    monkeypatch.setenv(attention_module.MERGE_ENV, "triton")
+    assert merge_impl(interpret=True) == "triton"

@@ -5,13 +5,18 @@ each case also checks which path ran (the prologue's kernel in the traced progra
 that a comparison of the reference with itself cannot pass for one of the kernel."""
 
 import functools
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.kernels import command_buffers
 from jaxspec.models import ModelConfig, extend, init_cache
+from jaxspec.models import attention as attention_module
+from jaxspec.models.attention_prologue import prologue_impl
 from jaxspec.models.paged import NO_PAGE, PagedKVCache, init_paged_cache
 from jaxspec.models.params import fuse_qkv
 from jaxspec.models.sharding import KV_CACHE_AXES, KV_PAGES_AXES, Sharding, make_mesh, shard_params
@@ -84,8 +89,8 @@ def test_the_prologue_kernel_gives_the_models_logits_and_caches(monkeypatch, fam
 
 
 def test_unfused_params_the_reference_and_the_default_keep_the_models_pieces(monkeypatch):
-    """q and kv apart (a trainer's params), the attention's reference, or the variable unset (the
-    default until the GPU check): no prologue kernel."""
+    """q and kv apart (a trainer's params), the attention's reference, or the variable unset where
+    the Triton kernels do not run in command buffers (the CPU): no prologue kernel."""
     cfg = config("qwen3")
     params = random_params(cfg, jax.random.key(0))
     cache = caches(cfg, paged=False)
@@ -166,3 +171,29 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_pages(monkeypatch, groups
         return extend(cfg, params, cache, tokens, positions, lens, sharding=sharding)
 
     assert_the_kernels_give_xlas(monkeypatch, "JAXSPEC_PAGED_ATTENTION", run, params, cache)
+
+
+def test_auto_is_the_kernel_off_a_mesh_where_the_kernels_run_in_command_buffers(monkeypatch):
+    """The default on a GPU with jax-triton: the prologue kernel where the Triton kernels run inside
+    XLA's command buffers, not on a mesh, not where they do not; the variable overrides it."""
+    cfg = config("qwen3")
+    layer = fuse_qkv(random_params(cfg, jax.random.key(0)))["layers"][0]
+    cache = caches(cfg, paged=True)
+    x = jnp.zeros((ROWS, 1, cfg.hidden_size))
+    mesh = Sharding(make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2]))
+
+    def choice(sharding=None):
+        return prologue_impl(cfg, layer, x, cache.k[0], cache.v[0], True, sharding)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace())
+    attention_module._jax_triton_imports.cache_clear()  # seen afresh: it imports now
+    try:
+        assert choice() == "xla"
+        monkeypatch.setattr(command_buffers, "in_graphs", lambda: True)
+        assert choice() == "triton"
+        assert choice(mesh) == "xla"
+        monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "xla")
+        assert choice() == "xla"
+    finally:
+        attention_module._jax_triton_imports.cache_clear()

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.kernels import command_buffers
 from jaxspec.models import ModelConfig, extend, init_cache
 from jaxspec.models.residual_norm import ACTIVATION_AXES, residual_norm, residual_norm_reference
 from jaxspec.models.sharding import DEFAULT_RULES, KV_CACHE_AXES, Sharding, make_mesh, shard_params
@@ -137,3 +138,20 @@ def test_an_unknown_impl_is_named(monkeypatch):
     monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "cuda")
     with pytest.raises(ValueError, match="JAXSPEC_RESIDUAL_NORM must be one of"):
         residual_norm(jnp.ones((2, 8)), None, jnp.ones((8,)), 1e-6)
+
+
+def test_auto_runs_the_kernel_off_a_mesh_where_the_kernels_run_in_command_buffers(monkeypatch):
+    """The default: the kernel (here jax-triton's stand-in running it in the interpreter) where the
+    Triton kernels run inside XLA's command buffers, not on a mesh, not where they do not (the CPU)."""
+    fake_jax_triton.install(monkeypatch)
+    x = jax.random.normal(jax.random.key(0), (8, 1, 32))
+    weight = jnp.ones((32,))
+    run = functools.partial(residual_norm, eps=1e-6)
+    assert kernel_calls(run, x, x, weight) == 0
+    monkeypatch.setattr(command_buffers, "in_graphs", lambda: True)
+    assert kernel_calls(run, x, x, weight) == 1
+    mesh = Sharding(make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2]))
+    assert kernel_calls(functools.partial(run, sharding=mesh), x, x, weight) == 0
+    monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "xla")
+    assert kernel_calls(run, x, x, weight) == 0
+    jax.clear_caches()
