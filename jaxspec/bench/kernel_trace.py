@@ -10,11 +10,15 @@ the device's idle time between two of them, summed per pair, is `idle_gaps`.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import re
 from pathlib import Path
 from typing import NamedTuple
 
+# Bytes of distinct weights that calls taken in turn read (`rotated_copies`): over twice the L2 cache
+# of an H100 or H200 (50 MB), which a weight read by back-to-back calls would otherwise partly hit.
+L2_MISS_BYTES = 256 * 2**20
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
@@ -112,22 +116,40 @@ def trace_calls(fn, trace_dir: Path, calls: int = 10) -> None:
         jax.block_until_ready(out)
 
 
-def traced_seconds(fn, args: tuple, trace_dir: Path, calls: int = 10) -> float:
+def traced_seconds(fn, args: tuple | list[tuple], trace_dir: Path, calls: int = 10) -> float:
     """Device seconds per call of fn(*args): the kernels of `calls` calls in a profiler trace
     written to `trace_dir` (`trace_calls`), summed: the device's time alone, none of the host's or
-    of the gaps between launches. Every kernel counts only under its own name when the process
-    has called `set_dump_flags` (command buffers off) before using JAX."""
+    of the gaps between launches. args: one call's arguments, or a list of argument tuples of one
+    shape that the calls take in turn (`rotated_copies`: no call then reads what the call before
+    left in the L2 cache). Every kernel counts only under its own name when the process has called
+    `set_dump_flags` (command buffers off) before using JAX."""
     import jax
 
     def traced_call(*args):
         return fn(*args)
 
-    jitted = jax.jit(traced_call)
-    trace_calls(lambda: jitted(*args), trace_dir, calls)
+    trace_calls(in_turn(jax.jit(traced_call), args if isinstance(args, list) else [args]), trace_dir, calls)
     kernels = kernel_times(trace_dir, {}, {TRACED_MODULE: "call"})
     if not kernels:
         raise ValueError(f"no kernel of {TRACED_MODULE} in the trace at {trace_dir}")
     return sum(k.ns for k in kernels) / calls / 1e9
+
+
+def in_turn(fn, arg_sets: list[tuple]):
+    """A function of no arguments whose n-th call (from 0) is fn(*arg_sets[n % len(arg_sets)])."""
+    turn = itertools.count()
+    return lambda: fn(*arg_sets[next(turn) % len(arg_sets)])
+
+
+def rotated_copies(args: tuple, first: int = 1, min_bytes: int = L2_MISS_BYTES) -> list[tuple]:
+    """Argument tuples like args whose arrays from index `first` on (a call's weights) are distinct
+    copies, as many tuples as make those copies hold at least min_bytes (args itself first): calls
+    that take them in turn read their weights from memory, not from the L2 cache."""
+    import jax.numpy as jnp
+
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in args[first:])
+    count = max(1, -(-min_bytes // max(weight_bytes, 1)))
+    return [args] + [(*args[:first], *(jnp.array(a, copy=True) for a in args[first:])) for _ in range(count - 1)]
 
 
 class Gap(NamedTuple):

@@ -88,3 +88,25 @@ def test_traced_seconds_is_the_device_time_of_a_calls_kernels(tmp_path):
     with pytest.raises(ValueError, match="no kernel of jit_traced_call"):
         kernel_trace.traced_seconds(lambda x: (), (jnp.ones(4),), tmp_path / "none")
     jax.clear_caches()
+
+
+def test_calls_in_turn_take_each_argument_set_and_the_copies_are_distinct_buffers(tmp_path):
+    """`in_turn` cycles through its argument sets; `rotated_copies` keeps the first arrays and copies
+    the rest into buffers of their own until the copies hold min_bytes; traced_seconds takes such a
+    list."""
+    import jax.numpy as jnp
+
+    seen = []
+    call = kernel_trace.in_turn(lambda *a: seen.append(a), [(1,), (2,), (3,)])
+    for _ in range(7):
+        call()
+    assert seen == [(1,), (2,), (3,), (1,), (2,), (3,), (1,)]
+
+    x, w = jnp.ones((4, 64)), jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)  # w: 8 KiB
+    sets = kernel_trace.rotated_copies((x, w), min_bytes=20 * 1024)
+    assert len(sets) == 3 and sets[0][1] is w
+    assert all(s[0] is x for s in sets)
+    pointers = {s[1].unsafe_buffer_pointer() for s in sets}
+    assert len(pointers) == 3 and all(bool((s[1] == w).all()) for s in sets)
+    assert len(kernel_trace.rotated_copies((x, w), min_bytes=1)) == 1
+    assert kernel_trace.traced_seconds(lambda x, w: x @ w, sets, tmp_path / "turns") > 0
