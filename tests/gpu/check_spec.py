@@ -360,7 +360,8 @@ def main(argv: list[str]) -> int:
         with open(args.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
     print(
-        f"check_spec on {jax.devices()[0].device_kind}: {len(rows) - len(bad)} of {len(rows)} agree"
+        f"check_spec on {jax.devices()[0].device_kind} ({time.monotonic() - started:.0f} s): "
+        f"{len(rows) - len(bad)} of {len(rows)} agree"
         + (f"; MISMATCH in {len(bad)}" if bad else "")
         + (f"; {missing} rollout cases not finished by the deadline" if missing else "")
     )
