@@ -242,9 +242,10 @@ def time_projection(name: str, spec: dict, rows: int, args: argparse.Namespace, 
 
 
 def sweep(spec: dict, arrays: tuple, timer, args: argparse.Namespace) -> dict:
-    """{"best_tiles", "best_us"}: the kernel's fastest tiles of SWEEP at this shape (BLOCK_N x
-    BLOCK_K x split_k at 4 warps and 4 stages, then warps x stages at the best of those), shared
-    memory within SHARED_BYTES; best_tiles "BLOCK_M x BLOCK_N x BLOCK_K x warps x stages x split_k"."""
+    """{"best_tiles", "best_us", "swept_us"}: the kernel's fastest tiles of SWEEP at this shape
+    (BLOCK_N x BLOCK_K x split_k at 4 warps and 4 stages, then warps x stages at the best of those),
+    shared memory within SHARED_BYTES; tiles written "BLOCK_M x BLOCK_N x BLOCK_K x warps x stages x
+    split_k"; swept_us every timed tiles' microseconds (the data for a rule of `default_tiles`)."""
     rows, itemsize = arrays[0].shape[0], arrays[0].dtype.itemsize
     block_m = kernel.default_tiles(rows, 16, 16).block_m
 
@@ -257,13 +258,16 @@ def sweep(spec: dict, arrays: tuple, timer, args: argparse.Namespace) -> dict:
         for tiles in filter(fits, candidates):
             seconds, arrays = timer(call(spec, impl, tiles), arrays)
             results.append((seconds, tiles))
+            swept["x".join(map(str, tiles))] = round(seconds * 1e6, 3)
         return min(results)
+
+    swept: dict[str, float] = {}
 
     blocks = itertools.product(SWEEP["block_n"], SWEEP["block_k"], SWEEP["split_k"])
     _, best = timed(kernel.Tiles(block_m, n, k, split_k=split) for n, k, split in blocks)
     settings = itertools.product(SWEEP["num_warps"], SWEEP["num_stages"])
     seconds, best = timed(best._replace(num_warps=wp, num_stages=st) for wp, st in settings)
-    return {"best_tiles": "x".join(map(str, best)), "best_us": seconds * 1e6}
+    return {"best_tiles": "x".join(map(str, best)), "best_us": seconds * 1e6, "swept_us": swept}
 
 
 def main(argv: list[str]) -> int:
@@ -307,9 +311,9 @@ def main(argv: list[str]) -> int:
                 else:
                     row = time_projection(name, spec, m, args, copy_rate)
                 rows.append({"model": Path(model).stem} | row)
-                print_table(rows[-1:], list(rows[-1]))
+                print_table(rows[-1:], [c for c in rows[-1] if c != "swept_us"])
     print()
-    print_table(rows, list(dict.fromkeys(column for row in rows for column in row)))
+    print_table(rows, list(dict.fromkeys(column for row in rows for column in row if column != "swept_us")))
     timing = "device time in a profiler trace" if args.profile else "in a compiled loop, less the empty loop"
     write_results(args.out, "projections", rows, {"copy_bytes_per_second": copy_rate, "timing": timing})
     return 0

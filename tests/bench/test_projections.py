@@ -39,6 +39,9 @@ def test_bench_projections_smoke(tmp_path, monkeypatch):
     assert main([*argv, "--only", "gate_up_swiglu", "--rows", "3", "--sweep"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["best_tiles"] in {f"16x{n}x16x4x2x{split}" for n in (16, 32) for split in (1, 2)} and row["best_us"] > 0
+    assert row["swept_us"][row["best_tiles"]] == pytest.approx(row["best_us"], abs=1e-3)
+    first = {f"16x{n}x16x4x4x{split}" for n in (16, 32) for split in (1, 2)}  # at 4 warps, 4 stages
+    assert set(row["swept_us"]) == first | {row["best_tiles"]}
     assert row["max_rel_diff"] < 1e-5
 
 
