@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -263,6 +264,7 @@ def start_rollouts(impls: tuple[str, ...], jobs: int, only: str = "") -> list[tu
                 env=dict(os.environ, JAXSPEC_TREE_VERIFY_IMPL=impl),
                 stdout=subprocess.PIPE,
                 text=True,
+                start_new_session=True,  # its own process group: `stop` ends what it started too
             ),
         )
         for impl in impls
@@ -278,13 +280,22 @@ def collect_rollouts(children: list[tuple[str, subprocess.Popen]], end: float | 
         try:
             out, _ = child.communicate(timeout=None if end is None else max(end - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            child.kill()
+            stop(child)
             out, _ = child.communicate()
         else:
             if child.returncode != 0:
                 raise RuntimeError(f"rollout child ({impl}) exited {child.returncode}")
         runs[impl] += [json.loads(line) for line in out.splitlines() if line.startswith("{") and line.endswith("}")]
     return {impl: sorted(rows, key=lambda r: r["index"]) for impl, rows in runs.items()}
+
+
+def stop(child: subprocess.Popen) -> None:
+    """Kills a rollout child's process group: the child and any process it started, which would
+    otherwise hold its output pipe open and keep `communicate` waiting past the deadline."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def run_impls(
@@ -324,7 +335,9 @@ def main(argv: list[str]) -> int:
     if args.rollouts_only:
         shard, shards = (int(x) for x in args.shard.split("/"))
         rollout_runs(shard, shards, args.only, emit=lambda row: print(json.dumps(row), flush=True))
-        return 0
+        # Every row is out: exit now rather than through the GPU client's teardown (lease SS's check
+        # ran ~40 s past its deadline after every case had printed).
+        os._exit(0)
     if jax.default_backend() != "gpu":
         print(f"check_spec: needs a GPU (backend {jax.default_backend()})", file=sys.stderr)
         return 2
@@ -334,7 +347,7 @@ def main(argv: list[str]) -> int:
         rows = [] if args.skip_kernel else kernel_checks()
     except BaseException:
         for _, child in children:
-            child.kill()
+            stop(child)
         raise
     for r in rows:
         print(

@@ -42,12 +42,16 @@ def test_a_wrong_stochastic_kernel_fails_the_case(monkeypatch):
 
 def test_a_deadline_keeps_the_cases_every_implementation_finished(monkeypatch):
     """run_impls(..., deadline): children that print some cases and then hang are stopped at the
-    deadline; the rows each finished are kept, and finished_by_all keeps the cases both finished."""
+    deadline, with the process each started (which holds the output pipe open: stopping the child
+    alone would leave the collection waiting for it); the rows each finished are kept, and
+    finished_by_all keeps the cases both finished."""
     import subprocess
     import sys
+    import time
 
     script = (
-        "import json, sys, time\n"
+        "import json, subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "impl = sys.argv[1]\n"
         "for i in ([0, 1, 2] if impl == 'a' else [0, 2]):\n"
         "    print(json.dumps({'index': i, 'impl': impl}), flush=True)\n"
@@ -60,7 +64,9 @@ def test_a_deadline_keeps_the_cases_every_implementation_finished(monkeypatch):
         return popen([sys.executable, "-c", script, env["JAXSPEC_TREE_VERIFY_IMPL"]], env=env, **kwargs)
 
     monkeypatch.setattr(check_spec.subprocess, "Popen", child)
+    began = time.monotonic()
     runs = check_spec.run_impls(("a", "b"), jobs=1, deadline=3.0)
+    assert time.monotonic() - began < 30
     assert [r["index"] for r in runs["a"]] == [0, 1, 2] and [r["index"] for r in runs["b"]] == [0, 2]
     common = check_spec.finished_by_all(runs)
     assert [r["index"] for r in common["a"]] == [0, 2] and [r["impl"] for r in common["b"]] == ["b", "b"]
@@ -72,9 +78,9 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     order = []
 
     class Child:
-        def kill(self):
-            order.append("kill")
+        pass
 
+    monkeypatch.setattr(check_spec, "stop", lambda child: order.append("kill"))
     monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(check_spec, "start_rollouts", lambda *a: order.append("start") or [("reference", Child())])
     monkeypatch.setattr(check_spec, "kernel_checks", lambda: order.append("kernels") or [])
