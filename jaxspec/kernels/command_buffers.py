@@ -79,6 +79,13 @@ def in_graphs() -> bool:
     return install()
 
 
+def layer_kernel_default(on_mesh: bool) -> str:
+    """What "auto" picks for a decoder layer's small kernels (residual norm, attention prologue):
+    "triton" where the Triton kernels run inside the graphs (`in_graphs`), off a mesh (on a mesh until
+    the sharded kernels have run in a multi-GPU check); else "xla"."""
+    return "triton" if not on_mesh and in_graphs() else "xla"
+
+
 def as_typed_call(rule, ctx: mlir.LoweringRuleContext, *args: ir.Value, **params) -> list[ir.Value]:
     """`rule`'s custom call (jax-triton's lowering of one kernel call) replaced by a typed-FFI call to
     TARGET with the same operands, launch proto, aliasing (params' input_output_aliases) and side

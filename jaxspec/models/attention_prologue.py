@@ -16,8 +16,8 @@ on its rows and KV heads, grouped pools as one pool of its pages, as the attenti
 there). The
 JAXSPEC_ATTENTION_PROLOGUE environment variable chooses: "triton" runs the kernel wherever the
 attention kernel runs; "xla" keeps XLA's pieces; "auto" (the default) is "triton" off a mesh where
-the Triton kernels run inside XLA's command buffers (`jaxspec.kernels.command_buffers.in_graphs`),
-else "xla" (on a mesh until the sharded kernel has run in a multi-GPU check).
+the Triton kernels run inside XLA's command buffers, else "xla" (on a mesh until the sharded kernel
+has run in a multi-GPU check; `jaxspec.kernels.command_buffers.layer_kernel_default`).
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ def prologue_impl(
     """The impl of the prologue for this layer of a call: the attention kernel's ("triton",
     "triton-interpret") where JAXSPEC_ATTENTION_PROLOGUE picks the kernel (the module docstring), q,
     k and v are fused, the cache is a dense cache or pools (grouped ones on a mesh only), not split
-    along its positions, and the attention kernel runs the call (`kernel_impl`); else "xla". x [B, T, H] is the layer's
-    (normed) input; k_pool / v_pool the layer's pools or dense cache."""
+    along its positions, and the attention kernel runs the call (`kernel_impl`); else "xla".
+    x [B, T, H] is the layer's (normed) input; k_pool / v_pool the layer's pools or dense cache."""
     on_mesh = sharding is not None and sharding.mesh.size > 1
     impl = requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue")
     if impl == "auto":
-        impl = "triton" if not on_mesh and command_buffers.in_graphs() else "xla"
+        impl = command_buffers.layer_kernel_default(on_mesh)
     if impl != "triton" or "qkv" not in layer:
         return "xla"
     if (not on_mesh and k_pool.ndim != 4) or (on_mesh and cache_spec(sharding, k_pool, paged_cache)[-3] is not None):

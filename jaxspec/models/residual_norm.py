@@ -8,9 +8,10 @@ norm where XLA runs two (on a mesh, each device on its own rows, through `shard_
 laid out over the batch axes, a row's channels on one device); "triton-interpret" runs it in
 Triton's interpreter (tests).
 The JAXSPEC_RESIDUAL_NORM environment variable chooses: "auto" (the default) is "triton" off a mesh
-where the Triton kernels run inside XLA's command buffers (`jaxspec.kernels.command_buffers.in_graphs`:
-on a GPU with jax-triton; Qwen3-1.7B and 8B decode steps are faster so, lease TT), else "xla". On a
-mesh "auto" keeps XLA's pieces until the sharded kernel has run in a multi-GPU check.
+where the Triton kernels run inside XLA's command buffers, on a GPU with jax-triton
+(`jaxspec.kernels.command_buffers.layer_kernel_default`; Qwen3-1.7B and 8B decode steps are faster
+so, lease TT), else "xla". On a mesh "auto" keeps XLA's pieces until the sharded kernel has run in
+a multi-GPU check.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ def residual_norm(
     sharding: the call's mesh, on which x is laid out as ("batch", "seq", "act_embed")."""
     impl = requested_impl("auto", IMPLS, IMPL_ENV, "residual norm")
     if impl == "auto":
-        on_mesh = sharding is not None and sharding.mesh.size > 1
-        impl = "triton" if not on_mesh and command_buffers.in_graphs() else "xla"
+        impl = command_buffers.layer_kernel_default(sharding is not None and sharding.mesh.size > 1)
     if impl == "xla" or not _kernel().kernel_applies(x, weight):
         return residual_norm_reference(x, delta, weight, eps)
     kernel = functools.partial(_kernel().residual_norm, eps=eps, interpret=impl == "triton-interpret")
