@@ -51,7 +51,15 @@ def install() -> bool:
         return False
     stages = plugin.registrations().get(LAUNCHER)
     if not stages or "initialize" not in stages:
-        logger.warning("this jaxlib's Triton launcher cannot run in a CUDA graph: Triton kernels launch on their own")
+        from jax._src.lib import version_str as jaxlib_version
+
+        logger.warning(
+            "jaxlib %s's Triton launcher has no 'initialize' stage (stages: %s), so it cannot run inside "
+            "XLA's CUDA graphs: Triton kernels launch on their own and the layer kernels' 'auto' stays on "
+            "XLA's pieces",
+            jaxlib_version,
+            ", ".join(sorted(stages or ())),
+        )
         return False
     from jax_triton import triton_lib
     from jaxlib import xla_client

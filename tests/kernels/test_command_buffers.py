@@ -113,3 +113,29 @@ def test_the_setting_is_checked(monkeypatch):
         command_buffers.install.__wrapped__()
     monkeypatch.setenv(command_buffers.ENV, "off")
     assert command_buffers.install.__wrapped__() is False
+
+
+class _Plugin:
+    """A CUDA jaxlib's Triton module whose launcher has the given stages."""
+
+    def __init__(self, stages):
+        self.stages = stages
+
+    def registrations(self):
+        return {command_buffers.LAUNCHER: dict.fromkeys(self.stages, object())}
+
+
+def test_a_launcher_without_an_initialize_stage_is_left_alone(monkeypatch, caplog):
+    # jaxlib 0.12.0.1's launcher (instantiate, execute) loads kernels where a graph capture would fail
+    from jax._src.lib import gpu_triton
+
+    monkeypatch.setenv(command_buffers.ENV, "on")
+    monkeypatch.setattr(gpu_triton, "_cuda_triton", _Plugin(["instantiate", "execute"]), raising=False)
+    registered = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: registered.append(a))
+    with caplog.at_level("WARNING", logger=command_buffers.__name__):
+        assert command_buffers.install.__wrapped__() is False
+    assert registered == []
+    assert "no 'initialize' stage (stages: execute, instantiate)" in caplog.text
+    monkeypatch.setattr(gpu_triton, "_cuda_triton", None, raising=False)  # a jaxlib without CUDA
+    assert command_buffers.install.__wrapped__() is False
