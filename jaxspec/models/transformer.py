@@ -31,6 +31,7 @@ from jaxspec.models.blocks import (
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.moe import expert_id_dtype
+from jaxspec.models.packed_attention import packed_attention, packed_layout_here
 from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.params import Params
 from jaxspec.models.residual_norm import residual_norm
@@ -61,11 +62,13 @@ def forward_hidden(
     """Full-sequence forward returning logits and chosen layers' outputs.
 
     tokens int32 [B, T]; mask bool [B, T] (False = right padding: each row's valid tokens come
-    first); segment_ids int32 [B, T] (packed
-    sequences attend only within their segment); positions int32 [B, T] (default: index within
-    sequence/segment). hidden_layers: 0-based layer ids whose *outputs* are returned.
-    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; segment ids become a
-        mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
+    first); segment_ids int32 [B, T] (packed sequences, 1, 2, ... per row, each contiguous, 0 on
+    padding, at most `packed_attention.segment_cap(T)` per row: each attends only within itself);
+    positions int32 [B, T] (default: index within sequence/segment). hidden_layers: 0-based layer
+    ids whose *outputs* are returned.
+    attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; packed sequences in
+        cuDNN's packed layout on one Hopper or newer GPU, `jaxspec.models.packed_attention`, else as
+        a mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
     moe_impl: a sparse layer's grouped matmuls (`moe.grouped_matmul`; default "ragged_dot", the
         training path; all are differentiable).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
@@ -120,14 +123,20 @@ def forward_router(
 
     dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
+    on_mesh = sharding is not None and sharding.mesh.size > 1  # the packed layout: one device until checked on several
+    packed = use_cudnn and segment_ids is not None and not on_mesh and packed_layout_here()
     lengths = mask.sum(axis=-1).astype(jnp.int32)
-    # Flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
-    same_segment = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    # Elsewhere flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
+    same_segment = None
+    if segment_ids is not None and not packed:
+        same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
 
     def layer_fn(layer, x, layer_experts):
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), cos, sin)
-        if use_cudnn:  # flash attention; right padding expressed as per-row key lengths
+        if packed:  # each sequence's own causal blocks only
+            attn = packed_attention(q, k, v, segment_ids)
+        elif use_cudnn:  # flash attention; right padding expressed as per-row key lengths
             attn = jax.nn.dot_product_attention(
                 q, k, v, mask=same_segment, is_causal=True, key_value_seq_lengths=lengths, implementation="cudnn"
             )

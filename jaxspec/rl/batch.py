@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxspec.models.packed_attention import segment_cap
 from jaxspec.rollout.prompts import prompt_bucket
 
 
@@ -232,9 +233,10 @@ def packed_row_count(filled: int, multiple_of: int = 1) -> int:
 
 def packed_row_counts(num_seqs: int, width: int, shortest: int, multiple_of: int = 1) -> list[int]:
     """Every R (ascending) that `pack_rows` can give S = num_seqs sequences of at least `shortest`
-    tokens in rows of width W: from the rows their tokens fill at the least (S * shortest / W) to
-    one row per sequence."""
-    counts = [packed_row_count(-(-num_seqs * shortest // width), multiple_of)]
+    tokens in rows of width W: from the rows their tokens fill at the least (S * shortest / W, and
+    S / `segment_cap(W)`) to one row per sequence."""
+    least = max(-(-num_seqs * shortest // width), -(-num_seqs // segment_cap(width)))
+    counts = [packed_row_count(least, multiple_of)]
     while counts[-1] < packed_row_count(num_seqs, multiple_of):
         counts.append(packed_row_count(counts[-1] + 1, multiple_of))
     return counts
@@ -245,7 +247,9 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     into R rows of the same width W (see `PackedRows`).
 
     RL responses are mostly far shorter than max_new_tokens, so right-padded rows are mostly
-    padding; packed, the forward costs what the tokens cost. R is the smallest `packed_row_count`
+    padding; packed, the forward costs what the tokens cost. A row holds at most
+    `packed_attention.segment_cap(W)` sequences (the bound of the attention over packed rows).
+    R is the smallest `packed_row_count`
     (a multiple of `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run
     compiles the trainer for the few row counts of `packed_row_counts` only. The per-sequence
     fields ([S] or [S, N]) pass unchanged; seq_resp_mask and experts are packed like the tokens when
@@ -254,13 +258,17 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     tokens = rows.tokens
     num_seqs, width = tokens.shape
     lengths = rows.attn_mask.sum(axis=1)
-    free, placed = [], np.zeros((num_seqs, 2), np.int64)  # free columns per packed row; (row, start)
+    cap = segment_cap(width)
+    free, held = [], []  # free columns and sequences per packed row
+    placed = np.zeros((num_seqs, 2), np.int64)  # (row, start)
     for s in sorted(range(num_seqs), key=lambda i: (-lengths[i], i)):
-        row = next((r for r, room in enumerate(free) if room >= lengths[s]), len(free))
+        row = next((r for r, room in enumerate(free) if room >= lengths[s] and held[r] < cap), len(free))
         if row == len(free):
             free.append(width)
+            held.append(0)
         placed[s] = row, width - free[row]
         free[row] -= lengths[s]
+        held[row] += 1
     num_rows = packed_row_count(len(free), multiple_of)
     packed_tokens, segment_ids = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.int32)
     seq_resp_mask = None if rows.seq_resp_mask is None else np.zeros((num_rows, width), bool)

@@ -1,5 +1,7 @@
 """GPU check before a packed-row pretraining run: flash attention (cuDNN) with segment ids gives
-the masked XLA attention's logits and gradients.
+the masked XLA attention's logits and gradients, finite everywhere (padding included), for rows of
+one sequence, of a few with padding after them, and of `segment_cap` sequences of 1 to 80 tokens.
+On a Hopper GPU the rows go through cuDNN's packed layout (`jaxspec.models.packed_attention`).
 
     pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test
     python3 -m tests.gpu.check_cudnn_segments         # exit 0 when they agree, 3 when they do not
@@ -12,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models import ModelConfig, forward, init_params
+from jaxspec.models.packed_attention import packed_layout_here, segment_cap
 
 
 def main() -> int:
@@ -31,10 +34,16 @@ def main() -> int:
     )
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, 512, (2, 256)), jnp.int32)
-    segments = np.zeros((2, 256), np.int32)
-    segments[0, :100], segments[0, 100:230] = 1, 2
+    tokens = jnp.asarray(rng.integers(0, 512, (4, 256)), jnp.int32)
+    segments = np.zeros((4, 256), np.int32)
+    segments[0, :100], segments[0, 100:230] = 1, 2  # then padding
     segments[1, :256] = 1
+    ends = [1, 2, 40, 41, 100, 180, 255, 256]  # segment_cap(256) = 8 sequences, of 1 to 80 tokens
+    for s, (start, end) in enumerate(zip([0, *ends[:-1]], ends), start=1):
+        segments[2, start:end] = s
+    for s, (start, end) in enumerate([(0, 3), (3, 67), (67, 68), (68, 131), (131, 200)], start=1):
+        segments[3, start:end] = s
+    assert segments.max() == segment_cap(256)
     segments = jnp.asarray(segments)
 
     def loss(p, impl):
@@ -55,10 +64,12 @@ def main() -> int:
         )
         for a, b in zip(jax.tree.leaves(gx), jax.tree.leaves(gc))
     )
-    ok = logit_err < 0.1 and grad_err < 0.05
+    finite = bool(jnp.isfinite(lc).all()) and all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gc))
+    ok = logit_err < 0.1 and grad_err < 0.05 and finite
+    layout = "the packed layout" if packed_layout_here() else "a segment mask"
     print(
-        f"cudnn vs xla with segment ids: max logit diff {logit_err:.4f}, max relative grad diff {grad_err:.4f}: "
-        f"{'OK' if ok else 'MISMATCH'}"
+        f"cudnn ({layout}) vs xla with segment ids: max logit diff {logit_err:.4f}, max relative grad diff "
+        f"{grad_err:.4f}, finite everywhere {finite}: {'OK' if ok else 'MISMATCH'}"
     )
     return 0 if ok else 3  # not 1, which a failure to run (e.g. an ImportError) also gives
 

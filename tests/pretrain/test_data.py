@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from jaxspec.models.packed_attention import segment_cap
 from jaxspec.pretrain.data import PackedSet, pack
 
 
@@ -23,6 +24,13 @@ def test_pack_layout():
         assert not tokens[segments == 0].any()
         assert weights[segments[:-1] == 0].sum() == 0
     assert sorted(rows) == sorted(e for e, _ in examples if len(e) <= 7)
+
+
+def test_pack_keeps_to_the_attention_s_sequences_per_row():
+    examples = [([7, 7], 1)] * 20  # 40 tokens: one row of 64 by tokens, three at 8 per row
+    packed = pack(examples, max_len=64, pad_id=0, seed=0)
+    assert segment_cap(64) == 8 and packed.segment_ids.max(axis=1).tolist() == [8, 8, 4]
+    assert packed.num_examples == 20
 
 
 def test_packed_set_takes_rows():

@@ -6,7 +6,16 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.rl.batch import PackedRows, Rollouts, minibatch_indices, pack_rows, training_rows
+from jaxspec.models.packed_attention import segment_cap
+from jaxspec.rl.batch import (
+    PackedRows,
+    Rollouts,
+    TrainingRows,
+    minibatch_indices,
+    pack_rows,
+    packed_row_counts,
+    training_rows,
+)
 from jaxspec.rl.compilation import packed_inputs
 from jaxspec.rl.config import GRPOLossConfig
 from jaxspec.run.placement import MeshConfig, Placement
@@ -48,6 +57,24 @@ def test_pack_rows_layout():
     np.testing.assert_array_equal(packed.advantages, rows.advantages)
     assert pack_rows(rows, multiple_of=4).tokens.shape == (4, 10)
     assert pack_rows(rows, multiple_of=3).tokens.shape == (3, 10)
+
+
+def test_pack_rows_keeps_to_the_attention_s_sequences_per_row():
+    """40 sequences of 3 tokens fill 2 rows of 64 by their tokens; at most segment_cap(64) = 8 per row
+    they take 5 (6 with packed_row_count's rounding), a count the precompiled set holds."""
+    width, seqs = 64, 40
+    attn_mask = np.arange(width)[None, :] < 3
+    rows = TrainingRows(
+        tokens=np.ones((seqs, width), np.int32),
+        attn_mask=np.repeat(attn_mask, seqs, axis=0),
+        resp_index=np.zeros((seqs, 2), np.int32),
+        resp_tokens=np.zeros((seqs, 2), np.int32),
+        resp_mask=np.ones((seqs, 2), bool),
+    )
+    packed = pack_rows(rows)
+    assert segment_cap(width) == 8 and packed.segment_ids.max(axis=1).tolist() == [8] * 5 + [0]
+    assert (packed.segment_ids > 0).sum() == 3 * seqs
+    assert packed.tokens.shape[0] in packed_row_counts(seqs, width, 3)
 
 
 def test_take_selects_every_given_field_and_absent_fields_stay_absent():

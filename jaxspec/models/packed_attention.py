@@ -1,0 +1,85 @@
+"""Flash attention over packed rows at the cost of their sequences' own lengths (cuDNN's packed layout).
+
+A trainer packs many sequences into each row of W tokens (`jaxspec.rl.batch.pack_rows`,
+`jaxspec.pretrain.data.pack`); each attends causally within itself. Given as a [B, 1, W, W] mask of
+equal segment ids, flash attention still computes every causal block of the row, W^2 / 2 scores
+where the sequences need the sum of their L^2 / 2 (a GRPO row of 16k tokens holding ~2k-token
+answers: ~8x the work), and XLA materialises the mask as a [B, 1, W, W] bias (0.5 GB per row at
+W = 16384). cuDNN's packed layout takes each row's sequences as (offset, length) pairs instead and
+attends within each sequence alone:
+
+    segment_ids [B, W] (1, 2, ... per sequence, 0 on padding)
+        -> lengths [B, M], offsets [B, M + 1]     (-1 past a row's last sequence)
+        -> cuDNN flash attention, causal within each sequence
+
+M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to.
+The layout needs a Hopper GPU or newer (`packed_layout_here`); elsewhere, and on a mesh of several
+devices until the sharded call has run in a multi-GPU check, `jaxspec.models.transformer` gives
+cuDNN the segment mask as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+TOKENS_PER_SEQUENCE = 512  # the mean sequence length down to which segment_cap never cuts a row
+
+
+def segment_cap(width: int) -> int:
+    """M for packed rows of `width` tokens: the multiple of 8 that covers width / 512, so that a row
+    of sequences of 512 tokens or more on average is never cut by the cap. The cost of the bound is
+    M (offset, length) slots per row, which cuDNN skips when empty."""
+    return 8 * -(-width // (8 * TOKENS_PER_SEQUENCE))
+
+
+def segment_spans(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """(lengths int32 [B, M], offsets int32 [B, M + 1]) of the sequences of packed rows: row b's
+    sequence s + 1 starts at offsets[b, s] and holds lengths[b, s] tokens; both are -1 where row b
+    has no sequence s + 1, and offsets' last column is -1 (cuDNN's form).
+
+    segment_ids int32 [B, T]: 1, 2, ... per sequence, each sequence's tokens contiguous, 0 on
+    padding; M = max_segments must be at least every row's count of sequences."""
+    ids = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)
+    member = segment_ids[:, :, None] == ids  # [B, T, M]
+    lengths = member.sum(axis=1, dtype=jnp.int32)
+    starts = jnp.argmax(member, axis=1).astype(jnp.int32)
+    present = lengths > 0
+    lengths = jnp.where(present, lengths, -1)
+    offsets = jnp.where(present, starts, -1)
+    return lengths, jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
+
+
+@functools.cache
+def packed_layout_here() -> bool:
+    """Whether this process's GPUs take cuDNN's packed layout (compute capability 9.0 or newer)."""
+    if jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    return tuple(int(x) for x in str(capability).split(".")[:2]) >= (9, 0)
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal grouped-query attention within each sequence of packed rows, by cuDNN.
+
+    q [B, T, Nq, D], k/v [B, T, Nk, D], segment_ids int32 [B, T] as `segment_spans` reads them, at
+    most `segment_cap(T)` sequences per row -> [B, T, Nq, D], zero on padding (which lies outside
+    every sequence, so cuDNN does not write it)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
+    out = dot_product_attention(
+        q,
+        k,
+        v,
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH",
+    )
+    return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

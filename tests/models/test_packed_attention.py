@@ -1,0 +1,141 @@
+"""Attention over packed rows in cuDNN's packed layout: the (offset, length) spans read from segment
+ids equal a brute-force scan of random packed rows; attention restricted to those spans (causal
+within each, zero on padding) is the segment-masked attention the forward computes otherwise, and
+the forward takes that path exactly where it should (cuDNN on one Hopper GPU, never on a mesh of
+several devices). cuDNN itself runs in the GPU check (`tests/gpu/check_cudnn_segments.py`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import ModelConfig, forward, make_mesh
+from jaxspec.models import transformer as transformer_module
+from jaxspec.models.attention import attention
+from jaxspec.models.packed_attention import packed_layout_here, segment_cap, segment_spans
+from jaxspec.models.sharding import Sharding
+from tests.models.hf_reference import random_params
+
+
+def random_segments(rows: int, width: int, most: int, seed: int) -> np.ndarray:
+    """int32 [rows, width]: 0 to `most` contiguous sequences of random lengths from the row's start,
+    numbered 1, 2, ..., then padding (0); one row all padding, one a single sequence filling it, one
+    with `most` sequences."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((rows, width), np.int32)
+    for r in range(2, rows):
+        count = most if r == 2 else rng.integers(1, most + 1)
+        cuts = np.sort(rng.choice(np.arange(1, width + 1), size=count, replace=False))
+        start = 0
+        for s, end in enumerate(cuts, start=1):
+            segments[r, start:end] = s
+            start = end
+    segments[1] = 1
+    return segments
+
+
+def brute_spans(segments: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    lengths = -np.ones((len(segments), most), np.int32)
+    offsets = -np.ones((len(segments), most + 1), np.int32)
+    for r, row in enumerate(segments):
+        for s in range(1, most + 1):
+            where = np.flatnonzero(row == s)
+            if len(where):
+                lengths[r, s - 1], offsets[r, s - 1] = len(where), where[0]
+    return lengths, offsets
+
+
+def spans_attention(q, k, v, segment_ids):
+    """What cuDNN's packed layout computes, from the spans alone: token i attends to j when both lie
+    in one span and j <= i; tokens in no span get zeros."""
+    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
+    i = jnp.arange(q.shape[1])
+    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M, 1]
+    inside = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M, T]
+    same = jnp.einsum("bmi,bmj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    out = attention(q, k, v, same & (i[None, :, None] >= i[None, None, :]))
+    return jnp.where(inside.any(axis=1)[:, :, None, None], out, 0.0)
+
+
+def test_segment_cap():
+    assert [segment_cap(w) for w in (1, 4096, 4097, 8192, 16384, 16640, 30720)] == [8, 8, 16, 16, 32, 40, 64]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spans_equal_a_scan_of_the_rows(seed):
+    most = 8
+    segments = random_segments(6, 40, most, seed)
+    lengths, offsets = jax.jit(segment_spans, static_argnums=1)(jnp.asarray(segments), most)
+    expected_lengths, expected_offsets = brute_spans(segments, most)
+    np.testing.assert_array_equal(lengths, expected_lengths)
+    np.testing.assert_array_equal(offsets, expected_offsets)
+    assert (expected_lengths == -1).all(axis=1).any() and (expected_lengths != -1).all(axis=1).any()  # empty, full
+
+
+def test_spans_attention_is_the_segment_masked_attention():
+    rows, width, heads, kv_heads, dim = 5, 48, 4, 2, 8
+    segments = jnp.asarray(random_segments(rows, width, segment_cap(width), seed=7))
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (rows, width, heads, dim))
+    k = jax.random.normal(ks[1], (rows, width, kv_heads, dim))
+    v = jax.random.normal(ks[2], (rows, width, kv_heads, dim))
+    i = jnp.arange(width)
+    masked = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
+    expected = jnp.where((segments > 0)[:, :, None, None], attention(q, k, v, masked), 0.0)
+    np.testing.assert_allclose(spans_attention(q, k, v, segments), expected, atol=1e-5)
+    # negative control: spans one token short (a sequence's last token left out) are seen
+    shifted = jnp.where(segments > 0, jnp.roll(segments, 1, axis=1), 0)
+    assert not np.allclose(spans_attention(q, k, v, shifted), expected, atol=1e-3)
+
+
+CFG = ModelConfig(
+    family="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
+
+
+def packed_forward(monkeypatch, sharding=None):
+    """forward over packed rows as a Hopper GPU would run it, with cuDNN's packed layout replaced by
+    `spans_attention`; returns (logits, the number of packed calls, the valid positions)."""
+    segments = jnp.asarray(random_segments(4, 64, segment_cap(64), seed=3))
+    tokens = jax.random.randint(jax.random.key(1), segments.shape, 0, CFG.vocab_size)
+    calls = []
+
+    def packed(q, k, v, segment_ids):
+        calls.append(q.shape)
+        return spans_attention(q, k, v, segment_ids)
+
+    monkeypatch.setattr(transformer_module, "use_cudnn_attention", lambda *a: True)
+    monkeypatch.setattr(transformer_module, "packed_layout_here", lambda: True)
+    monkeypatch.setattr(transformer_module, "packed_attention", packed)
+    params = random_params(CFG, jax.random.key(0))
+    logits = forward(CFG, params, tokens, mask=segments > 0, segment_ids=segments, sharding=sharding)
+    return logits, len(calls), np.asarray(segments > 0)
+
+
+def test_the_forward_runs_packed_rows_through_the_packed_layout(monkeypatch):
+    segments = jnp.asarray(random_segments(4, 64, segment_cap(64), seed=3))
+    tokens = jax.random.randint(jax.random.key(1), segments.shape, 0, CFG.vocab_size)
+    params = random_params(CFG, jax.random.key(0))
+    expected = forward(CFG, params, tokens, mask=segments > 0, segment_ids=segments, attention_impl="xla")
+    logits, calls, valid = packed_forward(monkeypatch)
+    assert calls == CFG.num_layers
+    np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected)[valid], atol=1e-4)
+
+
+def test_a_mesh_of_several_devices_keeps_the_segment_mask(monkeypatch):
+    mesh = make_mesh(data=2, fsdp=1, devices=jax.devices()[:2])
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: attention(q, k, v, kw["mask"][:, 0]))
+    _, calls, _ = packed_forward(monkeypatch, Sharding(mesh))
+    assert calls == 0
+
+
+def test_no_packed_layout_off_a_gpu():
+    assert jax.default_backend() != "gpu" and not packed_layout_here()
