@@ -13,19 +13,23 @@ attends within each sequence alone:
         -> cuDNN flash attention, causal within each sequence
 
 M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to.
-The layout needs a Hopper GPU or newer (`packed_layout_here`); elsewhere, and on a mesh of several
-devices until the sharded call has run in a multi-GPU check, `jaxspec.models.transformer` gives
-cuDNN the segment mask as before.
+The layout needs a Hopper GPU or newer. JAXSPEC_PACKED_ATTENTION chooses, read when a forward is
+traced: "mask" (the default until `tests/gpu/check_cudnn_segments.py` has passed through the packed
+layout on a card) gives cuDNN the segment mask; "packed" the packed layout where a Hopper or newer
+GPU runs the forward (`packed_layout_here`) off a mesh of several devices (there the mask until
+the sharded call has run in a multi-GPU check).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 TOKENS_PER_SEQUENCE = 512  # the mean sequence length down to which segment_cap never cuts a row
+ENV = "JAXSPEC_PACKED_ATTENTION"
 
 
 def segment_cap(width: int) -> int:
@@ -52,9 +56,18 @@ def segment_spans(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array,
     return lengths, jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
 
 
-@functools.cache
 def packed_layout_here() -> bool:
-    """Whether this process's GPUs take cuDNN's packed layout (compute capability 9.0 or newer)."""
+    """Whether a forward over packed rows uses cuDNN's packed layout here: JAXSPEC_PACKED_ATTENTION
+    is "packed" and this process's GPUs take it."""
+    setting = os.environ.get(ENV, "mask")
+    if setting not in ("mask", "packed"):
+        raise ValueError(f"{ENV}={setting!r}: expected 'mask' or 'packed'")
+    return setting == "packed" and hopper_or_newer()
+
+
+@functools.cache
+def hopper_or_newer() -> bool:
+    """Whether this process's GPUs have compute capability 9.0 or newer (no GPU: False)."""
     if jax.default_backend() != "gpu":
         return False
     capability = getattr(jax.devices()[0], "compute_capability", "0.0")

@@ -1,20 +1,23 @@
 """GPU check before a packed-row pretraining run: flash attention (cuDNN) with segment ids gives
 the masked XLA attention's logits and gradients, finite everywhere (padding included), for rows of
-one sequence, of a few with padding after them, and of `segment_cap` sequences of 1 to 80 tokens.
-On a Hopper GPU the rows go through cuDNN's packed layout (`jaxspec.models.packed_attention`).
+one sequence, of a few with padding after them, and of `segment_cap` sequences of 1 to 80 tokens:
+with the segments as a mask, and on a Hopper or newer GPU also through cuDNN's packed layout
+(JAXSPEC_PACKED_ATTENTION=packed, `jaxspec.models.packed_attention`). Both must agree.
 
     pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test
     python3 -m tests.gpu.check_cudnn_segments         # exit 0 when they agree, 3 when they do not
 """
 
+import functools
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models import ModelConfig, forward, init_params
-from jaxspec.models.packed_attention import packed_layout_here, segment_cap
+from jaxspec.models import ModelConfig, forward, init_params, packed_attention
+from jaxspec.models.packed_attention import segment_cap
 
 
 def main() -> int:
@@ -46,31 +49,40 @@ def main() -> int:
     assert segments.max() == segment_cap(256)
     segments = jnp.asarray(segments)
 
-    def loss(p, impl):
+    def loss(p, *, impl):
         logits = forward(cfg, p, tokens, mask=segments > 0, segment_ids=segments, attention_impl=impl)
         return jnp.where((segments > 0)[..., None], logits, 0.0).astype(jnp.float32).sum() / 1e4, logits
 
-    results = {
-        impl: jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, impl)
-        for impl in ("xla", "cudnn")
-    }
-    (_, lx), gx = results["xla"]
-    (_, lc), gc = results["cudnn"]
+    def run(impl: str, layout: str):
+        before = os.environ.get(packed_attention.ENV)
+        os.environ[packed_attention.ENV] = layout  # read when the forward is traced: a new jit per layout
+        try:
+            return jax.jit(jax.value_and_grad(functools.partial(loss, impl=impl), has_aux=True))(params)
+        finally:
+            os.environ.pop(packed_attention.ENV)
+            if before is not None:
+                os.environ[packed_attention.ENV] = before
+
+    (_, lx), gx = run("xla", "mask")
     valid = np.asarray(segments > 0)
-    logit_err = float(np.abs(np.asarray(lx)[valid] - np.asarray(lc)[valid]).max())
-    grad_err = max(
-        float(
-            jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / (jnp.abs(a.astype(jnp.float32)).max() + 1e-6)
+    ok = True
+    for layout in ("mask", "packed") if packed_attention.hopper_or_newer() else ("mask",):
+        (_, lc), gc = run("cudnn", layout)
+        logit_err = float(np.abs(np.asarray(lx)[valid] - np.asarray(lc)[valid]).max())
+        grad_err = max(
+            float(
+                jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                / (jnp.abs(a.astype(jnp.float32)).max() + 1e-6)
+            )
+            for a, b in zip(jax.tree.leaves(gx), jax.tree.leaves(gc))
         )
-        for a, b in zip(jax.tree.leaves(gx), jax.tree.leaves(gc))
-    )
-    finite = bool(jnp.isfinite(lc).all()) and all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gc))
-    ok = logit_err < 0.1 and grad_err < 0.05 and finite
-    layout = "the packed layout" if packed_layout_here() else "a segment mask"
-    print(
-        f"cudnn ({layout}) vs xla with segment ids: max logit diff {logit_err:.4f}, max relative grad diff "
-        f"{grad_err:.4f}, finite everywhere {finite}: {'OK' if ok else 'MISMATCH'}"
-    )
+        finite = bool(jnp.isfinite(lc).all()) and all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gc))
+        agree = logit_err < 0.1 and grad_err < 0.05 and finite
+        ok = ok and agree
+        print(
+            f"cudnn ({layout}) vs xla with segment ids: max logit diff {logit_err:.4f}, max relative grad diff "
+            f"{grad_err:.4f}, finite everywhere {finite}: {'OK' if agree else 'MISMATCH'}"
+        )
     return 0 if ok else 3  # not 1, which a failure to run (e.g. an ImportError) also gives
 
 

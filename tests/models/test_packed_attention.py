@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import ModelConfig, forward, make_mesh
+from jaxspec.models import ModelConfig, forward, make_mesh, packed_attention
 from jaxspec.models import transformer as transformer_module
 from jaxspec.models.attention import attention
 from jaxspec.models.packed_attention import packed_layout_here, segment_cap, segment_spans
@@ -137,5 +137,15 @@ def test_a_mesh_of_several_devices_keeps_the_segment_mask(monkeypatch):
     assert calls == 0
 
 
-def test_no_packed_layout_off_a_gpu():
+def test_the_setting_chooses_the_packed_layout_on_hopper(monkeypatch):
+    monkeypatch.delenv(packed_attention.ENV, raising=False)
     assert jax.default_backend() != "gpu" and not packed_layout_here()
+    monkeypatch.setenv(packed_attention.ENV, "packed")
+    assert not packed_layout_here()  # no GPU here
+    monkeypatch.setattr(packed_attention, "hopper_or_newer", lambda: True)
+    assert packed_layout_here()
+    monkeypatch.setenv(packed_attention.ENV, "mask")
+    assert not packed_layout_here()
+    monkeypatch.setenv(packed_attention.ENV, "sometimes")
+    with pytest.raises(ValueError, match="JAXSPEC_PACKED_ATTENTION='sometimes'"):
+        packed_layout_here()
