@@ -2,10 +2,12 @@
 the masked XLA attention's logits and gradients, finite everywhere (padding included), for rows of
 one sequence, of a few with padding after them, and of `segment_cap` sequences of 1 to 80 tokens:
 with the segments as a mask, and on a Hopper or newer GPU also through cuDNN's packed layout
-(JAXSPEC_PACKED_ATTENTION=packed, `jaxspec.models.packed_attention`). Both must agree.
+(JAXSPEC_PACKED_ATTENTION=packed, `jaxspec.models.packed_attention`). The exit status speaks for
+the layout this environment selects (what a run started from it uses); the other's row is printed
+beside it, and with --all (and as a test) every layout must agree.
 
-    pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test
-    python3 -m tests.gpu.check_cudnn_segments         # exit 0 when they agree, 3 when they do not
+    pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test: every layout
+    python3 -m tests.gpu.check_cudnn_segments [--all] # exit 0 when they agree, 3 when they do not
 """
 
 import functools
@@ -20,7 +22,7 @@ from jaxspec.models import ModelConfig, forward, init_params, packed_attention
 from jaxspec.models.packed_attention import segment_cap
 
 
-def main() -> int:
+def main(every_layout: bool = False) -> int:
     if jax.default_backend() != "gpu":
         print("no GPU: training attention is XLA's, nothing to check")
         return 0
@@ -65,9 +67,16 @@ def main() -> int:
 
     (_, lx), gx = run("xla", "mask")
     valid = np.asarray(segments > 0)
+    selected = "packed" if packed_attention.packed_layout_here() else "mask"  # what a run from here uses
     ok = True
     for layout in ("mask", "packed") if packed_attention.hopper_or_newer() else ("mask",):
-        (_, lc), gc = run("cudnn", layout)
+        counts = every_layout or layout == selected
+        try:
+            (_, lc), gc = run("cudnn", layout)
+        except Exception as e:  # noqa: BLE001 - a layout this cuDNN cannot run is a disagreement
+            print(f"cudnn ({layout}) failed to run: {type(e).__name__}: {e}")
+            ok = ok and not counts
+            continue
         logit_err = float(np.abs(np.asarray(lx)[valid] - np.asarray(lc)[valid]).max())
         grad_err = max(
             float(
@@ -78,7 +87,7 @@ def main() -> int:
         )
         finite = bool(jnp.isfinite(lc).all()) and all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gc))
         agree = logit_err < 0.1 and grad_err < 0.05 and finite
-        ok = ok and agree
+        ok = ok and (agree or not counts)
         print(
             f"cudnn ({layout}) vs xla with segment ids: max logit diff {logit_err:.4f}, max relative grad diff "
             f"{grad_err:.4f}, finite everywhere {finite}: {'OK' if agree else 'MISMATCH'}"
@@ -87,4 +96,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(every_layout="--all" in sys.argv[1:]))
