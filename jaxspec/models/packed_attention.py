@@ -8,9 +8,10 @@ answers: ~8x the work), and XLA materialises the mask as a [B, 1, W, W] bias (0.
 W = 16384). cuDNN's packed layout takes each row's sequences as (offset, length) pairs instead and
 attends within each sequence alone:
 
-    segment_ids [B, W] (1, 2, ... per sequence, 0 on padding)
-        -> lengths [B, M], offsets [B, M + 1]     (-1 past a row's last sequence)
-        -> cuDNN flash attention, causal within each sequence
+    segment_ids [B, W] (1, 2, ... per sequence, 0 on padding after them)
+        -> lengths [B, M + 1], offsets [B, M + 2]     (each run of ids, the padding's too;
+                                                        -1 past a row's last run)
+        -> cuDNN flash attention, causal within each run
 
 M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to.
 The layout needs a Hopper GPU or newer. JAXSPEC_PACKED_ATTENTION chooses, read when a forward is
@@ -35,19 +36,25 @@ ENV = "JAXSPEC_PACKED_ATTENTION"
 def segment_cap(width: int) -> int:
     """M for packed rows of `width` tokens: the multiple of 8 that covers width / 512, so that a row
     of sequences of 512 tokens or more on average is never cut by the cap. The cost of the bound is
-    M (offset, length) slots per row, which cuDNN skips when empty."""
+    M + 1 (offset, length) slots per row (the last for the padding), which cuDNN skips when empty."""
     return 8 * -(-width // (8 * TOKENS_PER_SEQUENCE))
 
 
-def segment_spans(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
-    """(lengths int32 [B, M], offsets int32 [B, M + 1]) of the sequences of packed rows: row b's
-    sequence s + 1 starts at offsets[b, s] and holds lengths[b, s] tokens; both are -1 where row b
-    has no sequence s + 1, and offsets' last column is -1 (cuDNN's form).
+def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """(lengths int32 [B, slots], offsets int32 [B, slots + 1]): the runs of equal segment ids of
+    packed rows, in order: row b's run r starts at offsets[b, r] and holds lengths[b, r] tokens;
+    both are -1 past a row's last run, and offsets' last column is -1 (cuDNN's form). A run of
+    padding (id 0) is a span too, so that cuDNN writes every position of its outputs and gradients
+    (it leaves a position outside every span unwritten, and a gradient read from there would carry
+    whatever the memory held into the weights' gradients).
 
     segment_ids int32 [B, T]: 1, 2, ... per sequence, each sequence's tokens contiguous, 0 on
-    padding; M = max_segments must be at least every row's count of sequences."""
-    ids = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)
-    member = segment_ids[:, :, None] == ids  # [B, T, M]
+    padding; every row must hold at most `slots` runs."""
+    change = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    run = jnp.cumsum(change, axis=1, dtype=jnp.int32) - 1  # [B, T]: each token's run, from 0
+    member = run[:, :, None] == jnp.arange(slots, dtype=jnp.int32)  # [B, T, slots]
     lengths = member.sum(axis=1, dtype=jnp.int32)
     starts = jnp.argmax(member, axis=1).astype(jnp.int32)
     present = lengths > 0
@@ -78,11 +85,12 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     """Causal grouped-query attention within each sequence of packed rows, by cuDNN.
 
     q [B, T, Nq, D], k/v [B, T, Nk, D], segment_ids int32 [B, T] as `segment_spans` reads them, at
-    most `segment_cap(T)` sequences per row -> [B, T, Nq, D], zero on padding (which lies outside
-    every sequence, so cuDNN does not write it)."""
+    most `segment_cap(T)` sequences per row and padding only after the last -> [B, T, Nq, D], zero
+    on padding (a span of its own, attending within itself: no sequence reads it, and its zero
+    cotangent gives it zero gradients)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
+    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]) + 1)
     out = dot_product_attention(
         q,
         k,

@@ -34,27 +34,30 @@ def random_segments(rows: int, width: int, most: int, seed: int) -> np.ndarray:
     return segments
 
 
-def brute_spans(segments: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
-    lengths = -np.ones((len(segments), most), np.int32)
-    offsets = -np.ones((len(segments), most + 1), np.int32)
+def brute_spans(segments: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's runs of equal ids (padding's included), scanned token by token."""
+    lengths = -np.ones((len(segments), slots), np.int32)
+    offsets = -np.ones((len(segments), slots + 1), np.int32)
     for r, row in enumerate(segments):
-        for s in range(1, most + 1):
-            where = np.flatnonzero(row == s)
-            if len(where):
-                lengths[r, s - 1], offsets[r, s - 1] = len(where), where[0]
+        run = -1
+        for i, sid in enumerate(row):
+            if i == 0 or sid != row[i - 1]:
+                run += 1
+                offsets[r, run], lengths[r, run] = i, 0
+            lengths[r, run] += 1
     return lengths, offsets
 
 
 def spans_attention(q, k, v, segment_ids):
-    """What cuDNN's packed layout computes, from the spans alone: token i attends to j when both lie
-    in one span and j <= i; tokens in no span get zeros."""
-    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
+    """What `packed_attention` has cuDNN compute, from the spans alone: token i attends to j when
+    both lie in one span and j <= i; zero on padding."""
+    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]) + 1)
     i = jnp.arange(q.shape[1])
-    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M, 1]
-    inside = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M, T]
+    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M + 1, 1]
+    inside = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M + 1, T]
     same = jnp.einsum("bmi,bmj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
     out = attention(q, k, v, same & (i[None, :, None] >= i[None, None, :]))
-    return jnp.where(inside.any(axis=1)[:, :, None, None], out, 0.0)
+    return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
 
 
 def test_segment_cap():
@@ -65,11 +68,12 @@ def test_segment_cap():
 def test_spans_equal_a_scan_of_the_rows(seed):
     most = 8
     segments = random_segments(6, 40, most, seed)
-    lengths, offsets = jax.jit(segment_spans, static_argnums=1)(jnp.asarray(segments), most)
-    expected_lengths, expected_offsets = brute_spans(segments, most)
+    lengths, offsets = jax.jit(segment_spans, static_argnums=1)(jnp.asarray(segments), most + 1)
+    expected_lengths, expected_offsets = brute_spans(segments, most + 1)
     np.testing.assert_array_equal(lengths, expected_lengths)
     np.testing.assert_array_equal(offsets, expected_offsets)
-    assert (expected_lengths == -1).all(axis=1).any() and (expected_lengths != -1).all(axis=1).any()  # empty, full
+    assert (expected_lengths[:, 0] == 40).sum() == 2  # the padding row and the one-sequence row: one run
+    assert (expected_lengths.sum(axis=1) + (expected_lengths == -1).sum(axis=1) == 40).all()  # every token in a run
 
 
 def test_spans_attention_is_the_segment_masked_attention():
