@@ -13,7 +13,8 @@ attends within each sequence alone:
                                                         -1 past a row's last run)
         -> cuDNN flash attention, causal within each run
 
-M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to.
+M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to
+where the packed layout is selected (`packing_cap`).
 The layout needs a Hopper GPU or newer. JAXSPEC_PACKED_ATTENTION chooses, read when a forward is
 traced: "mask" (the default until `tests/gpu/check_cudnn_segments.py` has passed through the packed
 layout on a card) gives cuDNN the segment mask; "packed" the packed layout where a Hopper or newer
@@ -63,13 +64,25 @@ def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Ar
     return lengths, jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
 
 
-def packed_layout_here() -> bool:
-    """Whether a forward over packed rows uses cuDNN's packed layout here: JAXSPEC_PACKED_ATTENTION
-    is "packed" and this process's GPUs take it."""
+def selected_layout() -> str:
+    """JAXSPEC_PACKED_ATTENTION: "mask" (the default) or "packed"."""
     setting = os.environ.get(ENV, "mask")
     if setting not in ("mask", "packed"):
         raise ValueError(f"{ENV}={setting!r}: expected 'mask' or 'packed'")
-    return setting == "packed" and hopper_or_newer()
+    return setting
+
+
+def packing_cap(width: int) -> int | None:
+    """The most sequences a packer may put into a row that a forward reads as `width` tokens:
+    `segment_cap(width)` where JAXSPEC_PACKED_ATTENTION selects the packed layout, else None (the
+    segment mask takes any number, and a bound would only add rows)."""
+    return segment_cap(width) if selected_layout() == "packed" else None
+
+
+def packed_layout_here() -> bool:
+    """Whether a forward over packed rows uses cuDNN's packed layout here: JAXSPEC_PACKED_ATTENTION
+    is "packed" and this process's GPUs take it."""
+    return selected_layout() == "packed" and hopper_or_newer()
 
 
 @functools.cache

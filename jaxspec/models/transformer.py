@@ -63,7 +63,8 @@ def forward_hidden(
 
     tokens int32 [B, T]; mask bool [B, T] (False = right padding: each row's valid tokens come
     first); segment_ids int32 [B, T] (packed sequences, 1, 2, ... per row, each contiguous, 0 on
-    padding, at most `packed_attention.segment_cap(T)` per row: each attends only within itself);
+    padding after them, at most `packed_attention.segment_cap(T)` per row where cuDNN's packed layout
+    is selected: each attends only within itself);
     positions int32 [B, T] (default: index within sequence/segment). hidden_layers: 0-based layer
     ids whose *outputs* are returned.
     attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; packed sequences in

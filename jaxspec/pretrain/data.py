@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.models.packed_attention import segment_cap
+from jaxspec.models.packed_attention import packing_cap
 from jaxspec.pretrain.config import DataConfig
 from jaxspec.tasks.generator import generate_problems, write_problems
 from jaxspec.tasks.tokenizer import ChatTokenizer, train_tokenizer
@@ -107,13 +107,13 @@ def encode_examples(problems: list[dict], tok: ChatTokenizer) -> list[tuple[list
 
 def pack(examples: list[tuple[list[int], int]], max_len: int, pad_id: int, seed: int) -> PackedSet:
     """Packs examples, in a seeded random order, greedily into rows of max_len + 1 tokens, at most
-    `packed_attention.segment_cap(max_len)` per row (the bound of the attention over packed rows).
+    `packed_attention.packing_cap(max_len)` per row (the bound of cuDNN's packed layout, where selected).
 
     An example of n tokens occupies n slots; examples with n > max_len are dropped (and counted).
     """
     order = np.random.default_rng(seed).permutation(len(examples))
     width = max_len + 1
-    cap = segment_cap(max_len)
+    cap = packing_cap(max_len) or len(examples)
     rows: list[list[tuple[list[int], int]]] = [[]]
     used = 0
     dropped = 0

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspec.models.packed_attention import segment_cap
+from jaxspec.models.packed_attention import packing_cap
 from jaxspec.rollout.prompts import prompt_bucket
 
 
@@ -234,8 +234,9 @@ def packed_row_count(filled: int, multiple_of: int = 1) -> int:
 def packed_row_counts(num_seqs: int, width: int, shortest: int, multiple_of: int = 1) -> list[int]:
     """Every R (ascending) that `pack_rows` can give S = num_seqs sequences of at least `shortest`
     tokens in rows of width W: from the rows their tokens fill at the least (S * shortest / W, and
-    S / `segment_cap(W)`) to one row per sequence."""
-    least = max(-(-num_seqs * shortest // width), -(-num_seqs // segment_cap(width)))
+    S / `packing_cap(W)`) to one row per sequence."""
+    cap = packing_cap(width) or num_seqs
+    least = max(-(-num_seqs * shortest // width), -(-num_seqs // cap))
     counts = [packed_row_count(least, multiple_of)]
     while counts[-1] < packed_row_count(num_seqs, multiple_of):
         counts.append(packed_row_count(counts[-1] + 1, multiple_of))
@@ -248,7 +249,7 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
 
     RL responses are mostly far shorter than max_new_tokens, so right-padded rows are mostly
     padding; packed, the forward costs what the tokens cost. A row holds at most
-    `packed_attention.segment_cap(W)` sequences (the bound of the attention over packed rows).
+    `packed_attention.packing_cap(W)` sequences (the bound of cuDNN's packed layout, where selected).
     R is the smallest `packed_row_count`
     (a multiple of `multiple_of`, e.g. the mesh's batch-axis size) that holds them, so a run
     compiles the trainer for the few row counts of `packed_row_counts` only. The per-sequence
@@ -258,7 +259,7 @@ def pack_rows(rows: TrainingRows, multiple_of: int = 1) -> PackedRows:
     tokens = rows.tokens
     num_seqs, width = tokens.shape
     lengths = rows.attn_mask.sum(axis=1)
-    cap = segment_cap(width)
+    cap = packing_cap(width) or num_seqs
     free, held = [], []  # free columns and sequences per packed row
     placed = np.zeros((num_seqs, 2), np.int64)  # (row, start)
     for s in sorted(range(num_seqs), key=lambda i: (-lengths[i], i)):

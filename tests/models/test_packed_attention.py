@@ -144,7 +144,9 @@ def test_a_mesh_of_several_devices_keeps_the_segment_mask(monkeypatch):
 def test_the_setting_chooses_the_packed_layout_on_hopper(monkeypatch):
     monkeypatch.delenv(packed_attention.ENV, raising=False)
     assert jax.default_backend() != "gpu" and not packed_layout_here()
+    assert packed_attention.packing_cap(16384) is None  # the packers bound rows only for the layout
     monkeypatch.setenv(packed_attention.ENV, "packed")
+    assert packed_attention.packing_cap(16384) == 32
     assert not packed_layout_here()  # no GPU here
     monkeypatch.setattr(packed_attention, "hopper_or_newer", lambda: True)
     assert packed_layout_here()

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from jaxspec.models.packed_attention import segment_cap
+from jaxspec.models import packed_attention
 from jaxspec.pretrain.data import PackedSet, pack
 
 
@@ -26,10 +26,13 @@ def test_pack_layout():
     assert sorted(rows) == sorted(e for e, _ in examples if len(e) <= 7)
 
 
-def test_pack_keeps_to_the_attention_s_sequences_per_row():
+def test_pack_keeps_to_the_packed_layout_s_sequences_per_row(monkeypatch):
     examples = [([7, 7], 1)] * 20  # 40 tokens: one row of 64 by tokens, three at 8 per row
+    monkeypatch.delenv(packed_attention.ENV, raising=False)
+    assert pack(examples, max_len=64, pad_id=0, seed=0).segment_ids.max(axis=1).tolist() == [20]
+    monkeypatch.setenv(packed_attention.ENV, "packed")
     packed = pack(examples, max_len=64, pad_id=0, seed=0)
-    assert segment_cap(64) == 8 and packed.segment_ids.max(axis=1).tolist() == [8, 8, 4]
+    assert packed_attention.segment_cap(64) == 8 and packed.segment_ids.max(axis=1).tolist() == [8, 8, 4]
     assert packed.num_examples == 20
 
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.models.packed_attention import segment_cap
+from jaxspec.models import packed_attention
 from jaxspec.rl.batch import (
     PackedRows,
     Rollouts,
@@ -59,9 +59,10 @@ def test_pack_rows_layout():
     assert pack_rows(rows, multiple_of=3).tokens.shape == (3, 10)
 
 
-def test_pack_rows_keeps_to_the_attention_s_sequences_per_row():
-    """40 sequences of 3 tokens fill 2 rows of 64 by their tokens; at most segment_cap(64) = 8 per row
-    they take 5 (6 with packed_row_count's rounding), a count the precompiled set holds."""
+def test_pack_rows_keeps_to_the_packed_layout_s_sequences_per_row(monkeypatch):
+    """40 sequences of 3 tokens fill 2 rows of 64 by their tokens; where the packed layout is selected,
+    at most segment_cap(64) = 8 per row, they take 5 (6 with packed_row_count's rounding), a count the
+    precompiled set holds."""
     width, seqs = 64, 40
     attn_mask = np.arange(width)[None, :] < 3
     rows = TrainingRows(
@@ -71,8 +72,11 @@ def test_pack_rows_keeps_to_the_attention_s_sequences_per_row():
         resp_tokens=np.zeros((seqs, 2), np.int32),
         resp_mask=np.ones((seqs, 2), bool),
     )
+    monkeypatch.delenv(packed_attention.ENV, raising=False)
+    assert pack_rows(rows).segment_ids.max(axis=1).tolist() == [21, 19]  # the mask takes any number
+    monkeypatch.setenv(packed_attention.ENV, "packed")
     packed = pack_rows(rows)
-    assert segment_cap(width) == 8 and packed.segment_ids.max(axis=1).tolist() == [8] * 5 + [0]
+    assert packed_attention.segment_cap(width) == 8 and packed.segment_ids.max(axis=1).tolist() == [8] * 5 + [0]
     assert (packed.segment_ids > 0).sum() == 3 * seqs
     assert packed.tokens.shape[0] in packed_row_counts(seqs, width, 3)
 
