@@ -9,9 +9,8 @@ W = 16384). cuDNN's packed layout takes each row's sequences as (offset, length)
 attends within each sequence alone:
 
     segment_ids [B, W] (1, 2, ... per sequence, 0 on padding after them)
-        -> lengths [B, M + 1], offsets [B, M + 2]     (each run of ids, the padding's too;
-                                                        -1 past a row's last run)
-        -> cuDNN flash attention, causal within each run
+        -> lengths [B, M], offsets [B, M + 1]     (-1 past a row's last sequence)
+        -> cuDNN flash attention, causal within each sequence; padding neither read nor written
 
 M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to
 where the packed layout is selected (`packing_cap`).
@@ -37,26 +36,24 @@ ENV = "JAXSPEC_PACKED_ATTENTION"
 def segment_cap(width: int) -> int:
     """M for packed rows of `width` tokens: the multiple of 8 that covers width / 512, so that a row
     of sequences of 512 tokens or more on average is never cut by the cap. The cost of the bound is
-    M + 1 (offset, length) slots per row (the last for the padding), which cuDNN skips when empty."""
+    M (offset, length) slots per row, which cuDNN skips when empty."""
     return 8 * -(-width // (8 * TOKENS_PER_SEQUENCE))
 
 
 def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
-    """(lengths int32 [B, slots], offsets int32 [B, slots + 1]): the runs of equal segment ids of
-    packed rows, in order: row b's run r starts at offsets[b, r] and holds lengths[b, r] tokens;
-    both are -1 past a row's last run, and offsets' last column is -1 (cuDNN's form). A run of
-    padding (id 0) is a span too, so that cuDNN writes every position of its outputs and gradients
-    (it leaves a position outside every span unwritten, and a gradient read from there would carry
-    whatever the memory held into the weights' gradients).
+    """(lengths int32 [B, slots], offsets int32 [B, slots + 1]): the sequences (runs of equal
+    non-zero segment ids) of packed rows, in order: row b's run r starts at offsets[b, r] and holds
+    lengths[b, r] tokens; both are -1 for a run of padding and past a row's last run, and offsets'
+    last column is -1 (cuDNN's form).
 
     segment_ids int32 [B, T]: 1, 2, ... per sequence, each sequence's tokens contiguous, 0 on
-    padding; every row must hold at most `slots` runs."""
+    padding; every row's runs up to its last sequence must fit `slots`."""
     change = jnp.concatenate(
         [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
     )
     run = jnp.cumsum(change, axis=1, dtype=jnp.int32) - 1  # [B, T]: each token's run, from 0
-    member = run[:, :, None] == jnp.arange(slots, dtype=jnp.int32)  # [B, T, slots]
-    lengths = member.sum(axis=1, dtype=jnp.int32)
+    member = (run[:, :, None] == jnp.arange(slots, dtype=jnp.int32)) & (segment_ids > 0)[:, :, None]
+    lengths = member.sum(axis=1, dtype=jnp.int32)  # [B, slots]
     starts = jnp.argmax(member, axis=1).astype(jnp.int32)
     present = lengths > 0
     lengths = jnp.where(present, lengths, -1)
@@ -98,12 +95,15 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     """Causal grouped-query attention within each sequence of packed rows, by cuDNN.
 
     q [B, T, Nq, D], k/v [B, T, Nk, D], segment_ids int32 [B, T] as `segment_spans` reads them, at
-    most `segment_cap(T)` sequences per row and padding only after the last -> [B, T, Nq, D], zero
-    on padding (a span of its own, attending within itself: no sequence reads it, and its zero
-    cotangent gives it zero gradients)."""
+    most `segment_cap(T)` sequences per row, padding after the last -> [B, T, Nq, D], zero on
+    padding. cuDNN neither reads nor writes a position outside every sequence: there its output and
+    its q/k/v gradients hold whatever the memory held, so both are selected away (a select, not a
+    product, so that not even a NaN there reaches the weights' gradients). Padding costs nothing."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]) + 1)
+    valid = (segment_ids > 0)[:, :, None, None]
+    q, k, v = (jnp.where(valid, x, jax.lax.stop_gradient(x)) for x in (q, k, v))  # no gradient from padding
+    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
     out = dot_product_attention(
         q,
         k,
@@ -116,4 +116,4 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         mask_type=MaskType.PADDING_CAUSAL,
         qkv_layout="BTNH",
     )
-    return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return jnp.where(valid, out, jnp.zeros((), out.dtype))

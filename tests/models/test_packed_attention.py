@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import ModelConfig, forward, make_mesh, packed_attention
+from jaxspec.models import ModelConfig, forward, make_mesh
+from jaxspec.models import packed_attention as packed_module
 from jaxspec.models import transformer as transformer_module
 from jaxspec.models.attention import attention
-from jaxspec.models.packed_attention import packed_layout_here, segment_cap, segment_spans
+from jaxspec.models.packed_attention import packed_attention, packed_layout_here, segment_cap, segment_spans
 from jaxspec.models.sharding import Sharding
 from tests.models.hf_reference import random_params
 
@@ -35,7 +36,7 @@ def random_segments(rows: int, width: int, most: int, seed: int) -> np.ndarray:
 
 
 def brute_spans(segments: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's runs of equal ids (padding's included), scanned token by token."""
+    """Each row's runs of equal ids, scanned token by token; -1 for a run of padding."""
     lengths = -np.ones((len(segments), slots), np.int32)
     offsets = -np.ones((len(segments), slots + 1), np.int32)
     for r, row in enumerate(segments):
@@ -43,21 +44,23 @@ def brute_spans(segments: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarra
         for i, sid in enumerate(row):
             if i == 0 or sid != row[i - 1]:
                 run += 1
-                offsets[r, run], lengths[r, run] = i, 0
-            lengths[r, run] += 1
+                if sid:
+                    offsets[r, run], lengths[r, run] = i, 0
+            if sid:
+                lengths[r, run] += 1
     return lengths, offsets
 
 
 def spans_attention(q, k, v, segment_ids):
     """What `packed_attention` has cuDNN compute, from the spans alone: token i attends to j when
-    both lie in one span and j <= i; zero on padding."""
-    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]) + 1)
+    both lie in one span and j <= i; zero outside every span."""
+    lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
     i = jnp.arange(q.shape[1])
-    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M + 1, 1]
-    inside = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M + 1, T]
+    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M, 1]
+    inside = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M, T]
     same = jnp.einsum("bmi,bmj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
     out = attention(q, k, v, same & (i[None, :, None] >= i[None, None, :]))
-    return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
+    return jnp.where(inside.any(axis=1)[:, :, None, None], out, 0.0)
 
 
 def test_segment_cap():
@@ -68,12 +71,12 @@ def test_segment_cap():
 def test_spans_equal_a_scan_of_the_rows(seed):
     most = 8
     segments = random_segments(6, 40, most, seed)
-    lengths, offsets = jax.jit(segment_spans, static_argnums=1)(jnp.asarray(segments), most + 1)
-    expected_lengths, expected_offsets = brute_spans(segments, most + 1)
+    lengths, offsets = jax.jit(segment_spans, static_argnums=1)(jnp.asarray(segments), most)
+    expected_lengths, expected_offsets = brute_spans(segments, most)
     np.testing.assert_array_equal(lengths, expected_lengths)
     np.testing.assert_array_equal(offsets, expected_offsets)
-    assert (expected_lengths[:, 0] == 40).sum() == 2  # the padding row and the one-sequence row: one run
-    assert (expected_lengths.sum(axis=1) + (expected_lengths == -1).sum(axis=1) == 40).all()  # every token in a run
+    assert (expected_lengths == -1).all(axis=1).any() and (expected_lengths != -1).all(axis=1).any()  # empty, full
+    np.testing.assert_array_equal(np.where(lengths > 0, lengths, 0).sum(axis=1), (segments > 0).sum(axis=1))
 
 
 def test_spans_attention_is_the_segment_masked_attention():
@@ -90,6 +93,66 @@ def test_spans_attention_is_the_segment_masked_attention():
     # negative control: spans one token short (a sequence's last token left out) are seen
     shifted = jnp.where(segments > 0, jnp.roll(segments, 1, axis=1), 0)
     assert not np.allclose(spans_attention(q, k, v, shifted), expected, atol=1e-3)
+
+
+def nan_outside_spans_cudnn(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type, qkv_layout):
+    """A stand-in for cuDNN's packed layout that, like it, leaves every position outside the spans
+    unwritten, here NaN, in the output and in the q/k/v gradients."""
+    del kv_seqlen, kv_offsets, scale, mask_type, qkv_layout
+    i = jnp.arange(q.shape[1])
+    start, end = q_offsets[:, :-1, None], q_offsets[:, :-1, None] + q_seqlen[:, :, None]
+    inside = ((q_seqlen[:, :, None] > 0) & (i >= start) & (i < end)).any(axis=1)[:, :, None, None]  # [B, T, 1, 1]
+    same = (start <= i[None, None, :]) & (i[None, None, :] < end) & (q_seqlen[:, :, None] > 0)
+    same = jnp.einsum("bmi,bmj->bij", same.astype(jnp.int32), same.astype(jnp.int32)) > 0
+    mask = same & (i[None, :, None] >= i[None, None, :])
+
+    @jax.custom_vjp
+    def call(q, k, v):
+        return jnp.where(inside, attention(q, k, v, mask), jnp.nan)
+
+    def call_fwd(q, k, v):
+        return call(q, k, v), (q, k, v)
+
+    def call_bwd(res, ct):
+        _, vjp = jax.vjp(lambda *a: attention(*a, mask), *res)
+        return tuple(jnp.where(inside, g, jnp.nan) for g in vjp(ct))
+
+    call.defvjp(call_fwd, call_bwd)
+    return call(q, k, v)
+
+
+def test_positions_cudnn_leaves_unwritten_reach_neither_outputs_nor_gradients(monkeypatch):
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    rows, width, heads, kv_heads, dim = 4, 32, 4, 2, 8
+    segments = jnp.asarray(random_segments(rows, width, segment_cap(width), seed=5))
+    ks = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(ks[0], (rows, width, heads, dim))
+    k = jax.random.normal(ks[1], (rows, width, kv_heads, dim))
+    v = jax.random.normal(ks[2], (rows, width, kv_heads, dim))
+    weights = jax.random.normal(ks[3], q.shape)  # a loss that reads every position, padding included
+    i = jnp.arange(width)
+    masked = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
+
+    def expected(q, k, v):
+        return jnp.sum(jnp.where((segments > 0)[:, :, None, None], attention(q, k, v, masked), 0.0) * weights)
+
+    monkeypatch.setattr(fused_attention_stablehlo, "dot_product_attention", nan_outside_spans_cudnn)
+    value, grads = jax.value_and_grad(lambda *a: jnp.sum(packed_attention(*a, segments) * weights), (0, 1, 2))(q, k, v)
+    want_value, want_grads = jax.value_and_grad(expected, (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # negative control: the stand-in alone, its output selected but not its inputs, lets NaN through
+    lengths, offsets = segment_spans(segments, segment_cap(width))
+    spans = dict(q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets)
+    spans.update(scale=1.0, mask_type=None, qkv_layout="BTNH")
+
+    def unguarded(q, k, v):
+        out = nan_outside_spans_cudnn(q, k, v, **spans)
+        return jnp.sum(jnp.where((segments > 0)[:, :, None, None], out, 0.0) * weights)
+
+    assert not all(bool(jnp.isfinite(g).all()) for g in jax.grad(unguarded, (0, 1, 2))(q, k, v))
 
 
 CFG = ModelConfig(
@@ -142,16 +205,16 @@ def test_a_mesh_of_several_devices_keeps_the_segment_mask(monkeypatch):
 
 
 def test_the_setting_chooses_the_packed_layout_on_hopper(monkeypatch):
-    monkeypatch.delenv(packed_attention.ENV, raising=False)
+    monkeypatch.delenv(packed_module.ENV, raising=False)
     assert jax.default_backend() != "gpu" and not packed_layout_here()
-    assert packed_attention.packing_cap(16384) is None  # the packers bound rows only for the layout
-    monkeypatch.setenv(packed_attention.ENV, "packed")
-    assert packed_attention.packing_cap(16384) == 32
+    assert packed_module.packing_cap(16384) is None  # the packers bound rows only for the layout
+    monkeypatch.setenv(packed_module.ENV, "packed")
+    assert packed_module.packing_cap(16384) == 32
     assert not packed_layout_here()  # no GPU here
-    monkeypatch.setattr(packed_attention, "hopper_or_newer", lambda: True)
+    monkeypatch.setattr(packed_module, "hopper_or_newer", lambda: True)
     assert packed_layout_here()
-    monkeypatch.setenv(packed_attention.ENV, "mask")
+    monkeypatch.setenv(packed_module.ENV, "mask")
     assert not packed_layout_here()
-    monkeypatch.setenv(packed_attention.ENV, "sometimes")
+    monkeypatch.setenv(packed_module.ENV, "sometimes")
     with pytest.raises(ValueError, match="JAXSPEC_PACKED_ATTENTION='sometimes'"):
         packed_layout_here()
