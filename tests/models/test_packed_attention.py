@@ -51,16 +51,37 @@ def brute_spans(segments: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarra
     return lengths, offsets
 
 
+def span_masks(lengths, offsets, width: int):
+    """(inside bool [B, T]: the position lies in a span, mask bool [B, T, T]: i attends to j, both
+    in one span and j <= i) of `segment_spans`' (lengths, offsets)."""
+    i = jnp.arange(width)
+    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M, 1]
+    member = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M, T]
+    same = jnp.einsum("bmi,bmj->bij", member.astype(jnp.int32), member.astype(jnp.int32)) > 0
+    return member.any(axis=1), same & (i[None, :, None] >= i[None, None, :])
+
+
 def spans_attention(q, k, v, segment_ids):
     """What `packed_attention` has cuDNN compute, from the spans alone: token i attends to j when
     both lie in one span and j <= i; zero outside every span."""
     lengths, offsets = segment_spans(segment_ids, segment_cap(q.shape[1]))
-    i = jnp.arange(q.shape[1])
-    start, end = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]  # [B, M, 1]
-    inside = (lengths[:, :, None] > 0) & (i >= start) & (i < end)  # [B, M, T]
-    same = jnp.einsum("bmi,bmj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
-    out = attention(q, k, v, same & (i[None, :, None] >= i[None, None, :]))
-    return jnp.where(inside.any(axis=1)[:, :, None, None], out, 0.0)
+    inside, mask = span_masks(lengths, offsets, q.shape[1])
+    return jnp.where(inside[:, :, None, None], attention(q, k, v, mask), 0.0)
+
+
+def random_qkv(rows: int, width: int, seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (rows, width, heads, dim))
+    k = jax.random.normal(ks[1], (rows, width, kv_heads, dim))
+    v = jax.random.normal(ks[2], (rows, width, kv_heads, dim))
+    return q, k, v
+
+
+def segment_masked_attention(q, k, v, segments):
+    """The forward's other path: causal attention under the mask of equal segment ids, zero on padding."""
+    i = jnp.arange(segments.shape[1])
+    masked = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
+    return jnp.where((segments > 0)[:, :, None, None], attention(q, k, v, masked), 0.0)
 
 
 def test_segment_cap():
@@ -80,15 +101,10 @@ def test_spans_equal_a_scan_of_the_rows(seed):
 
 
 def test_spans_attention_is_the_segment_masked_attention():
-    rows, width, heads, kv_heads, dim = 5, 48, 4, 2, 8
+    rows, width = 5, 48
     segments = jnp.asarray(random_segments(rows, width, segment_cap(width), seed=7))
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (rows, width, heads, dim))
-    k = jax.random.normal(ks[1], (rows, width, kv_heads, dim))
-    v = jax.random.normal(ks[2], (rows, width, kv_heads, dim))
-    i = jnp.arange(width)
-    masked = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
-    expected = jnp.where((segments > 0)[:, :, None, None], attention(q, k, v, masked), 0.0)
+    q, k, v = random_qkv(rows, width, seed=0)
+    expected = segment_masked_attention(q, k, v, segments)
     np.testing.assert_allclose(spans_attention(q, k, v, segments), expected, atol=1e-5)
     # negative control: spans one token short (a sequence's last token left out) are seen
     shifted = jnp.where(segments > 0, jnp.roll(segments, 1, axis=1), 0)
@@ -99,12 +115,8 @@ def nan_outside_spans_cudnn(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offse
     """A stand-in for cuDNN's packed layout that, like it, leaves every position outside the spans
     unwritten, here NaN, in the output and in the q/k/v gradients."""
     del kv_seqlen, kv_offsets, scale, mask_type, qkv_layout
-    i = jnp.arange(q.shape[1])
-    start, end = q_offsets[:, :-1, None], q_offsets[:, :-1, None] + q_seqlen[:, :, None]
-    inside = ((q_seqlen[:, :, None] > 0) & (i >= start) & (i < end)).any(axis=1)[:, :, None, None]  # [B, T, 1, 1]
-    same = (start <= i[None, None, :]) & (i[None, None, :] < end) & (q_seqlen[:, :, None] > 0)
-    same = jnp.einsum("bmi,bmj->bij", same.astype(jnp.int32), same.astype(jnp.int32)) > 0
-    mask = same & (i[None, :, None] >= i[None, None, :])
+    inside, mask = span_masks(q_seqlen, q_offsets, q.shape[1])
+    inside = inside[:, :, None, None]
 
     @jax.custom_vjp
     def call(q, k, v):
@@ -124,18 +136,13 @@ def nan_outside_spans_cudnn(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offse
 def test_positions_cudnn_leaves_unwritten_reach_neither_outputs_nor_gradients(monkeypatch):
     from jax._src.cudnn import fused_attention_stablehlo
 
-    rows, width, heads, kv_heads, dim = 4, 32, 4, 2, 8
+    rows, width = 4, 32
     segments = jnp.asarray(random_segments(rows, width, segment_cap(width), seed=5))
-    ks = jax.random.split(jax.random.key(2), 4)
-    q = jax.random.normal(ks[0], (rows, width, heads, dim))
-    k = jax.random.normal(ks[1], (rows, width, kv_heads, dim))
-    v = jax.random.normal(ks[2], (rows, width, kv_heads, dim))
-    weights = jax.random.normal(ks[3], q.shape)  # a loss that reads every position, padding included
-    i = jnp.arange(width)
-    masked = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
+    q, k, v = random_qkv(rows, width, seed=2)
+    weights = jax.random.normal(jax.random.key(3), q.shape)  # a loss that reads every position, padding included
 
     def expected(q, k, v):
-        return jnp.sum(jnp.where((segments > 0)[:, :, None, None], attention(q, k, v, masked), 0.0) * weights)
+        return jnp.sum(segment_masked_attention(q, k, v, segments) * weights)
 
     monkeypatch.setattr(fused_attention_stablehlo, "dot_product_attention", nan_outside_spans_cudnn)
     value, grads = jax.value_and_grad(lambda *a: jnp.sum(packed_attention(*a, segments) * weights), (0, 1, 2))(q, k, v)
