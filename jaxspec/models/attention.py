@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxspec.kernels import command_buffers
 from jaxspec.kernels.attention_partials import merge, new_token_bits
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.models.sharding import KV_CACHE_AXES, Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, on_devices
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 KERNEL_IMPLS = ("triton", "triton-interpret")
@@ -143,7 +143,7 @@ def cache_attention(
             q, k_cache, v_cache, table, cache_len, tree_mask, active, interpret=impl == "triton-interpret"
         )
 
-    if sharding is None or sharding.mesh.size == 1:
+    if not on_devices(sharding):
         return dense_kernel(q, k_cache, v_cache, cache_len, tree_mask, active)
     batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
     P = jax.sharding.PartitionSpec

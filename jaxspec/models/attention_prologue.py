@@ -37,7 +37,7 @@ from jaxspec.models.paged import one_pool, page_of
 from jaxspec.models.params import Params
 from jaxspec.models.projection import project
 from jaxspec.models.rope import apply_rope
-from jaxspec.models.sharding import KV_CACHE_AXES, KV_PAGES_AXES, Sharding
+from jaxspec.models.sharding import KV_CACHE_AXES, KV_PAGES_AXES, Sharding, on_devices
 
 IMPLS = ("auto", "xla", "triton")
 IMPL_ENV = "JAXSPEC_ATTENTION_PROLOGUE"
@@ -57,7 +57,7 @@ def prologue_impl(
     k and v are fused, the cache is a dense cache or pools (grouped ones on a mesh only), not split
     along its positions, and the attention kernel runs the call (`kernel_impl`); else "xla".
     x [B, T, H] is the layer's (normed) input; k_pool / v_pool the layer's pools or dense cache."""
-    on_mesh = sharding is not None and sharding.mesh.size > 1
+    on_mesh = on_devices(sharding)
     impl = requested_impl("auto", IMPLS, IMPL_ENV, "attention prologue")
     if impl == "auto":
         impl = command_buffers.layer_kernel_default(on_mesh)
@@ -152,7 +152,7 @@ def layer_attention(
 
     if page_table is not None:
         arrays["page_table"] = page_table
-    if sharding is None or sharding.mesh.size == 1:
+    if not on_devices(sharding):
         return attend(arrays, weights)
     pools = cache_spec(sharding, k_pool, page_table is not None)
     heads = pools[-2]

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models import projection
-from jaxspec.models.sharding import Sharding
+from jaxspec.models.sharding import Sharding, on_devices
 
 SPARSE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
 IMPLS = ("auto", "ragged_dot", "triton", "triton-interpret")
@@ -212,7 +212,7 @@ def moe_mlp(
     if fused is None:
         work = layer["router"].shape[1] * b * t * top_k // shards  # token-expert assignments x experts per device
         impl = resolve_impl(impl, x.dtype == layer["experts_gate"].dtype, sharding, work)
-    if (fused is None and impl == "ragged_dot") or sharding is None or sharding.mesh.size == 1:
+    if (fused is None and impl == "ragged_dot") or not on_devices(sharding):
         return _moe_mlp(layer, x, top_k, norm_topk_prob, impl, experts, fused)
     rows = P(batch_axes, seq_axes)
     sparse = {k: layer[k] for k in SPARSE_KEYS}

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxspec.models.attention import attention, cache_attention_mask, kernel_attention, kernel_impl, tree_mask_or_causal
-from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
+from jaxspec.models.sharding import KV_PAGES_AXES, Sharding, on_devices
 
 NO_PAGE = 2**31 - 1  # a page-table entry with no page behind it (int32 max)
 IMPL_ENV = "JAXSPEC_PAGED_ATTENTION"
@@ -187,7 +187,7 @@ def paged_attention(
     [S, T, Nq, D] in q's dtype.
     """
     flat = jax.ShapeDtypeStruct((1, *k_pool.shape[-3:]), k_pool.dtype)  # a page of a (grouped) pool: the checks
-    on_mesh = sharding is not None and sharding.mesh.size > 1
+    on_mesh = on_devices(sharding)
     pools = sharding.spec(KV_PAGES_AXES[5 - k_pool.ndim :], k_pool.shape) if on_mesh else None
     applies = (not on_mesh and k_pool.ndim == 4) or (on_mesh and pools[-3] is None)  # a page's positions whole
     impl = kernel_impl(impl, IMPL_ENV, "paged attention", q, flat, flat, applies=applies)

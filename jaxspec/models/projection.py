@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.models.sharding import Sharding, splits_weights
+from jaxspec.models.sharding import Sharding, on_devices, splits_weights
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_THIN_MATMUL"
@@ -106,7 +106,7 @@ def _kernel_impl(impl: str, x: jax.Array, w: jax.Array, contract: int, sharding:
 def _per_device_rows(kernel, x: jax.Array, w: jax.Array, sharding: Sharding | None) -> jax.Array:
     """kernel(x, w), on a mesh per device on its rows (x's first dim as the batch axes lay it out)
     with the whole weight (`shard_map`)."""
-    if sharding is None or sharding.mesh.size == 1:
+    if not on_devices(sharding):
         return kernel(x, w)
     rows = sharding.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
     return jax.shard_map(

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from jaxspec.kernels import command_buffers
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.blocks import rms_norm
-from jaxspec.models.sharding import Sharding
+from jaxspec.models.sharding import Sharding, on_devices
 
 IMPLS = ("auto", "xla", "triton", "triton-interpret")
 IMPL_ENV = "JAXSPEC_RESIDUAL_NORM"
@@ -39,11 +39,11 @@ def residual_norm(
     sharding: the call's mesh, on which x is laid out as ("batch", "seq", "act_embed")."""
     impl = requested_impl("auto", IMPLS, IMPL_ENV, "residual norm")
     if impl == "auto":
-        impl = command_buffers.layer_kernel_default(sharding is not None and sharding.mesh.size > 1)
+        impl = command_buffers.layer_kernel_default(on_devices(sharding))
     if impl == "xla" or not _kernel().kernel_applies(x, weight):
         return residual_norm_reference(x, delta, weight, eps)
     kernel = functools.partial(_kernel().residual_norm, eps=eps, interpret=impl == "triton-interpret")
-    if sharding is None or sharding.mesh.size == 1:
+    if not on_devices(sharding):
         return kernel(x, delta, weight)
     rows = sharding.spec(ACTIVATION_AXES, x.shape)
     if rows[-1] is not None:  # a row's channels split over devices: the norm needs them all

@@ -157,6 +157,12 @@ def gathered_param_shardings(sharding: Sharding, params_shapes) -> object:
     return param_shardings(dataclasses.replace(sharding, rules=rules), params_shapes)
 
 
+def on_devices(sharding: Sharding | None) -> bool:
+    """Whether a call with this sharding runs on a mesh of several devices (None or a one-device
+    mesh: one device)."""
+    return sharding is not None and sharding.mesh.size > 1
+
+
 def splits_weights(sharding: Sharding | None, axes: Sequence[str] = WEIGHT_AXES) -> bool:
     """Whether the mesh splits a weight dimension of these logical axes (default: a dense layer's
     and the LM head's) over more than one device: not on one device, nor over the batch axes where

@@ -36,7 +36,7 @@ from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.params import Params
 from jaxspec.models.residual_norm import residual_norm
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.sharding import Sharding, constrain
+from jaxspec.models.sharding import Sharding, constrain, on_devices
 
 
 def _default_positions(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -124,8 +124,8 @@ def forward_router(
 
     dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
-    on_mesh = sharding is not None and sharding.mesh.size > 1  # the packed layout: one device until checked on several
-    packed = use_cudnn and segment_ids is not None and not on_mesh and packed_layout_here()
+    # the packed layout: one device until checked on several
+    packed = use_cudnn and segment_ids is not None and not on_devices(sharding) and packed_layout_here()
     lengths = mask.sum(axis=-1).astype(jnp.int32)
     # Elsewhere flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None
