@@ -16,9 +16,13 @@ M, the most sequences a row may hold, is static: `segment_cap(W)`, which the pac
 where the packed layout is selected (`packing_cap`).
 The layout needs a Hopper GPU or newer. JAXSPEC_PACKED_ATTENTION chooses, read when a forward is
 traced: "mask" (the default until `tests/gpu/check_cudnn_segments.py` has passed through the packed
-layout on a card) gives cuDNN the segment mask; "packed" the packed layout where a Hopper or newer
-GPU runs the forward (`packed_layout_here`) off a mesh of several devices (there the mask until
-the sharded call has run in a multi-GPU check).
+layout on a card) gives cuDNN the segment mask; "packed" the packed layout where Hopper or newer
+GPUs run the forward (`packed_layout_here`). On a mesh JAX's partitioning of the cuDNN call splits
+it as the rows and heads are split (rows over data x fsdp, heads over tensor; a row's tokens are
+never split, so each device's spans are its own rows'): compiled without a device for 2 and 4 H200s
+(`benchmarks/compiled_training_attention.py`), each device's call holds its rows and heads and the
+layout adds no collective to the step; `JAXSPEC_PACKED_ATTENTION=packed python3 -m
+tests.gpu.check_layouts` is its check on several GPUs.
 """
 
 from __future__ import annotations

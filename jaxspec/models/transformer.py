@@ -36,7 +36,7 @@ from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.params import Params
 from jaxspec.models.residual_norm import residual_norm
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.sharding import Sharding, constrain, on_devices
+from jaxspec.models.sharding import Sharding, constrain
 
 
 def _default_positions(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -68,8 +68,9 @@ def forward_hidden(
     positions int32 [B, T] (default: index within sequence/segment). hidden_layers: 0-based layer
     ids whose *outputs* are returned.
     attention_impl: "xla" (masked scores), "cudnn" (flash attention on GPU; packed sequences in
-        cuDNN's packed layout on one Hopper or newer GPU, `jaxspec.models.packed_attention`, else as
-        a mask) or "auto" (cudnn on GPU for 16-bit params and T % 64 == 0, else xla).
+        cuDNN's packed layout where it is selected and the GPUs are Hopper or newer,
+        `jaxspec.models.packed_attention`, else as a mask) or "auto" (cudnn on GPU for 16-bit
+        params and T % 64 == 0, else xla).
     moe_impl: a sparse layer's grouped matmuls (`moe.grouped_matmul`; default "ragged_dot", the
         training path; all are differentiable).
     Returns (float32 logits [B, T, V], hidden [len(hidden_layers), B, T, H] in param dtype).
@@ -124,8 +125,7 @@ def forward_router(
 
     dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
-    # the packed layout: one device until checked on several
-    packed = use_cudnn and segment_ids is not None and not on_devices(sharding) and packed_layout_here()
+    packed = use_cudnn and segment_ids is not None and packed_layout_here()
     lengths = mask.sum(axis=-1).astype(jnp.int32)
     # Elsewhere flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None

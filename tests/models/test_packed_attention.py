@@ -1,8 +1,8 @@
 """Attention over packed rows in cuDNN's packed layout: the (offset, length) spans read from segment
 ids equal a brute-force scan of random packed rows; attention restricted to those spans (causal
 within each, zero on padding) is the segment-masked attention the forward computes otherwise, and
-the forward takes that path exactly where it should (cuDNN on one Hopper GPU, never on a mesh of
-several devices). cuDNN itself runs in the GPU check (`tests/gpu/check_cudnn_segments.py`)."""
+the forward takes that path exactly where it should (cuDNN on Hopper GPUs, one or a mesh). cuDNN
+itself runs in the GPU check (`tests/gpu/check_cudnn_segments.py`)."""
 
 import jax
 import jax.numpy as jnp
@@ -204,11 +204,14 @@ def test_the_forward_runs_packed_rows_through_the_packed_layout(monkeypatch):
     np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected)[valid], atol=1e-4)
 
 
-def test_a_mesh_of_several_devices_keeps_the_segment_mask(monkeypatch):
-    mesh = make_mesh(data=2, fsdp=1, devices=jax.devices()[:2])
-    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: attention(q, k, v, kw["mask"][:, 0]))
-    _, calls, _ = packed_forward(monkeypatch, Sharding(mesh))
-    assert calls == 0
+@pytest.mark.parametrize("data,tensor", [(2, 1), (1, 2)])
+def test_a_mesh_runs_packed_rows_through_the_packed_layout(monkeypatch, data, tensor):
+    """Rows split over data, heads over tensor: the packed layout as on one device, same logits."""
+    mesh = make_mesh(data=data, fsdp=1, tensor=tensor, devices=jax.devices()[:2])
+    single, _, valid = packed_forward(monkeypatch)
+    logits, calls, _ = packed_forward(monkeypatch, Sharding(mesh))
+    assert calls == CFG.num_layers
+    np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(single)[valid], atol=1e-5)
 
 
 def test_the_setting_chooses_the_packed_layout_on_hopper(monkeypatch):
