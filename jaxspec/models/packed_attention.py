@@ -13,16 +13,20 @@ attends within each sequence alone:
         -> cuDNN flash attention, causal within each sequence; padding neither read nor written
 
 M, the most sequences a row may hold, is static: `segment_cap(W)`, which the packers keep to
-where the packed layout is selected (`packing_cap`).
+where the packed layout may run (`packing_cap`); a forward called outside jit on a row holding more
+raises an error that names it (`check_segment_cap`).
 The layout needs a Hopper GPU or newer. JAXSPEC_PACKED_ATTENTION chooses, read when a forward is
-traced: "mask" (the default until `tests/gpu/check_cudnn_segments.py` has passed through the packed
-layout on a card) gives cuDNN the segment mask; "packed" the packed layout where Hopper or newer
-GPUs run the forward (`packed_layout_here`). On a mesh JAX's partitioning of the cuDNN call splits
-it as the rows and heads are split (rows over data x fsdp, heads over tensor; a row's tokens are
-never split, so each device's spans are its own rows'): compiled without a device for 2 and 4 H200s
-(`benchmarks/compiled_training_attention.py`), each device's call holds its rows and heads and the
-layout adds no collective to the step; `JAXSPEC_PACKED_ATTENTION=packed python3 -m
-tests.gpu.check_layouts` is its check on several GPUs.
+traced: "auto" (the default) the packed layout on one Hopper or newer GPU and the segment mask
+elsewhere; "packed" the packed layout on meshes of such GPUs too; "mask" the segment mask
+everywhere. On one H200 (lease VV) both layouts agree with XLA's attention to the same bf16 error,
+and 2 rows of 16384 tokens holding 8 sequences each cost 1.03x (forward) / 1.17x (forward and
+backward) the same tokens as 16 rows of 2048, against 3.13x / 3.39x with the mask.
+On a mesh JAX's partitioning of the cuDNN call splits it as the rows and heads are split (rows over
+data x fsdp, heads over tensor; a row's tokens are never split, so each device's spans are its own
+rows'): compiled without a device for 2 and 4 H200s (`benchmarks/compiled_training_attention.py`),
+each device's call holds its rows and heads and the layout adds no collective to the step; it
+becomes "auto"'s choice on meshes once `JAXSPEC_PACKED_ATTENTION=packed python3 -m
+tests.gpu.check_layouts` has passed on several GPUs.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 TOKENS_PER_SEQUENCE = 512  # the mean sequence length down to which segment_cap never cuts a row
 ENV = "JAXSPEC_PACKED_ATTENTION"
@@ -44,6 +49,12 @@ def segment_cap(width: int) -> int:
     return 8 * -(-width // (8 * TOKENS_PER_SEQUENCE))
 
 
+def run_starts(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, T]: where a run of equal segment ids (a sequence, or padding) begins."""
+    first = jnp.ones_like(segment_ids[:, :1], bool)
+    return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
     """(lengths int32 [B, slots], offsets int32 [B, slots + 1]): the sequences (runs of equal
     non-zero segment ids) of packed rows, in order: row b's run r starts at offsets[b, r] and holds
@@ -52,10 +63,7 @@ def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Ar
 
     segment_ids int32 [B, T]: 1, 2, ... per sequence, each sequence's tokens contiguous, 0 on
     padding; every row's runs up to its last sequence must fit `slots`."""
-    change = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
-    run = jnp.cumsum(change, axis=1, dtype=jnp.int32) - 1  # [B, T]: each token's run, from 0
+    run = jnp.cumsum(run_starts(segment_ids), axis=1, dtype=jnp.int32) - 1  # [B, T]: each token's run, from 0
     member = (run[:, :, None] == jnp.arange(slots, dtype=jnp.int32)) & (segment_ids > 0)[:, :, None]
     lengths = member.sum(axis=1, dtype=jnp.int32)  # [B, slots]
     starts = jnp.argmax(member, axis=1).astype(jnp.int32)
@@ -65,25 +73,52 @@ def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Ar
     return lengths, jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
 
 
+def check_segment_cap(segment_ids: jax.Array) -> None:
+    """Raises ValueError naming the row where a row of segment_ids int32 [B, T] holds more runs up to
+    its last sequence than `segment_cap(T)`, the most the packed layout reads (the rest would attend
+    to nothing). Checked where the ids are concrete (a forward called outside jit); under jit the
+    packers' bound (`packing_cap`) holds it: an in-graph check would need a host callback, which
+    keeps a step out of JAX's persistent compilation cache."""
+    if isinstance(segment_ids, jax.core.Tracer):
+        return
+    runs = jnp.where(segment_ids > 0, jnp.cumsum(run_starts(segment_ids), axis=1), 0)
+    runs = np.asarray(runs.max(axis=1))  # [B]: the runs up to each row's last sequence
+    width, cap = segment_ids.shape[1], segment_cap(segment_ids.shape[1])
+    if runs.max(initial=0) > cap:
+        row = int(runs.argmax())
+        raise ValueError(
+            f"packed row {row} holds {int(runs[row])} runs of segment ids up to its last sequence, more than the "
+            f"{cap} that cuDNN's packed layout reads from rows of {width} tokens (segment_cap): pack rows "
+            f"with jaxspec's packers, which keep to packing_cap, or set {ENV}=mask"
+        )
+
+
+LAYOUTS = ("auto", "packed", "mask")
+
+
 def selected_layout() -> str:
-    """JAXSPEC_PACKED_ATTENTION: "mask" (the default) or "packed"."""
-    setting = os.environ.get(ENV, "mask")
-    if setting not in ("mask", "packed"):
-        raise ValueError(f"{ENV}={setting!r}: expected 'mask' or 'packed'")
+    """JAXSPEC_PACKED_ATTENTION: "auto" (the default), "packed" or "mask"."""
+    setting = os.environ.get(ENV, "auto")
+    if setting not in LAYOUTS:
+        raise ValueError(f"{ENV}={setting!r}: expected one of {', '.join(LAYOUTS)}")
     return setting
 
 
 def packing_cap(width: int) -> int | None:
     """The most sequences a packer may put into a row that a forward reads as `width` tokens:
-    `segment_cap(width)` where JAXSPEC_PACKED_ATTENTION selects the packed layout, else None (the
-    segment mask takes any number, and a bound would only add rows)."""
-    return segment_cap(width) if selected_layout() == "packed" else None
+    `segment_cap(width)` where the packed layout may run (JAXSPEC_PACKED_ATTENTION "packed", or
+    "auto" on Hopper or newer GPUs), else None (the segment mask takes any number, and a bound would
+    only add rows)."""
+    layout = selected_layout()
+    packed = layout == "packed" or (layout == "auto" and hopper_or_newer())
+    return segment_cap(width) if packed else None
 
 
-def packed_layout_here() -> bool:
-    """Whether a forward over packed rows uses cuDNN's packed layout here: JAXSPEC_PACKED_ATTENTION
-    is "packed" and this process's GPUs take it."""
-    return selected_layout() == "packed" and hopper_or_newer()
+def packed_layout_here(on_mesh: bool) -> bool:
+    """Whether a forward over packed rows uses cuDNN's packed layout here: this process's GPUs take it
+    and JAXSPEC_PACKED_ATTENTION selects it ("packed"; "auto" off a mesh of several devices)."""
+    layout = selected_layout()
+    return hopper_or_newer() and (layout == "packed" or (layout == "auto" and not on_mesh))
 
 
 @functools.cache

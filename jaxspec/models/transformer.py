@@ -31,12 +31,12 @@ from jaxspec.models.blocks import (
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.moe import expert_id_dtype
-from jaxspec.models.packed_attention import packed_attention, packed_layout_here
+from jaxspec.models.packed_attention import check_segment_cap, packed_attention, packed_layout_here
 from jaxspec.models.paged import PagedKVCache, write_and_attend
 from jaxspec.models.params import Params
 from jaxspec.models.residual_norm import residual_norm
 from jaxspec.models.rope import rope_tables
-from jaxspec.models.sharding import Sharding, constrain
+from jaxspec.models.sharding import Sharding, constrain, on_devices
 
 
 def _default_positions(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -125,7 +125,9 @@ def forward_router(
 
     dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
-    packed = use_cudnn and segment_ids is not None and packed_layout_here()
+    packed = use_cudnn and segment_ids is not None and packed_layout_here(on_mesh=on_devices(sharding))
+    if packed:
+        check_segment_cap(segment_ids)
     lengths = mask.sum(axis=-1).astype(jnp.int32)
     # Elsewhere flash attention takes packed segments as a [B, 1, T, T] mask (an additive bias shared by heads).
     same_segment = None

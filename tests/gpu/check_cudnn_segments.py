@@ -67,7 +67,7 @@ def main(every_layout: bool = False) -> int:
 
     (_, lx), gx = run("xla", "mask")
     valid = np.asarray(segments > 0)
-    selected = "packed" if packed_attention.packed_layout_here() else "mask"  # what a run from here uses
+    selected = "packed" if packed_attention.packed_layout_here(on_mesh=False) else "mask"  # what a run from here uses
     ok = True
     for layout in ("mask", "packed") if packed_attention.hopper_or_newer() else ("mask",):
         counts = every_layout or layout == selected

@@ -175,10 +175,12 @@ CFG = ModelConfig(
 )
 
 
-def packed_forward(monkeypatch, sharding=None):
-    """forward over packed rows as a Hopper GPU would run it, with cuDNN's packed layout replaced by
-    `spans_attention`; returns (logits, the number of packed calls, the valid positions)."""
-    segments = jnp.asarray(random_segments(4, 64, segment_cap(64), seed=3))
+def packed_forward(monkeypatch, sharding=None, layout="auto", segments=None):
+    """forward over packed rows as a Hopper GPU would run it under JAXSPEC_PACKED_ATTENTION=`layout`,
+    with cuDNN's packed layout replaced by `spans_attention` and its mask path by XLA's attention;
+    returns (logits, the number of packed calls, the valid positions)."""
+    if segments is None:
+        segments = jnp.asarray(random_segments(4, 64, segment_cap(64), seed=3))
     tokens = jax.random.randint(jax.random.key(1), segments.shape, 0, CFG.vocab_size)
     calls = []
 
@@ -186,9 +188,11 @@ def packed_forward(monkeypatch, sharding=None):
         calls.append(q.shape)
         return spans_attention(q, k, v, segment_ids)
 
+    monkeypatch.setenv(packed_module.ENV, layout)
+    monkeypatch.setattr(packed_module, "hopper_or_newer", lambda: True)
     monkeypatch.setattr(transformer_module, "use_cudnn_attention", lambda *a: True)
-    monkeypatch.setattr(transformer_module, "packed_layout_here", lambda: True)
     monkeypatch.setattr(transformer_module, "packed_attention", packed)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: attention(q, k, v, kw["mask"][:, 0]))
     params = random_params(CFG, jax.random.key(0))
     logits = forward(CFG, params, tokens, mask=segments > 0, segment_ids=segments, sharding=sharding)
     return logits, len(calls), np.asarray(segments > 0)
@@ -202,29 +206,51 @@ def test_the_forward_runs_packed_rows_through_the_packed_layout(monkeypatch):
     logits, calls, valid = packed_forward(monkeypatch)
     assert calls == CFG.num_layers
     np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected)[valid], atol=1e-4)
+    _, calls, _ = packed_forward(monkeypatch, layout="mask")
+    assert calls == 0
 
 
 @pytest.mark.parametrize("data,tensor", [(2, 1), (1, 2)])
-def test_a_mesh_runs_packed_rows_through_the_packed_layout(monkeypatch, data, tensor):
-    """Rows split over data, heads over tensor: the packed layout as on one device, same logits."""
-    mesh = make_mesh(data=data, fsdp=1, tensor=tensor, devices=jax.devices()[:2])
+def test_a_mesh_runs_the_packed_layout_where_it_is_named(monkeypatch, data, tensor):
+    """On a mesh "auto" keeps the segment mask; "packed" splits the layout's call as the rows (data)
+    and heads (tensor) are split, with the logits of one device."""
+    mesh = Sharding(make_mesh(data=data, fsdp=1, tensor=tensor, devices=jax.devices()[:2]))
     single, _, valid = packed_forward(monkeypatch)
-    logits, calls, _ = packed_forward(monkeypatch, Sharding(mesh))
+    _, calls, _ = packed_forward(monkeypatch, mesh)
+    assert calls == 0
+    logits, calls, _ = packed_forward(monkeypatch, mesh, layout="packed")
     assert calls == CFG.num_layers
     np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(single)[valid], atol=1e-5)
 
 
-def test_the_setting_chooses_the_packed_layout_on_hopper(monkeypatch):
+def test_a_row_over_the_cap_fails_with_its_name(monkeypatch):
+    """A row with more sequences than the layout reads would leave the rest attending to nothing: a
+    forward called on it fails naming the row. One run fewer (the cap itself) runs."""
+    cap = segment_cap(64)
+    segments = np.zeros((2, 64), np.int32)
+    segments[1, : cap + 1] = np.arange(1, cap + 2)
+    with pytest.raises(ValueError, match=f"packed row 1 holds {cap + 1} runs of segment ids"):
+        packed_forward(monkeypatch, segments=jnp.asarray(segments))
+    segments[1, cap] = cap  # the last sequence two tokens long: cap sequences
+    logits, calls, _ = packed_forward(monkeypatch, segments=jnp.asarray(segments))
+    assert calls == CFG.num_layers and bool(jnp.isfinite(logits).all())
+
+
+def test_the_setting_chooses_the_layout(monkeypatch):
     monkeypatch.delenv(packed_module.ENV, raising=False)
-    assert jax.default_backend() != "gpu" and not packed_layout_here()
-    assert packed_module.packing_cap(16384) is None  # the packers bound rows only for the layout
+    assert packed_module.selected_layout() == "auto"
+    assert jax.default_backend() != "gpu" and not packed_layout_here(on_mesh=False)
+    assert packed_module.packing_cap(16384) is None  # no GPU: the packers bound rows only for the layout
     monkeypatch.setenv(packed_module.ENV, "packed")
     assert packed_module.packing_cap(16384) == 32
-    assert not packed_layout_here()  # no GPU here
+    assert not packed_layout_here(on_mesh=False)  # no GPU here
     monkeypatch.setattr(packed_module, "hopper_or_newer", lambda: True)
-    assert packed_layout_here()
+    assert packed_layout_here(on_mesh=False) and packed_layout_here(on_mesh=True)
+    monkeypatch.setenv(packed_module.ENV, "auto")
+    assert packed_layout_here(on_mesh=False) and not packed_layout_here(on_mesh=True)
+    assert packed_module.packing_cap(16384) == 32
     monkeypatch.setenv(packed_module.ENV, "mask")
-    assert not packed_layout_here()
+    assert not packed_layout_here(on_mesh=False) and packed_module.packing_cap(16384) is None
     monkeypatch.setenv(packed_module.ENV, "sometimes")
     with pytest.raises(ValueError, match="JAXSPEC_PACKED_ATTENTION='sometimes'"):
-        packed_layout_here()
+        packed_layout_here(on_mesh=False)
