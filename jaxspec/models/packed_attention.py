@@ -16,11 +16,14 @@ M, the most sequences a row may hold, is static: `segment_cap(W)`, which the pac
 where the packed layout may run (`packing_cap`); a forward called outside jit on a row holding more
 raises an error that names it (`check_segment_cap`).
 The layout needs a Hopper GPU or newer. JAXSPEC_PACKED_ATTENTION chooses, read when a forward is
-traced: "auto" (the default) the packed layout on one Hopper or newer GPU and the segment mask
-elsewhere; "packed" the packed layout on meshes of such GPUs too; "mask" the segment mask
-everywhere. On one H200 (lease VV) both layouts agree with XLA's attention to the same bf16 error,
-and 2 rows of 16384 tokens holding 8 sequences each cost 1.03x (forward) / 1.17x (forward and
-backward) the same tokens as 16 rows of 2048, against 3.13x / 3.39x with the mask.
+traced: "auto" (the default) the packed layout for rows of AUTO_MIN_WIDTH tokens or more on one
+Hopper or newer GPU and the segment mask elsewhere; "packed" the packed layout for any rows, on
+meshes of such GPUs too; "mask" the segment mask everywhere. Below AUTO_MIN_WIDTH the mask's bias
+is small (32 MB a row at 4096) and the layout's bound of 8 sequences would cut rows of many short
+sequences (`small`'s arithmetic answers) into more rows. On one H200 (lease VV) both layouts agree
+with XLA's attention to the same bf16 error, and 2 rows of 16384 tokens holding 8 sequences each
+cost 1.03x (forward) / 1.17x (forward and backward) the same tokens as 16 rows of 2048, against
+3.13x / 3.39x with the mask.
 On a mesh JAX's partitioning of the cuDNN call splits it as the rows and heads are split (rows over
 data x fsdp, heads over tensor; a row's tokens are never split, so each device's spans are its own
 rows'): compiled without a device for 2 and 4 H200s (`benchmarks/compiled_training_attention.py`),
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TOKENS_PER_SEQUENCE = 512  # the mean sequence length down to which segment_cap never cuts a row
+AUTO_MIN_WIDTH = 4096  # the narrowest rows "auto" gives the packed layout
 ENV = "JAXSPEC_PACKED_ATTENTION"
 
 
@@ -106,19 +110,20 @@ def selected_layout() -> str:
 
 def packing_cap(width: int) -> int | None:
     """The most sequences a packer may put into a row that a forward reads as `width` tokens:
-    `segment_cap(width)` where the packed layout may run (JAXSPEC_PACKED_ATTENTION "packed", or
-    "auto" on Hopper or newer GPUs), else None (the segment mask takes any number, and a bound would
-    only add rows)."""
-    layout = selected_layout()
-    packed = layout == "packed" or (layout == "auto" and hopper_or_newer())
-    return segment_cap(width) if packed else None
+    `segment_cap(width)` where the packed layout may run on such rows (`packed_layout_here` on one
+    device or a mesh), else None (the segment mask takes any number, and a bound would only add
+    rows)."""
+    return segment_cap(width) if packed_layout_here(width, on_mesh=False) else None
 
 
-def packed_layout_here(on_mesh: bool) -> bool:
-    """Whether a forward over packed rows uses cuDNN's packed layout here: this process's GPUs take it
-    and JAXSPEC_PACKED_ATTENTION selects it ("packed"; "auto" off a mesh of several devices)."""
+def packed_layout_here(width: int, on_mesh: bool) -> bool:
+    """Whether a forward over packed rows of `width` tokens uses cuDNN's packed layout here: this
+    process's GPUs take it and JAXSPEC_PACKED_ATTENTION selects it ("packed"; "auto" for rows of
+    AUTO_MIN_WIDTH tokens or more off a mesh of several devices). The packed layout on a mesh implies
+    it on one device, so `packing_cap` (on_mesh=False) bounds the rows wherever a forward may use it."""
     layout = selected_layout()
-    return hopper_or_newer() and (layout == "packed" or (layout == "auto" and not on_mesh))
+    auto = layout == "auto" and width >= AUTO_MIN_WIDTH and not on_mesh
+    return hopper_or_newer() and (layout == "packed" or auto)
 
 
 @functools.cache

@@ -125,7 +125,7 @@ def forward_router(
 
     dtype = params["embed"].dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     use_cudnn = use_cudnn_attention(attention_impl, dtype, cfg.head_dim, t)
-    packed = use_cudnn and segment_ids is not None and packed_layout_here(on_mesh=on_devices(sharding))
+    packed = use_cudnn and segment_ids is not None and packed_layout_here(t, on_mesh=on_devices(sharding))
     if packed:
         check_segment_cap(segment_ids)
     lengths = mask.sum(axis=-1).astype(jnp.int32)

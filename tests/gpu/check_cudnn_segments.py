@@ -2,8 +2,8 @@
 the masked XLA attention's logits and gradients, finite everywhere (padding included), for rows of
 one sequence, of a few with padding after them, and of `segment_cap` sequences of 1 to 80 tokens:
 with the segments as a mask, and on a Hopper or newer GPU also through cuDNN's packed layout
-(JAXSPEC_PACKED_ATTENTION=packed, `jaxspec.models.packed_attention`). The exit status speaks for
-the layout this environment selects (what a run started from it uses); the other's row is printed
+(`jaxspec.models.packed_attention`). The exit status speaks for the layout this environment selects
+for long rows (what a long-answer run started from it uses); the other's row is printed
 beside it, and with --all (and as a test) every layout must agree.
 
     pytest -m gpu tests/gpu/test_cudnn_segments.py    # the check, as a test: every layout
@@ -67,7 +67,9 @@ def main(every_layout: bool = False) -> int:
 
     (_, lx), gx = run("xla", "mask")
     valid = np.asarray(segments > 0)
-    selected = "packed" if packed_attention.packed_layout_here(on_mesh=False) else "mask"  # what a run from here uses
+    # what a run from here uses for long rows (a long-answer pretraining's)
+    long_rows = packed_attention.packed_layout_here(packed_attention.AUTO_MIN_WIDTH, on_mesh=False)
+    selected = "packed" if long_rows else "mask"
     ok = True
     for layout in ("mask", "packed") if packed_attention.hopper_or_newer() else ("mask",):
         counts = every_layout or layout == selected

@@ -175,7 +175,7 @@ CFG = ModelConfig(
 )
 
 
-def packed_forward(monkeypatch, sharding=None, layout="auto", segments=None):
+def packed_forward(monkeypatch, sharding=None, layout="packed", segments=None):
     """forward over packed rows as a Hopper GPU would run it under JAXSPEC_PACKED_ATTENTION=`layout`,
     with cuDNN's packed layout replaced by `spans_attention` and its mask path by XLA's attention;
     returns (logits, the number of packed calls, the valid positions)."""
@@ -208,6 +208,11 @@ def test_the_forward_runs_packed_rows_through_the_packed_layout(monkeypatch):
     np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected)[valid], atol=1e-4)
     _, calls, _ = packed_forward(monkeypatch, layout="mask")
     assert calls == 0
+    _, calls, _ = packed_forward(monkeypatch, layout="auto")  # rows of 64 tokens: below AUTO_MIN_WIDTH
+    assert calls == 0
+    monkeypatch.setattr(packed_module, "AUTO_MIN_WIDTH", 64)
+    _, calls, _ = packed_forward(monkeypatch, layout="auto")
+    assert calls == CFG.num_layers
 
 
 @pytest.mark.parametrize("data,tensor", [(2, 1), (1, 2)])
@@ -215,8 +220,9 @@ def test_a_mesh_runs_the_packed_layout_where_it_is_named(monkeypatch, data, tens
     """On a mesh "auto" keeps the segment mask; "packed" splits the layout's call as the rows (data)
     and heads (tensor) are split, with the logits of one device."""
     mesh = Sharding(make_mesh(data=data, fsdp=1, tensor=tensor, devices=jax.devices()[:2]))
+    monkeypatch.setattr(packed_module, "AUTO_MIN_WIDTH", 64)  # rows as wide as "auto" takes on one device
     single, _, valid = packed_forward(monkeypatch)
-    _, calls, _ = packed_forward(monkeypatch, mesh)
+    _, calls, _ = packed_forward(monkeypatch, mesh, layout="auto")
     assert calls == 0
     logits, calls, _ = packed_forward(monkeypatch, mesh, layout="packed")
     assert calls == CFG.num_layers
@@ -237,20 +243,22 @@ def test_a_row_over_the_cap_fails_with_its_name(monkeypatch):
 
 
 def test_the_setting_chooses_the_layout(monkeypatch):
+    long, short = packed_module.AUTO_MIN_WIDTH, packed_module.AUTO_MIN_WIDTH - 1
     monkeypatch.delenv(packed_module.ENV, raising=False)
     assert packed_module.selected_layout() == "auto"
-    assert jax.default_backend() != "gpu" and not packed_layout_here(on_mesh=False)
+    assert jax.default_backend() != "gpu" and not packed_layout_here(long, on_mesh=False)
     assert packed_module.packing_cap(16384) is None  # no GPU: the packers bound rows only for the layout
     monkeypatch.setenv(packed_module.ENV, "packed")
-    assert packed_module.packing_cap(16384) == 32
-    assert not packed_layout_here(on_mesh=False)  # no GPU here
+    assert not packed_layout_here(long, on_mesh=False) and packed_module.packing_cap(16384) is None
     monkeypatch.setattr(packed_module, "hopper_or_newer", lambda: True)
-    assert packed_layout_here(on_mesh=False) and packed_layout_here(on_mesh=True)
-    monkeypatch.setenv(packed_module.ENV, "auto")
-    assert packed_layout_here(on_mesh=False) and not packed_layout_here(on_mesh=True)
-    assert packed_module.packing_cap(16384) == 32
+    assert all(packed_layout_here(w, on_mesh=m) for w in (long, short) for m in (False, True))
+    assert packed_module.packing_cap(16384) == 32 and packed_module.packing_cap(short) == 8
+    monkeypatch.setenv(packed_module.ENV, "auto")  # long rows on one device
+    assert packed_layout_here(long, on_mesh=False) and not packed_layout_here(long, on_mesh=True)
+    assert not packed_layout_here(short, on_mesh=False)
+    assert packed_module.packing_cap(16384) == 32 and packed_module.packing_cap(short) is None
     monkeypatch.setenv(packed_module.ENV, "mask")
-    assert not packed_layout_here(on_mesh=False) and packed_module.packing_cap(16384) is None
+    assert not packed_layout_here(long, on_mesh=False) and packed_module.packing_cap(16384) is None
     monkeypatch.setenv(packed_module.ENV, "sometimes")
     with pytest.raises(ValueError, match="JAXSPEC_PACKED_ATTENTION='sometimes'"):
-        packed_layout_here(on_mesh=False)
+        packed_layout_here(long, on_mesh=False)

@@ -75,6 +75,7 @@ def test_pack_rows_keeps_to_the_packed_layout_s_sequences_per_row(monkeypatch):
     monkeypatch.delenv(packed_attention.ENV, raising=False)
     assert pack_rows(rows).segment_ids.max(axis=1).tolist() == [21, 19]  # the mask takes any number
     monkeypatch.setenv(packed_attention.ENV, "packed")
+    monkeypatch.setattr(packed_attention, "hopper_or_newer", lambda: True)  # where the layout runs
     packed = pack_rows(rows)
     assert packed_attention.segment_cap(width) == 8 and packed.segment_ids.max(axis=1).tolist() == [8] * 5 + [0]
     assert (packed.segment_ids > 0).sum() == 3 * seqs
