@@ -63,14 +63,11 @@ def main(argv: list[str]) -> int:
 
     @jax.jit
     def fwd(params, tokens, segments):
-        kwargs = {} if segments is None else {"segment_ids": segments}
-        return forward(cfg, params, tokens, attention_impl=args.attention, **kwargs)[
-            :, -1
-        ]  # the full logits stay inside the program
+        logits = forward(cfg, params, tokens, attention_impl=args.attention, segment_ids=segments)
+        return logits[:, -1]  # the full logits stay inside the program
 
     def loss(params, tokens, segments):
-        kwargs = {} if segments is None else {"segment_ids": segments}
-        logits = forward(cfg, params, tokens[:, :-1], remat=True, attention_impl=args.attention, **kwargs)
+        logits = forward(cfg, params, tokens[:, :-1], remat=True, attention_impl=args.attention, segment_ids=segments)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     grad_step = jax.jit(jax.value_and_grad(loss))
@@ -85,7 +82,7 @@ def main(argv: list[str]) -> int:
             unpacked = jnp.concatenate([unpacked, unpacked[:, :1]], axis=1)  # each row's seq / N + 1 tokens
             layouts = [(f"packed {args.segments}", tokens, segments), ("rows", unpacked, None)]
         flops = forward_flops_per_token(cfg, length) * batch * args.seq
-        passes = [("forward", 1, lambda t, s: fwd(params, t[:, :-1], None if s is None else s))]
+        passes = [("forward", 1, lambda t, s: fwd(params, t[:, :-1], s))]
         if not args.no_backward:
             passes.append(("fwd+bwd", 3, lambda t, s: grad_step(params, t, s)))
         for name, factor, run in passes:

@@ -126,7 +126,8 @@ class _Plugin:
 
 
 def test_a_launcher_without_an_initialize_stage_is_left_alone(monkeypatch, caplog):
-    # jaxlib 0.12.0.1's launcher (instantiate, execute) loads kernels where a graph capture would fail
+    # jaxlib 0.12.0.1's launcher (instantiate, execute) lacks the stage that loads a kernel before graph
+    # capture; whether its execute is safe inside a graph has not run on a card, so it is left alone
     from jax._src.lib import gpu_triton
 
     monkeypatch.setenv(command_buffers.ENV, "on")
