@@ -80,13 +80,15 @@ def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Ar
 def check_segment_cap(segment_ids: jax.Array) -> None:
     """Raises ValueError naming the row where a row of segment_ids int32 [B, T] holds more runs up to
     its last sequence than `segment_cap(T)`, the most the packed layout reads (the rest would attend
-    to nothing). Checked where the ids are concrete (a forward called outside jit); under jit the
-    packers' bound (`packing_cap`) holds it: an in-graph check would need a host callback, which
-    keeps a step out of JAX's persistent compilation cache."""
+    to nothing). Checked where the ids are concrete (a forward called outside jit, or a jitted one
+    that closes over them), in numpy: under a trace even a constant's jnp results are traced. Where
+    they are traced the packers' bound (`packing_cap`) holds it: an in-graph check would need a host
+    callback, which keeps a step out of JAX's persistent compilation cache."""
     if isinstance(segment_ids, jax.core.Tracer):
         return
-    runs = jnp.where(segment_ids > 0, jnp.cumsum(run_starts(segment_ids), axis=1), 0)
-    runs = np.asarray(runs.max(axis=1))  # [B]: the runs up to each row's last sequence
+    ids = np.asarray(segment_ids)
+    starts = np.concatenate([np.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    runs = np.where(ids > 0, np.cumsum(starts, axis=1), 0).max(axis=1)  # [B]: runs up to each row's last sequence
     width, cap = segment_ids.shape[1], segment_cap(segment_ids.shape[1])
     if runs.max(initial=0) > cap:
         row = int(runs.argmax())

@@ -4,6 +4,8 @@ within each, zero on padding) is the segment-masked attention the forward comput
 the forward takes that path exactly where it should (cuDNN on Hopper GPUs, one or a mesh). cuDNN
 itself runs in the GPU check (`tests/gpu/check_cudnn_segments.py`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,10 +177,11 @@ CFG = ModelConfig(
 )
 
 
-def packed_forward(monkeypatch, sharding=None, layout="packed", segments=None):
+def packed_forward(monkeypatch, sharding=None, layout="packed", segments=None, jitted=False):
     """forward over packed rows as a Hopper GPU would run it under JAXSPEC_PACKED_ATTENTION=`layout`,
     with cuDNN's packed layout replaced by `spans_attention` and its mask path by XLA's attention;
-    returns (logits, the number of packed calls, the valid positions)."""
+    jitted: under jit, closing over the rows (constants, as a check script's are); returns (logits,
+    the number of packed calls, the valid positions)."""
     if segments is None:
         segments = jnp.asarray(random_segments(4, 64, segment_cap(64), seed=3))
     tokens = jax.random.randint(jax.random.key(1), segments.shape, 0, CFG.vocab_size)
@@ -194,7 +197,8 @@ def packed_forward(monkeypatch, sharding=None, layout="packed", segments=None):
     monkeypatch.setattr(transformer_module, "packed_attention", packed)
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: attention(q, k, v, kw["mask"][:, 0]))
     params = random_params(CFG, jax.random.key(0))
-    logits = forward(CFG, params, tokens, mask=segments > 0, segment_ids=segments, sharding=sharding)
+    run = functools.partial(forward, CFG, mask=segments > 0, segment_ids=segments, sharding=sharding)
+    logits = jax.jit(run)(params, tokens) if jitted else run(params, tokens)
     return logits, len(calls), np.asarray(segments > 0)
 
 
@@ -204,6 +208,9 @@ def test_the_forward_runs_packed_rows_through_the_packed_layout(monkeypatch):
     params = random_params(CFG, jax.random.key(0))
     expected = forward(CFG, params, tokens, mask=segments > 0, segment_ids=segments, attention_impl="xla")
     logits, calls, valid = packed_forward(monkeypatch)
+    assert calls == CFG.num_layers
+    np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected)[valid], atol=1e-4)
+    logits, calls, _ = packed_forward(monkeypatch, jitted=True)
     assert calls == CFG.num_layers
     np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(expected)[valid], atol=1e-4)
     _, calls, _ = packed_forward(monkeypatch, layout="mask")
@@ -235,8 +242,9 @@ def test_a_row_over_the_cap_fails_with_its_name(monkeypatch):
     cap = segment_cap(64)
     segments = np.zeros((2, 64), np.int32)
     segments[1, : cap + 1] = np.arange(1, cap + 2)
-    with pytest.raises(ValueError, match=f"packed row 1 holds {cap + 1} runs of segment ids"):
-        packed_forward(monkeypatch, segments=jnp.asarray(segments))
+    for jitted in (False, True):  # outside jit; under jit closing over the rows
+        with pytest.raises(ValueError, match=f"packed row 1 holds {cap + 1} runs of segment ids"):
+            packed_forward(monkeypatch, segments=jnp.asarray(segments), jitted=jitted)
     segments[1, cap] = cap  # the last sequence two tokens long: cap sequences
     logits, calls, _ = packed_forward(monkeypatch, segments=jnp.asarray(segments))
     assert calls == CFG.num_layers and bool(jnp.isfinite(logits).all())
