@@ -51,7 +51,13 @@ from jaxspec.kernels.tree_race import next_power_of_2
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_ROWS = 256  # more token rows are a GEMM that XLA's tiles use the card's compute for
 SMS = 132  # H100 / H200 streaming multiprocessors: the programs one wave should fill
-TILE_BYTES = 16384  # a program's weight block per pipeline stage
+# A dense weight streams fastest in few wide programs with deep blocks (an H100's sweep of Qwen3-8B's
+# projections, lease WW): at least DENSE_PROGRAMS programs of DENSE_TILE_BYTES weight blocks per
+# stage. The expert form (`groups` > 1) keeps a program per SM with TILE_BYTES blocks.
+DENSE_PROGRAMS = 64
+DENSE_TILE_BYTES = 32768
+DENSE_MAX_BLOCK_K = 256  # 512 was slower at every swept BLOCK_N
+TILE_BYTES = 16384
 SHARED_BYTES = 160 * 1024  # of the 227 KiB a Hopper block may use
 
 
@@ -173,15 +179,19 @@ class Tiles(NamedTuple):
 def default_tiles(rows: int, k: int, n: int, itemsize: int = 2, *, swiglu: bool = False, groups: int = 1) -> Tiles:
     """Tiles for out [rows, n] = x [rows, k] @ w [k, n] (swiglu: two weight blocks per step; groups:
     the experts rows are spread over, `expert_matmul`): BLOCK_M the power of two in [16, 64] of a
-    busy group's rows; the widest BLOCK_N of 128 / 64 / 32 / 16 that still gives every SM a program
-    (at least 16); a BLOCK_K whose weight block is TILE_BYTES (at most K's power of two), halved
-    until the pipeline's buffers fit SHARED_BYTES."""
+    busy group's rows; the widest BLOCK_N of 128 / 64 / 32 / 16 that still gives DENSE_PROGRAMS
+    programs (experts: one per SM); a BLOCK_K whose weight block is DENSE_TILE_BYTES (experts:
+    TILE_BYTES; at most K's power of two, and DENSE_MAX_BLOCK_K for a dense weight), halved until
+    the pipeline's buffers fit SHARED_BYTES."""
     busy = max(1, min(groups, rows))  # the groups that can hold rows
     per_group = -(-rows // busy)
     block_m = min(64, max(16, next_power_of_2(per_group)))
     row_blocks = busy * -(-per_group // block_m)
-    block_n = next((b for b in (128, 64, 32) if row_blocks * -(-n // b) >= SMS), 16)
-    block_k = max(16, min(next_power_of_2(k), TILE_BYTES // (block_n * itemsize)))
+    dense = groups == 1
+    programs, tile_bytes = (DENSE_PROGRAMS, DENSE_TILE_BYTES) if dense else (SMS, TILE_BYTES)
+    block_n = next((b for b in (128, 64, 32) if row_blocks * -(-n // b) >= programs), 16)
+    deepest = min(next_power_of_2(k), DENSE_MAX_BLOCK_K) if dense else next_power_of_2(k)
+    block_k = max(16, min(deepest, tile_bytes // (block_n * itemsize)))
     tiles = Tiles(block_m, block_n, block_k)
     while shared_bytes(tiles, itemsize, swiglu=swiglu) > SHARED_BYTES and tiles.block_k > 16:
         tiles = tiles._replace(block_k=tiles.block_k // 2)

@@ -12,6 +12,9 @@ to bfloat16 by truncation); compiling the kernel for sm90 at the model's shapes 
 valid Triton for Hopper, in bfloat16, with the tiles it launches with.
 """
 
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +172,21 @@ def test_the_kernel_compiles_for_hopper(rows, k, n, swiglu, transposed, split_k)
     )
     assert binary.metadata.shared <= 227 * 1024
     jax.clear_caches()
+
+
+SWEEP = Path(__file__).parents[2] / "benchmarks/results/ww_h100/projections_sweep.json"
+SHAPES_8B = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "gate_up_swiglu": (4096, 12288, True)}
+SHAPES_8B["down"] = (12288, 4096, False)
+
+
+def test_the_dense_tiles_are_the_sweeps_fastest():
+    """For each of Qwen3-8B's projections at 1 and 16 rows, the default tiles take within 3% of the
+    fastest 4-warp 4-stage tiles of an H100's sweep (`bench projections --sweep`); the rule the
+    tiles had before (every SM a program, 16 KiB blocks) was 9-37% off it, so this fails for it."""
+    rows = json.loads(SWEEP.read_text())["rows"]
+    assert {(r["projection"], r["rows"]) for r in rows} == {(p, m) for p in SHAPES_8B for m in (1, 16)}
+    for row in rows:
+        k, n, swiglu = SHAPES_8B[row["projection"]]
+        swept = {key: us for key, us in row["swept_us"].items() if key.split("x")[3:5] == ["4", "4"]}
+        tiles = "x".join(map(str, kernel.default_tiles(row["rows"], k, n, swiglu=swiglu)))
+        assert swept[tiles] <= 1.03 * min(swept.values()), (row["projection"], row["rows"], tiles)
