@@ -58,7 +58,9 @@ KNOB_NEW=${KNOB_NEW:-2048}
 mkdir -p "$RESULTS" runs
 jaxspec() { python3 -m jaxspec.cli "$@"; }
 # pretrain RUN_DIR LOG [OVERRIDE ...]: the tally policy, with flash attention over packed rows unless
-# this GPU's cuDNN disagrees with XLA on them (checked once per invocation)
+# this GPU's cuDNN disagrees with XLA on them (checked once per invocation): where the layout selected
+# for long rows (cuDNN's packed layout on Hopper) disagrees, the segment mask if that agrees, else
+# XLA's attention (whose [rows, heads, T, T] scores need far more memory)
 attention=()
 attention_checked=0
 pretrain() {
@@ -68,7 +70,12 @@ pretrain() {
     python3 -m tests.gpu.check_cudnn_segments || check=$?
     case $check in
       0) ;;
-      3) attention=(train.attention=xla train.remat=true) ;;
+      3)
+        if JAXSPEC_PACKED_ATTENTION=mask python3 -m tests.gpu.check_cudnn_segments; then
+          export JAXSPEC_PACKED_ATTENTION=mask
+        else
+          attention=(train.attention=xla train.remat=true)
+        fi ;;
       *) echo "tests/gpu/check_cudnn_segments.py failed to run (exit $check)" >&2; exit 1 ;;
     esac
     attention_checked=1
