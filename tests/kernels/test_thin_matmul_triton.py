@@ -9,7 +9,8 @@ the kernel, the epilogue on them). A result must lie within one rounding of its
 dtype plus the float32 accumulation's error, bounded by sum |x| |w|; a weight with one element moved
 by 1% fails that comparison. The 16-bit cases run in float16 (Triton's interpreter converts float32
 to bfloat16 by truncation); compiling the kernel for sm90 at the model's shapes checks that it is
-valid Triton for Hopper, in bfloat16, with the tiles it launches with.
+valid Triton for Hopper, in bfloat16, with the tiles it launches with; those tiles, for a dense
+weight, are the fastest of an H100's sweep of Qwen3-8B's projections.
 """
 
 import json
@@ -182,7 +183,7 @@ SHAPES_8B["down"] = (12288, 4096, False)
 def test_the_dense_tiles_are_the_sweeps_fastest():
     """For each of Qwen3-8B's projections at 1 and 16 rows, the default tiles take within 3% of the
     fastest 4-warp 4-stage tiles of an H100's sweep (`bench projections --sweep`); the rule the
-    tiles had before (every SM a program, 16 KiB blocks) was 9-37% off it, so this fails for it."""
+    tiles had before (every SM a program, 16 KiB blocks) was 5-39% off it, so this fails for it."""
     rows = json.loads(SWEEP.read_text())["rows"]
     assert {(r["projection"], r["rows"]) for r in rows} == {(p, m) for p in SHAPES_8B for m in (1, 16)}
     for row in rows:
