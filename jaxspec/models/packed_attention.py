@@ -53,10 +53,11 @@ def segment_cap(width: int) -> int:
     return 8 * -(-width // (8 * TOKENS_PER_SEQUENCE))
 
 
-def run_starts(segment_ids: jax.Array) -> jax.Array:
-    """bool [B, T]: where a run of equal segment ids (a sequence, or padding) begins."""
-    first = jnp.ones_like(segment_ids[:, :1], bool)
-    return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+def run_starts(segment_ids: jax.Array, xp=jnp) -> jax.Array:
+    """bool [B, T]: where a run of equal segment ids (a sequence, or padding) begins; xp: the array
+    module (numpy for concrete ids read on the host)."""
+    first = xp.ones_like(segment_ids[:, :1], bool)
+    return xp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
 def segment_spans(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
@@ -87,8 +88,7 @@ def check_segment_cap(segment_ids: jax.Array) -> None:
     if isinstance(segment_ids, jax.core.Tracer):
         return
     ids = np.asarray(segment_ids)
-    starts = np.concatenate([np.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    runs = np.where(ids > 0, np.cumsum(starts, axis=1), 0).max(axis=1)  # [B]: runs up to each row's last sequence
+    runs = np.where(ids > 0, np.cumsum(run_starts(ids, np), axis=1), 0).max(axis=1)  # [B]: up to the last sequence
     width, cap = segment_ids.shape[1], segment_cap(segment_ids.shape[1])
     if runs.max(initial=0) > cap:
         row = int(runs.argmax())

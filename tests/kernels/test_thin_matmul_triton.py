@@ -176,8 +176,12 @@ def test_the_kernel_compiles_for_hopper(rows, k, n, swiglu, transposed, split_k)
 
 
 SWEEP = Path(__file__).parents[2] / "benchmarks/results/ww_h100/projections_sweep.json"
-SHAPES_8B = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "gate_up_swiglu": (4096, 12288, True)}
-SHAPES_8B["down"] = (12288, 4096, False)
+SHAPES_8B = {  # Qwen3-8B's projections: (K, N, swiglu)
+    "qkv": (4096, 6144, False),
+    "o": (4096, 4096, False),
+    "gate_up_swiglu": (4096, 12288, True),
+    "down": (12288, 4096, False),
+}
 
 
 def test_the_dense_tiles_are_the_sweeps_fastest():
