@@ -50,13 +50,21 @@ class GenerationConfig:
     max_new_tokens: the longest response in tokens.
     batches_per_call: one generate call samples this many training batches at once (its rows serve
     that many steps): decoding a small batch leaves a GPU mostly idle, so fewer, larger calls cost
-    less."""
+    less.
+    slots: null samples each call on the staged engine (a dense KV cache of prompt + max_new_tokens
+    for every row of the call, the batch halved as rows finish: a call lasts as long as its longest
+    response); an integer S streams the call's rows through S decode slots over a paged KV cache
+    (`jaxspec.rollout.slots`), a finished row's slot taking the next row at once, so a call of many
+    more rows than S costs about its responses' tokens / S steps at the memory of S rows; "auto"
+    picks S from the devices' free memory. The same key gives the same tokens either way (in
+    float32; `jaxspec.rollout.generate`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
     batches_per_call: int = 1
+    slots: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +206,13 @@ def validate(cfg: DraftTrainConfig, source: str) -> None:
     need(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
     need(g.max_new_tokens > 0, "generation.max_new_tokens", f"must be > 0, got {g.max_new_tokens}")
     need(g.batches_per_call > 0, "generation.batches_per_call", f"must be > 0, got {g.batches_per_call}")
+    need(
+        g.slots is None
+        or g.slots == "auto"
+        or (isinstance(g.slots, int) and not isinstance(g.slots, bool) and g.slots >= 1),
+        "generation.slots",
+        f"must be null, auto (from the devices' free memory) or an integer >= 1 (decode slots), got {g.slots!r}",
+    )
     need(
         h.draft_vocab_size is None or h.draft_vocab_size > 0,
         "head.draft_vocab_size",

@@ -4,7 +4,8 @@ A batch is B prompts and the policy's responses from `jaxspec.rollout.generate`,
 fixed-width rows prompt || response || padding of width max_prompt_len + max_new_tokens, so the
 training step compiles once. Steps are served in groups of `batches_per_call`: one generate call
 samples the group's G * B prompts (drawn from a generator seeded by the group number, so a step
-number alone fixes its rows and sampling key) and step s takes rows (s % G) * B onwards.
+number alone fixes its rows and sampling key) and step s takes rows (s % G) * B onwards; with
+`generation.slots` the call streams them through that many decode slots.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RolloutBatches:
         )
         self.width = max_prompt_len + generation.max_new_tokens
         self.batch_size, self.seed, self.per_call = batch_size, seed, generation.batches_per_call
+        self.slots = generation.slots
         self._group: tuple[int, dict[str, np.ndarray]] | None = None  # the last group generated
 
     def batch(self, step: int) -> RolloutBatch:
@@ -96,7 +98,9 @@ class RolloutBatches:
         rows = rng.choice(len(self.pool), num_rows, replace=len(self.pool) < num_rows)
         prompts = [self.pool[i] for i in rows]
         key = jax.random.fold_in(jax.random.key(self.seed), group)
-        out = generate(self.cfg, self.params, prompts, key, sampling=self.sampling, sharding=self.sharding)
+        out = generate(
+            self.cfg, self.params, prompts, key, sampling=self.sampling, sharding=self.sharding, slots=self.slots
+        )
         responses, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         tokens = np.full((num_rows, self.width), self.tok.pad_id, np.int32)
         loss_mask = np.zeros((num_rows, self.width), bool)

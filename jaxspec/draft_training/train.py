@@ -167,12 +167,13 @@ def evaluate(
 ) -> dict:
     """Mean loss and top-1 agreement per unrolled position on fresh batches of `run.eval.data`."""
     data = run.eval.data or dataclasses.replace(run.data, seed=run.data.seed + _EVAL_SEED_OFFSET)
+    per_call = min(run.generation.batches_per_call, run.eval.batches)  # no more rows than the evaluation reads
     source = RolloutBatches(
         cfg,
         policy,
         tok,
         prompt_pool(data, tok),
-        run.generation,
+        dataclasses.replace(run.generation, batches_per_call=per_call),
         data.max_prompt_len,
         run.train.batch_size,
         run.train.seed + _EVAL_SEED_OFFSET,

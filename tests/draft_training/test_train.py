@@ -116,6 +116,42 @@ def test_rollouts_are_sampled_a_group_of_batches_per_call(policy_dir):
         np.testing.assert_array_equal(getattr(fresh, name), getattr(batches[4], name))
 
 
+def test_slots_stream_a_call_into_the_staged_engines_rows(policy_dir, monkeypatch):
+    """generation.slots=5: a call's 12 rows stream through 5 decode slots and come out as the staged
+    engine's rows (float32: the same key gives the same tokens on either engine)."""
+    from jaxspec.draft_training import data
+
+    policy, cfg = policy_dir
+    overrides = [f"policy={policy}", "generation.max_new_tokens=12", "generation.batches_per_call=3"]
+    overrides.append("data.max_prompt_len=48")
+    tok = ChatTokenizer.from_file(policy)
+    params = load_hf(policy)[1]
+    engines = []
+
+    def recorded(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        engines.append((kwargs["slots"], out.stats.get("slots")))
+        return out
+
+    generate = data.generate
+    monkeypatch.setattr(data, "generate", recorded)
+    batches = {}
+    for slots in ("null", "5"):
+        run = load_config(DraftTrainConfig, CONFIG, [*overrides, f"generation.slots={slots}"])
+        src = RolloutBatches(cfg, params, tok, prompt_pool(run.data, tok), run.generation, 48, 4, seed=7)
+        batches[slots] = [src.batch(s) for s in range(3)]
+    assert engines == [(None, None), (5, 5)]
+    for staged, slotted in zip(batches["null"], batches["5"]):
+        for name in ("tokens", "loss_mask", "attn_mask"):
+            np.testing.assert_array_equal(getattr(slotted, name), getattr(staged, name))
+
+
+@pytest.mark.parametrize("slots", ["0", "-2", "many", "true"])
+def test_bad_slots_are_refused_by_name(slots):
+    with pytest.raises(ValueError, match="generation.slots"):
+        validate(load_config(DraftTrainConfig, CONFIG, [f"generation.slots={slots}"]), CONFIG)
+
+
 def test_train_export_refuse_and_resume_exactly(tmp_path, policy_dir, capsys):
     policy, cfg = policy_dir
     run_dir = tmp_path / "run"
