@@ -19,7 +19,9 @@ that generate differently draw different answers (speculation keeps the law, not
 on a heavy-tailed workload a few steps' generation times mostly compare the draws. Each run also
 reports generation_ms_per_longest_token, the median over the timed steps of the generation time
 over the step's longest answer (`response_length_max`), and tail_generation_speedup, the
-baseline's over the run's: the generation speedup with the longest answers' draw taken out.
+baseline's over the run's: the generation speedup with the longest answers' draw taken out; and
+cut_steps, the timed steps where some answer ran to rollout.max_new_tokens without an eos
+(`truncated_frac` > 0): such a step's generation lasts the cap, whatever the rest drew.
 
 Runs with rollout.mode async also report sync_s (the weight copy onto the rollout mesh),
 rollout_wait_s (the trainer waiting for its batch) and overlap: the step time over the longer of
@@ -70,6 +72,7 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
         response_length=median("response_length_mean", steps),
         longest_response=median("response_length_max", timed),
         generation_ms_per_longest_token=statistics.median(per_longest) if per_longest else None,
+        cut_steps=[r["step"] for r in timed if r.get("truncated_frac", 0.0) > 0],
         reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
         reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]),
     )
@@ -172,6 +175,9 @@ def main() -> None:
                 f"{name}: longest answer {s['longest_response']:.0f} tokens, generation "
                 f"{s['generation_ms_per_longest_token']:.3f} ms per token of it, {s['tail_generation_speedup']:.2f}x"
             )
+    for name, s in runs.items():
+        if s["cut_steps"]:
+            print(f"{name}: answers cut at max_new_tokens in timed steps {s['cut_steps']}")
     for name, s in runs.items():
         if "overlap" in s:
             print(

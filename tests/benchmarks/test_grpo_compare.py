@@ -10,8 +10,9 @@ from tests.benchmarks.scripts import load_script
 grpo_compare = load_script("grpo_compare")
 
 
-def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0):
-    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval."""
+def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1.0, cut_at=()):
+    """A run's metrics.jsonl: validation at steps 0, 10, ... (`accuracy`), 10 training steps per eval;
+    cut_at: steps where one answer in 128 ran to the cap."""
     rows = []
     for i, acc in enumerate(accuracy):
         rows.append({"step": 10 * i, "eval_accuracy": acc})
@@ -30,6 +31,7 @@ def write_run(path, step_s, generation_s, accuracy, compiles_at=(), acceptance=1
                     "reward_mean": 0.5,
                     "acceptance_length": acceptance,
                     "response_length_mean": 200.0,
+                    "truncated_frac": 1 / 128 if step in cut_at else 0.0,
                 }
             )
     path.mkdir(parents=True)
@@ -60,7 +62,7 @@ def test_summary_skips_warmup_and_compiling_steps(tmp_path):
 
 def test_main_compares_against_the_first_run(tmp_path, monkeypatch, capsys):
     ar = write_run(tmp_path / "ar", 1.5, 1.0, [0.50, 0.52, 0.54, 0.56])
-    spec = write_run(tmp_path / "spec", 1.0, 0.5, [0.50, 0.53, 0.52, 0.58], acceptance=3.5)
+    spec = write_run(tmp_path / "spec", 1.0, 0.5, [0.50, 0.53, 0.52, 0.58], acceptance=3.5, cut_at=(2, 4, 15, 25))
     short = write_run(tmp_path / "short", 1.2, 0.8, [0.50, 0.52, 0.50])  # two evaluations after step 0
     out = tmp_path / "summary.json"
     monkeypatch.setattr(
@@ -76,7 +78,10 @@ def test_main_compares_against_the_first_run(tmp_path, monkeypatch, capsys):
     assert result["spec"]["accuracy_gap_max"] == pytest.approx(0.02)
     assert result["short"]["accuracy_gap_max"] == pytest.approx(0.04)
     assert result["ar"]["accuracy_gap_max"] == 0.0
-    assert "timings over steps 3-20" in capsys.readouterr().out
+    assert result["spec"]["cut_steps"] == [4, 15] and result["ar"]["cut_steps"] == []  # timed steps 3-20 only
+    printed = capsys.readouterr().out
+    assert "timings over steps 3-20" in printed
+    assert "spec: answers cut at max_new_tokens in timed steps [4, 15]" in printed
 
 
 def test_async_runs_report_the_overlap(tmp_path, monkeypatch, capsys):
