@@ -58,6 +58,11 @@ def main(argv: list[str]) -> int:
         default=None,
         help="continuous batching over paged KV: this many decode slots, or 'auto' (default: the staged engine)",
     )
+    p.add_argument(
+        "--coupled",
+        action="store_true",
+        help="coupled draws: a speculative run gives the autoregressive run's tokens for the same --seed",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=3, help="responses to print")
     args = p.parse_args(argv)
@@ -92,7 +97,11 @@ def main(argv: list[str]) -> int:
     rows = [e for e in examples for _ in range(args.samples)]
     prompts = [tok.encode_prompt(e["question"]) for e in rows]
     sampling = Sampling(
-        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        eos_id=tok.eos_id,
+        coupled=args.coupled,
     )
     start = time.perf_counter()
     out = generate(cfg, params, prompts, jax.random.key(args.seed), sampling, spec=spec, slots=slots(args.slots))

@@ -151,6 +151,18 @@ def test_generate_on_slots_with_adaptive_depth_prints_the_same_responses(autoreg
     assert summary.group(1, 2) == autoregressive[1].group(1, 2)
 
 
+def test_generate_coupled_sampled_speculation_prints_the_autoregressive_responses():
+    """--coupled at temperature 1: the EAGLE-3 run prints the autoregressive run's responses (the
+    draws depend on the row and position alone); the control without --coupled does not."""
+    sampled = ["--temperature", "1", "--seed", "3"]
+    draft = ["--spec-method", "eagle3", "--draft", str(tiny_eagle3_path())]
+    coupled_ar = _run_generate(sampled + ["--coupled"])
+    coupled_spec = _run_generate(sampled + draft + ["--coupled"])
+    assert coupled_spec[0] == coupled_ar[0]
+    assert float(coupled_spec[1].group(3)) > 1.0
+    assert _run_generate(sampled + draft)[0] != _run_generate(sampled)[0]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -165,6 +177,18 @@ def test_generate_on_slots_with_adaptive_depth_prints_the_same_responses(autoreg
         (["--spec-method", "eagle3"], r"--draft is required with --spec-method eagle3"),
         (["--spec-method", "ngram", "--suffix-branches"], r"--suffix-branches needs --spec-method eagle3, got ngram"),
         (["--num-problems", "0"], r"--num-problems must be >= 1, got 0"),
+        (
+            [
+                "--spec-method",
+                "eagle3",
+                "--draft",
+                str(tiny_eagle3_path()),
+                "--coupled",
+                "--spec-set",
+                "draft_sampling=stochastic",
+            ],
+            r"Sampling.coupled needs deterministic drafts: .*",
+        ),
     ],
 )
 def test_generate_bad_argument_is_a_one_line_error(tmp_path, extra, message):

@@ -148,6 +148,18 @@ def load_draft_model(path: str, policy: ModelConfig, dtype: str) -> tuple[ModelC
     return cfg, params
 
 
+def agreement(reference: np.ndarray, tokens) -> dict:
+    """How far rows of tokens int32 [B, N] follow the reference's rows: the share of rows equal to
+    theirs, and the mean share of a row's N positions before its first difference (coupled draws
+    in bfloat16 follow until a near-tie breaks the other way)."""
+    differs = np.asarray(tokens) != reference
+    first = np.where(differs.any(axis=1), differs.argmax(axis=1), differs.shape[1])
+    return {
+        "rows_as_ar": float(np.mean(~differs.any(axis=1))),
+        "prefix_as_ar": float(np.mean(first / differs.shape[1])),
+    }
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="jaxspec bench spec", description=__doc__)
     p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
@@ -253,10 +265,20 @@ def main(argv: list[str]) -> int:
         help="with --slots: the staged engine runs the autoregressive baseline alone, the speculative "
         "configurations run on the slot engine only",
     )
+    p.add_argument(
+        "--coupled",
+        action="store_true",
+        help="coupled draws (Sampling.coupled): every configuration samples the autoregressive rows' tokens "
+        "(all of them in float32; in bfloat16 until a near-tie), so the runs compare on the same answers; "
+        "rows_as_ar is the share of rows equal to the staged autoregressive run's, prefix_as_ar the mean share "
+        "of a row's positions before its first difference",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.coupled and args.stochastic:
+        raise ValueError("--coupled needs deterministic drafts: leave out --stochastic")
     if args.staged_ar_only and not args.slots:
         raise ValueError("--staged-ar-only needs --slots (the speculative configurations run on the slot engine)")
     levels, kinds, tally = args.levels, DEFAULT_KINDS, TallyConfig()
@@ -296,9 +318,10 @@ def main(argv: list[str]) -> int:
         "max_new_tokens": args.new,
         "sub_batch": args.sub_batch,
         "kv_pages": args.kv_pages,
+        "coupled": args.coupled,
         "baseline": "autoregressive generate, same run",
     }
-    sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id)
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.new, eos_id=tok.eos_id, coupled=args.coupled)
     rows = []
     for batch in args.batch:
         problems = bench_problems(batch, args.samples, args.seed + batch, levels, kinds, tally)
@@ -336,6 +359,7 @@ def main(argv: list[str]) -> int:
             step_ms = 1e3 * seconds / max(int(out.stats.get("steps", 0)), 1)
             if spec is None and slots is None:
                 ar_seconds, ar_step_ms, ar_rate = seconds, step_ms, tokens / seconds
+                ar_tokens = np.asarray(out.tokens)
             speedup = ar_seconds / seconds
             row = {
                 "batch": batch,
@@ -352,6 +376,7 @@ def main(argv: list[str]) -> int:
                 "step_ms": step_ms,
                 "step_over_ar": step_ms / ar_step_ms,
                 "acceptance_per_position": np.asarray(out.stats.get("acceptance_rate_per_position", [])).tolist(),
+                **(agreement(ar_tokens, out.tokens) if args.coupled else {"rows_as_ar": None, "prefix_as_ar": None}),
                 "stage_rows": out.stats["stage_rows"],
                 "stage_steps": out.stats["stage_steps"],
                 "depth_steps": out.stats.get("depth_steps"),  # loop iterations at each draft depth

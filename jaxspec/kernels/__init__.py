@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.kernels.dispatch import requested_impl
-from jaxspec.kernels.tree_verify_reference import VerifyResult, verify_reference
+from jaxspec.kernels.tree_verify_reference import VerifyResult, key_layout, verify_reference
 
 IMPLS = ("auto", "triton", "triton-interpret", "reference")
 IMPL_ENV = "JAXSPEC_TREE_VERIFY_IMPL"
@@ -42,8 +42,10 @@ def tree_verify(
     draft_tokens: int [B, N]: the token node n proposes after its parent's path (column 0 unused).
     num_nodes: int [B]: valid nodes per row; nodes >= num_nodes[b] are padding, never accepted.
     key: PRNG key, or one key per row (typed keys [B], raw keys [B, 2]: row b then draws what it
-        would draw verified alone under its key, as the slot engine's per-row keys need); all
-        randomness comes from it.
+        would draw verified alone under its key, as the slot engine's per-row keys need), or one
+        key per node (typed [B, N], raw [B, N, 2]; deterministic drafts only): coupled draws, where
+        the token emitted at a node is the one a lone root under that node's key draws, whatever
+        the tree (`jaxspec.kernels.tree_verify_reference`); all randomness comes from it.
     temperature: static float >= 0; p = softmax(logits / temperature); 0 = greedy (accept a child
         iff it is the argmax; log-probs reported from log_softmax(logits)).
     draft_probs: None for deterministic drafts (children fixed before any coin, distinct; q is a
@@ -65,6 +67,11 @@ def tree_verify(
     impl = resolved_impl(impl)
     temperature = _check_temperature(temperature)
     logits, parents, draft_tokens, num_nodes = _check_inputs(logits, parents, draft_tokens, num_nodes, draft_probs)
+    if key_layout(key) == "node" and draft_probs is not None and temperature > 0:
+        raise ValueError(
+            "tree_verify with one key per node (coupled draws) needs deterministic drafts: "
+            "draft_probs must be None (a sampled draft's tokens depend on its own noise)"
+        )
     if impl == "reference":
         return verify_reference(
             logits, parents, draft_tokens, num_nodes, key, temperature=temperature, draft_probs=draft_probs

@@ -56,6 +56,7 @@ def tree_verify_decide(
     PADDED: tl.constexpr,
     INV_T: tl.constexpr,
     GREEDY: tl.constexpr,
+    MATCH: tl.constexpr,
 ):
     """One row's program; shapes as `decide_triton`'s arguments (path and logprobs [B, PADDED])."""
     b = tl.program_id(0).to(tl.int64)
@@ -94,7 +95,7 @@ def tree_verify_decide(
     child_logp = tl.where(is_child, logit * INV_T - parent_lse, 0.0)
 
     # The accepted child of every node (`chosen_children`), -1 for none.
-    if GREEDY:
+    if MATCH:
         hit = is_child & (token == tl.reduce(tl.where(at_parent, sample[None, :], 0), 1, SUM))
         first = tl.reduce(tl.where(child_of & hit[None, :], lanes[None, :], _NO_INDEX), 1, MIN)
         chosen = tl.where(first < _NO_INDEX, first, -1)
@@ -151,8 +152,9 @@ def per_row_outputs(batch: int, padded: int) -> tuple[jax.ShapeDtypeStruct, ...]
     )
 
 
-def decide_constants(logits, splits: int, temperature: float) -> dict:
-    """The decision kernel's constexpr arguments for logits [B, N, V] (array or ShapeDtypeStruct)."""
+def decide_constants(logits, splits: int, temperature: float, coupled: bool = False) -> dict:
+    """The decision kernel's constexpr arguments for logits [B, N, V] (array or ShapeDtypeStruct);
+    coupled: each node accepts the child whose token is its sample (`chosen_children`'s match)."""
     _, n, vocab = logits.shape
     return dict(
         NODES=n,
@@ -161,6 +163,7 @@ def decide_constants(logits, splits: int, temperature: float) -> dict:
         PADDED=padded_lanes(n),
         INV_T=float(inverse_temperature(temperature)),
         GREEDY=temperature == 0,
+        MATCH=temperature == 0 or coupled,
     )
 
 
@@ -176,16 +179,18 @@ def decide_triton(
     uniforms,
     temperature: float,
     *,
+    coupled: bool = False,
     interpret: bool = False,
     num_warps: int = 4,
 ) -> VerifyResult:
     """`VerifyResult` from the node-statistics kernel's partials (float32 [B, N, S]: per split, max
     of x = logits * inv_t and the sums of exp(x - max) over all / candidate tokens), each node's
     sample (int32 [B, N], `NodeStats.sample`), logits [B, N, V], the tree (parents, draft_tokens
-    int32 [B, N], num_nodes int32 [B]) and uniforms float32 [B, N]. interpret runs the kernel in
-    Triton's interpreter on the host."""
+    int32 [B, N], num_nodes int32 [B]) and uniforms float32 [B, N]. coupled: the samples are races
+    over all of p under node keys, and each node accepts the child that matches its sample (the
+    rule greedy verification uses). interpret runs the kernel in Triton's interpreter on the host."""
     batch, n, _ = logits.shape
-    constants = decide_constants(logits, peak.shape[-1], temperature)
+    constants = decide_constants(logits, peak.shape[-1], temperature, coupled)
     path, accepted, next_token, logprobs = call(
         tree_verify_decide,
         (peak, total, candidates, sample, logits, parents, draft_tokens, num_nodes, uniforms),

@@ -22,6 +22,14 @@ rejected child the emitted token is sampled from r_{K+1} (a flat Gumbel race); a
 `lax.while_loop` walks the tree carrying r and q_k over the vocabulary (`jaxspec.kernels.tree_verify`'s
 "auto" uses this path on the CPU; `jaxspec.kernels.tree_stochastic_triton` is the GPU kernel).
 
+Coupled draws (one key per node, deterministic drafts): every node's sample is the race over all of
+p under its own key, and a node accepts its first child whose token is that sample; otherwise the
+sample is emitted. The token emitted at a node is then the one a lone root under the node's key
+draws, whatever the tree: with node keys that depend only on (row, position), as
+`jaxspec.rollout.sampling.depth_keys` makes them, a speculative rollout emits the tokens of the
+autoregressive one. Child x_k is still accepted with probability p(x_k), so the acceptance is the
+sibling rule's.
+
 Noise (all from the key, through the counter-based hash of `jaxspec.kernels.tree_noise`): one uniform per
 node (the deterministic decision at a parent, the stochastic test of a child) and Gumbel noise per
 (row, node, tile) and per (row, node, token), which the Triton kernels regenerate identically.
@@ -65,15 +73,32 @@ class VerifyNoise(NamedTuple):
     token_seeds: jax.Array
 
 
+def key_layout(key: jax.Array) -> str:
+    """How `tree_verify`'s key is laid out: "call" (one key), "row" (one key per row: typed keys [B],
+    raw uint32 keys [B, 2]) or "node" (one key per node: typed [B, N], raw [B, N, 2])."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    layouts = ("call", "row", "node") if typed else (None, "call", "row", "node")
+    if jnp.ndim(key) >= len(layouts) or layouts[jnp.ndim(key)] is None:
+        raise ValueError(f"tree_verify key must be one key, one per row or one per node, got shape {key.shape}")
+    return layouts[jnp.ndim(key)]
+
+
 def per_row_keys(key: jax.Array) -> bool:
     """Whether `key` is one key per row (typed keys [B] or raw uint32 keys [B, 2]) rather than one key."""
-    return jnp.ndim(key) == (1 if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else 2)
+    return key_layout(key) == "row"
 
 
 def verification_noise(key: jax.Array, batch: int, num_nodes: int) -> VerifyNoise:
-    """The noise of `batch` rows of `num_nodes` nodes from one key, or from one key per row (row b
-    then draws what it would draw alone, as row 0 of a batch of one, under its key)."""
-    if per_row_keys(key):
+    """The noise of `batch` rows of `num_nodes` nodes from one key, from one key per row (row b
+    then draws what it would draw alone, as row 0 of a batch of one, under its key) or from one key
+    per node (node n of row b draws what the root of a lone one-node tree draws under its key)."""
+    layout = key_layout(key)
+    if layout == "node":
+        if tuple(key.shape[:2]) != (batch, num_nodes):
+            raise ValueError(f"tree_verify got node keys for {key.shape[:2]} (rows, nodes), not {(batch, num_nodes)}")
+        words = jax.vmap(jax.vmap(lambda k: node_hashes(k, 1, 1, streams=3)[:, 0, 0]))(key)  # [B, N, 3]
+        uniform_bits, tile_seeds, token_seeds = jnp.moveaxis(words, 2, 0)
+    elif layout == "row":
         if key.shape[0] != batch:
             raise ValueError(f"tree_verify got {key.shape[0]} per-row keys for {batch} rows")
         words = jax.vmap(lambda k: node_hashes(k, 1, num_nodes, streams=3)[:, 0])(key)  # [B, 3, N]
@@ -81,6 +106,12 @@ def verification_noise(key: jax.Array, batch: int, num_nodes: int) -> VerifyNois
     else:
         uniform_bits, tile_seeds, token_seeds = node_hashes(key, batch, num_nodes, streams=3)
     return VerifyNoise(uniform_from_bits(uniform_bits), tile_seeds, token_seeds)
+
+
+def stats_num_nodes(num_nodes: jax.Array, coupled: bool) -> jax.Array:
+    """The node counts the vocabulary pass sees: a coupled verification races every node over all
+    of p (as if it had no children), the others over the tokens that are not children."""
+    return jnp.ones_like(num_nodes) if coupled else num_nodes
 
 
 class NodeStats(NamedTuple):
@@ -168,11 +199,13 @@ def _first(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.any(mask, axis=-1), jnp.argmax(mask, axis=-1).astype(jnp.int32)
 
 
-def chosen_children(stats: NodeStats, child_logp, parents, draft_tokens, num_nodes, uniforms, temperature) -> jax.Array:
-    """int32 [B, N]: the child each node accepts if the walk reaches it, -1 if it accepts none."""
+def chosen_children(stats: NodeStats, child_logp, parents, draft_tokens, num_nodes, uniforms, match: bool) -> jax.Array:
+    """int32 [B, N]: the child each node accepts if the walk reaches it, -1 if it accepts none.
+    match: a node accepts its first child whose token is the node's sample (greedy, and coupled
+    draws, whose sample is a race over all of p); else the sibling rule of the module docstring."""
     n = parents.shape[1]
     is_child, parent, child_of = tree_structure(parents, num_nodes)
-    if temperature == 0:
+    if match:
         hit = is_child & (draft_tokens == jnp.take_along_axis(stats.sample, parent, axis=1))
         found, first = _first(child_of & hit[:, None, :])
         return jnp.where(found, first, -1)
@@ -225,13 +258,15 @@ def assemble(logits, lse, child_logp, path, num_accepted, next_token, inv_t) -> 
 
 
 def verify_from_stats(
-    stats: NodeStats, logits, parents, draft_tokens, num_nodes, uniforms, temperature
+    stats: NodeStats, logits, parents, draft_tokens, num_nodes, uniforms, temperature, coupled: bool = False
 ) -> VerifyResult:
-    """Deterministic-draft or greedy verification given the per-node reductions."""
+    """Deterministic-draft or greedy verification given the per-node reductions (for coupled draws,
+    reductions made with `stats_num_nodes(num_nodes, True)`)."""
     inv_t = inverse_temperature(temperature)
     is_child, parent, _ = tree_structure(parents, num_nodes)
     child_logp = _child_logprobs(logits, stats.lse, parent, draft_tokens, is_child, inv_t)
-    chosen = chosen_children(stats, child_logp, parents, draft_tokens, num_nodes, uniforms, temperature)
+    match = coupled or temperature == 0
+    chosen = chosen_children(stats, child_logp, parents, draft_tokens, num_nodes, uniforms, match)
     path, num_accepted = walk(chosen)
     end = jnp.take_along_axis(path, num_accepted[:, None], axis=1)[:, 0]
     next_token = jnp.take_along_axis(stats.sample, end[:, None], axis=1)[:, 0]
@@ -337,5 +372,7 @@ def verify_reference(
         return verify_stochastic(
             logits, draft_probs, parents, draft_tokens, num_nodes, noise.uniforms, noise.token_seeds, temperature
         )
-    stats = node_stats_reference(logits, parents, draft_tokens, num_nodes, noise, temperature, tile)
-    return verify_from_stats(stats, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature)
+    coupled = key_layout(key) == "node"
+    stats_nodes = stats_num_nodes(num_nodes, coupled)
+    stats = node_stats_reference(logits, parents, draft_tokens, stats_nodes, noise, temperature, tile)
+    return verify_from_stats(stats, logits, parents, draft_tokens, num_nodes, noise.uniforms, temperature, coupled)

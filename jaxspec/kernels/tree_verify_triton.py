@@ -19,6 +19,10 @@ decisions for the same key and tile (normalisers up to float summation order; nu
 transcendentals may differ in the last bit, as the GPU's do). That can only change a decision
 that lands within rounding of a boundary.
 
+Coupled draws (one key per node) run the same two kernels: the vocabulary pass races every node
+over all of p (it is given no children), and the decision kernel accepts the child that matches
+the node's sample, as it does for greedy verification.
+
 Stochastic drafts (draft_probs given) do not use this kernel: their residual update needs whole
 vocabulary vectors per tested child; they have their own (`jaxspec.kernels.tree_stochastic_triton`).
 """
@@ -40,6 +44,8 @@ from jaxspec.kernels.tree_verify_reference import (
     VerifyNoise,
     VerifyResult,
     combine_blocks,
+    key_layout,
+    stats_num_nodes,
     verification_noise,
 )
 from jaxspec.kernels.triton_call import MAX, SUM, call
@@ -250,11 +256,13 @@ def verify_triton(
     batch, n, vocab = logits.shape
     tile = race_tile(vocab, tile)
     noise = verification_noise(key, batch, n)
+    coupled = key_layout(key) == "node"
+    stats_nodes = stats_num_nodes(num_nodes, coupled)
     peak, total, candidates, best, best_tile = split_partials_triton(
         logits,
         parents,
         draft_tokens,
-        num_nodes,
+        stats_nodes,
         noise,
         temperature,
         interpret=interpret,
@@ -263,7 +271,7 @@ def verify_triton(
         num_stages=num_stages,
         programs=programs,
     )
-    sample = _sample_split(best_tile, logits, parents, draft_tokens, num_nodes, noise, temperature, tile)
+    sample = _sample_split(best_tile, logits, parents, draft_tokens, stats_nodes, noise, temperature, tile)
     return decide_triton(
         peak,
         total,
@@ -275,5 +283,6 @@ def verify_triton(
         num_nodes,
         noise.uniforms,
         temperature,
+        coupled=coupled,
         interpret=interpret,
     )

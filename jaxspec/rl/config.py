@@ -126,6 +126,12 @@ class RolloutConfig:
         ("jaxspec.rollout" logger; on the CPU, which reports no free memory, 2 GiB per device
         are assumed; `jaxspec.rollout.slot_memory`). null stays the default until GPU
         measurements show the slot engine faster everywhere.
+    coupled: draw every rollout token by a race keyed by (call key, row, position) alone, so that
+        speculative rollouts with deterministic drafts are the autoregressive rollouts of the same
+        key, token for token (float32; in bfloat16 until a near-tie breaks the other way): a run
+        with spec.method none and one with a drafter then train on the same answers, and their
+        step times compare like for like (`jaxspec.rollout.Sampling.coupled`). Same law and
+        acceptance as the default draws; refused with spec.draft_sampling stochastic.
     """
 
     prompts_per_step: int = 8
@@ -140,6 +146,7 @@ class RolloutConfig:
     sub_batch: int | None = None
     gather_weights: bool = False
     slots: int | str | None = None
+    coupled: bool = False
 
 
 AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum-norm")

@@ -130,6 +130,7 @@ class GRPORun:
             top_k=r_cfg.top_k,
             max_new_tokens=r_cfg.max_new_tokens,
             eos_id=self.tok.eos_id,
+            coupled=r_cfg.coupled,
         )
         self.eval_sampling = Sampling(
             temperature=cfg.eval.temperature,

@@ -50,6 +50,12 @@ def validate(cfg: GRPOConfig, source: str) -> None:
         f"must be > 0 (the policy gradient needs a sampling distribution), got {r.temperature}",
     )
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    need(
+        not (r.coupled and cfg.spec.method != "none" and cfg.spec.stochastic),
+        "rollout.coupled",
+        "needs deterministic drafts: spec.draft_sampling stochastic draws its draft tokens from its own noise, "
+        "so its rollouts cannot follow the autoregressive draws (set spec.draft_sampling: greedy)",
+    )
     positive(r, "top_k", "rollout", allow_zero=True)
     need(lo.advantage_eps > 0, "loss.advantage_eps", f"must be > 0, got {lo.advantage_eps}")
     positive(lo, "eps_low", "loss", allow_zero=True)

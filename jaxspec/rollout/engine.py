@@ -116,6 +116,11 @@ def generate(
         if not 0 <= eos < cfg.vocab_size:
             raise ValueError(f"eos_id {eos} is outside the vocabulary [0, {cfg.vocab_size})")
     sampling = dataclasses.replace(sampling, eos_id=eos_ids)
+    if sampling.coupled and not sampling.greedy and spec is not None and spec.stochastic:
+        raise ValueError(
+            "Sampling.coupled needs deterministic drafts: Spec.draft_sampling='stochastic' draws its "
+            "draft tokens from its own noise, so its rollouts cannot follow the autoregressive draws"
+        )
     if record_experts and not cfg.sparse_layers:
         raise ValueError("record_experts: the policy is dense (no mixture-of-experts layers route tokens to experts)")
     checked = validate_prompts(cfg, prompts, sampling.max_new_tokens)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -25,6 +27,14 @@ class Sampling:
     eos_id: token id or ids that end a sequence. None means the model config's `eos_token_id`
         (itself possibly several ids or none); an empty tuple means no eos (every row runs to
         max_new_tokens). A list is stored as a tuple.
+    coupled: draw token i of row r as the Gumbel-max race of `jaxspec.kernels.tree_verify` under the
+        key fold_in(fold_in(key, r), i) alone, in autoregressive and speculative rollouts alike,
+        and verify drafts by that race (a child is accepted iff it is the race's winner). The law
+        of every token and the acceptance of deterministic drafts are unchanged; what changes is
+        that a speculative rollout then emits the autoregressive rollout's tokens under the same
+        key, whatever the drafter, its depth or tree (in float32; in bfloat16 until logits that
+        differ by rounding break a near-tie). Stochastic drafts (`Spec.draft_sampling`) are
+        refused: their tokens follow their own noise. No effect on greedy sampling.
     """
 
     temperature: float = 1.0
@@ -32,8 +42,12 @@ class Sampling:
     top_k: int = 0
     max_new_tokens: int = 256
     eos_id: int | tuple[int, ...] | None = None
+    coupled: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.coupled, (bool, np.bool_)):
+            raise ValueError(f"Sampling.coupled must be True or False, got {self.coupled!r}")
+        object.__setattr__(self, "coupled", bool(self.coupled))
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"Sampling.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:
@@ -137,12 +151,33 @@ def row_keys(key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(rows, index)
 
 
+def depth_keys(key: jax.Array, rows: jax.Array, index: jax.Array, max_depth: int) -> jax.Array:
+    """Keys [S, max_depth + 1]: entry d is `row_keys`' key of token index + d of each row, the key
+    of a coupled draft tree's nodes at depth d (`Sampling.coupled`)."""
+    offsets = jnp.arange(max_depth + 1, dtype=jnp.int32)
+    return jax.vmap(lambda d: row_keys(key, rows, index + d), out_axes=1)(offsets)
+
+
 def choose_per_row(keys: jax.Array, logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
     """`choose_tokens` with one key per row: keys [S], logits float32 [S, V] -> (int32 [S], float32
-    log p [S])."""
+    log p [S]). Coupled sampling draws each row's token by the race that verifies a coupled draft
+    tree's node under the same key (`kernels.tree_verify` of a lone root)."""
     logprobs = processed_logprobs(logits, sampling)
     if sampling.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    elif sampling.coupled:
+        tokens = coupled_race(keys, logprobs)
     else:
         tokens = jax.vmap(sample)(keys, logprobs)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def coupled_race(keys: jax.Array, logprobs: jax.Array) -> jax.Array:
+    """int32 [S]: each row's token drawn from exp(logprobs) float32 [S, V] by the race of a lone
+    root under its key (keys [S]), as a coupled verification draws a node's token."""
+    rows = logprobs.shape[0]
+    column = jnp.zeros((rows, 1), jnp.int32)
+    result = kernels.tree_verify(
+        logprobs[:, None, :], column - 1, column, column[:, 0] + 1, keys[:, None], temperature=1.0
+    )
+    return result.next_token

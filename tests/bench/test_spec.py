@@ -370,3 +370,31 @@ def test_slots_option_parses_as_jaxspec_generate_does():
             argparse.ArgumentTypeError, match=rf"--slots must be a positive integer or 'auto', got '{bad}'"
         ):
             slot_count(bad)
+
+
+def test_bench_spec_coupled_rows_are_the_autoregressive_rows(tmp_path, capsys):
+    """--coupled in float32: every configuration, on the staged engine and on slots, samples the
+    autoregressive run's rows (rows_as_ar 1.0); --stochastic beside it is refused."""
+    out = tmp_path / "spec.json"
+    common = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
+    common += ["--batch", "4", "--new", "16", "--levels", "1", "--dtype", "float32", "--coupled"]
+    assert main([*common, "--k", "2", "--trees", "--slots", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["baseline"]["coupled"] is True
+    rows = result["rows"]
+    assert len(rows) >= 6 and {r["slots"] for r in rows} == {None, 2}
+    assert all(r["rows_as_ar"] == r["prefix_as_ar"] == 1.0 for r in rows), [
+        (r["config"], r["rows_as_ar"]) for r in rows
+    ]
+    assert any(r["acceptance_length"] > 1.0 for r in rows)
+    capsys.readouterr()
+    assert main([*common, "--stochastic"]) == 2
+    assert "--coupled needs deterministic drafts" in capsys.readouterr().err
+
+
+def test_agreement_counts_equal_rows_and_the_prefix_before_the_first_difference():
+    from jaxspec.bench.spec import agreement
+
+    reference = np.array([[1, 2, 3, 4], [1, 2, 3, 4]])
+    assert agreement(reference, reference) == {"rows_as_ar": 1.0, "prefix_as_ar": 1.0}
+    assert agreement(reference, np.array([[1, 2, 3, 4], [1, 2, 0, 4]])) == {"rows_as_ar": 0.5, "prefix_as_ar": 0.75}

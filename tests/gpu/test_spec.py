@@ -16,7 +16,7 @@ def mismatches(rows: list[dict]) -> list[dict]:
 @pytest.mark.gpu
 def test_compiled_verification_kernels_agree_with_the_reference():
     rows = check_spec.kernel_checks()
-    assert len(rows) == 86 and not mismatches(rows), mismatches(rows)
+    assert len(rows) == 96 and not mismatches(rows), mismatches(rows)
 
 
 @pytest.mark.gpu
@@ -24,12 +24,43 @@ def test_every_rollout_method_agrees_with_the_reference():
     runs = check_spec.run_impls(("reference", "triton"), jobs=6)
     rows = check_spec.compare_rollouts(runs["reference"], runs["triton"])
     assert len(rows) == len(check_spec.rollout_cases()) and not mismatches(rows), mismatches(rows)
+    coupled = check_spec.coupled_rows(runs["triton"])
+    assert len(coupled) == 6 and not mismatches(coupled), coupled
 
 
 @pytest.mark.parametrize("chain", [True, False])
 def test_stochastic_kernel_case_agrees_with_the_reference(chain):
     row = check_spec.kernel_case(5, chain, 512, 1.0, 16, seed=7, interpret=True, stochastic=True)
     assert row["ok"] and row["tree"] == ("chain/q" if chain else "random/q") and row["flipped_rows"] == 0.0
+
+
+def test_coupled_kernel_case_agrees_with_the_reference():
+    row = check_spec.kernel_case(5, False, 512, 1.0, 16, seed=7, interpret=True, coupled=True)
+    assert row["ok"] and row["tree"] == "random/c" and row["flipped_rows"] == 0.0
+
+
+def test_coupled_rows_compare_each_coupled_run_with_the_autoregressive_one():
+    """Rows of a coupled run are compared with the coupled autoregressive run at its temperature;
+    a run with a quarter of its rows departing fails, uncoupled runs are not compared."""
+
+    def run(config, temperature, tokens, coupled=True):
+        return {"config": config, "temperature": temperature, "tokens": tokens, "coupled": coupled}
+
+    ar = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    runs = [
+        run(check_spec.COUPLED_AR, 1.0, ar),
+        run("chain coupled", 1.0, ar),
+        run("tree coupled", 1.0, [[1, 2], [3, 4], [5, 6], [7, 9]]),
+        run("tree coupled", 0.0, ar),  # no autoregressive run at T=0 among these: not compared
+        run("chain", 1.0, [[0, 0]] * 4, coupled=False),
+    ]
+    rows = check_spec.coupled_rows(runs)
+    assert [(r["config"], r["rows_as_ar"], r["ok"]) for r in rows] == [
+        ("chain coupled", 1.0, True),
+        ("tree coupled", 0.75, True),
+    ]
+    runs[2]["tokens"] = [[1, 2], [3, 4], [0, 6], [7, 9]]
+    assert [r["ok"] for r in check_spec.coupled_rows(runs)] == [True, False]
 
 
 def test_a_wrong_stochastic_kernel_fails_the_case(monkeypatch):

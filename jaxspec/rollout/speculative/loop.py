@@ -18,6 +18,11 @@ the loop moves the running rows into a smaller batch (`jaxspec.rollout.stages`).
 measured so far, depth 0 being an autoregressive step (the root verified alone, its next token
 sampled as the autoregressive loop samples it); a run of depth-0 iterations up to the next probe
 is an inner `while_loop` of such steps, with no branch to take in each.
+
+Randomness: each iteration's draft and verification keys are split from the previous one's, so a
+row's draws follow the batch it runs in; with `Sampling.coupled` token 0 and every verified node
+are drawn under the autoregressive engine's key of the row and the token's position instead
+(`sampling.depth_keys`), so the rollout is the autoregressive rollout of the same key.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.rollout.branch import run_if
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
-from jaxspec.rollout.sampling import Sampling, choose_tokens
+from jaxspec.rollout.sampling import Sampling, choose_per_row, choose_tokens, depth_keys, row_keys
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Drafter, Pooled, Prefill
 from jaxspec.rollout.speculative.stats import Counts, count_step
@@ -54,6 +59,7 @@ class _LoopState(NamedTuple):
     lengths: jax.Array  # int32 [B]
     limit: jax.Array  # int32 [B]: the most tokens the row emits
     done: jax.Array  # bool [B]
+    row: jax.Array  # int32 [B]: the call's index of each loop row (rows move between stages)
     key: jax.Array
     counts: Counts
     experts: jax.Array | None  # [B, S, L_sparse, k] the recorded routing (`jaxspec.rollout.experts`), or None
@@ -119,6 +125,7 @@ def speculative_decode(
     one in place).
     """
     num_rows, max_new = logits.shape[0], sampling.max_new_tokens
+    call_key = key  # coupled draws key each token by (row, position) from the call's key
     record = prompt_experts is not None
     pad_id = cfg.pad_token_id or 0
     eos_ids = jnp.asarray(sampling.eos_id, jnp.int32)
@@ -133,6 +140,8 @@ def speculative_decode(
         loop_rows = state.root.shape[0]
         rows = jnp.arange(loop_rows)[:, None]
         key, draft_key, verify_key = jax.random.split(state.key, 3)
+        if sampling.coupled:  # the autoregressive engine's keys of the tokens the step may emit
+            verify_key = depth_keys(call_key, state.row, state.lengths, max_depth)
         active = ~state.done
 
         pooled = state.draft if state.draft_pool is None else Pooled(state.draft, state.draft_pool)
@@ -182,6 +191,7 @@ def speculative_decode(
             lengths=state.lengths + count,
             limit=state.limit,
             done=state.done | (active & ((first_eos < count) | (state.lengths + count >= state.limit))),
+            row=state.row,
             key=key,
             counts=counts._replace(depth_steps=counts.depth_steps.at[drafter.depth].add(1)) if drafts else counts,
             experts=experts,
@@ -219,7 +229,11 @@ def speculative_decode(
         return new, jnp.where(index > 0, 1, ran)
 
     key, first_key = jax.random.split(key)
-    first, first_logprob = choose_tokens(first_key, logits, sampling)
+    all_rows = jnp.arange(num_rows, dtype=jnp.int32)
+    if sampling.coupled:  # token 0 as the autoregressive engine draws it
+        first, first_logprob = choose_per_row(row_keys(call_key, all_rows, jnp.zeros_like(all_rows)), logits, sampling)
+    else:
+        first, first_logprob = choose_tokens(first_key, logits, sampling)
     prefill = Prefill(
         prompt_tokens=prompt_tokens,
         prompt_lengths=prompt_lengths,
@@ -244,6 +258,7 @@ def speculative_decode(
         lengths=jnp.ones((num_rows,), jnp.int32),
         limit=row_max_new.astype(jnp.int32),
         done=jnp.isin(first, eos_ids) | (row_max_new <= 1),
+        row=all_rows,
         key=key,
         counts=Counts.zeros(max_depth, deepest.depth),
         experts=expert_buffer(prompt_experts, prompt_experts.shape[1] + max_new, sharding) if record else None,
@@ -255,7 +270,7 @@ def speculative_decode(
         [functools.partial(step if adaptive is None else adaptive_step, drafter) for drafter in drafters],
         state,
         stages,
-        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "limit", "done", *recorded),
+        ("root", "cache", "cache_len", "draft", "tokens", "logprobs", "lengths", "limit", "done", "row", *recorded),
         lambda moved: moved._replace(
             cache=jax.tree.map(lambda buf: constrain(sharding, buf, KV_CACHE_AXES), moved.cache)
         ),

@@ -18,8 +18,11 @@ Randomness. The acceptance of the step that starts at row r's token i is drawn w
 a prefill as in the autoregressive engine. A row's steps depend on its own tokens alone, so
 without preemption the same key gives the same tokens for any S; a preempted row resumes with a
 new step boundary, so its later sampled tokens are a different (equally exact) draw; greedy
-rollouts are the same through preemptions. Stochastic drafts draw their noise per loop
-iteration, for all slots at once (exact, but not independent of the slot count or the mesh).
+rollouts are the same through preemptions. With `Sampling.coupled` the node at depth d of that
+step is verified under the key of token i + d, the key the autoregressive engine draws that token
+with, so the rollout's tokens are the autoregressive rollout's (through preemptions too).
+Stochastic drafts draw their noise per loop iteration, for all slots at once (exact, but not
+independent of the slot count or the mesh).
 
 Draft depth by occupancy: `Spec.stage_draft_tokens` entry i is the depth while the decoding
 slots are at most S / 2^i and more than S / 2^(i + 1) (`occupancy_sizes`), the staged loop's
@@ -55,7 +58,7 @@ from jaxspec.models.sharding import Sharding
 from jaxspec.rollout.continuous import empty_cache, record_buffer, slot_output
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
-from jaxspec.rollout.sampling import Sampling, row_keys
+from jaxspec.rollout.sampling import Sampling, depth_keys, row_keys
 from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE, Layout
 from jaxspec.rollout.slot_memory import slot_layout
 from jaxspec.rollout.slot_state import (
@@ -284,6 +287,8 @@ def _loop(
         def view_and_keys(state: LoopState, prompts: Prompts):
             active, table = decoding_view(state)
             row = jnp.clip(state.row, 0, group.rows - 1)
+            if sampling.coupled:  # the autoregressive engine's keys of the tokens the step may emit
+                return active, table, depth_keys(key, state.first_row + row, state.lengths[row], max_depth)
             return active, table, row_keys(verify_key, state.first_row + row, state.lengths[row])
 
         active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts))

@@ -127,7 +127,9 @@ def speculative_step(
     """Steps 1-4 of the module docstring for rows root int32 [B] at cache_len int32 [B], the rows
     in active bool [B] still generating. cache: a dense `KVCache` or a `PagedKVCache`.
     verify_key: the key of the exact acceptance (`kernels.tree_verify`): one key, or one per row
-    (the slot engine's, so that a row draws the same in any slot). chain: the deepest drafter
+    (the slot engine's, so that a row draws the same in any slot); with `sampling.coupled`, keys
+    [B, max_depth + 1] by depth (`sampling.depth_keys`: the keys of the tokens the step may emit),
+    each node verified under its depth's key. chain: the deepest drafter
     drafts chains (node n is node n - 1's only child); drafts=False verifies the root alone (an
     autoregressive step through the same code)."""
     width = max_depth + 1
@@ -163,12 +165,12 @@ def speculative_step(
                 tree.parents,
                 tree.tokens,
                 tree.num_nodes,
-                verify_key,
+                verify_key[jnp.arange(loop_rows)[:, None], tree.depth] if sampling.coupled else verify_key,
                 temperature=0.0 if sampling.greedy else 1.0,
                 draft_probs=tree.draft_probs,
             )
         else:
-            result = _sample_root(logits[:, 0], verify_key, sampling)
+            result = _sample_root(logits[:, 0], verify_key[:, 0] if sampling.coupled else verify_key, sampling)
     # A stage that drafts less deep than the deepest pads its outcome to the loop's width.
     path = _pad_to(result.path[:, :width], width, 1, -1)
     accepted, next_token = result.num_accepted, result.next_token
