@@ -5,9 +5,12 @@ tensor, fsdp x tensor): the rows, slots and pages split into 2 groups over the b
 device holds its group's pages with half the KV heads (the policy's pools and the head's), and
 greedy autoregressive and greedy EAGLE-3 rollouts give the one-device slot engine's tokens,
 log-probs and acceptance; sampled rows too (row r's token i is drawn with a key of (r, i) alone,
-whichever group runs it). A mixture-of-experts policy too: the model runs every group's slots as
-one batch (its grouped matmuls have no rule for a vmap over groups).
+whichever group runs it), and coupled EAGLE-3 rows are the one-device autoregressive rows. A
+mixture-of-experts policy too: the model runs every group's slots as one batch (its grouped
+matmuls have no rule for a vmap over groups).
 """
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -85,6 +88,17 @@ def test_sampled_slots_on_a_mesh_equal_one_device(tiny, monkeypatch):
     want = generate(cfg, params, rows, jax.random.key(5), sampled, slots=SLOTS)
     out, _ = run_on_mesh(tiny, "data-tensor", sampled, jax.random.key(5), "ar", monkeypatch)
     assert len(set(np.asarray(want.lengths).tolist())) > 2  # rows end at different lengths
+    assert_same_rollout(out, want)
+
+
+def test_coupled_eagle3_slots_on_a_mesh_equal_the_one_device_autoregressive_rollout(tiny, monkeypatch):
+    """Coupled draws (`Sampling.coupled`) key every node by its row and position, whichever group runs
+    it: sampled EAGLE-3 chains on the mesh give the one-device autoregressive rollout."""
+    cfg, params, _, rows, _, sampled = tiny
+    coupled = dataclasses.replace(sampled, coupled=True)
+    want = generate(cfg, params, rows, jax.random.key(5), coupled, slots=SLOTS)
+    out, _ = run_on_mesh(tiny, "data-tensor", coupled, jax.random.key(5), "eagle3", monkeypatch)
+    assert out.stats["groups"] == 2 and out.stats["accepted_tokens"] > 0
     assert_same_rollout(out, want)
 
 
