@@ -21,7 +21,10 @@ reports generation_ms_per_longest_token, the median over the timed steps of the 
 over the step's longest answer (`response_length_max`), and tail_generation_speedup, the
 baseline's over the run's: the generation speedup with the longest answers' draw taken out; and
 cut_steps, the timed steps where some answer ran to rollout.max_new_tokens without an eos
-(`truncated_frac` > 0): such a step's generation lasts the cap, whatever the rest drew.
+(`truncated_frac` > 0): such a step's generation lasts the cap, whatever the rest drew. Runs with
+rollout.coupled (coupled draws) generate the baseline's answers where their policies agree, which
+takes the draw out of the step times themselves: same_answers is the share of the timed steps
+whose answers (mean and longest length, mean reward) equal the baseline's at that step.
 
 Runs with rollout.mode async also report sync_s (the weight copy onto the rollout mesh),
 rollout_wait_s (the trainer waiting for its batch) and overlap: the step time over the longer of
@@ -38,6 +41,7 @@ from pathlib import Path
 
 STAGES = ("generation", "logprob", "train", "sync", "rollout_wait")
 WARMUP_STEPS = 2
+ANSWER_KEYS = ("response_length_mean", "response_length_max", "reward_mean")  # a step's answers, summarized
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -73,6 +77,7 @@ def summarize(records: list[dict], last_step: int | None = None) -> dict:
         longest_response=median("response_length_max", timed),
         generation_ms_per_longest_token=statistics.median(per_longest) if per_longest else None,
         cut_steps=[r["step"] for r in timed if r.get("truncated_frac", 0.0) > 0],
+        answers={r["step"]: [r.get(k) for k in ANSWER_KEYS] for r in timed},
         reward_first=statistics.mean(r["reward_mean"] for r in steps[:5]),
         reward_last=statistics.mean(r["reward_mean"] for r in steps[-5:]),
     )
@@ -101,6 +106,15 @@ def accuracy_gap(curve: list[tuple[int, float]], base: list[tuple[int, float]], 
         "accuracy_gap_max": max(gaps),
         "accuracy_last5": statistics.mean(mine[s] for s in shared[-5:]),
     }
+
+
+def same_answers(answers: dict, base: dict) -> float | None:
+    """The share of the steps timed in both runs whose answers (`ANSWER_KEYS`) are equal, None if no
+    step is."""
+    shared = answers.keys() & base.keys()
+    if not shared:
+        return None
+    return sum(answers[step] == base[step] for step in shared) / len(shared)
 
 
 def moving_mean(points: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
@@ -159,6 +173,7 @@ def main() -> None:
         tail, base_tail = s["generation_ms_per_longest_token"], base["generation_ms_per_longest_token"]
         s["tail_generation_speedup"] = base_tail / tail if tail and base_tail else None
         s.update(accuracy_gap(s["eval_accuracy"], base["eval_accuracy"], eval_steps))
+        s["same_answers"] = same_answers(s["answers"], base["answers"])
         curve = " ".join(f"{acc:.3f}" for _, acc in s["eval_accuracy"])
         gaps = "".join(
             f"{s[k]:>{w}.3f}" if s[k] is not None else f"{'-':>{w}}"
@@ -175,6 +190,9 @@ def main() -> None:
                 f"{name}: longest answer {s['longest_response']:.0f} tokens, generation "
                 f"{s['generation_ms_per_longest_token']:.3f} ms per token of it, {s['tail_generation_speedup']:.2f}x"
             )
+    for name, s in list(runs.items())[1:]:
+        if s["same_answers"] is not None:
+            print(f"{name}: the baseline's answers in {s['same_answers']:.0%} of the timed steps both ran")
     for name, s in runs.items():
         if s["cut_steps"]:
             print(f"{name}: answers cut at max_new_tokens in timed steps {s['cut_steps']}")

@@ -153,7 +153,29 @@ def test_tail_speedup_takes_the_longest_answers_draw_out(tmp_path, monkeypatch, 
     assert same["generation_ms_per_longest_token"] == pytest.approx(1.6)
     assert fast["tail_generation_speedup"] == pytest.approx(2.0)
     assert fast["generation_speedup"] < 2.0
+    assert same["same_answers"] == fast["same_answers"] == 0.0  # other draws
     assert "twice_as_fast: longest answer" in capsys.readouterr().out
+
+
+def test_same_answers_counts_the_steps_a_run_answered_as_the_baseline(tmp_path, monkeypatch, capsys):
+    """A coupled run answers as the baseline does: its share of timed steps with the baseline's
+    answers is 1.0; a run whose mean length differs at one of the 18 timed steps has 17/18."""
+    ar = write_run(tmp_path / "ar", step_s=2.0, generation_s=1.5, accuracy=[0.5, 0.5, 0.5])
+    coupled = write_run(tmp_path / "coupled", step_s=1.5, generation_s=1.0, accuracy=[0.5, 0.5, 0.5])
+    other = write_run(tmp_path / "other", step_s=1.5, generation_s=1.0, accuracy=[0.5, 0.5, 0.5])
+    rows = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["response_length_mean"] = 201.0 if row["step"] == 12 else row.get("response_length_mean")
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "summary.json"
+    monkeypatch.setattr(
+        sys, "argv", ["grpo_compare.py", "--out", str(out), f"ar={ar}", f"coupled={coupled}", f"other={other}"]
+    )
+    grpo_compare.main()
+    result = json.loads(out.read_text())
+    assert result["coupled"]["same_answers"] == 1.0
+    assert result["other"]["same_answers"] == pytest.approx(17 / 18)
+    assert "coupled: the baseline's answers in 100% of the timed steps" in capsys.readouterr().out
 
 
 def test_tail_speedup_is_none_without_the_longest_answer(tmp_path):
