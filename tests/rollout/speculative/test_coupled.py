@@ -2,9 +2,9 @@
 rollout's tokens under the same key.
 
 On the embedded tiny policy in float32 with its trained EAGLE-3 head, sampled at T = 1 (drafts
-accepted and rejected, eos inside accepted runs): EAGLE-3 chains in the staged loop and on 3 slots
+accepted and rejected, rows ending at eos at different lengths): EAGLE-3 chains in the staged loop and on 3 slots
 give the coupled autoregressive rollout's tokens and log-probs. The control: with the default
-draws the same EAGLE-3 rollout departs from the autoregressive one in most rows. Every other
+draws the same EAGLE-3 rollout departs from the autoregressive one in at least half the rows. Every other
 drafter, preemption and the exact law: tests/rollout/speculative/test_coupled_drafters.py (slow).
 """
 
