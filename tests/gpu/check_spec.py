@@ -15,7 +15,7 @@ race tile and of many; and `verify_stochastic_triton` (stochastic drafts, tree "
 its length and the next token must be equal (float rounding can flip a decision that lands on a
 boundary: at most `MAX_FLIPPED` of the rows), the log-probs within `LOGPROB_TOL`, and every result
 must be consistent (num_accepted equals the path's accepted nodes). Coupled draws (one key per
-node, tree "chain/c" or "random/c", T=1) take the same comparison.
+node, tree "chain/c" or "random/c", T=1) take the same comparison (`tests.gpu.check_spec_kernels`).
 rollout: every method (EAGLE-3 chains k = 1..7, trees, stochastic drafts, adaptive depth; a draft
 model; n-gram) on the staged engine, and EAGLE-3 and draft-model runs on the slot engine (8 slots), on the
 embedded tiny policy and head, 16 level-1/2 problems, 64 new tokens, greedy and T=1; each
@@ -44,11 +44,10 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-MAX_FLIPPED = 0.002  # fraction of kernel-check rows whose decisions may differ through float rounding
-LOGPROB_TOL = 2e-3
+from tests.gpu.check_spec_kernels import kernel_checks  # noqa: E402
+
 RATE_TOL = 0.02
 NEW_TOKENS = 64
 ROLLOUT_ROWS = 16
@@ -56,90 +55,6 @@ SLOTS = 8  # slot-engine cases: half the rows at once
 COUPLED_AR = "autoregressive coupled"  # the coupled runs' reference
 COUPLED_SHARE = 0.75  # of the rows of a coupled run with the autoregressive tokens (`coupled_rows`)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def random_tree(rng: np.random.Generator, nodes: int, chain: bool) -> np.ndarray:
-    """parents int [nodes]: -1 at the root; a chain, or each node under a random earlier node."""
-    if chain:
-        return np.arange(-1, nodes - 1)
-    return np.concatenate([[-1], [rng.integers(0, n) for n in range(1, nodes)]])
-
-
-def kernel_case(
-    nodes: int,
-    chain: bool,
-    vocab: int,
-    temperature: float,
-    batch: int,
-    seed: int,
-    interpret: bool = False,
-    stochastic: bool = False,
-    coupled: bool = False,
-) -> dict:
-    from jaxspec.kernels.tree_stochastic_triton import verify_stochastic_triton
-    from jaxspec.kernels.tree_verify_reference import verify_reference
-    from jaxspec.kernels.tree_verify_triton import verify_triton
-
-    rng = np.random.default_rng(seed)
-    logits = (5.0 * rng.standard_normal((batch, nodes, vocab))).astype(np.float32)
-    parents = np.stack([random_tree(rng, nodes, chain) for _ in range(batch)]).astype(np.int32)
-    # Drafts that are often right: each node's token is its parent's argmax for 60% of the nodes.
-    tokens = rng.integers(0, vocab, (batch, nodes)).astype(np.int32)
-    argmax_at_parent = np.argmax(np.take_along_axis(logits, np.maximum(parents, 0)[..., None], axis=1), axis=-1)
-    tokens = np.where(rng.random((batch, nodes)) < 0.6, argmax_at_parent, tokens).astype(np.int32)
-    num_nodes = rng.integers(max(1, nodes // 2), nodes + 1, batch).astype(np.int32)
-    num_nodes[0] = nodes
-    args = tuple(jnp.asarray(x) for x in (logits, parents, tokens, num_nodes))
-    key = jax.random.split(jax.random.key(seed), (batch, nodes)) if coupled else jax.random.key(seed)
-    if stochastic:  # q: a draft near the policy, whose argmax most drafted tokens are
-        q = jax.nn.softmax(args[0] + 2.0 * jax.random.normal(jax.random.key(seed + 1), args[0].shape), axis=-1)
-        ref = jax.device_get(verify_reference(*args, key, temperature=temperature, draft_probs=q))
-        got = jax.device_get(
-            verify_stochastic_triton(args[0], q, *args[1:], key, temperature=temperature, interpret=interpret)
-        )
-    else:
-        ref = jax.device_get(verify_reference(*args, key, temperature=temperature))
-        got = jax.device_get(verify_triton(*args, key, temperature=temperature, interpret=interpret))
-    same = (ref.path == got.path).all(1) & (ref.num_accepted == got.num_accepted) & (ref.next_token == got.next_token)
-    consistent = bool((got.num_accepted == (got.path[:, 1:] >= 0).sum(1)).all())
-    logprob_err = float(np.abs(np.where(same[:, None], ref.logprobs - got.logprobs, 0.0)).max())
-    flipped = float(1.0 - same.mean())
-    tree = ("chain" if chain else "random") + ("/q" if stochastic else "/c" if coupled else "")
-    return {
-        "check": "kernel",
-        "nodes": nodes,
-        "tree": tree,
-        "vocab": vocab,
-        "temperature": temperature,
-        "batch": batch,
-        "flipped_rows": flipped,
-        "consistent": consistent,
-        "logprob_err": logprob_err,
-        "mean_accepted_reference": float(ref.num_accepted.mean()),
-        "mean_accepted_kernel": float(got.num_accepted.mean()),
-        "ok": consistent and flipped <= MAX_FLIPPED and logprob_err <= LOGPROB_TOL,
-    }
-
-
-def kernel_checks() -> list[dict]:
-    rows = []
-    for vocab in (512, 32768):
-        for temperature in (0.0, 1.0):
-            for nodes in range(2, 17):
-                rows.append(kernel_case(nodes, True, vocab, temperature, 256, seed=nodes))
-            for nodes in (3, 5, 8, 16):
-                rows.append(kernel_case(nodes, False, vocab, temperature, 256, seed=100 + nodes))
-    for vocab in (512, 151936):  # stochastic drafts (draft_probs), their own kernel
-        for nodes in (2, 4, 16):
-            rows.append(kernel_case(nodes, True, vocab, 1.0, 256, seed=200 + nodes, stochastic=True))
-        for nodes in (5, 16):
-            rows.append(kernel_case(nodes, False, vocab, 0.7, 256, seed=300 + nodes, stochastic=True))
-    for vocab in (512, 151936):  # coupled draws (one key per node): every node raced over all of p
-        for nodes in (2, 4, 16):
-            rows.append(kernel_case(nodes, True, vocab, 1.0, 256, seed=400 + nodes, coupled=True))
-        for nodes in (5, 16):
-            rows.append(kernel_case(nodes, False, vocab, 1.0, 256, seed=500 + nodes, coupled=True))
-    return rows
 
 
 def rollout_configs() -> list[tuple[str, dict]]:

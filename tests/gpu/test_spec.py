@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxspec.kernels.tree_stochastic_triton as stochastic
-from tests.gpu import check_spec
+from tests.gpu import check_spec, check_spec_kernels
 
 
 def mismatches(rows: list[dict]) -> list[dict]:
@@ -15,7 +15,7 @@ def mismatches(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.gpu
 def test_compiled_verification_kernels_agree_with_the_reference():
-    rows = check_spec.kernel_checks()
+    rows = check_spec_kernels.kernel_checks()
     assert len(rows) == 96 and not mismatches(rows), mismatches(rows)
 
 
@@ -30,12 +30,12 @@ def test_every_rollout_method_agrees_with_the_reference():
 
 @pytest.mark.parametrize("chain", [True, False])
 def test_stochastic_kernel_case_agrees_with_the_reference(chain):
-    row = check_spec.kernel_case(5, chain, 512, 1.0, 16, seed=7, interpret=True, stochastic=True)
+    row = check_spec_kernels.kernel_case(5, chain, 512, 1.0, 16, seed=7, interpret=True, stochastic=True)
     assert row["ok"] and row["tree"] == ("chain/q" if chain else "random/q") and row["flipped_rows"] == 0.0
 
 
 def test_coupled_kernel_case_agrees_with_the_reference():
-    row = check_spec.kernel_case(5, False, 512, 1.0, 16, seed=7, interpret=True, coupled=True)
+    row = check_spec_kernels.kernel_case(5, False, 512, 1.0, 16, seed=7, interpret=True, coupled=True)
     assert row["ok"] and row["tree"] == "random/c" and row["flipped_rows"] == 0.0
 
 
@@ -67,7 +67,7 @@ def test_a_wrong_stochastic_kernel_fails_the_case(monkeypatch):
     kernel = stochastic.verify_stochastic_triton
     wrong = lambda *a, **k: kernel(*a, **k)._replace(next_token=jnp.zeros(16, jnp.int32))  # noqa: E731
     monkeypatch.setattr(stochastic, "verify_stochastic_triton", wrong)
-    row = check_spec.kernel_case(5, True, 512, 1.0, 16, seed=7, interpret=True, stochastic=True)
+    row = check_spec_kernels.kernel_case(5, True, 512, 1.0, 16, seed=7, interpret=True, stochastic=True)
     assert not row["ok"] and row["flipped_rows"] > 0.5
 
 
