@@ -56,18 +56,8 @@ def draw(tiny_vocab_policy):
     def draw(setting):
         key = tuple(sorted(setting.items()))
         if key not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(rollout_stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
-                out = generate(
-                    cfg,
-                    params,
-                    [list(PROMPT)] * NUM_SAMPLES,
-                    jax.random.key(7),
-                    Sampling(max_new_tokens=MAX_NEW, **setting),
-                )
-            tokens, lengths, logprobs = map(np.asarray, (out.tokens, out.lengths, out.logprobs))
-            seqs = [tuple(int(t) for t in tokens[i, : lengths[i]]) for i in range(NUM_SAMPLES)]
-            cache[key] = seqs, tokens, lengths, logprobs
+            seqs, out = staged_continuations(cfg, params, setting)
+            cache[key] = (seqs, *map(np.asarray, (out.tokens, out.lengths, out.logprobs)))
         return cache[key]
 
     return draw
@@ -149,6 +139,23 @@ def test_a_3_percent_temperature_error_is_detected(tiny_vocab_policy, temperatur
         assert sum(out.stats["stage_steps"][1:]) > 0, out.stats  # the exact law held through a staged loop
     else:
         assert pvalue < 1e-3
+
+
+def staged_continuations(cfg, params, setting: dict, spec=None):
+    """(continuations, RolloutOutput) of NUM_SAMPLES copies of PROMPT, MAX_NEW new tokens sampled
+    with `setting` (Sampling's keywords) by the staged engine in one stage (see NUM_SAMPLES), one key."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout_stages, "MIN_STAGE_ROWS", NUM_SAMPLES)
+        run = generate(
+            cfg,
+            params,
+            [list(PROMPT)] * NUM_SAMPLES,
+            jax.random.key(7),
+            Sampling(max_new_tokens=MAX_NEW, **setting),
+            spec=spec,
+        )
+    tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
+    return [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
 
 
 def slot_continuations(cfg, params, setting: dict, spec=None):

@@ -13,22 +13,19 @@ rejected.
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
 from jaxspec.draft import init_eagle3
-from jaxspec.rollout import Sampling, Spec, generate
-from jaxspec.rollout import stages as rollout_stages
+from jaxspec.rollout import Spec, generate
 from tests.rollout.conftest import assert_same_rollout
 from tests.rollout.test_distribution import (
     NUCLEUS,
-    NUM_SAMPLES,
-    PROMPT,
     T1,
     assert_exact_law,
     chi_square_pvalue,
     exact_continuations,
     slot_continuations,
+    staged_continuations,
 )
 
 pytestmark = pytest.mark.slow
@@ -83,22 +80,6 @@ def test_depth_by_occupancy_and_preemptions_keep_the_autoregressive_tokens(tiny,
     preempted = generate(cfg, params, rows, jax.random.key(5), sampling, spec=spec, slots=4, kv_pages=24, page_size=4)
     assert preempted.stats["preemptions"] > 0
     assert_same_rollout(preempted, ar)
-
-
-def staged_continuations(cfg, params, setting: dict, spec):
-    """`slot_continuations` through the staged loop, its rows in one stage (tests/rollout/test_distribution.py)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rollout_stages, "MIN_STAGE_ROWS", NUM_SAMPLES)
-        run = generate(
-            cfg,
-            params,
-            [list(PROMPT)] * NUM_SAMPLES,
-            jax.random.key(7),
-            Sampling(max_new_tokens=3, **setting),
-            spec=spec,
-        )
-    tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
-    return [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
 
 
 LAW = {  # name: (Spec settings, Sampling settings, engine)
