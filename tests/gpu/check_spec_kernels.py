@@ -4,6 +4,9 @@ are described there)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,22 +78,38 @@ def kernel_case(
     }
 
 
-def kernel_checks() -> list[dict]:
-    rows = []
+def kernel_cases() -> list[dict]:
+    """The keyword arguments of every `kernel_case` the check runs, in order."""
+    cases = []
     for vocab in (512, 32768):
         for temperature in (0.0, 1.0):
             for nodes in range(2, 17):
-                rows.append(kernel_case(nodes, True, vocab, temperature, 256, seed=nodes))
+                cases.append(dict(nodes=nodes, chain=True, vocab=vocab, temperature=temperature, seed=nodes))
             for nodes in (3, 5, 8, 16):
-                rows.append(kernel_case(nodes, False, vocab, temperature, 256, seed=100 + nodes))
+                cases.append(dict(nodes=nodes, chain=False, vocab=vocab, temperature=temperature, seed=100 + nodes))
     for vocab in (512, 151936):  # stochastic drafts (draft_probs), their own kernel
         for nodes in (2, 4, 16):
-            rows.append(kernel_case(nodes, True, vocab, 1.0, 256, seed=200 + nodes, stochastic=True))
+            cases.append(dict(nodes=nodes, chain=True, vocab=vocab, temperature=1.0, seed=200 + nodes, stochastic=True))
         for nodes in (5, 16):
-            rows.append(kernel_case(nodes, False, vocab, 0.7, 256, seed=300 + nodes, stochastic=True))
+            cases.append(
+                dict(nodes=nodes, chain=False, vocab=vocab, temperature=0.7, seed=300 + nodes, stochastic=True)
+            )
     for vocab in (512, 151936):  # coupled draws (one key per node): every node raced over all of p
         for nodes in (2, 4, 16):
-            rows.append(kernel_case(nodes, True, vocab, 1.0, 256, seed=400 + nodes, coupled=True))
+            cases.append(dict(nodes=nodes, chain=True, vocab=vocab, temperature=1.0, seed=400 + nodes, coupled=True))
         for nodes in (5, 16):
-            rows.append(kernel_case(nodes, False, vocab, 1.0, 256, seed=500 + nodes, coupled=True))
+            cases.append(dict(nodes=nodes, chain=False, vocab=vocab, temperature=1.0, seed=500 + nodes, coupled=True))
+    return cases
+
+
+def kernel_checks(emit: Callable[[dict], None] = lambda row: None, end: float | None = None) -> list[dict]:
+    """The row of every case of `kernel_cases` (256 rows of trees each), each passed to `emit` as it
+    finishes (a check cut short still shows what ran); end: a `time.monotonic()` after which no
+    further case starts (None: run them all)."""
+    rows = []
+    for case in kernel_cases():
+        if end is not None and time.monotonic() >= end:
+            break
+        rows.append(kernel_case(batch=256, **case))
+        emit(rows[-1])
     return rows

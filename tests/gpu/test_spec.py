@@ -114,7 +114,8 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     monkeypatch.setattr(check_spec, "stop", lambda child: order.append("kill"))
     monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(check_spec, "start_rollouts", lambda *a: order.append("start") or [("reference", Child())])
-    monkeypatch.setattr(check_spec, "kernel_checks", lambda: order.append("kernels") or [])
+    monkeypatch.setattr(check_spec, "kernel_checks", lambda **kw: order.append("kernels") or [])
+    monkeypatch.setattr(check_spec, "kernel_cases", lambda: [])
 
     def collect(children, end):
         order.append(("collect", 495 < end - check_spec.time.monotonic() <= 500))
@@ -124,7 +125,7 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     assert check_spec.main(["--deadline", "500"]) == 3  # no case finished
     assert order == ["start", "kernels", ("collect", True)]
 
-    def failing():
+    def failing(**kw):
         raise RuntimeError("kernel check failed")
 
     order.clear()
@@ -132,3 +133,38 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     with pytest.raises(RuntimeError, match="kernel check failed"):
         check_spec.main([])
     assert order == ["start", "kill"]
+
+
+def test_kernel_rows_print_as_they_finish_and_a_deadline_cuts_the_rest(monkeypatch, capsys):
+    """Each kernel case's row is printed when it finishes, so a check stopped by an outer timeout
+    still shows what ran; past the deadline no case starts, and main counts the cases left (exit 3)."""
+    clock = [0.0]
+
+    def case(**kw):
+        clock[0] += 10.0  # each case "takes" 10 s
+        return {
+            "nodes": kw["nodes"],
+            "tree": "chain",
+            "vocab": kw["vocab"],
+            "temperature": kw["temperature"],
+            "flipped_rows": 0.0,
+            "consistent": True,
+            "logprob_err": 0.0,
+            "mean_accepted_reference": 1.0,
+            "mean_accepted_kernel": 1.0,
+            "ok": True,
+        }
+
+    monkeypatch.setattr(check_spec_kernels, "kernel_case", case)
+    monkeypatch.setattr(check_spec_kernels.time, "monotonic", lambda: clock[0])
+    printed = []
+    rows = check_spec_kernels.kernel_checks(emit=printed.append, end=25.0)
+    assert len(rows) == 3 and printed == rows  # cases start at 0, 10 and 20 s; none at 30
+
+    monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(check_spec.time, "monotonic", lambda: clock[0])
+    clock[0] = 0.0
+    assert check_spec.main(["--skip-rollouts", "--deadline", "25"]) == 3
+    out = capsys.readouterr().out
+    assert out.count("kernel n=") == 3
+    assert f"{len(check_spec_kernels.kernel_cases()) - 3} cases not finished by the deadline" in out
