@@ -4,6 +4,7 @@ reference, on the GPU.
     pytest -m gpu tests/gpu/test_spec.py                         # the check, as tests
     python3 -m tests.gpu.check_spec [--out FILE.json] [--jobs 6]  # every row printed; exit 0 when all agree
     python3 -m tests.gpu.check_spec --deadline 500                # compare what finished in 500 s (exit 3 if cut)
+    python3 -m tests.gpu.check_spec --kernels /c --only coupled   # the coupled draws' cases alone
 
 Run it on a GPU after every change to jaxspec/kernels/ or the rollout loop: Triton's interpreter on the
 CPU runs the kernels' arithmetic in numpy and cannot see a fault of the compiled program.
@@ -295,6 +296,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-kernel", action="store_true", help="only the rollout check")
     p.add_argument("--only", default="", help="only the rollout cases whose label contains this (e.g. 'slots=')")
     p.add_argument(
+        "--kernels", default="", help="only the kernel cases whose tree column contains this (e.g. '/c': coupled)"
+    )
+    p.add_argument(
         "--deadline",
         type=float,
         default=None,
@@ -318,12 +322,12 @@ def main(argv: list[str]) -> int:
     # The rollout children compile (on the CPU) while this process runs the kernel check.
     children = [] if args.skip_rollouts else start_rollouts(("reference", "triton"), args.jobs, args.only)
     try:
-        rows = [] if args.skip_kernel else kernel_checks(emit=print_kernel_row, end=end)
+        rows = [] if args.skip_kernel else kernel_checks(emit=print_kernel_row, end=end, only=args.kernels)
     except BaseException:
         for _, child in children:
             stop(child)
         raise
-    missing = 0 if args.skip_kernel else len(kernel_cases()) - len(rows)
+    missing = 0 if args.skip_kernel else len(kernel_cases(args.kernels)) - len(rows)
     if not args.skip_rollouts:
         wanted = sum(args.only in label for _, label, _ in rollout_cases())
         runs = finished_by_all(collect_rollouts(children, end))

@@ -61,7 +61,7 @@ def kernel_case(
     consistent = bool((got.num_accepted == (got.path[:, 1:] >= 0).sum(1)).all())
     logprob_err = float(np.abs(np.where(same[:, None], ref.logprobs - got.logprobs, 0.0)).max())
     flipped = float(1.0 - same.mean())
-    tree = ("chain" if chain else "random") + ("/q" if stochastic else "/c" if coupled else "")
+    tree = tree_label(chain, stochastic, coupled)
     return {
         "check": "kernel",
         "nodes": nodes,
@@ -78,8 +78,14 @@ def kernel_case(
     }
 
 
-def kernel_cases() -> list[dict]:
-    """The keyword arguments of every `kernel_case` the check runs, in order."""
+def tree_label(chain: bool, stochastic: bool = False, coupled: bool = False) -> str:
+    """A kernel case's tree column: "chain" or "random", "/q" for stochastic drafts, "/c" for coupled draws."""
+    return ("chain" if chain else "random") + ("/q" if stochastic else "/c" if coupled else "")
+
+
+def kernel_cases(only: str = "") -> list[dict]:
+    """The keyword arguments of every `kernel_case` the check runs, in order; only: those whose
+    `tree_label` contains this (e.g. "/c": the coupled cases)."""
     cases = []
     for vocab in (512, 32768):
         for temperature in (0.0, 1.0):
@@ -99,15 +105,17 @@ def kernel_cases() -> list[dict]:
             cases.append(dict(nodes=nodes, chain=True, vocab=vocab, temperature=1.0, seed=400 + nodes, coupled=True))
         for nodes in (5, 16):
             cases.append(dict(nodes=nodes, chain=False, vocab=vocab, temperature=1.0, seed=500 + nodes, coupled=True))
-    return cases
+    return [c for c in cases if only in tree_label(c["chain"], c.get("stochastic", False), c.get("coupled", False))]
 
 
-def kernel_checks(emit: Callable[[dict], None] = lambda row: None, end: float | None = None) -> list[dict]:
-    """The row of every case of `kernel_cases` (256 rows of trees each), each passed to `emit` as it
-    finishes (a check cut short still shows what ran); end: a `time.monotonic()` after which no
-    further case starts (None: run them all)."""
+def kernel_checks(
+    emit: Callable[[dict], None] = lambda row: None, end: float | None = None, only: str = ""
+) -> list[dict]:
+    """The row of every case of `kernel_cases(only)` (256 rows of trees each), each passed to `emit`
+    as it finishes (a check cut short still shows what ran); end: a `time.monotonic()` after which
+    no further case starts (None: run them all)."""
     rows = []
-    for case in kernel_cases():
+    for case in kernel_cases(only):
         if end is not None and time.monotonic() >= end:
             break
         rows.append(kernel_case(batch=256, **case))

@@ -115,7 +115,7 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(check_spec, "start_rollouts", lambda *a: order.append("start") or [("reference", Child())])
     monkeypatch.setattr(check_spec, "kernel_checks", lambda **kw: order.append("kernels") or [])
-    monkeypatch.setattr(check_spec, "kernel_cases", lambda: [])
+    monkeypatch.setattr(check_spec, "kernel_cases", lambda only="": [])
 
     def collect(children, end):
         order.append(("collect", 495 < end - check_spec.time.monotonic() <= 500))
@@ -168,3 +168,29 @@ def test_kernel_rows_print_as_they_finish_and_a_deadline_cuts_the_rest(monkeypat
     out = capsys.readouterr().out
     assert out.count("kernel n=") == 3
     assert f"{len(check_spec_kernels.kernel_cases()) - 3} cases not finished by the deadline" in out
+
+
+def test_the_kernel_filter_runs_the_coupled_cases_alone(monkeypatch, capsys):
+    """--kernels /c runs the coupled draws' kernel cases and no other (the cases of a quick check
+    of the coupled path on a card); with them all run, nothing is missing (exit 0)."""
+    ran = []
+
+    def case(**kw):
+        ran.append(kw)
+        return {
+            **kw,
+            "tree": check_spec_kernels.tree_label(kw["chain"], kw.get("stochastic", False), kw.get("coupled", False)),
+            "flipped_rows": 0.0,
+            "consistent": True,
+            "logprob_err": 0.0,
+            "mean_accepted_reference": 1.0,
+            "mean_accepted_kernel": 1.0,
+            "ok": True,
+        }
+
+    monkeypatch.setattr(check_spec_kernels, "kernel_case", case)
+    monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
+    assert check_spec.main(["--skip-rollouts", "--kernels", "/c"]) == 0
+    assert len(ran) == 10 and all(kw.get("coupled") for kw in ran)
+    assert capsys.readouterr().out.count("/c ") == 10
+    assert len(check_spec_kernels.kernel_cases()) == 96
