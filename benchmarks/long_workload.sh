@@ -3,13 +3,16 @@
 # the policy, train its EAGLE-3 head on the policy's own T=1 rollouts, then time speculative vs
 # autoregressive rollouts on RL-shaped batches of long, heavy-tailed answers.
 #   RESULTS=benchmarks/results/<campaign> bash benchmarks/long_workload.sh [stage ...]
-# Stages (default: pretrain head spec, in this order); stats (the data alone, on the CPU), engines
+# Stages (default: pretrain head spec, in this order); check (the GPU check of the verification
+# kernels and rollouts, `tests/gpu/check_spec.py`, under CHECK_DEADLINE seconds: on its own, before
+# any training, since beside one the two run out of the card's memory), stats (the data alone, on the CPU), engines
 # (the slot engine against the staged one in the same memory, suffix and hybrid drafts too), floor
 # (speculation with a useless draft, fixed and adaptive depths, batch 512 to 1), grpo (a few
 # steps of configs/grpo_long.yaml per rollout method, their phases compared) and knob (the entropy
 # knob's curve: a policy and head per data.tally.variation, their entropy and acceptance at k=1..7,
 # `benchmarks/knob_curve.py`) when named.
 # Intermediate checkpoints live under runs/ (not committed). Environment knobs:
+#   CHECK_DEADLINE (420: seconds for the check stage; the whole check takes ~350-450 s on one H100),
 #   PRETRAIN_STEPS (2000), PRETRAIN_MAX_LEN (30720: the packed row width; a shorter row drops the
 #   problems whose answer does not fit, so the policy never sees the longest answers),
 #   PRETRAIN_BATCH (rows per step; default keeps ~61k tokens a step), PRETRAIN_PROBLEMS (the problems
@@ -38,6 +41,7 @@ config_problems=$(python3 -c 'import yaml; print(yaml.safe_load(open("configs/pr
 PRETRAIN_PROBLEMS=${PRETRAIN_PROBLEMS:-$(( PRETRAIN_STEPS * PRETRAIN_BATCH * PRETRAIN_MAX_LEN * 11 / 20000 ))}
 [ "$PRETRAIN_PROBLEMS" -le "$config_problems" ] || PRETRAIN_PROBLEMS=$config_problems
 HEAD_STEPS=${HEAD_STEPS:-1000}
+CHECK_DEADLINE=${CHECK_DEADLINE:-420}
 SPEC_BATCH=${SPEC_BATCH:-256}
 SPEC_SAMPLES=${SPEC_SAMPLES:-8}
 SPEC_NEW=${SPEC_NEW:-8192}
@@ -89,6 +93,12 @@ stages=("$@")
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
+    check)  # every row printed as it finishes, so a cut check still shows what passed
+      # the stages after it run whatever it finds: its exit is reported, not fatal
+      check_status=0
+      python3 -u -m tests.gpu.check_spec --jobs 8 --deadline "$CHECK_DEADLINE" --out "$RESULTS/gpu_check.json" 2>&1 \
+        | tee "$RESULTS/gpu_check.log" || check_status=$?
+      echo "check_spec exit $check_status (0: every case agrees, 1: a mismatch, 3: cases cut by the deadline)" ;;
     stats)  # the length law and phrasing entropy of the data itself
       jaxspec data stats --config configs/pretrain_long.yaml --num 2000 --json "$RESULTS/long_data_stats.json" 2>&1 \
         | tee "$RESULTS/long_data_stats.log" ;;
