@@ -27,7 +27,10 @@
 #   FLOOR_NEW (1024: max_new_tokens), FLOOR_BATCH ("512 64 1": batch sizes, largest first, where
 #   speculation costs most); grpo: GRPO_RUNS ("ar frozen": autoregressive, EAGLE-3 with the frozen
 #   head, online: adapted, deep: the frozen head drafting 3 / 5 / 7 tokens as the decoding rows fall
-#   (spec.stage_draft_tokens), so that the long tail drafts deeper, suffix: the group-suffix drafter,
+#   (spec.stage_draft_tokens), so that the long tail drafts deeper, deeptree: trees of 3 branches a
+#   level (at most 16 nodes) 2 / 3 / 5 levels deep as the rows fall (such a tree accepted 3.77 tokens
+#   a step against a k=7 chain's 3.12 in lease LL; its verification rows matter less the fewer rows
+#   run), suffix: the group-suffix drafter,
 #   hybrid: the frozen head's and the suffix drafter's branches in one tree), GRPO_STEPS (5; the
 #   comparison takes medians after the first two), GRPO_SLOTS (128: rollout.slots, "null" for the
 #   staged engine), GRPO_ARGS (more overrides); knob:
@@ -158,9 +161,11 @@ for stage in "${stages[@]}"; do
           frozen) method=(draft.online=false) ;;
           online) method=() ;;
           deep) method=(draft.online=false spec.num_draft_tokens=7 "spec.stage_draft_tokens=[3,5,7]") ;;
+          deeptree) method=(draft.online=false spec.num_draft_tokens=5 spec.tree_width=3 spec.tree_budget=16
+            "spec.stage_draft_tokens=[2,3,5]") ;;
           suffix) method=(spec.method=suffix spec.draft=null draft.online=false) ;;
           hybrid) method=(draft.online=false spec.suffix_branches=true) ;;
-          *) echo "unknown GRPO run $run (ar, frozen, online, deep, suffix, hybrid)" >&2; exit 2 ;;
+          *) echo "unknown GRPO run $run (ar, frozen, online, deep, deeptree, suffix, hybrid)" >&2; exit 2 ;;
         esac
         rm -rf "runs/grpo-long-$run"
         # every group is trained on: the short-trained policy answers ~1% of these problems right, so
