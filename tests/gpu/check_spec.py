@@ -308,6 +308,10 @@ def main(argv: list[str]) -> int:
         "compare the cases that finished (exit 3 if one is missing)",
     )
     args = p.parse_args(argv)
+    if not args.skip_kernel and not kernel_cases(args.kernels):
+        p.error(f"--kernels {args.kernels!r}: no kernel case's tree column contains it (chain, random, /q, /c)")
+    if not args.skip_rollouts and not any(args.only in label for _, label, _ in rollout_cases()):
+        p.error(f"--only {args.only!r}: no rollout case's label contains it")
     started = time.monotonic()
     if args.rollouts_only:
         shard, shards = (int(x) for x in args.shard.split("/"))

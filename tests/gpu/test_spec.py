@@ -115,7 +115,7 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(check_spec, "start_rollouts", lambda *a: order.append("start") or [("reference", Child())])
     monkeypatch.setattr(check_spec, "kernel_checks", lambda **kw: order.append("kernels") or [])
-    monkeypatch.setattr(check_spec, "kernel_cases", lambda only="": [])
+    monkeypatch.setattr(check_spec, "kernel_cases", lambda only="": [{}])  # one case, not run: counted missing
 
     def collect(children, end):
         order.append(("collect", 495 < end - check_spec.time.monotonic() <= 500))
@@ -194,3 +194,13 @@ def test_the_kernel_filter_runs_the_coupled_cases_alone(monkeypatch, capsys):
     assert len(ran) == 10 and all(kw.get("coupled") for kw in ran)
     assert capsys.readouterr().out.count("/c ") == 10
     assert len(check_spec_kernels.kernel_cases()) == 96
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--kernels", "/x"), ("--only", "no such method")])
+def test_a_filter_that_selects_nothing_is_refused(flag, value, capsys):
+    """A filter that matches no case would pass with nothing checked: it is a usage error (exit 2)
+    that names the flag."""
+    with pytest.raises(SystemExit) as stopped:
+        check_spec.main([flag, value])
+    assert stopped.value.code == 2
+    assert flag in capsys.readouterr().err
