@@ -70,13 +70,29 @@ def rollout_memory_bytes(
     return max(prefill, decode)
 
 
-def check_fits(needed: int, memory_stats: dict | None, *, batch: int, prompt_len: int, max_new_tokens: int) -> None:
-    """Raises ValueError when `needed` bytes exceed what a device reports free (`device_free_bytes`)."""
+def check_fits(
+    needed: int,
+    memory_stats: dict | None,
+    *,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    slots: int | None = None,
+    kv_pages: int | None = None,
+) -> None:
+    """Raises ValueError when `needed` bytes exceed what a device reports free (`device_free_bytes`);
+    slots, kv_pages: the slot engine's (its message then names them and slots='auto')."""
     free_limit = device_free_bytes(memory_stats)
     if free_limit is not None and needed > free_limit[0]:
         free, limit = free_limit
+        engine = "" if slots is None else f" on slots={slots} (kv_pages={kv_pages})"
+        advice = (
+            "lower the batch, prompt length or max_new_tokens"
+            if slots is None
+            else "lower slots or kv_pages (slots='auto' picks the most slots that fit), or max_new_tokens"
+        )
         raise ValueError(
             f"rollout with batch={batch}, prompt length={prompt_len} (bucket {prompt_bucket(prompt_len)}), "
-            f"max_new_tokens={max_new_tokens} needs {needed} bytes per device, but the device has only "
-            f"{free} bytes free (bytes_limit {limit}); lower the batch, prompt length or max_new_tokens"
+            f"max_new_tokens={max_new_tokens}{engine} needs {needed} bytes per device, but the device has "
+            f"only {free} bytes free (bytes_limit {limit}); {advice}"
         )

@@ -244,5 +244,7 @@ def slot_layout(
         batch=rows,
         prompt_len=longest,
         max_new_tokens=max_new,
+        slots=layout.slots,
+        kv_pages=layout.num_pages,
     )
     return layout

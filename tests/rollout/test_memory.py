@@ -78,3 +78,9 @@ def test_check_fits():
         r"needs 801 bytes.*only 800 bytes free \(bytes_limit 1000\)",
     ):
         check_fits(801, {"bytes_limit": 1000, "bytes_in_use": 200}, **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"max_new_tokens=1000 on slots=16 \(kv_pages=96\) needs 801 bytes.*lower slots or kv_pages "
+        r"\(slots='auto' picks the most slots that fit\), or max_new_tokens",
+    ):
+        check_fits(801, {"bytes_limit": 1000, "bytes_in_use": 200}, **kw, slots=16, kv_pages=96)

@@ -176,6 +176,15 @@ def test_auto_slots_are_stated_once_and_give_the_explicit_tokens(policy, greedy_
     assert "bytes per page per device" in statement and ("CPU fallback" in statement) != reported
 
 
+def test_slots_that_do_not_fit_are_refused_naming_the_slots_and_auto(policy, monkeypatch):
+    """An explicit slot count whose pools and buffers exceed the free memory a device reports is
+    refused before the loop runs, naming the slots, the pool and slots='auto' as the way out."""
+    cfg, params = policy
+    monkeypatch.setattr(slot_memory, "tightest_memory_stats", lambda _: {"bytes_limit": 1000, "bytes_in_use": 0})
+    with pytest.raises(ValueError, match=r"on slots=3 \(kv_pages=\d+\) needs \d+ bytes.*slots='auto' picks"):
+        generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=3)
+
+
 def test_auto_slots_refuse_a_page_pool_and_unknown_words(policy):
     cfg, params = policy
     with pytest.raises(ValueError, match="kv_pages=20: slots='auto' chooses the page pool"):
