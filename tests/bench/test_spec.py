@@ -374,18 +374,22 @@ def test_slots_option_parses_as_jaxspec_generate_does():
 
 def test_bench_spec_coupled_rows_are_the_autoregressive_rows(tmp_path, capsys):
     """--coupled in float32: every configuration, on the staged engine and on slots, samples the
-    autoregressive run's rows (rows_as_ar 1.0); --stochastic beside it is refused."""
+    autoregressive run's rows (rows_as_ar 1.0); the second row times the autoregressive run with the
+    default draws against it (other rows: no agreement reported); --stochastic beside it is refused."""
     out = tmp_path / "spec.json"
     common = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
     common += ["--batch", "4", "--new", "16", "--levels", "1", "--dtype", "float32", "--coupled"]
     assert main([*common, "--k", "2", "--trees", "--slots", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["baseline"]["coupled"] is True
-    rows = result["rows"]
+    default, rows = result["rows"][1], result["rows"][:1] + result["rows"][2:]
+    assert default["config"] == "ar default draws" and default["rows_as_ar"] is None
+    assert default["acceptance_length"] == 1.0 and default["speedup"] > 0
     assert len(rows) >= 6 and {r["slots"] for r in rows} == {None, 2}
     assert all(r["rows_as_ar"] == r["prefix_as_ar"] == 1.0 for r in rows), [
         (r["config"], r["rows_as_ar"]) for r in rows
     ]
+    assert rows[0]["speedup"] == 1.0  # the coupled autoregressive run is the baseline
     assert any(r["acceptance_length"] > 1.0 for r in rows)
     capsys.readouterr()
     assert main([*common, "--stochastic"]) == 2
