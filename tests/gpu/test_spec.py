@@ -135,6 +135,13 @@ def test_the_rollout_children_start_before_the_kernel_check_and_stop_with_it(mon
     assert order == ["start", "kill"]
 
 
+def agreeing_row(**case) -> dict:
+    """The row `kernel_case` returns for `case` (its keyword arguments) where the kernel agrees."""
+    tree = check_spec_kernels.tree_label(case["chain"], case.get("stochastic", False), case.get("coupled", False))
+    agreed = {"flipped_rows": 0.0, "consistent": True, "logprob_err": 0.0, "ok": True}
+    return {**case, "tree": tree, **agreed, "mean_accepted_reference": 1.0, "mean_accepted_kernel": 1.0}
+
+
 def test_kernel_rows_print_as_they_finish_and_a_deadline_cuts_the_rest(monkeypatch, capsys):
     """Each kernel case's row is printed when it finishes, so a check stopped by an outer timeout
     still shows what ran; past the deadline no case starts, and main counts the cases left (exit 3)."""
@@ -142,18 +149,7 @@ def test_kernel_rows_print_as_they_finish_and_a_deadline_cuts_the_rest(monkeypat
 
     def case(**kw):
         clock[0] += 10.0  # each case "takes" 10 s
-        return {
-            "nodes": kw["nodes"],
-            "tree": "chain",
-            "vocab": kw["vocab"],
-            "temperature": kw["temperature"],
-            "flipped_rows": 0.0,
-            "consistent": True,
-            "logprob_err": 0.0,
-            "mean_accepted_reference": 1.0,
-            "mean_accepted_kernel": 1.0,
-            "ok": True,
-        }
+        return agreeing_row(**kw)
 
     monkeypatch.setattr(check_spec_kernels, "kernel_case", case)
     monkeypatch.setattr(check_spec_kernels.time, "monotonic", lambda: clock[0])
@@ -177,16 +173,7 @@ def test_the_kernel_filter_runs_the_coupled_cases_alone(monkeypatch, capsys):
 
     def case(**kw):
         ran.append(kw)
-        return {
-            **kw,
-            "tree": check_spec_kernels.tree_label(kw["chain"], kw.get("stochastic", False), kw.get("coupled", False)),
-            "flipped_rows": 0.0,
-            "consistent": True,
-            "logprob_err": 0.0,
-            "mean_accepted_reference": 1.0,
-            "mean_accepted_kernel": 1.0,
-            "ok": True,
-        }
+        return agreeing_row(**kw)
 
     monkeypatch.setattr(check_spec_kernels, "kernel_case", case)
     monkeypatch.setattr(check_spec.jax, "default_backend", lambda: "gpu")
