@@ -141,21 +141,24 @@ def test_a_3_percent_temperature_error_is_detected(tiny_vocab_policy, temperatur
         assert pvalue < 1e-3
 
 
-def staged_continuations(cfg, params, setting: dict, spec=None):
-    """(continuations, RolloutOutput) of NUM_SAMPLES copies of PROMPT, MAX_NEW new tokens sampled
-    with `setting` (Sampling's keywords) by the staged engine in one stage (see NUM_SAMPLES), one key."""
+def staged_continuations(
+    cfg, params, setting: dict, spec=None, prompt=PROMPT, samples: int = NUM_SAMPLES, max_new: int = MAX_NEW, seed=7
+):
+    """(continuations, RolloutOutput) of `samples` copies of `prompt`, `max_new` new tokens sampled
+    with `setting` (Sampling's keywords) by the staged engine in one stage (see NUM_SAMPLES), under
+    the one key of `seed`."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rollout_stages, "MIN_STAGE_ROWS", NUM_SAMPLES)
+        patch.setattr(rollout_stages, "MIN_STAGE_ROWS", samples)
         run = generate(
             cfg,
             params,
-            [list(PROMPT)] * NUM_SAMPLES,
-            jax.random.key(7),
-            Sampling(max_new_tokens=MAX_NEW, **setting),
+            [list(prompt)] * samples,
+            jax.random.key(seed),
+            Sampling(max_new_tokens=max_new, **setting),
             spec=spec,
         )
     tokens, lengths = np.asarray(run.tokens), np.asarray(run.lengths)
-    return [tuple(tokens[i, : lengths[i]].tolist()) for i in range(NUM_SAMPLES)], run
+    return [tuple(tokens[i, : lengths[i]].tolist()) for i in range(samples)], run
 
 
 def slot_continuations(cfg, params, setting: dict, spec=None):

@@ -37,10 +37,10 @@ from jaxspec import kernels
 from jaxspec.draft import init_eagle3
 from jaxspec.kernels.tree_verify_reference import verify_reference
 from jaxspec.models import ModelConfig
-from jaxspec.rollout import Sampling, Spec, generate, processed_logprobs, stages
+from jaxspec.rollout import Sampling, Spec, processed_logprobs
 from tests.rollout.conftest import random_params
 from tests.rollout.reference import continuation_probs, full_forward, padded
-from tests.rollout.test_distribution import chi_square_pvalue
+from tests.rollout.test_distribution import chi_square_pvalue, staged_continuations
 
 pytestmark = pytest.mark.slow
 
@@ -177,19 +177,9 @@ def sampled(tiny_vocab_policy, drafts, race_tiles):
                 **SHAPES[shape],
             )
             traced = len(race_tiles)
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
-                out = generate(
-                    cfg,
-                    params,
-                    [list(PROMPT)] * NUM_SAMPLES,
-                    jax.random.key(7),
-                    Sampling(max_new_tokens=MAX_NEW, **setting),
-                    spec=spec,
-                )
+            # all the rows in one stage: see NUM_SAMPLES
+            cache[key] = staged_continuations(cfg, params, setting, spec, PROMPT, NUM_SAMPLES, MAX_NEW)
             assert len(race_tiles) > traced, "each case's loop is traced, its verification over the race tiles"
-            tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
-            cache[key] = [tuple(row[:n]) for row, n in zip(tokens, lengths)], out
         return cache[key]
 
     return run
@@ -244,18 +234,7 @@ def test_adaptive_loops_sample_exactly(tiny_vocab_policy, drafts, reference, set
         verify_token_cost=0.6,
         adaptive_decay=0.0,
     )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stages, "MIN_STAGE_ROWS", NUM_SAMPLES)  # see NUM_SAMPLES
-        out = generate(
-            cfg,
-            params,
-            [list(PROMPT)] * NUM_SAMPLES,
-            jax.random.key(8),
-            Sampling(max_new_tokens=MAX_NEW, **setting),
-            spec=spec,
-        )
-    tokens, lengths = np.asarray(out.tokens).tolist(), np.asarray(out.lengths).tolist()
-    seqs = [tuple(row[:n]) for row, n in zip(tokens, lengths)]
+    seqs, out = staged_continuations(cfg, params, setting, spec, PROMPT, NUM_SAMPLES, MAX_NEW, seed=8)
     assert out.stats["depth_steps"] == [1, 0, 1] and out.stats["fallback_steps"] == 1, out.stats
     assert 0 < out.stats["accepted_tokens"] < out.stats["drafted_tokens"]
     assert chi_square_pvalue(seqs, probs) > 1e-3
