@@ -19,14 +19,13 @@ decode step follow).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
 import jax
 import numpy as np
 
-from jaxspec.bench.spec_configs import configurations, slot_count, verify_token_cost
+from jaxspec.bench.spec_configs import configurations, parse_args
 from jaxspec.bench.timing import print_table, write_results
 from jaxspec.draft import init_eagle3, load_eagle3
 from jaxspec.models import ModelConfig, load_hf
@@ -161,127 +160,7 @@ def agreement(reference: np.ndarray, tokens) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxspec bench spec", description=__doc__)
-    p.add_argument("--policy", required=True, help="HF folder of the policy (with tokenizer.json)")
-    p.add_argument("--draft", required=True, help="EAGLE-3 head trained in-domain (public layout)")
-    p.add_argument("--draft-ood", default=None, help="EAGLE-3 head trained out of domain")
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        help="HF folder of a smaller policy with the policy's tokenizer (method draft_model)",
-    )
-    p.add_argument("--draft-model-k", type=int, nargs="+", default=[3], help="draft depths of the draft model")
-    p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="rollouts (rows) per batch")
-    p.add_argument(
-        "--samples",
-        type=int,
-        default=1,
-        help="rollouts per prompt (GRPO's group size): batch / samples distinct prompts",
-    )
-    p.add_argument("--new", type=int, default=1024, help="max_new_tokens")
-    p.add_argument(
-        "--k", type=int, nargs="*", default=[1, 2, 3, 4, 5, 7], help="EAGLE-3 chain depths (none: no chains)"
-    )
-    p.add_argument(
-        "--trees",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        nargs="*",
-        default=[(2, 4, 8), (3, 5, 16)],
-        help="width,depth,budget triples",
-    )
-    p.add_argument(
-        "--stage-k",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        nargs="*",
-        default=[],
-        metavar="K1,K2,...",
-        help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
-    )
-    p.add_argument(
-        "--random-draft",
-        action="store_true",
-        help="also the EAGLE-3 chains drafted by a head of the trained head's shape with random weights "
-        "(drafts are almost never accepted: speculation's floor)",
-    )
-    p.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="also every EAGLE-3 chain with Spec.adaptive (each iteration's depth, none included, chosen "
-        "from the acceptance measured so far and the cost model)",
-    )
-    p.add_argument(
-        "--verify-token-cost",
-        type=verify_token_cost,
-        default=None,
-        metavar="COST|ROWS:COST,...",
-        help="Spec.verify_token_cost of --adaptive: a number, or rows:cost pairs (e.g. 1:0.01,64:0.1,512:0.6)",
-    )
-    p.add_argument("--draft-token-cost", type=float, default=None, help="Spec.draft_token_cost of --adaptive")
-    p.add_argument("--stochastic", action="store_true", help="also a stochastic-draft chain")
-    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram chain")
-    p.add_argument(
-        "--suffix",
-        action="store_true",
-        help="also group-suffix chains (drafts from the prompt and its group's rows so far) and hybrid trees "
-        "(the EAGLE-3 chain and a suffix chain in one tree), k=3",
-    )
-    p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument(
-        "--data-config",
-        default=None,
-        metavar="CONFIG",
-        help="draw the problems from this pretraining config's data section (its kinds, levels and "
-        "tally settings), e.g. configs/pretrain_long.yaml for the long-answer workload; default: the "
-        "built-in task at --levels",
-    )
-    p.add_argument(
-        "--slots",
-        type=slot_count,
-        nargs="*",
-        default=[],
-        metavar="S",
-        help="also run every configuration on the slot engine with S decode slots (generate(..., slots=S); "
-        "'auto': S and the pool from the device's free memory)",
-    )
-    p.add_argument(
-        "--kv-pages",
-        type=int,
-        default=None,
-        metavar="PAGES",
-        help="the slot engine's page pool (default: every slot's longest sequence); a smaller pool "
-        "preempts and resumes rows when it runs short",
-    )
-    p.add_argument(
-        "--sub-batch",
-        type=int,
-        default=None,
-        metavar="ROWS",
-        help="run the staged engine's configurations as generate calls of ROWS rows, one after another "
-        "(as rollout.sub_batch does; for batches whose dense KV cache does not fit at once)",
-    )
-    p.add_argument(
-        "--staged-ar-only",
-        action="store_true",
-        help="with --slots: the staged engine runs the autoregressive baseline alone, the speculative "
-        "configurations run on the slot engine only",
-    )
-    p.add_argument(
-        "--coupled",
-        action="store_true",
-        help="coupled draws (Sampling.coupled): every configuration samples the autoregressive rows' tokens "
-        "(all of them in float32; in bfloat16 until a near-tie), so the runs compare on the same answers; "
-        "rows_as_ar is the share of rows equal to the staged autoregressive run's, prefix_as_ar the mean share "
-        "of a row's positions before its first difference; a row 'ar default draws' times the staged "
-        "autoregressive run with the default draws (jax.random.categorical) against it: what coupling costs",
-    )
-    p.add_argument("--seed", type=int, default=1234, help="seed of the held-out problems")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    if args.coupled and args.stochastic:
-        raise ValueError("--coupled needs deterministic drafts: leave out --stochastic")
-    if args.staged_ar_only and not args.slots:
-        raise ValueError("--staged-ar-only needs --slots (the speculative configurations run on the slot engine)")
+    args = parse_args(argv, __doc__)
     levels, kinds, tally = args.levels, DEFAULT_KINDS, TallyConfig()
     if args.data_config:
         from jaxspec.config_io import load_config

@@ -348,30 +348,6 @@ def test_bench_spec_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
     assert [r["config"] for r in rows] == ["ar"]
 
 
-def test_verify_token_cost_option_takes_a_number_or_pairs():
-    import argparse
-
-    from jaxspec.bench.spec_configs import verify_token_cost
-
-    assert verify_token_cost("0.2") == 0.2
-    assert verify_token_cost("1:0.01,64:0.1") == ((1, 0.01), (64, 0.1))
-    with pytest.raises(argparse.ArgumentTypeError, match="rows:cost pairs"):
-        verify_token_cost("64=0.1")
-
-
-def test_slots_option_parses_as_jaxspec_generate_does():
-    import argparse
-
-    from jaxspec.bench.spec_configs import slot_count
-
-    assert slot_count("16") == 16 and slot_count("auto") == "auto"
-    for bad in ("0", "-2", "many"):
-        with pytest.raises(
-            argparse.ArgumentTypeError, match=rf"--slots must be a positive integer or 'auto', got '{bad}'"
-        ):
-            slot_count(bad)
-
-
 def test_bench_spec_coupled_rows_are_the_autoregressive_rows(tmp_path, capsys):
     """--coupled in float32: every configuration, on the staged engine and on slots, samples the
     autoregressive run's rows (rows_as_ar 1.0); the second row times the autoregressive run with the
