@@ -23,8 +23,9 @@ baseline's over the run's: the generation speedup with the longest answers' draw
 cut_steps, the timed steps where some answer ran to rollout.max_new_tokens without an eos
 (`truncated_frac` > 0): such a step's generation lasts the cap, whatever the rest drew. Runs with
 rollout.coupled (coupled draws) generate the baseline's answers where their policies agree, which
-takes the draw out of the step times themselves: same_answers is the share of the timed steps
-whose answers (mean and longest length, mean reward) equal the baseline's at that step.
+takes the draw out of the step times themselves as long as no near-tie breaks between the runs'
+bf16 logits (not over answers of thousands of tokens): same_answers is the share of the timed
+steps whose answers (mean and longest length, mean reward) equal the baseline's at that step.
 
 Runs with rollout.mode async also report sync_s (the weight copy onto the rollout mesh),
 rollout_wait_s (the trainer waiting for its batch) and overlap: the step time over the longer of
