@@ -1,11 +1,12 @@
 """Side-by-side summary of GRPO runs that differ only in how rollouts are generated.
 
     python3 benchmarks/grpo_compare.py --out benchmarks/results/<campaign>/grpo_small.json \
-        --plot benchmarks/results/<campaign>/grpo_small.png ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
+        --plot benchmarks/results/<campaign>/grpo_small.png [--warmup 2] \
+        ar=runs/grpo-ar spec=runs/grpo-spec frozen=runs/grpo-frozen
 
 Reads each run's metrics.jsonl. Step times are medians over the steps that every run reached
-(runs of different lengths compare the same prompts), after the first two (compile and warm-up),
-that compiled nothing (where metrics record `compiles`; a new packed row count
+(runs of different lengths compare the same prompts), after the first --warmup (2: compile and
+warm-up), that compiled nothing (where metrics record `compiles`; a new packed row count
 compiles the update once), excluding the stages that only some steps run (eval, checkpoint):
 generation, log-prob recompute, train and the whole step. Speedups are against the first run named (the
 autoregressive baseline of the same invocation). Validation curves are compared at the eval steps
@@ -52,9 +53,9 @@ def load(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def summarize(records: list[dict], last_step: int | None = None) -> dict:
-    """Timing medians and curves of one run; timings over steps WARMUP_STEPS + 1 .. last_step."""
-    steps = [r for r in records if WARMUP_STEPS < r.get("step", 0) <= (last_step or r["step"]) and "time_step_s" in r]
+def summarize(records: list[dict], last_step: int | None = None, warmup: int = WARMUP_STEPS) -> dict:
+    """Timing medians and curves of one run; timings over steps warmup + 1 .. last_step."""
+    steps = [r for r in records if warmup < r.get("step", 0) <= (last_step or r["step"]) and "time_step_s" in r]
     if not steps:
         raise ValueError("no training steps past warm-up in metrics.jsonl")
     timed = [r for r in steps if not r.get("compiles", 0)] or steps
@@ -154,14 +155,23 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="name=run_dir; the first is the baseline")
     p.add_argument("--out", required=True, help="JSON summary")
     p.add_argument("--plot", default=None, help="PNG of accuracy and reward curves")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=WARMUP_STEPS,
+        help="first steps left out of the timings (steps that compiled are left out anyway, where metrics "
+        "record `compiles`: 1 keeps the second step of a short run)",
+    )
     args = p.parse_args()
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     records = {}
     for spec in args.runs:
         name, _, run_dir = spec.partition("=")
         records[name] = load(Path(run_dir))
     last_step = min(max(r.get("step", 0) for r in rows) for rows in records.values())
-    runs = {name: summarize(rows, last_step) for name, rows in records.items()}
-    print(f"timings over steps {WARMUP_STEPS + 1}-{last_step}")
+    runs = {name: summarize(rows, last_step, args.warmup) for name, rows in records.items()}
+    print(f"timings over steps {args.warmup + 1}-{last_step}")
     base = next(iter(runs.values()))
     eval_steps = set.intersection(*({step for step, _ in s["eval_accuracy"] if step > 0} for s in runs.values()))
     print(

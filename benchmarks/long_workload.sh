@@ -32,8 +32,8 @@
 #   a step against a k=7 chain's 3.12 in lease LL; its verification rows matter less the fewer rows
 #   run), suffix: the group-suffix drafter,
 #   hybrid: the frozen head's and the suffix drafter's branches in one tree), GRPO_STEPS (5; the
-#   comparison takes medians after the first two), GRPO_SLOTS (128: rollout.slots, "null" for the
-#   staged engine), GRPO_ARGS (more overrides); knob:
+#   comparison takes medians after the first step, of the steps that compiled nothing), GRPO_SLOTS
+#   (128: rollout.slots, "null" for the staged engine), GRPO_ARGS (more overrides); knob:
 #   KNOB_VALUES ("0.5 0.7 0.9": variations, one policy and head each), KNOB_NEW (2048: max_new_tokens).
 set -euo pipefail
 RESULTS=${RESULTS:-benchmarks/results}
@@ -177,7 +177,7 @@ for stage in "${stages[@]}"; do
         cp "runs/grpo-long-$run/metrics.jsonl" "$RESULTS/grpo_long_$run.jsonl"
         compared+=("$run=runs/grpo-long-$run")
       done
-      python3 benchmarks/grpo_compare.py --out "$RESULTS/grpo_long.json" "${compared[@]}" 2>&1 \
+      python3 benchmarks/grpo_compare.py --warmup 1 --out "$RESULTS/grpo_long.json" "${compared[@]}" 2>&1 \
         | tee "$RESULTS/grpo_long_compare.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

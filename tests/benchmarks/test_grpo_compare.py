@@ -60,6 +60,26 @@ def test_summary_skips_warmup_and_compiling_steps(tmp_path):
     assert (summary["steps"], summary["timed_steps"], summary["compiling_steps"]) == (18, 17, 1)
 
 
+def test_warmup_sets_the_first_timed_step(tmp_path, monkeypatch, capsys):
+    """--warmup N leaves the first N steps out of the timings (1: a short run's second step is
+    timed); a step that compiled stays out whatever N; a negative N is refused."""
+    run = write_run(tmp_path / "a", step_s=1.5, generation_s=1.0, accuracy=[0.5, 0.5], compiles_at=(1,))
+    rows = grpo_compare.load(run)
+    timed = {warmup: sorted(grpo_compare.summarize(rows, warmup=warmup)["answers"]) for warmup in (0, 1, 2)}
+    assert timed == {0: list(range(2, 11)), 1: list(range(2, 11)), 2: list(range(3, 11))}
+    assert grpo_compare.summarize(rows, warmup=0)["compiling_steps"] == 1
+    assert grpo_compare.summarize(rows, warmup=1)["compiling_steps"] == 0
+    out = tmp_path / "summary.json"
+    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--warmup", "1", "--out", str(out), f"a={run}"])
+    grpo_compare.main()
+    assert "timings over steps 2-10" in capsys.readouterr().out
+    assert json.loads(out.read_text())["a"]["timed_steps"] == 9
+    monkeypatch.setattr(sys, "argv", ["grpo_compare.py", "--warmup", "-1", "--out", str(out), f"a={run}"])
+    with pytest.raises(SystemExit) as refused:
+        grpo_compare.main()
+    assert refused.value.code == 2 and "--warmup must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_main_compares_against_the_first_run(tmp_path, monkeypatch, capsys):
     ar = write_run(tmp_path / "ar", 1.5, 1.0, [0.50, 0.52, 0.54, 0.56])
     spec = write_run(tmp_path / "spec", 1.0, 0.5, [0.50, 0.53, 0.52, 0.58], acceptance=3.5, cut_at=(2, 4, 15, 25))
