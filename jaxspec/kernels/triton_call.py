@@ -9,7 +9,8 @@ with tl.full rather than tl.zeros, and call no helper functions: those are `@tri
 functions, which the interpreter runs only when TRITON_INTERPRET was set at import.
 
 On a GPU every call is recorded into XLA's command buffers with the rest of the step
-(`jaxspec.kernels.command_buffers`). `triton` is imported with this module, `jax_triton` only when a
+(`jaxspec.kernels.command_buffers`), in PTX the CUDA toolkit of JAX's plugin reads
+(`jaxspec.kernels.ptx_toolchain`). `triton` is imported with this module, `jax_triton` only when a
 kernel is called for a GPU, and torch only to run a kernel in the interpreter.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from jaxspec.kernels import command_buffers
+from jaxspec.kernels import command_buffers, ptx_toolchain
 
 MAX = tl.standard._elementwise_max
 MIN = tl.standard._elementwise_min
@@ -88,6 +89,7 @@ def call(
             raise ImportError(
                 f"the Triton kernel {name} runs through jax-triton with a GPU jaxlib ({INSTALL}): {e}"
             ) from e
+        ptx_toolchain.match()
         command_buffers.install()
         return tuple(
             jax_triton.triton_call(
