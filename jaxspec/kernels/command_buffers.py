@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def install() -> bool:
     """Registers TARGET and jax-triton's lowering to it on CUDA, once; False (nothing changed) where
-    JAXSPEC_TRITON_COMMAND_BUFFERS is "off" or the CUDA jaxlib has no launcher that loads kernels
-    before graph capture."""
+    JAXSPEC_TRITON_COMMAND_BUFFERS is "off", the CUDA jaxlib has no launcher that loads kernels
+    before graph capture, or its plugin registers no target with the command-buffer trait (jaxlib
+    0.10, Python 3.11's newest)."""
     setting = os.environ.get(ENV, "on")
     if setting not in ("on", "off"):
         raise ValueError(f"{ENV}={setting!r}: expected 'on' or 'off'")
@@ -65,7 +66,15 @@ def install() -> bool:
     from jaxlib import xla_client
 
     traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
-    jax.ffi.register_ffi_target(TARGET, stages, platform="CUDA", api_version=1, traits=traits)
+    try:
+        jax.ffi.register_ffi_target(TARGET, stages, platform="CUDA", api_version=1, traits=traits)
+    except jax.errors.JaxRuntimeError as e:  # jaxlib 0.10's CUDA plugin: "does not support custom call traits"
+        logger.warning(
+            "jaxlib's CUDA plugin refuses a Triton launcher with XLA's command-buffer trait (%s): Triton kernels "
+            "launch on their own and the layer kernels' 'auto' stays on XLA's pieces",
+            e,
+        )
+        return False
     # jax-triton 0.3 builds its CUDA target with get_cuda_backend, 0.4 with make_cuda_target
     backend = getattr(triton_lib, "get_cuda_backend", None) or triton_lib.make_cuda_target
     jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering, backend)

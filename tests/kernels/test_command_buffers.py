@@ -140,3 +140,29 @@ def test_a_launcher_without_an_initialize_stage_is_left_alone(monkeypatch, caplo
     assert "no 'initialize' stage (stages: execute, instantiate)" in caplog.text
     monkeypatch.setattr(gpu_triton, "_cuda_triton", None, raising=False)  # a jaxlib without CUDA
     assert command_buffers.install.__wrapped__() is False
+
+
+def test_a_plugin_that_refuses_the_command_buffer_trait_is_left_alone(monkeypatch, caplog):
+    # jaxlib 0.10.2's CUDA plugin (Python 3.11's newest JAX) has the initialize stage but raises on a
+    # target registered with traits: that must leave the kernels on jax-triton's own lowering, not
+    # fail the first kernel call (compiled for an H200 without a device, it did)
+    import sys
+    import types
+
+    from jax._src.lib import gpu_triton
+
+    monkeypatch.setenv(command_buffers.ENV, "on")
+    monkeypatch.setattr(gpu_triton, "_cuda_triton", _Plugin(["execute", "initialize"]), raising=False)
+    triton_lib = types.SimpleNamespace(get_cuda_backend=object(), triton_kernel_call_p=object())
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_lib=triton_lib))
+
+    def refuse(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("UNIMPLEMENTED: The plugin does not support custom call traits.")
+
+    lowered = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
+    monkeypatch.setattr(mlir, "register_lowering", lambda *a, **k: lowered.append(a))
+    with caplog.at_level("WARNING", logger=command_buffers.__name__):
+        assert command_buffers.install.__wrapped__() is False
+    assert lowered == []
+    assert "does not support custom call traits" in caplog.text and "launch on their own" in caplog.text
