@@ -29,9 +29,11 @@ def fake_ptxas(folder: Path, release: str) -> Path:
 
 @pytest.fixture
 def clean(monkeypatch):
-    """No Triton ptxas setting in the environment, and `match` not yet run."""
+    """No Triton ptxas setting in the environment, and `match` not yet run; what `match` sets is
+    undone after the test (setenv first: pytest records nothing for deleting an absent variable)."""
     for name in ENV:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     ptx_toolchain.match.cache_clear()
     yield monkeypatch
     ptx_toolchain.match.cache_clear()
@@ -108,14 +110,17 @@ constants = kernel.launch_constants(2048, has_delta=True, eps=1e-6)
 warps = kernel.num_warps(2048)
 out = compile_for_hopper(kernel._residual_norm, [jnp.bfloat16] * 5, constants, num_warps=warps, num_stages=1)
 version = re.search(r"^\\.version (\\d+)\\.(\\d+)", out.asm["ptx"], re.M).groups()
-print(json.dumps({"ptx": version, "cubin": len(out.asm["cubin"])}))
+from triton.backends.nvidia.compiler import get_ptxas
+print(json.dumps({"ptx": version, "cubin": len(out.asm["cubin"]), "ptxas": get_ptxas(90).path}))
 """
 
 
-def compile_norm(env: dict) -> dict:
+def compile_norm(env: dict, cache: Path) -> dict:
     """The residual-norm kernel compiled for sm90 in a fresh process (Triton caches its ptxas's
-    version per process) with `env` added: its PTX version and cubin size."""
-    full = {k: v for k, v in os.environ.items() if k not in ENV} | env
+    version per process) with `env` added and its own kernel cache `cache` (Triton's cache key
+    leaves the sm90 ptxas out, so a cached kernel would answer for the other ptxas): its PTX
+    version, cubin size and the ptxas Triton took for sm90."""
+    full = {k: v for k, v in os.environ.items() if k not in ENV} | env | {"TRITON_CACHE_DIR": str(cache)}
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-c", COMPILE], env=full, cwd=root, capture_output=True, text=True, check=True
@@ -123,19 +128,22 @@ def compile_norm(env: dict) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_the_matched_ptxas_makes_triton_write_ptx_cuda_12_assembles():
+def test_the_matched_ptxas_makes_triton_write_ptx_cuda_12_assembles(tmp_path):
     """With the setting `match` makes, pointing at a CUDA 12 ptxas (Triton bundles release 12.x as
     its `ptxas` for pre-Hopper targets), a kernel for sm90 compiles to PTX of version <= 8.8 (what
-    CUDA 12.9 reads) and to a cubin; Triton's default (its CUDA 13 `ptxas-blackwell` where it has
-    one) writes PTX 9.x, which that toolkit refuses: the control."""
+    CUDA 12.9 reads) and to a cubin; Triton's default ptxas for sm90, where it is CUDA 13's (Triton
+    3.9's `ptxas-blackwell`), writes PTX 9.x, which that toolkit refuses: the control."""
     import triton
 
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     release = ptx_toolchain.ptxas_release(str(bundled / "ptxas"))
     if release is None or release[0] != 12:
         pytest.skip(f"Triton {triton.__version__} bundles no CUDA 12 ptxas ({release})")
-    matched = compile_norm({name: str(bundled / "ptxas") for name in ENV})
-    assert tuple(map(int, matched["ptx"])) <= (8, 8) and matched["cubin"] > 0
-    default_release = ptx_toolchain.ptxas_release(str(bundled / "ptxas-blackwell"))
-    if default_release is not None and default_release[0] >= 13:
-        assert int(compile_norm({})["ptx"][0]) >= 9
+    matched = compile_norm({name: str(bundled / "ptxas") for name in ENV}, tmp_path / "matched")
+    assert matched["ptxas"] == str(bundled / "ptxas"), matched
+    assert tuple(map(int, matched["ptx"])) <= (8, 8) and matched["cubin"] > 0, matched
+    default = compile_norm({}, tmp_path / "default")
+    default_release = ptx_toolchain.ptxas_release(default["ptxas"])
+    if default_release is None or default_release[0] < 13:
+        pytest.skip(f"Triton's own ptxas for sm90 is not CUDA 13's ({default}, release {default_release})")
+    assert int(default["ptx"][0]) >= 9, (default, default_release)
