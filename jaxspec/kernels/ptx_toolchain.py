@@ -1,7 +1,8 @@
 """Triton's PTX version matched to the CUDA toolkit that assembles it.
 
-Triton writes PTX of the newest version its ptxas knows: for Hopper and newer (sm90+) the
-`ptxas-blackwell` it bundles, CUDA 13.4 in Triton 3.9, so PTX 9.4. jax-triton hands that PTX to
+Triton writes PTX of the newest version its ptxas knows: Triton 3.9 takes the `ptxas-blackwell` it
+bundles (CUDA 13.4) for Hopper and newer (sm90+), so PTX 9.4 (Triton 3.7 takes it from sm100 on, its
+CUDA 12.8 `ptxas` for sm90: PTX 8.7). jax-triton hands that PTX to
 jaxlib's launcher, and XLA assembles it with the ptxas of the CUDA toolkit JAX runs on (the
 `nvidia-cuda-nvcc` wheel its CUDA plugin installs) or leaves it to the driver. A CUDA 13 toolkit
 (`jaxspec[cuda13]`) reads it; a CUDA 12 one (`jaxspec[cuda12]`: release 12.9 knows PTX up to 8.8)
