@@ -128,11 +128,10 @@ class RolloutConfig:
         measurements show the slot engine faster everywhere.
     coupled: draw every rollout token by a race keyed by (call key, row, position) alone, so that
         speculative rollouts with deterministic drafts are the autoregressive rollouts of the same
-        key, token for token (float32; in bfloat16 until a near-tie breaks the other way, which
-        over answers of thousands of tokens comes in nearly every row): a run with spec.method
-        none and one with a drafter then train on the same answers, and their step times compare
-        like for like (`jaxspec.rollout.Sampling.coupled`). Same law and
-        acceptance as the default draws; refused with spec.draft_sampling stochastic.
+        key, token for token (float32; bfloat16 until a near-tie breaks, which a thousands-token answer
+        nearly always meets): AR and speculative runs train on the same answers, step times compare
+        like for like (`jaxspec.rollout.Sampling.coupled`). Same law and acceptance as the default
+        draws; refused with spec.draft_sampling stochastic.
     """
 
     prompts_per_step: int = 8
