@@ -7,43 +7,43 @@
 
 Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the
 next token is near uniform, so each row ends at the eos with probability ~1/vocab per token and
-lengths are geometric, capped at --new), --rows prompts of 60 random tokens in groups of 8 (fewer
-rows: one group), T=1 (--temperature 0: greedy, so that a speculative run emits the AR run's tokens,
-ends each row where it does and the two runs' times compare equal work; at T=1 the rows' lengths are
-a draw of their own in each run, and at 64 rows the token counts of two draws differ by several
-percent). --lengths CONFIG stops each row at a length drawn from the workload's law instead: the
-response length in tokens of one of the first --rows problems of a pretraining config's data (e.g.
-configs/pretrain_long.yaml, under its BPE; `jaxspec.data_cli.response_lengths`), capped at --new,
-passed as `row_max_new_tokens` (random weights reach their eos only by chance). --mesh D F T runs on
-a data x fsdp x tensor mesh of the devices (the rows over data x fsdp, the KV heads over tensor).
-Both engines generate the same prompts with the same key (compiled and warmed up first: by a whole
-call, or with --warmup-new N by one whose rows stop after at most N tokens, which compiles the same
-programs; the compilations during the timed call are counted, and any make the run an error row, as
-does a branch it runs that the warm-up did not, a draft depth or a step width, whose first execution
-loads its kernels), the slot engine once per --decode-steps (decode steps between two rounds of
-scheduling; default: the engine's); printed per run: generation time, decode steps, ms per decode
-step and the steps at each batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the
-slot loop's step widths) and the devices' peak memory so far. With --spec K both engines also run
-EAGLE-3 chains of depth K drafted by a random head of the policy's shape (its drafts are rejected,
-so rows emit one token per step as in the AR runs and the per-step figures compare a speculative
-step's cost with a decode step's at the same occupancy); --adaptive adds the same chains at adaptive
-depth (`spec.adaptive`: they fall back to autoregressive iterations, so their steps against the AR
-steps give speculation's floor; --no-fixed leaves the fixed-depth chains out, which saves their
-compilation; --probe FIRST MAX sets its probe runs). --engines picks the engines (default both).
-With --trace a third call runs under `jax.profiler` and the kernels of the loop programs are charged
-from the trace (`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their
-difference from the wall time is the device's idle time), the 22 longest kernels, the time by jax
-scope and, for a speculative step, by its phase (`PHASES`: the named scopes of
-`jaxspec.rollout.speculative.step`), the 40 longest kernels outside the policy's forward (the loop's
-bookkeeping, sampling, the drafter), and the device's idle time between the loop's kernels with the
-30 longest gaps by the pair of kernels around them (`idle_gaps`, on a GPU: where the host holds the
-loop up). --trace turns XLA's command buffers (CUDA graphs) off for the whole run, timings included.
---copies lists the copies of 256 KiB or more inside each loop program's loops and branches, read
-from XLA's optimized HLO (`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every
-iteration that reaches it), each with the op_name of the `cond`, `switch` or loop that runs it (its
-jax scope path). WORK_DIR gets slot_profile.json, rewritten after each run; the HLO dump and the
-traces (hundreds of MB) are deleted once charged unless --keep-traces. XLA_FLAGS set outside reach
-every run."""
+lengths are geometric, capped at --new), --rows rows in groups of 8 that share a prompt of 60 random
+tokens (a GRPO group; fewer rows: one group), T=1 (--temperature 0: greedy, so that a speculative
+run emits the AR run's tokens, ends each row where it does and the two runs' times compare equal
+work; at T=1 the rows' lengths are a draw of their own in each run, and at 64 rows the token counts
+of two draws differ by several percent). --lengths CONFIG stops each row at a length drawn from the
+workload's law instead: the response length in tokens of one of the first --rows problems of a
+pretraining config's data (e.g. configs/pretrain_long.yaml, under its BPE;
+`jaxspec.data_cli.response_lengths`), capped at --new, passed as `row_max_new_tokens` (random
+weights reach their eos only by chance). --mesh D F T runs on a data x fsdp x tensor mesh of the
+devices (the rows over data x fsdp, the KV heads over tensor). Both engines generate the same
+prompts with the same key (compiled and warmed up first: by a whole call, or with --warmup-new N by
+one whose rows stop after at most N tokens, which compiles the same programs; the compilations
+during the timed call are counted, and any make the run an error row, as does a branch it runs that
+the warm-up did not, a draft depth or a step width, whose first execution loads its kernels), the
+slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
+engine's); printed per run: generation time, decode steps, ms per decode step and the steps at each
+batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step widths)
+and the devices' peak memory so far. With --spec K both engines also run EAGLE-3 chains of depth K
+drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one token per
+step as in the AR runs and the per-step figures compare a speculative step's cost with a decode
+step's at the same occupancy); --adaptive adds the same chains at adaptive depth (`spec.adaptive`:
+they fall back to autoregressive iterations, so their steps against the AR steps give speculation's
+floor; --no-fixed leaves the fixed-depth chains out, which saves their compilation; --probe FIRST
+MAX sets its probe runs). --engines picks the engines (default both). With --trace a third call runs
+under `jax.profiler` and the kernels of the loop programs are charged from the trace
+(`jaxspec.bench.kernel_trace`): total kernel time and launches per iteration (their difference from
+the wall time is the device's idle time), the 22 longest kernels, the time by jax scope and, for a
+speculative step, by its phase (`PHASES`: the named scopes of `jaxspec.rollout.speculative.step`),
+the 40 longest kernels outside the policy's forward (the loop's bookkeeping, sampling, the drafter),
+and the device's idle time between the loop's kernels with the 30 longest gaps by the pair of
+kernels around them (`idle_gaps`, on a GPU: where the host holds the loop up). --trace turns XLA's
+command buffers (CUDA graphs) off for the whole run, timings included. --copies lists the copies of
+256 KiB or more inside each loop program's loops and branches, read from XLA's optimized HLO
+(`jaxspec.bench.hlo_copies`: a KV cache copied there is copied at every iteration that reaches it),
+each with the op_name of the `cond`, `switch` or loop that runs it (its jax scope path). WORK_DIR
+gets slot_profile.json, rewritten after each run; the HLO dump and the traces (hundreds of MB) are
+deleted once charged unless --keep-traces. XLA_FLAGS set outside reach every run."""
 
 import argparse
 import collections
@@ -140,9 +140,8 @@ def main() -> None:
     group = min(8, args.rows)
     if args.rows % group:
         p.error(f"--rows must be below 8 or a multiple of 8, got {args.rows}")
-    prompts = [
-        [int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // group) for _ in range(group)
-    ]
+    distinct = [[int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // group)]
+    prompts = [prompt for prompt in distinct for _ in range(group)]
     sampling = Sampling(temperature=args.temperature, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
     limits = None if args.lengths is None else workload_lengths(args.lengths, args.rows, args.new)
     if limits is not None:
@@ -200,6 +199,8 @@ def main() -> None:
             "stage_steps": [int(n) for n in out.stats.get("width_steps", out.stats["stage_steps"])],
             "depth_steps": None if spec is None else [int(n) for n in out.stats["depth_steps"]],
             "preemptions": int(out.stats.get("preemptions", 0)),
+            "prefill_chunks": None if slots is None else int(out.stats["prefill_chunks"]),
+            "loop_iterations": None if slots is None else int(out.stats["loop_iterations"]),
             "peak_kv_pages": None if slots is None else int(out.stats["peak_kv_pages"]),
             "peak_gib_per_device": peak_gib(jax.local_devices()),
             "compiles": compiles,
@@ -211,7 +212,8 @@ def main() -> None:
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
             f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}, "
-            f"preemptions {row['preemptions']}, peak KV pages {row['peak_kv_pages']}, "
+            f"preemptions {row['preemptions']}, prefill chunks {row['prefill_chunks']}, "
+            f"loop iterations {row['loop_iterations']}, peak KV pages {row['peak_kv_pages']}, "
             f"peak GiB per device so far {row['peak_gib_per_device']}, compilations {compiles}",
             flush=True,
         )

@@ -174,7 +174,7 @@ def _loop(
         return (logits[:, 0], *experts), carry, (view.k, view.v)
 
     def decode(state: LoopState) -> LoopState:
-        active, table = map_groups(layout, lambda s, p: decoding_view(s))(state, prompts)
+        active, table = map_groups(layout, lambda s, p: decoding_view(s, group))(state, prompts)
         inputs = slots_flat(layout, (table, state.last, state.cache_len, active))
         (logits, *experts), _, (k, v) = on_decoding_slots(
             layout.widths, inputs[3], forward, inputs, (), (state.cache.k, state.cache.v)

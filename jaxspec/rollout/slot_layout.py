@@ -19,8 +19,10 @@ from jaxspec.rollout.page_pool import pages_for
 from jaxspec.rollout.slot_width import step_widths
 
 DEFAULT_PAGE_SIZE = 16  # token positions per page
-MAX_PREFILL_CHUNK = 256  # most context tokens one prefill lane writes per iteration
-PREFILL_TOKENS = 512  # context tokens all prefill lanes write per iteration (at least one lane per group)
+PREFILL_CHUNK = 16  # context tokens a prefill lane writes: a row that takes its prompt's cached prefix writes
+# fewer than a page (16 positions by default), and 16 new tokens x up to 8 query heads per KV head
+# are query rows the attention kernel takes (a wider chunk attends through XLA's gather of the table)
+PREFILL_TOKENS = 512  # context tokens all prefill lanes write per step (at least one lane per group)
 DECODE_STEPS = 8  # decode steps per loop iteration: the schedule's cost is paid once per this many
 
 
@@ -29,14 +31,15 @@ class Layout:
     """Static shape of a slot loop (hashable: a `jax.jit` static argument).
 
     rows: B rows of the call; slots: S; max_new: N; page_size; pages_per_slot: M, page-table
-    entries per slot; num_pages: the pool, P; chunk: context tokens per prefill lane and iteration;
-    lanes: prefill lanes per iteration; lookahead: positions past its length one decode step
-    writes (1 for autoregressive decoding, 1 + draft nodes for speculative steps); advance: the
-    most positions one decode step moves a row on (1; 1 + the deepest draft); decode_steps: K,
-    decode steps per loop iteration (`jaxspec.rollout.slots`); prefix_pages:
-    the most pages a prompt's rows share (`jaxspec.rollout.prefix_cache`); groups: G, the groups
-    the rows, slots, pages and lanes split into on a mesh (each a multiple of G); widths: the
-    decode step's widths, widest (S) first (`jaxspec.rollout.slot_width`).
+    entries per slot; num_pages: the pool, P; chunk: context tokens per prefill lane; lanes:
+    prefill lanes per prefill step (a slot may take several, `jaxspec.rollout.slots`); lookahead:
+    positions past its length one decode step writes (1 for autoregressive decoding, 1 + draft
+    nodes for speculative steps); advance: the most positions one decode step moves a row on (1;
+    1 + the deepest draft); decode_steps: K, decode steps per loop iteration
+    (`jaxspec.rollout.slots`); prefix_pages: the most pages a prompt's rows share
+    (`jaxspec.rollout.prefix_cache`); groups: G, the groups the rows, slots, pages and lanes split
+    into on a mesh (each a multiple of G); widths: the decode step's widths, widest (S) first
+    (`jaxspec.rollout.slot_width`).
     """
 
     rows: int
@@ -117,8 +120,11 @@ def plan_layout(
             f"{pages_for(longest, page_size)} pages of {page_size} positions (prompt {longest_prompt} + "
             f"max_new_tokens {max_new} - 1 + {lookahead} positions a step writes = {longest})"
         )
-    chunk = min(MAX_PREFILL_CHUNK, prompt_width)
-    lanes = min(slots // groups, max(1, PREFILL_TOKENS // chunk // groups))  # per group
+    chunk = min(PREFILL_CHUNK, prompt_width)
+    per_group = slots // groups
+    # a slot may take several lanes; no more than every slot's prompt fills (a resumed row's longer
+    # context takes more steps)
+    lanes = max(1, min(PREFILL_TOKENS // chunk // groups, per_group * -(-prompt_width // chunk)))
     prefix = (prompt_width - 1) // page_size
     return Layout(
         rows,

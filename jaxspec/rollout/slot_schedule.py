@@ -54,8 +54,10 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     """Free slots take the next pending rows while the pool holds their context's pages plus one
     iteration's decode pages (`Layout.reach`) for every running row and every row admitted before
     them, each capped at the pages its row's longest sequence can still take, so that a pool of
-    every slot's longest sequence admits every slot (`jaxspec.rollout.slots`, step 2). When the
-    next row does not fit, the prefix cache first lets go of the prefixes no running row holds."""
+    every slot's longest sequence admits every slot (`jaxspec.rollout.slots`, step 2). An admitted
+    row also takes its own iteration's pages where the pool still holds them, so that it decodes as
+    soon as its prefill completes (else from the next iteration, `make_room`). When the next row
+    does not fit, the prefix cache first lets go of the prefixes no running row holds."""
     size = layout.page_size
     j = jnp.arange(layout.slots, dtype=jnp.int32)
     free = state.row < 0
@@ -66,12 +68,15 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     reach = pages_for(layout.reach, size)
     room = jnp.clip(pages_for(longest_sequence(prompts, layout, state.row), size) - state.pool.held, 0, reach)
     with_room = jnp.minimum(pages + reach, pages_for(longest_sequence(prompts, layout, candidate), size))
-    need = jnp.sum(jnp.where(free, 0, room)) + jnp.cumsum(with_room) - with_room + pages  # [S]: up to row j
+    running = jnp.sum(jnp.where(free, 0, room))
+    need = running + jnp.cumsum(with_room) - with_room + pages  # [S]: up to row j
     short = (state.head < layout.rows) & jnp.any(free) & (need[0] > state.pool.num_free)
     state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
     pool = state.pool
     ok = (position < layout.rows) & (j < free.sum()) & (need <= pool.num_free)
     count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
+    # a row takes its iteration's pages too where they fit (a prefix of the admitted: need grows)
+    take = jnp.where(running + jnp.cumsum(with_room) <= pool.num_free, with_room, pages)
     free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
     target = jnp.where(j < count, free_slots[j], layout.slots)
 
@@ -86,7 +91,7 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
         prefilled=put(state.prefilled, 0),
         admitted=put(state.admitted, state.next_admit + j),
         next_admit=state.next_admit + count,
-        pool=allocate(pool, put(jnp.zeros((layout.slots,), jnp.int32), pages), layout.pages_per_slot),
+        pool=allocate(pool, put(jnp.zeros((layout.slots,), jnp.int32), take), layout.pages_per_slot),
     )
 
 

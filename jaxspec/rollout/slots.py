@@ -13,17 +13,18 @@ the outputs). The pending-row queue, the free-page stack and the page tables are
    preempted (one row's longest sequence always fits: checked before the loop), so every row
    finishes.
 2. **admit**: free slots take the next pending rows, in queue order, while the pool holds the
-   pages of their context (prompt + tokens so far) plus one step's pages for every running row;
-   an admitted row whose prompt's prefix is cached takes its pages (`prefix_cache.attach`).
-3. **decode and prefill**, K = `Layout.decode_steps` times: one step of every slot that decoded
-   when the iteration began (a token, or a speculative draft-and-verify step; a row that finishes
-   within the iteration decodes no more), then a fixed-size chunk of `chunk` context tokens (the
-   prompt bucket, at most `MAX_PREFILL_CHUNK`) of each of `lanes` admitted slots (the oldest
-   first; `PREFILL_TOKENS` tokens in all) is written to the cache: prefill runs in chunks
-   interleaved with decoding. The chunk that completes a context samples the row's next token
-   from its last logits, and the slot decodes from the next iteration on (when step 1 has given
-   it pages). The schedule's bookkeeping (scatters and sorts over slots, pages and rows: many
-   small kernels) is paid once per K steps, as vLLM's multi-step scheduling does; a finished
+   pages of their context (prompt + tokens so far) and of one iteration's decode steps past it,
+   plus one iteration's pages for every running row; an admitted row whose prompt's prefix is
+   cached takes its pages (`prefix_cache.attach`).
+3. **decode and prefill**, K = `Layout.decode_steps` times: one step of every decoding slot (a
+   token, or a speculative draft-and-verify step; a row that finishes within the iteration
+   decodes no more), then a prefill step: `lanes` lanes of `chunk` context tokens
+   (`PREFILL_TOKENS` in all) packed over the admitted slots oldest first, a slot taking as many
+   lanes as its unwritten context fills, are written to the cache: prefill runs in chunks
+   interleaved with decoding. The lane that completes a context samples the row's next token
+   from its last logits, and the slot decodes from the next step on (its admission gave it the
+   iteration's pages). The schedule's bookkeeping (scatters and sorts over slots, pages and rows:
+   many small kernels) is paid once per K steps, as vLLM's multi-step scheduling does; a finished
    row's slot waits at most K - 1 steps for its next row.
 4. **publish**: prefixes written are cached (`prefix_cache.publish`).
 5. **release**: slots whose row has finished return their pages to the pool, and the cache
@@ -151,14 +152,39 @@ def prefilling(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
     return (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
 
 
+def lanes_needed(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
+    """int32 [S]: prefill lanes each of one group's `prefilling` slots still needs (0 for others)."""
+    return jnp.where(prefilling(state, layout, prompts), -(-(state.ctx_len - state.prefilled) // layout.chunk), 0)
+
+
+def prefill_first(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
+    """bool scalar: one group's new rows (none of their tokens emitted yet) need more prefill lanes
+    than one prefill step has, so that its decode step waits (`run_slots`): at a call's start every
+    row then starts after about one prefill of them all, as in the staged engine, where decoding
+    the first rows alongside would start the last rows (one of which may be the longest) a step
+    later per prefill step. A refill's prefill, or a preempted row's re-prefill, fits the lanes or
+    is not new, and never holds the decoding rows up."""
+    new = state.lengths[jnp.clip(state.row, 0, layout.rows - 1)] == 0
+    return jnp.sum(jnp.where(new, lanes_needed(state, layout, prompts), 0)) > layout.lanes
+
+
 def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
-    """One group's `lanes` oldest `prefilling` slots and the next `chunk` context tokens of each."""
+    """One group's `lanes` lanes of `chunk` context tokens each, packed over its `prefilling` slots
+    oldest first: a slot takes as many consecutive lanes as its unwritten context fills (a slot
+    past the last lane waits), lane i + 1 of a slot writing the chunk after lane i's. Lanes left
+    over are invalid."""
     writing = prefilling(state, layout, prompts)
     big = jnp.iinfo(jnp.int32).max
-    slot = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)[: layout.lanes]
-    valid = writing[slot]
+    order = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)  # [S] oldest first
+    need = lanes_needed(state, layout, prompts)[order]
+    ends = jnp.cumsum(need)  # [S] lanes taken by the slots up to each, in age order
+    lane = jnp.arange(layout.lanes, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(ends, lane, side="right"), 0, order.shape[0] - 1)
+    valid = lane < ends[-1]
+    slot = order[owner]
     row = jnp.clip(state.row[slot], 0, layout.rows - 1)
-    start, ctx = state.prefilled[slot], state.ctx_len[slot]
+    offset = lane - (ends[owner] - need[owner])  # the lane's chunk among its slot's
+    start, ctx = state.prefilled[slot] + offset * layout.chunk, state.ctx_len[slot]
     positions = start[:, None] + jnp.arange(layout.chunk, dtype=jnp.int32)[None, :]
 
     def context(at: jax.Array) -> jax.Array:
@@ -180,9 +206,10 @@ def prefill_chunk(
     on_prefill: PrefillHook | None = None,
     on_start: StartHook | None = None,
 ) -> LoopState:
-    """Writes the next `chunk` context tokens of every group's `prefill_lanes` (one forward over
-    all of them); a slot whose context this completes samples its row's next token and starts
-    decoding (module docstring, step 3). `run_slots` runs it only when a slot of some group
+    """Writes every group's `prefill_lanes` (one forward over all of them: a slot's later lane
+    attends to its earlier lanes' keys and values, written to the pools before any lane attends);
+    a slot whose context this completes samples its row's next token and starts decoding (module
+    docstring, step 3). `run_slots` runs it only when a slot of some group
     prefills; a group with none writes nothing (every lane is invalid)."""
     group = layout.group()
     lanes = map_groups(layout, lambda s, p: prefill_lanes(s, group, p))(state, prompts)
@@ -214,7 +241,7 @@ def prefill_chunk(
         keys = row_keys(key, state.first_row + lanes.row, state.lengths[lanes.row])
         token, logprob = choose_per_row(keys, logits, sampling)
         finishing = lanes.valid & (lanes.start + layout.chunk >= lanes.ctx)
-        slot = jnp.where(finishing, lanes.slot, group.slots)  # lanes are distinct where valid
+        slot = jnp.where(finishing, lanes.slot, group.slots)  # a slot's context ends in one lane
 
         def to_slots(values: jax.Array, fill) -> jax.Array:
             return jnp.full((group.slots, *values.shape[1:]), fill, values.dtype).at[slot].set(values, mode="drop")
@@ -262,17 +289,20 @@ def record_steps(state: LoopState, prompts: Prompts, active: jax.Array, experts:
     return state._replace(experts=state.experts.write(row, prompt, prompt_len, experts, state.cache_len, active))
 
 
-def decoding_slots(state: LoopState) -> jax.Array:
-    """bool [S]: one group's slots that decode this step (a row that finished earlier in the
+def decoding_slots(state: LoopState, layout: Layout) -> jax.Array:
+    """bool [S]: one group's slots (layout: the group's) that decode this step: those whose pages
+    hold the positions the step writes (a row started within the iteration without its
+    iteration's pages waits for the next, `slot_schedule.admit`; a row that finished earlier in the
     iteration keeps its slot until the iteration's release, and decodes no more)."""
     row = state.row
-    return state.decoding & (row >= 0) & ~state.done[jnp.clip(row, 0, state.done.shape[0] - 1)]
+    held = state.pool.held * layout.page_size >= state.cache_len + layout.lookahead
+    return state.decoding & held & (row >= 0) & ~state.done[jnp.clip(row, 0, state.done.shape[0] - 1)]
 
 
-def decoding_view(state: LoopState) -> tuple[jax.Array, jax.Array]:
+def decoding_view(state: LoopState, layout: Layout) -> tuple[jax.Array, jax.Array]:
     """One group's (bool [S] `decoding_slots`, int32 [S, M] the page table with the others'
-    entries cleared, so that nothing is written to their pages)."""
-    active = decoding_slots(state)
+    entries cleared, so that nothing is written to their pages); layout: the group's."""
+    active = decoding_slots(state, layout)
     return active, jnp.where(active[:, None], state.pool.page_table, NO_PAGE)
 
 
@@ -297,7 +327,8 @@ def run_slots(
     iteration, after the schedule, whether its decode steps run `plain_decode` instead of `decode`
     (the adaptive speculative loop's rounds of autoregressive steps: no choice to make per step)."""
     group = layout.group()
-    decoding = map_groups(layout, lambda s, p: decoding_slots(s))
+    decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))
+    first = map_groups(layout, lambda s, p: prefill_first(s, group, p))
 
     def schedule(state: LoopState, prompts: Prompts) -> LoopState:
         state = admit(make_room(state, group, prompts), group, prompts)
@@ -307,12 +338,13 @@ def run_slots(
         state = release_finished(prefix_cache.publish(state, group, prompts), group)
         return prefix_cache.drop_finished(state, prompts)
 
-    def step(_, carry: tuple[LoopState, jax.Array, jax.Array]) -> tuple[LoopState, jax.Array, jax.Array]:
-        """One decode step of the slots that decoded when the iteration began (`scheduled`: they
-        hold its pages; a slot whose prefill completes within it starts at the next), then one
-        prefill chunk; `plain` decode steps where `in_plain` (bool scalar)."""
-        state, scheduled, in_plain = carry
-        active = decoding(state, prompts) & scheduled
+    def step(_, carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
+        """One decode step of the decoding slots (a slot whose prefill completed at the step before
+        too: it holds the iteration's pages from its admission), unless a group's new rows need
+        more than this step's prefill (`prefill_first`), then one prefill step; `plain` decode steps
+        where `in_plain` (bool scalar)."""
+        state, in_plain = carry
+        active = decoding(state, prompts) & ~jnp.any(first(state, prompts))
         stepping = jnp.any(active)
         counters = state.counters
         counters = {
@@ -320,24 +352,22 @@ def run_slots(
             "decode_steps": counters["decode_steps"] + stepping,
             "width_steps": counters["width_steps"].at[..., width_index(layout.widths, active)].add(stepping),
         }
-        decoding_now = state.decoding
-        state = state._replace(decoding=decoding_now & scheduled, counters=counters)
+        state = state._replace(counters=counters)
         if plain is None:
             state = jax.lax.cond(stepping, decode, lambda s: s, state)
         else:
             branch = jnp.where(stepping, 1 + in_plain.astype(jnp.int32), 0)
             state = jax.lax.switch(branch, [lambda s: s, decode, plain[1]], state)
-        state = state._replace(decoding=decoding_now)
         writing = map_groups(layout, lambda s, p: prefilling(s, group, p))(state, prompts)
         state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
-        return lay_out(sharding, layout, state), scheduled, in_plain
+        return lay_out(sharding, layout, state), in_plain
 
     def body(state: LoopState) -> LoopState:
         state = map_groups(layout, schedule)(state, prompts)
         state, in_plain = (state, jnp.zeros((), bool)) if plain is None else plain[0](state)
-        state, _, _ = jax.lax.fori_loop(0, layout.decode_steps, step, (state, state.decoding, in_plain))
+        state, _ = jax.lax.fori_loop(0, layout.decode_steps, step, (state, in_plain))
+        in_use = layout.num_pages - jnp.sum(state.pool.num_free)  # the most: only `finish` frees pages
         state = map_groups(layout, finish)(state, prompts)
-        in_use = layout.num_pages - jnp.sum(state.pool.num_free)
         counters = state.counters
         counters = {
             **counters,

@@ -3,7 +3,8 @@
 one row's longest sequence serves any number of decode steps per iteration (`make_room`), a row
 with its own limit on emitted tokens (`Prompts.row_max_new`) reaching no further than it; and
 admission reserves that reach for the rows before it, capped alike, so a pool of every slot's
-longest sequence admits every slot at once however far an iteration reaches (`admit`)."""
+longest sequence admits every slot at once however far an iteration reaches, each row with its
+own reach where the pool holds it (`admit`)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -82,11 +83,20 @@ def test_a_row_with_its_own_limit_gets_pages_only_up_to_it(limit, held):
     assert int(state.pool.held[0]) == held and int(state.pool.num_free) == 5 - held
 
 
-@pytest.mark.parametrize(("decode_steps", "advance"), [(1, 1), (8, 1), (8, 4), (30, 8)])
-def test_a_pool_of_every_slots_longest_sequence_admits_every_slot(decode_steps, advance):
+@pytest.mark.parametrize(
+    ("decode_steps", "advance", "held"),
+    [
+        (1, 1, 3),  # the context's 2 pages (positions 0..4) and the step's write at 5
+        (8, 1, 4),  # 5..12
+        (8, 4, 5),  # an iteration reaching past the row's longest sequence: its 5 pages, no more
+        (30, 8, 5),
+    ],
+)
+def test_a_pool_of_every_slots_longest_sequence_admits_every_slot(decode_steps, advance, held):
     """Four pending rows, four slots, a pool of 4 x 5 pages: all four are admitted at once, also
     when an iteration's reach (speculative steps advance up to 1 + depth positions) is longer than
-    any row."""
+    any row; each holds its context's pages and an iteration's decode pages past it (so that it
+    decodes as soon as its prefill completes), capped at its longest sequence's."""
     layout = plan_layout(
         4, 4, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=20, decode_steps=decode_steps, advance=advance
     )
@@ -94,7 +104,7 @@ def test_a_pool_of_every_slots_longest_sequence_admits_every_slot(decode_steps, 
     prompts, state = pending(layout)
     state = admit(state, layout, prompts)
     assert np.asarray(state.row).tolist() == [0, 1, 2, 3] and int(state.head) == 4
-    assert np.asarray(state.pool.held).tolist() == [2] * 4  # each its context's pages, the rest as it decodes
+    assert np.asarray(state.pool.held).tolist() == [held] * 4
 
 
 @pytest.mark.parametrize(
@@ -125,3 +135,5 @@ def test_admission_keeps_the_running_rows_next_pages_free(emitted, num_pages, ad
     state = admit(state, layout, prompts)
     assert np.asarray(state.row).tolist() == ([0, 1] if admitted else [0, -1])
     assert int(state.head) == 1 + admitted
+    # row 0's next pages kept free leave row 1 too few for its own iteration: its prompt's alone
+    assert int(state.pool.held[1]) == (2 if admitted else 0)

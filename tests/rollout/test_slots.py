@@ -49,8 +49,8 @@ def test_greedy_tokens_equal_the_staged_engine(policy, greedy_batch, count):  # 
 
 def test_greedy_through_preemptions_equals_the_staged_engine(policy, greedy_batch):  # noqa: F811
     cfg, params = policy
-    out = generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=3, kv_pages=9, page_size=4)
-    assert out.stats["preemptions"] > 0 and out.stats["peak_kv_pages"] <= 9
+    out = generate(cfg, params, BATCH, jax.random.key(0), GREEDY, slots=3, kv_pages=8, page_size=4, decode_steps=2)
+    assert out.stats["preemptions"] > 0 and out.stats["peak_kv_pages"] <= 8
     np.testing.assert_array_equal(out.tokens, greedy_batch.tokens)
     np.testing.assert_allclose(out.logprobs, greedy_batch.logprobs, rtol=1e-5, atol=1e-5)
 
@@ -147,6 +147,36 @@ def test_the_schedule_runs_once_per_decode_steps_and_changes_no_token(policy, sa
         np.testing.assert_array_equal(tight.tokens, sampled[1].tokens)
 
 
+def test_a_context_of_several_lanes_is_written_in_one_prefill_step(policy):
+    """A 45-token prompt fills three prefill lanes of 16 tokens (`slot_layout.PREFILL_CHUNK`); on one
+    slot all three are written in one step, each lane attending to the keys and values its
+    slot's earlier lanes wrote in the same forward: the greedy tokens and log-probs are the staged
+    engine's (a lane that missed its earlier lanes' positions would see a different context)."""
+    cfg, params = policy
+    prompt = [int(t) for t in np.random.default_rng(5).integers(12, cfg.vocab_size, 45)]
+    staged = generate(cfg, params, [prompt], jax.random.key(0), GREEDY)
+    out = generate(cfg, params, [prompt], jax.random.key(0), GREEDY, slots=1)
+    assert out.stats["prefill_chunks"] == 1
+    np.testing.assert_array_equal(out.tokens, staged.tokens)
+    np.testing.assert_allclose(out.logprobs, staged.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_waits_while_new_rows_need_more_than_one_prefill_step(policy):
+    """40 distinct 20-token prompts (2 lanes each, 80 lanes, 32 a step) on 40 slots: no row decodes
+    until the new rows' remaining lanes fit one prefill step (`slots.prefill_first`), so the 16
+    rows prefilled first and the 8 prefilled last start at most a step apart and the call takes
+    MAX_NEW decode steps (each row emits its first token from its prefill and MAX_NEW - 1 by
+    decoding), where decoding the first rows alongside would start the last rows two steps later.
+    The tokens are the staged engine's."""
+    cfg, params = policy
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(12, cfg.vocab_size, 20)] for _ in range(40)]
+    out = generate(cfg, params, prompts, jax.random.key(0), GREEDY, slots=40)
+    assert plan_layout(40, 40, 32, 20, MAX_NEW, 1).lanes == 32
+    assert out.stats["prefill_chunks"] == 3 and out.stats["steps"] == MAX_NEW
+    np.testing.assert_array_equal(out.tokens, generate(cfg, params, prompts, jax.random.key(0), GREEDY).tokens)
+
+
 @pytest.mark.parametrize("reported", [False, True], ids=["cpu-fallback", "reported-free-memory"])
 def test_auto_slots_are_stated_once_and_give_the_explicit_tokens(policy, greedy_batch, reported, monkeypatch, caplog):  # noqa: F811
     """On the CPU (no free memory reported: 2 GiB per device assumed) every row gets a slot; with
@@ -202,14 +232,24 @@ def staged_groups(policy):
     return generate(cfg, params, GROUPS, jax.random.key(0), GREEDY)
 
 
-@pytest.mark.parametrize(("count", "kv_pages"), [(3, None), (12, None), (4, 10)])
-def test_rows_of_a_prompt_share_its_prefix_pages(policy, staged_groups, count, kv_pages):
+@pytest.mark.parametrize(("count", "kv_pages", "decode_steps"), [(3, None, None), (12, None, None), (4, 10, 4)])
+def test_rows_of_a_prompt_share_its_prefix_pages(policy, staged_groups, count, kv_pages, decode_steps):
     """Pages of 4 positions: prompt lengths 3, 7 and 20 share 0, 1 and 4 pages, so the 3 later rows
     of each group take 0 + 3 x 1 + 3 x 4 = 15 pages from the prefix cache, also when all 12 rows are
     admitted at once (the later ones wait for the first to write the prefix) and through
     preemptions in a pool of 10 pages; the tokens are the staged engine's."""
     cfg, params = policy
-    out = generate(cfg, params, GROUPS, jax.random.key(0), GREEDY, slots=count, kv_pages=kv_pages, page_size=4)
+    out = generate(
+        cfg,
+        params,
+        GROUPS,
+        jax.random.key(0),
+        GREEDY,
+        slots=count,
+        kv_pages=kv_pages,
+        page_size=4,
+        decode_steps=decode_steps,
+    )
     assert out.stats["prefix_pages_shared"] == 15, out.stats
     assert (out.stats["preemptions"] > 0) == (kv_pages is not None)
     np.testing.assert_array_equal(out.tokens, staged_groups.tokens)

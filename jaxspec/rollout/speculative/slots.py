@@ -228,7 +228,7 @@ def _loop(
 
     def occupancy(state: LoopState) -> tuple[jax.Array, jax.Array]:
         """(the decoding slots of every group, the index of their occupancy bracket): int32 scalars."""
-        decoding = map_groups(layout, lambda s, p: decoding_slots(s))(state, prompts).sum()
+        decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))(state, prompts).sum()
         return decoding, jnp.sum(decoding <= sizes)
 
     def decode(state: LoopState, plain: bool = False) -> LoopState:
@@ -285,7 +285,7 @@ def _loop(
         root alone (an autoregressive step)."""
 
         def view_and_keys(state: LoopState, prompts: Prompts):
-            active, table = decoding_view(state)
+            active, table = decoding_view(state, group)
             row = jnp.clip(state.row, 0, group.rows - 1)
             if sampling.coupled:  # the autoregressive engine's keys of the tokens the step may emit
                 return active, table, depth_keys(key, state.first_row + row, state.lengths[row], max_depth)
