@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from jaxspec.bench.kernel_trace import Kernel, kernel_times, op_scopes, set_dump_flags
+from jaxspec.bench.spec_configs import add_stage_k
 
 PHASES = ("propose", "verify_forward", "verify", "commit", "draft_update", "forward", "sample", "stage_move")
 PARTS = ("attention", "kv_write", "lm_head")
@@ -127,14 +128,7 @@ def main(argv: list[str]) -> int:
         default=None,
         help="--model: the random head's draft vocabulary (default min(V, 32000))",
     )
-    p.add_argument(
-        "--stage-k",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        nargs="*",
-        default=[],
-        metavar="K1,K2,...",
-        help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
-    )
+    add_stage_k(p)
     p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16")

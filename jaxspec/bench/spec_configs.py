@@ -30,6 +30,18 @@ def verify_token_cost(text: str) -> float | tuple[tuple[int, float], ...]:
         raise argparse.ArgumentTypeError(message) from None
 
 
+def add_stage_k(parser: argparse.ArgumentParser) -> None:
+    """--stage-k K1,K2,...: EAGLE-3 chains drafting a depth per loop stage, one run per option."""
+    parser.add_argument(
+        "--stage-k",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        nargs="*",
+        default=[],
+        metavar="K1,K2,...",
+        help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
+    )
+
+
 def configurations(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
@@ -106,14 +118,7 @@ def parse_args(argv: list[str], description: str) -> argparse.Namespace:
         default=[(2, 4, 8), (3, 5, 16)],
         help="width,depth,budget triples",
     )
-    p.add_argument(
-        "--stage-k",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        nargs="*",
-        default=[],
-        metavar="K1,K2,...",
-        help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
-    )
+    add_stage_k(p)
     p.add_argument(
         "--random-draft",
         action="store_true",
