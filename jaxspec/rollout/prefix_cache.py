@@ -67,7 +67,9 @@ def attach(state, layout, prompts):
 def waiting(state, layout, prompts) -> jax.Array:
     """bool [S]: prefilling slots that have written nothing while an older slot of their prompt
     holds it and its prefix is not cached yet: the older one writes it (or has written it, and it
-    is published at the end of the loop's iteration), and they attach to it then."""
+    is published at the end of the loop's iteration: a cache that let go of it under pressure),
+    and they attach to it then (`jaxspec.rollout.slots`: the prefill step that completes a prefix
+    publishes it and attaches them)."""
     u, k = _slot_prompts(state, layout, prompts)
     occupied = state.row >= 0
     prefilling = occupied & ~state.decoding

@@ -26,7 +26,8 @@ the outputs). The pending-row queue, the free-page stack and the page tables are
    iteration's pages). The schedule's bookkeeping (scatters and sorts over slots, pages and rows:
    many small kernels) is paid once per K steps, as vLLM's multi-step scheduling does; a finished
    row's slot waits at most K - 1 steps for its next row.
-4. **publish**: prefixes written are cached (`prefix_cache.publish`).
+4. **publish**: prefixes written are cached (`prefix_cache.publish`; a prefill step publishes
+   the prefixes it completes too, and rows of their prompts take them at once).
 5. **release**: slots whose row has finished return their pages to the pool, and the cache
    lets go of the prefixes of prompts whose rows have all finished.
 
@@ -269,8 +270,13 @@ def prefill_chunk(
             state = on_start(state, prompts, started, first, jnp.moveaxis(to_slots(hidden_last[:, :-1], 0), 1, 0))
         return state
 
+    def share(state: LoopState, prompts: Prompts) -> LoopState:
+        """The prefixes this step completed are cached, and the rows of their prompts that wait
+        take them: they prefill from the next step, not the next iteration."""
+        return prefix_cache.attach(prefix_cache.publish(state, group, prompts), group, prompts)
+
     per_lane = slots_grouped(layout, (logits, jnp.moveaxis(hidden_last, 0, 1)))
-    return map_groups(layout, start)(state, prompts, lanes, *per_lane)
+    return map_groups(layout, share)(map_groups(layout, start)(state, prompts, lanes, *per_lane), prompts)
 
 
 def record_lanes(state: LoopState, prompts: Prompts, lanes: Lanes, experts: jax.Array) -> LoopState:
