@@ -13,19 +13,22 @@ the outputs). The pending-row queue, the free-page stack and the page tables are
    preempted (one row's longest sequence always fits: checked before the loop), so every row
    finishes.
 2. **admit**: free slots take the next pending rows, in queue order, while the pool holds the
-   pages of their context (prompt + tokens so far) and of one iteration's decode steps past it,
-   plus one iteration's pages for every running row; an admitted row whose prompt's prefix is
-   cached takes its pages (`prefix_cache.attach`).
+   pages of their context (prompt + tokens so far) plus one iteration's pages for every running
+   row and every row admitted before them; a row also takes its own iteration's pages where the
+   pool still holds them. An admitted row whose prompt's prefix is cached takes its pages
+   (`prefix_cache.attach`).
 3. **decode and prefill**, K = `Layout.decode_steps` times: one step of every decoding slot (a
    token, or a speculative draft-and-verify step; a row that finishes within the iteration
    decodes no more), then a prefill step: `lanes` lanes of `chunk` context tokens
    (`PREFILL_TOKENS` in all) packed over the admitted slots oldest first, a slot taking as many
    lanes as its unwritten context fills, are written to the cache: prefill runs in chunks
    interleaved with decoding. The lane that completes a context samples the row's next token
-   from its last logits, and the slot decodes from the next step on (its admission gave it the
-   iteration's pages). The schedule's bookkeeping (scatters and sorts over slots, pages and rows:
-   many small kernels) is paid once per K steps, as vLLM's multi-step scheduling does; a finished
-   row's slot waits at most K - 1 steps for its next row.
+   from its last logits, and the slot decodes from the next step on (where its admission gave it
+   the iteration's pages; else from the next iteration, `decoding_slots`). While new rows need
+   more lanes than one prefill step has, the decode step waits (`prefill_first`). The schedule's
+   bookkeeping (scatters and sorts over slots, pages and rows: many small kernels) is paid once
+   per K steps, as vLLM's multi-step scheduling does; a finished row's slot waits at most K - 1
+   steps for its next row.
 4. **publish**: prefixes written are cached (`prefix_cache.publish`; a prefill step publishes
    the prefixes it completes too, and rows of their prompts take them at once).
 5. **release**: slots whose row has finished return their pages to the pool, and the cache
@@ -163,8 +166,10 @@ def prefill_first(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Arr
     than one prefill step has, so that its decode step waits (`run_slots`): at a call's start every
     row then starts after about one prefill of them all, as in the staged engine, where decoding
     the first rows alongside would start the last rows (one of which may be the longest) a step
-    later per prefill step. A refill's prefill, or a preempted row's re-prefill, fits the lanes or
-    is not new, and never holds the decoding rows up."""
+    later per prefill step. A preempted row's re-prefill is not new and never holds the decoding
+    rows up; a refill whose prompt fills more lanes than a step does holds them up for its prefill
+    steps, which adds no work (a decode step and a prefill step are separate forwards either way)
+    and starts the refill sooner."""
     new = state.lengths[jnp.clip(state.row, 0, layout.rows - 1)] == 0
     return jnp.sum(jnp.where(new, lanes_needed(state, layout, prompts), 0)) > layout.lanes
 
