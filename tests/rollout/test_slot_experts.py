@@ -29,7 +29,7 @@ LAYOUTS = {
     "1-slot": dict(slots=1, page_size=4),
     "3-slots": dict(slots=3, page_size=4),
     # a pool of one row's longest sequence (with EAGLE-3's lookahead): rows are preempted and resumed
-    "3-slots-preempting": dict(slots=3, page_size=4, kv_pages=8, decode_steps=4),
+    "3-slots-preempting": dict(slots=3, page_size=4, kv_pages=8, decode_steps=2),
 }
 
 
