@@ -156,22 +156,23 @@ def prefilling(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
     return (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
 
 
-def lanes_needed(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
-    """int32 [S]: prefill lanes each of one group's `prefilling` slots still needs (0 for others)."""
-    return jnp.where(prefilling(state, layout, prompts), -(-(state.ctx_len - state.prefilled) // layout.chunk), 0)
+def lanes_needed(state: LoopState, layout: Layout, writing: jax.Array) -> jax.Array:
+    """int32 [S]: prefill lanes each of one group's slots still needs where bool writing [S] (its
+    `prefilling` slots), 0 elsewhere."""
+    return jnp.where(writing, -(-(state.ctx_len - state.prefilled) // layout.chunk), 0)
 
 
-def prefill_first(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
-    """bool scalar: one group's new rows (none of their tokens emitted yet) need more prefill lanes
-    than one prefill step has, so that its decode step waits (`run_slots`): at a call's start every
-    row then starts after about one prefill of them all, as in the staged engine, where decoding
-    the first rows alongside would start the last rows (one of which may be the longest) a step
-    later per prefill step. A preempted row's re-prefill is not new and never holds the decoding
-    rows up; a refill whose prompt fills more lanes than a step does holds them up for its prefill
-    steps, which adds no work (a decode step and a prefill step are separate forwards either way)
-    and starts the refill sooner."""
+def prefill_first(state: LoopState, layout: Layout, writing: jax.Array) -> jax.Array:
+    """bool scalar: one group's new rows (none of their tokens emitted yet; writing bool [S]: its
+    `prefilling` slots) need more prefill lanes than one prefill step has, so that its decode step
+    waits (`run_slots`): at a call's start every row then starts after about one prefill of them
+    all, as in the staged engine, where decoding the first rows alongside would start the last rows
+    (one of which may be the longest) a step later per prefill step. A preempted row's re-prefill
+    is not new and never holds the decoding rows up; a refill whose prompt fills more lanes than a
+    step does holds them up for its prefill steps, which adds no work (a decode step and a prefill
+    step are separate forwards either way) and starts the refill sooner."""
     new = state.lengths[jnp.clip(state.row, 0, layout.rows - 1)] == 0
-    return jnp.sum(jnp.where(new, lanes_needed(state, layout, prompts), 0)) > layout.lanes
+    return jnp.sum(jnp.where(new, lanes_needed(state, layout, writing), 0)) > layout.lanes
 
 
 def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
@@ -182,7 +183,7 @@ def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
     writing = prefilling(state, layout, prompts)
     big = jnp.iinfo(jnp.int32).max
     order = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)  # [S] oldest first
-    need = lanes_needed(state, layout, prompts)[order]
+    need = lanes_needed(state, layout, writing)[order]
     ends = jnp.cumsum(need)  # [S] lanes taken by the slots up to each, in age order
     lane = jnp.arange(layout.lanes, dtype=jnp.int32)
     owner = jnp.clip(jnp.searchsorted(ends, lane, side="right"), 0, order.shape[0] - 1)
@@ -339,7 +340,8 @@ def run_slots(
     (the adaptive speculative loop's rounds of autoregressive steps: no choice to make per step)."""
     group = layout.group()
     decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))
-    first = map_groups(layout, lambda s, p: prefill_first(s, group, p))
+    writing_slots = map_groups(layout, lambda s, p: prefilling(s, group, p))
+    first = map_groups(layout, lambda s, p, w: prefill_first(s, group, w))
 
     def schedule(state: LoopState, prompts: Prompts) -> LoopState:
         state = admit(make_room(state, group, prompts), group, prompts)
@@ -355,7 +357,8 @@ def run_slots(
         more than this step's prefill (`prefill_first`), then one prefill step; `plain` decode steps
         where `in_plain` (bool scalar)."""
         state, in_plain = carry
-        active = decoding(state, prompts) & ~jnp.any(first(state, prompts))
+        writing = writing_slots(state, prompts)  # the decode step changes no slot's prefill
+        active = decoding(state, prompts) & ~jnp.any(first(state, prompts, writing))
         stepping = jnp.any(active)
         counters = state.counters
         counters = {
@@ -369,7 +372,6 @@ def run_slots(
         else:
             branch = jnp.where(stepping, 1 + in_plain.astype(jnp.int32), 0)
             state = jax.lax.switch(branch, [lambda s: s, decode, plain[1]], state)
-        writing = map_groups(layout, lambda s, p: prefilling(s, group, p))(state, prompts)
         state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
         return lay_out(sharding, layout, state), in_plain
 
