@@ -68,15 +68,15 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     reach = pages_for(layout.reach, size)
     room = jnp.clip(pages_for(longest_sequence(prompts, layout, state.row), size) - state.pool.held, 0, reach)
     with_room = jnp.minimum(pages + reach, pages_for(longest_sequence(prompts, layout, candidate), size))
-    running = jnp.sum(jnp.where(free, 0, room))
-    need = running + jnp.cumsum(with_room) - with_room + pages  # [S]: up to row j
+    reserved = jnp.sum(jnp.where(free, 0, room)) + jnp.cumsum(with_room)  # [S]: up to row j, its reach too
+    need = reserved - with_room + pages  # [S]: up to row j
     short = (state.head < layout.rows) & jnp.any(free) & (need[0] > state.pool.num_free)
     state = prefix_cache.drop(state, short & prefix_cache.orphans(state, layout, prompts))
     pool = state.pool
     ok = (position < layout.rows) & (j < free.sum()) & (need <= pool.num_free)
     count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
     # a row takes its iteration's pages too where they fit (a prefix of the admitted: need grows)
-    take = jnp.where(running + jnp.cumsum(with_room) <= pool.num_free, with_room, pages)
+    take = jnp.where(reserved <= pool.num_free, with_room, pages)
     free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
     target = jnp.where(j < count, free_slots[j], layout.slots)
 
