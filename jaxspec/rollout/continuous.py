@@ -36,7 +36,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slot_width import on_decoding_slots
+from jaxspec.rollout.slot_width import at_width, width_index
 from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
 
 
@@ -173,12 +173,11 @@ def _loop(
         )
         return (logits[:, 0], *experts), carry, (view.k, view.v)
 
-    def decode(state: LoopState) -> LoopState:
+    def decode(state: LoopState, width: int) -> LoopState:
+        """One decode step of every group's decoding slots, on `width` of them."""
         active, table = map_groups(layout, lambda s, p: decoding_view(s, group))(state, prompts)
         inputs = slots_flat(layout, (table, state.last, state.cache_len, active))
-        (logits, *experts), _, (k, v) = on_decoding_slots(
-            layout.widths, inputs[3], forward, inputs, (), (state.cache.k, state.cache.v)
-        )
+        (logits, *experts), _, (k, v) = at_width(width, inputs[3], forward, inputs, (), (state.cache.k, state.cache.v))
         state = state._replace(cache=state.cache._replace(k=k, v=v))
         if record:
             written = active[..., None]
@@ -203,4 +202,6 @@ def _loop(
         return cache._replace(k=pools[0], v=pools[1])
 
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, None, experts)
-    return run_slots(layout, state, prompts, decode, prefill, sharding)
+    steps = [functools.partial(decode, width=width) for width in layout.widths]
+    step_branch = lambda s, active, _: width_index(layout.widths, active)  # noqa: E731
+    return run_slots(layout, state, prompts, steps, step_branch, prefill, sharding)

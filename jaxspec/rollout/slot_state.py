@@ -7,8 +7,8 @@ the pools' KV heads are split over the tensor axis (`KV_PAGES_AXES`), so each de
 share of the pages. The bookkeeping, written for one group, runs on all of them with `map_groups`
 (a `jax.vmap` over the group axis); the model's forwards take every group's slots as one batch
 (`slots_flat`: the pools keep their group axis, `jaxspec.models.paged`), so that the model runs
-as on one device, with rows split over the batch axes; the loop's branches (`lax.cond`) are taken
-on all groups at once, so that every device runs the same program in step.
+as on one device, with rows split over the batch axes; the loop's branches (`lax.switch`,
+`while_loop`) are taken on all groups at once, so that every device runs the same program in step.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ KV lives in page pools that every slot reaches through its page table, so runnin
 slots moves only their per-slot data: the step gathers the W slots that decode (live first, in
 slot order) out of S, runs its forward on those W rows, and scatters their outputs back. W is the
 narrowest of the loop's `step_widths` (S, S/2, S/4, ...) that holds every decoding slot, chosen on
-the device each step (`jax.lax.switch`: one compiled branch per width). A row's draws depend on its
+the device each step (`width_index`; the slot loop's one `jax.lax.switch` per step has a branch
+per width, `jaxspec.rollout.slots.run_slots`). A row's draws depend on its
 index and token position only (`jaxspec.rollout.sampling.row_keys`), not on where its slot sits in
 the step's batch, so the width changes no token (up to the float rounding of batched matmuls).
 
@@ -54,30 +55,18 @@ def decoding_first(active: jax.Array) -> jax.Array:
 Step = Callable[[object, object, object], tuple[object, object, object]]
 
 
-def on_decoding_slots(
-    widths: tuple[int, ...], active: jax.Array, step: Step, inputs, carry, shared
-) -> tuple[object, object, object]:
-    """(outputs [S, ...], carry [S, ...], shared) of `step` run on the narrowest width of `widths`
-    that holds every slot of active bool [S]: the step sees those W slots (the active ones first,
-    then others, each in slot order); outputs of the slots it did not see are zeros and their carry
-    is unchanged."""
-    if len(widths) == 1:
+def at_width(width: int, active: jax.Array, step: Step, inputs, carry, shared) -> tuple[object, object, object]:
+    """(outputs [S, ...], carry [S, ...], shared) of `step` run on `width` (static) of the S slots of
+    active bool [S], a width that holds every active slot (`width_index` picks it): the step sees the
+    active slots first, then others, each in slot order; outputs of the slots it did not see are
+    zeros and their carry is unchanged."""
+    slots = active.shape[0]
+    if width == slots:
         return step(inputs, carry, shared)
-    slots = widths[0]
-
-    def at_width(width: int):
-        def run(operands):
-            inputs, carry, shared = operands
-            if width == slots:
-                return step(inputs, carry, shared)
-            order = decoding_first(active)[:width]
-            outputs, new_carry, shared = step(
-                jax.tree.map(lambda x: x[order], inputs), jax.tree.map(lambda x: x[order], carry), shared
-            )
-            outputs = jax.tree.map(lambda y: jnp.zeros((slots, *y.shape[1:]), y.dtype).at[order].set(y), outputs)
-            new_carry = jax.tree.map(lambda old, new: old.at[order].set(new), carry, new_carry)
-            return outputs, new_carry, shared
-
-        return run
-
-    return jax.lax.switch(width_index(widths, active), [at_width(w) for w in widths], (inputs, carry, shared))
+    order = decoding_first(active)[:width]
+    outputs, new_carry, shared = step(
+        jax.tree.map(lambda x: x[order], inputs), jax.tree.map(lambda x: x[order], carry), shared
+    )
+    outputs = jax.tree.map(lambda y: jnp.zeros((slots, *y.shape[1:]), y.dtype).at[order].set(y), outputs)
+    new_carry = jax.tree.map(lambda old, new: old.at[order].set(new), carry, new_carry)
+    return outputs, new_carry, shared

@@ -17,24 +17,27 @@ the outputs). The pending-row queue, the free-page stack and the page tables are
    row and every row admitted before them; a row also takes its own iteration's pages where the
    pool still holds them. An admitted row whose prompt's prefix is cached takes its pages
    (`prefix_cache.attach`).
-3. **decode and prefill**, K = `Layout.decode_steps` times: one step of every decoding slot (a
-   token, or a speculative draft-and-verify step; a row that finishes within the iteration
-   decodes no more), then a prefill step: `lanes` lanes of `chunk` context tokens
-   (`PREFILL_TOKENS` in all) packed over the admitted slots oldest first, a slot taking as many
-   lanes as its unwritten context fills, are written to the cache: prefill runs in chunks
-   interleaved with decoding. The lane that completes a context samples the row's next token
-   from its last logits, and the slot decodes from the next step on (where its admission gave it
-   the iteration's pages; else from the next iteration, `decoding_slots`). While new rows need
-   more lanes than one prefill step has, the decode step waits (`prefill_first`). The schedule's
-   bookkeeping (scatters and sorts over slots, pages and rows: many small kernels) is paid once
-   per K steps, as vLLM's multi-step scheduling does; a finished row's slot waits at most K - 1
-   steps for its next row.
-4. **publish**: prefixes written are cached (`prefix_cache.publish`; a prefill step publishes
+3. **prefill**: while a slot's context (prompt + tokens so far) is unwritten, a prefill step
+   writes `lanes` lanes of `chunk` context tokens (`PREFILL_TOKENS` in all), packed over the
+   admitted slots oldest first, a slot taking as many lanes as its unwritten context fills. The
+   lane that completes a context samples the row's next token from its last logits, and the slot
+   decodes from this iteration's decode steps on (where its admission gave it the iteration's
+   pages; else from the next iteration's, `decoding_slots`). Prefill runs in chunks between the
+   iterations' decode steps; writing every context before the iteration's decode steps adds no
+   work (a decode step and a prefill step are separate forwards either way), starts new rows
+   together (at a call's start, after one prefill of them all, as in the staged engine) and
+   checks for prefill work once an iteration, not once a step.
+4. **decode**, K = `Layout.decode_steps` times: one step of every decoding slot (a token, or a
+   speculative draft-and-verify step; a row that finishes within the iteration decodes no more).
+   The schedule's bookkeeping (scatters and sorts over slots, pages and rows: many small kernels)
+   is paid once per K steps, as vLLM's multi-step scheduling does; a finished row's slot waits at
+   most K - 1 steps for its next row.
+5. **publish**: prefixes written are cached (`prefix_cache.publish`; a prefill step publishes
    the prefixes it completes too, and rows of their prompts take them at once).
-5. **release**: slots whose row has finished return their pages to the pool, and the cache
+6. **release**: slots whose row has finished return their pages to the pool, and the cache
    lets go of the prefixes of prompts whose rows have all finished.
 
-Steps 1, 2 and 5 are `jaxspec.rollout.slot_schedule`; the shapes are `jaxspec.rollout.slot_layout`
+Steps 1, 2 and 6 are `jaxspec.rollout.slot_schedule`; the shapes are `jaxspec.rollout.slot_layout`
 and the carry `jaxspec.rollout.slot_state`. On a mesh the rows, slots and pages split into groups
 over the batch axes (data x fsdp), each on its own devices with the pools' KV heads over the
 tensor axis, stepping in lockstep (`jaxspec.rollout.slot_state`); every row gets the tokens it
@@ -60,7 +63,7 @@ measurements show this one faster everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -156,25 +159,6 @@ def prefilling(state: LoopState, layout: Layout, prompts: Prompts) -> jax.Array:
     return (state.row >= 0) & ~state.decoding & ~prefix_cache.waiting(state, layout, prompts)
 
 
-def lanes_needed(state: LoopState, layout: Layout, writing: jax.Array) -> jax.Array:
-    """int32 [S]: prefill lanes each of one group's slots still needs where bool writing [S] (its
-    `prefilling` slots), 0 elsewhere."""
-    return jnp.where(writing, -(-(state.ctx_len - state.prefilled) // layout.chunk), 0)
-
-
-def prefill_first(state: LoopState, layout: Layout, writing: jax.Array) -> jax.Array:
-    """bool scalar: one group's new rows (none of their tokens emitted yet; writing bool [S]: its
-    `prefilling` slots) need more prefill lanes than one prefill step has, so that its decode step
-    waits (`run_slots`): at a call's start every row then starts after about one prefill of them
-    all, as in the staged engine, where decoding the first rows alongside would start the last rows
-    (one of which may be the longest) a step later per prefill step. A preempted row's re-prefill
-    is not new and never holds the decoding rows up; a refill whose prompt fills more lanes than a
-    step does holds them up for its prefill steps, which adds no work (a decode step and a prefill
-    step are separate forwards either way) and starts the refill sooner."""
-    new = state.lengths[jnp.clip(state.row, 0, layout.rows - 1)] == 0
-    return jnp.sum(jnp.where(new, lanes_needed(state, layout, writing), 0)) > layout.lanes
-
-
 def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
     """One group's `lanes` lanes of `chunk` context tokens each, packed over its `prefilling` slots
     oldest first: a slot takes as many consecutive lanes as its unwritten context fills (a slot
@@ -183,7 +167,7 @@ def prefill_lanes(state: LoopState, layout: Layout, prompts: Prompts) -> Lanes:
     writing = prefilling(state, layout, prompts)
     big = jnp.iinfo(jnp.int32).max
     order = jnp.argsort(jnp.where(writing, state.admitted, big), stable=True)  # [S] oldest first
-    need = lanes_needed(state, layout, writing)[order]
+    need = jnp.where(writing, -(-(state.ctx_len - state.prefilled) // layout.chunk), 0)[order]  # [S] lanes to fill
     ends = jnp.cumsum(need)  # [S] lanes taken by the slots up to each, in age order
     lane = jnp.arange(layout.lanes, dtype=jnp.int32)
     owner = jnp.clip(jnp.searchsorted(ends, lane, side="right"), 0, order.shape[0] - 1)
@@ -322,26 +306,33 @@ def run_slots(
     layout: Layout,
     state: LoopState,
     prompts: Prompts,
-    decode: Callable[[LoopState], LoopState],
+    decode: Sequence[Callable[[LoopState], LoopState]],
+    choose: Callable[[LoopState, jax.Array, jax.Array], jax.Array],
     prefill: Callable[[LoopState], LoopState],
     sharding: Sharding | None = None,
-    plain: tuple[Callable[[LoopState], tuple[LoopState, jax.Array]], Callable[[LoopState], LoopState]] | None = None,
+    plain_round: Callable[[LoopState], tuple[LoopState, jax.Array]] | None = None,
 ) -> LoopState:
-    """The compiled loop: room, admit, `layout.decode_steps` times a decode step and a prefill
-    chunk, publish, release, until every row is done.
+    """The compiled loop: room, admit, prefill, `layout.decode_steps` decode steps, publish,
+    release, until every row is done.
 
-    state, prompts: every group's (`jaxspec.rollout.slot_state`). decode and prefill take and
-    return every group's state (their bookkeeping maps one group's with `map_groups`, their
-    forwards take every group's slots at once); each decode step runs when a slot of any group
-    decodes (`decoding_slots`), each prefill chunk (`prefill_chunk`) when one prefills, so that
-    every group takes the same branch. sharding: the mesh the carry is laid out on (`lay_out`).
-    plain: None, or (start, plain_decode): start(state) -> (state, bool scalar) says once per
-    iteration, after the schedule, whether its decode steps run `plain_decode` instead of `decode`
-    (the adaptive speculative loop's rounds of autoregressive steps: no choice to make per step)."""
+    state, prompts: every group's (`jaxspec.rollout.slot_state`). decode: the decode step's
+    branches (a step width, a draft depth: the device picks one per step); choose(state, active,
+    in_plain) -> int32 scalar: the branch of a step whose decoding slots are active bool [G, S]
+    (every group's, `decoding_slots`; in_plain: below). decode and prefill take and return every
+    group's state (their bookkeeping maps one group's with `map_groups`, their forwards take every
+    group's slots at once); a step runs its branch when a slot of any group decodes, and the
+    prefill chunks (`prefill_chunk`) run while a slot of any group prefills, so that every group
+    takes the same branches. sharding: the mesh the carry is laid out on (`lay_out`). plain_round:
+    None, or plain_round(state) -> (state, bool scalar in_plain), once per iteration after the
+    prefill (the adaptive speculative loop's rounds of autoregressive steps: no choice to make per
+    step).
+
+    A step takes one branch of one `jax.lax.switch` (nothing, or the chosen decode branch): each
+    `cond` or `switch` waits for its predicate on the host, and at small batches those waits are a
+    step's largest cost after its kernels."""
     group = layout.group()
     decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))
-    writing_slots = map_groups(layout, lambda s, p: prefilling(s, group, p))
-    first = map_groups(layout, lambda s, p, w: prefill_first(s, group, w))
+    writing = map_groups(layout, lambda s, p: prefilling(s, group, p))
 
     def schedule(state: LoopState, prompts: Prompts) -> LoopState:
         state = admit(make_room(state, group, prompts), group, prompts)
@@ -352,13 +343,10 @@ def run_slots(
         return prefix_cache.drop_finished(state, prompts)
 
     def step(_, carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
-        """One decode step of the decoding slots (a slot whose prefill completed at the step before
-        too: it holds the iteration's pages from its admission), unless a group's new rows need
-        more than this step's prefill (`prefill_first`), then one prefill step; `plain` decode steps
-        where `in_plain` (bool scalar)."""
+        """One decode step of the decoding slots (a row that finished earlier in the iteration
+        decodes no more)."""
         state, in_plain = carry
-        writing = writing_slots(state, prompts)  # the decode step changes no slot's prefill
-        active = decoding(state, prompts) & ~jnp.any(first(state, prompts, writing))
+        active = decoding(state, prompts)
         stepping = jnp.any(active)
         counters = state.counters
         counters = {
@@ -366,18 +354,18 @@ def run_slots(
             "decode_steps": counters["decode_steps"] + stepping,
             "width_steps": counters["width_steps"].at[..., width_index(layout.widths, active)].add(stepping),
         }
-        state = state._replace(counters=counters)
-        if plain is None:
-            state = jax.lax.cond(stepping, decode, lambda s: s, state)
-        else:
-            branch = jnp.where(stepping, 1 + in_plain.astype(jnp.int32), 0)
-            state = jax.lax.switch(branch, [lambda s: s, decode, plain[1]], state)
-        state = jax.lax.cond(jnp.any(writing), prefill, lambda s: s, state)
+        branch = jnp.where(stepping, 1 + choose(state, active, in_plain), 0)
+        state = jax.lax.switch(branch, [lambda s: s, *decode], state._replace(counters=counters))
         return lay_out(sharding, layout, state), in_plain
 
+    def prefill_all(state: LoopState) -> LoopState:
+        """Prefill chunks until no slot's context is left to write."""
+        body = lambda s: lay_out(sharding, layout, prefill(s))  # noqa: E731
+        return jax.lax.while_loop(lambda s: jnp.any(writing(s, prompts)), body, state)
+
     def body(state: LoopState) -> LoopState:
-        state = map_groups(layout, schedule)(state, prompts)
-        state, in_plain = (state, jnp.zeros((), bool)) if plain is None else plain[0](state)
+        state = prefill_all(map_groups(layout, schedule)(state, prompts))
+        state, in_plain = (state, jnp.zeros((), bool)) if plain_round is None else plain_round(state)
         state, _ = jax.lax.fori_loop(0, layout.decode_steps, step, (state, in_plain))
         in_use = layout.num_pages - jnp.sum(state.pool.num_free)  # the most: only `finish` frees pages
         state = map_groups(layout, finish)(state, prompts)

@@ -35,26 +35,23 @@ def test_step_widths_halve_down_to_the_narrowest():
 
 def test_a_step_sees_the_decoding_slots_first_and_the_others_keep_their_carry():
     widths = (8, 4, 2)
-    seen = []
 
     def step(inputs, carry, shared):
-        seen.append(inputs.shape[0])
         return inputs * 10, carry + inputs, shared + inputs.shape[0]
 
     inputs = jnp.arange(8, dtype=jnp.int32) + 1
     carry = jnp.full((8,), 100, jnp.int32)
     for active_slots, width in (([1, 6], 2), ([0, 3, 5], 4), ([0, 1, 2, 3, 4], 8)):
         active = jnp.zeros(8, bool).at[jnp.asarray(active_slots)].set(True)
-        seen.clear()
-        out, new_carry, shared = slot_width.on_decoding_slots(widths, active, step, inputs, carry, 0)
-        assert int(shared) == width  # the branch taken ran at this width
+        assert int(slot_width.width_index(widths, active)) == widths.index(width)
+        out, new_carry, shared = slot_width.at_width(width, active, step, inputs, carry, 0)
+        assert int(shared) == width  # the step ran at this width
         out, new_carry = np.asarray(out), np.asarray(new_carry)
         for s in active_slots:  # every decoding slot went through the step
             assert out[s] == 10 * (s + 1) and new_carry[s] == 100 + s + 1
         ran = out != 0
         assert ran.sum() == width  # the step saw `width` slots: the decoding ones, then the first others
         assert np.all(new_carry[~ran] == 100)  # slots it did not see keep their carry
-        assert int(slot_width.width_index(widths, active)) == widths.index(width)
 
 
 @pytest.fixture(scope="module")

@@ -161,19 +161,19 @@ def test_a_context_of_several_lanes_is_written_in_one_prefill_step(policy):
     np.testing.assert_allclose(out.logprobs, staged.logprobs, rtol=1e-5, atol=1e-5)
 
 
-def test_decoding_waits_while_new_rows_need_more_than_one_prefill_step(policy):
-    """40 distinct 20-token prompts (2 lanes each, 80 lanes, 32 a step) on 40 slots: no row decodes
-    until the new rows' remaining lanes fit one prefill step (`slots.prefill_first`), so the 16
-    rows prefilled first and the 8 prefilled last start at most a step apart and the call takes
-    MAX_NEW decode steps (each row emits its first token from its prefill and MAX_NEW - 1 by
-    decoding), where decoding the first rows alongside would start the last rows two steps later.
-    The tokens are the staged engine's."""
+def test_every_context_is_written_before_the_iterations_decode_steps(policy):
+    """40 distinct 20-token prompts (2 lanes each, 80 lanes, 32 a prefill step) on 40 slots: the
+    first iteration writes every context (3 prefill steps) before its decode steps, so all rows
+    start together and the call takes MAX_NEW - 1 decode steps (each row emits its first token from
+    its prefill and the others by decoding), where rows started as their prefill completes, one
+    decode step per prefill step, would start the last rows two steps later. The tokens are the
+    staged engine's."""
     cfg, params = policy
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(12, cfg.vocab_size, 20)] for _ in range(40)]
     out = generate(cfg, params, prompts, jax.random.key(0), GREEDY, slots=40)
     assert plan_layout(40, 40, 32, 20, MAX_NEW, 1).lanes == 32
-    assert out.stats["prefill_chunks"] == 3 and out.stats["steps"] == MAX_NEW
+    assert out.stats["prefill_chunks"] == 3 and out.stats["steps"] == MAX_NEW - 1
     np.testing.assert_array_equal(out.tokens, generate(cfg, params, prompts, jax.random.key(0), GREEDY).tokens)
 
 

@@ -26,9 +26,9 @@ independent of the slot count or the mesh).
 
 Draft depth by occupancy: `Spec.stage_draft_tokens` entry i is the depth while the decoding
 slots are at most S / 2^i and more than S / 2^(i + 1) (`occupancy_sizes`), the staged loop's
-stages generalised; each depth is one branch of a `lax.switch`, taken by every group of a mesh
-at once (the occupancy counts all of them). The depth then depends on how many rows run beside a
-row, so its sampled tokens depend on S (still exact).
+stages generalised; each depth is a branch of the step's `lax.switch` (`slots.run_slots`), taken
+by every group of a mesh at once (the occupancy counts all of them). The depth then depends on
+how many rows run beside a row, so its sampled tokens depend on S (still exact).
 
 Adaptive depth (`spec.adaptive`): each step of a bracket drafting k levels runs the candidate depth
 (`adaptive.candidate_depths`, 0 an autoregressive step) that `adaptive.choose` picks from the
@@ -72,7 +72,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slot_width import on_decoding_slots
+from jaxspec.rollout.slot_width import at_width, width_index
 from jaxspec.rollout.slots import decoding_slots, decoding_view, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Pooled, defers_step
@@ -231,14 +231,19 @@ def _loop(
         decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))(state, prompts).sum()
         return decoding, jnp.sum(decoding <= sizes)
 
-    def decode(state: LoopState, plain: bool = False) -> LoopState:
-        """Every group's decode step at the depth of the occupancy of all slots; plain: an
-        autoregressive step of an adaptive loop, whatever the bracket."""
+    def decode(state: LoopState, drafter, width: int, plain: bool = False) -> LoopState:
+        """Every group's decode step on `width` slots, drafted by the drafter of the occupancy of
+        all slots (`step_branch` picks both); plain: an autoregressive step of an adaptive loop."""
         decoding, index = occupancy(state)
         steps = state.draft.occupancy_steps.at[..., index].add(1)
-        branches = [functools.partial(decode_at, d, decoding, plain=plain) for d in drafters]
-        state = branches[0](state) if len(branches) == 1 or plain else jax.lax.switch(index, branches, state)
+        state = decode_at(drafter, decoding, state, width, plain=plain)
         return state._replace(draft=state.draft._replace(occupancy_steps=steps))
+
+    def step_branch(state: LoopState, active: jax.Array, in_plain: jax.Array) -> jax.Array:
+        """int32 scalar: the step's branch of `steps` (below) for active bool [G, S] decoding slots."""
+        width = width_index(layout.widths, active)
+        bracket = jnp.sum(jnp.sum(active) <= sizes)
+        return jnp.where(in_plain, len(drafters), bracket) * len(layout.widths) + width
 
     def plain_round(state: LoopState) -> tuple[LoopState, jax.Array]:
         """(state, bool scalar): whether this loop iteration's decode steps are all autoregressive
@@ -249,19 +254,22 @@ def _loop(
         plain = (picks[index] == 0) & (measured.before_probe() >= layout.decode_steps)
         return state._replace(draft=state.draft._replace(fallback_rounds=state.draft.fallback_rounds + plain)), plain
 
-    def decode_at(drafter, decoding: jax.Array, state: LoopState, plain: bool = False) -> LoopState:
-        """The step of a bracket drafting `drafter.depth` levels: at that depth, or (adaptive) at
-        the candidate depth `adaptive.choose` picks for `decoding` (int32 scalar) decoding slots,
-        0 an autoregressive step (plain: that one, without choosing)."""
+    def decode_at(drafter, decoding: jax.Array, state: LoopState, width: int, plain: bool = False) -> LoopState:
+        """The step on `width` slots of a bracket drafting `drafter.depth` levels: at that depth, or
+        (adaptive) at the candidate depth `adaptive.choose` picks for `decoding` (int32 scalar)
+        decoding slots, 0 an autoregressive step (plain: that one, without choosing)."""
         if adaptive is None:
-            state = decode_with(drafter, state)
+            state = decode_with(drafter, state, width)
             return state._replace(
                 draft=state.draft._replace(depth_steps=state.draft.depth_steps.at[..., drafter.depth].add(1))
             )
         depths = candidate_depths(drafter.depth)
         branches = [
             functools.partial(
-                decode_with, dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)), drafts=d > 0
+                decode_with,
+                dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)),
+                width=width,
+                drafts=d > 0,
             )
             for d in depths
         ]
@@ -279,10 +287,10 @@ def _loop(
             )
         )
 
-    def decode_with(drafter, state: LoopState, drafts: bool = True) -> LoopState:
-        """One draft-and-verify step of every group's decoding slots, as one batch of slots (as
-        narrow as the slots that decode: `jaxspec.rollout.slot_width`); drafts=False verifies each
-        root alone (an autoregressive step)."""
+    def decode_with(drafter, state: LoopState, width: int, drafts: bool = True) -> LoopState:
+        """One draft-and-verify step of every group's decoding slots, as one batch of `width` slots
+        (`jaxspec.rollout.slot_width`); drafts=False verifies each root alone (an autoregressive
+        step)."""
 
         def view_and_keys(state: LoopState, prompts: Prompts):
             active, table = decoding_view(state, group)
@@ -342,9 +350,7 @@ def _loop(
         else:
             carry, features = without_chunk(carry)
         pools = (state.cache.k, state.cache.v, () if pools_out else draft_pools, features)
-        outcome, carry, (k, v, stepped_pools, features) = on_decoding_slots(
-            layout.widths, active, forward, inputs, carry, pools
-        )
+        outcome, carry, (k, v, stepped_pools, features) = at_width(width, active, forward, inputs, carry, pools)
         if pools_out:
             carry = drafter.queue(queued, carry.tokens[:, 0], carry.hidden[:, 0], carry.count > 0)
         else:
@@ -390,5 +396,8 @@ def _loop(
     experts = record_buffer(cfg, layout, prompts) if record else None
     cache = empty_cache(cfg, layout, cache_dtype)
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, spec_state, experts)
-    plain = None if adaptive is None else (plain_round, functools.partial(decode, plain=True))
-    return run_slots(layout, state, prompts, decode, prefill, sharding, plain)
+    steps = [functools.partial(decode, drafter=d, width=w) for d in drafters for w in layout.widths]
+    if adaptive is not None:  # the autoregressive steps of plain rounds (`step_branch`)
+        steps += [functools.partial(decode, drafter=drafters[0], width=w, plain=True) for w in layout.widths]
+    plain = None if adaptive is None else plain_round
+    return run_slots(layout, state, prompts, steps, step_branch, prefill, sharding, plain)
