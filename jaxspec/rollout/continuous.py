@@ -37,7 +37,7 @@ from jaxspec.rollout.slot_state import (
     summed,
 )
 from jaxspec.rollout.slot_width import at_width, width_index
-from jaxspec.rollout.slots import decoding_view, emit, prefill_chunk, record_steps, run_slots
+from jaxspec.rollout.slots import decoding_table, emit, prefill_chunk, record_steps, run_slots
 
 
 def slot_generate(
@@ -173,9 +173,9 @@ def _loop(
         )
         return (logits[:, 0], *experts), carry, (view.k, view.v)
 
-    def decode(state: LoopState, width: int) -> LoopState:
-        """One decode step of every group's decoding slots, on `width` of them."""
-        active, table = map_groups(layout, lambda s, p: decoding_view(s, group))(state, prompts)
+    def decode(state: LoopState, active: jax.Array, width: int) -> LoopState:
+        """One decode step of every group's decoding slots (active bool [G, S]), on `width` slots."""
+        table = map_groups(layout, lambda s, p, a: decoding_table(s, a))(state, prompts, active)
         inputs = slots_flat(layout, (table, state.last, state.cache_len, active))
         (logits, *experts), _, (k, v) = at_width(width, inputs[3], forward, inputs, (), (state.cache.k, state.cache.v))
         state = state._replace(cache=state.cache._replace(k=k, v=v))

@@ -295,18 +295,17 @@ def decoding_slots(state: LoopState, layout: Layout) -> jax.Array:
     return state.decoding & held & (row >= 0) & ~state.done[jnp.clip(row, 0, state.done.shape[0] - 1)]
 
 
-def decoding_view(state: LoopState, layout: Layout) -> tuple[jax.Array, jax.Array]:
-    """One group's (bool [S] `decoding_slots`, int32 [S, M] the page table with the others'
-    entries cleared, so that nothing is written to their pages); layout: the group's."""
-    active = decoding_slots(state, layout)
-    return active, jnp.where(active[:, None], state.pool.page_table, NO_PAGE)
+def decoding_table(state: LoopState, active: jax.Array) -> jax.Array:
+    """int32 [S, M]: one group's page table with the entries of the slots outside active bool [S]
+    (its `decoding_slots`) cleared, so that nothing is written to their pages."""
+    return jnp.where(active[:, None], state.pool.page_table, NO_PAGE)
 
 
 def run_slots(
     layout: Layout,
     state: LoopState,
     prompts: Prompts,
-    decode: Sequence[Callable[[LoopState], LoopState]],
+    decode: Sequence[Callable[[LoopState, jax.Array], LoopState]],
     choose: Callable[[LoopState, jax.Array, jax.Array], jax.Array],
     prefill: Callable[[LoopState], LoopState],
     sharding: Sharding | None = None,
@@ -316,16 +315,16 @@ def run_slots(
     release, until every row is done.
 
     state, prompts: every group's (`jaxspec.rollout.slot_state`). decode: the decode step's
-    branches (a step width, a draft depth: the device picks one per step); choose(state, active,
-    in_plain) -> int32 scalar: the branch of a step whose decoding slots are active bool [G, S]
-    (every group's, `decoding_slots`; in_plain: below). decode and prefill take and return every
-    group's state (their bookkeeping maps one group's with `map_groups`, their forwards take every
-    group's slots at once); a step runs its branch when a slot of any group decodes, and the
-    prefill chunks (`prefill_chunk`) run while a slot of any group prefills, so that every group
-    takes the same branches. sharding: the mesh the carry is laid out on (`lay_out`). plain_round:
-    None, or plain_round(state) -> (state, bool scalar in_plain), once per iteration after the
-    prefill (the adaptive speculative loop's rounds of autoregressive steps: no choice to make per
-    step).
+    branches (a step width, a draft depth: the device picks one per step), each taking the state
+    and the step's decoding slots, active bool [G, S] (every group's `decoding_slots`);
+    choose(state, active, in_plain) -> int32 scalar: the step's branch (in_plain: below). decode
+    and prefill take and return every group's state (their bookkeeping maps one group's with
+    `map_groups`, their forwards take every group's slots at once); a step runs its branch when a
+    slot of any group decodes, and the prefill chunks (`prefill_chunk`) run while a slot of any
+    group prefills, so that every group takes the same branches. sharding: the mesh the carry is
+    laid out on (`lay_out`). plain_round: None, or plain_round(state) -> (state, bool scalar
+    in_plain), once per iteration after the prefill (the adaptive speculative loop's rounds of
+    autoregressive steps: no choice to make per step).
 
     A step takes one branch of one `jax.lax.switch` (nothing, or the chosen decode branch): each
     `cond` or `switch` waits for its predicate on the host, and at small batches those waits are a
@@ -355,7 +354,7 @@ def run_slots(
             "width_steps": counters["width_steps"].at[..., width_index(layout.widths, active)].add(stepping),
         }
         branch = jnp.where(stepping, 1 + choose(state, active, in_plain), 0)
-        state = jax.lax.switch(branch, [lambda s: s, *decode], state._replace(counters=counters))
+        state = jax.lax.switch(branch, [lambda s, _: s, *decode], state._replace(counters=counters), active)
         return lay_out(sharding, layout, state), in_plain
 
     def prefill_all(state: LoopState) -> LoopState:

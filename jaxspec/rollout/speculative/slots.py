@@ -73,7 +73,7 @@ from jaxspec.rollout.slot_state import (
     summed,
 )
 from jaxspec.rollout.slot_width import at_width, width_index
-from jaxspec.rollout.slots import decoding_slots, decoding_view, emit, prefill_chunk, record_steps, run_slots
+from jaxspec.rollout.slots import decoding_slots, decoding_table, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Pooled, defers_step
 from jaxspec.rollout.speculative.generate import (
@@ -231,12 +231,13 @@ def _loop(
         decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))(state, prompts).sum()
         return decoding, jnp.sum(decoding <= sizes)
 
-    def decode(state: LoopState, drafter, width: int, plain: bool = False) -> LoopState:
-        """Every group's decode step on `width` slots, drafted by the drafter of the occupancy of
-        all slots (`step_branch` picks both); plain: an autoregressive step of an adaptive loop."""
-        decoding, index = occupancy(state)
-        steps = state.draft.occupancy_steps.at[..., index].add(1)
-        state = decode_at(drafter, decoding, state, width, plain=plain)
+    def decode(state: LoopState, active: jax.Array, drafter, width: int, plain: bool = False) -> LoopState:
+        """Every group's decode step of its decoding slots (active bool [G, S]) on `width` slots,
+        drafted by the drafter of their occupancy (`step_branch` picks both); plain: an
+        autoregressive step of an adaptive loop."""
+        decoding = jnp.sum(active)
+        steps = state.draft.occupancy_steps.at[..., jnp.sum(decoding <= sizes)].add(1)
+        state = decode_at(drafter, decoding, state, active, width, plain=plain)
         return state._replace(draft=state.draft._replace(occupancy_steps=steps))
 
     def step_branch(state: LoopState, active: jax.Array, in_plain: jax.Array) -> jax.Array:
@@ -254,12 +255,14 @@ def _loop(
         plain = (picks[index] == 0) & (measured.before_probe() >= layout.decode_steps)
         return state._replace(draft=state.draft._replace(fallback_rounds=state.draft.fallback_rounds + plain)), plain
 
-    def decode_at(drafter, decoding: jax.Array, state: LoopState, width: int, plain: bool = False) -> LoopState:
+    def decode_at(
+        drafter, decoding: jax.Array, state: LoopState, active: jax.Array, width: int, plain: bool = False
+    ) -> LoopState:
         """The step on `width` slots of a bracket drafting `drafter.depth` levels: at that depth, or
         (adaptive) at the candidate depth `adaptive.choose` picks for `decoding` (int32 scalar)
         decoding slots, 0 an autoregressive step (plain: that one, without choosing)."""
         if adaptive is None:
-            state = decode_with(drafter, state, width)
+            state = decode_with(drafter, state, active, width)
             return state._replace(
                 draft=state.draft._replace(depth_steps=state.draft.depth_steps.at[..., drafter.depth].add(1))
             )
@@ -268,6 +271,7 @@ def _loop(
             functools.partial(
                 decode_with,
                 dataclasses.replace(drafter, depth=d, num_nodes=adaptive.nodes(d)),
+                active=active,
                 width=width,
                 drafts=d > 0,
             )
@@ -287,19 +291,19 @@ def _loop(
             )
         )
 
-    def decode_with(drafter, state: LoopState, width: int, drafts: bool = True) -> LoopState:
-        """One draft-and-verify step of every group's decoding slots, as one batch of `width` slots
-        (`jaxspec.rollout.slot_width`); drafts=False verifies each root alone (an autoregressive
-        step)."""
+    def decode_with(drafter, state: LoopState, active: jax.Array, width: int, drafts: bool = True) -> LoopState:
+        """One draft-and-verify step of every group's decoding slots (active bool [G, S]), as one
+        batch of `width` slots (`jaxspec.rollout.slot_width`); drafts=False verifies each root
+        alone (an autoregressive step)."""
 
-        def view_and_keys(state: LoopState, prompts: Prompts):
-            active, table = decoding_view(state, group)
+        def view_and_keys(state: LoopState, prompts: Prompts, active: jax.Array):
+            table = decoding_table(state, active)
             row = jnp.clip(state.row, 0, group.rows - 1)
             if sampling.coupled:  # the autoregressive engine's keys of the tokens the step may emit
                 return active, table, depth_keys(key, state.first_row + row, state.lengths[row], max_depth)
             return active, table, row_keys(verify_key, state.first_row + row, state.lengths[row])
 
-        active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts))
+        active, table, keys = slots_flat(layout, map_groups(layout, view_and_keys)(state, prompts, active))
         stored = slots_flat(layout, state.draft.draft)
         if isinstance(stored, Pooled):  # the call-wide pool, read-only: made from the carry
             stored = with_call_pool(stored, call_pool(layout, state, prompts))
