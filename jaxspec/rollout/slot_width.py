@@ -7,10 +7,10 @@ KV lives in page pools that every slot reaches through its page table, so runnin
 slots moves only their per-slot data: the step gathers the W slots that decode (live first, in
 slot order) out of S, runs its forward on those W rows, and scatters their outputs back. W is the
 narrowest of the loop's `step_widths` (S, S/2, S/4, ...) that holds every decoding slot, chosen on
-the device each step (`width_index`; the slot loop's one `jax.lax.switch` per step has a branch
-per width, `jaxspec.rollout.slots.run_slots`). A row's draws depend on its
-index and token position only (`jaxspec.rollout.sampling.row_keys`), not on where its slot sits in
-the step's batch, so the width changes no token (up to the float rounding of batched matmuls).
+the device each step (`width_index`; the slot loop's one `jax.lax.switch` a step has a branch per
+width, `jaxspec.rollout.slots.run_slots`). A row's draws depend on its index and token position
+only (`jaxspec.rollout.sampling.row_keys`), not on where its slot sits in the step's batch, so the
+width changes no token (up to the float rounding of batched matmuls).
 
 On a mesh (G > 1 groups) the slots of a group live on its own devices and a gather across groups
 would move them, so there the step keeps its full width.

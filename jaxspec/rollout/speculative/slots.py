@@ -36,10 +36,11 @@ running acceptance rates, updated after the step from the acceptance of every gr
 slots (the staged loop's rule, per step over the decoding slots); every group takes the same
 branch. Depth 0 tests no draft, so the rates stay and the choice stays 0 until the probe is due: a
 loop iteration (`Layout.decode_steps` steps) that begins with that choice and at least
-`decode_steps` steps before its probe runs them all as autoregressive steps, with no choice and no
-branch per step (counted in fallback_rounds; the choice would differ within it only if the falling
-occupancy made drafting pay). The statistics count the steps of each depth (depth_steps,
-fallback_steps) as the staged loop does.
+`decode_steps` steps before its probe runs them all as autoregressive steps (branches of the
+step's switch of their own), with no depth choice per step (counted in fallback_rounds; the choice
+would differ within it only if the falling occupancy made drafting pay): a drafting step of an
+adaptive loop waits for the host twice, its depth choice being a switch inside its branch. The
+statistics count the steps of each depth (depth_steps, fallback_steps) as the staged loop does.
 """
 
 from __future__ import annotations
