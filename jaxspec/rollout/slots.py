@@ -1,9 +1,12 @@
 """Continuous batching: every row of a call streams through S decode slots over a paged KV cache.
 
 `generate(..., slots=S)` runs the whole rollout, prefill included, as ONE compiled
-`jax.lax.while_loop` with static shapes: zero host round trips per step (the host waits once, for
-the outputs). The pending-row queue, the free-page stack and the page tables are device arrays
-(`jaxspec.rollout.page_pool`). Each iteration (`run_slots`):
+`jax.lax.while_loop` with static shapes: no round trip to Python per step (Python waits once, for
+the outputs); inside the program a GPU runtime reads one branch index a decode step back to the
+host (the step's switch) and two loop predicates an iteration (the loop's, the prefill loop's;
+one more per prefill chunk), as the staged loop reads one a step. The pending-row queue, the
+free-page stack and the page tables are device arrays (`jaxspec.rollout.page_pool`). Each
+iteration (`run_slots`):
 
 1. **room**: every decoding slot gets the pages the iteration's decode steps write
    (`Layout.reach` positions past its length, at most its row's longest sequence). When the
