@@ -36,7 +36,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slot_width import at_width, width_index
+from jaxspec.rollout.slot_width import at_width
 from jaxspec.rollout.slots import decoding_table, emit, prefill_chunk, record_steps, run_slots
 
 
@@ -203,5 +203,4 @@ def _loop(
 
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, None, experts)
     steps = [functools.partial(decode, width=width) for width in layout.widths]
-    step_branch = lambda s, active, _: width_index(layout.widths, active)  # noqa: E731
-    return run_slots(layout, state, prompts, steps, step_branch, prefill, sharding)
+    return run_slots(layout, state, prompts, steps, lambda active, width, _: width, prefill, sharding)

@@ -309,7 +309,7 @@ def run_slots(
     state: LoopState,
     prompts: Prompts,
     decode: Sequence[Callable[[LoopState, jax.Array], LoopState]],
-    choose: Callable[[LoopState, jax.Array, jax.Array], jax.Array],
+    choose: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     prefill: Callable[[LoopState], LoopState],
     sharding: Sharding | None = None,
     plain_round: Callable[[LoopState], tuple[LoopState, jax.Array]] | None = None,
@@ -320,14 +320,14 @@ def run_slots(
     state, prompts: every group's (`jaxspec.rollout.slot_state`). decode: the decode step's
     branches (a step width, a draft depth: the device picks one per step), each taking the state
     and the step's decoding slots, active bool [G, S] (every group's `decoding_slots`);
-    choose(state, active, in_plain) -> int32 scalar: the step's branch (in_plain: below). decode
-    and prefill take and return every group's state (their bookkeeping maps one group's with
-    `map_groups`, their forwards take every group's slots at once); a step runs its branch when a
-    slot of any group decodes, and the prefill chunks (`prefill_chunk`) run while a slot of any
-    group prefills, so that every group takes the same branches. sharding: the mesh the carry is
-    laid out on (`lay_out`). plain_round: None, or plain_round(state) -> (state, bool scalar
-    in_plain), once per iteration after the prefill (the adaptive speculative loop's rounds of
-    autoregressive steps: no choice to make per step).
+    choose(active, width, in_plain) -> int32 scalar: the step's branch, given the index of its width
+    in `layout.widths` (`width_index`; in_plain: below). decode and prefill take and return every
+    group's state (their bookkeeping maps one group's with `map_groups`, their forwards take every
+    group's slots at once); a step runs its branch when a slot of any group decodes, and the prefill
+    chunks (`prefill_chunk`) run while a slot of any group prefills, so that every group takes the
+    same branches. sharding: the mesh the carry is laid out on (`lay_out`). plain_round: None, or
+    plain_round(state) -> (state, bool scalar in_plain), once per iteration after the prefill (the
+    adaptive speculative loop's rounds of autoregressive steps: no choice to make per step).
 
     A step takes one branch of one `jax.lax.switch` (nothing, or the chosen decode branch): each
     `cond` or `switch` waits for its predicate on the host, and at small batches those waits are a
@@ -349,14 +349,14 @@ def run_slots(
         decodes no more)."""
         state, in_plain = carry
         active = decoding(state, prompts)
-        stepping = jnp.any(active)
+        stepping, width = jnp.any(active), width_index(layout.widths, active)
         counters = state.counters
         counters = {
             **counters,
             "decode_steps": counters["decode_steps"] + stepping,
-            "width_steps": counters["width_steps"].at[..., width_index(layout.widths, active)].add(stepping),
+            "width_steps": counters["width_steps"].at[..., width].add(stepping),
         }
-        branch = jnp.where(stepping, 1 + choose(state, active, in_plain), 0)
+        branch = jnp.where(stepping, 1 + choose(active, width, in_plain), 0)
         state = jax.lax.switch(branch, [lambda s, _: s, *decode], state._replace(counters=counters), active)
         return lay_out(sharding, layout, state), in_plain
 

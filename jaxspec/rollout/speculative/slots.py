@@ -73,7 +73,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slot_width import at_width, width_index
+from jaxspec.rollout.slot_width import at_width
 from jaxspec.rollout.slots import decoding_slots, decoding_table, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Pooled, defers_step
@@ -227,41 +227,32 @@ def _loop(
     sizes = jnp.asarray(occupancy_sizes(layout.slots, len(drafters))[1:], jnp.int32)
     group = layout.group()
 
-    def occupancy(state: LoopState) -> tuple[jax.Array, jax.Array]:
-        """(the decoding slots of every group, the index of their occupancy bracket): int32 scalars."""
-        decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))(state, prompts).sum()
-        return decoding, jnp.sum(decoding <= sizes)
+    def bracket(decoding: jax.Array) -> jax.Array:
+        """int32 scalar: the occupancy bracket (`occupancy_sizes`) of `decoding` (int32 scalar) slots."""
+        return jnp.sum(decoding <= sizes)
 
-    def decode(state: LoopState, active: jax.Array, drafter, width: int, plain: bool = False) -> LoopState:
-        """Every group's decode step of its decoding slots (active bool [G, S]) on `width` slots,
-        drafted by the drafter of their occupancy (`step_branch` picks both); plain: an
-        autoregressive step of an adaptive loop."""
-        decoding = jnp.sum(active)
-        steps = state.draft.occupancy_steps.at[..., jnp.sum(decoding <= sizes)].add(1)
-        state = decode_at(drafter, decoding, state, active, width, plain=plain)
-        return state._replace(draft=state.draft._replace(occupancy_steps=steps))
-
-    def step_branch(state: LoopState, active: jax.Array, in_plain: jax.Array) -> jax.Array:
-        """int32 scalar: the step's branch of `steps` (below) for active bool [G, S] decoding slots."""
-        width = width_index(layout.widths, active)
-        bracket = jnp.sum(jnp.sum(active) <= sizes)
-        return jnp.where(in_plain, len(drafters), bracket) * len(layout.widths) + width
+    def step_branch(active: jax.Array, width: jax.Array, in_plain: jax.Array) -> jax.Array:
+        """int32 scalar: the step's branch of `steps` (below) for active bool [G, S] decoding slots
+        at the width of index `width` in `layout.widths`."""
+        return jnp.where(in_plain, len(drafters), bracket(jnp.sum(active))) * len(layout.widths) + width
 
     def plain_round(state: LoopState) -> tuple[LoopState, jax.Array]:
         """(state, bool scalar): whether this loop iteration's decode steps are all autoregressive
         (the choice is depth 0 and the probe is at least `decode_steps` steps away), counted."""
-        decoding, index = occupancy(state)
+        decoding = map_groups(layout, lambda s, p: decoding_slots(s, group))(state, prompts).sum()
         measured = first_group(layout, state.draft.depths)
         picks = jnp.stack([choose(adaptive, measured, candidate_depths(d.depth), decoding) for d in drafters])
-        plain = (picks[index] == 0) & (measured.before_probe() >= layout.decode_steps)
+        plain = (picks[bracket(decoding)] == 0) & (measured.before_probe() >= layout.decode_steps)
         return state._replace(draft=state.draft._replace(fallback_rounds=state.draft.fallback_rounds + plain)), plain
 
-    def decode_at(
-        drafter, decoding: jax.Array, state: LoopState, active: jax.Array, width: int, plain: bool = False
-    ) -> LoopState:
-        """The step on `width` slots of a bracket drafting `drafter.depth` levels: at that depth, or
-        (adaptive) at the candidate depth `adaptive.choose` picks for `decoding` (int32 scalar)
-        decoding slots, 0 an autoregressive step (plain: that one, without choosing)."""
+    def decode(state: LoopState, active: jax.Array, drafter, width: int, plain: bool = False) -> LoopState:
+        """Every group's decode step of its decoding slots (active bool [G, S]) on `width` slots, by
+        the drafter of their occupancy bracket (`step_branch` picks both): at its depth, or
+        (adaptive) at the candidate depth `adaptive.choose` picks for them, 0 an autoregressive step
+        (plain: that one, without choosing)."""
+        decoding = jnp.sum(active)
+        steps = state.draft.occupancy_steps.at[..., bracket(decoding)].add(1)
+        state = state._replace(draft=state.draft._replace(occupancy_steps=steps))
         if adaptive is None:
             state = decode_with(drafter, state, active, width)
             return state._replace(
