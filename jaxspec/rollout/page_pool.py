@@ -71,11 +71,9 @@ def add_refs(pool: PagePool, pages: jax.Array) -> PagePool:
 def drop_refs(pool: PagePool, pages: jax.Array) -> PagePool:
     """One holder fewer for every page id in `pages` (any shape, ids may repeat; `NO_PAGE` entries
     are skipped); pages left with no holder go back onto the free stack."""
-    pages = pages.reshape(-1)
     num_pages = pool.refs.shape[0]
-    refs = pool.refs.at[pages].add(-1, mode="drop")
-    touched = jnp.zeros((num_pages,), bool).at[pages].set(True, mode="drop")
-    back = touched & (refs == 0)
+    refs = pool.refs.at[pages.reshape(-1)].add(-1, mode="drop")
+    back = (pool.refs > 0) & (refs == 0)  # a page dropped was held: only those can reach 0
     position = pool.num_free + jnp.cumsum(back) - 1
     free = pool.free.at[jnp.where(back, position, num_pages)].set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
     return pool._replace(free=free, num_free=pool.num_free + back.sum(dtype=jnp.int32), refs=refs)

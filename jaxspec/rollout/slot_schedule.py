@@ -77,21 +77,23 @@ def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     count = jnp.sum(jnp.cumprod(ok), dtype=jnp.int32)  # a prefix of the queue
     # a row takes its iteration's pages too where they fit (a prefix of the admitted: need grows)
     take = jnp.where(reserved <= pool.num_free, with_room, pages)
-    free_slots = jnp.argsort(~free, stable=True)  # free slots first, in index order
-    target = jnp.where(j < count, free_slots[j], layout.slots)
+    # the i-th free slot (in index order) takes the i-th admitted row: a gather per field, no scatter
+    rank = jnp.cumsum(free) - 1  # [S]: a free slot's index among the free slots
+    taken = free & (rank < count)
+    of_slot = jnp.clip(rank, 0, layout.slots - 1)
 
-    def put(field: jax.Array, values) -> jax.Array:
-        return field.at[target].set(values, mode="drop")
+    def put(field: jax.Array, values: jax.Array) -> jax.Array:
+        return jnp.where(taken, values[of_slot], field)
 
     return state._replace(
         head=state.head + count,
         row=put(state.row, candidate),
-        decoding=put(state.decoding, False),
+        decoding=state.decoding & ~taken,
         ctx_len=put(state.ctx_len, ctx),
-        prefilled=put(state.prefilled, 0),
+        prefilled=jnp.where(taken, 0, state.prefilled),
         admitted=put(state.admitted, state.next_admit + j),
         next_admit=state.next_admit + count,
-        pool=allocate(pool, put(jnp.zeros((layout.slots,), jnp.int32), take), layout.pages_per_slot),
+        pool=allocate(pool, jnp.where(taken, take[of_slot], 0), layout.pages_per_slot),
     )
 
 

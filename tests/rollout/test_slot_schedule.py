@@ -137,3 +137,42 @@ def test_admission_keeps_the_running_rows_next_pages_free(emitted, num_pages, ad
     assert int(state.head) == 1 + admitted
     # row 0's next pages kept free leave row 1 too few for its own iteration: its prompt's alone
     assert int(state.pool.held[1]) == (2 if admitted else 0)
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "rows", "held"),
+    [
+        (10, [2, 0, -1, 1], [2, 2, 0, 2]),  # 6 free after the running rows' next 4: one row, its prompt's pages
+        (14, [2, 0, 3, 1], [4, 2, 2, 2]),  # 10 free: two rows, the first with its iteration's pages too
+    ],
+)
+def test_free_slots_take_the_queue_in_index_order_and_running_slots_are_untouched(num_pages, rows, held):
+    """Rows 0 and 1 decode in slots 1 and 3 (5 positions written, 2 pages each, 2 more kept for
+    their iteration); rows 2, 3 and 4 are pending, each needing its prompt's 2 pages. Free slots 0
+    and 2 take the next rows in queue order, as many as the pool holds, as fresh prefilling rows
+    admitted in that order; the running slots keep everything they had."""
+    layout = plan_layout(5, 4, PROMPT, PROMPT, MAX_NEW, 1, page_size=PAGE, num_pages=num_pages, decode_steps=8)
+    prompts, state = pending(layout)
+    state = state._replace(
+        row=jnp.asarray([-1, 0, -1, 1], jnp.int32),
+        decoding=jnp.asarray([False, True, False, True]),
+        ctx_len=jnp.asarray([0, 5, 0, 5], jnp.int32),
+        prefilled=jnp.asarray([7, 5, 7, 5], jnp.int32),  # a free slot's stale count is reset on admission
+        cache_len=jnp.asarray([0, 5, 0, 5], jnp.int32),
+        lengths=jnp.asarray([1, 1, 0, 0, 0], jnp.int32),
+        admitted=jnp.asarray([0, 3, 0, 4], jnp.int32),
+        next_admit=jnp.asarray(5, jnp.int32),
+        head=jnp.asarray(2, jnp.int32),
+        pool=allocate(state.pool, jnp.asarray([0, 2, 0, 2], jnp.int32), layout.pages_per_slot),
+    )
+    state = admit(state, layout, prompts)
+    count = sum(r >= 2 for r in rows)
+    taken = [s for s in (0, 2) if rows[s] >= 0]
+    assert np.asarray(state.row).tolist() == rows and int(state.head) == 2 + count
+    assert np.asarray(state.pool.held).tolist() == held
+    assert np.asarray(state.decoding).tolist() == [False, True, False, True]
+    assert [int(state.admitted[s]) for s in taken] == [5, 6][:count] and int(state.next_admit) == 5 + count
+    assert [int(state.admitted[s]) for s in (1, 3)] == [3, 4]
+    assert [int(state.ctx_len[s]) for s in taken] == [PROMPT] * count
+    assert [int(state.prefilled[s]) for s in taken] == [0] * count
+    assert [int(state.prefilled[s]) for s in (1, 3)] == [5, 5]
