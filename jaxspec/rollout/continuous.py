@@ -203,4 +203,4 @@ def _loop(
 
     state = initial_state(layout, prompts, cache, cfg.pad_token_id or 0, None, experts)
     steps = [functools.partial(decode, width=width) for width in layout.widths]
-    return run_slots(layout, state, prompts, steps, lambda active, width, _: width, prefill, sharding)
+    return run_slots(layout, state, prompts, steps, lambda count, width, _: width, prefill, sharding)

@@ -36,11 +36,14 @@ def step_widths(slots: int, groups: int = 1) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def width_index(widths: tuple[int, ...], active: jax.Array) -> jax.Array:
-    """int32 scalar i: widths[i] is the narrowest of `widths` that holds every slot of active bool
-    [S] (0, the full width, when none is narrower)."""
-    count = jnp.sum(active.astype(jnp.int32))
-    return jnp.sum((count <= jnp.asarray(widths[1:], jnp.int32)).astype(jnp.int32))
+def width_index(widths: tuple[int, ...], count: jax.Array) -> jax.Array:
+    """int32 scalar i: widths[i] is the narrowest of `widths` (widest first) that holds `count`
+    (int32 scalar) slots; 0, the full width, when none is narrower. Scalar comparisons only: no
+    reduction after the step's one count of its decoding slots."""
+    index = jnp.int32(0)
+    for width in widths[1:]:
+        index = index + (count <= width).astype(jnp.int32)
+    return index
 
 
 def decoding_first(active: jax.Array) -> jax.Array:

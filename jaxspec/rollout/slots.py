@@ -320,8 +320,9 @@ def run_slots(
     state, prompts: every group's (`jaxspec.rollout.slot_state`). decode: the decode step's
     branches (a step width, a draft depth: the device picks one per step), each taking the state
     and the step's decoding slots, active bool [G, S] (every group's `decoding_slots`);
-    choose(active, width, in_plain) -> int32 scalar: the step's branch, given the index of its width
-    in `layout.widths` (`width_index`; in_plain: below). decode and prefill take and return every
+    choose(count, width, in_plain) -> int32 scalar: the step's branch, given the number of decoding
+    slots (int32 scalar, every group's) and the index of its width in `layout.widths`
+    (`width_index`; in_plain: below). decode and prefill take and return every
     group's state (their bookkeeping maps one group's with `map_groups`, their forwards take every
     group's slots at once); a step runs its branch when a slot of any group decodes, and the prefill
     chunks (`prefill_chunk`) run while a slot of any group prefills, so that every group takes the
@@ -349,14 +350,16 @@ def run_slots(
         decodes no more)."""
         state, in_plain = carry
         active = decoding(state, prompts)
-        stepping, width = jnp.any(active), width_index(layout.widths, active)
+        count = jnp.sum(active, dtype=jnp.int32)  # the step's one reduction; the rest is scalar
+        stepping, width = count > 0, width_index(layout.widths, count)
         counters = state.counters
+        at_width = jnp.arange(len(layout.widths)) == width  # an elementwise add, not a scatter
         counters = {
             **counters,
             "decode_steps": counters["decode_steps"] + stepping,
-            "width_steps": counters["width_steps"].at[..., width].add(stepping),
+            "width_steps": counters["width_steps"] + (at_width & stepping).astype(jnp.int32),
         }
-        branch = jnp.where(stepping, 1 + choose(active, width, in_plain), 0)
+        branch = jnp.where(stepping, 1 + choose(count, width, in_plain), 0)
         state = jax.lax.switch(branch, [lambda s, _: s, *decode], state._replace(counters=counters), active)
         return lay_out(sharding, layout, state), in_plain
 

@@ -5,8 +5,10 @@ branch's kernels are launched, and a `while_loop` does so at every iteration (a 
 static trip count, a `scan`, does not). So a decode step decides on the host once: one switch,
 over nothing or the decode branch of its width (and, speculative, of its occupancy's draft depth),
 with no branch or unbounded loop inside a decode branch; the prefill is a loop of its own, checked
-once an iteration. Traced only (`jax.jit(...).trace`): nothing compiles. An adaptive loop's depth
-choice is a second switch inside its branches (`spec.adaptive`), not checked here.
+once an iteration; what the step computes before its switch has one reduction (the count of its
+decoding slots), each reduction being a kernel of its own. Traced only (`jax.jit(...).trace`):
+nothing compiles. An adaptive loop's depth choice is a second switch inside its branches
+(`spec.adaptive`), not checked here.
 """
 
 import jax
@@ -78,6 +80,20 @@ def branches_within(jaxpr) -> list:
     return found
 
 
+def reductions(jaxpr) -> list[str]:
+    """The reductions in jaxpr outside its loops and branches (its calls included): each is a kernel
+    of its own on a GPU, that the predicate of the branch after it waits for."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in BRANCHING + ("scan",):
+            continue
+        if eqn.primitive.name.startswith(("reduce_", "argmax", "argmin")):
+            found.append(eqn.primitive.name)
+        for inner in sub_jaxprs(eqn):
+            found += reductions(inner)
+    return found
+
+
 def decode_steps_of(jaxpr):
     """(the prefill loop, the decode steps' scan) of the slot loop's iteration."""
     (loop,) = control_flow(jaxpr)
@@ -102,6 +118,8 @@ def test_a_decode_step_decides_on_the_host_once(monkeypatch, name, spec, depths)
     assert steps.params["length"] == DECODE_STEPS  # a static trip count: no predicate read per step
     (switch,) = control_flow(steps.params["jaxpr"].jaxpr)
     assert switch.primitive.name == "cond"
+    # the step's choice: one count of its decoding slots, the rest scalar (width, depth, counters)
+    assert reductions(steps.params["jaxpr"].jaxpr) == ["reduce_sum"]
     branches = switch.params["branches"]
     assert len(branches) == 1 + depths * 2  # nothing, or a decode step at width 16 or 8 per depth
     for branch in branches:

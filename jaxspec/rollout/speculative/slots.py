@@ -73,7 +73,7 @@ from jaxspec.rollout.slot_state import (
     slots_grouped,
     summed,
 )
-from jaxspec.rollout.slot_width import at_width
+from jaxspec.rollout.slot_width import at_width, width_index
 from jaxspec.rollout.slots import decoding_slots, decoding_table, emit, prefill_chunk, record_steps, run_slots
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
 from jaxspec.rollout.speculative.drafter import Pooled, defers_step
@@ -224,17 +224,17 @@ def _loop(
     drafter = max(drafters, key=lambda d: d.depth)
     chain = drafter.width == 1
     verify_key, draft_key = jax.random.split(jax.random.fold_in(key, 1))
-    sizes = jnp.asarray(occupancy_sizes(layout.slots, len(drafters))[1:], jnp.int32)
+    sizes = occupancy_sizes(layout.slots, len(drafters))
     group = layout.group()
 
     def bracket(decoding: jax.Array) -> jax.Array:
-        """int32 scalar: the occupancy bracket (`occupancy_sizes`) of `decoding` (int32 scalar) slots."""
-        return jnp.sum(decoding <= sizes)
+        """int32 scalar: the bracket (`occupancy_sizes`) of `decoding` slots, picked as a width is."""
+        return width_index(sizes, decoding)
 
-    def step_branch(active: jax.Array, width: jax.Array, in_plain: jax.Array) -> jax.Array:
-        """int32 scalar: the step's branch of `steps` (below) for active bool [G, S] decoding slots
-        at the width of index `width` in `layout.widths`."""
-        return jnp.where(in_plain, len(drafters), bracket(jnp.sum(active))) * len(layout.widths) + width
+    def step_branch(count: jax.Array, width: jax.Array, in_plain: jax.Array) -> jax.Array:
+        """int32 scalar: the step's branch of `steps` (below) for `count` decoding slots (every
+        group's) at the width of index `width` in `layout.widths`."""
+        return jnp.where(in_plain, len(drafters), bracket(count)) * len(layout.widths) + width
 
     def plain_round(state: LoopState) -> tuple[LoopState, jax.Array]:
         """(state, bool scalar): whether this loop iteration's decode steps are all autoregressive
