@@ -173,8 +173,9 @@ def _loop(
         )
         return (logits[:, 0], *experts), carry, (view.k, view.v)
 
-    def decode(state: LoopState, active: jax.Array, width: int) -> LoopState:
-        """One decode step of every group's decoding slots (active bool [G, S]), on `width` slots."""
+    def decode(state: LoopState, active: jax.Array, count: jax.Array, width: int) -> LoopState:
+        """One decode step of every group's decoding slots (active bool [G, S], `count` of them: the
+        choice of width was made from it), on `width` slots."""
         table = map_groups(layout, lambda s, p, a: decoding_table(s, a))(state, prompts, active)
         inputs = slots_flat(layout, (table, state.last, state.cache_len, active))
         (logits, *experts), _, (k, v) = at_width(width, inputs[3], forward, inputs, (), (state.cache.k, state.cache.v))

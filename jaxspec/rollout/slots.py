@@ -308,7 +308,7 @@ def run_slots(
     layout: Layout,
     state: LoopState,
     prompts: Prompts,
-    decode: Sequence[Callable[[LoopState, jax.Array], LoopState]],
+    decode: Sequence[Callable[[LoopState, jax.Array, jax.Array], LoopState]],
     choose: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     prefill: Callable[[LoopState], LoopState],
     sharding: Sharding | None = None,
@@ -318,17 +318,17 @@ def run_slots(
     release, until every row is done.
 
     state, prompts: every group's (`jaxspec.rollout.slot_state`). decode: the decode step's
-    branches (a step width, a draft depth: the device picks one per step), each taking the state
-    and the step's decoding slots, active bool [G, S] (every group's `decoding_slots`);
-    choose(count, width, in_plain) -> int32 scalar: the step's branch, given the number of decoding
-    slots (int32 scalar, every group's) and the index of its width in `layout.widths`
-    (`width_index`; in_plain: below). decode and prefill take and return every
-    group's state (their bookkeeping maps one group's with `map_groups`, their forwards take every
-    group's slots at once); a step runs its branch when a slot of any group decodes, and the prefill
-    chunks (`prefill_chunk`) run while a slot of any group prefills, so that every group takes the
-    same branches. sharding: the mesh the carry is laid out on (`lay_out`). plain_round: None, or
-    plain_round(state) -> (state, bool scalar in_plain), once per iteration after the prefill (the
-    adaptive speculative loop's rounds of autoregressive steps: no choice to make per step).
+    branches (a step width, a draft depth: the device picks one per step), each taking the state,
+    the step's decoding slots, active bool [G, S] (every group's `decoding_slots`), and their count
+    (int32 scalar); choose(count, width, in_plain) -> int32 scalar: the step's branch, given that
+    count and the index of its width in `layout.widths` (`width_index`; in_plain: below). decode
+    and prefill take and return every group's state (their bookkeeping maps one group's with
+    `map_groups`, their forwards take every group's slots at once); a step runs its branch when a
+    slot of any group decodes, and the prefill chunks (`prefill_chunk`) run while a slot of any
+    group prefills, so that every group takes the same branches. sharding: the mesh the carry is
+    laid out on (`lay_out`). plain_round: None, or plain_round(state) -> (state, bool scalar
+    in_plain), once per iteration after the prefill (the adaptive speculative loop's rounds of
+    autoregressive steps: no choice to make per step).
 
     A step takes one branch of one `jax.lax.switch` (nothing, or the chosen decode branch): each
     `cond` or `switch` waits for its predicate on the host, and at small batches those waits are a
@@ -360,7 +360,8 @@ def run_slots(
             "width_steps": counters["width_steps"] + (at_width & stepping).astype(jnp.int32),
         }
         branch = jnp.where(stepping, 1 + choose(count, width, in_plain), 0)
-        state = jax.lax.switch(branch, [lambda s, _: s, *decode], state._replace(counters=counters), active)
+        idle = lambda s, _active, _count: s  # noqa: E731
+        state = jax.lax.switch(branch, [idle, *decode], state._replace(counters=counters), active, count)
         return lay_out(sharding, layout, state), in_plain
 
     def prefill_all(state: LoopState) -> LoopState:

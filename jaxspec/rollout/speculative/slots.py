@@ -245,12 +245,13 @@ def _loop(
         plain = (picks[bracket(decoding)] == 0) & (measured.before_probe() >= layout.decode_steps)
         return state._replace(draft=state.draft._replace(fallback_rounds=state.draft.fallback_rounds + plain)), plain
 
-    def decode(state: LoopState, active: jax.Array, drafter, width: int, plain: bool = False) -> LoopState:
-        """Every group's decode step of its decoding slots (active bool [G, S]) on `width` slots, by
-        the drafter of their occupancy bracket (`step_branch` picks both): at its depth, or
-        (adaptive) at the candidate depth `adaptive.choose` picks for them, 0 an autoregressive step
-        (plain: that one, without choosing)."""
-        decoding = jnp.sum(active)
+    def decode(
+        state: LoopState, active: jax.Array, decoding: jax.Array, drafter, width: int, plain: bool = False
+    ) -> LoopState:
+        """Every group's decode step of its decoding slots (active bool [G, S], `decoding` of them) on
+        `width` slots, by the drafter of their occupancy bracket (`step_branch` picks both): at its
+        depth, or (adaptive) at the candidate depth `adaptive.choose` picks for them, 0 an
+        autoregressive step (plain: that one, without choosing)."""
         steps = state.draft.occupancy_steps.at[..., bracket(decoding)].add(1)
         state = state._replace(draft=state.draft._replace(occupancy_steps=steps))
         if adaptive is None:
