@@ -28,26 +28,34 @@ def make_room(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
     positions past its length, no further than its row's longest sequence), preempting the newest
     rows first when the pool runs short (`jaxspec.rollout.slots`, step 1)."""
     size = layout.page_size
-    occupied = state.row >= 0
     reach = jnp.minimum(state.cache_len + layout.reach, longest_sequence(prompts, layout, state.row))
     need = jnp.where(state.decoding, jnp.maximum(0, pages_for(reach, size) - state.pool.held), 0)
-    # under pressure the prefix cache lets go first: its pages stay only where rows hold them
-    state = prefix_cache.drop(state, jnp.broadcast_to(need.sum() > state.pool.num_free, state.prefix.ready.shape))
-    pool = state.pool
-    evict = newest_to_evict(state.admitted, occupied, pool, need)
+    # a `cond`: most iterations are not short, and the preemption's kernels (a sort, scatters over
+    # the pages) would cost them more than the one wait for its predicate
+    short = need.sum() > state.pool.num_free
+    state = jax.lax.cond(short, lambda s: preempt(s, layout, need), lambda s: s, state)
+    need = jnp.where(state.decoding, need, 0)  # a preempted row's need is gone
+    return state._replace(pool=allocate(state.pool, need, pages_for(layout.reach, size)))
+
+
+def preempt(state: LoopState, layout: Layout, need: jax.Array) -> LoopState:
+    """The prefix cache lets go of its pages (they stay only where rows hold them), then the newest
+    rows are preempted, their pages released and their rows put back at the front of the queue,
+    until the pool holds the `need` int32 [S] pages of the decoding slots left (`make_room`)."""
+    state = prefix_cache.drop(state, state.prefix.ready)
+    evict = newest_to_evict(state.admitted, state.row >= 0, state.pool, need)
     order = jnp.argsort(jnp.where(evict, -state.admitted, jnp.iinfo(jnp.int32).max), stable=True)  # newest first
     count = evict.sum(dtype=jnp.int32)
     i = jnp.arange(layout.slots, dtype=jnp.int32)
     front = jnp.where(i < count, state.head - 1 - i, layout.rows)  # the oldest evicted row ends up first
-    state = state._replace(
+    return state._replace(
         queue=state.queue.at[front].set(state.row[order], mode="drop"),
         head=state.head - count,
         row=jnp.where(evict, -1, state.row),
         decoding=state.decoding & ~evict,
         counters={**state.counters, "preemptions": state.counters["preemptions"] + count},
+        pool=release(state.pool, evict),
     )
-    pool = allocate(release(pool, evict), jnp.where(evict, 0, need), pages_for(layout.reach, size))
-    return state._replace(pool=pool)
 
 
 def admit(state: LoopState, layout: Layout, prompts: Prompts) -> LoopState:
