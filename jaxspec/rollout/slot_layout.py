@@ -23,7 +23,7 @@ PREFILL_CHUNK = 16  # context tokens a prefill lane writes: a row that takes its
 # fewer than a page (16 positions by default), and 16 new tokens x up to 8 query heads per KV head
 # are query rows the attention kernel takes (a wider chunk attends through XLA's gather of the table)
 PREFILL_TOKENS = 512  # context tokens all prefill lanes write per step (at least one lane per group)
-DECODE_STEPS = 8  # decode steps per loop iteration: the schedule's cost is paid once per this many
+DECODE_STEPS = 16  # decode steps per loop iteration: the schedule's cost is paid once per this many
 
 
 @dataclasses.dataclass(frozen=True)

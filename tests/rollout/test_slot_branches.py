@@ -6,7 +6,8 @@ static trip count, a `scan`, does not). So a decode step decides on the host onc
 over nothing or the decode branch of its width (and, speculative, of its occupancy's draft depth),
 with no branch or unbounded loop inside a decode branch; the prefill is a loop of its own, checked
 once an iteration; what the step computes before its switch has one reduction (the count of its
-decoding slots), each reduction being a kernel of its own. Traced only (`jax.jit(...).trace`):
+decoding slots), each reduction being a kernel of its own. The iteration's schedule checks once
+whether the pool is short, and preempts only then (`slot_schedule.make_room`). Traced only (`jax.jit(...).trace`):
 nothing compiles. An adaptive loop's depth choice is a second switch inside its branches
 (`spec.adaptive`), not checked here.
 """
@@ -94,12 +95,12 @@ def reductions(jaxpr) -> list[str]:
     return found
 
 
-def decode_steps_of(jaxpr):
-    """(the prefill loop, the decode steps' scan) of the slot loop's iteration."""
+def iteration_of(jaxpr):
+    """(the preemption's cond, the prefill loop, the decode steps' scan) of the slot loop's iteration."""
     (loop,) = control_flow(jaxpr)
     assert loop.primitive.name == "while"
     inner = control_flow(loop.params["body_jaxpr"].jaxpr)
-    assert [eqn.primitive.name for eqn in inner] == ["while", "scan"]
+    assert [eqn.primitive.name for eqn in inner] == ["cond", "while", "scan"]
     return inner
 
 
@@ -114,7 +115,9 @@ def decode_steps_of(jaxpr):
 )
 def test_a_decode_step_decides_on_the_host_once(monkeypatch, name, spec, depths):
     module = continuous if spec is None else speculative_slots
-    prefill, steps = decode_steps_of(traced_loop(monkeypatch, module, spec))
+    preemption, prefill, steps = iteration_of(traced_loop(monkeypatch, module, spec))
+    not_short, short = preemption.params["branches"]
+    assert not not_short.jaxpr.eqns and short.jaxpr.eqns  # nothing to run unless the pool is short
     assert steps.params["length"] == DECODE_STEPS  # a static trip count: no predicate read per step
     (switch,) = control_flow(steps.params["jaxpr"].jaxpr)
     assert switch.primitive.name == "cond"
