@@ -2,8 +2,8 @@
 
     python3 benchmarks/slot_profile.py WORK_DIR [--model JSON] [--rows 256] [--new 512] [--slots 256]
         [--kv-pages N] [--decode-steps K ...] [--spec K [--adaptive [--no-fixed] [--probe FIRST MAX]]]
-        [--engines staged slots] [--temperature T] [--lengths CONFIG] [--warmup-new N] [--mesh D F T] [--trace]
-        [--copies]
+        [--engines staged slots] [--staged-calls N] [--temperature T] [--lengths CONFIG] [--warmup-new N]
+        [--mesh D F T] [--trace] [--copies]
 
 Random weights of --model (default `configs/models/small-policy.json`; bf16, normal(0, 0.02): the
 next token is near uniform, so each row ends at the eos with probability ~1/vocab per token and
@@ -15,7 +15,11 @@ of two draws differ by several percent). --lengths CONFIG stops each row at a le
 workload's law instead: the response length in tokens of one of the first --rows problems of a
 pretraining config's data (e.g. configs/pretrain_long.yaml, under its BPE;
 `jaxspec.data_cli.response_lengths`), capped at --new, passed as `row_max_new_tokens` (random
-weights reach their eos only by chance). --mesh D F T runs on a data x fsdp x tensor mesh of the
+weights reach their eos only by chance). --staged-calls N runs the staged engine's rows as N calls
+of rows / N, one after another, in the memory of rows / N dense rows (a GRPO step's
+`rollout.sub_batch`), and gives the slot engine those rows' bytes as its pool unless --kv-pages:
+ceil((60 + --new) / 16) pages of 16 positions each, a prompt and its longest answer per dense row
+(the staged cache pads the prompt further). --mesh D F T runs on a data x fsdp x tensor mesh of the
 devices (the rows over data x fsdp, the KV heads over tensor). Both engines generate the same
 prompts with the same key (compiled and warmed up first: by a whole call, or with --warmup-new N by
 one whose rows stop after at most N tokens, which compiles the same programs; the compilations
@@ -52,6 +56,7 @@ import json
 import os
 import shutil
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +66,7 @@ from jaxspec.bench.kernel_trace import idle_gaps, kernel_times, op_scopes, set_d
 
 PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
 FORWARD_SCOPES = {"forward", "verify_forward"}  # the policy forward's scope in the AR and speculative steps
+PROMPT_TOKENS = 60  # each group's random prompt
 
 
 def phase_of(op_name: str) -> str:
@@ -94,6 +100,7 @@ def main() -> None:
         help="with --adaptive: spec.adaptive_probe and adaptive_probe_max (default: Spec's)",
     )
     p.add_argument("--engines", nargs="+", choices=["staged", "slots"], default=["staged", "slots"])
+    p.add_argument("--staged-calls", type=int, default=1, metavar="N", help="the staged engine's rows in N calls")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lengths", default=None, metavar="CONFIG", help="rows stop at lengths of this config's workload")
     p.add_argument(
@@ -114,6 +121,8 @@ def main() -> None:
         p.error("--no-fixed needs --adaptive")
     if args.probe and not args.adaptive:
         p.error("--probe needs --adaptive")
+    if args.staged_calls < 1 or args.rows % (8 * args.staged_calls):
+        p.error(f"--rows ({args.rows}) must split into --staged-calls ({args.staged_calls}) calls of groups of 8")
     if args.warmup_new is not None and not 1 <= args.warmup_new <= args.new:
         p.error(f"--warmup-new must be in [1, --new={args.new}], got {args.warmup_new}")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -130,6 +139,7 @@ def main() -> None:
     from jaxspec.models.params import init_params
     from jaxspec.rl.metrics import PhaseTimer
     from jaxspec.rollout import Sampling, Spec, generate
+    from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 
     cfg = ModelConfig.from_json(args.model)
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
@@ -140,7 +150,7 @@ def main() -> None:
     group = min(8, args.rows)
     if args.rows % group:
         p.error(f"--rows must be below 8 or a multiple of 8, got {args.rows}")
-    distinct = [[int(t) for t in rng.integers(3, cfg.vocab_size, 60)] for _ in range(args.rows // group)]
+    distinct = [[int(t) for t in rng.integers(3, cfg.vocab_size, PROMPT_TOKENS)] for _ in range(args.rows // group)]
     prompts = [prompt for prompt in distinct for _ in range(group)]
     sampling = Sampling(temperature=args.temperature, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
     limits = None if args.lengths is None else workload_lengths(args.lengths, args.rows, args.new)
@@ -149,6 +159,10 @@ def main() -> None:
     warmup_limits = (
         None if args.warmup_new is None else [min(n, args.warmup_new) for n in limits or [args.new] * args.rows]
     )
+    kv_pages = args.kv_pages
+    if kv_pages is None and args.staged_calls > 1:
+        kv_pages = args.rows // args.staged_calls * -(-(PROMPT_TOKENS + args.new) // DEFAULT_PAGE_SIZE)
+        print(f"slot pool: {kv_pages} pages of {DEFAULT_PAGE_SIZE} positions (the staged calls' rows)")
     result = {}
     engines = [("staged", None, None)] if "staged" in args.engines else []
     if "slots" in args.engines:
@@ -166,20 +180,25 @@ def main() -> None:
         label = engine + method
 
         def run(row_limits=limits):
-            out = generate(
-                cfg,
-                params,
-                prompts,
-                jax.random.key(1),
-                sampling,
-                spec=spec,
-                slots=slots,
-                decode_steps=decode_steps,
-                kv_pages=args.kv_pages if slots else None,
-                sharding=sharding,
-                row_max_new_tokens=row_limits,
-            )
-            return jax.block_until_ready(out)
+            calls = 1 if slots else args.staged_calls
+            size = args.rows // calls
+            outs = [
+                generate(
+                    cfg,
+                    params,
+                    prompts[i * size : (i + 1) * size],
+                    jax.random.fold_in(jax.random.key(1), i) if calls > 1 else jax.random.key(1),
+                    sampling,
+                    spec=spec,
+                    slots=slots,
+                    decode_steps=decode_steps,
+                    kv_pages=kv_pages if slots else None,
+                    sharding=sharding,
+                    row_max_new_tokens=None if row_limits is None else row_limits[i * size : (i + 1) * size],
+                )
+                for i in range(calls)
+            ]
+            return one_after_another(jax.block_until_ready(outs))
 
         warm = run(warmup_limits or limits)  # the rows' limits are data: a shorter warm-up compiles the same programs
         timer = PhaseTimer()
@@ -273,6 +292,18 @@ def main() -> None:
         (args.work / "slot_profile.json").write_text(json.dumps(result, indent=1))
     if (args.trace or args.copies) and not args.keep_traces:
         shutil.rmtree(args.work / "hlo", ignore_errors=True)
+
+
+def one_after_another(outs: list):
+    """The staged calls' outputs as one: their rows' lengths in order, their decode steps (and
+    those of each stage and draft depth) summed; one call's output as it is."""
+    if len(outs) == 1:
+        return outs[0]
+    stats = dict(outs[0].stats)
+    for name in ("steps", "stage_steps", "depth_steps"):
+        if name in stats:
+            stats[name] = sum(np.asarray(out.stats[name]) for out in outs)
+    return types.SimpleNamespace(lengths=np.concatenate([np.asarray(out.lengths) for out in outs]), stats=stats)
 
 
 def first_runs(warm: dict, timed: dict) -> list[str]:
