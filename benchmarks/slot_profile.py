@@ -121,7 +121,7 @@ def main() -> None:
         p.error("--no-fixed needs --adaptive")
     if args.probe and not args.adaptive:
         p.error("--probe needs --adaptive")
-    if args.staged_calls < 1 or args.rows % (8 * args.staged_calls):
+    if args.staged_calls < 1 or args.rows % (min(8, args.rows) * args.staged_calls):
         p.error(f"--rows ({args.rows}) must split into --staged-calls ({args.staged_calls}) calls of groups of 8")
     if args.warmup_new is not None and not 1 <= args.warmup_new <= args.new:
         p.error(f"--warmup-new must be in [1, --new={args.new}], got {args.warmup_new}")

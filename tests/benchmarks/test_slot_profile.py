@@ -125,3 +125,29 @@ def test_a_warm_up_that_never_drafts_makes_the_adaptive_run_an_error_row(tmp_pat
             assert run["compiles"] == 0
             assert ("step widths [" in run.get("error", "")) == error, run
             assert ("draft depths [" in run.get("error", "")) == (error and "adaptive" in label), run
+
+
+def test_staged_calls_split_the_rows_and_size_the_slot_pool(tmp_path, monkeypatch):
+    """--staged-calls 2: the staged engine gets the rows as two calls of half of them, one after the
+    other, its row counted with both calls' steps and tokens; the slot engine gets every row at once
+    and a pool of half the rows' prompt and answer (8 rows x ceil((60 + 8) / 16) = 40 pages)."""
+    model = tiny_model(tmp_path)
+    calls = []
+
+    def recorded(cfg, params, prompts, *args, **kwargs):
+        out = generate(cfg, params, prompts, *args, **kwargs)
+        calls.append((kwargs["slots"], len(prompts), kwargs["kv_pages"], int(out.stats["steps"]), out))
+        return out
+
+    monkeypatch.setattr(rollout, "generate", recorded)
+    argv = [str(tmp_path / "work"), "--model", str(model), "--rows", "16", "--new", "8", "--slots", "16"]
+    monkeypatch.setattr(sys, "argv", ["slot_profile.py", *argv, "--staged-calls", "2", "--lengths", LONG])
+    slot_profile.main()
+    runs = json.loads((tmp_path / "work" / "slot_profile.json").read_text())
+    staged = [call for call in calls if call[0] is None]
+    assert [(rows, pages) for _, rows, pages, _, _ in staged] == [(8, None)] * 4  # warm-up, then timed
+    assert [(rows, pages) for slots, rows, pages, _, _ in calls if slots] == [(16, 40)] * 2
+    timed = staged[2:]
+    assert runs["staged"]["steps"] == sum(steps for *_, steps, _ in timed)
+    assert runs["staged"]["tokens"] == sum(int(np.asarray(out.lengths).sum()) for *_, out in timed)
+    assert runs["staged"]["stage_steps"] == [sum(n) for n in zip(*(out.stats["stage_steps"] for *_, out in timed))]
