@@ -121,7 +121,10 @@ def main() -> None:
         p.error("--no-fixed needs --adaptive")
     if args.probe and not args.adaptive:
         p.error("--probe needs --adaptive")
-    if args.staged_calls < 1 or args.rows % (min(8, args.rows) * args.staged_calls):
+    group = min(8, args.rows)  # rows of one prompt
+    if args.rows % group:
+        p.error(f"--rows must be below 8 or a multiple of 8, got {args.rows}")
+    if args.staged_calls < 1 or args.rows % (group * args.staged_calls):
         p.error(f"--rows ({args.rows}) must split into --staged-calls ({args.staged_calls}) calls of groups of 8")
     if args.warmup_new is not None and not 1 <= args.warmup_new <= args.new:
         p.error(f"--warmup-new must be in [1, --new={args.new}], got {args.warmup_new}")
@@ -139,6 +142,7 @@ def main() -> None:
     from jaxspec.models.params import init_params
     from jaxspec.rl.metrics import PhaseTimer
     from jaxspec.rollout import Sampling, Spec, generate
+    from jaxspec.rollout.page_pool import pages_for
     from jaxspec.rollout.slot_layout import DEFAULT_PAGE_SIZE
 
     cfg = ModelConfig.from_json(args.model)
@@ -147,9 +151,6 @@ def main() -> None:
     if sharding is not None:
         params = shard_params(sharding, params)
     rng = np.random.default_rng(0)
-    group = min(8, args.rows)
-    if args.rows % group:
-        p.error(f"--rows must be below 8 or a multiple of 8, got {args.rows}")
     distinct = [[int(t) for t in rng.integers(3, cfg.vocab_size, PROMPT_TOKENS)] for _ in range(args.rows // group)]
     prompts = [prompt for prompt in distinct for _ in range(group)]
     sampling = Sampling(temperature=args.temperature, max_new_tokens=args.new, eos_id=cfg.eos_token_id)
@@ -161,7 +162,7 @@ def main() -> None:
     )
     kv_pages = args.kv_pages
     if kv_pages is None and args.staged_calls > 1:
-        kv_pages = args.rows // args.staged_calls * -(-(PROMPT_TOKENS + args.new) // DEFAULT_PAGE_SIZE)
+        kv_pages = args.rows // args.staged_calls * pages_for(PROMPT_TOKENS + args.new, DEFAULT_PAGE_SIZE)
         print(f"slot pool: {kv_pages} pages of {DEFAULT_PAGE_SIZE} positions (the staged calls' rows)")
     result = {}
     engines = [("staged", None, None)] if "staged" in args.engines else []

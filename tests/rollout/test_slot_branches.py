@@ -7,9 +7,9 @@ over nothing or the decode branch of its width (and, speculative, of its occupan
 with no branch or unbounded loop inside a decode branch; the prefill is a loop of its own, checked
 once an iteration; what the step computes before its switch has one reduction (the count of its
 decoding slots), each reduction being a kernel of its own. The iteration's schedule checks once
-whether the pool is short, and preempts only then (`slot_schedule.make_room`). Traced only (`jax.jit(...).trace`):
-nothing compiles. An adaptive loop's depth choice is a second switch inside its branches
-(`spec.adaptive`), not checked here.
+whether the pool is short, and preempts only then (`slot_schedule.make_room`). Traced only
+(`jax.jit(...).trace`): nothing compiles. An adaptive loop's depth choice is a second switch inside
+its branches (`spec.adaptive`), not checked here.
 """
 
 import jax
