@@ -46,11 +46,11 @@ def _attention_prologue(
     sin_ptr,
     lens_ptr,
     table_ptr,
-    k_in_ptr,
-    v_in_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
     q_rows_ptr,
-    k_out_ptr,
-    v_out_ptr,
+    k_pool_out_ptr,
+    v_pool_out_ptr,
     NUM_NEW: tl.constexpr,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -65,9 +65,9 @@ def _attention_prologue(
     QK_NORM: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    """One (row, kv head) program; shapes as in `attention_prologue`. k_in / v_in are the pools'
-    inputs, k_out / v_out the same buffers on a GPU (aliased) and copies of them in the
-    interpreter; only k_out / v_out are written."""
+    """One (row, kv head) program; shapes as in `attention_prologue`. The pools are updated in place,
+    through k_pool / v_pool; k_pool_out / v_pool_out are never read (`triton_call.call`: an updated
+    argument's output parameter)."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     width = GROUP + 2
@@ -78,7 +78,7 @@ def _attention_prologue(
     heads = tl.arange(0, GROUP_BLOCK)
     is_head = heads < GROUP
     dtype = q_rows_ptr.dtype.element_ty
-    cache_dtype = k_out_ptr.dtype.element_ty
+    cache_dtype = k_pool_ptr.dtype.element_ty
     start = tl.load(lens_ptr + b)
     for t in tl.static_range(NUM_NEW):
         base = ((b * NUM_NEW + t) * KV_HEADS + j) * width * HEAD_DIM
@@ -123,8 +123,8 @@ def _attention_prologue(
         held = (page >= 0) & (page < NUM_PAGES) & (index < TABLE_LEN)
         slot = ((tl.where(held, page, 0).to(tl.int64) * PAGE_SIZE + position % PAGE_SIZE) * KV_HEADS + j) * HEAD_DIM
         write = dims + tl.where(held, 0, HEAD_DIM) < HEAD_DIM  # every dim of a held position, else none
-        tl.store(k_out_ptr + slot + dims, k.to(dtype).to(cache_dtype), mask=write)
-        tl.store(v_out_ptr + slot + dims, v.to(dtype).to(cache_dtype), mask=write)
+        tl.store(k_pool_ptr + slot + dims, k.to(dtype).to(cache_dtype), mask=write)
+        tl.store(v_pool_ptr + slot + dims, v.to(dtype).to(cache_dtype), mask=write)
     pad = NUM_NEW * GROUP + tl.arange(0, PAD_BLOCK)
     pad_row = (b * KV_HEADS + j) * ROWS + pad
     zeros = tl.full((PAD_BLOCK, HEAD_DIM), 0.0, tl.float32).to(dtype)

@@ -17,6 +17,7 @@ kernel is called for a GPU, and torch only to run a kernel in the interpreter.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import threading
 
@@ -73,9 +74,11 @@ def call(
     interpreter, every element written by the kernel), under the jax scope `name` (which a
     profile's op_name then carries). interpret runs the kernel in Triton's interpreter through
     `jax.pure_callback`; otherwise jax-triton compiles it with num_warps and num_stages.
-    input_output_aliases {argument index: output index}: the output is that argument's buffer,
-    updated in place by the kernel (in the interpreter: a copy of it), so a kernel may write only
-    part of it."""
+    input_output_aliases {argument index: output index}: the output is that argument updated in
+    place (its buffer on a GPU, a copy in the interpreter), so a kernel may write only part of it.
+    The kernel writes it through the argument's pointer and never reads the output's own parameter:
+    jax-triton 0.3 passes the buffer there a second time, 0.4 (which passes an argument updated in
+    place as a `jax.Ref`, once) gets a 0 for it."""
     aliases = dict(input_output_aliases or {})
     with jax.named_scope(name):
         if interpret:
@@ -91,41 +94,60 @@ def call(
             ) from e
         ptx_toolchain.match()
         command_buffers.install()
-        return tuple(
-            jax_triton.triton_call(
-                *args,
-                kernel=compiled(fn),
-                out_shape=list(out_shape),
-                grid=grid,
-                num_warps=num_warps,
-                num_stages=num_stages,
-                name=name,
-                **({"input_output_aliases": aliases} if aliases else {}),
-                **constants,
-            )
-        )
+        launch = dict(kernel=compiled(fn), grid=grid, num_warps=num_warps, num_stages=num_stages, name=name)
+        if "out_type" not in inspect.signature(jax_triton.triton_call).parameters:  # jax-triton 0.3
+            aliased = {"input_output_aliases": aliases} if aliases else {}
+            return tuple(jax_triton.triton_call(*args, out_shape=list(out_shape), **launch, **aliased, **constants))
+        refs = {arg: jax.new_ref(args[arg]) for arg in aliases}
+        out_params = launch["kernel"].arg_names[len(args) : len(args) + len(out_shape)]
+        unread = {out_params[out]: 0 for out in aliases.values()}
+        free = [shape for out, shape in enumerate(out_shape) if out not in aliases.values()]
+        args = [refs.get(i, a) for i, a in enumerate(args)]
+        written = iter(jax_triton.triton_call(*args, out_type=free, **launch, **unread, **constants))
+        updated = {out: refs[arg][...] for arg, out in aliases.items()}
+        return tuple(updated[out] if out in updated else next(written) for out in range(len(out_shape)))
 
 
 def _run_interpreted(*arrays, fn, grid, out_shape, constants, aliases=None) -> tuple[np.ndarray, ...]:
     """The kernel in Triton's interpreter on torch CPU copies of `arrays` (numpy); the outputs as
-    numpy, each aliased one (`aliases`: argument index -> output index) starting as its argument."""
-    import torch
-
-    def to_torch(x):
-        x = np.asarray(x)
-        if x.dtype == jnp.bfloat16:  # numpy has no bfloat16: move its bits
-            return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16)
-        return torch.from_numpy(x.copy())
-
-    def to_numpy(t):
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(jnp.bfloat16)
-        return t.numpy()
-
-    outs = [torch.zeros(s.shape, dtype=getattr(torch, jnp.dtype(s.dtype).name)) for s in out_shape]
+    numpy, each aliased one (`aliases`: argument index -> output index) its argument's copy, passed
+    to the kernel as both."""
+    inputs = list(map(to_torch, arrays))
+    outs = [zeros_torch(s) for s in out_shape]
     for arg, out in (aliases or {}).items():
-        outs[out] = to_torch(arrays[arg])
+        outs[out] = inputs[arg]
+    interpret(fn, grid, *inputs, *outs, **constants)
+    return tuple(map(to_numpy, outs))
+
+
+def interpret(fn, grid, *args, **kwargs) -> None:
+    """`fn` over `grid` in Triton's interpreter on torch CPU tensors (updated in place)."""
     # log(0) = -inf and 0 / 0 = nan, as on a GPU; the lock: the devices of a mesh call back at once
     with np.errstate(divide="ignore", invalid="ignore"), _INTERPRETER:
-        interpreted(fn)[grid](*map(to_torch, arrays), *outs, **constants)
-    return tuple(map(to_numpy, outs))
+        interpreted(fn)[grid](*args, **kwargs)
+
+
+def to_torch(x):
+    """A torch CPU copy of the array `x` (numpy has no bfloat16: its bits are moved)."""
+    import torch
+
+    x = np.asarray(x)
+    if x.dtype == jnp.bfloat16:
+        return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
+def zeros_torch(shape: jax.ShapeDtypeStruct):
+    """A torch CPU tensor of zeros of `shape`'s shape and dtype."""
+    import torch
+
+    return torch.zeros(shape.shape, dtype=getattr(torch, jnp.dtype(shape.dtype).name))
+
+
+def to_numpy(t) -> np.ndarray:
+    """The torch CPU tensor `t` as numpy (bfloat16 by its bits)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(jnp.bfloat16)
+    return t.numpy()

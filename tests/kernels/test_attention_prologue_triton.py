@@ -27,6 +27,7 @@ pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tens
 from jaxspec.kernels import attention_prologue_triton as prologue  # noqa: E402
 from jaxspec.models.attention_prologue import attention_prologue_reference  # noqa: E402
 from jaxspec.models.paged import NO_PAGE  # noqa: E402
+from tests.kernels import fake_jax_triton  # noqa: E402
 from tests.kernels.triton_compile import compile_for_hopper  # noqa: E402
 
 ROUNDING = {jnp.float32: 2.0**-20, jnp.float16: 2.0**-10}  # relative: one rounding in the dtype, with margin
@@ -97,6 +98,21 @@ def test_the_kernel_computes_the_reference(name):
     assert not np.any(np.asarray(got[0][:, :, t * group :])), "padding rows are zeros"
     written = np.any(np.asarray(got[1] != args["k_pool"]), axis=(-2, -1)).sum()
     assert 0 < written <= b * t
+
+
+@pytest.mark.parametrize("version", ["0.3", "0.4"])
+def test_the_gpu_call_updates_the_pools_in_place_under_either_jax_triton(monkeypatch, version):
+    """The GPU path, through jax-triton's stand-in (`fake_jax_triton`, the kernel in the interpreter)
+    with 0.3's call (the pools passed as arguments and again as aliased outputs) and 0.4's (the
+    pools passed once, as Refs, their outputs' parameters given a 0): the reference's pools and
+    query rows, under jit, with the pools' other positions kept."""
+    fake_jax_triton.install(monkeypatch, version)
+    jax.clear_caches()  # traced afresh: the kernel's jit would keep the other version's call
+    args, settings = case_inputs("qwen2-tree")
+    want = attention_prologue_reference(**args, **settings)
+    got = jax.jit(functools.partial(prologue.attention_prologue, **settings))(**args)
+    assert_matches(got, want, (args["k_pool"], args["v_pool"]), CASES["qwen2-tree"][0])
+    assert np.any(np.asarray(got[1] != args["k_pool"])), "the pool was written"
 
 
 def test_a_moved_page_fails_the_comparison():
