@@ -22,7 +22,9 @@ ceil((60 + --new) / 16) pages of 16 positions each, a prompt and its longest ans
 (the staged cache pads the prompt further). --mesh D F T runs on a data x fsdp x tensor mesh of the
 devices (the rows over data x fsdp, the KV heads over tensor). Both engines generate the same
 prompts with the same key (compiled and warmed up first: by a whole call, or with --warmup-new N by
-one whose rows stop after at most N tokens, which compiles the same programs; the compilations
+one whose rows stop after at most N tokens, row i of R after ceil((i + 1) N / R) so that the
+occupancy falls through every step width and stage, which compiles the same programs and runs
+their branches; the compilations
 during the timed call are counted, and any make the run an error row, as does a branch it runs that
 the warm-up did not, a draft depth or a step width, whose first execution loads its kernels), the
 slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
@@ -69,6 +71,14 @@ FORWARD_SCOPES = {"forward", "verify_forward"}  # the policy forward's scope in 
 PROMPT_TOKENS = 60  # each group's random prompt
 
 
+def warmup_lengths(limits: list[int], most: int) -> list[int]:
+    """The warm-up call's row limits: row i of R stops after at most ceil((i + 1) most / R) tokens (a
+    ladder: the occupancy falls through every step width and stage, whose first runs load their
+    kernels, as the timed call's does) and never past its own limit."""
+    rows = len(limits)
+    return [min(limit, -(-(i + 1) * most // rows)) for i, limit in enumerate(limits)]
+
+
 def phase_of(op_name: str) -> str:
     """The speculative step's phase a kernel ran in (its innermost `PHASES` scope), else its
     first four scopes (e.g. the slot loop's scheduling)."""
@@ -108,7 +118,7 @@ def main() -> None:
         type=int,
         default=None,
         metavar="N",
-        help="the warm-up call's rows stop after at most N tokens (default: the timed call's own limits)",
+        help="the warm-up's row i of R stops after at most ceil((i + 1) N / R) tokens (default: the timed call's)",
     )
     p.add_argument("--mesh", type=int, nargs=3, default=None, metavar=("DATA", "FSDP", "TENSOR"))
     p.add_argument("--trace", action="store_true")
@@ -158,7 +168,7 @@ def main() -> None:
     if limits is not None:
         print(f"row limits from {args.lengths}: median {int(np.median(limits))}, max {max(limits)}, sum {sum(limits)}")
     warmup_limits = (
-        None if args.warmup_new is None else [min(n, args.warmup_new) for n in limits or [args.new] * args.rows]
+        None if args.warmup_new is None else warmup_lengths(limits or [args.new] * args.rows, args.warmup_new)
     )
     kv_pages = args.kv_pages
     if kv_pages is None and args.staged_calls > 1:

@@ -18,6 +18,7 @@ from tests.benchmarks.scripts import load_script
 
 slot_profile = load_script("slot_profile")
 LONG = str(Path(__file__).resolve().parents[2] / "configs" / "pretrain_long.yaml")
+SMALL = str(Path(__file__).resolve().parents[2] / "configs" / "pretrain_small.yaml")
 
 
 def tiny_model(tmp_path: Path) -> Path:
@@ -107,6 +108,25 @@ def test_branches_the_warm_up_never_ran_are_named():
         slot_profile.first_runs({"width_steps": [3], "step_widths": [2]}, {"width_steps": [5], "step_widths": [2]})
         == []
     )
+
+
+def test_a_short_warm_up_runs_every_step_width_of_the_timed_call(tmp_path, monkeypatch):
+    """--warmup-new's ladder of row limits (1, 1, 1, 1, 2, ... of 32 rows) narrows the slot loop
+    through the widths that the timed call, whose rows end at the `small` workload's spread lengths
+    (19 of 32 under 64 tokens), narrows through; capping every row at the same limit instead ends
+    them together, at full width, and the timed call's narrower width is an error."""
+    assert slot_profile.warmup_lengths([9, 9, 1, 9], 8) == [2, 4, 1, 8]
+    model = tiny_model(tmp_path)
+    argv = [str(tmp_path / "work"), "--model", str(model), "--rows", "32", "--new", "64", "--slots", "32"]
+    argv += ["--engines", "slots", "--temperature", "0", "--lengths", SMALL, "--warmup-new", "8"]
+    flat = lambda limits, most: [min(limit, most) for limit in limits]  # noqa: E731
+    for ladder, error in ((slot_profile.warmup_lengths, False), (flat, True)):
+        monkeypatch.setattr(slot_profile, "warmup_lengths", ladder)
+        monkeypatch.setattr(sys, "argv", ["slot_profile.py", *argv])
+        slot_profile.main()
+        [run] = json.loads((tmp_path / "work" / "slot_profile.json").read_text()).values()
+        assert run["compiles"] == 0 and len(run["stage_rows"]) > 1
+        assert ("step widths [" in run.get("error", "")) == error, run
 
 
 def test_a_warm_up_that_never_drafts_makes_the_adaptive_run_an_error_row(tmp_path, monkeypatch):
