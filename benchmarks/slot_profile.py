@@ -28,7 +28,9 @@ their branches; the compilations
 during the timed call are counted, and any make the run an error row, as does a branch it runs that
 the warm-up did not, a draft depth or a step width, whose first execution loads its kernels), the
 slot engine once per --decode-steps (decode steps between two rounds of scheduling; default: the
-engine's); printed per run: generation time, decode steps, ms per decode step and the steps at each
+engine's); printed per run: generation time, decode steps, ms per decode step, the KV bytes its decode
+steps read (`kv_read_gb`: the same for both engines on the same rows, a floor on their time at the
+card's read rate, `kv_read_bytes`) and the steps at each
 batch width (`stage_rows` / `stage_steps`: the staged loop's stages, the slot loop's step widths)
 and the devices' peak memory so far. With --spec K both engines also run EAGLE-3 chains of depth K
 drafted by a random head of the policy's shape (its drafts are rejected, so rows emit one token per
@@ -69,6 +71,16 @@ from jaxspec.bench.kernel_trace import idle_gaps, kernel_times, op_scopes, set_d
 PHASES = ("propose", "verify_forward", "verify", "draft_update", "commit")  # speculative_step's scopes
 FORWARD_SCOPES = {"forward", "verify_forward"}  # the policy forward's scope in the AR and speculative steps
 PROMPT_TOKENS = 60  # each group's random prompt
+
+
+def kv_read_bytes(lengths, prompt_tokens: int, bytes_per_position: int) -> int:
+    """The KV bytes the decode steps of rows of `lengths` emitted tokens read: the step that writes a
+    row's token i (i >= 1; the first comes from the prefill) attends over its prompt_tokens + i
+    positions, whatever the engine, so both engines' runs of the same rows read the same bytes (a
+    floor on their time at the card's read rate)."""
+    emitted = np.asarray(lengths, np.int64)
+    steps = np.maximum(emitted - 1, 0)
+    return int(((steps * prompt_tokens + steps * (steps + 1) // 2) * bytes_per_position).sum())
 
 
 def warmup_lengths(limits: list[int], most: int) -> list[int]:
@@ -157,6 +169,7 @@ def main() -> None:
 
     cfg = ModelConfig.from_json(args.model)
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    kv_position_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(jnp.bfloat16).itemsize
     sharding = None if args.mesh is None else Sharding(make_mesh(*args.mesh))
     if sharding is not None:
         params = shard_params(sharding, params)
@@ -224,6 +237,7 @@ def main() -> None:
             "steps": steps,
             "step_ms": 1e3 * seconds / steps,
             "tokens": int(np.asarray(out.lengths).sum()),
+            "kv_read_gb": kv_read_bytes(out.lengths, PROMPT_TOKENS, kv_position_bytes) / 1e9,
             # a slot loop's step widths (a speculative one's `stage_rows` are its occupancy sizes)
             "stage_rows": list(out.stats.get("step_widths", out.stats["stage_rows"])),
             "stage_steps": [int(n) for n in out.stats.get("width_steps", out.stats["stage_steps"])],
@@ -241,6 +255,7 @@ def main() -> None:
             row["error"] = "; ".join(errors) + ": its time is not the engine's"
         print(
             f"== {label}: {seconds:.2f} s, {steps} decode steps, {row['step_ms']:.3f} ms each, {row['tokens']} tokens, "
+            f"{row['kv_read_gb']:.0f} GB of KV read, "
             f"widths {row['stage_rows']} steps {row['stage_steps']} depths {row['depth_steps']}, "
             f"preemptions {row['preemptions']}, prefill chunks {row['prefill_chunks']}, "
             f"loop iterations {row['loop_iterations']}, peak KV pages {row['peak_kv_pages']}, "

@@ -110,6 +110,15 @@ def test_branches_the_warm_up_never_ran_are_named():
     )
 
 
+def test_the_kv_read_counts_every_decode_steps_positions():
+    """Row lengths 1, 3 and 0 after a prompt of 2: the first token is the prefill's; the steps that
+    write tokens 1 and 2 of the second row attend over 3 and 4 positions; 10 bytes a position."""
+    assert slot_profile.kv_read_bytes([1, 3, 0], 2, 10) == (3 + 4) * 10
+    lengths = np.random.default_rng(0).integers(0, 50, 20)
+    brute = sum(7 + i for n in lengths for i in range(1, n))
+    assert slot_profile.kv_read_bytes(lengths, 7, 3) == 3 * brute
+
+
 def test_a_short_warm_up_runs_every_step_width_of_the_timed_call(tmp_path, monkeypatch):
     """--warmup-new's ladder of row limits (1, 1, 1, 1, 2, ... of 32 rows) narrows the slot loop
     through the widths that the timed call, whose rows end at the `small` workload's spread lengths
