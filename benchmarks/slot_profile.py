@@ -161,6 +161,7 @@ def main() -> None:
 
     from jaxspec.draft import init_eagle3
     from jaxspec.models import ModelConfig, Sharding, make_mesh, shard_params
+    from jaxspec.models.kv_cache import cache_bytes
     from jaxspec.models.params import init_params
     from jaxspec.rl.metrics import PhaseTimer
     from jaxspec.rollout import Sampling, Spec, generate
@@ -169,7 +170,7 @@ def main() -> None:
 
     cfg = ModelConfig.from_json(args.model)
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-    kv_position_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(jnp.bfloat16).itemsize
+    kv_position_bytes = cache_bytes(cfg, 1, 1, params["embed"].dtype)  # generate's cache is in the params' dtype
     sharding = None if args.mesh is None else Sharding(make_mesh(*args.mesh))
     if sharding is not None:
         params = shard_params(sharding, params)
