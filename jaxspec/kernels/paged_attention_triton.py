@@ -9,14 +9,16 @@ that their tree-mask bits name (`new_token_bits`); position p lives in page
 page_table[b, p // page_size], and an entry outside [0, num_pages) (`NO_PAGE`) is a page of
 zeros, as the reference's gather reads it; positions past the table are seen by no one.
 
-One program per (row, kv head, split), as `default_splits` shares a row's blocks among splits
-(`split_runs`). Its query rows (the new tokens x the query heads of the kv head, padded to a
-power of two >= 16, `query_rows`) stay in registers; the loop over its blocks of `block_kv`
-positions gathers K and V through the page table (one table entry per position, so any page
-size works), computes the scores on the tensor cores (float32 accumulate), applies the mask, and
-keeps an online softmax in float32; it returns flash-attention partials (`Partials`) that
-`merge` combines. A program reads only the blocks up to its row's last new token (a finished
-row: its new tokens' blocks), and of those only the positions some query row sees.
+One program per (kv head, row, split), as `default_splits` shares a row's blocks among splits
+(`split_runs`); the kv head is the grid's fastest axis, so that a row's heads run side by side
+and read each page together (a position's heads are adjacent in the pool). Its query rows (the
+new tokens x the query heads of the kv head, padded to a power of two >= 16, `query_rows`) stay
+in registers; the loop over its blocks of `block_kv` positions gathers K and V through the page
+table (one table entry per position, so any page size works), computes the scores on the tensor
+cores (float32 accumulate), applies the mask, and keeps an online softmax in float32; it returns
+flash-attention partials (`Partials`) that `merge` combines. A program reads only the blocks up to
+its row's last new token (a finished row: its new tokens' blocks), and of those only the
+positions some query row sees.
 
 `triton` is imported with this module; `jax_triton` only when the kernel is called for a GPU, and
 torch only to run it in Triton's interpreter (`interpret=True`, any backend, slow).
@@ -36,7 +38,7 @@ from jaxspec.kernels.attention_partials import MAX_QUERY_ROWS, WORD_BITS, Partia
 BLOCK_KV = 64  # positions per loop step
 MIN_ROWS = 16  # the smallest tl.dot operand
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-TARGET_PROGRAMS = 1024  # (row, kv head, split) programs that keep an H100's 132 SMs busy
+TARGET_PROGRAMS = 1024  # (kv head, row, split) programs that keep an H100's 132 SMs busy
 MIN_BLOCKS_PER_SPLIT = 4
 _WORD_BITS = tl.constexpr(WORD_BITS)  # a global a Triton kernel reads must be a constexpr
 
@@ -64,11 +66,11 @@ def _paged_attention(
     SCALE: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
 ):
-    """One (row, kv head, split) program; shapes as in `paged_attention_partials`. DOT_IN_FLOAT32
+    """One (kv head, row, split) program; shapes as in `paged_attention_partials`. DOT_IN_FLOAT32
     multiplies float32 copies of the operands (exactly as a 16-bit dot accumulating in float32),
     for an interpreter that cannot multiply bfloat16."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
     prefix_len = tl.load(lens_ptr + 2 * b)
     new_start = tl.load(lens_ptr + 2 * b + 1)
@@ -218,8 +220,8 @@ def paged_attention_partials(
 
 def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLOCK_KV, splits: int | None = None):
     """(grid, the kernel's constexpr arguments) of `paged_attention_partials` for arrays (or
-    jax.ShapeDtypeStruct) of these shapes; DOT_IN_FLOAT32 False (the GPU's dot). The grid's last
-    axis is the number of splits."""
+    jax.ShapeDtypeStruct) of these shapes; DOT_IN_FLOAT32 False (the GPU's dot). The grid is
+    (kv heads, rows, splits)."""
     batch, kv_heads, rows, head_dim = q.shape
     num_pages, page_size = k_pool.shape[:2]
     table_blocks = -(-page_table.shape[1] * page_size // block_kv)
@@ -238,7 +240,7 @@ def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLO
         SCALE=head_dim**-0.5,
         DOT_IN_FLOAT32=False,
     )
-    return (batch, kv_heads, splits), constants
+    return (kv_heads, batch, splits), constants
 
 
 def default_splits(batch: int, kv_heads: int, table_blocks: int) -> int:
