@@ -206,7 +206,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     """Device time of the attention kernel on the dense cache k/v [B, S, Nk, D] (one page per row)
     and the merge of its splits for these inputs (causal new tokens), inside one compiled loop
     (`in_loop_seconds`: a call of ~0.1 ms timed alone would be mostly its dispatch), over the GPU
-    parameters in `grid`."""
+    parameters in `grid`, each setting once (relative splits that come to the same count are one)."""
     kernel = triton_kernel()
     merge_partials = merge_kernel().merge_partials
     b, t, nq, d = q.shape
@@ -215,11 +215,14 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     bits = new_token_bits(tree_mask_or_causal(b, t, None), group, rows)
     table = jnp.arange(b, dtype=jnp.int32)[:, None]
     args = (q_rows, k, v, table, cache_len, bits)
-    results = []
+    results, timed = [], set()
     for block_kv, num_warps, num_stages, relative in grid:
         grid_shape, _ = kernel.launch(q_rows, k, table, bits, num_new=t, block_kv=block_kv)
         splits = max(1, round(grid_shape[2] * relative))
         splits = kernel.launch(q_rows, k, table, bits, num_new=t, block_kv=block_kv, splits=splits)[0][2]
+        if (block_kv, num_warps, num_stages, splits) in timed:  # relative splits that round alike
+            continue
+        timed.add((block_kv, num_warps, num_stages, splits))
 
         def call(
             q_rows,

@@ -35,9 +35,10 @@ def test_tune_times_each_kernel_configuration_in_a_loop():
     from jaxspec.bench.attention import attention_inputs, tune_kernel
 
     q, k, v, cache_len = attention_inputs(2, 1, 4, 2, 16, 256, 0.5)
-    grid = [(16, 4, 2, 1.0), (32, 4, 2, 0.5)]
+    grid = [(16, 4, 2, 1.0), (16, 4, 2, 1.1), (32, 4, 2, 0.5)]
     rows = tune_kernel(q, k, v, cache_len, group=2, interpret=True, grid=grid)
-    # 4 splits by default: 1024 programs over 2 x 2 (row, kv head), at least 4 of the 16 blocks each
+    # 4 splits by default: 1024 programs over 2 x 2 (kv head, row), at least 4 of the 16 blocks each;
+    # 1.1 x 4 rounds to the 4 already timed
     assert [(r["block_kv"], r["splits"]) for r in rows] == [(16, 4), (32, 1)]
     assert all(r["ms"] > 0 and r["kernel"] == "triton+merge" for r in rows)
 
