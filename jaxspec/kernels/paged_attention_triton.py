@@ -40,6 +40,7 @@ MIN_ROWS = 16  # the smallest tl.dot operand
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 TARGET_PROGRAMS = 1024  # (kv head, row, split) programs that keep an H100's 132 SMs busy
 MIN_BLOCKS_PER_SPLIT = 4
+MAX_ROWS = 65535  # the most a CUDA grid's second axis launches
 _WORD_BITS = tl.constexpr(WORD_BITS)  # a global a Triton kernel reads must be a constexpr
 
 
@@ -145,10 +146,11 @@ def query_rows(count: int) -> int:
 def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
     """Whether the kernel takes q [B, T, Nq, D] over pools [P, page_size, Nk, D] (a paged cache's,
     or a dense cache [B, S, Nk, D] as B pages of S positions): one dtype of DTYPES, D a power of
-    two in [16, 256], at most MAX_QUERY_ROWS query rows per kv head."""
-    _, t, nq, d = q.shape
+    two in [16, 256], at most MAX_QUERY_ROWS query rows per kv head, at most MAX_ROWS rows."""
+    b, t, nq, d = q.shape
     return (
-        q.dtype == k_pool.dtype == v_pool.dtype
+        b <= MAX_ROWS
+        and q.dtype == k_pool.dtype == v_pool.dtype
         and jnp.dtype(q.dtype) in DTYPES
         and 16 <= d <= 256
         and d & (d - 1) == 0
@@ -258,6 +260,8 @@ def default_num_warps(rows: int, head_dim: int) -> int:
 
 def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int) -> None:
     batch, kv_heads, rows, head_dim = q.shape
+    if batch > MAX_ROWS:
+        raise ValueError(f"Triton paged attention takes at most {MAX_ROWS} rows a call (its grid's rows), got {batch}")
     if not (q.dtype == k_pool.dtype == v_pool.dtype) or jnp.dtype(q.dtype) not in DTYPES:
         raise ValueError(
             f"Triton paged attention needs one dtype of {[jnp.dtype(d).name for d in DTYPES]} for q and the pools, "

@@ -157,6 +157,27 @@ def test_calls_the_kernel_does_not_take_run_the_reference():
         )
 
 
+def test_more_rows_than_the_grid_launches_run_the_reference():
+    """Rows go on the CUDA grid's second axis (at most 65535): more run the reference, and the
+    kernel itself names the limit."""
+    pool = jax.ShapeDtypeStruct((16, 16, 1, 16), jnp.bfloat16)
+
+    def q(rows):
+        return jax.ShapeDtypeStruct((rows, 1, 2, 16), jnp.bfloat16)
+
+    most = kernel_module.MAX_ROWS
+    assert kernel_module.kernel_applies(q(most), pool, pool)
+    assert not kernel_module.kernel_applies(q(most + 1), pool, pool)
+    rows = most + 1
+    q_rows = jax.ShapeDtypeStruct((rows, 1, 16, 16), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((rows, 1), jnp.int32)
+    lens = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    bits = jax.ShapeDtypeStruct((rows, 1, 16), jnp.int32)
+    partials = functools.partial(kernel_module.paged_attention_partials, num_new=1)
+    with pytest.raises(ValueError, match="at most 65535 rows"):
+        jax.eval_shape(partials, q_rows, pool, pool, table, lens, lens, bits)
+
+
 @pytest.mark.parametrize(
     "dtype, rows, head_dim, page, tuning",
     [
