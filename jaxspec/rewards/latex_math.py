@@ -49,3 +49,15 @@ def math_reward(response: str, answer: str) -> float:
 def math_example_reward(response: str, example: dict) -> float:
     """`math_reward` against example["answer"] (the registered "math" reward's body)."""
     return math_reward(response, str(example["answer"]))
+
+
+def load_math_verify() -> None:
+    """Imports math-verify and parses one expression (its grammar's first load): ~0.7 s that a
+    reward worker pays when it starts (`TimedCall`'s warm_up) rather than inside a call's limit."""
+    from math_verify import parse
+
+    parse("$1$")
+
+
+math_reward.warm_up = load_math_verify
+math_example_reward.warm_up = load_math_verify

@@ -7,7 +7,9 @@ The worker is a fresh interpreter that imports the function by module and name, 
 Ctrl-C (its parent decides when to stop) and exits when its parent closes the connection or dies.
 
 Protocol (pickled tuples): the parent sends (sys.path, module, qualname); the worker answers
-(True, None) once the function is imported, or (False, error text) and exits. Then each call:
+(True, None) once the function is imported and its `warm_up()` has run, if it has one (a reward's
+lazy imports and first-use setup, paid inside the start's limit instead of the first call's), or
+(False, error text) and exits. Then each call:
 args tuple in, (True, result) or (False, "ExceptionType: message") out.
 """
 
@@ -35,6 +37,13 @@ def serve(conn: Connection) -> None:
     except Exception as error:  # reported to the parent, which refuses the reward
         conn.send((False, f"cannot import {module}.{qualname}: {type(error).__name__}: {error}"))
         return
+    warm_up = getattr(fn, "warm_up", None)
+    if warm_up is not None:
+        try:
+            warm_up()
+        except Exception as error:
+            conn.send((False, f"{module}.{qualname}.warm_up() failed: {type(error).__name__}: {error}"))
+            return
     conn.send((True, None))
     while True:
         try:

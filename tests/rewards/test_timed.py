@@ -18,6 +18,36 @@ def fail(text: str) -> float:
     raise ArithmeticError(f"cannot grade {text}")
 
 
+SLOW_SETUP_S = 3.0
+_ready = False
+
+
+def _set_up() -> None:
+    global _ready
+    time.sleep(SLOW_SETUP_S)  # a lazy import of a heavy verifier, as math-verify's
+    _ready = True
+
+
+def slow_to_set_up(text: str) -> str:
+    if not _ready:
+        _set_up()
+    return text
+
+
+slow_to_set_up.warm_up = _set_up
+
+
+def broken_warm_up(text: str) -> str:
+    return text
+
+
+def _refuse() -> None:
+    raise ImportError("no grammar")
+
+
+broken_warm_up.warm_up = _refuse
+
+
 def test_a_hanging_verifier_is_cut_off_from_any_thread():
     timed = TimedCall(math_example_reward, timeout_s=2.0)
     try:
@@ -43,6 +73,38 @@ def test_the_worker_is_started_once_and_restarted_when_it_dies():
         assert timed(r"\boxed{5}", {"answer": "5"}) == 1.0 and timed._proc.pid != first  # a fresh one
     finally:
         timed.close()
+
+
+def test_a_warm_up_runs_when_the_worker_starts_not_inside_a_calls_limit():
+    """slow_to_set_up's first call would take SLOW_SETUP_S, over the 1 s limit, were its setup not
+    run by the worker's start."""
+    timed = TimedCall(slow_to_set_up, timeout_s=1.0)
+    try:
+        assert timed("x") == "x"
+    finally:
+        timed.close()
+    timed = TimedCall(broken_warm_up, timeout_s=5.0)
+    try:
+        with pytest.raises(RewardCallError, match=r"broken_warm_up.warm_up\(\) failed: ImportError: no grammar"):
+            timed("x")
+    finally:
+        timed.close()
+
+
+def test_the_math_rewards_warm_up_imports_math_verify():
+    script = (
+        "import sys\n"
+        "from jaxspec.rewards.latex_math import math_example_reward, math_reward\n"
+        "assert 'math_verify' not in sys.modules\n"
+        "assert math_reward.warm_up is math_example_reward.warm_up\n"
+        "math_example_reward.warm_up()\n"
+        "print('math_verify' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
 
 
 def test_errors_inside_the_worker_raise_with_their_message():
