@@ -36,8 +36,9 @@ class TimedCall:
     fn must be importable by name: a function at the top level of a module other than the script
     being run (ValueError otherwise, at construction). A `fn.warm_up()`, if fn has one, runs once
     when a worker starts (within its start-up limit, not a call's): lazy imports and first-use
-    setup that would otherwise count against the first call's timeout_s. Calls are serialised (one worker) and
-    thread-safe; a call that raises, overruns or loses its worker raises RewardCallError.
+    setup that would otherwise count against the first call's timeout_s. Calls are serialised
+    (one worker) and thread-safe; a call that raises, overruns or loses its worker raises
+    RewardCallError.
     """
 
     def __init__(self, fn: Callable, timeout_s: float):
