@@ -6,8 +6,9 @@ whose rows are filled to a fraction of it (each row's length drawn uniformly in
 [0.5, 1.5] x fill x max_len, capped). The dense XLA path (`xla_ms`) reads every slot; the Triton
 attention kernel (`jaxspec.kernels.paged_attention_triton`, on the dense cache as one page per
 row: `kernel_ms`) reads KV blocks up to each row's length; both are device times inside one
-compiled loop. `roofline` is the time to read the filled KV once at the device read bandwidth (a
-sum over --read-bytes, measured in the same run), over the kernel's time.
+compiled loop, less the loop's own time per iteration (`loop_ms`, that of a call that does
+nothing). `roofline` is the time to read the filled KV once at the device read bandwidth (a sum
+over --read-bytes, measured in the same run), over the kernel's time.
 
 --paged also lays the same keys and values out in shuffled pages of --page-size positions and
 times `paged_attention` on them: its jnp reference (`paged_xla_ms`: a gather of every page of the
@@ -28,8 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.bench.timing import (
+    add_error,
     add_fraction,
+    empty_loop_seconds,
     in_loop_seconds,
+    net_of_loop,
     print_table,
     read_bytes_per_second,
     write_results,
@@ -131,10 +135,10 @@ def main(argv: list[str]) -> int:
                                 file=sys.stderr,
                             )
                             return 2
-                        times, outs = time_impls(
+                        times, outs, errors = time_impls(
                             cache_attention, (q, k, v, cache_len), ("xla", args.kernel_impl), args.iters
                         )
-                        paged = time_paged(q, k, v, cache_len, args, outs["xla"]) if args.paged else {}
+                        paged = time_paged(q, k, v, cache_len, args, outs["xla"], errors) if args.paged else {}
                     except ImportError as e:
                         print(f"bench attention: {e}", file=sys.stderr)
                         return 2
@@ -145,20 +149,23 @@ def main(argv: list[str]) -> int:
                             "batch": batch,
                             "tokens": t,
                             "fill": fill,
-                            "xla_ms": times["xla"] * 1e3,
-                            "kernel_ms": times[args.kernel_impl] * 1e3,
-                            "speedup": times["xla"] / times[args.kernel_impl],
+                            "loop_ms": times["loop"] * 1e3,
+                            "xla_ms": milliseconds(times["xla"]),
+                            "kernel_ms": milliseconds(times[args.kernel_impl]),
+                            "speedup": ratio(times["xla"], times[args.kernel_impl]),
                             "max_abs_diff": float(jnp.max(jnp.abs(outs["xla"] - outs[args.kernel_impl]))),
                             **paged,
                         }
                     )
+                    for error in errors:
+                        add_error(rows[-1], error)
                     shape = f"{Path(model).stem} batch {batch} T={t} fill {fill}"
                     kernel_seconds = {"roofline": times[args.kernel_impl]}
                     if args.paged:
-                        kernel_seconds["paged_triton_roofline"] = paged["paged_triton_ms"] * 1e-3
+                        kernel_seconds["paged_triton_roofline"] = paged.pop("paged_triton_seconds")
                     for name, seconds in kernel_seconds.items():
                         add_fraction(
-                            rows[-1], name, filled / seconds, read_rate, f"{name} {shape}: filled KV read rate"
+                            rows[-1], name, ratio(filled, seconds), read_rate, f"{name} {shape}: filled KV read rate"
                         )
                     print_table(rows[-1:], list(rows[-1]))
     print()
@@ -172,30 +179,50 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def time_impls(fn, args: tuple, impls, iters: int) -> tuple[dict, dict]:
-    """({impl: seconds}, {impl: output float32}) of fn(*args, impl=impl) for each impl: the device
-    time of a call inside one compiled loop of `iters` calls (a call of ~0.1 ms timed alone would
-    be mostly its dispatch)."""
-    times, outs = {}, {}
+def time_impls(fn, args: tuple, impls, iters: int) -> tuple[dict, dict, list[str]]:
+    """({impl: seconds or None, "loop": seconds}, {impl: output float32}, errors) of
+    fn(*args, impl=impl) for each impl: the device time of a call inside one compiled loop of
+    `iters` calls (a call of ~0.1 ms timed alone would be mostly its dispatch), less the loop's own
+    time per iteration ("loop", `empty_loop_seconds`: tens of microseconds on a GPU, as much as the
+    call at a few rows). A time no longer than the loop's is noise: None, and `net_of_loop`'s
+    message in errors."""
+    times, outs, errors = {}, {}, []
     args = tuple(jnp.copy(x) for x in args)  # the loop donates them
+    times["loop"], args = empty_loop_seconds(args, calls=iters, repeats=3)
     for impl in impls:
         call = functools.partial(fn, impl=impl)
         outs[impl] = jax.jit(call)(*args).astype(jnp.float32)
-        times[impl], args = in_loop_seconds(lambda *a, call=call: call(*a[:-1]), args, calls=iters, repeats=3)
-    return times, outs
+        seconds, args = in_loop_seconds(lambda *a, call=call: call(*a[:-1]), args, calls=iters, repeats=3)
+        try:
+            times[impl] = net_of_loop(seconds, times["loop"], f"attention {impl} at q {tuple(args[0].shape)}")
+        except ValueError as err:
+            times[impl] = None
+            errors.append(str(err))
+    return times, outs, errors
 
 
-def time_paged(q, k, v, cache_len, args: argparse.Namespace, dense_out) -> dict:
-    """paged_xla_ms, paged_triton_ms and paged_triton_max_abs_diff (from the dense path's output
-    dense_out, float32) for q and the caches k/v laid out in shuffled pages of args.page_size."""
+def time_paged(q, k, v, cache_len, args: argparse.Namespace, dense_out, errors: list[str]) -> dict:
+    """paged_xla_ms, paged_triton_ms, paged_triton_seconds and paged_triton_max_abs_diff (from the
+    dense path's output dense_out, float32) for q and the caches k/v laid out in shuffled pages of
+    args.page_size; the timing's errors appended to `errors`."""
     k_pool, v_pool, table = paged_inputs(k, v, args.page_size)
     impls = ("xla", args.kernel_impl)
-    times, outs = time_impls(paged_attention, (q, k_pool, v_pool, table, cache_len), impls, args.iters)
+    times, outs, paged_errors = time_impls(paged_attention, (q, k_pool, v_pool, table, cache_len), impls, args.iters)
+    errors.extend(paged_errors)
     return {
-        "paged_xla_ms": times["xla"] * 1e3,
-        "paged_triton_ms": times[args.kernel_impl] * 1e3,
+        "paged_xla_ms": milliseconds(times["xla"]),
+        "paged_triton_ms": milliseconds(times[args.kernel_impl]),
+        "paged_triton_seconds": times[args.kernel_impl],
         "paged_triton_max_abs_diff": float(jnp.max(jnp.abs(outs[args.kernel_impl] - dense_out))),
     }
+
+
+def milliseconds(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
 
 
 # (block_kv, num_warps, num_stages, splits relative to `default_splits`) that --tune times
@@ -205,7 +232,8 @@ TUNE_GRID = tuple(itertools.product((32, 64, 128), (4, 8), (2, 3), (0.5, 1.0, 2.
 def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TUNE_GRID) -> list[dict]:
     """Device time of the attention kernel on the dense cache k/v [B, S, Nk, D] (one page per row)
     and the merge of its splits for these inputs (causal new tokens), inside one compiled loop
-    (`in_loop_seconds`: a call of ~0.1 ms timed alone would be mostly its dispatch), over the GPU
+    less the loop's own time (`in_loop_seconds`, `empty_loop_seconds`: a call of ~0.1 ms timed
+    alone would be mostly its dispatch), over the GPU
     parameters in `grid`, each setting once (relative splits that come to the same count are one)."""
     kernel = triton_kernel()
     merge_partials = merge_kernel().merge_partials
@@ -215,6 +243,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     bits = new_token_bits(tree_mask_or_causal(b, t, None), group, rows)
     table = jnp.arange(b, dtype=jnp.int32)[:, None]
     args = (q_rows, k, v, table, cache_len, bits)
+    empty, args = empty_loop_seconds(args, calls=20, repeats=3)
     results, timed = [], set()
     for block_kv, num_warps, num_stages, relative in grid:
         grid_shape, _ = kernel.launch(q_rows, k, table, bits, num_new=t, block_kv=block_kv)
@@ -255,6 +284,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
             return merge_partials(parts, num_new=t, group=group, dtype=q_rows.dtype, interpret=interpret)
 
         seconds, args = in_loop_seconds(call, args, calls=20, repeats=3)
+        seconds = net_of_loop(seconds, empty, f"attention kernel {block_kv, num_warps, num_stages, splits}")
         results.append(
             {
                 "kernel": "triton+merge",
@@ -265,6 +295,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
                 "num_stages": num_stages,
                 "splits": splits,
                 "ms": seconds * 1e3,
+                "loop_ms": empty * 1e3,
             }
         )
     print_table(results, list(results[0]))

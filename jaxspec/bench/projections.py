@@ -45,6 +45,7 @@ from jaxspec.bench.kernel_trace import TRACED_MODULE, rotated_copies, set_dump_f
 from jaxspec.bench.timing import (
     add_fraction,
     copy_bytes_per_second,
+    empty_loop_seconds,
     in_loop_seconds,
     net_of_loop,
     print_table,
@@ -193,12 +194,6 @@ def loop_seconds(fn, args: tuple, empty: float, iters: int, repeats: int) -> tup
     iteration (`empty_loop_seconds`); the arrays to use in place of the donated `args`)."""
     seconds, args = in_loop_seconds(lambda *a: fn(*a[:-1]), args, calls=iters, repeats=repeats)
     return net_of_loop(seconds, empty, "projection"), args
-
-
-def empty_loop_seconds(args: tuple, iters: int, repeats: int) -> tuple[float, tuple]:
-    """(seconds per iteration of the loop of `loop_seconds` around no call, at these arrays'
-    shapes; the arrays to use in place of the donated `args`)."""
-    return in_loop_seconds(lambda *a: a[0][:1, :1], args, calls=iters, repeats=repeats)
 
 
 def timer_for(arrays: tuple, args: argparse.Namespace):

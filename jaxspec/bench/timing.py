@@ -75,6 +75,13 @@ def in_loop_seconds(fn: Callable[..., object], args: tuple, calls: int = 20, rep
     return statistics.median(times[1:]) / calls, args
 
 
+def empty_loop_seconds(args: tuple, calls: int = 20, repeats: int = 5) -> tuple[float, tuple]:
+    """(seconds per iteration of `in_loop_seconds`' loop around a call that does nothing, at these
+    arrays' shapes: its own cost, the in-place writes of every argument included, which
+    `net_of_loop` takes off a call's time; the arrays to use in place of the donated `args`)."""
+    return in_loop_seconds(lambda *a: jnp.ravel(a[0])[:1], args, calls=calls, repeats=repeats)
+
+
 def net_of_loop(seconds: float | None, loop_seconds: float | None, what: str) -> float | None:
     """seconds - loop_seconds: a call's own time per iteration of `in_loop_seconds` once the empty
     loop's is taken off; None if either is None. Raises ValueError naming `what` when the
