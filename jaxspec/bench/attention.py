@@ -13,7 +13,10 @@ over --read-bytes, measured in the same run), over the kernel's time.
 --paged also lays the same keys and values out in shuffled pages of --page-size positions and
 times `paged_attention` on them: its jnp reference (`paged_xla_ms`: a gather of every page of the
 table, then the dense path) and the same kernel through the page table (`paged_triton_ms`, its
-largest difference from the dense path and its roofline fraction).
+largest difference from the dense path and its roofline fraction). --heads-major then times the
+kernel and its merge from the query rows over those pages laid out position-major
+[P, page, Nk, D] (the pools' layout: a head's D values every Nk x D) and head-major
+[P, Nk, page, D] (each head's positions of a page adjacent), with their roofline fractions.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from jaxspec.kernels.attention_partials import new_token_bits
 from jaxspec.models.attention import (
     IMPL_ENV,
     cache_attention,
+    kernel_attention_rows,
     kernel_impl,
     merge_kernel,
     tree_mask_or_causal,
@@ -113,6 +117,12 @@ def main(argv: list[str]) -> int:
         help="also time paged_attention on the same KV in shuffled pages: its jnp reference and the kernel",
     )
     p.add_argument("--page-size", type=int, default=16, help="positions per page with --paged")
+    p.add_argument(
+        "--heads-major",
+        action="store_true",
+        help="with --paged, also the kernel from its query rows over the pages laid out position-major "
+        "[P, page, Nk, D] (the pools' layout) and head-major [P, Nk, page, D]",
+    )
     p.add_argument("--read-bytes", type=int, default=2 << 30, help="array size of the read-bandwidth baseline")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -139,6 +149,7 @@ def main(argv: list[str]) -> int:
                             cache_attention, (q, k, v, cache_len), ("xla", args.kernel_impl), args.iters
                         )
                         paged = time_paged(q, k, v, cache_len, args, outs["xla"], errors) if args.paged else {}
+                        layouts = time_layouts(q, k, v, cache_len, args, errors) if args.heads_major else {}
                     except ImportError as e:
                         print(f"bench attention: {e}", file=sys.stderr)
                         return 2
@@ -155,6 +166,7 @@ def main(argv: list[str]) -> int:
                             "speedup": ratio(times["xla"], times[args.kernel_impl]),
                             "max_abs_diff": float(jnp.max(jnp.abs(outs["xla"] - outs[args.kernel_impl]))),
                             **paged,
+                            **layouts,
                         }
                     )
                     for error in errors:
@@ -163,6 +175,9 @@ def main(argv: list[str]) -> int:
                     kernel_seconds = {"roofline": times[args.kernel_impl]}
                     if args.paged:
                         kernel_seconds["paged_triton_roofline"] = paged.pop("paged_triton_seconds")
+                    if args.heads_major:
+                        kernel_seconds["positions_roofline"] = layouts.pop("positions_seconds")
+                        kernel_seconds["heads_major_roofline"] = layouts.pop("heads_major_seconds")
                     for name, seconds in kernel_seconds.items():
                         add_fraction(
                             rows[-1], name, ratio(filled, seconds), read_rate, f"{name} {shape}: filled KV read rate"
@@ -214,6 +229,45 @@ def time_paged(q, k, v, cache_len, args: argparse.Namespace, dense_out, errors: 
         "paged_triton_ms": milliseconds(times[args.kernel_impl]),
         "paged_triton_seconds": times[args.kernel_impl],
         "paged_triton_max_abs_diff": float(jnp.max(jnp.abs(outs[args.kernel_impl] - dense_out))),
+    }
+
+
+def time_layouts(q, k, v, cache_len, args: argparse.Namespace, errors: list[str]) -> dict:
+    """positions_ms and heads_major_ms (and their seconds): the kernel and its merge from the query
+    rows (`kernel_attention_rows`, as the attention prologue leaves them) over the caches k/v in
+    shuffled pages of args.page_size, laid out [P, page, Nk, D] and [P, Nk, page, D];
+    heads_major_max_abs_diff between the two; the timing's errors appended to `errors`."""
+    b, t, nq, d = q.shape
+    nk = k.shape[2]
+    group = nq // nk
+    rows = triton_kernel().query_rows(t * group)
+    q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
+    k_pool, v_pool, table = paged_inputs(k, v, args.page_size)
+    heads = tuple(pool.transpose(0, 2, 1, 3) for pool in (k_pool, v_pool))
+
+    def attend(q_rows, k_pool, v_pool, k_heads, v_heads, table, cache_len, *, impl):
+        pools = (k_heads, v_heads) if impl == "heads_major" else (k_pool, v_pool)
+        return kernel_attention_rows(
+            q_rows,
+            *pools,
+            table,
+            cache_len,
+            num_new=t,
+            group=group,
+            interpret=args.kernel_impl == "triton-interpret",
+            heads_major=impl == "heads_major",
+        )
+
+    inputs = (q_rows, k_pool, v_pool, *heads, table, cache_len)
+    times, outs, layout_errors = time_impls(attend, inputs, ("positions", "heads_major"), args.iters)
+    errors.extend(layout_errors)
+    return {
+        "positions_ms": milliseconds(times["positions"]),
+        "heads_major_ms": milliseconds(times["heads_major"]),
+        "positions_seconds": times["positions"],
+        "heads_major_seconds": times["heads_major"],
+        "heads_major_max_abs_diff": float(jnp.max(jnp.abs(outs["heads_major"] - outs["positions"]))),
     }
 
 

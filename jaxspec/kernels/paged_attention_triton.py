@@ -7,7 +7,10 @@ The contract of `jaxspec.kernels.attention_partials`: row b's query rows see its
 positions [0, prefix_len[b]), and those of its num_new new tokens at positions new_start[b] + j
 that their tree-mask bits name (`new_token_bits`); position p lives in page
 page_table[b, p // page_size], and an entry outside [0, num_pages) (`NO_PAGE`) is a page of
-zeros, as the reference's gather reads it; positions past the table are seen by no one.
+zeros, as the reference's gather reads it; positions past the table are seen by no one. The
+pools are [P, page_size, Nk, D] (the engines' layout: a position's heads adjacent), or with
+heads_major [P, Nk, page_size, D] (a head's positions of a page adjacent; `jaxspec bench attention
+--heads-major` times the two).
 
 One program per (kv head, row, split), as `default_splits` shares a row's blocks among splits
 (`split_runs`); the kv head is the grid's fastest axis, so that a row's heads run side by side
@@ -66,10 +69,11 @@ def _paged_attention(
     BLOCK_KV: tl.constexpr,
     SCALE: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
+    HEADS_MAJOR: tl.constexpr,
 ):
     """One (kv head, row, split) program; shapes as in `paged_attention_partials`. DOT_IN_FLOAT32
     multiplies float32 copies of the operands (exactly as a 16-bit dot accumulating in float32),
-    for an interpreter that cannot multiply bfloat16."""
+    for an interpreter that cannot multiply bfloat16. HEADS_MAJOR: the pools are [P, Nk, page, D]."""
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -101,7 +105,10 @@ def _paged_attention(
         entry = tl.load(table_ptr + b * TABLE_LEN + index, mask=index < TABLE_LEN, other=NUM_PAGES)
         held = (entry >= 0) & (entry < NUM_PAGES)  # else the reference reads zeros: score 0, value 0
         read = held & ((position < prefix_len) | ((position >= new_start) & (position < end)))
-        row_of = ((entry.to(tl.int64) * PAGE_SIZE + position % PAGE_SIZE) * KV_HEADS + h) * HEAD_DIM
+        if HEADS_MAJOR:
+            row_of = ((entry.to(tl.int64) * KV_HEADS + h) * PAGE_SIZE + position % PAGE_SIZE) * HEAD_DIM
+        else:
+            row_of = ((entry.to(tl.int64) * PAGE_SIZE + position % PAGE_SIZE) * KV_HEADS + h) * HEAD_DIM
         k = tl.load(k_ptr + row_of[:, None] + dims[None, :], mask=read[:, None], other=0.0)
         v = tl.load(v_ptr + row_of[:, None] + dims[None, :], mask=read[:, None], other=0.0)
         if DOT_IN_FLOAT32:
@@ -158,7 +165,9 @@ def kernel_applies(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("num_new", "interpret", "block_kv", "splits", "num_warps", "num_stages"))
+@functools.partial(
+    jax.jit, static_argnames=("num_new", "interpret", "block_kv", "splits", "num_warps", "num_stages", "heads_major")
+)
 def paged_attention_partials(
     q: jax.Array,
     k_pool: jax.Array,
@@ -174,6 +183,7 @@ def paged_attention_partials(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    heads_major: bool = False,
 ) -> Partials:
     """Partials of q [B, Nk, R, D] over the pages of k/v_pool [num_pages, page_size, Nk, D] that
     page_table int32 [B, M] names: row b's query rows see positions [0, prefix_len[b]) and, of the
@@ -183,13 +193,16 @@ def paged_attention_partials(
     q and the pools share a dtype of DTYPES; R is a power of two in [MIN_ROWS, MAX_QUERY_ROWS]; D a
     power of two >= 16. Scale 1/sqrt(D). block_kv (a power of two >= 16), splits (default:
     `default_splits`; at most one per block of the table), num_warps (default: `default_num_warps`)
-    and num_stages tune the GPU kernel; interpret runs it in Triton's
+    and num_stages tune the GPU kernel; heads_major: the pools are laid out [num_pages, Nk,
+    page_size, D] (each head's positions of a page adjacent); interpret runs it in Triton's
     interpreter on the host (`jax.pure_callback`). Returns o [B, Nk, splits, R, D], m and l
     [B, Nk, splits, R], float32.
     """
     batch, kv_heads, rows, head_dim = q.shape
-    _check_shapes(q, k_pool, v_pool, new_bits, block_kv)
-    grid, constants = launch(q, k_pool, page_table, new_bits, num_new=num_new, block_kv=block_kv, splits=splits)
+    _check_shapes(q, k_pool, v_pool, new_bits, block_kv, heads_major)
+    grid, constants = launch(
+        q, k_pool, page_table, new_bits, num_new=num_new, block_kv=block_kv, splits=splits, heads_major=heads_major
+    )
     constants["DOT_IN_FLOAT32"] = interpret and q.dtype == jnp.bfloat16
     splits = grid[2]
     out_shape = (
@@ -220,12 +233,22 @@ def paged_attention_partials(
     )
 
 
-def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLOCK_KV, splits: int | None = None):
+def launch(
+    q,
+    k_pool,
+    page_table,
+    new_bits,
+    *,
+    num_new: int,
+    block_kv: int = BLOCK_KV,
+    splits: int | None = None,
+    heads_major: bool = False,
+):
     """(grid, the kernel's constexpr arguments) of `paged_attention_partials` for arrays (or
     jax.ShapeDtypeStruct) of these shapes; DOT_IN_FLOAT32 False (the GPU's dot). The grid is
     (kv heads, rows, splits)."""
     batch, kv_heads, rows, head_dim = q.shape
-    num_pages, page_size = k_pool.shape[:2]
+    num_pages, page_size = k_pool.shape[0], k_pool.shape[2 if heads_major else 1]
     table_blocks = -(-page_table.shape[1] * page_size // block_kv)
     splits = default_splits(batch, kv_heads, table_blocks) if splits is None else max(1, min(splits, table_blocks))
     constants = dict(
@@ -241,6 +264,7 @@ def launch(q, k_pool, page_table, new_bits, *, num_new: int, block_kv: int = BLO
         BLOCK_KV=block_kv,
         SCALE=head_dim**-0.5,
         DOT_IN_FLOAT32=False,
+        HEADS_MAJOR=heads_major,
     )
     return (kv_heads, batch, splits), constants
 
@@ -258,7 +282,7 @@ def default_num_warps(rows: int, head_dim: int) -> int:
     return 8 if rows * head_dim >= 128 * 128 else 4
 
 
-def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int) -> None:
+def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int, heads_major: bool) -> None:
     batch, kv_heads, rows, head_dim = q.shape
     if batch > MAX_ROWS:
         raise ValueError(f"Triton paged attention takes at most {MAX_ROWS} rows a call (its grid's rows), got {batch}")
@@ -267,9 +291,11 @@ def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int) -> None:
             f"Triton paged attention needs one dtype of {[jnp.dtype(d).name for d in DTYPES]} for q and the pools, "
             f"got q {q.dtype}, k_pool {k_pool.dtype}, v_pool {v_pool.dtype}"
         )
-    if k_pool.shape != v_pool.shape or k_pool.shape[2:] != (kv_heads, head_dim):
+    heads_dims = (k_pool.shape[1], k_pool.shape[3]) if heads_major else k_pool.shape[2:]
+    if k_pool.shape != v_pool.shape or k_pool.ndim != 4 or tuple(heads_dims) != (kv_heads, head_dim):
+        layout = "[num_pages, Nk, page_size, D]" if heads_major else "[num_pages, page_size, Nk, D]"
         raise ValueError(
-            f"Triton paged attention pools must both be [num_pages, page_size, Nk={kv_heads}, D={head_dim}] "
+            f"Triton paged attention pools must both be {layout} with Nk={kv_heads}, D={head_dim} "
             f"(from q [B, Nk, R, D] = {q.shape}), got k_pool {k_pool.shape}, v_pool {v_pool.shape}"
         )
     if rows != query_rows(rows) or rows > MAX_QUERY_ROWS:

@@ -64,14 +64,17 @@ def test_tune_times_each_kernel_configuration_in_a_loop():
     assert all(r["ms"] > 0 and r["kernel"] == "triton+merge" for r in rows)
 
 
-def test_bench_attention_paged_times_the_reference_and_the_kernel(tmp_path):
+def test_bench_attention_paged_times_the_reference_the_kernel_and_both_pool_layouts(tmp_path):
     model, out = tmp_path / "tiny.json", tmp_path / "attention.json"
     model.write_text(json.dumps(TINY))
     argv = ["bench", "attention", "--model", str(model), "--batch", "2", "--tokens", "2", "--max-len", "64"]
-    assert main([*argv, *ARGS, "--paged", "--out", str(out)]) == 0
+    assert main([*argv, *ARGS, "--paged", "--heads-major", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["paged_xla_ms"] > 0 and row["paged_triton_ms"] > 0 and row["paged_triton_roofline"] > 0
     assert row["paged_triton_max_abs_diff"] < 2.0**-5  # bf16 outputs of O(1)
+    # the same pages in either layout, the same arithmetic
+    assert row["positions_ms"] > 0 and row["heads_major_ms"] > 0 and row["heads_major_roofline"] > 0
+    assert row["heads_major_max_abs_diff"] == 0.0
 
 
 def test_bench_attention_names_heads_the_kernel_does_not_take(tmp_path, capsys):

@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
 from jaxspec.kernels.triton_call import compiled  # noqa: E402
-from jaxspec.models.attention import kernel_attention  # noqa: E402
+from jaxspec.models.attention import kernel_attention, kernel_attention_rows  # noqa: E402
 from jaxspec.models.paged import paged_attention  # noqa: E402
 from tests.kernels import fake_jax_triton  # noqa: E402
 from tests.kernels.paged_cases import SHAPES, assert_close, case_inputs, exact, inputs  # noqa: E402
@@ -112,6 +112,44 @@ def test_a_wrong_page_table_entry_is_caught():
         assert_close(got[2], want[2], case["dtype"])
 
 
+def test_heads_major_pools_give_the_same_attention():
+    """The pools laid out [P, Nk, page, D] (heads_major) give what the same pages laid out
+    [P, page, Nk, D] give, to the bit; negative control: the position-major pools read as if heads
+    major differ from the exact attention."""
+    case = CASES["tree"]
+    q, k_pool, v_pool, table, cache_len, tree, active = case_inputs(case)
+    want = exact(q, k_pool, v_pool, table, cache_len, tree, active)
+    b, t, nq, d = q.shape
+    nk = k_pool.shape[2]
+    rows = kernel_module.query_rows(t * (nq // nk))
+    q_rows = q.reshape(b, t, nk, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * (nq // nk), d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - q_rows.shape[2]), (0, 0)))
+
+    def attend(k, v, heads_major):
+        return kernel_attention_rows(
+            q_rows,
+            k,
+            v,
+            table,
+            cache_len,
+            tree,
+            active,
+            num_new=t,
+            group=nq // nk,
+            interpret=True,
+            heads_major=heads_major,
+            **case["tuning"],
+        )
+
+    positions = attend(k_pool, v_pool, False)
+    heads = attend(*(pool.transpose(0, 2, 1, 3) for pool in (k_pool, v_pool)), True)
+    assert_close(positions, want, case["dtype"])
+    np.testing.assert_array_equal(np.asarray(heads, np.float32), np.asarray(positions, np.float32))
+    misread = attend(*(pool.reshape(pool.shape[0], nk, -1, d) for pool in (k_pool, v_pool)), True)
+    with pytest.raises(AssertionError):
+        assert_close(misread, want, case["dtype"])
+
+
 def test_the_jax_triton_call_passes_the_kernel_its_arguments(monkeypatch):
     """The GPU path's `jax_triton.triton_call` (which needs a GPU jaxlib) replaced by one that runs
     the kernel it is given in Triton's interpreter (`fake_jax_triton`: the call's arrays, outputs and
@@ -185,6 +223,7 @@ def test_more_rows_than_the_grid_launches_run_the_reference():
         (jnp.float16, 128, 128, 16, dict(block_kv=32)),
         (jnp.float32, 16, 64, 12, dict(block_kv=32, splits=3)),
         (jnp.bfloat16, 32, 128, None, dict()),  # a dense cache of 1152 positions: one page per row
+        (jnp.bfloat16, 16, 64, 16, dict(heads_major=True)),
     ],
 )
 def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
@@ -195,7 +234,8 @@ def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
     if page is None:  # `cache_attention`'s view of a dense cache [B, S, Nk, D]
         num_pages, page, table_len = batch, 1152, 1
     q = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), dtype)
-    pool = jax.ShapeDtypeStruct((num_pages, page, kv_heads, head_dim), dtype)
+    layout = (kv_heads, page) if tuning.get("heads_major") else (page, kv_heads)
+    pool = jax.ShapeDtypeStruct((num_pages, *layout, head_dim), dtype)
     table = jax.ShapeDtypeStruct((batch, table_len), jnp.int32)
     bits = jax.ShapeDtypeStruct((batch, words, rows), jnp.int32)
     _, constants = kernel_module.launch(q, pool, table, bits, num_new=40, **tuning)
