@@ -287,8 +287,8 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     """Device time of the attention kernel on the dense cache k/v [B, S, Nk, D] (one page per row)
     and the merge of its splits for these inputs (causal new tokens), inside one compiled loop
     less the loop's own time (`in_loop_seconds`, `empty_loop_seconds`: a call of ~0.1 ms timed
-    alone would be mostly its dispatch), over the GPU
-    parameters in `grid`, each setting once (relative splits that come to the same count are one)."""
+    alone would be mostly its dispatch), over the GPU parameters in `grid`, each setting once
+    (relative splits that come to the same count are one)."""
     kernel = triton_kernel()
     merge_partials = merge_kernel().merge_partials
     b, t, nq, d = q.shape
