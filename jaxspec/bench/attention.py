@@ -48,6 +48,7 @@ from jaxspec.models.attention import (
     kernel_attention_rows,
     kernel_impl,
     merge_kernel,
+    query_rows_of,
     tree_mask_or_causal,
     triton_kernel,
 )
@@ -148,8 +149,9 @@ def main(argv: list[str]) -> int:
                         times, outs, errors = time_impls(
                             cache_attention, (q, k, v, cache_len), ("xla", args.kernel_impl), args.iters
                         )
-                        paged = time_paged(q, k, v, cache_len, args, outs["xla"], errors) if args.paged else {}
-                        layouts = time_layouts(q, k, v, cache_len, args, errors) if args.heads_major else {}
+                        pages = paged_inputs(k, v, args.page_size) if args.paged or args.heads_major else None
+                        paged = time_paged(q, pages, cache_len, args, outs["xla"], errors) if args.paged else {}
+                        layouts = time_layouts(q, pages, cache_len, args, errors) if args.heads_major else {}
                     except ImportError as e:
                         print(f"bench attention: {e}", file=sys.stderr)
                         return 2
@@ -216,11 +218,11 @@ def time_impls(fn, args: tuple, impls, iters: int) -> tuple[dict, dict, list[str
     return times, outs, errors
 
 
-def time_paged(q, k, v, cache_len, args: argparse.Namespace, dense_out, errors: list[str]) -> dict:
+def time_paged(q, pages: tuple, cache_len, args: argparse.Namespace, dense_out, errors: list[str]) -> dict:
     """paged_xla_ms, paged_triton_ms, paged_triton_seconds and paged_triton_max_abs_diff (from the
-    dense path's output dense_out, float32) for q and the caches k/v laid out in shuffled pages of
-    args.page_size; the timing's errors appended to `errors`."""
-    k_pool, v_pool, table = paged_inputs(k, v, args.page_size)
+    dense path's output dense_out, float32) for q over the caches' shuffled pages (k_pool, v_pool,
+    page_table: `paged_inputs`); the timing's errors appended to `errors`."""
+    k_pool, v_pool, table = pages
     impls = ("xla", args.kernel_impl)
     times, outs, paged_errors = time_impls(paged_attention, (q, k_pool, v_pool, table, cache_len), impls, args.iters)
     errors.extend(paged_errors)
@@ -232,18 +234,16 @@ def time_paged(q, k, v, cache_len, args: argparse.Namespace, dense_out, errors: 
     }
 
 
-def time_layouts(q, k, v, cache_len, args: argparse.Namespace, errors: list[str]) -> dict:
+def time_layouts(q, pages: tuple, cache_len, args: argparse.Namespace, errors: list[str]) -> dict:
     """positions_ms and heads_major_ms (and their seconds): the kernel and its merge from the query
-    rows (`kernel_attention_rows`, as the attention prologue leaves them) over the caches k/v in
-    shuffled pages of args.page_size, laid out [P, page, Nk, D] and [P, Nk, page, D];
-    heads_major_max_abs_diff between the two; the timing's errors appended to `errors`."""
-    b, t, nq, d = q.shape
-    nk = k.shape[2]
-    group = nq // nk
-    rows = triton_kernel().query_rows(t * group)
-    q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
-    k_pool, v_pool, table = paged_inputs(k, v, args.page_size)
+    rows (`kernel_attention_rows`, as the attention prologue leaves them) over the caches' shuffled
+    pages (k_pool, v_pool, page_table: `paged_inputs`), laid out [P, page, Nk, D] and
+    [P, Nk, page, D]; heads_major_max_abs_diff between the two; the timing's errors appended to
+    `errors`."""
+    t, nq = q.shape[1:3]
+    k_pool, v_pool, table = pages
+    group = nq // k_pool.shape[2]
+    q_rows = query_rows_of(q, k_pool.shape[2], triton_kernel().query_rows(t * group))
     heads = tuple(pool.transpose(0, 2, 1, 3) for pool in (k_pool, v_pool))
 
     def attend(q_rows, k_pool, v_pool, k_heads, v_heads, table, cache_len, *, impl):

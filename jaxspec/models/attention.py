@@ -194,13 +194,11 @@ def kernel_attention(
     two >= 16; prefix_len is cache_len where active (default all), else 0. interpret runs the
     kernel in Triton's interpreter; `tuning` (block_kv, splits, num_warps, num_stages) goes to
     `paged_attention_partials`. Returns [B, T, Nq, D] in q's dtype."""
-    b, t, nq, d = q.shape
+    t, nq = q.shape[1:3]
     nk = k_pool.shape[2]
     group = nq // nk
-    rows = triton_kernel().query_rows(t * group)
     with jax.named_scope("attention"):
-        q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
+        q_rows = query_rows_of(q, nk, triton_kernel().query_rows(t * group))
     return kernel_attention_rows(
         q_rows,
         k_pool,
@@ -214,6 +212,16 @@ def kernel_attention(
         interpret=interpret,
         **tuning,
     )
+
+
+def query_rows_of(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """q [B, T, Nq, D] as the attention kernel's query rows [B, Nk, R, D]: row r of kv head j is
+    token r // G's query head j * G + r % G (G = Nq / Nk query heads per kv head), zeros from
+    T * G up to R = rows (`jaxspec.kernels.paged_attention_triton.query_rows`)."""
+    b, t, nq, d = q.shape
+    group = nq // kv_heads
+    q_rows = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * group, d)
+    return jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
 
 
 def kernel_attention_rows(

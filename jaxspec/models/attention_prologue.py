@@ -30,7 +30,13 @@ from jaxspec.kernels import command_buffers
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models import attention as attention_module
 from jaxspec.models import paged
-from jaxspec.models.attention import kernel_attention_rows, kernel_impl, tree_mask_or_causal, triton_kernel
+from jaxspec.models.attention import (
+    kernel_attention_rows,
+    kernel_impl,
+    query_rows_of,
+    tree_mask_or_causal,
+    triton_kernel,
+)
 from jaxspec.models.blocks import rms_norm
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.paged import one_pool, page_of
@@ -195,8 +201,7 @@ def attention_prologue_reference(
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q_rows = q.reshape(b, t, nk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * group, d)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
+    q_rows = query_rows_of(q, nk, rows)
     positions = cache_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     page, offset = page_of(page_table, positions, k_pool.shape[1])
     k_pool = k_pool.at[page, offset].set(k.astype(k_pool.dtype), mode="drop")

@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from jaxspec.kernels import paged_attention_triton as kernel_module  # noqa: E402
 from jaxspec.kernels.triton_call import compiled  # noqa: E402
-from jaxspec.models.attention import kernel_attention, kernel_attention_rows  # noqa: E402
+from jaxspec.models.attention import kernel_attention, kernel_attention_rows, query_rows_of  # noqa: E402
 from jaxspec.models.paged import paged_attention  # noqa: E402
 from tests.kernels import fake_jax_triton  # noqa: E402
 from tests.kernels.paged_cases import SHAPES, assert_close, case_inputs, exact, inputs  # noqa: E402
@@ -119,11 +119,9 @@ def test_heads_major_pools_give_the_same_attention():
     case = CASES["tree"]
     q, k_pool, v_pool, table, cache_len, tree, active = case_inputs(case)
     want = exact(q, k_pool, v_pool, table, cache_len, tree, active)
-    b, t, nq, d = q.shape
+    t, nq, d = q.shape[1:]
     nk = k_pool.shape[2]
-    rows = kernel_module.query_rows(t * (nq // nk))
-    q_rows = q.reshape(b, t, nk, nq // nk, d).transpose(0, 2, 1, 3, 4).reshape(b, nk, t * (nq // nk), d)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - q_rows.shape[2]), (0, 0)))
+    q_rows = query_rows_of(q, nk, kernel_module.query_rows(t * (nq // nk)))
 
     def attend(k, v, heads_major):
         return kernel_attention_rows(
