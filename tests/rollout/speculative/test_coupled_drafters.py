@@ -77,7 +77,8 @@ def test_depth_by_occupancy_and_preemptions_keep_the_autoregressive_tokens(tiny,
     assert by_occupancy.stats["stage_rows"] == [8, 4] and min(by_occupancy.stats["stage_steps"]) > 0
     assert_same_rollout(by_occupancy, ar)
     spec = Spec("eagle3", head, num_draft_tokens=3)
-    preempted = generate(cfg, params, rows, jax.random.key(5), sampling, spec=spec, slots=4, kv_pages=24, page_size=4)
+    pool = dict(slots=4, kv_pages=24, page_size=4, decode_steps=8)  # a pool that preempts at this reach
+    preempted = generate(cfg, params, rows, jax.random.key(5), sampling, spec=spec, **pool)
     assert preempted.stats["preemptions"] > 0
     assert_same_rollout(preempted, ar)
 

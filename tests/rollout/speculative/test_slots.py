@@ -93,6 +93,7 @@ def test_greedy_eagle3_through_preemptions_equals_the_staged_engine(tiny, staged
         slots=4,
         kv_pages=24,
         page_size=4,
+        decode_steps=8,  # the pool preempts at this reach (each iteration's pages are taken at its start)
     )
     assert out.stats["preemptions"] > 0 and out.stats["peak_kv_pages"] <= 24
     assert_same_rollout(out, staged)
