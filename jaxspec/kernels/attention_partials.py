@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 WORD_BITS = 32  # new tokens per int32 word of a query row's bits
@@ -53,6 +54,18 @@ def new_token_bits(tree_mask: jax.Array, group: int, rows: int) -> jax.Array:
     bits = jnp.sum(padded.reshape(b, t, words, WORD_BITS).astype(jnp.uint32) * weights, axis=-1, dtype=jnp.uint32)
     bits = jnp.repeat(lax.bitcast_convert_type(bits, jnp.int32), group, axis=1)  # [B, T*G, W]
     return jnp.pad(bits, ((0, 0), (0, rows - t * group), (0, 0))).transpose(0, 2, 1)
+
+
+def causal_token_bits(num_new: int, group: int, rows: int) -> np.ndarray:
+    """`new_token_bits` of the causal mask of `num_new` new tokens, for one row: int32 [1, W, rows]
+    (a constant; the kernel reads a leading axis of 1 as every row's bits), so that a causal step
+    computes no bits on the device."""
+    words = -(-num_new // WORD_BITS)
+    token = np.minimum(np.arange(rows) // group, num_new)  # padding rows: past the last token
+    seen = (np.arange(words * WORD_BITS)[None, :] <= token[:, None]) & (token < num_new)[:, None]  # [R, 32 W]
+    weights = np.left_shift(np.uint64(1), np.arange(WORD_BITS, dtype=np.uint64))
+    packed = (seen.reshape(rows, words, WORD_BITS) * weights).sum(axis=-1).astype(np.uint32)  # [R, W]
+    return packed.view(np.int32).T[None].copy()
 
 
 def _visible(
@@ -102,9 +115,9 @@ def partials_reference(
     """The kernel's partials with jnp: q [B, Nk, R, D] over the pages of k/v_pool [num_pages,
     page_size, Nk, D] that page_table int32 [B, M] names (an entry outside the pool reads as a
     page of zeros), row b's query rows seeing positions [0, prefix_len[b]) and the new tokens from
-    new_start[b] their bits new_bits int32 [B, W, R] name; every position is scored (masked) and
-    assigned to the split whose run (`split_runs`) holds its block. Returns o [B, Nk, splits, R, D],
-    m and l [B, Nk, splits, R], float32."""
+    new_start[b] their bits new_bits int32 [B, W, R] name (or [1, W, R]: every row's); every
+    position is scored (masked) and assigned to the split whose run (`split_runs`) holds its block.
+    Returns o [B, Nk, splits, R, D], m and l [B, Nk, splits, R], float32."""
     batch, kv_heads, rows, head_dim = q.shape
     max_len = page_table.shape[1] * k_pool.shape[1]
 
@@ -114,6 +127,7 @@ def partials_reference(
 
     k, v = dense(k_pool), dense(v_pool)
     position = jnp.arange(max_len, dtype=jnp.int32)
+    new_bits = jnp.broadcast_to(new_bits, (batch, *new_bits.shape[1:]))
     visible = jax.vmap(lambda n, s, bits: _visible(position, n, s, list(bits), num_new, max_len))(
         prefix_len, new_start, new_bits
     )  # [B, R, S]

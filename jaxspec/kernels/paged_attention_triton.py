@@ -70,15 +70,18 @@ def _paged_attention(
     SCALE: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
     HEADS_MAJOR: tl.constexpr,
+    SHARED_BITS: tl.constexpr,
 ):
     """One (kv head, row, split) program; shapes as in `paged_attention_partials`. DOT_IN_FLOAT32
     multiplies float32 copies of the operands (exactly as a 16-bit dot accumulating in float32),
-    for an interpreter that cannot multiply bfloat16. HEADS_MAJOR: the pools are [P, Nk, page, D]."""
+    for an interpreter that cannot multiply bfloat16. HEADS_MAJOR: the pools are [P, Nk, page, D].
+    SHARED_BITS: the bits are [1, W, R], every row's."""
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
     prefix_len = tl.load(lens_ptr + 2 * b)
     new_start = tl.load(lens_ptr + 2 * b + 1)
+    bits_row = 0 if SHARED_BITS else b
     max_len = TABLE_LEN * PAGE_SIZE
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
@@ -118,7 +121,7 @@ def _paged_attention(
         rel = position - new_start
         visible = (position < prefix_len)[None, :] & (rows >= 0)[:, None]
         for w in tl.static_range(WORDS):
-            word = tl.load(bits_ptr + (b * WORDS + w) * ROWS + rows)  # int32 [ROWS]
+            word = tl.load(bits_ptr + (bits_row * WORDS + w) * ROWS + rows)  # int32 [ROWS]
             in_word = (rel >= w * _WORD_BITS) & (rel < (w + 1) * _WORD_BITS) & (rel < NUM_NEW)
             shift = tl.minimum(tl.maximum(rel - w * _WORD_BITS, 0), _WORD_BITS - 1)
             bit = (word[:, None] >> shift[None, :]) & 1
@@ -265,6 +268,7 @@ def launch(
         SCALE=head_dim**-0.5,
         DOT_IN_FLOAT32=False,
         HEADS_MAJOR=heads_major,
+        SHARED_BITS=new_bits.shape[0] == 1,
     )
     return (kv_heads, batch, splits), constants
 
@@ -306,5 +310,5 @@ def _check_shapes(q, k_pool, v_pool, new_bits, block_kv: int, heads_major: bool)
         raise ValueError(f"Triton paged attention head dim must be a power of two >= 16, got {head_dim}")
     if block_kv < 16 or block_kv & (block_kv - 1):
         raise ValueError(f"Triton paged attention block_kv must be a power of two >= 16, got {block_kv}")
-    if new_bits.shape != (batch, new_bits.shape[1], rows):
-        raise ValueError(f"Triton paged attention new_bits must be [B={batch}, W, R={rows}], got {new_bits.shape}")
+    if new_bits.ndim != 3 or new_bits.shape[0] not in (1, batch) or new_bits.shape[2] != rows:
+        raise ValueError(f"Triton paged attention new_bits must be [B={batch} or 1, W, R={rows}], got {new_bits.shape}")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.kernels import command_buffers
-from jaxspec.kernels.attention_partials import merge, new_token_bits
+from jaxspec.kernels.attention_partials import causal_token_bits, merge, new_token_bits
 from jaxspec.kernels.dispatch import requested_impl
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, on_devices
 
@@ -133,9 +133,6 @@ def cache_attention(
     if impl == "xla":
         mask = cache_attention_mask(cache_len, q.shape[1], k_cache.shape[1], tree_mask, active)
         return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-    b, t = q.shape[:2]
-    tree_mask = tree_mask_or_causal(b, t, tree_mask)
-    active = jnp.ones((b,), bool) if active is None else active
 
     def dense_kernel(q, k_cache, v_cache, cache_len, tree_mask, active):
         table = jnp.arange(k_cache.shape[0], dtype=jnp.int32)[:, None]  # row b: page b, its whole cache
@@ -145,6 +142,9 @@ def cache_attention(
 
     if not on_devices(sharding):
         return dense_kernel(q, k_cache, v_cache, cache_len, tree_mask, active)
+    b, t = q.shape[:2]
+    tree_mask = tree_mask_or_causal(b, t, tree_mask)
+    active = jnp.ones((b,), bool) if active is None else active
     batch_axes, _, head_axes, _ = sharding.spec(KV_CACHE_AXES, k_cache.shape)
     P = jax.sharding.PartitionSpec
     heads, rows = P(batch_axes, None, head_axes, None), P(batch_axes)
@@ -248,7 +248,8 @@ def kernel_attention_rows(
     t = num_new
     prefix_len = cache_len if active is None else jnp.where(active, cache_len, 0)
     with jax.named_scope("attention"):
-        bits = new_token_bits(tree_mask_or_causal(b, t, tree_mask), group, rows)
+        # A causal step's bits are a constant of one row (nothing to compute on the device).
+        bits = causal_token_bits(t, group, rows) if tree_mask is None else new_token_bits(tree_mask, group, rows)
         parts = triton_kernel().paged_attention_partials(
             q_rows, k_pool, v_pool, page_table, prefix_len, cache_len, bits, num_new=t, interpret=interpret, **tuning
         )

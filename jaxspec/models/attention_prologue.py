@@ -110,7 +110,8 @@ def layer_attention(
     b, t = h.shape[:2]
     group = layer["qkv"].shape[2] - 2
     proj = project("btc,cngd->btngd", h, layer["qkv"], impl="auto", sharding=sharding)  # [B, T, Nk, G + 2, D]
-    tree_mask = tree_mask_or_causal(b, t, tree_mask)
+    if on_devices(sharding):  # every argument of the kernels' shard_map an array
+        tree_mask = tree_mask_or_causal(b, t, tree_mask)
     active = jnp.ones((b,), bool) if active is None else active
     arrays = dict(proj=proj, cos=cos, sin=sin, cache_len=cache_len, k_pool=k_pool, v_pool=v_pool)
     arrays |= dict(tree_mask=tree_mask, active=active)

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels.attention_partials import merge, new_token_bits, partials_reference, split_runs
+from jaxspec.kernels.attention_partials import (
+    causal_token_bits,
+    merge,
+    new_token_bits,
+    partials_reference,
+    split_runs,
+)
 from tests.kernels.paged_cases import inputs as paged_inputs
 
 pytest.importorskip("triton", reason="the Triton kernel's tests need the triton package (the test extra has it)")
@@ -65,6 +71,14 @@ def test_new_token_bits():
     unpacked = unpacked.transpose(0, 2, 1, 3).reshape(3, 128, 64)[:, :, :40].astype(bool)
     np.testing.assert_array_equal(unpacked[:, :80], np.repeat(tree, 2, axis=1))
     assert not unpacked[:, 80:].any()
+
+
+@pytest.mark.parametrize("t, group, rows", [(1, 2, 16), (1, 16, 16), (5, 2, 16), (4, 8, 32), (40, 2, 128)])
+def test_causal_token_bits_are_the_causal_masks_bits(t, group, rows):
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (1, t, t))
+    bits = causal_token_bits(t, group, rows)
+    assert bits.dtype == np.int32
+    np.testing.assert_array_equal(bits, np.asarray(new_token_bits(causal, group, rows)))
 
 
 def test_split_runs():
@@ -140,6 +154,20 @@ def test_a_wrong_length_or_page_table_fails_the_comparison():
     wrong = table.at[row, 0].set(table[(row + 1) % table.shape[0], 0])
     with pytest.raises(AssertionError):
         assert_partials_equal(got, partials_reference(q, k_pool, v_pool, wrong, prefix_len, new_start, bits, **tuning))
+
+
+def test_one_row_of_bits_is_every_rows():
+    """Bits [1, W, R] (a causal step's constant) are read as every row's: the kernel equals the
+    reference given each row a copy. Control: the same call with a random tree's bits differs."""
+    t, tuning = 5, dict(num_new=5, splits=2, block_kv=16)
+    q, k_pool, v_pool, table, prefix_len, new_start, _ = paged_case(t, 7)
+    shared = jnp.asarray(causal_token_bits(t, GROUP, q.shape[2]))
+    got = paged_attention_partials(q, k_pool, v_pool, table, prefix_len, new_start, shared, interpret=True, **tuning)
+    each = jnp.broadcast_to(shared, (q.shape[0], *shared.shape[1:]))
+    assert_partials_equal(got, partials_reference(q, k_pool, v_pool, table, prefix_len, new_start, each, **tuning))
+    tree = new_token_bits(jnp.asarray(random_tree_masks(q.shape[0], t, seed=8)), GROUP, q.shape[2])
+    with pytest.raises(AssertionError):
+        assert_partials_equal(got, partials_reference(q, k_pool, v_pool, table, prefix_len, new_start, tree, **tuning))
 
 
 def visible_slots(prefix_len, new_start, tree, group, rows, max_len) -> np.ndarray:

@@ -87,8 +87,9 @@ class DraftModelDrafter:
                 start = cache_len - (state.count - 1)
                 tokens, mask = state.tokens, None
                 positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            else:
+            else:  # a chain's mask is causal: passed as None, the attention kernel's constant bits
                 start, positions = cache_len, cache_len[:, None] + depth
+                mask = None if self.width == 1 else mask
             _, hidden, cache = extend(
                 self.cfg,
                 dparams,

@@ -164,7 +164,7 @@ class Eagle3Drafter:
                     hidden_in,
                     head_len[:, None] + depth,
                     head_len,
-                    tree_mask=mask,
+                    tree_mask=None if self.width == 1 else mask,  # a chain's is causal
                     active=active,
                     sharding=self.sharding,
                 )
