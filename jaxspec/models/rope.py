@@ -93,8 +93,9 @@ def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, 
     inv = jnp.asarray(inv_freq)
     if cfg.rope.get("rope_type") == "dynamic":
         inv = _dynamic_inv_freq(cfg, inv, jnp.max(positions) + 1)
-    angles = positions.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
+    # Both halves from one [D] table (a constant unless dynamic): elementwise from the positions,
+    # so that XLA computes cos and sin in one fusion (a concatenation of the angles would be two).
+    angles = positions.astype(jnp.float32)[..., None] * jnp.concatenate([inv, inv])  # [B, T, D]
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
