@@ -87,7 +87,7 @@ def draft_extend(
     b, t = tokens.shape
     layer, cfg = dparams["midlayer"], dcfg.layer_config
     cos, sin = rope_tables(cfg, positions)
-    x = layer_input(dcfg, dparams, embed, tokens, hidden_in, lambda x, w: _add_norm(dcfg, x, None, w, sharding)[1])
+    x = layer_input(dcfg, dparams, embed, tokens, hidden_in)  # XLA's norms: one fusion with the concatenation
     paged = isinstance(cache, PagedKVCache)
     if paged and prefix_mask is not None:
         raise ValueError("prefix_mask: a paged cache takes none (its tree drafting sees the whole prefix)")

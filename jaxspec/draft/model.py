@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -196,21 +195,18 @@ def stack_aux(dcfg: DraftConfig, dparams: DraftParams, aux: jax.Array) -> jax.Ar
 
 
 def layer_input(
-    dcfg: DraftConfig,
-    dparams: DraftParams,
-    embed: jax.Array,
-    tokens: jax.Array,
-    hidden: jax.Array,
-    norm: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    dcfg: DraftConfig, dparams: DraftParams, embed: jax.Array, tokens: jax.Array, hidden: jax.Array
 ) -> jax.Array:
     """The layer's input x = cat(input_norm(e), hidden_norm(h)) [B, T, 2H] for int32 tokens [B, T]
-    (their embeddings e) and hidden inputs h [B, T, H]; norm(x, weight): the RMS norm to apply
-    (default `blocks.rms_norm` with the head's eps; drafting passes its kernel's)."""
+    (their embeddings e) and hidden inputs h [B, T, H]. XLA's RMS norms: on a GPU both norms and
+    the concatenation are one fusion (a norm kernel each would be two launches and the concatenation a third)."""
     layer = dparams["midlayer"]
     dtype = dparams["fc"].dtype
-    norm = norm or (lambda x, weight: rms_norm(x, weight, dcfg.rms_norm_eps))
     emb = jax.lax.stop_gradient(jnp.take(embed, tokens, axis=0)).astype(dtype)
-    return jnp.concatenate([norm(emb, layer["input_norm"]), norm(hidden.astype(dtype), layer["hidden_norm"])], axis=-1)
+    eps = dcfg.rms_norm_eps
+    return jnp.concatenate(
+        [rms_norm(emb, layer["input_norm"], eps), rms_norm(hidden.astype(dtype), layer["hidden_norm"], eps)], axis=-1
+    )
 
 
 def attention_inputs(

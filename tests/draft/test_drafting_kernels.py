@@ -1,10 +1,10 @@
 """`draft_extend` through the decoder layer's kernels gives the logits, layer outputs and caches of
 the head's own pieces: the attention prologue before the attention kernel (the head's q, k and v
-fused, as rollouts read them), the residual norms (its input norms, the MLP's norm after
-attention, the final norm) and the weight projections (q/k/v, o, the MLP, the LM head), for a
-prefill then a tree-masked step over a dense cache and a paged one. The kernels run in Triton's
-interpreter (float32); the traced program must call each of them, so that a comparison of the
-reference with itself cannot pass for one of the kernels."""
+fused, as rollouts read them), the residual norms (the MLP's norm after attention, the final norm;
+the input norms stay XLA's, one fusion with their concatenation) and the weight projections (q/k/v,
+o, the MLP, the LM head), for a prefill then a tree-masked step over a dense cache and a paged one.
+The kernels run in Triton's interpreter (float32); the traced program must call each of them, so
+that a comparison of the reference with itself cannot pass for one of the kernels."""
 
 import functools
 
