@@ -52,7 +52,7 @@ def spec_of(tiny, name: str, **settings) -> Spec:
         ("suffix", dict(slots=1)),
         ("suffix", dict(slots=3, page_size=8)),
         ("suffix", dict(slots=12)),
-        ("suffix", dict(slots=4, kv_pages=24, page_size=4)),
+        ("suffix", dict(slots=4, kv_pages=24, page_size=4, decode_steps=8)),
         ("hybrid", dict(slots=3, page_size=8)),
         ("hybrid", dict(slots=4, kv_pages=24, page_size=4, decode_steps=4)),
         ("adaptive", dict(slots=3, page_size=8, decode_steps=4)),
