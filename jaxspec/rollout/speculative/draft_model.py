@@ -87,9 +87,11 @@ class DraftModelDrafter:
                 start = cache_len - (state.count - 1)
                 tokens, mask = state.tokens, None
                 positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            else:  # a chain's mask is causal: passed as None, the attention kernel's constant bits
+            elif self.width == 1:  # a chain: its newest node alone, the nodes before it in the cache
+                start = cache_len + tokens.shape[1] - 1
+                tokens, positions, mask, frontier = tokens[:, -1:], start[:, None], None, slice(0, 1)
+            else:
                 start, positions = cache_len, cache_len[:, None] + depth
-                mask = None if self.width == 1 else mask
             _, hidden, cache = extend(
                 self.cfg,
                 dparams,

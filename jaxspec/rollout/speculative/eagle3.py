@@ -8,7 +8,8 @@ root's entry needs them too. Both are one chunk: `update` only records the chunk
 entries ending with the new root's), and the first drafting pass of the next `propose` runs it
 and reads the root's logits at its last valid entry. Each further tree level runs the head over
 the tree built so far: the root with its features, every other node with its parent's head
-output (before the final norm).
+output (before the final norm); a chain's level runs its newest node alone (the others' entries
+are in the head's cache from the levels before: the same entries, one pass of one entry a row).
 
 In an adaptive loop (`jaxspec.rollout.speculative.adaptive`) an autoregressive iteration does not
 run the head: `defer` appends the step's one entry to the pending chunk (`backlog` more entries
@@ -152,6 +153,20 @@ class Eagle3Drafter:
             cache, previous_out, root_hidden = carry
             if previous_out is None:  # the pending chunk, its last valid entry the root's
                 logits, out, root_hidden, cache = self._pending_pass(head, embed, cache, state, head_len, active)
+            elif self.width == 1:  # a chain: its newest node alone, the entries before it in the cache
+                newest = head_len + tokens.shape[1] - 1
+                logits, out, cache = draft_extend(
+                    self.dcfg,
+                    head,
+                    embed,
+                    cache,
+                    tokens[:, -1:],
+                    previous_out,  # [B, 1, H]: the node's parent's output
+                    newest[:, None],
+                    newest,
+                    active=active,
+                    sharding=self.sharding,
+                )
             else:
                 parent_out = jnp.take_along_axis(previous_out, jnp.maximum(parents, 0)[:, :, None], axis=1)
                 hidden_in = jnp.where((parents < 0)[:, :, None], root_hidden, parent_out)
@@ -164,7 +179,7 @@ class Eagle3Drafter:
                     hidden_in,
                     head_len[:, None] + depth,
                     head_len,
-                    tree_mask=None if self.width == 1 else mask,  # a chain's is causal
+                    tree_mask=mask,
                     active=active,
                     sharding=self.sharding,
                 )

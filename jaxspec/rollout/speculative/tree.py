@@ -167,7 +167,7 @@ def dynamic_tree(
     batch = root.shape[0]
     total = 1 + depth * width
     level = np.concatenate([[0], np.repeat(np.arange(1, depth + 1), width)]).astype(np.int32)
-    tokens = jnp.zeros((batch, total), jnp.int32).at[:, 0].set(root)
+    levels = [root[:, None].astype(jnp.int32)]  # the tokens level by level (one concatenation each pass, none updated)
     parents = jnp.full((batch, total), -1, jnp.int32)
     log_q = jnp.zeros((batch, total), jnp.float32)  # cumulative draft log-probability
     scores = jnp.zeros((batch, total), jnp.float32)
@@ -179,11 +179,17 @@ def dynamic_tree(
     def flat(x: jax.Array) -> jax.Array:  # [B, F, W] -> [B, F * W]: candidate c = frontier node c // W, draw c % W
         return x.reshape(batch, -1)
 
+    def put(x: jax.Array, nodes: jax.Array, at: int) -> jax.Array:
+        """x [B, total, ...] with nodes [B, width, ...] at node `at`: `.at[].set` of a static slice
+        would check its bounds on the device (a launch a call)."""
+        return jax.lax.dynamic_update_slice_in_dim(x, nodes.astype(x.dtype), at, axis=1)
+
     for d in range(depth):
         start = 0 if d == 0 else 1 + (d - 1) * width
         frontier = slice(start, 1 + d * width)
         t = frontier.stop
-        carry, logits = draft_pass(carry, tokens[:, :t], parents[:, :t], node_depth[:, :t], mask[:, :t, :t], frontier)
+        tokens = jnp.concatenate(levels, axis=1)  # [B, t]
+        carry, logits = draft_pass(carry, tokens, parents[:, :t], node_depth[:, :t], mask[:, :t, :t], frontier)
         parent_logq, parent_score = log_q[:, frontier, None], scores[:, frontier]
         if width == 1 and not stochastic:  # a chain's next node: the argmax, no log-probabilities
             ids = jnp.argmax(logits, axis=-1, keepdims=True).astype(jnp.int32)
@@ -200,18 +206,21 @@ def dynamic_tree(
         else:
             top, ids = jax.lax.top_k(process(logits), width)
             child_logq = child_score = parent_logq + top
-        if width == 1:  # a chain: one candidate per level, no sort
+        if width == 1:  # a chain: one candidate per level, no sort (and no gather: its bound checks cost launches)
             pick = jnp.zeros((batch, 1), jnp.int32)
+            picked = lambda x: flat(x)[:, :1]  # noqa: E731
         else:
             pick = jnp.argsort(-flat(child_score), axis=1, stable=True)[:, :width]
+            picked = lambda x: jnp.take_along_axis(flat(x), pick, axis=1)  # noqa: E731
         new = slice(t, t + width)
         new_parents = start + pick // width
-        tokens = tokens.at[:, new].set(to_target(jnp.take_along_axis(flat(ids), pick, axis=1)))
-        parents = parents.at[:, new].set(new_parents)
-        log_q = log_q.at[:, new].set(jnp.take_along_axis(flat(child_logq), pick, axis=1))
-        scores = scores.at[:, new].set(jnp.take_along_axis(flat(child_score), pick, axis=1))
+        levels.append(to_target(picked(ids)))
+        parents = put(parents, new_parents, t)
+        log_q = put(log_q, picked(child_logq), t)
+        scores = put(scores, picked(child_score), t)
         parent_rows = jnp.take_along_axis(mask, new_parents[:, :, None], axis=1)  # [B, W, total]
-        mask = mask.at[:, new].set(parent_rows | eye[new][None])
+        mask = put(mask, parent_rows | eye[new][None], t)
+    tokens = jnp.concatenate(levels, axis=1)
     draft_probs = None
     if stochastic:  # q at every node that has children; the deepest level's nodes have none
         q = jnp.concatenate(node_probs, axis=1)
