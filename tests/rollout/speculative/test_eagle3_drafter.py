@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.draft import fuse, init_eagle3, to_target_ids
+from jaxspec.draft import draft_extend, fuse, init_eagle3, to_target_ids
 from jaxspec.draft.loss import ttt_forward
 from jaxspec.models.transformer import forward_hidden
 from jaxspec.rollout import Sampling
@@ -100,6 +100,43 @@ def test_first_draft_matches_uncached_head_after_any_acceptance(policy):
         root_index = root_index + accepted + 1
     state, tree = propose(dparams, state, seqs[rows, root_index], jnp.asarray(root_index), all_rows, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1]), predicted[rows, root_index - 1])
+
+
+def _chain_rerun(drafter, dparams, state, root, root_index) -> np.ndarray:
+    """A chain drafted by running the head over the whole chain so far at every level (the root with
+    its features, each node with its parent's output; the cache holding the entries before the
+    root's): its DEPTH drafted policy ids [B, DEPTH], the reference for drafting one node a level."""
+    head, embed = dparams["head"], dparams["embed"]
+    head_len = jnp.asarray(root_index) - 1
+    every_row = jnp.ones(len(root_index), bool)
+    logits, out, root_hidden, cache = drafter._pending_pass(head, embed, state.cache, state, head_len, every_row)
+    tokens = []
+    for level in range(DEPTH):
+        tokens.append(to_target_ids(head, jnp.argmax(logits[:, -1], axis=-1)))
+        if level + 1 == DEPTH:
+            break
+        chain = jnp.stack([root, *tokens], axis=1)  # [B, level + 2]
+        hidden = jnp.concatenate([root_hidden, out], axis=1)  # the root's features, then each parent's output
+        positions = head_len[:, None] + jnp.arange(level + 2)
+        logits, out, _ = draft_extend(drafter.dcfg, head, embed, cache, chain, hidden, positions, head_len)
+    return np.asarray(jnp.stack(tokens, axis=1))
+
+
+def test_a_chain_drafts_one_node_a_level_as_the_head_over_the_whole_chain(policy):
+    """Each level after the first runs its newest node alone, over the entries the levels before
+    wrote: the same drafts as running the head over the whole chain again at every level."""
+    seqs, aux, _, drafter, dparams, state = _setup(policy, TOTAL)
+    propose, update = jax.jit(drafter.propose), jax.jit(drafter.update)
+    rows = np.arange(len(PROMPT_LENGTHS))
+    root_index = np.asarray(PROMPT_LENGTHS)
+    for accepted in ([0, 2, 3], [3, 0, 1], None):
+        root = seqs[rows, root_index]
+        want = _chain_rerun(drafter, dparams, state, root, root_index)
+        state, tree = propose(dparams, state, root, jnp.asarray(root_index), jnp.ones(3, bool), jax.random.key(0))
+        np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), want)
+        if accepted is not None:
+            state = update(dparams, state, _verified(seqs, aux, root_index, np.asarray(accepted)))
+            root_index = root_index + np.asarray(accepted) + 1
 
 
 @pytest.mark.parametrize("piece", [MIN_QUEUE_PIECE, None], ids=["pieces_of_16", "one_pass"])
