@@ -179,6 +179,11 @@ def dynamic_tree(
     def flat(x: jax.Array) -> jax.Array:  # [B, F, W] -> [B, F * W]: candidate c = frontier node c // W, draw c % W
         return x.reshape(batch, -1)
 
+    def chosen(x: jax.Array, pick: jax.Array | None) -> jax.Array:
+        """The kept candidates [B, width] of x [B, F, W]: those `pick` [B, width] names, or a chain's
+        one (pick None: a slice, where a gather would check its bounds on the device, a launch)."""
+        return flat(x)[:, :1] if pick is None else jnp.take_along_axis(flat(x), pick, axis=1)
+
     def put(x: jax.Array, nodes: jax.Array, at: int) -> jax.Array:
         """x [B, total, ...] with nodes [B, width, ...] at node `at`: `.at[].set` of a static slice
         would check its bounds on the device (a launch a call)."""
@@ -206,18 +211,16 @@ def dynamic_tree(
         else:
             top, ids = jax.lax.top_k(process(logits), width)
             child_logq = child_score = parent_logq + top
-        if width == 1:  # a chain: one candidate per level, no sort (and no gather: its bound checks cost launches)
-            pick = jnp.zeros((batch, 1), jnp.int32)
-            picked = lambda x: flat(x)[:, :1]  # noqa: E731
+        if width == 1:  # a chain: one candidate per level, no sort
+            pick, new_parents = None, jnp.full((batch, 1), start, jnp.int32)
         else:
             pick = jnp.argsort(-flat(child_score), axis=1, stable=True)[:, :width]
-            picked = lambda x: jnp.take_along_axis(flat(x), pick, axis=1)  # noqa: E731
+            new_parents = start + pick // width
         new = slice(t, t + width)
-        new_parents = start + pick // width
-        levels.append(to_target(picked(ids)))
+        levels.append(to_target(chosen(ids, pick)))
         parents = put(parents, new_parents, t)
-        log_q = put(log_q, picked(child_logq), t)
-        scores = put(scores, picked(child_score), t)
+        log_q = put(log_q, chosen(child_logq, pick), t)
+        scores = put(scores, chosen(child_score, pick), t)
         parent_rows = jnp.take_along_axis(mask, new_parents[:, :, None], axis=1)  # [B, W, total]
         mask = put(mask, parent_rows | eye[new][None], t)
     tokens = jnp.concatenate(levels, axis=1)
