@@ -21,6 +21,8 @@ compute capability when it lowers a kernel; with none here the script answers th
 and a sparse layer's grouped matmuls are told they run on a GPU (their "auto" choice).
 
     python3 benchmarks/compiled_kernels.py --model configs/models/qwen3-1.7b.json --batch 1 8 --new 1 4
+    python3 benchmarks/compiled_kernels.py --model configs/models/small-policy-32k.json --batch 64 --new 3 \
+        --draft --settings gpu_default      # an EAGLE-3 head's 3-token chain proposal (per_layer: its one layer)
 """
 
 from __future__ import annotations
@@ -116,30 +118,40 @@ def summary(row: dict) -> str:
     return f"{where} {row['launches']:4d} launches ({row['per_layer']}/layer){copies}: {kinds}"
 
 
-def compile_step(model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1) -> str:
-    """The optimized HLO of `extend` over `new` tokens per row for H200s, in this process: on one, or
-    on a mesh of `devices` over the data axis (the rows split over them, each device's pages a group
-    of the pools, as the slot engine lays them out; the weights replicated)."""
+def deviceless_mesh(devices: int):
+    """The `Sharding` of a mesh of `devices` H200s over the data axis, for compiling in this process
+    without a device (the CPU backend; jax-triton told the target's compute capability)."""
     os.environ.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     # The command-buffer launcher loads each kernel's PTX when XLA compiles the step, with the ptxas
     # XLA finds here, which may be older than the PTX Triton writes; jax-triton's own call defers that
     # to the first launch. The launches counted are the same.
     os.environ.setdefault("JAXSPEC_TRITON_COMMAND_BUFFERS", "off")
-    import jax
-    import jax.numpy as jnp
     import jax_triton.triton_lib
     from jax.experimental import topologies
 
-    from jaxspec.models import ModelConfig, init_params, moe
-    from jaxspec.models.paged import PagedKVCache
-    from jaxspec.models.params import fuse_qkv
-    from jaxspec.models.sharding import KV_PAGES_AXES, Sharding
-    from jaxspec.models.transformer import extend
+    from jaxspec.models import moe
+    from jaxspec.models.sharding import Sharding
 
     jax_triton.triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
     moe.on_gpu = lambda: True  # a sparse layer's "auto" grouped matmuls choose as on the target
     topology = topologies.get_topology_desc(platform="cuda", target_config=H200, topology=f"1x1x{devices}")
-    sharding = Sharding(topologies.make_mesh(topology, (devices, 1, 1), ("data", "fsdp", "tensor")))
+    return Sharding(topologies.make_mesh(topology, (devices, 1, 1), ("data", "fsdp", "tensor")))
+
+
+def compile_step(model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1) -> str:
+    """The optimized HLO of `extend` over `new` tokens per row for H200s, in this process: on one, or
+    on a mesh of `devices` over the data axis (the rows split over them, each device's pages a group
+    of the pools, as the slot engine lays them out; the weights replicated)."""
+    sharding = deviceless_mesh(devices)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.models import ModelConfig, init_params
+    from jaxspec.models.paged import PagedKVCache
+    from jaxspec.models.params import fuse_qkv
+    from jaxspec.models.sharding import KV_PAGES_AXES
+    from jaxspec.models.transformer import extend
+
     cfg = ModelConfig.from_json(model)
 
     def spec(shape, dtype, axes=None):
@@ -167,6 +179,47 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int,
     return jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
 
 
+def compile_proposal(model: str, batch: int, depth: int, context: int, page_size: int) -> str:
+    """The optimized HLO of an EAGLE-3 head's proposal of a `depth`-token chain at T=0 for one H200
+    (`Eagle3Drafter.propose`: its pending chunk, then a pass a level), a random head of the model's
+    shape over a paged head cache of `context` positions per row."""
+    sharding = deviceless_mesh(1)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.draft import DraftConfig, init_eagle3
+    from jaxspec.models import ModelConfig
+    from jaxspec.models.paged import PagedKVCache
+    from jaxspec.models.params import fuse_qkv
+    from jaxspec.rollout.sampling import Sampling
+    from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter, HeadState
+
+    cfg = ModelConfig.from_json(model)
+    dcfg = DraftConfig.for_policy(cfg, None, None)
+    drafter = Eagle3Drafter(dcfg, Sampling(temperature=0.0), depth=depth, width=1, num_nodes=depth, stochastic=False)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named((None,) * len(shape), shape))
+
+    head = jax.eval_shape(lambda: fuse_qkv(init_eagle3(cfg, jax.random.key(0), dtype=jnp.bfloat16)[1]))
+    head = jax.tree.map(lambda a: spec(a.shape, a.dtype), head)
+    per_row = -(-context // page_size)
+    pool = spec((batch * per_row, page_size, dcfg.num_kv_heads, dcfg.head_dim), jnp.bfloat16)
+    cache = PagedKVCache(k=(pool,), v=(pool,), page_table=spec((batch, per_row), jnp.int32))
+    chunk = (batch, drafter.chunk)
+    state = HeadState(
+        cache, spec(chunk, jnp.int32), spec((*chunk, 3 * cfg.hidden_size), jnp.bfloat16), spec((batch,), jnp.int32)
+    )
+
+    def propose(head, embed, state, root, cache_len, active, key):
+        state, tree = drafter.propose({"head": head, "embed": embed}, state, root, cache_len, active, key)
+        return state, tree.tokens
+
+    rows = spec((batch,), jnp.int32)
+    args = (head, spec((cfg.vocab_size, cfg.hidden_size), jnp.bfloat16), state, rows, rows, spec((batch,), jnp.bool_))
+    return jax.jit(propose, donate_argnums=2).lower(*args, spec((2,), jnp.uint32)).compile().as_text()
+
+
 def largest_copy_bytes(hlo: str) -> int:
     """The bytes of the largest `copy` in the entry computation (0: none), e.g. of a KV pool that
     the step was meant to update in place."""
@@ -183,14 +236,14 @@ def largest_copy_bytes(hlo: str) -> int:
 def count(model: str, batch: int, new: int, setting: str, args: argparse.Namespace) -> dict:
     """One row: the step of (model, batch, new) compiled under `setting` in a child process."""
     one = ["--one", f"{model},{batch},{new}", "--devices", str(args.devices)]
-    one += ["--context", str(args.context), "--page-size", str(args.page_size)]
+    one += ["--context", str(args.context), "--page-size", str(args.page_size)] + ["--draft"] * args.draft
     env = {**os.environ, **SETTINGS[setting]}
     done = subprocess.run([sys.executable, __file__, *one], env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"compiling {model} B={batch} T={new} {setting} failed:\n{done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     total = sum(result["kinds"].values())
-    layers = json.loads(Path(model).read_text())["num_hidden_layers"]
+    layers = 1 if args.draft else json.loads(Path(model).read_text())["num_hidden_layers"]  # the head: one
     row = dict(model=Path(model).stem, batch=batch, new=new, devices=args.devices, setting=setting, launches=total)
     return row | dict(
         per_layer=round(total / layers, 1), kinds=result["kinds"], largest_copy_bytes=result["largest_copy_bytes"]
@@ -206,13 +259,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--devices", type=int, default=1, help="H200s of a mesh over the data axis (grouped pools)")
+    p.add_argument("--draft", action="store_true", help="an EAGLE-3 head's proposal of a --new-token chain, not a step")
     p.add_argument("--out", default=None, help="JSON of every row")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's step: model,batch,new
     args = p.parse_args(argv)
 
     if args.one:  # each setting compiles in a fresh process: the variables are read when traced
         model, batch, new = args.one.split(",")
-        hlo = compile_step(model, int(batch), int(new), args.context, args.page_size, args.devices)
+        if args.draft:
+            hlo = compile_proposal(model, int(batch), int(new), args.context, args.page_size)
+        else:
+            hlo = compile_step(model, int(batch), int(new), args.context, args.page_size, args.devices)
         print(json.dumps({"kinds": launches(hlo), "largest_copy_bytes": largest_copy_bytes(hlo)}))
         return 0
     rows = []
@@ -224,7 +281,7 @@ def main(argv: list[str]) -> int:
                     print(summary(rows[-1]))
     if args.out:
         meta = {"target": "NVIDIA H200 (deviceless compilation, sm90)", "jax": importlib.metadata.version("jax")}
-        meta |= {"context": args.context, "page_size": args.page_size, "rows": rows}
+        meta |= {"context": args.context, "page_size": args.page_size, "draft": args.draft, "rows": rows}
         Path(args.out).write_text(json.dumps(meta, indent=1))
     return 0
 

@@ -1,5 +1,6 @@
 """The EAGLE-3 drafter's cached state: across verification steps with any accepted counts, its
-first draft token equals the uncached head's prediction from the policy's own features."""
+first draft token equals the uncached head's prediction from the policy's own features, and a
+chain's later levels, drafted one node a level, equal the head run over the whole chain."""
 
 import dataclasses
 
