@@ -263,6 +263,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="JSON of every row")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's step: model,batch,new
     args = p.parse_args(argv)
+    if args.draft and args.devices != 1:
+        p.error("--draft compiles the proposal for one H200: --devices must be 1")
 
     if args.one:  # each setting compiles in a fresh process: the variables are read when traced
         model, batch, new = args.one.split(",")

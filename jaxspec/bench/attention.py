@@ -41,7 +41,7 @@ from jaxspec.bench.timing import (
     read_bytes_per_second,
     write_results,
 )
-from jaxspec.kernels.attention_partials import new_token_bits
+from jaxspec.kernels.attention_partials import causal_token_bits
 from jaxspec.models.attention import (
     IMPL_ENV,
     cache_attention,
@@ -49,7 +49,6 @@ from jaxspec.models.attention import (
     kernel_impl,
     merge_kernel,
     query_rows_of,
-    tree_mask_or_causal,
     triton_kernel,
 )
 from jaxspec.models.config import ModelConfig
@@ -294,7 +293,7 @@ def tune_kernel(q, k, v, cache_len, group: int, interpret: bool = False, grid=TU
     b, t, nq, d = q.shape
     rows = kernel.query_rows(t * group)
     q_rows = jnp.zeros((b, nq // group, rows, d), q.dtype)
-    bits = new_token_bits(tree_mask_or_causal(b, t, None), group, rows)
+    bits = jnp.asarray(causal_token_bits(t, group, rows))  # as the engines' causal steps pass them
     table = jnp.arange(b, dtype=jnp.int32)[:, None]
     args = (q_rows, k, v, table, cache_len, bits)
     empty, args = empty_loop_seconds(args, calls=20, repeats=3)
