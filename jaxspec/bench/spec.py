@@ -111,10 +111,13 @@ def rollout_summary(tok: ChatTokenizer, problems: list[dict], tokens, logprobs, 
     }
 
 
-def generate_rows(cfg, params, prompts, key, sampling, spec, slots, kv_pages, sub_batch) -> RolloutOutput:
+def generate_rows(
+    cfg, params, prompts, key, sampling, spec, slots, kv_pages, sub_batch, decode_steps=None
+) -> RolloutOutput:
     """`generate` of the prompts, on the host and finished: in one call, or with sub_batch in calls of
     that many rows one after another (their keys folded with the call's index, as
-    rollout.sub_batch does) whose outputs and statistics are joined as one rollout's."""
+    rollout.sub_batch does) whose outputs and statistics are joined as one rollout's. decode_steps:
+    the slot engine's decode steps between two rounds of scheduling (None: its default)."""
     size = sub_batch or len(prompts)
     if size < 1 or len(prompts) % size:
         raise ValueError(f"--sub-batch {sub_batch} does not divide the batch of {len(prompts)} rows")
@@ -122,7 +125,15 @@ def generate_rows(cfg, params, prompts, key, sampling, spec, slots, kv_pages, su
     for i, start in enumerate(range(0, len(prompts), size)):
         call_key = key if size == len(prompts) else jax.random.fold_in(key, i)
         out = generate(
-            cfg, params, prompts[start : start + size], call_key, sampling, spec=spec, slots=slots, kv_pages=kv_pages
+            cfg,
+            params,
+            prompts[start : start + size],
+            call_key,
+            sampling,
+            spec=spec,
+            slots=slots,
+            kv_pages=kv_pages,
+            decode_steps=decode_steps,
         )
         parts.append(jax.device_get(out))
     if len(parts) == 1:
@@ -198,6 +209,7 @@ def main(argv: list[str]) -> int:
         "max_new_tokens": args.new,
         "sub_batch": args.sub_batch,
         "kv_pages": args.kv_pages,
+        "decode_steps": args.decode_steps,
         "coupled": args.coupled,
         "baseline": "autoregressive generate, same run",
     }
@@ -229,7 +241,7 @@ def main(argv: list[str]) -> int:
             sub_batch = None if slots is not None else args.sub_batch
             draws = dataclasses.replace(sampling, coupled=coupled)
             run = lambda: generate_rows(  # noqa: E731
-                cfg, params, prompts, key, draws, spec, slots, args.kv_pages, sub_batch
+                cfg, params, prompts, key, draws, spec, slots, args.kv_pages, sub_batch, args.decode_steps
             )
             start = time.perf_counter()
             run()  # compile + warm up

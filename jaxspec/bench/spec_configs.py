@@ -174,6 +174,14 @@ def parse_args(argv: list[str], description: str) -> argparse.Namespace:
         "preempts and resumes rows when it runs short",
     )
     p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="the slot engine's decode steps between two rounds of scheduling (admissions, preemptions, "
+        "releases; default: the engine's)",
+    )
+    p.add_argument(
         "--sub-batch",
         type=int,
         default=None,

@@ -253,11 +253,14 @@ def test_bench_spec_runs_the_staged_engine_in_sub_batches_and_the_slots_on_a_giv
     out = tmp_path / "spec.json"
     argv = ["bench", "spec", "--policy", str(ASSETS / "tiny-policy"), "--draft", str(ASSETS / "tiny-eagle3")]
     argv += ["--batch", "4", "--new", "16", "--k", "2", "--trees", "--no-ngram", "--levels", "1"]
-    argv += ["--sub-batch", "2", "--slots", "4", "--kv-pages", "5"]
+    # 8 decode steps between two rounds of scheduling: at the engine's default of 16 this pool
+    # happens not to run short, and the preemption below would go untested
+    argv += ["--sub-batch", "2", "--slots", "4", "--kv-pages", "5", "--decode-steps", "8"]
     assert main([*argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {r["config"]: r for r in result["rows"]}
     assert result["baseline"]["sub_batch"] == 2 and result["baseline"]["kv_pages"] == 5
+    assert result["baseline"]["decode_steps"] == 8
     for label in ("ar", "eagle3 chain k=2"):  # two calls of two rows, one after another
         assert len(rows[label]["lengths"]) == 4
         assert sum(rows[label]["stage_steps"]) == int(round(rows[label]["seconds"] * 1e3 / rows[label]["step_ms"]))
