@@ -23,7 +23,8 @@
 #   k=7 chain's acceptance per position gives the acceptance length at every k <= 7), PRETRAIN_ARGS
 #   and HEAD_ARGS (extra dotted.key=value overrides); engines: ENGINE_CALLS (2: the memory both engines
 #   get is SPEC_BATCH / ENGINE_CALLS dense rows), ENGINE_SLOTS ("SPEC_BATCH": slot counts, one run
-#   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7 --staged-ar-only"); floor:
+#   each), ENGINE_ARGS ("--suffix": more `bench spec` options, e.g. "--stage-k 3,5,7 --stage-trees 3,16:1,2,5
+#   --staged-ar-only"); floor:
 #   FLOOR_NEW (1024: max_new_tokens), FLOOR_BATCH ("512 64 1": batch sizes, largest first, where
 #   speculation costs most); grpo: GRPO_RUNS ("ar frozen": autoregressive, EAGLE-3 with the frozen
 #   head, online: adapted, deep: the frozen head drafting 3 / 5 / 7 tokens as the decoding rows fall

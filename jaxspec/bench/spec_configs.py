@@ -19,6 +19,21 @@ def stage_label(depths: tuple[int, ...]) -> str:
     return f"eagle3 chain k={'/'.join(map(str, depths))} by stage"
 
 
+def stage_tree(text: str) -> tuple[int, int, tuple[int, ...]]:
+    """--stage-trees values: "W,N:K1,K2,..." (tree width W, at most N nodes, K_i levels in stage i)."""
+    try:
+        shape, depths = text.split(":")
+        width, budget = (int(x) for x in shape.split(","))
+        return width, budget, tuple(int(x) for x in depths.split(","))
+    except ValueError:
+        message = f"expected width,budget:depth,depth,... such as 3,16:2,3,5, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def stage_tree_label(width: int, budget: int, depths: tuple[int, ...]) -> str:
+    return f"eagle3 tree w={width} n={budget} d={'/'.join(map(str, depths))} by stage"
+
+
 def verify_token_cost(text: str) -> float | tuple[tuple[int, float], ...]:
     """--verify-token-cost: "0.1" (every batch size) or "1:0.01,64:0.1" ((rows, cost) pairs)."""
     try:
@@ -31,7 +46,8 @@ def verify_token_cost(text: str) -> float | tuple[tuple[int, float], ...]:
 
 
 def add_stage_k(parser: argparse.ArgumentParser) -> None:
-    """--stage-k K1,K2,...: EAGLE-3 chains drafting a depth per loop stage, one run per option."""
+    """--stage-k K1,K2,... and --stage-trees W,N:K1,K2,...: EAGLE-3 chains and trees drafting a depth per
+    loop stage, one run per value."""
     parser.add_argument(
         "--stage-k",
         type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -39,6 +55,15 @@ def add_stage_k(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="K1,K2,...",
         help="chains drafting a depth per loop stage (Spec.stage_draft_tokens)",
+    )
+    parser.add_argument(
+        "--stage-trees",
+        type=stage_tree,
+        nargs="*",
+        default=[],
+        metavar="W,N:K1,K2,...",
+        help="trees of width W and at most N nodes drafting K_i levels in loop stage i (on slots: while at "
+        "most S / 2^i slots decode), e.g. 3,16:2,3,5 for deeper trees as the rows finish",
     )
 
 
@@ -64,6 +89,19 @@ def configurations(args) -> list[tuple[str, dict]]:
     for depths in args.stage_k:
         runs.append(
             (stage_label(depths), {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths})
+        )
+    for width, budget, depths in args.stage_trees:
+        runs.append(
+            (
+                stage_tree_label(width, budget, depths),
+                {
+                    "method": "eagle3",
+                    "num_draft_tokens": max(depths),
+                    "stage_draft_tokens": depths,
+                    "tree_width": width,
+                    "tree_budget": budget,
+                },
+            )
         )
     for width, depth, budget in args.trees:
         runs.append(

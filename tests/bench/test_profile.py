@@ -68,6 +68,8 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
             "2",
             "--stage-k",
             "1,2",
+            "--stage-trees",
+            "2,4:1,2",
             "--trace-dir",
             str(tmp_path / "trace"),
             "--out",
@@ -80,7 +82,8 @@ def test_profile_runs_on_the_tiny_policy_and_head(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=1/2 by stage", "ngram chain k=3"}
+    stage_tree = "eagle3 tree w=2 n=4 d=1/2 by stage"
+    assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=1/2 by stage", stage_tree, "ngram chain k=3"}
     ar, spec = rows["ar"], rows["eagle3 chain k=2"]
     assert {"forward", "sample"} <= set(ar["phases_ms"]) and "propose" not in ar["phases_ms"]
     assert {"propose", "verify_forward", "verify", "draft_update"} <= set(spec["phases_ms"])

@@ -36,6 +36,8 @@ def test_bench_spec_smoke(tmp_path):
                 "--trees",
                 "--stage-k",
                 "2,3",
+                "--stage-trees",
+                "2,4:1,2",
                 "--levels",
                 "1",
                 "--out",
@@ -47,7 +49,8 @@ def test_bench_spec_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["benchmark"] == "spec" and result["baseline"]["max_new_tokens"] == 16
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=2/3 by stage", "ngram chain k=3"}
+    stage_tree = "eagle3 tree w=2 n=4 d=1/2 by stage"
+    assert set(rows) == {"ar", "eagle3 chain k=2", "eagle3 chain k=2/3 by stage", stage_tree, "ngram chain k=3"}
     assert rows["ar"]["speedup"] == 1.0 and rows["ar"]["acceptance_length"] == 1.0
     assert rows["ar"]["throughput_speedup"] == 1.0
     for row in rows.values():
@@ -59,6 +62,7 @@ def test_bench_spec_smoke(tmp_path):
     assert len(rows["eagle3 chain k=2"]["acceptance_per_position"]) == 2
     # A batch of 4 runs in one stage, which drafts the first depth only.
     assert len(rows["eagle3 chain k=2/3 by stage"]["acceptance_per_position"]) == 2
+    assert len(rows[stage_tree]["acceptance_per_position"]) == 1 and rows[stage_tree]["acceptance_length"] > 1.0
     # one stage of a k=2 chain: tokens per step = 1 + r0 + r0 * r1 (step i + 1 is tested iff i accepted)
     chain = rows["eagle3 chain k=2"]
     rates = np.nan_to_num(np.asarray(chain["acceptance_per_position"], np.float64))  # NaN: never tested
