@@ -48,7 +48,8 @@ _WORD_BITS = tl.constexpr(WORD_BITS)  # a global a Triton kernel reads must be a
 
 
 def _paged_attention(
-    lens_ptr,
+    prefix_ptr,
+    start_ptr,
     table_ptr,
     bits_ptr,
     q_ptr,
@@ -79,8 +80,8 @@ def _paged_attention(
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
-    prefix_len = tl.load(lens_ptr + 2 * b)
-    new_start = tl.load(lens_ptr + 2 * b + 1)
+    prefix_len = tl.load(prefix_ptr + b)
+    new_start = tl.load(start_ptr + b)
     bits_row = 0 if SHARED_BITS else b
     max_len = TABLE_LEN * PAGE_SIZE
     rows = tl.arange(0, ROWS)
@@ -213,8 +214,9 @@ def paged_attention_partials(
         jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
         jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
     )
-    args = (
-        jnp.stack([prefix_len, new_start], axis=1).astype(jnp.int32),
+    args = (  # the lengths as two arrays: stacked, they would cost a launch of their own
+        prefix_len.astype(jnp.int32),
+        new_start.astype(jnp.int32),
         page_table.astype(jnp.int32),
         new_bits.astype(jnp.int32),
         q,

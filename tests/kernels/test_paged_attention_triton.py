@@ -238,7 +238,7 @@ def test_the_kernel_compiles_for_hopper(dtype, rows, head_dim, page, tuning):
     bits = jax.ShapeDtypeStruct((batch, words, rows), jnp.int32)
     _, constants = kernel_module.launch(q, pool, table, bits, num_new=40, **tuning)
     pointee = {jnp.bfloat16: "bf16", jnp.float16: "fp16", jnp.float32: "fp32"}[dtype]
-    pointers = ["*i32"] * 3 + [f"*{pointee}"] * 3 + ["*fp32"] * 3
+    pointers = ["*i32"] * 4 + [f"*{pointee}"] * 3 + ["*fp32"] * 3
     kernel = compiled(kernel_module._paged_attention)
     names = kernel.arg_names
     signature = {**dict(zip(names, pointers)), **{name: "constexpr" for name in constants}}
