@@ -23,6 +23,7 @@ and a sparse layer's grouped matmuls are told they run on a GPU (their "auto" ch
     python3 benchmarks/compiled_kernels.py --model configs/models/qwen3-1.7b.json --batch 1 8 --new 1 4
     python3 benchmarks/compiled_kernels.py --model configs/models/small-policy-32k.json --batch 64 --new 3 \
         --draft --settings gpu_default      # an EAGLE-3 head's 3-token chain proposal (per_layer: its one layer)
+    python3 benchmarks/compiled_kernels.py ... --xla-flags=--xla_gpu_experimental_force_split_k=1   # no split-K
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ def count(model: str, batch: int, new: int, setting: str, args: argparse.Namespa
     one = ["--one", f"{model},{batch},{new}", "--devices", str(args.devices)]
     one += ["--context", str(args.context), "--page-size", str(args.page_size)] + ["--draft"] * args.draft
     env = {**os.environ, **SETTINGS[setting]}
+    if args.xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     done = subprocess.run([sys.executable, __file__, *one], env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"compiling {model} B={batch} T={new} {setting} failed:\n{done.stderr[-2000:]}")
@@ -260,6 +263,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--devices", type=int, default=1, help="H200s of a mesh over the data axis (grouped pools)")
     p.add_argument("--draft", action="store_true", help="an EAGLE-3 head's proposal of a --new-token chain, not a step")
+    p.add_argument(
+        "--xla-flags",
+        default=None,
+        metavar="FLAGS",
+        help="XLA_FLAGS to compile under (added to the environment's), e.g. "
+        "--xla_gpu_experimental_force_split_k=1: GEMMs without split-K (each split-K GEMM is a second launch, "
+        "its reduction)",
+    )
     p.add_argument("--out", default=None, help="JSON of every row")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's step: model,batch,new
     args = p.parse_args(argv)
@@ -283,7 +294,8 @@ def main(argv: list[str]) -> int:
                     print(summary(rows[-1]))
     if args.out:
         meta = {"target": "NVIDIA H200 (deviceless compilation, sm90)", "jax": importlib.metadata.version("jax")}
-        meta |= {"context": args.context, "page_size": args.page_size, "draft": args.draft, "rows": rows}
+        meta |= {"context": args.context, "page_size": args.page_size, "draft": args.draft}
+        meta |= {"xla_flags": args.xla_flags, "rows": rows}
         Path(args.out).write_text(json.dumps(meta, indent=1))
     return 0
 

@@ -89,3 +89,27 @@ def test_every_setting_runs_the_attention_kernel_as_a_gpu_does():
 def test_the_largest_copy_is_measured_in_bytes():
     assert compiled.largest_copy_bytes(HLO) == 2 * 16 * 2  # copy.3: bf16 [2, 16]
     assert compiled.largest_copy_bytes(HLO.replace("copy(", "negate(")) == 0
+
+
+def test_xla_flags_reach_the_compiling_child_after_the_environments_own(monkeypatch, tmp_path):
+    import argparse
+    import json
+    import subprocess
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"num_hidden_layers": 2}))
+    seen = {}
+
+    def child(argv, env, **_):
+        seen["flags"] = env.get("XLA_FLAGS")
+        stdout = json.dumps({"kinds": {"fusion:kLoop": 4}, "largest_copy_bytes": 0})
+        return subprocess.CompletedProcess(argv, 0, stdout=stdout, stderr="")
+
+    monkeypatch.setattr(compiled.subprocess, "run", child)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=somewhere")
+    args = argparse.Namespace(devices=1, context=64, page_size=16, draft=False, xla_flags="--a_flag=1")
+    row = compiled.count(str(model), 8, 1, "gpu_default", args)
+    assert seen["flags"] == "--xla_dump_to=somewhere --a_flag=1"
+    assert row["launches"] == 4 and row["per_layer"] == 2.0
+    compiled.count(str(model), 8, 1, "gpu_default", argparse.Namespace(**{**vars(args), "xla_flags": None}))
+    assert seen["flags"] == "--xla_dump_to=somewhere"
