@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 
 from jaxspec.bench.kernel_trace import Kernel, kernel_times, op_scopes, set_dump_flags
-from jaxspec.bench.spec_configs import add_stage_k
+from jaxspec.bench.spec_configs import add_stage_depths
 
 PHASES = ("propose", "verify_forward", "verify", "commit", "draft_update", "forward", "sample", "stage_move")
 PARTS = ("attention", "kv_write", "lm_head")
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
         default=None,
         help="--model: the random head's draft vocabulary (default min(V, 32000))",
     )
-    add_stage_k(p)
+    add_stage_depths(p)
     p.add_argument("--levels", type=int, nargs="+", default=[6, 7])
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16")

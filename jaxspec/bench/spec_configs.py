@@ -45,7 +45,7 @@ def verify_token_cost(text: str) -> float | tuple[tuple[int, float], ...]:
         raise argparse.ArgumentTypeError(message) from None
 
 
-def add_stage_k(parser: argparse.ArgumentParser) -> None:
+def add_stage_depths(parser: argparse.ArgumentParser) -> None:
     """--stage-k K1,K2,... and --stage-trees W,N:K1,K2,...: EAGLE-3 chains and trees drafting a depth per
     loop stage, one run per value."""
     parser.add_argument(
@@ -156,7 +156,7 @@ def parse_args(argv: list[str], description: str) -> argparse.Namespace:
         default=[(2, 4, 8), (3, 5, 16)],
         help="width,depth,budget triples",
     )
-    add_stage_k(p)
+    add_stage_depths(p)
     p.add_argument(
         "--random-draft",
         action="store_true",
