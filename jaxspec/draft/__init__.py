@@ -6,7 +6,6 @@ from jaxspec.draft.drafting import draft_extend, draft_logprobs_on_target_vocab,
 from jaxspec.draft.loss import Eagle3Targets, eagle3_loss, eagle3_targets, ttt_attention, ttt_forward
 from jaxspec.draft.model import (
     DraftParams,
-    argmax_target_ids,
     build_vocab_maps,
     fuse,
     fuse_stacked,
@@ -22,7 +21,6 @@ __all__ = [
     "DraftConfig",
     "DraftParams",
     "Eagle3Targets",
-    "argmax_target_ids",
     "build_vocab_maps",
     "check_compatible",
     "default_aux_layer_ids",

@@ -148,25 +148,6 @@ def to_target_ids(dparams: DraftParams, draft_ids: jax.Array) -> jax.Array:
     return draft_ids + jnp.take(dparams["d2t"], draft_ids).astype(jnp.int32)
 
 
-def argmax_target_ids(dparams: DraftParams, logits: jax.Array) -> jax.Array:
-    """`to_target_ids` of `jnp.argmax(logits, axis=-1, keepdims=True)` for logits [..., Vd]: int32
-    [..., 1], the policy ids of the most likely draft tokens (ties to the lowest draft id, NaN the
-    largest, as argmax). One reduction carries each id beside its logit, so the map is no gather
-    (and launch) of its own after the argmax."""
-    draft = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    policy = jnp.broadcast_to(target_ids(dparams), logits.shape)
-
-    def better(a, b):  # (logit, draft id, policy id) of the two the argmax keeps
-        a_first = (a[0] > b[0]) | (jnp.isnan(a[0]) & ~jnp.isnan(b[0]))
-        tied = (a[0] == b[0]) | (jnp.isnan(a[0]) & jnp.isnan(b[0]))
-        a_first |= tied & (a[1] < b[1])
-        return tuple(jnp.where(a_first, x, y) for x, y in zip(a, b))
-
-    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(logits.shape[-1], jnp.int32), jnp.array(0, jnp.int32))
-    _, _, ids = jax.lax.reduce((logits, draft, policy), init, better, (logits.ndim - 1,))
-    return ids[..., None]
-
-
 def check_embed(dcfg: DraftConfig, embed: jax.Array) -> None:
     """The policy embedding must be [V, H] of the head's target (ValueError naming the dimension)."""
     if embed.ndim != 2:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jaxspec.draft import (
-    argmax_target_ids,
     draft_extend,
     draft_logprobs_on_target_vocab,
     fuse,
@@ -154,21 +153,6 @@ def test_draft_ids_map_to_policy_vocabulary(head):
     assert np.all(np.isneginf(full[:, ~t2d]))
     np.testing.assert_allclose(full[:, kept], jax.nn.log_softmax(logits, axis=-1), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.exp(full).sum(-1), 1.0, rtol=1e-6)
-
-
-def test_the_argmax_in_one_reduction_gives_the_policy_ids_of_argmax_then_the_map(head):
-    dcfg, dparams = head
-    vd = dcfg.draft_vocab_size
-    # few distinct values, so most rows tie; a NaN (argmax's largest) and a row of -inf
-    logits = jax.random.randint(jax.random.key(1), (6, 3, vd), 0, 3).astype(jnp.float32)
-    logits = logits.at[0, 1, vd // 2].set(jnp.nan).at[2, 0].set(-jnp.inf)
-    want = np.asarray(to_target_ids(dparams, jnp.argmax(logits, axis=-1, keepdims=True)))
-    got = np.asarray(jax.jit(argmax_target_ids)(dparams, logits))
-    assert got.shape == (6, 3, 1) and got.dtype == np.int32
-    np.testing.assert_array_equal(got, want)
-    # the ties decide: the last maximum instead of the first gives other ids
-    last = vd - 1 - jnp.argmax(logits[..., ::-1], axis=-1, keepdims=True)
-    assert np.any(np.asarray(to_target_ids(dparams, last)) != want)
 
 
 def test_bad_inputs_name_the_dimension(policy, head):

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 
 from jaxspec.draft import (
     DraftConfig,
-    argmax_target_ids,
     draft_extend,
     fuse,
     fuse_stacked,
@@ -199,7 +198,6 @@ class Eagle3Drafter:
             stochastic=self.stochastic,
             process=lambda logits: processed_logprobs(logits, self.sampling),
             to_target=lambda draft_ids: to_target_ids(head, draft_ids),
-            argmax_target=lambda logits: argmax_target_ids(head, logits),
             probs_to_target=lambda q: jnp.zeros((*q.shape[:-1], self.dcfg.vocab_size), q.dtype).at[..., ids].set(q),
         )
         return state._replace(cache=cache), tree

@@ -145,7 +145,6 @@ def dynamic_tree(
     process: Callable[[jax.Array], jax.Array],
     to_target: Callable[[jax.Array], jax.Array] = lambda ids: ids,
     probs_to_target: Callable[[jax.Array], jax.Array] = lambda q: q,
-    argmax_target: Callable[[jax.Array], jax.Array] | None = None,
 ):
     """Builds an EAGLE-2 dynamic tree of `depth` levels, `width` nodes per level, pruned to `num_nodes`.
 
@@ -162,9 +161,7 @@ def dynamic_tree(
         top-k and top-p keep the most likely token), and its nodes need no scores (the best
         `num_nodes` of a chain are its first).
     root int32 [B]; key: PRNG key for the stochastic draws.
-    to_target: draft-vocabulary ids -> policy ids; probs_to_target: [..., Vd] -> [..., V];
-    argmax_target: logits [..., Vd] -> the policy ids [..., 1] of their argmax, as
-    to_target(argmax) (default), for a drafter that computes both in one reduction (a chain's nodes).
+    to_target: draft-vocabulary ids -> policy ids; probs_to_target: [..., Vd] -> [..., V].
     Returns (carry, DraftTree with 1 + num_nodes nodes).
     """
     batch = root.shape[0]
@@ -200,10 +197,7 @@ def dynamic_tree(
         carry, logits = draft_pass(carry, tokens, parents[:, :t], node_depth[:, :t], mask[:, :t, :t], frontier)
         parent_logq, parent_score = log_q[:, frontier, None], scores[:, frontier]
         if width == 1 and not stochastic:  # a chain's next node: the argmax, no log-probabilities
-            if argmax_target is None:
-                ids = to_target(jnp.argmax(logits, axis=-1, keepdims=True).astype(jnp.int32))
-            else:
-                ids = argmax_target(logits)
+            ids = jnp.argmax(logits, axis=-1, keepdims=True).astype(jnp.int32)
             child_logq = child_score = parent_logq
         elif stochastic:
             logq = process(logits)
@@ -223,8 +217,7 @@ def dynamic_tree(
             pick = jnp.argsort(-flat(child_score), axis=1, stable=True)[:, :width]
             new_parents = start + pick // width
         new = slice(t, t + width)
-        chain = width == 1 and not stochastic  # its ids are policy ids already
-        levels.append(chosen(ids, pick) if chain else to_target(chosen(ids, pick)))
+        levels.append(to_target(chosen(ids, pick)))
         parents = put(parents, new_parents, t)
         log_q = put(log_q, chosen(child_logq, pick), t)
         scores = put(scores, chosen(child_score, pick), t)
