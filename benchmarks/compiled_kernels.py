@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib.metadata
 import json
 import os
@@ -139,6 +140,13 @@ def deviceless_mesh(devices: int):
     return Sharding(topologies.make_mesh(topology, (devices, 1, 1), ("data", "fsdp", "tensor")))
 
 
+def abstract(sharding, shape: tuple[int, ...], dtype, axes: tuple | None = None):
+    """A `jax.ShapeDtypeStruct` of `shape` laid out on the `Sharding`'s mesh by `axes` (None: replicated)."""
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named(axes or (None,) * len(shape), shape))
+
+
 def compile_step(model: str, batch: int, new: int, context: int, page_size: int, devices: int = 1) -> str:
     """The optimized HLO of `extend` over `new` tokens per row for H200s, in this process: on one, or
     on a mesh of `devices` over the data axis (the rows split over them, each device's pages a group
@@ -155,10 +163,7 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int,
 
     cfg = ModelConfig.from_json(model)
 
-    def spec(shape, dtype, axes=None):
-        layout = sharding.named(axes, shape) if axes else sharding.named((None,) * len(shape), shape)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=layout)
-
+    spec = functools.partial(abstract, sharding)
     params = jax.eval_shape(lambda: fuse_qkv(init_params(cfg, jax.random.key(0), jnp.bfloat16)))
     params = jax.tree.map(lambda a: spec(a.shape, a.dtype), params)
     per_row = -(-(context + new) // page_size)
@@ -199,9 +204,7 @@ def compile_proposal(model: str, batch: int, depth: int, context: int, page_size
     dcfg = DraftConfig.for_policy(cfg, None, None)
     drafter = Eagle3Drafter(dcfg, Sampling(temperature=0.0), depth=depth, width=1, num_nodes=depth, stochastic=False)
 
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named((None,) * len(shape), shape))
-
+    spec = functools.partial(abstract, sharding)
     head = jax.eval_shape(lambda: fuse_qkv(init_eagle3(cfg, jax.random.key(0), dtype=jnp.bfloat16)[1]))
     head = jax.tree.map(lambda a: spec(a.shape, a.dtype), head)
     per_row = -(-context // page_size)
