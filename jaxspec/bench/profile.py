@@ -147,7 +147,7 @@ def _workload(args):
 
     from jaxspec.bench.decode import random_prompts
     from jaxspec.bench.spec import bench_prompts
-    from jaxspec.bench.spec_configs import stage_label, stage_tree_label
+    from jaxspec.bench.spec_configs import stage_configurations
     from jaxspec.draft import init_eagle3, load_eagle3
     from jaxspec.models import ModelConfig, init_params, load_hf
     from jaxspec.rollout import Sampling, Spec
@@ -169,21 +169,7 @@ def _workload(args):
     prompts = bench_prompts(tok, args.batch, args.samples, args.seed, args.levels)
     configs = [("ar", None)]
     configs += [(f"eagle3 chain k={k}", Spec(method="eagle3", draft=head, num_draft_tokens=k)) for k in args.k if head]
-    configs += [
-        (stage_label(d), Spec(method="eagle3", draft=head, num_draft_tokens=max(d), stage_draft_tokens=d))
-        for d in args.stage_k
-        if head
-    ]
-    configs += [
-        (
-            stage_tree_label(w, n, d),
-            Spec(
-                method="eagle3", draft=head, num_draft_tokens=max(d), stage_draft_tokens=d, tree_width=w, tree_budget=n
-            ),
-        )
-        for w, n, d in args.stage_trees
-        if head
-    ]
+    configs += [(label, Spec(draft=head, **kwargs)) for label, kwargs in stage_configurations(args) if head]
     configs.append(("ngram chain k=3", Spec(method="ngram", num_draft_tokens=3)))
     return cfg, params, prompts, sampling, configs
 

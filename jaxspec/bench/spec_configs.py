@@ -67,6 +67,18 @@ def add_stage_depths(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def stage_configurations(args) -> list[tuple[str, dict]]:
+    """(label, EAGLE-3 Spec kwargs) of every --stage-k chain and --stage-trees tree."""
+    runs = []
+    for depths in args.stage_k:
+        staged = {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths}
+        runs.append((stage_label(depths), staged))
+    for width, budget, depths in args.stage_trees:
+        staged = {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths}
+        runs.append((stage_tree_label(width, budget, depths), staged | {"tree_width": width, "tree_budget": budget}))
+    return runs
+
+
 def configurations(args) -> list[tuple[str, dict]]:
     """(label, Spec kwargs) pairs; an empty dict is the autoregressive baseline."""
     runs = [("ar", {})]
@@ -86,23 +98,7 @@ def configurations(args) -> list[tuple[str, dict]]:
                         {"method": label, "num_draft_tokens": k, "adaptive": True, **costs},
                     )
                 )
-    for depths in args.stage_k:
-        runs.append(
-            (stage_label(depths), {"method": "eagle3", "num_draft_tokens": max(depths), "stage_draft_tokens": depths})
-        )
-    for width, budget, depths in args.stage_trees:
-        runs.append(
-            (
-                stage_tree_label(width, budget, depths),
-                {
-                    "method": "eagle3",
-                    "num_draft_tokens": max(depths),
-                    "stage_draft_tokens": depths,
-                    "tree_width": width,
-                    "tree_budget": budget,
-                },
-            )
-        )
+    runs += stage_configurations(args)
     for width, depth, budget in args.trees:
         runs.append(
             (
