@@ -43,6 +43,7 @@ from jaxspec.models import ModelConfig, init_params, load_hf
 from jaxspec.models.moe import distinct_experts, expected_distinct_experts
 from jaxspec.models.transformer import forward_router
 from jaxspec.rollout import Sampling, generate
+from jaxspec.rollout.compiler_options import splits_k
 
 
 def weight_read_bytes(cfg: ModelConfig, itemsize: int, tokens: int = 1) -> float:
@@ -166,6 +167,7 @@ def main(argv: list[str]) -> int:
                 "batch": batch,
                 "prompt": args.prompt,
                 "new": args.new,
+                "split_k": splits_k(cfg),  # XLA's split-K GEMMs in the rollout loop (`rollout.compiler_options`)
                 **r,
                 "tokens_per_s": batch / (r["step_ms"] / 1e3),
                 "bytes_per_step_gb": step_bytes / 1e9,

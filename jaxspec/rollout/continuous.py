@@ -19,6 +19,7 @@ from jaxspec.models.paged import NO_PAGE, init_paged_cache
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
 from jaxspec.models.transformer import extend
+from jaxspec.rollout.compiler_options import rollout_jit
 from jaxspec.rollout.experts import SlotExperts
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
@@ -140,7 +141,7 @@ def empty_cache(cfg: ModelConfig, layout: Layout, cache_dtype):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "layout", "cache_dtype", "sharding", "record"))
+@rollout_jit(static_argnames=("cfg", "sampling", "layout", "cache_dtype", "sharding", "record"))
 def _loop(
     cfg: ModelConfig,
     sampling: Sampling,

@@ -26,6 +26,7 @@ from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.models.transformer import extend
+from jaxspec.rollout.compiler_options import rollout_jit
 from jaxspec.rollout.continuous import slot_generate
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, recorded_experts_bytes, write_experts
 from jaxspec.rollout.memory import check_fits, rollout_memory_bytes
@@ -216,7 +217,7 @@ class _LoopState(NamedTuple):
     experts: jax.Array | None  # [B, S, L_sparse, k] the recorded routing (`jaxspec.rollout.experts`), or None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "sharding", "stages"), donate_argnames=("cache",))
+@rollout_jit(static_argnames=("cfg", "sampling", "sharding", "stages"), donate_argnames=("cache",))
 def _decode(
     cfg: ModelConfig,
     sampling: Sampling,

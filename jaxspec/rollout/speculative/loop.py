@@ -39,6 +39,7 @@ from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import KV_CACHE_AXES, Sharding, constrain
 from jaxspec.rollout.branch import run_if
+from jaxspec.rollout.compiler_options import rollout_jit
 from jaxspec.rollout.experts import EXPERT_AXES, expert_buffer, write_experts
 from jaxspec.rollout.sampling import Sampling, choose_per_row, choose_tokens, depth_keys, row_keys
 from jaxspec.rollout.speculative.adaptive import AdaptiveDepth, DepthState, candidate_depths, choose, observe
@@ -66,8 +67,7 @@ class _LoopState(NamedTuple):
     depths: DepthState | None  # an adaptive loop's measured acceptance (`adaptive`), or None
 
 
-@functools.partial(
-    jax.jit,
+@rollout_jit(
     static_argnames=(
         "cfg",
         "sampling",

@@ -56,6 +56,7 @@ from jaxspec.distributed import to_host
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.params import Params
 from jaxspec.models.sharding import Sharding
+from jaxspec.rollout.compiler_options import rollout_jit
 from jaxspec.rollout.continuous import empty_cache, record_buffer, slot_output
 from jaxspec.rollout.output import RolloutOutput
 from jaxspec.rollout.prompts import PromptBatch
@@ -184,8 +185,7 @@ def slot_speculative_generate(
     return out._replace(stats={**stats, **loop_stats})
 
 
-@functools.partial(
-    jax.jit,
+@rollout_jit(
     static_argnames=(
         "cfg",
         "sampling",
