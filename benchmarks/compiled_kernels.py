@@ -6,7 +6,9 @@ microseconds), so the count is the first thing a fused kernel must lower. XLA's 
 here without a device (deviceless ahead-of-time compilation: `jax.experimental.topologies` with a
 target description of the card), on the same `extend` a rollout step runs (random weights of a model
 config's shape, q/k/v fused as rollouts hold them, a paged cache of --context positions per row,
-greedy tokens from the logits), once per kernel setting: the environment variables of
+greedy tokens from the logits; with the rollout loops' compiler options,
+`jaxspec.rollout.compiler_options`: no split-K for policies of hidden size >= 4096), once per kernel
+setting: the environment variables of
 `jaxspec.models` that choose XLA's pieces or a Triton kernel. Every setting runs the attention
 kernel with its merge kernel; "gpu_default" is what one GPU runs by default (the prologue and the
 residual norms too; here the backend is the CPU, where "auto" would pick XLA's pieces). Each
@@ -160,6 +162,7 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int,
     from jaxspec.models.params import fuse_qkv
     from jaxspec.models.sharding import KV_PAGES_AXES
     from jaxspec.models.transformer import extend
+    from jaxspec.rollout.compiler_options import rollout_compiler_options
 
     cfg = ModelConfig.from_json(model)
 
@@ -182,7 +185,8 @@ def compile_step(model: str, batch: int, new: int, context: int, page_size: int,
 
     rows = spec((batch, new), jnp.int32, ("batch", None))
     args = (params, cache, rows, rows, spec((batch,), jnp.int32, ("batch",)))
-    return jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
+    compiled = jax.jit(step, donate_argnums=1, compiler_options=rollout_compiler_options(cfg))
+    return compiled.lower(*args).compile().as_text()
 
 
 def compile_proposal(model: str, batch: int, depth: int, context: int, page_size: int) -> str:
@@ -197,6 +201,7 @@ def compile_proposal(model: str, batch: int, depth: int, context: int, page_size
     from jaxspec.models import ModelConfig
     from jaxspec.models.paged import PagedKVCache
     from jaxspec.models.params import fuse_qkv
+    from jaxspec.rollout.compiler_options import rollout_compiler_options
     from jaxspec.rollout.sampling import Sampling
     from jaxspec.rollout.speculative.eagle3 import Eagle3Drafter, HeadState
 
@@ -221,7 +226,8 @@ def compile_proposal(model: str, batch: int, depth: int, context: int, page_size
 
     rows = spec((batch,), jnp.int32)
     args = (head, spec((cfg.vocab_size, cfg.hidden_size), jnp.bfloat16), state, rows, rows, spec((batch,), jnp.bool_))
-    return jax.jit(propose, donate_argnums=2).lower(*args, spec((2,), jnp.uint32)).compile().as_text()
+    compiled = jax.jit(propose, donate_argnums=2, compiler_options=rollout_compiler_options(cfg))
+    return compiled.lower(*args, spec((2,), jnp.uint32)).compile().as_text()
 
 
 def largest_copy_bytes(hlo: str) -> int:

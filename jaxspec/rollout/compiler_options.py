@@ -45,6 +45,11 @@ def splits_k(cfg: ModelConfig) -> bool:
     return choice == "xla"
 
 
+def rollout_compiler_options(cfg: ModelConfig) -> dict | None:
+    """The compiler options a rollout loop of a policy of `cfg`'s shape compiles with (None: XLA's)."""
+    return None if splits_k(cfg) else NO_SPLIT_K
+
+
 def rollout_jit(**jit_kwargs) -> Callable[[Callable], Callable]:
     """A decorator like `functools.partial(jax.jit, **jit_kwargs)` for a rollout program whose first
     argument is its policy's `ModelConfig` (static): the program is compiled with or without
