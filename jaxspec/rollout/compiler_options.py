@@ -12,9 +12,9 @@ projection. Timed both ways on one H100 (`jaxspec bench decode`, BENCHMARKS.md):
 
 So the rollout loops of a policy whose hidden size is at least `WIDE_HIDDEN` compile without
 split-K and the others keep XLA's choice. Only the rollout loops take the option (per compilation,
-`jax.jit(compiler_options=...)`): the trainer's programs multiply thousands of rows, where XLA
-does not split. The option is a field of XLA's debug options on every backend; off the GPU it
-changes nothing.
+`jax.jit(compiler_options=...)`): the trainer's programs, whose GEMMs have thousands of token rows,
+keep XLA's choice (not timed without split-K). The option is a field of XLA's debug options on every
+backend; off the GPU it changes nothing.
 
 JAXSPEC_ROLLOUT_SPLIT_K overrides the rule: "auto" (the default), "xla" (XLA's choice for every
 policy) or "off" (no split-K for every policy). It is read at each call, so one process can time
