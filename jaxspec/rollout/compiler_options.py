@@ -59,11 +59,17 @@ def rollout_jit(**jit_kwargs) -> Callable[[Callable], Callable]:
         with_split_k = jax.jit(fun, **jit_kwargs)
         without = jax.jit(fun, compiler_options=NO_SPLIT_K, **jit_kwargs)
 
+        def jitted(cfg: ModelConfig):
+            return with_split_k if splits_k(cfg) else without
+
         @functools.wraps(fun)
         def call(cfg: ModelConfig, *args, **kwargs):
-            return (with_split_k if splits_k(cfg) else without)(cfg, *args, **kwargs)
+            return jitted(cfg)(cfg, *args, **kwargs)
 
-        # programs compiled so far, both ways, as `jax.jit`'s own `_cache_size` (recompilation tests read it)
+        # `jax.jit`'s stages, for the program the rule picks, and its count of programs compiled so far
+        # (both ways), which recompilation tests read
+        call.trace = lambda cfg, *args, **kwargs: jitted(cfg).trace(cfg, *args, **kwargs)
+        call.lower = lambda cfg, *args, **kwargs: jitted(cfg).lower(cfg, *args, **kwargs)
         call._cache_size = lambda: with_split_k._cache_size() + without._cache_size()
         return call
 

@@ -51,6 +51,8 @@ def test_rollout_jit_counts_the_programs_compiled_both_ways(tiny, monkeypatch):
         return 2 * x
 
     wide = dataclasses.replace(tiny[0], hidden_size=WIDE_HIDDEN)
+    assert double.trace(wide, jnp.arange(3)).out_info.shape == (3,)
+    assert "multiply" in double.lower(wide, jnp.arange(3)).as_text()
     for choice, compiled in (("xla", 1), ("off", 2), ("xla", 2)):
         monkeypatch.setenv(SPLIT_K_ENV, choice)
         double(wide, jnp.arange(3))
