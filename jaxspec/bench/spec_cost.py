@@ -51,6 +51,7 @@ from jaxspec.bench.timing import median_seconds, out_of_memory, print_table, wri
 from jaxspec.draft import DraftConfig, draft_extend, fuse, init_draft_cache, init_eagle3, to_target_ids
 from jaxspec.models import ModelConfig, cache_bytes, extend, init_cache, init_params
 from jaxspec.models.moe import expected_distinct_experts
+from jaxspec.rollout.compiler_options import rollout_compiler_options, splits_k
 from jaxspec.rollout.memory import check_fits
 from jaxspec.rollout.sampling import Sampling, choose_tokens, processed_logprobs
 from jaxspec.rollout.speculative.tree import ancestor_mask
@@ -92,10 +93,13 @@ def needed_bytes(cfg: ModelConfig, dcfg, weights: int, batch: int, max_len: int,
 
 
 def build_steps(cfg: ModelConfig, dcfg):
-    """The jitted pieces; each step takes its cache first (donated) and returns (outputs, cache)."""
+    """The jitted pieces; each step takes its cache first (donated) and returns (outputs, cache).
+    The policy's and head's steps compile with the rollout loops' options for `cfg`
+    (`rollout_compiler_options`: split-K or not), as the loops that run them do."""
     aux = dcfg.aux_layer_ids
+    step_jit = functools.partial(jax.jit, compiler_options=rollout_compiler_options(cfg))
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
+    @functools.partial(step_jit, donate_argnums=(0,))
     def decode(cache, params, tokens, cache_len, key):  # tokens int32 [B]
         logits, _, cache = extend(cfg, params, cache, tokens[:, None], cache_len[:, None], cache_len)
         return choose_tokens(key, logits[:, 0], SAMPLING), cache
@@ -104,7 +108,7 @@ def build_steps(cfg: ModelConfig, dcfg):
         parents = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (batch, n))
         return parents, jnp.arange(n, dtype=jnp.int32), jnp.full((batch,), n, jnp.int32)
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
+    @functools.partial(step_jit, donate_argnums=(0,))
     def verify(cache, params, tokens, cache_len, key):  # tokens int32 [B, N]
         n = tokens.shape[1]
         parents, depth, num_nodes = chain(*tokens.shape)
@@ -128,7 +132,7 @@ def build_steps(cfg: ModelConfig, dcfg):
         parents, _, num_nodes = chain(*tokens.shape)
         return kernels.tree_verify(logprobs, parents, tokens, num_nodes, key, temperature=1.0)
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
+    @functools.partial(step_jit, donate_argnums=(0,))
     def draft(dcache, dparams, embed, tokens, hidden_in, head_len):  # tokens [B], hidden_in [B, H]
         logits, out, dcache = draft_extend(
             dcfg, dparams, embed, dcache, tokens[:, None], hidden_in[:, None], head_len[:, None], head_len
@@ -136,7 +140,7 @@ def build_steps(cfg: ModelConfig, dcfg):
         top = jnp.argmax(processed_logprobs(logits[:, 0], SAMPLING), axis=-1)
         return (to_target_ids(dparams, top), out), dcache
 
-    fuse_step = jax.jit(functools.partial(fuse, dcfg))  # (dparams, aux [3, B, 1, H]) -> [B, 1, H]
+    fuse_step = step_jit(functools.partial(fuse, dcfg))  # (dparams, aux [3, B, 1, H]) -> [B, 1, H]
     return decode, verify, kernel, draft, fuse_step
 
 
@@ -214,7 +218,7 @@ def run_model(args, path: str, acceptance: dict[int, dict[int, float]], nodes: l
     dcfg, dparams = init_eagle3(cfg, jax.random.key(1), vd, dtype=DTYPE)
     params, dparams = rollout_weights(params), rollout_weights(dparams)  # as `generate` reads them
     for batch in fits:
-        base = {"model": name, "batch": batch, "context": args.context}
+        base = {"model": name, "batch": batch, "context": args.context, "split_k": splits_k(cfg)}
         try:
             t = time_model(cfg, dcfg, params, dparams, batch, args.context, nodes, args.iters)
         except jax.errors.JaxRuntimeError as err:

@@ -99,6 +99,26 @@ def test_bench_spec_cost_smoke(tmp_path, capsys):
         assert r["efficiency"] == pytest.approx(step["decode_ms"] / cost)
 
 
+def test_bench_spec_cost_compiles_its_pieces_as_the_rollout_loops_do(tmp_path, monkeypatch, capsys):
+    """The policy's and head's steps take the rollout loops' compiler options for the model (split-K
+    or not): an option XLA does not know makes the first piece's compilation fail, and with XLA's
+    choice (no options) the same model runs and records it."""
+    from jaxspec.rollout import compiler_options
+
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(TINY))
+    argv = ["bench", "spec-cost", "--model", str(model), "--batch", "2", "--context", "16", "--nodes", "2"]
+    argv += ["--draft-vocab", "32", "--iters", "1"]
+    monkeypatch.setattr(compiler_options, "NO_SPLIT_K", {"xla_no_such_option_here": 1})
+    monkeypatch.setenv(compiler_options.SPLIT_K_ENV, "off")
+    assert main(argv) != 0
+    assert "No such compile option: 'xla_no_such_option_here'" in capsys.readouterr().err
+    monkeypatch.setenv(compiler_options.SPLIT_K_ENV, "xla")
+    assert main([*argv, "--out", str(tmp_path / "out.json")]) == 0
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert {r["split_k"] for r in rows if r["kind"] == "step"} == {True}
+
+
 def test_bench_spec_cost_skips_what_does_not_fit(tmp_path, monkeypatch, capsys):
     model = tmp_path / "tiny.json"
     model.write_text(json.dumps(TINY))
