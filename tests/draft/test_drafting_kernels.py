@@ -73,21 +73,23 @@ def test_drafting_through_the_kernels_equals_the_heads_pieces(monkeypatch, paged
     dcfg, dparams = random_head(CFG, seed=4)
     dparams = fuse_qkv(dparams)
     embed = random_params(CFG, jax.random.key(3))["embed"]
-    run = functools.partial(prefill_then_tree, dcfg, dparams, embed)
 
-    def traced_kernels():
-        jax.clear_caches()  # traced afresh under the variables set now
-        return kernels_in(str(jax.make_jaxpr(run)(cache(dcfg, paged))))
+    def traced():
+        """A new function (JAX caches a trace per function; the variables are read when traced, and
+        `jax.clear_caches` can crash the process), jitted, and the kernels its program calls."""
+        run = jax.jit(functools.partial(prefill_then_tree, dcfg, dparams, embed))
+        return run, kernels_in(str(run.trace(cache(dcfg, paged)).jaxpr))
 
-    assert not traced_kernels()  # the default: XLA's pieces
-    want = jax.jit(run)(cache(dcfg, paged))
+    run, called = traced()
+    assert not called  # the default: XLA's pieces
+    want = run(cache(dcfg, paged))
     monkeypatch.setenv("JAXSPEC_PAGED_ATTENTION" if paged else "JAXSPEC_CACHE_ATTENTION", "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
     monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", "triton")
     monkeypatch.setenv("JAXSPEC_RESIDUAL_NORM", "triton-interpret")
     monkeypatch.setenv("JAXSPEC_THIN_MATMUL", "triton-interpret")
-    assert traced_kernels() == KERNELS
-    got = jax.jit(run)(cache(dcfg, paged))
+    run, called = traced()
+    assert called == KERNELS
+    got = run(cache(dcfg, paged))  # the program just traced
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
-    jax.clear_caches()

@@ -55,17 +55,20 @@ def test_the_kernels_are_in_the_traced_step(tiny, monkeypatch):
     tokens = jax.numpy.ones((2, 1), jax.numpy.int32)
     lens = jax.numpy.asarray([3, 5], jax.numpy.int32)
 
-    def step(params, cache):
-        return extend(cfg, params, cache, tokens, lens[:, None], lens)[0]
+    def traced_kernels():
+        """The kernels a new step function's program calls: the variables are read when traced, and
+        JAX keeps a trace per function."""
+
+        def step(params, cache):
+            return extend(cfg, params, cache, tokens, lens[:, None], lens)[0]
+
+        return kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
 
     for env in ENVS:
         monkeypatch.setenv(env, "triton-interpret")
     monkeypatch.setenv("JAXSPEC_ATTENTION_PROLOGUE", "triton")
     monkeypatch.setenv("JAXSPEC_ATTENTION_MERGE", "triton")
-    jax.clear_caches()
-    assert kernels_in(str(jax.make_jaxpr(step)(fused, cache))) == KERNELS
+    assert traced_kernels() == KERNELS
     for env in ENVS:
         monkeypatch.setenv(env, "xla")
-    jax.clear_caches()  # traced again under the new setting
-    assert not kernels_in(str(jax.make_jaxpr(step)(fused, cache)))
-    jax.clear_caches()
+    assert not traced_kernels()
